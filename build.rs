@@ -1,0 +1,37 @@
+//! Links the binary to libtorch so it runs without LD_LIBRARY_PATH and finds CUDA, and compiles the small C++ shim
+//! (`csrc/accel.cpp`) for what tch does not expose: binding a thread's device and reading allocator statistics.
+use std::path::PathBuf;
+
+fn main() {
+    let lib = PathBuf::from(
+        std::env::var("DEP_TCH_LIBTORCH_LIB")
+            .expect("torch-sys did not report its libtorch lib dir (DEP_TCH_LIBTORCH_LIB)"),
+    );
+    // Resolve the checkout's `.libtorch` link to the shared per-user install, so a copied binary still finds it.
+    let lib = std::fs::canonicalize(&lib).unwrap_or(lib);
+    // An rpath to the libtorch the crate was built against: `dflash` starts without LD_LIBRARY_PATH. A loader path
+    // set by the user (LD_LIBRARY_PATH) still wins, since the linker writes RUNPATH.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    // Nothing references libtorch_cuda's symbols directly, so `--as-needed` would drop it and CUDA would never
+    // register. Keep it linked where this libtorch has it (a CPU-only libtorch does not).
+    if lib.join("libtorch_cuda.so").exists() {
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+    }
+
+    let root = lib
+        .parent()
+        .expect("libtorch lib dir has a parent")
+        .to_path_buf();
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .std("c++17")
+        .include(root.join("include"))
+        .include(root.join("include/torch/csrc/api/include"))
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .flag("-Wno-unused-parameter")
+        .file("csrc/accel.cpp")
+        .compile("dflash_accel");
+    println!("cargo:rerun-if-changed=csrc/accel.cpp");
+    println!("cargo:rerun-if-changed=build.rs");
+}

@@ -1,0 +1,110 @@
+// Device services tch does not expose, through libtorch's device-agnostic accelerator API (no CUDA headers needed):
+// binding the calling thread to a device, synchronizing it, the caching allocator's statistics, and timing events
+// recorded on the thread's current stream.
+// Every function catches C++ exceptions and reports them as a message, never unwinding into Rust.
+#include <ATen/DeviceAccelerator.h>
+#include <c10/core/Event.h>
+
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace {
+void write_error(const std::exception& e, char* err, size_t len) {
+  if (err == nullptr || len == 0) return;
+  std::string msg = e.what();
+  // libtorch appends a C++ backtrace after the first line; the first line is the message.
+  auto nl = msg.find('\n');
+  if (nl != std::string::npos) msg.resize(nl);
+  std::strncpy(err, msg.c_str(), len - 1);
+  err[len - 1] = '\0';
+}
+}  // namespace
+
+extern "C" {
+
+int dflash_set_device(int index, char* err, size_t len) {
+  try {
+    at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(index));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+int dflash_synchronize(int index, char* err, size_t len) {
+  try {
+    at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(index));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+// out: [allocated, peak allocated, reserved, free on device, total on device]
+int dflash_memory_stats(int index, int64_t* out, char* err, size_t len) {
+  try {
+    auto idx = static_cast<c10::DeviceIndex>(index);
+    auto stats = at::accelerator::getDeviceStats(idx);
+    auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    out[0] = stats.allocated_bytes[all].current;
+    out[1] = stats.allocated_bytes[all].peak;
+    out[2] = stats.reserved_bytes[all].current;
+    auto info = at::accelerator::getMemoryInfo(idx);
+    out[3] = static_cast<int64_t>(info.first);
+    out[4] = static_cast<int64_t>(info.second);
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+int dflash_reset_peak_memory(int index, char* err, size_t len) {
+  try {
+    at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+// A timing event on device `index`; null on failure.
+void* dflash_event_new(int index, char* err, size_t len) {
+  try {
+    (void)index;
+    return new c10::Event(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return nullptr;
+  }
+}
+
+int dflash_event_record(void* event, int index, char* err, size_t len) {
+  try {
+    auto stream = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(index));
+    static_cast<c10::Event*>(event)->record(stream);
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+// Milliseconds from `start` to `end`; both must have completed (synchronize first).
+int dflash_event_elapsed_ms(void* start, void* end, double* ms, char* err, size_t len) {
+  try {
+    *ms = static_cast<c10::Event*>(start)->elapsedTime(*static_cast<c10::Event*>(end));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+void dflash_event_free(void* event) { delete static_cast<c10::Event*>(event); }
+
+}  // extern "C"

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs what building dflash needs, once per user, and links it into this checkout:
+#   - the Rust toolchain, through rustup, if cargo is missing;
+#   - torch 2.11.0 from PyPI (libtorch and its CUDA libraries, about 4.6 GB; it runs on CPU-only machines too) into
+#     a per-user cache keyed by the torch version, which every clone reuses;
+#   - .venv -> that environment and .libtorch -> its torch folder, which .cargo/config.toml points cargo at, so
+#     plain `cargo build`, `cargo test` and `cargo run` work afterwards.
+# Safe to run again and from several clones at once (the install is locked and committed by a rename).
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache="${DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
+venv="$cache/torch-$TORCH_VERSION"
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+  command -v curl >/dev/null 2>&1 || die "cargo is missing and so is curl; install Rust from https://rustup.rs"
+  say "cargo not found: installing the Rust toolchain with rustup (stable, with rustfmt and clippy)"
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal -c rustfmt,clippy
+fi
+
+if [ ! -f "$venv/.complete" ]; then
+  command -v python3 >/dev/null 2>&1 || die "python3 is needed once, to install torch $TORCH_VERSION from PyPI"
+  mkdir -p "$cache"
+  exec 9>"$cache/.lock"
+  flock 9
+  if [ ! -f "$venv/.complete" ]; then
+    say "installing torch $TORCH_VERSION (libtorch + CUDA libraries, ~4.6 GB download) into $venv"
+    say "this happens once per user; every clone of dflash reuses it"
+    rm -rf "$venv.partial"
+    python3 -m venv "$venv.partial" || die "python3 -m venv failed: install venv support (Debian: apt install python3-venv)"
+    "$venv.partial/bin/python" -m pip install --quiet --no-cache-dir --disable-pip-version-check \
+      "torch==$TORCH_VERSION" || die "pip could not install torch==$TORCH_VERSION (network? disk space: df -h $cache)"
+    rm -rf "$venv"
+    mv "$venv.partial" "$venv"
+    touch "$venv/.complete"
+  fi
+  flock -u 9
+fi
+
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+[ -f "$site/torch/lib/libtorch.so" ] || die "$site/torch/lib/libtorch.so is missing: remove $venv and run again"
+ln -sfn "$venv" "$root/.venv"
+ln -sfn "$site/torch" "$root/.libtorch"
+say "libtorch $TORCH_VERSION ready: .libtorch -> $site/torch"

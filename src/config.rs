@@ -1,0 +1,515 @@
+//! Configuration: the built-in `config/default.toml`, then the user's file, then `DFLASH__SECTION__KEY` environment
+//! variables, then `--set section.key=value`, each layer overriding the one before. The merged tree is read into raw
+//! serde structs (unknown keys are errors) and then validated into [`Config`], whose errors name the key, the value
+//! and what is allowed.
+//!
+//! Override values are read as TOML values where they parse as one (`3e-4`, `true`, `["cuda:0", "cuda:1"]`) and as
+//! plain strings otherwise (`cuda:0`, `tiny`).
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use config::{File, FileFormat, Value, ValueKind};
+use serde::Deserialize;
+
+use crate::device::{DeviceSpec, DtypeSpec};
+use crate::model::Preset;
+
+/// The built-in defaults, the lowest layer; every key users can set is here, with its documentation.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+/// Prefix of environment overrides: `DFLASH__TARGET__DEVICE=cpu` sets `target.device`.
+pub const ENV_PREFIX: &str = "DFLASH__";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{source_name}: {message}")]
+    Load {
+        source_name: String,
+        message: String,
+    },
+    #[error("{key} = {value}: {allowed}")]
+    Invalid {
+        key: String,
+        value: String,
+        allowed: String,
+    },
+    #[error("--set {0:?}: write section.key=value, for example --set target.device=cpu")]
+    BadOverride(String),
+}
+
+fn invalid(key: &str, value: impl std::fmt::Display, allowed: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+// ---------------------------------------------------------------- raw: what the files say
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    target: RawTarget,
+    draft_model: RawDraftModel,
+    log: RawLog,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTarget {
+    model: String,
+    device: String,
+    dtype: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDraftModel {
+    target_layer_ids: Option<Vec<i64>>,
+    mask_token_id: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLog {
+    level: String,
+    format: String,
+}
+
+// ---------------------------------------------------------------- validated: what the program uses
+
+/// Where the target's weights come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TargetSource {
+    /// Random weights in a built-in shape.
+    Preset(Preset),
+    /// A HuggingFace model folder.
+    Folder(PathBuf),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetSettings {
+    pub source: TargetSource,
+    pub device: DeviceSpec,
+    pub dtype: DtypeSpec,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftModelSettings {
+    /// Explicit ids, or `None` for the preset's.
+    pub target_layer_ids: Option<Vec<usize>>,
+    pub mask_token_id: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogSettings {
+    /// A tracing filter directive (`info`, `dflash=debug,warn`); `RUST_LOG` overrides it.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub target: TargetSettings,
+    pub draft_model: DraftModelSettings,
+    pub log: LogSettings,
+}
+
+/// The layers above the built-in defaults.
+#[derive(Debug, Default, Clone)]
+pub struct Layers {
+    /// A TOML file written by the user.
+    pub file: Option<PathBuf>,
+    /// `(NAME, value)` pairs from the environment; only `DFLASH__*` names are read.
+    pub env: Vec<(String, String)>,
+    /// `section.key=value` strings from `--set`.
+    pub set: Vec<String>,
+}
+
+impl Layers {
+    /// The user's file and `--set` values, with the process environment.
+    pub fn from_process(file: Option<PathBuf>, set: Vec<String>) -> Self {
+        Layers {
+            file,
+            env: std::env::vars().collect(),
+            set,
+        }
+    }
+}
+
+impl Config {
+    /// Merges the layers and validates the result.
+    pub fn load(layers: &Layers) -> Result<Self, ConfigError> {
+        let mut builder =
+            config::Config::builder().add_source(File::from_str(DEFAULT_TOML, FileFormat::Toml));
+        let mut origin = "built-in config/default.toml".to_string();
+        if let Some(path) = &layers.file {
+            if !path.is_file() {
+                return Err(ConfigError::Load {
+                    source_name: path.display().to_string(),
+                    message:
+                        "no such file; pass --config with a TOML file (see config/default.toml)"
+                            .into(),
+                });
+            }
+            builder = builder.add_source(File::from(path.as_path()).format(FileFormat::Toml));
+            origin = path.display().to_string();
+        }
+        for (name, raw) in &layers.env {
+            let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let key = rest.to_lowercase().replace("__", ".");
+            builder = builder
+                .set_override(&key, parse_value(raw))
+                .map_err(|e| load_error(name, e))?;
+        }
+        for item in &layers.set {
+            let (key, raw) = item
+                .split_once('=')
+                .filter(|(k, _)| k.contains('.') && !k.trim().is_empty())
+                .ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
+            builder = builder
+                .set_override(key.trim(), parse_value(raw.trim()))
+                .map_err(|e| load_error(&format!("--set {item}"), e))?;
+        }
+        let merged = builder.build().map_err(|e| load_error(&origin, e))?;
+        let raw: RawConfig = merged.try_deserialize().map_err(|e| ConfigError::Load {
+            source_name: "configuration".into(),
+            message: explain_serde_error(&e.to_string()),
+        })?;
+        raw.validate()
+    }
+
+    /// The built-in defaults alone.
+    pub fn builtin() -> Result<Self, ConfigError> {
+        Self::load(&Layers::default())
+    }
+
+    /// The tapped layer ids: the explicit ones, else the preset's.
+    pub fn target_layer_ids(&self) -> Result<Vec<usize>, ConfigError> {
+        match (&self.draft_model.target_layer_ids, &self.target.source) {
+            (Some(ids), _) => Ok(ids.clone()),
+            (None, TargetSource::Preset(p)) => Ok(p.spec().taps),
+            (None, TargetSource::Folder(dir)) => Err(invalid(
+                "draft_model.target_layer_ids",
+                "(unset)",
+                format!(
+                    "required with target.model = {:?}: write the ids out, e.g. [1, 9, 17, 25, 33] for a \
+                     36-layer target and 5 drafter layers, [1, 8, 15, 22, 29] for 32 layers",
+                    dir.display().to_string()
+                ),
+            )),
+        }
+    }
+}
+
+fn load_error(source_name: &str, e: config::ConfigError) -> ConfigError {
+    ConfigError::Load {
+        source_name: source_name.to_string(),
+        message: explain_serde_error(&e.to_string()),
+    }
+}
+
+/// serde says "unknown field `x`, expected one of ..."; say which section it was in when config names it.
+fn explain_serde_error(message: &str) -> String {
+    if message.contains("unknown field") {
+        format!("{message} (a misspelt key? every key is listed in config/default.toml)")
+    } else {
+        message.to_string()
+    }
+}
+
+/// Reads an override as a TOML value where it parses as one, else as a plain string.
+fn parse_value(raw: &str) -> Value {
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut table) => toml_to_config(table.remove("v").expect("parsed key v")),
+        Err(_) => Value::new(None, ValueKind::String(raw.to_string())),
+    }
+}
+
+fn toml_to_config(v: toml::Value) -> Value {
+    let kind = match v {
+        toml::Value::String(s) => ValueKind::String(s),
+        toml::Value::Integer(i) => ValueKind::I64(i),
+        toml::Value::Float(f) => ValueKind::Float(f),
+        toml::Value::Boolean(b) => ValueKind::Boolean(b),
+        toml::Value::Datetime(d) => ValueKind::String(d.to_string()),
+        toml::Value::Array(items) => {
+            ValueKind::Array(items.into_iter().map(toml_to_config).collect())
+        }
+        toml::Value::Table(t) => ValueKind::Table(
+            t.into_iter()
+                .map(|(k, v)| (k, toml_to_config(v)))
+                .collect::<BTreeMap<_, _>>()
+                .into_iter()
+                .collect(),
+        ),
+    };
+    Value::new(None, kind)
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigError> {
+        Ok(Config {
+            target: self.target.validate()?,
+            draft_model: self.draft_model.validate()?,
+            log: self.log.validate()?,
+        })
+    }
+}
+
+impl RawTarget {
+    fn validate(self) -> Result<TargetSettings, ConfigError> {
+        let source = match self.model.parse::<Preset>() {
+            Ok(p) => TargetSource::Preset(p),
+            Err(_) if Path::new(&self.model).is_dir() => {
+                TargetSource::Folder(PathBuf::from(&self.model))
+            }
+            Err(_) => {
+                let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+                return Err(invalid(
+                    "target.model",
+                    format!("{:?}", self.model),
+                    format!(
+                        "not a preset ({}) and no such folder; give a HuggingFace model folder or a preset",
+                        names.join(", ")
+                    ),
+                ));
+            }
+        };
+        let device = self.device.parse().map_err(|_| {
+            invalid(
+                "target.device",
+                format!("{:?}", self.device),
+                "expected cpu, cuda:N or auto",
+            )
+        })?;
+        let dtype = self.dtype.parse().map_err(|_| {
+            invalid(
+                "target.dtype",
+                format!("{:?}", self.dtype),
+                "expected auto, bf16 or f32",
+            )
+        })?;
+        Ok(TargetSettings {
+            source,
+            device,
+            dtype,
+        })
+    }
+}
+
+impl RawDraftModel {
+    fn validate(self) -> Result<DraftModelSettings, ConfigError> {
+        let key = "draft_model.target_layer_ids";
+        let target_layer_ids = match self.target_layer_ids {
+            None => None,
+            Some(ids) => {
+                if ids.is_empty() {
+                    return Err(invalid(key, "[]", "needs at least one layer id"));
+                }
+                if let Some(bad) = ids.iter().find(|&&i| i < 0) {
+                    return Err(invalid(
+                        key,
+                        format!("{ids:?}"),
+                        format!("layer ids are >= 0, got {bad}"),
+                    ));
+                }
+                if ids.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(invalid(
+                        key,
+                        format!("{ids:?}"),
+                        "layer ids must be strictly increasing",
+                    ));
+                }
+                Some(ids.into_iter().map(|i| i as usize).collect())
+            }
+        };
+        if let Some(m) = self.mask_token_id.filter(|&m| m < 0) {
+            return Err(invalid(
+                "draft_model.mask_token_id",
+                m,
+                "a token id is >= 0",
+            ));
+        }
+        Ok(DraftModelSettings {
+            target_layer_ids,
+            mask_token_id: self.mask_token_id,
+        })
+    }
+}
+
+impl RawLog {
+    fn validate(self) -> Result<LogSettings, ConfigError> {
+        tracing_subscriber::EnvFilter::try_new(&self.level).map_err(|e| {
+            invalid(
+                "log.level",
+                format!("{:?}", self.level),
+                format!("expected a level (error, warn, info, debug, trace) or a filter like \"dflash=debug,info\": {e}"),
+            )
+        })?;
+        let format = match self.format.as_str() {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(invalid(
+                    "log.format",
+                    format!("{other:?}"),
+                    "expected text or json",
+                ));
+            }
+        };
+        Ok(LogSettings {
+            level: self.level,
+            format,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_set(items: &[&str]) -> Result<Config, ConfigError> {
+        Config::load(&Layers {
+            set: items.iter().map(|s| s.to_string()).collect(),
+            ..Layers::default()
+        })
+    }
+
+    #[test]
+    fn builtin_defaults_are_valid() {
+        let c = Config::builtin().unwrap();
+        assert_eq!(c.target.source, TargetSource::Preset(Preset::Tiny));
+        assert_eq!(c.target.device, DeviceSpec::Auto);
+        assert_eq!(c.target_layer_ids().unwrap(), vec![1, 3, 5]);
+    }
+
+    #[test]
+    fn layers_override_in_order_file_env_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("run.toml");
+        std::fs::write(&file, "[target]\ndevice = \"cuda:3\"\ndtype = \"bf16\"\n").unwrap();
+        let mut layers = Layers {
+            file: Some(file),
+            env: vec![
+                ("DFLASH__TARGET__DTYPE".into(), "f32".into()),
+                ("DFLASH_CACHE".into(), "ignored: one underscore".into()),
+                ("HOME".into(), "/root".into()),
+            ],
+            set: vec![],
+        };
+        let c = Config::load(&layers).unwrap();
+        assert_eq!(c.target.device, DeviceSpec::Cuda(3)); // file over default
+        assert_eq!(c.target.dtype, DtypeSpec::F32); // env over file
+        layers.set = vec![
+            "target.dtype=bf16".into(),
+            "draft_model.target_layer_ids=[0, 2]".into(),
+        ];
+        let c = Config::load(&layers).unwrap();
+        assert_eq!(c.target.dtype, DtypeSpec::Bf16); // --set over env
+        assert_eq!(c.target_layer_ids().unwrap(), vec![0, 2]);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = with_set(&["target.devise=cpu"]).unwrap_err().to_string();
+        assert!(
+            err.contains("devise") && err.contains("default.toml"),
+            "{err}"
+        );
+        let err = with_set(&["optimm.lr=1"]).unwrap_err().to_string();
+        assert!(err.contains("optimm"), "{err}");
+        let err = Config::load(&Layers {
+            env: vec![("DFLASH__LOG__COLOUR".into(), "red".into())],
+            ..Layers::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_key_value_and_what_is_allowed() {
+        let cases: &[(&str, &[&str])] = &[
+            ("target.device=gpu0", &["target.device", "gpu0", "cuda:N"]),
+            ("target.dtype=fp8", &["target.dtype", "fp8", "bf16"]),
+            (
+                "target.model=/no/such/dir",
+                &["target.model", "/no/such/dir", "tiny"],
+            ),
+            (
+                "draft_model.target_layer_ids=[3, 1]",
+                &["target_layer_ids", "[3, 1]", "increasing"],
+            ),
+            (
+                "draft_model.target_layer_ids=[]",
+                &["target_layer_ids", "at least one"],
+            ),
+            (
+                "draft_model.target_layer_ids=[-1, 2]",
+                &["target_layer_ids", "-1"],
+            ),
+            ("draft_model.mask_token_id=-5", &["mask_token_id", "-5"]),
+            ("log.format=xml", &["log.format", "xml", "json"]),
+            ("log.level=dflash=loud", &["log.level", "loud"]),
+            ("draft_model.target_layer_ids=\"x\"", &["target_layer_ids"]),
+        ];
+        for (set, expected) in cases {
+            let err = with_set(&[set]).unwrap_err().to_string();
+            for e in *expected {
+                assert!(err.contains(e), "--set {set}: expected {e:?} in {err:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_overrides_and_missing_files_are_reported() {
+        let err = with_set(&["novalue"]).unwrap_err().to_string();
+        assert!(err.contains("section.key=value"), "{err}");
+        let err = Config::load(&Layers {
+            file: Some("/no/such.toml".into()),
+            ..Layers::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("/no/such.toml") && err.contains("no such file"),
+            "{err}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("bad.toml");
+        std::fs::write(&file, "[target\n").unwrap();
+        let err = Config::load(&Layers {
+            file: Some(file.clone()),
+            ..Layers::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("bad.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_model_folder_needs_explicit_layer_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = with_set(&[&format!("target.model={}", dir.path().display())]).unwrap();
+        assert_eq!(
+            c.target.source,
+            TargetSource::Folder(dir.path().to_path_buf())
+        );
+        let err = c.target_layer_ids().unwrap_err().to_string();
+        assert!(
+            err.contains("draft_model.target_layer_ids") && err.contains("[1, 9, 17, 25, 33]"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,18 @@
+//! `dflash`: a fault-tolerant trainer for DFlash speculative-decoding drafters.
+//!
+//! The compute core (`model`, later `train`) knows nothing of actors, so it is tested and benchmarked alone; the
+//! binary (`src/main.rs`) is only the command line.
+pub mod bench;
+pub mod config;
+pub mod device;
+pub mod model;
+pub mod panic;
+pub mod profile;
+
+/// The first line of a libtorch error, without tch's prefix or the C++ backtrace libtorch appends.
+pub fn torch_message(full: &str) -> String {
+    let first = full.lines().next().unwrap_or(full);
+    first
+        .trim_start_matches("Internal torch error: ")
+        .to_string()
+}

@@ -1,0 +1,283 @@
+//! The `dflash` command line: parses arguments, layers the configuration, sets up logging and dispatches to the
+//! library. No training or model logic lives here.
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use dflash::bench::{TargetBenchOptions, bench_target};
+use dflash::config::{Config, Layers, LogFormat, TargetSource};
+use dflash::device::{DeviceSpec, DtypeSpec, device_name};
+use dflash::model::{Depth, Preset, Target};
+use dflash::panic::{catch_torch, is_torch_error, payload_message};
+
+/// Exit status of a subcommand that exists in the interface but not yet in this build.
+const EXIT_NOT_AVAILABLE: u8 = 3;
+
+const AFTER_HELP: &str = "\
+Configuration layers, each overriding the one before: the built-in defaults (config/default.toml lists and
+explains every key), --config FILE, DFLASH__SECTION__KEY environment variables, then --set section.key=value.
+
+Exit status: 0 success, 1 error, 2 bad command line, 3 the subcommand is not available in this build yet.
+Logs go to stderr (RUST_LOG or log.level filter them); results go to stdout.";
+
+#[derive(Parser)]
+#[command(
+    name = "dflash",
+    version,
+    about = "Train DFlash speculative-decoding drafters for a frozen target LLM",
+    long_about = "Train DFlash speculative-decoding drafters for a frozen target LLM (Qwen3, Llama-3).\n\n\
+                  A drafter reads hidden states of the target and proposes a whole block of tokens in one forward \
+                  pass; the target verifies the block, so decoding runs several times faster. dflash trains such \
+                  drafters as a long-running, fault-tolerant service and measures what matters on the way.",
+    after_help = AFTER_HELP
+)]
+struct Cli {
+    /// A TOML file layered over the built-in defaults; write only the keys you change.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Override one configuration key, e.g. `--set target.device=cpu` (repeatable; wins over file and env).
+    #[arg(long = "set", global = true, value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a drafter as a long-running service: a supervisor, the target and one drafter per device [not yet
+    /// available]
+    #[command(
+        long_about = "Train a drafter as a long-running service. A supervisor owns the target model and one \
+        drafter per configured device; a failed drafter restarts from the latest checkpoint while the others keep \
+        training. Serves /metrics, /status and /reload on the control port.\n\n\
+        Not available in this build yet: it lands with the serve-train work. Until then `dflash bench` runs the \
+        target model."
+    )]
+    ServeTrain(Pending),
+    /// Turn chat JSONL into tokens and loss masks with the target's tokenizer and template [not yet available]
+    Prepare(Pending),
+    /// Rewrite the assistant turns of a dataset with the target itself [not yet available]
+    Regenerate(Pending),
+    /// Measure a drafter: simulated and real acceptance length [not yet available]
+    Eval(Pending),
+    /// Write a checkpoint's drafter in the published DFlash format [not yet available]
+    Export(Pending),
+    /// Measure the hot loops at real shapes: throughput, TFLOP/s, MFU, peak memory, step times
+    #[command(
+        long_about = "Measure the hot loops at real shapes with random inputs: tokens/s, achieved TFLOP/s, \
+        MFU against --peak-tflops, peak device memory and step-time percentiles. Target and device default to the \
+        configuration ([target] and [draft_model]); the flags below override it.\n\n\
+        --what target: the frozen target's forward pass up to the last tapped layer, returning the tapped hidden \
+        states concatenated (what training needs); with --full the whole stack and the LM head (what decoding \
+        needs). FLOPs counted: 2 x matmul weights x tokens per layer, plus 2 x layers x heads x head_dim x seq x \
+        tokens for causal attention, plus 2 x hidden x vocab x tokens for the LM head with --full.\n\n\
+        Example (the H200 comparison in BENCHMARKS.md):\n  \
+        dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json"
+    )]
+    Bench(BenchArgs),
+}
+
+/// Arguments of a subcommand that is not available yet; accepted so the message is about availability.
+#[derive(Args)]
+struct Pending {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    args: Vec<String>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BenchWhat {
+    /// Target hidden-state capture (or the full stack with --full)
+    Target,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// What to measure.
+    #[arg(long, value_enum)]
+    what: BenchWhat,
+    /// A built-in target shape with random weights: tiny, qwen3-4b, qwen3-8b, llama3.1-8b.
+    #[arg(long, conflicts_with = "model")]
+    preset: Option<Preset>,
+    /// A HuggingFace model folder to load instead of a preset.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Tapped layer ids, comma separated (default: draft_model.target_layer_ids, else the preset's).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    taps: Option<Vec<usize>>,
+    /// cpu, cuda:N or auto (default: target.device).
+    #[arg(long)]
+    device: Option<DeviceSpec>,
+    /// auto, bf16 or f32 (default: target.dtype).
+    #[arg(long)]
+    dtype: Option<DtypeSpec>,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 16)]
+    batch: i64,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 2048)]
+    seq: i64,
+    /// Timed steps; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed steps before timing.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Run every layer, the final norm and the LM head instead of stopping at the last tap.
+    #[arg(long)]
+    full: bool,
+    /// Also time the phases of one extra step with device events (reported as phases_ms).
+    #[arg(long)]
+    profile: bool,
+    /// The device's bf16 matrix peak in TFLOP/s, for MFU (797: measured on the H200 used for BENCHMARKS.md).
+    #[arg(long, default_value_t = 797.0)]
+    peak_tflops: f64,
+    /// Print one JSON object per run instead of a summary line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let config = Config::load(&Layers::from_process(cli.config.clone(), cli.set.clone()))?;
+    init_logging(&config)?;
+    install_panic_hook();
+    match cli.command {
+        Command::Bench(args) => bench(&config, args),
+        Command::ServeTrain(_) => not_available("serve-train"),
+        Command::Prepare(_) => not_available("prepare"),
+        Command::Regenerate(_) => not_available("regenerate"),
+        Command::Eval(_) => not_available("eval"),
+        Command::Export(_) => not_available("export"),
+    }
+}
+
+fn not_available(name: &str) -> Result<ExitCode> {
+    eprintln!(
+        "dflash {name} is not available in this build yet; nothing was run. `dflash --help` lists what is, and \
+         `dflash bench --what target` runs the target model."
+    );
+    Ok(ExitCode::from(EXIT_NOT_AVAILABLE))
+}
+
+fn init_logging(config: &Config) -> Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.is_empty() => {
+            EnvFilter::try_new(&directives).with_context(|| format!("RUST_LOG={directives:?}"))?
+        }
+        _ => EnvFilter::try_new(&config.log.level)?,
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log.format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    Ok(())
+}
+
+/// libtorch errors surface as panics inside tch and are reported by the code that catches them; log those
+/// quietly, and anything else loudly with its location.
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let message = payload_message(info.payload());
+        let location = info.location().map(|l| l.to_string()).unwrap_or_default();
+        if is_torch_error(&message) {
+            tracing::debug!(%location, "libtorch error: {message}");
+        } else {
+            tracing::error!(%location, "panic: {message}");
+        }
+    }));
+}
+
+fn bench(config: &Config, args: BenchArgs) -> Result<ExitCode> {
+    let BenchWhat::Target = args.what;
+    let source = match (args.preset, args.model) {
+        (Some(p), _) => TargetSource::Preset(p),
+        (None, Some(dir)) => TargetSource::Folder(dir),
+        (None, None) => config.target.source.clone(),
+    };
+    let taps = match (args.taps, &source) {
+        (Some(t), _) => t,
+        (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => {
+            p.spec().taps
+        }
+        (None, TargetSource::Folder(_)) if config.draft_model.target_layer_ids.is_none() => {
+            bail!(
+                "--taps is required with --model (or set draft_model.target_layer_ids), e.g. --taps 1,9,17,25,33"
+            )
+        }
+        (None, _) => config.target_layer_ids()?,
+    };
+    let device = args
+        .device
+        .unwrap_or(config.target.device)
+        .resolve()
+        .context("--device / target.device")?;
+    let kind = args.dtype.unwrap_or(config.target.dtype).resolve(device);
+    let depth = if args.full {
+        Depth::Full
+    } else {
+        Depth::ToLastTap
+    };
+    dflash::device::bind_thread(device)?;
+    let opts = TargetBenchOptions {
+        batch: args.batch,
+        seq: args.seq,
+        steps: args.steps,
+        warmup: args.warmup,
+        full: args.full,
+        profile: args.profile,
+        peak_tflops: args.peak_tflops,
+    };
+    let report = catch_torch(|| -> Result<_> {
+        let (target, label) = match &source {
+            TargetSource::Preset(p) => {
+                let spec = p.spec();
+                tracing::info!(preset = %p, device = %device_name(device), "building the target with random weights");
+                let t = Target::random(
+                    spec.target,
+                    &taps,
+                    depth,
+                    device,
+                    kind,
+                    spec.seed,
+                    spec.portable_init,
+                )?;
+                (t, p.name().to_string())
+            }
+            TargetSource::Folder(dir) => {
+                tracing::info!(model = %dir.display(), device = %device_name(device), "loading the target");
+                (
+                    Target::load(dir, &taps, depth, device, kind)?,
+                    dir.display().to_string(),
+                )
+            }
+        };
+        Ok(bench_target(&target, &label, &opts)?)
+    })??;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", report.summary());
+        if let Some(phases) = &report.phases_ms {
+            for (phase, ms) in phases {
+                println!("  {phase:<20} {ms:>10.3} ms");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

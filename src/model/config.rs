@@ -1,0 +1,436 @@
+//! The target's architecture, read from a HuggingFace `config.json` (Qwen3 and Llama-3 decoders) or built from a
+//! preset, and written back in the same format. Both spellings of the RoPE settings are read: `rope_theta` (+
+//! `rope_scaling`) at the top level, as published checkpoints have them, and transformers 5's `rope_parameters`.
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::ModelError;
+
+/// Which decoder family: they differ in per-head q/k norms (Qwen3 has them) and in naming only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Architecture {
+    Qwen3,
+    Llama,
+}
+
+impl Architecture {
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Llama => "LlamaForCausalLM",
+        }
+    }
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Llama => "llama",
+        }
+    }
+    /// Qwen3 normalises each query and key head (RMSNorm over head_dim) before RoPE.
+    pub fn has_qk_norm(self) -> bool {
+        self == Architecture::Qwen3
+    }
+}
+
+/// How rotary position frequencies are derived from `theta`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum RopeScaling {
+    None,
+    /// Llama-3.1's frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// Everything the decoder needs to know about its shape, validated.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TargetConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<i64>,
+    pub eos_token_ids: Vec<i64>,
+    pub pad_token_id: Option<i64>,
+}
+
+/// The subset of HuggingFace's `config.json` we read; other keys are ignored, as transformers does.
+#[derive(Deserialize)]
+struct HfConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    bos_token_id: Option<Value>,
+    eos_token_id: Option<Value>,
+    pad_token_id: Option<Value>,
+}
+
+const SUPPORTED: &str =
+    "Qwen3ForCausalLM (model_type qwen3) or LlamaForCausalLM (model_type llama)";
+
+impl TargetConfig {
+    /// Reads and validates `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("config.json");
+        if !path.is_file() {
+            return Err(ModelError::Config {
+                path,
+                reason: "not found: point at a HuggingFace model folder (config.json, *.safetensors, tokenizer files)"
+                    .into(),
+            });
+        }
+        let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io {
+            path: path.clone(),
+            err,
+        })?;
+        Self::from_json(&text).map_err(|reason| ModelError::Config { path, reason })
+    }
+
+    /// Parses the text of a `config.json`; the error is a reason naming the key.
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let hf: HfConfig =
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let architecture = architecture_of(&hf)?;
+        let need = |v: Option<usize>, key: &str| v.ok_or_else(|| format!("missing key `{key}`"));
+        let hidden_size = need(hf.hidden_size, "hidden_size")?;
+        let num_attention_heads = need(hf.num_attention_heads, "num_attention_heads")?;
+        if hf.attention_bias == Some(true) || hf.mlp_bias == Some(true) {
+            return Err("`attention_bias`/`mlp_bias` = true is not supported (Qwen3 and Llama-3 have no biases)".into());
+        }
+        if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(format!(
+                "`hidden_act` = {act:?} is not supported (only \"silu\")"
+            ));
+        }
+        let (rope_theta, rope_scaling) = rope_settings(&hf)?;
+        let cfg = TargetConfig {
+            architecture,
+            vocab_size: need(hf.vocab_size, "vocab_size")?,
+            hidden_size,
+            intermediate_size: need(hf.intermediate_size, "intermediate_size")?,
+            num_hidden_layers: need(hf.num_hidden_layers, "num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: hf.num_key_value_heads.unwrap_or(num_attention_heads),
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: hf.max_position_embeddings.unwrap_or(32768),
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            bos_token_id: token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?
+                .first()
+                .copied(),
+            eos_token_ids: token_ids(hf.eos_token_id.as_ref(), "eos_token_id")?,
+            pad_token_id: token_ids(hf.pad_token_id.as_ref(), "pad_token_id")?
+                .first()
+                .copied(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the shape is one the decoder can run; the error names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("`{key}` must be positive"));
+        }
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
+            return Err(format!(
+                "`num_attention_heads` ({}) must be a multiple of `num_key_value_heads` ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "`head_dim` ({}) must be even for RoPE",
+                self.head_dim
+            ));
+        }
+        if !self.rope_theta.is_finite() || self.rope_theta <= 0.0 {
+            return Err(format!(
+                "`rope_theta` ({}) must be positive",
+                self.rope_theta
+            ));
+        }
+        if !self.rms_norm_eps.is_finite() || self.rms_norm_eps <= 0.0 {
+            return Err(format!(
+                "`rms_norm_eps` ({}) must be positive",
+                self.rms_norm_eps
+            ));
+        }
+        Ok(())
+    }
+
+    /// The `config.json` HuggingFace writes for this decoder.
+    pub fn to_hf_json(&self, torch_dtype: &str) -> Value {
+        let mut v = json!({
+            "architectures": [self.architecture.hf_class()],
+            "model_type": self.architecture.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": false,
+            "torch_dtype": torch_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": match self.eos_token_ids.as_slice() {
+                [one] => json!(one),
+                many => json!(many),
+            },
+            "pad_token_id": self.pad_token_id,
+        });
+        if let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = self.rope_scaling
+        {
+            v["rope_scaling"] = json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            });
+        }
+        v
+    }
+
+    pub fn num_query_groups(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// Weights in the matrix products of one decoder layer (q, k, v, o, gate, up, down).
+    pub fn layer_matmul_params(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+    }
+}
+
+fn architecture_of(hf: &HfConfig) -> Result<Architecture, String> {
+    let from_class = |c: &str| match c {
+        "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
+        "LlamaForCausalLM" => Some(Architecture::Llama),
+        _ => None,
+    };
+    if let Some(classes) = &hf.architectures {
+        return classes.iter().find_map(|c| from_class(c)).ok_or_else(|| {
+            format!("unsupported `architectures` {classes:?}: dflash runs {SUPPORTED}")
+        });
+    }
+    match hf.model_type.as_deref() {
+        Some("qwen3") => Ok(Architecture::Qwen3),
+        Some("llama") => Ok(Architecture::Llama),
+        Some(other) => Err(format!(
+            "unsupported `model_type` {other:?}: dflash runs {SUPPORTED}"
+        )),
+        None => Err(format!(
+            "neither `architectures` nor `model_type` is set: dflash runs {SUPPORTED}"
+        )),
+    }
+}
+
+/// Reads `rope_theta` and the scaling from either spelling; `rope_parameters` wins where both exist.
+fn rope_settings(hf: &HfConfig) -> Result<(f64, RopeScaling), String> {
+    let (params, key) = match (&hf.rope_parameters, &hf.rope_scaling) {
+        (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
+        (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
+        _ => (None, ""),
+    };
+    let theta_in_params = params
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(Value::as_f64);
+    let theta = theta_in_params.or(hf.rope_theta).unwrap_or(10000.0);
+    let Some(params) = params else {
+        return Ok((theta, RopeScaling::None));
+    };
+    let kind = params
+        .get("rope_type")
+        .or_else(|| params.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let number = |name: &str| {
+        params.get(name).and_then(Value::as_f64).ok_or_else(|| {
+            format!("`{key}.{name}` is missing or not a number (needed by rope_type {kind:?})")
+        })
+    };
+    match kind {
+        "default" => Ok((theta, RopeScaling::None)),
+        "llama3" => Ok((
+            theta,
+            RopeScaling::Llama3 {
+                factor: number("factor")?,
+                low_freq_factor: number("low_freq_factor")?,
+                high_freq_factor: number("high_freq_factor")?,
+                original_max_position_embeddings: number("original_max_position_embeddings")?,
+            },
+        )),
+        other => Err(format!(
+            "`{key}.rope_type` = {other:?} is not supported (supported: \"default\", \"llama3\")"
+        )),
+    }
+}
+
+/// A token id field may be absent, null, one integer or a list of integers.
+fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<i64>, String> {
+    let bad = || format!("`{key}` must be an integer or a list of integers");
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Number(n)) => n.as_i64().map(|i| vec![i]).ok_or_else(bad),
+        Some(Value::Array(items)) => items.iter().map(|i| i.as_i64().ok_or_else(bad)).collect(),
+        Some(_) => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN3_8B: &str = r#"{
+      "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "bos_token_id": 151643,
+      "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+      "intermediate_size": 12288, "max_position_embeddings": 40960, "model_type": "qwen3",
+      "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+      "rope_scaling": null, "rope_theta": 1000000, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "vocab_size": 151936 }"#;
+
+    const LLAMA_31_8B: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+      "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+      "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+      "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+      "tie_word_embeddings": false, "vocab_size": 128256 }"#;
+
+    #[test]
+    fn reads_published_qwen3_and_llama_configs() {
+        let q = TargetConfig::from_json(QWEN3_8B).unwrap();
+        assert_eq!(q.architecture, Architecture::Qwen3);
+        assert_eq!(
+            (q.head_dim, q.num_key_value_heads, q.rope_theta),
+            (128, 8, 1e6)
+        );
+        assert_eq!(q.eos_token_ids, vec![151645]);
+        let l = TargetConfig::from_json(LLAMA_31_8B).unwrap();
+        assert_eq!(l.architecture, Architecture::Llama);
+        assert_eq!(l.head_dim, 128);
+        assert_eq!(l.eos_token_ids, vec![128001, 128008, 128009]);
+        assert!(matches!(l.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+    }
+
+    #[test]
+    fn reads_rope_parameters_spelling() {
+        let text = QWEN3_8B.replace(
+            r#""rope_theta": 1000000,"#,
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},"#,
+        );
+        assert_eq!(TargetConfig::from_json(&text).unwrap().rope_theta, 5e6);
+        let yarn = QWEN3_8B.replace(
+            r#""rope_scaling": null"#,
+            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
+        );
+        let err = TargetConfig::from_json(&yarn).unwrap_err();
+        assert!(
+            err.contains("rope_scaling.rope_type") && err.contains("yarn"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn round_trips_through_hf_json() {
+        for text in [QWEN3_8B, LLAMA_31_8B] {
+            let cfg = TargetConfig::from_json(text).unwrap();
+            let again = TargetConfig::from_json(&cfg.to_hf_json("bfloat16").to_string()).unwrap();
+            assert_eq!(cfg, again);
+        }
+    }
+
+    #[test]
+    fn rejects_what_it_cannot_run() {
+        let cases = [
+            (
+                QWEN3_8B.replace("Qwen3ForCausalLM", "MistralForCausalLM"),
+                "unsupported `architectures`",
+            ),
+            (
+                QWEN3_8B.replace(r#""hidden_size": 4096,"#, ""),
+                "missing key `hidden_size`",
+            ),
+            (
+                QWEN3_8B.replace(r#""num_key_value_heads": 8"#, r#""num_key_value_heads": 5"#),
+                "num_key_value_heads",
+            ),
+            (
+                QWEN3_8B.replace(r#""attention_bias": false"#, r#""attention_bias": true"#),
+                "attention_bias",
+            ),
+            (
+                QWEN3_8B.replace(r#""hidden_act": "silu""#, r#""hidden_act": "gelu""#),
+                "hidden_act",
+            ),
+            (
+                QWEN3_8B.replace(r#""eos_token_id": 151645"#, r#""eos_token_id": "x""#),
+                "eos_token_id",
+            ),
+            ("{not json".to_string(), "not valid JSON"),
+        ];
+        for (text, expected) in cases {
+            let err = TargetConfig::from_json(&text).unwrap_err();
+            assert!(err.contains(expected), "expected {expected:?} in {err:?}");
+        }
+    }
+}

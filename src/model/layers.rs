@@ -1,0 +1,125 @@
+//! The pieces the target and the drafter share, with HuggingFace's numerics: RMSNorm (normalise in f32, cast back,
+//! then scale), rotary embeddings (frequencies and angles in f32, rotate-half convention) and the SwiGLU MLP.
+use tch::{Device, Kind, Tensor};
+
+use super::config::RopeScaling;
+
+/// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x^2) + eps))`, accumulated in f32.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let dim = *x
+        .size()
+        .last()
+        .expect("rms_norm input has a last dimension");
+    x.rms_norm([dim], Some(weight), eps)
+}
+
+/// `down(silu(gate(x)) * up(x))` with the gate and up projections stacked in one weight `[2 * I, H]`.
+pub fn swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Tensor {
+    let gu = x.linear(gate_up, None::<Tensor>);
+    let inter = gate_up.size()[0] / 2;
+    let act = gu.narrow(-1, 0, inter).silu() * gu.narrow(-1, inter, inter);
+    act.linear(down, None::<Tensor>)
+}
+
+/// Rotary position embedding frequencies for one head size.
+#[derive(Debug)]
+pub struct Rope {
+    /// `[head_dim / 2]`, f32
+    inv_freq: Tensor,
+}
+
+impl Rope {
+    /// Frequencies `theta^(-2i/d)` computed as transformers does (f32 tensor arithmetic), then Llama-3 scaling.
+    pub fn new(theta: f64, head_dim: usize, scaling: RopeScaling, device: Device) -> Self {
+        let d = head_dim as f64;
+        let exponent = Tensor::arange_start_step(0, head_dim as i64, 2, (Kind::Int64, Device::Cpu))
+            .to_kind(Kind::Float)
+            / d;
+        let inv_freq = Tensor::pow_scalar(theta, &exponent).reciprocal();
+        let inv_freq = match scaling {
+            RopeScaling::None => inv_freq,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old_len,
+            } => {
+                let low_freq_wavelen = old_len / low_freq_factor;
+                let high_freq_wavelen = old_len / high_freq_factor;
+                let wavelen = inv_freq.reciprocal() * (2.0 * std::f64::consts::PI);
+                let long = wavelen.gt(low_freq_wavelen);
+                let scaled = inv_freq.where_self(&long.logical_not(), &(&inv_freq / factor));
+                let smooth = ((wavelen.reciprocal() * old_len) - low_freq_factor)
+                    / (high_freq_factor - low_freq_factor);
+                let smoothed =
+                    (smooth.ones_like() - &smooth) * &scaled / factor + &smooth * &scaled;
+                let medium = wavelen.lt(high_freq_wavelen).logical_not() * long.logical_not();
+                smoothed.where_self(&medium, &scaled)
+            }
+        };
+        Rope {
+            inv_freq: inv_freq.to_device(device),
+        }
+    }
+
+    /// `cos` and `sin` of the angles for `positions` (any integer shape `P`), each `[..P, head_dim]` in `kind`.
+    pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    }
+}
+
+/// `x * cos + rotate_half(x) * sin`, where `rotate_half([a, b]) = [-b, a]` over the last dimension.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size().last().expect("rope input has a last dimension") / 2;
+    let rotated = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
+    x * cos + rotated * sin
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_preserves_norm_and_rotates_relative_positions() {
+        let rope = Rope::new(10000.0, 8, RopeScaling::None, Device::Cpu);
+        let x = Tensor::randn([8], (Kind::Double, Device::Cpu)).to_kind(Kind::Float);
+        let y = Tensor::randn([8], (Kind::Double, Device::Cpu)).to_kind(Kind::Float);
+        let at = |p: i64, t: &Tensor| {
+            let (c, s) = rope.cos_sin(&Tensor::from_slice(&[p]), Kind::Float);
+            apply_rope(&t.unsqueeze(0), &c, &s).squeeze_dim(0)
+        };
+        let norm = |t: &Tensor| t.norm().double_value(&[]);
+        assert!((norm(&at(37, &x)) - norm(&x)).abs() < 1e-4);
+        // Dot products depend only on the distance between positions.
+        let d1 = at(5, &x).dot(&at(3, &y)).double_value(&[]);
+        let d2 = at(105, &x).dot(&at(103, &y)).double_value(&[]);
+        assert!((d1 - d2).abs() < 1e-3, "{d1} vs {d2}");
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let plain = Rope::new(500000.0, 128, RopeScaling::None, Device::Cpu);
+        let scaled = Rope::new(
+            500000.0,
+            128,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            },
+            Device::Cpu,
+        );
+        let p: Vec<f32> = Vec::try_from(&plain.inv_freq).unwrap();
+        let s: Vec<f32> = Vec::try_from(&scaled.inv_freq).unwrap();
+        assert_eq!(p[0], s[0]); // wavelength 2*pi: untouched
+        assert!((s[63] - p[63] / 8.0).abs() < 1e-12); // longest wavelength: divided by the factor
+        assert!(
+            s.iter()
+                .zip(&p)
+                .all(|(s, p)| s <= p && *s >= p / 8.0 - 1e-12)
+        );
+    }
+}

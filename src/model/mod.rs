@@ -1,0 +1,70 @@
+//! Models: the frozen target (Qwen3 / Llama-3), the layers it shares with the drafter, HuggingFace config and
+//! safetensors I/O, and the built-in presets.
+use std::path::PathBuf;
+
+pub mod config;
+pub mod layers;
+pub mod presets;
+pub mod target;
+pub mod weights;
+
+pub use config::{Architecture, TargetConfig};
+pub use presets::Preset;
+pub use target::{Depth, Target};
+
+/// Everything that can go wrong reading, building or running a model, each naming the file or key and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
+    #[error("{}: {reason}", path.display())]
+    Config { path: PathBuf, reason: String },
+    #[error(
+        "{}: no model.safetensors or model.safetensors.index.json; point at a HuggingFace model folder",
+        dir.display()
+    )]
+    NoWeights { dir: PathBuf },
+    #[error(
+        "{}: not a valid safetensors file ({reason}); it may be truncated or corrupt: download or export it again",
+        path.display()
+    )]
+    Safetensors { path: PathBuf, reason: String },
+    #[error("{}: {reason}", path.display())]
+    Index { path: PathBuf, reason: String },
+    #[error("tensor `{name}` is missing from {} ({source_file}); the folder does not match its config.json", dir.display())]
+    MissingTensor {
+        name: String,
+        dir: PathBuf,
+        source_file: &'static str,
+    },
+    #[error("tensor `{name}` in {} has shape {found:?}, but {why} implies {expected:?}", path.display())]
+    Shape {
+        name: String,
+        path: PathBuf,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+        why: String,
+    },
+    #[error("tensor `{name}` in {} has dtype {dtype}; supported: BF16, F16, F32, F64", path.display())]
+    Dtype {
+        name: String,
+        path: PathBuf,
+        dtype: String,
+    },
+    #[error("{0}")]
+    Taps(String),
+    #[error("invalid batch: {0}")]
+    Batch(String),
+    #[error(
+        "this target holds only the layers up to the last tap; load it with the full depth to run the whole stack"
+    )]
+    NotFull,
+    #[error("libtorch: {0}")]
+    Torch(String),
+}
+
+impl From<tch::TchError> for ModelError {
+    fn from(e: tch::TchError) -> Self {
+        ModelError::Torch(crate::torch_message(&e.to_string()))
+    }
+}

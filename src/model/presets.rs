@@ -1,0 +1,205 @@
+//! Built-in target shapes with random weights: `tiny` for tests and the default run, and the real shapes of
+//! published targets for benchmarks. A preset also fixes what later components share with it: the tapped layer ids
+//! (written out, never re-derived) and the MASK token id.
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer};
+
+use super::config::{Architecture, RopeScaling, TargetConfig};
+
+/// The `tiny` preset's vocabulary: byte tokens `0..=255`, then the special tokens below, then unused rows up to
+/// [`tiny::MASK`], which no tokenizer token uses.
+pub mod tiny {
+    pub const VOCAB_SIZE: usize = 320;
+    /// `<|endoftext|>`: padding, and the BOS id of the config.
+    pub const ENDOFTEXT: i64 = 256;
+    pub const IM_START: i64 = 257;
+    /// `<|im_end|>`: end of a turn, the EOS id.
+    pub const IM_END: i64 = 258;
+    pub const THINK: i64 = 259;
+    pub const END_THINK: i64 = 260;
+    /// The drafter's MASK token: an embedding row no tokenizer token maps to.
+    pub const MASK: i64 = 319;
+    /// Seed of the portable random weights, so every machine builds the same tiny model.
+    pub const SEED: u64 = 20260206;
+}
+
+/// A named target shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    Tiny,
+    Qwen3_4b,
+    Qwen3_8b,
+    Llama31_8b,
+}
+
+/// What a preset fixes.
+#[derive(Debug, Clone)]
+pub struct PresetSpec {
+    pub target: TargetConfig,
+    pub taps: Vec<usize>,
+    pub mask_token_id: i64,
+    /// Random weights from the portable CPU stream (small models) rather than the device's generator.
+    pub portable_init: bool,
+    pub seed: u64,
+}
+
+impl Preset {
+    pub const ALL: [Preset; 4] = [
+        Preset::Tiny,
+        Preset::Qwen3_4b,
+        Preset::Qwen3_8b,
+        Preset::Llama31_8b,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Qwen3_4b => "qwen3-4b",
+            Preset::Qwen3_8b => "qwen3-8b",
+            Preset::Llama31_8b => "llama3.1-8b",
+        }
+    }
+
+    pub fn spec(self) -> PresetSpec {
+        let qwen3 = |hidden, intermediate, tie| TargetConfig {
+            architecture: Architecture::Qwen3,
+            vocab_size: 151936,
+            hidden_size: hidden,
+            intermediate_size: intermediate,
+            num_hidden_layers: 36,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: 40960,
+            tie_word_embeddings: tie,
+            bos_token_id: Some(151643),
+            eos_token_ids: vec![151645],
+            pad_token_id: Some(151643),
+        };
+        let real = |target, taps: &[usize], mask| PresetSpec {
+            target,
+            taps: taps.to_vec(),
+            mask_token_id: mask,
+            portable_init: false,
+            seed: 0,
+        };
+        match self {
+            Preset::Tiny => PresetSpec {
+                target: TargetConfig {
+                    architecture: Architecture::Qwen3,
+                    vocab_size: tiny::VOCAB_SIZE,
+                    hidden_size: 64,
+                    intermediate_size: 192,
+                    num_hidden_layers: 8,
+                    num_attention_heads: 4,
+                    num_key_value_heads: 2,
+                    head_dim: 16,
+                    rms_norm_eps: 1e-6,
+                    rope_theta: 10000.0,
+                    rope_scaling: RopeScaling::None,
+                    max_position_embeddings: 4096,
+                    tie_word_embeddings: false,
+                    bos_token_id: Some(tiny::ENDOFTEXT),
+                    eos_token_ids: vec![tiny::IM_END],
+                    pad_token_id: Some(tiny::ENDOFTEXT),
+                },
+                taps: vec![1, 3, 5],
+                mask_token_id: tiny::MASK,
+                portable_init: true,
+                seed: tiny::SEED,
+            },
+            Preset::Qwen3_4b => real(qwen3(2560, 9728, true), &[1, 9, 17, 25, 33], 151669),
+            Preset::Qwen3_8b => real(qwen3(4096, 12288, false), &[1, 9, 17, 25, 33], 151669),
+            Preset::Llama31_8b => real(
+                TargetConfig {
+                    architecture: Architecture::Llama,
+                    vocab_size: 128256,
+                    hidden_size: 4096,
+                    intermediate_size: 14336,
+                    num_hidden_layers: 32,
+                    num_attention_heads: 32,
+                    num_key_value_heads: 8,
+                    head_dim: 128,
+                    rms_norm_eps: 1e-5,
+                    rope_theta: 500000.0,
+                    rope_scaling: RopeScaling::Llama3 {
+                        factor: 8.0,
+                        low_freq_factor: 1.0,
+                        high_freq_factor: 4.0,
+                        original_max_position_embeddings: 8192.0,
+                    },
+                    max_position_embeddings: 131072,
+                    tie_word_embeddings: false,
+                    bos_token_id: Some(128000),
+                    eos_token_ids: vec![128001, 128008, 128009],
+                    pad_token_id: None,
+                },
+                &[1, 8, 15, 22, 29],
+                // <|reserved_special_token_0|>: in the embedding table, never produced by the tokenizer.
+                128002,
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Preset::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+                format!("unknown preset {s:?}: choose one of {}", names.join(", "))
+            })
+    }
+}
+
+impl<'de> Deserialize<'de> for Preset {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::target::validate_taps;
+
+    #[test]
+    fn presets_are_valid_and_named() {
+        for p in Preset::ALL {
+            let spec = p.spec();
+            spec.target.validate().unwrap();
+            validate_taps(&spec.taps, spec.target.num_hidden_layers).unwrap();
+            assert!((spec.mask_token_id as usize) < spec.target.vocab_size);
+            assert_eq!(p.name().parse::<Preset>().unwrap(), p);
+        }
+        assert!(
+            "qwen3-9b"
+                .parse::<Preset>()
+                .unwrap_err()
+                .contains("tiny, qwen3-4b")
+        );
+    }
+
+    #[test]
+    fn tiny_mask_is_outside_the_token_ids() {
+        let t = Preset::Tiny.spec();
+        assert_eq!(t.mask_token_id, tiny::MASK);
+        assert!(tiny::MASK > tiny::END_THINK && (tiny::MASK as usize) == tiny::VOCAB_SIZE - 1);
+    }
+}

@@ -1,0 +1,571 @@
+//! The frozen target decoder (Qwen3 or Llama-3). Its one training-time job is to turn token batches into the
+//! concatenated hidden states of the tapped layers, as fast as the GPU allows; it also lends the drafter its
+//! embedding and LM head, and can run the whole stack for decoding.
+//!
+//! "Layer i" is the output of decoder layer i (HuggingFace's `hidden_states[i + 1]`). Capture stops at the last
+//! tapped layer. Rows are right-padded: with causal attention a valid position never sees a later one, so padding
+//! cannot change valid positions and the fused causal SDPA kernel (flash attention) runs without a mask; padded
+//! positions of the output are zeroed.
+use std::path::Path;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use tch::{Device, Kind, Tensor};
+
+use super::ModelError;
+use super::config::TargetConfig;
+use super::layers::{Rope, apply_rope, rms_norm, swiglu};
+use super::weights::{HostTensor, WeightFiles, write_sharded};
+use crate::device::kind_name;
+use crate::profile::span;
+
+/// How much of the stack to hold and run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Depth {
+    /// Layers up to the last tapped one: what hidden-state capture needs.
+    ToLastTap,
+    /// Every layer and the final norm: what decoding needs.
+    Full,
+}
+
+/// One pre-norm decoder layer; q/k/v and gate/up are stacked so each is one matrix product.
+struct DecoderLayer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    /// `[(heads + 2 * kv_heads) * head_dim, hidden]`
+    qkv_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    /// `[2 * intermediate, hidden]`
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// The frozen target model.
+pub struct Target {
+    cfg: TargetConfig,
+    taps: Vec<usize>,
+    depth: Depth,
+    device: Device,
+    kind: Kind,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Option<Tensor>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Tensor>,
+    rope: Rope,
+}
+
+/// Checks tapped layer ids against the decoder: non-empty, strictly increasing, each below the layer count.
+pub fn validate_taps(taps: &[usize], num_layers: usize) -> Result<(), String> {
+    if taps.is_empty() {
+        return Err("no tapped layer ids given".into());
+    }
+    if taps.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(format!(
+            "tapped layer ids {taps:?} must be strictly increasing"
+        ));
+    }
+    if let Some(bad) = taps.iter().find(|&&t| t >= num_layers) {
+        return Err(format!(
+            "tapped layer id {bad} does not exist: the target has {num_layers} layers (ids 0..={})",
+            num_layers - 1
+        ));
+    }
+    Ok(())
+}
+
+/// The tensor names, shapes and init scale of the HuggingFace checkpoint of `cfg` (layers `0..num_layers`).
+fn hf_tensors(
+    cfg: &TargetConfig,
+    num_layers: usize,
+    with_head: bool,
+) -> Vec<(String, Vec<usize>, f64)> {
+    let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q, kv) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
+    let std = 0.02;
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+        std,
+    )];
+    for l in 0..num_layers {
+        let p = format!("model.layers.{l}");
+        out.push((format!("{p}.input_layernorm.weight"), vec![h], 0.0));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h], 0.0));
+        out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], std));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], std));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], std));
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], std));
+        if cfg.architecture.has_qk_norm() {
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d], 0.0));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d], 0.0));
+        }
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], std));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], std));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], std));
+    }
+    if with_head {
+        out.push(("model.norm.weight".to_string(), vec![h], 0.0));
+        if !cfg.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h], std));
+        }
+    }
+    out
+}
+
+impl Target {
+    /// Loads a HuggingFace model folder (`config.json` + safetensors) onto `device` as `kind`.
+    pub fn load(
+        dir: &Path,
+        taps: &[usize],
+        depth: Depth,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self, ModelError> {
+        let cfg = TargetConfig::from_dir(dir)?;
+        let files = WeightFiles::open(dir)?;
+        let why = format!(
+            "config.json: hidden_size={}, intermediate_size={}, heads={}, kv_heads={}, head_dim={}, vocab_size={}",
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.vocab_size
+        );
+        if cfg.tie_word_embeddings && files.contains("lm_head.weight") {
+            tracing::debug!(
+                "config.json ties the LM head to the embedding; ignoring lm_head.weight"
+            );
+        }
+        Self::build(cfg, taps, depth, device, kind, |name, shape, _| {
+            files.load(name, shape, &why, kind, device)
+        })
+    }
+
+    /// A target with random weights (norms 1, matrices N(0, 0.02)). With `portable`, weights come from a ChaCha8
+    /// stream on the CPU seeded by `seed`, so every machine builds the same model; otherwise from the device's
+    /// generator (fast for billions of weights, reproducible on one kind of device).
+    pub fn random(
+        cfg: TargetConfig,
+        taps: &[usize],
+        depth: Depth,
+        device: Device,
+        kind: Kind,
+        seed: u64,
+        portable: bool,
+    ) -> Result<Self, ModelError> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        if !portable {
+            tch::manual_seed(seed as i64);
+        }
+        Self::build(cfg, taps, depth, device, kind, |_, shape, std| {
+            let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+            if std == 0.0 {
+                return Ok(Tensor::f_ones(&dims, (kind, device))?);
+            }
+            if !portable {
+                return Ok((Tensor::f_randn(&dims, (kind, device))? * std).f_to_kind(kind)?);
+            }
+            let normal = Normal::new(0.0f32, std as f32).expect("finite std");
+            let values: Vec<f32> = (0..shape.iter().product::<usize>())
+                .map(|_| normal.sample(&mut rng))
+                .collect();
+            Ok(Tensor::f_from_slice(&values)?
+                .f_view(dims.as_slice())?
+                .f_to(device)?
+                .f_to_kind(kind)?)
+        })
+    }
+
+    /// Assembles the model from a source of named HF tensors: `(name, shape, init std) -> tensor`.
+    fn build(
+        cfg: TargetConfig,
+        taps: &[usize],
+        depth: Depth,
+        device: Device,
+        kind: Kind,
+        mut tensor: impl FnMut(&str, &[usize], f64) -> Result<Tensor, ModelError>,
+    ) -> Result<Self, ModelError> {
+        validate_taps(taps, cfg.num_hidden_layers).map_err(ModelError::Taps)?;
+        let num_layers = match depth {
+            Depth::ToLastTap => taps.last().expect("validated non-empty") + 1,
+            Depth::Full => cfg.num_hidden_layers,
+        };
+        let specs = hf_tensors(&cfg, num_layers, depth == Depth::Full);
+        let mut get = |name: &str| -> Result<Tensor, ModelError> {
+            let (_, shape, std) = specs
+                .iter()
+                .find(|(n, _, _)| n == name)
+                .expect("every requested tensor is in the spec list");
+            tensor(name, shape, *std)
+        };
+        let embed_tokens = get("model.embed_tokens.weight")?;
+        let mut layers = Vec::with_capacity(num_layers);
+        for l in 0..num_layers {
+            let p = format!("model.layers.{l}");
+            let w = |suffix: &str| format!("{p}.{suffix}");
+            let qkv_proj = Tensor::f_cat(
+                &[
+                    get(&w("self_attn.q_proj.weight"))?,
+                    get(&w("self_attn.k_proj.weight"))?,
+                    get(&w("self_attn.v_proj.weight"))?,
+                ],
+                0,
+            )?;
+            let gate_up_proj = Tensor::f_cat(
+                &[
+                    get(&w("mlp.gate_proj.weight"))?,
+                    get(&w("mlp.up_proj.weight"))?,
+                ],
+                0,
+            )?;
+            let (q_norm, k_norm) = if cfg.architecture.has_qk_norm() {
+                (
+                    Some(get(&w("self_attn.q_norm.weight"))?),
+                    Some(get(&w("self_attn.k_norm.weight"))?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: get(&w("input_layernorm.weight"))?,
+                post_attention_layernorm: get(&w("post_attention_layernorm.weight"))?,
+                qkv_proj,
+                o_proj: get(&w("self_attn.o_proj.weight"))?,
+                q_norm,
+                k_norm,
+                gate_up_proj,
+                down_proj: get(&w("mlp.down_proj.weight"))?,
+            });
+        }
+        let (norm, lm_head) = match depth {
+            Depth::Full => (
+                Some(get("model.norm.weight")?),
+                if cfg.tie_word_embeddings {
+                    None
+                } else {
+                    Some(get("lm_head.weight")?)
+                },
+            ),
+            // Capture needs no final norm, but the drafter always needs the LM head.
+            Depth::ToLastTap if !cfg.tie_word_embeddings => {
+                let (_, shape, std) = hf_tensors(&cfg, 0, true)
+                    .into_iter()
+                    .find(|(n, _, _)| n == "lm_head.weight")
+                    .expect("untied configs have an lm_head");
+                (None, Some(tensor("lm_head.weight", &shape, std)?))
+            }
+            Depth::ToLastTap => (None, None),
+        };
+        let rope = Rope::new(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, device);
+        Ok(Target {
+            cfg,
+            taps: taps.to_vec(),
+            depth,
+            device,
+            kind,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &TargetConfig {
+        &self.cfg
+    }
+    pub fn taps(&self) -> &[usize] {
+        &self.taps
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+    /// Decoder layers this instance runs (up to the last tap, or all).
+    pub fn layers_run(&self) -> usize {
+        self.layers.len()
+    }
+    /// The frozen token embedding `[vocab, hidden]`.
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+    /// The frozen LM head `[vocab, hidden]` (the embedding itself when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Embeds token ids `[..]` -> `[.., hidden]`.
+    pub fn embed(&self, ids: &Tensor) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
+    }
+
+    /// Runs the decoder on right-padded `input_ids [B, S]` (int64, on the model's device) whose rows hold
+    /// `lengths` real tokens, and returns the tapped states concatenated in tap order, `[B, S, taps * hidden]`,
+    /// zero at padded positions. No gradients are recorded.
+    pub fn capture(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor, ModelError> {
+        let (b, s) = self.check_batch(input_ids, lengths)?;
+        let h = self.cfg.hidden_size as i64;
+        let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
+        tch::no_grad(|| {
+            let mut next_tap = 0;
+            let _last =
+                self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, |layer, x| {
+                    if self.taps.get(next_tap) == Some(&layer) {
+                        let _p = span("target.copy_taps");
+                        let mut slot = out.narrow(2, next_tap as i64 * h, h);
+                        slot.copy_(x);
+                        next_tap += 1;
+                    }
+                });
+        });
+        self.zero_padding(&out, lengths)?;
+        Ok(out)
+    }
+
+    /// Runs the whole stack and the LM head: logits `[B, S, vocab]` (padded positions zeroed). Needs
+    /// [`Depth::Full`].
+    pub fn logits(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor, ModelError> {
+        let Some(norm) = &self.norm else {
+            return Err(ModelError::NotFull);
+        };
+        self.check_batch(input_ids, lengths)?;
+        let logits = tch::no_grad(|| {
+            let x = self.run_layers(input_ids, self.layers.len(), |_, _| {});
+            rms_norm(&x, norm, self.cfg.rms_norm_eps).linear(self.lm_head(), None::<Tensor>)
+        });
+        self.zero_padding(&logits, lengths)?;
+        Ok(logits)
+    }
+
+    fn check_batch(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(i64, i64), ModelError> {
+        let size = input_ids.size();
+        let bad = |reason: String| Err(ModelError::Batch(reason));
+        let [b, s] = size[..] else {
+            return bad(format!("input_ids must be [batch, seq], got {size:?}"));
+        };
+        if input_ids.kind() != Kind::Int64 || input_ids.device() != self.device {
+            return bad(format!(
+                "input_ids must be int64 on {:?}, got {:?} on {:?}",
+                self.device,
+                input_ids.kind(),
+                input_ids.device()
+            ));
+        }
+        if lengths.len() as i64 != b || lengths.iter().any(|&l| l < 1 || l > s) {
+            return bad(format!(
+                "lengths {lengths:?} must give 1..={s} tokens for each of {b} rows"
+            ));
+        }
+        if s as usize > self.cfg.max_position_embeddings {
+            return bad(format!(
+                "sequence length {s} exceeds max_position_embeddings {}",
+                self.cfg.max_position_embeddings
+            ));
+        }
+        Ok((b, s))
+    }
+
+    /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output.
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        count: usize,
+        mut observe: impl FnMut(usize, &Tensor),
+    ) -> Tensor {
+        let s = input_ids.size()[1];
+        let positions = Tensor::arange(s, (Kind::Int64, self.device));
+        let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
+        // [S, d] -> [1, S, 1, d]: broadcast over batch and heads in the [B, S, heads, d] layout.
+        let (cos, sin) = (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2));
+        let mut x = {
+            let _p = span("target.embed");
+            self.embed(input_ids)
+        };
+        for (i, layer) in self.layers[..count].iter().enumerate() {
+            x = self.layer_forward(layer, &x, &cos, &sin);
+            observe(i, &x);
+        }
+        x
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Tensor {
+        let c = &self.cfg;
+        let (b, s) = (x.size()[0], x.size()[1]);
+        let (heads, kv_heads, d) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let qkv = {
+            let _p = span("target.norms");
+            rms_norm(x, &layer.input_layernorm, c.rms_norm_eps)
+        };
+        let qkv = {
+            let _p = span("target.qkv_proj");
+            qkv.linear(&layer.qkv_proj, None::<Tensor>)
+        };
+        let q = qkv.narrow(-1, 0, heads * d).view([b, s, heads, d]);
+        let k = qkv
+            .narrow(-1, heads * d, kv_heads * d)
+            .view([b, s, kv_heads, d]);
+        let v = qkv
+            .narrow(-1, (heads + kv_heads) * d, kv_heads * d)
+            .view([b, s, kv_heads, d]);
+        let (q, k) = match (&layer.q_norm, &layer.k_norm) {
+            (Some(qn), Some(kn)) => {
+                let _p = span("target.norms");
+                (
+                    rms_norm(&q, qn, c.rms_norm_eps),
+                    rms_norm(&k, kn, c.rms_norm_eps),
+                )
+            }
+            _ => (q, k),
+        };
+        let (q, k) = {
+            let _p = span("target.rope");
+            (
+                apply_rope(&q, cos, sin).transpose(1, 2),
+                apply_rope(&k, cos, sin).transpose(1, 2),
+            )
+        };
+        let attn = {
+            let _p = span("target.attention");
+            Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v.transpose(1, 2),
+                None::<Tensor>,
+                0.0,
+                true,
+                None,
+                kv_heads != heads,
+            )
+        };
+        let x = {
+            let _p = span("target.o_proj");
+            x + attn
+                .transpose(1, 2)
+                .reshape([b, s, heads * d])
+                .linear(&layer.o_proj, None::<Tensor>)
+        };
+        let h = {
+            let _p = span("target.norms");
+            rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)
+        };
+        let _p = span("target.mlp");
+        x + swiglu(&h, &layer.gate_up_proj, &layer.down_proj)
+    }
+
+    fn zero_padding(&self, t: &Tensor, lengths: &[i64]) -> Result<(), ModelError> {
+        let s = t.size()[1];
+        if lengths.iter().all(|&l| l == s) {
+            return Ok(());
+        }
+        let lengths = Tensor::f_from_slice(lengths)?.f_to(self.device)?;
+        let pad = Tensor::f_arange(s, (Kind::Int64, self.device))?
+            .unsqueeze(0)
+            .f_ge_tensor(&lengths.unsqueeze(1))?;
+        let _ = t.shallow_clone().f_masked_fill_(&pad.unsqueeze(-1), 0.0)?;
+        Ok(())
+    }
+
+    /// Writes this model as a HuggingFace folder (`config.json` + safetensors, sharded past `max_shard_bytes`).
+    /// Needs [`Depth::Full`], so the folder holds the whole model.
+    pub fn save_hf(&self, dir: &Path, max_shard_bytes: usize) -> Result<(), ModelError> {
+        if self.depth != Depth::Full {
+            return Err(ModelError::NotFull);
+        }
+        std::fs::create_dir_all(dir).map_err(|err| ModelError::Io {
+            path: dir.to_path_buf(),
+            err,
+        })?;
+        let c = &self.cfg;
+        let (q, kv, i) = (
+            (c.num_attention_heads * c.head_dim) as i64,
+            (c.num_key_value_heads * c.head_dim) as i64,
+            c.intermediate_size as i64,
+        );
+        // (HF name, stored tensor, the rows of a stacked tensor that hold it)
+        type Part<'a> = (String, &'a Tensor, Option<(i64, i64)>);
+        let mut tensors: Vec<Part> =
+            vec![("model.embed_tokens.weight".into(), &self.embed_tokens, None)];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            tensors.push((
+                format!("{p}.input_layernorm.weight"),
+                &layer.input_layernorm,
+                None,
+            ));
+            tensors.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                &layer.post_attention_layernorm,
+                None,
+            ));
+            tensors.push((
+                format!("{p}.self_attn.q_proj.weight"),
+                &layer.qkv_proj,
+                Some((0, q)),
+            ));
+            tensors.push((
+                format!("{p}.self_attn.k_proj.weight"),
+                &layer.qkv_proj,
+                Some((q, kv)),
+            ));
+            tensors.push((
+                format!("{p}.self_attn.v_proj.weight"),
+                &layer.qkv_proj,
+                Some((q + kv, kv)),
+            ));
+            tensors.push((format!("{p}.self_attn.o_proj.weight"), &layer.o_proj, None));
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                tensors.push((format!("{p}.self_attn.q_norm.weight"), qn, None));
+                tensors.push((format!("{p}.self_attn.k_norm.weight"), kn, None));
+            }
+            tensors.push((
+                format!("{p}.mlp.gate_proj.weight"),
+                &layer.gate_up_proj,
+                Some((0, i)),
+            ));
+            tensors.push((
+                format!("{p}.mlp.up_proj.weight"),
+                &layer.gate_up_proj,
+                Some((i, i)),
+            ));
+            tensors.push((format!("{p}.mlp.down_proj.weight"), &layer.down_proj, None));
+        }
+        if let Some(norm) = &self.norm {
+            tensors.push(("model.norm.weight".into(), norm, None));
+        }
+        if let Some(head) = &self.lm_head {
+            tensors.push(("lm_head.weight".into(), head, None));
+        }
+        let host = tensors
+            .into_iter()
+            .map(|(name, t, rows)| {
+                let t = match rows {
+                    Some((start, len)) => t.narrow(0, start, len),
+                    None => t.shallow_clone(),
+                };
+                Ok((name, HostTensor::from_tensor(&t)?))
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        write_sharded(dir, host, max_shard_bytes)?;
+        let config =
+            serde_json::to_string_pretty(&c.to_hf_json(kind_name(self.kind))).expect("json");
+        let path = dir.join("config.json");
+        std::fs::write(&path, config).map_err(|err| ModelError::Io { path, err })
+    }
+}

@@ -1,0 +1,150 @@
+//! The `dflash` binary as users meet it: help texts, subcommands not yet available, configuration errors, and a
+//! real benchmark run on the tiny preset.
+use std::process::{Command, Output};
+
+fn dflash(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env("DFLASH__LOG__LEVEL", "warn")
+        .output()
+        .expect("run dflash")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn every_subcommand_explains_itself() {
+    let top = dflash(&["--help"]);
+    assert!(top.status.success());
+    let help = text(&top.stdout);
+    for sub in [
+        "serve-train",
+        "prepare",
+        "regenerate",
+        "eval",
+        "export",
+        "bench",
+    ] {
+        assert!(help.contains(sub), "{sub} missing from --help");
+        let out = dflash(&[sub, "--help"]);
+        assert!(out.status.success(), "{sub} --help failed");
+        assert!(
+            text(&out.stdout).lines().count() > 3,
+            "{sub} --help says too little"
+        );
+    }
+    assert!(help.contains("DFLASH__SECTION__KEY") && help.contains("Exit status"));
+    let bench = text(&dflash(&["bench", "--help"]).stdout);
+    assert!(
+        bench.contains("FLOPs counted") && bench.contains("--peak-tflops"),
+        "{bench}"
+    );
+}
+
+#[test]
+fn subcommands_not_yet_available_say_so_and_fail() {
+    for sub in ["serve-train", "prepare", "regenerate", "eval", "export"] {
+        let out = dflash(&[sub, "--model", "x"]);
+        assert_eq!(out.status.code(), Some(3), "{sub}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("not available") && err.contains("nothing was run"),
+            "{sub}: {err}"
+        );
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn configuration_errors_name_the_key() {
+    let out = dflash(&["--set", "target.device=gpu", "bench", "--what", "target"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("target.device") && err.contains("gpu"),
+        "{err}"
+    );
+    let out = dflash(&["--set", "target.devcie=cpu", "bench", "--what", "target"]);
+    assert!(text(&out.stderr).contains("devcie"));
+}
+
+#[test]
+fn asking_for_a_gpu_that_is_not_there_is_one_clear_error() {
+    if tch::Cuda::is_available() {
+        return; // this machine has a GPU; the CPU-only message cannot appear
+    }
+    let out = dflash(&[
+        "bench", "--what", "target", "--device", "cuda:0", "--batch", "1", "--seq", "8",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("cuda:0") && err.contains("CUDA is not available"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+}
+
+#[test]
+fn bench_runs_the_tiny_target_and_prints_json() {
+    let out = dflash(&[
+        "bench", "--what", "target", "--preset", "tiny", "--device", "cpu", "--batch", "2",
+        "--seq", "32", "--steps", "2", "--warmup", "1", "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    for key in [
+        "what",
+        "preset",
+        "device",
+        "batch",
+        "seq",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+        "peak_mem_bytes",
+        "step_ms_p50",
+    ] {
+        assert!(report.get(key).is_some(), "missing {key}: {report}");
+    }
+    assert_eq!(report["what"], "target");
+    assert_eq!(report["layers_run"], 6, "capture stops after tap 5");
+    assert!(report["tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn a_model_folder_without_taps_is_refused_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dflash(&[
+        "bench",
+        "--what",
+        "target",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--taps"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = dflash(&[
+        "bench",
+        "--what",
+        "target",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--taps",
+        "1,2",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("config.json"), "{err}");
+}

@@ -1,0 +1,267 @@
+//! Test helpers: random HuggingFace-named weights for small decoders, writing them as a model folder, and a naive
+//! reference decoder (f64, one sequence at a time, explicit loops over heads and an explicit causal mask) that
+//! shares no code with the library's model.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use dflash::model::config::RopeScaling;
+use dflash::model::weights::{HostTensor, write_sharded};
+use dflash::model::{Architecture, TargetConfig};
+use tch::{Device, Kind, Tensor};
+
+pub type Weights = BTreeMap<String, Tensor>;
+
+/// A small decoder whose attention width (heads * head_dim = 64) differs from its hidden size (48), so a mix-up
+/// of the two cannot pass.
+pub fn small_config(architecture: Architecture, tie: bool, scaling: RopeScaling) -> TargetConfig {
+    TargetConfig {
+        architecture,
+        vocab_size: 97,
+        hidden_size: 48,
+        intermediate_size: 80,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: scaling,
+        max_position_embeddings: 256,
+        tie_word_embeddings: tie,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        pad_token_id: Some(0),
+    }
+}
+
+pub fn llama3_scaling() -> RopeScaling {
+    RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 32.0,
+    }
+}
+
+/// Random weights under HuggingFace names. Matrices are large enough (std 0.15) that attention is far from
+/// uniform, and norm weights are not all ones, so skipping any piece changes the output.
+pub fn random_weights(cfg: &TargetConfig, seed: i64) -> Weights {
+    tch::manual_seed(seed);
+    let (h, i, d) = (
+        cfg.hidden_size as i64,
+        cfg.intermediate_size as i64,
+        cfg.head_dim as i64,
+    );
+    let (q, kv) = (
+        cfg.num_attention_heads as i64 * d,
+        cfg.num_key_value_heads as i64 * d,
+    );
+    let v = cfg.vocab_size as i64;
+    let mat = |r: i64, c: i64| Tensor::randn([r, c], (Kind::Float, Device::Cpu)) * 0.15;
+    let norm = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1 + 1.0;
+    let mut w = Weights::new();
+    w.insert(
+        "model.embed_tokens.weight".into(),
+        Tensor::randn([v, h], (Kind::Float, Device::Cpu)),
+    );
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        w.insert(format!("{p}.input_layernorm.weight"), norm(h));
+        w.insert(format!("{p}.post_attention_layernorm.weight"), norm(h));
+        w.insert(format!("{p}.self_attn.q_proj.weight"), mat(q, h));
+        w.insert(format!("{p}.self_attn.k_proj.weight"), mat(kv, h));
+        w.insert(format!("{p}.self_attn.v_proj.weight"), mat(kv, h));
+        w.insert(format!("{p}.self_attn.o_proj.weight"), mat(h, q));
+        if cfg.architecture == Architecture::Qwen3 {
+            w.insert(format!("{p}.self_attn.q_norm.weight"), norm(d));
+            w.insert(format!("{p}.self_attn.k_norm.weight"), norm(d));
+        }
+        w.insert(format!("{p}.mlp.gate_proj.weight"), mat(i, h));
+        w.insert(format!("{p}.mlp.up_proj.weight"), mat(i, h));
+        w.insert(format!("{p}.mlp.down_proj.weight"), mat(h, i));
+    }
+    w.insert("model.norm.weight".into(), norm(h));
+    if !cfg.tie_word_embeddings {
+        w.insert("lm_head.weight".into(), mat(v, h));
+    }
+    w
+}
+
+/// Writes `weights` and `cfg` as a HuggingFace folder; shards when they exceed `max_shard_bytes`.
+pub fn write_folder(dir: &Path, cfg: &TargetConfig, weights: &Weights, max_shard_bytes: usize) {
+    std::fs::create_dir_all(dir).unwrap();
+    let host = weights
+        .iter()
+        .map(|(n, t)| (n.clone(), HostTensor::from_tensor(t).unwrap()))
+        .collect();
+    write_sharded(dir, host, max_shard_bytes).unwrap();
+    let json = serde_json::to_string_pretty(&cfg.to_hf_json("float32")).unwrap();
+    std::fs::write(dir.join("config.json"), json).unwrap();
+}
+
+fn f64w(w: &Weights, name: &str) -> Tensor {
+    w[name].to_kind(Kind::Double)
+}
+
+fn rms(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Double);
+    x / (var + eps).sqrt() * weight
+}
+
+/// Inverse frequencies in plain f64 arithmetic, with Llama-3 scaling written from its published definition.
+fn inv_freqs(cfg: &TargetConfig) -> Vec<f64> {
+    let d = cfg.head_dim;
+    (0..d / 2)
+        .map(|i| {
+            let f = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64);
+            match cfg.rope_scaling {
+                RopeScaling::None => f,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: lo,
+                    high_freq_factor: hi,
+                    original_max_position_embeddings: old,
+                } => {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < old / hi {
+                        f
+                    } else if wavelen > old / lo {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// Rotates each adjacent-half pair (j, j + d/2) of every row `p` of `x [len, d]` by angle `p * inv_freq[j]`.
+fn rope(x: &Tensor, inv: &[f64]) -> Tensor {
+    let (len, d) = (x.size()[0], x.size()[1]);
+    let half = d / 2;
+    let mut cos = vec![0f64; (len * d) as usize];
+    let mut sin = vec![0f64; (len * d) as usize];
+    for p in 0..len {
+        for j in 0..half {
+            let a = p as f64 * inv[j as usize];
+            for col in [j, j + half] {
+                cos[(p * d + col) as usize] = a.cos();
+                sin[(p * d + col) as usize] = a.sin();
+            }
+        }
+    }
+    let cos = Tensor::from_slice(&cos).view([len, d]);
+    let sin = Tensor::from_slice(&sin).view([len, d]);
+    let x1 = x.narrow(1, 0, half);
+    let x2 = x.narrow(1, half, half);
+    let rotated = Tensor::cat(&[-x2, x1], 1);
+    x * cos + rotated * sin
+}
+
+/// One sequence through the decoder: the output of every layer (`[len, hidden]` each) and the logits.
+pub struct NaiveRun {
+    pub layer_outputs: Vec<Tensor>,
+    pub logits: Tensor,
+}
+
+pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
+    let len = ids.len() as i64;
+    let d = cfg.head_dim as i64;
+    let eps = cfg.rms_norm_eps;
+    let inv = inv_freqs(cfg);
+    let group = (cfg.num_attention_heads / cfg.num_key_value_heads) as i64;
+    let causal = Tensor::ones([len, len], (Kind::Double, Device::Cpu))
+        .triu(1)
+        .to_kind(Kind::Bool);
+    let mut x = f64w(w, "model.embed_tokens.weight").index_select(0, &Tensor::from_slice(ids));
+    let mut outputs = vec![];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let h = rms(&x, &f64w(w, &format!("{p}.input_layernorm.weight")), eps);
+        let q = h.matmul(&f64w(w, &format!("{p}.self_attn.q_proj.weight")).tr());
+        let k = h.matmul(&f64w(w, &format!("{p}.self_attn.k_proj.weight")).tr());
+        let v = h.matmul(&f64w(w, &format!("{p}.self_attn.v_proj.weight")).tr());
+        let mut heads = vec![];
+        for head in 0..cfg.num_attention_heads as i64 {
+            let kv_head = head / group;
+            let mut qh = q.narrow(1, head * d, d);
+            let mut kh = k.narrow(1, kv_head * d, d);
+            let vh = v.narrow(1, kv_head * d, d);
+            if cfg.architecture == Architecture::Qwen3 {
+                qh = rms(&qh, &f64w(w, &format!("{p}.self_attn.q_norm.weight")), eps);
+                kh = rms(&kh, &f64w(w, &format!("{p}.self_attn.k_norm.weight")), eps);
+            }
+            let (qh, kh) = (rope(&qh, &inv), rope(&kh, &inv));
+            let scores = qh.matmul(&kh.tr()) / (d as f64).sqrt();
+            let probs = scores
+                .masked_fill(&causal, f64::NEG_INFINITY)
+                .softmax(-1, Kind::Double);
+            heads.push(probs.matmul(&vh));
+        }
+        let attn = Tensor::cat(&heads, 1);
+        x = &x + attn.matmul(&f64w(w, &format!("{p}.self_attn.o_proj.weight")).tr());
+        let h = rms(
+            &x,
+            &f64w(w, &format!("{p}.post_attention_layernorm.weight")),
+            eps,
+        );
+        let gate = h.matmul(&f64w(w, &format!("{p}.mlp.gate_proj.weight")).tr());
+        let up = h.matmul(&f64w(w, &format!("{p}.mlp.up_proj.weight")).tr());
+        let act = &gate * gate.sigmoid() * up;
+        x = &x + act.matmul(&f64w(w, &format!("{p}.mlp.down_proj.weight")).tr());
+        outputs.push(x.shallow_clone());
+    }
+    let head = if cfg.tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    };
+    let logits = rms(&x, &f64w(w, "model.norm.weight"), eps).matmul(&f64w(w, head).tr());
+    NaiveRun {
+        layer_outputs: outputs,
+        logits,
+    }
+}
+
+/// Max |a - b| over max |b|: the relative error of `a` against reference `b`.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_kind(Kind::Double);
+    let diff = (&a - b).abs().max().double_value(&[]);
+    diff / b.abs().max().double_value(&[]).max(1e-12)
+}
+
+/// Right-padded `[B, S]` ids (pad id 0) from rows of different lengths, and the lengths.
+pub fn pad_batch(rows: &[Vec<i64>]) -> (Tensor, Vec<i64>) {
+    let s = rows.iter().map(Vec::len).max().unwrap();
+    let mut flat = vec![];
+    for r in rows {
+        flat.extend_from_slice(r);
+        flat.extend(std::iter::repeat_n(0, s - r.len()));
+    }
+    let ids = Tensor::from_slice(&flat).view([rows.len() as i64, s as i64]);
+    (ids, rows.iter().map(|r| r.len() as i64).collect())
+}
+
+/// Deterministic pseudo-random token rows of the given lengths.
+pub fn token_rows(vocab: i64, lengths: &[usize], seed: u64) -> Vec<Vec<i64>> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    lengths
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 33) % vocab as u64) as i64
+                })
+                .collect()
+        })
+        .collect()
+}
