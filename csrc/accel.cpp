@@ -1,8 +1,11 @@
-// Device services tch does not expose, through libtorch's device-agnostic accelerator API (no CUDA headers needed):
-// binding the calling thread to a device, synchronizing it, the caching allocator's statistics, and timing events
-// recorded on the thread's current stream.
+// What tch does not expose, through libtorch's device-agnostic API (no CUDA headers needed): binding the calling
+// thread to a device, synchronizing it, the caching allocator's statistics, timing events recorded on the thread's
+// current stream, presetting a tensor's `.grad` (so gradients accumulate into a flat buffer) and the fused AdamW
+// kernel. Tensors cross the boundary as `at::Tensor*`, which is what tch's C API hands out.
 // Every function catches C++ exceptions and reports them as a message, never unwinding into Rust.
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <c10/core/Event.h>
 
 #include <cstring>
@@ -106,5 +109,33 @@ int dflash_event_elapsed_ms(void* start, void* end, double* ms, char* err, size_
 }
 
 void dflash_event_free(void* event) { delete static_cast<c10::Event*>(event); }
+
+// Makes `grad` the `.grad` of `param`; autograd then accumulates into it in place.
+int dflash_set_grad(at::Tensor* param, at::Tensor* grad, char* err, size_t len) {
+  try {
+    param->mutable_grad() = *grad;
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+// One AdamW step (decoupled weight decay) over one flat parameter buffer; `step` (float32, same device) must
+// already count this step. Gradients are divided by `grad_scale` (nullable) inside the kernel.
+int dflash_fused_adamw(at::Tensor* param, at::Tensor* grad, at::Tensor* exp_avg, at::Tensor* exp_avg_sq,
+                       at::Tensor* step, double lr, double beta1, double beta2, double weight_decay, double eps,
+                       at::Tensor* grad_scale, char* err, size_t len) {
+  try {
+    std::optional<at::Tensor> scale;
+    if (grad_scale != nullptr) scale = *grad_scale;
+    at::_fused_adamw_({*param}, {*grad}, {*exp_avg}, {*exp_avg_sq}, {}, {*step}, lr, beta1, beta2, weight_decay,
+                      eps, /*amsgrad=*/false, /*maximize=*/false, scale, std::nullopt);
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
 
 }  // extern "C"

@@ -226,16 +226,9 @@ mod tests {
     #[test]
     fn reports_a_real_measurement_on_the_tiny_target() {
         let spec = Preset::Tiny.spec();
-        let target = Target::random(
-            spec.target,
-            &spec.taps,
-            crate::model::Depth::Full,
-            tch::Device::Cpu,
-            Kind::Float,
-            spec.seed,
-            true,
-        )
-        .unwrap();
+        let target = spec
+            .build_target(crate::model::Depth::Full, tch::Device::Cpu, Kind::Float)
+            .unwrap();
         let opts = TargetBenchOptions {
             batch: 2,
             seq: 16,

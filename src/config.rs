@@ -12,7 +12,9 @@ use config::{File, FileFormat, Value, ValueKind};
 use serde::Deserialize;
 
 use crate::device::{DeviceSpec, DtypeSpec};
-use crate::model::Preset;
+use crate::model::presets::PresetSpec;
+use crate::model::{Depth, ModelError, Preset, Target};
+use tch::{Device, Kind};
 
 /// The built-in defaults, the lowest layer; every key users can set is here, with its documentation.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
@@ -86,6 +88,35 @@ pub enum TargetSource {
     Preset(Preset),
     /// A HuggingFace model folder.
     Folder(PathBuf),
+}
+
+impl TargetSource {
+    /// The target with tapped layers `taps`: the preset's random weights, or the folder's.
+    pub fn build_target(
+        &self,
+        taps: &[usize],
+        depth: Depth,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Target, ModelError> {
+        match self {
+            TargetSource::Preset(p) => PresetSpec {
+                taps: taps.to_vec(),
+                ..p.spec()
+            }
+            .build_target(depth, device, kind),
+            TargetSource::Folder(dir) => Target::load(dir, taps, depth, device, kind),
+        }
+    }
+}
+
+impl std::fmt::Display for TargetSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TargetSource::Preset(p) => write!(f, "{p}"),
+            TargetSource::Folder(dir) => write!(f, "{}", dir.display()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

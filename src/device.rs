@@ -181,7 +181,7 @@ unsafe extern "C" {
 }
 
 /// Calls a shim function with an error buffer and turns a failure into a [`DeviceError::Runtime`].
-fn call_shim(
+pub(crate) fn call_shim(
     device: Device,
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), DeviceError> {

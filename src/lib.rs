@@ -6,8 +6,10 @@ pub mod bench;
 pub mod config;
 pub mod device;
 pub mod model;
+pub mod ops;
 pub mod panic;
 pub mod profile;
+pub mod train;
 
 /// The first line of a libtorch error, without tch's prefix or the C++ backtrace libtorch appends.
 pub fn torch_message(full: &str) -> String {

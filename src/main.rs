@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use dflash::bench::{TargetBenchOptions, bench_target};
 use dflash::config::{Config, Layers, LogFormat, TargetSource};
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
-use dflash::model::{Depth, Preset, Target};
+use dflash::model::{Depth, Preset};
 use dflash::panic::{catch_torch, is_torch_error, payload_message};
 
 /// Exit status of a subcommand that exists in the interface but not yet in this build.
@@ -244,29 +244,9 @@ fn bench(config: &Config, args: BenchArgs) -> Result<ExitCode> {
         peak_tflops: args.peak_tflops,
     };
     let report = catch_torch(|| -> Result<_> {
-        let (target, label) = match &source {
-            TargetSource::Preset(p) => {
-                let spec = p.spec();
-                tracing::info!(preset = %p, device = %device_name(device), "building the target with random weights");
-                let t = Target::random(
-                    spec.target,
-                    &taps,
-                    depth,
-                    device,
-                    kind,
-                    spec.seed,
-                    spec.portable_init,
-                )?;
-                (t, p.name().to_string())
-            }
-            TargetSource::Folder(dir) => {
-                tracing::info!(model = %dir.display(), device = %device_name(device), "loading the target");
-                (
-                    Target::load(dir, &taps, depth, device, kind)?,
-                    dir.display().to_string(),
-                )
-            }
-        };
+        tracing::info!(target = %source, device = %device_name(device), "building the target");
+        let target = source.build_target(&taps, depth, device, kind)?;
+        let label = source.to_string();
         Ok(bench_target(&target, &label, &opts)?)
     })??;
     if args.json {

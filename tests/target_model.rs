@@ -110,16 +110,9 @@ fn the_naive_check_would_catch_a_wrong_tap_or_missing_qk_norm() {
 #[test]
 fn a_sharded_folder_round_trips_with_identical_outputs() {
     let spec = Preset::Tiny.spec();
-    let target = Target::random(
-        spec.target.clone(),
-        &spec.taps,
-        Depth::Full,
-        Device::Cpu,
-        Kind::Float,
-        spec.seed,
-        true,
-    )
-    .unwrap();
+    let target = spec
+        .build_target(Depth::Full, Device::Cpu, Kind::Float)
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     target.save_hf(dir.path(), 200_000).unwrap();
     let shards = std::fs::read_dir(dir.path())
@@ -159,16 +152,8 @@ fn a_sharded_folder_round_trips_with_identical_outputs() {
 fn the_tiny_preset_is_the_same_model_every_time() {
     let build = || {
         let spec = Preset::Tiny.spec();
-        Target::random(
-            spec.target,
-            &spec.taps,
-            Depth::ToLastTap,
-            Device::Cpu,
-            Kind::Float,
-            spec.seed,
-            true,
-        )
-        .unwrap()
+        spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float)
+            .unwrap()
     };
     let (a, b) = (build(), build());
     assert!(a.embed_tokens().equal(b.embed_tokens()));

@@ -3,12 +3,19 @@
 use std::path::PathBuf;
 
 pub mod config;
+pub mod drafter;
+pub mod drafter_config;
+pub mod flat_params;
+pub mod init;
 pub mod layers;
 pub mod presets;
 pub mod target;
 pub mod weights;
 
 pub use config::{Architecture, TargetConfig};
+pub use drafter::{BlockAttention, Drafter};
+pub use drafter_config::DrafterConfig;
+pub use init::Init;
 pub use presets::Preset;
 pub use target::{Depth, Target};
 
@@ -61,6 +68,12 @@ pub enum ModelError {
     NotFull,
     #[error("libtorch: {0}")]
     Torch(String),
+}
+
+impl From<crate::device::DeviceError> for ModelError {
+    fn from(e: crate::device::DeviceError) -> Self {
+        ModelError::Torch(e.to_string())
+    }
 }
 
 impl From<tch::TchError> for ModelError {

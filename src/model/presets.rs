@@ -7,6 +7,9 @@ use std::str::FromStr;
 use serde::{Deserialize, Deserializer};
 
 use super::config::{Architecture, RopeScaling, TargetConfig};
+use super::init::Init;
+use super::{Depth, ModelError, Target};
+use tch::{Device, Kind};
 
 /// The `tiny` preset's vocabulary: byte tokens `0..=255`, then the special tokens below, then unused rows up to
 /// [`tiny::MASK`], which no tokenizer token uses.
@@ -40,9 +43,31 @@ pub struct PresetSpec {
     pub target: TargetConfig,
     pub taps: Vec<usize>,
     pub mask_token_id: i64,
-    /// Random weights from the portable CPU stream (small models) rather than the device's generator.
-    pub portable_init: bool,
-    pub seed: u64,
+    /// How the random weights are drawn: the portable CPU stream for `tiny`, the device's generator otherwise.
+    pub init: Init,
+    /// Standard deviation of the random matrices: HF's 0.02 for real shapes; 1/sqrt(hidden) for `tiny`, so its
+    /// 64-wide LM head gives logits of a realistic spread rather than a near-uniform softmax.
+    pub init_std: f64,
+}
+
+impl PresetSpec {
+    /// The preset's target with its random weights.
+    pub fn build_target(
+        &self,
+        depth: Depth,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Target, ModelError> {
+        Target::random(
+            self.target.clone(),
+            &self.taps,
+            depth,
+            device,
+            kind,
+            self.init,
+            self.init_std,
+        )
+    }
 }
 
 impl Preset {
@@ -85,8 +110,8 @@ impl Preset {
             target,
             taps: taps.to_vec(),
             mask_token_id: mask,
-            portable_init: false,
-            seed: 0,
+            init: Init::Device(0),
+            init_std: 0.02,
         };
         match self {
             Preset::Tiny => PresetSpec {
@@ -110,8 +135,8 @@ impl Preset {
                 },
                 taps: vec![1, 3, 5],
                 mask_token_id: tiny::MASK,
-                portable_init: true,
-                seed: tiny::SEED,
+                init: Init::Portable(tiny::SEED),
+                init_std: 0.125,
             },
             Preset::Qwen3_4b => real(qwen3(2560, 9728, true), &[1, 9, 17, 25, 33], 151669),
             Preset::Qwen3_8b => real(qwen3(4096, 12288, false), &[1, 9, 17, 25, 33], 151669),

@@ -8,13 +8,11 @@
 //! positions of the output are zeroed.
 use std::path::Path;
 
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::config::TargetConfig;
+use super::init::{Init, InitStream};
 use super::layers::{Rope, apply_rope, rms_norm, swiglu};
 use super::weights::{HostTensor, WeightFiles, write_sharded};
 use crate::device::kind_name;
@@ -77,15 +75,16 @@ pub fn validate_taps(taps: &[usize], num_layers: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// The tensor names, shapes and init scale of the HuggingFace checkpoint of `cfg` (layers `0..num_layers`).
+/// The tensor names and shapes of the HuggingFace checkpoint of `cfg` (layers `0..num_layers`), and whether each
+/// is a matrix (norm weights are not).
 fn hf_tensors(
     cfg: &TargetConfig,
     num_layers: usize,
     with_head: bool,
-) -> Vec<(String, Vec<usize>, f64)> {
+) -> Vec<(String, Vec<usize>, bool)> {
     let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (q, kv) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
-    let std = 0.02;
+    let (std, norm) = (true, false);
     let mut out = vec![(
         "model.embed_tokens.weight".to_string(),
         vec![cfg.vocab_size, h],
@@ -93,22 +92,26 @@ fn hf_tensors(
     )];
     for l in 0..num_layers {
         let p = format!("model.layers.{l}");
-        out.push((format!("{p}.input_layernorm.weight"), vec![h], 0.0));
-        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h], 0.0));
+        out.push((format!("{p}.input_layernorm.weight"), vec![h], norm));
+        out.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            norm,
+        ));
         out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], std));
         out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], std));
         out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], std));
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], std));
         if cfg.architecture.has_qk_norm() {
-            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d], 0.0));
-            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d], 0.0));
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![d], norm));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![d], norm));
         }
         out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], std));
         out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], std));
         out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], std));
     }
     if with_head {
-        out.push(("model.norm.weight".to_string(), vec![h], 0.0));
+        out.push(("model.norm.weight".to_string(), vec![h], norm));
         if !cfg.tie_word_embeddings {
             out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h], std));
         }
@@ -146,49 +149,31 @@ impl Target {
         })
     }
 
-    /// A target with random weights (norms 1, matrices N(0, 0.02)). With `portable`, weights come from a ChaCha8
-    /// stream on the CPU seeded by `seed`, so every machine builds the same model; otherwise from the device's
-    /// generator (fast for billions of weights, reproducible on one kind of device).
+    /// A target with random weights: norms 1, matrices N(0, std^2), drawn as `init` says.
     pub fn random(
         cfg: TargetConfig,
         taps: &[usize],
         depth: Depth,
         device: Device,
         kind: Kind,
-        seed: u64,
-        portable: bool,
+        init: Init,
+        std: f64,
     ) -> Result<Self, ModelError> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        if !portable {
-            tch::manual_seed(seed as i64);
-        }
-        Self::build(cfg, taps, depth, device, kind, |_, shape, std| {
+        let mut stream = InitStream::new(init, device);
+        Self::build(cfg, taps, depth, device, kind, |_, shape, is_matrix| {
             let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-            if std == 0.0 {
-                return Ok(Tensor::f_ones(&dims, (kind, device))?);
-            }
-            if !portable {
-                return Ok((Tensor::f_randn(&dims, (kind, device))? * std).f_to_kind(kind)?);
-            }
-            let normal = Normal::new(0.0f32, std as f32).expect("finite std");
-            let values: Vec<f32> = (0..shape.iter().product::<usize>())
-                .map(|_| normal.sample(&mut rng))
-                .collect();
-            Ok(Tensor::f_from_slice(&values)?
-                .f_view(dims.as_slice())?
-                .f_to(device)?
-                .f_to_kind(kind)?)
+            stream.next(&dims, if is_matrix { std } else { 0.0 }, kind)
         })
     }
 
-    /// Assembles the model from a source of named HF tensors: `(name, shape, init std) -> tensor`.
+    /// Assembles the model from a source of named HF tensors: `(name, shape, is_matrix) -> tensor`.
     fn build(
         cfg: TargetConfig,
         taps: &[usize],
         depth: Depth,
         device: Device,
         kind: Kind,
-        mut tensor: impl FnMut(&str, &[usize], f64) -> Result<Tensor, ModelError>,
+        mut tensor: impl FnMut(&str, &[usize], bool) -> Result<Tensor, ModelError>,
     ) -> Result<Self, ModelError> {
         validate_taps(taps, cfg.num_hidden_layers).map_err(ModelError::Taps)?;
         let num_layers = match depth {
@@ -197,11 +182,11 @@ impl Target {
         };
         let specs = hf_tensors(&cfg, num_layers, depth == Depth::Full);
         let mut get = |name: &str| -> Result<Tensor, ModelError> {
-            let (_, shape, std) = specs
+            let (_, shape, is_matrix) = specs
                 .iter()
                 .find(|(n, _, _)| n == name)
                 .expect("every requested tensor is in the spec list");
-            tensor(name, shape, *std)
+            tensor(name, shape, *is_matrix)
         };
         let embed_tokens = get("model.embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(num_layers);
@@ -253,11 +238,11 @@ impl Target {
             ),
             // Capture needs no final norm, but the drafter always needs the LM head.
             Depth::ToLastTap if !cfg.tie_word_embeddings => {
-                let (_, shape, std) = hf_tensors(&cfg, 0, true)
+                let (_, shape, is_matrix) = hf_tensors(&cfg, 0, true)
                     .into_iter()
                     .find(|(n, _, _)| n == "lm_head.weight")
                     .expect("untied configs have an lm_head");
-                (None, Some(tensor("lm_head.weight", &shape, std)?))
+                (None, Some(tensor("lm_head.weight", &shape, is_matrix)?))
             }
             Depth::ToLastTap => (None, None),
         };

@@ -48,7 +48,15 @@ impl WeightFiles {
                 dir: dir.to_path_buf(),
             });
         }
-        let file = map_file(&single)?;
+        Ok(WeightFiles {
+            source: SINGLE,
+            ..Self::open_file(&single)?
+        })
+    }
+
+    /// Opens one safetensors file by path (an optimizer state, say).
+    pub fn open_file(path: &Path) -> Result<Self, ModelError> {
+        let file = map_file(path)?;
         let location = file
             .metadata
             .tensors()
@@ -56,10 +64,10 @@ impl WeightFiles {
             .map(|name| (name, 0))
             .collect();
         Ok(WeightFiles {
-            dir: dir.to_path_buf(),
+            dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(),
             files: vec![file],
             location,
-            source: SINGLE,
+            source: "the file",
         })
     }
 

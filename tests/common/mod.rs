@@ -105,13 +105,13 @@ fn f64w(w: &Weights, name: &str) -> Tensor {
     w[name].to_kind(Kind::Double)
 }
 
-fn rms(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+pub fn rms(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Double);
     x / (var + eps).sqrt() * weight
 }
 
 /// Inverse frequencies in plain f64 arithmetic, with Llama-3 scaling written from its published definition.
-fn inv_freqs(cfg: &TargetConfig) -> Vec<f64> {
+pub fn inv_freqs(cfg: &TargetConfig) -> Vec<f64> {
     let d = cfg.head_dim;
     (0..d / 2)
         .map(|i| {
@@ -140,14 +140,21 @@ fn inv_freqs(cfg: &TargetConfig) -> Vec<f64> {
 }
 
 /// Rotates each adjacent-half pair (j, j + d/2) of every row `p` of `x [len, d]` by angle `p * inv_freq[j]`.
-fn rope(x: &Tensor, inv: &[f64]) -> Tensor {
+pub fn rope(x: &Tensor, inv: &[f64]) -> Tensor {
+    let len = x.size()[0];
+    let positions: Vec<i64> = (0..len).collect();
+    rope_at(x, inv, &positions)
+}
+
+/// Like [`rope`], with row r at position `positions[r]`.
+pub fn rope_at(x: &Tensor, inv: &[f64], positions: &[i64]) -> Tensor {
     let (len, d) = (x.size()[0], x.size()[1]);
     let half = d / 2;
     let mut cos = vec![0f64; (len * d) as usize];
     let mut sin = vec![0f64; (len * d) as usize];
     for p in 0..len {
         for j in 0..half {
-            let a = p as f64 * inv[j as usize];
+            let a = positions[p as usize] as f64 * inv[j as usize];
             for col in [j, j + half] {
                 cos[(p * d + col) as usize] = a.cos();
                 sin[(p * d + col) as usize] = a.sin();

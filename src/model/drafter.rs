@@ -1,0 +1,434 @@
+//! The DFlash drafter (DFLASH.md): a Qwen3-style stack whose queries come from the block being drafted and whose
+//! keys and values come from the target's context features AND the block, through the same projections.
+//!
+//! Context features: the tapped target states `[B, S, n*H]` -> `fc` -> `hidden_norm`, computed once and shared by
+//! every layer. Positions are absolute (context token p at p, block slot k of anchor a at a + k).
+//!
+//! Attention during training follows DFLASH.md's mask: a query of block j sees context keys p < a_j and the keys of
+//! its own block, nothing else. [`BlockAttention`] runs it in groups of consecutive blocks: since anchors are sorted,
+//! a group only needs the context prefix up to its largest anchor and its own block keys, so the dense attention of
+//! each group is several times smaller than one dense `[N*bs, S + N*bs]` attention, with identical results (masked
+//! keys weigh exactly zero).
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use super::ModelError;
+use super::drafter_config::DrafterConfig;
+use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
+use super::init::{Init, InitStream};
+use super::layers::{Rope, apply_rope, rms_norm, swiglu};
+use super::weights::{HostTensor, WeightFiles, write_safetensors};
+use crate::device::kind_name;
+use crate::profile::span;
+
+/// Group indices of one layer in the flat layout.
+#[derive(Debug, Clone, Copy)]
+struct LayerParams {
+    input_layernorm: usize,
+    qkv_proj: usize,
+    o_proj: usize,
+    q_norm: usize,
+    k_norm: usize,
+    post_attention_layernorm: usize,
+    gate_up_proj: usize,
+    down_proj: usize,
+}
+
+/// The drafter: configuration, flat fp32 master weights (see [`FlatParams`]) and the compute dtype.
+pub struct Drafter {
+    cfg: DrafterConfig,
+    params: FlatParams,
+    fc: usize,
+    hidden_norm: usize,
+    layers: Vec<LayerParams>,
+    norm: usize,
+    rope: Rope,
+    kind: Kind,
+    device: Device,
+}
+
+/// The parameter groups of `cfg` in flat order, and which group is which.
+fn layout(cfg: &DrafterConfig) -> (FlatLayout, usize, usize, Vec<LayerParams>, usize) {
+    let c = &cfg.decoder;
+    let (h, i, d) = (
+        c.hidden_size as i64,
+        c.intermediate_size as i64,
+        c.head_dim as i64,
+    );
+    let (q, kv) = (
+        c.num_attention_heads as i64 * d,
+        c.num_key_value_heads as i64 * d,
+    );
+    let std = 0.02;
+    let mut groups = Vec::new();
+    let mut add = |parts: Vec<(String, i64)>, cols: Option<i64>, std: f64| {
+        groups.push(ParamGroup::new(parts, cols, std));
+        groups.len() - 1
+    };
+    let one = |name: &str, rows: i64| vec![(name.to_string(), rows)];
+    let fc = add(one("fc.weight", h), Some(cfg.context_width() as i64), std);
+    let hidden_norm = add(one("hidden_norm.weight", h), None, 0.0);
+    let mut layers = Vec::new();
+    for l in 0..c.num_hidden_layers {
+        let p = |s: &str| format!("layers.{l}.{s}");
+        layers.push(LayerParams {
+            input_layernorm: add(one(&p("input_layernorm.weight"), h), None, 0.0),
+            qkv_proj: add(
+                vec![
+                    (p("self_attn.q_proj.weight"), q),
+                    (p("self_attn.k_proj.weight"), kv),
+                    (p("self_attn.v_proj.weight"), kv),
+                ],
+                Some(h),
+                std,
+            ),
+            o_proj: add(one(&p("self_attn.o_proj.weight"), h), Some(q), std),
+            q_norm: add(one(&p("self_attn.q_norm.weight"), d), None, 0.0),
+            k_norm: add(one(&p("self_attn.k_norm.weight"), d), None, 0.0),
+            post_attention_layernorm: add(one(&p("post_attention_layernorm.weight"), h), None, 0.0),
+            gate_up_proj: add(
+                vec![(p("mlp.gate_proj.weight"), i), (p("mlp.up_proj.weight"), i)],
+                Some(h),
+                std,
+            ),
+            down_proj: add(one(&p("mlp.down_proj.weight"), h), Some(i), std),
+        });
+    }
+    let norm = add(one("norm.weight", h), None, 0.0);
+    (FlatLayout::new(groups), fc, hidden_norm, layers, norm)
+}
+
+impl Drafter {
+    fn empty(cfg: DrafterConfig, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        cfg.validate().map_err(ModelError::Taps)?;
+        let (layout, fc, hidden_norm, layers, norm) = layout(&cfg);
+        let params = FlatParams::zeros(layout, device)?;
+        let c = &cfg.decoder;
+        let rope = Rope::new(c.rope_theta, c.head_dim, c.rope_scaling, device);
+        Ok(Drafter {
+            cfg,
+            params,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            rope,
+            kind,
+            device,
+        })
+    }
+
+    /// Published tensor names and shapes of a drafter of `cfg`, in file order (no weights are allocated).
+    pub fn tensor_shapes(cfg: &DrafterConfig) -> Vec<(String, Vec<i64>)> {
+        layout(cfg).0.named_shapes()
+    }
+
+    /// A freshly initialised drafter (norms 1, matrices N(0, 0.02)), computing in `kind`.
+    pub fn new(
+        cfg: DrafterConfig,
+        device: Device,
+        kind: Kind,
+        init: Init,
+    ) -> Result<Self, ModelError> {
+        let drafter = Self::empty(cfg, device, kind)?;
+        let layout = drafter.params.layout().clone();
+        let mut stream = InitStream::new(init, device);
+        tch::no_grad(|| -> Result<(), ModelError> {
+            for (i, g) in layout.groups().iter().enumerate() {
+                let values = stream.next(&g.shape, g.init_std, Kind::Float)?;
+                layout
+                    .group_view(&drafter.params.master, i)
+                    .f_copy_(&values)?;
+            }
+            Ok(())
+        })?;
+        Ok(drafter)
+    }
+
+    /// Loads a drafter folder in the published format (`config.json` + safetensors in any float dtype); the
+    /// weights are copied into fp32 master weights.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        let cfg = DrafterConfig::from_dir(dir)?;
+        let files = WeightFiles::open(dir)?;
+        let drafter = Self::empty(cfg, device, kind)?;
+        let why = "config.json (the drafter's shape)";
+        tch::no_grad(|| -> Result<(), ModelError> {
+            for (name, mut view) in drafter.params.layout().named_views(&drafter.params.master) {
+                let shape: Vec<usize> = view.size().iter().map(|&d| d as usize).collect();
+                let t = files.load(&name, &shape, why, Kind::Float, device)?;
+                view.f_copy_(&t)?;
+            }
+            Ok(())
+        })?;
+        Ok(drafter)
+    }
+
+    /// Writes the drafter in the published format: `config.json` and `model.safetensors` with the published names,
+    /// in `dtype` (bf16 to publish, f32 for checkpoints that must resume exactly).
+    pub fn save(&self, dir: &Path, dtype: Kind) -> Result<(), ModelError> {
+        std::fs::create_dir_all(dir).map_err(|err| ModelError::Io {
+            path: dir.to_path_buf(),
+            err,
+        })?;
+        let tensors = self
+            .params
+            .layout()
+            .named_views(&self.params.master)
+            .into_iter()
+            .map(|(name, view)| Ok((name, HostTensor::from_tensor(&view.f_to_kind(dtype)?)?)))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        write_safetensors(&dir.join("model.safetensors"), &tensors, None)?;
+        let json = serde_json::to_string_pretty(&self.cfg.to_json(kind_name(dtype))).expect("json");
+        let path = dir.join("config.json");
+        std::fs::write(&path, json).map_err(|err| ModelError::Io { path, err })
+    }
+
+    pub fn config(&self) -> &DrafterConfig {
+        &self.cfg
+    }
+    pub fn params(&self) -> &FlatParams {
+        &self.params
+    }
+    pub fn params_mut(&mut self) -> &mut FlatParams {
+        &mut self.params
+    }
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    fn weight(&self, group: usize) -> Tensor {
+        self.params.leaf(group).to_kind(self.kind)
+    }
+
+    /// Runs the drafter: `target_hidden [B, S, n*H]` (the tapped states), `block_embeddings [B, Q, H]` (the
+    /// target's embedding of the block inputs), `positions [B, Q]` (absolute positions of the block slots).
+    /// Returns the final-normed hidden states `[B, Q, H]`, recording autograd through the drafter's parameters.
+    pub fn forward(
+        &self,
+        target_hidden: &Tensor,
+        block_embeddings: &Tensor,
+        positions: &Tensor,
+        attention: &BlockAttention,
+    ) -> Tensor {
+        let c = &self.cfg.decoder;
+        let eps = c.rms_norm_eps;
+        let (b, s) = (target_hidden.size()[0], target_hidden.size()[1]);
+        let q_len = block_embeddings.size()[1];
+        let (heads, kv_heads, d) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let ctx = {
+            let _p = span("drafter.fc");
+            let fc = target_hidden.linear(&self.weight(self.fc), None::<Tensor>);
+            rms_norm(&fc, &self.weight(self.hidden_norm), eps)
+        };
+        let (cos_c, sin_c, cos_b, sin_b) = {
+            let _p = span("drafter.rope");
+            let (cc, sc) = self
+                .rope
+                .cos_sin(&Tensor::arange(s, (Kind::Int64, self.device)), self.kind);
+            let (cb, sb) = self.rope.cos_sin(positions, self.kind);
+            (
+                cc.unsqueeze(0).unsqueeze(2),
+                sc.unsqueeze(0).unsqueeze(2),
+                cb.unsqueeze(2),
+                sb.unsqueeze(2),
+            )
+        };
+        let mut x = block_embeddings.shallow_clone();
+        for layer in &self.layers {
+            let qkv_w = self.weight(layer.qkv_proj);
+            let (q_norm, k_norm) = (self.weight(layer.q_norm), self.weight(layer.k_norm));
+            let (qkv, kv_ctx) = {
+                let _p = span("drafter.qkv_proj");
+                let xn = rms_norm(&x, &self.weight(layer.input_layernorm), eps);
+                let qkv = xn.linear(&qkv_w, None::<Tensor>);
+                let kv_ctx = ctx.linear(
+                    &qkv_w.narrow(0, heads * d, 2 * kv_heads * d),
+                    None::<Tensor>,
+                );
+                (qkv, kv_ctx)
+            };
+            let q = qkv.narrow(-1, 0, heads * d).view([b, q_len, heads, d]);
+            let k_blk = qkv
+                .narrow(-1, heads * d, kv_heads * d)
+                .view([b, q_len, kv_heads, d]);
+            let v_blk = qkv
+                .narrow(-1, (heads + kv_heads) * d, kv_heads * d)
+                .view([b, q_len, kv_heads, d]);
+            let k_ctx = kv_ctx.narrow(-1, 0, kv_heads * d).view([b, s, kv_heads, d]);
+            let v_ctx = kv_ctx
+                .narrow(-1, kv_heads * d, kv_heads * d)
+                .view([b, s, kv_heads, d]);
+            let (q, k_blk, k_ctx) = {
+                let _p = span("drafter.rope");
+                (
+                    apply_rope(&rms_norm(&q, &q_norm, eps), &cos_b, &sin_b),
+                    apply_rope(&rms_norm(&k_blk, &k_norm, eps), &cos_b, &sin_b),
+                    apply_rope(&rms_norm(&k_ctx, &k_norm, eps), &cos_c, &sin_c),
+                )
+            };
+            let rep = heads / kv_heads;
+            let attn = {
+                let _p = span("drafter.attention");
+                attention.run(
+                    &q.transpose(1, 2),
+                    &repeat_kv(&k_ctx.transpose(1, 2), rep),
+                    &repeat_kv(&v_ctx.transpose(1, 2), rep),
+                    &repeat_kv(&k_blk.transpose(1, 2), rep),
+                    &repeat_kv(&v_blk.transpose(1, 2), rep),
+                )
+            };
+            x = {
+                let _p = span("drafter.o_proj");
+                let o = attn.transpose(1, 2).reshape([b, q_len, heads * d]);
+                x + o.linear(&self.weight(layer.o_proj), None::<Tensor>)
+            };
+            x = {
+                let _p = span("drafter.mlp");
+                let h = rms_norm(&x, &self.weight(layer.post_attention_layernorm), eps);
+                &x + swiglu(
+                    &h,
+                    &self.weight(layer.gate_up_proj),
+                    &self.weight(layer.down_proj),
+                )
+            };
+        }
+        rms_norm(&x, &self.weight(self.norm), eps)
+    }
+}
+
+/// `[B, kv_heads, L, d]` -> `[B, kv_heads * rep, L, d]`, each key/value head serving `rep` query heads (the
+/// memory-efficient attention kernel, which takes a mask, wants them expanded).
+fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
+    if rep == 1 {
+        return t.shallow_clone();
+    }
+    let s = t.size();
+    t.unsqueeze(2)
+        .expand([s[0], s[1], rep, s[2], s[3]], false)
+        .reshape([s[0], s[1] * rep, s[2], s[3]])
+}
+
+/// One group of consecutive blocks attended together.
+struct AttentionGroup {
+    /// First query row and number of query rows (`blocks * block_size`).
+    query_start: i64,
+    query_len: i64,
+    /// Context keys `[0, context_len)` this group may need (its largest anchor, rounded up for alignment).
+    context_len: i64,
+    /// `[B, 1, query_len, context_len + query_len]`: 0 where visible, -inf elsewhere.
+    bias: Tensor,
+}
+
+/// The DFlash training attention pattern for one batch of blocks, ready to run.
+pub struct BlockAttention {
+    groups: Vec<AttentionGroup>,
+}
+
+impl BlockAttention {
+    /// Builds the pattern for `anchors` (`[B * N]`, row-major, ascending in each row; padding blocks carry anchor
+    /// 0 and see only themselves), in groups of at most `group_blocks` blocks.
+    pub fn new(
+        anchors: &[i64],
+        batch: usize,
+        block_size: usize,
+        seq_len: i64,
+        group_blocks: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let n = anchors.len() / batch.max(1);
+        let bs = block_size as i64;
+        let anchors_dev = Tensor::f_from_slice(anchors)?
+            .f_view([batch as i64, n as i64])?
+            .f_to(device)?;
+        let group_blocks = group_blocks.max(1);
+        let mut groups = Vec::new();
+        for j0 in (0..n).step_by(group_blocks) {
+            let nb = group_blocks.min(n - j0);
+            let largest = (0..batch)
+                .flat_map(|b| anchors[b * n + j0..b * n + j0 + nb].iter().copied())
+                .max()
+                .unwrap_or(0);
+            let context_len = ((largest + 15) / 16 * 16).min(seq_len);
+            let q_len = nb as i64 * bs;
+            let anchor_q = anchors_dev
+                .narrow(1, j0 as i64, nb as i64)
+                .f_repeat_interleave_self_int(bs, Some(1), None)?;
+            let ctx_ok = Tensor::f_arange(context_len, (Kind::Int64, device))?
+                .view([1, 1, context_len])
+                .f_lt_tensor(&anchor_q.unsqueeze(-1))?;
+            let block_of =
+                Tensor::f_arange(q_len, (Kind::Int64, device))?.f_floor_divide_scalar(bs)?;
+            let same_block = block_of
+                .unsqueeze(1)
+                .f_eq_tensor(&block_of.unsqueeze(0))?
+                .unsqueeze(0)
+                .expand([batch as i64, q_len, q_len], false);
+            let visible = Tensor::f_cat(&[ctx_ok, same_block], 2)?;
+            let bias = Tensor::f_zeros(visible.size(), (kind, device))?
+                .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?
+                .unsqueeze(1);
+            groups.push(AttentionGroup {
+                query_start: j0 as i64 * bs,
+                query_len: q_len,
+                context_len,
+                bias,
+            });
+        }
+        Ok(BlockAttention { groups })
+    }
+
+    /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, h, S, d]` and block keys/values
+    /// `[B, h, Q, d]`; returns `[B, h, Q, d]`.
+    pub fn run(
+        &self,
+        q: &Tensor,
+        k_ctx: &Tensor,
+        v_ctx: &Tensor,
+        k_blk: &Tensor,
+        v_blk: &Tensor,
+    ) -> Tensor {
+        let outs: Vec<Tensor> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let keys = |ctx: &Tensor, blk: &Tensor| {
+                    Tensor::cat(
+                        &[
+                            ctx.narrow(2, 0, g.context_len),
+                            blk.narrow(2, g.query_start, g.query_len),
+                        ],
+                        2,
+                    )
+                };
+                Tensor::scaled_dot_product_attention(
+                    &q.narrow(2, g.query_start, g.query_len),
+                    &keys(k_ctx, k_blk),
+                    &keys(v_ctx, v_blk),
+                    Some(&g.bias),
+                    0.0,
+                    false,
+                    None,
+                    false,
+                )
+            })
+            .collect();
+        if outs.len() == 1 {
+            return outs.into_iter().next().expect("one group");
+        }
+        Tensor::cat(&outs, 2)
+    }
+
+    /// Number of groups (one dense attention call each).
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+}

@@ -1,0 +1,256 @@
+//! The drafter's shape and its DFlash settings, read from and written to the published drafters' `config.json`:
+//! a Qwen3 config with `architectures: ["DFlashDraftModel"]`, plus `block_size`, `num_target_layers` and
+//! `dflash_config {mask_token_id, target_layer_ids}` (read from the top level too, as the reference loader does).
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::config::{Architecture, RopeScaling, TargetConfig};
+use super::target::validate_taps;
+use super::{ModelError, Preset};
+
+/// Drafter layers of the published drafters, and of the presets' drafters.
+pub const DEFAULT_DRAFTER_LAYERS: usize = 5;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrafterConfig {
+    /// The Qwen3 decoder shape (`num_hidden_layers` is the drafter's own depth).
+    pub decoder: TargetConfig,
+    pub block_size: usize,
+    pub mask_token_id: i64,
+    /// Target layers whose outputs feed `fc`, in order.
+    pub target_layer_ids: Vec<usize>,
+    pub num_target_layers: usize,
+}
+
+impl DrafterConfig {
+    /// A drafter for `target`: same hidden size, heads, RoPE and vocabulary, `num_layers` layers.
+    pub fn for_target(
+        target: &TargetConfig,
+        num_layers: usize,
+        intermediate_size: Option<usize>,
+        block_size: usize,
+        target_layer_ids: Vec<usize>,
+        mask_token_id: i64,
+    ) -> Result<Self, String> {
+        let decoder = TargetConfig {
+            architecture: Architecture::Qwen3,
+            num_hidden_layers: num_layers,
+            intermediate_size: intermediate_size.unwrap_or(target.intermediate_size),
+            tie_word_embeddings: false,
+            ..target.clone()
+        };
+        let cfg = DrafterConfig {
+            decoder,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            num_target_layers: target.num_hidden_layers,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for `tiny`), block size 16.
+    pub fn for_preset(preset: Preset, block_size: usize) -> Self {
+        let spec = preset.spec();
+        let layers = if preset == Preset::Tiny {
+            2
+        } else {
+            DEFAULT_DRAFTER_LAYERS
+        };
+        Self::for_target(
+            &spec.target,
+            layers,
+            None,
+            block_size,
+            spec.taps,
+            spec.mask_token_id,
+        )
+        .expect("preset drafters are valid")
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.decoder.validate()?;
+        if self.block_size < 2 {
+            return Err(format!(
+                "`block_size` ({}) must be at least 2",
+                self.block_size
+            ));
+        }
+        if self.mask_token_id < 0 || self.mask_token_id as usize >= self.decoder.vocab_size {
+            return Err(format!(
+                "`mask_token_id` ({}) must be a row of the target's embedding (0..{})",
+                self.mask_token_id, self.decoder.vocab_size
+            ));
+        }
+        validate_taps(&self.target_layer_ids, self.num_target_layers)
+            .map_err(|e| format!("`target_layer_ids`: {e}"))
+    }
+
+    /// Reads and validates `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io {
+            path: path.clone(),
+            err,
+        })?;
+        Self::from_json(&text).map_err(|reason| ModelError::Config { path, reason })
+    }
+
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let mut v: Value =
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let arch = v.get("architectures").cloned();
+        if arch != Some(json!(["DFlashDraftModel"])) {
+            return Err(format!(
+                "`architectures` is {}, not [\"DFlashDraftModel\"]: this is not a DFlash drafter folder",
+                arch.map_or("missing".to_string(), |a| a.to_string())
+            ));
+        }
+        // The decoder part is a Qwen3 config; read it with the target's reader.
+        v["architectures"] = json!(["Qwen3ForCausalLM"]);
+        let decoder = TargetConfig::from_json(&v.to_string())?;
+        let dflash = v.get("dflash_config").cloned().unwrap_or(json!({}));
+        let field = |name: &str| dflash.get(name).or_else(|| v.get(name)).cloned();
+        let int = |name: &str| -> Result<Option<i64>, String> {
+            match field(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_i64()
+                    .map(Some)
+                    .ok_or_else(|| format!("`{name}` must be an integer")),
+            }
+        };
+        let mask_token_id = int("mask_token_id")?.ok_or("missing `dflash_config.mask_token_id`")?;
+        let block_size = int("block_size")?.unwrap_or(16);
+        let target_layer_ids: Vec<usize> = match field("target_layer_ids") {
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|i| i.as_u64().map(|i| i as usize))
+                .collect::<Option<_>>()
+                .ok_or("`target_layer_ids` must be a list of non-negative integers")?,
+            _ => return Err("missing `dflash_config.target_layer_ids`".into()),
+        };
+        let num_target_layers = match int("num_target_layers")? {
+            Some(n) => n as usize,
+            None => target_layer_ids.last().map_or(0, |l| l + 1),
+        };
+        let cfg = DrafterConfig {
+            decoder,
+            block_size: usize::try_from(block_size).map_err(|_| "`block_size` must be positive")?,
+            mask_token_id,
+            target_layer_ids,
+            num_target_layers,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The published `config.json`.
+    pub fn to_json(&self, torch_dtype: &str) -> Value {
+        let layers = self.decoder.num_hidden_layers;
+        let mut v = self.decoder.to_hf_json(torch_dtype);
+        v["architectures"] = json!(["DFlashDraftModel"]);
+        v["model_type"] = json!("qwen3");
+        v["dtype"] = json!(torch_dtype);
+        v["attention_dropout"] = json!(0.0);
+        v["initializer_range"] = json!(0.02);
+        v["layer_types"] = json!(vec!["full_attention"; layers]);
+        v["max_window_layers"] = json!(layers);
+        v["use_sliding_window"] = json!(false);
+        v["sliding_window"] = Value::Null;
+        v["use_cache"] = json!(true);
+        if self.decoder.rope_scaling == RopeScaling::None {
+            v["rope_scaling"] = Value::Null;
+        }
+        v["block_size"] = json!(self.block_size);
+        v["num_target_layers"] = json!(self.num_target_layers);
+        v["dflash_config"] = json!({
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": self.target_layer_ids,
+        });
+        v
+    }
+
+    /// Width of the concatenated target features `fc` reads.
+    pub fn context_width(&self) -> usize {
+        self.target_layer_ids.len() * self.decoder.hidden_size
+    }
+}
+
+/// The decay of the loss weights over block slots that DFLASH.md gives per block size (7 for 16, 5 for 10, 4 for
+/// 8); `None` for other block sizes, which must set it explicitly.
+pub fn default_gamma(block_size: usize) -> Option<f64> {
+    match block_size {
+        16 => Some(7.0),
+        10 => Some(5.0),
+        8 => Some(4.0),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_reads_top_level_fields() {
+        let cfg = DrafterConfig::for_preset(Preset::Qwen3_8b, 16);
+        let json = cfg.to_json("bfloat16");
+        assert_eq!(DrafterConfig::from_json(&json.to_string()).unwrap(), cfg);
+        // The reference loader also takes the DFlash keys from the top level.
+        let mut flat = json.clone();
+        flat["mask_token_id"] = json
+            .pointer("/dflash_config/mask_token_id")
+            .unwrap()
+            .clone();
+        flat["target_layer_ids"] = json
+            .pointer("/dflash_config/target_layer_ids")
+            .unwrap()
+            .clone();
+        flat.as_object_mut().unwrap().remove("dflash_config");
+        assert_eq!(DrafterConfig::from_json(&flat.to_string()).unwrap(), cfg);
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_drafter() {
+        let cfg = DrafterConfig::for_preset(Preset::Tiny, 4);
+        let mut json = cfg.to_json("float32");
+        json["architectures"] = json!(["Qwen3ForCausalLM"]);
+        assert!(
+            DrafterConfig::from_json(&json.to_string())
+                .unwrap_err()
+                .contains("not a DFlash drafter")
+        );
+        let mut json = cfg.to_json("float32");
+        json["dflash_config"]["mask_token_id"] = json!(99999);
+        assert!(
+            DrafterConfig::from_json(&json.to_string())
+                .unwrap_err()
+                .contains("mask_token_id")
+        );
+        let mut json = cfg.to_json("float32");
+        json["dflash_config"]["target_layer_ids"] = json!([5, 1]);
+        assert!(
+            DrafterConfig::from_json(&json.to_string())
+                .unwrap_err()
+                .contains("target_layer_ids")
+        );
+        let mut json = cfg.to_json("float32");
+        json["block_size"] = json!(1);
+        assert!(
+            DrafterConfig::from_json(&json.to_string())
+                .unwrap_err()
+                .contains("block_size")
+        );
+    }
+
+    #[test]
+    fn gamma_defaults_follow_the_paper() {
+        assert_eq!(default_gamma(16), Some(7.0));
+        assert_eq!(default_gamma(10), Some(5.0));
+        assert_eq!(default_gamma(8), Some(4.0));
+        assert_eq!(default_gamma(12), None);
+    }
+}

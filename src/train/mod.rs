@@ -1,0 +1,9 @@
+//! Training: the DFlash objective, AdamW with saveable state and its schedule, and the training step. Knows nothing
+//! of actors, so it is tested and benchmarked on its own.
+pub mod objective;
+pub mod optim;
+pub mod step;
+
+pub use objective::{Metrics, ObjectiveSettings};
+pub use optim::{AdamW, LrSchedule, ScheduleKind};
+pub use step::{FeatureBatch, Trainer, UpdateReport, UpdateSettings};

@@ -1,0 +1,463 @@
+//! The DFlash training objective, rule by rule as DFLASH.md states it:
+//! anchors (distinct positions `a` with `loss_mask[a] = loss_mask[a+1] = 1`, drawn fresh per step from a Rust RNG
+//! keyed by (seed, epoch, sample id), sorted), block inputs (`[x_a, MASK x (bs-1)]`), absolute positions (`a + k`),
+//! same-position labels (slot k predicts `x[a + k]`), decayed weights (`exp(-(k-1)/gamma)`, slot 0 never counts),
+//! the LM head and cross-entropy in chunks that also produce the gradient (so `[N*bs, V]` logits never exist at
+//! once and nothing is recomputed), and the metrics: weighted loss, accuracy and simulated acceptance length.
+//!
+//! Everything that depends only on the tokens is planned on the host ([`BlockPlan`]); the attention pattern is built
+//! from the plan by [`BlockAttention`](crate::model::BlockAttention).
+use rand::SeedableRng;
+use rand::seq::index;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::model::{BlockAttention, ModelError};
+use crate::profile::span;
+
+/// What the objective needs to know.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectiveSettings {
+    /// Blocks per sequence per step (training), and per forward pass (evaluation).
+    pub num_anchors: usize,
+    pub block_size: usize,
+    /// Decay of the slot weights; `None`: no decay.
+    pub gamma: Option<f64>,
+    pub mask_token_id: i64,
+    /// Blocks per attention group (see `BlockAttention`); results do not depend on it.
+    pub attention_group_blocks: usize,
+    /// Rows of the LM head + cross-entropy computed at once.
+    pub lm_head_chunk_rows: i64,
+}
+
+impl ObjectiveSettings {
+    /// Settings with the defaults for everything a user does not choose.
+    pub fn new(
+        num_anchors: usize,
+        block_size: usize,
+        gamma: Option<f64>,
+        mask_token_id: i64,
+    ) -> Self {
+        ObjectiveSettings {
+            num_anchors,
+            block_size,
+            gamma,
+            mask_token_id,
+            attention_group_blocks: 32,
+            lm_head_chunk_rows: 2048,
+        }
+    }
+}
+
+/// One conversation: its token ids and loss mask (1 on supervised tokens), of the same length.
+#[derive(Debug, Clone, Copy)]
+pub struct Row<'a> {
+    pub input_ids: &'a [i64],
+    pub loss_mask: &'a [u8],
+}
+
+/// Positions that may anchor a block: `loss_mask[a] = 1` and `loss_mask[a+1] = 1` (so `a <= len - 2`).
+pub fn valid_anchors(loss_mask: &[u8]) -> Vec<usize> {
+    loss_mask
+        .windows(2)
+        .enumerate()
+        .filter(|(_, w)| w[0] != 0 && w[1] != 0)
+        .map(|(a, _)| a)
+        .collect()
+}
+
+/// The anchor RNG of one sample in one epoch: independent of which drafter or thread trains it.
+pub fn anchor_rng(seed: u64, epoch: u64, sample_id: u64) -> ChaCha8Rng {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..16].copy_from_slice(&epoch.to_le_bytes());
+    key[16..24].copy_from_slice(&sample_id.to_le_bytes());
+    key[24..].copy_from_slice(b"anchors\0");
+    ChaCha8Rng::from_seed(key)
+}
+
+/// Up to `n` distinct anchors drawn uniformly from `valid`, ascending.
+pub fn sample_anchors(valid: &[usize], n: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
+    if valid.len() <= n {
+        return valid.to_vec();
+    }
+    let mut picked: Vec<usize> = index::sample(rng, valid.len(), n)
+        .into_iter()
+        .map(|i| valid[i])
+        .collect();
+    picked.sort_unstable();
+    picked
+}
+
+/// Weight of block slot `k`: 0 for the anchor slot, `exp(-(k-1)/gamma)` after it (1 without decay).
+pub fn slot_weight(k: usize, gamma: Option<f64>) -> f32 {
+    match (k, gamma) {
+        (0, _) => 0.0,
+        (_, None) => 1.0,
+        (_, Some(g)) => (-((k - 1) as f64) / g).exp() as f32,
+    }
+}
+
+/// The blocks of one batch, planned on the host. Row-major: block j of row b is index `b * blocks + j`; slot k of
+/// it is `(b * blocks + j) * block_size + k`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockPlan {
+    pub batch: usize,
+    /// Blocks per row (`N`): the most anchors any row has; rows with fewer get padding blocks.
+    pub blocks: usize,
+    pub block_size: usize,
+    /// Padded sequence length of the batch.
+    pub seq_len: usize,
+    /// `[B * N]`; 0 for padding blocks.
+    pub anchors: Vec<i64>,
+    /// `[B * N]`: false for padding blocks.
+    pub keep: Vec<bool>,
+    /// `[B * N * bs]`: the anchor token in slot 0, MASK elsewhere (MASK everywhere in padding blocks).
+    pub block_ids: Vec<i64>,
+    /// `[B * N * bs]`: `a + k`.
+    pub positions: Vec<i64>,
+    /// `[B * N * bs]`: `input_ids[a + k]` (same position: slot 0 is the anchor itself); 0 where there is none.
+    pub labels: Vec<i64>,
+    /// `[B * N * bs]`: `keep * [a + k < len] * [k > 0] * loss_mask[a + k] * decay(k)`.
+    pub weights: Vec<f32>,
+}
+
+impl BlockPlan {
+    /// Plans blocks at the given anchors (ascending, valid) of each row.
+    pub fn new(
+        rows: &[Row],
+        anchors: &[Vec<usize>],
+        seq_len: usize,
+        s: &ObjectiveSettings,
+    ) -> Self {
+        let (batch, bs) = (rows.len(), s.block_size);
+        let blocks = anchors.iter().map(Vec::len).max().unwrap_or(0);
+        let slots = batch * blocks * bs;
+        let mut plan = BlockPlan {
+            batch,
+            blocks,
+            block_size: bs,
+            seq_len,
+            anchors: vec![0; batch * blocks],
+            keep: vec![false; batch * blocks],
+            block_ids: vec![s.mask_token_id; slots],
+            positions: vec![0; slots],
+            labels: vec![0; slots],
+            weights: vec![0.0; slots],
+        };
+        for (b, (row, row_anchors)) in rows.iter().zip(anchors).enumerate() {
+            let len = row.input_ids.len();
+            for j in 0..blocks {
+                let block = b * blocks + j;
+                let base = block * bs;
+                let Some(&a) = row_anchors.get(j) else {
+                    // Padding block: anchor 0, all MASK, weight 0; it sees only itself.
+                    for k in 0..bs {
+                        plan.positions[base + k] = k as i64;
+                    }
+                    continue;
+                };
+                plan.anchors[block] = a as i64;
+                plan.keep[block] = true;
+                plan.block_ids[base] = row.input_ids[a];
+                for k in 0..bs {
+                    let p = a + k;
+                    plan.positions[base + k] = p as i64;
+                    if p < len {
+                        plan.labels[base + k] = row.input_ids[p];
+                        if row.loss_mask[p] != 0 {
+                            plan.weights[base + k] = slot_weight(k, s.gamma);
+                        }
+                    }
+                }
+            }
+        }
+        plan
+    }
+
+    pub fn kept_blocks(&self) -> usize {
+        self.keep.iter().filter(|&&k| k).count()
+    }
+}
+
+/// A plan's tensors on the compute device.
+pub struct PlanTensors {
+    /// `[B, N*bs]`
+    pub block_ids: Tensor,
+    /// `[B, N*bs]`
+    pub positions: Tensor,
+    /// `[B*N*bs]`
+    pub labels: Tensor,
+    /// `[B*N*bs]` f32
+    pub weights: Tensor,
+    pub attention: BlockAttention,
+}
+
+impl PlanTensors {
+    pub fn new(
+        plan: &BlockPlan,
+        s: &ObjectiveSettings,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let (b, q) = (plan.batch as i64, (plan.blocks * plan.block_size) as i64);
+        let to = |v: &[i64]| -> Result<Tensor, ModelError> {
+            Ok(Tensor::f_from_slice(v)?.f_to(device)?)
+        };
+        Ok(PlanTensors {
+            block_ids: to(&plan.block_ids)?.f_view([b, q])?,
+            positions: to(&plan.positions)?.f_view([b, q])?,
+            labels: to(&plan.labels)?,
+            weights: Tensor::f_from_slice(&plan.weights)?.f_to(device)?,
+            attention: BlockAttention::new(
+                &plan.anchors,
+                plan.batch,
+                plan.block_size,
+                plan.seq_len as i64,
+                s.attention_group_blocks,
+                kind,
+                device,
+            )?,
+        })
+    }
+}
+
+/// Sums from which the reported metrics follow; they add up across chunks, micro-batches and replicas.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize)]
+pub struct Metrics {
+    /// `sum(w * CE)`
+    pub weighted_loss: f64,
+    /// `sum(w)`
+    pub weight: f64,
+    /// Positions with `w > 0` whose argmax equals the label.
+    pub correct: f64,
+    /// Positions with `w > 0`.
+    pub predicted: f64,
+    /// Sum over kept blocks of the simulated acceptance length.
+    pub accepted: f64,
+    /// Kept blocks.
+    pub blocks: f64,
+}
+
+impl Metrics {
+    pub fn add(&mut self, o: &Metrics) {
+        self.weighted_loss += o.weighted_loss;
+        self.weight += o.weight;
+        self.correct += o.correct;
+        self.predicted += o.predicted;
+        self.accepted += o.accepted;
+        self.blocks += o.blocks;
+    }
+    /// `sum(w * CE) / (sum(w) + 1e-6)`, as the objective defines it.
+    pub fn loss(&self) -> f64 {
+        self.weighted_loss / (self.weight + 1e-6)
+    }
+    pub fn accuracy(&self) -> f64 {
+        if self.predicted > 0.0 {
+            self.correct / self.predicted
+        } else {
+            0.0
+        }
+    }
+    /// Mean over kept blocks of 1 + the leading correctly predicted slots.
+    pub fn acceptance_length(&self) -> f64 {
+        if self.blocks > 0.0 {
+            self.accepted / self.blocks
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What the LM head pass returns.
+pub struct HeadOutput {
+    pub metrics: Metrics,
+    /// `d sum(w * CE) / d hidden`, `[rows, H]` in the hidden states' dtype (with `want_grad`).
+    pub grad: Option<Tensor>,
+}
+
+/// LM head and weighted cross-entropy over `hidden [rows, H]` (detached), in chunks of `chunk_rows` rows with
+/// `w > 0` (only those are computed at all). Each chunk's logits `[chunk, V]` give the loss, the argmax, and
+/// (with `want_grad`) the gradient of `sum(w * CE)` with respect to the hidden states, `(softmax - onehot) * w`
+/// times the head, so the logits are never recomputed. Also fills the accuracy and acceptance sums, for blocks of
+/// `block_size` rows whose kept flags are `keep`.
+pub fn lm_head_loss(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    labels: &Tensor,
+    weights: &Tensor,
+    plan: &BlockPlan,
+    chunk_rows: i64,
+    want_grad: bool,
+) -> Result<HeadOutput, ModelError> {
+    let _p = span("lm_head.loss");
+    let device = hidden.device();
+    let (rows, h) = (hidden.size()[0], hidden.size()[1]);
+    let selected = weights.f_gt(0.0)?.f_nonzero()?.f_squeeze_dim(1)?;
+    let n = selected.size()[0];
+    let sel_labels = labels.f_index_select(0, &selected)?;
+    let sel_weights = weights.f_index_select(0, &selected)?;
+    let correct_sel = Tensor::f_zeros([n], (Kind::Bool, device))?;
+    let mut sel_grad = if want_grad {
+        Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?)
+    } else {
+        None
+    };
+    let mut loss_sum = Tensor::f_zeros([], (Kind::Double, device))?;
+    let mut start = 0;
+    while start < n {
+        let len = chunk_rows.min(n - start);
+        let idx = selected.narrow(0, start, len);
+        let lab = sel_labels.narrow(0, start, len);
+        let w = sel_weights.narrow(0, start, len);
+        let x = hidden.f_index_select(0, &idx)?;
+        let logits = x.f_linear(lm_head, None::<Tensor>)?;
+        let mut hit = correct_sel.narrow(0, start, len);
+        hit.f_copy_(&logits.f_argmax(-1, false)?.f_eq_tensor(&lab)?)?;
+        let mut log_probs = logits.f_log_softmax(-1, Kind::Float)?;
+        drop(logits);
+        let label_lp = log_probs
+            .f_gather(1, &lab.unsqueeze(1), false)?
+            .f_squeeze_dim(1)?;
+        loss_sum -= (label_lp * &w).f_sum(Kind::Double)?;
+        if let Some(grad) = sel_grad.as_mut() {
+            // (softmax - onehot) * w, formed in f32 and cast once.
+            let mut probs = log_probs.f_exp_()?.f_mul_(&w.unsqueeze(1))?;
+            let probs = probs.f_scatter_add_(1, &lab.unsqueeze(1), &(-&w).unsqueeze(1))?;
+            let g = probs.f_to_kind(hidden.kind())?.f_matmul(lm_head)?;
+            grad.narrow(0, start, len).f_copy_(&g)?;
+        }
+        start += len;
+    }
+    let correct_flags = Tensor::f_zeros([rows], (Kind::Bool, device))?.f_index_put_(
+        &[Some(&selected)],
+        &correct_sel,
+        false,
+    )?;
+    let (accepted, blocks) = acceptance(&correct_flags, weights, plan)?;
+    let metrics = Metrics {
+        weighted_loss: loss_sum.f_double_value(&[])?,
+        weight: sel_weights.f_sum(Kind::Double)?.f_double_value(&[])?,
+        correct: correct_sel.f_sum(Kind::Double)?.f_double_value(&[])?,
+        predicted: n as f64,
+        accepted,
+        blocks,
+    };
+    let grad = match sel_grad {
+        Some(g) => Some(
+            Tensor::f_zeros([rows, h], (hidden.kind(), device))?.f_index_copy(0, &selected, &g)?,
+        ),
+        None => None,
+    };
+    Ok(HeadOutput { metrics, grad })
+}
+
+/// Sum of simulated acceptance lengths over kept blocks, and their count: per block, 1 + the number of leading
+/// slots k = 1, 2, ... whose argmax equals the label, stopping at the first miss or the first slot without a valid
+/// label (`w = 0`).
+fn acceptance(
+    correct: &Tensor,
+    weights: &Tensor,
+    plan: &BlockPlan,
+) -> Result<(f64, f64), ModelError> {
+    let kept = plan.kept_blocks();
+    if kept == 0 {
+        return Ok((0.0, 0.0));
+    }
+    let bs = plan.block_size as i64;
+    let nb = (plan.batch * plan.blocks) as i64;
+    let hits = correct
+        .f_logical_and(&weights.f_gt(0.0)?)?
+        .f_view([nb, bs])?;
+    let run = hits
+        .narrow(1, 1, bs - 1)
+        .f_to_kind(Kind::Int64)?
+        .f_cumprod(1, Kind::Int64)?;
+    let keep = Tensor::f_from_slice(&plan.keep)?.f_to(correct.device())?;
+    let accepted = (run.f_sum_dim_intlist(1, false, Kind::Int64)? + 1)
+        .f_masked_select(&keep)?
+        .f_sum(Kind::Double)?
+        .f_double_value(&[])?;
+    Ok((accepted, kept as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(bs: usize, gamma: Option<f64>) -> ObjectiveSettings {
+        ObjectiveSettings::new(8, bs, gamma, 99)
+    }
+
+    #[test]
+    fn anchors_need_two_supervised_tokens_in_a_row() {
+        assert_eq!(valid_anchors(&[0, 1, 1, 1, 0, 1, 1, 0]), vec![1, 2, 5]);
+        assert_eq!(valid_anchors(&[1, 1]), vec![0]);
+        assert!(valid_anchors(&[1]).is_empty() && valid_anchors(&[]).is_empty());
+    }
+
+    #[test]
+    fn sampling_is_keyed_distinct_sorted_and_fresh_per_epoch() {
+        let valid: Vec<usize> = (0..1000).collect();
+        let a = sample_anchors(&valid, 50, &mut anchor_rng(1, 0, 7));
+        assert_eq!(a, sample_anchors(&valid, 50, &mut anchor_rng(1, 0, 7)));
+        assert!(a.windows(2).all(|w| w[0] < w[1]) && a.len() == 50);
+        assert_ne!(
+            a,
+            sample_anchors(&valid, 50, &mut anchor_rng(1, 1, 7)),
+            "a new epoch draws anew"
+        );
+        assert_ne!(a, sample_anchors(&valid, 50, &mut anchor_rng(1, 0, 8)));
+        assert_ne!(a, sample_anchors(&valid, 50, &mut anchor_rng(2, 0, 7)));
+        assert_eq!(
+            sample_anchors(&[3, 9], 50, &mut anchor_rng(1, 0, 7)),
+            vec![3, 9]
+        );
+    }
+
+    #[test]
+    fn weights_match_a_hand_computed_example() {
+        // bs = 4, gamma = 2: slot weights 0, 1, exp(-1/2), exp(-1).
+        let ids: Vec<i64> = (10..20).collect();
+        let mask = [0, 0, 1, 1, 1, 0, 1, 1, 1, 1];
+        let rows = [Row {
+            input_ids: &ids,
+            loss_mask: &mask,
+        }];
+        let plan = BlockPlan::new(&rows, &[vec![2, 7]], 10, &settings(4, Some(2.0)));
+        let (e1, e2) = ((-0.5f64).exp() as f32, (-1.0f64).exp() as f32);
+        // Block at 2: positions 2..6, mask 1 1 1 0 -> w = [0, 1, e^-1/2, 0].
+        // Block at 7: positions 7..11, 10 is past the end -> w = [0, 1, e^-1/2, 0].
+        assert_eq!(plan.weights, vec![0.0, 1.0, e1, 0.0, 0.0, 1.0, e1, 0.0]);
+        assert_eq!(plan.labels, vec![12, 13, 14, 15, 17, 18, 19, 0]);
+        assert_eq!(plan.block_ids, vec![12, 99, 99, 99, 17, 99, 99, 99]);
+        assert_eq!(plan.positions, vec![2, 3, 4, 5, 7, 8, 9, 10]);
+        let no_decay = BlockPlan::new(&rows, &[vec![2]], 10, &settings(4, None));
+        assert_eq!(no_decay.weights, vec![0.0, 1.0, 1.0, 0.0]);
+        assert!(e2 < e1); // the decay keeps falling
+        assert_eq!(slot_weight(3, Some(2.0)), e2);
+    }
+
+    #[test]
+    fn rows_with_fewer_anchors_get_padding_blocks() {
+        let ids: Vec<i64> = (0..8).collect();
+        let mask = [1u8; 8];
+        let rows = [
+            Row {
+                input_ids: &ids,
+                loss_mask: &mask,
+            },
+            Row {
+                input_ids: &ids[..4],
+                loss_mask: &mask[..4],
+            },
+        ];
+        let plan = BlockPlan::new(&rows, &[vec![0, 2, 5], vec![1]], 8, &settings(2, None));
+        assert_eq!(plan.blocks, 3);
+        assert_eq!(plan.keep, vec![true, true, true, true, false, false]);
+        assert_eq!(plan.kept_blocks(), 4);
+        assert_eq!(&plan.block_ids[8..], &[99, 99, 99, 99]);
+        assert!(plan.weights[8..].iter().all(|&w| w == 0.0));
+    }
+}

@@ -1,0 +1,296 @@
+//! Training through public interfaces on the tiny preset: where gradients go, the published file format, bitwise
+//! save/load and resume, chunked evaluation, and a drafter that actually learns.
+mod common;
+
+use std::collections::BTreeMap;
+
+use dflash::model::presets::tiny;
+use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target};
+use dflash::ops::AdamwStep;
+use dflash::train::objective::ObjectiveSettings;
+use dflash::train::{AdamW, FeatureBatch, Trainer, UpdateSettings};
+use tch::{Device, Kind, Tensor};
+
+const BS: usize = 4;
+
+fn target() -> Target {
+    let spec = Preset::Tiny.spec();
+    spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float)
+        .unwrap()
+}
+
+fn trainer(target: &Target, num_anchors: usize, seed: u64) -> Trainer {
+    let cfg = DrafterConfig::for_preset(Preset::Tiny, BS);
+    let drafter = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
+    let objective = ObjectiveSettings::new(num_anchors, BS, Some(2.0), tiny::MASK);
+    Trainer::new(
+        drafter,
+        target.embed_tokens().shallow_clone(),
+        target.lm_head().shallow_clone(),
+        objective,
+        seed,
+    )
+    .unwrap()
+}
+
+fn update(lr: f64) -> UpdateSettings {
+    UpdateSettings {
+        adamw: AdamwStep {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            weight_decay: 0.01,
+            eps: 1e-8,
+        },
+        grad_clip: Some(1.0),
+    }
+}
+
+/// Counting sequences with a per-row stride (1, 2 or 3): the next tokens follow from the anchor and the context.
+/// The first four tokens are a "prompt" (loss mask 0).
+fn dataset(n: usize, len: usize) -> Vec<(Vec<i64>, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let stride = (i % 3 + 1) as i64;
+            let start = (i as i64 * 37) % 200;
+            let ids = (0..len as i64)
+                .map(|t| (start + t * stride) % 200)
+                .collect();
+            let mask = (0..len).map(|t| u8::from(t >= 4)).collect();
+            (ids, mask)
+        })
+        .collect()
+}
+
+fn batch(target: &Target, rows: &[(Vec<i64>, Vec<u8>)], first_id: u64, epoch: u64) -> FeatureBatch {
+    FeatureBatch::capture(
+        target,
+        (first_id..first_id + rows.len() as u64).collect(),
+        epoch,
+        rows.iter().map(|r| r.0.clone()).collect(),
+        rows.iter().map(|r| r.1.clone()).collect(),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap()
+}
+
+#[test]
+fn gradients_reach_every_trained_parameter_and_never_the_target() {
+    let t = target();
+    let mut tr = trainer(&t, 8, 1);
+    let data = dataset(3, 30);
+    tr.accumulate(&batch(&t, &data, 0, 0)).unwrap();
+    let p = tr.drafter.params();
+    for (name, g) in p.layout().named_views(&p.grad) {
+        assert!(
+            g.abs().max().double_value(&[]) > 0.0,
+            "no gradient reached {name}"
+        );
+    }
+    for frozen in [t.embed_tokens(), t.lm_head()] {
+        assert!(!frozen.requires_grad());
+        assert!(!frozen.grad().defined(), "a gradient reached the target");
+    }
+}
+
+#[test]
+fn the_writer_matches_the_published_qwen3_8b_drafter() {
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/qwen3-8b-dflash-b16.json")).unwrap();
+    let cfg = DrafterConfig::for_preset(Preset::Qwen3_8b, 16);
+    let mine: BTreeMap<String, Vec<i64>> = Drafter::tensor_shapes(&cfg).into_iter().collect();
+    let published: BTreeMap<String, Vec<i64>> =
+        serde_json::from_value(fixture["tensors"].clone()).unwrap();
+    assert_eq!(mine, published);
+    let json = cfg.to_json("bfloat16");
+    for (key, value) in fixture["config"].as_object().unwrap() {
+        assert!(
+            json.get(key).is_some(),
+            "config.json lacks the published key {key}"
+        );
+        if matches!(
+            key.as_str(),
+            "architectures"
+                | "model_type"
+                | "block_size"
+                | "num_target_layers"
+                | "dflash_config"
+                | "hidden_size"
+                | "num_hidden_layers"
+                | "intermediate_size"
+                | "head_dim"
+                | "vocab_size"
+        ) {
+            assert_eq!(&json[key], value, "{key}");
+        }
+    }
+    // And the published config reads back as the same drafter.
+    let read = DrafterConfig::from_json(&fixture["config"].to_string()).unwrap();
+    assert_eq!(Drafter::tensor_shapes(&read), Drafter::tensor_shapes(&cfg));
+}
+
+#[test]
+fn a_saved_drafter_holds_exactly_the_published_tensors() {
+    let d = Drafter::new(
+        DrafterConfig::for_preset(Preset::Tiny, BS),
+        Device::Cpu,
+        Kind::Float,
+        Init::Portable(3),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    d.save(dir.path(), Kind::BFloat16).unwrap();
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut in_file: Vec<(String, Vec<i64>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::BF16);
+            (n, v.shape().iter().map(|&s| s as i64).collect())
+        })
+        .collect();
+    in_file.sort();
+    let mut expected = Drafter::tensor_shapes(d.config());
+    expected.sort();
+    assert_eq!(in_file, expected);
+    // A bf16 folder (as published) loads into fp32 master weights holding the bf16 values.
+    let back = Drafter::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(back.params().master.kind(), Kind::Float);
+    let rounded = d
+        .params()
+        .master
+        .to_kind(Kind::BFloat16)
+        .to_kind(Kind::Float);
+    assert!(back.params().master.equal(&rounded));
+}
+
+fn snapshot(tr: &Trainer) -> (Tensor, Tensor, Tensor) {
+    let (m, v) = tr.optimizer.moments();
+    (tr.drafter.params().master.copy(), m.copy(), v.copy())
+}
+
+#[test]
+fn save_load_is_bitwise_and_resuming_continues_identically() {
+    tch::set_num_threads(1);
+    let t = target();
+    let data = dataset(4, 28);
+    let batches: Vec<FeatureBatch> = (0..6).map(|e| batch(&t, &data, 0, e)).collect();
+    let mut a = trainer(&t, 6, 5);
+    for b in &batches[..3] {
+        a.train_step(std::slice::from_ref(b), &update(3e-3))
+            .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    a.drafter.save(dir.path(), Kind::Float).unwrap();
+    a.optimizer
+        .save(
+            &dir.path().join("optimizer.safetensors"),
+            a.drafter.params().layout(),
+        )
+        .unwrap();
+
+    let mut b = trainer(&t, 6, 5);
+    b.drafter = Drafter::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
+    b.optimizer = AdamW::load(
+        dir.path(),
+        "optimizer.safetensors",
+        b.drafter.params().layout(),
+        Device::Cpu,
+    )
+    .unwrap();
+    let (sa, sb) = (snapshot(&a), snapshot(&b));
+    assert!(
+        sa.0.equal(&sb.0) && sa.1.equal(&sb.1) && sa.2.equal(&sb.2),
+        "save -> load is not bitwise"
+    );
+    assert_eq!(b.optimizer.steps(), 3);
+
+    for batch in &batches[3..] {
+        let (ma, _) = a
+            .train_step(std::slice::from_ref(batch), &update(3e-3))
+            .unwrap();
+        let (mb, _) = b
+            .train_step(std::slice::from_ref(batch), &update(3e-3))
+            .unwrap();
+        assert_eq!(ma, mb);
+    }
+    let (sa, sb) = (snapshot(&a), snapshot(&b));
+    assert!(
+        sa.0.equal(&sb.0),
+        "resumed parameters diverged from the uninterrupted run"
+    );
+    assert!(sa.1.equal(&sb.1) && sa.2.equal(&sb.2));
+    assert!(
+        !sa.0.equal(&snapshot(&trainer(&t, 6, 5)).0),
+        "training changed nothing"
+    );
+}
+
+#[test]
+fn evaluation_in_chunks_equals_one_pass() {
+    let t = target();
+    let data = dataset(3, 40);
+    let fb = batch(&t, &data, 0, 0);
+    let one = trainer(&t, 1000, 2).evaluate(&fb).unwrap();
+    let chunked = trainer(&t, 7, 2).evaluate(&fb).unwrap();
+    assert_eq!(one.blocks, 3.0 * 35.0, "every valid anchor is evaluated");
+    assert_eq!(
+        (one.correct, one.predicted, one.accepted, one.blocks),
+        (
+            chunked.correct,
+            chunked.predicted,
+            chunked.accepted,
+            chunked.blocks
+        )
+    );
+    assert!((one.weighted_loss - chunked.weighted_loss).abs() < 1e-6 * one.weighted_loss);
+    assert!((one.weight - chunked.weight).abs() < 1e-9);
+}
+
+#[test]
+fn a_tiny_drafter_overfits_a_tiny_dataset() {
+    let t = target();
+    let data = dataset(6, 32);
+    let mut tr = trainer(&t, 12, 7);
+    let eval = batch(&t, &data, 0, 0);
+    let before = tr.evaluate(&eval).unwrap();
+    for step in 0..150u64 {
+        tr.train_step(&[batch(&t, &data, 0, step)], &update(5e-3))
+            .unwrap();
+    }
+    let after = tr.evaluate(&eval).unwrap();
+    assert!(
+        after.loss() < 0.3 * before.loss(),
+        "loss {} -> {}",
+        before.loss(),
+        after.loss()
+    );
+    assert!(
+        after.acceptance_length() > 2.0,
+        "acceptance length {} -> {}",
+        before.acceptance_length(),
+        after.acceptance_length()
+    );
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_update() {
+    let t = target();
+    let mut tr = trainer(&t, 4, 9);
+    let data = dataset(2, 20);
+    let fb = batch(&t, &data, 0, 0);
+    let m = tr.accumulate(&fb).unwrap();
+    let before = tr.drafter.params().master.copy();
+    let _ = tr.drafter.params().grad.narrow(0, 0, 1).fill_(f64::NAN);
+    let report = tr.apply(m.weight, &update(1e-2)).unwrap();
+    assert!(!report.applied && !report.grad_norm.is_finite());
+    assert!(tr.drafter.params().master.equal(&before));
+    assert_eq!(tr.optimizer.steps(), 0);
+    assert_eq!(
+        tr.drafter.params().grad.abs().max().double_value(&[]),
+        0.0,
+        "gradient cleared for the next step"
+    );
+}
