@@ -12,6 +12,7 @@ use config::{File, FileFormat, Value, ValueKind};
 use serde::Deserialize;
 
 use crate::device::{DeviceSpec, DtypeSpec};
+use crate::model::drafter_config::default_gamma;
 use crate::model::presets::PresetSpec;
 use crate::model::{Depth, ModelError, Preset, Target};
 use tch::{Device, Kind};
@@ -54,6 +55,7 @@ fn invalid(key: &str, value: impl std::fmt::Display, allowed: impl Into<String>)
 struct RawConfig {
     target: RawTarget,
     draft_model: RawDraftModel,
+    objective: RawObjective,
     log: RawLog,
 }
 
@@ -70,6 +72,22 @@ struct RawTarget {
 struct RawDraftModel {
     target_layer_ids: Option<Vec<i64>>,
     mask_token_id: Option<i64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawObjective {
+    num_anchors: i64,
+    gamma: RawGamma,
+    seed: i64,
+}
+
+/// `gamma` is a number, or the word `auto` or `none`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawGamma {
+    Number(f64),
+    Word(String),
 }
 
 #[derive(Debug, Deserialize)]
@@ -133,6 +151,57 @@ pub struct DraftModelSettings {
     pub mask_token_id: Option<i64>,
 }
 
+/// The decay of the loss weights over block slots.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Gamma {
+    /// DFLASH.md's value for the block size (7 for 16, 5 for 10, 4 for 8).
+    Auto,
+    /// No decay.
+    None,
+    Value(f64),
+}
+
+impl Gamma {
+    /// The decay for `block_size`; `Auto` has no value for block sizes outside the paper's table.
+    pub fn resolve(self, block_size: usize) -> Result<Option<f64>, ConfigError> {
+        match self {
+            Gamma::None => Ok(None),
+            Gamma::Value(g) => Ok(Some(g)),
+            Gamma::Auto => default_gamma(block_size).map(Some).ok_or_else(|| {
+                invalid(
+                    "objective.gamma",
+                    "\"auto\"",
+                    format!("has no default for block size {block_size} (only 16, 10, 8): set a number or \"none\""),
+                )
+            }),
+        }
+    }
+}
+
+impl std::str::FromStr for Gamma {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Gamma::Auto),
+            "none" => Ok(Gamma::None),
+            n => match n.parse::<f64>() {
+                Ok(g) if g.is_finite() && g > 0.0 => Ok(Gamma::Value(g)),
+                _ => Err(format!(
+                    "gamma {n:?}: expected a positive number, auto or none"
+                )),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectiveConfig {
+    pub num_anchors: usize,
+    pub gamma: Gamma,
+    /// Keys anchor sampling (with epoch and sample id) and the drafter's initial weights.
+    pub seed: u64,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
     Text,
@@ -151,6 +220,7 @@ pub struct LogSettings {
 pub struct Config {
     pub target: TargetSettings,
     pub draft_model: DraftModelSettings,
+    pub objective: ObjectiveConfig,
     pub log: LogSettings,
 }
 
@@ -293,6 +363,7 @@ impl RawConfig {
         Ok(Config {
             target: self.target.validate()?,
             draft_model: self.draft_model.validate()?,
+            objective: self.objective.validate()?,
             log: self.log.validate()?,
         })
     }
@@ -375,6 +446,37 @@ impl RawDraftModel {
         Ok(DraftModelSettings {
             target_layer_ids,
             mask_token_id: self.mask_token_id,
+        })
+    }
+}
+
+impl RawObjective {
+    fn validate(self) -> Result<ObjectiveConfig, ConfigError> {
+        if self.num_anchors < 1 {
+            return Err(invalid(
+                "objective.num_anchors",
+                self.num_anchors,
+                "at least 1 block per sequence",
+            ));
+        }
+        if self.seed < 0 {
+            return Err(invalid("objective.seed", self.seed, "a seed is >= 0"));
+        }
+        let gamma = match self.gamma {
+            RawGamma::Number(g) => format!("{g}"),
+            RawGamma::Word(w) => w,
+        };
+        let parsed = gamma.parse().map_err(|_| {
+            invalid(
+                "objective.gamma",
+                format!("{gamma:?}"),
+                "a positive number, \"auto\" or \"none\"",
+            )
+        })?;
+        Ok(ObjectiveConfig {
+            num_anchors: self.num_anchors as usize,
+            gamma: parsed,
+            seed: self.seed as u64,
         })
     }
 }
@@ -492,6 +594,10 @@ mod tests {
             ),
             ("draft_model.mask_token_id=-5", &["mask_token_id", "-5"]),
             ("log.format=xml", &["log.format", "xml", "json"]),
+            ("objective.num_anchors=0", &["objective.num_anchors", "0"]),
+            ("objective.gamma=-1", &["objective.gamma", "-1"]),
+            ("objective.gamma=soon", &["objective.gamma", "soon", "auto"]),
+            ("objective.seed=-3", &["objective.seed", "-3"]),
             ("log.level=dflash=loud", &["log.level", "loud"]),
             ("draft_model.target_layer_ids=\"x\"", &["target_layer_ids"]),
         ];
@@ -527,6 +633,25 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("bad.toml"), "{err}");
+    }
+
+    #[test]
+    fn gamma_reads_numbers_and_words() {
+        let c = Config::builtin().unwrap();
+        assert_eq!(c.objective.gamma, Gamma::Auto);
+        assert_eq!(c.objective.gamma.resolve(16).unwrap(), Some(7.0));
+        assert!(
+            c.objective
+                .gamma
+                .resolve(12)
+                .unwrap_err()
+                .to_string()
+                .contains("block size 12")
+        );
+        let c = with_set(&["objective.gamma=5"]).unwrap();
+        assert_eq!(c.objective.gamma.resolve(12).unwrap(), Some(5.0));
+        let c = with_set(&["objective.gamma=none"]).unwrap();
+        assert_eq!(c.objective.gamma.resolve(16).unwrap(), None);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! binary (`src/main.rs`) is only the command line.
 pub mod bench;
 pub mod config;
+pub mod data;
 pub mod device;
 pub mod model;
 pub mod ops;

@@ -1,16 +1,15 @@
 //! The `dflash` command line: parses arguments, layers the configuration, sets up logging and dispatches to the
 //! library. No training or model logic lives here.
+mod cli;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
 
-use dflash::bench::{TargetBenchOptions, bench_target};
-use dflash::config::{Config, Layers, LogFormat, TargetSource};
-use dflash::device::{DeviceSpec, DtypeSpec, device_name};
-use dflash::model::{Depth, Preset};
-use dflash::panic::{catch_torch, is_torch_error, payload_message};
+use dflash::config::{Config, Layers, LogFormat};
+use dflash::panic::{is_torch_error, payload_message};
 
 /// Exit status of a subcommand that exists in the interface but not yet in this build.
 const EXIT_NOT_AVAILABLE: u8 = 3;
@@ -60,8 +59,15 @@ enum Command {
     Prepare(Pending),
     /// Rewrite the assistant turns of a dataset with the target itself [not yet available]
     Regenerate(Pending),
-    /// Measure a drafter: simulated and real acceptance length [not yet available]
-    Eval(Pending),
+    /// Score a drafter on token rows: loss, accuracy and simulated acceptance length at every valid anchor
+    #[command(
+        long_about = "Score a drafter on token rows at every valid anchor (no sampling, so the result is \
+        deterministic): the target captures its tapped states, the drafter drafts every block, and the weighted \
+        loss, accuracy and simulated acceptance length (1 + the leading slots predicted right, per block) are \
+        printed.\n\n\
+        Example:\n  dflash eval --target /models/Qwen3-8B --drafter runs/ckpt-1000 --data heldout.jsonl --json"
+    )]
+    Eval(cli::eval::EvalArgs),
     /// Write a checkpoint's drafter in the published DFlash format [not yet available]
     Export(Pending),
     /// Measure the hot loops at real shapes: throughput, TFLOP/s, MFU, peak memory, step times
@@ -73,10 +79,15 @@ enum Command {
         states concatenated (what training needs); with --full the whole stack and the LM head (what decoding \
         needs). FLOPs counted: 2 x matmul weights x tokens per layer, plus 2 x layers x heads x head_dim x seq x \
         tokens for causal attention, plus 2 x hidden x vocab x tokens for the LM head with --full.\n\n\
-        Example (the H200 comparison in BENCHMARKS.md):\n  \
-        dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json"
+        --what drafter: whole training steps of the preset's drafter (forward, LM head + loss in chunks, backward, \
+        clipping, AdamW) on random target features, target capture excluded (--capture times it separately). \
+        FLOPs per sample follow DFLASH.md's cost model as the PyTorch peer counts it: 3x the forward products of \
+        fc and the layers, dense attention over S + N*bs keys, and 2x the frozen LM head.\n\n\
+        Examples (the H200 comparisons in BENCHMARKS.md):\n  \
+        dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
+        dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --json"
     )]
-    Bench(BenchArgs),
+    Bench(cli::bench::BenchArgs),
 }
 
 /// Arguments of a subcommand that is not available yet; accepted so the message is about availability.
@@ -84,58 +95,6 @@ enum Command {
 struct Pending {
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
     args: Vec<String>,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum BenchWhat {
-    /// Target hidden-state capture (or the full stack with --full)
-    Target,
-}
-
-#[derive(Args)]
-struct BenchArgs {
-    /// What to measure.
-    #[arg(long, value_enum)]
-    what: BenchWhat,
-    /// A built-in target shape with random weights: tiny, qwen3-4b, qwen3-8b, llama3.1-8b.
-    #[arg(long, conflicts_with = "model")]
-    preset: Option<Preset>,
-    /// A HuggingFace model folder to load instead of a preset.
-    #[arg(long, value_name = "DIR")]
-    model: Option<PathBuf>,
-    /// Tapped layer ids, comma separated (default: draft_model.target_layer_ids, else the preset's).
-    #[arg(long, value_delimiter = ',', value_name = "IDS")]
-    taps: Option<Vec<usize>>,
-    /// cpu, cuda:N or auto (default: target.device).
-    #[arg(long)]
-    device: Option<DeviceSpec>,
-    /// auto, bf16 or f32 (default: target.dtype).
-    #[arg(long)]
-    dtype: Option<DtypeSpec>,
-    /// Sequences per step.
-    #[arg(long, default_value_t = 16)]
-    batch: i64,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 2048)]
-    seq: i64,
-    /// Timed steps; the median is reported.
-    #[arg(long, default_value_t = 5)]
-    steps: usize,
-    /// Untimed steps before timing.
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
-    /// Run every layer, the final norm and the LM head instead of stopping at the last tap.
-    #[arg(long)]
-    full: bool,
-    /// Also time the phases of one extra step with device events (reported as phases_ms).
-    #[arg(long)]
-    profile: bool,
-    /// The device's bf16 matrix peak in TFLOP/s, for MFU (797: measured on the H200 used for BENCHMARKS.md).
-    #[arg(long, default_value_t = 797.0)]
-    peak_tflops: f64,
-    /// Print one JSON object per run instead of a summary line.
-    #[arg(long)]
-    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -154,11 +113,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
     init_logging(&config)?;
     install_panic_hook();
     match cli.command {
-        Command::Bench(args) => bench(&config, args),
+        Command::Bench(args) => cli::bench::run(&config, args),
+        Command::Eval(args) => cli::eval::run(&config, args),
         Command::ServeTrain(_) => not_available("serve-train"),
         Command::Prepare(_) => not_available("prepare"),
         Command::Regenerate(_) => not_available("regenerate"),
-        Command::Eval(_) => not_available("eval"),
         Command::Export(_) => not_available("export"),
     }
 }
@@ -201,63 +160,4 @@ fn install_panic_hook() {
             tracing::error!(%location, "panic: {message}");
         }
     }));
-}
-
-fn bench(config: &Config, args: BenchArgs) -> Result<ExitCode> {
-    let BenchWhat::Target = args.what;
-    let source = match (args.preset, args.model) {
-        (Some(p), _) => TargetSource::Preset(p),
-        (None, Some(dir)) => TargetSource::Folder(dir),
-        (None, None) => config.target.source.clone(),
-    };
-    let taps = match (args.taps, &source) {
-        (Some(t), _) => t,
-        (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => {
-            p.spec().taps
-        }
-        (None, TargetSource::Folder(_)) if config.draft_model.target_layer_ids.is_none() => {
-            bail!(
-                "--taps is required with --model (or set draft_model.target_layer_ids), e.g. --taps 1,9,17,25,33"
-            )
-        }
-        (None, _) => config.target_layer_ids()?,
-    };
-    let device = args
-        .device
-        .unwrap_or(config.target.device)
-        .resolve()
-        .context("--device / target.device")?;
-    let kind = args.dtype.unwrap_or(config.target.dtype).resolve(device);
-    let depth = if args.full {
-        Depth::Full
-    } else {
-        Depth::ToLastTap
-    };
-    dflash::device::bind_thread(device)?;
-    let opts = TargetBenchOptions {
-        batch: args.batch,
-        seq: args.seq,
-        steps: args.steps,
-        warmup: args.warmup,
-        full: args.full,
-        profile: args.profile,
-        peak_tflops: args.peak_tflops,
-    };
-    let report = catch_torch(|| -> Result<_> {
-        tracing::info!(target = %source, device = %device_name(device), "building the target");
-        let target = source.build_target(&taps, depth, device, kind)?;
-        let label = source.to_string();
-        Ok(bench_target(&target, &label, &opts)?)
-    })??;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!("{}", report.summary());
-        if let Some(phases) = &report.phases_ms {
-            for (phase, ms) in phases {
-                println!("  {phase:<20} {ms:>10.3} ms");
-            }
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }

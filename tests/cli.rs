@@ -46,7 +46,7 @@ fn every_subcommand_explains_itself() {
 
 #[test]
 fn subcommands_not_yet_available_say_so_and_fail() {
-    for sub in ["serve-train", "prepare", "regenerate", "eval", "export"] {
+    for sub in ["serve-train", "prepare", "regenerate", "export"] {
         let out = dflash(&[sub, "--model", "x"]);
         assert_eq!(out.status.code(), Some(3), "{sub}");
         let err = text(&out.stderr);
@@ -147,4 +147,77 @@ fn a_model_folder_without_taps_is_refused_with_the_fix() {
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(err.contains("config.json"), "{err}");
+}
+
+/// A tiny target folder, a drafter for it, and token rows: `dflash eval` scores them.
+#[test]
+fn eval_scores_a_drafter_on_token_rows() {
+    use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset};
+    use tch::{Device, Kind};
+    let dir = tempfile::tempdir().unwrap();
+    let (target_dir, drafter_dir, data) = (
+        dir.path().join("t"),
+        dir.path().join("d"),
+        dir.path().join("rows.jsonl"),
+    );
+    Preset::Tiny
+        .spec()
+        .build_target(Depth::Full, Device::Cpu, Kind::Float)
+        .unwrap()
+        .save_hf(&target_dir, usize::MAX)
+        .unwrap();
+    let cfg = DrafterConfig::for_preset(Preset::Tiny, 16);
+    Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(1))
+        .unwrap()
+        .save(&drafter_dir, Kind::BFloat16)
+        .unwrap();
+    let row = |n: usize| {
+        let ids: Vec<i64> = (0..n as i64).map(|t| t % 200).collect();
+        let mask: Vec<u8> = (0..n).map(|t| u8::from(t >= 3)).collect();
+        serde_json::json!({"input_ids": ids, "loss_mask": mask}).to_string()
+    };
+    std::fs::write(&data, format!("{}\n{}\n", row(40), row(25))).unwrap();
+    let args = [
+        "eval",
+        "--target",
+        target_dir.to_str().unwrap(),
+        "--drafter",
+        drafter_dir.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--json",
+    ];
+    let out = dflash(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["blocks"],
+        36.0 + 21.0,
+        "every valid anchor: {report}"
+    );
+    assert_eq!(report["tokens"], 65);
+    assert_eq!(report["gamma"], 7.0);
+    let loss = report["loss"].as_f64().unwrap();
+    assert!(loss > 1.0 && loss.is_finite(), "{report}");
+    let accept = report["acceptance_length"].as_f64().unwrap();
+    assert!((1.0..=16.0).contains(&accept));
+
+    // A bad row is named by file and line.
+    std::fs::write(
+        &data,
+        format!(
+            "{}\n{{\"input_ids\": [1, 2], \"loss_mask\": [1]}}\n",
+            row(40)
+        ),
+    )
+    .unwrap();
+    let out = dflash(&args);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("rows.jsonl:2") && err.contains("loss_mask"),
+        "{err}"
+    );
 }

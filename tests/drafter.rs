@@ -363,3 +363,56 @@ fn the_head_loss_equals_cross_entropy_written_out() {
     assert_eq!(out.metrics.accepted, accepted);
     assert_eq!(out.metrics.blocks, 3.0);
 }
+
+#[test]
+fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no GPU here");
+        return;
+    }
+    // Default-scale weights: the x5 weights of the other tests make softmaxes so sharp that bf16 rounding flips them.
+    let cpu = Drafter::new(drafter_cfg(), Device::Cpu, Kind::Float, Init::Portable(8)).unwrap();
+    let c = case(64, 8);
+    let anchors: Vec<usize> = vec![0, 5, 9, 17, 30, 31, 44, 50, 58];
+    let rows = [Row {
+        input_ids: &c.ids,
+        loss_mask: &c.mask,
+    }];
+    let s = ObjectiveSettings {
+        attention_group_blocks: 4,
+        ..settings()
+    };
+    let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 64, &s);
+    let reference = run(&cpu, &c, &anchors, 4).to_kind(Kind::Double);
+    let t_cpu = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
+    let ref_loss = lm_head_loss(
+        &reference.to_kind(Kind::Float),
+        &c.embed,
+        &t_cpu.labels,
+        &t_cpu.weights,
+        &plan,
+        8,
+        false,
+    )
+    .unwrap()
+    .metrics;
+    let dir = tempfile::tempdir().unwrap();
+    cpu.save(dir.path(), Kind::Float).unwrap();
+    for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::BFloat16, 5e-2)] {
+        let dev = Device::Cuda(0);
+        let gpu = Drafter::load(dir.path(), dev, kind).unwrap();
+        let t = PlanTensors::new(&plan, &s, kind, dev).unwrap();
+        let embed = c.embed.to_device(dev).to_kind(kind);
+        let emb = Tensor::embedding(&embed, &t.block_ids, -1, false, false);
+        let features = c.features.to_device(dev).to_kind(kind);
+        let h = tch::no_grad(|| gpu.forward(&features, &emb, &t.positions, &t.attention)).get(0);
+        let err = rel_err(&h.to_device(Device::Cpu), &reference);
+        eprintln!("{kind:?}: forward relative error {err}");
+        assert!(err < tolerance, "{kind:?} forward: relative error {err}");
+        let m = lm_head_loss(&h, &embed, &t.labels, &t.weights, &plan, 8, false)
+            .unwrap()
+            .metrics;
+        let err = (m.weighted_loss - ref_loss.weighted_loss).abs() / ref_loss.weighted_loss;
+        assert!(err < tolerance, "{kind:?} loss: relative error {err}");
+    }
+}

@@ -8,7 +8,9 @@
 //! its own block, nothing else. [`BlockAttention`] runs it in groups of consecutive blocks: since anchors are sorted,
 //! a group only needs the context prefix up to its largest anchor and its own block keys, so the dense attention of
 //! each group is several times smaller than one dense `[N*bs, S + N*bs]` attention, with identical results (masked
-//! keys weigh exactly zero).
+//! keys weigh exactly zero). Context lengths are rounded up to multiples of [`CONTEXT_BUCKET`] (the context is
+//! zero-padded to match) so that the few distinct attention shapes recur from step to step: cuDNN builds an
+//! execution plan per shape, and a new shape every call costs more than the attention itself.
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
@@ -21,6 +23,14 @@ use super::layers::{Rope, apply_rope, rms_norm, swiglu};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
 use crate::profile::span;
+
+/// Context lengths seen by attention are multiples of this (see the module docs).
+pub const CONTEXT_BUCKET: i64 = 128;
+
+/// `n` rounded up to a multiple of [`CONTEXT_BUCKET`].
+pub fn context_bucket(n: i64) -> i64 {
+    (n + CONTEXT_BUCKET - 1) / CONTEXT_BUCKET * CONTEXT_BUCKET
+}
 
 /// Group indices of one layer in the flat layout.
 #[derive(Debug, Clone, Copy)]
@@ -226,8 +236,16 @@ impl Drafter {
         let ctx = {
             let _p = span("drafter.fc");
             let fc = target_hidden.linear(&self.weight(self.fc), None::<Tensor>);
-            rms_norm(&fc, &self.weight(self.hidden_norm), eps)
+            let ctx = rms_norm(&fc, &self.weight(self.hidden_norm), eps);
+            // Zero rows up to the bucketed length: their keys and values are zero and always masked.
+            let padded = context_bucket(s);
+            if padded > s {
+                ctx.constant_pad_nd([0, 0, 0, padded - s])
+            } else {
+                ctx
+            }
         };
+        let s = ctx.size()[1];
         let (cos_c, sin_c, cos_b, sin_b) = {
             let _p = span("drafter.rope");
             let (cc, sc) = self
@@ -334,7 +352,7 @@ pub struct BlockAttention {
 
 impl BlockAttention {
     /// Builds the pattern for `anchors` (`[B * N]`, row-major, ascending in each row; padding blocks carry anchor
-    /// 0 and see only themselves), in groups of at most `group_blocks` blocks.
+    /// 0 and see only themselves), in groups of at most `group_blocks` blocks, over a context of `seq_len` tokens.
     pub fn new(
         anchors: &[i64],
         batch: usize,
@@ -357,7 +375,7 @@ impl BlockAttention {
                 .flat_map(|b| anchors[b * n + j0..b * n + j0 + nb].iter().copied())
                 .max()
                 .unwrap_or(0);
-            let context_len = ((largest + 15) / 16 * 16).min(seq_len);
+            let context_len = context_bucket(largest).min(context_bucket(seq_len));
             let q_len = nb as i64 * bs;
             let anchor_q = anchors_dev
                 .narrow(1, j0 as i64, nb as i64)

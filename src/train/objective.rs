@@ -44,7 +44,7 @@ impl ObjectiveSettings {
             block_size,
             gamma,
             mask_token_id,
-            attention_group_blocks: 32,
+            attention_group_blocks: 16,
             lm_head_chunk_rows: 2048,
         }
     }

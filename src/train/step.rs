@@ -149,7 +149,7 @@ impl Trainer {
 
     /// Forward and backward of one micro-batch at freshly sampled anchors; returns its metric sums.
     pub fn accumulate(&mut self, batch: &FeatureBatch) -> Result<Metrics, TrainError> {
-        self.check(batch)?;
+        check(&self.drafter, batch)?;
         let anchors: Vec<Vec<usize>> = batch
             .loss_mask
             .iter()
@@ -159,35 +159,19 @@ impl Trainer {
                 sample_anchors(&valid_anchors(mask), self.objective.num_anchors, &mut rng)
             })
             .collect();
-        self.run_blocks(batch, &anchors, true)
+        run_blocks(
+            &self.drafter,
+            &self.heads(),
+            &self.objective,
+            batch,
+            &anchors,
+            true,
+        )
     }
 
-    /// Evaluates every valid anchor of every row (no sampling: deterministic), `num_anchors` blocks per row per
-    /// forward pass; nothing is updated.
+    /// Evaluates every valid anchor (see [`evaluate_batch`]); nothing is updated.
     pub fn evaluate(&self, batch: &FeatureBatch) -> Result<Metrics, TrainError> {
-        self.check(batch)?;
-        let all: Vec<Vec<usize>> = batch.loss_mask.iter().map(|m| valid_anchors(m)).collect();
-        let per_pass = self.objective.num_anchors.max(1);
-        let passes = all
-            .iter()
-            .map(|a| a.len().div_ceil(per_pass))
-            .max()
-            .unwrap_or(0);
-        let mut total = Metrics::default();
-        for pass in 0..passes {
-            let chunk: Vec<Vec<usize>> = all
-                .iter()
-                .map(|a| {
-                    a.iter()
-                        .skip(pass * per_pass)
-                        .take(per_pass)
-                        .copied()
-                        .collect()
-                })
-                .collect();
-            total.add(&self.run_blocks(batch, &chunk, false)?);
-        }
-        Ok(total)
+        evaluate_batch(&self.drafter, &self.heads(), &self.objective, batch)
     }
 
     /// Divides the accumulated gradient by `total_weight`, clips it, and applies AdamW unless its norm is not
@@ -229,82 +213,129 @@ impl Trainer {
         Ok((metrics, report))
     }
 
-    fn check(&self, batch: &FeatureBatch) -> Result<(), TrainError> {
-        let n = batch.input_ids.len();
-        let size = batch.target_hidden.size();
-        let width = self.drafter.config().context_width() as i64;
-        let longest = batch.input_ids.iter().map(Vec::len).max().unwrap_or(0);
-        let bad = |m: String| Err(TrainError::Batch(m));
-        if n == 0 || batch.loss_mask.len() != n || batch.sample_ids.len() != n {
-            return bad(format!(
-                "{n} rows, {} loss masks, {} sample ids: need the same non-zero count",
-                batch.loss_mask.len(),
-                batch.sample_ids.len()
-            ));
+    fn heads(&self) -> FrozenHeads<'_> {
+        FrozenHeads {
+            embed: &self.embed,
+            lm_head: &self.lm_head,
         }
-        if let Some(i) = (0..n).find(|&i| batch.input_ids[i].len() != batch.loss_mask[i].len()) {
-            return bad(format!("row {i}: input_ids and loss_mask differ in length"));
-        }
-        if size.len() != 3 || size[0] != n as i64 || size[1] < longest as i64 || size[2] != width {
-            return bad(format!(
-                "target_hidden is {size:?}; expected [{n}, >= {longest}, {width}] (rows, tokens, taps * hidden)"
-            ));
-        }
-        Ok(())
     }
+}
 
-    /// Plans blocks at `anchors`, runs the drafter and the LM head; with `train`, backpropagates the weighted
-    /// loss sum into the flat gradient.
-    fn run_blocks(
-        &self,
-        batch: &FeatureBatch,
-        anchors: &[Vec<usize>],
-        train: bool,
-    ) -> Result<Metrics, TrainError> {
-        let rows = batch.rows();
-        let plan = BlockPlan::new(&rows, anchors, batch.seq_len(), &self.objective);
-        if plan.kept_blocks() == 0 {
-            return Ok(Metrics::default());
-        }
-        let (device, kind) = (self.drafter.device(), self.drafter.kind());
-        let t = PlanTensors::new(&plan, &self.objective, kind, device)?;
-        let forward = || {
-            let emb = Tensor::embedding(&self.embed, &t.block_ids, -1, false, false);
-            let h = self
-                .drafter
-                .forward(&batch.target_hidden, &emb, &t.positions, &t.attention);
-            let rows = h.size()[0] * h.size()[1];
-            let width = h.size()[2];
-            (h.shallow_clone(), h.view([rows, width]))
-        };
-        if !train {
-            let (_, flat) = tch::no_grad(forward);
-            let out = lm_head_loss(
-                &flat,
-                &self.lm_head,
-                &t.labels,
-                &t.weights,
-                &plan,
-                self.objective.lm_head_chunk_rows,
-                false,
-            )?;
-            return Ok(out.metrics);
-        }
-        let (h, flat) = forward();
-        let out = tch::no_grad(|| {
-            lm_head_loss(
-                &flat.detach(),
-                &self.lm_head,
-                &t.labels,
-                &t.weights,
-                &plan,
-                self.objective.lm_head_chunk_rows,
-                true,
-            )
-        })?;
-        let grad = out.grad.expect("requested").view_as(&h);
-        let _p = span("drafter.backward");
-        (h * grad).f_sum(Kind::Float)?.f_backward()?;
-        Ok(out.metrics)
+/// The target's frozen embedding and LM head (`[V, H]`, on the drafter's device in its dtype).
+pub struct FrozenHeads<'a> {
+    pub embed: &'a Tensor,
+    pub lm_head: &'a Tensor,
+}
+
+/// Evaluates every valid anchor of every row (no sampling: deterministic), `num_anchors` blocks per row per
+/// forward pass, without gradients.
+pub fn evaluate_batch(
+    drafter: &Drafter,
+    heads: &FrozenHeads,
+    objective: &ObjectiveSettings,
+    batch: &FeatureBatch,
+) -> Result<Metrics, TrainError> {
+    check(drafter, batch)?;
+    let all: Vec<Vec<usize>> = batch.loss_mask.iter().map(|m| valid_anchors(m)).collect();
+    let per_pass = objective.num_anchors.max(1);
+    let passes = all
+        .iter()
+        .map(|a| a.len().div_ceil(per_pass))
+        .max()
+        .unwrap_or(0);
+    let mut total = Metrics::default();
+    for pass in 0..passes {
+        let chunk: Vec<Vec<usize>> = all
+            .iter()
+            .map(|a| {
+                a.iter()
+                    .skip(pass * per_pass)
+                    .take(per_pass)
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        total.add(&run_blocks(
+            drafter, heads, objective, batch, &chunk, false,
+        )?);
     }
+    Ok(total)
+}
+
+fn check(drafter: &Drafter, batch: &FeatureBatch) -> Result<(), TrainError> {
+    let n = batch.input_ids.len();
+    let size = batch.target_hidden.size();
+    let width = drafter.config().context_width() as i64;
+    let longest = batch.input_ids.iter().map(Vec::len).max().unwrap_or(0);
+    let bad = |m: String| Err(TrainError::Batch(m));
+    if n == 0 || batch.loss_mask.len() != n || batch.sample_ids.len() != n {
+        return bad(format!(
+            "{n} rows, {} loss masks, {} sample ids: need the same non-zero count",
+            batch.loss_mask.len(),
+            batch.sample_ids.len()
+        ));
+    }
+    if let Some(i) = (0..n).find(|&i| batch.input_ids[i].len() != batch.loss_mask[i].len()) {
+        return bad(format!("row {i}: input_ids and loss_mask differ in length"));
+    }
+    if size.len() != 3 || size[0] != n as i64 || size[1] < longest as i64 || size[2] != width {
+        return bad(format!(
+            "target_hidden is {size:?}; expected [{n}, >= {longest}, {width}] (rows, tokens, taps * hidden)"
+        ));
+    }
+    Ok(())
+}
+
+/// Plans blocks at `anchors`, runs the drafter and the LM head; with `train`, backpropagates the weighted loss sum
+/// into the drafter's flat gradient.
+fn run_blocks(
+    drafter: &Drafter,
+    heads: &FrozenHeads,
+    objective: &ObjectiveSettings,
+    batch: &FeatureBatch,
+    anchors: &[Vec<usize>],
+    train: bool,
+) -> Result<Metrics, TrainError> {
+    let rows = batch.rows();
+    let plan = BlockPlan::new(&rows, anchors, batch.seq_len(), objective);
+    if plan.kept_blocks() == 0 {
+        return Ok(Metrics::default());
+    }
+    let t = PlanTensors::new(&plan, objective, drafter.kind(), drafter.device())?;
+    let forward = || {
+        let emb = Tensor::embedding(heads.embed, &t.block_ids, -1, false, false);
+        let h = drafter.forward(&batch.target_hidden, &emb, &t.positions, &t.attention);
+        let flat = h.view([-1, h.size()[2]]);
+        (h, flat)
+    };
+    let chunk = objective.lm_head_chunk_rows;
+    if !train {
+        let (_, flat) = tch::no_grad(forward);
+        let out = lm_head_loss(
+            &flat,
+            heads.lm_head,
+            &t.labels,
+            &t.weights,
+            &plan,
+            chunk,
+            false,
+        )?;
+        return Ok(out.metrics);
+    }
+    let (h, flat) = forward();
+    let out = tch::no_grad(|| {
+        lm_head_loss(
+            &flat.detach(),
+            heads.lm_head,
+            &t.labels,
+            &t.weights,
+            &plan,
+            chunk,
+            true,
+        )
+    })?;
+    let grad = out.grad.expect("requested").view_as(&h);
+    let _p = span("drafter.backward");
+    (h * grad).f_sum(Kind::Float)?.f_backward()?;
+    Ok(out.metrics)
 }

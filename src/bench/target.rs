@@ -1,6 +1,4 @@
-//! `dflash bench`: measures the real hot loops at real shapes and reports throughput, achieved TFLOP/s, MFU
-//! against a stated peak, peak device memory and step-time percentiles, optionally with a phase breakdown from
-//! device events. The numbers in BENCHMARKS.md come from here.
+//! `dflash bench --what target`: the frozen target's hidden-state capture (or the whole stack) on random tokens.
 //!
 //! FLOP accounting for target capture, per step of `B x S` tokens through `L` layers (as the PyTorch peer counts):
 //! `2 * matmul_weights_per_layer * L * B * S` for the projections and MLP, plus `2 * L * (heads * head_dim) * S *
@@ -13,19 +11,10 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use tch::Tensor;
 
-use crate::device::{self, DeviceError, kind_name};
-use crate::model::{ModelError, Target, TargetConfig};
+use super::{BenchError, StepTimes, check_counts};
+use crate::device::{self, kind_name};
+use crate::model::{Target, TargetConfig};
 use crate::profile::Recorder;
-
-#[derive(Debug, thiserror::Error)]
-pub enum BenchError {
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    #[error("invalid benchmark settings: {0}")]
-    Settings(String),
-}
 
 /// What to run and how often.
 #[derive(Debug, Clone)]
@@ -94,34 +83,22 @@ pub fn target_flops(
     matmul + attention + head
 }
 
-/// The median of `values` (the upper middle for even counts); `values` must not be empty.
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 /// Times target capture (or the full stack) on random token ids.
 pub fn bench_target(
     target: &Target,
     label: &str,
     opts: &TargetBenchOptions,
 ) -> Result<TargetBenchReport, BenchError> {
-    if opts.batch < 1 || opts.seq < 1 || opts.steps < 1 {
-        return Err(BenchError::Settings(format!(
-            "batch ({}), seq ({}) and steps ({}) must be at least 1",
-            opts.batch, opts.seq, opts.steps
-        )));
-    }
+    check_counts(opts.batch, opts.seq, opts.steps)?;
     let cfg = target.config();
     let dev = target.device();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let ids: Vec<i64> = (0..opts.batch * opts.seq)
         .map(|_| rng.random_range(0..cfg.vocab_size as i64))
         .collect();
-    let ids = Tensor::f_from_slice(&ids)
-        .and_then(|t| t.f_view([opts.batch, opts.seq]))
-        .and_then(|t| t.f_to(dev))
-        .map_err(ModelError::from)?;
+    let ids = Tensor::f_from_slice(&ids)?
+        .f_view([opts.batch, opts.seq])?
+        .f_to(dev)?;
     let lengths = vec![opts.seq; opts.batch as usize];
     let step = || -> Result<(), BenchError> {
         let out = if opts.full {
@@ -137,13 +114,7 @@ pub fn bench_target(
     }
     device::synchronize(dev)?;
     device::reset_peak_memory(dev)?;
-    let mut times = Vec::with_capacity(opts.steps);
-    for _ in 0..opts.steps {
-        let start = std::time::Instant::now();
-        step()?;
-        device::synchronize(dev)?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-    }
+    let times = StepTimes::measure(dev, opts.steps, step)?;
     let peak_mem_bytes = device::memory_stats(dev)?.peak_allocated;
     let phases_ms = if opts.profile {
         let recorder = Recorder::start(dev);
@@ -152,9 +123,7 @@ pub fn bench_target(
     } else {
         None
     };
-    let step_ms_min = times.iter().copied().fold(f64::INFINITY, f64::min);
-    let step_ms_max = times.iter().copied().fold(0.0, f64::max);
-    let step_ms_p50 = median(&mut times);
+    let step_ms_p50 = times.percentile(50.0);
     let layers_run = target.layers_run();
     let flops_per_step = target_flops(cfg, layers_run, opts.batch, opts.seq, opts.full);
     let tflops = flops_per_step / (step_ms_p50 * 1e-3) / 1e12;
@@ -176,8 +145,8 @@ pub fn bench_target(
         flops_per_step,
         peak_mem_bytes,
         step_ms_p50,
-        step_ms_min,
-        step_ms_max,
+        step_ms_min: times.min(),
+        step_ms_max: times.max(),
         phases_ms,
     })
 }

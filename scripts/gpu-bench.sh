@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (see BENCHMARKS.md): the GPU tests, then dflash's benchmarks beside the PyTorch peers in
+# one lease. Expects stripped binaries in .bin/ (dflash and the test executables) and the peers in .peer/.
+# Usage: scripts/gpu-bench.sh [target|drafter|all]; results go to $OUT (or ./gpu-out).
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+for t in .bin/test-*; do
+  [ -x "$t" ] && { echo "== $t"; "$t" --test-threads 1 2>&1 | grep -E "^test |test result" | grep -vE "\.\.\. ok$"; }
+done
+run() { echo "== $*"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
+if [ "$what" = target ] || [ "$what" = all ]; then
+  run ./.bin/dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json --profile
+  run python3 .peer/pt_target_capture.py --batch 16 --seq 2048
+fi
+if [ "$what" = drafter ] || [ "$what" = all ]; then
+  run ./.bin/dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --steps 8 --json --profile --capture
+  run ./.bin/dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 3072 --anchors 512 --steps 5 --json --profile
+  run python3 .peer/pt_drafter_step.py --preset qwen3-8b --batch 4 --seq 768 --anchors 256 --variants eager,compile
+  run python3 .peer/pt_drafter_step.py --preset qwen3-8b --batch 4 --seq 3072 --anchors 512 --steps 5 --variants eager
+fi

@@ -1,0 +1,91 @@
+//! `dflash bench`: measures the real hot loops at real shapes and reports throughput, achieved TFLOP/s, MFU against
+//! a stated peak, peak device memory and step-time percentiles, optionally with a phase breakdown from device
+//! events. The numbers in BENCHMARKS.md come from here.
+pub mod drafter;
+pub mod target;
+
+pub use drafter::{
+    DrafterBenchOptions, DrafterBenchReport, bench_drafter, drafter_flops_per_sample,
+};
+pub use target::{TargetBenchOptions, TargetBenchReport, bench_target, target_flops};
+
+use tch::Device;
+
+use crate::device::{self, DeviceError};
+use crate::model::ModelError;
+use crate::train::step::TrainError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    #[error("invalid benchmark settings: {0}")]
+    Settings(String),
+}
+
+impl From<tch::TchError> for BenchError {
+    fn from(e: tch::TchError) -> Self {
+        BenchError::Model(e.into())
+    }
+}
+
+fn check_counts(batch: i64, seq: i64, steps: usize) -> Result<(), BenchError> {
+    if batch < 1 || seq < 1 || steps < 1 {
+        return Err(BenchError::Settings(format!(
+            "batch ({batch}), seq ({seq}) and steps ({steps}) must be at least 1"
+        )));
+    }
+    Ok(())
+}
+
+/// Wall-clock milliseconds of timed steps, each ended by a device synchronisation.
+pub struct StepTimes(Vec<f64>);
+
+impl StepTimes {
+    /// Runs `step` `steps` times on `device`, timing each to completion.
+    pub fn measure<E: From<DeviceError>>(
+        device: Device,
+        steps: usize,
+        mut step: impl FnMut() -> Result<(), E>,
+    ) -> Result<Self, E> {
+        let mut times = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let start = std::time::Instant::now();
+            step()?;
+            device::synchronize(device)?;
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(StepTimes(times))
+    }
+
+    /// The nearest-rank percentile (p in 0..=100).
+    pub fn percentile(&self, p: f64) -> f64 {
+        let rank = ((p / 100.0) * self.0.len() as f64).ceil() as usize;
+        self.0[rank.clamp(1, self.0.len()) - 1]
+    }
+    pub fn min(&self) -> f64 {
+        self.0[0]
+    }
+    pub fn max(&self) -> f64 {
+        self.0[self.0.len() - 1]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let t = StepTimes((1..=10).map(f64::from).collect());
+        assert_eq!(t.percentile(50.0), 5.0);
+        assert_eq!(t.percentile(90.0), 9.0);
+        assert_eq!(t.percentile(100.0), 10.0);
+        assert_eq!((t.min(), t.max()), (1.0, 10.0));
+    }
+}

@@ -1,0 +1,170 @@
+//! `dflash bench`: arguments and printing; the measuring lives in `dflash::bench`.
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+
+use dflash::bench::{DrafterBenchOptions, TargetBenchOptions, bench_drafter, bench_target};
+use dflash::config::{Config, TargetSource};
+use dflash::device::{DeviceSpec, DtypeSpec, device_name};
+use dflash::model::{Depth, Preset};
+use dflash::panic::catch_torch;
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchWhat {
+    /// Target hidden-state capture (or the full stack with --full)
+    Target,
+    /// Whole drafter training steps on random target features
+    Drafter,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[arg(long, value_enum)]
+    what: BenchWhat,
+    /// A built-in shape with random weights: tiny, qwen3-4b, qwen3-8b, llama3.1-8b (default: target.model when it
+    /// is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for tiny).
+    #[arg(long, conflicts_with = "model")]
+    preset: Option<Preset>,
+    /// A HuggingFace model folder to load instead of a preset (--what target only).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Tapped layer ids, comma separated (default: draft_model.target_layer_ids, else the preset's).
+    #[arg(long, value_delimiter = ',', value_name = "IDS")]
+    taps: Option<Vec<usize>>,
+    /// cpu, cuda:N or auto (default: target.device).
+    #[arg(long)]
+    device: Option<DeviceSpec>,
+    /// auto, bf16 or f32 (default: target.dtype).
+    #[arg(long)]
+    dtype: Option<DtypeSpec>,
+    /// Sequences per step (default: 16 for target, 4 for drafter).
+    #[arg(long)]
+    batch: Option<i64>,
+    /// Tokens per sequence (default: 2048 for target, 768 for drafter).
+    #[arg(long)]
+    seq: Option<i64>,
+    /// Drafter: anchors (blocks) per sequence.
+    #[arg(long, default_value_t = 256)]
+    anchors: usize,
+    /// Drafter: block size.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Timed steps; the median (and for the drafter the 90th percentile) is reported.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed steps before timing.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Target: run every layer, the final norm and the LM head instead of stopping at the last tap.
+    #[arg(long)]
+    full: bool,
+    /// Drafter: also time the preset target's capture of the same batch (reported as capture_ms_p50).
+    #[arg(long)]
+    capture: bool,
+    /// Also time the phases of one extra step with device events (reported as phases_ms).
+    #[arg(long)]
+    profile: bool,
+    /// The device's bf16 matrix peak in TFLOP/s, for MFU (797: measured on the H200 used for BENCHMARKS.md).
+    #[arg(long, default_value_t = 797.0)]
+    peak_tflops: f64,
+    /// Print one JSON object per run instead of a summary line.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
+    let source = match (args.preset, &args.model) {
+        (Some(p), _) => TargetSource::Preset(p),
+        (None, Some(dir)) => TargetSource::Folder(dir.clone()),
+        (None, None) => config.target.source.clone(),
+    };
+    let device = args
+        .device
+        .unwrap_or(config.target.device)
+        .resolve()
+        .context("--device / target.device")?;
+    let kind = args.dtype.unwrap_or(config.target.dtype).resolve(device);
+    dflash::device::bind_thread(device)?;
+    let (json, phases) = match args.what {
+        BenchWhat::Target => {
+            let taps = resolve_taps(config, &args, &source)?;
+            let opts = TargetBenchOptions {
+                batch: args.batch.unwrap_or(16),
+                seq: args.seq.unwrap_or(2048),
+                steps: args.steps,
+                warmup: args.warmup,
+                full: args.full,
+                profile: args.profile,
+                peak_tflops: args.peak_tflops,
+            };
+            let depth = if args.full {
+                Depth::Full
+            } else {
+                Depth::ToLastTap
+            };
+            let report = catch_torch(|| -> Result<_> {
+                tracing::info!(target = %source, device = %device_name(device), "building the target");
+                let target = source.build_target(&taps, depth, device, kind)?;
+                Ok(bench_target(&target, &source.to_string(), &opts)?)
+            })??;
+            print_summary(args.json, &report.summary());
+            (serde_json::to_value(&report)?, report.phases_ms)
+        }
+        BenchWhat::Drafter => {
+            let TargetSource::Preset(preset) = source else {
+                bail!(
+                    "--what drafter runs a preset's drafter on random features: pass --preset (e.g. qwen3-8b)"
+                );
+            };
+            let opts = DrafterBenchOptions {
+                batch: args.batch.unwrap_or(4),
+                seq: args.seq.unwrap_or(768),
+                anchors: args.anchors,
+                block_size: args.block_size,
+                steps: args.steps,
+                warmup: args.warmup,
+                profile: args.profile,
+                capture: args.capture,
+                peak_tflops: args.peak_tflops,
+            };
+            let report = catch_torch(|| -> Result<_> {
+                tracing::info!(%preset, device = %device_name(device), "building the drafter");
+                Ok(bench_drafter(preset, device, kind, &opts)?)
+            })??;
+            print_summary(args.json, &report.summary());
+            (serde_json::to_value(&report)?, report.phases_ms)
+        }
+    };
+    if args.json {
+        println!("{json}");
+    } else if let Some(phases) = phases {
+        for (phase, ms) in phases {
+            println!("  {phase:<20} {ms:>10.3} ms");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_summary(json: bool, summary: &str) {
+    if !json {
+        println!("{summary}");
+    }
+}
+
+fn resolve_taps(config: &Config, args: &BenchArgs, source: &TargetSource) -> Result<Vec<usize>> {
+    Ok(match (&args.taps, source) {
+        (Some(t), _) => t.clone(),
+        (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => {
+            p.spec().taps
+        }
+        (None, TargetSource::Folder(_)) if config.draft_model.target_layer_ids.is_none() => {
+            bail!(
+                "--taps is required with --model (or set draft_model.target_layer_ids), e.g. --taps 1,9,17,25,33"
+            )
+        }
+        (None, _) => config.target_layer_ids()?,
+    })
+}

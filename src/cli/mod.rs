@@ -1,0 +1,3 @@
+//! The subcommands' arguments and output; each calls into the library.
+pub mod bench;
+pub mod eval;

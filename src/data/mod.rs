@@ -1,0 +1,21 @@
+//! Data: token rows with their loss masks, as evaluation and training consume them.
+pub mod token_rows;
+
+pub use token_rows::{TokenRow, read_token_rows};
+
+use std::path::PathBuf;
+
+/// A problem with an input file, naming the file and line.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
+    #[error("{}:{line}: {reason}", path.display())]
+    Line {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("{}: {reason}", path.display())]
+    File { path: PathBuf, reason: String },
+}

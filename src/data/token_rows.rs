@@ -1,0 +1,139 @@
+//! Token rows as JSON lines: `{"id"?: int, "input_ids": [int...], "loss_mask": [0|1...]}`, one conversation per
+//! line. `dflash eval --data` reads them (and keeps reading them once prepared shards exist).
+use std::io::BufRead;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::DataError;
+
+/// One conversation: token ids and the loss mask (1 on supervised tokens).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenRow {
+    /// Stable id (the line number, 0-based, when the file gives none).
+    pub id: u64,
+    pub input_ids: Vec<i64>,
+    pub loss_mask: Vec<u8>,
+}
+
+/// Other fields (text, metadata from other tools) are ignored.
+#[derive(Deserialize)]
+struct RawRow {
+    id: Option<u64>,
+    input_ids: Vec<i64>,
+    loss_mask: Vec<u8>,
+}
+
+/// Reads every row of a JSONL file; any bad line is an error naming the file and line. Token ids must be below
+/// `vocab_size`.
+pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, DataError> {
+    let file = std::fs::File::open(path).map_err(|err| DataError::Io {
+        path: path.to_path_buf(),
+        err,
+    })?;
+    let mut rows = Vec::new();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|err| DataError::Io {
+            path: path.to_path_buf(),
+            err,
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: String| DataError::Line {
+            path: path.to_path_buf(),
+            line: i + 1,
+            reason,
+        };
+        let raw: RawRow = serde_json::from_str(&line).map_err(|e| {
+            bad(format!(
+                "{e}; expected {{\"id\"?: int, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}"
+            ))
+        })?;
+        if raw.input_ids.is_empty() {
+            return Err(bad("input_ids is empty".into()));
+        }
+        if raw.input_ids.len() != raw.loss_mask.len() {
+            return Err(bad(format!(
+                "input_ids has {} tokens but loss_mask has {}",
+                raw.input_ids.len(),
+                raw.loss_mask.len()
+            )));
+        }
+        if let Some(m) = raw.loss_mask.iter().find(|&&m| m > 1) {
+            return Err(bad(format!(
+                "loss_mask holds {m}; only 0 and 1 are allowed"
+            )));
+        }
+        if let Some(t) = raw
+            .input_ids
+            .iter()
+            .find(|&&t| t < 0 || t as usize >= vocab_size)
+        {
+            return Err(bad(format!(
+                "token id {t} is outside the target's vocabulary (0..{vocab_size})"
+            )));
+        }
+        rows.push(TokenRow {
+            id: raw.id.unwrap_or(i as u64),
+            input_ids: raw.input_ids,
+            loss_mask: raw.loss_mask,
+        });
+    }
+    if rows.is_empty() {
+        return Err(DataError::File {
+            path: path.to_path_buf(),
+            reason: "no rows".into(),
+        });
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(text: &str) -> Result<Vec<TokenRow>, DataError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rows.jsonl");
+        std::fs::write(&path, text).unwrap();
+        read_token_rows(&path, 100)
+    }
+
+    #[test]
+    fn reads_rows_and_numbers_missing_ids_by_line() {
+        let rows = read("{\"input_ids\": [1, 2], \"loss_mask\": [0, 1], \"text\": \"ignored\"}\n\n{\"id\": 9, \"input_ids\": [3], \"loss_mask\": [1]}\n").unwrap();
+        assert_eq!(rows[0].id, 0);
+        assert_eq!(rows[1].id, 9);
+        assert_eq!(rows[1].input_ids, vec![3]);
+    }
+
+    #[test]
+    fn bad_lines_name_file_line_and_problem() {
+        let cases = [
+            (
+                "{\"input_ids\": [1, 2], \"loss_mask\": [1]}",
+                "loss_mask has 1",
+            ),
+            ("{\"input_ids\": [1], \"loss_mask\": [2]}", "only 0 and 1"),
+            (
+                "{\"input_ids\": [100], \"loss_mask\": [1]}",
+                "outside the target's vocabulary",
+            ),
+            ("{\"input_ids\": [], \"loss_mask\": []}", "empty"),
+            ("not json", "expected"),
+        ];
+        for (line, expected) in cases {
+            let err = read(&format!(
+                "{{\"input_ids\": [1], \"loss_mask\": [1]}}\n{line}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("rows.jsonl:2:") && err.contains(expected),
+                "{err}"
+            );
+        }
+        assert!(read("").unwrap_err().to_string().contains("no rows"));
+    }
+}
