@@ -2,7 +2,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 
 use dflash::bench::{DrafterBenchOptions, TargetBenchOptions, bench_drafter, bench_target};
@@ -81,13 +81,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
         (None, Some(dir)) => TargetSource::Folder(dir.clone()),
         (None, None) => config.target.source.clone(),
     };
-    let device = args
-        .device
-        .unwrap_or(config.target.device)
-        .resolve()
-        .context("--device / target.device")?;
-    let kind = args.dtype.unwrap_or(config.target.dtype).resolve(device);
-    dflash::device::bind_thread(device)?;
+    let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
     let (json, phases) = match args.what {
         BenchWhat::Target => {
             let taps = resolve_taps(config, &args, &source)?;

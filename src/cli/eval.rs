@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Args;
 
 use dflash::config::{Config, Gamma, TargetSource};
@@ -54,13 +54,7 @@ pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
         },
         None => config.target.source.clone(),
     };
-    let device = args
-        .device
-        .unwrap_or(config.target.device)
-        .resolve()
-        .context("--device / target.device")?;
-    let kind = args.dtype.unwrap_or(config.target.dtype).resolve(device);
-    dflash::device::bind_thread(device)?;
+    let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
     let report = catch_torch(|| -> Result<_> {
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let dc = drafter.config().clone();

@@ -100,19 +100,11 @@ const SUPPORTED: &str =
 impl TargetConfig {
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        let path = dir.join("config.json");
-        if !path.is_file() {
-            return Err(ModelError::Config {
-                path,
-                reason: "not found: point at a HuggingFace model folder (config.json, *.safetensors, tokenizer files)"
-                    .into(),
-            });
-        }
-        let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io {
-            path: path.clone(),
-            err,
-        })?;
-        Self::from_json(&text).map_err(|reason| ModelError::Config { path, reason })
+        read_config_json(
+            dir,
+            "a HuggingFace model folder (config.json, *.safetensors, tokenizer files)",
+            Self::from_json,
+        )
     }
 
     /// Parses the text of a `config.json`; the error is a reason naming the key.
@@ -259,6 +251,26 @@ impl TargetConfig {
         let kv = self.num_key_value_heads * self.head_dim;
         h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
     }
+}
+
+/// Reads `dir/config.json` and parses it with `parse`; errors name the file and say what folder was expected.
+pub(crate) fn read_config_json<T>(
+    dir: &Path,
+    expected: &str,
+    parse: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<T, ModelError> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(ModelError::Config {
+            path,
+            reason: format!("not found: point at {expected}"),
+        });
+    }
+    let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io {
+        path: path.clone(),
+        err,
+    })?;
+    parse(&text).map_err(|reason| ModelError::Config { path, reason })
 }
 
 fn architecture_of(hf: &HfConfig) -> Result<Architecture, String> {

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use super::config::{Architecture, RopeScaling, TargetConfig};
+use super::config::{Architecture, RopeScaling, TargetConfig, read_config_json};
 use super::target::validate_taps;
 use super::{ModelError, Preset};
 
@@ -90,12 +90,11 @@ impl DrafterConfig {
 
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io {
-            path: path.clone(),
-            err,
-        })?;
-        Self::from_json(&text).map_err(|reason| ModelError::Config { path, reason })
+        read_config_json(
+            dir,
+            "a DFlash drafter folder (config.json, model.safetensors)",
+            Self::from_json,
+        )
     }
 
     pub fn from_json(text: &str) -> Result<Self, String> {
