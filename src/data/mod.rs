@@ -1,5 +1,9 @@
-//! Data: token rows with their loss masks, as evaluation and training consume them.
+//! Data: conversations and chat templates, tokenization and loss masks, token rows as evaluation and training
+//! consume them.
+pub mod chat;
+pub mod sample;
 pub mod token_rows;
+pub mod tokenize;
 
 pub use token_rows::{TokenRow, read_token_rows};
 

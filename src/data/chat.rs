@@ -1,0 +1,536 @@
+//! Conversations and the model's chat template: reading OpenAI `messages` and ShareGPT `conversations` lines,
+//! rendering with the template from `tokenizer_config.json` as HuggingFace's `apply_chat_template` does (minijinja
+//! with Python string methods, `raise_exception`, `strftime_now` and a `tojson` that writes what Python's
+//! `json.dumps` writes), and finding, in the FULL rendering, the text each assistant turn contributes.
+//!
+//! Finding assistant spans: templates rewrite turns (Qwen3 drops reasoning before the last user message, inserts an
+//! empty `<think>` block in the last turn, Llama-3 trims content), so the content cannot simply be searched for. For
+//! assistant turn i the full conversation is rendered a second time with that turn's content replaced by a marker
+//! no text contains: the text before the marker that both renderings share is the template's (role header,
+//! inserted blocks), and the text after it, up to the end-of-turn marker, is the turn's own. The turns before i
+//! rendered with the generation prompt also tell where generation starts, when the full rendering begins with them
+//! (the only clue for a turn whose content the template does not print, such as a Llama-3 tool call); with both,
+//! the later start wins. The span ends with the first end-of-turn marker after the content (`<|im_end|>`,
+//! `<|eot_id|>`), which is included.
+use std::ops::Range;
+use std::path::Path;
+
+use minijinja::value::Value as JValue;
+use minijinja::{Environment, Error as JError, ErrorKind};
+use serde_json::{Map, Value, json};
+
+/// Strings that end an assistant turn, in the order they are tried.
+const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>"];
+
+/// Replaces an assistant turn's content when locating it; private-use characters no conversation contains.
+fn marker(i: usize) -> String {
+    format!("\u{E000}dflash-turn-{i}\u{E001}")
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ChatError {
+    #[error("not valid JSON: {0}")]
+    Json(String),
+    #[error("{0}")]
+    Shape(String),
+    #[error(
+        "unknown role {0:?} (expected system, user, assistant or tool; ShareGPT: human, gpt, system, tool)"
+    )]
+    UnknownRole(String),
+    #[error("empty conversation")]
+    Empty,
+    #[error("no assistant turn to learn from")]
+    NoAssistant,
+    #[error("the chat template failed to render: {0}")]
+    Template(String),
+    #[error("assistant turn {0} could not be located in the rendered conversation")]
+    Unlocated(usize),
+}
+
+/// One conversation in OpenAI form: `{"role", "content", ...}` messages, roles normalised.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation {
+    /// The line's `id`, else its 0-based line number.
+    pub id: u64,
+    pub messages: Vec<Value>,
+    /// Tool definitions, passed to the template as `tools`.
+    pub tools: Option<Value>,
+}
+
+impl Conversation {
+    /// Parses one JSONL line: `{"messages": [...]}` (OpenAI) or `{"conversations": [{"from", "value"}]}`
+    /// (ShareGPT), with an optional integer `id`.
+    pub fn from_json_line(line: &str, line_number: u64) -> Result<Self, ChatError> {
+        let v: Value = serde_json::from_str(line).map_err(|e| ChatError::Json(e.to_string()))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| ChatError::Shape("a line must be a JSON object".into()))?;
+        let id = match obj.get("id") {
+            None | Some(Value::Null) => line_number,
+            Some(Value::Number(n)) if n.is_u64() => n.as_u64().expect("checked"),
+            Some(Value::String(s)) => s.parse().map_err(|_| {
+                ChatError::Shape(format!("`id` {s:?} is not a non-negative integer"))
+            })?,
+            Some(other) => {
+                return Err(ChatError::Shape(format!(
+                    "`id` {other} is not a non-negative integer"
+                )));
+            }
+        };
+        let messages = if let Some(m) = obj.get("messages") {
+            let list = m
+                .as_array()
+                .ok_or_else(|| ChatError::Shape("`messages` must be a list".into()))?;
+            list.iter()
+                .map(openai_message)
+                .collect::<Result<Vec<_>, _>>()?
+        } else if let Some(c) = obj.get("conversations") {
+            let list = c
+                .as_array()
+                .ok_or_else(|| ChatError::Shape("`conversations` must be a list".into()))?;
+            list.iter()
+                .map(sharegpt_message)
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            return Err(ChatError::Shape(
+                "expected a `messages` (OpenAI) or `conversations` (ShareGPT) list".into(),
+            ));
+        };
+        if messages.is_empty() {
+            return Err(ChatError::Empty);
+        }
+        let tools = obj.get("tools").filter(|t| !t.is_null()).cloned();
+        Ok(Conversation {
+            id,
+            messages,
+            tools,
+        })
+    }
+
+    /// Indices of the assistant messages.
+    pub fn assistant_turns(&self) -> Vec<usize> {
+        (0..self.messages.len())
+            .filter(|&i| self.messages[i]["role"] == "assistant")
+            .collect()
+    }
+}
+
+fn normal_role(role: &str) -> Option<&'static str> {
+    Some(match role {
+        "system" | "developer" => "system",
+        "user" | "human" => "user",
+        "assistant" | "gpt" | "model" | "chatgpt" => "assistant",
+        "tool" | "function" | "ipython" | "observation" => "tool",
+        _ => return None,
+    })
+}
+
+fn openai_message(m: &Value) -> Result<Value, ChatError> {
+    let obj = m
+        .as_object()
+        .ok_or_else(|| ChatError::Shape("each message must be an object".into()))?;
+    let role = obj
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ChatError::Shape("a message has no `role`".into()))?;
+    let normal = normal_role(role).ok_or_else(|| ChatError::UnknownRole(role.to_string()))?;
+    let mut out: Map<String, Value> = obj.clone();
+    out.insert("role".into(), json!(normal));
+    match out.get("content") {
+        None | Some(Value::Null) => {
+            if normal != "assistant" || !out.contains_key("tool_calls") {
+                out.insert("content".into(), json!(""));
+            }
+        }
+        Some(Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            // OpenAI content parts: keep the text parts, joined.
+            let text: Vec<&str> = parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect();
+            out.insert("content".into(), json!(text.join("")));
+        }
+        Some(other) => {
+            return Err(ChatError::Shape(format!(
+                "message content {other} is not text"
+            )));
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+fn sharegpt_message(m: &Value) -> Result<Value, ChatError> {
+    let from = m
+        .get("from")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ChatError::Shape("a ShareGPT turn has no `from`".into()))?;
+    let role = normal_role(from).ok_or_else(|| ChatError::UnknownRole(from.to_string()))?;
+    let value = m
+        .get("value")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ChatError::Shape("a ShareGPT turn has no text `value`".into()))?;
+    Ok(json!({ "role": role, "content": value }))
+}
+
+/// A rendered conversation and the byte ranges the assistant produced (content through its end-of-turn marker).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    pub text: String,
+    pub supervised: Vec<Range<usize>>,
+}
+
+/// The chat template of a model folder, ready to render.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// `bos_token`, `eos_token`, ... and the user's template variables.
+    globals: Map<String, Value>,
+    end_of_turn: Vec<String>,
+}
+
+impl ChatTemplate {
+    /// Reads `dir/tokenizer_config.json` (`chat_template`, a string or a list of named templates, `default` first;
+    /// or `dir/chat_template.jinja`), with `kwargs` passed to the template as variables.
+    pub fn from_dir(dir: &Path, kwargs: &Map<String, Value>) -> Result<Self, String> {
+        let path = dir.join("tokenizer_config.json");
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let config: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
+        let template = match config.get("chat_template") {
+            Some(Value::String(t)) => t.clone(),
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .or_else(|| list.first())
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    format!("{}: `chat_template` list has no template", path.display())
+                })?,
+            _ => {
+                let jinja = dir.join("chat_template.jinja");
+                std::fs::read_to_string(&jinja).map_err(|_| {
+                    format!(
+                        "{}: no `chat_template`, and no chat_template.jinja beside it",
+                        path.display()
+                    )
+                })?
+            }
+        };
+        let mut specials = Map::new();
+        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+            let value = match config.get(key) {
+                Some(Value::String(s)) => json!(s),
+                Some(Value::Object(o)) => o.get("content").cloned().unwrap_or(Value::Null),
+                _ => Value::Null,
+            };
+            specials.insert(key.into(), value);
+        }
+        Self::new(&template, specials, kwargs).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// A template from its source, with special-token variables (`bos_token`, `eos_token`, ...) and kwargs.
+    pub fn new(
+        source: &str,
+        specials: Map<String, Value>,
+        kwargs: &Map<String, Value>,
+    ) -> Result<Self, String> {
+        let mut env = Environment::new();
+        // HuggingFace renders chat templates with these two on.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<JValue, JError> {
+                Err(JError::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_function("strftime_now", |format: String| -> String {
+            chrono::Local::now().format(&format).to_string()
+        });
+        env.add_filter("tojson", tojson);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| format!("the chat template does not parse: {e}"))?;
+        let eos = specials
+            .get("eos_token")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let mut end_of_turn: Vec<String> = END_OF_TURN
+            .iter()
+            .filter(|m| source.contains(*m) || eos.as_deref() == Some(m))
+            .map(|m| m.to_string())
+            .collect();
+        if let Some(e) = eos.filter(|e| !end_of_turn.contains(e)) {
+            end_of_turn.push(e);
+        }
+        let mut globals = specials;
+        globals.extend(kwargs.clone());
+        Ok(ChatTemplate {
+            env,
+            globals,
+            end_of_turn,
+        })
+    }
+
+    /// Renders `messages` as `apply_chat_template(messages, tools, add_generation_prompt, **kwargs)` would.
+    pub fn render(
+        &self,
+        messages: &[Value],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
+        let mut ctx = self.globals.clone();
+        ctx.insert("messages".into(), Value::Array(messages.to_vec()));
+        ctx.insert("tools".into(), tools.cloned().unwrap_or(Value::Null));
+        ctx.insert("documents".into(), Value::Null);
+        ctx.insert("add_generation_prompt".into(), json!(add_generation_prompt));
+        let template = self.env.get_template("chat").expect("added in new()");
+        template
+            .render(JValue::from_serialize(&ctx))
+            .map_err(|e| ChatError::Template(template_error(&e)))
+    }
+
+    /// Renders the whole conversation and finds the byte ranges each assistant turn produced.
+    pub fn render_supervised(&self, conv: &Conversation) -> Result<Rendered, ChatError> {
+        let turns = conv.assistant_turns();
+        if turns.is_empty() {
+            return Err(ChatError::NoAssistant);
+        }
+        let tools = conv.tools.as_ref();
+        let full = self.render(&conv.messages, tools, false)?;
+        let mut supervised = Vec::with_capacity(turns.len());
+        let mut cursor = 0;
+        for &i in &turns {
+            let span = self.locate(conv, &full, i, cursor)?;
+            cursor = span.end;
+            supervised.push(span);
+        }
+        Ok(Rendered {
+            text: full,
+            supervised,
+        })
+    }
+
+    /// The byte range of assistant turn `i` in `full`, at or after `cursor`.
+    fn locate(
+        &self,
+        conv: &Conversation,
+        full: &str,
+        i: usize,
+        cursor: usize,
+    ) -> Result<Range<usize>, ChatError> {
+        let tools = conv.tools.as_ref();
+        // Where generation starts, if the full rendering begins with the rendering of the turns before `i`
+        // followed by the generation prompt.
+        let prompt = self.render(&conv.messages[..i], tools, true)?;
+        let from_prompt =
+            (full.starts_with(&prompt) && prompt.len() >= cursor).then_some(prompt.len());
+        // The turn's content replaced by a marker.
+        let mark = marker(i);
+        let mut probe = conv.messages.clone();
+        probe[i]["content"] = json!(mark);
+        if let Some(obj) = probe[i].as_object_mut() {
+            obj.remove("reasoning_content");
+        }
+        let probed = self.render(&probe, tools, false)?;
+        let content = probed.find(&mark).map(|at| {
+            let shared_prefix = common_prefix(full, &probed);
+            let start = at.min(shared_prefix);
+            let after = &probed[at + mark.len()..];
+            let shared_suffix = common_suffix(&full[start..], after);
+            (start, full.len() - shared_suffix)
+        });
+        let (start, content_end) = match (from_prompt, content) {
+            // Both: the later start, so text the template inserts after the generation prompt (Qwen3's empty
+            // `<think>` block in the last turn) stays unsupervised.
+            (Some(p), Some((s, end))) => (p.max(s), end.max(p.max(s))),
+            (Some(p), None) => (p, p),
+            (None, Some((s, end))) if s >= cursor => (s, end.max(s)),
+            _ => return Err(ChatError::Unlocated(i)),
+        };
+        let end = self
+            .end_of_turn
+            .iter()
+            .filter_map(|m| {
+                full[content_end..]
+                    .find(m.as_str())
+                    .map(|at| content_end + at + m.len())
+            })
+            .min()
+            .ok_or(ChatError::Unlocated(i))?;
+        Ok(start..end)
+    }
+}
+
+/// The first line of a template error, with its source line when minijinja knows it.
+fn template_error(e: &JError) -> String {
+    let mut msg = e.to_string();
+    if let Some(line) = e.line() {
+        msg = format!("{msg} (template line {line})");
+    }
+    msg
+}
+
+fn common_prefix(a: &str, b: &str) -> usize {
+    let n = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+    floor_char_boundary(a, n)
+}
+
+fn common_suffix(a: &str, b: &str) -> usize {
+    let n = a
+        .bytes()
+        .rev()
+        .zip(b.bytes().rev())
+        .take_while(|(x, y)| x == y)
+        .count();
+    let mut start = a.len() - n;
+    while !a.is_char_boundary(start) {
+        start += 1;
+    }
+    a.len() - start
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// `tojson` as HuggingFace's chat templates get it: Python's `json.dumps(x, ensure_ascii=False, indent=indent)`
+/// (`", "` and `": "` separators when compact), not minijinja's HTML-safe variant.
+fn tojson(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JValue, JError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json: Value = serde_json::to_value(&value)
+        .map_err(|e| JError::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(&pad),
+            );
+            serde::Serialize::serialize(&json, &mut ser)
+        }
+        None => {
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonCompact);
+            serde::Serialize::serialize(&json, &mut ser)
+        }
+    };
+    written.map_err(|e| JError::new(ErrorKind::BadSerialization, e.to_string()))?;
+    Ok(JValue::from_safe_string(
+        String::from_utf8(out).expect("serde_json writes UTF-8"),
+    ))
+}
+
+/// Python's default `json.dumps` separators: `", "` between items, `": "` after keys.
+struct PythonCompact;
+
+impl serde_json::ser::Formatter for PythonCompact {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_both_shapes_and_normalises_roles() {
+        let a = Conversation::from_json_line(
+            r#"{"id": 7, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}"#,
+            3,
+        )
+        .unwrap();
+        let b = Conversation::from_json_line(
+            r#"{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}"#,
+            3,
+        )
+        .unwrap();
+        assert_eq!(a.id, 7);
+        assert_eq!(b.id, 3);
+        assert_eq!(a.messages, b.messages);
+        assert_eq!(a.assistant_turns(), vec![1]);
+    }
+
+    #[test]
+    fn bad_lines_say_what_is_wrong() {
+        let cases = [
+            ("not json", "not valid JSON"),
+            ("[1]", "JSON object"),
+            (r#"{"messages": []}"#, "empty conversation"),
+            (
+                r#"{"messages": [{"role": "wizard", "content": "x"}]}"#,
+                "unknown role \"wizard\"",
+            ),
+            (
+                r#"{"conversations": [{"from": "alien", "value": "x"}]}"#,
+                "unknown role \"alien\"",
+            ),
+            (r#"{"text": "x"}"#, "expected a `messages`"),
+            (
+                r#"{"id": -1, "messages": [{"role": "user", "content": "x"}]}"#,
+                "`id`",
+            ),
+        ];
+        for (line, expected) in cases {
+            let err = Conversation::from_json_line(line, 0)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{line}: {err}");
+        }
+    }
+
+    #[test]
+    fn tojson_writes_what_python_writes() {
+        let t = ChatTemplate::new(
+            "{{ x | tojson }}|{{ x | tojson(indent=2) }}",
+            Map::new(),
+            &Map::new(),
+        )
+        .unwrap();
+        let mut ctx = Map::new();
+        ctx.insert("x".into(), json!({"b": [1, "é<>"], "a": {"k": null}}));
+        let out = t
+            .env
+            .get_template("chat")
+            .unwrap()
+            .render(JValue::from_serialize(&ctx))
+            .unwrap();
+        assert_eq!(
+            out,
+            "{\"b\": [1, \"é<>\"], \"a\": {\"k\": null}}|{\n  \"b\": [\n    1,\n    \"é<>\"\n  ],\n  \"a\": {\n    \"k\": null\n  }\n}"
+        );
+    }
+
+    #[test]
+    fn template_functions_exist() {
+        let t = ChatTemplate::new("{{ raise_exception('bad turn') }}", Map::new(), &Map::new())
+            .unwrap();
+        let err = t.render(&[], None, false).unwrap_err().to_string();
+        assert!(err.contains("bad turn"), "{err}");
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", Map::new(), &Map::new()).unwrap();
+        assert_eq!(t.render(&[], None, false).unwrap().len(), 4);
+    }
+}

@@ -1,0 +1,153 @@
+//! Tokenizing rendered conversations as HuggingFace's `apply_chat_template(..., tokenize=True)` does (the template
+//! already wrote every special token, so none are added), and turning supervised byte ranges into a per-token loss
+//! mask. Also builds byte-level BPE tokenizers: the built-in one of the `tiny` preset, and the ones tests create.
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, Tokenizer};
+
+/// A model folder's `tokenizer.json`.
+pub struct TextTokenizer {
+    inner: Tokenizer,
+}
+
+/// Token ids of a text and the byte range of the text each came from.
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    pub offsets: Vec<(usize, usize)>,
+}
+
+impl TextTokenizer {
+    /// Loads `dir/tokenizer.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, String> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(format!(
+                "{}: not found; the model folder needs its tokenizer.json",
+                path.display()
+            ));
+        }
+        let inner = Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(TextTokenizer { inner })
+    }
+
+    pub fn from_tokenizer(inner: Tokenizer) -> Self {
+        TextTokenizer { inner }
+    }
+
+    /// Tokenizes `text` without adding special tokens.
+    pub fn encode(&self, text: &str) -> Result<Encoded, String> {
+        let enc = self.inner.encode(text, false).map_err(|e| e.to_string())?;
+        Ok(Encoded {
+            ids: enc.get_ids().to_vec(),
+            offsets: enc.get_offsets().to_vec(),
+        })
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        self.inner.decode(ids, false).map_err(|e| e.to_string())
+    }
+
+    /// The id of a token written out (`<|im_end|>`), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+/// 1 for every token whose text starts inside one of `spans` (byte ranges), else 0.
+pub fn loss_mask(offsets: &[(usize, usize)], spans: &[Range<usize>]) -> Vec<u8> {
+    offsets
+        .iter()
+        .map(|&(start, end)| {
+            let inside = spans
+                .iter()
+                .any(|s| start >= s.start && start < s.end && end <= s.end);
+            u8::from(inside)
+        })
+        .collect()
+}
+
+/// GPT-2's reversible map from bytes to printable characters, which byte-level BPE vocabularies are written in.
+pub fn byte_to_char() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut extra = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b as usize] = if printable {
+            char::from(b)
+        } else {
+            extra += 1;
+            char::from_u32(255 + extra).expect("valid code point")
+        };
+    }
+    table
+}
+
+/// A byte-level BPE tokenizer: byte b is token b, then `merges` (pairs of byte strings) as tokens 256.., then the
+/// `special` tokens in order.
+pub fn byte_level_tokenizer(
+    merges: &[(&str, &str)],
+    special: &[&str],
+) -> Result<Tokenizer, String> {
+    let chars = byte_to_char();
+    let encode = |s: &str| -> String { s.bytes().map(|b| chars[b as usize]).collect() };
+    let mut vocab: HashMap<String, u32> =
+        (0..256).map(|b| (chars[b].to_string(), b as u32)).collect();
+    let mut merge_list = Vec::new();
+    for (a, b) in merges {
+        let (a, b) = (encode(a), encode(b));
+        let next = vocab.len() as u32;
+        vocab.entry(format!("{a}{b}")).or_insert(next);
+        merge_list.push((a, b));
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(
+            vocab
+                .into_iter()
+                .collect::<tokenizers::models::bpe::Vocab>(),
+            merge_list,
+        )
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tokenizer.with_decoder(Some(ByteLevel::default()));
+    let special: Vec<AddedToken> = special
+        .iter()
+        .map(|t| AddedToken::from(t.to_string(), true))
+        .collect();
+    tokenizer.add_special_tokens(&special);
+    Ok(tokenizer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_ids_are_bytes_and_specials_follow() {
+        let t = TextTokenizer::from_tokenizer(
+            byte_level_tokenizer(&[("h", "i")], &["<|a|>", "<|b|>"]).unwrap(),
+        );
+        assert_eq!(t.vocab_size(), 256 + 1 + 2);
+        assert_eq!(t.token_id("<|a|>"), Some(257));
+        let e = t.encode("hi é<|b|>x").unwrap();
+        assert_eq!(e.ids, vec![256, 32, 0xC3, 0xA9, 258, b'x' as u32]);
+        assert_eq!(e.offsets[4], (5, 10)); // the special token's bytes
+        assert_eq!(t.decode(&e.ids).unwrap(), "hi é<|b|>x");
+    }
+
+    #[test]
+    fn the_mask_covers_tokens_starting_in_a_span() {
+        let offsets = [(0, 2), (2, 4), (4, 6), (6, 8)];
+        assert_eq!(loss_mask(&offsets, &[2..6]), vec![0, 1, 1, 0]);
+        assert_eq!(loss_mask(&offsets, &[3..8]), vec![0, 0, 1, 1]);
+    }
+}
