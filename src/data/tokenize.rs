@@ -147,7 +147,10 @@ mod tests {
     #[test]
     fn the_mask_covers_tokens_starting_in_a_span() {
         let offsets = [(0, 2), (2, 4), (4, 6), (6, 8)];
-        assert_eq!(loss_mask(&offsets, &[2..6]), vec![0, 1, 1, 0]);
-        assert_eq!(loss_mask(&offsets, &[3..8]), vec![0, 0, 1, 1]);
+        assert_eq!(
+            loss_mask(&offsets, std::slice::from_ref(&(2..6))),
+            vec![0, 1, 1, 0]
+        );
+        assert_eq!(loss_mask(&offsets, &[3..8, 0..1]), vec![0, 0, 1, 1]); // (0, 2) straddles 0..1
     }
 }
