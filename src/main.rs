@@ -55,10 +55,37 @@ enum Command {
         target model."
     )]
     ServeTrain(Pending),
-    /// Turn chat JSONL into tokens and loss masks with the target's tokenizer and template [not yet available]
-    Prepare(Pending),
-    /// Rewrite the assistant turns of a dataset with the target itself [not yet available]
-    Regenerate(Pending),
+    /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template
+    #[command(
+        long_about = "Turn chat JSONL into token ids and loss masks with the target's own tokenizer and chat \
+        template, as HuggingFace's apply_chat_template renders and tokenizes them. The loss mask is 1 exactly on \
+        what each assistant turn produced (its content and end-of-turn marker) and 0 on role headers, system, user \
+        and tool turns, and text the template inserts (Qwen3's empty think block).\n\n\
+        Bad lines (malformed JSON, unknown roles, empty conversations, templates that fail) are skipped and \
+        counted (--strict stops at the first); samples with fewer than 2 x block size supervised tokens are \
+        dropped; conversations are truncated at --max-len. The output folder holds memory-mappable shards and a \
+        manifest of checksums; it appears only when complete, and a rerun with the same inputs and settings does \
+        nothing.\n\n\
+        Example:\n  dflash prepare --model /models/Qwen3-8B --input chats.jsonl --out data/qwen3 --max-len 3072 \
+        --holdout 0.01 --template-kwargs '{\"enable_thinking\": false}'"
+    )]
+    Prepare(cli::data::PrepareArgs),
+    /// Show prepared samples as the trainer sees them, supervised tokens highlighted (or as JSON lines)
+    Inspect(cli::data::InspectArgs),
+    /// Write the built-in sample conversations (for the tiny preset and trying things out)
+    SampleData(cli::data::SampleDataArgs),
+    /// Rewrite every assistant turn with the target's own response (an OpenAI-compatible server, or --local)
+    #[command(
+        long_about = "Rewrite every assistant turn of a chat dataset with the target's own response, turn by \
+        turn, so the drafter learns what the target itself writes. Responses come from an OpenAI-compatible \
+        chat-completions server (vLLM, SGLang) with bounded concurrency and retries, or from the built-in target \
+        with --local. The output is appended one conversation at a time, each line carrying its input id: an \
+        interrupted run continues where it stopped, and conversations that failed are retried by the next run.\n\n\
+        Examples:\n  dflash regenerate --endpoint http://localhost:8000/v1 --model Qwen/Qwen3-8B --input chats.jsonl \
+        --out regen.jsonl --template-kwargs '{\"enable_thinking\": false}'\n  \
+        dflash regenerate --local --model tiny --input sample.jsonl --out regen.jsonl --max-tokens 64"
+    )]
+    Regenerate(cli::regenerate::RegenerateArgs),
     /// Score a drafter on token rows: loss, accuracy and simulated acceptance length at every valid anchor
     #[command(
         long_about = "Score a drafter on token rows at every valid anchor (no sampling, so the result is \
@@ -116,8 +143,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Bench(args) => cli::bench::run(&config, args),
         Command::Eval(args) => cli::eval::run(&config, args),
         Command::ServeTrain(_) => not_available("serve-train"),
-        Command::Prepare(_) => not_available("prepare"),
-        Command::Regenerate(_) => not_available("regenerate"),
+        Command::Prepare(args) => cli::data::run_prepare(args),
+        Command::Inspect(args) => cli::data::run_inspect(args),
+        Command::SampleData(args) => cli::data::run_sample_data(args),
+        Command::Regenerate(args) => cli::regenerate::run(&config, args),
         Command::Export(_) => not_available("export"),
     }
 }

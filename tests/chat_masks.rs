@@ -56,7 +56,7 @@ fn qwen3(kwargs: Value) -> Model {
     let dir = tempfile::tempdir().unwrap();
     model_dir(
         dir.path(),
-        include_str!("fixtures/templates/qwen3.jinja"),
+        include_str!("../src/data/qwen3_chat_template.jinja"),
         &QWEN_SPECIALS,
         "",
         "<|im_end|>",

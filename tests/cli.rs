@@ -46,7 +46,7 @@ fn every_subcommand_explains_itself() {
 
 #[test]
 fn subcommands_not_yet_available_say_so_and_fail() {
-    for sub in ["serve-train", "prepare", "regenerate", "export"] {
+    for sub in ["serve-train", "export"] {
         let out = dflash(&[sub, "--model", "x"]);
         assert_eq!(out.status.code(), Some(3), "{sub}");
         let err = text(&out.stderr);

@@ -1,6 +1,8 @@
 //! The subcommands' arguments and output; each calls into the library.
 pub mod bench;
+pub mod data;
 pub mod eval;
+pub mod regenerate;
 
 use anyhow::{Context, Result};
 use tch::{Device, Kind};

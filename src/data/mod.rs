@@ -1,7 +1,12 @@
 //! Data: conversations and chat templates, tokenization and loss masks, token rows as evaluation and training
 //! consume them.
+pub mod builtin;
 pub mod chat;
+pub mod loader;
+pub mod prepare;
+pub mod regenerate;
 pub mod sample;
+pub mod shards;
 pub mod token_rows;
 pub mod tokenize;
 

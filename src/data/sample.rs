@@ -1,4 +1,6 @@
 //! One conversation as the trainer sees it: the rendered conversation's token ids and its loss mask.
+use std::time::{Duration, Instant};
+
 use super::chat::{ChatError, ChatTemplate, Conversation};
 use super::tokenize::{TextTokenizer, loss_mask};
 
@@ -22,13 +24,25 @@ pub fn build_sample(
     tokenizer: &TextTokenizer,
     conv: &Conversation,
 ) -> Result<Sample, ChatError> {
+    build_sample_timed(template, tokenizer, conv).map(|(s, _)| s)
+}
+
+/// [`build_sample`], also returning the time spent rendering (spans included) and tokenizing.
+pub fn build_sample_timed(
+    template: &ChatTemplate,
+    tokenizer: &TextTokenizer,
+    conv: &Conversation,
+) -> Result<(Sample, [Duration; 2]), ChatError> {
+    let t0 = Instant::now();
     let rendered = template.render_supervised(conv)?;
+    let t1 = Instant::now();
     let encoded = tokenizer
         .encode(&rendered.text)
         .map_err(ChatError::Template)?;
-    Ok(Sample {
+    let sample = Sample {
         id: conv.id,
         loss_mask: loss_mask(&encoded.offsets, &rendered.supervised),
         input_ids: encoded.ids,
-    })
+    };
+    Ok((sample, [t1 - t0, t1.elapsed()]))
 }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod drafter;
 pub mod drafter_config;
 pub mod flat_params;
+pub mod generate;
 pub mod init;
 pub mod layers;
 pub mod presets;

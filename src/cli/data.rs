@@ -1,0 +1,228 @@
+//! `dflash prepare`, `dflash inspect` and `dflash sample-data`: arguments and printing; the work is in
+//! `dflash::data`.
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde_json::{Map, Value};
+
+use dflash::data::builtin::sample_conversations;
+use dflash::data::prepare::{Manifest, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::shards::PreparedSplit;
+
+/// Parses `--template-kwargs` (a JSON object).
+pub fn template_kwargs(raw: Option<&str>) -> Result<Map<String, Value>> {
+    match raw {
+        None => Ok(Map::new()),
+        Some(text) => match serde_json::from_str(text) {
+            Ok(Value::Object(map)) => Ok(map),
+            _ => bail!(
+                "--template-kwargs {text:?}: expected a JSON object, e.g. '{{\"enable_thinking\": false}}'"
+            ),
+        },
+    }
+}
+
+#[derive(Args)]
+pub struct PrepareArgs {
+    /// The target's HuggingFace folder (its tokenizer.json and tokenizer_config.json chat template), or `tiny`.
+    #[arg(long, value_name = "DIR|tiny")]
+    model: String,
+    /// Chat JSONL: one conversation a line, `{"id"?, "messages": [...]}` (OpenAI) or `{"id"?, "conversations":
+    /// [{"from", "value"}]}` (ShareGPT). Repeatable; ids default to the line's 0-based number across the inputs.
+    #[arg(long = "input", value_name = "FILE", required = true)]
+    inputs: Vec<PathBuf>,
+    /// The output folder (written atomically: it appears only when finished).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Truncate conversations to this many tokens.
+    #[arg(long, value_name = "L")]
+    max_len: usize,
+    /// The drafter's block size: samples with fewer than 2 x block_size supervised tokens are dropped.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Fraction of samples kept apart as the `holdout` split (chosen by a hash of seed and id).
+    #[arg(long, default_value_t = 0.0, value_name = "FRAC")]
+    holdout: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Variables for the chat template, as a JSON object, e.g. '{"enable_thinking": false}'.
+    #[arg(long, value_name = "JSON")]
+    template_kwargs: Option<String>,
+    /// Stop at the first bad line instead of skipping and counting it.
+    #[arg(long)]
+    strict: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
+    if !(0.0..1.0).contains(&args.holdout) {
+        bail!("--holdout {}: expected a fraction in [0, 1)", args.holdout);
+    }
+    if args.max_len < 2 * args.block_size {
+        bail!(
+            "--max-len {} cannot hold 2 x --block-size {} supervised tokens",
+            args.max_len,
+            args.block_size
+        );
+    }
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("--threads")?;
+    }
+    let kwargs = template_kwargs(args.template_kwargs.as_deref())?;
+    let assets = ModelAssets::resolve(&args.model, &kwargs)?;
+    let opts = PrepareOptions {
+        inputs: args.inputs,
+        out: args.out.clone(),
+        max_len: args.max_len,
+        block_size: args.block_size,
+        holdout: args.holdout,
+        seed: args.seed,
+        template_kwargs: kwargs,
+        strict: args.strict,
+        progress: std::io::stderr().is_terminal(),
+    };
+    let (manifest, fresh) = match prepare(&assets, &opts)? {
+        PrepareOutcome::UpToDate(m) => (m, false),
+        PrepareOutcome::Written(m) => (m, true),
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"written": fresh, "out": args.out, "report": manifest.report})
+        );
+    } else if fresh {
+        println!(
+            "{}\nwrote {}",
+            manifest.report.summary(),
+            args.out.display()
+        );
+    } else {
+        println!(
+            "{} is up to date with these inputs and settings; nothing to do",
+            args.out.display()
+        );
+    }
+    if manifest.report.kept_train + manifest.report.kept_holdout == 0 {
+        bail!("no sample was kept; see the report above");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// A folder written by `dflash prepare`.
+    dir: PathBuf,
+    /// Which split.
+    #[arg(long, default_value = "train")]
+    split: String,
+    /// Show the sample with this id.
+    #[arg(long)]
+    id: Option<u64>,
+    /// Show at most this many samples (from the start of the split).
+    #[arg(long, default_value_t = 3)]
+    limit: usize,
+    /// Print `{"id", "input_ids", "loss_mask"}` lines (the input `dflash eval --data` reads) instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Decode with this model's tokenizer (default: the one the folder was prepared with).
+    #[arg(long, value_name = "DIR|tiny")]
+    model: Option<String>,
+    /// Check every file's checksum first.
+    #[arg(long)]
+    verify: bool,
+}
+
+pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
+    let split = PreparedSplit::open(&args.dir, &args.split, args.verify)?;
+    let positions: Vec<usize> = match args.id {
+        Some(id) => vec![
+            split
+                .position_of(id)
+                .with_context(|| format!("no sample with id {id} in the {} split", args.split))?,
+        ],
+        None => (0..split.len().min(args.limit)).collect(),
+    };
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        for &i in &positions {
+            let s = split.get(i);
+            let line = serde_json::json!({"id": s.id, "input_ids": s.input_ids(), "loss_mask": s.loss_mask});
+            writeln!(out, "{line}")?;
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let manifest = Manifest::read(&args.dir)?;
+    let model = args.model.unwrap_or(manifest.model);
+    let assets = ModelAssets::resolve(&model, &Map::new()).with_context(|| {
+        format!("loading the tokenizer of {model} to decode (pass --model, or use --json)")
+    })?;
+    let color = std::io::stdout().is_terminal();
+    for &i in &positions {
+        let s = split.get(i);
+        let ids: Vec<u32> = s.input_ids().iter().map(|&t| t as u32).collect();
+        let supervised = s.loss_mask.iter().filter(|&&m| m == 1).count();
+        writeln!(
+            out,
+            "── id {} · {} tokens · {} supervised",
+            s.id,
+            s.len(),
+            supervised
+        )?;
+        let mut start = 0;
+        while start < ids.len() {
+            let on = s.loss_mask[start];
+            let end = (start..ids.len())
+                .find(|&j| s.loss_mask[j] != on)
+                .unwrap_or(ids.len());
+            let text = assets
+                .tokenizer
+                .decode(&ids[start..end])
+                .map_err(anyhow::Error::msg)?;
+            match (on == 1, color) {
+                (true, true) => write!(out, "\x1b[1;32m{text}\x1b[0m")?,
+                (true, false) => write!(out, "⟦{text}⟧")?,
+                (false, _) => write!(out, "{text}")?,
+            }
+            start = end;
+        }
+        writeln!(out)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Args)]
+pub struct SampleDataArgs {
+    /// Where to write the conversations (JSONL, OpenAI `messages` form).
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
+    #[arg(long, default_value_t = 2000)]
+    count: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub fn run_sample_data(args: SampleDataArgs) -> Result<ExitCode> {
+    let mut text = String::new();
+    for conv in sample_conversations(args.count, args.seed) {
+        text.push_str(&conv.to_string());
+        text.push('\n');
+    }
+    std::fs::write(&args.out, text).with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "wrote {} conversations to {}",
+        args.count,
+        args.out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,178 @@
+//! `dflash regenerate`: arguments, the built-in target as a responder, and printing.
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde_json::Value;
+
+use dflash::config::{Config, TargetSource};
+use dflash::data::prepare::ModelAssets;
+use dflash::data::regenerate::{
+    Endpoint, RegenerateOptions, Responder, regenerate_endpoint, regenerate_with,
+};
+use dflash::device::{DeviceSpec, DtypeSpec};
+use dflash::model::generate::{Sampling, generate};
+use dflash::model::{Depth, Target};
+
+#[derive(Args)]
+pub struct RegenerateArgs {
+    /// An OpenAI-compatible server's base URL, e.g. http://localhost:8000/v1 (vLLM, SGLang).
+    #[arg(long, required_unless_present = "local", conflicts_with = "local")]
+    endpoint: Option<String>,
+    /// With --endpoint: the served model's name. With --local: the target's HuggingFace folder, or `tiny`.
+    #[arg(long)]
+    model: String,
+    /// Generate with the built-in target instead of a server (small and offline setups).
+    #[arg(long)]
+    local: bool,
+    /// Chat JSONL (OpenAI `messages` or ShareGPT `conversations`).
+    #[arg(long, value_name = "FILE")]
+    input: PathBuf,
+    /// Output JSONL, appended conversation by conversation; a rerun continues where the last run stopped.
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
+    /// Conversations in flight at once (--endpoint).
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Retries per request after the first, with exponential backoff (--endpoint).
+    #[arg(long, default_value_t = 5)]
+    retries: u32,
+    /// Seconds before a request is abandoned (and retried).
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
+    /// Bearer token for the server (default: $OPENAI_API_KEY).
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Most tokens per response.
+    #[arg(long, default_value_t = 2048)]
+    max_tokens: u32,
+    /// 0 for greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Seed of sampled decoding (--local).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Variables for the chat template, as a JSON object (sent as chat_template_kwargs to servers).
+    #[arg(long, value_name = "JSON")]
+    template_kwargs: Option<String>,
+    /// --local: cpu, cuda:N or auto (default: target.device).
+    #[arg(long)]
+    device: Option<DeviceSpec>,
+    /// --local: auto, bf16 or f32 (default: target.dtype).
+    #[arg(long)]
+    dtype: Option<DtypeSpec>,
+}
+
+/// The built-in target answering as the chat template prompts it.
+struct LocalResponder {
+    target: Target,
+    assets: ModelAssets,
+    stop: Vec<i64>,
+    max_tokens: usize,
+    sampling: Sampling,
+    rng: ChaCha8Rng,
+}
+
+impl Responder for LocalResponder {
+    fn respond(
+        &mut self,
+        messages: &[Value],
+        tools: Option<&Value>,
+    ) -> Result<(String, Option<String>), String> {
+        let prompt = self
+            .assets
+            .template
+            .render(messages, tools, true)
+            .map_err(|e| e.to_string())?;
+        let ids: Vec<i64> = self
+            .assets
+            .tokenizer
+            .encode(&prompt)?
+            .ids
+            .iter()
+            .map(|&t| t as i64)
+            .collect();
+        let mut out = generate(
+            &self.target,
+            &ids,
+            self.max_tokens,
+            &self.stop,
+            self.sampling,
+            &mut self.rng,
+        )
+        .map_err(|e| e.to_string())?;
+        if out.last().is_some_and(|t| self.stop.contains(t)) {
+            out.pop();
+        }
+        let tokens: Vec<u32> = out.iter().map(|&t| t as u32).collect();
+        Ok((self.assets.tokenizer.decode(&tokens)?, None))
+    }
+}
+
+pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!("--temperature {}: expected a number >= 0", args.temperature);
+    }
+    let kwargs = super::data::template_kwargs(args.template_kwargs.as_deref())?;
+    let opts = RegenerateOptions {
+        input: args.input.clone(),
+        out: args.out.clone(),
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        template_kwargs: kwargs.clone(),
+        progress: std::io::stderr().is_terminal(),
+    };
+    let report = match &args.endpoint {
+        Some(url) => {
+            let endpoint = Endpoint {
+                url: url.clone(),
+                model: args.model.clone(),
+                api_key: args.api_key.clone(),
+                concurrency: args.concurrency,
+                retries: args.retries,
+                timeout: Duration::from_secs(args.timeout_s),
+            };
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(regenerate_endpoint(&opts, &endpoint))?
+        }
+        None => {
+            let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
+            let source = match args.model.parse() {
+                Ok(preset) => TargetSource::Preset(preset),
+                Err(_) => TargetSource::Folder(PathBuf::from(&args.model)),
+            };
+            let assets = ModelAssets::resolve(&args.model, &kwargs)?;
+            // Any layer id works as a tap here; decoding runs the whole stack.
+            let target = source.build_target(&[0], Depth::Full, device, kind)?;
+            let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
+            for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
+                if let Some(id) = assets.tokenizer.token_id(marker) {
+                    stop.push(id as i64);
+                }
+            }
+            let mut responder = LocalResponder {
+                target,
+                assets,
+                stop,
+                max_tokens: args.max_tokens as usize,
+                sampling: if args.temperature == 0.0 {
+                    Sampling::Greedy
+                } else {
+                    Sampling::Temperature(args.temperature)
+                },
+                rng: ChaCha8Rng::seed_from_u64(args.seed),
+            };
+            dflash::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??
+        }
+    };
+    println!("{}", report.summary());
+    if report.failed > 0 {
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,277 @@
+//! The exactly-once loader: per epoch, a seeded shuffle of the samples, cut into length-bucketed batches (samples of
+//! similar length together, to pad little; one conversation per row, never packed), in a shuffled batch order. A
+//! ledger records what was handed out and what was committed: a batch whose drafter failed is requeued and handed
+//! out again before new ones, so across epochs every sample is trained exactly once per epoch, and the position
+//! (epoch, next batch, batches owed) saves into a checkpoint and restores the same order.
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoaderSettings {
+    /// Samples per batch (one drafter's micro-batch).
+    pub batch_size: usize,
+    pub seed: u64,
+    /// Samples are sorted by length within windows of this many batches.
+    pub bucket_batches: usize,
+}
+
+/// A batch: the epoch it belongs to and its place in that epoch's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BatchId {
+    pub epoch: u64,
+    pub ordinal: u64,
+}
+
+/// Sample positions (into the prepared split) of one batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    pub id: BatchId,
+    pub samples: Vec<usize>,
+}
+
+/// Where the loader stands, as a checkpoint records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    pub epoch: u64,
+    pub next_ordinal: u64,
+    /// Batches handed out but not committed, and batches requeued: all are owed again after a restore.
+    pub owed: Vec<BatchId>,
+}
+
+pub struct Loader {
+    lengths: Vec<usize>,
+    settings: LoaderSettings,
+    epoch: u64,
+    next_ordinal: u64,
+    plans: HashMap<u64, Vec<Vec<usize>>>,
+    requeued: VecDeque<BatchId>,
+    outstanding: BTreeSet<BatchId>,
+}
+
+impl Loader {
+    /// A loader over samples of the given token lengths, at the start of epoch 0.
+    pub fn new(lengths: Vec<usize>, settings: LoaderSettings) -> Self {
+        Self::restore(
+            lengths,
+            settings,
+            LoaderState {
+                epoch: 0,
+                next_ordinal: 0,
+                owed: vec![],
+            },
+        )
+    }
+
+    /// A loader continuing from a saved position.
+    pub fn restore(lengths: Vec<usize>, settings: LoaderSettings, state: LoaderState) -> Self {
+        let settings = LoaderSettings {
+            batch_size: settings.batch_size.max(1),
+            bucket_batches: settings.bucket_batches.max(1),
+            ..settings
+        };
+        Loader {
+            lengths,
+            settings,
+            epoch: state.epoch,
+            next_ordinal: state.next_ordinal,
+            plans: HashMap::new(),
+            requeued: state.owed.into_iter().collect(),
+            outstanding: BTreeSet::new(),
+        }
+    }
+
+    pub fn batches_per_epoch(&self) -> usize {
+        self.lengths.len().div_ceil(self.settings.batch_size)
+    }
+
+    /// The epoch new batches come from.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The order of one epoch: deterministic from the seed and the epoch.
+    fn plan(&mut self, epoch: u64) -> &Vec<Vec<usize>> {
+        let (lengths, s) = (&self.lengths, self.settings);
+        self.plans.entry(epoch).or_insert_with(|| {
+            let mut rng =
+                ChaCha8Rng::seed_from_u64(s.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut order: Vec<usize> = (0..lengths.len()).collect();
+            order.shuffle(&mut rng);
+            let mut batches: Vec<Vec<usize>> = Vec::new();
+            for window in order.chunks(s.batch_size * s.bucket_batches) {
+                let mut window = window.to_vec();
+                window.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+                batches.extend(window.chunks(s.batch_size).map(<[usize]>::to_vec));
+            }
+            batches.shuffle(&mut rng);
+            batches
+        })
+    }
+
+    /// The next batch: an owed one first, else the next of the current epoch (moving to the next epoch when this
+    /// one is all handed out). `None` only when there are no samples.
+    pub fn next_batch(&mut self) -> Option<Batch> {
+        if self.lengths.is_empty() {
+            return None;
+        }
+        let id = match self.requeued.pop_front() {
+            Some(id) => id,
+            None => {
+                if self.next_ordinal as usize >= self.batches_per_epoch() {
+                    self.plans.retain(|&e, _| e >= self.epoch);
+                    self.epoch += 1;
+                    self.next_ordinal = 0;
+                }
+                let id = BatchId {
+                    epoch: self.epoch,
+                    ordinal: self.next_ordinal,
+                };
+                self.next_ordinal += 1;
+                id
+            }
+        };
+        self.outstanding.insert(id);
+        let samples = self.plan(id.epoch)[id.ordinal as usize].clone();
+        Some(Batch { id, samples })
+    }
+
+    /// The batch was trained: it is consumed.
+    pub fn commit(&mut self, id: BatchId) {
+        self.outstanding.remove(&id);
+    }
+
+    /// The batch was not trained (its drafter failed): it is owed and handed out again before new ones.
+    pub fn requeue(&mut self, id: BatchId) {
+        if self.outstanding.remove(&id) {
+            self.requeued.push_back(id);
+        }
+    }
+
+    /// The position to save: batches handed out but not committed count as owed.
+    pub fn state(&self) -> LoaderState {
+        let mut owed: Vec<BatchId> = self.requeued.iter().copied().collect();
+        owed.extend(self.outstanding.iter().copied());
+        LoaderState {
+            epoch: self.epoch,
+            next_ordinal: self.next_ordinal,
+            owed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    fn settings(batch: usize) -> LoaderSettings {
+        LoaderSettings {
+            batch_size: batch,
+            seed: 7,
+            bucket_batches: 4,
+        }
+    }
+
+    fn lengths(n: usize) -> Vec<usize> {
+        (0..n).map(|i| 10 + (i * 37) % 200).collect()
+    }
+
+    #[test]
+    fn every_sample_once_per_epoch_whatever_is_requeued() {
+        let mut loader = Loader::new(lengths(103), settings(4));
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let mut seen: HashMap<u64, Vec<usize>> = HashMap::new();
+        let mut in_flight: Vec<Batch> = Vec::new();
+        for _ in 0..400 {
+            in_flight.push(loader.next_batch().unwrap());
+            if rng.random_bool(0.5) && !in_flight.is_empty() {
+                let b = in_flight.swap_remove(rng.random_range(0..in_flight.len()));
+                if rng.random_bool(0.3) {
+                    loader.requeue(b.id);
+                } else {
+                    loader.commit(b.id);
+                    seen.entry(b.id.epoch).or_default().extend(b.samples);
+                }
+            }
+        }
+        for b in in_flight.drain(..) {
+            loader.commit(b.id);
+            seen.entry(b.id.epoch).or_default().extend(b.samples);
+        }
+        // Finish the epochs that were started by draining what is still owed.
+        while let Some(b) = loader.next_batch().filter(|b| b.id.epoch < loader.epoch()) {
+            loader.commit(b.id);
+            seen.entry(b.id.epoch).or_default().extend(b.samples);
+        }
+        let complete: Vec<u64> = (0..loader.epoch()).collect();
+        assert!(complete.len() >= 3, "the test should cover several epochs");
+        for e in complete {
+            let mut samples = seen.remove(&e).unwrap_or_default();
+            samples.sort_unstable();
+            assert_eq!(samples, (0..103).collect::<Vec<_>>(), "epoch {e}");
+        }
+    }
+
+    #[test]
+    fn restoring_a_saved_position_replays_the_same_order() {
+        let mut a = Loader::new(lengths(50), settings(3));
+        let mut handed = Vec::new();
+        for _ in 0..25 {
+            handed.push(a.next_batch().unwrap());
+        }
+        // Commit most; one batch failed and one is still in flight when the checkpoint is taken.
+        for b in &handed[..23] {
+            a.commit(b.id);
+        }
+        a.requeue(handed[23].id);
+        let state = a.state();
+        assert_eq!(state.owed.len(), 2);
+        let json = serde_json::to_string(&state).unwrap();
+        let mut b = Loader::restore(
+            lengths(50),
+            settings(3),
+            serde_json::from_str(&json).unwrap(),
+        );
+        let from_b: Vec<Batch> = (0..30).map(|_| b.next_batch().unwrap()).collect();
+        // The owed batches come first, then the same sequence the original would hand out.
+        assert_eq!(from_b[0].id, handed[23].id);
+        assert_eq!(from_b[1].id, handed[24].id);
+        assert_eq!(from_b[1].samples, handed[24].samples);
+        let mut c = Loader::restore(lengths(50), settings(3), state);
+        assert_eq!(
+            from_b,
+            (0..30).map(|_| c.next_batch().unwrap()).collect::<Vec<_>>()
+        );
+        let expected: Vec<Batch> = (0..29).map(|_| a.next_batch().unwrap()).collect();
+        assert_eq!(
+            &from_b[2..],
+            &expected[1..],
+            "after the owed batches the order continues unchanged"
+        );
+    }
+
+    #[test]
+    fn batches_are_length_bucketed_and_epochs_differ() {
+        let mut l = Loader::new(lengths(64), settings(8));
+        let first: Vec<Batch> = (0..8).map(|_| l.next_batch().unwrap()).collect();
+        let spread = |b: &Batch| {
+            let ls: Vec<usize> = b.samples.iter().map(|&i| lengths(64)[i]).collect();
+            ls.iter().max().unwrap() - ls.iter().min().unwrap()
+        };
+        let mean_spread: f64 = first.iter().map(|b| spread(b) as f64).sum::<f64>() / 8.0;
+        assert!(
+            mean_spread < 100.0,
+            "buckets should group similar lengths: {mean_spread}"
+        );
+        let second: Vec<Batch> = (0..8).map(|_| l.next_batch().unwrap()).collect();
+        assert_eq!(second[0].id.epoch, 1);
+        assert_ne!(
+            first.iter().map(|b| b.samples.clone()).collect::<Vec<_>>(),
+            second.iter().map(|b| b.samples.clone()).collect::<Vec<_>>()
+        );
+    }
+}

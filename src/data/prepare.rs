@@ -1,0 +1,509 @@
+//! `dflash prepare`: chat JSONL -> token ids and loss masks in memory-mappable shards.
+//!
+//! Lines are read in chunks and processed in parallel (render, tokenize, mask, truncate), then written in input
+//! order. Everything goes into a hidden temporary folder beside the output, which is renamed into place after the
+//! manifest is written and synced: an interrupted run leaves no output, and a rerun starts clean. A run whose inputs,
+//! tokenizer, template and settings match an existing output's fingerprint does nothing.
+use std::collections::{BTreeMap, HashSet};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use super::DataError;
+use super::chat::{ChatError, ChatTemplate, Conversation};
+use super::sample::{Sample, build_sample_timed};
+use super::shards::{FORMAT, SplitEntry, SplitWriter, file_sha256, hex, manifest_path};
+use super::tokenize::TextTokenizer;
+
+/// Lines processed together (in parallel) before being written.
+const CHUNK_LINES: usize = 4096;
+/// Bad lines quoted in the report (all are counted).
+const QUOTED_ERRORS: usize = 10;
+
+/// The tokenizer and chat template a dataset is prepared with, and what identifies them.
+pub struct ModelAssets {
+    pub template: ChatTemplate,
+    pub tokenizer: TextTokenizer,
+    /// Hash of the tokenizer and template sources (part of the fingerprint).
+    pub identity: String,
+    /// What to call them in reports (`tiny` or the folder).
+    pub name: String,
+}
+
+impl ModelAssets {
+    /// A model folder's `tokenizer.json` and `tokenizer_config.json`.
+    pub fn from_dir(dir: &Path, template_kwargs: &Map<String, Value>) -> Result<Self, DataError> {
+        let bad = |reason: String| DataError::File {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let tokenizer = TextTokenizer::from_dir(dir).map_err(bad)?;
+        let template = ChatTemplate::from_dir(dir, template_kwargs).map_err(bad)?;
+        let mut h = Sha256::new();
+        h.update(file_sha256(&dir.join("tokenizer.json"))?);
+        h.update(file_sha256(&dir.join("tokenizer_config.json"))?);
+        Ok(ModelAssets {
+            template,
+            tokenizer,
+            identity: hex(&h.finalize()),
+            name: dir.display().to_string(),
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PrepareOptions {
+    pub inputs: Vec<PathBuf>,
+    pub out: PathBuf,
+    pub max_len: usize,
+    pub block_size: usize,
+    /// Fraction of samples kept apart for evaluation (by a hash of seed and id: stable across runs).
+    pub holdout: f64,
+    pub seed: u64,
+    pub template_kwargs: Map<String, Value>,
+    /// Stop at the first bad line instead of skipping it.
+    pub strict: bool,
+    pub progress: bool,
+}
+
+/// What a run did, kept in the manifest and printed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrepareReport {
+    pub lines: u64,
+    pub kept_train: u64,
+    pub kept_holdout: u64,
+    /// Samples dropped, by reason.
+    pub dropped: BTreeMap<String, u64>,
+    /// Lines that could not be used, by kind of problem.
+    pub bad_lines: BTreeMap<String, u64>,
+    /// The first few bad lines, `file:line: problem`.
+    pub examples: Vec<String>,
+    pub truncated: u64,
+    pub tokens: u64,
+    pub supervised_tokens: u64,
+    pub seconds: f64,
+    pub conversations_per_s: f64,
+    pub tokens_per_s: f64,
+    /// Thread-seconds spent rendering templates and locating assistant spans, and tokenizing: where the work is.
+    pub render_thread_s: f64,
+    pub tokenize_thread_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InputEntry {
+    pub path: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// `manifest.json` of a prepared folder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub fingerprint: String,
+    /// The model whose tokenizer and template were used.
+    pub model: String,
+    pub settings: Value,
+    pub inputs: Vec<InputEntry>,
+    pub splits: BTreeMap<String, SplitEntry>,
+    pub report: PrepareReport,
+}
+
+impl Manifest {
+    pub fn read(dir: &Path) -> Result<Self, DataError> {
+        let path = manifest_path(dir);
+        let text = std::fs::read_to_string(&path).map_err(|_| DataError::File {
+            path: dir.to_path_buf(),
+            reason: "no manifest.json: not a prepared folder (or an unfinished one); run `dflash prepare`".into(),
+        })?;
+        let m: Manifest = serde_json::from_str(&text).map_err(|e| DataError::File {
+            path: path.clone(),
+            reason: format!("not a dflash manifest: {e}"),
+        })?;
+        if m.format != FORMAT {
+            return Err(DataError::File {
+                path,
+                reason: format!(
+                    "format {:?}; this build reads {FORMAT:?}: prepare the data again",
+                    m.format
+                ),
+            });
+        }
+        Ok(m)
+    }
+}
+
+/// Whether the run wrote a new output.
+pub enum PrepareOutcome {
+    UpToDate(Manifest),
+    Written(Manifest),
+}
+
+enum LineResult {
+    Kept(Sample, bool),
+    Dropped(&'static str),
+    Bad(&'static str, String),
+    Blank,
+}
+
+fn kind_of(e: &ChatError) -> &'static str {
+    match e {
+        ChatError::Json(_) => "malformed JSON",
+        ChatError::Shape(_) => "unexpected shape",
+        ChatError::UnknownRole(_) => "unknown role",
+        ChatError::Empty => "empty conversation",
+        ChatError::NoAssistant => "no assistant turn",
+        ChatError::Template(_) => "template or tokenizer failed",
+        ChatError::Unlocated(_) => "assistant turn not located",
+    }
+}
+
+/// A stable draw in [0, 1) from (seed, id).
+fn unit_hash(seed: u64, id: u64) -> f64 {
+    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Nanoseconds spent in the two phases, summed over threads.
+#[derive(Default)]
+struct PhaseClock {
+    render: AtomicU64,
+    tokenize: AtomicU64,
+}
+
+fn process_line(
+    assets: &ModelAssets,
+    opts: &PrepareOptions,
+    line: &str,
+    ordinal: u64,
+    clock: &PhaseClock,
+) -> LineResult {
+    if line.trim().is_empty() {
+        return LineResult::Blank;
+    }
+    let conv = match Conversation::from_json_line(line, ordinal) {
+        Ok(c) => c,
+        Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
+    };
+    let mut sample = match build_sample_timed(&assets.template, &assets.tokenizer, &conv) {
+        Ok((s, [render, tokenize])) => {
+            clock
+                .render
+                .fetch_add(render.as_nanos() as u64, Ordering::Relaxed);
+            clock
+                .tokenize
+                .fetch_add(tokenize.as_nanos() as u64, Ordering::Relaxed);
+            s
+        }
+        Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
+    };
+    if sample.input_ids.len() > opts.max_len {
+        sample.input_ids.truncate(opts.max_len);
+        sample.loss_mask.truncate(opts.max_len);
+    }
+    if sample.supervised() < 2 * opts.block_size {
+        return LineResult::Dropped("fewer than 2 x block_size supervised tokens");
+    }
+    let holdout = opts.holdout > 0.0 && unit_hash(opts.seed, sample.id) < opts.holdout;
+    LineResult::Kept(sample, holdout)
+}
+
+/// Prepares `opts.inputs` with `assets` into `opts.out`.
+pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
+    let started = Instant::now();
+    let settings = serde_json::json!({
+        "max_len": opts.max_len,
+        "block_size": opts.block_size,
+        "holdout": opts.holdout,
+        "seed": opts.seed,
+        "template_kwargs": opts.template_kwargs,
+        "strict": opts.strict,
+    });
+    let mut inputs = Vec::new();
+    let mut h = Sha256::new();
+    h.update(FORMAT);
+    h.update(&assets.identity);
+    h.update(settings.to_string());
+    for path in &opts.inputs {
+        let meta = std::fs::metadata(path).map_err(|err| DataError::Io {
+            path: path.clone(),
+            err,
+        })?;
+        let sha = file_sha256(path)?;
+        h.update(&sha);
+        inputs.push(InputEntry {
+            path: path.display().to_string(),
+            bytes: meta.len(),
+            sha256: sha,
+        });
+    }
+    let fingerprint = hex(&h.finalize());
+    if let Ok(existing) = Manifest::read(&opts.out)
+        && existing.fingerprint == fingerprint
+        && super::shards::PreparedSplit::open(&opts.out, "train", false).is_ok()
+    {
+        return Ok(PrepareOutcome::UpToDate(existing));
+    }
+    if opts.out.exists() && !manifest_path(&opts.out).exists() {
+        return Err(DataError::File {
+            path: opts.out.clone(),
+            reason: "exists and is not a prepared folder; choose another --out or remove it".into(),
+        });
+    }
+    let parent = opts
+        .out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|err| DataError::Io {
+        path: parent.to_path_buf(),
+        err,
+    })?;
+    let name = opts
+        .out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = parent.join(format!(".{name}.partial"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|err| DataError::Io {
+            path: tmp.clone(),
+            err,
+        })?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|err| DataError::Io {
+        path: tmp.clone(),
+        err,
+    })?;
+    let result = write_all(assets, opts, &tmp, started).and_then(|(splits, report)| {
+        let manifest = Manifest {
+            format: FORMAT.to_string(),
+            fingerprint,
+            model: assets.name.clone(),
+            settings,
+            inputs,
+            splits,
+            report,
+        };
+        let path = manifest_path(&tmp);
+        let text = serde_json::to_string_pretty(&manifest).expect("json");
+        std::fs::write(&path, text).map_err(|err| DataError::Io {
+            path: path.clone(),
+            err,
+        })?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|err| DataError::Io { path, err })?;
+        Ok(manifest)
+    });
+    let manifest = match result {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    commit_folder(&tmp, &opts.out)?;
+    Ok(PrepareOutcome::Written(manifest))
+}
+
+/// Moves the finished `tmp` folder to `out`, replacing an older output, and syncs the parent folder.
+fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |err| DataError::Io { path, err }
+    };
+    let old = tmp.with_extension("old");
+    if out.exists() {
+        std::fs::rename(out, &old).map_err(io(out))?;
+    }
+    std::fs::rename(tmp, out).map_err(io(out))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::File::open(parent)
+            .and_then(|f| f.sync_all())
+            .map_err(io(parent))?;
+    }
+    Ok(())
+}
+
+fn write_all(
+    assets: &ModelAssets,
+    opts: &PrepareOptions,
+    dir: &Path,
+    started: Instant,
+) -> Result<(BTreeMap<String, SplitEntry>, PrepareReport), DataError> {
+    let total_lines: u64 = opts
+        .inputs
+        .iter()
+        .map(|p| count_lines(p))
+        .sum::<Result<u64, _>>()?;
+    let bar = if opts.progress {
+        let bar = indicatif::ProgressBar::new(total_lines);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} preparing [{elapsed_precise}] {wide_bar} {pos}/{len} conversations ({per_sec}, eta {eta})",
+            )
+            .expect("valid template"),
+        );
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut train = SplitWriter::new(dir, "train");
+    let mut holdout = SplitWriter::new(dir, "holdout");
+    let mut report = PrepareReport::default();
+    let mut seen_ids: HashSet<u64> = HashSet::new();
+    let clock = PhaseClock::default();
+    let mut ordinal = 0u64;
+    for path in &opts.inputs {
+        let file = std::fs::File::open(path).map_err(|err| DataError::Io {
+            path: path.clone(),
+            err,
+        })?;
+        let mut lines = std::io::BufReader::with_capacity(1 << 20, file)
+            .lines()
+            .enumerate();
+        loop {
+            let mut chunk: Vec<(usize, u64, String)> = Vec::with_capacity(CHUNK_LINES);
+            for (n, line) in lines.by_ref().take(CHUNK_LINES) {
+                let line = line.map_err(|err| DataError::Io {
+                    path: path.clone(),
+                    err,
+                })?;
+                chunk.push((n + 1, ordinal, line));
+                ordinal += 1;
+            }
+            if chunk.is_empty() {
+                break;
+            }
+            let results: Vec<LineResult> = chunk
+                .par_iter()
+                .map(|(_, ord, line)| process_line(assets, opts, line, *ord, &clock))
+                .collect();
+            for ((line_no, _, _), result) in chunk.iter().zip(results) {
+                bar.inc(1);
+                let mut bad = |kind: &'static str, message: String| -> Result<(), DataError> {
+                    if opts.strict {
+                        return Err(DataError::Line {
+                            path: path.clone(),
+                            line: *line_no,
+                            reason: message,
+                        });
+                    }
+                    *report.bad_lines.entry(kind.to_string()).or_insert(0) += 1;
+                    if report.examples.len() < QUOTED_ERRORS {
+                        report
+                            .examples
+                            .push(format!("{}:{line_no}: {message}", path.display()));
+                    }
+                    Ok(())
+                };
+                match result {
+                    LineResult::Blank => continue,
+                    LineResult::Bad(kind, message) => bad(kind, message)?,
+                    LineResult::Dropped(reason) => {
+                        *report.dropped.entry(reason.to_string()).or_insert(0) += 1
+                    }
+                    LineResult::Kept(sample, to_holdout) => {
+                        if !seen_ids.insert(sample.id) {
+                            bad(
+                                "duplicate id",
+                                format!(
+                                    "id {} appears more than once; give every line a unique id",
+                                    sample.id
+                                ),
+                            )?;
+                            continue;
+                        }
+                        if sample.input_ids.len() == opts.max_len {
+                            report.truncated += 1;
+                        }
+                        report.tokens += sample.input_ids.len() as u64;
+                        report.supervised_tokens += sample.supervised() as u64;
+                        if to_holdout {
+                            report.kept_holdout += 1;
+                            holdout.push(&sample)?;
+                        } else {
+                            report.kept_train += 1;
+                            train.push(&sample)?;
+                        }
+                    }
+                }
+                report.lines += 1;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let mut splits = BTreeMap::new();
+    splits.insert("train".to_string(), train.finish()?);
+    splits.insert("holdout".to_string(), holdout.finish()?);
+    report.seconds = started.elapsed().as_secs_f64();
+    report.conversations_per_s = report.lines as f64 / report.seconds.max(1e-9);
+    report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
+    report.render_thread_s = clock.render.load(Ordering::Relaxed) as f64 * 1e-9;
+    report.tokenize_thread_s = clock.tokenize.load(Ordering::Relaxed) as f64 * 1e-9;
+    Ok((splits, report))
+}
+
+fn count_lines(path: &Path) -> Result<u64, DataError> {
+    let file = std::fs::File::open(path).map_err(|err| DataError::Io {
+        path: path.to_path_buf(),
+        err,
+    })?;
+    let mut n = 0;
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
+    loop {
+        let buf = reader.fill_buf().map_err(|err| DataError::Io {
+            path: path.to_path_buf(),
+            err,
+        })?;
+        if buf.is_empty() {
+            break;
+        }
+        n += buf.iter().filter(|&&b| b == b'\n').count() as u64;
+        let len = buf.len();
+        reader.consume(len);
+    }
+    Ok(n)
+}
+
+impl PrepareReport {
+    /// A few lines for people.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{} conversations: {} kept for training, {} held out; {} tokens ({} supervised), {} truncated; \
+             {:.1} s ({:.0} conversations/s, {:.0} tokens/s)",
+            self.lines,
+            self.kept_train,
+            self.kept_holdout,
+            self.tokens,
+            self.supervised_tokens,
+            self.truncated,
+            self.seconds,
+            self.conversations_per_s,
+            self.tokens_per_s
+        );
+        for (reason, n) in &self.dropped {
+            s.push_str(&format!("\n  dropped {n}: {reason}"));
+        }
+        for (kind, n) in &self.bad_lines {
+            s.push_str(&format!("\n  skipped {n} bad lines: {kind}"));
+        }
+        for e in &self.examples {
+            s.push_str(&format!("\n    {e}"));
+        }
+        s
+    }
+}

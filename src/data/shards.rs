@@ -1,0 +1,325 @@
+//! Prepared samples on disk, memory-mapped for reading. A prepared folder holds, per split (`train`, `holdout`),
+//! shards of three files: `<split>-NNNNN.tokens` (u32 little-endian token ids), `.mask` (one byte per token) and
+//! `.index` (per sample: id, first token, token count as u64 little-endian), and `manifest.json`, written last,
+//! which lists every file with its size and SHA-256. A folder without a manifest is not a finished output.
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::DataError;
+use super::sample::Sample;
+
+pub const FORMAT: &str = "dflash-prepared/1";
+/// Tokens per shard (256 MiB of token ids).
+pub const SHARD_TOKENS: usize = 1 << 26;
+pub const SPLITS: [&str; 2] = ["train", "holdout"];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub file: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    pub samples: u64,
+    pub tokens: u64,
+    pub files: Vec<FileEntry>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitEntry {
+    pub samples: u64,
+    pub tokens: u64,
+    pub supervised_tokens: u64,
+    pub shards: Vec<ShardEntry>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
+    move |err| DataError::Io {
+        path: path.to_path_buf(),
+        err,
+    }
+}
+
+/// SHA-256 of a file, hex.
+pub fn file_sha256(path: &Path) -> Result<String, DataError> {
+    let mut file = File::open(path).map_err(io_err(path))?;
+    let mut hasher = Sha256::new();
+    std::io::copy(&mut file, &mut hasher).map_err(io_err(path))?;
+    Ok(hex(&hasher.finalize()))
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A file being written, hashed on the way.
+struct HashedFile {
+    path: PathBuf,
+    file: String,
+    writer: BufWriter<File>,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl HashedFile {
+    fn create(dir: &Path, file: String) -> Result<Self, DataError> {
+        let path = dir.join(&file);
+        let f = File::create(&path).map_err(io_err(&path))?;
+        Ok(HashedFile {
+            path,
+            file,
+            writer: BufWriter::with_capacity(1 << 20, f),
+            hasher: Sha256::new(),
+            bytes: 0,
+        })
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<(), DataError> {
+        self.hasher.update(bytes);
+        self.bytes += bytes.len() as u64;
+        self.writer.write_all(bytes).map_err(io_err(&self.path))
+    }
+
+    /// Flushes and syncs the file.
+    fn finish(self) -> Result<FileEntry, DataError> {
+        let path = self.path;
+        let f = self.writer.into_inner().map_err(|e| DataError::Io {
+            path: path.clone(),
+            err: e.into_error(),
+        })?;
+        f.sync_all().map_err(io_err(&path))?;
+        Ok(FileEntry {
+            file: self.file,
+            bytes: self.bytes,
+            sha256: hex(&self.hasher.finalize()),
+        })
+    }
+}
+
+/// The files of the shard being written.
+struct OpenShard {
+    tokens: HashedFile,
+    mask: HashedFile,
+    index: HashedFile,
+    samples: u64,
+    tokens_written: u64,
+}
+
+/// Writes the samples of one split as they come, starting a new shard every [`SHARD_TOKENS`] tokens.
+pub struct SplitWriter {
+    dir: PathBuf,
+    split: String,
+    current: Option<OpenShard>,
+    entry: SplitEntry,
+}
+
+impl SplitWriter {
+    pub fn new(dir: &Path, split: &str) -> Self {
+        SplitWriter {
+            dir: dir.to_path_buf(),
+            split: split.to_string(),
+            current: None,
+            entry: SplitEntry::default(),
+        }
+    }
+
+    pub fn push(&mut self, sample: &Sample) -> Result<(), DataError> {
+        let full = self.current.as_ref().is_some_and(|c| {
+            c.tokens_written > 0
+                && c.tokens_written as usize + sample.input_ids.len() > SHARD_TOKENS
+        });
+        if full {
+            self.close_shard()?;
+        }
+        if self.current.is_none() {
+            let name = format!("{}-{:05}", self.split, self.entry.shards.len());
+            self.current = Some(OpenShard {
+                tokens: HashedFile::create(&self.dir, format!("{name}.tokens"))?,
+                mask: HashedFile::create(&self.dir, format!("{name}.mask"))?,
+                index: HashedFile::create(&self.dir, format!("{name}.index"))?,
+                samples: 0,
+                tokens_written: 0,
+            });
+        }
+        let shard = self.current.as_mut().expect("opened above");
+        let mut record = [0u8; 24];
+        record[..8].copy_from_slice(&sample.id.to_le_bytes());
+        record[8..16].copy_from_slice(&shard.tokens_written.to_le_bytes());
+        record[16..].copy_from_slice(&(sample.input_ids.len() as u64).to_le_bytes());
+        shard.index.write(&record)?;
+        let bytes: Vec<u8> = sample
+            .input_ids
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect();
+        shard.tokens.write(&bytes)?;
+        shard.mask.write(&sample.loss_mask)?;
+        shard.samples += 1;
+        shard.tokens_written += sample.input_ids.len() as u64;
+        self.entry.samples += 1;
+        self.entry.tokens += sample.input_ids.len() as u64;
+        self.entry.supervised_tokens += sample.supervised() as u64;
+        Ok(())
+    }
+
+    fn close_shard(&mut self) -> Result<(), DataError> {
+        if let Some(s) = self.current.take() {
+            self.entry.shards.push(ShardEntry {
+                samples: s.samples,
+                tokens: s.tokens_written,
+                files: vec![s.tokens.finish()?, s.mask.finish()?, s.index.finish()?],
+            });
+        }
+        Ok(())
+    }
+
+    /// Closes the last shard and returns what the manifest records.
+    pub fn finish(mut self) -> Result<SplitEntry, DataError> {
+        self.close_shard()?;
+        Ok(self.entry)
+    }
+}
+
+/// One memory-mapped shard.
+struct MappedShard {
+    tokens: Mmap,
+    mask: Mmap,
+    /// (id, first token, token count)
+    index: Vec<(u64, u64, u64)>,
+}
+
+/// A borrowed sample of a prepared split.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleRef<'a> {
+    pub id: u64,
+    tokens: &'a [u8],
+    pub loss_mask: &'a [u8],
+}
+
+impl SampleRef<'_> {
+    pub fn len(&self) -> usize {
+        self.loss_mask.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.loss_mask.is_empty()
+    }
+    pub fn input_ids(&self) -> Vec<i64> {
+        self.tokens
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect()
+    }
+}
+
+/// One split of a prepared folder, memory-mapped.
+pub struct PreparedSplit {
+    shards: Vec<MappedShard>,
+    /// (shard, row in shard) of each sample, in file order.
+    rows: Vec<(usize, usize)>,
+}
+
+impl PreparedSplit {
+    /// Opens `split` of the prepared folder `dir`, checking each file's size against the manifest (`verify`: and
+    /// its SHA-256).
+    pub fn open(dir: &Path, split: &str, verify: bool) -> Result<Self, DataError> {
+        let manifest = super::prepare::Manifest::read(dir)?;
+        let entry = manifest.splits.get(split).ok_or_else(|| DataError::File {
+            path: dir.join("manifest.json"),
+            reason: format!(
+                "no split {split:?} (the folder has {:?})",
+                manifest.splits.keys().collect::<Vec<_>>()
+            ),
+        })?;
+        let mut shards = Vec::new();
+        let mut rows = Vec::new();
+        for shard in &entry.shards {
+            let mut maps = Vec::new();
+            for f in &shard.files {
+                let path = dir.join(&f.file);
+                let file = File::open(&path).map_err(io_err(&path))?;
+                let len = file.metadata().map_err(io_err(&path))?.len();
+                if len != f.bytes {
+                    return Err(DataError::File {
+                        path,
+                        reason: format!(
+                            "{len} bytes, the manifest says {}: the folder is damaged; prepare again",
+                            f.bytes
+                        ),
+                    });
+                }
+                if verify && file_sha256(&path)? != f.sha256 {
+                    return Err(DataError::File {
+                        path,
+                        reason: "checksum differs from the manifest: the folder is damaged; prepare again".into(),
+                    });
+                }
+                // SAFETY: prepared folders are written once and never modified in place.
+                maps.push(unsafe { Mmap::map(&file) }.map_err(io_err(&path))?);
+            }
+            let [tokens, mask, index]: [Mmap; 3] =
+                maps.try_into().map_err(|_| DataError::File {
+                    path: dir.join("manifest.json"),
+                    reason: "a shard must list its tokens, mask and index files".into(),
+                })?;
+            let index: Vec<(u64, u64, u64)> = index
+                .chunks_exact(24)
+                .map(|c| {
+                    let u = |i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+                    (u(0), u(8), u(16))
+                })
+                .collect();
+            rows.extend((0..index.len()).map(|r| (shards.len(), r)));
+            shards.push(MappedShard {
+                tokens,
+                mask,
+                index,
+            });
+        }
+        Ok(PreparedSplit { shards, rows })
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Sample `i` in file order.
+    pub fn get(&self, i: usize) -> SampleRef<'_> {
+        let (s, r) = self.rows[i];
+        let shard = &self.shards[s];
+        let (id, start, len) = shard.index[r];
+        let (start, len) = (start as usize, len as usize);
+        SampleRef {
+            id,
+            tokens: &shard.tokens[start * 4..(start + len) * 4],
+            loss_mask: &shard.mask[start..start + len],
+        }
+    }
+
+    /// Token counts of all samples, in file order (for length bucketing).
+    pub fn lengths(&self) -> Vec<usize> {
+        self.rows
+            .iter()
+            .map(|&(s, r)| self.shards[s].index[r].2 as usize)
+            .collect()
+    }
+
+    /// The position of the sample with this id.
+    pub fn position_of(&self, id: u64) -> Option<usize> {
+        (0..self.len()).find(|&i| self.get(i).id == id)
+    }
+}
+
+/// The path of the manifest of a prepared folder.
+pub fn manifest_path(dir: &Path) -> PathBuf {
+    dir.join("manifest.json")
+}

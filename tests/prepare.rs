@@ -1,0 +1,314 @@
+//! `prepare` and `inspect` through their public interfaces: output format and contents, idempotence, every kind of
+//! bad input, strict mode, and interrupted runs.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use dflash::data::builtin::{sample_conversations, write_tiny_tokenizer};
+use dflash::data::chat::Conversation;
+use dflash::data::prepare::{Manifest, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::sample::build_sample;
+use dflash::data::shards::PreparedSplit;
+use dflash::data::token_rows::read_token_rows;
+use serde_json::{Map, json};
+
+fn options(inputs: Vec<PathBuf>, out: &Path) -> PrepareOptions {
+    PrepareOptions {
+        inputs,
+        out: out.to_path_buf(),
+        max_len: 256,
+        block_size: 4,
+        holdout: 0.0,
+        seed: 0,
+        template_kwargs: Map::new(),
+        strict: false,
+        progress: false,
+    }
+}
+
+fn write_lines(path: &Path, lines: &[String]) {
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+fn sample_lines(n: usize) -> Vec<String> {
+    sample_conversations(n, 5)
+        .iter()
+        .map(|c| c.to_string())
+        .collect()
+}
+
+#[test]
+fn prepared_samples_are_the_conversations_tokenized_and_masked() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chats.jsonl");
+    let lines = sample_lines(60);
+    write_lines(&input, &lines);
+    let assets = ModelAssets::tiny(&Map::new());
+    let out = dir.path().join("prepared");
+    let mut opts = options(vec![input.clone()], &out);
+    opts.holdout = 0.25;
+    let PrepareOutcome::Written(m) = prepare(&assets, &opts).unwrap() else {
+        panic!("expected a fresh output")
+    };
+    assert_eq!(m.report.lines, 60);
+    assert_eq!(
+        m.report.kept_train + m.report.kept_holdout + m.report.dropped.values().sum::<u64>(),
+        60
+    );
+    assert!(
+        m.report.kept_holdout > 5 && m.report.kept_train > 30,
+        "{:?}",
+        m.report
+    );
+    let train = PreparedSplit::open(&out, "train", true).unwrap();
+    let holdout = PreparedSplit::open(&out, "holdout", true).unwrap();
+    assert_eq!(train.len() as u64, m.report.kept_train);
+    assert_eq!(holdout.len() as u64, m.report.kept_holdout);
+    // Every kept sample equals the conversation rendered, tokenized and masked directly.
+    for split in [&train, &holdout] {
+        for i in 0..split.len() {
+            let s = split.get(i);
+            let conv = Conversation::from_json_line(&lines[s.id as usize], s.id).unwrap();
+            let direct = build_sample(&assets.template, &assets.tokenizer, &conv).unwrap();
+            let n = direct.input_ids.len().min(opts.max_len);
+            let ids: Vec<i64> = direct.input_ids[..n].iter().map(|&t| t as i64).collect();
+            assert_eq!(s.input_ids(), ids, "sample {}", s.id);
+            assert_eq!(s.loss_mask, &direct.loss_mask[..n]);
+        }
+    }
+    // The same inputs and settings: nothing to do. Other settings: a new output.
+    assert!(matches!(
+        prepare(&assets, &opts).unwrap(),
+        PrepareOutcome::UpToDate(_)
+    ));
+    opts.holdout = 0.0;
+    let PrepareOutcome::Written(m2) = prepare(&assets, &opts).unwrap() else {
+        panic!("changed settings must rewrite")
+    };
+    assert_eq!(m2.report.kept_holdout, 0);
+    assert_ne!(m2.fingerprint, m.fingerprint);
+}
+
+#[test]
+fn short_samples_are_dropped_and_long_ones_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chats.jsonl");
+    let long = "word ".repeat(100);
+    write_lines(
+        &input,
+        &[
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}).to_string(),
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": long}]}).to_string(),
+        ],
+    );
+    let out = dir.path().join("p");
+    let PrepareOutcome::Written(m) =
+        prepare(&ModelAssets::tiny(&Map::new()), &options(vec![input], &out)).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        m.report.dropped.values().sum::<u64>(),
+        1,
+        "\"ok<|im_end|>\" has 3 supervised tokens < 2 x 4"
+    );
+    assert_eq!(m.report.truncated, 1);
+    let train = PreparedSplit::open(&out, "train", false).unwrap();
+    assert_eq!(train.get(0).len(), 256);
+    assert_eq!(train.get(0).id, 1);
+}
+
+#[test]
+fn bad_lines_are_skipped_counted_and_quoted_with_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("mixed.jsonl");
+    let mut lines = sample_lines(3);
+    lines.push("{not json".into());
+    lines.push(json!({"messages": [{"role": "robot", "content": "x"}]}).to_string());
+    lines.push(json!({"messages": []}).to_string());
+    lines.push(json!({"id": 0, "messages": [{"role": "user", "content": "dup"}, {"role": "assistant", "content": "a long enough answer"}]}).to_string());
+    write_lines(&input, &lines);
+    let out = dir.path().join("p");
+    let PrepareOutcome::Written(m) = prepare(
+        &ModelAssets::tiny(&Map::new()),
+        &options(vec![input.clone()], &out),
+    )
+    .unwrap() else {
+        panic!()
+    };
+    let bad = &m.report.bad_lines;
+    assert_eq!(bad.get("malformed JSON"), Some(&1));
+    assert_eq!(bad.get("unknown role"), Some(&1));
+    assert_eq!(bad.get("empty conversation"), Some(&1));
+    assert_eq!(bad.get("duplicate id"), Some(&1));
+    let quoted = m.report.examples.join("\n");
+    assert!(
+        quoted.contains(&format!("{}:4:", input.display())) && quoted.contains("robot"),
+        "{quoted}"
+    );
+    assert_eq!(m.report.kept_train, 3);
+
+    // --strict: the first bad line is fatal, named by file and line, and no output appears.
+    let strict_out = dir.path().join("strict");
+    let mut opts = options(vec![input.clone()], &strict_out);
+    opts.strict = true;
+    let err = prepare(&ModelAssets::tiny(&Map::new()), &opts)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains(&format!("{}:4", input.display())), "{err}");
+    assert!(!strict_out.exists(), "a failed run leaves no output");
+    assert!(
+        !dir.path().join(".strict.partial").exists(),
+        "and no temporary folder"
+    );
+}
+
+#[test]
+fn templates_that_fail_and_missing_tokenizers_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    write_tiny_tokenizer(&model).unwrap();
+    // A template that refuses some conversations.
+    let strict_template = "{% for m in messages %}{% if m.content == 'forbidden' %}{{ raise_exception('no forbidden words') }}\
+        {% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+    let config = json!({"chat_template": strict_template, "eos_token": "<|im_end|>"});
+    std::fs::write(model.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let input = dir.path().join("c.jsonl");
+    write_lines(
+        &input,
+        &[
+            json!({"messages": [{"role": "user", "content": "forbidden"}, {"role": "assistant", "content": "x"}]}).to_string(),
+            json!({"messages": [{"role": "user", "content": "fine"}, {"role": "assistant", "content": "a fine answer here"}]}).to_string(),
+        ],
+    );
+    let assets = ModelAssets::from_dir(&model, &Map::new()).unwrap();
+    let PrepareOutcome::Written(m) =
+        prepare(&assets, &options(vec![input], &dir.path().join("p"))).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        m.report.bad_lines.get("template or tokenizer failed"),
+        Some(&1)
+    );
+    assert!(
+        m.report.examples[0].contains("no forbidden words"),
+        "{:?}",
+        m.report.examples
+    );
+    assert_eq!(m.report.kept_train, 1);
+
+    std::fs::remove_file(model.join("tokenizer.json")).unwrap();
+    let err = ModelAssets::from_dir(&model, &Map::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("tokenizer.json"), "{err}");
+}
+
+#[test]
+fn an_interrupted_run_leaves_nothing_that_passes_for_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("c.jsonl");
+    write_lines(&input, &sample_lines(20));
+    let out = dir.path().join("p");
+    // What a killed run leaves: a half-written temporary folder.
+    let stale = dir.path().join(".p.partial");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("train-00000.tokens"), b"junk").unwrap();
+    assert!(
+        Manifest::read(&stale).is_err(),
+        "no manifest: not an output"
+    );
+    let assets = ModelAssets::tiny(&Map::new());
+    assert!(matches!(
+        prepare(&assets, &options(vec![input.clone()], &out)).unwrap(),
+        PrepareOutcome::Written(_)
+    ));
+    assert!(!stale.exists());
+    PreparedSplit::open(&out, "train", true).unwrap();
+    // A damaged output is detected, and a rerun repairs it.
+    let tokens = out.join("train-00000.tokens");
+    let len = std::fs::metadata(&tokens).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&tokens)
+        .unwrap()
+        .set_len(len - 4)
+        .unwrap();
+    assert!(
+        PreparedSplit::open(&out, "train", false)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("damaged")
+    );
+    assert!(matches!(
+        prepare(&assets, &options(vec![input], &out)).unwrap(),
+        PrepareOutcome::Written(_)
+    ));
+    PreparedSplit::open(&out, "train", true).unwrap();
+    // A folder that is not ours is never replaced.
+    let foreign = dir.path().join("mine");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("notes.txt"), "keep me").unwrap();
+    let err = prepare(
+        &assets,
+        &options(vec![dir.path().join("c.jsonl")], &foreign),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("not a prepared folder"), "{err}");
+    assert!(foreign.join("notes.txt").exists());
+}
+
+#[test]
+fn the_cli_prepares_inspects_and_feeds_eval() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("c.jsonl");
+    write_lines(&input, &sample_lines(12));
+    let out = dir.path().join("p");
+    let dflash = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(args)
+            .env("DFLASH__LOG__LEVEL", "warn")
+            .output()
+            .unwrap()
+    };
+    let o = dflash(&[
+        "prepare",
+        "--model",
+        "tiny",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--max-len",
+        "512",
+        "--block-size",
+        "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["written"], true);
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--limit", "2"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("── id") && text.contains("⟦") && text.contains("<|im_end|>⟧"),
+        "{text}"
+    );
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--limit", "100"]);
+    let rows_path = dir.path().join("rows.jsonl");
+    std::fs::write(&rows_path, &o.stdout).unwrap();
+    let rows = read_token_rows(&rows_path, 320).unwrap();
+    assert_eq!(
+        rows.len() as u64,
+        report["report"]["kept_train"].as_u64().unwrap()
+    );
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--id", "999"]);
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no sample with id 999")
+    );
+}
