@@ -8,6 +8,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod training;
+
+pub use training::{
+    CheckpointSettings, ControlSettings, DataSettings, DataSource, DraftersSettings, OptimSettings,
+    SupervisionSettings,
+};
+
 use config::{File, FileFormat, Value, ValueKind};
 use serde::Deserialize;
 
@@ -18,7 +25,7 @@ use crate::model::{Depth, ModelError, Preset, Target};
 use tch::{Device, Kind};
 
 /// The built-in defaults, the lowest layer; every key users can set is here, with its documentation.
-pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
 
 /// Prefix of environment overrides: `DFLASH__TARGET__DEVICE=cpu` sets `target.device`.
 pub const ENV_PREFIX: &str = "DFLASH__";
@@ -40,7 +47,11 @@ pub enum ConfigError {
     BadOverride(String),
 }
 
-fn invalid(key: &str, value: impl std::fmt::Display, allowed: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(
+    key: &str,
+    value: impl std::fmt::Display,
+    allowed: impl Into<String>,
+) -> ConfigError {
     ConfigError::Invalid {
         key: key.to_string(),
         value: value.to_string(),
@@ -55,7 +66,13 @@ fn invalid(key: &str, value: impl std::fmt::Display, allowed: impl Into<String>)
 struct RawConfig {
     target: RawTarget,
     draft_model: RawDraftModel,
+    drafters: training::RawDrafters,
+    data: training::RawData,
     objective: RawObjective,
+    optim: training::RawOptim,
+    checkpoint: training::RawCheckpoint,
+    supervision: training::RawSupervision,
+    control: training::RawControl,
     log: RawLog,
 }
 
@@ -70,6 +87,9 @@ struct RawTarget {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawDraftModel {
+    num_hidden_layers: i64,
+    block_size: i64,
+    intermediate_size: Option<i64>,
     target_layer_ids: Option<Vec<i64>>,
     mask_token_id: Option<i64>,
 }
@@ -95,6 +115,7 @@ enum RawGamma {
 struct RawLog {
     level: String,
     format: String,
+    every_steps: i64,
 }
 
 // ---------------------------------------------------------------- validated: what the program uses
@@ -146,6 +167,10 @@ pub struct TargetSettings {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct DraftModelSettings {
+    pub num_hidden_layers: usize,
+    pub block_size: usize,
+    /// `None`: the target's.
+    pub intermediate_size: Option<usize>,
     /// Explicit ids, or `None` for the preset's.
     pub target_layer_ids: Option<Vec<usize>>,
     pub mask_token_id: Option<i64>,
@@ -213,6 +238,8 @@ pub struct LogSettings {
     /// A tracing filter directive (`info`, `dflash=debug,warn`); `RUST_LOG` overrides it.
     pub level: String,
     pub format: LogFormat,
+    /// Training logs a progress line every this many steps.
+    pub every_steps: u64,
 }
 
 /// The validated configuration.
@@ -220,8 +247,16 @@ pub struct LogSettings {
 pub struct Config {
     pub target: TargetSettings,
     pub draft_model: DraftModelSettings,
+    pub drafters: DraftersSettings,
+    pub data: DataSettings,
     pub objective: ObjectiveConfig,
+    pub optim: OptimSettings,
+    pub checkpoint: CheckpointSettings,
+    pub supervision: SupervisionSettings,
+    pub control: ControlSettings,
     pub log: LogSettings,
+    /// The merged configuration as read (before validation), for checkpoints and comparisons.
+    pub merged: serde_json::Value,
 }
 
 /// The layers above the built-in defaults.
@@ -283,11 +318,19 @@ impl Config {
                 .map_err(|e| load_error(&format!("--set {item}"), e))?;
         }
         let merged = builder.build().map_err(|e| load_error(&origin, e))?;
+        let tree: serde_json::Value =
+            merged
+                .clone()
+                .try_deserialize()
+                .map_err(|e| ConfigError::Load {
+                    source_name: "configuration".into(),
+                    message: e.to_string(),
+                })?;
         let raw: RawConfig = merged.try_deserialize().map_err(|e| ConfigError::Load {
             source_name: "configuration".into(),
             message: explain_serde_error(&e.to_string()),
         })?;
-        raw.validate()
+        raw.validate(tree)
     }
 
     /// The built-in defaults alone.
@@ -359,14 +402,51 @@ fn toml_to_config(v: toml::Value) -> Value {
 }
 
 impl RawConfig {
-    fn validate(self) -> Result<Config, ConfigError> {
+    fn validate(self, merged: serde_json::Value) -> Result<Config, ConfigError> {
         Ok(Config {
             target: self.target.validate()?,
             draft_model: self.draft_model.validate()?,
+            drafters: self.drafters.validate()?,
+            data: self.data.validate()?,
             objective: self.objective.validate()?,
+            optim: self.optim.validate()?,
+            checkpoint: self.checkpoint.validate()?,
+            supervision: self.supervision.validate()?,
+            control: self.control.validate()?,
             log: self.log.validate()?,
+            merged,
         })
     }
+}
+
+/// Keys a running service cannot change: resuming with a different value is refused.
+pub const NON_RELOADABLE: [&str; 9] = [
+    "target.model",
+    "draft_model.num_hidden_layers",
+    "draft_model.block_size",
+    "draft_model.intermediate_size",
+    "draft_model.target_layer_ids",
+    "draft_model.mask_token_id",
+    "data.path",
+    "data.batch_size",
+    "objective.seed",
+];
+
+/// The value at a dotted key of a merged configuration tree.
+pub fn lookup<'a>(tree: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    key.split('.').try_fold(tree, |v, part| v.get(part))
+}
+
+/// The keys among `keys` whose values differ between two merged trees.
+pub fn changed_keys(
+    old: &serde_json::Value,
+    new: &serde_json::Value,
+    keys: &[&str],
+) -> Vec<String> {
+    keys.iter()
+        .filter(|k| lookup(old, k) != lookup(new, k))
+        .map(|k| k.to_string())
+        .collect()
 }
 
 impl RawTarget {
@@ -412,6 +492,27 @@ impl RawTarget {
 
 impl RawDraftModel {
     fn validate(self) -> Result<DraftModelSettings, ConfigError> {
+        if self.num_hidden_layers < 1 {
+            return Err(invalid(
+                "draft_model.num_hidden_layers",
+                self.num_hidden_layers,
+                "at least 1 layer",
+            ));
+        }
+        if self.block_size < 2 {
+            return Err(invalid(
+                "draft_model.block_size",
+                self.block_size,
+                "at least 2 (16 is the paper's)",
+            ));
+        }
+        if let Some(i) = self.intermediate_size.filter(|&i| i < 1) {
+            return Err(invalid(
+                "draft_model.intermediate_size",
+                i,
+                "a positive width",
+            ));
+        }
         let key = "draft_model.target_layer_ids";
         let target_layer_ids = match self.target_layer_ids {
             None => None,
@@ -444,6 +545,9 @@ impl RawDraftModel {
             ));
         }
         Ok(DraftModelSettings {
+            num_hidden_layers: self.num_hidden_layers as usize,
+            block_size: self.block_size as usize,
+            intermediate_size: self.intermediate_size.map(|i| i as usize),
             target_layer_ids,
             mask_token_id: self.mask_token_id,
         })
@@ -501,9 +605,13 @@ impl RawLog {
                 ));
             }
         };
+        if self.every_steps < 1 {
+            return Err(invalid("log.every_steps", self.every_steps, "at least 1"));
+        }
         Ok(LogSettings {
             level: self.level,
             format,
+            every_steps: self.every_steps as u64,
         })
     }
 }
@@ -598,6 +706,29 @@ mod tests {
             ("objective.gamma=-1", &["objective.gamma", "-1"]),
             ("objective.gamma=soon", &["objective.gamma", "soon", "auto"]),
             ("objective.seed=-3", &["objective.seed", "-3"]),
+            ("draft_model.block_size=1", &["draft_model.block_size", "1"]),
+            ("drafters.devices=[]", &["drafters.devices", "at least one"]),
+            (
+                "drafters.devices=[\"cpu\", \"gpu\"]",
+                &["drafters.devices", "gpu", "cuda:N"],
+            ),
+            ("data.batch_size=0", &["data.batch_size", "0"]),
+            ("optim.betas=[0.9]", &["optim.betas", "two numbers"]),
+            (
+                "optim.schedule=linear",
+                &["optim.schedule", "linear", "cosine"],
+            ),
+            ("optim.lr=-1", &["optim.lr", "-1"]),
+            ("checkpoint.keep=1", &["checkpoint.keep", "at least 2"]),
+            (
+                "supervision.backoff_max_ms=1",
+                &["supervision.backoff_max_ms", "backoff_initial_ms"],
+            ),
+            (
+                "control.listen=nowhere",
+                &["control.listen", "nowhere", "127.0.0.1"],
+            ),
+            ("log.every_steps=0", &["log.every_steps"]),
             ("log.level=dflash=loud", &["log.level", "loud"]),
             ("draft_model.target_layer_ids=\"x\"", &["target_layer_ids"]),
         ];
@@ -633,6 +764,21 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("bad.toml"), "{err}");
+    }
+
+    #[test]
+    fn non_reloadable_changes_are_named() {
+        let a = Config::builtin().unwrap();
+        let b = with_set(&[
+            "data.batch_size=8",
+            "optim.lr=1e-3",
+            "draft_model.block_size=8",
+        ])
+        .unwrap();
+        let changed = changed_keys(&a.merged, &b.merged, &NON_RELOADABLE);
+        assert_eq!(changed, vec!["draft_model.block_size", "data.batch_size"]);
+        assert_eq!(b.optim.lr, 1e-3);
+        assert!(changed_keys(&a.merged, &a.merged, &NON_RELOADABLE).is_empty());
     }
 
     #[test]
