@@ -177,21 +177,13 @@ impl Drafter {
     /// Writes the drafter in the published format: `config.json` and `model.safetensors` with the published names,
     /// in `dtype` (bf16 to publish, f32 for checkpoints that must resume exactly).
     pub fn save(&self, dir: &Path, dtype: Kind) -> Result<(), ModelError> {
-        std::fs::create_dir_all(dir).map_err(|err| ModelError::Io {
-            path: dir.to_path_buf(),
-            err,
-        })?;
-        let tensors = self
-            .params
-            .layout()
-            .named_views(&self.params.master)
-            .into_iter()
-            .map(|(name, view)| Ok((name, HostTensor::from_tensor(&view.f_to_kind(dtype)?)?)))
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        write_safetensors(&dir.join("model.safetensors"), &tensors, None)?;
-        let json = serde_json::to_string_pretty(&self.cfg.to_json(kind_name(dtype))).expect("json");
-        let path = dir.join("config.json");
-        std::fs::write(&path, json).map_err(|err| ModelError::Io { path, err })
+        save_drafter_folder(
+            dir,
+            &self.cfg,
+            self.params.layout(),
+            &self.params.master,
+            dtype,
+        )
     }
 
     pub fn config(&self) -> &DrafterConfig {
@@ -320,6 +312,36 @@ impl Drafter {
         }
         rms_norm(&x, &self.weight(self.norm), eps)
     }
+}
+
+/// Writes a drafter folder in the published format from its configuration and flat master weights (on any
+/// device): `config.json` and `model.safetensors` under the published names, in `dtype`.
+pub fn save_drafter_folder(
+    dir: &Path,
+    cfg: &DrafterConfig,
+    layout: &FlatLayout,
+    master: &Tensor,
+    dtype: Kind,
+) -> Result<(), ModelError> {
+    std::fs::create_dir_all(dir).map_err(|err| ModelError::Io {
+        path: dir.to_path_buf(),
+        err,
+    })?;
+    let tensors = layout
+        .named_views(master)
+        .into_iter()
+        .map(|(name, view)| Ok((name, HostTensor::from_tensor(&view.f_to_kind(dtype)?)?)))
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None)?;
+    let json = serde_json::to_string_pretty(&cfg.to_json(kind_name(dtype))).expect("json");
+    let path = dir.join("config.json");
+    std::fs::write(&path, &json).map_err(|err| ModelError::Io {
+        path: path.clone(),
+        err,
+    })?;
+    std::fs::File::open(&path)
+        .and_then(|f| f.sync_all())
+        .map_err(|err| ModelError::Io { path, err })
 }
 
 /// `[B, kv_heads, L, d]` -> `[B, kv_heads * rep, L, d]`, each key/value head serving `rep` query heads (the

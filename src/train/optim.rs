@@ -66,14 +66,19 @@ impl AdamW {
 
     /// Writes `optimizer.safetensors` at `path`: fp32 moments under the published names, and the step.
     pub fn save(&self, path: &Path, layout: &FlatLayout) -> Result<(), ModelError> {
-        let mut tensors = Vec::new();
-        for (prefix, flat) in [("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)] {
-            for (name, view) in layout.named_views(flat) {
-                tensors.push((format!("{prefix}.{name}"), HostTensor::from_tensor(&view)?));
-            }
-        }
-        tensors.push(("step".to_string(), HostTensor::from_tensor(&self.step)?));
-        write_safetensors(path, &tensors, None)
+        save_optimizer_state(path, layout, &self.exp_avg, &self.exp_avg_sq, &self.step)
+    }
+
+    /// The moments and the step tensor, for copying state to a joining replica.
+    pub fn state_tensors(&self) -> [&Tensor; 3] {
+        [&self.exp_avg, &self.exp_avg_sq, &self.step]
+    }
+
+    /// Sets the count of applied updates (after the tensors were copied from a peer).
+    pub fn set_steps(&mut self, steps: u64) -> Result<(), ModelError> {
+        self.steps = steps;
+        let _ = self.step.f_fill_(steps as f64)?;
+        Ok(())
     }
 
     /// Reads a state written by [`AdamW::save`] for parameters of `layout` on `device`.
@@ -121,6 +126,24 @@ impl AdamW {
     pub fn moments(&self) -> (&Tensor, &Tensor) {
         (&self.exp_avg, &self.exp_avg_sq)
     }
+}
+
+/// Writes an optimizer state (moments under the published names, and the step) to one safetensors file.
+pub fn save_optimizer_state(
+    path: &Path,
+    layout: &FlatLayout,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    step: &Tensor,
+) -> Result<(), ModelError> {
+    let mut tensors = Vec::new();
+    for (prefix, flat) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+        for (name, view) in layout.named_views(flat) {
+            tensors.push((format!("{prefix}.{name}"), HostTensor::from_tensor(&view)?));
+        }
+    }
+    tensors.push(("step".to_string(), HostTensor::from_tensor(step)?));
+    write_safetensors(path, &tensors, None)
 }
 
 /// How the learning rate moves over the run.
