@@ -261,7 +261,7 @@ pub fn list_checkpoints(root: &Path) -> Vec<(u64, PathBuf)> {
             Some((step, e.path()))
         })
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
     found
 }
 
@@ -280,7 +280,7 @@ pub fn newest_valid(root: &Path) -> (Option<(PathBuf, TrainerState)>, Vec<String
 /// Which checkpoints to delete so that the newest `keep` remain (`steps` in any order).
 pub fn to_delete(steps: &[u64], keep: usize) -> Vec<u64> {
     let mut sorted = steps.to_vec();
-    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    sorted.sort_unstable_by_key(|s| std::cmp::Reverse(*s));
     sorted.into_iter().skip(keep).collect()
 }
 

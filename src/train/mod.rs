@@ -1,6 +1,7 @@
 //! Training: the DFlash objective, AdamW with saveable state and its schedule, and the training step. Knows nothing
 //! of actors, so it is tested and benchmarked on its own.
 pub mod checkpoint;
+pub mod collective;
 pub mod eval;
 pub mod objective;
 pub mod optim;

@@ -1,0 +1,565 @@
+//! The in-process collective of synchronous data parallelism with a per-step quorum.
+//!
+//! Each round (one training step) completes when every current member has contributed its flat gradient and
+//! summed loss weight. The member that completes it sums the gradients in member-id order (so the result does not
+//! depend on arrival order), computes the step's hyperparameters from the samples committed so far (the same for
+//! every replica), and publishes the result; each member copies the sum into its own gradient buffer and applies
+//! the same update. A member removed mid-round (it failed or hung) is dropped from that round, which completes with
+//! the others' contributions; a contribution it had already made still counts.
+//!
+//! Joining: a (re)started replica asks to join with its own buffers; a live member, between two of its rounds,
+//! copies its parameters and optimizer state into them (device to device) and adds it to the membership of its
+//! next round. Replicas therefore stay bitwise identical.
+//!
+//! The interface is what a collective across processes (NCCL) needs too: contribute, remove, join.
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use tch::Tensor;
+
+use crate::data::loader::BatchId;
+use crate::device::{self, DeviceError};
+use crate::ops::AdamwStep;
+use crate::train::objective::Metrics;
+use crate::train::optim::LrSchedule;
+use crate::train::step::UpdateSettings;
+
+pub type MemberId = usize;
+
+/// What a member brings to a round.
+pub struct Contribution {
+    /// The member's flat gradient (a shallow handle); left untouched until the round's result arrives.
+    pub grad: Tensor,
+    /// Summed loss weight of its micro-batches.
+    pub weight: f64,
+    pub samples: u64,
+    pub batches: Vec<BatchId>,
+    pub metrics: Metrics,
+}
+
+/// Hyperparameters of the update, by progress through the run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hyper {
+    /// Learning rate by committed samples (`total_steps` and `warmup_steps` count samples).
+    pub schedule: LrSchedule,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub grad_clip: Option<f64>,
+}
+
+impl Hyper {
+    fn update(&self, samples_committed: u64) -> UpdateSettings {
+        UpdateSettings {
+            adamw: AdamwStep {
+                lr: self.schedule.lr_at(samples_committed),
+                beta1: self.beta1,
+                beta2: self.beta2,
+                weight_decay: self.weight_decay,
+                eps: self.eps,
+            },
+            grad_clip: self.grad_clip,
+        }
+    }
+}
+
+/// A tensor handle that several threads read but none writes (the summed gradient of a round).
+pub struct SharedTensor(Tensor);
+
+// SAFETY: the wrapped tensor is created by the reducing thread and only read afterwards (copied from); libtorch
+// tensor handles are reference-counted atomically, and concurrent reads of one storage are safe.
+unsafe impl Sync for SharedTensor {}
+
+impl std::ops::Deref for SharedTensor {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        &self.0
+    }
+}
+
+/// A completed round, as every member applies it.
+pub struct RoundResult {
+    pub step: u64,
+    /// The summed gradient (on the first contributor's device).
+    pub grad: SharedTensor,
+    pub total_weight: f64,
+    pub update: UpdateSettings,
+    pub contributors: Vec<MemberId>,
+}
+
+/// A completed round, as the supervisor commits it.
+#[derive(Debug, Clone)]
+pub struct RoundReport {
+    pub step: u64,
+    /// `(member, batches, metrics, samples)` of each contributor.
+    pub contributions: Vec<(MemberId, Vec<BatchId>, Metrics, u64)>,
+    pub total_weight: f64,
+    pub lr: f64,
+    pub samples_committed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("this replica was removed from the collective")]
+    Removed,
+    #[error("contribution to round {got} while round {expected} is open")]
+    WrongRound { expected: u64, got: u64 },
+    #[error(transparent)]
+    Device(#[from] DeviceErrorText),
+}
+
+/// A device error, as text (so the error type stays `Clone`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct DeviceErrorText(pub String);
+
+impl From<DeviceError> for CollectiveError {
+    fn from(e: DeviceError) -> Self {
+        CollectiveError::Device(DeviceErrorText(e.to_string()))
+    }
+}
+
+/// The buffers a joiner lends for the donor to fill.
+pub struct JoinBuffers {
+    pub master: Tensor,
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+}
+
+/// What a joiner learns once it has the peers' state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JoinInfo {
+    /// The first round it contributes to.
+    pub step: u64,
+    pub optimizer_steps: u64,
+}
+
+struct Joiner {
+    generation: u64,
+    buffers: JoinBuffers,
+    done: Option<JoinInfo>,
+}
+
+struct State {
+    /// member -> generation of its current thread
+    members: BTreeMap<MemberId, u64>,
+    round: u64,
+    contributions: BTreeMap<MemberId, Contribution>,
+    results: VecDeque<Arc<RoundResult>>,
+    samples_committed: u64,
+    hyper: Hyper,
+    joiners: BTreeMap<MemberId, Joiner>,
+}
+
+/// See the module documentation.
+pub struct Collective {
+    state: Mutex<State>,
+    changed: Condvar,
+    on_round: Box<dyn Fn(RoundReport) + Send + Sync>,
+}
+
+impl Collective {
+    /// A collective whose next round is `step`, after `samples_committed` samples.
+    pub fn new(
+        step: u64,
+        samples_committed: u64,
+        hyper: Hyper,
+        on_round: impl Fn(RoundReport) + Send + Sync + 'static,
+    ) -> Self {
+        Collective {
+            state: Mutex::new(State {
+                members: BTreeMap::new(),
+                round: step,
+                contributions: BTreeMap::new(),
+                results: VecDeque::new(),
+                samples_committed,
+                hyper,
+                joiners: BTreeMap::new(),
+            }),
+            changed: Condvar::new(),
+            on_round: Box::new(on_round),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes `id` the first member (its own state is the reference); its first round is the returned step.
+    /// Fails when there are members already: then it must join.
+    pub fn found(&self, id: MemberId, generation: u64) -> Result<u64, CollectiveError> {
+        let mut s = self.lock();
+        if !s.members.is_empty() {
+            return Err(CollectiveError::Removed);
+        }
+        s.members.insert(id, generation);
+        Ok(s.round)
+    }
+
+    /// Resets the round counter and progress (a run rewound to a checkpoint); only with no members.
+    pub fn rewind(&self, step: u64, samples_committed: u64) {
+        let mut s = self.lock();
+        s.round = step;
+        s.samples_committed = samples_committed;
+        s.contributions.clear();
+        s.results.clear();
+    }
+
+    pub fn set_hyper(&self, hyper: Hyper) {
+        self.lock().hyper = hyper;
+    }
+
+    pub fn members(&self) -> Vec<MemberId> {
+        self.lock().members.keys().copied().collect()
+    }
+
+    /// The open round and the members that have not contributed to it yet.
+    pub fn waiting_for(&self) -> (u64, Vec<MemberId>) {
+        let s = self.lock();
+        let missing = s
+            .members
+            .keys()
+            .filter(|m| !s.contributions.contains_key(m))
+            .copied()
+            .collect();
+        (s.round, missing)
+    }
+
+    /// Removes the member's thread of this generation (and its join request); the open round completes without it.
+    pub fn remove(&self, id: MemberId, generation: u64) {
+        let mut s = self.lock();
+        if s.members.get(&id) == Some(&generation) {
+            s.members.remove(&id);
+        }
+        if s.joiners
+            .get(&id)
+            .is_some_and(|j| j.generation == generation)
+        {
+            s.joiners.remove(&id);
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// Contributes to round `step` and waits for its result.
+    pub fn contribute(
+        &self,
+        id: MemberId,
+        generation: u64,
+        step: u64,
+        contribution: Contribution,
+    ) -> Result<Arc<RoundResult>, CollectiveError> {
+        let mut s = self.lock();
+        if s.members.get(&id) != Some(&generation) {
+            return Err(CollectiveError::Removed);
+        }
+        if step != s.round {
+            return Err(CollectiveError::WrongRound {
+                expected: s.round,
+                got: step,
+            });
+        }
+        s.contributions.insert(id, contribution);
+        loop {
+            if let Some(r) = s.results.iter().find(|r| r.step == step) {
+                return Ok(r.clone());
+            }
+            let complete = s.round == step
+                && !s.contributions.is_empty()
+                && s.members.keys().all(|m| s.contributions.contains_key(m));
+            if complete {
+                let (result, report) = reduce(&mut s)?;
+                s.results.push_back(result.clone());
+                while s.results.len() > 4 {
+                    s.results.pop_front();
+                }
+                drop(s);
+                self.changed.notify_all();
+                (self.on_round)(report);
+                return Ok(result);
+            }
+            if s.members.get(&id) != Some(&generation) && !s.contributions.contains_key(&id) {
+                return Err(CollectiveError::Removed);
+            }
+            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Asks to join: blocks until a member has copied its state into `buffers`, or this request is removed.
+    pub fn join(
+        &self,
+        id: MemberId,
+        generation: u64,
+        buffers: JoinBuffers,
+    ) -> Result<JoinInfo, CollectiveError> {
+        let mut s = self.lock();
+        s.joiners.insert(
+            id,
+            Joiner {
+                generation,
+                buffers,
+                done: None,
+            },
+        );
+        loop {
+            match s.joiners.get(&id) {
+                Some(j) if j.generation == generation => {
+                    if let Some(info) = j.done {
+                        s.joiners.remove(&id);
+                        return Ok(info);
+                    }
+                }
+                _ => return Err(CollectiveError::Removed),
+            }
+            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Whether anyone waits to join.
+    pub fn has_joiners(&self) -> bool {
+        self.lock().joiners.values().any(|j| j.done.is_none())
+    }
+
+    /// Called by a member between its rounds: copies its state (`master`, moments, update count) into every
+    /// waiting joiner and adds them to the membership of the open round. Only the lowest-id member serves.
+    pub fn serve_joiners(
+        &self,
+        id: MemberId,
+        generation: u64,
+        [master, exp_avg, exp_avg_sq]: [&Tensor; 3],
+        optimizer_steps: u64,
+    ) -> Result<usize, CollectiveError> {
+        let mut s = self.lock();
+        if s.members.get(&id) != Some(&generation) {
+            return Err(CollectiveError::Removed);
+        }
+        if s.members.keys().next() != Some(&id) {
+            return Ok(0);
+        }
+        let waiting: Vec<MemberId> = s
+            .joiners
+            .iter()
+            .filter(|(_, j)| j.done.is_none())
+            .map(|(m, _)| *m)
+            .collect();
+        let step = s.round;
+        for m in &waiting {
+            let j = s.joiners.get_mut(m).expect("listed above");
+            let mut dst = j.buffers.master.shallow_clone();
+            dst.copy_(master);
+            let mut dst = j.buffers.exp_avg.shallow_clone();
+            dst.copy_(exp_avg);
+            let mut dst = j.buffers.exp_avg_sq.shallow_clone();
+            dst.copy_(exp_avg_sq);
+            device::synchronize(j.buffers.master.device())?;
+            device::synchronize(master.device())?;
+            j.done = Some(JoinInfo {
+                step,
+                optimizer_steps,
+            });
+            let generation = j.generation;
+            s.members.insert(*m, generation);
+        }
+        drop(s);
+        self.changed.notify_all();
+        Ok(waiting.len())
+    }
+}
+
+/// Sums the open round's contributions in member order and advances the round.
+fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveError> {
+    let contributions = std::mem::take(&mut s.contributions);
+    let step = s.round;
+    let mut grad: Option<Tensor> = None;
+    let (mut total_weight, mut samples) = (0.0, 0);
+    let mut report = Vec::new();
+    for (member, c) in &contributions {
+        grad = Some(match grad {
+            None if contributions.len() == 1 => c.grad.shallow_clone(),
+            None => c.grad.copy(),
+            Some(mut sum) => {
+                let _ = sum
+                    .f_add_(&c.grad.to_device(sum.device()))
+                    .map_err(|e| DeviceErrorText(e.to_string()))?;
+                sum
+            }
+        });
+        total_weight += c.weight;
+        samples += c.samples;
+        report.push((*member, c.batches.clone(), c.metrics, c.samples));
+    }
+    let update = s.hyper.update(s.samples_committed);
+    s.samples_committed += samples;
+    s.round += 1;
+    let result = Arc::new(RoundResult {
+        step,
+        grad: SharedTensor(grad.expect("a complete round has a contribution")),
+        total_weight,
+        update,
+        contributors: contributions.keys().copied().collect(),
+    });
+    let report = RoundReport {
+        step,
+        contributions: report,
+        total_weight,
+        lr: update.adamw.lr,
+        samples_committed: s.samples_committed,
+    };
+    Ok((result, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::optim::ScheduleKind;
+    use std::sync::mpsc;
+    use tch::{Device, Kind};
+
+    fn hyper() -> Hyper {
+        Hyper {
+            schedule: LrSchedule {
+                kind: ScheduleKind::Constant,
+                lr: 0.1,
+                warmup_steps: 0,
+                total_steps: 100,
+                min_lr_ratio: 0.0,
+            },
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: None,
+        }
+    }
+
+    fn contribution(values: &[f32], weight: f64) -> Contribution {
+        Contribution {
+            grad: Tensor::from_slice(values),
+            weight,
+            samples: 2,
+            batches: vec![],
+            metrics: Metrics::default(),
+        }
+    }
+
+    fn collective() -> (Arc<Collective>, mpsc::Receiver<RoundReport>) {
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        let c = Arc::new(Collective::new(5, 0, hyper(), move |r| {
+            let _ = tx.lock().unwrap().send(r);
+        }));
+        (c, rx)
+    }
+
+    #[test]
+    fn a_round_sums_in_member_order_and_every_member_gets_it() {
+        let (c, rx) = collective();
+        c.found(0, 1).unwrap();
+        for (m, _) in [(1usize, ()), (2, ())] {
+            c.lock().members.insert(m, 1);
+        }
+        let handles: Vec<_> = [(2usize, [3.0f32, 0.5]), (0, [1.0, 0.25]), (1, [2.0, 0.125])]
+            .into_iter()
+            .map(|(m, v)| {
+                let c = c.clone();
+                std::thread::spawn(move || {
+                    let r = c.contribute(m, 1, 5, contribution(&v, 1.5)).unwrap();
+                    (
+                        r.step,
+                        Vec::<f32>::try_from(&*r.grad).unwrap(),
+                        r.total_weight,
+                        r.contributors.clone(),
+                    )
+                })
+            })
+            .collect();
+        for h in handles {
+            let (step, grad, weight, who) = h.join().unwrap();
+            assert_eq!((step, weight, who), (5, 4.5, vec![0, 1, 2]));
+            assert_eq!(grad, vec![6.0, 0.875]);
+        }
+        let report = rx.recv().unwrap();
+        assert_eq!((report.step, report.samples_committed), (5, 6));
+        assert_eq!(c.waiting_for(), (6, vec![0, 1, 2]));
+    }
+
+    #[test]
+    fn a_member_removed_mid_round_is_dropped_and_stale_threads_are_refused() {
+        let (c, _rx) = collective();
+        c.found(0, 1).unwrap();
+        c.lock().members.insert(1, 1);
+        let c2 = c.clone();
+        let waiter = std::thread::spawn(move || {
+            c2.contribute(0, 1, 5, contribution(&[1.0], 1.0))
+                .unwrap()
+                .contributors
+                .clone()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(c.waiting_for(), (5, vec![1]));
+        c.remove(1, 1);
+        assert_eq!(waiter.join().unwrap(), vec![0]);
+        assert_eq!(
+            c.contribute(1, 1, 6, contribution(&[1.0], 1.0)).err(),
+            Some(CollectiveError::Removed)
+        );
+    }
+
+    #[test]
+    fn a_joiner_receives_the_donor_state_and_joins_the_next_round() {
+        let (c, _rx) = collective();
+        c.found(0, 1).unwrap();
+        let donor = [
+            Tensor::from_slice(&[1.0f32, 2.0]),
+            Tensor::from_slice(&[0.1f32, 0.2]),
+            Tensor::from_slice(&[0.01f32, 0.02]),
+        ];
+        let buffers = JoinBuffers {
+            master: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            exp_avg: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            exp_avg_sq: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+        };
+        let (m, v) = (
+            buffers.master.shallow_clone(),
+            buffers.exp_avg_sq.shallow_clone(),
+        );
+        let c2 = c.clone();
+        let joiner = std::thread::spawn(move || c2.join(3, 7, buffers).unwrap());
+        while !c.has_joiners() {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            c.serve_joiners(0, 1, [&donor[0], &donor[1], &donor[2]], 9)
+                .unwrap(),
+            1
+        );
+        assert_eq!(
+            joiner.join().unwrap(),
+            JoinInfo {
+                step: 5,
+                optimizer_steps: 9
+            }
+        );
+        assert!(m.equal(&donor[0]) && v.equal(&donor[2]));
+        assert_eq!(c.members(), vec![0, 3]);
+        // Only the lowest-id member serves; a removed joiner stops waiting.
+        let c3 = c.clone();
+        let buffers = JoinBuffers {
+            master: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            exp_avg: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            exp_avg_sq: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+        };
+        let late = std::thread::spawn(move || c3.join(4, 1, buffers));
+        while !c.has_joiners() {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            c.serve_joiners(3, 7, [&donor[0], &donor[1], &donor[2]], 9)
+                .unwrap(),
+            0
+        );
+        c.remove(4, 1);
+        assert_eq!(late.join().unwrap(), Err(CollectiveError::Removed));
+    }
+}
