@@ -36,6 +36,16 @@ int dflash_set_device(int index, char* err, size_t len) {
   }
 }
 
+// The calling thread's current device index (-1 on failure).
+int dflash_current_device(char* err, size_t len) {
+  try {
+    return static_cast<int>(at::accelerator::getDeviceIndex());
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return -1;
+  }
+}
+
 int dflash_synchronize(int index, char* err, size_t len) {
   try {
     at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(index));

@@ -165,6 +165,7 @@ pub fn kind_name(kind: Kind) -> &'static str {
 unsafe extern "C" {
     fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
     fn dflash_memory_stats(index: c_int, out: *mut i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_new(index: c_int, err: *mut c_char, len: usize) -> *mut c_void;
@@ -203,13 +204,28 @@ fn cuda_index(device: Device) -> Option<c_int> {
     }
 }
 
-/// Makes `device` the calling thread's current device (a no-op for the CPU). Call it first in a compute thread.
+/// Makes `device` the calling thread's current device (a no-op for the CPU), then checks libtorch agrees. Call it
+/// first in a compute thread.
 pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
-    match cuda_index(device) {
-        // SAFETY: plain C call with a valid buffer.
-        Some(i) => call_shim(device, |e, n| unsafe { dflash_set_device(i, e, n) }),
-        None => Ok(()),
+    let Some(i) = cuda_index(device) else {
+        return Ok(());
+    };
+    // SAFETY: plain C calls with valid buffers.
+    call_shim(device, |e, n| unsafe { dflash_set_device(i, e, n) })?;
+    let mut current = -1;
+    call_shim(device, |e, n| {
+        current = unsafe { dflash_current_device(e, n) };
+        c_int::from(current < 0)
+    })?;
+    if current != i {
+        return Err(DeviceError::Runtime {
+            device,
+            message: format!(
+                "the thread was bound to cuda:{i} but its current device is cuda:{current}"
+            ),
+        });
     }
+    Ok(())
 }
 
 /// Waits for all work queued on `device` (a no-op for the CPU).

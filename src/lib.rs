@@ -10,6 +10,7 @@ pub mod model;
 pub mod ops;
 pub mod panic;
 pub mod profile;
+pub mod service;
 pub mod train;
 
 /// The first line of a libtorch error, without tch's prefix or the C++ backtrace libtorch appends.

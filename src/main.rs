@@ -45,16 +45,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a drafter as a long-running service: a supervisor, the target and one drafter per device [not yet
-    /// available]
+    /// Train a drafter as a long-running service: a supervisor, the target and one drafter per device
     #[command(
         long_about = "Train a drafter as a long-running service. A supervisor owns the target model and one \
-        drafter per configured device; a failed drafter restarts from the latest checkpoint while the others keep \
-        training. Serves /metrics, /status and /reload on the control port.\n\n\
-        Not available in this build yet: it lands with the serve-train work. Until then `dflash bench` runs the \
-        target model."
+        drafter per entry of drafters.devices, each computing on its own thread; steps are synchronous data \
+        parallel with a per-step quorum. A failed drafter restarts alone (with backoff and an intensity limit) from \
+        its live peers' state while the others keep training; no sample or optimizer state is lost. Checkpoints go \
+        to checkpoint.dir (atomic, verified, the newest kept); at the end the drafter is exported to \
+        checkpoint.dir/final in the published format.\n\n\
+        The control plane on control.listen serves GET /healthz and /status and POST /checkpoint (and POST \
+        /drafters/{id}/fault with control.fault_injection). SIGTERM or Ctrl-C finishes the current steps, \
+        checkpoints and exits 0; a second signal exits at once. Exit 75 asks an outside supervisor to restart with \
+        --resume auto (an error poisoned a device).\n\n\
+        The built-in default trains the tiny target on built-in sample data with two drafters:\n  dflash serve-train"
     )]
-    ServeTrain(Pending),
+    ServeTrain(ServeTrainArgs),
     /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template
     #[command(
         long_about = "Turn chat JSONL into token ids and loss masks with the target's own tokenizer and chat \
@@ -117,6 +122,28 @@ enum Command {
     Bench(cli::bench::BenchArgs),
 }
 
+#[derive(Args)]
+struct ServeTrainArgs {
+    /// `auto`: continue the newest valid checkpoint in checkpoint.dir (or start when there is none). Without it, a
+    /// checkpoint.dir that already holds checkpoints is refused.
+    #[arg(long, value_name = "auto")]
+    resume: Option<ResumeArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ResumeArg {
+    Auto,
+}
+
+fn serve_train(config: Config, args: ServeTrainArgs) -> Result<ExitCode> {
+    let resume = match args.resume {
+        Some(ResumeArg::Auto) => dflash::service::run::Resume::Auto,
+        None => dflash::service::run::Resume::No,
+    };
+    let code = dflash::service::run::serve_train(config, resume)?;
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
 /// Arguments of a subcommand that is not available yet; accepted so the message is about availability.
 #[derive(Args)]
 struct Pending {
@@ -142,7 +169,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Bench(args) => cli::bench::run(&config, args),
         Command::Eval(args) => cli::eval::run(&config, args),
-        Command::ServeTrain(_) => not_available("serve-train"),
+        Command::ServeTrain(args) => serve_train(config, args),
         Command::Prepare(args) => cli::data::run_prepare(args),
         Command::Inspect(args) => cli::data::run_inspect(args),
         Command::SampleData(args) => cli::data::run_sample_data(args),

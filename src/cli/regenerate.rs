@@ -1,4 +1,4 @@
-//! `dflash regenerate`: arguments, the built-in target as a responder, and printing.
+//! `dflash regenerate`: arguments and printing; the work is in `dflash::data::regenerate`.
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -6,18 +6,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use serde_json::Value;
 
 use dflash::config::{Config, TargetSource};
 use dflash::data::prepare::ModelAssets;
-use dflash::data::regenerate::{
-    Endpoint, RegenerateOptions, Responder, regenerate_endpoint, regenerate_with,
-};
+use dflash::data::regenerate::{Endpoint, RegenerateOptions, regenerate_endpoint, regenerate_with};
 use dflash::device::{DeviceSpec, DtypeSpec};
-use dflash::model::generate::{Sampling, generate};
-use dflash::model::{Depth, Target};
+use dflash::model::Depth;
+use dflash::model::generate::Sampling;
+use dflash::service::builtin_data::LocalResponder;
 
 #[derive(Args)]
 pub struct RegenerateArgs {
@@ -68,52 +64,6 @@ pub struct RegenerateArgs {
     dtype: Option<DtypeSpec>,
 }
 
-/// The built-in target answering as the chat template prompts it.
-struct LocalResponder {
-    target: Target,
-    assets: ModelAssets,
-    stop: Vec<i64>,
-    max_tokens: usize,
-    sampling: Sampling,
-    rng: ChaCha8Rng,
-}
-
-impl Responder for LocalResponder {
-    fn respond(
-        &mut self,
-        messages: &[Value],
-        tools: Option<&Value>,
-    ) -> Result<(String, Option<String>), String> {
-        let prompt = self
-            .assets
-            .template
-            .render(messages, tools, true)
-            .map_err(|e| e.to_string())?;
-        let ids: Vec<i64> = self
-            .assets
-            .tokenizer
-            .encode(&prompt)?
-            .ids
-            .iter()
-            .map(|&t| t as i64)
-            .collect();
-        let mut out = generate(
-            &self.target,
-            &ids,
-            self.max_tokens,
-            &self.stop,
-            self.sampling,
-            &mut self.rng,
-        )
-        .map_err(|e| e.to_string())?;
-        if out.last().is_some_and(|t| self.stop.contains(t)) {
-            out.pop();
-        }
-        let tokens: Vec<u32> = out.iter().map(|&t| t as u32).collect();
-        Ok((self.assets.tokenizer.decode(&tokens)?, None))
-    }
-}
-
 pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!("--temperature {}: expected a number >= 0", args.temperature);
@@ -149,24 +99,18 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
             let assets = ModelAssets::resolve(&args.model, &kwargs)?;
             // Any layer id works as a tap here; decoding runs the whole stack.
             let target = source.build_target(&[0], Depth::Full, device, kind)?;
-            let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
-            for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
-                if let Some(id) = assets.tokenizer.token_id(marker) {
-                    stop.push(id as i64);
-                }
-            }
-            let mut responder = LocalResponder {
+            let sampling = if args.temperature == 0.0 {
+                Sampling::Greedy
+            } else {
+                Sampling::Temperature(args.temperature)
+            };
+            let mut responder = LocalResponder::new(
                 target,
                 assets,
-                stop,
-                max_tokens: args.max_tokens as usize,
-                sampling: if args.temperature == 0.0 {
-                    Sampling::Greedy
-                } else {
-                    Sampling::Temperature(args.temperature)
-                },
-                rng: ChaCha8Rng::seed_from_u64(args.seed),
-            };
+                args.max_tokens as usize,
+                sampling,
+                args.seed,
+            );
             dflash::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??
         }
     };

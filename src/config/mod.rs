@@ -441,11 +441,12 @@ pub fn lookup<'a>(tree: &'a serde_json::Value, key: &str) -> Option<&'a serde_js
 pub fn changed_keys(
     old: &serde_json::Value,
     new: &serde_json::Value,
-    keys: &[&str],
+    keys: &[impl AsRef<str>],
 ) -> Vec<String> {
     keys.iter()
+        .map(AsRef::as_ref)
         .filter(|k| lookup(old, k) != lookup(new, k))
-        .map(|k| k.to_string())
+        .map(str::to_string)
         .collect()
 }
 

@@ -93,6 +93,23 @@ impl Loader {
         self.epoch
     }
 
+    /// The epoch of the batch `next_batch` would hand out (an owed batch's, or a new one's).
+    pub fn next_epoch(&self) -> Option<u64> {
+        if self.lengths.is_empty() {
+            return None;
+        }
+        Some(match self.requeued.front() {
+            Some(id) => id.epoch,
+            None if self.next_ordinal as usize >= self.batches_per_epoch() => self.epoch + 1,
+            None => self.epoch,
+        })
+    }
+
+    /// Samples per epoch.
+    pub fn samples(&self) -> usize {
+        self.lengths.len()
+    }
+
     /// The order of one epoch: deterministic from the seed and the epoch.
     fn plan(&mut self, epoch: u64) -> &Vec<Vec<usize>> {
         let (lengths, s) = (&self.lengths, self.settings);

@@ -2,6 +2,7 @@
 //! consume them.
 pub mod builtin;
 pub mod chat;
+pub mod dataset;
 pub mod loader;
 pub mod prepare;
 pub mod regenerate;

@@ -129,6 +129,11 @@ impl Drafter {
         })
     }
 
+    /// A drafter with all-zero weights (to be filled by a copy from a peer).
+    pub fn zeroed(cfg: DrafterConfig, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        Self::empty(cfg, device, kind)
+    }
+
     /// Published tensor names and shapes of a drafter of `cfg`, in file order (no weights are allocated).
     pub fn tensor_shapes(cfg: &DrafterConfig) -> Vec<(String, Vec<i64>)> {
         layout(cfg).0.named_shapes()

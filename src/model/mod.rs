@@ -10,6 +10,7 @@ pub mod generate;
 pub mod init;
 pub mod layers;
 pub mod presets;
+pub mod shared;
 pub mod target;
 pub mod weights;
 

@@ -19,6 +19,7 @@ use tch::Tensor;
 
 use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
+use crate::model::shared::SharedTensor;
 use crate::ops::AdamwStep;
 use crate::train::objective::Metrics;
 use crate::train::optim::LrSchedule;
@@ -61,20 +62,6 @@ impl Hyper {
             },
             grad_clip: self.grad_clip,
         }
-    }
-}
-
-/// A tensor handle that several threads read but none writes (the summed gradient of a round).
-pub struct SharedTensor(Tensor);
-
-// SAFETY: the wrapped tensor is created by the reducing thread and only read afterwards (copied from); libtorch
-// tensor handles are reference-counted atomically, and concurrent reads of one storage are safe.
-unsafe impl Sync for SharedTensor {}
-
-impl std::ops::Deref for SharedTensor {
-    type Target = Tensor;
-    fn deref(&self) -> &Tensor {
-        &self.0
     }
 }
 
@@ -286,15 +273,9 @@ impl Collective {
         }
     }
 
-    /// Asks to join: blocks until a member has copied its state into `buffers`, or this request is removed.
-    pub fn join(
-        &self,
-        id: MemberId,
-        generation: u64,
-        buffers: JoinBuffers,
-    ) -> Result<JoinInfo, CollectiveError> {
-        let mut s = self.lock();
-        s.joiners.insert(
+    /// Asks to join: registers `buffers` for a live member to fill. Then [`Collective::wait_joined`].
+    pub fn request_join(&self, id: MemberId, generation: u64, buffers: JoinBuffers) {
+        self.lock().joiners.insert(
             id,
             Joiner {
                 generation,
@@ -302,6 +283,11 @@ impl Collective {
                 done: None,
             },
         );
+    }
+
+    /// Blocks until a member has copied its state into the buffers of this join request, or the request is removed.
+    pub fn wait_joined(&self, id: MemberId, generation: u64) -> Result<JoinInfo, CollectiveError> {
+        let mut s = self.lock();
         loop {
             match s.joiners.get(&id) {
                 Some(j) if j.generation == generation => {
@@ -314,6 +300,17 @@ impl Collective {
             }
             s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// [`Collective::request_join`] then [`Collective::wait_joined`].
+    pub fn join(
+        &self,
+        id: MemberId,
+        generation: u64,
+        buffers: JoinBuffers,
+    ) -> Result<JoinInfo, CollectiveError> {
+        self.request_join(id, generation, buffers);
+        self.wait_joined(id, generation)
     }
 
     /// Whether anyone waits to join.
@@ -394,7 +391,7 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
     s.round += 1;
     let result = Arc::new(RoundResult {
         step,
-        grad: SharedTensor(grad.expect("a complete round has a contribution")),
+        grad: SharedTensor::new(grad.expect("a complete round has a contribution")),
         total_weight,
         update,
         contributors: contributions.keys().copied().collect(),

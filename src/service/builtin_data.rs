@@ -1,0 +1,189 @@
+//! The data a run starts from: a prepared folder, synthetic rows, or the built-in conversations answered by the
+//! target itself (`data.path = "builtin"`), generated, regenerated and prepared once into `data.cache_dir` (each
+//! stage resumable and idempotent, so later runs start at once).
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde_json::{Map, Value};
+use tch::{Device, Kind};
+
+use crate::config::{Config, DataSource, TargetSource};
+use crate::data::builtin::sample_conversations;
+use crate::data::dataset::{Dataset, SyntheticData};
+use crate::data::prepare::{ModelAssets, PrepareOptions, prepare};
+use crate::data::regenerate::{RegenerateOptions, Reply, Responder, regenerate_with};
+use crate::data::shards::PreparedSplit;
+use crate::model::generate::{Sampling, generate};
+use crate::model::{Depth, Target};
+
+/// The target answering as the chat template prompts it (`regenerate --local`, built-in data).
+pub struct LocalResponder {
+    pub target: Target,
+    pub assets: ModelAssets,
+    pub stop: Vec<i64>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub rng: ChaCha8Rng,
+}
+
+impl LocalResponder {
+    /// Stops at the target's EOS ids and the template's end-of-turn tokens.
+    pub fn new(
+        target: Target,
+        assets: ModelAssets,
+        max_tokens: usize,
+        sampling: Sampling,
+        seed: u64,
+    ) -> Self {
+        let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
+        for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
+            if let Some(id) = assets.tokenizer.token_id(marker) {
+                stop.push(id as i64);
+            }
+        }
+        LocalResponder {
+            target,
+            assets,
+            stop,
+            max_tokens,
+            sampling,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+}
+
+impl Responder for LocalResponder {
+    fn respond(&mut self, messages: &[Value], tools: Option<&Value>) -> Result<Reply, String> {
+        let prompt = self
+            .assets
+            .template
+            .render(messages, tools, true)
+            .map_err(|e| e.to_string())?;
+        let ids: Vec<i64> = self
+            .assets
+            .tokenizer
+            .encode(&prompt)?
+            .ids
+            .iter()
+            .map(|&t| t as i64)
+            .collect();
+        let mut out = generate(
+            &self.target,
+            &ids,
+            self.max_tokens,
+            &self.stop,
+            self.sampling,
+            &mut self.rng,
+        )
+        .map_err(|e| e.to_string())?;
+        if out.last().is_some_and(|t| self.stop.contains(t)) {
+            out.pop();
+        }
+        let tokens: Vec<u32> = out.iter().map(|&t| t as u32).collect();
+        Ok((self.assets.tokenizer.decode(&tokens)?, None))
+    }
+}
+
+/// The training samples the configuration names.
+pub fn dataset(
+    config: &Config,
+    vocab_size: usize,
+    device: Device,
+    kind: Kind,
+) -> Result<Arc<dyn Dataset>> {
+    let d = &config.data;
+    let data: Arc<dyn Dataset> = match &d.source {
+        DataSource::Prepared(dir) => Arc::new(
+            PreparedSplit::open(dir, "train", false)
+                .with_context(|| format!("data.path = {}", dir.display()))?,
+        ),
+        DataSource::Synthetic => Arc::new(SyntheticData::new(
+            d.builtin_conversations,
+            d.max_len,
+            vocab_size,
+            config.objective.seed,
+        )),
+        DataSource::Builtin => Arc::new(builtin(config, device, kind)?),
+    };
+    if data.is_empty() {
+        bail!("data.path: the training split holds no sample");
+    }
+    Ok(data)
+}
+
+fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit> {
+    let model = match &config.target.source {
+        TargetSource::Preset(p) if p.name() == "tiny" => "tiny".to_string(),
+        TargetSource::Folder(dir) => dir.display().to_string(),
+        TargetSource::Preset(p) => bail!(
+            "data.path = \"builtin\" needs a tokenizer: target.model = tiny or a model folder, not the {p} preset; \
+             use data.path = \"synthetic\" to benchmark presets"
+        ),
+    };
+    let d = &config.data;
+    let dir = &d.cache_dir;
+    std::fs::create_dir_all(dir).with_context(|| format!("data.cache_dir = {}", dir.display()))?;
+    let conversations = dir.join("conversations.jsonl");
+    if !conversations.exists() {
+        let text: String = sample_conversations(d.builtin_conversations, config.objective.seed)
+            .iter()
+            .map(|c| format!("{c}\n"))
+            .collect();
+        let tmp = dir.join(".conversations.jsonl.tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, &conversations)?;
+    }
+    let assets = ModelAssets::resolve(&model, &Map::new())?;
+    let regenerated = dir.join("regenerated.jsonl");
+    let done_marker = dir.join(".regenerated.done");
+    if !done_marker.exists() {
+        tracing::info!(
+            conversations = d.builtin_conversations,
+            "built-in data: the target answers the sample conversations (once)"
+        );
+        let target = config
+            .target
+            .source
+            .build_target(&[0], Depth::Full, device, kind)?;
+        let mut responder = LocalResponder::new(
+            target,
+            ModelAssets::resolve(&model, &Map::new())?,
+            d.builtin_max_new_tokens,
+            Sampling::Greedy,
+            0,
+        );
+        let opts = RegenerateOptions {
+            input: conversations.clone(),
+            out: regenerated.clone(),
+            max_tokens: d.builtin_max_new_tokens as u32,
+            temperature: 0.0,
+            template_kwargs: Map::new(),
+            progress: false,
+        };
+        let report = crate::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??;
+        if report.failed > 0 {
+            bail!(
+                "built-in data: {} conversations could not be regenerated",
+                report.failed
+            );
+        }
+        std::fs::write(&done_marker, "")?;
+    }
+    let prepared = dir.join("prepared");
+    let opts = PrepareOptions {
+        inputs: vec![regenerated],
+        out: prepared.clone(),
+        max_len: d.max_len,
+        block_size: config.draft_model.block_size,
+        holdout: 0.0,
+        seed: config.objective.seed,
+        template_kwargs: Map::new(),
+        strict: false,
+        progress: false,
+    };
+    prepare(&assets, &opts)?;
+    Ok(PreparedSplit::open(Path::new(&prepared), "train", false)?)
+}

@@ -1,0 +1,112 @@
+//! The control plane: one HTTP port (`control.listen`) for operators and tests. `GET /healthz`, `GET /status`,
+//! `POST /checkpoint`, and with `control.fault_injection = true`, `POST /drafters/{id}/fault`.
+use std::net::SocketAddr;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use ractor::rpc::CallResult;
+use ractor::{ActorRef, RpcReplyPort};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::failure::FaultKind;
+use super::messages::SupervisorMsg;
+
+const TIMEOUT_MS: u64 = 5000;
+
+#[derive(Deserialize)]
+struct FaultRequest {
+    kind: FaultKind,
+}
+
+/// Asks the supervisor and waits (bounded) for its answer.
+async fn ask<T: Send + 'static>(
+    sup: &ActorRef<SupervisorMsg>,
+    build: impl FnOnce(RpcReplyPort<T>) -> SupervisorMsg,
+) -> Result<T, String> {
+    match sup
+        .call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS)))
+        .await
+    {
+        Ok(CallResult::Success(v)) => Ok(v),
+        Ok(CallResult::Timeout) => Err("timed out".into()),
+        Ok(CallResult::SenderError) => Err("no reply".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"error": format!("the supervisor did not answer: {e}")})),
+    )
+        .into_response()
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn status(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+    match ask(&sup, SupervisorMsg::Status).await {
+        Ok(s) => Json(s).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn checkpoint(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+    match ask(&sup, SupervisorMsg::CheckpointNow).await {
+        Ok(Ok(step)) => (
+            StatusCode::ACCEPTED,
+            Json(json!({"requested": true, "step": step})),
+        )
+            .into_response(),
+        Ok(Err(e)) => (StatusCode::CONFLICT, Json(json!({"error": e}))).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
+async fn fault(
+    State(sup): State<ActorRef<SupervisorMsg>>,
+    Path(id): Path<usize>,
+    Json(req): Json<FaultRequest>,
+) -> Response {
+    match ask(&sup, |reply| SupervisorMsg::Fault {
+        id,
+        kind: req.kind,
+        reply,
+    })
+    .await
+    {
+        Ok(Ok(())) => Json(json!({"injected": req.kind, "drafter": id})).into_response(),
+        Ok(Err(e)) if e.contains("is off") => {
+            (StatusCode::FORBIDDEN, Json(json!({"error": e}))).into_response()
+        }
+        Ok(Err(e)) => (StatusCode::NOT_FOUND, Json(json!({"error": e}))).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// Serves the control plane on `addr` until the process ends.
+pub async fn serve(
+    addr: SocketAddr,
+    supervisor: ActorRef<SupervisorMsg>,
+) -> std::io::Result<SocketAddr> {
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/status", get(status))
+        .route("/checkpoint", post(checkpoint))
+        .route("/drafters/{id}/fault", post(fault))
+        .with_state(supervisor);
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("control plane stopped: {e}");
+        }
+    });
+    Ok(bound)
+}

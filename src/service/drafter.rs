@@ -1,0 +1,350 @@
+//! A drafter: a thin actor around a dedicated compute thread. The thread binds its device first, builds the model
+//! and optimizer inside itself, warms up, reports Ready, joins the collective (copying a live peer's state, or
+//! founding it from the seed or a checkpoint), then trains: each step takes its micro-batches from a bounded
+//! channel, runs forward and backward, contributes to the step's round and applies the round's update. Its loop
+//! runs inside `catch_unwind`; a panic or error is reported to the actor, which fails so the supervisor sees it.
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tch::{Device, Kind, Tensor};
+
+use super::failure::{Failure, FailureKind, FaultKind};
+use super::messages::{Heads, SupervisorMsg, ThreadMsg, Work};
+use crate::data::loader::BatchId;
+use crate::device;
+use crate::model::{Drafter, DrafterConfig, Init};
+use crate::panic::{Panicked, catch_torch};
+use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
+use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers};
+use crate::train::objective::{Metrics, ObjectiveSettings};
+use crate::train::{AdamW, FeatureBatch, Trainer};
+
+/// What one drafter shares with the supervisor across its restarts.
+#[derive(Default)]
+pub struct DrafterShared {
+    /// A fault to inject at its next step.
+    pub fault: Mutex<Option<FaultKind>>,
+    /// What its current thread is doing.
+    pub phase: Mutex<Phase>,
+    /// Threads of this generation or older are abandoned: they stop quietly if they ever wake.
+    pub abandoned: AtomicU64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub enum Phase {
+    #[default]
+    Idle,
+    Computing {
+        generation: u64,
+        since: Instant,
+        batches: Vec<BatchId>,
+    },
+}
+
+/// Where a drafter's first state comes from.
+pub enum Start {
+    /// The first member: fresh weights, or a checkpoint folder.
+    Found(Option<PathBuf>),
+    /// Copy a live peer's state.
+    Join,
+}
+
+/// Everything a drafter thread needs.
+pub struct DrafterSpawn {
+    pub id: usize,
+    pub generation: u64,
+    pub device: Device,
+    pub kind: Kind,
+    pub config: DrafterConfig,
+    pub objective: ObjectiveSettings,
+    pub seed: u64,
+    pub accumulation: usize,
+    pub start: Start,
+    pub heads: Arc<Heads>,
+    pub collective: Arc<Collective>,
+    pub supervisor: ActorRef<SupervisorMsg>,
+    pub input: Receiver<Work>,
+    pub shared: Arc<DrafterShared>,
+}
+
+/// The drafter actor: owns nothing but its thread's report.
+pub struct DrafterActor;
+
+/// The actor's failure, carrying the thread's.
+#[derive(Debug)]
+pub struct ThreadFailure(pub Failure);
+
+impl std::fmt::Display for ThreadFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ThreadFailure {}
+
+impl Actor for DrafterActor {
+    type Msg = ThreadMsg;
+    type State = ();
+    type Arguments = DrafterSpawn;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<ThreadMsg>,
+        args: DrafterSpawn,
+    ) -> Result<(), ActorProcessingErr> {
+        let name = format!("drafter-{}", args.id);
+        std::thread::Builder::new().name(name).spawn(move || {
+            let outcome = match catch_torch(|| run(args)) {
+                Ok(result) => result,
+                Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
+                Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
+            };
+            if let Err(failure) = outcome {
+                let _ = myself.send_message(ThreadMsg::Died(failure));
+            }
+        })?;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<ThreadMsg>,
+        msg: ThreadMsg,
+        _: &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
+        }
+    }
+}
+
+fn torch(e: impl std::fmt::Display) -> Failure {
+    Failure::from_torch(&e.to_string())
+}
+
+/// A small synthetic micro-batch through forward and backward: kernels chosen and memory allocated before Ready.
+fn warm_up(trainer: &mut Trainer) -> Result<(), Failure> {
+    let bs = trainer.objective.block_size;
+    let len = 2 * bs + 2;
+    let d = trainer.drafter.config();
+    let batch = FeatureBatch {
+        sample_ids: vec![u64::MAX],
+        epoch: 0,
+        input_ids: vec![vec![0; len]],
+        loss_mask: vec![vec![1; len]],
+        target_hidden: Tensor::f_zeros(
+            [1, len as i64, d.context_width() as i64],
+            (trainer.drafter.kind(), trainer.drafter.device()),
+        )
+        .map_err(torch)?,
+    };
+    trainer.accumulate(&batch).map_err(torch)?;
+    trainer.drafter.params_mut().zero_grad();
+    device::synchronize(trainer.drafter.device()).map_err(torch)
+}
+
+fn state_tensors(trainer: &Trainer) -> [&Tensor; 3] {
+    let [m, v, _] = trainer.optimizer.state_tensors();
+    [&trainer.drafter.params().master, m, v]
+}
+
+/// The compute thread. `Ok(())` means it was told to stop or was removed.
+fn run(a: DrafterSpawn) -> Result<(), Failure> {
+    device::bind_thread(a.device).map_err(torch)?;
+    let drafter = match &a.start {
+        Start::Found(Some(ckpt)) => Drafter::load(&ckpt.join(DRAFTER_DIR), a.device, a.kind),
+        Start::Found(None) => {
+            let init = if a.device == Device::Cpu {
+                Init::Portable(a.seed)
+            } else {
+                Init::Device(a.seed)
+            };
+            Drafter::new(a.config.clone(), a.device, a.kind, init)
+        }
+        Start::Join => Drafter::zeroed(a.config.clone(), a.device, a.kind),
+    }
+    .map_err(torch)?;
+    let embed = a
+        .heads
+        .embed
+        .f_to_device(a.device)
+        .and_then(|t| t.f_to_kind(a.kind))
+        .map_err(torch)?;
+    let lm_head = a
+        .heads
+        .lm_head
+        .f_to_device(a.device)
+        .and_then(|t| t.f_to_kind(a.kind))
+        .map_err(torch)?;
+    let mut trainer =
+        Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
+    if let Start::Found(Some(ckpt)) = &a.start {
+        trainer.optimizer = AdamW::load(
+            ckpt,
+            OPTIMIZER_FILE,
+            trainer.drafter.params().layout(),
+            a.device,
+        )
+        .map_err(torch)?;
+    }
+    warm_up(&mut trainer)?;
+    if let Start::Join = a.start {
+        // Registered before Ready, so the donor the supervisor asks finds the request.
+        let [master, m, v] = state_tensors(&trainer).map(Tensor::shallow_clone);
+        a.collective.request_join(
+            a.id,
+            a.generation,
+            JoinBuffers {
+                master,
+                exp_avg: m,
+                exp_avg_sq: v,
+            },
+        );
+    }
+    let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady {
+        id: a.id,
+        generation: a.generation,
+    });
+    let joined = match a.start {
+        Start::Found(_) => a
+            .collective
+            .found(a.id, a.generation)
+            .map(|step| (step, None)),
+        Start::Join => a
+            .collective
+            .wait_joined(a.id, a.generation)
+            .map(|info| (info.step, Some(info.optimizer_steps))),
+    };
+    let mut step = match joined {
+        Ok((step, steps)) => {
+            if let Some(n) = steps {
+                trainer.optimizer.set_steps(n).map_err(torch)?;
+            }
+            step
+        }
+        Err(CollectiveError::Removed) => return Ok(()),
+        Err(e) => return Err(torch(e)),
+    };
+    let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined {
+        id: a.id,
+        generation: a.generation,
+        step,
+    });
+    loop {
+        let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
+        let mut taken = 0;
+        while taken < a.accumulation {
+            match a.input.recv() {
+                Ok(Work::Features { batch, features }) => {
+                    items.push((batch, features));
+                    taken += 1;
+                }
+                Ok(Work::Empty) => taken += 1,
+                Ok(Work::ServeJoiners) => serve(&a, &trainer)?,
+                Ok(Work::Checkpoint) => {
+                    let snapshot = Snapshot::take(
+                        step,
+                        trainer.drafter.config(),
+                        trainer.drafter.params().layout(),
+                        state_tensors(&trainer),
+                        trainer.optimizer.steps(),
+                    )
+                    .map_err(torch)?;
+                    let _ = a.supervisor.send_message(SupervisorMsg::Snapshot {
+                        id: a.id,
+                        generation: a.generation,
+                        snapshot: Box::new(snapshot),
+                    });
+                }
+                Ok(Work::Stop) | Err(_) => return Ok(()),
+            }
+        }
+        let batches: Vec<BatchId> = items.iter().map(|(b, _)| *b).collect();
+        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Computing {
+            generation: a.generation,
+            since: Instant::now(),
+            batches: batches.clone(),
+        };
+        if let Some(fault) = a
+            .shared
+            .fault
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            match fault {
+                FaultKind::Panic => panic!("injected panic (fault injection) in drafter {}", a.id),
+                FaultKind::Error => {
+                    return Err(Failure {
+                        kind: FailureKind::Injected,
+                        message: format!("injected error (fault injection) in drafter {}", a.id),
+                    });
+                }
+                FaultKind::Hang => loop {
+                    std::thread::sleep(Duration::from_millis(20));
+                    if a.shared.abandoned.load(Ordering::SeqCst) >= a.generation {
+                        return Ok(());
+                    }
+                },
+                // Applied by the supervisor to the checkpointer directly.
+                FaultKind::CheckpointStall => {}
+            }
+        }
+        let mut metrics = Metrics::default();
+        let mut samples = 0;
+        for (_, features) in &items {
+            metrics.add(&trainer.accumulate(features).map_err(torch)?);
+            samples += features.input_ids.len() as u64;
+        }
+        let own = trainer.drafter.params().grad.shallow_clone();
+        let contribution = Contribution {
+            grad: own.shallow_clone(),
+            weight: metrics.weight,
+            samples,
+            batches,
+            metrics,
+        };
+        let result = match a
+            .collective
+            .contribute(a.id, a.generation, step, contribution)
+        {
+            Ok(r) => r,
+            Err(CollectiveError::Removed) => return Ok(()),
+            Err(e) => return Err(torch(e)),
+        };
+        if result.grad.data_ptr() != own.data_ptr() {
+            let mut dst = own.shallow_clone();
+            dst.f_copy_(&result.grad).map_err(torch)?;
+        }
+        let report = trainer
+            .apply(result.total_weight, &result.update)
+            .map_err(torch)?;
+        step = result.step + 1;
+        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
+        let _ = a.supervisor.send_message(SupervisorMsg::StepDone {
+            id: a.id,
+            generation: a.generation,
+            step,
+            report,
+        });
+        if a.collective.has_joiners() {
+            serve(&a, &trainer)?;
+        }
+    }
+}
+
+fn serve(a: &DrafterSpawn, trainer: &Trainer) -> Result<(), Failure> {
+    match a.collective.serve_joiners(
+        a.id,
+        a.generation,
+        state_tensors(trainer),
+        trainer.optimizer.steps(),
+    ) {
+        Ok(_) | Err(CollectiveError::Removed) => Ok(()),
+        Err(e) => Err(torch(e)),
+    }
+}

@@ -1,0 +1,132 @@
+//! The messages between the supervisor, the target and drafter actors and their compute threads, and the status
+//! the control plane reports.
+use std::sync::Arc;
+
+use ractor::RpcReplyPort;
+use serde::Serialize;
+
+use super::failure::{Failure, FaultKind};
+use crate::data::loader::BatchId;
+use crate::model::shared::SharedTensor;
+use crate::train::FeatureBatch;
+use crate::train::checkpoint::{Snapshot, Written};
+use crate::train::collective::RoundReport;
+use crate::train::step::UpdateReport;
+
+/// What a drafter's compute thread receives, in order.
+pub enum Work {
+    /// One micro-batch of its next step.
+    Features {
+        batch: BatchId,
+        features: Box<FeatureBatch>,
+    },
+    /// No batch for one micro-batch of its next step (the data ran out): it contributes nothing.
+    Empty,
+    /// Copy this replica's state into waiting joiners (at its next step boundary).
+    ServeJoiners,
+    /// Snapshot the state for a checkpoint (at its next step boundary).
+    Checkpoint,
+    Stop,
+}
+
+/// The target's frozen embedding and LM head, lent to the drafters.
+pub struct Heads {
+    pub embed: SharedTensor,
+    pub lm_head: SharedTensor,
+}
+
+/// Messages of the supervisor actor.
+pub enum SupervisorMsg {
+    TargetReady {
+        generation: u64,
+        heads: Arc<Heads>,
+    },
+    /// The target delivered a batch's features to its drafter.
+    Delivered {
+        generation: u64,
+        batch: BatchId,
+    },
+    DrafterReady {
+        id: usize,
+        generation: u64,
+    },
+    /// The drafter has the peers' state; its first round is `step`.
+    DrafterJoined {
+        id: usize,
+        generation: u64,
+        step: u64,
+    },
+    StepDone {
+        id: usize,
+        generation: u64,
+        step: u64,
+        report: UpdateReport,
+    },
+    Snapshot {
+        id: usize,
+        generation: u64,
+        snapshot: Box<Snapshot>,
+    },
+    Round(RoundReport),
+    CheckpointWritten(Result<Written, String>),
+    RestartDrafter {
+        id: usize,
+    },
+    RestartTarget,
+    Tick,
+    Fault {
+        id: usize,
+        kind: FaultKind,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    CheckpointNow(RpcReplyPort<Result<u64, String>>),
+    Status(RpcReplyPort<Status>),
+    /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 0.
+    Shutdown,
+}
+
+/// A compute thread's end, reported to its actor (which then fails, so the supervisor sees it).
+pub enum ThreadMsg {
+    Died(Failure),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DrafterState {
+    Starting,
+    Live,
+    Restarting,
+    Joining,
+    Failed,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DrafterStatus {
+    pub id: usize,
+    pub device: String,
+    pub state: DrafterState,
+    pub step: u64,
+    pub restarts: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckpointStatus {
+    pub step: u64,
+    pub path: String,
+    pub age_s: f64,
+}
+
+/// `GET /status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub phase: String,
+    pub step: u64,
+    pub epoch: u64,
+    pub samples_committed: u64,
+    pub samples_requeued: u64,
+    pub batches_set_aside: u64,
+    pub skipped_steps: u64,
+    pub config_version: u64,
+    pub drafters: Vec<DrafterStatus>,
+    pub last_checkpoint: Option<CheckpointStatus>,
+}

@@ -1,0 +1,11 @@
+//! `dflash serve-train`: the long-running training service. A supervisor actor owns the target actor and one
+//! drafter actor per configured device (each drafter computing on its own thread), the loader, the collective and
+//! the checkpointer; an HTTP control plane reports status and takes commands.
+pub mod builtin_data;
+pub mod control;
+pub mod drafter;
+pub mod failure;
+pub mod messages;
+pub mod run;
+pub mod supervisor;
+pub mod target;

@@ -1,0 +1,204 @@
+//! Starting and ending the service: resolves devices, the drafter's shape and the data, checks a resumed
+//! checkpoint against the configuration, starts the supervisor, the control plane and the signal handlers, and
+//! returns the exit status the supervisor chose.
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result, bail};
+use ractor::Actor;
+use tch::{Device, Kind};
+
+use super::builtin_data::dataset;
+use super::messages::SupervisorMsg;
+use super::supervisor::{Supervisor, SupervisorArgs};
+use crate::config::{Config, NON_RELOADABLE, TargetSource, changed_keys};
+use crate::model::{DrafterConfig, TargetConfig};
+use crate::train::ObjectiveSettings;
+use crate::train::checkpoint::{TrainerState, newest_valid};
+
+/// How to treat existing checkpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Resume {
+    /// Start a new run (refused when `checkpoint.dir` already holds checkpoints).
+    No,
+    /// Continue the newest valid checkpoint in `checkpoint.dir` (or start if there is none).
+    Auto,
+}
+
+/// The drafter's configuration from `[draft_model]` and the target.
+pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> {
+    let target = match &config.target.source {
+        TargetSource::Preset(p) => p.spec().target,
+        TargetSource::Folder(dir) => TargetConfig::from_dir(dir)?,
+    };
+    let taps = config.target_layer_ids()?;
+    let mask = match (&config.target.source, config.draft_model.mask_token_id) {
+        (_, Some(m)) => m,
+        (TargetSource::Preset(p), None) => p.spec().mask_token_id,
+        (TargetSource::Folder(_), None) => {
+            bail!(
+                "draft_model.mask_token_id is required with a model folder (Qwen3: 151669), a token no text uses"
+            )
+        }
+    };
+    let dm = &config.draft_model;
+    let drafter = DrafterConfig::for_target(
+        &target,
+        dm.num_hidden_layers,
+        dm.intermediate_size,
+        dm.block_size,
+        taps,
+        mask,
+    )
+    .map_err(|e| anyhow::anyhow!("[draft_model]: {e}"))?;
+    Ok((target, drafter))
+}
+
+fn checkpoint_to_resume(
+    config: &Config,
+    resume: &Resume,
+) -> Result<Option<(PathBuf, TrainerState)>> {
+    let dir = &config.checkpoint.dir;
+    let (found, rejected) = newest_valid(dir);
+    for r in &rejected {
+        tracing::warn!("checkpoint rejected: {r}");
+    }
+    match (resume, found) {
+        (Resume::No, Some((path, state))) => bail!(
+            "checkpoint.dir {} already holds checkpoints (newest: step {} in {}): pass --resume auto to continue that \
+             run, or choose another checkpoint.dir",
+            dir.display(),
+            state.step,
+            path.display()
+        ),
+        (Resume::No, None) | (Resume::Auto, None) => {
+            if *resume == Resume::Auto {
+                tracing::info!(dir = %dir.display(), "no valid checkpoint to resume: starting a new run");
+            }
+            Ok(None)
+        }
+        (Resume::Auto, Some((path, state))) => {
+            let changed = changed_keys(&state.config, &config.merged, &NON_RELOADABLE);
+            if !changed.is_empty() {
+                bail!(
+                    "cannot resume {}: these settings differ from the run's and cannot change mid-run: {}. Restore \
+                     them, or start a new run in another checkpoint.dir",
+                    path.display(),
+                    changed.join(", ")
+                );
+            }
+            let others = changed_keys(
+                &state.config,
+                &config.merged,
+                &reloadable_keys(&config.merged),
+            );
+            if !others.is_empty() {
+                tracing::info!(keys = ?others, "resuming with settings changed since the checkpoint");
+            }
+            tracing::info!(step = state.step, path = %path.display(), "resuming");
+            Ok(Some((path, state)))
+        }
+    }
+}
+
+/// Every dotted key of a merged configuration except the non-reloadable ones.
+fn reloadable_keys(tree: &serde_json::Value) -> Vec<String> {
+    let sections = tree.as_object().into_iter().flatten();
+    sections
+        .flat_map(|(section, values)| {
+            values
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(move |(key, _)| format!("{section}.{key}"))
+        })
+        .filter(|k| !NON_RELOADABLE.contains(&k.as_str()))
+        .collect()
+}
+
+/// Runs the service until it ends; returns its exit status.
+pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
+    let target_device = config.target.device.resolve().context("target.device")?;
+    let target_kind = config.target.dtype.resolve(target_device);
+    let drafter_devices: Vec<(Device, Kind)> = config
+        .drafters
+        .devices
+        .iter()
+        .map(|d| {
+            let device = d.resolve().context("drafters.devices")?;
+            Ok((device, config.target.dtype.resolve(device)))
+        })
+        .collect::<Result<_>>()?;
+    let (target_cfg, drafter_cfg) = drafter_config(&config)?;
+    let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
+    let objective = ObjectiveSettings::new(
+        config.objective.num_anchors,
+        drafter_cfg.block_size,
+        gamma,
+        drafter_cfg.mask_token_id,
+    );
+    let resume = checkpoint_to_resume(&config, &resume)?;
+    let data = dataset(&config, target_cfg.vocab_size, target_device, target_kind)?;
+    let exit_code = Arc::new(Mutex::new(None));
+    let args = SupervisorArgs {
+        taps: drafter_cfg.target_layer_ids.clone(),
+        drafter_config: drafter_cfg,
+        objective,
+        target_source: config.target.source.clone(),
+        target_device: (target_device, target_kind),
+        drafter_devices,
+        dataset: data,
+        resume,
+        exit_code: exit_code.clone(),
+        config,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("dflash-control")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listen = args.config.control.listen;
+        let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
+            .await
+            .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
+        if let Some(addr) = listen {
+            let bound = super::control::serve(addr, supervisor.clone())
+                .await
+                .with_context(|| format!("control.listen = {addr}: cannot listen (in use? set another address or \"off\")"))?;
+            tracing::info!(address = %bound, "control plane: GET /healthz /status, POST /checkpoint");
+        }
+        let sup = supervisor.clone();
+        tokio::spawn(async move {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("cannot watch SIGTERM: {e}");
+                    return;
+                }
+            };
+            let mut signals = 0;
+            loop {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                signals += 1;
+                if signals > 1 {
+                    tracing::warn!("second signal: exiting now");
+                    std::process::exit(130);
+                }
+                let _ = sup.send_message(SupervisorMsg::Shutdown);
+            }
+        });
+        let _ = handle.await;
+        Ok::<(), anyhow::Error>(())
+    })?;
+    let code = exit_code
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .unwrap_or(1);
+    runtime.shutdown_background();
+    Ok(code)
+}

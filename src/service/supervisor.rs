@@ -1,0 +1,1183 @@
+//! The supervisor: owns the target actor and one drafter actor per configured device, the loader and its ledger,
+//! the collective, the checkpointer and the run's progress.
+//!
+//! Steps are assigned ahead (`prefetch_steps`): for each step every live drafter gets `accumulation` micro-batches
+//! (or `Empty` when the data ran out), sent through the target, which captures their features. A step is committed
+//! when its round completes: the contributors' batches are consumed; a drafter that fails has its uncontributed
+//! batches requeued. A failed drafter is restarted alone with backoff and an intensity limit, on a new thread that
+//! copies a live peer's state; with no live peer the run rewinds to the newest valid checkpoint. Hung threads are
+//! abandoned, never joined. Errors that poison a device end the service with a checkpoint and exit code 75.
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::mpsc::{SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tch::{Device, Kind};
+
+use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start, ThreadFailure};
+use super::failure::{Failure, FailureKind, FaultKind};
+use super::messages::{
+    CheckpointStatus, DrafterState, DrafterStatus, Heads, Status, SupervisorMsg, ThreadMsg, Work,
+};
+use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};
+use crate::config::{Config, TargetSource};
+use crate::data::dataset::Dataset;
+use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
+use crate::device::{self, device_name};
+use crate::model::{Drafter, DrafterConfig};
+use crate::train::checkpoint::{
+    Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid,
+};
+use crate::train::collective::{Collective, Hyper, RoundReport};
+use crate::train::objective::{Metrics, ObjectiveSettings};
+use crate::train::optim::LrSchedule;
+
+/// Exit status asking an outside supervisor (systemd, Kubernetes) to restart with `--resume auto`.
+pub const EXIT_RESTART: i32 = 75;
+
+pub struct SupervisorArgs {
+    pub config: Config,
+    pub drafter_config: DrafterConfig,
+    pub objective: ObjectiveSettings,
+    pub target_source: TargetSource,
+    pub taps: Vec<usize>,
+    pub target_device: (Device, Kind),
+    pub drafter_devices: Vec<(Device, Kind)>,
+    pub dataset: Arc<dyn Dataset>,
+    pub resume: Option<(PathBuf, TrainerState)>,
+    pub exit_code: Arc<Mutex<Option<i32>>>,
+}
+
+struct Slot {
+    id: usize,
+    device: Device,
+    kind: Kind,
+    state: DrafterState,
+    generation: u64,
+    actor: Option<ActorRef<ThreadMsg>>,
+    input: Option<SyncSender<Work>>,
+    restarts: VecDeque<Instant>,
+    total_restarts: u64,
+    step: u64,
+    shared: Arc<DrafterShared>,
+    /// Steps from which it is a member (after joining).
+    member_from: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase0 {
+    StartingTarget,
+    StartingDrafters,
+    Running,
+    /// Finishing: waiting for a checkpoint, then exiting with this code.
+    Stopping(i32),
+}
+
+struct Ending {
+    code: i32,
+    export: bool,
+}
+
+pub struct Sup {
+    a: SupervisorArgs,
+    myself: ActorRef<SupervisorMsg>,
+    phase: Phase0,
+    routes: Arc<Routes>,
+    collective: Arc<Collective>,
+    checkpointer: Checkpointer,
+    loader: Loader,
+    loader_settings: LoaderSettings,
+    lengths: Vec<usize>,
+    heads: Option<Arc<Heads>>,
+    target: Option<(ActorRef<ThreadMsg>, SyncSender<TargetWork>)>,
+    target_generation: u64,
+    /// Requests sent to the target not yet reported delivered, in order.
+    undelivered: VecDeque<(TargetWork, BatchId)>,
+    slots: Vec<Slot>,
+    /// step -> drafter -> its micro-batches (None: Empty)
+    assigned: BTreeMap<u64, BTreeMap<usize, Vec<Option<BatchId>>>>,
+    batches: HashMap<BatchId, Batch>,
+    next_step: u64,
+    committed_step: u64,
+    samples_committed: u64,
+    samples_requeued: u64,
+    skipped_steps: u64,
+    failures_per_batch: HashMap<BatchId, u32>,
+    set_aside: Vec<BatchId>,
+    /// Trainer states at recent step boundaries, for pairing with snapshots.
+    states: BTreeMap<u64, TrainerState>,
+    pending_snapshots: BTreeMap<u64, Snapshot>,
+    checkpoint_in_flight: bool,
+    last_checkpoint: Option<(Written, Instant)>,
+    last_checkpoint_request: Instant,
+    ending: Option<Ending>,
+    gpu_hangs: HashMap<Device, usize>,
+    window: Metrics,
+    window_samples: u64,
+    window_started: Instant,
+    last_lr: f64,
+}
+
+fn hyper(cfg: &Config, total_samples: u64) -> Hyper {
+    let o = &cfg.optim;
+    Hyper {
+        schedule: LrSchedule {
+            kind: o.schedule,
+            lr: o.lr,
+            warmup_steps: (o.warmup_ratio * total_samples as f64).round() as u64,
+            total_steps: total_samples.max(1),
+            min_lr_ratio: o.min_lr_ratio,
+        },
+        beta1: o.beta1,
+        beta2: o.beta2,
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+        grad_clip: o.grad_clip,
+    }
+}
+
+impl Sup {
+    pub fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> Self {
+        let lengths = a.dataset.lengths();
+        let loader_settings = LoaderSettings {
+            batch_size: a.config.data.batch_size,
+            seed: a.config.objective.seed,
+            bucket_batches: 16,
+        };
+        let (step, samples, loader, set_aside) = match &a.resume {
+            Some((_, s)) => (
+                s.step,
+                s.samples_committed,
+                Loader::restore(lengths.clone(), loader_settings, s.loader.clone()),
+                s.set_aside.clone(),
+            ),
+            None => (0, 0, Loader::new(lengths.clone(), loader_settings), vec![]),
+        };
+        let o = &a.config.optim;
+        let per_step = (a.config.data.batch_size * o.accumulation * a.drafter_devices.len()) as u64;
+        let mut total = lengths.len() as u64 * o.epochs;
+        if o.max_steps > 0 {
+            total = total.min(o.max_steps * per_step);
+        }
+        let me = myself.clone();
+        let collective = Arc::new(Collective::new(
+            step,
+            samples,
+            hyper(&a.config, total),
+            move |r| {
+                let _ = me.send_message(SupervisorMsg::Round(r));
+            },
+        ));
+        let me = myself.clone();
+        let checkpointer = Checkpointer::start(
+            a.config.checkpoint.dir.clone(),
+            a.config.checkpoint.keep,
+            move |r| {
+                let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
+            },
+        );
+        let slots = a
+            .drafter_devices
+            .iter()
+            .enumerate()
+            .map(|(id, &(device, kind))| Slot {
+                id,
+                device,
+                kind,
+                state: DrafterState::Starting,
+                generation: 0,
+                actor: None,
+                input: None,
+                restarts: VecDeque::new(),
+                total_restarts: 0,
+                step,
+                shared: Arc::new(DrafterShared::default()),
+                member_from: None,
+            })
+            .collect();
+        let mut states = BTreeMap::new();
+        let mut initial = TrainerState::new(step, loader.state(), a.config.merged.clone());
+        initial.samples_committed = samples;
+        initial.set_aside = set_aside.clone();
+        if let Some((_, s)) = &a.resume {
+            initial.optimizer_steps = s.optimizer_steps;
+            initial.skipped_steps = s.skipped_steps;
+            initial.lr = s.lr;
+        }
+        states.insert(step, initial);
+        Sup {
+            myself,
+            phase: Phase0::StartingTarget,
+            routes: Arc::new(Routes::default()),
+            collective,
+            checkpointer,
+            loader,
+            loader_settings,
+            lengths,
+            heads: None,
+            target: None,
+            target_generation: 0,
+            undelivered: VecDeque::new(),
+            slots,
+            assigned: BTreeMap::new(),
+            batches: HashMap::new(),
+            next_step: step,
+            committed_step: step,
+            samples_committed: samples,
+            samples_requeued: 0,
+            skipped_steps: a.resume.as_ref().map_or(0, |(_, s)| s.skipped_steps),
+            failures_per_batch: HashMap::new(),
+            set_aside,
+            states,
+            pending_snapshots: BTreeMap::new(),
+            checkpoint_in_flight: false,
+            last_checkpoint: None,
+            last_checkpoint_request: Instant::now(),
+            ending: None,
+            gpu_hangs: HashMap::new(),
+            window: Metrics::default(),
+            window_samples: 0,
+            window_started: Instant::now(),
+            last_lr: 0.0,
+            a,
+        }
+    }
+
+    // ------------------------------------------------------------------ target
+
+    async fn start_target(&mut self) -> Result<(), ActorProcessingErr> {
+        self.target_generation += 1;
+        let cap = 64
+            + self.slots.len()
+                * self.a.config.supervision.prefetch_steps
+                * self.a.config.optim.accumulation
+                * 2;
+        let (tx, rx) = sync_channel(cap);
+        let (device, kind) = self.a.target_device;
+        let spawn = TargetSpawn {
+            generation: self.target_generation,
+            source: self.a.target_source.clone(),
+            taps: self.a.taps.clone(),
+            device,
+            kind,
+            dataset: self.a.dataset.clone(),
+            routes: self.routes.clone(),
+            supervisor: self.myself.clone(),
+            requests: rx,
+        };
+        let name = format!("target-{}", self.target_generation);
+        let (actor, _) =
+            Actor::spawn_linked(Some(name), TargetActor, spawn, self.myself.get_cell()).await?;
+        self.target = Some((actor, tx));
+        Ok(())
+    }
+
+    fn on_target_ready(&mut self, generation: u64, heads: Arc<Heads>) {
+        if generation != self.target_generation {
+            return;
+        }
+        if self.heads.is_none() {
+            self.heads = Some(heads);
+            tracing::info!(target = %self.a.target_source, device = %device_name(self.a.target_device.0), "target ready");
+            self.phase = Phase0::StartingDrafters;
+            self.start_next_drafter();
+            return;
+        }
+        tracing::info!(
+            "target restarted; resending {} requests",
+            self.undelivered.len()
+        );
+        let pending: Vec<TargetWork> = self
+            .undelivered
+            .iter()
+            .map(|(w, _)| clone_work(w))
+            .collect();
+        if let Some((_, tx)) = &self.target {
+            for w in pending {
+                let _ = tx.send(w);
+            }
+        }
+    }
+
+    fn on_delivered(&mut self, generation: u64, batch: BatchId) {
+        if generation == self.target_generation
+            && self.undelivered.front().is_some_and(|(_, b)| *b == batch)
+        {
+            self.undelivered.pop_front();
+        }
+    }
+
+    // ------------------------------------------------------------------ drafters
+
+    fn spawn_drafter(&mut self, id: usize, start: Start) {
+        let Some(heads) = self.heads.clone() else {
+            return;
+        };
+        let s = &mut self.slots[id];
+        s.generation += 1;
+        s.member_from = None;
+        s.state = match start {
+            Start::Join => DrafterState::Joining,
+            Start::Found(_) => DrafterState::Starting,
+        };
+        *s.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
+        let cap =
+            8 + self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
+        let (tx, rx) = sync_channel(cap);
+        self.routes.set(
+            id,
+            Route {
+                generation: s.generation,
+                sender: tx.clone(),
+                device: s.device,
+                kind: s.kind,
+            },
+        );
+        s.input = Some(tx);
+        let spawn = DrafterSpawn {
+            id,
+            generation: s.generation,
+            device: s.device,
+            kind: s.kind,
+            config: self.a.drafter_config.clone(),
+            objective: self.a.objective.clone(),
+            seed: self.a.config.objective.seed,
+            accumulation: self.a.config.optim.accumulation,
+            start,
+            heads,
+            collective: self.collective.clone(),
+            supervisor: self.myself.clone(),
+            input: rx,
+            shared: s.shared.clone(),
+        };
+        // The actor's handle arrives with its ActorStarted supervision event.
+        let name = format!("drafter-{id}-{}", s.generation);
+        let cell = self.myself.get_cell();
+        tokio::spawn(async move {
+            if let Err(e) = Actor::spawn_linked(Some(name), DrafterActor, spawn, cell).await {
+                tracing::error!(drafter = id, "could not start the drafter actor: {e}");
+            }
+        });
+    }
+
+    /// During start-up drafters start one at a time: the first founds the collective, the others join.
+    fn start_next_drafter(&mut self) {
+        let next = self
+            .slots
+            .iter()
+            .find(|s| s.state == DrafterState::Starting && s.generation == 0)
+            .map(|s| s.id);
+        match next {
+            Some(id) => {
+                let start = if self.collective.members().is_empty()
+                    && !self
+                        .slots
+                        .iter()
+                        .any(|s| s.generation > 0 && s.state != DrafterState::Failed)
+                {
+                    Start::Found(self.a.resume.as_ref().map(|(p, _)| p.clone()))
+                } else {
+                    Start::Join
+                };
+                self.spawn_drafter(id, start);
+            }
+            None => {
+                if self.phase == Phase0::StartingDrafters {
+                    self.phase = Phase0::Running;
+                    tracing::info!(
+                        drafters = self.slots.len(),
+                        step = self.committed_step,
+                        samples = self.lengths.len(),
+                        "training"
+                    );
+                    self.top_up();
+                }
+            }
+        }
+    }
+
+    fn donor(&self) -> Option<usize> {
+        self.collective.members().first().copied()
+    }
+
+    fn send_work(&self, id: usize, work: Work) {
+        let s = &self.slots[id];
+        if !self.routes.send(id, s.generation, work) {
+            tracing::debug!(drafter = id, "work for a drafter thread that is gone");
+        }
+    }
+
+    fn on_ready(&mut self, id: usize, generation: u64) {
+        if self.slots[id].generation != generation {
+            return;
+        }
+        tracing::info!(drafter = id, device = %device_name(self.slots[id].device), generation, "drafter ready");
+        if self.slots[id].state == DrafterState::Joining
+            && let Some(donor) = self.donor()
+        {
+            self.send_work(donor, Work::ServeJoiners);
+        }
+    }
+
+    fn on_joined(&mut self, id: usize, generation: u64, step: u64) {
+        if self.slots[id].generation != generation {
+            return;
+        }
+        let s = &mut self.slots[id];
+        s.state = DrafterState::Live;
+        s.step = step;
+        s.member_from = Some(step);
+        tracing::info!(drafter = id, step, "drafter live");
+        match self.phase {
+            Phase0::StartingDrafters => self.start_next_drafter(),
+            Phase0::Running => {
+                // It is a member from `step`: give it micro-batches for every step already assigned from there.
+                let steps: Vec<u64> = self.assigned.range(step..).map(|(s, _)| *s).collect();
+                for st in steps {
+                    self.assign_to(st, id);
+                }
+                self.top_up();
+            }
+            _ => {}
+        }
+    }
+
+    // ------------------------------------------------------------------ steps
+
+    fn live_members(&self) -> Vec<usize> {
+        self.slots
+            .iter()
+            .filter(|s| s.state == DrafterState::Live)
+            .map(|s| s.id)
+            .collect()
+    }
+
+    fn data_left(&self) -> bool {
+        let o = &self.a.config.optim;
+        if o.max_steps > 0 && self.next_step >= o.max_steps {
+            return false;
+        }
+        self.loader.next_epoch().is_some_and(|e| e < o.epochs)
+    }
+
+    /// Assigns steps ahead until `prefetch_steps` are in flight.
+    fn top_up(&mut self) {
+        if self.phase != Phase0::Running || self.ending.is_some() {
+            return;
+        }
+        while self.assigned.len() < self.a.config.supervision.prefetch_steps && self.data_left() {
+            let step = self.next_step;
+            self.next_step += 1;
+            self.assigned.insert(step, BTreeMap::new());
+            for id in self.live_members() {
+                self.assign_to(step, id);
+            }
+        }
+        if self.assigned.is_empty() && !self.data_left() {
+            self.finish_run();
+        }
+    }
+
+    /// Gives drafter `id` its micro-batches of `step`, through the target.
+    fn assign_to(&mut self, step: u64, id: usize) {
+        let generation = self.slots[id].generation;
+        let mut items = Vec::new();
+        for _ in 0..self.a.config.optim.accumulation {
+            let batch = if self.data_left_for_batch() {
+                self.loader.next_batch()
+            } else {
+                None
+            };
+            match batch {
+                Some(b) => {
+                    let work = TargetWork::Capture {
+                        drafter: id,
+                        generation,
+                        batch: b.id,
+                        positions: b.samples.clone(),
+                    };
+                    items.push(Some(b.id));
+                    self.send_target(work, b.id);
+                    self.batches.insert(b.id, b);
+                }
+                None => {
+                    items.push(None);
+                    if let Some((_, tx)) = &self.target {
+                        let _ = tx.send(TargetWork::Empty {
+                            drafter: id,
+                            generation,
+                        });
+                    }
+                }
+            }
+        }
+        if let Some(step_map) = self.assigned.get_mut(&step) {
+            step_map.insert(id, items);
+        }
+    }
+
+    fn data_left_for_batch(&self) -> bool {
+        self.loader
+            .next_epoch()
+            .is_some_and(|e| e < self.a.config.optim.epochs)
+    }
+
+    fn send_target(&mut self, work: TargetWork, batch: BatchId) {
+        if let Some((_, tx)) = &self.target {
+            let _ = tx.send(clone_work(&work));
+        }
+        self.undelivered.push_back((work, batch));
+    }
+
+    fn on_round(&mut self, r: RoundReport) {
+        let Some(step_map) = self.assigned.remove(&r.step) else {
+            return;
+        };
+        let mut metrics = Metrics::default();
+        for (member, batches, m, samples) in &r.contributions {
+            for b in batches {
+                self.loader.commit(*b);
+                self.batches.remove(b);
+            }
+            metrics.add(m);
+            self.window_samples += samples;
+            let _ = member;
+        }
+        // Members of this step that did not contribute had their batches requeued when they failed.
+        let _ = step_map;
+        self.window.add(&metrics);
+        self.samples_committed = r.samples_committed;
+        self.committed_step = r.step + 1;
+        self.last_lr = r.lr;
+        if !r.total_weight.is_finite() {
+            self.skipped_steps += 1;
+        }
+        let mut state = TrainerState::new(
+            self.committed_step,
+            self.loader.state(),
+            self.a.config.merged.clone(),
+        );
+        state.samples_committed = self.samples_committed;
+        state.skipped_steps = self.skipped_steps;
+        state.set_aside = self.set_aside.clone();
+        state.lr = r.lr;
+        self.states.insert(self.committed_step, state);
+        while self.states.len() > 64 {
+            self.states.pop_first();
+        }
+        self.pair_snapshots();
+        if self.committed_step.is_multiple_of(self.a.config.log.every_steps) {
+            self.log_progress();
+        }
+        let every = self.a.config.checkpoint.every_steps;
+        if every > 0 && self.committed_step.is_multiple_of(every) {
+            self.request_checkpoint("periodic");
+        }
+        self.top_up();
+    }
+
+    fn log_progress(&mut self) {
+        let elapsed = self.window_started.elapsed().as_secs_f64().max(1e-9);
+        let live = self.live_members().len();
+        tracing::info!(
+            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · acceptance {:.2} · {:.1} samples/s · lr {:.2e} · drafters {}/{} live",
+            self.committed_step,
+            self.loader.epoch(),
+            self.window.loss(),
+            self.window.accuracy(),
+            self.window.acceptance_length(),
+            self.window_samples as f64 / elapsed,
+            self.last_lr,
+            live,
+            self.slots.len()
+        );
+        self.window = Metrics::default();
+        self.window_samples = 0;
+        self.window_started = Instant::now();
+    }
+
+    fn finish_run(&mut self) {
+        if self.ending.is_some() {
+            return;
+        }
+        tracing::info!(
+            step = self.committed_step,
+            "run complete: final checkpoint and export"
+        );
+        self.ending = Some(Ending {
+            code: 0,
+            export: true,
+        });
+        self.request_checkpoint("final");
+        self.end_if_idle();
+    }
+
+    // ------------------------------------------------------------------ failures
+
+    fn failed(&mut self, id: usize, generation: u64, failure: Failure) {
+        if self.slots[id].generation != generation
+            || matches!(
+                self.slots[id].state,
+                DrafterState::Failed | DrafterState::Restarting
+            )
+        {
+            return;
+        }
+        tracing::warn!(drafter = id, generation, kind = ?failure.kind, "drafter failed: {}", failure.message);
+        let running = match std::mem::take(
+            &mut *self.slots[id]
+                .shared
+                .phase
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        ) {
+            Phase::Computing { batches, .. } => batches,
+            Phase::Idle => vec![],
+        };
+        self.slots[id]
+            .shared
+            .abandoned
+            .fetch_max(generation, std::sync::atomic::Ordering::SeqCst);
+        let (open_round, missing) = self.collective.waiting_for();
+        let contributed_open = !missing.contains(&id);
+        self.collective.remove(id, generation);
+        self.routes.remove(id);
+        if let Some(actor) = self.slots[id].actor.take() {
+            actor.stop(None);
+        }
+        self.slots[id].input = None;
+        // Its batches that no round took: requeue (or set aside after a second failure).
+        let mut owed: Vec<BatchId> = Vec::new();
+        for (step, map) in self.assigned.iter_mut() {
+            if *step == open_round && contributed_open {
+                continue;
+            }
+            if let Some(items) = map.remove(&id) {
+                owed.extend(items.into_iter().flatten());
+            }
+        }
+        for b in owed {
+            let failures = if running.contains(&b) {
+                let n = self.failures_per_batch.entry(b).or_insert(0);
+                *n += 1;
+                *n
+            } else {
+                0
+            };
+            if failures >= 2 {
+                let ids: Vec<u64> = self
+                    .batches
+                    .get(&b)
+                    .map(|x| {
+                        x.samples
+                            .iter()
+                            .map(|&p| self.a.dataset.row(p).id)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                tracing::error!(?b, sample_ids = ?ids, "batch failed twice: set aside");
+                self.loader.commit(b);
+                self.set_aside.push(b);
+            } else {
+                self.samples_requeued += self.batches.get(&b).map_or(0, |x| x.samples.len() as u64);
+                self.loader.requeue(b);
+            }
+        }
+        if !failure.restartable() {
+            self.emergency(id);
+            return;
+        }
+        // Intensity: at most max_restarts within the window.
+        let sup = &self.a.config.supervision;
+        let window = Duration::from_secs_f64(sup.restart_window_s);
+        let s = &mut self.slots[id];
+        while s.restarts.front().is_some_and(|t| t.elapsed() > window) {
+            s.restarts.pop_front();
+        }
+        let hang_limited = failure.kind == FailureKind::Hang
+            && self.gpu_hangs.get(&s.device).copied().unwrap_or(0) >= sup.gpu_hang_limit;
+        if s.restarts.len() >= sup.max_restarts || hang_limited {
+            s.state = DrafterState::Failed;
+            tracing::error!(
+                drafter = id,
+                restarts = s.total_restarts,
+                "drafter marked failed; training continues without it"
+            );
+        } else {
+            s.state = DrafterState::Restarting;
+            let delay = sup
+                .backoff_initial_ms
+                .saturating_mul(1 << s.restarts.len().min(16))
+                .min(sup.backoff_max_ms);
+            s.restarts.push_back(Instant::now());
+            s.total_restarts += 1;
+            let me = self.myself.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                let _ = me.send_message(SupervisorMsg::RestartDrafter { id });
+            });
+        }
+        let alive = self
+            .slots
+            .iter()
+            .filter(|s| s.state != DrafterState::Failed)
+            .count();
+        if alive < sup.min_live_drafters {
+            tracing::error!(
+                alive,
+                min = sup.min_live_drafters,
+                "below supervision.min_live_drafters: checkpointing and stopping"
+            );
+            self.ending.get_or_insert(Ending {
+                code: 1,
+                export: false,
+            });
+            self.request_checkpoint("too few drafters");
+            self.end_if_idle();
+        }
+        self.top_up();
+    }
+
+    /// A device or the process cannot be trusted: checkpoint from a healthy replica if any, then exit.
+    fn emergency(&mut self, failed: usize) {
+        tracing::error!(
+            drafter = failed,
+            "an error poisoned a device: checkpointing from a healthy replica and exiting for a restart with --resume auto"
+        );
+        self.slots[failed].state = DrafterState::Failed;
+        self.ending = Some(Ending {
+            code: EXIT_RESTART,
+            export: false,
+        });
+        self.request_checkpoint("emergency");
+        self.end_if_idle();
+    }
+
+    fn restart(&mut self, id: usize) {
+        if self.slots[id].state != DrafterState::Restarting || self.ending.is_some() {
+            return;
+        }
+        if self.collective.members().is_empty() {
+            self.rewind();
+            let start = Start::Found(self.a.resume.as_ref().map(|(p, _)| p.clone()));
+            self.spawn_drafter(id, start);
+        } else {
+            self.spawn_drafter(id, Start::Join);
+        }
+    }
+
+    /// No live replica is left: the run continues from the newest valid checkpoint (or the start).
+    fn rewind(&mut self) {
+        let (found, rejected) = newest_valid(&self.a.config.checkpoint.dir);
+        for r in rejected {
+            tracing::warn!("checkpoint rejected: {r}");
+        }
+        self.assigned.clear();
+        self.undelivered.clear();
+        self.pending_snapshots.clear();
+        self.checkpoint_in_flight = false;
+        match found {
+            Some((path, state)) => {
+                tracing::warn!(step = state.step, path = %path.display(), "no live drafter: rewinding the run to the newest checkpoint");
+                self.loader = Loader::restore(
+                    self.lengths.clone(),
+                    self.loader_settings,
+                    state.loader.clone(),
+                );
+                self.committed_step = state.step;
+                self.samples_committed = state.samples_committed;
+                self.set_aside = state.set_aside.clone();
+                self.states.clear();
+                self.states.insert(state.step, state.clone());
+                self.a.resume = Some((path, state));
+            }
+            None => {
+                tracing::warn!(
+                    "no live drafter and no checkpoint: restarting the run from the beginning"
+                );
+                self.loader = Loader::new(self.lengths.clone(), self.loader_settings);
+                self.committed_step = 0;
+                self.samples_committed = 0;
+                self.set_aside.clear();
+                self.states.clear();
+                self.states.insert(
+                    0,
+                    TrainerState::new(0, self.loader.state(), self.a.config.merged.clone()),
+                );
+                self.a.resume = None;
+            }
+        }
+        self.next_step = self.committed_step;
+        self.collective
+            .rewind(self.committed_step, self.samples_committed);
+    }
+
+    fn tick(&mut self) {
+        let timeout = Duration::from_secs_f64(self.a.config.supervision.step_timeout_s);
+        let hung: Vec<(usize, u64)> = self
+            .slots
+            .iter()
+            .filter(|s| s.state == DrafterState::Live)
+            .filter_map(
+                |s| match &*s.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+                    Phase::Computing {
+                        generation, since, ..
+                    } if *generation == s.generation && since.elapsed() > timeout => {
+                        Some((s.id, *generation))
+                    }
+                    _ => None,
+                },
+            )
+            .collect();
+        for (id, generation) in hung {
+            let dev = self.slots[id].device;
+            *self.gpu_hangs.entry(dev).or_insert(0) += 1;
+            let held = device::memory_stats(dev).map(|m| m.allocated).unwrap_or(0);
+            tracing::error!(drafter = id, device = %device_name(dev), held_bytes = held, "drafter hung: abandoning its thread (memory it holds stays allocated)");
+            self.failed(
+                id,
+                generation,
+                Failure {
+                    kind: FailureKind::Hang,
+                    message: format!("no progress for {:.0} s", timeout.as_secs_f64()),
+                },
+            );
+        }
+        let every = self.a.config.checkpoint.every_seconds;
+        if every > 0.0
+            && self.phase == Phase0::Running
+            && self.last_checkpoint_request.elapsed().as_secs_f64() >= every
+        {
+            self.request_checkpoint("periodic (time)");
+        }
+    }
+
+    // ------------------------------------------------------------------ checkpoints
+
+    fn request_checkpoint(&mut self, reason: &str) -> Option<usize> {
+        self.last_checkpoint_request = Instant::now();
+        if self.checkpoint_in_flight {
+            return None;
+        }
+        let donor = self.donor()?;
+        tracing::debug!(reason, drafter = donor, "checkpoint requested");
+        self.checkpoint_in_flight = true;
+        self.send_work(donor, Work::Checkpoint);
+        Some(donor)
+    }
+
+    fn on_snapshot(&mut self, id: usize, generation: u64, snapshot: Snapshot) {
+        if self.slots[id].generation != generation {
+            return;
+        }
+        self.pending_snapshots.insert(snapshot.step, snapshot);
+        self.pair_snapshots();
+    }
+
+    /// Writes each snapshot whose step boundary's trainer state is known.
+    fn pair_snapshots(&mut self) {
+        let ready: Vec<u64> = self
+            .pending_snapshots
+            .keys()
+            .filter(|s| self.states.contains_key(s))
+            .copied()
+            .collect();
+        for step in ready {
+            let snapshot = self.pending_snapshots.remove(&step).expect("listed");
+            let mut state = self.states[&step].clone();
+            state.optimizer_steps = snapshot.optimizer_steps;
+            self.checkpointer.write(snapshot, state);
+        }
+    }
+
+    fn on_written(&mut self, result: Result<Written, String>) {
+        self.checkpoint_in_flight = false;
+        match result {
+            Ok(w) => {
+                tracing::info!(step = w.step, path = %w.path.display(), seconds = format!("{:.2}", w.seconds), "checkpoint written");
+                self.last_checkpoint = Some((w, Instant::now()));
+            }
+            Err(e) => tracing::error!("checkpoint failed: {e}"),
+        }
+        self.end_if_idle();
+    }
+
+    /// Ends the service once the checkpoint it waits for is written.
+    fn end_if_idle(&mut self) {
+        let Some(ending) = &self.ending else { return };
+        if self.checkpoint_in_flight {
+            return;
+        }
+        let code = ending.code;
+        if ending.export
+            && let Some((w, _)) = &self.last_checkpoint
+        {
+            let out = self.a.config.checkpoint.dir.join("final");
+            let exported = crate::panic::catch_torch(|| {
+                Drafter::load(&w.path.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
+                    .and_then(|d| d.save(&out, Kind::BFloat16))
+            });
+            match exported {
+                Ok(Ok(())) => {
+                    tracing::info!(path = %out.display(), "exported the drafter (bf16, published format)")
+                }
+                Ok(Err(e)) => tracing::error!("export failed: {e}"),
+                Err(e) => tracing::error!("export failed: {e}"),
+            }
+        }
+        for s in &self.slots {
+            if let Some(tx) = &s.input {
+                let _ = tx.try_send(Work::Stop);
+            }
+        }
+        *self.a.exit_code.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
+        self.phase = Phase0::Stopping(code);
+        self.myself.stop(Some(format!("exit {code}")));
+    }
+
+    fn status(&self) -> Status {
+        Status {
+            phase: match self.phase {
+                Phase0::StartingTarget => "starting target".into(),
+                Phase0::StartingDrafters => "starting drafters".into(),
+                Phase0::Running if self.ending.is_some() => "stopping".into(),
+                Phase0::Running => "running".into(),
+                Phase0::Stopping(c) => format!("stopped ({c})"),
+            },
+            step: self.committed_step,
+            epoch: self.loader.epoch(),
+            samples_committed: self.samples_committed,
+            samples_requeued: self.samples_requeued,
+            batches_set_aside: self.set_aside.len() as u64,
+            skipped_steps: self.skipped_steps,
+            config_version: 1,
+            drafters: self
+                .slots
+                .iter()
+                .map(|s| DrafterStatus {
+                    id: s.id,
+                    device: device_name(s.device),
+                    state: s.state,
+                    step: s.step,
+                    restarts: s.total_restarts,
+                })
+                .collect(),
+            last_checkpoint: self
+                .last_checkpoint
+                .as_ref()
+                .map(|(w, at)| CheckpointStatus {
+                    step: w.step,
+                    path: w.path.display().to_string(),
+                    age_s: at.elapsed().as_secs_f64(),
+                }),
+        }
+    }
+}
+
+fn clone_work(w: &TargetWork) -> TargetWork {
+    match w {
+        TargetWork::Capture {
+            drafter,
+            generation,
+            batch,
+            positions,
+        } => TargetWork::Capture {
+            drafter: *drafter,
+            generation: *generation,
+            batch: *batch,
+            positions: positions.clone(),
+        },
+        TargetWork::Empty {
+            drafter,
+            generation,
+        } => TargetWork::Empty {
+            drafter: *drafter,
+            generation: *generation,
+        },
+    }
+}
+
+/// The supervisor actor.
+pub struct Supervisor;
+
+impl Actor for Supervisor {
+    type Msg = SupervisorMsg;
+    type State = Sup;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
+    ) -> Result<Sup, ActorProcessingErr> {
+        let mut sup = Sup::new(args, myself.clone());
+        sup.start_target().await?;
+        myself.send_interval(Duration::from_millis(200), || SupervisorMsg::Tick);
+        Ok(sup)
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        s: &mut Sup,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SupervisorMsg::TargetReady { generation, heads } => {
+                s.on_target_ready(generation, heads)
+            }
+            SupervisorMsg::Delivered { generation, batch } => s.on_delivered(generation, batch),
+            SupervisorMsg::DrafterReady { id, generation } => s.on_ready(id, generation),
+            SupervisorMsg::DrafterJoined {
+                id,
+                generation,
+                step,
+            } => s.on_joined(id, generation, step),
+            SupervisorMsg::StepDone {
+                id,
+                generation,
+                step,
+                report,
+            } => {
+                if s.slots[id].generation == generation {
+                    s.slots[id].step = step;
+                    if !report.applied {
+                        tracing::warn!(
+                            drafter = id,
+                            step,
+                            "non-finite gradient norm: update skipped"
+                        );
+                    }
+                }
+            }
+            SupervisorMsg::Snapshot {
+                id,
+                generation,
+                snapshot,
+            } => s.on_snapshot(id, generation, *snapshot),
+            SupervisorMsg::Round(r) => s.on_round(r),
+            SupervisorMsg::CheckpointWritten(r) => s.on_written(r),
+            SupervisorMsg::RestartDrafter { id } => s.restart(id),
+            SupervisorMsg::RestartTarget => {
+                if s.ending.is_none() {
+                    s.start_target().await?;
+                }
+            }
+            SupervisorMsg::Tick => s.tick(),
+            SupervisorMsg::Fault { id, kind, reply } => {
+                let result = if !s.a.config.control.fault_injection {
+                    Err("fault injection is off (control.fault_injection = false)".to_string())
+                } else if id >= s.slots.len() {
+                    Err(format!("no drafter {id} (ids 0..{})", s.slots.len()))
+                } else if kind == FaultKind::CheckpointStall {
+                    s.checkpointer.stall_next_write();
+                    Ok(())
+                } else {
+                    *s.slots[id]
+                        .shared
+                        .fault
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()) = Some(kind);
+                    Ok(())
+                };
+                let _ = reply.send(result);
+            }
+            SupervisorMsg::CheckpointNow(reply) => {
+                let r = match s.request_checkpoint("requested") {
+                    Some(_) => Ok(s.committed_step),
+                    None if s.checkpoint_in_flight => {
+                        Err("a checkpoint is being written; try again shortly".into())
+                    }
+                    None => Err("no live drafter to checkpoint from".into()),
+                };
+                let _ = reply.send(r);
+            }
+            SupervisorMsg::Status(reply) => {
+                let _ = reply.send(s.status());
+            }
+            SupervisorMsg::Shutdown => {
+                if s.ending.is_none() {
+                    tracing::info!(
+                        "stop requested: finishing the current steps, checkpointing, exiting (a second signal exits at once)"
+                    );
+                    s.ending = Some(Ending {
+                        code: 0,
+                        export: false,
+                    });
+                    if s.request_checkpoint("shutdown").is_none() && !s.checkpoint_in_flight {
+                        s.end_if_idle();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _: ActorRef<SupervisorMsg>,
+        event: SupervisionEvent,
+        s: &mut Sup,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, failure) = match event {
+            SupervisionEvent::ActorFailed(cell, err) => {
+                let failure = match err.downcast_ref::<ThreadFailure>() {
+                    Some(f) => f.0.clone(),
+                    None => Failure::panic(err.to_string()),
+                };
+                (cell, failure)
+            }
+            SupervisionEvent::ActorStarted(cell) => {
+                // Keep a handle on each drafter actor, to stop it when its thread is replaced.
+                if let Some(name) = cell.get_name()
+                    && let Some((id, generation)) = parse_drafter(&name)
+                    && id < s.slots.len()
+                    && s.slots[id].generation == generation
+                {
+                    s.slots[id].actor = Some(cell.into());
+                }
+                return Ok(());
+            }
+            _ => return Ok(()),
+        };
+        let Some(name) = cell.get_name() else {
+            return Ok(());
+        };
+        if let Some((id, generation)) = parse_drafter(&name) {
+            if id < s.slots.len() {
+                s.failed(id, generation, failure);
+            }
+        } else if let Some(generation) = name
+            .strip_prefix("target-")
+            .and_then(|g| g.parse::<u64>().ok())
+            && generation == s.target_generation
+        {
+            tracing::warn!(kind = ?failure.kind, "target failed: {}; restarting it", failure.message);
+            s.target = None;
+            if !failure.restartable() {
+                s.ending = Some(Ending {
+                    code: EXIT_RESTART,
+                    export: false,
+                });
+                s.request_checkpoint("emergency");
+                s.end_if_idle();
+            } else {
+                let me = s.myself.clone();
+                let delay = s.a.config.supervision.backoff_initial_ms;
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                    let _ = me.send_message(SupervisorMsg::RestartTarget);
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_drafter(name: &str) -> Option<(usize, u64)> {
+    let rest = name.strip_prefix("drafter-")?;
+    let (id, generation) = rest.split_once('-')?;
+    Some((id.parse().ok()?, generation.parse().ok()?))
+}
