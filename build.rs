@@ -18,10 +18,7 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
     }
 
-    let root = lib
-        .parent()
-        .expect("libtorch lib dir has a parent")
-        .to_path_buf();
+    let root = lib.parent().expect("libtorch lib dir has a parent").to_path_buf();
     cc::Build::new()
         .cpp(true)
         .pic(true)

@@ -35,67 +35,40 @@ fn collect(dir: &Path, out: &mut Vec<PathBuf>, limit: usize) {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    anyhow::ensure!(
-        args.len() == 4,
-        "usage: prepare_bench_data SOURCE_DIR OUT_DIR COUNT"
-    );
-    let (src, out, n): (PathBuf, PathBuf, usize) = (
-        args[1].clone().into(),
-        args[2].clone().into(),
-        args[3].parse()?,
-    );
+    anyhow::ensure!(args.len() == 4, "usage: prepare_bench_data SOURCE_DIR OUT_DIR COUNT");
+    let (src, out, n): (PathBuf, PathBuf, usize) = (args[1].clone().into(), args[2].clone().into(), args[3].parse()?);
     let mut files = Vec::new();
     collect(&src, &mut files, 20_000);
-    let text: Vec<String> = files
-        .iter()
-        .filter_map(|f| std::fs::read_to_string(f).ok())
-        .collect();
+    let text: Vec<String> = files.iter().filter_map(|f| std::fs::read_to_string(f).ok()).collect();
     let corpus: String = text.concat();
     let chars: Vec<char> = corpus.chars().collect();
     eprintln!("{} files, {} MB of text", files.len(), corpus.len() >> 20);
     std::fs::create_dir_all(&out)?;
     let train_file = out.join("train.txt");
     std::fs::write(&train_file, &corpus[..corpus.len().min(64 << 20)])?;
-    let specials: Vec<AddedToken> = [
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<think>",
-        "</think>",
-        "<tool_call>",
-        "</tool_call>",
-    ]
-    .iter()
-    .map(|t| AddedToken::from(t.to_string(), true))
-    .collect();
+    let specials: Vec<AddedToken> =
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+            .iter()
+            .map(|t| AddedToken::from(t.to_string(), true))
+            .collect();
     let mut trainer = BpeTrainerBuilder::new()
         .vocab_size(32_000)
         .show_progress(false)
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .special_tokens(specials)
         .build();
-    let mut tokenizer: TokenizerImpl<
-        BPE,
-        NormalizerWrapper,
-        ByteLevel,
-        PostProcessorWrapper,
-        ByteLevel,
-    > = TokenizerBuilder::new()
-        .with_model(BPE::default())
-        .with_pre_tokenizer(Some(ByteLevel::default()))
-        .with_decoder(Some(ByteLevel::default()))
-        .build()
-        .map_err(anyhow::Error::msg)?;
+    let mut tokenizer: TokenizerImpl<BPE, NormalizerWrapper, ByteLevel, PostProcessorWrapper, ByteLevel> =
+        TokenizerBuilder::new()
+            .with_model(BPE::default())
+            .with_pre_tokenizer(Some(ByteLevel::default()))
+            .with_decoder(Some(ByteLevel::default()))
+            .build()
+            .map_err(anyhow::Error::msg)?;
     tokenizer
-        .train_from_files(
-            &mut trainer,
-            vec![train_file.to_string_lossy().into_owned()],
-        )
+        .train_from_files(&mut trainer, vec![train_file.to_string_lossy().into_owned()])
         .map_err(anyhow::Error::msg)?;
     std::fs::create_dir_all(out.join("model"))?;
-    tokenizer
-        .save(out.join("model/tokenizer.json"), false)
-        .map_err(anyhow::Error::msg)?;
+    tokenizer.save(out.join("model/tokenizer.json"), false).map_err(anyhow::Error::msg)?;
     std::fs::remove_file(&train_file)?;
     let config = json!({"chat_template": QWEN3_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"});
     std::fs::write(out.join("model/tokenizer_config.json"), config.to_string())?;

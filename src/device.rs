@@ -15,9 +15,7 @@ use tch::{Device, Kind};
 pub enum DeviceError {
     #[error("invalid device {0:?}: write `cpu`, `cuda:N` (N = 0, 1, ...) or `auto`")]
     Parse(String),
-    #[error(
-        "device {0} was requested but CUDA is not available here (no GPU, or no driver); use `cpu` or `auto`"
-    )]
+    #[error("device {0} was requested but CUDA is not available here (no GPU, or no driver); use `cpu` or `auto`")]
     NoCuda(DeviceSpec),
     #[error("device {spec} was requested but only {count} CUDA device(s) are visible (cuda:0..cuda:{last})", last = count.saturating_sub(1))]
     NoSuchGpu { spec: DeviceSpec, count: usize },
@@ -169,8 +167,7 @@ unsafe extern "C" {
     fn dflash_memory_stats(index: c_int, out: *mut i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_new(index: c_int, err: *mut c_char, len: usize) -> *mut c_void;
-    fn dflash_event_record(event: *mut c_void, index: c_int, err: *mut c_char, len: usize)
-    -> c_int;
+    fn dflash_event_record(event: *mut c_void, index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_elapsed_ms(
         start: *mut c_void,
         end: *mut c_void,
@@ -182,18 +179,13 @@ unsafe extern "C" {
 }
 
 /// Calls a shim function with an error buffer and turns a failure into a [`DeviceError::Runtime`].
-pub(crate) fn call_shim(
-    device: Device,
-    f: impl FnOnce(*mut c_char, usize) -> c_int,
-) -> Result<(), DeviceError> {
+pub(crate) fn call_shim(device: Device, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), DeviceError> {
     let mut buf = [0 as c_char; 512];
     if f(buf.as_mut_ptr(), buf.len()) == 0 {
         return Ok(());
     }
     // SAFETY: the shim always NUL-terminates the buffer it was given.
-    let message = unsafe { CStr::from_ptr(buf.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
+    let message = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
     Err(DeviceError::Runtime { device, message })
 }
 
@@ -220,9 +212,7 @@ pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
     if current != i {
         return Err(DeviceError::Runtime {
             device,
-            message: format!(
-                "the thread was bound to cuda:{i} but its current device is cuda:{current}"
-            ),
+            message: format!("the thread was bound to cuda:{i} but its current device is cuda:{current}"),
         });
     }
     Ok(())
@@ -254,9 +244,7 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats, DeviceError> {
     };
     let mut out = [0i64; 5];
     // SAFETY: `out` has the five slots the shim writes.
-    call_shim(device, |e, n| unsafe {
-        dflash_memory_stats(i, out.as_mut_ptr(), e, n)
-    })?;
+    call_shim(device, |e, n| unsafe { dflash_memory_stats(i, out.as_mut_ptr(), e, n) })?;
     Ok(MemoryStats {
         allocated: out[0],
         peak_allocated: out[1],
@@ -303,18 +291,14 @@ impl TimingEvent {
     /// Records the event at the current point of the calling thread's current stream.
     pub fn record(&self) -> Result<(), DeviceError> {
         // SAFETY: `raw` is a live event created for this device.
-        call_shim(self.device, |e, n| unsafe {
-            dflash_event_record(self.raw, self.index, e, n)
-        })
+        call_shim(self.device, |e, n| unsafe { dflash_event_record(self.raw, self.index, e, n) })
     }
 
     /// Milliseconds between `self` and a later `end`; both must have completed.
     pub fn elapsed_ms(&self, end: &TimingEvent) -> Result<f64, DeviceError> {
         let mut ms = 0.0;
         // SAFETY: both events are live.
-        call_shim(self.device, |e, n| unsafe {
-            dflash_event_elapsed_ms(self.raw, end.raw, &mut ms, e, n)
-        })?;
+        call_shim(self.device, |e, n| unsafe { dflash_event_elapsed_ms(self.raw, end.raw, &mut ms, e, n) })?;
         Ok(ms)
     }
 }
@@ -347,10 +331,7 @@ mod tests {
         assert_eq!(DeviceSpec::Cpu.resolve().unwrap(), Device::Cpu);
         if !tch::Cuda::is_available() {
             let err = DeviceSpec::Cuda(0).resolve().unwrap_err().to_string();
-            assert!(
-                err.contains("cuda:0") && err.contains("not available"),
-                "{err}"
-            );
+            assert!(err.contains("cuda:0") && err.contains("not available"), "{err}");
             assert_eq!(DeviceSpec::Auto.resolve().unwrap(), Device::Cpu);
         } else {
             let err = DeviceSpec::Cuda(99).resolve().unwrap_err().to_string();

@@ -16,7 +16,5 @@ pub mod train;
 /// The first line of a libtorch error, without tch's prefix or the C++ backtrace libtorch appends.
 pub fn torch_message(full: &str) -> String {
     let first = full.lines().next().unwrap_or(full);
-    first
-        .trim_start_matches("Internal torch error: ")
-        .to_string()
+    first.trim_start_matches("Internal torch error: ").to_string()
 }

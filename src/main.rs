@@ -11,14 +11,11 @@ use clap::{Args, Parser, Subcommand};
 use dflash::config::{Config, Layers, LogFormat};
 use dflash::panic::{is_torch_error, payload_message};
 
-/// Exit status of a subcommand that exists in the interface but not yet in this build.
-const EXIT_NOT_AVAILABLE: u8 = 3;
-
 const AFTER_HELP: &str = "\
 Configuration layers, each overriding the one before: the built-in defaults (config/default.toml lists and
 explains every key), --config FILE, DFLASH__SECTION__KEY environment variables, then --set section.key=value.
 
-Exit status: 0 success, 1 error, 2 bad command line, 3 the subcommand is not available in this build yet.
+Exit status: 0 success, 1 error, 2 bad command line, 75 serve-train asks to be restarted with --resume auto.
 Logs go to stderr (RUST_LOG or log.level filter them); results go to stdout.";
 
 #[derive(Parser)]
@@ -46,8 +43,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a drafter as a long-running service: a supervisor, the target and one drafter per device
-    #[command(
-        long_about = "Train a drafter as a long-running service. A supervisor owns the target model and one \
+    #[command(long_about = "Train a drafter as a long-running service. A supervisor owns the target model and one \
         drafter per entry of drafters.devices, each computing on its own thread; steps are synchronous data \
         parallel with a per-step quorum. A failed drafter restarts alone (with backoff and an intensity limit) from \
         its live peers' state while the others keep training; no sample or optimizer state is lost. Checkpoints go \
@@ -57,12 +53,10 @@ enum Command {
         /drafters/{id}/fault with control.fault_injection). SIGTERM or Ctrl-C finishes the current steps, \
         checkpoints and exits 0; a second signal exits at once. Exit 75 asks an outside supervisor to restart with \
         --resume auto (an error poisoned a device).\n\n\
-        The built-in default trains the tiny target on built-in sample data with two drafters:\n  dflash serve-train"
-    )]
+        The built-in default trains the tiny target on built-in sample data with two drafters:\n  dflash serve-train")]
     ServeTrain(ServeTrainArgs),
     /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template
-    #[command(
-        long_about = "Turn chat JSONL into token ids and loss masks with the target's own tokenizer and chat \
+    #[command(long_about = "Turn chat JSONL into token ids and loss masks with the target's own tokenizer and chat \
         template, as HuggingFace's apply_chat_template renders and tokenizes them. The loss mask is 1 exactly on \
         what each assistant turn produced (its content and end-of-turn marker) and 0 on role headers, system, user \
         and tool turns, and text the template inserts (Qwen3's empty think block).\n\n\
@@ -72,39 +66,33 @@ enum Command {
         manifest of checksums; it appears only when complete, and a rerun with the same inputs and settings does \
         nothing.\n\n\
         Example:\n  dflash prepare --model /models/Qwen3-8B --input chats.jsonl --out data/qwen3 --max-len 3072 \
-        --holdout 0.01 --template-kwargs '{\"enable_thinking\": false}'"
-    )]
+        --holdout 0.01 --template-kwargs '{\"enable_thinking\": false}'")]
     Prepare(cli::data::PrepareArgs),
     /// Show prepared samples as the trainer sees them, supervised tokens highlighted (or as JSON lines)
     Inspect(cli::data::InspectArgs),
     /// Write the built-in sample conversations (for the tiny preset and trying things out)
     SampleData(cli::data::SampleDataArgs),
     /// Rewrite every assistant turn with the target's own response (an OpenAI-compatible server, or --local)
-    #[command(
-        long_about = "Rewrite every assistant turn of a chat dataset with the target's own response, turn by \
+    #[command(long_about = "Rewrite every assistant turn of a chat dataset with the target's own response, turn by \
         turn, so the drafter learns what the target itself writes. Responses come from an OpenAI-compatible \
         chat-completions server (vLLM, SGLang) with bounded concurrency and retries, or from the built-in target \
         with --local. The output is appended one conversation at a time, each line carrying its input id: an \
         interrupted run continues where it stopped, and conversations that failed are retried by the next run.\n\n\
         Examples:\n  dflash regenerate --endpoint http://localhost:8000/v1 --model Qwen/Qwen3-8B --input chats.jsonl \
         --out regen.jsonl --template-kwargs '{\"enable_thinking\": false}'\n  \
-        dflash regenerate --local --model tiny --input sample.jsonl --out regen.jsonl --max-tokens 64"
-    )]
+        dflash regenerate --local --model tiny --input sample.jsonl --out regen.jsonl --max-tokens 64")]
     Regenerate(cli::regenerate::RegenerateArgs),
     /// Score a drafter on token rows: loss, accuracy and simulated acceptance length at every valid anchor
-    #[command(
-        long_about = "Score a drafter on token rows at every valid anchor (no sampling, so the result is \
+    #[command(long_about = "Score a drafter on token rows at every valid anchor (no sampling, so the result is \
         deterministic): the target captures its tapped states, the drafter drafts every block, and the weighted \
         loss, accuracy and simulated acceptance length (1 + the leading slots predicted right, per block) are \
         printed.\n\n\
-        Example:\n  dflash eval --target /models/Qwen3-8B --drafter runs/ckpt-1000 --data heldout.jsonl --json"
-    )]
+        Example:\n  dflash eval --target /models/Qwen3-8B --drafter runs/ckpt-1000 --data heldout.jsonl --json")]
     Eval(cli::eval::EvalArgs),
-    /// Write a checkpoint's drafter in the published DFlash format [not yet available]
-    Export(Pending),
+    /// Write a checkpoint's drafter as a standalone folder in the published DFlash format (bf16 by default)
+    Export(cli::export::ExportArgs),
     /// Measure the hot loops at real shapes: throughput, TFLOP/s, MFU, peak memory, step times
-    #[command(
-        long_about = "Measure the hot loops at real shapes with random inputs: tokens/s, achieved TFLOP/s, \
+    #[command(long_about = "Measure the hot loops at real shapes with random inputs: tokens/s, achieved TFLOP/s, \
         MFU against --peak-tflops, peak device memory and step-time percentiles. Target and device default to the \
         configuration ([target] and [draft_model]); the flags below override it.\n\n\
         --what target: the frozen target's forward pass up to the last tapped layer, returning the tapped hidden \
@@ -117,8 +105,7 @@ enum Command {
         fc and the layers, dense attention over S + N*bs keys, and 2x the frozen LM head.\n\n\
         Examples (the H200 comparisons in BENCHMARKS.md):\n  \
         dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
-        dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --json"
-    )]
+        dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --json")]
     Bench(cli::bench::BenchArgs),
 }
 
@@ -144,13 +131,6 @@ fn serve_train(config: Config, args: ServeTrainArgs) -> Result<ExitCode> {
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
 }
 
-/// Arguments of a subcommand that is not available yet; accepted so the message is about availability.
-#[derive(Args)]
-struct Pending {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
-    args: Vec<String>,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -174,16 +154,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Inspect(args) => cli::data::run_inspect(args),
         Command::SampleData(args) => cli::data::run_sample_data(args),
         Command::Regenerate(args) => cli::regenerate::run(&config, args),
-        Command::Export(_) => not_available("export"),
+        Command::Export(args) => cli::export::run(args),
     }
-}
-
-fn not_available(name: &str) -> Result<ExitCode> {
-    eprintln!(
-        "dflash {name} is not available in this build yet; nothing was run. `dflash --help` lists what is, and \
-         `dflash bench --what target` runs the target model."
-    );
-    Ok(ExitCode::from(EXIT_NOT_AVAILABLE))
 }
 
 fn init_logging(config: &Config) -> Result<()> {
@@ -194,9 +166,7 @@ fn init_logging(config: &Config) -> Result<()> {
         }
         _ => EnvFilter::try_new(&config.log.level)?,
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match config.log.format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -8,12 +8,7 @@ use torch_sys::C_tensor;
 use crate::device::{DeviceError, call_shim};
 
 unsafe extern "C" {
-    fn dflash_set_grad(
-        param: *mut C_tensor,
-        grad: *mut C_tensor,
-        err: *mut c_char,
-        len: usize,
-    ) -> c_int;
+    fn dflash_set_grad(param: *mut C_tensor, grad: *mut C_tensor, err: *mut c_char, len: usize) -> c_int;
     fn dflash_fused_adamw(
         param: *mut C_tensor,
         grad: *mut C_tensor,
@@ -38,9 +33,7 @@ fn raw(t: &Tensor) -> *mut C_tensor {
 /// Makes `grad` the `.grad` of `param`: backward passes then accumulate into `grad` in place.
 pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), DeviceError> {
     // SAFETY: both pointers are live at::Tensor handles owned by tch.
-    call_shim(param.device(), |e, n| unsafe {
-        dflash_set_grad(raw(param), raw(grad), e, n)
-    })
+    call_shim(param.device(), |e, n| unsafe { dflash_set_grad(raw(param), raw(grad), e, n) })
 }
 
 /// AdamW hyperparameters of one step.

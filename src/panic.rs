@@ -27,10 +27,7 @@ pub fn classify(message: &str) -> Panicked {
         Some(at) => {
             let rest = &message[at + 7..];
             // tch prints the error with Debug escapes: the first line ends at a literal `\n`.
-            let end = rest
-                .find("\\n")
-                .or_else(|| rest.rfind("\")"))
-                .unwrap_or(rest.len());
+            let end = rest.find("\\n").or_else(|| rest.rfind("\")")).unwrap_or(rest.len());
             Panicked::Torch(rest[..end].to_string())
         }
         None => Panicked::Bug(message.to_string()),

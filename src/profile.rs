@@ -65,12 +65,7 @@ pub struct Recorder {
 
 impl Recorder {
     pub fn start(device: Device) -> Self {
-        ACTIVE.with(|a| {
-            *a.borrow_mut() = Some(Active {
-                device,
-                spans: Vec::new(),
-            })
-        });
+        ACTIVE.with(|a| *a.borrow_mut() = Some(Active { device, spans: Vec::new() }));
         Recorder { device }
     }
 

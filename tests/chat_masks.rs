@@ -8,14 +8,7 @@ use dflash::data::sample::{Sample, build_sample};
 use dflash::data::tokenize::{TextTokenizer, byte_level_tokenizer};
 use serde_json::{Map, Value, json};
 
-const MERGES: [(&str, &str); 6] = [
-    ("t", "h"),
-    ("th", "e"),
-    ("i", "n"),
-    ("a", "n"),
-    ("e", "r"),
-    ("l", "l"),
-];
+const MERGES: [(&str, &str); 6] = [("t", "h"), ("th", "e"), ("i", "n"), ("a", "n"), ("e", "r"), ("l", "l")];
 const QWEN_SPECIALS: [&str; 9] = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -38,10 +31,7 @@ const LLAMA_SPECIALS: [&str; 7] = [
 ];
 
 fn model_dir(dir: &Path, template: &str, specials: &[&str], bos: &str, eos: &str) {
-    byte_level_tokenizer(&MERGES, specials)
-        .unwrap()
-        .save(dir.join("tokenizer.json"), false)
-        .unwrap();
+    byte_level_tokenizer(&MERGES, specials).unwrap().save(dir.join("tokenizer.json"), false).unwrap();
     let config = json!({ "chat_template": template, "bos_token": bos, "eos_token": eos, "model_max_length": 4096 });
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
 }
@@ -54,13 +44,7 @@ struct Model {
 
 fn qwen3(kwargs: Value) -> Model {
     let dir = tempfile::tempdir().unwrap();
-    model_dir(
-        dir.path(),
-        include_str!("../src/data/qwen3_chat_template.jinja"),
-        &QWEN_SPECIALS,
-        "",
-        "<|im_end|>",
-    );
+    model_dir(dir.path(), include_str!("../src/data/qwen3_chat_template.jinja"), &QWEN_SPECIALS, "", "<|im_end|>");
     let kwargs: Map<String, Value> = serde_json::from_value(kwargs).unwrap();
     Model {
         template: ChatTemplate::from_dir(dir.path(), &kwargs).unwrap(),
@@ -72,13 +56,7 @@ fn qwen3(kwargs: Value) -> Model {
 fn llama31() -> Model {
     let dir = tempfile::tempdir().unwrap();
     let t = include_str!("fixtures/templates/llama3.1.jinja");
-    model_dir(
-        dir.path(),
-        t,
-        &LLAMA_SPECIALS,
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-    );
+    model_dir(dir.path(), t, &LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>");
     Model {
         template: ChatTemplate::from_dir(dir.path(), &Map::new()).unwrap(),
         tokenizer: TextTokenizer::from_dir(dir.path()).unwrap(),
@@ -141,20 +119,14 @@ fn qwen3_supervises_the_reasoning_the_model_wrote() {
         {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello there!"}
     ]}));
     let s = build_sample(&m.template, &m.tokenizer, &conv).unwrap();
-    assert_eq!(
-        runs(&m, &s),
-        vec!["Greet back.\n</think>\n\nHello there!<|im_end|>"]
-    );
+    assert_eq!(runs(&m, &s), vec!["Greet back.\n</think>\n\nHello there!<|im_end|>"]);
     // The same with the reasoning in its own field.
     let conv = conversation(json!({"messages": [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello there!", "reasoning_content": "Greet back."}
     ]}));
     let s = build_sample(&m.template, &m.tokenizer, &conv).unwrap();
-    assert_eq!(
-        runs(&m, &s),
-        vec!["Greet back.\n</think>\n\nHello there!<|im_end|>"]
-    );
+    assert_eq!(runs(&m, &s), vec!["Greet back.\n</think>\n\nHello there!<|im_end|>"]);
 }
 
 #[test]
@@ -169,10 +141,7 @@ fn qwen3_tool_calls_are_supervised_and_tool_results_are_not() {
         {"role": "tool", "content": "18C"},
         {"role": "assistant", "content": "It is 18C."}
     ]}));
-    let full = m
-        .template
-        .render(&conv.messages, conv.tools.as_ref(), false)
-        .unwrap();
+    let full = m.template.render(&conv.messages, conv.tools.as_ref(), false).unwrap();
     assert!(full.contains(
         "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Weather now\", \
          \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}\n</tools>"
@@ -208,15 +177,8 @@ fn llama31_supervises_trimmed_answers_and_eot() {
          <|start_header_id|>assistant<|end_header_id|>\n\nGoodbye.<|eot_id|>"
     );
     let s = build_sample(&m.template, &m.tokenizer, &conv).unwrap();
-    assert_eq!(
-        runs(&m, &s),
-        vec!["Hello there.<|eot_id|>", "Goodbye.<|eot_id|>"]
-    );
-    assert_eq!(
-        s.input_ids[0],
-        m.tokenizer.token_id("<|begin_of_text|>").unwrap(),
-        "BOS comes from the template"
-    );
+    assert_eq!(runs(&m, &s), vec!["Hello there.<|eot_id|>", "Goodbye.<|eot_id|>"]);
+    assert_eq!(s.input_ids[0], m.tokenizer.token_id("<|begin_of_text|>").unwrap(), "BOS comes from the template");
 }
 
 #[test]
@@ -233,10 +195,7 @@ fn llama31_tool_call_turns_are_found_without_content() {
     let s = build_sample(&m.template, &m.tokenizer, &conv).unwrap();
     assert_eq!(
         runs(&m, &s),
-        vec![
-            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|>",
-            "It is 18C.<|eot_id|>"
-        ]
+        vec!["{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}<|eot_id|>", "It is 18C.<|eot_id|>"]
     );
 }
 
@@ -244,9 +203,7 @@ fn llama31_tool_call_turns_are_found_without_content() {
 fn conversations_the_template_cannot_take_are_errors() {
     let m = qwen3(json!({}));
     let no_assistant = conversation(json!({"messages": [{"role": "user", "content": "Hi"}]}));
-    let err = build_sample(&m.template, &m.tokenizer, &no_assistant)
-        .unwrap_err()
-        .to_string();
+    let err = build_sample(&m.template, &m.tokenizer, &no_assistant).unwrap_err().to_string();
     assert!(err.contains("no assistant turn"), "{err}");
     let l = llama31();
     let two_calls = conversation(json!({"messages": [
@@ -254,11 +211,6 @@ fn conversations_the_template_cannot_take_are_errors() {
         {"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": {}}},
                                              {"function": {"name": "b", "arguments": {}}}]}
     ]}));
-    let err = build_sample(&l.template, &l.tokenizer, &two_calls)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("template failed") && err.contains("single tool-calls"),
-        "{err}"
-    );
+    let err = build_sample(&l.template, &l.tokenizer, &two_calls).unwrap_err().to_string();
+    assert!(err.contains("template failed") && err.contains("single tool-calls"), "{err}");
 }

@@ -23,31 +23,16 @@ fn drafter_cfg() -> DrafterConfig {
 
 /// A drafter with larger-than-default random weights so every rule shows in the output.
 fn drafter(seed: u64) -> Drafter {
-    let d = Drafter::new(
-        drafter_cfg(),
-        Device::Cpu,
-        Kind::Float,
-        Init::Portable(seed),
-    )
-    .unwrap();
+    let d = Drafter::new(drafter_cfg(), Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
     tch::no_grad(|| {
-        let _ = d
-            .params()
-            .master
-            .shallow_clone()
-            .f_mul_scalar_(5.0)
-            .unwrap();
+        let _ = d.params().master.shallow_clone().f_mul_scalar_(5.0).unwrap();
     });
     d
 }
 
 fn weights_by_name(d: &Drafter) -> BTreeMap<String, Tensor> {
     let p = d.params();
-    p.layout()
-        .named_views(&p.master)
-        .into_iter()
-        .map(|(n, t)| (n, t.to_kind(Kind::Double)))
-        .collect()
+    p.layout().named_views(&p.master).into_iter().map(|(n, t)| (n, t.to_kind(Kind::Double))).collect()
 }
 
 struct Case {
@@ -64,10 +49,7 @@ fn case(seq: usize, seed: i64) -> Case {
     Case {
         features: Tensor::randn([1, seq as i64, width], (Kind::Float, Device::Cpu)),
         embed: Tensor::randn(
-            [
-                cfg.decoder.vocab_size as i64,
-                cfg.decoder.hidden_size as i64,
-            ],
+            [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64],
             (Kind::Float, Device::Cpu),
         ),
         ids: token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0),
@@ -81,10 +63,7 @@ fn settings() -> ObjectiveSettings {
 
 /// Final hidden states `[Q, H]` of one row with the given anchors, through the library.
 fn run(d: &Drafter, c: &Case, anchors: &[usize], group_blocks: usize) -> Tensor {
-    let rows = [Row {
-        input_ids: &c.ids,
-        loss_mask: &c.mask,
-    }];
+    let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
     let mut s = settings();
     s.attention_group_blocks = group_blocks;
     let plan = BlockPlan::new(&rows, &[anchors.to_vec()], c.ids.len(), &s);
@@ -94,31 +73,16 @@ fn run(d: &Drafter, c: &Case, anchors: &[usize], group_blocks: usize) -> Tensor 
 }
 
 /// The drafter written out from DFLASH.md, one block at a time, in f64, with an explicit softmax.
-fn naive_block(
-    w: &BTreeMap<String, Tensor>,
-    cfg: &DrafterConfig,
-    c: &Case,
-    anchor: usize,
-) -> Tensor {
+fn naive_block(w: &BTreeMap<String, Tensor>, cfg: &DrafterConfig, c: &Case, anchor: usize) -> Tensor {
     let dc = &cfg.decoder;
     let (d, eps) = (dc.head_dim as i64, dc.rms_norm_eps);
     let inv = inv_freqs(dc);
     let group = (dc.num_attention_heads / dc.num_key_value_heads) as i64;
-    let ctx = rms(
-        &c.features
-            .get(0)
-            .to_kind(Kind::Double)
-            .matmul(&w["fc.weight"].tr()),
-        &w["hidden_norm.weight"],
-        eps,
-    );
+    let ctx = rms(&c.features.get(0).to_kind(Kind::Double).matmul(&w["fc.weight"].tr()), &w["hidden_norm.weight"], eps);
     let ctx = ctx.narrow(0, 0, anchor as i64); // strictly before the anchor
     let mut ids = vec![cfg.mask_token_id; BS];
     ids[0] = c.ids[anchor];
-    let mut x = c
-        .embed
-        .to_kind(Kind::Double)
-        .index_select(0, &Tensor::from_slice(&ids));
+    let mut x = c.embed.to_kind(Kind::Double).index_select(0, &Tensor::from_slice(&ids));
     let block_pos: Vec<i64> = (0..BS as i64).map(|k| anchor as i64 + k).collect();
     let ctx_pos: Vec<i64> = (0..anchor as i64).collect();
     for l in 0..dc.num_hidden_layers {
@@ -132,34 +96,11 @@ fn naive_block(
         let mut heads = vec![];
         for h in 0..dc.num_attention_heads as i64 {
             let kvh = h / group;
-            let qh = rope_at(
-                &rms(&q.narrow(1, h * d, d), &p("self_attn.q_norm.weight"), eps),
-                &inv,
-                &block_pos,
-            );
-            let kc = rope_at(
-                &rms(
-                    &k_ctx.narrow(1, kvh * d, d),
-                    &p("self_attn.k_norm.weight"),
-                    eps,
-                ),
-                &inv,
-                &ctx_pos,
-            );
-            let kb = rope_at(
-                &rms(
-                    &k_blk.narrow(1, kvh * d, d),
-                    &p("self_attn.k_norm.weight"),
-                    eps,
-                ),
-                &inv,
-                &block_pos,
-            );
+            let qh = rope_at(&rms(&q.narrow(1, h * d, d), &p("self_attn.q_norm.weight"), eps), &inv, &block_pos);
+            let kc = rope_at(&rms(&k_ctx.narrow(1, kvh * d, d), &p("self_attn.k_norm.weight"), eps), &inv, &ctx_pos);
+            let kb = rope_at(&rms(&k_blk.narrow(1, kvh * d, d), &p("self_attn.k_norm.weight"), eps), &inv, &block_pos);
             let keys = Tensor::cat(&[kc, kb], 0);
-            let values = Tensor::cat(
-                &[v_ctx.narrow(1, kvh * d, d), v_blk.narrow(1, kvh * d, d)],
-                0,
-            );
+            let values = Tensor::cat(&[v_ctx.narrow(1, kvh * d, d), v_blk.narrow(1, kvh * d, d)], 0);
             let scores = qh.matmul(&keys.tr()) / (d as f64).sqrt();
             let e = (&scores - scores.amax(&[1i64][..], true)).exp();
             let probs = &e / e.sum_dim_intlist(1, true, Kind::Double);
@@ -212,34 +153,17 @@ fn a_block_never_sees_context_at_or_after_its_anchor() {
     let before = run(&d, &c, &anchors, 1);
     // Perturb the target states at positions 8.. (the anchor of block 1 and everything after it).
     let mut tail = c.features.narrow(1, 8, 12);
-    let _ = tail
-        .f_add_(&Tensor::randn(
-            [1, 12, tail.size()[2]],
-            (Kind::Float, Device::Cpu),
-        ))
-        .unwrap();
+    let _ = tail.f_add_(&Tensor::randn([1, 12, tail.size()[2]], (Kind::Float, Device::Cpu))).unwrap();
     let after = run(&d, &c, &anchors, 1);
-    assert!(
-        block(&before, 0).equal(&block(&after, 0)),
-        "block 0 (anchor 3) must not see positions >= 8"
-    );
-    assert!(
-        block(&before, 1).equal(&block(&after, 1)),
-        "block 1 (anchor 8): strict < anchor"
-    );
-    assert!(
-        rel_err(&block(&after, 2), &block(&before, 2).to_kind(Kind::Double)) > 1e-4,
-        "block 2 sees 8..12"
-    );
+    assert!(block(&before, 0).equal(&block(&after, 0)), "block 0 (anchor 3) must not see positions >= 8");
+    assert!(block(&before, 1).equal(&block(&after, 1)), "block 1 (anchor 8): strict < anchor");
+    assert!(rel_err(&block(&after, 2), &block(&before, 2).to_kind(Kind::Double)) > 1e-4, "block 2 sees 8..12");
     // The position just before an anchor is seen.
     let mut prev = c.features.narrow(1, 7, 1);
     let _ = prev.f_add_(&Tensor::ones_like(&prev)).unwrap();
     let again = run(&d, &c, &anchors, 1);
     assert!(block(&after, 0).equal(&block(&again, 0)));
-    assert!(
-        rel_err(&block(&again, 1), &block(&after, 1).to_kind(Kind::Double)) > 1e-4,
-        "block 1 sees 7"
-    );
+    assert!(rel_err(&block(&again, 1), &block(&after, 1).to_kind(Kind::Double)) > 1e-4, "block 1 sees 7");
 }
 
 #[test]
@@ -255,10 +179,7 @@ fn blocks_never_see_each_other_and_see_all_of_themselves() {
     // Every slot of block 1 changes, the last included: attention inside a block is bidirectional.
     for k in 0..BS as i64 {
         let (b, a) = (block(&before, 1).get(k), block(&after, 1).get(k));
-        assert!(
-            rel_err(&a, &b.to_kind(Kind::Double)) > 1e-4,
-            "slot {k} of block 1 did not see slot 0"
-        );
+        assert!(rel_err(&a, &b.to_kind(Kind::Double)) > 1e-4, "slot {k} of block 1 did not see slot 0");
     }
 }
 
@@ -269,43 +190,23 @@ fn slot_zero_and_padding_blocks_carry_no_loss_and_no_gradient() {
     let other = case(16, 6);
     // Row 1 has one anchor, so it gets two padding blocks.
     let rows = [
-        Row {
-            input_ids: &c.ids,
-            loss_mask: &c.mask,
-        },
-        Row {
-            input_ids: &other.ids[..6],
-            loss_mask: &other.mask[..6],
-        },
+        Row { input_ids: &c.ids, loss_mask: &c.mask },
+        Row { input_ids: &other.ids[..6], loss_mask: &other.mask[..6] },
     ];
     let s = settings();
     let plan = BlockPlan::new(&rows, &[vec![2, 6, 11], vec![1]], 16, &s);
-    assert!(
-        plan.weights.iter().step_by(BS).all(|&w| w == 0.0),
-        "slot 0 never weighs"
-    );
+    assert!(plan.weights.iter().step_by(BS).all(|&w| w == 0.0), "slot 0 never weighs");
     let t = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
     let features = Tensor::cat(&[&c.features, &other.features], 0);
     let emb = Tensor::embedding(&c.embed, &t.block_ids, -1, false, false).set_requires_grad(true);
     let h = d.forward(&features, &emb, &t.positions, &t.attention);
     let flat = h.view([-1, h.size()[2]]);
-    let out = lm_head_loss(
-        &flat.detach(),
-        &c.embed,
-        &t.labels,
-        &t.weights,
-        &plan,
-        5,
-        true,
-    )
-    .unwrap();
+    let out = lm_head_loss(&flat.detach(), &c.embed, &t.labels, &t.weights, &plan, 5, true).unwrap();
     assert!(out.metrics.weighted_loss.is_finite() && out.metrics.weight > 0.0);
     assert_eq!(out.metrics.blocks, 4.0);
     let grad = out.grad.unwrap();
     assert!(bool::try_from(grad.isfinite().all()).unwrap());
-    (h * grad.view_as(&flat).view([2, -1, flat.size()[1]]))
-        .sum(Kind::Float)
-        .backward();
+    (h * grad.view_as(&flat).view([2, -1, flat.size()[1]])).sum(Kind::Float).backward();
     // No gradient reaches the padding blocks' inputs (row 1, blocks 1 and 2), nor any slot-0-only path.
     let g = emb.grad();
     let padding = g.get(1).narrow(0, BS as i64, 2 * BS as i64);
@@ -318,19 +219,14 @@ fn the_head_loss_equals_cross_entropy_written_out() {
     let d = drafter(6);
     let c = case(18, 7);
     let anchors = vec![1, 7, 12];
-    let rows = [Row {
-        input_ids: &c.ids,
-        loss_mask: &c.mask,
-    }];
+    let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
     let s = settings();
     let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 18, &s);
     let t = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
     let h = run(&d, &c, &anchors, 2);
     let out = lm_head_loss(&h, &c.embed, &t.labels, &t.weights, &plan, 3, false).unwrap();
     // Written out: logits, log-softmax, weighted sum; acceptance per block from the argmax.
-    let logits = h
-        .to_kind(Kind::Double)
-        .matmul(&c.embed.to_kind(Kind::Double).tr());
+    let logits = h.to_kind(Kind::Double).matmul(&c.embed.to_kind(Kind::Double).tr());
     let lsm = logits.log_softmax(-1, Kind::Double);
     let argmax = Vec::<i64>::try_from(logits.argmax(-1, false)).unwrap();
     let (mut wl, mut ws, mut accepted) = (0.0, 0.0, 0.0);
@@ -354,11 +250,7 @@ fn the_head_loss_equals_cross_entropy_written_out() {
         }
         accepted += len;
     }
-    assert!(
-        (out.metrics.weighted_loss - wl).abs() < 1e-4 * wl.abs(),
-        "{} vs {wl}",
-        out.metrics.weighted_loss
-    );
+    assert!((out.metrics.weighted_loss - wl).abs() < 1e-4 * wl.abs(), "{} vs {wl}", out.metrics.weighted_loss);
     assert!((out.metrics.weight - ws).abs() < 1e-6);
     assert_eq!(out.metrics.accepted, accepted);
     assert_eq!(out.metrics.blocks, 3.0);
@@ -374,28 +266,15 @@ fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
     let cpu = Drafter::new(drafter_cfg(), Device::Cpu, Kind::Float, Init::Portable(8)).unwrap();
     let c = case(64, 8);
     let anchors: Vec<usize> = vec![0, 5, 9, 17, 30, 31, 44, 50, 58];
-    let rows = [Row {
-        input_ids: &c.ids,
-        loss_mask: &c.mask,
-    }];
-    let s = ObjectiveSettings {
-        attention_group_blocks: 4,
-        ..settings()
-    };
+    let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
+    let s = ObjectiveSettings { attention_group_blocks: 4, ..settings() };
     let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 64, &s);
     let reference = run(&cpu, &c, &anchors, 4).to_kind(Kind::Double);
     let t_cpu = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
-    let ref_loss = lm_head_loss(
-        &reference.to_kind(Kind::Float),
-        &c.embed,
-        &t_cpu.labels,
-        &t_cpu.weights,
-        &plan,
-        8,
-        false,
-    )
-    .unwrap()
-    .metrics;
+    let ref_loss =
+        lm_head_loss(&reference.to_kind(Kind::Float), &c.embed, &t_cpu.labels, &t_cpu.weights, &plan, 8, false)
+            .unwrap()
+            .metrics;
     let dir = tempfile::tempdir().unwrap();
     cpu.save(dir.path(), Kind::Float).unwrap();
     for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::BFloat16, 5e-2)] {
@@ -409,9 +288,7 @@ fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
         let err = rel_err(&h.to_device(Device::Cpu), &reference);
         eprintln!("{kind:?}: forward relative error {err}");
         assert!(err < tolerance, "{kind:?} forward: relative error {err}");
-        let m = lm_head_loss(&h, &embed, &t.labels, &t.weights, &plan, 8, false)
-            .unwrap()
-            .metrics;
+        let m = lm_head_loss(&h, &embed, &t.labels, &t.weights, &plan, 8, false).unwrap().metrics;
         let err = (m.weighted_loss - ref_loss.weighted_loss).abs() / ref_loss.weighted_loss;
         assert!(err < tolerance, "{kind:?} loss: relative error {err}");
     }

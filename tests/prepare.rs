@@ -30,10 +30,7 @@ fn write_lines(path: &Path, lines: &[String]) {
 }
 
 fn sample_lines(n: usize) -> Vec<String> {
-    sample_conversations(n, 5)
-        .iter()
-        .map(|c| c.to_string())
-        .collect()
+    sample_conversations(n, 5).iter().map(|c| c.to_string()).collect()
 }
 
 #[test]
@@ -46,19 +43,10 @@ fn prepared_samples_are_the_conversations_tokenized_and_masked() {
     let out = dir.path().join("prepared");
     let mut opts = options(vec![input.clone()], &out);
     opts.holdout = 0.25;
-    let PrepareOutcome::Written(m) = prepare(&assets, &opts).unwrap() else {
-        panic!("expected a fresh output")
-    };
+    let PrepareOutcome::Written(m) = prepare(&assets, &opts).unwrap() else { panic!("expected a fresh output") };
     assert_eq!(m.report.lines, 60);
-    assert_eq!(
-        m.report.kept_train + m.report.kept_holdout + m.report.dropped.values().sum::<u64>(),
-        60
-    );
-    assert!(
-        m.report.kept_holdout > 5 && m.report.kept_train > 30,
-        "{:?}",
-        m.report
-    );
+    assert_eq!(m.report.kept_train + m.report.kept_holdout + m.report.dropped.values().sum::<u64>(), 60);
+    assert!(m.report.kept_holdout > 5 && m.report.kept_train > 30, "{:?}", m.report);
     let train = PreparedSplit::open(&out, "train", true).unwrap();
     let holdout = PreparedSplit::open(&out, "holdout", true).unwrap();
     assert_eq!(train.len() as u64, m.report.kept_train);
@@ -76,14 +64,9 @@ fn prepared_samples_are_the_conversations_tokenized_and_masked() {
         }
     }
     // The same inputs and settings: nothing to do. Other settings: a new output.
-    assert!(matches!(
-        prepare(&assets, &opts).unwrap(),
-        PrepareOutcome::UpToDate(_)
-    ));
+    assert!(matches!(prepare(&assets, &opts).unwrap(), PrepareOutcome::UpToDate(_)));
     opts.holdout = 0.0;
-    let PrepareOutcome::Written(m2) = prepare(&assets, &opts).unwrap() else {
-        panic!("changed settings must rewrite")
-    };
+    let PrepareOutcome::Written(m2) = prepare(&assets, &opts).unwrap() else { panic!("changed settings must rewrite") };
     assert_eq!(m2.report.kept_holdout, 0);
     assert_ne!(m2.fingerprint, m.fingerprint);
 }
@@ -96,21 +79,18 @@ fn short_samples_are_dropped_and_long_ones_truncated() {
     write_lines(
         &input,
         &[
-            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}).to_string(),
-            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": long}]}).to_string(),
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]})
+                .to_string(),
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": long}]})
+                .to_string(),
         ],
     );
     let out = dir.path().join("p");
-    let PrepareOutcome::Written(m) =
-        prepare(&ModelAssets::tiny(&Map::new()), &options(vec![input], &out)).unwrap()
+    let PrepareOutcome::Written(m) = prepare(&ModelAssets::tiny(&Map::new()), &options(vec![input], &out)).unwrap()
     else {
         panic!()
     };
-    assert_eq!(
-        m.report.dropped.values().sum::<u64>(),
-        1,
-        "\"ok<|im_end|>\" has 3 supervised tokens < 2 x 4"
-    );
+    assert_eq!(m.report.dropped.values().sum::<u64>(), 1, "\"ok<|im_end|>\" has 3 supervised tokens < 2 x 4");
     assert_eq!(m.report.truncated, 1);
     let train = PreparedSplit::open(&out, "train", false).unwrap();
     assert_eq!(train.get(0).len(), 256);
@@ -128,11 +108,9 @@ fn bad_lines_are_skipped_counted_and_quoted_with_file_and_line() {
     lines.push(json!({"id": 0, "messages": [{"role": "user", "content": "dup"}, {"role": "assistant", "content": "a long enough answer"}]}).to_string());
     write_lines(&input, &lines);
     let out = dir.path().join("p");
-    let PrepareOutcome::Written(m) = prepare(
-        &ModelAssets::tiny(&Map::new()),
-        &options(vec![input.clone()], &out),
-    )
-    .unwrap() else {
+    let PrepareOutcome::Written(m) =
+        prepare(&ModelAssets::tiny(&Map::new()), &options(vec![input.clone()], &out)).unwrap()
+    else {
         panic!()
     };
     let bad = &m.report.bad_lines;
@@ -141,26 +119,17 @@ fn bad_lines_are_skipped_counted_and_quoted_with_file_and_line() {
     assert_eq!(bad.get("empty conversation"), Some(&1));
     assert_eq!(bad.get("duplicate id"), Some(&1));
     let quoted = m.report.examples.join("\n");
-    assert!(
-        quoted.contains(&format!("{}:4:", input.display())) && quoted.contains("robot"),
-        "{quoted}"
-    );
+    assert!(quoted.contains(&format!("{}:4:", input.display())) && quoted.contains("robot"), "{quoted}");
     assert_eq!(m.report.kept_train, 3);
 
     // --strict: the first bad line is fatal, named by file and line, and no output appears.
     let strict_out = dir.path().join("strict");
     let mut opts = options(vec![input.clone()], &strict_out);
     opts.strict = true;
-    let err = prepare(&ModelAssets::tiny(&Map::new()), &opts)
-        .err()
-        .unwrap()
-        .to_string();
+    let err = prepare(&ModelAssets::tiny(&Map::new()), &opts).err().unwrap().to_string();
     assert!(err.contains(&format!("{}:4", input.display())), "{err}");
     assert!(!strict_out.exists(), "a failed run leaves no output");
-    assert!(
-        !dir.path().join(".strict.partial").exists(),
-        "and no temporary folder"
-    );
+    assert!(!dir.path().join(".strict.partial").exists(), "and no temporary folder");
 }
 
 #[test]
@@ -182,27 +151,15 @@ fn templates_that_fail_and_missing_tokenizers_are_named() {
         ],
     );
     let assets = ModelAssets::from_dir(&model, &Map::new()).unwrap();
-    let PrepareOutcome::Written(m) =
-        prepare(&assets, &options(vec![input], &dir.path().join("p"))).unwrap()
-    else {
+    let PrepareOutcome::Written(m) = prepare(&assets, &options(vec![input], &dir.path().join("p"))).unwrap() else {
         panic!()
     };
-    assert_eq!(
-        m.report.bad_lines.get("template or tokenizer failed"),
-        Some(&1)
-    );
-    assert!(
-        m.report.examples[0].contains("no forbidden words"),
-        "{:?}",
-        m.report.examples
-    );
+    assert_eq!(m.report.bad_lines.get("template or tokenizer failed"), Some(&1));
+    assert!(m.report.examples[0].contains("no forbidden words"), "{:?}", m.report.examples);
     assert_eq!(m.report.kept_train, 1);
 
     std::fs::remove_file(model.join("tokenizer.json")).unwrap();
-    let err = ModelAssets::from_dir(&model, &Map::new())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = ModelAssets::from_dir(&model, &Map::new()).err().unwrap().to_string();
     assert!(err.contains("tokenizer.json"), "{err}");
 }
 
@@ -216,49 +173,23 @@ fn an_interrupted_run_leaves_nothing_that_passes_for_output() {
     let stale = dir.path().join(".p.partial");
     std::fs::create_dir_all(&stale).unwrap();
     std::fs::write(stale.join("train-00000.tokens"), b"junk").unwrap();
-    assert!(
-        Manifest::read(&stale).is_err(),
-        "no manifest: not an output"
-    );
+    assert!(Manifest::read(&stale).is_err(), "no manifest: not an output");
     let assets = ModelAssets::tiny(&Map::new());
-    assert!(matches!(
-        prepare(&assets, &options(vec![input.clone()], &out)).unwrap(),
-        PrepareOutcome::Written(_)
-    ));
+    assert!(matches!(prepare(&assets, &options(vec![input.clone()], &out)).unwrap(), PrepareOutcome::Written(_)));
     assert!(!stale.exists());
     PreparedSplit::open(&out, "train", true).unwrap();
     // A damaged output is detected, and a rerun repairs it.
     let tokens = out.join("train-00000.tokens");
     let len = std::fs::metadata(&tokens).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&tokens)
-        .unwrap()
-        .set_len(len - 4)
-        .unwrap();
-    assert!(
-        PreparedSplit::open(&out, "train", false)
-            .err()
-            .unwrap()
-            .to_string()
-            .contains("damaged")
-    );
-    assert!(matches!(
-        prepare(&assets, &options(vec![input], &out)).unwrap(),
-        PrepareOutcome::Written(_)
-    ));
+    std::fs::OpenOptions::new().write(true).open(&tokens).unwrap().set_len(len - 4).unwrap();
+    assert!(PreparedSplit::open(&out, "train", false).err().unwrap().to_string().contains("damaged"));
+    assert!(matches!(prepare(&assets, &options(vec![input], &out)).unwrap(), PrepareOutcome::Written(_)));
     PreparedSplit::open(&out, "train", true).unwrap();
     // A folder that is not ours is never replaced.
     let foreign = dir.path().join("mine");
     std::fs::create_dir_all(&foreign).unwrap();
     std::fs::write(foreign.join("notes.txt"), "keep me").unwrap();
-    let err = prepare(
-        &assets,
-        &options(vec![dir.path().join("c.jsonl")], &foreign),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let err = prepare(&assets, &options(vec![dir.path().join("c.jsonl")], &foreign)).err().unwrap().to_string();
     assert!(err.contains("not a prepared folder"), "{err}");
     assert!(foreign.join("notes.txt").exists());
 }
@@ -270,11 +201,7 @@ fn the_cli_prepares_inspects_and_feeds_eval() {
     write_lines(&input, &sample_lines(12));
     let out = dir.path().join("p");
     let dflash = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_dflash"))
-            .args(args)
-            .env("DFLASH__LOG__LEVEL", "warn")
-            .output()
-            .unwrap()
+        Command::new(env!("CARGO_BIN_EXE_dflash")).args(args).env("DFLASH__LOG__LEVEL", "warn").output().unwrap()
     };
     let o = dflash(&[
         "prepare",
@@ -295,20 +222,12 @@ fn the_cli_prepares_inspects_and_feeds_eval() {
     assert_eq!(report["written"], true);
     let o = dflash(&["inspect", out.to_str().unwrap(), "--limit", "2"]);
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        text.contains("── id") && text.contains("⟦") && text.contains("<|im_end|>⟧"),
-        "{text}"
-    );
+    assert!(text.contains("── id") && text.contains("⟦") && text.contains("<|im_end|>⟧"), "{text}");
     let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--limit", "100"]);
     let rows_path = dir.path().join("rows.jsonl");
     std::fs::write(&rows_path, &o.stdout).unwrap();
     let rows = read_token_rows(&rows_path, 320).unwrap();
-    assert_eq!(
-        rows.len() as u64,
-        report["report"]["kept_train"].as_u64().unwrap()
-    );
+    assert_eq!(rows.len() as u64, report["report"]["kept_train"].as_u64().unwrap());
     let o = dflash(&["inspect", out.to_str().unwrap(), "--id", "999"]);
-    assert!(
-        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no sample with id 999")
-    );
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no sample with id 999"));
 }

@@ -22,38 +22,25 @@ struct Server {
     requests: Vec<Value>,
 }
 
-async fn chat(
-    State(s): State<Arc<Mutex<Server>>>,
-    Json(body): Json<Value>,
-) -> (StatusCode, Json<Value>) {
+async fn chat(State(s): State<Arc<Mutex<Server>>>, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
     let mut s = s.lock().unwrap();
     s.requests.push(body.clone());
     let messages = body["messages"].as_array().unwrap();
-    let last_user = messages.iter().rev().find(|m| m["role"] == "user").unwrap()["content"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let last_user =
+        messages.iter().rev().find(|m| m["role"] == "user").unwrap()["content"].as_str().unwrap().to_string();
     let key = body["messages"].to_string();
     let n = s.attempts.entry(key).or_insert(0);
     *n += 1;
     if *n == 1 || (s.poison && last_user.contains("poison")) {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"error": "busy"})),
-        );
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": "busy"})));
     }
     let assistants = messages.iter().filter(|m| m["role"] == "assistant").count();
     let reply = format!("reply to {last_user} after {assistants} turns");
-    (
-        StatusCode::OK,
-        Json(json!({"choices": [{"message": {"role": "assistant", "content": reply}}]})),
-    )
+    (StatusCode::OK, Json(json!({"choices": [{"message": {"role": "assistant", "content": reply}}]})))
 }
 
 async fn start(state: Arc<Mutex<Server>>) -> SocketAddr {
-    let app = Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .with_state(state);
+    let app = Router::new().route("/v1/chat/completions", post(chat)).with_state(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -63,11 +50,7 @@ async fn start(state: Arc<Mutex<Server>>) -> SocketAddr {
 fn input(path: &Path, n: usize) {
     let lines: Vec<String> = (0..n)
         .map(|i| {
-            let topic = if i == 3 {
-                "poison".to_string()
-            } else {
-                format!("topic {i}")
-            };
+            let topic = if i == 3 { "poison".to_string() } else { format!("topic {i}") };
             json!({"id": 100 + i, "messages": [
                 {"role": "system", "content": "be brief"},
                 {"role": "user", "content": topic},
@@ -108,58 +91,33 @@ async fn regenerates_turn_by_turn_with_retries_and_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let (inp, out) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
     input(&inp, 10);
-    let state = Arc::new(Mutex::new(Server {
-        poison: true,
-        ..Server::default()
-    }));
+    let state = Arc::new(Mutex::new(Server { poison: true, ..Server::default() }));
     let addr = start(state.clone()).await;
     let opts = RegenerateOptions {
         input: inp.clone(),
         out: out.clone(),
         max_tokens: 64,
         temperature: 0.0,
-        template_kwargs: serde_json::from_value::<Map<String, Value>>(
-            json!({"enable_thinking": false}),
-        )
-        .unwrap(),
+        template_kwargs: serde_json::from_value::<Map<String, Value>>(json!({"enable_thinking": false})).unwrap(),
         progress: false,
     };
     let report = regenerate_endpoint(&opts, &endpoint(addr)).await.unwrap();
-    assert_eq!(
-        (report.conversations, report.regenerated, report.failed),
-        (10, 9, 1),
-        "{report:?}"
-    );
+    assert_eq!((report.conversations, report.regenerated, report.failed), (10, 9, 1), "{report:?}");
     let written = read_out(&out);
     assert_eq!(written.len(), 9);
-    assert!(
-        !written.contains_key(&103),
-        "the failed conversation is not written"
-    );
+    assert!(!written.contains_key(&103), "the failed conversation is not written");
     let c = &written[&105];
-    assert_eq!(
-        c["messages"][2]["content"],
-        "reply to topic 5 after 0 turns"
-    );
+    assert_eq!(c["messages"][2]["content"], "reply to topic 5 after 0 turns");
     // The second turn saw the regenerated first turn, not the old one.
-    assert_eq!(
-        c["messages"][4]["content"],
-        "reply to more on 5 after 1 turns"
-    );
+    assert_eq!(c["messages"][4]["content"], "reply to more on 5 after 1 turns");
     {
         let s = state.lock().unwrap();
         let second = s
             .requests
             .iter()
-            .find(|r| {
-                r["messages"].as_array().unwrap().len() == 4
-                    && r["messages"][1]["content"] == "topic 5"
-            })
+            .find(|r| r["messages"].as_array().unwrap().len() == 4 && r["messages"][1]["content"] == "topic 5")
             .unwrap();
-        assert_eq!(
-            second["messages"][2]["content"],
-            "reply to topic 5 after 0 turns"
-        );
+        assert_eq!(second["messages"][2]["content"], "reply to topic 5 after 0 turns");
         assert_eq!(second["chat_template_kwargs"]["enable_thinking"], false);
         assert_eq!(second["model"], "test-model");
     }
@@ -170,17 +128,10 @@ async fn regenerates_turn_by_turn_with_retries_and_resumes() {
     std::fs::write(&out, text).unwrap();
     state.lock().unwrap().poison = false;
     let report = regenerate_endpoint(&opts, &endpoint(addr)).await.unwrap();
-    assert_eq!(
-        (report.already_done, report.regenerated, report.failed),
-        (9, 1, 0),
-        "{report:?}"
-    );
+    assert_eq!((report.already_done, report.regenerated, report.failed), (9, 1, 0), "{report:?}");
     let written = read_out(&out);
     assert_eq!(written.len(), 10);
-    assert_eq!(
-        written[&103]["messages"][2]["content"],
-        "reply to poison after 0 turns"
-    );
+    assert_eq!(written[&103]["messages"][2]["content"], "reply to poison after 0 turns");
 }
 
 #[test]
@@ -190,22 +141,8 @@ fn local_regeneration_with_the_tiny_target() {
     input(&inp, 2);
     let run = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
-            .args([
-                "regenerate",
-                "--local",
-                "--model",
-                "tiny",
-                "--device",
-                "cpu",
-                "--max-tokens",
-                "8",
-            ])
-            .args([
-                "--input",
-                inp.to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-            ])
+            .args(["regenerate", "--local", "--model", "tiny", "--device", "cpu", "--max-tokens", "8"])
+            .args(["--input", inp.to_str().unwrap(), "--out", out.to_str().unwrap()])
             .env("DFLASH__LOG__LEVEL", "warn")
             .output()
             .unwrap()
@@ -217,17 +154,10 @@ fn local_regeneration_with_the_tiny_target() {
     for c in written.values() {
         let reply = c["messages"][2]["content"].as_str().unwrap();
         assert_ne!(reply, "old answer");
-        assert!(
-            reply.len() <= 8 * 3,
-            "at most 8 byte tokens (each at most one replacement character): {reply:?}"
-        );
+        assert!(reply.len() <= 8 * 3, "at most 8 byte tokens (each at most one replacement character): {reply:?}");
     }
     let first = std::fs::read_to_string(&out).unwrap();
     let o = run();
     assert!(String::from_utf8_lossy(&o.stdout).contains("2 already done"));
-    assert_eq!(
-        std::fs::read_to_string(&out).unwrap(),
-        first,
-        "greedy and resumed: nothing changes"
-    );
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), first, "greedy and resumed: nothing changes");
 }

@@ -17,19 +17,8 @@ fn check_against_naive(cfg: &TargetConfig, seed: i64) {
     let dir = tempfile::tempdir().unwrap();
     write_folder(dir.path(), cfg, &weights, usize::MAX);
     let full = Target::load(dir.path(), &TAPS, Depth::Full, Device::Cpu, Kind::Float).unwrap();
-    let capture = Target::load(
-        dir.path(),
-        &TAPS,
-        Depth::ToLastTap,
-        Device::Cpu,
-        Kind::Float,
-    )
-    .unwrap();
-    assert_eq!(
-        capture.layers_run(),
-        3,
-        "capture stops at the last tapped layer"
-    );
+    let capture = Target::load(dir.path(), &TAPS, Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(capture.layers_run(), 3, "capture stops at the last tapped layer");
     assert_eq!(full.layers_run(), cfg.num_hidden_layers);
 
     let rows = token_rows(cfg.vocab_size as i64, &[11, 7, 1, 11], seed as u64);
@@ -43,47 +32,31 @@ fn check_against_naive(cfg: &TargetConfig, seed: i64) {
         let len = row.len() as i64;
         let mine = states.get(b as i64).narrow(0, 0, len);
         for (j, &tap) in TAPS.iter().enumerate() {
-            let err = rel_err(
-                &mine.narrow(1, j as i64 * h, h),
-                &reference.layer_outputs[tap],
-            );
+            let err = rel_err(&mine.narrow(1, j as i64 * h, h), &reference.layer_outputs[tap]);
             assert!(err < 1e-5, "row {b} tap {tap}: relative error {err}");
         }
         let err = rel_err(&logits.get(b as i64).narrow(0, 0, len), &reference.logits);
         assert!(err < 1e-5, "row {b} logits: relative error {err}");
         if len < 11 {
             let pad = states.get(b as i64).narrow(0, len, 11 - len);
-            assert_eq!(
-                pad.abs().max().double_value(&[]),
-                0.0,
-                "padded positions are zeroed"
-            );
+            assert_eq!(pad.abs().max().double_value(&[]), 0.0, "padded positions are zeroed");
         }
     }
 }
 
 #[test]
 fn qwen3_matches_the_naive_decoder_on_padded_batches() {
-    check_against_naive(
-        &small_config(Architecture::Qwen3, false, RopeScaling::None),
-        1,
-    );
+    check_against_naive(&small_config(Architecture::Qwen3, false, RopeScaling::None), 1);
 }
 
 #[test]
 fn llama_with_llama3_rope_scaling_matches_the_naive_decoder() {
-    check_against_naive(
-        &small_config(Architecture::Llama, false, llama3_scaling()),
-        2,
-    );
+    check_against_naive(&small_config(Architecture::Llama, false, llama3_scaling()), 2);
 }
 
 #[test]
 fn tied_lm_head_matches_the_naive_decoder() {
-    check_against_naive(
-        &small_config(Architecture::Qwen3, true, RopeScaling::None),
-        3,
-    );
+    check_against_naive(&small_config(Architecture::Qwen3, true, RopeScaling::None), 3);
 }
 
 #[test]
@@ -93,16 +66,8 @@ fn the_naive_check_would_catch_a_wrong_tap_or_missing_qk_norm() {
     let w = random_weights(&cfg, 4);
     let row = &token_rows(cfg.vocab_size as i64, &[9], 4)[0];
     let qwen = naive_forward(&cfg, &w, row);
-    assert!(
-        rel_err(
-            &qwen.layer_outputs[1],
-            &qwen.layer_outputs[0].to_kind(Kind::Double)
-        ) > 0.1
-    );
-    let as_llama = TargetConfig {
-        architecture: Architecture::Llama,
-        ..cfg.clone()
-    };
+    assert!(rel_err(&qwen.layer_outputs[1], &qwen.layer_outputs[0].to_kind(Kind::Double)) > 0.1);
+    let as_llama = TargetConfig { architecture: Architecture::Llama, ..cfg.clone() };
     let llama = naive_forward(&as_llama, &w, row);
     assert!(rel_err(&llama.logits, &qwen.logits) > 0.01);
 }
@@ -110,50 +75,29 @@ fn the_naive_check_would_catch_a_wrong_tap_or_missing_qk_norm() {
 #[test]
 fn a_sharded_folder_round_trips_with_identical_outputs() {
     let spec = Preset::Tiny.spec();
-    let target = spec
-        .build_target(Depth::Full, Device::Cpu, Kind::Float)
-        .unwrap();
+    let target = spec.build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
     let dir = tempfile::tempdir().unwrap();
     target.save_hf(dir.path(), 200_000).unwrap();
     let shards = std::fs::read_dir(dir.path())
         .unwrap()
-        .filter(|e| {
-            e.as_ref()
-                .unwrap()
-                .file_name()
-                .to_string_lossy()
-                .starts_with("model-")
-        })
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("model-"))
         .count();
     assert!(shards > 1, "expected several shards, got {shards}");
     assert!(dir.path().join("model.safetensors.index.json").exists());
-    let loaded = Target::load(
-        dir.path(),
-        &spec.taps,
-        Depth::Full,
-        Device::Cpu,
-        Kind::Float,
-    )
-    .unwrap();
+    let loaded = Target::load(dir.path(), &spec.taps, Depth::Full, Device::Cpu, Kind::Float).unwrap();
     assert_eq!(loaded.config(), target.config());
     let (ids, lengths) = pad_batch(&token_rows(spec.target.vocab_size as i64, &[20, 13], 9));
     let a = target.capture(&ids, &lengths).unwrap();
     let b = loaded.capture(&ids, &lengths).unwrap();
     assert!(a.equal(&b), "capture differs after the round trip");
-    assert!(
-        target
-            .logits(&ids, &lengths)
-            .unwrap()
-            .equal(&loaded.logits(&ids, &lengths).unwrap())
-    );
+    assert!(target.logits(&ids, &lengths).unwrap().equal(&loaded.logits(&ids, &lengths).unwrap()));
 }
 
 #[test]
 fn the_tiny_preset_is_the_same_model_every_time() {
     let build = || {
         let spec = Preset::Tiny.spec();
-        spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float)
-            .unwrap()
+        spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap()
     };
     let (a, b) = (build(), build());
     assert!(a.embed_tokens().equal(b.embed_tokens()));
@@ -169,27 +113,13 @@ fn capture_rejects_bad_batches() {
     let cfg = small_config(Architecture::Qwen3, false, RopeScaling::None);
     let dir = tempfile::tempdir().unwrap();
     write_folder(dir.path(), &cfg, &random_weights(&cfg, 5), usize::MAX);
-    let t = Target::load(
-        dir.path(),
-        &TAPS,
-        Depth::ToLastTap,
-        Device::Cpu,
-        Kind::Float,
-    )
-    .unwrap();
+    let t = Target::load(dir.path(), &TAPS, Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap();
     let ids = Tensor::zeros([2, 5], (Kind::Int64, Device::Cpu));
-    for (lengths, expected) in [
-        (&[5i64][..], "lengths"),
-        (&[5, 6], "lengths"),
-        (&[0, 5], "lengths"),
-    ] {
+    for (lengths, expected) in [(&[5i64][..], "lengths"), (&[5, 6], "lengths"), (&[0, 5], "lengths")] {
         let err = t.capture(&ids, lengths).unwrap_err().to_string();
         assert!(err.contains(expected), "{err}");
     }
-    let err = t
-        .capture(&ids.to_kind(Kind::Float), &[5, 5])
-        .unwrap_err()
-        .to_string();
+    let err = t.capture(&ids.to_kind(Kind::Float), &[5, 5]).unwrap_err().to_string();
     assert!(err.contains("int64"), "{err}");
     let err = t.logits(&ids, &[5, 5]).unwrap_err();
     assert!(matches!(err, ModelError::NotFull), "{err}");
@@ -215,12 +145,7 @@ fn shards(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("model-")
-        })
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("model-"))
         .collect();
     v.sort();
     v
@@ -234,10 +159,7 @@ fn a_folder_without_weights_says_so() {
     }
     std::fs::remove_file(dir.path().join("model.safetensors.index.json")).unwrap();
     let err = load_err(dir.path(), &TAPS);
-    assert!(
-        err.contains("no model.safetensors") && err.contains(&dir.path().display().to_string()),
-        "{err}"
-    );
+    assert!(err.contains("no model.safetensors") && err.contains(&dir.path().display().to_string()), "{err}");
 }
 
 #[test]
@@ -255,10 +177,7 @@ fn a_truncated_shard_is_named() {
     let bytes = std::fs::read(shard).unwrap();
     std::fs::write(shard, &bytes[..bytes.len() - 100]).unwrap();
     let err = load_err(dir.path(), &TAPS);
-    assert!(
-        err.contains(&shard.display().to_string()) && err.contains("truncated"),
-        "{err}"
-    );
+    assert!(err.contains(&shard.display().to_string()) && err.contains("truncated"), "{err}");
 }
 
 #[test]
@@ -278,33 +197,17 @@ fn a_missing_tensor_is_named() {
     let dir = tempfile::tempdir().unwrap();
     write_folder(dir.path(), &cfg, &w, usize::MAX);
     let err = load_err(dir.path(), &TAPS);
-    assert!(
-        err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"),
-        "{err}"
-    );
+    assert!(err.contains("model.layers.1.mlp.up_proj.weight") && err.contains("missing"), "{err}");
 }
 
 #[test]
 fn a_shape_that_disagrees_with_config_json_is_named() {
     let (dir, cfg) = good_folder();
-    let wrong = TargetConfig {
-        intermediate_size: 96,
-        ..cfg
-    };
-    std::fs::write(
-        dir.path().join("config.json"),
-        wrong.to_hf_json("float32").to_string(),
-    )
-    .unwrap();
+    let wrong = TargetConfig { intermediate_size: 96, ..cfg };
+    std::fs::write(dir.path().join("config.json"), wrong.to_hf_json("float32").to_string()).unwrap();
     let err = load_err(dir.path(), &TAPS);
-    assert!(
-        err.contains("mlp.gate_proj.weight") && err.contains("intermediate_size=96"),
-        "{err}"
-    );
-    assert!(
-        err.contains("[80, 48]") && err.contains("[96, 48]"),
-        "{err}"
-    );
+    assert!(err.contains("mlp.gate_proj.weight") && err.contains("intermediate_size=96"), "{err}");
+    assert!(err.contains("[80, 48]") && err.contains("[96, 48]"), "{err}");
 }
 
 #[test]
@@ -314,20 +217,14 @@ fn an_unsupported_architecture_is_named() {
     json["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
     std::fs::write(dir.path().join("config.json"), json.to_string()).unwrap();
     let err = load_err(dir.path(), &TAPS);
-    assert!(
-        err.contains("config.json") && err.contains("MixtralForCausalLM"),
-        "{err}"
-    );
+    assert!(err.contains("config.json") && err.contains("MixtralForCausalLM"), "{err}");
 }
 
 #[test]
 fn taps_outside_the_model_are_named() {
     let (dir, _) = good_folder();
     let err = load_err(dir.path(), &[1, 4]);
-    assert!(
-        err.contains("layer id 4") && err.contains("4 layers"),
-        "{err}"
-    );
+    assert!(err.contains("layer id 4") && err.contains("4 layers"), "{err}");
     let err = load_err(dir.path(), &[2, 1]);
     assert!(err.contains("increasing"), "{err}");
 }
@@ -342,8 +239,7 @@ fn on_a_gpu_capture_and_logits_match_the_cpu() {
         let cfg = small_config(arch, false, llama3_scaling());
         let dir = tempfile::tempdir().unwrap();
         write_folder(dir.path(), &cfg, &random_weights(&cfg, 8), usize::MAX);
-        let load =
-            |device, kind| Target::load(dir.path(), &TAPS, Depth::Full, device, kind).unwrap();
+        let load = |device, kind| Target::load(dir.path(), &TAPS, Depth::Full, device, kind).unwrap();
         let cpu = load(Device::Cpu, Kind::Float);
         let (ids, lengths) = pad_batch(&token_rows(cfg.vocab_size as i64, &[64, 40, 3], 8));
         let reference = cpu.capture(&ids, &lengths).unwrap().to_kind(Kind::Double);
@@ -354,15 +250,9 @@ fn on_a_gpu_capture_and_logits_match_the_cpu() {
             let states = gpu.capture(&ids, &lengths).unwrap().to_device(Device::Cpu);
             let logits = gpu.logits(&ids, &lengths).unwrap().to_device(Device::Cpu);
             let err = rel_err(&states, &reference);
-            assert!(
-                err < tolerance,
-                "{arch:?} {kind:?} capture: relative error {err}"
-            );
+            assert!(err < tolerance, "{arch:?} {kind:?} capture: relative error {err}");
             let err = rel_err(&logits, &reference_logits);
-            assert!(
-                err < tolerance,
-                "{arch:?} {kind:?} logits: relative error {err}"
-            );
+            assert!(err < tolerance, "{arch:?} {kind:?} logits: relative error {err}");
         }
     }
 }

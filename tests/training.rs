@@ -15,33 +15,20 @@ const BS: usize = 4;
 
 fn target() -> Target {
     let spec = Preset::Tiny.spec();
-    spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float)
-        .unwrap()
+    spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap()
 }
 
 fn trainer(target: &Target, num_anchors: usize, seed: u64) -> Trainer {
     let cfg = DrafterConfig::for_preset(Preset::Tiny, BS);
     let drafter = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
     let objective = ObjectiveSettings::new(num_anchors, BS, Some(2.0), tiny::MASK);
-    Trainer::new(
-        drafter,
-        target.embed_tokens().shallow_clone(),
-        target.lm_head().shallow_clone(),
-        objective,
-        seed,
-    )
-    .unwrap()
+    Trainer::new(drafter, target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone(), objective, seed)
+        .unwrap()
 }
 
 fn update(lr: f64) -> UpdateSettings {
     UpdateSettings {
-        adamw: AdamwStep {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            weight_decay: 0.01,
-            eps: 1e-8,
-        },
+        adamw: AdamwStep { lr, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 },
         grad_clip: Some(1.0),
     }
 }
@@ -53,9 +40,7 @@ fn dataset(n: usize, len: usize) -> Vec<(Vec<i64>, Vec<u8>)> {
         .map(|i| {
             let stride = (i % 3 + 1) as i64;
             let start = (i as i64 * 37) % 200;
-            let ids = (0..len as i64)
-                .map(|t| (start + t * stride) % 200)
-                .collect();
+            let ids = (0..len as i64).map(|t| (start + t * stride) % 200).collect();
             let mask = (0..len).map(|t| u8::from(t >= 4)).collect();
             (ids, mask)
         })
@@ -83,10 +68,7 @@ fn gradients_reach_every_trained_parameter_and_never_the_target() {
     tr.accumulate(&batch(&t, &data, 0, 0)).unwrap();
     let p = tr.drafter.params();
     for (name, g) in p.layout().named_views(&p.grad) {
-        assert!(
-            g.abs().max().double_value(&[]) > 0.0,
-            "no gradient reached {name}"
-        );
+        assert!(g.abs().max().double_value(&[]) > 0.0, "no gradient reached {name}");
     }
     for frozen in [t.embed_tokens(), t.lm_head()] {
         assert!(!frozen.requires_grad());
@@ -96,19 +78,14 @@ fn gradients_reach_every_trained_parameter_and_never_the_target() {
 
 #[test]
 fn the_writer_matches_the_published_qwen3_8b_drafter() {
-    let fixture: serde_json::Value =
-        serde_json::from_str(include_str!("fixtures/qwen3-8b-dflash-b16.json")).unwrap();
+    let fixture: serde_json::Value = serde_json::from_str(include_str!("fixtures/qwen3-8b-dflash-b16.json")).unwrap();
     let cfg = DrafterConfig::for_preset(Preset::Qwen3_8b, 16);
     let mine: BTreeMap<String, Vec<i64>> = Drafter::tensor_shapes(&cfg).into_iter().collect();
-    let published: BTreeMap<String, Vec<i64>> =
-        serde_json::from_value(fixture["tensors"].clone()).unwrap();
+    let published: BTreeMap<String, Vec<i64>> = serde_json::from_value(fixture["tensors"].clone()).unwrap();
     assert_eq!(mine, published);
     let json = cfg.to_json("bfloat16");
     for (key, value) in fixture["config"].as_object().unwrap() {
-        assert!(
-            json.get(key).is_some(),
-            "config.json lacks the published key {key}"
-        );
+        assert!(json.get(key).is_some(), "config.json lacks the published key {key}");
         if matches!(
             key.as_str(),
             "architectures"
@@ -132,13 +109,8 @@ fn the_writer_matches_the_published_qwen3_8b_drafter() {
 
 #[test]
 fn a_saved_drafter_holds_exactly_the_published_tensors() {
-    let d = Drafter::new(
-        DrafterConfig::for_preset(Preset::Tiny, BS),
-        Device::Cpu,
-        Kind::Float,
-        Init::Portable(3),
-    )
-    .unwrap();
+    let d =
+        Drafter::new(DrafterConfig::for_preset(Preset::Tiny, BS), Device::Cpu, Kind::Float, Init::Portable(3)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     d.save(dir.path(), Kind::BFloat16).unwrap();
     let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
@@ -158,11 +130,7 @@ fn a_saved_drafter_holds_exactly_the_published_tensors() {
     // A bf16 folder (as published) loads into fp32 master weights holding the bf16 values.
     let back = Drafter::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
     assert_eq!(back.params().master.kind(), Kind::Float);
-    let rounded = d
-        .params()
-        .master
-        .to_kind(Kind::BFloat16)
-        .to_kind(Kind::Float);
+    let rounded = d.params().master.to_kind(Kind::BFloat16).to_kind(Kind::Float);
     assert!(back.params().master.equal(&rounded));
 }
 
@@ -179,53 +147,28 @@ fn save_load_is_bitwise_and_resuming_continues_identically() {
     let batches: Vec<FeatureBatch> = (0..6).map(|e| batch(&t, &data, 0, e)).collect();
     let mut a = trainer(&t, 6, 5);
     for b in &batches[..3] {
-        a.train_step(std::slice::from_ref(b), &update(3e-3))
-            .unwrap();
+        a.train_step(std::slice::from_ref(b), &update(3e-3)).unwrap();
     }
     let dir = tempfile::tempdir().unwrap();
     a.drafter.save(dir.path(), Kind::Float).unwrap();
-    a.optimizer
-        .save(
-            &dir.path().join("optimizer.safetensors"),
-            a.drafter.params().layout(),
-        )
-        .unwrap();
+    a.optimizer.save(&dir.path().join("optimizer.safetensors"), a.drafter.params().layout()).unwrap();
 
     let mut b = trainer(&t, 6, 5);
     b.drafter = Drafter::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
-    b.optimizer = AdamW::load(
-        dir.path(),
-        "optimizer.safetensors",
-        b.drafter.params().layout(),
-        Device::Cpu,
-    )
-    .unwrap();
+    b.optimizer = AdamW::load(dir.path(), "optimizer.safetensors", b.drafter.params().layout(), Device::Cpu).unwrap();
     let (sa, sb) = (snapshot(&a), snapshot(&b));
-    assert!(
-        sa.0.equal(&sb.0) && sa.1.equal(&sb.1) && sa.2.equal(&sb.2),
-        "save -> load is not bitwise"
-    );
+    assert!(sa.0.equal(&sb.0) && sa.1.equal(&sb.1) && sa.2.equal(&sb.2), "save -> load is not bitwise");
     assert_eq!(b.optimizer.steps(), 3);
 
     for batch in &batches[3..] {
-        let (ma, _) = a
-            .train_step(std::slice::from_ref(batch), &update(3e-3))
-            .unwrap();
-        let (mb, _) = b
-            .train_step(std::slice::from_ref(batch), &update(3e-3))
-            .unwrap();
+        let (ma, _) = a.train_step(std::slice::from_ref(batch), &update(3e-3)).unwrap();
+        let (mb, _) = b.train_step(std::slice::from_ref(batch), &update(3e-3)).unwrap();
         assert_eq!(ma, mb);
     }
     let (sa, sb) = (snapshot(&a), snapshot(&b));
-    assert!(
-        sa.0.equal(&sb.0),
-        "resumed parameters diverged from the uninterrupted run"
-    );
+    assert!(sa.0.equal(&sb.0), "resumed parameters diverged from the uninterrupted run");
     assert!(sa.1.equal(&sb.1) && sa.2.equal(&sb.2));
-    assert!(
-        !sa.0.equal(&snapshot(&trainer(&t, 6, 5)).0),
-        "training changed nothing"
-    );
+    assert!(!sa.0.equal(&snapshot(&trainer(&t, 6, 5)).0), "training changed nothing");
 }
 
 #[test]
@@ -238,12 +181,7 @@ fn evaluation_in_chunks_equals_one_pass() {
     assert_eq!(one.blocks, 3.0 * 35.0, "every valid anchor is evaluated");
     assert_eq!(
         (one.correct, one.predicted, one.accepted, one.blocks),
-        (
-            chunked.correct,
-            chunked.predicted,
-            chunked.accepted,
-            chunked.blocks
-        )
+        (chunked.correct, chunked.predicted, chunked.accepted, chunked.blocks)
     );
     assert!((one.weighted_loss - chunked.weighted_loss).abs() < 1e-6 * one.weighted_loss);
     assert!((one.weight - chunked.weight).abs() < 1e-9);
@@ -257,16 +195,10 @@ fn a_tiny_drafter_overfits_a_tiny_dataset() {
     let eval = batch(&t, &data, 0, 0);
     let before = tr.evaluate(&eval).unwrap();
     for step in 0..150u64 {
-        tr.train_step(&[batch(&t, &data, 0, step)], &update(5e-3))
-            .unwrap();
+        tr.train_step(&[batch(&t, &data, 0, step)], &update(5e-3)).unwrap();
     }
     let after = tr.evaluate(&eval).unwrap();
-    assert!(
-        after.loss() < 0.3 * before.loss(),
-        "loss {} -> {}",
-        before.loss(),
-        after.loss()
-    );
+    assert!(after.loss() < 0.3 * before.loss(), "loss {} -> {}", before.loss(), after.loss());
     assert!(
         after.acceptance_length() > 2.0,
         "acceptance length {} -> {}",
@@ -288,11 +220,7 @@ fn a_non_finite_gradient_skips_the_update() {
     assert!(!report.applied && !report.grad_norm.is_finite());
     assert!(tr.drafter.params().master.equal(&before));
     assert_eq!(tr.optimizer.steps(), 0);
-    assert_eq!(
-        tr.drafter.params().grad.abs().max().double_value(&[]),
-        0.0,
-        "gradient cleared for the next step"
-    );
+    assert_eq!(tr.drafter.params().grad.abs().max().double_value(&[]), 0.0, "gradient cleared for the next step");
 }
 
 #[test]
@@ -306,20 +234,14 @@ fn accumulating_micro_batches_equals_one_batch() {
     let ma = a.accumulate(&whole).unwrap();
     let mut mb = b.accumulate(&first).unwrap();
     mb.add(&b.accumulate(&second).unwrap());
-    assert_eq!(
-        (ma.blocks, ma.predicted, ma.correct),
-        (mb.blocks, mb.predicted, mb.correct)
-    );
+    assert_eq!((ma.blocks, ma.predicted, ma.correct), (mb.blocks, mb.predicted, mb.correct));
     assert!((ma.weighted_loss - mb.weighted_loss).abs() < 1e-5 * ma.weighted_loss);
     let (ga, gb) = (&a.drafter.params().grad, &b.drafter.params().grad);
     let err = (ga - gb).abs().max().double_value(&[]) / ga.abs().max().double_value(&[]);
     assert!(err < 1e-4, "accumulated gradient differs by {err}");
     a.apply(ma.weight, &update(1e-3)).unwrap();
     b.apply(mb.weight, &update(1e-3)).unwrap();
-    let diff = (&a.drafter.params().master - &b.drafter.params().master)
-        .abs()
-        .max()
-        .double_value(&[]);
+    let diff = (&a.drafter.params().master - &b.drafter.params().master).abs().max().double_value(&[]);
     // Adam normalises each element, so rounding noise in near-zero gradients shows; 1% of the step is the bound.
     assert!(diff < 1e-5, "updates differ by {diff}");
 }

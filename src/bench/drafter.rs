@@ -73,17 +73,8 @@ pub struct DrafterBenchReport {
 pub fn drafter_flops_per_sample(cfg: &DrafterConfig, seq: i64, anchors: usize) -> f64 {
     let c = &cfg.decoder;
     let f = |x: usize| x as f64;
-    let (h, i, hd, v) = (
-        f(c.hidden_size),
-        f(c.intermediate_size),
-        f(c.head_dim),
-        f(c.vocab_size),
-    );
-    let (heads, kv, layers) = (
-        f(c.num_attention_heads),
-        f(c.num_key_value_heads),
-        f(c.num_hidden_layers),
-    );
+    let (h, i, hd, v) = (f(c.hidden_size), f(c.intermediate_size), f(c.head_dim), f(c.vocab_size));
+    let (heads, kv, layers) = (f(c.num_attention_heads), f(c.num_key_value_heads), f(c.num_hidden_layers));
     let q = f(anchors * cfg.block_size);
     let k = seq as f64 + q;
     let fc = seq as f64 * f(cfg.target_layer_ids.len()) * h * h;
@@ -110,10 +101,7 @@ pub fn bench_drafter(
     }
     let gamma = default_gamma(opts.block_size);
     let objective = ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id);
-    let (v, h) = (
-        cfg.decoder.vocab_size as i64,
-        cfg.decoder.hidden_size as i64,
-    );
+    let (v, h) = (cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64);
     let width = cfg.context_width() as i64;
     let init = match spec.init {
         Init::Portable(_) => Init::Portable(0),
@@ -131,18 +119,11 @@ pub fn bench_drafter(
     let mut trainer = Trainer::new(drafter, embed, lm_head, objective, 0)?;
     let features = random(&[opts.batch, opts.seq, width], 0.5)?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let rows: Vec<Vec<i64>> = (0..opts.batch)
-        .map(|_| (0..opts.seq).map(|_| rng.random_range(0..v - 2)).collect())
-        .collect();
+    let rows: Vec<Vec<i64>> =
+        (0..opts.batch).map(|_| (0..opts.seq).map(|_| rng.random_range(0..v - 2)).collect()).collect();
     let masks = vec![vec![1u8; opts.seq as usize]; opts.batch as usize];
     let update = UpdateSettings {
-        adamw: AdamwStep {
-            lr: 6e-4,
-            beta1: 0.9,
-            beta2: 0.999,
-            weight_decay: 0.0,
-            eps: 1e-8,
-        },
+        adamw: AdamwStep { lr: 6e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
         grad_clip: Some(1.0),
     };
     let mut epoch = 0u64;
@@ -178,9 +159,7 @@ pub fn bench_drafter(
     let capture_ms_p50 = if opts.capture {
         let target = spec.build_target(Depth::ToLastTap, device, kind)?;
         let flat: Vec<i64> = rows.concat();
-        let ids = Tensor::f_from_slice(&flat)?
-            .f_view([opts.batch, opts.seq])?
-            .f_to(device)?;
+        let ids = Tensor::f_from_slice(&flat)?.f_view([opts.batch, opts.seq])?.f_to(device)?;
         let lengths = vec![opts.seq; opts.batch as usize];
         let capture = || -> Result<(), BenchError> {
             let _states = target.capture(&ids, &lengths)?;
@@ -242,9 +221,7 @@ impl DrafterBenchReport {
             self.step_ms_p90,
             self.peak_mem_bytes as f64 / 1e9,
             self.loss,
-            self.capture_ms_p50
-                .map(|ms| format!(", target capture of the batch {ms:.1} ms"))
-                .unwrap_or_default(),
+            self.capture_ms_p50.map(|ms| format!(", target capture of the batch {ms:.1} ms")).unwrap_or_default(),
         )
     }
 }
@@ -279,16 +256,8 @@ mod tests {
         assert!(r.step_ms_p50 <= r.step_ms_p90);
         assert!(r.capture_ms_p50.unwrap() > 0.0);
         let phases = r.phases_ms.unwrap();
-        for phase in [
-            "drafter.attention",
-            "drafter.backward",
-            "lm_head.loss",
-            "optimizer",
-        ] {
-            assert!(
-                phases.contains_key(phase),
-                "{phase} missing from {phases:?}"
-            );
+        for phase in ["drafter.attention", "drafter.backward", "lm_head.loss", "optimizer"] {
+            assert!(phases.contains_key(phase), "{phase} missing from {phases:?}");
         }
     }
 }

@@ -4,9 +4,7 @@
 pub mod drafter;
 pub mod target;
 
-pub use drafter::{
-    DrafterBenchOptions, DrafterBenchReport, bench_drafter, drafter_flops_per_sample,
-};
+pub use drafter::{DrafterBenchOptions, DrafterBenchReport, bench_drafter, drafter_flops_per_sample};
 pub use target::{TargetBenchOptions, TargetBenchReport, bench_target, target_flops};
 
 use tch::Device;

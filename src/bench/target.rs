@@ -63,49 +63,26 @@ pub struct TargetBenchReport {
 }
 
 /// FLOPs of one capture (or full) step; see the module docs.
-pub fn target_flops(
-    cfg: &TargetConfig,
-    layers_run: usize,
-    batch: i64,
-    seq: i64,
-    full: bool,
-) -> f64 {
+pub fn target_flops(cfg: &TargetConfig, layers_run: usize, batch: i64, seq: i64, full: bool) -> f64 {
     let tokens = (batch * seq) as f64;
     let layers = layers_run as f64;
     let matmul = 2.0 * cfg.layer_matmul_params() as f64 * layers * tokens;
-    let attention =
-        2.0 * layers * (cfg.num_attention_heads * cfg.head_dim) as f64 * seq as f64 * tokens;
-    let head = if full {
-        2.0 * (cfg.hidden_size * cfg.vocab_size) as f64 * tokens
-    } else {
-        0.0
-    };
+    let attention = 2.0 * layers * (cfg.num_attention_heads * cfg.head_dim) as f64 * seq as f64 * tokens;
+    let head = if full { 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64 * tokens } else { 0.0 };
     matmul + attention + head
 }
 
 /// Times target capture (or the full stack) on random token ids.
-pub fn bench_target(
-    target: &Target,
-    label: &str,
-    opts: &TargetBenchOptions,
-) -> Result<TargetBenchReport, BenchError> {
+pub fn bench_target(target: &Target, label: &str, opts: &TargetBenchOptions) -> Result<TargetBenchReport, BenchError> {
     check_counts(opts.batch, opts.seq, opts.steps)?;
     let cfg = target.config();
     let dev = target.device();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let ids: Vec<i64> = (0..opts.batch * opts.seq)
-        .map(|_| rng.random_range(0..cfg.vocab_size as i64))
-        .collect();
-    let ids = Tensor::f_from_slice(&ids)?
-        .f_view([opts.batch, opts.seq])?
-        .f_to(dev)?;
+    let ids: Vec<i64> = (0..opts.batch * opts.seq).map(|_| rng.random_range(0..cfg.vocab_size as i64)).collect();
+    let ids = Tensor::f_from_slice(&ids)?.f_view([opts.batch, opts.seq])?.f_to(dev)?;
     let lengths = vec![opts.seq; opts.batch as usize];
     let step = || -> Result<(), BenchError> {
-        let out = if opts.full {
-            target.logits(&ids, &lengths)?
-        } else {
-            target.capture(&ids, &lengths)?
-        };
+        let out = if opts.full { target.logits(&ids, &lengths)? } else { target.capture(&ids, &lengths)? };
         drop(out);
         Ok(())
     };
@@ -195,27 +172,15 @@ mod tests {
     #[test]
     fn reports_a_real_measurement_on_the_tiny_target() {
         let spec = Preset::Tiny.spec();
-        let target = spec
-            .build_target(crate::model::Depth::Full, tch::Device::Cpu, Kind::Float)
-            .unwrap();
-        let opts = TargetBenchOptions {
-            batch: 2,
-            seq: 16,
-            steps: 3,
-            warmup: 1,
-            full: true,
-            profile: true,
-            peak_tflops: 1.0,
-        };
+        let target = spec.build_target(crate::model::Depth::Full, tch::Device::Cpu, Kind::Float).unwrap();
+        let opts =
+            TargetBenchOptions { batch: 2, seq: 16, steps: 3, warmup: 1, full: true, profile: true, peak_tflops: 1.0 };
         let r = bench_target(&target, "tiny", &opts).unwrap();
         assert!(r.tokens_per_s > 0.0 && r.step_ms_p50 > 0.0);
         assert!(r.step_ms_min <= r.step_ms_p50 && r.step_ms_p50 <= r.step_ms_max);
         assert_eq!(r.layers_run, 8);
         let phases = r.phases_ms.unwrap();
-        assert!(
-            phases.contains_key("target.attention") && phases.contains_key("target.mlp"),
-            "{phases:?}"
-        );
+        assert!(phases.contains_key("target.attention") && phases.contains_key("target.mlp"), "{phases:?}");
         let bad = TargetBenchOptions { steps: 0, ..opts };
         assert!(bench_target(&target, "tiny", &bad).is_err());
     }

@@ -94,11 +94,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 profile: args.profile,
                 peak_tflops: args.peak_tflops,
             };
-            let depth = if args.full {
-                Depth::Full
-            } else {
-                Depth::ToLastTap
-            };
+            let depth = if args.full { Depth::Full } else { Depth::ToLastTap };
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(target = %source, device = %device_name(device), "building the target");
                 let target = source.build_target(&taps, depth, device, kind)?;
@@ -109,9 +105,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
         }
         BenchWhat::Drafter => {
             let TargetSource::Preset(preset) = source else {
-                bail!(
-                    "--what drafter runs a preset's drafter on random features: pass --preset (e.g. qwen3-8b)"
-                );
+                bail!("--what drafter runs a preset's drafter on random features: pass --preset (e.g. qwen3-8b)");
             };
             let opts = DrafterBenchOptions {
                 batch: args.batch.unwrap_or(4),
@@ -151,13 +145,9 @@ fn print_summary(json: bool, summary: &str) {
 fn resolve_taps(config: &Config, args: &BenchArgs, source: &TargetSource) -> Result<Vec<usize>> {
     Ok(match (&args.taps, source) {
         (Some(t), _) => t.clone(),
-        (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => {
-            p.spec().taps
-        }
+        (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => p.spec().taps,
         (None, TargetSource::Folder(_)) if config.draft_model.target_layer_ids.is_none() => {
-            bail!(
-                "--taps is required with --model (or set draft_model.target_layer_ids), e.g. --taps 1,9,17,25,33"
-            )
+            bail!("--taps is required with --model (or set draft_model.target_layer_ids), e.g. --taps 1,9,17,25,33")
         }
         (None, _) => config.target_layer_ids()?,
     })

@@ -18,9 +18,7 @@ pub fn template_kwargs(raw: Option<&str>) -> Result<Map<String, Value>> {
         None => Ok(Map::new()),
         Some(text) => match serde_json::from_str(text) {
             Ok(Value::Object(map)) => Ok(map),
-            _ => bail!(
-                "--template-kwargs {text:?}: expected a JSON object, e.g. '{{\"enable_thinking\": false}}'"
-            ),
+            _ => bail!("--template-kwargs {text:?}: expected a JSON object, e.g. '{{\"enable_thinking\": false}}'"),
         },
     }
 }
@@ -67,17 +65,10 @@ pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
         bail!("--holdout {}: expected a fraction in [0, 1)", args.holdout);
     }
     if args.max_len < 2 * args.block_size {
-        bail!(
-            "--max-len {} cannot hold 2 x --block-size {} supervised tokens",
-            args.max_len,
-            args.block_size
-        );
+        bail!("--max-len {} cannot hold 2 x --block-size {} supervised tokens", args.max_len, args.block_size);
     }
     if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("--threads")?;
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("--threads")?;
     }
     let kwargs = template_kwargs(args.template_kwargs.as_deref())?;
     let assets = ModelAssets::resolve(&args.model, &kwargs)?;
@@ -97,21 +88,11 @@ pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
         PrepareOutcome::Written(m) => (m, true),
     };
     if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"written": fresh, "out": args.out, "report": manifest.report})
-        );
+        println!("{}", serde_json::json!({"written": fresh, "out": args.out, "report": manifest.report}));
     } else if fresh {
-        println!(
-            "{}\nwrote {}",
-            manifest.report.summary(),
-            args.out.display()
-        );
+        println!("{}\nwrote {}", manifest.report.summary(), args.out.display());
     } else {
-        println!(
-            "{} is up to date with these inputs and settings; nothing to do",
-            args.out.display()
-        );
+        println!("{} is up to date with these inputs and settings; nothing to do", args.out.display());
     }
     if manifest.report.kept_train + manifest.report.kept_holdout == 0 {
         bail!("no sample was kept; see the report above");
@@ -146,11 +127,9 @@ pub struct InspectArgs {
 pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     let split = PreparedSplit::open(&args.dir, &args.split, args.verify)?;
     let positions: Vec<usize> = match args.id {
-        Some(id) => vec![
-            split
-                .position_of(id)
-                .with_context(|| format!("no sample with id {id} in the {} split", args.split))?,
-        ],
+        Some(id) => {
+            vec![split.position_of(id).with_context(|| format!("no sample with id {id} in the {} split", args.split))?]
+        }
         None => (0..split.len().min(args.limit)).collect(),
     };
     let mut out = std::io::stdout().lock();
@@ -164,31 +143,19 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     }
     let manifest = Manifest::read(&args.dir)?;
     let model = args.model.unwrap_or(manifest.model);
-    let assets = ModelAssets::resolve(&model, &Map::new()).with_context(|| {
-        format!("loading the tokenizer of {model} to decode (pass --model, or use --json)")
-    })?;
+    let assets = ModelAssets::resolve(&model, &Map::new())
+        .with_context(|| format!("loading the tokenizer of {model} to decode (pass --model, or use --json)"))?;
     let color = std::io::stdout().is_terminal();
     for &i in &positions {
         let s = split.get(i);
         let ids: Vec<u32> = s.input_ids().iter().map(|&t| t as u32).collect();
         let supervised = s.loss_mask.iter().filter(|&&m| m == 1).count();
-        writeln!(
-            out,
-            "── id {} · {} tokens · {} supervised",
-            s.id,
-            s.len(),
-            supervised
-        )?;
+        writeln!(out, "── id {} · {} tokens · {} supervised", s.id, s.len(), supervised)?;
         let mut start = 0;
         while start < ids.len() {
             let on = s.loss_mask[start];
-            let end = (start..ids.len())
-                .find(|&j| s.loss_mask[j] != on)
-                .unwrap_or(ids.len());
-            let text = assets
-                .tokenizer
-                .decode(&ids[start..end])
-                .map_err(anyhow::Error::msg)?;
+            let end = (start..ids.len()).find(|&j| s.loss_mask[j] != on).unwrap_or(ids.len());
+            let text = assets.tokenizer.decode(&ids[start..end]).map_err(anyhow::Error::msg)?;
             match (on == 1, color) {
                 (true, true) => write!(out, "\x1b[1;32m{text}\x1b[0m")?,
                 (true, false) => write!(out, "⟦{text}⟧")?,
@@ -219,10 +186,6 @@ pub fn run_sample_data(args: SampleDataArgs) -> Result<ExitCode> {
         text.push('\n');
     }
     std::fs::write(&args.out, text).with_context(|| format!("writing {}", args.out.display()))?;
-    println!(
-        "wrote {} conversations to {}",
-        args.count,
-        args.out.display()
-    );
+    println!("wrote {} conversations to {}", args.count, args.out.display());
     Ok(ExitCode::SUCCESS)
 }

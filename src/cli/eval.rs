@@ -58,10 +58,7 @@ pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
     let report = catch_torch(|| -> Result<_> {
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let dc = drafter.config().clone();
-        let gamma = args
-            .gamma
-            .unwrap_or(config.objective.gamma)
-            .resolve(dc.block_size)?;
+        let gamma = args.gamma.unwrap_or(config.objective.gamma).resolve(dc.block_size)?;
         let objective = ObjectiveSettings::new(
             args.num_anchors.unwrap_or(config.objective.num_anchors),
             dc.block_size,
@@ -82,9 +79,7 @@ pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
             );
         }
         let rows = read_token_rows(&args.data, tc.vocab_size)?;
-        Ok(evaluate_rows(
-            &target, &drafter, &objective, &rows, args.batch,
-        )?)
+        Ok(evaluate_rows(&target, &drafter, &objective, &rows, args.batch)?)
     })??;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

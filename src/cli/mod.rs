@@ -2,6 +2,7 @@
 pub mod bench;
 pub mod data;
 pub mod eval;
+pub mod export;
 pub mod regenerate;
 
 use anyhow::{Context, Result};
@@ -11,15 +12,8 @@ use dflash::config::Config;
 use dflash::device::{DeviceSpec, DtypeSpec};
 
 /// The device and dtype a command runs on (flags over configuration), with the calling thread bound to it.
-pub fn compute_device(
-    config: &Config,
-    device: Option<DeviceSpec>,
-    dtype: Option<DtypeSpec>,
-) -> Result<(Device, Kind)> {
-    let device = device
-        .unwrap_or(config.target.device)
-        .resolve()
-        .context("--device / target.device")?;
+pub fn compute_device(config: &Config, device: Option<DeviceSpec>, dtype: Option<DtypeSpec>) -> Result<(Device, Kind)> {
+    let device = device.unwrap_or(config.target.device).resolve().context("--device / target.device")?;
     let kind = dtype.unwrap_or(config.target.dtype).resolve(device);
     dflash::device::bind_thread(device)?;
     Ok((device, kind))

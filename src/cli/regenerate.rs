@@ -99,18 +99,9 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
             let assets = ModelAssets::resolve(&args.model, &kwargs)?;
             // Any layer id works as a tap here; decoding runs the whole stack.
             let target = source.build_target(&[0], Depth::Full, device, kind)?;
-            let sampling = if args.temperature == 0.0 {
-                Sampling::Greedy
-            } else {
-                Sampling::Temperature(args.temperature)
-            };
-            let mut responder = LocalResponder::new(
-                target,
-                assets,
-                args.max_tokens as usize,
-                sampling,
-                args.seed,
-            );
+            let sampling =
+                if args.temperature == 0.0 { Sampling::Greedy } else { Sampling::Temperature(args.temperature) };
+            let mut responder = LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.seed);
             dflash::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??
         }
     };

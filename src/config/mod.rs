@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 mod training;
 
 pub use training::{
-    CheckpointSettings, ControlSettings, DataSettings, DataSource, DraftersSettings, OptimSettings,
-    SupervisionSettings,
+    CheckpointSettings, ControlSettings, DataSettings, DataSource, DraftersSettings, OptimSettings, SupervisionSettings,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -33,30 +32,15 @@ pub const ENV_PREFIX: &str = "DFLASH__";
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{source_name}: {message}")]
-    Load {
-        source_name: String,
-        message: String,
-    },
+    Load { source_name: String, message: String },
     #[error("{key} = {value}: {allowed}")]
-    Invalid {
-        key: String,
-        value: String,
-        allowed: String,
-    },
+    Invalid { key: String, value: String, allowed: String },
     #[error("--set {0:?}: write section.key=value, for example --set target.device=cpu")]
     BadOverride(String),
 }
 
-pub(crate) fn invalid(
-    key: &str,
-    value: impl std::fmt::Display,
-    allowed: impl Into<String>,
-) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.to_string(),
-        value: value.to_string(),
-        allowed: allowed.into(),
-    }
+pub(crate) fn invalid(key: &str, value: impl std::fmt::Display, allowed: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.to_string(), value: value.to_string(), allowed: allowed.into() }
 }
 
 // ---------------------------------------------------------------- raw: what the files say
@@ -131,19 +115,9 @@ pub enum TargetSource {
 
 impl TargetSource {
     /// The target with tapped layers `taps`: the preset's random weights, or the folder's.
-    pub fn build_target(
-        &self,
-        taps: &[usize],
-        depth: Depth,
-        device: Device,
-        kind: Kind,
-    ) -> Result<Target, ModelError> {
+    pub fn build_target(&self, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Target, ModelError> {
         match self {
-            TargetSource::Preset(p) => PresetSpec {
-                taps: taps.to_vec(),
-                ..p.spec()
-            }
-            .build_target(depth, device, kind),
+            TargetSource::Preset(p) => PresetSpec { taps: taps.to_vec(), ..p.spec() }.build_target(depth, device, kind),
             TargetSource::Folder(dir) => Target::load(dir, taps, depth, device, kind),
         }
     }
@@ -211,9 +185,7 @@ impl std::str::FromStr for Gamma {
             "none" => Ok(Gamma::None),
             n => match n.parse::<f64>() {
                 Ok(g) if g.is_finite() && g > 0.0 => Ok(Gamma::Value(g)),
-                _ => Err(format!(
-                    "gamma {n:?}: expected a positive number, auto or none"
-                )),
+                _ => Err(format!("gamma {n:?}: expected a positive number, auto or none")),
             },
         }
     }
@@ -273,27 +245,20 @@ pub struct Layers {
 impl Layers {
     /// The user's file and `--set` values, with the process environment.
     pub fn from_process(file: Option<PathBuf>, set: Vec<String>) -> Self {
-        Layers {
-            file,
-            env: std::env::vars().collect(),
-            set,
-        }
+        Layers { file, env: std::env::vars().collect(), set }
     }
 }
 
 impl Config {
     /// Merges the layers and validates the result.
     pub fn load(layers: &Layers) -> Result<Self, ConfigError> {
-        let mut builder =
-            config::Config::builder().add_source(File::from_str(DEFAULT_TOML, FileFormat::Toml));
+        let mut builder = config::Config::builder().add_source(File::from_str(DEFAULT_TOML, FileFormat::Toml));
         let mut origin = "built-in config/default.toml".to_string();
         if let Some(path) = &layers.file {
             if !path.is_file() {
                 return Err(ConfigError::Load {
                     source_name: path.display().to_string(),
-                    message:
-                        "no such file; pass --config with a TOML file (see config/default.toml)"
-                            .into(),
+                    message: "no such file; pass --config with a TOML file (see config/default.toml)".into(),
                 });
             }
             builder = builder.add_source(File::from(path.as_path()).format(FileFormat::Toml));
@@ -304,9 +269,7 @@ impl Config {
                 continue;
             };
             let key = rest.to_lowercase().replace("__", ".");
-            builder = builder
-                .set_override(&key, parse_value(raw))
-                .map_err(|e| load_error(name, e))?;
+            builder = builder.set_override(&key, parse_value(raw)).map_err(|e| load_error(name, e))?;
         }
         for item in &layers.set {
             let (key, raw) = item
@@ -318,14 +281,10 @@ impl Config {
                 .map_err(|e| load_error(&format!("--set {item}"), e))?;
         }
         let merged = builder.build().map_err(|e| load_error(&origin, e))?;
-        let tree: serde_json::Value =
-            merged
-                .clone()
-                .try_deserialize()
-                .map_err(|e| ConfigError::Load {
-                    source_name: "configuration".into(),
-                    message: e.to_string(),
-                })?;
+        let tree: serde_json::Value = merged
+            .clone()
+            .try_deserialize()
+            .map_err(|e| ConfigError::Load { source_name: "configuration".into(), message: e.to_string() })?;
         let raw: RawConfig = merged.try_deserialize().map_err(|e| ConfigError::Load {
             source_name: "configuration".into(),
             message: explain_serde_error(&e.to_string()),
@@ -357,10 +316,7 @@ impl Config {
 }
 
 fn load_error(source_name: &str, e: config::ConfigError) -> ConfigError {
-    ConfigError::Load {
-        source_name: source_name.to_string(),
-        message: explain_serde_error(&e.to_string()),
-    }
+    ConfigError::Load { source_name: source_name.to_string(), message: explain_serde_error(&e.to_string()) }
 }
 
 /// serde says "unknown field `x`, expected one of ..."; say which section it was in when config names it.
@@ -387,15 +343,9 @@ fn toml_to_config(v: toml::Value) -> Value {
         toml::Value::Float(f) => ValueKind::Float(f),
         toml::Value::Boolean(b) => ValueKind::Boolean(b),
         toml::Value::Datetime(d) => ValueKind::String(d.to_string()),
-        toml::Value::Array(items) => {
-            ValueKind::Array(items.into_iter().map(toml_to_config).collect())
-        }
+        toml::Value::Array(items) => ValueKind::Array(items.into_iter().map(toml_to_config).collect()),
         toml::Value::Table(t) => ValueKind::Table(
-            t.into_iter()
-                .map(|(k, v)| (k, toml_to_config(v)))
-                .collect::<BTreeMap<_, _>>()
-                .into_iter()
-                .collect(),
+            t.into_iter().map(|(k, v)| (k, toml_to_config(v))).collect::<BTreeMap<_, _>>().into_iter().collect(),
         ),
     };
     Value::new(None, kind)
@@ -438,25 +388,15 @@ pub fn lookup<'a>(tree: &'a serde_json::Value, key: &str) -> Option<&'a serde_js
 }
 
 /// The keys among `keys` whose values differ between two merged trees.
-pub fn changed_keys(
-    old: &serde_json::Value,
-    new: &serde_json::Value,
-    keys: &[impl AsRef<str>],
-) -> Vec<String> {
-    keys.iter()
-        .map(AsRef::as_ref)
-        .filter(|k| lookup(old, k) != lookup(new, k))
-        .map(str::to_string)
-        .collect()
+pub fn changed_keys(old: &serde_json::Value, new: &serde_json::Value, keys: &[impl AsRef<str>]) -> Vec<String> {
+    keys.iter().map(AsRef::as_ref).filter(|k| lookup(old, k) != lookup(new, k)).map(str::to_string).collect()
 }
 
 impl RawTarget {
     fn validate(self) -> Result<TargetSettings, ConfigError> {
         let source = match self.model.parse::<Preset>() {
             Ok(p) => TargetSource::Preset(p),
-            Err(_) if Path::new(&self.model).is_dir() => {
-                TargetSource::Folder(PathBuf::from(&self.model))
-            }
+            Err(_) if Path::new(&self.model).is_dir() => TargetSource::Folder(PathBuf::from(&self.model)),
             Err(_) => {
                 let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
                 return Err(invalid(
@@ -469,50 +409,28 @@ impl RawTarget {
                 ));
             }
         };
-        let device = self.device.parse().map_err(|_| {
-            invalid(
-                "target.device",
-                format!("{:?}", self.device),
-                "expected cpu, cuda:N or auto",
-            )
-        })?;
-        let dtype = self.dtype.parse().map_err(|_| {
-            invalid(
-                "target.dtype",
-                format!("{:?}", self.dtype),
-                "expected auto, bf16 or f32",
-            )
-        })?;
-        Ok(TargetSettings {
-            source,
-            device,
-            dtype,
-        })
+        let device = self
+            .device
+            .parse()
+            .map_err(|_| invalid("target.device", format!("{:?}", self.device), "expected cpu, cuda:N or auto"))?;
+        let dtype = self
+            .dtype
+            .parse()
+            .map_err(|_| invalid("target.dtype", format!("{:?}", self.dtype), "expected auto, bf16 or f32"))?;
+        Ok(TargetSettings { source, device, dtype })
     }
 }
 
 impl RawDraftModel {
     fn validate(self) -> Result<DraftModelSettings, ConfigError> {
         if self.num_hidden_layers < 1 {
-            return Err(invalid(
-                "draft_model.num_hidden_layers",
-                self.num_hidden_layers,
-                "at least 1 layer",
-            ));
+            return Err(invalid("draft_model.num_hidden_layers", self.num_hidden_layers, "at least 1 layer"));
         }
         if self.block_size < 2 {
-            return Err(invalid(
-                "draft_model.block_size",
-                self.block_size,
-                "at least 2 (16 is the paper's)",
-            ));
+            return Err(invalid("draft_model.block_size", self.block_size, "at least 2 (16 is the paper's)"));
         }
         if let Some(i) = self.intermediate_size.filter(|&i| i < 1) {
-            return Err(invalid(
-                "draft_model.intermediate_size",
-                i,
-                "a positive width",
-            ));
+            return Err(invalid("draft_model.intermediate_size", i, "a positive width"));
         }
         let key = "draft_model.target_layer_ids";
         let target_layer_ids = match self.target_layer_ids {
@@ -522,28 +440,16 @@ impl RawDraftModel {
                     return Err(invalid(key, "[]", "needs at least one layer id"));
                 }
                 if let Some(bad) = ids.iter().find(|&&i| i < 0) {
-                    return Err(invalid(
-                        key,
-                        format!("{ids:?}"),
-                        format!("layer ids are >= 0, got {bad}"),
-                    ));
+                    return Err(invalid(key, format!("{ids:?}"), format!("layer ids are >= 0, got {bad}")));
                 }
                 if ids.windows(2).any(|w| w[0] >= w[1]) {
-                    return Err(invalid(
-                        key,
-                        format!("{ids:?}"),
-                        "layer ids must be strictly increasing",
-                    ));
+                    return Err(invalid(key, format!("{ids:?}"), "layer ids must be strictly increasing"));
                 }
                 Some(ids.into_iter().map(|i| i as usize).collect())
             }
         };
         if let Some(m) = self.mask_token_id.filter(|&m| m < 0) {
-            return Err(invalid(
-                "draft_model.mask_token_id",
-                m,
-                "a token id is >= 0",
-            ));
+            return Err(invalid("draft_model.mask_token_id", m, "a token id is >= 0"));
         }
         Ok(DraftModelSettings {
             num_hidden_layers: self.num_hidden_layers as usize,
@@ -558,11 +464,7 @@ impl RawDraftModel {
 impl RawObjective {
     fn validate(self) -> Result<ObjectiveConfig, ConfigError> {
         if self.num_anchors < 1 {
-            return Err(invalid(
-                "objective.num_anchors",
-                self.num_anchors,
-                "at least 1 block per sequence",
-            ));
+            return Err(invalid("objective.num_anchors", self.num_anchors, "at least 1 block per sequence"));
         }
         if self.seed < 0 {
             return Err(invalid("objective.seed", self.seed, "a seed is >= 0"));
@@ -571,18 +473,10 @@ impl RawObjective {
             RawGamma::Number(g) => format!("{g}"),
             RawGamma::Word(w) => w,
         };
-        let parsed = gamma.parse().map_err(|_| {
-            invalid(
-                "objective.gamma",
-                format!("{gamma:?}"),
-                "a positive number, \"auto\" or \"none\"",
-            )
-        })?;
-        Ok(ObjectiveConfig {
-            num_anchors: self.num_anchors as usize,
-            gamma: parsed,
-            seed: self.seed as u64,
-        })
+        let parsed = gamma
+            .parse()
+            .map_err(|_| invalid("objective.gamma", format!("{gamma:?}"), "a positive number, \"auto\" or \"none\""))?;
+        Ok(ObjectiveConfig { num_anchors: self.num_anchors as usize, gamma: parsed, seed: self.seed as u64 })
     }
 }
 
@@ -592,28 +486,22 @@ impl RawLog {
             invalid(
                 "log.level",
                 format!("{:?}", self.level),
-                format!("expected a level (error, warn, info, debug, trace) or a filter like \"dflash=debug,info\": {e}"),
+                format!(
+                    "expected a level (error, warn, info, debug, trace) or a filter like \"dflash=debug,info\": {e}"
+                ),
             )
         })?;
         let format = match self.format.as_str() {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
             other => {
-                return Err(invalid(
-                    "log.format",
-                    format!("{other:?}"),
-                    "expected text or json",
-                ));
+                return Err(invalid("log.format", format!("{other:?}"), "expected text or json"));
             }
         };
         if self.every_steps < 1 {
             return Err(invalid("log.every_steps", self.every_steps, "at least 1"));
         }
-        Ok(LogSettings {
-            level: self.level,
-            format,
-            every_steps: self.every_steps as u64,
-        })
+        Ok(LogSettings { level: self.level, format, every_steps: self.every_steps as u64 })
     }
 }
 
@@ -622,10 +510,7 @@ mod tests {
     use super::*;
 
     fn with_set(items: &[&str]) -> Result<Config, ConfigError> {
-        Config::load(&Layers {
-            set: items.iter().map(|s| s.to_string()).collect(),
-            ..Layers::default()
-        })
+        Config::load(&Layers { set: items.iter().map(|s| s.to_string()).collect(), ..Layers::default() })
     }
 
     #[test]
@@ -653,10 +538,7 @@ mod tests {
         let c = Config::load(&layers).unwrap();
         assert_eq!(c.target.device, DeviceSpec::Cuda(3)); // file over default
         assert_eq!(c.target.dtype, DtypeSpec::F32); // env over file
-        layers.set = vec![
-            "target.dtype=bf16".into(),
-            "draft_model.target_layer_ids=[0, 2]".into(),
-        ];
+        layers.set = vec!["target.dtype=bf16".into(), "draft_model.target_layer_ids=[0, 2]".into()];
         let c = Config::load(&layers).unwrap();
         assert_eq!(c.target.dtype, DtypeSpec::Bf16); // --set over env
         assert_eq!(c.target_layer_ids().unwrap(), vec![0, 2]);
@@ -665,18 +547,13 @@ mod tests {
     #[test]
     fn unknown_keys_are_named() {
         let err = with_set(&["target.devise=cpu"]).unwrap_err().to_string();
-        assert!(
-            err.contains("devise") && err.contains("default.toml"),
-            "{err}"
-        );
+        assert!(err.contains("devise") && err.contains("default.toml"), "{err}");
         let err = with_set(&["optimm.lr=1"]).unwrap_err().to_string();
         assert!(err.contains("optimm"), "{err}");
-        let err = Config::load(&Layers {
-            env: vec![("DFLASH__LOG__COLOUR".into(), "red".into())],
-            ..Layers::default()
-        })
-        .unwrap_err()
-        .to_string();
+        let err =
+            Config::load(&Layers { env: vec![("DFLASH__LOG__COLOUR".into(), "red".into())], ..Layers::default() })
+                .unwrap_err()
+                .to_string();
         assert!(err.contains("colour"), "{err}");
     }
 
@@ -685,22 +562,10 @@ mod tests {
         let cases: &[(&str, &[&str])] = &[
             ("target.device=gpu0", &["target.device", "gpu0", "cuda:N"]),
             ("target.dtype=fp8", &["target.dtype", "fp8", "bf16"]),
-            (
-                "target.model=/no/such/dir",
-                &["target.model", "/no/such/dir", "tiny"],
-            ),
-            (
-                "draft_model.target_layer_ids=[3, 1]",
-                &["target_layer_ids", "[3, 1]", "increasing"],
-            ),
-            (
-                "draft_model.target_layer_ids=[]",
-                &["target_layer_ids", "at least one"],
-            ),
-            (
-                "draft_model.target_layer_ids=[-1, 2]",
-                &["target_layer_ids", "-1"],
-            ),
+            ("target.model=/no/such/dir", &["target.model", "/no/such/dir", "tiny"]),
+            ("draft_model.target_layer_ids=[3, 1]", &["target_layer_ids", "[3, 1]", "increasing"]),
+            ("draft_model.target_layer_ids=[]", &["target_layer_ids", "at least one"]),
+            ("draft_model.target_layer_ids=[-1, 2]", &["target_layer_ids", "-1"]),
             ("draft_model.mask_token_id=-5", &["mask_token_id", "-5"]),
             ("log.format=xml", &["log.format", "xml", "json"]),
             ("objective.num_anchors=0", &["objective.num_anchors", "0"]),
@@ -709,26 +574,14 @@ mod tests {
             ("objective.seed=-3", &["objective.seed", "-3"]),
             ("draft_model.block_size=1", &["draft_model.block_size", "1"]),
             ("drafters.devices=[]", &["drafters.devices", "at least one"]),
-            (
-                "drafters.devices=[\"cpu\", \"gpu\"]",
-                &["drafters.devices", "gpu", "cuda:N"],
-            ),
+            ("drafters.devices=[\"cpu\", \"gpu\"]", &["drafters.devices", "gpu", "cuda:N"]),
             ("data.batch_size=0", &["data.batch_size", "0"]),
             ("optim.betas=[0.9]", &["optim.betas", "two numbers"]),
-            (
-                "optim.schedule=linear",
-                &["optim.schedule", "linear", "cosine"],
-            ),
+            ("optim.schedule=linear", &["optim.schedule", "linear", "cosine"]),
             ("optim.lr=-1", &["optim.lr", "-1"]),
             ("checkpoint.keep=1", &["checkpoint.keep", "at least 2"]),
-            (
-                "supervision.backoff_max_ms=1",
-                &["supervision.backoff_max_ms", "backoff_initial_ms"],
-            ),
-            (
-                "control.listen=nowhere",
-                &["control.listen", "nowhere", "127.0.0.1"],
-            ),
+            ("supervision.backoff_max_ms=1", &["supervision.backoff_max_ms", "backoff_initial_ms"]),
+            ("control.listen=nowhere", &["control.listen", "nowhere", "127.0.0.1"]),
             ("log.every_steps=0", &["log.every_steps"]),
             ("log.level=dflash=loud", &["log.level", "loud"]),
             ("draft_model.target_layer_ids=\"x\"", &["target_layer_ids"]),
@@ -745,37 +598,20 @@ mod tests {
     fn malformed_overrides_and_missing_files_are_reported() {
         let err = with_set(&["novalue"]).unwrap_err().to_string();
         assert!(err.contains("section.key=value"), "{err}");
-        let err = Config::load(&Layers {
-            file: Some("/no/such.toml".into()),
-            ..Layers::default()
-        })
-        .unwrap_err()
-        .to_string();
-        assert!(
-            err.contains("/no/such.toml") && err.contains("no such file"),
-            "{err}"
-        );
+        let err =
+            Config::load(&Layers { file: Some("/no/such.toml".into()), ..Layers::default() }).unwrap_err().to_string();
+        assert!(err.contains("/no/such.toml") && err.contains("no such file"), "{err}");
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("bad.toml");
         std::fs::write(&file, "[target\n").unwrap();
-        let err = Config::load(&Layers {
-            file: Some(file.clone()),
-            ..Layers::default()
-        })
-        .unwrap_err()
-        .to_string();
+        let err = Config::load(&Layers { file: Some(file.clone()), ..Layers::default() }).unwrap_err().to_string();
         assert!(err.contains("bad.toml"), "{err}");
     }
 
     #[test]
     fn non_reloadable_changes_are_named() {
         let a = Config::builtin().unwrap();
-        let b = with_set(&[
-            "data.batch_size=8",
-            "optim.lr=1e-3",
-            "draft_model.block_size=8",
-        ])
-        .unwrap();
+        let b = with_set(&["data.batch_size=8", "optim.lr=1e-3", "draft_model.block_size=8"]).unwrap();
         let changed = changed_keys(&a.merged, &b.merged, &NON_RELOADABLE);
         assert_eq!(changed, vec!["draft_model.block_size", "data.batch_size"]);
         assert_eq!(b.optim.lr, 1e-3);
@@ -787,14 +623,7 @@ mod tests {
         let c = Config::builtin().unwrap();
         assert_eq!(c.objective.gamma, Gamma::Auto);
         assert_eq!(c.objective.gamma.resolve(16).unwrap(), Some(7.0));
-        assert!(
-            c.objective
-                .gamma
-                .resolve(12)
-                .unwrap_err()
-                .to_string()
-                .contains("block size 12")
-        );
+        assert!(c.objective.gamma.resolve(12).unwrap_err().to_string().contains("block size 12"));
         let c = with_set(&["objective.gamma=5"]).unwrap();
         assert_eq!(c.objective.gamma.resolve(12).unwrap(), Some(5.0));
         let c = with_set(&["objective.gamma=none"]).unwrap();
@@ -805,14 +634,8 @@ mod tests {
     fn a_model_folder_needs_explicit_layer_ids() {
         let dir = tempfile::tempdir().unwrap();
         let c = with_set(&[&format!("target.model={}", dir.path().display())]).unwrap();
-        assert_eq!(
-            c.target.source,
-            TargetSource::Folder(dir.path().to_path_buf())
-        );
+        assert_eq!(c.target.source, TargetSource::Folder(dir.path().to_path_buf()));
         let err = c.target_layer_ids().unwrap_err().to_string();
-        assert!(
-            err.contains("draft_model.target_layer_ids") && err.contains("[1, 9, 17, 25, 33]"),
-            "{err}"
-        );
+        assert!(err.contains("draft_model.target_layer_ids") && err.contains("[1, 9, 17, 25, 33]"), "{err}");
     }
 }

@@ -39,23 +39,14 @@ pub struct DraftersSettings {
 impl RawDrafters {
     pub(super) fn validate(self) -> Result<DraftersSettings, ConfigError> {
         if self.devices.is_empty() {
-            return Err(invalid(
-                "drafters.devices",
-                "[]",
-                "needs at least one device, e.g. [\"cuda:0\"]",
-            ));
+            return Err(invalid("drafters.devices", "[]", "needs at least one device, e.g. [\"cuda:0\"]"));
         }
         let devices = self
             .devices
             .iter()
             .map(|d| {
-                d.parse().map_err(|_| {
-                    invalid(
-                        "drafters.devices",
-                        format!("{d:?}"),
-                        "each entry is cpu, cuda:N or auto",
-                    )
-                })
+                d.parse()
+                    .map_err(|_| invalid("drafters.devices", format!("{d:?}"), "each entry is cpu, cuda:N or auto"))
             })
             .collect::<Result<_, _>>()?;
         Ok(DraftersSettings { devices })
@@ -71,6 +62,7 @@ pub(super) struct RawData {
     builtin_conversations: i64,
     builtin_max_new_tokens: i64,
     cache_dir: String,
+    ledger: String,
 }
 
 /// Where training samples come from.
@@ -94,6 +86,8 @@ pub struct DataSettings {
     pub builtin_conversations: usize,
     pub builtin_max_new_tokens: usize,
     pub cache_dir: PathBuf,
+    /// Append every committed batch's sample ids here (JSON lines), as an audit trail; `None`: off.
+    pub ledger: Option<PathBuf>,
 }
 
 impl RawData {
@@ -102,11 +96,7 @@ impl RawData {
             "builtin" => DataSource::Builtin,
             "synthetic" => DataSource::Synthetic,
             "" => {
-                return Err(invalid(
-                    "data.path",
-                    "\"\"",
-                    "\"builtin\" or a folder written by `dflash prepare`",
-                ));
+                return Err(invalid("data.path", "\"\"", "\"builtin\" or a folder written by `dflash prepare`"));
             }
             p => DataSource::Prepared(PathBuf::from(p)),
         };
@@ -114,17 +104,10 @@ impl RawData {
             source,
             batch_size: at_least("data.batch_size", self.batch_size, 1)?,
             max_len: at_least("data.max_len", self.max_len, 2)?,
-            builtin_conversations: at_least(
-                "data.builtin_conversations",
-                self.builtin_conversations,
-                1,
-            )?,
-            builtin_max_new_tokens: at_least(
-                "data.builtin_max_new_tokens",
-                self.builtin_max_new_tokens,
-                1,
-            )?,
+            builtin_conversations: at_least("data.builtin_conversations", self.builtin_conversations, 1)?,
+            builtin_max_new_tokens: at_least("data.builtin_max_new_tokens", self.builtin_max_new_tokens, 1)?,
             cache_dir: PathBuf::from(self.cache_dir),
+            ledger: (!self.ledger.is_empty()).then(|| PathBuf::from(self.ledger)),
         })
     }
 }
@@ -169,11 +152,7 @@ impl RawOptim {
     pub(super) fn validate(self) -> Result<OptimSettings, ConfigError> {
         let lr = finite_in("optim.lr", self.lr, 0.0, 1.0, "a learning rate in [0, 1]")?;
         let [beta1, beta2] = self.betas[..] else {
-            return Err(invalid(
-                "optim.betas",
-                format!("{:?}", self.betas),
-                "two numbers, e.g. [0.9, 0.999]",
-            ));
+            return Err(invalid("optim.betas", format!("{:?}", self.betas), "two numbers, e.g. [0.9, 0.999]"));
         };
         for b in [beta1, beta2] {
             finite_in("optim.betas", b, 0.0, 0.999999, "each beta is in [0, 1)")?;
@@ -182,47 +161,19 @@ impl RawOptim {
             "cosine" => ScheduleKind::Cosine,
             "constant" => ScheduleKind::Constant,
             other => {
-                return Err(invalid(
-                    "optim.schedule",
-                    format!("{other:?}"),
-                    "\"cosine\" or \"constant\"",
-                ));
+                return Err(invalid("optim.schedule", format!("{other:?}"), "\"cosine\" or \"constant\""));
             }
         };
-        let grad_clip = finite_in(
-            "optim.grad_clip",
-            self.grad_clip,
-            0.0,
-            f64::MAX,
-            "a norm >= 0 (0: no clipping)",
-        )?;
+        let grad_clip = finite_in("optim.grad_clip", self.grad_clip, 0.0, f64::MAX, "a norm >= 0 (0: no clipping)")?;
         Ok(OptimSettings {
             lr,
             beta1,
             beta2,
             eps: finite_in("optim.eps", self.eps, 1e-30, 1.0, "a small positive number")?,
-            weight_decay: finite_in(
-                "optim.weight_decay",
-                self.weight_decay,
-                0.0,
-                1.0,
-                "in [0, 1]",
-            )?,
+            weight_decay: finite_in("optim.weight_decay", self.weight_decay, 0.0, 1.0, "in [0, 1]")?,
             schedule,
-            warmup_ratio: finite_in(
-                "optim.warmup_ratio",
-                self.warmup_ratio,
-                0.0,
-                1.0,
-                "a fraction in [0, 1]",
-            )?,
-            min_lr_ratio: finite_in(
-                "optim.min_lr_ratio",
-                self.min_lr_ratio,
-                0.0,
-                1.0,
-                "a fraction in [0, 1]",
-            )?,
+            warmup_ratio: finite_in("optim.warmup_ratio", self.warmup_ratio, 0.0, 1.0, "a fraction in [0, 1]")?,
+            min_lr_ratio: finite_in("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0, "a fraction in [0, 1]")?,
             grad_clip: (grad_clip > 0.0).then_some(grad_clip),
             accumulation: at_least("optim.accumulation", self.accumulation, 1)?,
             epochs: at_least("optim.epochs", self.epochs, 1)? as u64,
@@ -253,11 +204,7 @@ pub struct CheckpointSettings {
 impl RawCheckpoint {
     pub(super) fn validate(self) -> Result<CheckpointSettings, ConfigError> {
         if self.dir.is_empty() {
-            return Err(invalid(
-                "checkpoint.dir",
-                "\"\"",
-                "a folder for checkpoints",
-            ));
+            return Err(invalid("checkpoint.dir", "\"\"", "a folder for checkpoints"));
         }
         Ok(CheckpointSettings {
             dir: PathBuf::from(self.dir),
@@ -285,6 +232,7 @@ pub(super) struct RawSupervision {
     min_live_drafters: i64,
     gpu_hang_limit: i64,
     prefetch_steps: i64,
+    check_replicas_every: i64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -302,12 +250,13 @@ pub struct SupervisionSettings {
     pub gpu_hang_limit: usize,
     /// Steps of features prepared ahead of the drafters.
     pub prefetch_steps: usize,
+    /// Every this many steps the replicas' checksums are compared (0: never).
+    pub check_replicas_every: u64,
 }
 
 impl RawSupervision {
     pub(super) fn validate(self) -> Result<SupervisionSettings, ConfigError> {
-        let initial =
-            at_least("supervision.backoff_initial_ms", self.backoff_initial_ms, 0)? as u64;
+        let initial = at_least("supervision.backoff_initial_ms", self.backoff_initial_ms, 0)? as u64;
         let max = at_least("supervision.backoff_max_ms", self.backoff_max_ms, 0)? as u64;
         if max < initial {
             return Err(invalid(
@@ -327,20 +276,11 @@ impl RawSupervision {
             )?,
             backoff_initial_ms: initial,
             backoff_max_ms: max,
-            step_timeout_s: finite_in(
-                "supervision.step_timeout_s",
-                self.step_timeout_s,
-                0.01,
-                1e9,
-                "seconds > 0",
-            )?,
-            min_live_drafters: at_least(
-                "supervision.min_live_drafters",
-                self.min_live_drafters,
-                1,
-            )?,
+            step_timeout_s: finite_in("supervision.step_timeout_s", self.step_timeout_s, 0.01, 1e9, "seconds > 0")?,
+            min_live_drafters: at_least("supervision.min_live_drafters", self.min_live_drafters, 1)?,
             gpu_hang_limit: at_least("supervision.gpu_hang_limit", self.gpu_hang_limit, 1)?,
             prefetch_steps: at_least("supervision.prefetch_steps", self.prefetch_steps, 1)?,
+            check_replicas_every: at_least("supervision.check_replicas_every", self.check_replicas_every, 0)? as u64,
         })
     }
 }
@@ -364,16 +304,9 @@ impl RawControl {
         let listen = match self.listen.as_str() {
             "" | "off" => None,
             addr => Some(addr.parse().map_err(|_| {
-                invalid(
-                    "control.listen",
-                    format!("{addr:?}"),
-                    "an address like \"127.0.0.1:9400\", or \"off\"",
-                )
+                invalid("control.listen", format!("{addr:?}"), "an address like \"127.0.0.1:9400\", or \"off\"")
             })?),
         };
-        Ok(ControlSettings {
-            listen,
-            fault_injection: self.fault_injection,
-        })
+        Ok(ControlSettings { listen, fault_injection: self.fault_injection })
     }
 }

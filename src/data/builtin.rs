@@ -20,13 +20,7 @@ use super::tokenize::{TextTokenizer, byte_level_tokenizer};
 pub const QWEN3_CHAT_TEMPLATE: &str = include_str!("qwen3_chat_template.jinja");
 
 /// The special tokens of the tiny tokenizer, in id order from 256.
-pub const TINY_SPECIALS: [&str; 5] = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<think>",
-    "</think>",
-];
+pub const TINY_SPECIALS: [&str; 5] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"];
 
 /// The tiny tokenizer.
 pub fn tiny_tokenizer() -> tokenizers::Tokenizer {
@@ -51,8 +45,7 @@ impl ModelAssets {
         for key in ["bos_token", "eos_token", "pad_token"] {
             specials.insert(key.into(), config[key].clone());
         }
-        let template = ChatTemplate::new(QWEN3_CHAT_TEMPLATE, specials, template_kwargs)
-            .expect("the template parses");
+        let template = ChatTemplate::new(QWEN3_CHAT_TEMPLATE, specials, template_kwargs).expect("the template parses");
         let tokenizer = tiny_tokenizer();
         let mut h = Sha256::new();
         h.update(tokenizer.to_string(false).expect("serializable"));
@@ -80,24 +73,14 @@ pub fn write_tiny_tokenizer(dir: &Path) -> Result<(), DataError> {
     let io = |path: std::path::PathBuf| move |err| DataError::Io { path, err };
     std::fs::create_dir_all(dir).map_err(io(dir.to_path_buf()))?;
     let path = dir.join("tokenizer.json");
-    tiny_tokenizer()
-        .save(&path, false)
-        .map_err(|e| DataError::File {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+    tiny_tokenizer().save(&path, false).map_err(|e| DataError::File { path: path.clone(), reason: e.to_string() })?;
     let path = dir.join("tokenizer_config.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&tiny_tokenizer_config()).expect("json"),
-    )
-    .map_err(io(path))
+    std::fs::write(&path, serde_json::to_string_pretty(&tiny_tokenizer_config()).expect("json")).map_err(io(path))
 }
 
 const WORDS: [&str; 24] = [
-    "apple", "river", "stone", "cloud", "green", "light", "music", "paper", "quiet", "sugar",
-    "table", "water", "bread", "chair", "dream", "earth", "flame", "glass", "honey", "ivory",
-    "jelly", "lemon", "maple", "north",
+    "apple", "river", "stone", "cloud", "green", "light", "music", "paper", "quiet", "sugar", "table", "water",
+    "bread", "chair", "dream", "earth", "flame", "glass", "honey", "ivory", "jelly", "lemon", "maple", "north",
 ];
 
 /// One question and the answer that follows from it.
@@ -111,44 +94,22 @@ fn exchange(rng: &mut ChaCha8Rng) -> (String, String) {
         }
         1 => {
             let (a, b) = (rng.random_range(10..500), rng.random_range(10..500));
-            (
-                format!("What is {a} + {b}?"),
-                format!(
-                    "{a} + {b} = {}. The sum of {a} and {b} is {}.",
-                    a + b,
-                    a + b
-                ),
-            )
+            (format!("What is {a} + {b}?"), format!("{a} + {b} = {}. The sum of {a} and {b} is {}.", a + b, a + b))
         }
         2 => {
-            let words: Vec<&str> = (0..rng.random_range(5..9))
-                .map(|_| *WORDS.choose(rng).expect("words"))
-                .collect();
-            (
-                format!("Repeat after me: {}", words.join(" ")),
-                words.join(" "),
-            )
+            let words: Vec<&str> = (0..rng.random_range(5..9)).map(|_| *WORDS.choose(rng).expect("words")).collect();
+            (format!("Repeat after me: {}", words.join(" ")), words.join(" "))
         }
         3 => {
-            let words: Vec<&str> = (0..rng.random_range(5..9))
-                .map(|_| *WORDS.choose(rng).expect("words"))
-                .collect();
+            let words: Vec<&str> = (0..rng.random_range(5..9)).map(|_| *WORDS.choose(rng).expect("words")).collect();
             let reversed: Vec<&str> = words.iter().rev().copied().collect();
-            (
-                format!("Reverse the words: {}", words.join(" ")),
-                reversed.join(" "),
-            )
+            (format!("Reverse the words: {}", words.join(" ")), reversed.join(" "))
         }
         _ => {
             let words: Vec<&str> = (0..3).map(|_| *WORDS.choose(rng).expect("words")).collect();
-            let spelled: Vec<String> = words
-                .iter()
-                .map(|w| w.chars().map(String::from).collect::<Vec<_>>().join("-"))
-                .collect();
-            (
-                format!("Spell these words: {}", words.join(", ")),
-                spelled.join(", "),
-            )
+            let spelled: Vec<String> =
+                words.iter().map(|w| w.chars().map(String::from).collect::<Vec<_>>().join("-")).collect();
+            (format!("Spell these words: {}", words.join(", ")), spelled.join(", "))
         }
     }
 }

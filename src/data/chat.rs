@@ -33,9 +33,7 @@ pub enum ChatError {
     Json(String),
     #[error("{0}")]
     Shape(String),
-    #[error(
-        "unknown role {0:?} (expected system, user, assistant or tool; ShareGPT: human, gpt, system, tool)"
-    )]
+    #[error("unknown role {0:?} (expected system, user, assistant or tool; ShareGPT: human, gpt, system, tool)")]
     UnknownRole(String),
     #[error("empty conversation")]
     Empty,
@@ -62,56 +60,36 @@ impl Conversation {
     /// (ShareGPT), with an optional integer `id`.
     pub fn from_json_line(line: &str, line_number: u64) -> Result<Self, ChatError> {
         let v: Value = serde_json::from_str(line).map_err(|e| ChatError::Json(e.to_string()))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| ChatError::Shape("a line must be a JSON object".into()))?;
+        let obj = v.as_object().ok_or_else(|| ChatError::Shape("a line must be a JSON object".into()))?;
         let id = match obj.get("id") {
             None | Some(Value::Null) => line_number,
             Some(Value::Number(n)) if n.is_u64() => n.as_u64().expect("checked"),
-            Some(Value::String(s)) => s.parse().map_err(|_| {
-                ChatError::Shape(format!("`id` {s:?} is not a non-negative integer"))
-            })?,
+            Some(Value::String(s)) => {
+                s.parse().map_err(|_| ChatError::Shape(format!("`id` {s:?} is not a non-negative integer")))?
+            }
             Some(other) => {
-                return Err(ChatError::Shape(format!(
-                    "`id` {other} is not a non-negative integer"
-                )));
+                return Err(ChatError::Shape(format!("`id` {other} is not a non-negative integer")));
             }
         };
         let messages = if let Some(m) = obj.get("messages") {
-            let list = m
-                .as_array()
-                .ok_or_else(|| ChatError::Shape("`messages` must be a list".into()))?;
-            list.iter()
-                .map(openai_message)
-                .collect::<Result<Vec<_>, _>>()?
+            let list = m.as_array().ok_or_else(|| ChatError::Shape("`messages` must be a list".into()))?;
+            list.iter().map(openai_message).collect::<Result<Vec<_>, _>>()?
         } else if let Some(c) = obj.get("conversations") {
-            let list = c
-                .as_array()
-                .ok_or_else(|| ChatError::Shape("`conversations` must be a list".into()))?;
-            list.iter()
-                .map(sharegpt_message)
-                .collect::<Result<Vec<_>, _>>()?
+            let list = c.as_array().ok_or_else(|| ChatError::Shape("`conversations` must be a list".into()))?;
+            list.iter().map(sharegpt_message).collect::<Result<Vec<_>, _>>()?
         } else {
-            return Err(ChatError::Shape(
-                "expected a `messages` (OpenAI) or `conversations` (ShareGPT) list".into(),
-            ));
+            return Err(ChatError::Shape("expected a `messages` (OpenAI) or `conversations` (ShareGPT) list".into()));
         };
         if messages.is_empty() {
             return Err(ChatError::Empty);
         }
         let tools = obj.get("tools").filter(|t| !t.is_null()).cloned();
-        Ok(Conversation {
-            id,
-            messages,
-            tools,
-        })
+        Ok(Conversation { id, messages, tools })
     }
 
     /// Indices of the assistant messages.
     pub fn assistant_turns(&self) -> Vec<usize> {
-        (0..self.messages.len())
-            .filter(|&i| self.messages[i]["role"] == "assistant")
-            .collect()
+        (0..self.messages.len()).filter(|&i| self.messages[i]["role"] == "assistant").collect()
     }
 }
 
@@ -126,13 +104,9 @@ fn normal_role(role: &str) -> Option<&'static str> {
 }
 
 fn openai_message(m: &Value) -> Result<Value, ChatError> {
-    let obj = m
-        .as_object()
-        .ok_or_else(|| ChatError::Shape("each message must be an object".into()))?;
-    let role = obj
-        .get("role")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ChatError::Shape("a message has no `role`".into()))?;
+    let obj = m.as_object().ok_or_else(|| ChatError::Shape("each message must be an object".into()))?;
+    let role =
+        obj.get("role").and_then(Value::as_str).ok_or_else(|| ChatError::Shape("a message has no `role`".into()))?;
     let normal = normal_role(role).ok_or_else(|| ChatError::UnknownRole(role.to_string()))?;
     let mut out: Map<String, Value> = obj.clone();
     out.insert("role".into(), json!(normal));
@@ -145,16 +119,11 @@ fn openai_message(m: &Value) -> Result<Value, ChatError> {
         Some(Value::String(_)) => {}
         Some(Value::Array(parts)) => {
             // OpenAI content parts: keep the text parts, joined.
-            let text: Vec<&str> = parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .collect();
+            let text: Vec<&str> = parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
             out.insert("content".into(), json!(text.join("")));
         }
         Some(other) => {
-            return Err(ChatError::Shape(format!(
-                "message content {other} is not text"
-            )));
+            return Err(ChatError::Shape(format!("message content {other} is not text")));
         }
     }
     Ok(Value::Object(out))
@@ -193,10 +162,9 @@ impl ChatTemplate {
     /// or `dir/chat_template.jinja`), with `kwargs` passed to the template as variables.
     pub fn from_dir(dir: &Path, kwargs: &Map<String, Value>) -> Result<Self, String> {
         let path = dir.join("tokenizer_config.json");
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let config: Value = serde_json::from_str(&text)
-            .map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let config: Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
         let template = match config.get("chat_template") {
             Some(Value::String(t)) => t.clone(),
             Some(Value::Array(list)) => list
@@ -205,16 +173,11 @@ impl ChatTemplate {
                 .or_else(|| list.first())
                 .and_then(|t| t["template"].as_str())
                 .map(str::to_string)
-                .ok_or_else(|| {
-                    format!("{}: `chat_template` list has no template", path.display())
-                })?,
+                .ok_or_else(|| format!("{}: `chat_template` list has no template", path.display()))?,
             _ => {
                 let jinja = dir.join("chat_template.jinja");
                 std::fs::read_to_string(&jinja).map_err(|_| {
-                    format!(
-                        "{}: no `chat_template`, and no chat_template.jinja beside it",
-                        path.display()
-                    )
+                    format!("{}: no `chat_template`, and no chat_template.jinja beside it", path.display())
                 })?
             }
         };
@@ -231,32 +194,22 @@ impl ChatTemplate {
     }
 
     /// A template from its source, with special-token variables (`bos_token`, `eos_token`, ...) and kwargs.
-    pub fn new(
-        source: &str,
-        specials: Map<String, Value>,
-        kwargs: &Map<String, Value>,
-    ) -> Result<Self, String> {
+    pub fn new(source: &str, specials: Map<String, Value>, kwargs: &Map<String, Value>) -> Result<Self, String> {
         let mut env = Environment::new();
         // HuggingFace renders chat templates with these two on.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |message: String| -> Result<JValue, JError> {
-                Err(JError::new(ErrorKind::InvalidOperation, message))
-            },
-        );
+        env.add_function("raise_exception", |message: String| -> Result<JValue, JError> {
+            Err(JError::new(ErrorKind::InvalidOperation, message))
+        });
         env.add_function("strftime_now", |format: String| -> String {
             chrono::Local::now().format(&format).to_string()
         });
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| format!("the chat template does not parse: {e}"))?;
-        let eos = specials
-            .get("eos_token")
-            .and_then(Value::as_str)
-            .map(str::to_string);
+        let eos = specials.get("eos_token").and_then(Value::as_str).map(str::to_string);
         let mut end_of_turn: Vec<String> = END_OF_TURN
             .iter()
             .filter(|m| source.contains(*m) || eos.as_deref() == Some(m))
@@ -267,11 +220,7 @@ impl ChatTemplate {
         }
         let mut globals = specials;
         globals.extend(kwargs.clone());
-        Ok(ChatTemplate {
-            env,
-            globals,
-            end_of_turn,
-        })
+        Ok(ChatTemplate { env, globals, end_of_turn })
     }
 
     /// Renders `messages` as `apply_chat_template(messages, tools, add_generation_prompt, **kwargs)` would.
@@ -287,9 +236,7 @@ impl ChatTemplate {
         ctx.insert("documents".into(), Value::Null);
         ctx.insert("add_generation_prompt".into(), json!(add_generation_prompt));
         let template = self.env.get_template("chat").expect("added in new()");
-        template
-            .render(JValue::from_serialize(&ctx))
-            .map_err(|e| ChatError::Template(template_error(&e)))
+        template.render(JValue::from_serialize(&ctx)).map_err(|e| ChatError::Template(template_error(&e)))
     }
 
     /// Renders the whole conversation and finds the byte ranges each assistant turn produced.
@@ -307,26 +254,16 @@ impl ChatTemplate {
             cursor = span.end;
             supervised.push(span);
         }
-        Ok(Rendered {
-            text: full,
-            supervised,
-        })
+        Ok(Rendered { text: full, supervised })
     }
 
     /// The byte range of assistant turn `i` in `full`, at or after `cursor`.
-    fn locate(
-        &self,
-        conv: &Conversation,
-        full: &str,
-        i: usize,
-        cursor: usize,
-    ) -> Result<Range<usize>, ChatError> {
+    fn locate(&self, conv: &Conversation, full: &str, i: usize, cursor: usize) -> Result<Range<usize>, ChatError> {
         let tools = conv.tools.as_ref();
         // Where generation starts, if the full rendering begins with the rendering of the turns before `i`
         // followed by the generation prompt.
         let prompt = self.render(&conv.messages[..i], tools, true)?;
-        let from_prompt =
-            (full.starts_with(&prompt) && prompt.len() >= cursor).then_some(prompt.len());
+        let from_prompt = (full.starts_with(&prompt) && prompt.len() >= cursor).then_some(prompt.len());
         // The turn's content replaced by a marker.
         let mark = marker(i);
         let mut probe = conv.messages.clone();
@@ -353,11 +290,7 @@ impl ChatTemplate {
         let end = self
             .end_of_turn
             .iter()
-            .filter_map(|m| {
-                full[content_end..]
-                    .find(m.as_str())
-                    .map(|at| content_end + at + m.len())
-            })
+            .filter_map(|m| full[content_end..].find(m.as_str()).map(|at| content_end + at + m.len()))
             .min()
             .ok_or(ChatError::Unlocated(i))?;
         Ok(start..end)
@@ -379,12 +312,7 @@ fn common_prefix(a: &str, b: &str) -> usize {
 }
 
 fn common_suffix(a: &str, b: &str) -> usize {
-    let n = a
-        .bytes()
-        .rev()
-        .zip(b.bytes().rev())
-        .take_while(|(x, y)| x == y)
-        .count();
+    let n = a.bytes().rev().zip(b.bytes().rev()).take_while(|(x, y)| x == y).count();
     let mut start = a.len() - n;
     while !a.is_char_boundary(start) {
         start += 1;
@@ -406,16 +334,14 @@ fn tojson(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JValue, JEr
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json: Value = serde_json::to_value(&value)
-        .map_err(|e| JError::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let json: Value =
+        serde_json::to_value(&value).map_err(|e| JError::new(ErrorKind::BadSerialization, e.to_string()))?;
     let mut out = Vec::new();
     let written = match indent {
         Some(n) => {
             let pad = vec![b' '; n];
-            let mut ser = serde_json::Serializer::with_formatter(
-                &mut out,
-                serde_json::ser::PrettyFormatter::with_indent(&pad),
-            );
+            let mut ser =
+                serde_json::Serializer::with_formatter(&mut out, serde_json::ser::PrettyFormatter::with_indent(&pad));
             serde::Serialize::serialize(&json, &mut ser)
         }
         None => {
@@ -424,27 +350,17 @@ fn tojson(value: JValue, kwargs: minijinja::value::Kwargs) -> Result<JValue, JEr
         }
     };
     written.map_err(|e| JError::new(ErrorKind::BadSerialization, e.to_string()))?;
-    Ok(JValue::from_safe_string(
-        String::from_utf8(out).expect("serde_json writes UTF-8"),
-    ))
+    Ok(JValue::from_safe_string(String::from_utf8(out).expect("serde_json writes UTF-8")))
 }
 
 /// Python's default `json.dumps` separators: `", "` between items, `": "` after keys.
 struct PythonCompact;
 
 impl serde_json::ser::Formatter for PythonCompact {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
         if first { Ok(()) } else { w.write_all(b", ") }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
         if first { Ok(()) } else { w.write_all(b", ") }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
@@ -480,44 +396,23 @@ mod tests {
             ("not json", "not valid JSON"),
             ("[1]", "JSON object"),
             (r#"{"messages": []}"#, "empty conversation"),
-            (
-                r#"{"messages": [{"role": "wizard", "content": "x"}]}"#,
-                "unknown role \"wizard\"",
-            ),
-            (
-                r#"{"conversations": [{"from": "alien", "value": "x"}]}"#,
-                "unknown role \"alien\"",
-            ),
+            (r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, "unknown role \"wizard\""),
+            (r#"{"conversations": [{"from": "alien", "value": "x"}]}"#, "unknown role \"alien\""),
             (r#"{"text": "x"}"#, "expected a `messages`"),
-            (
-                r#"{"id": -1, "messages": [{"role": "user", "content": "x"}]}"#,
-                "`id`",
-            ),
+            (r#"{"id": -1, "messages": [{"role": "user", "content": "x"}]}"#, "`id`"),
         ];
         for (line, expected) in cases {
-            let err = Conversation::from_json_line(line, 0)
-                .unwrap_err()
-                .to_string();
+            let err = Conversation::from_json_line(line, 0).unwrap_err().to_string();
             assert!(err.contains(expected), "{line}: {err}");
         }
     }
 
     #[test]
     fn tojson_writes_what_python_writes() {
-        let t = ChatTemplate::new(
-            "{{ x | tojson }}|{{ x | tojson(indent=2) }}",
-            Map::new(),
-            &Map::new(),
-        )
-        .unwrap();
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ x | tojson(indent=2) }}", Map::new(), &Map::new()).unwrap();
         let mut ctx = Map::new();
         ctx.insert("x".into(), json!({"b": [1, "é<>"], "a": {"k": null}}));
-        let out = t
-            .env
-            .get_template("chat")
-            .unwrap()
-            .render(JValue::from_serialize(&ctx))
-            .unwrap();
+        let out = t.env.get_template("chat").unwrap().render(JValue::from_serialize(&ctx)).unwrap();
         assert_eq!(
             out,
             "{\"b\": [1, \"é<>\"], \"a\": {\"k\": null}}|{\n  \"b\": [\n    1,\n    \"é<>\"\n  ],\n  \"a\": {\n    \"k\": null\n  }\n}"
@@ -526,8 +421,7 @@ mod tests {
 
     #[test]
     fn template_functions_exist() {
-        let t = ChatTemplate::new("{{ raise_exception('bad turn') }}", Map::new(), &Map::new())
-            .unwrap();
+        let t = ChatTemplate::new("{{ raise_exception('bad turn') }}", Map::new(), &Map::new()).unwrap();
         let err = t.render(&[], None, false).unwrap_err().to_string();
         assert!(err.contains("bad turn"), "{err}");
         let t = ChatTemplate::new("{{ strftime_now('%Y') }}", Map::new(), &Map::new()).unwrap();

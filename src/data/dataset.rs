@@ -26,11 +26,7 @@ impl Dataset for PreparedSplit {
     }
     fn row(&self, position: usize) -> TokenRow {
         let s = self.get(position);
-        TokenRow {
-            id: s.id,
-            input_ids: s.input_ids(),
-            loss_mask: s.loss_mask.to_vec(),
-        }
+        TokenRow { id: s.id, input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() }
     }
 }
 

@@ -55,15 +55,7 @@ pub struct Loader {
 impl Loader {
     /// A loader over samples of the given token lengths, at the start of epoch 0.
     pub fn new(lengths: Vec<usize>, settings: LoaderSettings) -> Self {
-        Self::restore(
-            lengths,
-            settings,
-            LoaderState {
-                epoch: 0,
-                next_ordinal: 0,
-                owed: vec![],
-            },
-        )
+        Self::restore(lengths, settings, LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] })
     }
 
     /// A loader continuing from a saved position.
@@ -114,8 +106,7 @@ impl Loader {
     fn plan(&mut self, epoch: u64) -> &Vec<Vec<usize>> {
         let (lengths, s) = (&self.lengths, self.settings);
         self.plans.entry(epoch).or_insert_with(|| {
-            let mut rng =
-                ChaCha8Rng::seed_from_u64(s.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let mut order: Vec<usize> = (0..lengths.len()).collect();
             order.shuffle(&mut rng);
             let mut batches: Vec<Vec<usize>> = Vec::new();
@@ -143,10 +134,7 @@ impl Loader {
                     self.epoch += 1;
                     self.next_ordinal = 0;
                 }
-                let id = BatchId {
-                    epoch: self.epoch,
-                    ordinal: self.next_ordinal,
-                };
+                let id = BatchId { epoch: self.epoch, ordinal: self.next_ordinal };
                 self.next_ordinal += 1;
                 id
             }
@@ -172,11 +160,7 @@ impl Loader {
     pub fn state(&self) -> LoaderState {
         let mut owed: Vec<BatchId> = self.requeued.iter().copied().collect();
         owed.extend(self.outstanding.iter().copied());
-        LoaderState {
-            epoch: self.epoch,
-            next_ordinal: self.next_ordinal,
-            owed,
-        }
+        LoaderState { epoch: self.epoch, next_ordinal: self.next_ordinal, owed }
     }
 }
 
@@ -186,11 +170,7 @@ mod tests {
     use rand::Rng;
 
     fn settings(batch: usize) -> LoaderSettings {
-        LoaderSettings {
-            batch_size: batch,
-            seed: 7,
-            bucket_batches: 4,
-        }
+        LoaderSettings { batch_size: batch, seed: 7, bucket_batches: 4 }
     }
 
     fn lengths(n: usize) -> Vec<usize> {
@@ -248,27 +228,16 @@ mod tests {
         let state = a.state();
         assert_eq!(state.owed.len(), 2);
         let json = serde_json::to_string(&state).unwrap();
-        let mut b = Loader::restore(
-            lengths(50),
-            settings(3),
-            serde_json::from_str(&json).unwrap(),
-        );
+        let mut b = Loader::restore(lengths(50), settings(3), serde_json::from_str(&json).unwrap());
         let from_b: Vec<Batch> = (0..30).map(|_| b.next_batch().unwrap()).collect();
         // The owed batches come first, then the same sequence the original would hand out.
         assert_eq!(from_b[0].id, handed[23].id);
         assert_eq!(from_b[1].id, handed[24].id);
         assert_eq!(from_b[1].samples, handed[24].samples);
         let mut c = Loader::restore(lengths(50), settings(3), state);
-        assert_eq!(
-            from_b,
-            (0..30).map(|_| c.next_batch().unwrap()).collect::<Vec<_>>()
-        );
+        assert_eq!(from_b, (0..30).map(|_| c.next_batch().unwrap()).collect::<Vec<_>>());
         let expected: Vec<Batch> = (0..29).map(|_| a.next_batch().unwrap()).collect();
-        assert_eq!(
-            &from_b[2..],
-            &expected[1..],
-            "after the owed batches the order continues unchanged"
-        );
+        assert_eq!(&from_b[2..], &expected[1..], "after the owed batches the order continues unchanged");
     }
 
     #[test]
@@ -280,10 +249,7 @@ mod tests {
             ls.iter().max().unwrap() - ls.iter().min().unwrap()
         };
         let mean_spread: f64 = first.iter().map(|b| spread(b) as f64).sum::<f64>() / 8.0;
-        assert!(
-            mean_spread < 100.0,
-            "buckets should group similar lengths: {mean_spread}"
-        );
+        assert!(mean_spread < 100.0, "buckets should group similar lengths: {mean_spread}");
         let second: Vec<Batch> = (0..8).map(|_| l.next_batch().unwrap()).collect();
         assert_eq!(second[0].id.epoch, 1);
         assert_ne!(

@@ -21,11 +21,7 @@ pub enum DataError {
     #[error("{}: {err}", path.display())]
     Io { path: PathBuf, err: std::io::Error },
     #[error("{}:{line}: {reason}", path.display())]
-    Line {
-        path: PathBuf,
-        line: usize,
-        reason: String,
-    },
+    Line { path: PathBuf, line: usize, reason: String },
     #[error("{}: {reason}", path.display())]
     File { path: PathBuf, reason: String },
 }

@@ -39,21 +39,13 @@ pub struct ModelAssets {
 impl ModelAssets {
     /// A model folder's `tokenizer.json` and `tokenizer_config.json`.
     pub fn from_dir(dir: &Path, template_kwargs: &Map<String, Value>) -> Result<Self, DataError> {
-        let bad = |reason: String| DataError::File {
-            path: dir.to_path_buf(),
-            reason,
-        };
+        let bad = |reason: String| DataError::File { path: dir.to_path_buf(), reason };
         let tokenizer = TextTokenizer::from_dir(dir).map_err(bad)?;
         let template = ChatTemplate::from_dir(dir, template_kwargs).map_err(bad)?;
         let mut h = Sha256::new();
         h.update(file_sha256(&dir.join("tokenizer.json"))?);
         h.update(file_sha256(&dir.join("tokenizer_config.json"))?);
-        Ok(ModelAssets {
-            template,
-            tokenizer,
-            identity: hex(&h.finalize()),
-            name: dir.display().to_string(),
-        })
+        Ok(ModelAssets { template, tokenizer, identity: hex(&h.finalize()), name: dir.display().to_string() })
     }
 }
 
@@ -122,17 +114,12 @@ impl Manifest {
             path: dir.to_path_buf(),
             reason: "no manifest.json: not a prepared folder (or an unfinished one); run `dflash prepare`".into(),
         })?;
-        let m: Manifest = serde_json::from_str(&text).map_err(|e| DataError::File {
-            path: path.clone(),
-            reason: format!("not a dflash manifest: {e}"),
-        })?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| DataError::File { path: path.clone(), reason: format!("not a dflash manifest: {e}") })?;
         if m.format != FORMAT {
             return Err(DataError::File {
                 path,
-                reason: format!(
-                    "format {:?}; this build reads {FORMAT:?}: prepare the data again",
-                    m.format
-                ),
+                reason: format!("format {:?}; this build reads {FORMAT:?}: prepare the data again", m.format),
             });
         }
         Ok(m)
@@ -196,12 +183,8 @@ fn process_line(
     };
     let mut sample = match build_sample_timed(&assets.template, &assets.tokenizer, &conv) {
         Ok((s, [render, tokenize])) => {
-            clock
-                .render
-                .fetch_add(render.as_nanos() as u64, Ordering::Relaxed);
-            clock
-                .tokenize
-                .fetch_add(tokenize.as_nanos() as u64, Ordering::Relaxed);
+            clock.render.fetch_add(render.as_nanos() as u64, Ordering::Relaxed);
+            clock.tokenize.fetch_add(tokenize.as_nanos() as u64, Ordering::Relaxed);
             s
         }
         Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
@@ -234,17 +217,10 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
     h.update(&assets.identity);
     h.update(settings.to_string());
     for path in &opts.inputs {
-        let meta = std::fs::metadata(path).map_err(|err| DataError::Io {
-            path: path.clone(),
-            err,
-        })?;
+        let meta = std::fs::metadata(path).map_err(|err| DataError::Io { path: path.clone(), err })?;
         let sha = file_sha256(path)?;
         h.update(&sha);
-        inputs.push(InputEntry {
-            path: path.display().to_string(),
-            bytes: meta.len(),
-            sha256: sha,
-        });
+        inputs.push(InputEntry { path: path.display().to_string(), bytes: meta.len(), sha256: sha });
     }
     let fingerprint = hex(&h.finalize());
     if let Ok(existing) = Manifest::read(&opts.out)
@@ -259,31 +235,14 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
             reason: "exists and is not a prepared folder; choose another --out or remove it".into(),
         });
     }
-    let parent = opts
-        .out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(|err| DataError::Io {
-        path: parent.to_path_buf(),
-        err,
-    })?;
-    let name = opts
-        .out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let parent = opts.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|err| DataError::Io { path: parent.to_path_buf(), err })?;
+    let name = opts.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = parent.join(format!(".{name}.partial"));
     if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|err| DataError::Io {
-            path: tmp.clone(),
-            err,
-        })?;
+        std::fs::remove_dir_all(&tmp).map_err(|err| DataError::Io { path: tmp.clone(), err })?;
     }
-    std::fs::create_dir_all(&tmp).map_err(|err| DataError::Io {
-        path: tmp.clone(),
-        err,
-    })?;
+    std::fs::create_dir_all(&tmp).map_err(|err| DataError::Io { path: tmp.clone(), err })?;
     let result = write_all(assets, opts, &tmp, started).and_then(|(splits, report)| {
         let manifest = Manifest {
             format: FORMAT.to_string(),
@@ -296,13 +255,8 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
         };
         let path = manifest_path(&tmp);
         let text = serde_json::to_string_pretty(&manifest).expect("json");
-        std::fs::write(&path, text).map_err(|err| DataError::Io {
-            path: path.clone(),
-            err,
-        })?;
-        std::fs::File::open(&path)
-            .and_then(|f| f.sync_all())
-            .map_err(|err| DataError::Io { path, err })?;
+        std::fs::write(&path, text).map_err(|err| DataError::Io { path: path.clone(), err })?;
+        std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|err| DataError::Io { path, err })?;
         Ok(manifest)
     });
     let manifest = match result {
@@ -331,9 +285,7 @@ fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
         std::fs::remove_dir_all(&old).map_err(io(&old))?;
     }
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::File::open(parent)
-            .and_then(|f| f.sync_all())
-            .map_err(io(parent))?;
+        std::fs::File::open(parent).and_then(|f| f.sync_all()).map_err(io(parent))?;
     }
     Ok(())
 }
@@ -344,11 +296,7 @@ fn write_all(
     dir: &Path,
     started: Instant,
 ) -> Result<(BTreeMap<String, SplitEntry>, PrepareReport), DataError> {
-    let total_lines: u64 = opts
-        .inputs
-        .iter()
-        .map(|p| count_lines(p))
-        .sum::<Result<u64, _>>()?;
+    let total_lines: u64 = opts.inputs.iter().map(|p| count_lines(p)).sum::<Result<u64, _>>()?;
     let bar = if opts.progress {
         let bar = indicatif::ProgressBar::new(total_lines);
         bar.set_style(
@@ -368,62 +316,41 @@ fn write_all(
     let clock = PhaseClock::default();
     let mut ordinal = 0u64;
     for path in &opts.inputs {
-        let file = std::fs::File::open(path).map_err(|err| DataError::Io {
-            path: path.clone(),
-            err,
-        })?;
-        let mut lines = std::io::BufReader::with_capacity(1 << 20, file)
-            .lines()
-            .enumerate();
+        let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.clone(), err })?;
+        let mut lines = std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate();
         loop {
             let mut chunk: Vec<(usize, u64, String)> = Vec::with_capacity(CHUNK_LINES);
             for (n, line) in lines.by_ref().take(CHUNK_LINES) {
-                let line = line.map_err(|err| DataError::Io {
-                    path: path.clone(),
-                    err,
-                })?;
+                let line = line.map_err(|err| DataError::Io { path: path.clone(), err })?;
                 chunk.push((n + 1, ordinal, line));
                 ordinal += 1;
             }
             if chunk.is_empty() {
                 break;
             }
-            let results: Vec<LineResult> = chunk
-                .par_iter()
-                .map(|(_, ord, line)| process_line(assets, opts, line, *ord, &clock))
-                .collect();
+            let results: Vec<LineResult> =
+                chunk.par_iter().map(|(_, ord, line)| process_line(assets, opts, line, *ord, &clock)).collect();
             for ((line_no, _, _), result) in chunk.iter().zip(results) {
                 bar.inc(1);
                 let mut bad = |kind: &'static str, message: String| -> Result<(), DataError> {
                     if opts.strict {
-                        return Err(DataError::Line {
-                            path: path.clone(),
-                            line: *line_no,
-                            reason: message,
-                        });
+                        return Err(DataError::Line { path: path.clone(), line: *line_no, reason: message });
                     }
                     *report.bad_lines.entry(kind.to_string()).or_insert(0) += 1;
                     if report.examples.len() < QUOTED_ERRORS {
-                        report
-                            .examples
-                            .push(format!("{}:{line_no}: {message}", path.display()));
+                        report.examples.push(format!("{}:{line_no}: {message}", path.display()));
                     }
                     Ok(())
                 };
                 match result {
                     LineResult::Blank => continue,
                     LineResult::Bad(kind, message) => bad(kind, message)?,
-                    LineResult::Dropped(reason) => {
-                        *report.dropped.entry(reason.to_string()).or_insert(0) += 1
-                    }
+                    LineResult::Dropped(reason) => *report.dropped.entry(reason.to_string()).or_insert(0) += 1,
                     LineResult::Kept(sample, to_holdout) => {
                         if !seen_ids.insert(sample.id) {
                             bad(
                                 "duplicate id",
-                                format!(
-                                    "id {} appears more than once; give every line a unique id",
-                                    sample.id
-                                ),
+                                format!("id {} appears more than once; give every line a unique id", sample.id),
                             )?;
                             continue;
                         }
@@ -458,17 +385,11 @@ fn write_all(
 }
 
 fn count_lines(path: &Path) -> Result<u64, DataError> {
-    let file = std::fs::File::open(path).map_err(|err| DataError::Io {
-        path: path.to_path_buf(),
-        err,
-    })?;
+    let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
     let mut n = 0;
     let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
     loop {
-        let buf = reader.fill_buf().map_err(|err| DataError::Io {
-            path: path.to_path_buf(),
-            err,
-        })?;
+        let buf = reader.fill_buf().map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
         if buf.is_empty() {
             break;
         }

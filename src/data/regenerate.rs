@@ -52,10 +52,7 @@ pub trait Responder {
 
 /// Reads the ids already written to `out`, dropping a torn last line left by an interrupted run.
 fn resume_point(out: &Path) -> Result<HashSet<u64>, DataError> {
-    let io = |err| DataError::Io {
-        path: out.to_path_buf(),
-        err,
-    };
+    let io = |err| DataError::Io { path: out.to_path_buf(), err };
     let mut done = HashSet::new();
     if !out.exists() {
         return Ok(done);
@@ -64,9 +61,7 @@ fn resume_point(out: &Path) -> Result<HashSet<u64>, DataError> {
     let mut good_len = 0;
     for line in text.split_inclusive('\n') {
         let complete = line.ends_with('\n');
-        let id = serde_json::from_str::<Value>(line.trim_end())
-            .ok()
-            .and_then(|v| v.get("id").and_then(Value::as_u64));
+        let id = serde_json::from_str::<Value>(line.trim_end()).ok().and_then(|v| v.get("id").and_then(Value::as_u64));
         match (complete, id) {
             (true, Some(id)) => {
                 done.insert(id);
@@ -77,10 +72,7 @@ fn resume_point(out: &Path) -> Result<HashSet<u64>, DataError> {
     }
     if good_len < text.len() {
         tracing::warn!(path = %out.display(), "dropping an incomplete last line left by an interrupted run");
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(out)
-            .map_err(io)?;
+        let f = std::fs::OpenOptions::new().write(true).open(out).map_err(io)?;
         f.set_len(good_len as u64).map_err(io)?;
     }
     Ok(done)
@@ -89,17 +81,11 @@ fn resume_point(out: &Path) -> Result<HashSet<u64>, DataError> {
 /// The conversations of `input` still to do, and the report so far.
 fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateReport), DataError> {
     let done = resume_point(&opts.out)?;
-    let file = std::fs::File::open(&opts.input).map_err(|err| DataError::Io {
-        path: opts.input.clone(),
-        err,
-    })?;
+    let file = std::fs::File::open(&opts.input).map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
     let mut report = RegenerateReport::default();
     let mut todo = Vec::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|err| DataError::Io {
-            path: opts.input.clone(),
-            err,
-        })?;
+        let line = line.map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
         if line.trim().is_empty() {
             continue;
         }
@@ -115,9 +101,7 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
             Err(e) => {
                 report.bad_lines += 1;
                 if report.examples.len() < 10 {
-                    report
-                        .examples
-                        .push(format!("{}:{}: {e}", opts.input.display(), n + 1));
+                    report.examples.push(format!("{}:{}: {e}", opts.input.display(), n + 1));
                 }
             }
         }
@@ -170,14 +154,8 @@ impl OutputLines {
             .create(true)
             .append(true)
             .open(path)
-            .map_err(|err| DataError::Io {
-                path: path.to_path_buf(),
-                err,
-            })?;
-        Ok(OutputLines {
-            path: path.to_path_buf(),
-            file,
-        })
+            .map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
+        Ok(OutputLines { path: path.to_path_buf(), file })
     }
     fn write(&mut self, line: &Value) -> Result<(), DataError> {
         let mut text = line.to_string();
@@ -185,10 +163,7 @@ impl OutputLines {
         self.file
             .write_all(text.as_bytes())
             .and_then(|()| self.file.flush())
-            .map_err(|err| DataError::Io {
-                path: self.path.clone(),
-                err,
-            })
+            .map_err(|err| DataError::Io { path: self.path.clone(), err })
     }
 }
 
@@ -214,10 +189,7 @@ fn record_failure(report: &mut RegenerateReport, id: u64, e: &str) {
 }
 
 /// Regenerates with an in-process responder (the built-in target), one conversation at a time.
-pub fn regenerate_with(
-    opts: &RegenerateOptions,
-    responder: &mut dyn Responder,
-) -> Result<RegenerateReport, DataError> {
+pub fn regenerate_with(opts: &RegenerateOptions, responder: &mut dyn Responder) -> Result<RegenerateReport, DataError> {
     let (todo, mut report) = pending(opts)?;
     let mut out = OutputLines::open(&opts.out)?;
     let bar = progress_bar(opts.progress, todo.len() as u64);
@@ -253,20 +225,12 @@ pub struct Endpoint {
 impl Endpoint {
     fn completions_url(&self) -> String {
         let base = self.url.trim_end_matches('/');
-        if base.ends_with("/chat/completions") {
-            base.to_string()
-        } else {
-            format!("{base}/chat/completions")
-        }
+        if base.ends_with("/chat/completions") { base.to_string() } else { format!("{base}/chat/completions") }
     }
 }
 
 /// One chat completion with retries: connection errors, 429 and 5xx are retried with backoff.
-async fn complete(
-    client: &reqwest::Client,
-    endpoint: &Endpoint,
-    body: &Value,
-) -> Result<Reply, String> {
+async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, String> {
     let mut delay = Duration::from_millis(200);
     let mut last = String::new();
     for attempt in 0..=endpoint.retries {
@@ -274,10 +238,7 @@ async fn complete(
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(10));
         }
-        let mut request = client
-            .post(endpoint.completions_url())
-            .json(body)
-            .timeout(endpoint.timeout);
+        let mut request = client.post(endpoint.completions_url()).json(body).timeout(endpoint.timeout);
         if let Some(key) = &endpoint.api_key {
             request = request.bearer_auth(key);
         }
@@ -290,10 +251,7 @@ async fn complete(
         };
         let status = response.status();
         if status.is_success() {
-            let v: Value = response
-                .json()
-                .await
-                .map_err(|e| format!("response is not JSON: {e}"))?;
+            let v: Value = response.json().await.map_err(|e| format!("response is not JSON: {e}"))?;
             let message = &v["choices"][0]["message"];
             let content = message["content"]
                 .as_str()
@@ -302,10 +260,7 @@ async fn complete(
             return Ok((content.to_string(), reasoning));
         }
         let text = response.text().await.unwrap_or_default();
-        last = format!(
-            "HTTP {status}: {}",
-            text.chars().take(200).collect::<String>()
-        );
+        last = format!("HTTP {status}: {}", text.chars().take(200).collect::<String>());
         if !(status.is_server_error() || status.as_u16() == 429) {
             break; // the request itself is wrong; retrying will not help
         }
@@ -314,18 +269,14 @@ async fn complete(
 }
 
 /// Regenerates through `endpoint`, `endpoint.concurrency` conversations at a time.
-pub async fn regenerate_endpoint(
-    opts: &RegenerateOptions,
-    endpoint: &Endpoint,
-) -> Result<RegenerateReport, DataError> {
+pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) -> Result<RegenerateReport, DataError> {
     let (todo, report) = pending(opts)?;
     let client = reqwest::Client::new();
     let out = Arc::new(Mutex::new(OutputLines::open(&opts.out)?));
     let report = Arc::new(Mutex::new(report));
     let bar = progress_bar(opts.progress, todo.len() as u64);
     let results = futures::stream::iter(todo.into_iter().map(|conv| {
-        let (client, endpoint, out, report, bar) =
-            (&client, endpoint, out.clone(), report.clone(), bar.clone());
+        let (client, endpoint, out, report, bar) = (&client, endpoint, out.clone(), report.clone(), bar.clone());
         async move {
             let mut messages = conv.messages.clone();
             let mut failure = None;
@@ -356,10 +307,7 @@ pub async fn regenerate_endpoint(
                     Ok(())
                 }
                 None => {
-                    let w = out
-                        .lock()
-                        .expect("output lock")
-                        .write(&output_line(&conv, messages));
+                    let w = out.lock().expect("output lock").write(&output_line(&conv, messages));
                     if w.is_ok() {
                         report.lock().expect("report lock").regenerated += 1;
                     }
@@ -374,9 +322,7 @@ pub async fn regenerate_endpoint(
     .collect::<Vec<_>>()
     .await;
     bar.finish_and_clear();
-    results
-        .into_iter()
-        .collect::<Result<Vec<()>, DataError>>()?;
+    results.into_iter().collect::<Result<Vec<()>, DataError>>()?;
     let report = report.lock().expect("report lock").clone();
     Ok(report)
 }

@@ -36,13 +36,8 @@ pub fn build_sample_timed(
     let t0 = Instant::now();
     let rendered = template.render_supervised(conv)?;
     let t1 = Instant::now();
-    let encoded = tokenizer
-        .encode(&rendered.text)
-        .map_err(ChatError::Template)?;
-    let sample = Sample {
-        id: conv.id,
-        loss_mask: loss_mask(&encoded.offsets, &rendered.supervised),
-        input_ids: encoded.ids,
-    };
+    let encoded = tokenizer.encode(&rendered.text).map_err(ChatError::Template)?;
+    let sample =
+        Sample { id: conv.id, loss_mask: loss_mask(&encoded.offsets, &rendered.supervised), input_ids: encoded.ids };
     Ok((sample, [t1 - t0, t1.elapsed()]))
 }

@@ -41,10 +41,7 @@ pub struct SplitEntry {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
-    move |err| DataError::Io {
-        path: path.to_path_buf(),
-        err,
-    }
+    move |err| DataError::Io { path: path.to_path_buf(), err }
 }
 
 /// SHA-256 of a file, hex.
@@ -72,13 +69,7 @@ impl HashedFile {
     fn create(dir: &Path, file: String) -> Result<Self, DataError> {
         let path = dir.join(&file);
         let f = File::create(&path).map_err(io_err(&path))?;
-        Ok(HashedFile {
-            path,
-            file,
-            writer: BufWriter::with_capacity(1 << 20, f),
-            hasher: Sha256::new(),
-            bytes: 0,
-        })
+        Ok(HashedFile { path, file, writer: BufWriter::with_capacity(1 << 20, f), hasher: Sha256::new(), bytes: 0 })
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<(), DataError> {
@@ -90,16 +81,9 @@ impl HashedFile {
     /// Flushes and syncs the file.
     fn finish(self) -> Result<FileEntry, DataError> {
         let path = self.path;
-        let f = self.writer.into_inner().map_err(|e| DataError::Io {
-            path: path.clone(),
-            err: e.into_error(),
-        })?;
+        let f = self.writer.into_inner().map_err(|e| DataError::Io { path: path.clone(), err: e.into_error() })?;
         f.sync_all().map_err(io_err(&path))?;
-        Ok(FileEntry {
-            file: self.file,
-            bytes: self.bytes,
-            sha256: hex(&self.hasher.finalize()),
-        })
+        Ok(FileEntry { file: self.file, bytes: self.bytes, sha256: hex(&self.hasher.finalize()) })
     }
 }
 
@@ -122,19 +106,14 @@ pub struct SplitWriter {
 
 impl SplitWriter {
     pub fn new(dir: &Path, split: &str) -> Self {
-        SplitWriter {
-            dir: dir.to_path_buf(),
-            split: split.to_string(),
-            current: None,
-            entry: SplitEntry::default(),
-        }
+        SplitWriter { dir: dir.to_path_buf(), split: split.to_string(), current: None, entry: SplitEntry::default() }
     }
 
     pub fn push(&mut self, sample: &Sample) -> Result<(), DataError> {
-        let full = self.current.as_ref().is_some_and(|c| {
-            c.tokens_written > 0
-                && c.tokens_written as usize + sample.input_ids.len() > SHARD_TOKENS
-        });
+        let full = self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.tokens_written > 0 && c.tokens_written as usize + sample.input_ids.len() > SHARD_TOKENS);
         if full {
             self.close_shard()?;
         }
@@ -154,11 +133,7 @@ impl SplitWriter {
         record[8..16].copy_from_slice(&shard.tokens_written.to_le_bytes());
         record[16..].copy_from_slice(&(sample.input_ids.len() as u64).to_le_bytes());
         shard.index.write(&record)?;
-        let bytes: Vec<u8> = sample
-            .input_ids
-            .iter()
-            .flat_map(|t| t.to_le_bytes())
-            .collect();
+        let bytes: Vec<u8> = sample.input_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
         shard.tokens.write(&bytes)?;
         shard.mask.write(&sample.loss_mask)?;
         shard.samples += 1;
@@ -211,10 +186,7 @@ impl SampleRef<'_> {
         self.loss_mask.is_empty()
     }
     pub fn input_ids(&self) -> Vec<i64> {
-        self.tokens
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-            .collect()
+        self.tokens.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect()
     }
 }
 
@@ -232,10 +204,7 @@ impl PreparedSplit {
         let manifest = super::prepare::Manifest::read(dir)?;
         let entry = manifest.splits.get(split).ok_or_else(|| DataError::File {
             path: dir.join("manifest.json"),
-            reason: format!(
-                "no split {split:?} (the folder has {:?})",
-                manifest.splits.keys().collect::<Vec<_>>()
-            ),
+            reason: format!("no split {split:?} (the folder has {:?})", manifest.splits.keys().collect::<Vec<_>>()),
         })?;
         let mut shards = Vec::new();
         let mut rows = Vec::new();
@@ -263,11 +232,10 @@ impl PreparedSplit {
                 // SAFETY: prepared folders are written once and never modified in place.
                 maps.push(unsafe { Mmap::map(&file) }.map_err(io_err(&path))?);
             }
-            let [tokens, mask, index]: [Mmap; 3] =
-                maps.try_into().map_err(|_| DataError::File {
-                    path: dir.join("manifest.json"),
-                    reason: "a shard must list its tokens, mask and index files".into(),
-                })?;
+            let [tokens, mask, index]: [Mmap; 3] = maps.try_into().map_err(|_| DataError::File {
+                path: dir.join("manifest.json"),
+                reason: "a shard must list its tokens, mask and index files".into(),
+            })?;
             let index: Vec<(u64, u64, u64)> = index
                 .chunks_exact(24)
                 .map(|c| {
@@ -276,11 +244,7 @@ impl PreparedSplit {
                 })
                 .collect();
             rows.extend((0..index.len()).map(|r| (shards.len(), r)));
-            shards.push(MappedShard {
-                tokens,
-                mask,
-                index,
-            });
+            shards.push(MappedShard { tokens, mask, index });
         }
         Ok(PreparedSplit { shards, rows })
     }
@@ -307,10 +271,7 @@ impl PreparedSplit {
 
     /// Token counts of all samples, in file order (for length bucketing).
     pub fn lengths(&self) -> Vec<usize> {
-        self.rows
-            .iter()
-            .map(|&(s, r)| self.shards[s].index[r].2 as usize)
-            .collect()
+        self.rows.iter().map(|&(s, r)| self.shards[s].index[r].2 as usize).collect()
     }
 
     /// The position of the sample with this id.

@@ -27,28 +27,16 @@ struct RawRow {
 /// Reads every row of a JSONL file; any bad line is an error naming the file and line. Token ids must be below
 /// `vocab_size`.
 pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, DataError> {
-    let file = std::fs::File::open(path).map_err(|err| DataError::Io {
-        path: path.to_path_buf(),
-        err,
-    })?;
+    let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
     let mut rows = Vec::new();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|err| DataError::Io {
-            path: path.to_path_buf(),
-            err,
-        })?;
+        let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |reason: String| DataError::Line {
-            path: path.to_path_buf(),
-            line: i + 1,
-            reason,
-        };
+        let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
         let raw: RawRow = serde_json::from_str(&line).map_err(|e| {
-            bad(format!(
-                "{e}; expected {{\"id\"?: int, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}"
-            ))
+            bad(format!("{e}; expected {{\"id\"?: int, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}"))
         })?;
         if raw.input_ids.is_empty() {
             return Err(bad("input_ids is empty".into()));
@@ -61,30 +49,15 @@ pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, 
             )));
         }
         if let Some(m) = raw.loss_mask.iter().find(|&&m| m > 1) {
-            return Err(bad(format!(
-                "loss_mask holds {m}; only 0 and 1 are allowed"
-            )));
+            return Err(bad(format!("loss_mask holds {m}; only 0 and 1 are allowed")));
         }
-        if let Some(t) = raw
-            .input_ids
-            .iter()
-            .find(|&&t| t < 0 || t as usize >= vocab_size)
-        {
-            return Err(bad(format!(
-                "token id {t} is outside the target's vocabulary (0..{vocab_size})"
-            )));
+        if let Some(t) = raw.input_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
+            return Err(bad(format!("token id {t} is outside the target's vocabulary (0..{vocab_size})")));
         }
-        rows.push(TokenRow {
-            id: raw.id.unwrap_or(i as u64),
-            input_ids: raw.input_ids,
-            loss_mask: raw.loss_mask,
-        });
+        rows.push(TokenRow { id: raw.id.unwrap_or(i as u64), input_ids: raw.input_ids, loss_mask: raw.loss_mask });
     }
     if rows.is_empty() {
-        return Err(DataError::File {
-            path: path.to_path_buf(),
-            reason: "no rows".into(),
-        });
+        return Err(DataError::File { path: path.to_path_buf(), reason: "no rows".into() });
     }
     Ok(rows)
 }
@@ -111,28 +84,15 @@ mod tests {
     #[test]
     fn bad_lines_name_file_line_and_problem() {
         let cases = [
-            (
-                "{\"input_ids\": [1, 2], \"loss_mask\": [1]}",
-                "loss_mask has 1",
-            ),
+            ("{\"input_ids\": [1, 2], \"loss_mask\": [1]}", "loss_mask has 1"),
             ("{\"input_ids\": [1], \"loss_mask\": [2]}", "only 0 and 1"),
-            (
-                "{\"input_ids\": [100], \"loss_mask\": [1]}",
-                "outside the target's vocabulary",
-            ),
+            ("{\"input_ids\": [100], \"loss_mask\": [1]}", "outside the target's vocabulary"),
             ("{\"input_ids\": [], \"loss_mask\": []}", "empty"),
             ("not json", "expected"),
         ];
         for (line, expected) in cases {
-            let err = read(&format!(
-                "{{\"input_ids\": [1], \"loss_mask\": [1]}}\n{line}\n"
-            ))
-            .unwrap_err()
-            .to_string();
-            assert!(
-                err.contains("rows.jsonl:2:") && err.contains(expected),
-                "{err}"
-            );
+            let err = read(&format!("{{\"input_ids\": [1], \"loss_mask\": [1]}}\n{line}\n")).unwrap_err().to_string();
+            assert!(err.contains("rows.jsonl:2:") && err.contains(expected), "{err}");
         }
         assert!(read("").unwrap_err().to_string().contains("no rows"));
     }

@@ -25,10 +25,7 @@ impl TextTokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self, String> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
-            return Err(format!(
-                "{}: not found; the model folder needs its tokenizer.json",
-                path.display()
-            ));
+            return Err(format!("{}: not found; the model folder needs its tokenizer.json", path.display()));
         }
         let inner = Tokenizer::from_file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         Ok(TextTokenizer { inner })
@@ -41,10 +38,7 @@ impl TextTokenizer {
     /// Tokenizes `text` without adding special tokens.
     pub fn encode(&self, text: &str) -> Result<Encoded, String> {
         let enc = self.inner.encode(text, false).map_err(|e| e.to_string())?;
-        Ok(Encoded {
-            ids: enc.get_ids().to_vec(),
-            offsets: enc.get_offsets().to_vec(),
-        })
+        Ok(Encoded { ids: enc.get_ids().to_vec(), offsets: enc.get_offsets().to_vec() })
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
@@ -66,9 +60,7 @@ pub fn loss_mask(offsets: &[(usize, usize)], spans: &[Range<usize>]) -> Vec<u8> 
     offsets
         .iter()
         .map(|&(start, end)| {
-            let inside = spans
-                .iter()
-                .any(|s| start >= s.start && start < s.end && end <= s.end);
+            let inside = spans.iter().any(|s| start >= s.start && start < s.end && end <= s.end);
             u8::from(inside)
         })
         .collect()
@@ -92,14 +84,10 @@ pub fn byte_to_char() -> [char; 256] {
 
 /// A byte-level BPE tokenizer: byte b is token b, then `merges` (pairs of byte strings) as tokens 256.., then the
 /// `special` tokens in order.
-pub fn byte_level_tokenizer(
-    merges: &[(&str, &str)],
-    special: &[&str],
-) -> Result<Tokenizer, String> {
+pub fn byte_level_tokenizer(merges: &[(&str, &str)], special: &[&str]) -> Result<Tokenizer, String> {
     let chars = byte_to_char();
     let encode = |s: &str| -> String { s.bytes().map(|b| chars[b as usize]).collect() };
-    let mut vocab: HashMap<String, u32> =
-        (0..256).map(|b| (chars[b].to_string(), b as u32)).collect();
+    let mut vocab: HashMap<String, u32> = (0..256).map(|b| (chars[b].to_string(), b as u32)).collect();
     let mut merge_list = Vec::new();
     for (a, b) in merges {
         let (a, b) = (encode(a), encode(b));
@@ -108,21 +96,13 @@ pub fn byte_level_tokenizer(
         merge_list.push((a, b));
     }
     let bpe = BPE::builder()
-        .vocab_and_merges(
-            vocab
-                .into_iter()
-                .collect::<tokenizers::models::bpe::Vocab>(),
-            merge_list,
-        )
+        .vocab_and_merges(vocab.into_iter().collect::<tokenizers::models::bpe::Vocab>(), merge_list)
         .build()
         .map_err(|e| e.to_string())?;
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
-    let special: Vec<AddedToken> = special
-        .iter()
-        .map(|t| AddedToken::from(t.to_string(), true))
-        .collect();
+    let special: Vec<AddedToken> = special.iter().map(|t| AddedToken::from(t.to_string(), true)).collect();
     tokenizer.add_special_tokens(&special);
     Ok(tokenizer)
 }
@@ -133,9 +113,7 @@ mod tests {
 
     #[test]
     fn byte_level_ids_are_bytes_and_specials_follow() {
-        let t = TextTokenizer::from_tokenizer(
-            byte_level_tokenizer(&[("h", "i")], &["<|a|>", "<|b|>"]).unwrap(),
-        );
+        let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[("h", "i")], &["<|a|>", "<|b|>"]).unwrap());
         assert_eq!(t.vocab_size(), 256 + 1 + 2);
         assert_eq!(t.token_id("<|a|>"), Some(257));
         let e = t.encode("hi é<|b|>x").unwrap();
@@ -147,10 +125,7 @@ mod tests {
     #[test]
     fn the_mask_covers_tokens_starting_in_a_span() {
         let offsets = [(0, 2), (2, 4), (4, 6), (6, 8)];
-        assert_eq!(
-            loss_mask(&offsets, std::slice::from_ref(&(2..6))),
-            vec![0, 1, 1, 0]
-        );
+        assert_eq!(loss_mask(&offsets, std::slice::from_ref(&(2..6))), vec![0, 1, 1, 0]);
         assert_eq!(loss_mask(&offsets, &[3..8, 0..1]), vec![0, 0, 1, 1]); // (0, 2) straddles 0..1
     }
 }

@@ -94,8 +94,7 @@ struct HfConfig {
     pad_token_id: Option<Value>,
 }
 
-const SUPPORTED: &str =
-    "Qwen3ForCausalLM (model_type qwen3) or LlamaForCausalLM (model_type llama)";
+const SUPPORTED: &str = "Qwen3ForCausalLM (model_type qwen3) or LlamaForCausalLM (model_type llama)";
 
 impl TargetConfig {
     /// Reads and validates `dir/config.json`.
@@ -109,8 +108,7 @@ impl TargetConfig {
 
     /// Parses the text of a `config.json`; the error is a reason naming the key.
     pub fn from_json(text: &str) -> Result<Self, String> {
-        let hf: HfConfig =
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let hf: HfConfig = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let architecture = architecture_of(&hf)?;
         let need = |v: Option<usize>, key: &str| v.ok_or_else(|| format!("missing key `{key}`"));
         let hidden_size = need(hf.hidden_size, "hidden_size")?;
@@ -119,9 +117,7 @@ impl TargetConfig {
             return Err("`attention_bias`/`mlp_bias` = true is not supported (Qwen3 and Llama-3 have no biases)".into());
         }
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(format!(
-                "`hidden_act` = {act:?} is not supported (only \"silu\")"
-            ));
+            return Err(format!("`hidden_act` = {act:?} is not supported (only \"silu\")"));
         }
         let (rope_theta, rope_scaling) = rope_settings(&hf)?;
         let cfg = TargetConfig {
@@ -132,21 +128,15 @@ impl TargetConfig {
             num_hidden_layers: need(hf.num_hidden_layers, "num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(num_attention_heads),
-            head_dim: hf
-                .head_dim
-                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            head_dim: hf.head_dim.unwrap_or(hidden_size / num_attention_heads.max(1)),
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
             max_position_embeddings: hf.max_position_embeddings.unwrap_or(32768),
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
-            bos_token_id: token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?
-                .first()
-                .copied(),
+            bos_token_id: token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(hf.eos_token_id.as_ref(), "eos_token_id")?,
-            pad_token_id: token_ids(hf.pad_token_id.as_ref(), "pad_token_id")?
-                .first()
-                .copied(),
+            pad_token_id: token_ids(hf.pad_token_id.as_ref(), "pad_token_id")?.first().copied(),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -166,32 +156,20 @@ impl TargetConfig {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("`{key}` must be positive"));
         }
-        if !self
-            .num_attention_heads
-            .is_multiple_of(self.num_key_value_heads)
-        {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(format!(
                 "`num_attention_heads` ({}) must be a multiple of `num_key_value_heads` ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return Err(format!(
-                "`head_dim` ({}) must be even for RoPE",
-                self.head_dim
-            ));
+            return Err(format!("`head_dim` ({}) must be even for RoPE", self.head_dim));
         }
         if !self.rope_theta.is_finite() || self.rope_theta <= 0.0 {
-            return Err(format!(
-                "`rope_theta` ({}) must be positive",
-                self.rope_theta
-            ));
+            return Err(format!("`rope_theta` ({}) must be positive", self.rope_theta));
         }
         if !self.rms_norm_eps.is_finite() || self.rms_norm_eps <= 0.0 {
-            return Err(format!(
-                "`rms_norm_eps` ({}) must be positive",
-                self.rms_norm_eps
-            ));
+            return Err(format!("`rms_norm_eps` ({}) must be positive", self.rms_norm_eps));
         }
         Ok(())
     }
@@ -222,12 +200,8 @@ impl TargetConfig {
             },
             "pad_token_id": self.pad_token_id,
         });
-        if let RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } = self.rope_scaling
+        if let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } =
+            self.rope_scaling
         {
             v["rope_scaling"] = json!({
                 "rope_type": "llama3",
@@ -261,15 +235,9 @@ pub(crate) fn read_config_json<T>(
 ) -> Result<T, ModelError> {
     let path = dir.join("config.json");
     if !path.is_file() {
-        return Err(ModelError::Config {
-            path,
-            reason: format!("not found: point at {expected}"),
-        });
+        return Err(ModelError::Config { path, reason: format!("not found: point at {expected}") });
     }
-    let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io {
-        path: path.clone(),
-        err,
-    })?;
+    let text = std::fs::read_to_string(&path).map_err(|err| ModelError::Io { path: path.clone(), err })?;
     parse(&text).map_err(|reason| ModelError::Config { path, reason })
 }
 
@@ -280,19 +248,16 @@ fn architecture_of(hf: &HfConfig) -> Result<Architecture, String> {
         _ => None,
     };
     if let Some(classes) = &hf.architectures {
-        return classes.iter().find_map(|c| from_class(c)).ok_or_else(|| {
-            format!("unsupported `architectures` {classes:?}: dflash runs {SUPPORTED}")
-        });
+        return classes
+            .iter()
+            .find_map(|c| from_class(c))
+            .ok_or_else(|| format!("unsupported `architectures` {classes:?}: dflash runs {SUPPORTED}"));
     }
     match hf.model_type.as_deref() {
         Some("qwen3") => Ok(Architecture::Qwen3),
         Some("llama") => Ok(Architecture::Llama),
-        Some(other) => Err(format!(
-            "unsupported `model_type` {other:?}: dflash runs {SUPPORTED}"
-        )),
-        None => Err(format!(
-            "neither `architectures` nor `model_type` is set: dflash runs {SUPPORTED}"
-        )),
+        Some(other) => Err(format!("unsupported `model_type` {other:?}: dflash runs {SUPPORTED}")),
+        None => Err(format!("neither `architectures` nor `model_type` is set: dflash runs {SUPPORTED}")),
     }
 }
 
@@ -303,22 +268,17 @@ fn rope_settings(hf: &HfConfig) -> Result<(f64, RopeScaling), String> {
         (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
         _ => (None, ""),
     };
-    let theta_in_params = params
-        .and_then(|p| p.get("rope_theta"))
-        .and_then(Value::as_f64);
+    let theta_in_params = params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64);
     let theta = theta_in_params.or(hf.rope_theta).unwrap_or(10000.0);
     let Some(params) = params else {
         return Ok((theta, RopeScaling::None));
     };
-    let kind = params
-        .get("rope_type")
-        .or_else(|| params.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let kind = params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str).unwrap_or("default");
     let number = |name: &str| {
-        params.get(name).and_then(Value::as_f64).ok_or_else(|| {
-            format!("`{key}.{name}` is missing or not a number (needed by rope_type {kind:?})")
-        })
+        params
+            .get(name)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| format!("`{key}.{name}` is missing or not a number (needed by rope_type {kind:?})"))
     };
     match kind {
         "default" => Ok((theta, RopeScaling::None)),
@@ -331,9 +291,7 @@ fn rope_settings(hf: &HfConfig) -> Result<(f64, RopeScaling), String> {
                 original_max_position_embeddings: number("original_max_position_embeddings")?,
             },
         )),
-        other => Err(format!(
-            "`{key}.rope_type` = {other:?} is not supported (supported: \"default\", \"llama3\")"
-        )),
+        other => Err(format!("`{key}.rope_type` = {other:?} is not supported (supported: \"default\", \"llama3\")")),
     }
 }
 
@@ -372,10 +330,7 @@ mod tests {
     fn reads_published_qwen3_and_llama_configs() {
         let q = TargetConfig::from_json(QWEN3_8B).unwrap();
         assert_eq!(q.architecture, Architecture::Qwen3);
-        assert_eq!(
-            (q.head_dim, q.num_key_value_heads, q.rope_theta),
-            (128, 8, 1e6)
-        );
+        assert_eq!((q.head_dim, q.num_key_value_heads, q.rope_theta), (128, 8, 1e6));
         assert_eq!(q.eos_token_ids, vec![151645]);
         let l = TargetConfig::from_json(LLAMA_31_8B).unwrap();
         assert_eq!(l.architecture, Architecture::Llama);
@@ -391,15 +346,10 @@ mod tests {
             r#""rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},"#,
         );
         assert_eq!(TargetConfig::from_json(&text).unwrap().rope_theta, 5e6);
-        let yarn = QWEN3_8B.replace(
-            r#""rope_scaling": null"#,
-            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
-        );
+        let yarn =
+            QWEN3_8B.replace(r#""rope_scaling": null"#, r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#);
         let err = TargetConfig::from_json(&yarn).unwrap_err();
-        assert!(
-            err.contains("rope_scaling.rope_type") && err.contains("yarn"),
-            "{err}"
-        );
+        assert!(err.contains("rope_scaling.rope_type") && err.contains("yarn"), "{err}");
     }
 
     #[test]
@@ -414,30 +364,12 @@ mod tests {
     #[test]
     fn rejects_what_it_cannot_run() {
         let cases = [
-            (
-                QWEN3_8B.replace("Qwen3ForCausalLM", "MistralForCausalLM"),
-                "unsupported `architectures`",
-            ),
-            (
-                QWEN3_8B.replace(r#""hidden_size": 4096,"#, ""),
-                "missing key `hidden_size`",
-            ),
-            (
-                QWEN3_8B.replace(r#""num_key_value_heads": 8"#, r#""num_key_value_heads": 5"#),
-                "num_key_value_heads",
-            ),
-            (
-                QWEN3_8B.replace(r#""attention_bias": false"#, r#""attention_bias": true"#),
-                "attention_bias",
-            ),
-            (
-                QWEN3_8B.replace(r#""hidden_act": "silu""#, r#""hidden_act": "gelu""#),
-                "hidden_act",
-            ),
-            (
-                QWEN3_8B.replace(r#""eos_token_id": 151645"#, r#""eos_token_id": "x""#),
-                "eos_token_id",
-            ),
+            (QWEN3_8B.replace("Qwen3ForCausalLM", "MistralForCausalLM"), "unsupported `architectures`"),
+            (QWEN3_8B.replace(r#""hidden_size": 4096,"#, ""), "missing key `hidden_size`"),
+            (QWEN3_8B.replace(r#""num_key_value_heads": 8"#, r#""num_key_value_heads": 5"#), "num_key_value_heads"),
+            (QWEN3_8B.replace(r#""attention_bias": false"#, r#""attention_bias": true"#), "attention_bias"),
+            (QWEN3_8B.replace(r#""hidden_act": "silu""#, r#""hidden_act": "gelu""#), "hidden_act"),
+            (QWEN3_8B.replace(r#""eos_token_id": 151645"#, r#""eos_token_id": "x""#), "eos_token_id"),
             ("{not json".to_string(), "not valid JSON"),
         ];
         for (text, expected) in cases {

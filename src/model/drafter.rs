@@ -61,15 +61,8 @@ pub struct Drafter {
 /// The parameter groups of `cfg` in flat order, and which group is which.
 fn layout(cfg: &DrafterConfig) -> (FlatLayout, usize, usize, Vec<LayerParams>, usize) {
     let c = &cfg.decoder;
-    let (h, i, d) = (
-        c.hidden_size as i64,
-        c.intermediate_size as i64,
-        c.head_dim as i64,
-    );
-    let (q, kv) = (
-        c.num_attention_heads as i64 * d,
-        c.num_key_value_heads as i64 * d,
-    );
+    let (h, i, d) = (c.hidden_size as i64, c.intermediate_size as i64, c.head_dim as i64);
+    let (q, kv) = (c.num_attention_heads as i64 * d, c.num_key_value_heads as i64 * d);
     let std = 0.02;
     let mut groups = Vec::new();
     let mut add = |parts: Vec<(String, i64)>, cols: Option<i64>, std: f64| {
@@ -97,11 +90,7 @@ fn layout(cfg: &DrafterConfig) -> (FlatLayout, usize, usize, Vec<LayerParams>, u
             q_norm: add(one(&p("self_attn.q_norm.weight"), d), None, 0.0),
             k_norm: add(one(&p("self_attn.k_norm.weight"), d), None, 0.0),
             post_attention_layernorm: add(one(&p("post_attention_layernorm.weight"), h), None, 0.0),
-            gate_up_proj: add(
-                vec![(p("mlp.gate_proj.weight"), i), (p("mlp.up_proj.weight"), i)],
-                Some(h),
-                std,
-            ),
+            gate_up_proj: add(vec![(p("mlp.gate_proj.weight"), i), (p("mlp.up_proj.weight"), i)], Some(h), std),
             down_proj: add(one(&p("mlp.down_proj.weight"), h), Some(i), std),
         });
     }
@@ -116,17 +105,7 @@ impl Drafter {
         let params = FlatParams::zeros(layout, device)?;
         let c = &cfg.decoder;
         let rope = Rope::new(c.rope_theta, c.head_dim, c.rope_scaling, device);
-        Ok(Drafter {
-            cfg,
-            params,
-            fc,
-            hidden_norm,
-            layers,
-            norm,
-            rope,
-            kind,
-            device,
-        })
+        Ok(Drafter { cfg, params, fc, hidden_norm, layers, norm, rope, kind, device })
     }
 
     /// A drafter with all-zero weights (to be filled by a copy from a peer).
@@ -140,21 +119,14 @@ impl Drafter {
     }
 
     /// A freshly initialised drafter (norms 1, matrices N(0, 0.02)), computing in `kind`.
-    pub fn new(
-        cfg: DrafterConfig,
-        device: Device,
-        kind: Kind,
-        init: Init,
-    ) -> Result<Self, ModelError> {
+    pub fn new(cfg: DrafterConfig, device: Device, kind: Kind, init: Init) -> Result<Self, ModelError> {
         let drafter = Self::empty(cfg, device, kind)?;
         let layout = drafter.params.layout().clone();
         let mut stream = InitStream::new(init, device);
         tch::no_grad(|| -> Result<(), ModelError> {
             for (i, g) in layout.groups().iter().enumerate() {
                 let values = stream.next(&g.shape, g.init_std, Kind::Float)?;
-                layout
-                    .group_view(&drafter.params.master, i)
-                    .f_copy_(&values)?;
+                layout.group_view(&drafter.params.master, i).f_copy_(&values)?;
             }
             Ok(())
         })?;
@@ -182,13 +154,7 @@ impl Drafter {
     /// Writes the drafter in the published format: `config.json` and `model.safetensors` with the published names,
     /// in `dtype` (bf16 to publish, f32 for checkpoints that must resume exactly).
     pub fn save(&self, dir: &Path, dtype: Kind) -> Result<(), ModelError> {
-        save_drafter_folder(
-            dir,
-            &self.cfg,
-            self.params.layout(),
-            &self.params.master,
-            dtype,
-        )
+        save_drafter_folder(dir, &self.cfg, self.params.layout(), &self.params.master, dtype)
     }
 
     pub fn config(&self) -> &DrafterConfig {
@@ -225,36 +191,21 @@ impl Drafter {
         let eps = c.rms_norm_eps;
         let (b, s) = (target_hidden.size()[0], target_hidden.size()[1]);
         let q_len = block_embeddings.size()[1];
-        let (heads, kv_heads, d) = (
-            c.num_attention_heads as i64,
-            c.num_key_value_heads as i64,
-            c.head_dim as i64,
-        );
+        let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
         let ctx = {
             let _p = span("drafter.fc");
             let fc = target_hidden.linear(&self.weight(self.fc), None::<Tensor>);
             let ctx = rms_norm(&fc, &self.weight(self.hidden_norm), eps);
             // Zero rows up to the bucketed length: their keys and values are zero and always masked.
             let padded = context_bucket(s);
-            if padded > s {
-                ctx.constant_pad_nd([0, 0, 0, padded - s])
-            } else {
-                ctx
-            }
+            if padded > s { ctx.constant_pad_nd([0, 0, 0, padded - s]) } else { ctx }
         };
         let s = ctx.size()[1];
         let (cos_c, sin_c, cos_b, sin_b) = {
             let _p = span("drafter.rope");
-            let (cc, sc) = self
-                .rope
-                .cos_sin(&Tensor::arange(s, (Kind::Int64, self.device)), self.kind);
+            let (cc, sc) = self.rope.cos_sin(&Tensor::arange(s, (Kind::Int64, self.device)), self.kind);
             let (cb, sb) = self.rope.cos_sin(positions, self.kind);
-            (
-                cc.unsqueeze(0).unsqueeze(2),
-                sc.unsqueeze(0).unsqueeze(2),
-                cb.unsqueeze(2),
-                sb.unsqueeze(2),
-            )
+            (cc.unsqueeze(0).unsqueeze(2), sc.unsqueeze(0).unsqueeze(2), cb.unsqueeze(2), sb.unsqueeze(2))
         };
         let mut x = block_embeddings.shallow_clone();
         for layer in &self.layers {
@@ -264,23 +215,14 @@ impl Drafter {
                 let _p = span("drafter.qkv_proj");
                 let xn = rms_norm(&x, &self.weight(layer.input_layernorm), eps);
                 let qkv = xn.linear(&qkv_w, None::<Tensor>);
-                let kv_ctx = ctx.linear(
-                    &qkv_w.narrow(0, heads * d, 2 * kv_heads * d),
-                    None::<Tensor>,
-                );
+                let kv_ctx = ctx.linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>);
                 (qkv, kv_ctx)
             };
             let q = qkv.narrow(-1, 0, heads * d).view([b, q_len, heads, d]);
-            let k_blk = qkv
-                .narrow(-1, heads * d, kv_heads * d)
-                .view([b, q_len, kv_heads, d]);
-            let v_blk = qkv
-                .narrow(-1, (heads + kv_heads) * d, kv_heads * d)
-                .view([b, q_len, kv_heads, d]);
+            let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([b, q_len, kv_heads, d]);
+            let v_blk = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([b, q_len, kv_heads, d]);
             let k_ctx = kv_ctx.narrow(-1, 0, kv_heads * d).view([b, s, kv_heads, d]);
-            let v_ctx = kv_ctx
-                .narrow(-1, kv_heads * d, kv_heads * d)
-                .view([b, s, kv_heads, d]);
+            let v_ctx = kv_ctx.narrow(-1, kv_heads * d, kv_heads * d).view([b, s, kv_heads, d]);
             let (q, k_blk, k_ctx) = {
                 let _p = span("drafter.rope");
                 (
@@ -308,11 +250,7 @@ impl Drafter {
             x = {
                 let _p = span("drafter.mlp");
                 let h = rms_norm(&x, &self.weight(layer.post_attention_layernorm), eps);
-                &x + swiglu(
-                    &h,
-                    &self.weight(layer.gate_up_proj),
-                    &self.weight(layer.down_proj),
-                )
+                &x + swiglu(&h, &self.weight(layer.gate_up_proj), &self.weight(layer.down_proj))
             };
         }
         rms_norm(&x, &self.weight(self.norm), eps)
@@ -328,10 +266,7 @@ pub fn save_drafter_folder(
     master: &Tensor,
     dtype: Kind,
 ) -> Result<(), ModelError> {
-    std::fs::create_dir_all(dir).map_err(|err| ModelError::Io {
-        path: dir.to_path_buf(),
-        err,
-    })?;
+    std::fs::create_dir_all(dir).map_err(|err| ModelError::Io { path: dir.to_path_buf(), err })?;
     let tensors = layout
         .named_views(master)
         .into_iter()
@@ -340,13 +275,8 @@ pub fn save_drafter_folder(
     write_safetensors(&dir.join("model.safetensors"), &tensors, None)?;
     let json = serde_json::to_string_pretty(&cfg.to_json(kind_name(dtype))).expect("json");
     let path = dir.join("config.json");
-    std::fs::write(&path, &json).map_err(|err| ModelError::Io {
-        path: path.clone(),
-        err,
-    })?;
-    std::fs::File::open(&path)
-        .and_then(|f| f.sync_all())
-        .map_err(|err| ModelError::Io { path, err })
+    std::fs::write(&path, &json).map_err(|err| ModelError::Io { path: path.clone(), err })?;
+    std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|err| ModelError::Io { path, err })
 }
 
 /// `[B, kv_heads, L, d]` -> `[B, kv_heads * rep, L, d]`, each key/value head serving `rep` query heads (the
@@ -356,9 +286,7 @@ fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
         return t.shallow_clone();
     }
     let s = t.size();
-    t.unsqueeze(2)
-        .expand([s[0], s[1], rep, s[2], s[3]], false)
-        .reshape([s[0], s[1] * rep, s[2], s[3]])
+    t.unsqueeze(2).expand([s[0], s[1], rep, s[2], s[3]], false).reshape([s[0], s[1] * rep, s[2], s[3]])
 }
 
 /// One group of consecutive blocks attended together.
@@ -391,27 +319,21 @@ impl BlockAttention {
     ) -> Result<Self, ModelError> {
         let n = anchors.len() / batch.max(1);
         let bs = block_size as i64;
-        let anchors_dev = Tensor::f_from_slice(anchors)?
-            .f_view([batch as i64, n as i64])?
-            .f_to(device)?;
+        let anchors_dev = Tensor::f_from_slice(anchors)?.f_view([batch as i64, n as i64])?.f_to(device)?;
         let group_blocks = group_blocks.max(1);
         let mut groups = Vec::new();
         for j0 in (0..n).step_by(group_blocks) {
             let nb = group_blocks.min(n - j0);
-            let largest = (0..batch)
-                .flat_map(|b| anchors[b * n + j0..b * n + j0 + nb].iter().copied())
-                .max()
-                .unwrap_or(0);
+            let largest =
+                (0..batch).flat_map(|b| anchors[b * n + j0..b * n + j0 + nb].iter().copied()).max().unwrap_or(0);
             let context_len = context_bucket(largest).min(context_bucket(seq_len));
             let q_len = nb as i64 * bs;
-            let anchor_q = anchors_dev
-                .narrow(1, j0 as i64, nb as i64)
-                .f_repeat_interleave_self_int(bs, Some(1), None)?;
+            let anchor_q =
+                anchors_dev.narrow(1, j0 as i64, nb as i64).f_repeat_interleave_self_int(bs, Some(1), None)?;
             let ctx_ok = Tensor::f_arange(context_len, (Kind::Int64, device))?
                 .view([1, 1, context_len])
                 .f_lt_tensor(&anchor_q.unsqueeze(-1))?;
-            let block_of =
-                Tensor::f_arange(q_len, (Kind::Int64, device))?.f_floor_divide_scalar(bs)?;
+            let block_of = Tensor::f_arange(q_len, (Kind::Int64, device))?.f_floor_divide_scalar(bs)?;
             let same_block = block_of
                 .unsqueeze(1)
                 .f_eq_tensor(&block_of.unsqueeze(0))?
@@ -421,38 +343,20 @@ impl BlockAttention {
             let bias = Tensor::f_zeros(visible.size(), (kind, device))?
                 .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?
                 .unsqueeze(1);
-            groups.push(AttentionGroup {
-                query_start: j0 as i64 * bs,
-                query_len: q_len,
-                context_len,
-                bias,
-            });
+            groups.push(AttentionGroup { query_start: j0 as i64 * bs, query_len: q_len, context_len, bias });
         }
         Ok(BlockAttention { groups })
     }
 
     /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, h, S, d]` and block keys/values
     /// `[B, h, Q, d]`; returns `[B, h, Q, d]`.
-    pub fn run(
-        &self,
-        q: &Tensor,
-        k_ctx: &Tensor,
-        v_ctx: &Tensor,
-        k_blk: &Tensor,
-        v_blk: &Tensor,
-    ) -> Tensor {
+    pub fn run(&self, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, k_blk: &Tensor, v_blk: &Tensor) -> Tensor {
         let outs: Vec<Tensor> = self
             .groups
             .iter()
             .map(|g| {
                 let keys = |ctx: &Tensor, blk: &Tensor| {
-                    Tensor::cat(
-                        &[
-                            ctx.narrow(2, 0, g.context_len),
-                            blk.narrow(2, g.query_start, g.query_len),
-                        ],
-                        2,
-                    )
+                    Tensor::cat(&[ctx.narrow(2, 0, g.context_len), blk.narrow(2, g.query_start, g.query_len)], 2)
                 };
                 Tensor::scaled_dot_product_attention(
                     &q.narrow(2, g.query_start, g.query_len),

@@ -54,29 +54,15 @@ impl DrafterConfig {
     /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for `tiny`), block size 16.
     pub fn for_preset(preset: Preset, block_size: usize) -> Self {
         let spec = preset.spec();
-        let layers = if preset == Preset::Tiny {
-            2
-        } else {
-            DEFAULT_DRAFTER_LAYERS
-        };
-        Self::for_target(
-            &spec.target,
-            layers,
-            None,
-            block_size,
-            spec.taps,
-            spec.mask_token_id,
-        )
-        .expect("preset drafters are valid")
+        let layers = if preset == Preset::Tiny { 2 } else { DEFAULT_DRAFTER_LAYERS };
+        Self::for_target(&spec.target, layers, None, block_size, spec.taps, spec.mask_token_id)
+            .expect("preset drafters are valid")
     }
 
     pub fn validate(&self) -> Result<(), String> {
         self.decoder.validate()?;
         if self.block_size < 2 {
-            return Err(format!(
-                "`block_size` ({}) must be at least 2",
-                self.block_size
-            ));
+            return Err(format!("`block_size` ({}) must be at least 2", self.block_size));
         }
         if self.mask_token_id < 0 || self.mask_token_id as usize >= self.decoder.vocab_size {
             return Err(format!(
@@ -84,22 +70,16 @@ impl DrafterConfig {
                 self.mask_token_id, self.decoder.vocab_size
             ));
         }
-        validate_taps(&self.target_layer_ids, self.num_target_layers)
-            .map_err(|e| format!("`target_layer_ids`: {e}"))
+        validate_taps(&self.target_layer_ids, self.num_target_layers).map_err(|e| format!("`target_layer_ids`: {e}"))
     }
 
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        read_config_json(
-            dir,
-            "a DFlash drafter folder (config.json, model.safetensors)",
-            Self::from_json,
-        )
+        read_config_json(dir, "a DFlash drafter folder (config.json, model.safetensors)", Self::from_json)
     }
 
     pub fn from_json(text: &str) -> Result<Self, String> {
-        let mut v: Value =
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let mut v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let arch = v.get("architectures").cloned();
         if arch != Some(json!(["DFlashDraftModel"])) {
             return Err(format!(
@@ -115,10 +95,7 @@ impl DrafterConfig {
         let int = |name: &str| -> Result<Option<i64>, String> {
             match field(name) {
                 None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_i64()
-                    .map(Some)
-                    .ok_or_else(|| format!("`{name}` must be an integer")),
+                Some(x) => x.as_i64().map(Some).ok_or_else(|| format!("`{name}` must be an integer")),
             }
         };
         let mask_token_id = int("mask_token_id")?.ok_or("missing `dflash_config.mask_token_id`")?;
@@ -200,14 +177,8 @@ mod tests {
         assert_eq!(DrafterConfig::from_json(&json.to_string()).unwrap(), cfg);
         // The reference loader also takes the DFlash keys from the top level.
         let mut flat = json.clone();
-        flat["mask_token_id"] = json
-            .pointer("/dflash_config/mask_token_id")
-            .unwrap()
-            .clone();
-        flat["target_layer_ids"] = json
-            .pointer("/dflash_config/target_layer_ids")
-            .unwrap()
-            .clone();
+        flat["mask_token_id"] = json.pointer("/dflash_config/mask_token_id").unwrap().clone();
+        flat["target_layer_ids"] = json.pointer("/dflash_config/target_layer_ids").unwrap().clone();
         flat.as_object_mut().unwrap().remove("dflash_config");
         assert_eq!(DrafterConfig::from_json(&flat.to_string()).unwrap(), cfg);
     }
@@ -217,32 +188,16 @@ mod tests {
         let cfg = DrafterConfig::for_preset(Preset::Tiny, 4);
         let mut json = cfg.to_json("float32");
         json["architectures"] = json!(["Qwen3ForCausalLM"]);
-        assert!(
-            DrafterConfig::from_json(&json.to_string())
-                .unwrap_err()
-                .contains("not a DFlash drafter")
-        );
+        assert!(DrafterConfig::from_json(&json.to_string()).unwrap_err().contains("not a DFlash drafter"));
         let mut json = cfg.to_json("float32");
         json["dflash_config"]["mask_token_id"] = json!(99999);
-        assert!(
-            DrafterConfig::from_json(&json.to_string())
-                .unwrap_err()
-                .contains("mask_token_id")
-        );
+        assert!(DrafterConfig::from_json(&json.to_string()).unwrap_err().contains("mask_token_id"));
         let mut json = cfg.to_json("float32");
         json["dflash_config"]["target_layer_ids"] = json!([5, 1]);
-        assert!(
-            DrafterConfig::from_json(&json.to_string())
-                .unwrap_err()
-                .contains("target_layer_ids")
-        );
+        assert!(DrafterConfig::from_json(&json.to_string()).unwrap_err().contains("target_layer_ids"));
         let mut json = cfg.to_json("float32");
         json["block_size"] = json!(1);
-        assert!(
-            DrafterConfig::from_json(&json.to_string())
-                .unwrap_err()
-                .contains("block_size")
-        );
+        assert!(DrafterConfig::from_json(&json.to_string()).unwrap_err().contains("block_size"));
     }
 
     #[test]

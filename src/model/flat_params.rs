@@ -35,12 +35,7 @@ impl ParamGroup {
             Some(c) => vec![rows, c],
             None => vec![rows],
         };
-        ParamGroup {
-            parts,
-            shape,
-            init_std,
-            offset: 0,
-        }
+        ParamGroup { parts, shape, init_std, offset: 0 }
     }
     pub fn numel(&self) -> i64 {
         self.shape.iter().product()
@@ -64,10 +59,7 @@ impl FlatLayout {
             g.offset = offset;
             offset += (g.numel() + ALIGN - 1) / ALIGN * ALIGN;
         }
-        FlatLayout {
-            groups,
-            total: offset,
-        }
+        FlatLayout { groups, total: offset }
     }
     /// Elements in the buffer, alignment padding included.
     pub fn total(&self) -> i64 {
@@ -95,11 +87,7 @@ impl FlatLayout {
             let mut row = 0;
             for (name, rows) in &g.parts {
                 let view = flat.narrow(0, g.offset + row * cols, rows * cols);
-                let view = if g.shape.len() == 2 {
-                    view.view([*rows, cols])
-                } else {
-                    view
-                };
+                let view = if g.shape.len() == 2 { view.view([*rows, cols]) } else { view };
                 out.push((name.clone(), view));
                 row += rows;
             }
@@ -113,11 +101,7 @@ impl FlatLayout {
             .iter()
             .flat_map(|g| {
                 g.parts.iter().map(move |(n, rows)| {
-                    let shape = if g.shape.len() == 2 {
-                        vec![*rows, g.cols()]
-                    } else {
-                        vec![*rows]
-                    };
+                    let shape = if g.shape.len() == 2 { vec![*rows, g.cols()] } else { vec![*rows] };
                     (n.clone(), shape)
                 })
             })
@@ -142,19 +126,11 @@ impl FlatParams {
         let grad = Tensor::f_zeros([layout.total()], (Kind::Float, device))?;
         let mut leaves = Vec::with_capacity(layout.groups().len());
         for i in 0..layout.groups().len() {
-            let leaf = layout
-                .group_view(&master, i)
-                .detach()
-                .set_requires_grad(true);
+            let leaf = layout.group_view(&master, i).detach().set_requires_grad(true);
             set_grad(&leaf, &layout.group_view(&grad, i))?;
             leaves.push(leaf);
         }
-        Ok(FlatParams {
-            layout,
-            master,
-            grad,
-            leaves,
-        })
+        Ok(FlatParams { layout, master, grad, leaves })
     }
 
     pub fn layout(&self) -> &FlatLayout {

@@ -6,10 +6,7 @@ use super::config::RopeScaling;
 
 /// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x^2) + eps))`, accumulated in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
-    let dim = *x
-        .size()
-        .last()
-        .expect("rms_norm input has a last dimension");
+    let dim = *x.size().last().expect("rms_norm input has a last dimension");
     x.rms_norm([dim], Some(weight), eps)
 }
 
@@ -32,9 +29,8 @@ impl Rope {
     /// Frequencies `theta^(-2i/d)` computed as transformers does (f32 tensor arithmetic), then Llama-3 scaling.
     pub fn new(theta: f64, head_dim: usize, scaling: RopeScaling, device: Device) -> Self {
         let d = head_dim as f64;
-        let exponent = Tensor::arange_start_step(0, head_dim as i64, 2, (Kind::Int64, Device::Cpu))
-            .to_kind(Kind::Float)
-            / d;
+        let exponent =
+            Tensor::arange_start_step(0, head_dim as i64, 2, (Kind::Int64, Device::Cpu)).to_kind(Kind::Float) / d;
         let inv_freq = Tensor::pow_scalar(theta, &exponent).reciprocal();
         let inv_freq = match scaling {
             RopeScaling::None => inv_freq,
@@ -49,17 +45,14 @@ impl Rope {
                 let wavelen = inv_freq.reciprocal() * (2.0 * std::f64::consts::PI);
                 let long = wavelen.gt(low_freq_wavelen);
                 let scaled = inv_freq.where_self(&long.logical_not(), &(&inv_freq / factor));
-                let smooth = ((wavelen.reciprocal() * old_len) - low_freq_factor)
-                    / (high_freq_factor - low_freq_factor);
-                let smoothed =
-                    (smooth.ones_like() - &smooth) * &scaled / factor + &smooth * &scaled;
+                let smooth =
+                    ((wavelen.reciprocal() * old_len) - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                let smoothed = (smooth.ones_like() - &smooth) * &scaled / factor + &smooth * &scaled;
                 let medium = wavelen.lt(high_freq_wavelen).logical_not() * long.logical_not();
                 smoothed.where_self(&medium, &scaled)
             }
         };
-        Rope {
-            inv_freq: inv_freq.to_device(device),
-        }
+        Rope { inv_freq: inv_freq.to_device(device) }
     }
 
     /// `cos` and `sin` of the angles for `positions` (any integer shape `P`), each `[..P, head_dim]` in `kind`.
@@ -116,10 +109,6 @@ mod tests {
         let s: Vec<f32> = Vec::try_from(&scaled.inv_freq).unwrap();
         assert_eq!(p[0], s[0]); // wavelength 2*pi: untouched
         assert!((s[63] - p[63] / 8.0).abs() < 1e-12); // longest wavelength: divided by the factor
-        assert!(
-            s.iter()
-                .zip(&p)
-                .all(|(s, p)| s <= p && *s >= p / 8.0 - 1e-12)
-        );
+        assert!(s.iter().zip(&p).all(|(s, p)| s <= p && *s >= p / 8.0 - 1e-12));
     }
 }

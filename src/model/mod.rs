@@ -41,32 +41,16 @@ pub enum ModelError {
     #[error("{}: {reason}", path.display())]
     Index { path: PathBuf, reason: String },
     #[error("tensor `{name}` is missing from {} ({source_file}); the folder does not match its config.json", dir.display())]
-    MissingTensor {
-        name: String,
-        dir: PathBuf,
-        source_file: &'static str,
-    },
+    MissingTensor { name: String, dir: PathBuf, source_file: &'static str },
     #[error("tensor `{name}` in {} has shape {found:?}, but {why} implies {expected:?}", path.display())]
-    Shape {
-        name: String,
-        path: PathBuf,
-        found: Vec<usize>,
-        expected: Vec<usize>,
-        why: String,
-    },
+    Shape { name: String, path: PathBuf, found: Vec<usize>, expected: Vec<usize>, why: String },
     #[error("tensor `{name}` in {} has dtype {dtype}; supported: BF16, F16, F32, F64", path.display())]
-    Dtype {
-        name: String,
-        path: PathBuf,
-        dtype: String,
-    },
+    Dtype { name: String, path: PathBuf, dtype: String },
     #[error("{0}")]
     Taps(String),
     #[error("invalid batch: {0}")]
     Batch(String),
-    #[error(
-        "this target holds only the layers up to the last tap; load it with the full depth to run the whole stack"
-    )]
+    #[error("this target holds only the layers up to the last tap; load it with the full depth to run the whole stack")]
     NotFull,
     #[error("libtorch: {0}")]
     Torch(String),

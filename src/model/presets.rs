@@ -52,31 +52,13 @@ pub struct PresetSpec {
 
 impl PresetSpec {
     /// The preset's target with its random weights.
-    pub fn build_target(
-        &self,
-        depth: Depth,
-        device: Device,
-        kind: Kind,
-    ) -> Result<Target, ModelError> {
-        Target::random(
-            self.target.clone(),
-            &self.taps,
-            depth,
-            device,
-            kind,
-            self.init,
-            self.init_std,
-        )
+    pub fn build_target(&self, depth: Depth, device: Device, kind: Kind) -> Result<Target, ModelError> {
+        Target::random(self.target.clone(), &self.taps, depth, device, kind, self.init, self.init_std)
     }
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [
-        Preset::Tiny,
-        Preset::Qwen3_4b,
-        Preset::Qwen3_8b,
-        Preset::Llama31_8b,
-    ];
+    pub const ALL: [Preset; 4] = [Preset::Tiny, Preset::Qwen3_4b, Preset::Qwen3_8b, Preset::Llama31_8b];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -181,21 +163,16 @@ impl fmt::Display for Preset {
 impl FromStr for Preset {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Preset::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
-                format!("unknown preset {s:?}: choose one of {}", names.join(", "))
-            })
+        Preset::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
+            let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+            format!("unknown preset {s:?}: choose one of {}", names.join(", "))
+        })
     }
 }
 
 impl<'de> Deserialize<'de> for Preset {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d)?
-            .parse()
-            .map_err(serde::de::Error::custom)
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -213,12 +190,7 @@ mod tests {
             assert!((spec.mask_token_id as usize) < spec.target.vocab_size);
             assert_eq!(p.name().parse::<Preset>().unwrap(), p);
         }
-        assert!(
-            "qwen3-9b"
-                .parse::<Preset>()
-                .unwrap_err()
-                .contains("tiny, qwen3-4b")
-        );
+        assert!("qwen3-9b".parse::<Preset>().unwrap_err().contains("tiny, qwen3-4b"));
     }
 
     #[test]

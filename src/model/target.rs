@@ -62,9 +62,7 @@ pub fn validate_taps(taps: &[usize], num_layers: usize) -> Result<(), String> {
         return Err("no tapped layer ids given".into());
     }
     if taps.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(format!(
-            "tapped layer ids {taps:?} must be strictly increasing"
-        ));
+        return Err(format!("tapped layer ids {taps:?} must be strictly increasing"));
     }
     if let Some(bad) = taps.iter().find(|&&t| t >= num_layers) {
         return Err(format!(
@@ -77,27 +75,15 @@ pub fn validate_taps(taps: &[usize], num_layers: usize) -> Result<(), String> {
 
 /// The tensor names and shapes of the HuggingFace checkpoint of `cfg` (layers `0..num_layers`), and whether each
 /// is a matrix (norm weights are not).
-fn hf_tensors(
-    cfg: &TargetConfig,
-    num_layers: usize,
-    with_head: bool,
-) -> Vec<(String, Vec<usize>, bool)> {
+fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(String, Vec<usize>, bool)> {
     let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (q, kv) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
     let (std, norm) = (true, false);
-    let mut out = vec![(
-        "model.embed_tokens.weight".to_string(),
-        vec![cfg.vocab_size, h],
-        std,
-    )];
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h], std)];
     for l in 0..num_layers {
         let p = format!("model.layers.{l}");
         out.push((format!("{p}.input_layernorm.weight"), vec![h], norm));
-        out.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            norm,
-        ));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h], norm));
         out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], std));
         out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], std));
         out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], std));
@@ -121,13 +107,7 @@ fn hf_tensors(
 
 impl Target {
     /// Loads a HuggingFace model folder (`config.json` + safetensors) onto `device` as `kind`.
-    pub fn load(
-        dir: &Path,
-        taps: &[usize],
-        depth: Depth,
-        device: Device,
-        kind: Kind,
-    ) -> Result<Self, ModelError> {
+    pub fn load(dir: &Path, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Self, ModelError> {
         let cfg = TargetConfig::from_dir(dir)?;
         let files = WeightFiles::open(dir)?;
         let why = format!(
@@ -140,13 +120,9 @@ impl Target {
             cfg.vocab_size
         );
         if cfg.tie_word_embeddings && files.contains("lm_head.weight") {
-            tracing::debug!(
-                "config.json ties the LM head to the embedding; ignoring lm_head.weight"
-            );
+            tracing::debug!("config.json ties the LM head to the embedding; ignoring lm_head.weight");
         }
-        Self::build(cfg, taps, depth, device, kind, |name, shape, _| {
-            files.load(name, shape, &why, kind, device)
-        })
+        Self::build(cfg, taps, depth, device, kind, |name, shape, _| files.load(name, shape, &why, kind, device))
     }
 
     /// A target with random weights: norms 1, matrices N(0, std^2), drawn as `init` says.
@@ -182,10 +158,8 @@ impl Target {
         };
         let specs = hf_tensors(&cfg, num_layers, depth == Depth::Full);
         let mut get = |name: &str| -> Result<Tensor, ModelError> {
-            let (_, shape, is_matrix) = specs
-                .iter()
-                .find(|(n, _, _)| n == name)
-                .expect("every requested tensor is in the spec list");
+            let (_, shape, is_matrix) =
+                specs.iter().find(|(n, _, _)| n == name).expect("every requested tensor is in the spec list");
             tensor(name, shape, *is_matrix)
         };
         let embed_tokens = get("model.embed_tokens.weight")?;
@@ -201,18 +175,9 @@ impl Target {
                 ],
                 0,
             )?;
-            let gate_up_proj = Tensor::f_cat(
-                &[
-                    get(&w("mlp.gate_proj.weight"))?,
-                    get(&w("mlp.up_proj.weight"))?,
-                ],
-                0,
-            )?;
+            let gate_up_proj = Tensor::f_cat(&[get(&w("mlp.gate_proj.weight"))?, get(&w("mlp.up_proj.weight"))?], 0)?;
             let (q_norm, k_norm) = if cfg.architecture.has_qk_norm() {
-                (
-                    Some(get(&w("self_attn.q_norm.weight"))?),
-                    Some(get(&w("self_attn.k_norm.weight"))?),
-                )
+                (Some(get(&w("self_attn.q_norm.weight"))?), Some(get(&w("self_attn.k_norm.weight"))?))
             } else {
                 (None, None)
             };
@@ -230,11 +195,7 @@ impl Target {
         let (norm, lm_head) = match depth {
             Depth::Full => (
                 Some(get("model.norm.weight")?),
-                if cfg.tie_word_embeddings {
-                    None
-                } else {
-                    Some(get("lm_head.weight")?)
-                },
+                if cfg.tie_word_embeddings { None } else { Some(get("lm_head.weight")?) },
             ),
             // Capture needs no final norm, but the drafter always needs the LM head.
             Depth::ToLastTap if !cfg.tie_word_embeddings => {
@@ -247,18 +208,7 @@ impl Target {
             Depth::ToLastTap => (None, None),
         };
         let rope = Rope::new(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, device);
-        Ok(Target {
-            cfg,
-            taps: taps.to_vec(),
-            depth,
-            device,
-            kind,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            rope,
-        })
+        Ok(Target { cfg, taps: taps.to_vec(), depth, device, kind, embed_tokens, layers, norm, lm_head, rope })
     }
 
     pub fn config(&self) -> &TargetConfig {
@@ -300,15 +250,14 @@ impl Target {
         let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
         tch::no_grad(|| {
             let mut next_tap = 0;
-            let _last =
-                self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, |layer, x| {
-                    if self.taps.get(next_tap) == Some(&layer) {
-                        let _p = span("target.copy_taps");
-                        let mut slot = out.narrow(2, next_tap as i64 * h, h);
-                        slot.copy_(x);
-                        next_tap += 1;
-                    }
-                });
+            let _last = self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, |layer, x| {
+                if self.taps.get(next_tap) == Some(&layer) {
+                    let _p = span("target.copy_taps");
+                    let mut slot = out.narrow(2, next_tap as i64 * h, h);
+                    slot.copy_(x);
+                    next_tap += 1;
+                }
+            });
         });
         self.zero_padding(&out, lengths)?;
         Ok(out)
@@ -344,9 +293,7 @@ impl Target {
             ));
         }
         if lengths.len() as i64 != b || lengths.iter().any(|&l| l < 1 || l > s) {
-            return bad(format!(
-                "lengths {lengths:?} must give 1..={s} tokens for each of {b} rows"
-            ));
+            return bad(format!("lengths {lengths:?} must give 1..={s} tokens for each of {b} rows"));
         }
         if s as usize > self.cfg.max_position_embeddings {
             return bad(format!(
@@ -358,12 +305,7 @@ impl Target {
     }
 
     /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output.
-    fn run_layers(
-        &self,
-        input_ids: &Tensor,
-        count: usize,
-        mut observe: impl FnMut(usize, &Tensor),
-    ) -> Tensor {
+    fn run_layers(&self, input_ids: &Tensor, count: usize, mut observe: impl FnMut(usize, &Tensor)) -> Tensor {
         let s = input_ids.size()[1];
         let positions = Tensor::arange(s, (Kind::Int64, self.device));
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
@@ -380,20 +322,10 @@ impl Target {
         x
     }
 
-    fn layer_forward(
-        &self,
-        layer: &DecoderLayer,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-    ) -> Tensor {
+    fn layer_forward(&self, layer: &DecoderLayer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         let c = &self.cfg;
         let (b, s) = (x.size()[0], x.size()[1]);
-        let (heads, kv_heads, d) = (
-            c.num_attention_heads as i64,
-            c.num_key_value_heads as i64,
-            c.head_dim as i64,
-        );
+        let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
         let qkv = {
             let _p = span("target.norms");
             rms_norm(x, &layer.input_layernorm, c.rms_norm_eps)
@@ -403,28 +335,18 @@ impl Target {
             qkv.linear(&layer.qkv_proj, None::<Tensor>)
         };
         let q = qkv.narrow(-1, 0, heads * d).view([b, s, heads, d]);
-        let k = qkv
-            .narrow(-1, heads * d, kv_heads * d)
-            .view([b, s, kv_heads, d]);
-        let v = qkv
-            .narrow(-1, (heads + kv_heads) * d, kv_heads * d)
-            .view([b, s, kv_heads, d]);
+        let k = qkv.narrow(-1, heads * d, kv_heads * d).view([b, s, kv_heads, d]);
+        let v = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([b, s, kv_heads, d]);
         let (q, k) = match (&layer.q_norm, &layer.k_norm) {
             (Some(qn), Some(kn)) => {
                 let _p = span("target.norms");
-                (
-                    rms_norm(&q, qn, c.rms_norm_eps),
-                    rms_norm(&k, kn, c.rms_norm_eps),
-                )
+                (rms_norm(&q, qn, c.rms_norm_eps), rms_norm(&k, kn, c.rms_norm_eps))
             }
             _ => (q, k),
         };
         let (q, k) = {
             let _p = span("target.rope");
-            (
-                apply_rope(&q, cos, sin).transpose(1, 2),
-                apply_rope(&k, cos, sin).transpose(1, 2),
-            )
+            (apply_rope(&q, cos, sin).transpose(1, 2), apply_rope(&k, cos, sin).transpose(1, 2))
         };
         let attn = {
             let _p = span("target.attention");
@@ -441,10 +363,7 @@ impl Target {
         };
         let x = {
             let _p = span("target.o_proj");
-            x + attn
-                .transpose(1, 2)
-                .reshape([b, s, heads * d])
-                .linear(&layer.o_proj, None::<Tensor>)
+            x + attn.transpose(1, 2).reshape([b, s, heads * d]).linear(&layer.o_proj, None::<Tensor>)
         };
         let h = {
             let _p = span("target.norms");
@@ -460,9 +379,7 @@ impl Target {
             return Ok(());
         }
         let lengths = Tensor::f_from_slice(lengths)?.f_to(self.device)?;
-        let pad = Tensor::f_arange(s, (Kind::Int64, self.device))?
-            .unsqueeze(0)
-            .f_ge_tensor(&lengths.unsqueeze(1))?;
+        let pad = Tensor::f_arange(s, (Kind::Int64, self.device))?.unsqueeze(0).f_ge_tensor(&lengths.unsqueeze(1))?;
         let _ = t.shallow_clone().f_masked_fill_(&pad.unsqueeze(-1), 0.0)?;
         Ok(())
     }
@@ -473,10 +390,7 @@ impl Target {
         if self.depth != Depth::Full {
             return Err(ModelError::NotFull);
         }
-        std::fs::create_dir_all(dir).map_err(|err| ModelError::Io {
-            path: dir.to_path_buf(),
-            err,
-        })?;
+        std::fs::create_dir_all(dir).map_err(|err| ModelError::Io { path: dir.to_path_buf(), err })?;
         let c = &self.cfg;
         let (q, kv, i) = (
             (c.num_attention_heads * c.head_dim) as i64,
@@ -485,50 +399,21 @@ impl Target {
         );
         // (HF name, stored tensor, the rows of a stacked tensor that hold it)
         type Part<'a> = (String, &'a Tensor, Option<(i64, i64)>);
-        let mut tensors: Vec<Part> =
-            vec![("model.embed_tokens.weight".into(), &self.embed_tokens, None)];
+        let mut tensors: Vec<Part> = vec![("model.embed_tokens.weight".into(), &self.embed_tokens, None)];
         for (l, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
-            tensors.push((
-                format!("{p}.input_layernorm.weight"),
-                &layer.input_layernorm,
-                None,
-            ));
-            tensors.push((
-                format!("{p}.post_attention_layernorm.weight"),
-                &layer.post_attention_layernorm,
-                None,
-            ));
-            tensors.push((
-                format!("{p}.self_attn.q_proj.weight"),
-                &layer.qkv_proj,
-                Some((0, q)),
-            ));
-            tensors.push((
-                format!("{p}.self_attn.k_proj.weight"),
-                &layer.qkv_proj,
-                Some((q, kv)),
-            ));
-            tensors.push((
-                format!("{p}.self_attn.v_proj.weight"),
-                &layer.qkv_proj,
-                Some((q + kv, kv)),
-            ));
+            tensors.push((format!("{p}.input_layernorm.weight"), &layer.input_layernorm, None));
+            tensors.push((format!("{p}.post_attention_layernorm.weight"), &layer.post_attention_layernorm, None));
+            tensors.push((format!("{p}.self_attn.q_proj.weight"), &layer.qkv_proj, Some((0, q))));
+            tensors.push((format!("{p}.self_attn.k_proj.weight"), &layer.qkv_proj, Some((q, kv))));
+            tensors.push((format!("{p}.self_attn.v_proj.weight"), &layer.qkv_proj, Some((q + kv, kv))));
             tensors.push((format!("{p}.self_attn.o_proj.weight"), &layer.o_proj, None));
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 tensors.push((format!("{p}.self_attn.q_norm.weight"), qn, None));
                 tensors.push((format!("{p}.self_attn.k_norm.weight"), kn, None));
             }
-            tensors.push((
-                format!("{p}.mlp.gate_proj.weight"),
-                &layer.gate_up_proj,
-                Some((0, i)),
-            ));
-            tensors.push((
-                format!("{p}.mlp.up_proj.weight"),
-                &layer.gate_up_proj,
-                Some((i, i)),
-            ));
+            tensors.push((format!("{p}.mlp.gate_proj.weight"), &layer.gate_up_proj, Some((0, i))));
+            tensors.push((format!("{p}.mlp.up_proj.weight"), &layer.gate_up_proj, Some((i, i))));
             tensors.push((format!("{p}.mlp.down_proj.weight"), &layer.down_proj, None));
         }
         if let Some(norm) = &self.norm {
@@ -548,8 +433,7 @@ impl Target {
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         write_sharded(dir, host, max_shard_bytes)?;
-        let config =
-            serde_json::to_string_pretty(&c.to_hf_json(kind_name(self.kind))).expect("json");
+        let config = serde_json::to_string_pretty(&c.to_hf_json(kind_name(self.kind))).expect("json");
         let path = dir.join("config.json");
         std::fs::write(&path, config).map_err(|err| ModelError::Io { path, err })
     }

@@ -44,25 +44,15 @@ impl WeightFiles {
         }
         let single = dir.join(SINGLE);
         if !single.exists() {
-            return Err(ModelError::NoWeights {
-                dir: dir.to_path_buf(),
-            });
+            return Err(ModelError::NoWeights { dir: dir.to_path_buf() });
         }
-        Ok(WeightFiles {
-            source: SINGLE,
-            ..Self::open_file(&single)?
-        })
+        Ok(WeightFiles { source: SINGLE, ..Self::open_file(&single)? })
     }
 
     /// Opens one safetensors file by path (an optimizer state, say).
     pub fn open_file(path: &Path) -> Result<Self, ModelError> {
         let file = map_file(path)?;
-        let location = file
-            .metadata
-            .tensors()
-            .into_keys()
-            .map(|name| (name, 0))
-            .collect();
+        let location = file.metadata.tensors().into_keys().map(|name| (name, 0)).collect();
         Ok(WeightFiles {
             dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(),
             files: vec![file],
@@ -72,14 +62,9 @@ impl WeightFiles {
     }
 
     fn open_sharded(dir: &Path, index_path: &Path) -> Result<Self, ModelError> {
-        let bad_index = |reason: String| ModelError::Index {
-            path: index_path.to_path_buf(),
-            reason,
-        };
-        let text = std::fs::read_to_string(index_path).map_err(|err| ModelError::Io {
-            path: index_path.to_path_buf(),
-            err,
-        })?;
+        let bad_index = |reason: String| ModelError::Index { path: index_path.to_path_buf(), reason };
+        let text = std::fs::read_to_string(index_path)
+            .map_err(|err| ModelError::Io { path: index_path.to_path_buf(), err })?;
         let index: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad_index(format!("not valid JSON: {e}")))?;
         let map = index
@@ -90,9 +75,7 @@ impl WeightFiles {
         let mut files = Vec::new();
         let mut location = HashMap::new();
         for (name, file) in map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| bad_index(format!("`weight_map.{name}` is not a file name")))?;
+            let file = file.as_str().ok_or_else(|| bad_index(format!("`weight_map.{name}` is not a file name")))?;
             let id = match shard_ids.get(file) {
                 Some(id) => *id,
                 None => {
@@ -108,12 +91,7 @@ impl WeightFiles {
             }
             location.insert(name.clone(), id);
         }
-        Ok(WeightFiles {
-            dir: dir.to_path_buf(),
-            files,
-            location,
-            source: INDEX,
-        })
+        Ok(WeightFiles { dir: dir.to_path_buf(), files, location, source: INDEX })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -130,19 +108,12 @@ impl WeightFiles {
         kind: Kind,
         device: Device,
     ) -> Result<Tensor, ModelError> {
-        let file = self
-            .location
-            .get(name)
-            .map(|&i| &self.files[i])
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                dir: self.dir.clone(),
-                source_file: self.source,
-            })?;
-        let info: &TensorInfo = file
-            .metadata
-            .info(name)
-            .expect("location only lists tensors present in their file");
+        let file = self.location.get(name).map(|&i| &self.files[i]).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+            dir: self.dir.clone(),
+            source_file: self.source,
+        })?;
+        let info: &TensorInfo = file.metadata.info(name).expect("location only lists tensors present in their file");
         if info.shape != expected {
             return Err(ModelError::Shape {
                 name: name.to_string(),
@@ -167,26 +138,12 @@ impl WeightFiles {
 }
 
 fn map_file(path: &Path) -> Result<MappedFile, ModelError> {
-    let file = File::open(path).map_err(|err| ModelError::Io {
-        path: path.to_path_buf(),
-        err,
-    })?;
+    let file = File::open(path).map_err(|err| ModelError::Io { path: path.to_path_buf(), err })?;
     // SAFETY: the file is opened read-only and model folders are not modified while a model loads.
-    let map = unsafe { Mmap::map(&file) }.map_err(|err| ModelError::Io {
-        path: path.to_path_buf(),
-        err,
-    })?;
-    let (header_len, metadata) =
-        SafeTensors::read_metadata(&map).map_err(|e| ModelError::Safetensors {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-    Ok(MappedFile {
-        path: path.to_path_buf(),
-        map,
-        header_len,
-        metadata,
-    })
+    let map = unsafe { Mmap::map(&file) }.map_err(|err| ModelError::Io { path: path.to_path_buf(), err })?;
+    let (header_len, metadata) = SafeTensors::read_metadata(&map)
+        .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
+    Ok(MappedFile { path: path.to_path_buf(), map, header_len, metadata })
 }
 
 fn kind_of(dtype: Dtype) -> Option<Kind> {
@@ -208,9 +165,7 @@ fn dtype_of(kind: Kind) -> Result<Dtype, ModelError> {
         Kind::Double => Dtype::F64,
         Kind::Int64 => Dtype::I64,
         other => {
-            return Err(ModelError::Torch(format!(
-                "cannot write tensors of kind {other:?}"
-            )));
+            return Err(ModelError::Torch(format!("cannot write tensors of kind {other:?}")));
         }
     })
 }
@@ -229,11 +184,7 @@ impl HostTensor {
         let numel = t.numel();
         let mut bytes = vec![0u8; numel * dtype.bitsize() / 8];
         t.f_copy_data_u8(&mut bytes, numel)?;
-        Ok(HostTensor {
-            dtype,
-            shape: t.size().iter().map(|&d| d as usize).collect(),
-            bytes,
-        })
+        Ok(HostTensor { dtype, shape: t.size().iter().map(|&d| d as usize).collect(), bytes })
     }
 }
 
@@ -258,15 +209,9 @@ pub fn write_safetensors(
     tensors: &[(String, HostTensor)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<(), ModelError> {
-    let io = |err| ModelError::Io {
-        path: path.to_path_buf(),
-        err,
-    };
+    let io = |err| ModelError::Io { path: path.to_path_buf(), err };
     let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), metadata)
-        .map_err(|e| ModelError::Safetensors {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
     let mut file = File::create(path).map_err(io)?;
     file.write_all(&bytes).map_err(io)?;
     file.sync_all().map_err(io)
@@ -274,11 +219,7 @@ pub fn write_safetensors(
 
 /// Writes `tensors` as HuggingFace does: one `model.safetensors` if they fit in `max_shard_bytes`, else shards
 /// `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
-pub fn write_sharded(
-    dir: &Path,
-    tensors: Vec<(String, HostTensor)>,
-    max_shard_bytes: usize,
-) -> Result<(), ModelError> {
+pub fn write_sharded(dir: &Path, tensors: Vec<(String, HostTensor)>, max_shard_bytes: usize) -> Result<(), ModelError> {
     let total: usize = tensors.iter().map(|(_, t)| t.bytes.len()).sum();
     let mut shards: Vec<Vec<(String, HostTensor)>> = vec![vec![]];
     let mut current = 0usize;
@@ -288,10 +229,7 @@ pub fn write_sharded(
             shards.push(vec![]);
             current = 0;
         }
-        shards
-            .last_mut()
-            .expect("at least one shard")
-            .push((name, t));
+        shards.last_mut().expect("at least one shard").push((name, t));
         current += len;
     }
     if shards.len() == 1 {

@@ -31,54 +31,23 @@ pub struct LocalResponder {
 
 impl LocalResponder {
     /// Stops at the target's EOS ids and the template's end-of-turn tokens.
-    pub fn new(
-        target: Target,
-        assets: ModelAssets,
-        max_tokens: usize,
-        sampling: Sampling,
-        seed: u64,
-    ) -> Self {
+    pub fn new(target: Target, assets: ModelAssets, max_tokens: usize, sampling: Sampling, seed: u64) -> Self {
         let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
         for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
             if let Some(id) = assets.tokenizer.token_id(marker) {
                 stop.push(id as i64);
             }
         }
-        LocalResponder {
-            target,
-            assets,
-            stop,
-            max_tokens,
-            sampling,
-            rng: ChaCha8Rng::seed_from_u64(seed),
-        }
+        LocalResponder { target, assets, stop, max_tokens, sampling, rng: ChaCha8Rng::seed_from_u64(seed) }
     }
 }
 
 impl Responder for LocalResponder {
     fn respond(&mut self, messages: &[Value], tools: Option<&Value>) -> Result<Reply, String> {
-        let prompt = self
-            .assets
-            .template
-            .render(messages, tools, true)
+        let prompt = self.assets.template.render(messages, tools, true).map_err(|e| e.to_string())?;
+        let ids: Vec<i64> = self.assets.tokenizer.encode(&prompt)?.ids.iter().map(|&t| t as i64).collect();
+        let mut out = generate(&self.target, &ids, self.max_tokens, &self.stop, self.sampling, &mut self.rng)
             .map_err(|e| e.to_string())?;
-        let ids: Vec<i64> = self
-            .assets
-            .tokenizer
-            .encode(&prompt)?
-            .ids
-            .iter()
-            .map(|&t| t as i64)
-            .collect();
-        let mut out = generate(
-            &self.target,
-            &ids,
-            self.max_tokens,
-            &self.stop,
-            self.sampling,
-            &mut self.rng,
-        )
-        .map_err(|e| e.to_string())?;
         if out.last().is_some_and(|t| self.stop.contains(t)) {
             out.pop();
         }
@@ -88,24 +57,15 @@ impl Responder for LocalResponder {
 }
 
 /// The training samples the configuration names.
-pub fn dataset(
-    config: &Config,
-    vocab_size: usize,
-    device: Device,
-    kind: Kind,
-) -> Result<Arc<dyn Dataset>> {
+pub fn dataset(config: &Config, vocab_size: usize, device: Device, kind: Kind) -> Result<Arc<dyn Dataset>> {
     let d = &config.data;
     let data: Arc<dyn Dataset> = match &d.source {
         DataSource::Prepared(dir) => Arc::new(
-            PreparedSplit::open(dir, "train", false)
-                .with_context(|| format!("data.path = {}", dir.display()))?,
+            PreparedSplit::open(dir, "train", false).with_context(|| format!("data.path = {}", dir.display()))?,
         ),
-        DataSource::Synthetic => Arc::new(SyntheticData::new(
-            d.builtin_conversations,
-            d.max_len,
-            vocab_size,
-            config.objective.seed,
-        )),
+        DataSource::Synthetic => {
+            Arc::new(SyntheticData::new(d.builtin_conversations, d.max_len, vocab_size, config.objective.seed))
+        }
         DataSource::Builtin => Arc::new(builtin(config, device, kind)?),
     };
     if data.is_empty() {
@@ -144,10 +104,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             conversations = d.builtin_conversations,
             "built-in data: the target answers the sample conversations (once)"
         );
-        let target = config
-            .target
-            .source
-            .build_target(&[0], Depth::Full, device, kind)?;
+        let target = config.target.source.build_target(&[0], Depth::Full, device, kind)?;
         let mut responder = LocalResponder::new(
             target,
             ModelAssets::resolve(&model, &Map::new())?,
@@ -165,10 +122,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         };
         let report = crate::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??;
         if report.failed > 0 {
-            bail!(
-                "built-in data: {} conversations could not be regenerated",
-                report.failed
-            );
+            bail!("built-in data: {} conversations could not be regenerated", report.failed);
         }
         std::fs::write(&done_marker, "")?;
     }

@@ -27,10 +27,7 @@ async fn ask<T: Send + 'static>(
     sup: &ActorRef<SupervisorMsg>,
     build: impl FnOnce(RpcReplyPort<T>) -> SupervisorMsg,
 ) -> Result<T, String> {
-    match sup
-        .call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS)))
-        .await
-    {
+    match sup.call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS))).await {
         Ok(CallResult::Success(v)) => Ok(v),
         Ok(CallResult::Timeout) => Err("timed out".into()),
         Ok(CallResult::SenderError) => Err("no reply".into()),
@@ -39,10 +36,7 @@ async fn ask<T: Send + 'static>(
 }
 
 fn unavailable(e: impl std::fmt::Display) -> Response {
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        Json(json!({"error": format!("the supervisor did not answer: {e}")})),
-    )
+    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": format!("the supervisor did not answer: {e}")})))
         .into_response()
 }
 
@@ -59,11 +53,7 @@ async fn status(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
 
 async fn checkpoint(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
     match ask(&sup, SupervisorMsg::CheckpointNow).await {
-        Ok(Ok(step)) => (
-            StatusCode::ACCEPTED,
-            Json(json!({"requested": true, "step": step})),
-        )
-            .into_response(),
+        Ok(Ok(step)) => (StatusCode::ACCEPTED, Json(json!({"requested": true, "step": step}))).into_response(),
         Ok(Err(e)) => (StatusCode::CONFLICT, Json(json!({"error": e}))).into_response(),
         Err(e) => unavailable(e),
     }
@@ -74,27 +64,16 @@ async fn fault(
     Path(id): Path<usize>,
     Json(req): Json<FaultRequest>,
 ) -> Response {
-    match ask(&sup, |reply| SupervisorMsg::Fault {
-        id,
-        kind: req.kind,
-        reply,
-    })
-    .await
-    {
+    match ask(&sup, |reply| SupervisorMsg::Fault { id, kind: req.kind, reply }).await {
         Ok(Ok(())) => Json(json!({"injected": req.kind, "drafter": id})).into_response(),
-        Ok(Err(e)) if e.contains("is off") => {
-            (StatusCode::FORBIDDEN, Json(json!({"error": e}))).into_response()
-        }
+        Ok(Err(e)) if e.contains("is off") => (StatusCode::FORBIDDEN, Json(json!({"error": e}))).into_response(),
         Ok(Err(e)) => (StatusCode::NOT_FOUND, Json(json!({"error": e}))).into_response(),
         Err(e) => unavailable(e),
     }
 }
 
 /// Serves the control plane on `addr` until the process ends.
-pub async fn serve(
-    addr: SocketAddr,
-    supervisor: ActorRef<SupervisorMsg>,
-) -> std::io::Result<SocketAddr> {
+pub async fn serve(addr: SocketAddr, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<SocketAddr> {
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/status", get(status))

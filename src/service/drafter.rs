@@ -63,6 +63,8 @@ pub struct DrafterSpawn {
     pub objective: ObjectiveSettings,
     pub seed: u64,
     pub accumulation: usize,
+    /// Report checksums of the state every this many steps (0: never).
+    pub check_every: u64,
     pub start: Start,
     pub heads: Arc<Heads>,
     pub collective: Arc<Collective>,
@@ -91,11 +93,7 @@ impl Actor for DrafterActor {
     type State = ();
     type Arguments = DrafterSpawn;
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<ThreadMsg>,
-        args: DrafterSpawn,
-    ) -> Result<(), ActorProcessingErr> {
+    async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: DrafterSpawn) -> Result<(), ActorProcessingErr> {
         let name = format!("drafter-{}", args.id);
         std::thread::Builder::new().name(name).spawn(move || {
             let outcome = match catch_torch(|| run(args)) {
@@ -110,12 +108,7 @@ impl Actor for DrafterActor {
         Ok(())
     }
 
-    async fn handle(
-        &self,
-        _: ActorRef<ThreadMsg>,
-        msg: ThreadMsg,
-        _: &mut (),
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
         match msg {
             ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
         }
@@ -158,66 +151,29 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     let drafter = match &a.start {
         Start::Found(Some(ckpt)) => Drafter::load(&ckpt.join(DRAFTER_DIR), a.device, a.kind),
         Start::Found(None) => {
-            let init = if a.device == Device::Cpu {
-                Init::Portable(a.seed)
-            } else {
-                Init::Device(a.seed)
-            };
+            let init = if a.device == Device::Cpu { Init::Portable(a.seed) } else { Init::Device(a.seed) };
             Drafter::new(a.config.clone(), a.device, a.kind, init)
         }
         Start::Join => Drafter::zeroed(a.config.clone(), a.device, a.kind),
     }
     .map_err(torch)?;
-    let embed = a
-        .heads
-        .embed
-        .f_to_device(a.device)
-        .and_then(|t| t.f_to_kind(a.kind))
-        .map_err(torch)?;
-    let lm_head = a
-        .heads
-        .lm_head
-        .f_to_device(a.device)
-        .and_then(|t| t.f_to_kind(a.kind))
-        .map_err(torch)?;
-    let mut trainer =
-        Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
+    let embed = a.heads.embed.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)).map_err(torch)?;
+    let lm_head = a.heads.lm_head.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)).map_err(torch)?;
+    let mut trainer = Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
     if let Start::Found(Some(ckpt)) = &a.start {
-        trainer.optimizer = AdamW::load(
-            ckpt,
-            OPTIMIZER_FILE,
-            trainer.drafter.params().layout(),
-            a.device,
-        )
-        .map_err(torch)?;
+        trainer.optimizer =
+            AdamW::load(ckpt, OPTIMIZER_FILE, trainer.drafter.params().layout(), a.device).map_err(torch)?;
     }
     warm_up(&mut trainer)?;
     if let Start::Join = a.start {
         // Registered before Ready, so the donor the supervisor asks finds the request.
         let [master, m, v] = state_tensors(&trainer).map(Tensor::shallow_clone);
-        a.collective.request_join(
-            a.id,
-            a.generation,
-            JoinBuffers {
-                master,
-                exp_avg: m,
-                exp_avg_sq: v,
-            },
-        );
+        a.collective.request_join(a.id, a.generation, JoinBuffers { master, exp_avg: m, exp_avg_sq: v });
     }
-    let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady {
-        id: a.id,
-        generation: a.generation,
-    });
+    let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady { id: a.id, generation: a.generation });
     let joined = match a.start {
-        Start::Found(_) => a
-            .collective
-            .found(a.id, a.generation)
-            .map(|step| (step, None)),
-        Start::Join => a
-            .collective
-            .wait_joined(a.id, a.generation)
-            .map(|info| (info.step, Some(info.optimizer_steps))),
+        Start::Found(_) => a.collective.found(a.id, a.generation).map(|step| (step, None)),
+        Start::Join => a.collective.wait_joined(a.id, a.generation).map(|info| (info.step, Some(info.optimizer_steps))),
     };
     let mut step = match joined {
         Ok((step, steps)) => {
@@ -229,11 +185,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         Err(CollectiveError::Removed) => return Ok(()),
         Err(e) => return Err(torch(e)),
     };
-    let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined {
-        id: a.id,
-        generation: a.generation,
-        step,
-    });
+    let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
     loop {
         let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
         let mut taken = 0;
@@ -264,18 +216,9 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             }
         }
         let batches: Vec<BatchId> = items.iter().map(|(b, _)| *b).collect();
-        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Computing {
-            generation: a.generation,
-            since: Instant::now(),
-            batches: batches.clone(),
-        };
-        if let Some(fault) = a
-            .shared
-            .fault
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) =
+            Phase::Computing { generation: a.generation, since: Instant::now(), batches: batches.clone() };
+        if let Some(fault) = a.shared.fault.lock().unwrap_or_else(|p| p.into_inner()).take() {
             match fault {
                 FaultKind::Panic => panic!("injected panic (fault injection) in drafter {}", a.id),
                 FaultKind::Error => {
@@ -301,17 +244,9 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             samples += features.input_ids.len() as u64;
         }
         let own = trainer.drafter.params().grad.shallow_clone();
-        let contribution = Contribution {
-            grad: own.shallow_clone(),
-            weight: metrics.weight,
-            samples,
-            batches,
-            metrics,
-        };
-        let result = match a
-            .collective
-            .contribute(a.id, a.generation, step, contribution)
-        {
+        let contribution =
+            Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics };
+        let result = match a.collective.contribute(a.id, a.generation, step, contribution) {
             Ok(r) => r,
             Err(CollectiveError::Removed) => return Ok(()),
             Err(e) => return Err(torch(e)),
@@ -320,16 +255,20 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             let mut dst = own.shallow_clone();
             dst.f_copy_(&result.grad).map_err(torch)?;
         }
-        let report = trainer
-            .apply(result.total_weight, &result.update)
-            .map_err(torch)?;
+        let report = trainer.apply(result.total_weight, &result.update).map_err(torch)?;
         step = result.step + 1;
         *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
+        let digest = if a.check_every > 0 && step.is_multiple_of(a.check_every) {
+            Some(checksums(state_tensors(&trainer)).map_err(torch)?)
+        } else {
+            None
+        };
         let _ = a.supervisor.send_message(SupervisorMsg::StepDone {
             id: a.id,
             generation: a.generation,
             step,
             report,
+            digest,
         });
         if a.collective.has_joiners() {
             serve(&a, &trainer)?;
@@ -337,13 +276,17 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     }
 }
 
+/// Bit-exact checksums of the state: each tensor's bits read as integers, summed (one reduction each).
+fn checksums(tensors: [&Tensor; 3]) -> Result<[i64; 3], tch::TchError> {
+    let mut out = [0i64; 3];
+    for (o, t) in out.iter_mut().zip(tensors) {
+        *o = t.f_view_dtype(Kind::Int)?.f_sum(Kind::Int64)?.f_int64_value(&[])?;
+    }
+    Ok(out)
+}
+
 fn serve(a: &DrafterSpawn, trainer: &Trainer) -> Result<(), Failure> {
-    match a.collective.serve_joiners(
-        a.id,
-        a.generation,
-        state_tensors(trainer),
-        trainer.optimizer.steps(),
-    ) {
+    match a.collective.serve_joiners(a.id, a.generation, state_tensors(trainer), trainer.optimizer.steps()) {
         Ok(_) | Err(CollectiveError::Removed) => Ok(()),
         Err(e) => Err(torch(e)),
     }

@@ -45,17 +45,11 @@ impl Failure {
         } else {
             FailureKind::Torch
         };
-        Failure {
-            kind,
-            message: message.to_string(),
-        }
+        Failure { kind, message: message.to_string() }
     }
 
     pub fn panic(message: String) -> Self {
-        Failure {
-            kind: FailureKind::Panic,
-            message,
-        }
+        Failure { kind: FailureKind::Panic, message }
     }
 
     /// Whether the drafter may restart in this process.
@@ -91,18 +85,12 @@ mod tests {
             Failure::from_torch("CUDA error: an illegal memory access was encountered").kind,
             FailureKind::Poisoned
         );
-        assert_eq!(
-            Failure::from_torch("CUDA error: device-side assert triggered").kind,
-            FailureKind::Poisoned
-        );
+        assert_eq!(Failure::from_torch("CUDA error: device-side assert triggered").kind, FailureKind::Poisoned);
         assert_eq!(
             Failure::from_torch("CUDA out of memory. Tried to allocate 2.00 GiB").kind,
             FailureKind::OutOfMemory
         );
-        assert_eq!(
-            Failure::from_torch("shape '[2, 3]' is invalid").kind,
-            FailureKind::Torch
-        );
+        assert_eq!(Failure::from_torch("shape '[2, 3]' is invalid").kind, FailureKind::Torch);
         assert!(Failure::from_torch("CUDA out of memory").restartable());
         assert!(!Failure::from_torch("unspecified launch failure").restartable());
         let k: FaultKind = serde_json::from_str("\"checkpoint_stall\"").unwrap();

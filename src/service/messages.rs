@@ -61,6 +61,8 @@ pub enum SupervisorMsg {
         generation: u64,
         step: u64,
         report: UpdateReport,
+        /// Checksums of parameters and both moments, on steps where replicas are compared.
+        digest: Option<[i64; 3]>,
     },
     Snapshot {
         id: usize,
@@ -126,6 +128,9 @@ pub struct Status {
     pub samples_requeued: u64,
     pub batches_set_aside: u64,
     pub skipped_steps: u64,
+    /// The last step at which every replica's checksums agreed, and how many checks found them different.
+    pub replicas_checked_step: Option<u64>,
+    pub replicas_diverged: u64,
     pub config_version: u64,
     pub drafters: Vec<DrafterStatus>,
     pub last_checkpoint: Option<CheckpointStatus>,

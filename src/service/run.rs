@@ -36,28 +36,17 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
         (_, Some(m)) => m,
         (TargetSource::Preset(p), None) => p.spec().mask_token_id,
         (TargetSource::Folder(_), None) => {
-            bail!(
-                "draft_model.mask_token_id is required with a model folder (Qwen3: 151669), a token no text uses"
-            )
+            bail!("draft_model.mask_token_id is required with a model folder (Qwen3: 151669), a token no text uses")
         }
     };
     let dm = &config.draft_model;
-    let drafter = DrafterConfig::for_target(
-        &target,
-        dm.num_hidden_layers,
-        dm.intermediate_size,
-        dm.block_size,
-        taps,
-        mask,
-    )
-    .map_err(|e| anyhow::anyhow!("[draft_model]: {e}"))?;
+    let drafter =
+        DrafterConfig::for_target(&target, dm.num_hidden_layers, dm.intermediate_size, dm.block_size, taps, mask)
+            .map_err(|e| anyhow::anyhow!("[draft_model]: {e}"))?;
     Ok((target, drafter))
 }
 
-fn checkpoint_to_resume(
-    config: &Config,
-    resume: &Resume,
-) -> Result<Option<(PathBuf, TrainerState)>> {
+fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(PathBuf, TrainerState)>> {
     let dir = &config.checkpoint.dir;
     let (found, rejected) = newest_valid(dir);
     for r in &rejected {
@@ -87,11 +76,7 @@ fn checkpoint_to_resume(
                     changed.join(", ")
                 );
             }
-            let others = changed_keys(
-                &state.config,
-                &config.merged,
-                &reloadable_keys(&config.merged),
-            );
+            let others = changed_keys(&state.config, &config.merged, &reloadable_keys(&config.merged));
             if !others.is_empty() {
                 tracing::info!(keys = ?others, "resuming with settings changed since the checkpoint");
             }
@@ -106,11 +91,7 @@ fn reloadable_keys(tree: &serde_json::Value) -> Vec<String> {
     let sections = tree.as_object().into_iter().flatten();
     sections
         .flat_map(|(section, values)| {
-            values
-                .as_object()
-                .into_iter()
-                .flatten()
-                .map(move |(key, _)| format!("{section}.{key}"))
+            values.as_object().into_iter().flatten().map(move |(key, _)| format!("{section}.{key}"))
         })
         .filter(|k| !NON_RELOADABLE.contains(&k.as_str()))
         .collect()
@@ -131,12 +112,8 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
         .collect::<Result<_>>()?;
     let (target_cfg, drafter_cfg) = drafter_config(&config)?;
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
-    let objective = ObjectiveSettings::new(
-        config.objective.num_anchors,
-        drafter_cfg.block_size,
-        gamma,
-        drafter_cfg.mask_token_id,
-    );
+    let objective =
+        ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let resume = checkpoint_to_resume(&config, &resume)?;
     let data = dataset(&config, target_cfg.vocab_size, target_device, target_kind)?;
     let exit_code = Arc::new(Mutex::new(None));
@@ -164,9 +141,9 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
             .await
             .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
         if let Some(addr) = listen {
-            let bound = super::control::serve(addr, supervisor.clone())
-                .await
-                .with_context(|| format!("control.listen = {addr}: cannot listen (in use? set another address or \"off\")"))?;
+            let bound = super::control::serve(addr, supervisor.clone()).await.with_context(|| {
+                format!("control.listen = {addr}: cannot listen (in use? set another address or \"off\")")
+            })?;
             tracing::info!(address = %bound, "control plane: GET /healthz /status, POST /checkpoint");
         }
         let sup = supervisor.clone();
@@ -195,10 +172,7 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
         let _ = handle.await;
         Ok::<(), anyhow::Error>(())
     })?;
-    let code = exit_code
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .unwrap_or(1);
+    let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
 }

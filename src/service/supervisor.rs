@@ -18,18 +18,14 @@ use tch::{Device, Kind};
 
 use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start, ThreadFailure};
 use super::failure::{Failure, FailureKind, FaultKind};
-use super::messages::{
-    CheckpointStatus, DrafterState, DrafterStatus, Heads, Status, SupervisorMsg, ThreadMsg, Work,
-};
+use super::messages::{CheckpointStatus, DrafterState, DrafterStatus, Heads, Status, SupervisorMsg, ThreadMsg, Work};
 use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};
 use crate::config::{Config, TargetSource};
 use crate::data::dataset::Dataset;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
 use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig};
-use crate::train::checkpoint::{
-    Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid,
-};
+use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid};
 use crate::train::collective::{Collective, Hyper, RoundReport};
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::optim::LrSchedule;
@@ -80,6 +76,9 @@ struct Ending {
     export: bool,
 }
 
+/// The members that must report checksums for a step, and what they reported.
+type StepDigests = (Vec<usize>, BTreeMap<usize, [i64; 3]>);
+
 pub struct Sup {
     a: SupervisorArgs,
     myself: ActorRef<SupervisorMsg>,
@@ -110,6 +109,13 @@ pub struct Sup {
     states: BTreeMap<u64, TrainerState>,
     pending_snapshots: BTreeMap<u64, Snapshot>,
     checkpoint_in_flight: bool,
+    /// The drafter asked for the snapshot of the checkpoint in flight, until it arrives.
+    checkpoint_donor: Option<(usize, u64)>,
+    /// step -> the members that must report checksums for it, and what they reported
+    digests: BTreeMap<u64, StepDigests>,
+    replicas_checked_step: Option<u64>,
+    replicas_diverged: u64,
+    ledger: Option<std::io::BufWriter<std::fs::File>>,
     last_checkpoint: Option<(Written, Instant)>,
     last_checkpoint_request: Instant,
     ending: Option<Ending>,
@@ -141,11 +147,8 @@ fn hyper(cfg: &Config, total_samples: u64) -> Hyper {
 impl Sup {
     pub fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> Self {
         let lengths = a.dataset.lengths();
-        let loader_settings = LoaderSettings {
-            batch_size: a.config.data.batch_size,
-            seed: a.config.objective.seed,
-            bucket_batches: 16,
-        };
+        let loader_settings =
+            LoaderSettings { batch_size: a.config.data.batch_size, seed: a.config.objective.seed, bucket_batches: 16 };
         let (step, samples, loader, set_aside) = match &a.resume {
             Some((_, s)) => (
                 s.step,
@@ -162,22 +165,13 @@ impl Sup {
             total = total.min(o.max_steps * per_step);
         }
         let me = myself.clone();
-        let collective = Arc::new(Collective::new(
-            step,
-            samples,
-            hyper(&a.config, total),
-            move |r| {
-                let _ = me.send_message(SupervisorMsg::Round(r));
-            },
-        ));
+        let collective = Arc::new(Collective::new(step, samples, hyper(&a.config, total), move |r| {
+            let _ = me.send_message(SupervisorMsg::Round(r));
+        }));
         let me = myself.clone();
-        let checkpointer = Checkpointer::start(
-            a.config.checkpoint.dir.clone(),
-            a.config.checkpoint.keep,
-            move |r| {
-                let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
-            },
-        );
+        let checkpointer = Checkpointer::start(a.config.checkpoint.dir.clone(), a.config.checkpoint.keep, move |r| {
+            let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
+        });
         let slots = a
             .drafter_devices
             .iter()
@@ -233,6 +227,19 @@ impl Sup {
             states,
             pending_snapshots: BTreeMap::new(),
             checkpoint_in_flight: false,
+            checkpoint_donor: None,
+            digests: BTreeMap::new(),
+            replicas_checked_step: None,
+            replicas_diverged: 0,
+            ledger: a.config.data.ledger.as_ref().and_then(|p| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .map_err(|e| tracing::error!(path = %p.display(), "cannot open data.ledger: {e}"))
+                    .ok()
+                    .map(std::io::BufWriter::new)
+            }),
             last_checkpoint: None,
             last_checkpoint_request: Instant::now(),
             ending: None,
@@ -249,11 +256,8 @@ impl Sup {
 
     async fn start_target(&mut self) -> Result<(), ActorProcessingErr> {
         self.target_generation += 1;
-        let cap = 64
-            + self.slots.len()
-                * self.a.config.supervision.prefetch_steps
-                * self.a.config.optim.accumulation
-                * 2;
+        let cap =
+            64 + self.slots.len() * self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
         let (tx, rx) = sync_channel(cap);
         let (device, kind) = self.a.target_device;
         let spawn = TargetSpawn {
@@ -268,8 +272,7 @@ impl Sup {
             requests: rx,
         };
         let name = format!("target-{}", self.target_generation);
-        let (actor, _) =
-            Actor::spawn_linked(Some(name), TargetActor, spawn, self.myself.get_cell()).await?;
+        let (actor, _) = Actor::spawn_linked(Some(name), TargetActor, spawn, self.myself.get_cell()).await?;
         self.target = Some((actor, tx));
         Ok(())
     }
@@ -285,15 +288,8 @@ impl Sup {
             self.start_next_drafter();
             return;
         }
-        tracing::info!(
-            "target restarted; resending {} requests",
-            self.undelivered.len()
-        );
-        let pending: Vec<TargetWork> = self
-            .undelivered
-            .iter()
-            .map(|(w, _)| clone_work(w))
-            .collect();
+        tracing::info!("target restarted; resending {} requests", self.undelivered.len());
+        let pending: Vec<TargetWork> = self.undelivered.iter().map(|(w, _)| clone_work(w)).collect();
         if let Some((_, tx)) = &self.target {
             for w in pending {
                 let _ = tx.send(w);
@@ -302,9 +298,7 @@ impl Sup {
     }
 
     fn on_delivered(&mut self, generation: u64, batch: BatchId) {
-        if generation == self.target_generation
-            && self.undelivered.front().is_some_and(|(_, b)| *b == batch)
-        {
+        if generation == self.target_generation && self.undelivered.front().is_some_and(|(_, b)| *b == batch) {
             self.undelivered.pop_front();
         }
     }
@@ -323,18 +317,9 @@ impl Sup {
             Start::Found(_) => DrafterState::Starting,
         };
         *s.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
-        let cap =
-            8 + self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
+        let cap = 8 + self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
         let (tx, rx) = sync_channel(cap);
-        self.routes.set(
-            id,
-            Route {
-                generation: s.generation,
-                sender: tx.clone(),
-                device: s.device,
-                kind: s.kind,
-            },
-        );
+        self.routes.set(id, Route { generation: s.generation, sender: tx.clone(), device: s.device, kind: s.kind });
         s.input = Some(tx);
         let spawn = DrafterSpawn {
             id,
@@ -345,6 +330,7 @@ impl Sup {
             objective: self.a.objective.clone(),
             seed: self.a.config.objective.seed,
             accumulation: self.a.config.optim.accumulation,
+            check_every: self.a.config.supervision.check_replicas_every,
             start,
             heads,
             collective: self.collective.clone(),
@@ -364,18 +350,11 @@ impl Sup {
 
     /// During start-up drafters start one at a time: the first founds the collective, the others join.
     fn start_next_drafter(&mut self) {
-        let next = self
-            .slots
-            .iter()
-            .find(|s| s.state == DrafterState::Starting && s.generation == 0)
-            .map(|s| s.id);
+        let next = self.slots.iter().find(|s| s.state == DrafterState::Starting && s.generation == 0).map(|s| s.id);
         match next {
             Some(id) => {
                 let start = if self.collective.members().is_empty()
-                    && !self
-                        .slots
-                        .iter()
-                        .any(|s| s.generation > 0 && s.state != DrafterState::Failed)
+                    && !self.slots.iter().any(|s| s.generation > 0 && s.state != DrafterState::Failed)
                 {
                     Start::Found(self.a.resume.as_ref().map(|(p, _)| p.clone()))
                 } else {
@@ -447,11 +426,7 @@ impl Sup {
     // ------------------------------------------------------------------ steps
 
     fn live_members(&self) -> Vec<usize> {
-        self.slots
-            .iter()
-            .filter(|s| s.state == DrafterState::Live)
-            .map(|s| s.id)
-            .collect()
+        self.slots.iter().filter(|s| s.state == DrafterState::Live).map(|s| s.id).collect()
     }
 
     fn data_left(&self) -> bool {
@@ -485,19 +460,11 @@ impl Sup {
         let generation = self.slots[id].generation;
         let mut items = Vec::new();
         for _ in 0..self.a.config.optim.accumulation {
-            let batch = if self.data_left_for_batch() {
-                self.loader.next_batch()
-            } else {
-                None
-            };
+            let batch = if self.data_left_for_batch() { self.loader.next_batch() } else { None };
             match batch {
                 Some(b) => {
-                    let work = TargetWork::Capture {
-                        drafter: id,
-                        generation,
-                        batch: b.id,
-                        positions: b.samples.clone(),
-                    };
+                    let work =
+                        TargetWork::Capture { drafter: id, generation, batch: b.id, positions: b.samples.clone() };
                     items.push(Some(b.id));
                     self.send_target(work, b.id);
                     self.batches.insert(b.id, b);
@@ -505,10 +472,7 @@ impl Sup {
                 None => {
                     items.push(None);
                     if let Some((_, tx)) = &self.target {
-                        let _ = tx.send(TargetWork::Empty {
-                            drafter: id,
-                            generation,
-                        });
+                        let _ = tx.send(TargetWork::Empty { drafter: id, generation });
                     }
                 }
             }
@@ -519,9 +483,7 @@ impl Sup {
     }
 
     fn data_left_for_batch(&self) -> bool {
-        self.loader
-            .next_epoch()
-            .is_some_and(|e| e < self.a.config.optim.epochs)
+        self.loader.next_epoch().is_some_and(|e| e < self.a.config.optim.epochs)
     }
 
     fn send_target(&mut self, work: TargetWork, batch: BatchId) {
@@ -536,14 +498,21 @@ impl Sup {
             return;
         };
         let mut metrics = Metrics::default();
-        for (member, batches, m, samples) in &r.contributions {
+        for (_, batches, m, samples) in &r.contributions {
             for b in batches {
                 self.loader.commit(*b);
-                self.batches.remove(b);
+                if let Some(batch) = self.batches.remove(b) {
+                    self.write_ledger(r.step, &batch);
+                }
             }
             metrics.add(m);
             self.window_samples += samples;
-            let _ = member;
+        }
+        let every = self.a.config.supervision.check_replicas_every;
+        if every > 0 && (r.step + 1).is_multiple_of(every) {
+            let members = r.contributions.iter().map(|(m, ..)| *m).collect();
+            self.digests.entry(r.step + 1).or_insert_with(|| (vec![], BTreeMap::new())).0 = members;
+            self.compare_digests(r.step + 1);
         }
         // Members of this step that did not contribute had their batches requeued when they failed.
         let _ = step_map;
@@ -554,11 +523,7 @@ impl Sup {
         if !r.total_weight.is_finite() {
             self.skipped_steps += 1;
         }
-        let mut state = TrainerState::new(
-            self.committed_step,
-            self.loader.state(),
-            self.a.config.merged.clone(),
-        );
+        let mut state = TrainerState::new(self.committed_step, self.loader.state(), self.a.config.merged.clone());
         state.samples_committed = self.samples_committed;
         state.skipped_steps = self.skipped_steps;
         state.set_aside = self.set_aside.clone();
@@ -576,6 +541,35 @@ impl Sup {
             self.request_checkpoint("periodic");
         }
         self.top_up();
+    }
+
+    fn write_ledger(&mut self, step: u64, batch: &Batch) {
+        let Some(w) = self.ledger.as_mut() else { return };
+        let ids: Vec<u64> = batch.samples.iter().map(|&p| self.a.dataset.row(p).id).collect();
+        let line = serde_json::json!({"step": step, "epoch": batch.id.epoch, "batch": batch.id.ordinal, "ids": ids});
+        use std::io::Write;
+        let _ = writeln!(w, "{line}").and_then(|()| w.flush());
+    }
+
+    fn on_digest(&mut self, id: usize, step: u64, digest: [i64; 3]) {
+        self.digests.entry(step).or_insert_with(|| (vec![], BTreeMap::new())).1.insert(id, digest);
+        self.compare_digests(step);
+    }
+
+    /// Once every member of a step reported its checksums, they must agree.
+    fn compare_digests(&mut self, step: u64) {
+        let Some((members, seen)) = self.digests.get(&step) else { return };
+        if members.is_empty() || !members.iter().all(|m| seen.contains_key(m)) {
+            return;
+        }
+        let first = seen[&members[0]];
+        if members.iter().all(|m| seen[m] == first) {
+            self.replicas_checked_step = Some(step);
+        } else {
+            self.replicas_diverged += 1;
+            tracing::error!(step, checksums = ?seen, "replicas diverged: their parameters or optimizer states differ");
+        }
+        self.digests.retain(|s, _| *s > step);
     }
 
     fn log_progress(&mut self) {
@@ -602,14 +596,8 @@ impl Sup {
         if self.ending.is_some() {
             return;
         }
-        tracing::info!(
-            step = self.committed_step,
-            "run complete: final checkpoint and export"
-        );
-        self.ending = Some(Ending {
-            code: 0,
-            export: true,
-        });
+        tracing::info!(step = self.committed_step, "run complete: final checkpoint and export");
+        self.ending = Some(Ending { code: 0, export: true });
         self.request_checkpoint("final");
         self.end_if_idle();
     }
@@ -618,32 +606,27 @@ impl Sup {
 
     fn failed(&mut self, id: usize, generation: u64, failure: Failure) {
         if self.slots[id].generation != generation
-            || matches!(
-                self.slots[id].state,
-                DrafterState::Failed | DrafterState::Restarting
-            )
+            || matches!(self.slots[id].state, DrafterState::Failed | DrafterState::Restarting)
         {
             return;
         }
         tracing::warn!(drafter = id, generation, kind = ?failure.kind, "drafter failed: {}", failure.message);
-        let running = match std::mem::take(
-            &mut *self.slots[id]
-                .shared
-                .phase
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        ) {
+        let running = match std::mem::take(&mut *self.slots[id].shared.phase.lock().unwrap_or_else(|p| p.into_inner()))
+        {
             Phase::Computing { batches, .. } => batches,
             Phase::Idle => vec![],
         };
-        self.slots[id]
-            .shared
-            .abandoned
-            .fetch_max(generation, std::sync::atomic::Ordering::SeqCst);
+        self.slots[id].shared.abandoned.fetch_max(generation, std::sync::atomic::Ordering::SeqCst);
         let (open_round, missing) = self.collective.waiting_for();
         let contributed_open = !missing.contains(&id);
         self.collective.remove(id, generation);
         self.routes.remove(id);
+        if self.checkpoint_donor == Some((id, generation)) {
+            // The snapshot will never come: ask another replica.
+            self.checkpoint_in_flight = false;
+            self.checkpoint_donor = None;
+            self.request_checkpoint("retry after the donor failed");
+        }
         if let Some(actor) = self.slots[id].actor.take() {
             actor.stop(None);
         }
@@ -670,12 +653,7 @@ impl Sup {
                 let ids: Vec<u64> = self
                     .batches
                     .get(&b)
-                    .map(|x| {
-                        x.samples
-                            .iter()
-                            .map(|&p| self.a.dataset.row(p).id)
-                            .collect()
-                    })
+                    .map(|x| x.samples.iter().map(|&p| self.a.dataset.row(p).id).collect())
                     .unwrap_or_default();
                 tracing::error!(?b, sample_ids = ?ids, "batch failed twice: set aside");
                 self.loader.commit(b);
@@ -707,10 +685,7 @@ impl Sup {
             );
         } else {
             s.state = DrafterState::Restarting;
-            let delay = sup
-                .backoff_initial_ms
-                .saturating_mul(1 << s.restarts.len().min(16))
-                .min(sup.backoff_max_ms);
+            let delay = sup.backoff_initial_ms.saturating_mul(1 << s.restarts.len().min(16)).min(sup.backoff_max_ms);
             s.restarts.push_back(Instant::now());
             s.total_restarts += 1;
             let me = self.myself.clone();
@@ -719,21 +694,14 @@ impl Sup {
                 let _ = me.send_message(SupervisorMsg::RestartDrafter { id });
             });
         }
-        let alive = self
-            .slots
-            .iter()
-            .filter(|s| s.state != DrafterState::Failed)
-            .count();
+        let alive = self.slots.iter().filter(|s| s.state != DrafterState::Failed).count();
         if alive < sup.min_live_drafters {
             tracing::error!(
                 alive,
                 min = sup.min_live_drafters,
                 "below supervision.min_live_drafters: checkpointing and stopping"
             );
-            self.ending.get_or_insert(Ending {
-                code: 1,
-                export: false,
-            });
+            self.ending.get_or_insert(Ending { code: 1, export: false });
             self.request_checkpoint("too few drafters");
             self.end_if_idle();
         }
@@ -747,10 +715,7 @@ impl Sup {
             "an error poisoned a device: checkpointing from a healthy replica and exiting for a restart with --resume auto"
         );
         self.slots[failed].state = DrafterState::Failed;
-        self.ending = Some(Ending {
-            code: EXIT_RESTART,
-            export: false,
-        });
+        self.ending = Some(Ending { code: EXIT_RESTART, export: false });
         self.request_checkpoint("emergency");
         self.end_if_idle();
     }
@@ -781,11 +746,7 @@ impl Sup {
         match found {
             Some((path, state)) => {
                 tracing::warn!(step = state.step, path = %path.display(), "no live drafter: rewinding the run to the newest checkpoint");
-                self.loader = Loader::restore(
-                    self.lengths.clone(),
-                    self.loader_settings,
-                    state.loader.clone(),
-                );
+                self.loader = Loader::restore(self.lengths.clone(), self.loader_settings, state.loader.clone());
                 self.committed_step = state.step;
                 self.samples_committed = state.samples_committed;
                 self.set_aside = state.set_aside.clone();
@@ -794,24 +755,18 @@ impl Sup {
                 self.a.resume = Some((path, state));
             }
             None => {
-                tracing::warn!(
-                    "no live drafter and no checkpoint: restarting the run from the beginning"
-                );
+                tracing::warn!("no live drafter and no checkpoint: restarting the run from the beginning");
                 self.loader = Loader::new(self.lengths.clone(), self.loader_settings);
                 self.committed_step = 0;
                 self.samples_committed = 0;
                 self.set_aside.clear();
                 self.states.clear();
-                self.states.insert(
-                    0,
-                    TrainerState::new(0, self.loader.state(), self.a.config.merged.clone()),
-                );
+                self.states.insert(0, TrainerState::new(0, self.loader.state(), self.a.config.merged.clone()));
                 self.a.resume = None;
             }
         }
         self.next_step = self.committed_step;
-        self.collective
-            .rewind(self.committed_step, self.samples_committed);
+        self.collective.rewind(self.committed_step, self.samples_committed);
     }
 
     fn tick(&mut self) {
@@ -820,16 +775,14 @@ impl Sup {
             .slots
             .iter()
             .filter(|s| s.state == DrafterState::Live)
-            .filter_map(
-                |s| match &*s.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) {
-                    Phase::Computing {
-                        generation, since, ..
-                    } if *generation == s.generation && since.elapsed() > timeout => {
-                        Some((s.id, *generation))
-                    }
-                    _ => None,
-                },
-            )
+            .filter_map(|s| match &*s.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+                Phase::Computing { generation, since, .. }
+                    if *generation == s.generation && since.elapsed() > timeout =>
+                {
+                    Some((s.id, *generation))
+                }
+                _ => None,
+            })
             .collect();
         for (id, generation) in hung {
             let dev = self.slots[id].device;
@@ -839,16 +792,11 @@ impl Sup {
             self.failed(
                 id,
                 generation,
-                Failure {
-                    kind: FailureKind::Hang,
-                    message: format!("no progress for {:.0} s", timeout.as_secs_f64()),
-                },
+                Failure { kind: FailureKind::Hang, message: format!("no progress for {:.0} s", timeout.as_secs_f64()) },
             );
         }
         let every = self.a.config.checkpoint.every_seconds;
-        if every > 0.0
-            && self.phase == Phase0::Running
-            && self.last_checkpoint_request.elapsed().as_secs_f64() >= every
+        if every > 0.0 && self.phase == Phase0::Running && self.last_checkpoint_request.elapsed().as_secs_f64() >= every
         {
             self.request_checkpoint("periodic (time)");
         }
@@ -864,6 +812,7 @@ impl Sup {
         let donor = self.donor()?;
         tracing::debug!(reason, drafter = donor, "checkpoint requested");
         self.checkpoint_in_flight = true;
+        self.checkpoint_donor = Some((donor, self.slots[donor].generation));
         self.send_work(donor, Work::Checkpoint);
         Some(donor)
     }
@@ -872,18 +821,14 @@ impl Sup {
         if self.slots[id].generation != generation {
             return;
         }
+        self.checkpoint_donor = None;
         self.pending_snapshots.insert(snapshot.step, snapshot);
         self.pair_snapshots();
     }
 
     /// Writes each snapshot whose step boundary's trainer state is known.
     fn pair_snapshots(&mut self) {
-        let ready: Vec<u64> = self
-            .pending_snapshots
-            .keys()
-            .filter(|s| self.states.contains_key(s))
-            .copied()
-            .collect();
+        let ready: Vec<u64> = self.pending_snapshots.keys().filter(|s| self.states.contains_key(s)).copied().collect();
         for step in ready {
             let snapshot = self.pending_snapshots.remove(&step).expect("listed");
             let mut state = self.states[&step].clone();
@@ -952,6 +897,8 @@ impl Sup {
             samples_requeued: self.samples_requeued,
             batches_set_aside: self.set_aside.len() as u64,
             skipped_steps: self.skipped_steps,
+            replicas_checked_step: self.replicas_checked_step,
+            replicas_diverged: self.replicas_diverged,
             config_version: 1,
             drafters: self
                 .slots
@@ -964,38 +911,24 @@ impl Sup {
                     restarts: s.total_restarts,
                 })
                 .collect(),
-            last_checkpoint: self
-                .last_checkpoint
-                .as_ref()
-                .map(|(w, at)| CheckpointStatus {
-                    step: w.step,
-                    path: w.path.display().to_string(),
-                    age_s: at.elapsed().as_secs_f64(),
-                }),
+            last_checkpoint: self.last_checkpoint.as_ref().map(|(w, at)| CheckpointStatus {
+                step: w.step,
+                path: w.path.display().to_string(),
+                age_s: at.elapsed().as_secs_f64(),
+            }),
         }
     }
 }
 
 fn clone_work(w: &TargetWork) -> TargetWork {
     match w {
-        TargetWork::Capture {
-            drafter,
-            generation,
-            batch,
-            positions,
-        } => TargetWork::Capture {
+        TargetWork::Capture { drafter, generation, batch, positions } => TargetWork::Capture {
             drafter: *drafter,
             generation: *generation,
             batch: *batch,
             positions: positions.clone(),
         },
-        TargetWork::Empty {
-            drafter,
-            generation,
-        } => TargetWork::Empty {
-            drafter: *drafter,
-            generation: *generation,
-        },
+        TargetWork::Empty { drafter, generation } => TargetWork::Empty { drafter: *drafter, generation: *generation },
     }
 }
 
@@ -1025,38 +958,22 @@ impl Actor for Supervisor {
         s: &mut Sup,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::TargetReady { generation, heads } => {
-                s.on_target_ready(generation, heads)
-            }
+            SupervisorMsg::TargetReady { generation, heads } => s.on_target_ready(generation, heads),
             SupervisorMsg::Delivered { generation, batch } => s.on_delivered(generation, batch),
             SupervisorMsg::DrafterReady { id, generation } => s.on_ready(id, generation),
-            SupervisorMsg::DrafterJoined {
-                id,
-                generation,
-                step,
-            } => s.on_joined(id, generation, step),
-            SupervisorMsg::StepDone {
-                id,
-                generation,
-                step,
-                report,
-            } => {
+            SupervisorMsg::DrafterJoined { id, generation, step } => s.on_joined(id, generation, step),
+            SupervisorMsg::StepDone { id, generation, step, report, digest } => {
                 if s.slots[id].generation == generation {
                     s.slots[id].step = step;
-                    if !report.applied {
-                        tracing::warn!(
-                            drafter = id,
-                            step,
-                            "non-finite gradient norm: update skipped"
-                        );
+                    if !report.applied && Some(id) == s.donor() {
+                        tracing::warn!(step, "non-finite gradient norm: the update was skipped on every replica");
+                    }
+                    if let Some(d) = digest {
+                        s.on_digest(id, step, d);
                     }
                 }
             }
-            SupervisorMsg::Snapshot {
-                id,
-                generation,
-                snapshot,
-            } => s.on_snapshot(id, generation, *snapshot),
+            SupervisorMsg::Snapshot { id, generation, snapshot } => s.on_snapshot(id, generation, *snapshot),
             SupervisorMsg::Round(r) => s.on_round(r),
             SupervisorMsg::CheckpointWritten(r) => s.on_written(r),
             SupervisorMsg::RestartDrafter { id } => s.restart(id),
@@ -1075,11 +992,7 @@ impl Actor for Supervisor {
                     s.checkpointer.stall_next_write();
                     Ok(())
                 } else {
-                    *s.slots[id]
-                        .shared
-                        .fault
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner()) = Some(kind);
+                    *s.slots[id].shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(kind);
                     Ok(())
                 };
                 let _ = reply.send(result);
@@ -1087,9 +1000,7 @@ impl Actor for Supervisor {
             SupervisorMsg::CheckpointNow(reply) => {
                 let r = match s.request_checkpoint("requested") {
                     Some(_) => Ok(s.committed_step),
-                    None if s.checkpoint_in_flight => {
-                        Err("a checkpoint is being written; try again shortly".into())
-                    }
+                    None if s.checkpoint_in_flight => Err("a checkpoint is being written; try again shortly".into()),
                     None => Err("no live drafter to checkpoint from".into()),
                 };
                 let _ = reply.send(r);
@@ -1102,10 +1013,7 @@ impl Actor for Supervisor {
                     tracing::info!(
                         "stop requested: finishing the current steps, checkpointing, exiting (a second signal exits at once)"
                     );
-                    s.ending = Some(Ending {
-                        code: 0,
-                        export: false,
-                    });
+                    s.ending = Some(Ending { code: 0, export: false });
                     if s.request_checkpoint("shutdown").is_none() && !s.checkpoint_in_flight {
                         s.end_if_idle();
                     }
@@ -1149,18 +1057,13 @@ impl Actor for Supervisor {
             if id < s.slots.len() {
                 s.failed(id, generation, failure);
             }
-        } else if let Some(generation) = name
-            .strip_prefix("target-")
-            .and_then(|g| g.parse::<u64>().ok())
+        } else if let Some(generation) = name.strip_prefix("target-").and_then(|g| g.parse::<u64>().ok())
             && generation == s.target_generation
         {
             tracing::warn!(kind = ?failure.kind, "target failed: {}; restarting it", failure.message);
             s.target = None;
             if !failure.restartable() {
-                s.ending = Some(Ending {
-                    code: EXIT_RESTART,
-                    export: false,
-                });
+                s.ending = Some(Ending { code: EXIT_RESTART, export: false });
                 s.request_checkpoint("emergency");
                 s.end_if_idle();
             } else {

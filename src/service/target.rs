@@ -35,10 +35,7 @@ pub struct Routes(Mutex<HashMap<usize, Route>>);
 
 impl Routes {
     pub fn set(&self, id: usize, route: Route) {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, route);
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).insert(id, route);
     }
     pub fn remove(&self, id: usize) {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
@@ -56,9 +53,7 @@ impl Routes {
     }
     fn destination(&self, id: usize, generation: u64) -> Option<(Device, Kind)> {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(&id)
-            .filter(|r| r.generation == generation)
-            .map(|r| (r.device, r.kind))
+        map.get(&id).filter(|r| r.generation == generation).map(|r| (r.device, r.kind))
     }
 }
 
@@ -71,7 +66,10 @@ pub enum TargetWork {
         positions: Vec<usize>,
     },
     /// Passes `Work::Empty` on in order with the features.
-    Empty { drafter: usize, generation: u64 },
+    Empty {
+        drafter: usize,
+        generation: u64,
+    },
 }
 
 pub struct TargetSpawn {
@@ -93,32 +91,21 @@ impl Actor for TargetActor {
     type State = ();
     type Arguments = TargetSpawn;
 
-    async fn pre_start(
-        &self,
-        myself: ActorRef<ThreadMsg>,
-        args: TargetSpawn,
-    ) -> Result<(), ActorProcessingErr> {
-        std::thread::Builder::new()
-            .name("target".into())
-            .spawn(move || {
-                let outcome = match catch_torch(|| run(args)) {
-                    Ok(result) => result,
-                    Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
-                    Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
-                };
-                if let Err(failure) = outcome {
-                    let _ = myself.send_message(ThreadMsg::Died(failure));
-                }
-            })?;
+    async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: TargetSpawn) -> Result<(), ActorProcessingErr> {
+        std::thread::Builder::new().name("target".into()).spawn(move || {
+            let outcome = match catch_torch(|| run(args)) {
+                Ok(result) => result,
+                Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
+                Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
+            };
+            if let Err(failure) = outcome {
+                let _ = myself.send_message(ThreadMsg::Died(failure));
+            }
+        })?;
         Ok(())
     }
 
-    async fn handle(
-        &self,
-        _: ActorRef<ThreadMsg>,
-        msg: ThreadMsg,
-        _: &mut (),
-    ) -> Result<(), ActorProcessingErr> {
+    async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
         match msg {
             ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
         }
@@ -131,26 +118,15 @@ fn torch(e: impl std::fmt::Display) -> Failure {
 
 fn run(a: TargetSpawn) -> Result<(), Failure> {
     device::bind_thread(a.device).map_err(torch)?;
-    let target = a
-        .source
-        .build_target(&a.taps, Depth::ToLastTap, a.device, a.kind)
-        .map_err(torch)?;
+    let target = a.source.build_target(&a.taps, Depth::ToLastTap, a.device, a.kind).map_err(torch)?;
     let heads = Heads {
         embed: SharedTensor::new(target.embed_tokens().shallow_clone()),
         lm_head: SharedTensor::new(target.lm_head().shallow_clone()),
     };
-    let _ = a.supervisor.send_message(SupervisorMsg::TargetReady {
-        generation: a.generation,
-        heads: Arc::new(heads),
-    });
+    let _ = a.supervisor.send_message(SupervisorMsg::TargetReady { generation: a.generation, heads: Arc::new(heads) });
     while let Ok(work) = a.requests.recv() {
         match work {
-            TargetWork::Capture {
-                drafter,
-                generation,
-                batch,
-                positions,
-            } => {
+            TargetWork::Capture { drafter, generation, batch, positions } => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
                     let features = FeatureBatch::capture(
@@ -163,24 +139,11 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                         kind,
                     )
                     .map_err(torch)?;
-                    a.routes.send(
-                        drafter,
-                        generation,
-                        Work::Features {
-                            batch,
-                            features: Box::new(features),
-                        },
-                    );
+                    a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
-                let _ = a.supervisor.send_message(SupervisorMsg::Delivered {
-                    generation: a.generation,
-                    batch,
-                });
+                let _ = a.supervisor.send_message(SupervisorMsg::Delivered { generation: a.generation, batch });
             }
-            TargetWork::Empty {
-                drafter,
-                generation,
-            } => {
+            TargetWork::Empty { drafter, generation } => {
                 a.routes.send(drafter, generation, Work::Empty);
             }
         }

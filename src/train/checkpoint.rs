@@ -40,10 +40,7 @@ pub enum CheckpointError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |err| CheckpointError::Io {
-        path: path.to_path_buf(),
-        err,
-    }
+    move |err| CheckpointError::Io { path: path.to_path_buf(), err }
 }
 
 /// Where a run stands at a step boundary: everything besides the tensors.
@@ -125,9 +122,7 @@ pub fn checkpoint_name(step: u64) -> String {
 }
 
 fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io(path))
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
 }
 
 /// Writes a checkpoint under `root`; `after_first_file` runs after the first file is written (fault rehearsal).
@@ -153,19 +148,9 @@ pub fn write_checkpoint(
         &step_tensor,
     )?;
     after_first_file();
-    save_drafter_folder(
-        &tmp.join(DRAFTER_DIR),
-        &snapshot.config,
-        &snapshot.layout,
-        &snapshot.master,
-        Kind::Float,
-    )?;
+    save_drafter_folder(&tmp.join(DRAFTER_DIR), &snapshot.config, &snapshot.layout, &snapshot.master, Kind::Float)?;
     let state_path = tmp.join(STATE_FILE);
-    std::fs::write(
-        &state_path,
-        serde_json::to_string_pretty(state).expect("json"),
-    )
-    .map_err(io(&state_path))?;
+    std::fs::write(&state_path, serde_json::to_string_pretty(state).expect("json")).map_err(io(&state_path))?;
     let files = [
         OPTIMIZER_FILE.to_string(),
         format!("{DRAFTER_DIR}/model.safetensors"),
@@ -175,29 +160,15 @@ pub fn write_checkpoint(
     let mut entries = Vec::new();
     for f in &files {
         let path = tmp.join(f);
-        std::fs::File::open(&path)
-            .and_then(|h| h.sync_all())
-            .map_err(io(&path))?;
+        std::fs::File::open(&path).and_then(|h| h.sync_all()).map_err(io(&path))?;
         let bytes = std::fs::metadata(&path).map_err(io(&path))?.len();
-        let sha256 = file_sha256(&path).map_err(|e| CheckpointError::Invalid {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        entries.push(FileEntry {
-            file: f.clone(),
-            bytes,
-            sha256,
-        });
+        let sha256 =
+            file_sha256(&path).map_err(|e| CheckpointError::Invalid { path: path.clone(), reason: e.to_string() })?;
+        entries.push(FileEntry { file: f.clone(), bytes, sha256 });
     }
     let manifest = tmp.join(MANIFEST_FILE);
-    std::fs::write(
-        &manifest,
-        serde_json::to_string_pretty(&entries).expect("json"),
-    )
-    .map_err(io(&manifest))?;
-    std::fs::File::open(&manifest)
-        .and_then(|h| h.sync_all())
-        .map_err(io(&manifest))?;
+    std::fs::write(&manifest, serde_json::to_string_pretty(&entries).expect("json")).map_err(io(&manifest))?;
+    std::fs::File::open(&manifest).and_then(|h| h.sync_all()).map_err(io(&manifest))?;
     sync_dir(&tmp.join(DRAFTER_DIR))?;
     sync_dir(&tmp)?;
     let dest = root.join(&name);
@@ -211,25 +182,16 @@ pub fn write_checkpoint(
 
 /// Checks every file against the manifest; returns the trainer state.
 pub fn verify_checkpoint(dir: &Path) -> Result<TrainerState, CheckpointError> {
-    let invalid = |path: &Path, reason: String| CheckpointError::Invalid {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let invalid = |path: &Path, reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
     let manifest = dir.join(MANIFEST_FILE);
-    let text = std::fs::read_to_string(&manifest)
-        .map_err(|_| invalid(dir, "no MANIFEST: incomplete".into()))?;
+    let text = std::fs::read_to_string(&manifest).map_err(|_| invalid(dir, "no MANIFEST: incomplete".into()))?;
     let entries: Vec<FileEntry> =
         serde_json::from_str(&text).map_err(|e| invalid(&manifest, format!("unreadable: {e}")))?;
     for e in &entries {
         let path = dir.join(&e.file);
-        let bytes = std::fs::metadata(&path)
-            .map_err(|_| invalid(&path, "missing".into()))?
-            .len();
+        let bytes = std::fs::metadata(&path).map_err(|_| invalid(&path, "missing".into()))?.len();
         if bytes != e.bytes {
-            return Err(invalid(
-                &path,
-                format!("{bytes} bytes, the manifest says {}", e.bytes),
-            ));
+            return Err(invalid(&path, format!("{bytes} bytes, the manifest says {}", e.bytes)));
         }
         let sha = file_sha256(&path).map_err(|err| invalid(&path, err.to_string()))?;
         if sha != e.sha256 {
@@ -237,14 +199,10 @@ pub fn verify_checkpoint(dir: &Path) -> Result<TrainerState, CheckpointError> {
         }
     }
     let state_path = dir.join(STATE_FILE);
-    let state: TrainerState =
-        serde_json::from_str(&std::fs::read_to_string(&state_path).map_err(io(&state_path))?)
-            .map_err(|e| invalid(&state_path, format!("unreadable: {e}")))?;
+    let state: TrainerState = serde_json::from_str(&std::fs::read_to_string(&state_path).map_err(io(&state_path))?)
+        .map_err(|e| invalid(&state_path, format!("unreadable: {e}")))?;
     if state.format != FORMAT {
-        return Err(invalid(
-            &state_path,
-            format!("format {:?}, this build reads {FORMAT:?}", state.format),
-        ));
+        return Err(invalid(&state_path, format!("format {:?}, this build reads {FORMAT:?}", state.format)));
     }
     Ok(state)
 }
@@ -306,11 +264,7 @@ pub struct Checkpointer {
 }
 
 impl Checkpointer {
-    pub fn start(
-        root: PathBuf,
-        keep: usize,
-        on_done: impl Fn(Result<Written, String>) + Send + 'static,
-    ) -> Self {
+    pub fn start(root: PathBuf, keep: usize, on_done: impl Fn(Result<Written, String>) + Send + 'static) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
         let stall_next = Arc::new(AtomicBool::new(false));
         let stall = stall_next.clone();
@@ -327,27 +281,18 @@ impl Checkpointer {
                     };
                     let result = write_checkpoint(&root, &snapshot, &state, &stall_once)
                         .map(|path| {
-                            let steps: Vec<u64> =
-                                list_checkpoints(&root).iter().map(|(s, _)| *s).collect();
+                            let steps: Vec<u64> = list_checkpoints(&root).iter().map(|(s, _)| *s).collect();
                             for step in to_delete(&steps, keep) {
                                 let _ = std::fs::remove_dir_all(root.join(checkpoint_name(step)));
                             }
-                            Written {
-                                step: snapshot.step,
-                                path,
-                                seconds: started.elapsed().as_secs_f64(),
-                            }
+                            Written { step: snapshot.step, path, seconds: started.elapsed().as_secs_f64() }
                         })
                         .map_err(|e| e.to_string());
                     on_done(result);
                 }
             })
             .expect("spawn the checkpoint writer");
-        Checkpointer {
-            jobs: Some(tx),
-            thread: Some(thread),
-            stall_next,
-        }
+        Checkpointer { jobs: Some(tx), thread: Some(thread), stall_next }
     }
 
     /// Queues a checkpoint.
@@ -387,35 +332,16 @@ mod tests {
     }
 
     fn snapshot(step: u64) -> Snapshot {
-        let d = Drafter::new(
-            DrafterConfig::for_preset(Preset::Tiny, 4),
-            Device::Cpu,
-            Kind::Float,
-            Init::Portable(step),
-        )
-        .unwrap();
+        let d =
+            Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 4), Device::Cpu, Kind::Float, Init::Portable(step))
+                .unwrap();
         let opt = AdamW::new(d.params()).unwrap();
         let [m, v, _] = opt.state_tensors();
-        Snapshot::take(
-            step,
-            d.config(),
-            d.params().layout(),
-            [&d.params().master, m, v],
-            3,
-        )
-        .unwrap()
+        Snapshot::take(step, d.config(), d.params().layout(), [&d.params().master, m, v], 3).unwrap()
     }
 
     fn state(step: u64) -> TrainerState {
-        TrainerState::new(
-            step,
-            LoaderState {
-                epoch: 1,
-                next_ordinal: 4,
-                owed: vec![],
-            },
-            serde_json::json!({"k": 1}),
-        )
+        TrainerState::new(step, LoaderState { epoch: 1, next_ordinal: 4, owed: vec![] }, serde_json::json!({"k": 1}))
     }
 
     #[test]
@@ -428,10 +354,7 @@ mod tests {
         assert_eq!(found.unwrap().1.step, 20);
         assert!(rejected.is_empty());
         // Flip one byte of the newest checkpoint's weights.
-        let weights = dir
-            .path()
-            .join(checkpoint_name(20))
-            .join("drafter/model.safetensors");
+        let weights = dir.path().join(checkpoint_name(20)).join("drafter/model.safetensors");
         let mut bytes = std::fs::read(&weights).unwrap();
         let last = bytes.len() - 1;
         bytes[last] ^= 1;

@@ -204,12 +204,7 @@ impl Collective {
     /// The open round and the members that have not contributed to it yet.
     pub fn waiting_for(&self) -> (u64, Vec<MemberId>) {
         let s = self.lock();
-        let missing = s
-            .members
-            .keys()
-            .filter(|m| !s.contributions.contains_key(m))
-            .copied()
-            .collect();
+        let missing = s.members.keys().filter(|m| !s.contributions.contains_key(m)).copied().collect();
         (s.round, missing)
     }
 
@@ -219,10 +214,7 @@ impl Collective {
         if s.members.get(&id) == Some(&generation) {
             s.members.remove(&id);
         }
-        if s.joiners
-            .get(&id)
-            .is_some_and(|j| j.generation == generation)
-        {
+        if s.joiners.get(&id).is_some_and(|j| j.generation == generation) {
             s.joiners.remove(&id);
         }
         drop(s);
@@ -242,10 +234,7 @@ impl Collective {
             return Err(CollectiveError::Removed);
         }
         if step != s.round {
-            return Err(CollectiveError::WrongRound {
-                expected: s.round,
-                got: step,
-            });
+            return Err(CollectiveError::WrongRound { expected: s.round, got: step });
         }
         s.contributions.insert(id, contribution);
         loop {
@@ -275,14 +264,7 @@ impl Collective {
 
     /// Asks to join: registers `buffers` for a live member to fill. Then [`Collective::wait_joined`].
     pub fn request_join(&self, id: MemberId, generation: u64, buffers: JoinBuffers) {
-        self.lock().joiners.insert(
-            id,
-            Joiner {
-                generation,
-                buffers,
-                done: None,
-            },
-        );
+        self.lock().joiners.insert(id, Joiner { generation, buffers, done: None });
     }
 
     /// Blocks until a member has copied its state into the buffers of this join request, or the request is removed.
@@ -303,12 +285,7 @@ impl Collective {
     }
 
     /// [`Collective::request_join`] then [`Collective::wait_joined`].
-    pub fn join(
-        &self,
-        id: MemberId,
-        generation: u64,
-        buffers: JoinBuffers,
-    ) -> Result<JoinInfo, CollectiveError> {
+    pub fn join(&self, id: MemberId, generation: u64, buffers: JoinBuffers) -> Result<JoinInfo, CollectiveError> {
         self.request_join(id, generation, buffers);
         self.wait_joined(id, generation)
     }
@@ -334,12 +311,7 @@ impl Collective {
         if s.members.keys().next() != Some(&id) {
             return Ok(0);
         }
-        let waiting: Vec<MemberId> = s
-            .joiners
-            .iter()
-            .filter(|(_, j)| j.done.is_none())
-            .map(|(m, _)| *m)
-            .collect();
+        let waiting: Vec<MemberId> = s.joiners.iter().filter(|(_, j)| j.done.is_none()).map(|(m, _)| *m).collect();
         let step = s.round;
         for m in &waiting {
             let j = s.joiners.get_mut(m).expect("listed above");
@@ -351,10 +323,7 @@ impl Collective {
             dst.copy_(exp_avg_sq);
             device::synchronize(j.buffers.master.device())?;
             device::synchronize(master.device())?;
-            j.done = Some(JoinInfo {
-                step,
-                optimizer_steps,
-            });
+            j.done = Some(JoinInfo { step, optimizer_steps });
             let generation = j.generation;
             s.members.insert(*m, generation);
         }
@@ -376,9 +345,7 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
             None if contributions.len() == 1 => c.grad.shallow_clone(),
             None => c.grad.copy(),
             Some(mut sum) => {
-                let _ = sum
-                    .f_add_(&c.grad.to_device(sum.device()))
-                    .map_err(|e| DeviceErrorText(e.to_string()))?;
+                let _ = sum.f_add_(&c.grad.to_device(sum.device())).map_err(|e| DeviceErrorText(e.to_string()))?;
                 sum
             }
         });
@@ -462,12 +429,7 @@ mod tests {
                 let c = c.clone();
                 std::thread::spawn(move || {
                     let r = c.contribute(m, 1, 5, contribution(&v, 1.5)).unwrap();
-                    (
-                        r.step,
-                        Vec::<f32>::try_from(&*r.grad).unwrap(),
-                        r.total_weight,
-                        r.contributors.clone(),
-                    )
+                    (r.step, Vec::<f32>::try_from(&*r.grad).unwrap(), r.total_weight, r.contributors.clone())
                 })
             })
             .collect();
@@ -487,20 +449,13 @@ mod tests {
         c.found(0, 1).unwrap();
         c.lock().members.insert(1, 1);
         let c2 = c.clone();
-        let waiter = std::thread::spawn(move || {
-            c2.contribute(0, 1, 5, contribution(&[1.0], 1.0))
-                .unwrap()
-                .contributors
-                .clone()
-        });
+        let waiter =
+            std::thread::spawn(move || c2.contribute(0, 1, 5, contribution(&[1.0], 1.0)).unwrap().contributors.clone());
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert_eq!(c.waiting_for(), (5, vec![1]));
         c.remove(1, 1);
         assert_eq!(waiter.join().unwrap(), vec![0]);
-        assert_eq!(
-            c.contribute(1, 1, 6, contribution(&[1.0], 1.0)).err(),
-            Some(CollectiveError::Removed)
-        );
+        assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0)).err(), Some(CollectiveError::Removed));
     }
 
     #[test]
@@ -517,27 +472,14 @@ mod tests {
             exp_avg: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
             exp_avg_sq: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
         };
-        let (m, v) = (
-            buffers.master.shallow_clone(),
-            buffers.exp_avg_sq.shallow_clone(),
-        );
+        let (m, v) = (buffers.master.shallow_clone(), buffers.exp_avg_sq.shallow_clone());
         let c2 = c.clone();
         let joiner = std::thread::spawn(move || c2.join(3, 7, buffers).unwrap());
         while !c.has_joiners() {
             std::thread::yield_now();
         }
-        assert_eq!(
-            c.serve_joiners(0, 1, [&donor[0], &donor[1], &donor[2]], 9)
-                .unwrap(),
-            1
-        );
-        assert_eq!(
-            joiner.join().unwrap(),
-            JoinInfo {
-                step: 5,
-                optimizer_steps: 9
-            }
-        );
+        assert_eq!(c.serve_joiners(0, 1, [&donor[0], &donor[1], &donor[2]], 9).unwrap(), 1);
+        assert_eq!(joiner.join().unwrap(), JoinInfo { step: 5, optimizer_steps: 9 });
         assert!(m.equal(&donor[0]) && v.equal(&donor[2]));
         assert_eq!(c.members(), vec![0, 3]);
         // Only the lowest-id member serves; a removed joiner stops waiting.
@@ -551,11 +493,7 @@ mod tests {
         while !c.has_joiners() {
             std::thread::yield_now();
         }
-        assert_eq!(
-            c.serve_joiners(3, 7, [&donor[0], &donor[1], &donor[2]], 9)
-                .unwrap(),
-            0
-        );
+        assert_eq!(c.serve_joiners(3, 7, [&donor[0], &donor[1], &donor[2]], 9).unwrap(), 0);
         c.remove(4, 1);
         assert_eq!(late.join().unwrap(), Err(CollectiveError::Removed));
     }

@@ -32,18 +32,9 @@ pub fn evaluate_rows(
     rows: &[TokenRow],
     batch_size: usize,
 ) -> Result<EvalReport, TrainError> {
-    let embed = target
-        .embed_tokens()
-        .to_device(drafter.device())
-        .to_kind(drafter.kind());
-    let lm_head = target
-        .lm_head()
-        .to_device(drafter.device())
-        .to_kind(drafter.kind());
-    let heads = FrozenHeads {
-        embed: &embed,
-        lm_head: &lm_head,
-    };
+    let embed = target.embed_tokens().to_device(drafter.device()).to_kind(drafter.kind());
+    let lm_head = target.lm_head().to_device(drafter.device()).to_kind(drafter.kind());
+    let heads = FrozenHeads { embed: &embed, lm_head: &lm_head };
     let mut order: Vec<&TokenRow> = rows.iter().collect();
     order.sort_by_key(|r| r.input_ids.len());
     let mut total = Metrics::default();

@@ -33,12 +33,7 @@ pub struct ObjectiveSettings {
 
 impl ObjectiveSettings {
     /// Settings with the defaults for everything a user does not choose.
-    pub fn new(
-        num_anchors: usize,
-        block_size: usize,
-        gamma: Option<f64>,
-        mask_token_id: i64,
-    ) -> Self {
+    pub fn new(num_anchors: usize, block_size: usize, gamma: Option<f64>, mask_token_id: i64) -> Self {
         ObjectiveSettings {
             num_anchors,
             block_size,
@@ -59,12 +54,7 @@ pub struct Row<'a> {
 
 /// Positions that may anchor a block: `loss_mask[a] = 1` and `loss_mask[a+1] = 1` (so `a <= len - 2`).
 pub fn valid_anchors(loss_mask: &[u8]) -> Vec<usize> {
-    loss_mask
-        .windows(2)
-        .enumerate()
-        .filter(|(_, w)| w[0] != 0 && w[1] != 0)
-        .map(|(a, _)| a)
-        .collect()
+    loss_mask.windows(2).enumerate().filter(|(_, w)| w[0] != 0 && w[1] != 0).map(|(a, _)| a).collect()
 }
 
 /// The anchor RNG of one sample in one epoch: independent of which drafter or thread trains it.
@@ -82,10 +72,7 @@ pub fn sample_anchors(valid: &[usize], n: usize, rng: &mut ChaCha8Rng) -> Vec<us
     if valid.len() <= n {
         return valid.to_vec();
     }
-    let mut picked: Vec<usize> = index::sample(rng, valid.len(), n)
-        .into_iter()
-        .map(|i| valid[i])
-        .collect();
+    let mut picked: Vec<usize> = index::sample(rng, valid.len(), n).into_iter().map(|i| valid[i]).collect();
     picked.sort_unstable();
     picked
 }
@@ -125,12 +112,7 @@ pub struct BlockPlan {
 
 impl BlockPlan {
     /// Plans blocks at the given anchors (ascending, valid) of each row.
-    pub fn new(
-        rows: &[Row],
-        anchors: &[Vec<usize>],
-        seq_len: usize,
-        s: &ObjectiveSettings,
-    ) -> Self {
+    pub fn new(rows: &[Row], anchors: &[Vec<usize>], seq_len: usize, s: &ObjectiveSettings) -> Self {
         let (batch, bs) = (rows.len(), s.block_size);
         let blocks = anchors.iter().map(Vec::len).max().unwrap_or(0);
         let slots = batch * blocks * bs;
@@ -195,16 +177,9 @@ pub struct PlanTensors {
 }
 
 impl PlanTensors {
-    pub fn new(
-        plan: &BlockPlan,
-        s: &ObjectiveSettings,
-        kind: Kind,
-        device: Device,
-    ) -> Result<Self, ModelError> {
+    pub fn new(plan: &BlockPlan, s: &ObjectiveSettings, kind: Kind, device: Device) -> Result<Self, ModelError> {
         let (b, q) = (plan.batch as i64, (plan.blocks * plan.block_size) as i64);
-        let to = |v: &[i64]| -> Result<Tensor, ModelError> {
-            Ok(Tensor::f_from_slice(v)?.f_to(device)?)
-        };
+        let to = |v: &[i64]| -> Result<Tensor, ModelError> { Ok(Tensor::f_from_slice(v)?.f_to(device)?) };
         Ok(PlanTensors {
             block_ids: to(&plan.block_ids)?.f_view([b, q])?,
             positions: to(&plan.positions)?.f_view([b, q])?,
@@ -254,19 +229,11 @@ impl Metrics {
         self.weighted_loss / (self.weight + 1e-6)
     }
     pub fn accuracy(&self) -> f64 {
-        if self.predicted > 0.0 {
-            self.correct / self.predicted
-        } else {
-            0.0
-        }
+        if self.predicted > 0.0 { self.correct / self.predicted } else { 0.0 }
     }
     /// Mean over kept blocks of 1 + the leading correctly predicted slots.
     pub fn acceptance_length(&self) -> f64 {
-        if self.blocks > 0.0 {
-            self.accepted / self.blocks
-        } else {
-            0.0
-        }
+        if self.blocks > 0.0 { self.accepted / self.blocks } else { 0.0 }
     }
 }
 
@@ -299,11 +266,7 @@ pub fn lm_head_loss(
     let sel_labels = labels.f_index_select(0, &selected)?;
     let sel_weights = weights.f_index_select(0, &selected)?;
     let correct_sel = Tensor::f_zeros([n], (Kind::Bool, device))?;
-    let mut sel_grad = if want_grad {
-        Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?)
-    } else {
-        None
-    };
+    let mut sel_grad = if want_grad { Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?) } else { None };
     let mut loss_sum = Tensor::f_zeros([], (Kind::Double, device))?;
     let mut start = 0;
     while start < n {
@@ -317,9 +280,7 @@ pub fn lm_head_loss(
         hit.f_copy_(&logits.f_argmax(-1, false)?.f_eq_tensor(&lab)?)?;
         let mut log_probs = logits.f_log_softmax(-1, Kind::Float)?;
         drop(logits);
-        let label_lp = log_probs
-            .f_gather(1, &lab.unsqueeze(1), false)?
-            .f_squeeze_dim(1)?;
+        let label_lp = log_probs.f_gather(1, &lab.unsqueeze(1), false)?.f_squeeze_dim(1)?;
         loss_sum -= (label_lp * &w).f_sum(Kind::Double)?;
         if let Some(grad) = sel_grad.as_mut() {
             // (softmax - onehot) * w, formed in f32 and cast once.
@@ -330,11 +291,8 @@ pub fn lm_head_loss(
         }
         start += len;
     }
-    let correct_flags = Tensor::f_zeros([rows], (Kind::Bool, device))?.f_index_put_(
-        &[Some(&selected)],
-        &correct_sel,
-        false,
-    )?;
+    let correct_flags =
+        Tensor::f_zeros([rows], (Kind::Bool, device))?.f_index_put_(&[Some(&selected)], &correct_sel, false)?;
     let (accepted, blocks) = acceptance(&correct_flags, weights, plan)?;
     let metrics = Metrics {
         weighted_loss: loss_sum.f_double_value(&[])?,
@@ -345,9 +303,7 @@ pub fn lm_head_loss(
         blocks,
     };
     let grad = match sel_grad {
-        Some(g) => Some(
-            Tensor::f_zeros([rows, h], (hidden.kind(), device))?.f_index_copy(0, &selected, &g)?,
-        ),
+        Some(g) => Some(Tensor::f_zeros([rows, h], (hidden.kind(), device))?.f_index_copy(0, &selected, &g)?),
         None => None,
     };
     Ok(HeadOutput { metrics, grad })
@@ -356,24 +312,15 @@ pub fn lm_head_loss(
 /// Sum of simulated acceptance lengths over kept blocks, and their count: per block, 1 + the number of leading
 /// slots k = 1, 2, ... whose argmax equals the label, stopping at the first miss or the first slot without a valid
 /// label (`w = 0`).
-fn acceptance(
-    correct: &Tensor,
-    weights: &Tensor,
-    plan: &BlockPlan,
-) -> Result<(f64, f64), ModelError> {
+fn acceptance(correct: &Tensor, weights: &Tensor, plan: &BlockPlan) -> Result<(f64, f64), ModelError> {
     let kept = plan.kept_blocks();
     if kept == 0 {
         return Ok((0.0, 0.0));
     }
     let bs = plan.block_size as i64;
     let nb = (plan.batch * plan.blocks) as i64;
-    let hits = correct
-        .f_logical_and(&weights.f_gt(0.0)?)?
-        .f_view([nb, bs])?;
-    let run = hits
-        .narrow(1, 1, bs - 1)
-        .f_to_kind(Kind::Int64)?
-        .f_cumprod(1, Kind::Int64)?;
+    let hits = correct.f_logical_and(&weights.f_gt(0.0)?)?.f_view([nb, bs])?;
+    let run = hits.narrow(1, 1, bs - 1).f_to_kind(Kind::Int64)?.f_cumprod(1, Kind::Int64)?;
     let keep = Tensor::f_from_slice(&plan.keep)?.f_to(correct.device())?;
     let accepted = (run.f_sum_dim_intlist(1, false, Kind::Int64)? + 1)
         .f_masked_select(&keep)?
@@ -403,17 +350,10 @@ mod tests {
         let a = sample_anchors(&valid, 50, &mut anchor_rng(1, 0, 7));
         assert_eq!(a, sample_anchors(&valid, 50, &mut anchor_rng(1, 0, 7)));
         assert!(a.windows(2).all(|w| w[0] < w[1]) && a.len() == 50);
-        assert_ne!(
-            a,
-            sample_anchors(&valid, 50, &mut anchor_rng(1, 1, 7)),
-            "a new epoch draws anew"
-        );
+        assert_ne!(a, sample_anchors(&valid, 50, &mut anchor_rng(1, 1, 7)), "a new epoch draws anew");
         assert_ne!(a, sample_anchors(&valid, 50, &mut anchor_rng(1, 0, 8)));
         assert_ne!(a, sample_anchors(&valid, 50, &mut anchor_rng(2, 0, 7)));
-        assert_eq!(
-            sample_anchors(&[3, 9], 50, &mut anchor_rng(1, 0, 7)),
-            vec![3, 9]
-        );
+        assert_eq!(sample_anchors(&[3, 9], 50, &mut anchor_rng(1, 0, 7)), vec![3, 9]);
     }
 
     #[test]
@@ -421,10 +361,7 @@ mod tests {
         // bs = 4, gamma = 2: slot weights 0, 1, exp(-1/2), exp(-1).
         let ids: Vec<i64> = (10..20).collect();
         let mask = [0, 0, 1, 1, 1, 0, 1, 1, 1, 1];
-        let rows = [Row {
-            input_ids: &ids,
-            loss_mask: &mask,
-        }];
+        let rows = [Row { input_ids: &ids, loss_mask: &mask }];
         let plan = BlockPlan::new(&rows, &[vec![2, 7]], 10, &settings(4, Some(2.0)));
         let (e1, e2) = ((-0.5f64).exp() as f32, (-1.0f64).exp() as f32);
         // Block at 2: positions 2..6, mask 1 1 1 0 -> w = [0, 1, e^-1/2, 0].
@@ -443,16 +380,7 @@ mod tests {
     fn rows_with_fewer_anchors_get_padding_blocks() {
         let ids: Vec<i64> = (0..8).collect();
         let mask = [1u8; 8];
-        let rows = [
-            Row {
-                input_ids: &ids,
-                loss_mask: &mask,
-            },
-            Row {
-                input_ids: &ids[..4],
-                loss_mask: &mask[..4],
-            },
-        ];
+        let rows = [Row { input_ids: &ids, loss_mask: &mask }, Row { input_ids: &ids[..4], loss_mask: &mask[..4] }];
         let plan = BlockPlan::new(&rows, &[vec![0, 2, 5], vec![1]], 8, &settings(2, None));
         assert_eq!(plan.blocks, 3);
         assert_eq!(plan.keep, vec![true, true, true, true, false, false]);

@@ -39,27 +39,12 @@ impl AdamW {
 
     /// One update from the accumulated gradient divided by `grad_divisor` (the summed loss weight times any
     /// clipping factor), folded into the kernel.
-    pub fn update(
-        &mut self,
-        params: &FlatParams,
-        hp: AdamwStep,
-        grad_divisor: f64,
-    ) -> Result<(), ModelError> {
+    pub fn update(&mut self, params: &FlatParams, hp: AdamwStep, grad_divisor: f64) -> Result<(), ModelError> {
         self.steps += 1;
         let _ = self.step.f_fill_(self.steps as f64)?;
-        let scale = Tensor::f_from_slice(&[grad_divisor as f32])?
-            .f_to(params.master.device())?
-            .f_squeeze()?;
+        let scale = Tensor::f_from_slice(&[grad_divisor as f32])?.f_to(params.master.device())?.f_squeeze()?;
         tch::no_grad(|| {
-            fused_adamw(
-                &params.master,
-                &params.grad,
-                &self.exp_avg,
-                &self.exp_avg_sq,
-                &self.step,
-                hp,
-                Some(&scale),
-            )
+            fused_adamw(&params.master, &params.grad, &self.exp_avg, &self.exp_avg_sq, &self.step, hp, Some(&scale))
         })?;
         Ok(())
     }
@@ -82,12 +67,7 @@ impl AdamW {
     }
 
     /// Reads a state written by [`AdamW::save`] for parameters of `layout` on `device`.
-    pub fn load(
-        dir: &Path,
-        file: &str,
-        layout: &FlatLayout,
-        device: Device,
-    ) -> Result<Self, ModelError> {
+    pub fn load(dir: &Path, file: &str, layout: &FlatLayout, device: Device) -> Result<Self, ModelError> {
         let files = WeightFiles::open_file(&dir.join(file))?;
         let zeros = || Tensor::f_zeros([layout.total()], (Kind::Float, device));
         let (exp_avg, exp_avg_sq) = (zeros()?, zeros()?);
@@ -95,13 +75,8 @@ impl AdamW {
             for (prefix, flat) in [("exp_avg", &exp_avg), ("exp_avg_sq", &exp_avg_sq)] {
                 for (name, mut view) in layout.named_views(flat) {
                     let shape: Vec<usize> = view.size().iter().map(|&d| d as usize).collect();
-                    let t = files.load(
-                        &format!("{prefix}.{name}"),
-                        &shape,
-                        "the drafter's shape",
-                        Kind::Float,
-                        device,
-                    )?;
+                    let t =
+                        files.load(&format!("{prefix}.{name}"), &shape, "the drafter's shape", Kind::Float, device)?;
                     view.f_copy_(&t)?;
                 }
             }
@@ -110,16 +85,9 @@ impl AdamW {
         let step = files.load("step", &[], "a scalar step count", Kind::Float, device)?;
         let steps = step.f_double_value(&[])?;
         if !(steps >= 0.0 && steps.fract() == 0.0) {
-            return Err(ModelError::Torch(format!(
-                "optimizer step {steps} is not a whole number"
-            )));
+            return Err(ModelError::Torch(format!("optimizer step {steps} is not a whole number")));
         }
-        Ok(AdamW {
-            exp_avg,
-            exp_avg_sq,
-            step,
-            steps: steps as u64,
-        })
+        Ok(AdamW { exp_avg, exp_avg_sq, step, steps: steps as u64 })
     }
 
     /// The moments, for tests and for copying state to a peer.
@@ -197,23 +165,15 @@ mod tests {
 
     #[test]
     fn schedule_warms_up_then_decays_to_the_floor() {
-        let s = LrSchedule {
-            kind: ScheduleKind::Cosine,
-            lr: 1.0,
-            warmup_steps: 4,
-            total_steps: 104,
-            min_lr_ratio: 0.1,
-        };
+        let s =
+            LrSchedule { kind: ScheduleKind::Cosine, lr: 1.0, warmup_steps: 4, total_steps: 104, min_lr_ratio: 0.1 };
         assert_eq!(s.lr_at(0), 0.25);
         assert_eq!(s.lr_at(3), 1.0);
         assert!((s.lr_at(4) - 1.0).abs() < 1e-12);
         assert!((s.lr_at(54) - 0.55).abs() < 1e-12);
         assert!((s.lr_at(104) - 0.1).abs() < 1e-12);
         assert!((s.lr_at(500) - 0.1).abs() < 1e-12);
-        let c = LrSchedule {
-            kind: ScheduleKind::Constant,
-            ..s
-        };
+        let c = LrSchedule { kind: ScheduleKind::Constant, ..s };
         assert_eq!(c.lr_at(500), 1.0);
     }
 
@@ -236,13 +196,7 @@ mod tests {
         let init = Tensor::randn([layout.total()], (Kind::Float, Device::Cpu));
         tch::no_grad(|| params.master.copy_(&init));
         let mut opt = AdamW::new(&params).unwrap();
-        let hp = AdamwStep {
-            lr: 0.01,
-            beta1: 0.9,
-            beta2: 0.999,
-            weight_decay: 0.1,
-            eps: 1e-8,
-        };
+        let hp = AdamwStep { lr: 0.01, beta1: 0.9, beta2: 0.999, weight_decay: 0.1, eps: 1e-8 };
         let (mut p, mut m, mut v) = (
             init.to_kind(Kind::Double),
             init.zeros_like().to_kind(Kind::Double),
@@ -260,10 +214,7 @@ mod tests {
             let vh = &v / (1.0 - hp.beta2.powi(step));
             p = &p - mh * hp.lr / (vh.sqrt() + hp.eps);
         }
-        let err = (&params.master.to_kind(Kind::Double) - &p)
-            .abs()
-            .max()
-            .double_value(&[]);
+        let err = (&params.master.to_kind(Kind::Double) - &p).abs().max().double_value(&[]);
         assert!(err < 1e-6, "fused AdamW differs from the formula by {err}");
         assert_eq!(opt.steps(), 3);
     }

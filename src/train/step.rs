@@ -11,8 +11,7 @@ use crate::model::{Drafter, ModelError, Target};
 use crate::ops::AdamwStep;
 use crate::profile::span;
 use crate::train::objective::{
-    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, anchor_rng, lm_head_loss,
-    sample_anchors, valid_anchors,
+    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
 };
 use crate::train::optim::{AdamW, clip_factor};
 
@@ -41,9 +40,7 @@ impl FeatureBatch {
     ) -> Result<Self, TrainError> {
         let longest = input_ids.iter().map(Vec::len).max().unwrap_or(0);
         if longest == 0 {
-            return Err(TrainError::Batch(
-                "a batch needs at least one non-empty row".into(),
-            ));
+            return Err(TrainError::Batch("a batch needs at least one non-empty row".into()));
         }
         let pad = target.config().pad_token_id.unwrap_or(0);
         let mut flat = Vec::with_capacity(input_ids.len() * longest);
@@ -52,32 +49,15 @@ impl FeatureBatch {
             flat.extend(std::iter::repeat_n(pad, longest - row.len()));
         }
         let lengths: Vec<i64> = input_ids.iter().map(|r| r.len() as i64).collect();
-        let ids = Tensor::f_from_slice(&flat)?
-            .f_view([input_ids.len() as i64, longest as i64])?
-            .f_to(target.device())?;
+        let ids =
+            Tensor::f_from_slice(&flat)?.f_view([input_ids.len() as i64, longest as i64])?.f_to(target.device())?;
         let _p = span("target.capture");
-        let target_hidden = target
-            .capture(&ids, &lengths)?
-            .f_to_device(device)?
-            .f_to_kind(kind)?;
-        Ok(FeatureBatch {
-            sample_ids,
-            epoch,
-            input_ids,
-            loss_mask,
-            target_hidden,
-        })
+        let target_hidden = target.capture(&ids, &lengths)?.f_to_device(device)?.f_to_kind(kind)?;
+        Ok(FeatureBatch { sample_ids, epoch, input_ids, loss_mask, target_hidden })
     }
 
     fn rows(&self) -> Vec<Row<'_>> {
-        self.input_ids
-            .iter()
-            .zip(&self.loss_mask)
-            .map(|(ids, mask)| Row {
-                input_ids: ids,
-                loss_mask: mask,
-            })
-            .collect()
+        self.input_ids.iter().zip(&self.loss_mask).map(|(ids, mask)| Row { input_ids: ids, loss_mask: mask }).collect()
     }
     fn seq_len(&self) -> usize {
         self.target_hidden.size()[1] as usize
@@ -137,14 +117,7 @@ impl Trainer {
         seed: u64,
     ) -> Result<Self, ModelError> {
         let optimizer = AdamW::new(drafter.params())?;
-        Ok(Trainer {
-            drafter,
-            optimizer,
-            embed: embed.detach(),
-            lm_head: lm_head.detach(),
-            objective,
-            seed,
-        })
+        Ok(Trainer { drafter, optimizer, embed: embed.detach(), lm_head: lm_head.detach(), objective, seed })
     }
 
     /// Forward and backward of one micro-batch at freshly sampled anchors; returns its metric sums.
@@ -159,14 +132,7 @@ impl Trainer {
                 sample_anchors(&valid_anchors(mask), self.objective.num_anchors, &mut rng)
             })
             .collect();
-        run_blocks(
-            &self.drafter,
-            &self.heads(),
-            &self.objective,
-            batch,
-            &anchors,
-            true,
-        )
+        run_blocks(&self.drafter, &self.heads(), &self.objective, batch, &anchors, true)
     }
 
     /// Evaluates every valid anchor (see [`evaluate_batch`]); nothing is updated.
@@ -176,11 +142,7 @@ impl Trainer {
 
     /// Divides the accumulated gradient by `total_weight`, clips it, and applies AdamW unless its norm is not
     /// finite; the gradient is zeroed either way.
-    pub fn apply(
-        &mut self,
-        total_weight: f64,
-        settings: &UpdateSettings,
-    ) -> Result<UpdateReport, TrainError> {
+    pub fn apply(&mut self, total_weight: f64, settings: &UpdateSettings) -> Result<UpdateReport, TrainError> {
         let _p = span("optimizer");
         let divisor = total_weight.max(1e-6);
         let params = self.drafter.params();
@@ -188,15 +150,10 @@ impl Trainer {
         let applied = grad_norm.is_finite();
         if applied {
             let clip = clip_factor(grad_norm, settings.grad_clip);
-            self.optimizer
-                .update(params, settings.adamw, divisor / clip)?;
+            self.optimizer.update(params, settings.adamw, divisor / clip)?;
         }
         self.drafter.params_mut().zero_grad();
-        Ok(UpdateReport {
-            grad_norm,
-            applied,
-            lr: settings.adamw.lr,
-        })
+        Ok(UpdateReport { grad_norm, applied, lr: settings.adamw.lr })
     }
 
     /// One whole step over `micro_batches`: accumulate each, then update with their summed weight.
@@ -214,10 +171,7 @@ impl Trainer {
     }
 
     fn heads(&self) -> FrozenHeads<'_> {
-        FrozenHeads {
-            embed: &self.embed,
-            lm_head: &self.lm_head,
-        }
+        FrozenHeads { embed: &self.embed, lm_head: &self.lm_head }
     }
 }
 
@@ -238,26 +192,12 @@ pub fn evaluate_batch(
     check(drafter, batch)?;
     let all: Vec<Vec<usize>> = batch.loss_mask.iter().map(|m| valid_anchors(m)).collect();
     let per_pass = objective.num_anchors.max(1);
-    let passes = all
-        .iter()
-        .map(|a| a.len().div_ceil(per_pass))
-        .max()
-        .unwrap_or(0);
+    let passes = all.iter().map(|a| a.len().div_ceil(per_pass)).max().unwrap_or(0);
     let mut total = Metrics::default();
     for pass in 0..passes {
-        let chunk: Vec<Vec<usize>> = all
-            .iter()
-            .map(|a| {
-                a.iter()
-                    .skip(pass * per_pass)
-                    .take(per_pass)
-                    .copied()
-                    .collect()
-            })
-            .collect();
-        total.add(&run_blocks(
-            drafter, heads, objective, batch, &chunk, false,
-        )?);
+        let chunk: Vec<Vec<usize>> =
+            all.iter().map(|a| a.iter().skip(pass * per_pass).take(per_pass).copied().collect()).collect();
+        total.add(&run_blocks(drafter, heads, objective, batch, &chunk, false)?);
     }
     Ok(total)
 }
@@ -311,29 +251,11 @@ fn run_blocks(
     let chunk = objective.lm_head_chunk_rows;
     if !train {
         let (_, flat) = tch::no_grad(forward);
-        let out = lm_head_loss(
-            &flat,
-            heads.lm_head,
-            &t.labels,
-            &t.weights,
-            &plan,
-            chunk,
-            false,
-        )?;
+        let out = lm_head_loss(&flat, heads.lm_head, &t.labels, &t.weights, &plan, chunk, false)?;
         return Ok(out.metrics);
     }
     let (h, flat) = forward();
-    let out = tch::no_grad(|| {
-        lm_head_loss(
-            &flat.detach(),
-            heads.lm_head,
-            &t.labels,
-            &t.weights,
-            &plan,
-            chunk,
-            true,
-        )
-    })?;
+    let out = tch::no_grad(|| lm_head_loss(&flat.detach(), heads.lm_head, &t.labels, &t.weights, &plan, chunk, true))?;
     let grad = out.grad.expect("requested").view_as(&h);
     let _p = span("drafter.backward");
     (h * grad).f_sum(Kind::Float)?.f_backward()?;

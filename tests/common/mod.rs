@@ -49,23 +49,13 @@ pub fn llama3_scaling() -> RopeScaling {
 /// uniform, and norm weights are not all ones, so skipping any piece changes the output.
 pub fn random_weights(cfg: &TargetConfig, seed: i64) -> Weights {
     tch::manual_seed(seed);
-    let (h, i, d) = (
-        cfg.hidden_size as i64,
-        cfg.intermediate_size as i64,
-        cfg.head_dim as i64,
-    );
-    let (q, kv) = (
-        cfg.num_attention_heads as i64 * d,
-        cfg.num_key_value_heads as i64 * d,
-    );
+    let (h, i, d) = (cfg.hidden_size as i64, cfg.intermediate_size as i64, cfg.head_dim as i64);
+    let (q, kv) = (cfg.num_attention_heads as i64 * d, cfg.num_key_value_heads as i64 * d);
     let v = cfg.vocab_size as i64;
     let mat = |r: i64, c: i64| Tensor::randn([r, c], (Kind::Float, Device::Cpu)) * 0.15;
     let norm = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1 + 1.0;
     let mut w = Weights::new();
-    w.insert(
-        "model.embed_tokens.weight".into(),
-        Tensor::randn([v, h], (Kind::Float, Device::Cpu)),
-    );
+    w.insert("model.embed_tokens.weight".into(), Tensor::randn([v, h], (Kind::Float, Device::Cpu)));
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
         w.insert(format!("{p}.input_layernorm.weight"), norm(h));
@@ -92,10 +82,7 @@ pub fn random_weights(cfg: &TargetConfig, seed: i64) -> Weights {
 /// Writes `weights` and `cfg` as a HuggingFace folder; shards when they exceed `max_shard_bytes`.
 pub fn write_folder(dir: &Path, cfg: &TargetConfig, weights: &Weights, max_shard_bytes: usize) {
     std::fs::create_dir_all(dir).unwrap();
-    let host = weights
-        .iter()
-        .map(|(n, t)| (n.clone(), HostTensor::from_tensor(t).unwrap()))
-        .collect();
+    let host = weights.iter().map(|(n, t)| (n.clone(), HostTensor::from_tensor(t).unwrap())).collect();
     write_sharded(dir, host, max_shard_bytes).unwrap();
     let json = serde_json::to_string_pretty(&cfg.to_hf_json("float32")).unwrap();
     std::fs::write(dir.join("config.json"), json).unwrap();
@@ -181,9 +168,7 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
     let eps = cfg.rms_norm_eps;
     let inv = inv_freqs(cfg);
     let group = (cfg.num_attention_heads / cfg.num_key_value_heads) as i64;
-    let causal = Tensor::ones([len, len], (Kind::Double, Device::Cpu))
-        .triu(1)
-        .to_kind(Kind::Bool);
+    let causal = Tensor::ones([len, len], (Kind::Double, Device::Cpu)).triu(1).to_kind(Kind::Bool);
     let mut x = f64w(w, "model.embed_tokens.weight").index_select(0, &Tensor::from_slice(ids));
     let mut outputs = vec![];
     for l in 0..cfg.num_hidden_layers {
@@ -204,34 +189,21 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
             }
             let (qh, kh) = (rope(&qh, &inv), rope(&kh, &inv));
             let scores = qh.matmul(&kh.tr()) / (d as f64).sqrt();
-            let probs = scores
-                .masked_fill(&causal, f64::NEG_INFINITY)
-                .softmax(-1, Kind::Double);
+            let probs = scores.masked_fill(&causal, f64::NEG_INFINITY).softmax(-1, Kind::Double);
             heads.push(probs.matmul(&vh));
         }
         let attn = Tensor::cat(&heads, 1);
         x = &x + attn.matmul(&f64w(w, &format!("{p}.self_attn.o_proj.weight")).tr());
-        let h = rms(
-            &x,
-            &f64w(w, &format!("{p}.post_attention_layernorm.weight")),
-            eps,
-        );
+        let h = rms(&x, &f64w(w, &format!("{p}.post_attention_layernorm.weight")), eps);
         let gate = h.matmul(&f64w(w, &format!("{p}.mlp.gate_proj.weight")).tr());
         let up = h.matmul(&f64w(w, &format!("{p}.mlp.up_proj.weight")).tr());
         let act = &gate * gate.sigmoid() * up;
         x = &x + act.matmul(&f64w(w, &format!("{p}.mlp.down_proj.weight")).tr());
         outputs.push(x.shallow_clone());
     }
-    let head = if cfg.tie_word_embeddings {
-        "model.embed_tokens.weight"
-    } else {
-        "lm_head.weight"
-    };
+    let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
     let logits = rms(&x, &f64w(w, "model.norm.weight"), eps).matmul(&f64w(w, head).tr());
-    NaiveRun {
-        layer_outputs: outputs,
-        logits,
-    }
+    NaiveRun { layer_outputs: outputs, logits }
 }
 
 /// Max |a - b| over max |b|: the relative error of `a` against reference `b`.
@@ -255,17 +227,13 @@ pub fn pad_batch(rows: &[Vec<i64>]) -> (Tensor, Vec<i64>) {
 
 /// Deterministic pseudo-random token rows of the given lengths.
 pub fn token_rows(vocab: i64, lengths: &[usize], seed: u64) -> Vec<Vec<i64>> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     lengths
         .iter()
         .map(|&n| {
             (0..n)
                 .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     ((state >> 33) % vocab as u64) as i64
                 })
                 .collect()
