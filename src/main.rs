@@ -128,7 +128,13 @@ fn serve_train(config: Config, args: ServeTrainArgs) -> Result<ExitCode> {
         None => dflash::service::run::Resume::No,
     };
     let code = dflash::service::run::serve_train(config, resume)?;
-    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+    // Compute threads may still be inside libtorch (an abandoned hung thread always is); running the C++ static
+    // destructors under them can crash. Everything that matters is written and synced: leave without them.
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process at once; no Rust state is used afterwards.
+    unsafe { libc::_exit(code.clamp(0, 255)) }
 }
 
 fn main() -> ExitCode {

@@ -245,3 +245,80 @@ fn accumulating_micro_batches_equals_one_batch() {
     // Adam normalises each element, so rounding noise in near-zero gradients shows; 1% of the step is the bound.
     assert!(diff < 1e-5, "updates differ by {diff}");
 }
+
+#[test]
+fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
+    use dflash::train::collective::{Collective, Contribution, Hyper};
+    use dflash::train::optim::{LrSchedule, ScheduleKind};
+    use std::sync::Arc;
+    let t = target();
+    let data = dataset(4, 30);
+    let hyper = Hyper {
+        schedule: LrSchedule {
+            kind: ScheduleKind::Constant,
+            lr: 2e-3,
+            warmup_steps: 0,
+            total_steps: 1,
+            min_lr_ratio: 0.0,
+        },
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        grad_clip: Some(1.0),
+    };
+    let mut one = trainer(&t, 6, 12);
+    let mut halves = [trainer(&t, 6, 12), trainer(&t, 6, 12)];
+    let collective = Arc::new(Collective::new(0, 0, hyper, |_| {}));
+    collective.found(0, 1).unwrap();
+    // The second replica joins: it receives the first's state.
+    let joiner = collective.clone();
+    let buffers = {
+        let p = halves[1].drafter.params();
+        let [m, v, _] = halves[1].optimizer.state_tensors();
+        dflash::train::collective::JoinBuffers {
+            master: p.master.shallow_clone(),
+            exp_avg: m.shallow_clone(),
+            exp_avg_sq: v.shallow_clone(),
+        }
+    };
+    joiner.request_join(1, 1, buffers);
+    {
+        let [m, v, _] = halves[0].optimizer.state_tensors();
+        collective.serve_joiners(0, 1, [&halves[0].drafter.params().master, m, v], 0).unwrap();
+    }
+    collective.wait_joined(1, 1).unwrap();
+    for step in 0..3u64 {
+        let whole = batch(&t, &data, 0, step);
+        let parts = [batch(&t, &data[..2], 0, step), batch(&t, &data[2..], 2, step)];
+        let m = one.accumulate(&whole).unwrap();
+        one.apply(m.weight, &update(2e-3)).unwrap();
+        std::thread::scope(|scope| {
+            for (id, (tr, part)) in halves.iter_mut().zip(parts).enumerate() {
+                let c = collective.clone();
+                scope.spawn(move || {
+                    let m = tr.accumulate(&part).unwrap();
+                    let own = tr.drafter.params().grad.shallow_clone();
+                    let contribution = Contribution {
+                        grad: own.shallow_clone(),
+                        weight: m.weight,
+                        samples: 2,
+                        batches: vec![],
+                        metrics: m,
+                    };
+                    let r = c.contribute(id, 1, step, contribution).unwrap();
+                    if r.grad.data_ptr() != own.data_ptr() {
+                        own.shallow_clone().copy_(&r.grad);
+                    }
+                    tr.apply(r.total_weight, &r.update).unwrap();
+                });
+            }
+        });
+    }
+    let (a, b) = (&halves[0].drafter.params().master, &halves[1].drafter.params().master);
+    assert!(a.equal(b), "the two replicas must stay bitwise identical");
+    let diff = (a - &one.drafter.params().master).abs().max().double_value(&[]);
+    // Equal up to rounding (the sums differ in order); Adam normalises each element, so the bound is 1% of what
+    // three steps can move a weight.
+    assert!(diff < 1e-2 * 3.0 * 2e-3, "two drafters with b and one with 2b differ by {diff}");
+}

@@ -4,7 +4,7 @@
 //! channel, runs forward and backward, contributes to the step's round and applies the round's update. Its loop
 //! runs inside `catch_unwind`; a panic or error is reported to the actor, which fails so the supervisor sees it.
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -32,6 +32,8 @@ pub struct DrafterShared {
     pub phase: Mutex<Phase>,
     /// Threads of this generation or older are abandoned: they stop quietly if they ever wake.
     pub abandoned: AtomicU64,
+    /// Its last failure was injected (a rehearsal): not held against the batch it was running.
+    pub injected: AtomicBool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -219,6 +221,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) =
             Phase::Computing { generation: a.generation, since: Instant::now(), batches: batches.clone() };
         if let Some(fault) = a.shared.fault.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            a.shared.injected.store(true, Ordering::SeqCst);
             match fault {
                 FaultKind::Panic => panic!("injected panic (fault injection) in drafter {}", a.id),
                 FaultKind::Error => {
@@ -243,6 +246,8 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             metrics.add(&trainer.accumulate(features).map_err(torch)?);
             samples += features.input_ids.len() as u64;
         }
+        // Waiting for the peers is not computing: a hung peer must not make this one look hung.
+        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
         let own = trainer.drafter.params().grad.shallow_clone();
         let contribution =
             Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics };

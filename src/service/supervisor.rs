@@ -634,15 +634,18 @@ impl Sup {
         // Its batches that no round took: requeue (or set aside after a second failure).
         let mut owed: Vec<BatchId> = Vec::new();
         for (step, map) in self.assigned.iter_mut() {
-            if *step == open_round && contributed_open {
+            // Rounds before the open one are complete (their reports may still be on the way): those batches were
+            // trained. The open round keeps what it already took.
+            if *step < open_round || (*step == open_round && contributed_open) {
                 continue;
             }
             if let Some(items) = map.remove(&id) {
                 owed.extend(items.into_iter().flatten());
             }
         }
+        let injected = self.slots[id].shared.injected.swap(false, std::sync::atomic::Ordering::SeqCst);
         for b in owed {
-            let failures = if running.contains(&b) {
+            let failures = if running.contains(&b) && !injected {
                 let n = self.failures_per_batch.entry(b).or_insert(0);
                 *n += 1;
                 *n
@@ -767,6 +770,12 @@ impl Sup {
         }
         self.next_step = self.committed_step;
         self.collective.rewind(self.committed_step, self.samples_committed);
+        if let Some(w) = self.ledger.as_mut() {
+            // Entries of later steps were undone with the model.
+            use std::io::Write;
+            let _ =
+                writeln!(w, "{}", serde_json::json!({"rewind_to_step": self.committed_step})).and_then(|()| w.flush());
+        }
     }
 
     fn tick(&mut self) {
@@ -786,7 +795,9 @@ impl Sup {
             .collect();
         for (id, generation) in hung {
             let dev = self.slots[id].device;
-            *self.gpu_hangs.entry(dev).or_insert(0) += 1;
+            if !self.slots[id].shared.injected.load(std::sync::atomic::Ordering::SeqCst) {
+                *self.gpu_hangs.entry(dev).or_insert(0) += 1;
+            }
             let held = device::memory_stats(dev).map(|m| m.allocated).unwrap_or(0);
             tracing::error!(drafter = id, device = %device_name(dev), held_bytes = held, "drafter hung: abandoning its thread (memory it holds stays allocated)");
             self.failed(
