@@ -13,8 +13,10 @@ build: setup
 	cargo build --release
 
 run: build
-	@echo "[run] dflash on the built-in default: the tiny target (random weights), CPU unless a GPU is present"
-	./target/release/dflash bench --what target --profile
+	@echo "[run] dflash serve-train on the built-in default: the tiny target (random weights), 2 drafters, the built-in"
+	@echo "[run] sample data, CPU unless a GPU is present; a fresh run in runs/make-run (Ctrl-C checkpoints and stops)"
+	rm -rf runs/make-run
+	./target/release/dflash serve-train --set checkpoint.dir=runs/make-run
 
 test: setup
 	cargo fmt --all -- --check

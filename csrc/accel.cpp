@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cstring>
 #include <exception>
@@ -29,6 +30,21 @@ extern "C" {
 int dflash_set_device(int index, char* err, size_t len) {
   try {
     at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(index));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+// Moves the calling thread onto a stream of the device's pool (until then it launches on the default stream, shared
+// by every thread of the process).
+int dflash_use_pool_stream(int index, char* err, size_t len) {
+  try {
+    auto type = at::accelerator::getAccelerator(true).value();
+    c10::Device device(type, static_cast<c10::DeviceIndex>(index));
+    const auto* impl = c10::impl::getDeviceGuardImpl(type);
+    impl->exchangeStream(impl->getStreamFromGlobalPool(device, false));
     return 0;
   } catch (const std::exception& e) {
     write_error(e, err, len);

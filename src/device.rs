@@ -164,6 +164,7 @@ unsafe extern "C" {
     fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
+    fn dflash_use_pool_stream(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_memory_stats(index: c_int, out: *mut i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_new(index: c_int, err: *mut c_char, len: usize) -> *mut c_void;
@@ -216,6 +217,17 @@ pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
         });
     }
     Ok(())
+}
+
+/// Moves the calling thread's launches on `device` from the default stream (shared by every thread) onto a stream of
+/// its own from libtorch's pool (a no-op for the CPU). Work on other streams is not ordered with it: only for
+/// threads that share no tensors, as the launch benchmark's.
+pub fn use_own_stream(device: Device) -> Result<(), DeviceError> {
+    match cuda_index(device) {
+        // SAFETY: plain C call with a valid buffer.
+        Some(i) => call_shim(device, |e, n| unsafe { dflash_use_pool_stream(i, e, n) }),
+        None => Ok(()),
+    }
 }
 
 /// Waits for all work queued on `device` (a no-op for the CPU).

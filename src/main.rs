@@ -103,6 +103,10 @@ enum Command {
         clipping, AdamW) on random target features, target capture excluded (--capture times it separately). \
         FLOPs per sample follow DFLASH.md's cost model as the PyTorch peer counts it: 3x the forward products of \
         fc and the layers, dense attention over S + N*bs keys, and 2x the frozen LM head.\n\n\
+        --what pipeline: every step captures the batch's features with the preset's target, then trains the \
+        drafter on them, on one device with no actors: what serve-train's step time is compared with.\n\n\
+        --what launch: tiny kernels launched from 1, 2, 4, 8 threads of this process at once (--threads): whether \
+        the launch rate scales with drafter threads.\n\n\
         Examples (the H200 comparisons in BENCHMARKS.md):\n  \
         dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
         dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --json")]

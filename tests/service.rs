@@ -245,8 +245,9 @@ fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
     for d in [&whole, &split] {
         std::fs::create_dir_all(d).unwrap();
     }
-    let (code, _) = Service::start(&config(&whole, 2), false, &sets).exit_code();
+    let (code, logs) = Service::start(&config(&whole, 2), false, &sets).exit_code();
     assert_eq!(code, 0);
+    assert_progress_lines(&logs, &[5, 10]);
 
     let cfg = config(&split, 2);
     let mut first = Service::start(&cfg, false, &sets);
@@ -265,6 +266,35 @@ fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
         assert!(a == b, "{file} differs between the uninterrupted and the resumed run");
     }
     assert!(split.join("ckpt/final/model.safetensors").exists(), "the end exports the drafter");
+}
+
+/// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
+/// reads, with sane values.
+fn assert_progress_lines(logs: &[String], steps: &[u64]) {
+    let lines: Vec<String> = logs
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["fields"]["message"].as_str().map(str::to_string))
+        .filter(|m| m.starts_with("step "))
+        .collect();
+    let at: Vec<u64> = lines.iter().map(|m| m[5..].split(' ').next().unwrap().parse().unwrap()).collect();
+    assert_eq!(at, steps, "{lines:#?}");
+    for line in &lines {
+        // "step 10 · epoch 0 · loss 5.2 · accuracy 0.1 · acceptance 1.1 · 13.1 samples/s · feature wait 0.0% · ..."
+        let fields: Vec<&str> = line.split(" · ").collect();
+        let value = |name: &str| -> f64 {
+            let field = fields.iter().find(|f| f.contains(name)).unwrap_or_else(|| panic!("{name} missing: {line}"));
+            let number = field.split(' ').find(|w| w.starts_with(|c: char| c.is_ascii_digit())).unwrap();
+            number.trim_end_matches('%').parse().unwrap()
+        };
+        assert!(value("loss").is_finite() && value("loss") > 0.0, "{line}");
+        assert!((0.0..=1.0).contains(&value("accuracy")), "{line}");
+        assert!(value("acceptance") >= 1.0, "{line}");
+        assert!(value("samples/s") > 0.0, "{line}");
+        assert!((0.0..=100.0).contains(&value("feature wait")), "{line}");
+        assert!(value("lr") > 0.0, "{line}");
+        assert_eq!(fields.last(), Some(&"drafters 2/2 live"), "{line}");
+    }
 }
 
 fn state(s: &Value, id: usize) -> String {

@@ -1,6 +1,8 @@
 //! `dflash bench --what drafter`: whole training steps of a preset's drafter (forward, chunked LM head + loss,
 //! backward, clipping, AdamW) on random target features, as the PyTorch peer times them; target capture is not in
 //! the step (with `capture`, the preset's target capture of the same batch is timed and reported on its own).
+//! `--what pipeline` puts the capture into every step: the preset's target (random weights) captures the batch's
+//! features, then the drafter trains on them, on one device with no actors: the yardstick for `serve-train`.
 //!
 //! FLOPs per sample, the cost model of DFLASH.md as the peer counts it (dense attention as if every score were
 //! computed), with `Q = N*bs` block positions and `K = S + Q` keys:
@@ -35,6 +37,8 @@ pub struct DrafterBenchOptions {
     pub profile: bool,
     /// Also time the preset target's capture of the same batch (reported separately).
     pub capture: bool,
+    /// Capture every step's features with the preset's target before the step (`--what pipeline`).
+    pub pipeline: bool,
     pub peak_tflops: f64,
 }
 
@@ -67,6 +71,14 @@ pub struct DrafterBenchReport {
     /// Target capture of the same batch, timed on its own (with `capture`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capture_ms_p50: Option<f64>,
+}
+
+/// Where a step's target features come from.
+enum Features {
+    /// Captured by the target each step (`pipeline`).
+    Captured(Box<crate::model::Target>),
+    /// The same random features every step.
+    Fixed(Tensor),
 }
 
 /// FLOPs of one sample's training step under the cost model in the module docs.
@@ -107,6 +119,8 @@ pub fn bench_drafter(
         Init::Portable(_) => Init::Portable(0),
         Init::Device(_) => Init::Device(0),
     };
+    // The target first, as serve-train builds it, so memory is laid out the same way.
+    let target = if opts.pipeline { Some(spec.build_target(Depth::ToLastTap, device, kind)?) } else { None };
     let drafter = Drafter::new(cfg.clone(), device, kind, init)?;
     let drafter_params = drafter.params().layout().num_params();
     // Frozen embedding, LM head and target features: random, as the peer makes them.
@@ -117,7 +131,10 @@ pub fn bench_drafter(
     let embed = random(&[v, h], 0.02)?;
     let lm_head = random(&[v, h], 0.02)?;
     let mut trainer = Trainer::new(drafter, embed, lm_head, objective, 0)?;
-    let features = random(&[opts.batch, opts.seq, width], 0.5)?;
+    let features = match target {
+        Some(target) => Features::Captured(Box::new(target)),
+        None => Features::Fixed(random(&[opts.batch, opts.seq, width], 0.5)?),
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let rows: Vec<Vec<i64>> =
         (0..opts.batch).map(|_| (0..opts.seq).map(|_| rng.random_range(0..v - 2)).collect()).collect();
@@ -129,12 +146,18 @@ pub fn bench_drafter(
     let mut epoch = 0u64;
     let mut loss = 0.0;
     let mut step = || -> Result<(), BenchError> {
-        let batch = FeatureBatch {
-            sample_ids: (0..opts.batch as u64).collect(),
-            epoch,
-            input_ids: rows.clone(),
-            loss_mask: masks.clone(),
-            target_hidden: features.shallow_clone(),
+        let sample_ids = (0..opts.batch as u64).collect();
+        let batch = match &features {
+            Features::Captured(target) => {
+                FeatureBatch::capture(target, sample_ids, epoch, rows.clone(), masks.clone(), device, kind)?
+            }
+            Features::Fixed(hidden) => FeatureBatch {
+                sample_ids,
+                epoch,
+                input_ids: rows.clone(),
+                loss_mask: masks.clone(),
+                target_hidden: hidden.shallow_clone(),
+            },
         };
         epoch += 1; // fresh anchors every step
         let (metrics, _) = trainer.train_step(std::slice::from_ref(&batch), &update)?;
@@ -157,7 +180,10 @@ pub fn bench_drafter(
     };
     drop(trainer);
     let capture_ms_p50 = if opts.capture {
-        let target = spec.build_target(Depth::ToLastTap, device, kind)?;
+        let target = match features {
+            Features::Captured(target) => *target,
+            Features::Fixed(_) => spec.build_target(Depth::ToLastTap, device, kind)?,
+        };
         let flat: Vec<i64> = rows.concat();
         let ids = Tensor::f_from_slice(&flat)?.f_view([opts.batch, opts.seq])?.f_to(device)?;
         let lengths = vec![opts.seq; opts.batch as usize];
@@ -175,7 +201,7 @@ pub fn bench_drafter(
     let samples_per_s = opts.batch as f64 / (step_ms_p50 * 1e-3);
     let tflops = flops_per_sample * samples_per_s / 1e12;
     Ok(DrafterBenchReport {
-        what: "drafter",
+        what: if opts.pipeline { "pipeline" } else { "drafter" },
         preset: preset.name().to_string(),
         device: device_name(device),
         dtype: kind_name(kind),
@@ -203,8 +229,9 @@ pub fn bench_drafter(
 impl DrafterBenchReport {
     pub fn summary(&self) -> String {
         format!(
-            "drafter {} on {} ({}, {} params): batch {} x seq {}, {} anchors, bs {}: {:.2} samples/s, {:.1} TFLOP/s, \
+            "{} {} on {} ({}, {} params): batch {} x seq {}, {} anchors, bs {}: {:.2} samples/s, {:.1} TFLOP/s, \
              MFU {:.1}% of {:.0}, step p50 {:.1} ms p90 {:.1} ms, peak memory {:.2} GB, loss {:.3}{}",
+            self.what,
             self.preset,
             self.device,
             self.dtype,
@@ -249,6 +276,7 @@ mod tests {
             warmup: 1,
             profile: true,
             capture: true,
+            pipeline: false,
             peak_tflops: 1.0,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
@@ -259,5 +287,26 @@ mod tests {
         for phase in ["drafter.attention", "drafter.backward", "lm_head.loss", "optimizer"] {
             assert!(phases.contains_key(phase), "{phase} missing from {phases:?}");
         }
+    }
+
+    #[test]
+    fn the_pipeline_captures_inside_every_step() {
+        let opts = DrafterBenchOptions {
+            batch: 2,
+            seq: 24,
+            anchors: 4,
+            block_size: 4,
+            steps: 1,
+            warmup: 0,
+            profile: true,
+            capture: false,
+            pipeline: true,
+            peak_tflops: 1.0,
+        };
+        let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
+        assert_eq!(r.what, "pipeline");
+        assert!(r.loss.is_finite() && r.loss > 0.0);
+        let phases = r.phases_ms.unwrap();
+        assert!(phases.contains_key("target.capture"), "the capture is not in the step: {phases:?}");
     }
 }

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 
-use dflash::bench::{DrafterBenchOptions, TargetBenchOptions, bench_drafter, bench_target};
+use dflash::bench::{
+    DrafterBenchOptions, LaunchBenchOptions, TargetBenchOptions, bench_drafter, bench_launch, bench_target,
+};
 use dflash::config::{Config, TargetSource};
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
 use dflash::model::{Depth, Preset};
@@ -17,6 +19,10 @@ pub enum BenchWhat {
     Target,
     /// Whole drafter training steps on random target features
     Drafter,
+    /// Target capture then a drafter training step, per step, on one device, no actors: serve-train's yardstick
+    Pipeline,
+    /// Kernel-launch rate of one process with 1, 2, 4, 8 compute threads (see --threads)
+    Launch,
 }
 
 #[derive(Args)]
@@ -64,6 +70,15 @@ pub struct BenchArgs {
     /// Drafter: also time the preset target's capture of the same batch (reported as capture_ms_p50).
     #[arg(long)]
     capture: bool,
+    /// Launch: the thread counts to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_name = "N,...")]
+    threads: Vec<usize>,
+    /// Launch: kernel launches per thread.
+    #[arg(long, default_value_t = 50_000)]
+    launches: usize,
+    /// Launch: each thread launches on a stream of its own rather than the device's default stream.
+    #[arg(long)]
+    own_streams: bool,
     /// Also time the phases of one extra step with device events (reported as phases_ms).
     #[arg(long)]
     profile: bool,
@@ -103,9 +118,9 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             print_summary(args.json, &report.summary());
             (serde_json::to_value(&report)?, report.phases_ms)
         }
-        BenchWhat::Drafter => {
+        BenchWhat::Drafter | BenchWhat::Pipeline => {
             let TargetSource::Preset(preset) = source else {
-                bail!("--what drafter runs a preset's drafter on random features: pass --preset (e.g. qwen3-8b)");
+                bail!("--what drafter and pipeline run a preset's random-weight models: pass --preset (e.g. qwen3-8b)");
             };
             let opts = DrafterBenchOptions {
                 batch: args.batch.unwrap_or(4),
@@ -116,6 +131,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 warmup: args.warmup,
                 profile: args.profile,
                 capture: args.capture,
+                pipeline: args.what == BenchWhat::Pipeline,
                 peak_tflops: args.peak_tflops,
             };
             let report = catch_torch(|| -> Result<_> {
@@ -124,6 +140,16 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             })??;
             print_summary(args.json, &report.summary());
             (serde_json::to_value(&report)?, report.phases_ms)
+        }
+        BenchWhat::Launch => {
+            let opts = LaunchBenchOptions {
+                threads: args.threads.clone(),
+                launches: args.launches,
+                own_streams: args.own_streams,
+            };
+            let report = bench_launch(device, &opts)?;
+            print_summary(args.json, &report.summary());
+            (serde_json::to_value(&report)?, None)
         }
     };
     if args.json {

@@ -191,8 +191,12 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     loop {
         let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
         let mut taken = 0;
+        let mut feature_wait_s = 0.0;
         while taken < a.accumulation {
-            match a.input.recv() {
+            let waiting = Instant::now();
+            let work = a.input.recv();
+            feature_wait_s += waiting.elapsed().as_secs_f64();
+            match work {
                 Ok(Work::Features { batch, features }) => {
                     items.push((batch, features));
                     taken += 1;
@@ -274,6 +278,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             step,
             report,
             digest,
+            feature_wait_s,
         });
         if a.collective.has_joiners() {
             serve(&a, &trainer)?;

@@ -63,6 +63,8 @@ pub enum SupervisorMsg {
         report: UpdateReport,
         /// Checksums of parameters and both moments, on steps where replicas are compared.
         digest: Option<[i64; 3]>,
+        /// Seconds the compute thread waited for this step's features (the target not keeping up).
+        feature_wait_s: f64,
     },
     Snapshot {
         id: usize,

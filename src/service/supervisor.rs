@@ -122,6 +122,8 @@ pub struct Sup {
     gpu_hangs: HashMap<Device, usize>,
     window: Metrics,
     window_samples: u64,
+    /// Seconds the drafters waited for features since the last progress line, summed over drafters.
+    window_feature_wait_s: f64,
     window_started: Instant,
     last_lr: f64,
 }
@@ -246,6 +248,7 @@ impl Sup {
             gpu_hangs: HashMap::new(),
             window: Metrics::default(),
             window_samples: 0,
+            window_feature_wait_s: 0.0,
             window_started: Instant::now(),
             last_lr: 0.0,
             a,
@@ -576,19 +579,22 @@ impl Sup {
         let elapsed = self.window_started.elapsed().as_secs_f64().max(1e-9);
         let live = self.live_members().len();
         tracing::info!(
-            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · acceptance {:.2} · {:.1} samples/s · lr {:.2e} · drafters {}/{} live",
+            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · acceptance {:.2} · {:.1} samples/s · feature wait {:.1}% · \
+             lr {:.2e} · drafters {}/{} live",
             self.committed_step,
             self.loader.epoch(),
             self.window.loss(),
             self.window.accuracy(),
             self.window.acceptance_length(),
             self.window_samples as f64 / elapsed,
+            100.0 * self.window_feature_wait_s / (elapsed * live.max(1) as f64),
             self.last_lr,
             live,
             self.slots.len()
         );
         self.window = Metrics::default();
         self.window_samples = 0;
+        self.window_feature_wait_s = 0.0;
         self.window_started = Instant::now();
     }
 
@@ -973,9 +979,10 @@ impl Actor for Supervisor {
             SupervisorMsg::Delivered { generation, batch } => s.on_delivered(generation, batch),
             SupervisorMsg::DrafterReady { id, generation } => s.on_ready(id, generation),
             SupervisorMsg::DrafterJoined { id, generation, step } => s.on_joined(id, generation, step),
-            SupervisorMsg::StepDone { id, generation, step, report, digest } => {
+            SupervisorMsg::StepDone { id, generation, step, report, digest, feature_wait_s } => {
                 if s.slots[id].generation == generation {
                     s.slots[id].step = step;
+                    s.window_feature_wait_s += feature_wait_s;
                     if !report.applied && Some(id) == s.donor() {
                         tracing::warn!(step, "non-finite gradient norm: the update was skipped on every replica");
                     }

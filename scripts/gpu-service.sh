@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (see BENCHMARKS.md): serve-train against `bench --what pipeline` at qwen3-8b shapes, a
+# drafter failure with two drafters sharing the GPU, and the kernel-launch rate with 1-8 threads, in one lease.
+# Expects the stripped binary in .bin/dflash. Results go to $OUT (or ./gpu-out).
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# STAGES picks the parts to run (default: all, "1 2 3 4").
+stages=" ${STAGES:-1 2 3 4} "
+has() { [[ $stages == *" $1 "* ]]; }
+# MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
+model=${MODEL:-qwen3-8b} dev=${DEVICE:-cuda:0} seq=${SEQ:-768} anchors=${ANCHORS:-256}
+shapes=(--set target.model=$model --set target.device=$dev --set data.path=synthetic --set data.max_len=$seq
+  --set data.batch_size=4 --set data.builtin_conversations=4096 --set objective.num_anchors=$anchors
+  --set checkpoint.every_steps=0 --set log.every_steps=5 --set log.format=json --set supervision.check_replicas_every=0)
+
+# GET/POST on the control plane: get PATH | post PATH JSON
+get() { python3 -c "import sys,urllib.request;print(urllib.request.urlopen('http://127.0.0.1:9400'+sys.argv[1]).read().decode())" "$1" 2>/dev/null; }
+post() { python3 -c "import sys,urllib.request;r=urllib.request.Request('http://127.0.0.1:9400'+sys.argv[1],data=sys.argv[2].encode(),headers={'content-type':'application/json'});print(urllib.request.urlopen(r).read().decode())" "$1" "$2"; }
+step() { get /status | python3 -c "import sys,json;print(json.load(sys.stdin)['step'])" 2>/dev/null || echo -1; }
+wait_step() {  # gives up after 5 minutes
+  local deadline=$((SECONDS + 300))
+  until [ "$(step)" -ge "$1" ] || [ $SECONDS -ge $deadline ]; do sleep 0.2; done
+}
+
+# GPU utilisation sampled every 200 ms into FILE until the returned pid is killed: smi FILE
+smi() { nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 >"$1" 2>/dev/null & }
+
+if has 1; then
+echo "== 1. bench --what pipeline"
+./.bin/dflash bench --what pipeline --preset $model --device $dev --batch 4 --seq $seq --anchors $anchors \
+  --steps 20 --warmup 3 --json --profile | tee "$out/pipeline.json"
+fi
+
+if has 2; then
+echo "== 2. serve-train, one drafter, same shapes"
+rm -rf runs/one
+./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" --set checkpoint.dir=runs/one \
+  2>"$out/serve-one.log" &
+pid=$!
+wait_step 20
+smi /tmp/smi-one.csv; smi_pid=$!
+wait_step 70
+kill $smi_pid
+# Utilisation over steps 20-70 (steady state): samples, mean, minimum, and how many read below 90%.
+awk -F', ' '{n++; s+=$1; if (min=="" || $1<min) min=$1; if ($1<90) low++} END {printf "{\"samples\": %d, \"mean_util\": %.1f, \"min_util\": %d, \"below_90\": %d}\n", n, s/n, min, low}' \
+  /tmp/smi-one.csv | tee "$out/util-one.json"
+kill -9 $pid; wait 2>/dev/null
+fi
+
+if has 3; then
+echo "== 3. two drafters sharing the GPU, drafter 1 panics at step 25"
+rm -rf runs/two
+./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\", \"$dev\"]" \
+  --set checkpoint.dir=runs/two --set control.fault_injection=true 2>"$out/serve-two.log" &
+pid=$!
+wait_step 25
+date +%s.%N >"$out/fault-sent"
+post /drafters/1/fault '{"kind": "panic"}'
+python3 - "$out" <<'EOF'
+import json, sys, time, urllib.request
+out = sys.argv[1]
+t0 = float(open(f"{out}/fault-sent").read())
+seen, samples = [], []
+while True:
+    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9400/status").read())
+    now = time.time()
+    states = [d["state"] for d in s["drafters"]]
+    samples.append((now - t0, s["step"], s["samples_committed"], states))
+    if len(seen) == 0 or seen[-1][1] != states:
+        seen.append((now - t0, states))
+    if len(seen) > 1 and states == ["live", "live"] and now - t0 > 1 or now - t0 > 300:
+        break
+    time.sleep(0.05)
+json.dump({"transitions": seen, "samples": samples}, open(f"{out}/fault-timeline.json", "w"))
+print(seen)
+EOF
+wait_step $(($(step) + 15))
+kill -9 $pid; wait 2>/dev/null
+fi
+
+if has 4; then
+echo "== 4. kernel-launch rate, 1/2/4/8 threads, on the default stream, on a stream each, and on the CPU"
+for flags in "--device $dev" "--device $dev --own-streams" "--device cpu"; do
+  ./.bin/dflash bench --what launch $flags --threads 1,2,4,8 --launches 100000 --json
+done | tee "$out/launch.jsonl"
+# The tiny drafter's step is launch-bound on a GPU: its time bounds the kernels a step launches.
+./.bin/dflash bench --what drafter --preset tiny --device $dev --batch 4 --seq 64 --anchors 8 --steps 20 --json \
+  | tee "$out/tiny-drafter.json"
+fi
