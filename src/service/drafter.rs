@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tch::{Device, Kind, Tensor};
 
+use super::compute_thread::{self, torch};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{Heads, SupervisorMsg, ThreadMsg, Work};
 use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
-use crate::panic::{Panicked, catch_torch};
 use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
 use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers};
 use crate::train::objective::{Metrics, ObjectiveSettings};
@@ -78,18 +78,6 @@ pub struct DrafterSpawn {
 /// The drafter actor: owns nothing but its thread's report.
 pub struct DrafterActor;
 
-/// The actor's failure, carrying the thread's.
-#[derive(Debug)]
-pub struct ThreadFailure(pub Failure);
-
-impl std::fmt::Display for ThreadFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for ThreadFailure {}
-
 impl Actor for DrafterActor {
     type Msg = ThreadMsg;
     type State = ();
@@ -97,28 +85,13 @@ impl Actor for DrafterActor {
 
     async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: DrafterSpawn) -> Result<(), ActorProcessingErr> {
         let name = format!("drafter-{}", args.id);
-        std::thread::Builder::new().name(name).spawn(move || {
-            let outcome = match catch_torch(|| run(args)) {
-                Ok(result) => result,
-                Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
-                Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
-            };
-            if let Err(failure) = outcome {
-                let _ = myself.send_message(ThreadMsg::Died(failure));
-            }
-        })?;
+        compute_thread::spawn(name, myself, move || run(args))?;
         Ok(())
     }
 
     async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
-        match msg {
-            ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
-        }
+        compute_thread::on_thread_msg(msg)
     }
-}
-
-fn torch(e: impl std::fmt::Display) -> Failure {
-    Failure::from_torch(&e.to_string())
 }
 
 /// A small synthetic micro-batch through forward and backward: kernels chosen and memory allocated before Ready.

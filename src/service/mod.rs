@@ -2,6 +2,7 @@
 //! drafter actor per configured device (each drafter computing on its own thread), the loader, the collective and
 //! the checkpointer; an HTTP control plane reports status and takes commands.
 pub mod builtin_data;
+pub mod compute_thread;
 pub mod control;
 pub mod drafter;
 pub mod failure;

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
-use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start, ThreadFailure};
+use super::compute_thread::ThreadFailure;
+use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{CheckpointStatus, DrafterState, DrafterStatus, Heads, Status, SupervisorMsg, ThreadMsg, Work};
 use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tch::{Device, Kind};
 
-use super::drafter::ThreadFailure;
+use super::compute_thread::{self, torch};
 use super::failure::Failure;
 use super::messages::{Heads, SupervisorMsg, ThreadMsg, Work};
 use crate::config::TargetSource;
@@ -18,7 +18,6 @@ use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::Depth;
 use crate::model::shared::SharedTensor;
-use crate::panic::{Panicked, catch_torch};
 use crate::train::FeatureBatch;
 
 /// Where a drafter's current thread takes its work.
@@ -92,28 +91,13 @@ impl Actor for TargetActor {
     type Arguments = TargetSpawn;
 
     async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: TargetSpawn) -> Result<(), ActorProcessingErr> {
-        std::thread::Builder::new().name("target".into()).spawn(move || {
-            let outcome = match catch_torch(|| run(args)) {
-                Ok(result) => result,
-                Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
-                Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
-            };
-            if let Err(failure) = outcome {
-                let _ = myself.send_message(ThreadMsg::Died(failure));
-            }
-        })?;
+        compute_thread::spawn("target".into(), myself, move || run(args))?;
         Ok(())
     }
 
     async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
-        match msg {
-            ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
-        }
+        compute_thread::on_thread_msg(msg)
     }
-}
-
-fn torch(e: impl std::fmt::Display) -> Failure {
-    Failure::from_torch(&e.to_string())
 }
 
 fn run(a: TargetSpawn) -> Result<(), Failure> {

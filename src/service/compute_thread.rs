@@ -1,0 +1,52 @@
+//! The target and every drafter compute on a dedicated OS thread, owned by a thin actor. This module is that
+//! pairing: it starts the thread, turns whatever ends it (an error, a libtorch error, a panic) into a classified
+//! [`Failure`] sent to the actor, and makes the actor fail with it, so the supervisor sees the thread's failure as
+//! its child's.
+use ractor::{ActorProcessingErr, ActorRef};
+
+use super::failure::Failure;
+use super::messages::ThreadMsg;
+use crate::panic::{Panicked, catch_torch};
+
+/// The actor's failure, carrying the thread's.
+#[derive(Debug)]
+pub struct ThreadFailure(pub Failure);
+
+impl std::fmt::Display for ThreadFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ThreadFailure {}
+
+/// Starts `body` on a new thread named `name`; when it fails, its actor `owner` is told.
+pub fn spawn(
+    name: String,
+    owner: ActorRef<ThreadMsg>,
+    body: impl FnOnce() -> Result<(), Failure> + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new().name(name).spawn(move || {
+        let outcome = match catch_torch(body) {
+            Ok(result) => result,
+            Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
+            Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
+        };
+        if let Err(failure) = outcome {
+            let _ = owner.send_message(ThreadMsg::Died(failure));
+        }
+    })?;
+    Ok(())
+}
+
+/// The owning actor's handling of its thread's messages: a death is the actor's failure.
+pub fn on_thread_msg(msg: ThreadMsg) -> Result<(), ActorProcessingErr> {
+    match msg {
+        ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
+    }
+}
+
+/// A libtorch (or device) error inside a compute thread, classified.
+pub fn torch(e: impl std::fmt::Display) -> Failure {
+    Failure::from_torch(&e.to_string())
+}
