@@ -19,6 +19,7 @@ use super::ModelError;
 use super::drafter_config::DrafterConfig;
 use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
+use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, rms_norm, swiglu};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
@@ -257,6 +258,94 @@ impl Drafter {
     }
 }
 
+/// The drafter's weights cast once to the compute dtype, for decoding (training casts the fp32 masters every step,
+/// which decoding at batch 1 cannot afford).
+pub struct DraftWeights(Vec<Tensor>);
+
+impl Drafter {
+    pub fn decode_weights(&self) -> Result<DraftWeights, ModelError> {
+        let groups = self.params.layout().groups().len();
+        Ok(DraftWeights((0..groups).map(|g| self.params.leaf(g).f_to_kind(self.kind)).collect::<Result<_, _>>()?))
+    }
+
+    /// A cache of projected context keys and values for up to `capacity` positions of one sequence.
+    pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
+        let c = &self.cfg.decoder;
+        let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
+        KvCache::new(self.layers.len(), 1, kv_heads, d, capacity, self.kind, self.device)
+    }
+
+    /// One drafting pass at inference: appends the target states of newly accepted tokens `new_context [1, n,
+    /// taps * hidden]` (positions `cache.len()..`) to the context cache, then runs the block `block_embeddings
+    /// [1, bs, hidden]` (the target's embedding of `[last accepted token, MASK...]`) at the positions right after
+    /// the context. Block queries see every context key and every key of the block, as in training (context
+    /// `p < anchor`, bidirectional block); the block's own keys are not kept. Returns the final-normed hidden
+    /// states `[1, bs, hidden]`.
+    pub fn draft(
+        &self,
+        w: &DraftWeights,
+        new_context: &Tensor,
+        block_embeddings: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        let c = &self.cfg.decoder;
+        let eps = c.rms_norm_eps;
+        let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
+        let (n, bs) = (new_context.size()[1], block_embeddings.size()[1]);
+        let start = cache.len();
+        cache.reserve(n)?;
+        let w = |group: usize| &w.0[group];
+        tch::no_grad(|| {
+            let ctx = rms_norm(&new_context.f_linear(w(self.fc), None::<Tensor>)?, w(self.hidden_norm), eps);
+            let rope = |from: i64, len: i64| -> Result<(Tensor, Tensor), ModelError> {
+                let positions = Tensor::f_arange_start(from, from + len, (Kind::Int64, self.device))?;
+                let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
+                Ok((cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2)))
+            };
+            let (cos_c, sin_c) = rope(start, n)?;
+            let (cos_b, sin_b) = rope(start + n, bs)?;
+            let mut x = block_embeddings.shallow_clone();
+            for (i, layer) in self.layers.iter().enumerate() {
+                let qkv_w = w(layer.qkv_proj);
+                let (q_norm, k_norm) = (w(layer.q_norm), w(layer.k_norm));
+                let qkv = rms_norm(&x, w(layer.input_layernorm), eps).f_linear(qkv_w, None::<Tensor>)?;
+                let q = qkv.narrow(-1, 0, heads * d).view([1, bs, heads, d]);
+                let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([1, bs, kv_heads, d]);
+                let v_blk = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([1, bs, kv_heads, d]);
+                let q = apply_rope(&rms_norm(&q, q_norm, eps), &cos_b, &sin_b).transpose(1, 2);
+                let k_blk = apply_rope(&rms_norm(&k_blk, k_norm, eps), &cos_b, &sin_b).transpose(1, 2);
+                let (k_ctx, v_ctx) = if n > 0 {
+                    let kv = ctx.f_linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>)?;
+                    let k = kv.narrow(-1, 0, kv_heads * d).view([1, n, kv_heads, d]);
+                    let v = kv.narrow(-1, kv_heads * d, kv_heads * d).view([1, n, kv_heads, d]);
+                    let k = apply_rope(&rms_norm(&k, k_norm, eps), &cos_c, &sin_c).transpose(1, 2);
+                    cache.write(i, &k, &v.transpose(1, 2))?
+                } else {
+                    cache.view(i)?
+                };
+                let keys = Tensor::f_cat(&[&k_ctx, &k_blk], 2)?;
+                let values = Tensor::f_cat(&[&v_ctx, &v_blk.transpose(1, 2)], 2)?;
+                let attn = Tensor::f_scaled_dot_product_attention(
+                    &q,
+                    &keys,
+                    &values,
+                    None::<Tensor>,
+                    0.0,
+                    false,
+                    None,
+                    kv_heads != heads,
+                )?;
+                let o = attn.transpose(1, 2).reshape([1, bs, heads * d]);
+                x = x + o.f_linear(w(layer.o_proj), None::<Tensor>)?;
+                let h = rms_norm(&x, w(layer.post_attention_layernorm), eps);
+                x = &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj));
+            }
+            cache.advance(n);
+            Ok(rms_norm(&x, w(self.norm), eps))
+        })
+    }
+}
+
 /// Writes a drafter folder in the published format from its configuration and flat master weights (on any
 /// device): `config.json` and `model.safetensors` under the published names, in `dtype`.
 pub fn save_drafter_folder(
@@ -281,7 +370,7 @@ pub fn save_drafter_folder(
 
 /// `[B, kv_heads, L, d]` -> `[B, kv_heads * rep, L, d]`, each key/value head serving `rep` query heads (the
 /// memory-efficient attention kernel, which takes a mask, wants them expanded).
-fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
+pub(crate) fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
     if rep == 1 {
         return t.shallow_clone();
     }

@@ -8,9 +8,11 @@ pub mod drafter_config;
 pub mod flat_params;
 pub mod generate;
 pub mod init;
+pub mod kv_cache;
 pub mod layers;
 pub mod presets;
 pub mod shared;
+pub mod speculative;
 pub mod target;
 pub mod weights;
 
@@ -18,8 +20,9 @@ pub use config::{Architecture, TargetConfig};
 pub use drafter::{BlockAttention, Drafter};
 pub use drafter_config::DrafterConfig;
 pub use init::Init;
+pub use kv_cache::KvCache;
 pub use presets::Preset;
-pub use target::{Depth, Target};
+pub use target::{Decoded, Depth, Target};
 
 /// Everything that can go wrong reading, building or running a model, each naming the file or key and what to do.
 #[derive(Debug, thiserror::Error)]

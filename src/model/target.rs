@@ -12,7 +12,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::config::TargetConfig;
+use super::drafter::repeat_kv;
 use super::init::{Init, InitStream};
+use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, rms_norm, swiglu};
 use super::weights::{HostTensor, WeightFiles, write_sharded};
 use crate::device::kind_name;
@@ -39,6 +41,23 @@ struct DecoderLayer {
     /// `[2 * intermediate, hidden]`
     gate_up_proj: Tensor,
     down_proj: Tensor,
+}
+
+/// How a layer's attention finds its keys.
+enum Keys<'a> {
+    /// The input is the whole sequence: causal attention over it.
+    Causal,
+    /// The input continues a cached sequence: keys are the cache plus the new ones (written to `layer`'s slot),
+    /// with `bias` the causal mask when several tokens follow cached ones.
+    Cached { cache: &'a mut KvCache, layer: usize, bias: Option<&'a Tensor> },
+}
+
+/// What one decoding step computes for its new positions.
+pub struct Decoded {
+    /// `[1, T, vocab]`
+    pub logits: Tensor,
+    /// The tapped layers' outputs concatenated in tap order, `[1, T, taps * hidden]`: the drafter's context.
+    pub taps: Tensor,
 }
 
 /// The frozen target model.
@@ -248,17 +267,17 @@ impl Target {
         let (b, s) = self.check_batch(input_ids, lengths)?;
         let h = self.cfg.hidden_size as i64;
         let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
-        tch::no_grad(|| {
+        let _last = tch::no_grad(|| {
             let mut next_tap = 0;
-            let _last = self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, |layer, x| {
+            self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, None, |layer, x| {
                 if self.taps.get(next_tap) == Some(&layer) {
                     let _p = span("target.copy_taps");
                     let mut slot = out.narrow(2, next_tap as i64 * h, h);
                     slot.copy_(x);
                     next_tap += 1;
                 }
-            });
-        });
+            })
+        })?;
         self.zero_padding(&out, lengths)?;
         Ok(out)
     }
@@ -270,12 +289,47 @@ impl Target {
             return Err(ModelError::NotFull);
         };
         self.check_batch(input_ids, lengths)?;
-        let logits = tch::no_grad(|| {
-            let x = self.run_layers(input_ids, self.layers.len(), |_, _| {});
-            rms_norm(&x, norm, self.cfg.rms_norm_eps).linear(self.lm_head(), None::<Tensor>)
-        });
+        let logits = tch::no_grad(|| -> Result<Tensor, ModelError> {
+            let x = self.run_layers(input_ids, self.layers.len(), None, |_, _| {})?;
+            Ok(rms_norm(&x, norm, self.cfg.rms_norm_eps).linear(self.lm_head(), None::<Tensor>))
+        })?;
         self.zero_padding(&logits, lengths)?;
         Ok(logits)
+    }
+
+    /// A cache for [`Target::decode`] holding up to `capacity` positions of one sequence.
+    pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
+        let c = &self.cfg;
+        let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
+        KvCache::new(self.layers.len(), 1, kv_heads, d, capacity, self.kind, self.device)
+    }
+
+    /// Continues the cached sequence with `input_ids [1, T]` (the prefill when the cache is empty, one token, or a
+    /// block to verify): returns the logits `[1, T, vocab]` and the tapped states `[1, T, taps * hidden]` of the
+    /// new positions, and holds their keys and values in `cache`. Needs [`Depth::Full`].
+    pub fn decode(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Decoded, ModelError> {
+        let Some(norm) = &self.norm else {
+            return Err(ModelError::NotFull);
+        };
+        let t = input_ids.size()[1];
+        self.check_batch(input_ids, &[t])?;
+        cache.reserve(t)?;
+        if (cache.len() + t) as usize > self.cfg.max_position_embeddings {
+            return Err(ModelError::Batch(format!(
+                "decoding past max_position_embeddings {}",
+                self.cfg.max_position_embeddings
+            )));
+        }
+        tch::no_grad(|| {
+            let mut taps = Vec::with_capacity(self.taps.len());
+            let x = self.run_layers(input_ids, self.layers.len(), Some(cache), |layer, x| {
+                if self.taps.contains(&layer) {
+                    taps.push(x.shallow_clone());
+                }
+            })?;
+            let logits = rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?;
+            Ok(Decoded { logits, taps: Tensor::f_cat(&taps, 2)? })
+        })
     }
 
     fn check_batch(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(i64, i64), ModelError> {
@@ -305,24 +359,59 @@ impl Target {
     }
 
     /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output.
-    fn run_layers(&self, input_ids: &Tensor, count: usize, mut observe: impl FnMut(usize, &Tensor)) -> Tensor {
+    /// With a cache, the tokens continue the cached sequence (positions from its length on) and every layer's new
+    /// keys and values are written to it.
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        count: usize,
+        mut cache: Option<&mut KvCache>,
+        mut observe: impl FnMut(usize, &Tensor),
+    ) -> Result<Tensor, ModelError> {
         let s = input_ids.size()[1];
-        let positions = Tensor::arange(s, (Kind::Int64, self.device));
+        let start = cache.as_ref().map_or(0, |c| c.len());
+        let positions = Tensor::f_arange_start(start, start + s, (Kind::Int64, self.device))?;
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
         // [S, d] -> [1, S, 1, d]: broadcast over batch and heads in the [B, S, heads, d] layout.
         let (cos, sin) = (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2));
+        // A verify step (several new tokens after cached ones) needs an explicit causal mask over [cache ; new].
+        let bias = match &cache {
+            Some(_) if start > 0 && s > 1 => {
+                let keys = Tensor::f_arange(start + s, (Kind::Int64, self.device))?.unsqueeze(0);
+                let visible = keys.f_le_tensor(&positions.unsqueeze(1))?;
+                Some(
+                    Tensor::f_zeros([s, start + s], (self.kind, self.device))?
+                        .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?,
+                )
+            }
+            _ => None,
+        };
         let mut x = {
             let _p = span("target.embed");
             self.embed(input_ids)
         };
         for (i, layer) in self.layers[..count].iter().enumerate() {
-            x = self.layer_forward(layer, &x, &cos, &sin);
+            let attend = match cache.as_deref_mut() {
+                Some(c) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
+                None => Keys::Causal,
+            };
+            x = self.layer_forward(layer, &x, &cos, &sin, attend)?;
             observe(i, &x);
         }
-        x
+        if let Some(c) = cache {
+            c.advance(s);
+        }
+        Ok(x)
     }
 
-    fn layer_forward(&self, layer: &DecoderLayer, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        keys: Keys<'_>,
+    ) -> Result<Tensor, ModelError> {
         let c = &self.cfg;
         let (b, s) = (x.size()[0], x.size()[1]);
         let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
@@ -348,18 +437,37 @@ impl Target {
             let _p = span("target.rope");
             (apply_rope(&q, cos, sin).transpose(1, 2), apply_rope(&k, cos, sin).transpose(1, 2))
         };
+        let v = v.transpose(1, 2);
         let attn = {
             let _p = span("target.attention");
-            Tensor::scaled_dot_product_attention(
-                &q,
-                &k,
-                &v.transpose(1, 2),
-                None::<Tensor>,
-                0.0,
-                true,
-                None,
-                kv_heads != heads,
-            )
+            let gqa = kv_heads != heads;
+            match keys {
+                Keys::Causal => {
+                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
+                }
+                Keys::Cached { cache, layer: index, bias } => {
+                    let first = cache.is_empty();
+                    let (k, v) = cache.write(index, &k, &v)?;
+                    match bias {
+                        // Several new tokens after cached ones: the memory-efficient kernel takes the mask and wants
+                        // the key/value heads expanded.
+                        Some(bias) => Tensor::f_scaled_dot_product_attention(
+                            &q,
+                            &repeat_kv(&k, heads / kv_heads),
+                            &repeat_kv(&v, heads / kv_heads),
+                            Some(bias),
+                            0.0,
+                            false,
+                            None,
+                            false,
+                        )?,
+                        // The prefill is causal; one new token sees every key.
+                        None => {
+                            Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, first, None, gqa)?
+                        }
+                    }
+                }
+            }
         };
         let x = {
             let _p = span("target.o_proj");
@@ -370,7 +478,7 @@ impl Target {
             rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)
         };
         let _p = span("target.mlp");
-        x + swiglu(&h, &layer.gate_up_proj, &layer.down_proj)
+        Ok(x + swiglu(&h, &layer.gate_up_proj, &layer.down_proj))
     }
 
     fn zero_padding(&self, t: &Tensor, lengths: &[i64]) -> Result<(), ModelError> {

@@ -1,0 +1,105 @@
+//! Keys and values kept between decoding steps, for the target (every token it has seen) and the drafter (the
+//! projected context of every accepted token). Preallocated to a capacity, so a step writes its new rows in place
+//! and reads a prefix view: no reallocation or concatenation per token. Cropping is a length change: the rows past
+//! it are overwritten by the next step.
+use tch::{Device, Kind, Tensor};
+
+use super::ModelError;
+
+/// Per-layer keys and values `[batch, kv_heads, capacity, head_dim]`, the first `len` positions valid.
+pub struct KvCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    len: i64,
+    capacity: i64,
+}
+
+impl KvCache {
+    pub fn new(
+        layers: usize,
+        batch: i64,
+        kv_heads: i64,
+        head_dim: i64,
+        capacity: i64,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self, ModelError> {
+        let shape = [batch, kv_heads, capacity, head_dim];
+        let make = || -> Result<Vec<Tensor>, ModelError> {
+            (0..layers).map(|_| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect()
+        };
+        Ok(KvCache { keys: make()?, values: make()?, len: 0, capacity })
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> i64 {
+        self.capacity
+    }
+
+    /// Checks that `count` more positions fit.
+    pub fn reserve(&self, count: i64) -> Result<(), ModelError> {
+        if self.len + count > self.capacity {
+            return Err(ModelError::Batch(format!(
+                "the KV cache holds {} positions: {} more do not fit (raise the decoding length limit)",
+                self.capacity,
+                count - (self.capacity - self.len)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `keys`/`values` `[batch, kv_heads, T, head_dim]` of `layer` at positions `len..len + T` and returns
+    /// views of positions `0..len + T`. The length itself moves on with [`KvCache::advance`], once every layer has
+    /// written.
+    pub fn write(&mut self, layer: usize, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
+        let t = keys.size()[2];
+        self.reserve(t)?;
+        self.keys[layer].f_narrow(2, self.len, t)?.f_copy_(keys)?;
+        self.values[layer].f_narrow(2, self.len, t)?.f_copy_(values)?;
+        Ok((self.keys[layer].f_narrow(2, 0, self.len + t)?, self.values[layer].f_narrow(2, 0, self.len + t)?))
+    }
+
+    /// Views of positions `0..len` of `layer`, without writing.
+    pub fn view(&self, layer: usize) -> Result<(Tensor, Tensor), ModelError> {
+        Ok((self.keys[layer].f_narrow(2, 0, self.len)?, self.values[layer].f_narrow(2, 0, self.len)?))
+    }
+
+    /// Counts `count` positions written by every layer as held.
+    pub fn advance(&mut self, count: i64) {
+        self.len += count;
+    }
+
+    /// Keeps the first `len` positions (no-op past the current length).
+    pub fn crop(&mut self, len: i64) {
+        self.len = self.len.min(len.max(0));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_in_place_and_crops() {
+        let mut c = KvCache::new(2, 1, 1, 2, 4, Kind::Float, Device::Cpu).unwrap();
+        let kv = |v: f64, t: i64| Tensor::full([1, 1, t, 2], v, (Kind::Float, Device::Cpu));
+        for layer in 0..2 {
+            let (k, _) = c.write(layer, &kv(1.0, 3), &kv(2.0, 3)).unwrap();
+            assert_eq!(k.size(), [1, 1, 3, 2]);
+        }
+        c.advance(3);
+        c.crop(1);
+        let (k, v) = c.write(0, &kv(5.0, 2), &kv(6.0, 2)).unwrap();
+        let k: Vec<f32> = Vec::try_from(k.flatten(0, -1)).unwrap();
+        let v: Vec<f32> = Vec::try_from(v.flatten(0, -1)).unwrap();
+        assert_eq!(k, [1.0, 1.0, 5.0, 5.0, 5.0, 5.0]);
+        assert_eq!(v, [2.0, 2.0, 6.0, 6.0, 6.0, 6.0]);
+        assert!(c.write(0, &kv(0.0, 4), &kv(0.0, 4)).is_err(), "1 + 4 positions exceed the capacity of 4");
+    }
+}
