@@ -336,7 +336,7 @@ impl Drafter {
                     kv_heads != heads,
                 )?;
                 let o = attn.transpose(1, 2).reshape([1, bs, heads * d]);
-                x = x + o.f_linear(w(layer.o_proj), None::<Tensor>)?;
+                x = &x + o.f_linear(w(layer.o_proj), None::<Tensor>)?;
                 let h = rms_norm(&x, w(layer.post_attention_layernorm), eps);
                 x = &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj));
             }
