@@ -144,3 +144,68 @@ fn eval_scores_a_drafter_on_token_rows() {
     let err = text(&out.stderr);
     assert!(err.contains("rows.jsonl:2") && err.contains("loss_mask"), "{err}");
 }
+
+/// `eval --decode` on a tiny target folder (tokenizer included): token and chat prompts, a dump, and a lossless
+/// report whose counts add up.
+#[test]
+fn eval_decode_measures_acceptance_and_checks_losslessness() {
+    use dflash::data::builtin::write_tiny_tokenizer;
+    use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset};
+    use tch::{Device, Kind};
+    let dir = tempfile::tempdir().unwrap();
+    let (target_dir, drafter_dir) = (dir.path().join("t"), dir.path().join("d"));
+    let (prompts, dump) = (dir.path().join("prompts.jsonl"), dir.path().join("dump.jsonl"));
+    Preset::Tiny
+        .spec()
+        .build_target(Depth::Full, Device::Cpu, Kind::Float)
+        .unwrap()
+        .save_hf(&target_dir, usize::MAX)
+        .unwrap();
+    write_tiny_tokenizer(&target_dir).unwrap();
+    Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 8), Device::Cpu, Kind::Float, Init::Portable(2))
+        .unwrap()
+        .save(&drafter_dir, Kind::Float)
+        .unwrap();
+    std::fs::write(
+        &prompts,
+        "{\"id\": 5, \"input_ids\": [257, 117, 10, 40, 41]}\n{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n",
+    )
+    .unwrap();
+    let out = dflash(&[
+        "eval",
+        "--decode",
+        "--target",
+        target_dir.to_str().unwrap(),
+        "--drafter",
+        drafter_dir.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+        "--dump",
+        dump.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(report["token_match_rate"], 1.0);
+    assert_eq!(report["generated_tokens"], 40);
+    let steps = report["target_steps"].as_f64().unwrap();
+    // Each prompt: the prefill's token, then 19 tokens over its verify steps.
+    assert!((report["decode_acceptance_length"].as_f64().unwrap() - 38.0 / steps).abs() < 1e-9, "{report}");
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&dump).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["id"], 5);
+    assert_eq!(lines[1]["id"], 1, "a line without id is named by its line number");
+    assert!(lines.iter().all(|l| l["tokens"].as_array().unwrap().len() == 20 && l["lossless"] == true));
+
+    // Without --prompts, --decode explains itself.
+    let out = dflash(&["eval", "--decode", "--drafter", drafter_dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--prompts"), "{}", text(&out.stderr));
+}

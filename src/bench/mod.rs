@@ -1,10 +1,12 @@
 //! `dflash bench`: measures the real hot loops at real shapes and reports throughput, achieved TFLOP/s, MFU against
 //! a stated peak, peak device memory and step-time percentiles, optionally with a phase breakdown from device
 //! events. The numbers in BENCHMARKS.md come from here.
+pub mod decode;
 pub mod drafter;
 pub mod launch;
 pub mod target;
 
+pub use decode::{DecodeBenchOptions, DecodeBenchReport, bench_decode};
 pub use drafter::{DrafterBenchOptions, DrafterBenchReport, bench_drafter, drafter_flops_per_sample};
 pub use launch::{LaunchBenchOptions, LaunchBenchReport, bench_launch};
 pub use target::{TargetBenchOptions, TargetBenchReport, bench_target, target_flops};

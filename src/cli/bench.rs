@@ -6,7 +6,8 @@ use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 
 use dflash::bench::{
-    DrafterBenchOptions, LaunchBenchOptions, TargetBenchOptions, bench_drafter, bench_launch, bench_target,
+    DecodeBenchOptions, DrafterBenchOptions, LaunchBenchOptions, TargetBenchOptions, bench_decode, bench_drafter,
+    bench_launch, bench_target,
 };
 use dflash::config::{Config, TargetSource};
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
@@ -21,6 +22,8 @@ pub enum BenchWhat {
     Drafter,
     /// Target capture then a drafter training step, per step, on one device, no actors: serve-train's yardstick
     Pipeline,
+    /// Batch-1 speculative decoding: target verify and drafter passes, and whole generations (see --help)
+    Decode,
     /// Kernel-launch rate of one process with 1, 2, 4, 8 compute threads (see --threads)
     Launch,
 }
@@ -49,7 +52,7 @@ pub struct BenchArgs {
     /// Sequences per step (default: 16 for target, 4 for drafter).
     #[arg(long)]
     batch: Option<i64>,
-    /// Tokens per sequence (default: 2048 for target, 768 for drafter).
+    /// Tokens per sequence (default: 2048 for target, 768 for drafter, 512 prompt tokens for decode).
     #[arg(long)]
     seq: Option<i64>,
     /// Drafter: anchors (blocks) per sequence.
@@ -58,7 +61,8 @@ pub struct BenchArgs {
     /// Drafter: block size.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Timed steps; the median (and for the drafter the 90th percentile) is reported.
+    /// Timed steps; the median (and for the drafter the 90th percentile) is reported. Decode: timed passes of
+    /// each kind, and tokens per generation.
     #[arg(long, default_value_t = 5)]
     steps: usize,
     /// Untimed steps before timing.
@@ -140,6 +144,24 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             })??;
             print_summary(args.json, &report.summary());
             (serde_json::to_value(&report)?, report.phases_ms)
+        }
+        BenchWhat::Decode => {
+            let TargetSource::Preset(preset) = source else {
+                bail!("--what decode runs a preset's random-weight models: pass --preset (e.g. qwen3-8b)");
+            };
+            let opts = DecodeBenchOptions {
+                seq: args.seq.unwrap_or(512),
+                block_size: args.block_size,
+                steps: args.steps,
+                warmup: args.warmup,
+                profile: args.profile,
+            };
+            let report = catch_torch(|| -> Result<_> {
+                tracing::info!(%preset, device = %device_name(device), "building the target and the drafter");
+                Ok(bench_decode(preset, device, kind, &opts)?)
+            })??;
+            print_summary(args.json, &report.summary());
+            (serde_json::to_value(&report)?, None)
         }
         BenchWhat::Launch => {
             let opts = LaunchBenchOptions {

@@ -1,18 +1,22 @@
-//! `dflash eval`: scores a drafter on token rows at every valid anchor and prints loss, accuracy and simulated
-//! acceptance length.
+//! `dflash eval`: scores a drafter on token rows at every valid anchor (loss, accuracy, simulated acceptance
+//! length), or with `--decode` runs real speculative decoding on prompts against the target's greedy decoding.
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use dflash::config::{Config, Gamma, TargetSource};
+use dflash::data::prepare::ModelAssets;
+use dflash::data::prompts::read_prompts;
 use dflash::data::read_token_rows;
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
-use dflash::model::{Depth, Drafter};
+use dflash::model::{Depth, Drafter, Preset, Target};
 use dflash::panic::catch_torch;
 use dflash::train::ObjectiveSettings;
+use dflash::train::decode_eval::{DecodeSettings, evaluate_decoding};
 use dflash::train::eval::evaluate_rows;
+use tch::{Device, Kind};
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -23,8 +27,28 @@ pub struct EvalArgs {
     #[arg(long, value_name = "DIR")]
     drafter: PathBuf,
     /// Token rows as JSON lines: {"id"?: int, "input_ids": [...], "loss_mask": [0|1...]}.
+    #[arg(long, value_name = "PATH", required_unless_present = "decode", conflicts_with = "decode")]
+    data: Option<PathBuf>,
+    /// Decode for real: speculative decoding of --prompts with the drafter, checked against the target's own greedy
+    /// decoding in the same run (greedy, batch 1).
+    #[arg(long, requires = "prompts")]
+    decode: bool,
+    /// --decode: prompts as JSON lines, {"id"?: int, "input_ids": [...]} or a chat {"messages": [...]} (rendered
+    /// with the target's chat template and a generation prompt; trailing assistant messages are dropped).
     #[arg(long, value_name = "PATH")]
-    data: PathBuf,
+    prompts: Option<PathBuf>,
+    /// --decode: tokens to generate per prompt at most.
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// --decode: do not stop at the target's eos_token_id.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// --decode: write each prompt's generated token ids and accepted counts per verify step as JSON lines here.
+    #[arg(long, value_name = "PATH")]
+    dump: Option<PathBuf>,
+    /// --decode: chat template variables as a JSON object, e.g. '{"enable_thinking": false}'.
+    #[arg(long, value_name = "JSON")]
+    template_kwargs: Option<String>,
     /// cpu, cuda:N or auto (default: target.device).
     #[arg(long)]
     device: Option<DeviceSpec>,
@@ -55,6 +79,10 @@ pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
         None => config.target.source.clone(),
     };
     let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
+    if args.decode {
+        return decode(&args, &source, device, kind);
+    }
+    let data = args.data.as_ref().expect("clap requires --data without --decode");
     let report = catch_torch(|| -> Result<_> {
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let dc = drafter.config().clone();
@@ -65,20 +93,8 @@ pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
             gamma,
             dc.mask_token_id,
         );
-        tracing::info!(target = %source, device = %device_name(device), "loading the target");
-        let target = source.build_target(&dc.target_layer_ids, Depth::ToLastTap, device, kind)?;
-        let tc = target.config();
-        if tc.hidden_size != dc.decoder.hidden_size || tc.vocab_size != dc.decoder.vocab_size {
-            bail!(
-                "the drafter in {} expects a target with hidden size {} and vocabulary {}, but {source} has {} and {}",
-                args.drafter.display(),
-                dc.decoder.hidden_size,
-                dc.decoder.vocab_size,
-                tc.hidden_size,
-                tc.vocab_size
-            );
-        }
-        let rows = read_token_rows(&args.data, tc.vocab_size)?;
+        let target = load_target(&source, &args.drafter, &drafter, Depth::ToLastTap, device, kind)?;
+        let rows = read_token_rows(data, target.config().vocab_size)?;
         Ok(evaluate_rows(&target, &drafter, &objective, &rows, args.batch)?)
     })??;
     if args.json {
@@ -94,6 +110,66 @@ pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
             report.acceptance_length,
             report.block_size
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Loads the target with the drafter's tapped layers and checks that the two fit together.
+fn load_target(
+    source: &TargetSource,
+    drafter_dir: &std::path::Path,
+    drafter: &Drafter,
+    depth: Depth,
+    device: Device,
+    kind: Kind,
+) -> Result<Target> {
+    let dc = drafter.config();
+    tracing::info!(target = %source, device = %device_name(device), "loading the target");
+    let target = source.build_target(&dc.target_layer_ids, depth, device, kind)?;
+    let tc = target.config();
+    if tc.hidden_size != dc.decoder.hidden_size || tc.vocab_size != dc.decoder.vocab_size {
+        bail!(
+            "the drafter in {} expects a target with hidden size {} and vocabulary {}, but {source} has {} and {}",
+            drafter_dir.display(),
+            dc.decoder.hidden_size,
+            dc.decoder.vocab_size,
+            tc.hidden_size,
+            tc.vocab_size
+        );
+    }
+    Ok(target)
+}
+
+fn decode(args: &EvalArgs, source: &TargetSource, device: Device, kind: Kind) -> Result<ExitCode> {
+    let prompts_path = args.prompts.as_ref().expect("clap requires --prompts with --decode");
+    let kwargs = super::data::template_kwargs(args.template_kwargs.as_deref())?;
+    // Chat prompts need the target's tokenizer and template: a model folder's, or the tiny preset's.
+    let assets = match source {
+        TargetSource::Folder(dir) => Some(ModelAssets::resolve(&dir.to_string_lossy(), &kwargs)?),
+        TargetSource::Preset(Preset::Tiny) => Some(ModelAssets::tiny(&kwargs)),
+        TargetSource::Preset(_) => None,
+    };
+    let report = catch_torch(|| -> Result<_> {
+        let drafter = Drafter::load(&args.drafter, device, kind)?;
+        let target = load_target(source, &args.drafter, &drafter, Depth::Full, device, kind)?;
+        let prompts = read_prompts(prompts_path, target.config().vocab_size, assets.as_ref())?;
+        let stop = if args.ignore_eos { Vec::new() } else { target.config().eos_token_ids.clone() };
+        let settings = DecodeSettings { max_new_tokens: args.max_new_tokens, stop };
+        tracing::info!(prompts = prompts.len(), max_new_tokens = args.max_new_tokens, "decoding");
+        Ok(evaluate_decoding(&target, &drafter, &prompts, &settings)?)
+    })??;
+    if let Some(path) = &args.dump {
+        let mut text = String::new();
+        for r in &report.results {
+            text.push_str(&serde_json::to_string(r)?);
+            text.push('\n');
+        }
+        std::fs::write(path, text).with_context(|| format!("--dump {}", path.display()))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", report.summary());
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -5,6 +5,7 @@ pub mod chat;
 pub mod dataset;
 pub mod loader;
 pub mod prepare;
+pub mod prompts;
 pub mod regenerate;
 pub mod sample;
 pub mod shards;

@@ -268,11 +268,12 @@ impl Drafter {
         Ok(DraftWeights((0..groups).map(|g| self.params.leaf(g).f_to_kind(self.kind)).collect::<Result<_, _>>()?))
     }
 
-    /// A cache of projected context keys and values for up to `capacity` positions of one sequence.
+    /// A cache of projected context keys and values for up to `capacity` positions of one sequence (rounded up
+    /// to a multiple of [`CONTEXT_BUCKET`]: attention reads the context in whole buckets, see [`Drafter::draft`]).
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
         let c = &self.cfg.decoder;
         let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
-        KvCache::new(self.layers.len(), 1, kv_heads, d, capacity, self.kind, self.device)
+        KvCache::new(self.layers.len(), 1, kv_heads, d, context_bucket(capacity), self.kind, self.device)
     }
 
     /// One drafting pass at inference: appends the target states of newly accepted tokens `new_context [1, n,
@@ -280,7 +281,9 @@ impl Drafter {
     /// [1, bs, hidden]` (the target's embedding of `[last accepted token, MASK...]`) at the positions right after
     /// the context. Block queries see every context key and every key of the block, as in training (context
     /// `p < anchor`, bidirectional block); the block's own keys are not kept. Returns the final-normed hidden
-    /// states `[1, bs, hidden]`.
+    /// states `[1, bs, hidden]`. The context is attended in whole [`CONTEXT_BUCKET`]s, the rows past it masked, so
+    /// the attention shape recurs from step to step (cuDNN plans an attention per shape, which costs far more than
+    /// the attention itself at batch 1).
     pub fn draft(
         &self,
         w: &DraftWeights,
@@ -296,7 +299,10 @@ impl Drafter {
         cache.reserve(n)?;
         let w = |group: usize| &w.0[group];
         tch::no_grad(|| {
-            let ctx = rms_norm(&new_context.f_linear(w(self.fc), None::<Tensor>)?, w(self.hidden_norm), eps);
+            let ctx = {
+                let _p = span("drafter.fc");
+                rms_norm(&new_context.f_linear(w(self.fc), None::<Tensor>)?, w(self.hidden_norm), eps)
+            };
             let rope = |from: i64, len: i64| -> Result<(Tensor, Tensor), ModelError> {
                 let positions = Tensor::f_arange_start(from, from + len, (Kind::Int64, self.device))?;
                 let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
@@ -304,41 +310,45 @@ impl Drafter {
             };
             let (cos_c, sin_c) = rope(start, n)?;
             let (cos_b, sin_b) = rope(start + n, bs)?;
+            let padded = context_bucket(start + n);
+            let keys_at = Tensor::f_arange(padded + bs, (Kind::Int64, self.device))?;
+            let hidden_rows = keys_at.f_ge(start + n)?.f_logical_and(&keys_at.f_lt(padded)?)?;
+            let bias = Tensor::f_zeros([1, 1, bs, padded + bs], (self.kind, self.device))?
+                .f_masked_fill(&hidden_rows, f64::NEG_INFINITY)?;
+            let rep = heads / kv_heads;
             let mut x = block_embeddings.shallow_clone();
             for (i, layer) in self.layers.iter().enumerate() {
                 let qkv_w = w(layer.qkv_proj);
                 let (q_norm, k_norm) = (w(layer.q_norm), w(layer.k_norm));
+                let p = span("drafter.qkv_proj");
                 let qkv = rms_norm(&x, w(layer.input_layernorm), eps).f_linear(qkv_w, None::<Tensor>)?;
                 let q = qkv.narrow(-1, 0, heads * d).view([1, bs, heads, d]);
                 let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([1, bs, kv_heads, d]);
                 let v_blk = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([1, bs, kv_heads, d]);
                 let q = apply_rope(&rms_norm(&q, q_norm, eps), &cos_b, &sin_b).transpose(1, 2);
                 let k_blk = apply_rope(&rms_norm(&k_blk, k_norm, eps), &cos_b, &sin_b).transpose(1, 2);
-                let (k_ctx, v_ctx) = if n > 0 {
+                if n > 0 {
                     let kv = ctx.f_linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>)?;
                     let k = kv.narrow(-1, 0, kv_heads * d).view([1, n, kv_heads, d]);
                     let v = kv.narrow(-1, kv_heads * d, kv_heads * d).view([1, n, kv_heads, d]);
                     let k = apply_rope(&rms_norm(&k, k_norm, eps), &cos_c, &sin_c).transpose(1, 2);
-                    cache.write(i, &k, &v.transpose(1, 2))?
-                } else {
-                    cache.view(i)?
-                };
-                let keys = Tensor::f_cat(&[&k_ctx, &k_blk], 2)?;
-                let values = Tensor::f_cat(&[&v_ctx, &v_blk.transpose(1, 2)], 2)?;
-                let attn = Tensor::f_scaled_dot_product_attention(
-                    &q,
-                    &keys,
-                    &values,
-                    None::<Tensor>,
-                    0.0,
-                    false,
-                    None,
-                    kv_heads != heads,
-                )?;
+                    let _ = cache.write(i, &k, &v.transpose(1, 2))?;
+                }
+                let (k_ctx, v_ctx) = cache.prefix(i, padded)?;
+                drop(p);
+                let p = span("drafter.attention");
+                // The memory-efficient kernel takes the mask and wants the key/value heads expanded.
+                let keys = repeat_kv(&Tensor::f_cat(&[&k_ctx, &k_blk], 2)?, rep);
+                let values = repeat_kv(&Tensor::f_cat(&[&v_ctx, &v_blk.transpose(1, 2)], 2)?, rep);
+                let attn =
+                    Tensor::f_scaled_dot_product_attention(&q, &keys, &values, Some(&bias), 0.0, false, None, false)?;
+                drop(p);
+                let p = span("drafter.mlp");
                 let o = attn.transpose(1, 2).reshape([1, bs, heads * d]);
                 x = &x + o.f_linear(w(layer.o_proj), None::<Tensor>)?;
                 let h = rms_norm(&x, w(layer.post_attention_layernorm), eps);
                 x = &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj));
+                drop(p);
             }
             cache.advance(n);
             Ok(rms_norm(&x, w(self.norm), eps))

@@ -65,9 +65,10 @@ impl KvCache {
         Ok((self.keys[layer].f_narrow(2, 0, self.len + t)?, self.values[layer].f_narrow(2, 0, self.len + t)?))
     }
 
-    /// Views of positions `0..len` of `layer`, without writing.
-    pub fn view(&self, layer: usize) -> Result<(Tensor, Tensor), ModelError> {
-        Ok((self.keys[layer].f_narrow(2, 0, self.len)?, self.values[layer].f_narrow(2, 0, self.len)?))
+    /// Views of the first `len` rows of `layer`'s buffers, held or not (`len` up to the capacity): for callers that
+    /// mask the rows past [`KvCache::len`] themselves, to keep attention shapes from changing every step.
+    pub fn prefix(&self, layer: usize, len: i64) -> Result<(Tensor, Tensor), ModelError> {
+        Ok((self.keys[layer].f_narrow(2, 0, len)?, self.values[layer].f_narrow(2, 0, len)?))
     }
 
     /// Counts `count` positions written by every layer as held.

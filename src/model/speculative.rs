@@ -9,6 +9,8 @@
 //! equal: the target alone, one token per step.
 use tch::{Kind, Tensor};
 
+use crate::profile::span;
+
 use super::drafter::DraftWeights;
 use super::{Drafter, KvCache, ModelError, Target};
 
@@ -45,6 +47,7 @@ impl Proposer for DFlashProposer<'_> {
         let context = new_context.f_to_kind(self.drafter.kind())?;
         let hidden = self.drafter.draft(&self.weights, &context, &embeddings, &mut self.cache)?;
         let slots = (count as i64).min(cfg.block_size as i64 - 1);
+        let _p = span("drafter.lm_head");
         let logits = tch::no_grad(|| hidden.narrow(1, 1, slots).f_linear(self.target.lm_head(), None::<Tensor>))?;
         Ok(Vec::try_from(logits.f_argmax(-1, false)?.f_flatten(0, -1)?)?)
     }
@@ -114,7 +117,7 @@ pub fn speculative(
         let start = cache.len();
         // Drafted tokens past the limit could never be kept: verify only what can be.
         let count = (block_size - 1).min(max_new - out.tokens.len() - 1);
-        let drafted = proposer.propose(&context, last, count)?;
+        let drafted = if count == 0 { Vec::new() } else { proposer.propose(&context, last, count)? };
         let mut block = vec![last];
         block.extend_from_slice(&drafted);
         let verified = target.decode(&ids_tensor(target, &block)?, &mut cache)?;

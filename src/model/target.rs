@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::config::TargetConfig;
-use super::drafter::repeat_kv;
+use super::drafter::{context_bucket, repeat_kv};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, rms_norm, swiglu};
@@ -47,8 +47,8 @@ struct DecoderLayer {
 enum Keys<'a> {
     /// The input is the whole sequence: causal attention over it.
     Causal,
-    /// The input continues a cached sequence: keys are the cache plus the new ones (written to `layer`'s slot),
-    /// with `bias` the causal mask when several tokens follow cached ones.
+    /// The input continues a cached sequence: keys are the cache plus the new ones (written to `layer`'s slot);
+    /// `bias` is the causal mask over the bucketed cache after a prefill, `None` for the prefill itself.
     Cached { cache: &'a mut KvCache, layer: usize, bias: Option<&'a Tensor> },
 }
 
@@ -297,11 +297,12 @@ impl Target {
         Ok(logits)
     }
 
-    /// A cache for [`Target::decode`] holding up to `capacity` positions of one sequence.
+    /// A cache for [`Target::decode`] holding up to `capacity` positions of one sequence (rounded up to a
+    /// multiple of [`CONTEXT_BUCKET`](super::drafter::CONTEXT_BUCKET), as attention reads it in buckets).
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
         let c = &self.cfg;
         let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
-        KvCache::new(self.layers.len(), 1, kv_heads, d, capacity, self.kind, self.device)
+        KvCache::new(self.layers.len(), 1, kv_heads, d, context_bucket(capacity), self.kind, self.device)
     }
 
     /// Continues the cached sequence with `input_ids [1, T]` (the prefill when the cache is empty, one token, or a
@@ -375,12 +376,15 @@ impl Target {
         // [S, d] -> [1, S, 1, d]: broadcast over batch and heads in the [B, S, heads, d] layout.
         let (cos, sin) = (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2));
         // A verify step (several new tokens after cached ones) needs an explicit causal mask over [cache ; new].
+        // After a prefill, attention reads the cache in whole buckets with a causal mask over them, so its shape
+        // recurs from step to step (cuDNN plans an attention per shape, which costs far more than the attention
+        // itself at batch 1).
         let bias = match &cache {
-            Some(_) if start > 0 && s > 1 => {
-                let keys = Tensor::f_arange(start + s, (Kind::Int64, self.device))?.unsqueeze(0);
+            Some(_) if start > 0 => {
+                let keys = Tensor::f_arange(context_bucket(start + s), (Kind::Int64, self.device))?.unsqueeze(0);
                 let visible = keys.f_le_tensor(&positions.unsqueeze(1))?;
                 Some(
-                    Tensor::f_zeros([s, start + s], (self.kind, self.device))?
+                    Tensor::f_zeros(visible.size(), (self.kind, self.device))?
                         .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?,
                 )
             }
@@ -446,24 +450,26 @@ impl Target {
                     Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
                 }
                 Keys::Cached { cache, layer: index, bias } => {
-                    let first = cache.is_empty();
                     let (k, v) = cache.write(index, &k, &v)?;
                     match bias {
-                        // Several new tokens after cached ones: the memory-efficient kernel takes the mask and wants
-                        // the key/value heads expanded.
-                        Some(bias) => Tensor::f_scaled_dot_product_attention(
-                            &q,
-                            &repeat_kv(&k, heads / kv_heads),
-                            &repeat_kv(&v, heads / kv_heads),
-                            Some(bias),
-                            0.0,
-                            false,
-                            None,
-                            false,
-                        )?,
-                        // The prefill is causal; one new token sees every key.
+                        // After the prefill: the bucketed cache, masked. The memory-efficient kernel takes the mask
+                        // and wants the key/value heads expanded.
+                        Some(bias) => {
+                            let (k, v) = cache.prefix(index, bias.size()[1])?;
+                            Tensor::f_scaled_dot_product_attention(
+                                &q,
+                                &repeat_kv(&k, heads / kv_heads),
+                                &repeat_kv(&v, heads / kv_heads),
+                                Some(bias),
+                                0.0,
+                                false,
+                                None,
+                                false,
+                            )?
+                        }
+                        // The prefill: causal over the prompt.
                         None => {
-                            Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, first, None, gqa)?
+                            Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
                         }
                     }
                 }

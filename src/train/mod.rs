@@ -2,6 +2,7 @@
 //! of actors, so it is tested and benchmarked on its own.
 pub mod checkpoint;
 pub mod collective;
+pub mod decode_eval;
 pub mod eval;
 pub mod objective;
 pub mod optim;

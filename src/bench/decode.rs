@@ -1,0 +1,211 @@
+//! `dflash bench --what decode`: batch-1 speculative decoding at a preset's shapes (random weights). Times the two
+//! passes of a decoding step on their own, then whole generations:
+//! - verify: the target's forward over a block (`[last token, bs - 1 drafted]`) after a `seq`-token prefill, its
+//!   cache cropped back after each, so every pass sees the same context;
+//! - draft: the drafter's pass (one new context token, then the block), reported as drafted tokens per second
+//!   (`bs - 1` per pass);
+//! - speculative and greedy generation of `steps` tokens after a random prompt, through
+//!   [`evaluate_decoding`](crate::train::decode_eval::evaluate_decoding). A random drafter is hardly ever accepted,
+//!   so this measures the loop's overhead, not a speed-up.
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use super::{BenchError, StepTimes};
+use crate::data::prompts::Prompt;
+use crate::device::{self, device_name, kind_name};
+use crate::model::speculative::{DFlashProposer, Proposer};
+use crate::model::{Depth, Drafter, DrafterConfig, Init, Preset};
+use crate::profile::Recorder;
+use crate::train::decode_eval::{DecodeSettings, Divergence, evaluate_decoding};
+
+#[derive(Debug, Clone)]
+pub struct DecodeBenchOptions {
+    /// Prompt (context) tokens.
+    pub seq: i64,
+    pub block_size: usize,
+    /// Timed passes of each kind, and tokens generated per generation.
+    pub steps: usize,
+    pub warmup: usize,
+    /// Also time the phases of one verify and one draft pass with device events.
+    pub profile: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DecodeBenchReport {
+    pub what: &'static str,
+    pub preset: String,
+    pub device: String,
+    pub dtype: &'static str,
+    pub seq: i64,
+    pub block_size: usize,
+    /// One-token target step (greedy decoding's unit), same context.
+    pub step_ms_p50: f64,
+    pub verify_ms_p50: f64,
+    pub verify_steps_per_s: f64,
+    pub draft_ms_p50: f64,
+    pub drafted_tokens_per_s: f64,
+    /// Whole generations of `steps` tokens (random drafter: acceptance near 1).
+    pub speculative_tokens_per_s: f64,
+    pub greedy_tokens_per_s: f64,
+    pub decode_acceptance_length: f64,
+    pub lossless: bool,
+    pub token_match_rate: f64,
+    /// Where speculative and greedy output first differ (bf16 near-ties), with the greedy step's top-2 logit gap.
+    pub divergences: Vec<Divergence>,
+    pub peak_mem_bytes: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_phases_ms: Option<BTreeMap<&'static str, f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify_phases_ms: Option<BTreeMap<&'static str, f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_phases_ms: Option<BTreeMap<&'static str, f64>>,
+}
+
+pub fn bench_decode(
+    preset: Preset,
+    device: Device,
+    kind: Kind,
+    opts: &DecodeBenchOptions,
+) -> Result<DecodeBenchReport, BenchError> {
+    super::check_counts(1, opts.seq, opts.steps)?;
+    let spec = preset.spec();
+    let target = spec.build_target(Depth::Full, device, kind)?;
+    let init = match spec.init {
+        Init::Portable(_) => Init::Portable(0),
+        Init::Device(_) => Init::Device(0),
+    };
+    let drafter = Drafter::new(DrafterConfig::for_preset(preset, opts.block_size), device, kind, init)?;
+    let vocab = target.config().vocab_size as i64;
+    let prompt: Vec<i64> = (0..opts.seq).map(|i| (i * 7919 + 13) % (vocab - 2)).collect();
+    let bs = opts.block_size as i64;
+    let capacity = opts.seq + bs + opts.steps as i64 + 1;
+    device::reset_peak_memory(device)?;
+
+    // Verify passes over a fixed context.
+    let mut cache = target.new_cache(capacity)?;
+    let prompt_ids = Tensor::f_from_slice(&prompt)?.f_view([1, opts.seq])?.f_to(device)?;
+    let context = target.decode(&prompt_ids, &mut cache)?.taps;
+    let block = prompt_ids.narrow(1, 0, bs);
+    let mut verify = || -> Result<(), BenchError> {
+        let _ = target.decode(&block, &mut cache)?;
+        cache.crop(opts.seq);
+        Ok(())
+    };
+    for _ in 0..opts.warmup {
+        verify()?;
+    }
+    let verify_times = StepTimes::measure(device, opts.steps, &mut verify)?;
+    let verify_phases_ms = if opts.profile { Some(profiled(device, &mut verify)?) } else { None };
+    // One-token steps (what greedy decoding runs), same context.
+    let token = prompt_ids.narrow(1, 0, 1);
+    let mut step = || -> Result<(), BenchError> {
+        let _ = target.decode(&token, &mut cache)?;
+        cache.crop(opts.seq);
+        Ok(())
+    };
+    for _ in 0..opts.warmup {
+        step()?;
+    }
+    let step_times = StepTimes::measure(device, opts.steps, &mut step)?;
+    let step_phases_ms = if opts.profile { Some(profiled(device, &mut step)?) } else { None };
+
+    // Draft passes: the prompt's context once, then one new context token per pass.
+    let mut proposer = DFlashProposer::new(&drafter, &target, capacity + (opts.warmup + opts.steps) as i64)?;
+    let _ = proposer.propose(&context.narrow(1, 0, opts.seq - 1), prompt[0], opts.block_size - 1)?;
+    let one = context.narrow(1, opts.seq - 1, 1);
+    let mut draft = || -> Result<(), BenchError> {
+        let _ = proposer.propose(&one, prompt[1], opts.block_size - 1)?;
+        Ok(())
+    };
+    for _ in 0..opts.warmup {
+        draft()?;
+    }
+    let draft_times = StepTimes::measure(device, opts.steps, &mut draft)?;
+    let draft_phases_ms = if opts.profile { Some(profiled(device, &mut draft)?) } else { None };
+    drop(proposer);
+    drop(cache);
+
+    let settings = DecodeSettings { max_new_tokens: opts.steps, stop: Vec::new() };
+    let prompts = [Prompt { id: 0, input_ids: prompt }];
+    let _warm = evaluate_decoding(&target, &drafter, &prompts, &DecodeSettings { max_new_tokens: 2, stop: vec![] })?;
+    let generation = evaluate_decoding(&target, &drafter, &prompts, &settings)?;
+    let verify_ms = verify_times.percentile(50.0);
+    let draft_ms = draft_times.percentile(50.0);
+    Ok(DecodeBenchReport {
+        what: "decode",
+        preset: preset.name().to_string(),
+        device: device_name(device),
+        dtype: kind_name(kind),
+        seq: opts.seq,
+        block_size: opts.block_size,
+        step_ms_p50: step_times.percentile(50.0),
+        verify_ms_p50: verify_ms,
+        verify_steps_per_s: 1e3 / verify_ms,
+        draft_ms_p50: draft_ms,
+        drafted_tokens_per_s: (opts.block_size - 1) as f64 * 1e3 / draft_ms,
+        speculative_tokens_per_s: generation.speculative_tokens_per_s,
+        greedy_tokens_per_s: generation.greedy_tokens_per_s,
+        decode_acceptance_length: generation.decode_acceptance_length,
+        lossless: generation.lossless,
+        token_match_rate: generation.token_match_rate,
+        divergences: generation.divergences,
+        peak_mem_bytes: device::memory_stats(device)?.peak_allocated,
+        step_phases_ms,
+        verify_phases_ms,
+        draft_phases_ms,
+    })
+}
+
+/// Phase times of one run of `pass`, from device events.
+fn profiled(
+    device: Device,
+    pass: &mut impl FnMut() -> Result<(), BenchError>,
+) -> Result<BTreeMap<&'static str, f64>, BenchError> {
+    let recorder = Recorder::start(device);
+    pass()?;
+    Ok(recorder.finish()?)
+}
+
+impl DecodeBenchReport {
+    pub fn summary(&self) -> String {
+        format!(
+            "decode {} on {} ({}), batch 1, context {}, block {}: one-token step {:.2} ms, verify {:.2} ms ({:.1} steps/s), draft {:.2} ms \
+             ({:.0} drafted tokens/s); generation: speculative {:.1} tokens/s, greedy {:.1} tokens/s, acceptance \
+             {:.2}, lossless {} (match rate {:.3}); peak memory {:.2} GB",
+            self.preset,
+            self.device,
+            self.dtype,
+            self.seq,
+            self.block_size,
+            self.step_ms_p50,
+            self.verify_ms_p50,
+            self.verify_steps_per_s,
+            self.draft_ms_p50,
+            self.drafted_tokens_per_s,
+            self.speculative_tokens_per_s,
+            self.greedy_tokens_per_s,
+            self.decode_acceptance_length,
+            self.lossless,
+            self.token_match_rate,
+            self.peak_mem_bytes as f64 / 1e9
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measures_both_passes_and_a_lossless_generation_on_the_tiny_preset() {
+        let opts = DecodeBenchOptions { seq: 20, block_size: 4, steps: 6, warmup: 1, profile: true };
+        let r = bench_decode(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
+        assert!(r.verify_steps_per_s > 0.0 && r.drafted_tokens_per_s > 0.0);
+        assert!(r.verify_phases_ms.unwrap().contains_key("target.attention"));
+        assert!(r.draft_phases_ms.unwrap().contains_key("drafter.attention"));
+        assert!(r.lossless, "f32 decoding is exact");
+        assert!(r.decode_acceptance_length >= 1.0);
+    }
+}

@@ -1,0 +1,116 @@
+//! Prompts for decoding evaluations, from JSONL: token ids as they are (`{"id"?, "input_ids": [...]}`), or a
+//! conversation (`{"id"?, "messages": [...]}` or ShareGPT `conversations`) rendered with the target's chat template
+//! and a generation prompt, so the target answers its last user turn. Trailing assistant messages are dropped
+//! (they are the answers being regenerated). Any bad line is an error naming the file and line.
+use std::io::BufRead;
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::DataError;
+use super::chat::Conversation;
+use super::prepare::ModelAssets;
+
+/// One prompt's token ids and its id (the line's `id`, else its 0-based line number).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    pub id: u64,
+    pub input_ids: Vec<i64>,
+}
+
+/// Reads every prompt of `path`; `assets` (tokenizer and chat template) are needed only for conversation lines.
+pub fn read_prompts(path: &Path, vocab_size: usize, assets: Option<&ModelAssets>) -> Result<Vec<Prompt>, DataError> {
+    let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
+    let mut prompts = Vec::new();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
+        let prompt = parse_prompt(&line, i as u64, vocab_size, assets).map_err(bad)?;
+        prompts.push(prompt);
+    }
+    if prompts.is_empty() {
+        return Err(DataError::File { path: path.to_path_buf(), reason: "no prompts".into() });
+    }
+    Ok(prompts)
+}
+
+fn parse_prompt(
+    line: &str,
+    line_number: u64,
+    vocab_size: usize,
+    assets: Option<&ModelAssets>,
+) -> Result<Prompt, String> {
+    let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
+    let input_ids = match value.get("input_ids") {
+        Some(ids) => serde_json::from_value::<Vec<i64>>(ids.clone())
+            .map_err(|_| "`input_ids` must be a list of integers".to_string())?,
+        None => {
+            let conv = Conversation::from_json_line(line, line_number).map_err(|e| {
+                format!("{e}; expected {{\"input_ids\": [...]}} or a conversation {{\"messages\": [...]}}")
+            })?;
+            let assets = assets.ok_or("conversation prompts need the target's tokenizer and chat template")?;
+            let keep = conv.messages.iter().rposition(|m| m["role"] != "assistant").map_or(0, |i| i + 1);
+            if keep == 0 {
+                return Err("the conversation has no message before its assistant turns".into());
+            }
+            let text =
+                assets.template.render(&conv.messages[..keep], conv.tools.as_ref(), true).map_err(|e| e.to_string())?;
+            assets.tokenizer.encode(&text)?.ids.iter().map(|&t| t as i64).collect()
+        }
+    };
+    if input_ids.is_empty() {
+        return Err("the prompt has no tokens".into());
+    }
+    if let Some(t) = input_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
+        return Err(format!("token id {t} is outside the target's vocabulary (0..{vocab_size})"));
+    }
+    let id = match value.get("id") {
+        None | Some(Value::Null) => line_number,
+        Some(v) => v.as_u64().ok_or_else(|| format!("`id` {v} is not a non-negative integer"))?,
+    };
+    Ok(Prompt { id, input_ids })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Map;
+
+    fn read(text: &str, assets: Option<&ModelAssets>) -> Result<Vec<Prompt>, DataError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.jsonl");
+        std::fs::write(&path, text).unwrap();
+        read_prompts(&path, 320, assets)
+    }
+
+    #[test]
+    fn token_and_chat_prompts() {
+        let assets = ModelAssets::tiny(&Map::new());
+        let text = concat!(
+            "{\"input_ids\": [1, 2, 3]}\n",
+            "\n",
+            "{\"id\": 7, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
+        );
+        let p = read(text, Some(&assets)).unwrap();
+        assert_eq!(p[0], Prompt { id: 0, input_ids: vec![1, 2, 3] });
+        assert_eq!(p[1].id, 7);
+        let expected =
+            assets.template.render(&[serde_json::json!({"role": "user", "content": "hi"})], None, true).unwrap();
+        assert!(expected.ends_with("<|im_start|>assistant\n"), "{expected:?}");
+        let ids: Vec<i64> = assets.tokenizer.encode(&expected).unwrap().ids.iter().map(|&t| t as i64).collect();
+        assert_eq!(p[1].input_ids, ids, "the assistant answer is dropped and a generation prompt added");
+    }
+
+    #[test]
+    fn bad_lines_name_the_line() {
+        let e = read("{\"input_ids\": [1]}\n{\"input_ids\": [400]}\n", None).unwrap_err().to_string();
+        assert!(e.contains(":2:") && e.contains("400"), "{e}");
+        let e = read("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n", None).unwrap_err().to_string();
+        assert!(e.contains(":1:") && e.contains("tokenizer"), "{e}");
+        assert!(read("{\"input_ids\": []}\n", None).unwrap_err().to_string().contains("no tokens"));
+        assert!(read("\n", None).unwrap_err().to_string().contains("no prompts"));
+    }
+}
