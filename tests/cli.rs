@@ -93,19 +93,21 @@ fn a_model_folder_without_taps_is_refused_with_the_fix() {
     assert!(err.contains("config.json"), "{err}");
 }
 
+/// The tiny preset saved as a HuggingFace model folder (weights and config.json).
+fn tiny_target_folder(dir: &std::path::Path) {
+    use dflash::model::{Depth, Preset};
+    use tch::{Device, Kind};
+    Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap().save_hf(dir, usize::MAX).unwrap();
+}
+
 /// A tiny target folder, a drafter for it, and token rows: `dflash eval` scores them.
 #[test]
 fn eval_scores_a_drafter_on_token_rows() {
-    use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset};
+    use dflash::model::{Drafter, DrafterConfig, Init, Preset};
     use tch::{Device, Kind};
     let dir = tempfile::tempdir().unwrap();
     let (target_dir, drafter_dir, data) = (dir.path().join("t"), dir.path().join("d"), dir.path().join("rows.jsonl"));
-    Preset::Tiny
-        .spec()
-        .build_target(Depth::Full, Device::Cpu, Kind::Float)
-        .unwrap()
-        .save_hf(&target_dir, usize::MAX)
-        .unwrap();
+    tiny_target_folder(&target_dir);
     let cfg = DrafterConfig::for_preset(Preset::Tiny, 16);
     Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(1)).unwrap().save(&drafter_dir, Kind::BFloat16).unwrap();
     let row = |n: usize| {
@@ -150,17 +152,12 @@ fn eval_scores_a_drafter_on_token_rows() {
 #[test]
 fn eval_decode_measures_acceptance_and_checks_losslessness() {
     use dflash::data::builtin::write_tiny_tokenizer;
-    use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset};
+    use dflash::model::{Drafter, DrafterConfig, Init, Preset};
     use tch::{Device, Kind};
     let dir = tempfile::tempdir().unwrap();
     let (target_dir, drafter_dir) = (dir.path().join("t"), dir.path().join("d"));
     let (prompts, dump) = (dir.path().join("prompts.jsonl"), dir.path().join("dump.jsonl"));
-    Preset::Tiny
-        .spec()
-        .build_target(Depth::Full, Device::Cpu, Kind::Float)
-        .unwrap()
-        .save_hf(&target_dir, usize::MAX)
-        .unwrap();
+    tiny_target_folder(&target_dir);
     write_tiny_tokenizer(&target_dir).unwrap();
     Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 8), Device::Cpu, Kind::Float, Init::Portable(2))
         .unwrap()

@@ -56,11 +56,11 @@ pub struct DecodeBenchReport {
     pub divergences: Vec<Divergence>,
     pub peak_mem_bytes: i64,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub step_phases_ms: Option<BTreeMap<&'static str, f64>>,
+    pub step_phases_ms: Phases,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify_phases_ms: Option<BTreeMap<&'static str, f64>>,
+    pub verify_phases_ms: Phases,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub draft_phases_ms: Option<BTreeMap<&'static str, f64>>,
+    pub draft_phases_ms: Phases,
 }
 
 pub fn bench_decode(
@@ -88,42 +88,27 @@ pub fn bench_decode(
     let prompt_ids = Tensor::f_from_slice(&prompt)?.f_view([1, opts.seq])?.f_to(device)?;
     let context = target.decode(&prompt_ids, &mut cache)?.taps;
     let block = prompt_ids.narrow(1, 0, bs);
-    let mut verify = || -> Result<(), BenchError> {
+    let (verify_times, verify_phases_ms) = time_pass(device, opts, || {
         let _ = target.decode(&block, &mut cache)?;
         cache.crop(opts.seq);
         Ok(())
-    };
-    for _ in 0..opts.warmup {
-        verify()?;
-    }
-    let verify_times = StepTimes::measure(device, opts.steps, &mut verify)?;
-    let verify_phases_ms = if opts.profile { Some(profiled(device, &mut verify)?) } else { None };
+    })?;
     // One-token steps (what greedy decoding runs), same context.
     let token = prompt_ids.narrow(1, 0, 1);
-    let mut step = || -> Result<(), BenchError> {
+    let (step_times, step_phases_ms) = time_pass(device, opts, || {
         let _ = target.decode(&token, &mut cache)?;
         cache.crop(opts.seq);
         Ok(())
-    };
-    for _ in 0..opts.warmup {
-        step()?;
-    }
-    let step_times = StepTimes::measure(device, opts.steps, &mut step)?;
-    let step_phases_ms = if opts.profile { Some(profiled(device, &mut step)?) } else { None };
+    })?;
 
     // Draft passes: the prompt's context once, then one new context token per pass.
     let mut proposer = DFlashProposer::new(&drafter, &target, capacity + (opts.warmup + opts.steps) as i64)?;
     let _ = proposer.propose(&context.narrow(1, 0, opts.seq - 1), prompt[0], opts.block_size - 1)?;
     let one = context.narrow(1, opts.seq - 1, 1);
-    let mut draft = || -> Result<(), BenchError> {
+    let (draft_times, draft_phases_ms) = time_pass(device, opts, || {
         let _ = proposer.propose(&one, prompt[1], opts.block_size - 1)?;
         Ok(())
-    };
-    for _ in 0..opts.warmup {
-        draft()?;
-    }
-    let draft_times = StepTimes::measure(device, opts.steps, &mut draft)?;
-    let draft_phases_ms = if opts.profile { Some(profiled(device, &mut draft)?) } else { None };
+    })?;
     drop(proposer);
     drop(cache);
 
@@ -158,14 +143,24 @@ pub fn bench_decode(
     })
 }
 
-/// Phase times of one run of `pass`, from device events.
-fn profiled(
+type Phases = Option<BTreeMap<&'static str, f64>>;
+
+/// Warms `pass` up, times `opts.steps` runs, and with `opts.profile` the phases of one more from device events.
+fn time_pass(
     device: Device,
-    pass: &mut impl FnMut() -> Result<(), BenchError>,
-) -> Result<BTreeMap<&'static str, f64>, BenchError> {
+    opts: &DecodeBenchOptions,
+    mut pass: impl FnMut() -> Result<(), BenchError>,
+) -> Result<(StepTimes, Phases), BenchError> {
+    for _ in 0..opts.warmup {
+        pass()?;
+    }
+    let times = StepTimes::measure(device, opts.steps, &mut pass)?;
+    if !opts.profile {
+        return Ok((times, None));
+    }
     let recorder = Recorder::start(device);
     pass()?;
-    Ok(recorder.finish()?)
+    Ok((times, Some(recorder.finish()?)))
 }
 
 impl DecodeBenchReport {
