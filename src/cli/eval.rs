@@ -71,13 +71,7 @@ pub struct EvalArgs {
 }
 
 pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
-    let source = match &args.target {
-        Some(t) => match t.parse() {
-            Ok(preset) => TargetSource::Preset(preset),
-            Err(_) => TargetSource::Folder(PathBuf::from(t)),
-        },
-        None => config.target.source.clone(),
-    };
+    let source = args.target.as_deref().map_or_else(|| config.target.source.clone(), TargetSource::from_arg);
     let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
     if args.decode {
         return decode(&args, &source, device, kind);

@@ -92,10 +92,7 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
         }
         None => {
             let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
-            let source = match args.model.parse() {
-                Ok(preset) => TargetSource::Preset(preset),
-                Err(_) => TargetSource::Folder(PathBuf::from(&args.model)),
-            };
+            let source = TargetSource::from_arg(&args.model);
             let assets = ModelAssets::resolve(&args.model, &kwargs)?;
             // Any layer id works as a tap here; decoding runs the whole stack.
             let target = source.build_target(&[0], Depth::Full, device, kind)?;

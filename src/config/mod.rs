@@ -114,6 +114,14 @@ pub enum TargetSource {
 }
 
 impl TargetSource {
+    /// A command-line `--target`/`--model` value: a preset name, else a model folder.
+    pub fn from_arg(value: &str) -> Self {
+        match value.parse() {
+            Ok(preset) => TargetSource::Preset(preset),
+            Err(_) => TargetSource::Folder(PathBuf::from(value)),
+        }
+    }
+
     /// The target with tapped layers `taps`: the preset's random weights, or the folder's.
     pub fn build_target(&self, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Target, ModelError> {
         match self {
