@@ -14,11 +14,13 @@ build: setup
 
 run: build
 	@echo "[run] dflash serve-train on the built-in default: the tiny target (random weights), 2 drafters, the built-in"
-	@echo "[run] sample data, CPU unless a GPU is present; a fresh run in runs/make-run (Ctrl-C checkpoints and stops)"
+	@echo "[run] sample data, CPU unless a GPU is present, decoded acceptance every 50 steps; a fresh run in runs/make-run"
+	@echo "[run] (metrics: curl localhost:9410/metrics; Ctrl-C checkpoints and stops)"
 	rm -rf runs/make-run
-	./target/release/dflash serve-train --set checkpoint.dir=runs/make-run
+	./target/release/dflash serve-train --set checkpoint.dir=runs/make-run --set eval.every_steps=50
 
-test: setup
+test:
+	@scripts/setup.sh --test
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
 	cargo test

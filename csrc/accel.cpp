@@ -134,6 +134,17 @@ int dflash_event_elapsed_ms(void* start, void* end, double* ms, char* err, size_
   }
 }
 
+// Whether the event's recorded work has completed (never blocks).
+int dflash_event_query(void* event, int* done, char* err, size_t len) {
+  try {
+    *done = static_cast<c10::Event*>(event)->query() ? 1 : 0;
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
 void dflash_event_free(void* event) { delete static_cast<c10::Event*>(event); }
 
 // Makes `grad` the `.grad` of `param`; autograd then accumulates into it in place.

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (see BENCHMARKS.md): serve-train against `bench --what pipeline` at qwen3-8b shapes, a
-# drafter failure with two drafters sharing the GPU, and the kernel-launch rate with 1-8 threads, in one lease.
+# drafter failure with two drafters sharing the GPU, the kernel-launch rate with 1-8 threads, and metrics, a SIGHUP
+# reload and decoding evaluations beside training, in one lease.
 # Expects the stripped binary in .bin/dflash. Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# STAGES picks the parts to run (default: all, "1 2 3 4").
-stages=" ${STAGES:-1 2 3 4} "
+# STAGES picks the parts to run (default: all, "1 2 3 4 5").
+stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
 model=${MODEL:-qwen3-8b} dev=${DEVICE:-cuda:0} seq=${SEQ:-768} anchors=${ANCHORS:-256}
@@ -17,8 +18,8 @@ shapes=(--set target.model=$model --set target.device=$dev --set data.path=synth
   --set checkpoint.every_steps=0 --set log.every_steps=5 --set log.format=json --set supervision.check_replicas_every=0)
 
 # GET/POST on the control plane: get PATH | post PATH JSON
-get() { python3 -c "import sys,urllib.request;print(urllib.request.urlopen('http://127.0.0.1:9400'+sys.argv[1]).read().decode())" "$1" 2>/dev/null; }
-post() { python3 -c "import sys,urllib.request;r=urllib.request.Request('http://127.0.0.1:9400'+sys.argv[1],data=sys.argv[2].encode(),headers={'content-type':'application/json'});print(urllib.request.urlopen(r).read().decode())" "$1" "$2"; }
+get() { python3 -c "import sys,urllib.request;print(urllib.request.urlopen('http://127.0.0.1:9410'+sys.argv[1]).read().decode())" "$1" 2>/dev/null; }
+post() { python3 -c "import sys,urllib.request;r=urllib.request.Request('http://127.0.0.1:9410'+sys.argv[1],data=sys.argv[2].encode(),headers={'content-type':'application/json'});print(urllib.request.urlopen(r).read().decode())" "$1" "$2"; }
 step() { get /status | python3 -c "import sys,json;print(json.load(sys.stdin)['step'])" 2>/dev/null || echo -1; }
 wait_step() {  # gives up after 5 minutes
   local deadline=$((SECONDS + 300))
@@ -65,7 +66,7 @@ out = sys.argv[1]
 t0 = float(open(f"{out}/fault-sent").read())
 seen, samples = [], []
 while True:
-    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9400/status").read())
+    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
     now = time.time()
     states = [d["state"] for d in s["drafters"]]
     samples.append((now - t0, s["step"], s["samples_committed"], states))
@@ -89,4 +90,31 @@ done | tee "$out/launch.jsonl"
 # The tiny drafter's step is launch-bound on a GPU: its time bounds the kernels a step launches.
 ./.bin/dflash bench --what drafter --preset tiny --device $dev --batch 4 --seq 64 --anchors 8 --steps 20 --json \
   | tee "$out/tiny-drafter.json"
+fi
+
+if has 5; then
+echo "== 5. metrics, a SIGHUP reload at step 30 and a decoding evaluation every 20 steps, one drafter"
+rm -rf runs/obs
+python3 -c '
+import json, random
+random.seed(0)
+with open("/tmp/prompts.jsonl", "w") as f:
+    for i in range(4):
+        f.write(json.dumps({"input_ids": [random.randrange(1000, 100000) for _ in range(128)]}) + "\n")
+'
+printf '[optim]\nlr = 6e-4\nschedule = "constant"\n' >/tmp/obs.toml
+./.bin/dflash --config /tmp/obs.toml serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" \
+  --set checkpoint.dir=runs/obs --set eval.every_steps=20 --set eval.prompts=/tmp/prompts.jsonl \
+  --set eval.num_prompts=4 --set eval.max_new_tokens=64 2>"$out/serve-obs.log" &
+pid=$!
+wait_step 30
+printf '[optim]\nlr = 3e-4\nschedule = "constant"\n' >/tmp/obs.toml
+kill -HUP $pid; kill -HUP $pid
+wait_step 75
+get /metrics >"$out/metrics-gpu.txt"
+get /status >"$out/status-obs.json"
+nvidia-smi --query-gpu=index,uuid --format=csv,noheader >>"$out/gpu.txt"
+kill -9 $pid; wait 2>/dev/null
+grep -E "evaluation|configuration|checkpoint written" "$out/serve-obs.log" | tail -20
+grep -E "^dflash_(learning_rate|mfu_ratio|drafter_info|device_memory_allocated_bytes|decode_acceptance_length|eval_duration_seconds_(sum|count))" "$out/metrics-gpu.txt"
 fi

@@ -4,7 +4,9 @@
 #   - torch 2.11.0 from PyPI (libtorch and its CUDA libraries, about 4.6 GB; it runs on CPU-only machines too) into
 #     a per-user cache keyed by the torch version, which every clone reuses;
 #   - .venv -> that environment and .libtorch -> its torch folder, which .cargo/config.toml points cargo at, so
-#     plain `cargo build`, `cargo test` and `cargo run` work afterwards.
+#     plain `cargo build`, `cargo test` and `cargo run` work afterwards;
+#   - with --test: the Prometheus server and promtool (Debian's `prometheus` package), which the observability
+#     tests run against.
 # Safe to run again and from several clones at once (the install is locked and committed by a rename).
 set -euo pipefail
 
@@ -46,3 +48,13 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 ln -sfn "$venv" "$root/.venv"
 ln -sfn "$site/torch" "$root/.libtorch"
 say "libtorch $TORCH_VERSION ready: .libtorch -> $site/torch"
+
+if [ "${1:-}" = "--test" ] && ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  command -v apt-get >/dev/null 2>&1 || die "the tests need prometheus and promtool: install Prometheus (https://prometheus.io/download/)"
+  say "installing Debian's prometheus package (prometheus and promtool, for the observability tests)"
+  $sudo apt-get update -qq || die "apt-get update failed"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+    || die "apt-get install prometheus failed"
+fi

@@ -169,6 +169,7 @@ unsafe extern "C" {
     fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_new(index: c_int, err: *mut c_char, len: usize) -> *mut c_void;
     fn dflash_event_record(event: *mut c_void, index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_event_query(event: *mut c_void, done: *mut c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_elapsed_ms(
         start: *mut c_void,
         end: *mut c_void,
@@ -304,6 +305,14 @@ impl TimingEvent {
     pub fn record(&self) -> Result<(), DeviceError> {
         // SAFETY: `raw` is a live event created for this device.
         call_shim(self.device, |e, n| unsafe { dflash_event_record(self.raw, self.index, e, n) })
+    }
+
+    /// Whether the work before the event's record point has completed (never blocks).
+    pub fn is_done(&self) -> Result<bool, DeviceError> {
+        let mut done: c_int = 0;
+        // SAFETY: `raw` is a live event.
+        call_shim(self.device, |e, n| unsafe { dflash_event_query(self.raw, &mut done, e, n) })?;
+        Ok(done != 0)
     }
 
     /// Milliseconds between `self` and a later `end`; both must have completed.

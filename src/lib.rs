@@ -11,6 +11,7 @@ pub mod ops;
 pub mod panic;
 pub mod profile;
 pub mod service;
+pub mod telemetry;
 pub mod train;
 
 /// The first line of a libtorch error, without tch's prefix or the C++ backtrace libtorch appends.

@@ -5,10 +5,10 @@ mod cli;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
-use dflash::config::{Config, Layers, LogFormat};
+use dflash::config::{Config, Layers};
 use dflash::panic::{is_torch_error, payload_message};
 
 const AFTER_HELP: &str = "\
@@ -49,8 +49,12 @@ enum Command {
         its live peers' state while the others keep training; no sample or optimizer state is lost. Checkpoints go \
         to checkpoint.dir (atomic, verified, the newest kept); at the end the drafter is exported to \
         checkpoint.dir/final in the published format.\n\n\
-        The control plane on control.listen serves GET /healthz and /status and POST /checkpoint (and POST \
-        /drafters/{id}/fault with control.fault_injection). SIGTERM or Ctrl-C finishes the current steps, \
+        The control plane on control.listen serves GET /healthz, /status and /metrics (Prometheus), POST \
+        /checkpoint and /reload (and POST /drafters/{id}/fault with control.fault_injection). SIGHUP or POST /reload \
+        rereads the configuration: learning rate and schedule, num_anchors, gamma, intervals and log level change at \
+        the same step on every drafter; other changes are refused and the run goes on. With eval.every_steps, the \
+        acceptance length is measured by real speculative decoding of held-out prompts on a thread beside training, \
+        and the best checkpoint is kept as checkpoint.dir/best. SIGTERM or Ctrl-C finishes the current steps, \
         checkpoints and exits 0; a second signal exits at once. Exit 75 asks an outside supervisor to restart with \
         --resume auto (an error poisoned a device).\n\n\
         The built-in default trains the tiny target on built-in sample data with two drafters:\n  dflash serve-train")]
@@ -136,12 +140,12 @@ enum ResumeArg {
     Auto,
 }
 
-fn serve_train(config: Config, args: ServeTrainArgs) -> Result<ExitCode> {
+fn serve_train(config: Config, layers: Layers, args: ServeTrainArgs) -> Result<ExitCode> {
     let resume = match args.resume {
         Some(ResumeArg::Auto) => dflash::service::run::Resume::Auto,
         None => dflash::service::run::Resume::No,
     };
-    let code = dflash::service::run::serve_train(config, resume)?;
+    let code = dflash::service::run::serve_train(config, layers, resume)?;
     // Compute threads may still be inside libtorch (an abandoned hung thread always is); running the C++ static
     // destructors under them can crash. Everything that matters is written and synced: leave without them.
     use std::io::Write;
@@ -163,35 +167,20 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
-    let config = Config::load(&Layers::from_process(cli.config.clone(), cli.set.clone()))?;
-    init_logging(&config)?;
+    let layers = Layers::from_process(cli.config.clone(), cli.set.clone());
+    let config = Config::load(&layers)?;
+    dflash::telemetry::logging::init(&config.log)?;
     install_panic_hook();
     match cli.command {
         Command::Bench(args) => cli::bench::run(&config, args),
         Command::Eval(args) => cli::eval::run(&config, args),
-        Command::ServeTrain(args) => serve_train(config, args),
+        Command::ServeTrain(args) => serve_train(config, layers, args),
         Command::Prepare(args) => cli::data::run_prepare(args),
         Command::Inspect(args) => cli::data::run_inspect(args),
         Command::SampleData(args) => cli::data::run_sample_data(args),
         Command::Regenerate(args) => cli::regenerate::run(&config, args),
         Command::Export(args) => cli::export::run(args),
     }
-}
-
-fn init_logging(config: &Config) -> Result<()> {
-    use tracing_subscriber::EnvFilter;
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(directives) if !directives.is_empty() => {
-            EnvFilter::try_new(&directives).with_context(|| format!("RUST_LOG={directives:?}"))?
-        }
-        _ => EnvFilter::try_new(&config.log.level)?,
-    };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match config.log.format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-    Ok(())
 }
 
 /// libtorch errors surface as panics inside tch and are reported by the code that catches them; log those

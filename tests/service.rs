@@ -1,5 +1,5 @@
-//! `serve-train` as operators run it: a real process, its control plane, signals and checkpoints. Tiny shapes,
-//! several drafters sharing the CPU.
+//! `serve-train` as operators run it: a real process, its control plane, signals, checkpoints, metrics scraped by a
+//! real Prometheus, and live reloads. Tiny shapes, several drafters sharing the CPU.
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -36,6 +36,8 @@ fn prepared() -> &'static PathBuf {
             "192",
             "--block-size",
             "4",
+            "--holdout",
+            "0.1",
         ]);
         out
     })
@@ -466,4 +468,286 @@ impl PreparedSplitLen {
     fn of(dir: &Path) -> usize {
         dflash::data::shards::PreparedSplit::open(dir, "train", false).unwrap().len()
     }
+}
+
+// ---------------------------------------------------------------- observability and live control
+
+/// The value of one series in Prometheus text (`name{labels}` exactly as rendered, or a bare name).
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+impl Service {
+    fn metrics(&self) -> String {
+        http(self.addr, "GET", "/metrics").1
+    }
+
+    /// Polls `/metrics` until `pred` holds.
+    fn wait_metrics(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let started = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("exited ({status}) while waiting for {what}: {:#?}", self.tail(40));
+            }
+            let text = self.metrics();
+            if pred(&text) {
+                return text;
+            }
+            assert!(started.elapsed() < Duration::from_secs(120), "timed out waiting for {what}\n{:#?}", self.tail(40));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The step a logged reload applies from.
+    fn reload_step(&self, version: u64) -> u64 {
+        let logs = self.logs.lock().unwrap();
+        logs.iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| {
+                v["fields"]["message"].as_str().is_some_and(|m| m.starts_with("configuration reloaded"))
+                    && v["fields"]["version"] == version
+            })
+            .and_then(|v| v["fields"]["step"].as_u64())
+            .unwrap_or_else(|| panic!("no reload to version {version} logged"))
+    }
+}
+
+/// A plain HTTP/1.1 request; (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    // axum answers chunked only for streams; every answer here has a Content-Length.
+    (code, body.to_string())
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A real Prometheus server (Debian's package) on loopback, scraping `target` every second.
+struct Prometheus {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    fn start(target: SocketAddr) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: dflash\n    \
+                 static_configs:\n      - targets: [\"{target}\"]\n"
+            ),
+        )
+        .unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the prometheus server (Debian package `prometheus`; `make test` installs it)");
+        Prometheus { child, addr, _dir: dir }
+    }
+
+    /// An instant query's result vector (empty when Prometheus is not up yet).
+    fn query(&self, expr: &str) -> Vec<Value> {
+        let Ok(mut s) = TcpStream::connect(self.addr) else { return vec![] };
+        let path = format!("/api/v1/query?query={}", percent_encode(expr));
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+        let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+        assert_ne!(v["status"], "error", "{expr}: {v}");
+        v["data"]["result"].as_array().cloned().unwrap_or_default()
+    }
+
+    fn wait_for(&self, expr: &str) {
+        let started = Instant::now();
+        while self.query(expr).is_empty() {
+            assert!(started.elapsed() < Duration::from_secs(90), "Prometheus never saw {expr}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every PromQL expression of the Grafana dashboard, with whether its panel needs the DCGM exporter.
+fn dashboard_queries() -> Vec<(String, String, bool)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("grafana/dashboards/dflash.json");
+    let dash: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut out = Vec::new();
+    for panel in dash["panels"].as_array().unwrap() {
+        let title = panel["title"].as_str().unwrap_or("").to_string();
+        let dcgm = panel["description"].as_str().is_some_and(|d| d.contains("DCGM exporter"));
+        for t in panel["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().unwrap().to_string();
+            assert_eq!(expr.contains("DCGM_"), dcgm, "{title}: DCGM panels, and only they, are tagged");
+            out.push((title.clone(), expr, dcgm));
+        }
+    }
+    assert!(out.len() > 30, "{} queries", out.len());
+    out
+}
+
+#[test]
+fn a_real_prometheus_scrapes_every_dashboard_query_and_promtool_accepts_the_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let sets = [
+        "optim.epochs=1000",
+        "eval.every_steps=6",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+        "supervision.backoff_initial_ms=300",
+    ];
+    let mut svc = Service::start(&cfg, false, &sets);
+    let prometheus = Prometheus::start(svc.addr);
+    svc.wait("step 2", |s| step(s) >= 2);
+
+    // A checkpoint, a fault, a reload and an evaluation, so that every panel has something to show.
+    let (code, _) = svc.request("POST", "/checkpoint", None);
+    assert!(code == 202 || code == 409);
+    svc.fault(1, "panic");
+    svc.wait("drafter 1 down", |s| state(s, 1) != "live");
+    svc.wait("drafter 1 back", |s| state(s, 1) == "live");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("lr = 2e-3", "lr = 1e-3");
+    std::fs::write(&cfg, text).unwrap();
+    let (code, body) = svc.request("POST", "/reload", None);
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["config_version"], 2, "{body}");
+    assert_eq!(body["changes"][0]["key"], "optim.lr", "{body}");
+    let s = svc.wait("an evaluation", |s| !s["last_evaluation"].is_null() && !s["last_checkpoint"].is_null());
+    let eval = &s["last_evaluation"];
+    assert!(eval["decode_acceptance_length"].as_f64().unwrap() >= 1.0, "{eval}");
+
+    prometheus.wait_for(
+        "dflash_config_version == 2 and on() dflash_evals_total{result=\"success\"} >= 1 \
+         and on() sum(dflash_drafter_restarts_total) >= 1 and on() dflash_checkpoint_last_step > 0",
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let mut empty = Vec::new();
+    for (title, expr, dcgm) in dashboard_queries() {
+        if dcgm {
+            continue;
+        }
+        let expr = expr.replace("$__rate_interval", "15s");
+        if prometheus.query(&expr).is_empty() {
+            empty.push(format!("{title}: {expr}"));
+        }
+    }
+    assert!(empty.is_empty(), "dashboard queries without data: {empty:#?}");
+
+    let exposition = svc.metrics();
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`)");
+    promtool.stdin.take().unwrap().write_all(exposition.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && said.trim().is_empty(), "promtool check metrics: {said}");
+    for name in ["dflash_learning_rate{drafter=\"1\"}", "dflash_step", "dflash_config_last_reload_successful"] {
+        assert!(metric(&exposition, name).is_some(), "{name} missing");
+    }
+
+    // The best evaluated checkpoint is kept beside the last K.
+    let best: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("ckpt/best/eval.json")).unwrap()).unwrap();
+    assert!(best["decode_acceptance_length"].as_f64().unwrap() >= eval["best"].as_f64().unwrap() - 1e-12);
+    assert!(dir.path().join("ckpt/best/drafter/model.safetensors").exists());
+    svc.signal("-TERM");
+    assert_eq!(svc.exit_code().0, 0);
+}
+
+#[test]
+fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_what_cannot_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let sets = ["optim.epochs=1000", "supervision.backoff_initial_ms=1500", "supervision.backoff_max_ms=1500"];
+    let original = std::fs::read_to_string(&cfg).unwrap().replace("lr = 2e-3", "lr = 2e-3\nschedule = \"constant\"");
+    std::fs::write(&cfg, &original).unwrap();
+    let lr_of = |text: &str, id: usize| metric(text, &format!("dflash_learning_rate{{drafter=\"{id}\"}}"));
+    let mut svc = Service::start(&cfg, false, &sets);
+    svc.wait_metrics("the first updates", |t| (0..2).all(|i| lr_of(t, i) == Some(2e-3)));
+
+    // A burst of signals with a new learning rate: one reload, applied at one step on both drafters.
+    std::fs::write(&cfg, original.replace("lr = 2e-3", "lr = 1e-3")).unwrap();
+    for _ in 0..3 {
+        svc.signal("-HUP");
+    }
+    svc.wait("version 2", |s| s["config_version"] == 2);
+    let from = svc.reload_step(2);
+    let s = svc.wait("the reloaded step committed", |s| step(s) > from);
+    let text = svc.metrics();
+    assert_eq!((lr_of(&text, 0), lr_of(&text, 1)), (Some(1e-3), Some(1e-3)), "step {} from {from}", step(&s));
+    assert_eq!(metric(&text, "dflash_config_reloads_total{result=\"success\"}"), Some(1.0), "a burst is one reload");
+    assert_eq!(metric(&text, "dflash_config_last_reload_successful"), Some(1.0));
+    assert_eq!(metric(&text, "dflash_config_version"), Some(2.0));
+    assert!(logged(&svc.tail(200), "optim.lr 0.002 -> 0.001"), "the log shows old -> new");
+
+    // An invalid file: refused, the run goes on with the old values, the gauge drops to 0.
+    std::fs::write(&cfg, "[optim\nlr = 5e-4\n").unwrap();
+    svc.signal("-HUP");
+    let text = svc.wait_metrics("a refused reload", |t| metric(t, "dflash_config_last_reload_successful") == Some(0.0));
+    assert_eq!(metric(&text, "dflash_config_reloads_total{result=\"failure\"}"), Some(1.0));
+    let at = step(&svc.status());
+    let s = svc.wait("training goes on", |s| step(s) >= at + 3);
+    assert_eq!(s["config_version"], 2);
+    assert_eq!(lr_of(&svc.metrics(), 0), Some(1e-3));
+
+    // A change to a key that cannot change while running: refused whole (the new learning rate too).
+    std::fs::write(&cfg, original.replace("batch_size = 2", "batch_size = 3").replace("lr = 2e-3", "lr = 5e-4"))
+        .unwrap();
+    let (code, body) = svc.request("POST", "/reload", None);
+    assert_eq!(code, 422, "{body}");
+    let error = body["error"].as_str().unwrap();
+    assert!(error.contains("data.batch_size") && error.contains("--resume auto"), "{error}");
+    let at = step(&svc.status());
+    svc.wait("training goes on", |s| step(s) >= at + 3);
+    let text = svc.metrics();
+    assert_eq!((lr_of(&text, 0), lr_of(&text, 1)), (Some(1e-3), Some(1e-3)));
+    assert_eq!(metric(&text, "dflash_config_last_reload_successful"), Some(0.0));
+
+    // A reload while a drafter restarts applies to the restarted drafter too.
+    svc.fault(1, "panic");
+    svc.wait("drafter 1 restarting", |s| state(s, 1) == "restarting");
+    std::fs::write(&cfg, original.replace("lr = 2e-3", "lr = 4e-4")).unwrap();
+    let (code, body) = svc.request("POST", "/reload", None);
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["config_version"], 3);
+    svc.wait("drafter 1 back", |s| state(s, 1) == "live");
+    let text = svc.wait_metrics("drafter 1 trained with the new rate", |t| lr_of(t, 1) == Some(4e-4));
+    assert_eq!(lr_of(&text, 0), Some(4e-4));
+    assert_eq!(metric(&text, "dflash_config_last_reload_successful"), Some(1.0));
+    svc.signal("-TERM");
+    assert_eq!(svc.exit_code().0, 0);
 }

@@ -248,7 +248,7 @@ fn accumulating_micro_batches_equals_one_batch() {
 
 #[test]
 fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
-    use dflash::train::collective::{Collective, Contribution, Hyper};
+    use dflash::train::collective::{Collective, Contribution, Hyper, ObjectiveKnobs, StepSettings};
     use dflash::train::optim::{LrSchedule, ScheduleKind};
     use std::sync::Arc;
     let t = target();
@@ -269,7 +269,8 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
     };
     let mut one = trainer(&t, 6, 12);
     let mut halves = [trainer(&t, 6, 12), trainer(&t, 6, 12)];
-    let collective = Arc::new(Collective::new(0, 0, hyper, |_| {}));
+    let objective = ObjectiveKnobs { num_anchors: 12, gamma: None };
+    let collective = Arc::new(Collective::new(0, 0, StepSettings { hyper, objective }, |_| {}));
     collective.found(0, 1).unwrap();
     // The second replica joins: it receives the first's state.
     let joiner = collective.clone();

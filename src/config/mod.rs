@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 mod training;
 
 pub use training::{
-    CheckpointSettings, ControlSettings, DataSettings, DataSource, DraftersSettings, OptimSettings, SupervisionSettings,
+    CheckpointSettings, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts, EvalSettings,
+    OptimSettings, SupervisionSettings,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -56,6 +57,7 @@ struct RawConfig {
     optim: training::RawOptim,
     checkpoint: training::RawCheckpoint,
     supervision: training::RawSupervision,
+    eval: training::RawEval,
     control: training::RawControl,
     log: RawLog,
 }
@@ -233,6 +235,7 @@ pub struct Config {
     pub optim: OptimSettings,
     pub checkpoint: CheckpointSettings,
     pub supervision: SupervisionSettings,
+    pub eval: EvalSettings,
     pub control: ControlSettings,
     pub log: LogSettings,
     /// The merged configuration as read (before validation), for checkpoints and comparisons.
@@ -370,6 +373,7 @@ impl RawConfig {
             optim: self.optim.validate()?,
             checkpoint: self.checkpoint.validate()?,
             supervision: self.supervision.validate()?,
+            eval: self.eval.validate()?,
             control: self.control.validate()?,
             log: self.log.validate()?,
             merged,
@@ -389,6 +393,67 @@ pub const NON_RELOADABLE: [&str; 9] = [
     "data.batch_size",
     "objective.seed",
 ];
+
+/// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
+/// to any other key is refused while running.
+pub const RELOADABLE: [&str; 24] = [
+    "optim.lr",
+    "optim.betas",
+    "optim.eps",
+    "optim.weight_decay",
+    "optim.schedule",
+    "optim.warmup_ratio",
+    "optim.min_lr_ratio",
+    "optim.grad_clip",
+    "objective.num_anchors",
+    "objective.gamma",
+    "checkpoint.every_steps",
+    "checkpoint.every_seconds",
+    "eval.every_steps",
+    "log.level",
+    "log.every_steps",
+    "supervision.max_restarts",
+    "supervision.restart_window_s",
+    "supervision.backoff_initial_ms",
+    "supervision.backoff_max_ms",
+    "supervision.step_timeout_s",
+    "supervision.min_live_drafters",
+    "supervision.gpu_hang_limit",
+    "drafters.peak_tflops",
+    "data.ledger",
+];
+
+/// One key's value before and after.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Change {
+    pub key: String,
+    pub old: Option<serde_json::Value>,
+    pub new: Option<serde_json::Value>,
+}
+
+/// Every dotted `section.key` of a merged configuration tree.
+pub fn leaf_keys(tree: &serde_json::Value) -> Vec<String> {
+    let sections = tree.as_object().into_iter().flatten();
+    sections
+        .flat_map(|(section, values)| {
+            values.as_object().into_iter().flatten().map(move |(key, _)| format!("{section}.{key}"))
+        })
+        .collect()
+}
+
+/// The keys whose values differ between two merged trees, sorted.
+pub fn diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
+    let mut keys = leaf_keys(new);
+    keys.extend(leaf_keys(old));
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter_map(|key| {
+            let (o, n) = (lookup(old, &key), lookup(new, &key));
+            (o != n).then(|| Change { key, old: o.cloned(), new: n.cloned() })
+        })
+        .collect()
+}
 
 /// The value at a dotted key of a merged configuration tree.
 pub fn lookup<'a>(tree: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
@@ -591,6 +656,10 @@ mod tests {
             ("supervision.backoff_max_ms=1", &["supervision.backoff_max_ms", "backoff_initial_ms"]),
             ("control.listen=nowhere", &["control.listen", "nowhere", "127.0.0.1"]),
             ("log.every_steps=0", &["log.every_steps"]),
+            ("eval.every_steps=-1", &["eval.every_steps"]),
+            ("eval.num_prompts=0", &["eval.num_prompts"]),
+            ("eval.prompts=\"\"", &["eval.prompts", "holdout"]),
+            ("drafters.peak_tflops=0", &["drafters.peak_tflops"]),
             ("log.level=dflash=loud", &["log.level", "loud"]),
             ("draft_model.target_layer_ids=\"x\"", &["target_layer_ids"]),
         ];
@@ -624,6 +693,23 @@ mod tests {
         assert_eq!(changed, vec!["draft_model.block_size", "data.batch_size"]);
         assert_eq!(b.optim.lr, 1e-3);
         assert!(changed_keys(&a.merged, &a.merged, &NON_RELOADABLE).is_empty());
+    }
+
+    #[test]
+    fn diff_names_each_changed_key_with_both_values() {
+        let a = Config::builtin().unwrap();
+        let b = with_set(&["optim.lr=1e-3", "draft_model.intermediate_size=64", "log.level=debug"]).unwrap();
+        let changes = diff(&a.merged, &b.merged);
+        let keys: Vec<&str> = changes.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(keys, vec!["draft_model.intermediate_size", "log.level", "optim.lr"]);
+        assert_eq!(changes[0].old, None);
+        assert_eq!(changes[2].new, Some(serde_json::json!(1e-3)));
+        assert!(diff(&b.merged, &b.merged).is_empty());
+        assert!(diff(&b.merged, &a.merged).iter().any(|c| c.key == "draft_model.intermediate_size" && c.new.is_none()));
+        for k in RELOADABLE {
+            assert!(lookup(&a.merged, k).is_some(), "{k} is not a key of config/default.toml");
+            assert!(!NON_RELOADABLE.contains(&k), "{k} is both reloadable and not");
+        }
     }
 
     #[test]

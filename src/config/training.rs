@@ -28,12 +28,15 @@ fn finite_in(key: &str, value: f64, lo: f64, hi: f64, what: &str) -> Result<f64,
 #[serde(deny_unknown_fields)]
 pub(super) struct RawDrafters {
     devices: Vec<String>,
+    peak_tflops: f64,
 }
 
 /// One drafter per entry; entries may name the same device.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DraftersSettings {
     pub devices: Vec<DeviceSpec>,
+    /// The devices' bf16 matrix peak, for the MFU metric.
+    pub peak_tflops: f64,
 }
 
 impl RawDrafters {
@@ -49,7 +52,9 @@ impl RawDrafters {
                     .map_err(|_| invalid("drafters.devices", format!("{d:?}"), "each entry is cpu, cuda:N or auto"))
             })
             .collect::<Result<_, _>>()?;
-        Ok(DraftersSettings { devices })
+        let peak_tflops =
+            finite_in("drafters.peak_tflops", self.peak_tflops, 1e-6, 1e6, "TFLOP/s > 0 (797 for an H200)")?;
+        Ok(DraftersSettings { devices, peak_tflops })
     }
 }
 
@@ -304,9 +309,53 @@ impl RawControl {
         let listen = match self.listen.as_str() {
             "" | "off" => None,
             addr => Some(addr.parse().map_err(|_| {
-                invalid("control.listen", format!("{addr:?}"), "an address like \"127.0.0.1:9400\", or \"off\"")
+                invalid("control.listen", format!("{addr:?}"), "an address like \"127.0.0.1:9410\", or \"off\"")
             })?),
         };
         Ok(ControlSettings { listen, fault_injection: self.fault_injection })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEval {
+    every_steps: i64,
+    prompts: String,
+    num_prompts: i64,
+    max_new_tokens: i64,
+}
+
+/// Where evaluation prompts come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EvalPrompts {
+    /// The prepared data's `holdout` split, cut where the first assistant reply starts.
+    Holdout,
+    /// A JSONL file of prompts (token ids or chat messages).
+    File(PathBuf),
+}
+
+/// The decoded acceptance length measured during training.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalSettings {
+    /// 0: off.
+    pub every_steps: u64,
+    pub prompts: EvalPrompts,
+    pub num_prompts: usize,
+    pub max_new_tokens: usize,
+}
+
+impl RawEval {
+    pub(super) fn validate(self) -> Result<EvalSettings, ConfigError> {
+        let prompts = match self.prompts.as_str() {
+            "holdout" => EvalPrompts::Holdout,
+            "" => return Err(invalid("eval.prompts", "\"\"", "\"holdout\" or a JSONL file of prompts")),
+            path => EvalPrompts::File(PathBuf::from(path)),
+        };
+        Ok(EvalSettings {
+            every_steps: at_least("eval.every_steps", self.every_steps, 0)? as u64,
+            prompts,
+            num_prompts: at_least("eval.num_prompts", self.num_prompts, 1)?,
+            max_new_tokens: at_least("eval.max_new_tokens", self.max_new_tokens, 1)?,
+        })
     }
 }

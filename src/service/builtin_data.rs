@@ -132,7 +132,8 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         out: prepared.clone(),
         max_len: d.max_len,
         block_size: config.draft_model.block_size,
-        holdout: 0.0,
+        // 1 in 16 conversations held out: the prompts of `eval.prompts = "holdout"`.
+        holdout: 0.0625,
         seed: config.objective.seed,
         template_kwargs: Map::new(),
         strict: false,

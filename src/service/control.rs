@@ -1,12 +1,14 @@
-//! The control plane: one HTTP port (`control.listen`) for operators and tests. `GET /healthz`, `GET /status`,
-//! `POST /checkpoint`, and with `control.fault_injection = true`, `POST /drafters/{id}/fault`.
+//! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /healthz`,
+//! `GET /status`, `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as
+//! SIGHUP does), and with `control.fault_injection = true`, `POST /drafters/{id}/fault`.
 use std::net::SocketAddr;
 
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
 use ractor::rpc::CallResult;
 use ractor::{ActorRef, RpcReplyPort};
 use serde::Deserialize;
@@ -59,6 +61,14 @@ async fn checkpoint(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
     }
 }
 
+async fn reload(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+    match ask(&sup, |reply| SupervisorMsg::Reload(Some(reply))).await {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => (StatusCode::UNPROCESSABLE_ENTITY, Json(json!({"error": e}))).into_response(),
+        Err(e) => unavailable(e),
+    }
+}
+
 async fn fault(
     State(sup): State<ActorRef<SupervisorMsg>>,
     Path(id): Path<usize>,
@@ -73,11 +83,21 @@ async fn fault(
 }
 
 /// Serves the control plane on `addr` until the process ends.
-pub async fn serve(addr: SocketAddr, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<SocketAddr> {
+pub async fn serve(
+    addr: SocketAddr,
+    supervisor: ActorRef<SupervisorMsg>,
+    prometheus: PrometheusHandle,
+) -> std::io::Result<SocketAddr> {
+    let metrics = move || {
+        let text = prometheus.render();
+        async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text) }
+    };
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/status", get(status))
+        .route("/metrics", get(metrics))
         .route("/checkpoint", post(checkpoint))
+        .route("/reload", post(reload))
         .route("/drafters/{id}/fault", post(fault))
         .with_state(supervisor);
     let listener = tokio::net::TcpListener::bind(addr).await?;

@@ -18,8 +18,9 @@ use super::messages::{Heads, SupervisorMsg, ThreadMsg, Work};
 use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
+use crate::telemetry::DrafterMetrics;
 use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
-use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers};
+use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs};
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::{AdamW, FeatureBatch, Trainer};
 
@@ -73,6 +74,9 @@ pub struct DrafterSpawn {
     pub supervisor: ActorRef<SupervisorMsg>,
     pub input: Receiver<Work>,
     pub shared: Arc<DrafterShared>,
+    pub metrics: DrafterMetrics,
+    /// The device's matrix peak (TFLOP/s), for the MFU series.
+    pub peak_tflops: f64,
 }
 
 /// The drafter actor: owns nothing but its thread's report.
@@ -160,6 +164,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         Err(CollectiveError::Removed) => return Ok(()),
         Err(e) => return Err(torch(e)),
     };
+    set_objective(&mut trainer, a.collective.objective_at(step));
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
     loop {
         let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
@@ -171,6 +176,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             feature_wait_s += waiting.elapsed().as_secs_f64();
             match work {
                 Ok(Work::Features { batch, features }) => {
+                    a.metrics.feature_queue.decrement(1.0);
                     items.push((batch, features));
                     taken += 1;
                 }
@@ -194,6 +200,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
                 Ok(Work::Stop) | Err(_) => return Ok(()),
             }
         }
+        let started = Instant::now();
         let batches: Vec<BatchId> = items.iter().map(|(b, _)| *b).collect();
         *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) =
             Phase::Computing { generation: a.generation, since: Instant::now(), batches: batches.clone() };
@@ -219,26 +226,39 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         }
         let mut metrics = Metrics::default();
         let mut samples = 0;
+        let mut flops = 0.0;
         for (_, features) in &items {
             metrics.add(&trainer.accumulate(features).map_err(torch)?);
             samples += features.input_ids.len() as u64;
+            let seq = features.input_ids.iter().map(Vec::len).max().unwrap_or(0) as i64;
+            flops += features.input_ids.len() as f64
+                * crate::bench::drafter_flops_per_sample(&a.config, seq, trainer.objective.num_anchors);
         }
         // Waiting for the peers is not computing: a hung peer must not make this one look hung.
         *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
         let own = trainer.drafter.params().grad.shallow_clone();
         let contribution =
             Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics };
+        let in_round = Instant::now();
         let result = match a.collective.contribute(a.id, a.generation, step, contribution) {
             Ok(r) => r,
             Err(CollectiveError::Removed) => return Ok(()),
             Err(e) => return Err(torch(e)),
         };
+        a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
         if result.grad.data_ptr() != own.data_ptr() {
             let mut dst = own.shallow_clone();
             dst.f_copy_(&result.grad).map_err(torch)?;
         }
         let report = trainer.apply(result.total_weight, &result.update).map_err(torch)?;
+        set_objective(&mut trainer, result.next_objective);
         step = result.step + 1;
+        let seconds = started.elapsed().as_secs_f64();
+        a.metrics.step_duration.record(seconds);
+        a.metrics.feature_wait.set(feature_wait_s / (feature_wait_s + seconds).max(1e-9));
+        a.metrics.learning_rate.set(report.lr);
+        a.metrics.grad_norm.set(report.grad_norm);
+        a.metrics.mfu.set(flops / seconds.max(1e-9) / (a.peak_tflops * 1e12));
         *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
         let digest = if a.check_every > 0 && step.is_multiple_of(a.check_every) {
             Some(checksums(state_tensors(&trainer)).map_err(torch)?)
@@ -257,6 +277,12 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             serve(&a, &trainer)?;
         }
     }
+}
+
+/// The objective's reloadable settings, from the step they apply to.
+fn set_objective(trainer: &mut Trainer, knobs: ObjectiveKnobs) {
+    trainer.objective.num_anchors = knobs.num_anchors;
+    trainer.objective.gamma = knobs.gamma;
 }
 
 /// Bit-exact checksums of the state: each tensor's bits read as integers, summed (one reduction each).

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use ractor::RpcReplyPort;
 use serde::Serialize;
 
+use super::evaluator::Evaluated;
 use super::failure::{Failure, FaultKind};
+use crate::config::Change;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
@@ -84,6 +86,10 @@ pub enum SupervisorMsg {
         reply: RpcReplyPort<Result<(), String>>,
     },
     CheckpointNow(RpcReplyPort<Result<u64, String>>),
+    /// Reread the configuration (SIGHUP, `POST /reload`).
+    Reload(Option<RpcReplyPort<Result<Reloaded, String>>>),
+    /// The evaluation thread finished a job.
+    Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),
     /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 0.
     Shutdown,
@@ -120,6 +126,15 @@ pub struct CheckpointStatus {
     pub age_s: f64,
 }
 
+/// A reload that was applied.
+#[derive(Debug, Clone, Serialize)]
+pub struct Reloaded {
+    pub config_version: u64,
+    /// The first step trained with the new values (on every drafter); `None` when nothing changed.
+    pub applies_from_step: Option<u64>,
+    pub changes: Vec<Change>,
+}
+
 /// `GET /status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
@@ -136,4 +151,5 @@ pub struct Status {
     pub config_version: u64,
     pub drafters: Vec<DrafterStatus>,
     pub last_checkpoint: Option<CheckpointStatus>,
+    pub last_evaluation: Option<Evaluated>,
 }

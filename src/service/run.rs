@@ -9,10 +9,12 @@ use ractor::Actor;
 use tch::{Device, Kind};
 
 use super::builtin_data::dataset;
+use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
 use super::supervisor::{Supervisor, SupervisorArgs};
-use crate::config::{Config, NON_RELOADABLE, TargetSource, changed_keys};
+use crate::config::{Config, Layers, NON_RELOADABLE, TargetSource, changed_keys, leaf_keys};
 use crate::model::{DrafterConfig, TargetConfig};
+use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
 use crate::train::checkpoint::{TrainerState, newest_valid};
 
@@ -88,17 +90,12 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(Path
 
 /// Every dotted key of a merged configuration except the non-reloadable ones.
 fn reloadable_keys(tree: &serde_json::Value) -> Vec<String> {
-    let sections = tree.as_object().into_iter().flatten();
-    sections
-        .flat_map(|(section, values)| {
-            values.as_object().into_iter().flatten().map(move |(key, _)| format!("{section}.{key}"))
-        })
-        .filter(|k| !NON_RELOADABLE.contains(&k.as_str()))
-        .collect()
+    leaf_keys(tree).into_iter().filter(|k| !NON_RELOADABLE.contains(&k.as_str())).collect()
 }
 
-/// Runs the service until it ends; returns its exit status.
-pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
+/// Runs the service until it ends; returns its exit status. `layers` are where `config` came from: a reload rereads
+/// them.
+pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32> {
     let target_device = config.target.device.resolve().context("target.device")?;
     let target_kind = config.target.dtype.resolve(target_device);
     let drafter_devices: Vec<(Device, Kind)> = config
@@ -116,6 +113,13 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let resume = checkpoint_to_resume(&config, &resume)?;
     let data = dataset(&config, target_cfg.vocab_size, target_device, target_kind)?;
+    if config.eval.every_steps > 0 {
+        // Found wanting now rather than at the first evaluation.
+        eval_prompts(&config, target_cfg.vocab_size)?;
+    }
+    let prometheus = telemetry::install()?;
+    let target_identity = GpuIdentity::of(target_device);
+    let drafter_identities = drafter_devices.iter().map(|(d, _)| GpuIdentity::of(*d)).collect();
     let exit_code = Arc::new(Mutex::new(None));
     let args = SupervisorArgs {
         taps: drafter_cfg.target_layer_ids.clone(),
@@ -127,6 +131,12 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
         dataset: data,
         resume,
         exit_code: exit_code.clone(),
+        layers,
+        target_identity,
+        drafter_identities,
+        prometheus: Some(prometheus.clone()),
+        vocab_size: target_cfg.vocab_size,
+        eos_token_ids: target_cfg.eos_token_ids.clone(),
         config,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -141,11 +151,12 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
             .await
             .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
         if let Some(addr) = listen {
-            let bound = super::control::serve(addr, supervisor.clone()).await.with_context(|| {
+            let bound = super::control::serve(addr, supervisor.clone(), prometheus).await.with_context(|| {
                 format!("control.listen = {addr}: cannot listen (in use? set another address or \"off\")")
             })?;
-            tracing::info!(address = %bound, "control plane: GET /healthz /status, POST /checkpoint");
+            tracing::info!(address = %bound, "control plane: GET /healthz /status /metrics, POST /checkpoint /reload");
         }
+        watch_reload_signal(supervisor.clone());
         let sup = supervisor.clone();
         tokio::spawn(async move {
             let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -175,4 +186,25 @@ pub fn serve_train(config: Config, resume: Resume) -> Result<i32> {
     let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// SIGHUP rereads the configuration. Signals arriving within a quarter second of each other are one reload.
+fn watch_reload_signal(supervisor: ractor::ActorRef<SupervisorMsg>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot watch SIGHUP (reload with POST /reload instead): {e}");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            while tokio::time::timeout(std::time::Duration::from_millis(250), hup.recv()).await.is_ok() {}
+            tracing::info!("SIGHUP: rereading the configuration");
+            if supervisor.send_message(SupervisorMsg::Reload(None)).is_err() {
+                return;
+            }
+        }
+    });
 }

@@ -18,16 +18,22 @@ use tch::{Device, Kind};
 
 use super::compute_thread::ThreadFailure;
 use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start};
+use super::evaluator::{EvalSpec, Evaluated, Evaluator, eval_prompts};
 use super::failure::{Failure, FailureKind, FaultKind};
-use super::messages::{CheckpointStatus, DrafterState, DrafterStatus, Heads, Status, SupervisorMsg, ThreadMsg, Work};
+use super::messages::{
+    CheckpointStatus, DrafterState, DrafterStatus, Heads, Reloaded, Status, SupervisorMsg, ThreadMsg, Work,
+};
 use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};
-use crate::config::{Config, TargetSource};
+use crate::config::{Config, Layers, RELOADABLE, TargetSource, diff};
 use crate::data::dataset::Dataset;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
 use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig};
+use crate::telemetry::logging::{self, LevelChange};
+use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
 use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid};
-use crate::train::collective::{Collective, Hyper, RoundReport};
+use crate::train::collective::{Collective, Hyper, ObjectiveKnobs, RoundReport, StepSettings};
+use crate::train::decode_eval::DecodeSettings;
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::optim::LrSchedule;
 
@@ -45,6 +51,16 @@ pub struct SupervisorArgs {
     pub dataset: Arc<dyn Dataset>,
     pub resume: Option<(PathBuf, TrainerState)>,
     pub exit_code: Arc<Mutex<Option<i32>>>,
+    /// Where the configuration came from, reread on a reload.
+    pub layers: Layers,
+    /// Metric labels of the target's device and of each drafter's.
+    pub target_identity: GpuIdentity,
+    pub drafter_identities: Vec<GpuIdentity>,
+    /// Renders `/metrics`; kept here for its periodic upkeep.
+    pub prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// The target's vocabulary and end-of-sequence ids (evaluation prompts and decoding).
+    pub vocab_size: usize,
+    pub eos_token_ids: Vec<i64>,
 }
 
 struct Slot {
@@ -61,6 +77,7 @@ struct Slot {
     shared: Arc<DrafterShared>,
     /// Steps from which it is a member (after joining).
     member_from: Option<u64>,
+    metrics: DrafterMetrics,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +144,24 @@ pub struct Sup {
     window_feature_wait_s: f64,
     window_started: Instant,
     last_lr: f64,
+    /// Samples the learning-rate schedule spans.
+    total_samples: u64,
+    config_version: u64,
+    run_metrics: RunMetrics,
+    memory: Vec<(Device, DeviceMemory)>,
+    last_telemetry: Instant,
+    evaluator: Option<Evaluator>,
+    /// An evaluation is due at the first checkpoint of this step or later.
+    eval_due: Option<u64>,
+    last_evaluation: Option<Evaluated>,
+}
+
+/// What a reload may change, from the configuration.
+fn step_settings(cfg: &Config, total_samples: u64, gamma: Option<f64>) -> StepSettings {
+    StepSettings {
+        hyper: hyper(cfg, total_samples),
+        objective: ObjectiveKnobs { num_anchors: cfg.objective.num_anchors, gamma },
+    }
 }
 
 fn hyper(cfg: &Config, total_samples: u64) -> Hyper {
@@ -168,7 +203,8 @@ impl Sup {
             total = total.min(o.max_steps * per_step);
         }
         let me = myself.clone();
-        let collective = Arc::new(Collective::new(step, samples, hyper(&a.config, total), move |r| {
+        let settings = step_settings(&a.config, total, a.objective.gamma);
+        let collective = Arc::new(Collective::new(step, samples, settings, move |r| {
             let _ = me.send_message(SupervisorMsg::Round(r));
         }));
         let me = myself.clone();
@@ -192,8 +228,17 @@ impl Sup {
                 step,
                 shared: Arc::new(DrafterShared::default()),
                 member_from: None,
+                metrics: DrafterMetrics::new(id, &a.drafter_identities[id]),
             })
             .collect();
+        let mut memory: Vec<(Device, DeviceMemory)> = Vec::new();
+        let devices = std::iter::once((a.target_device.0, &a.target_identity))
+            .chain(a.drafter_devices.iter().map(|(d, _)| *d).zip(&a.drafter_identities));
+        for (device, identity) in devices {
+            if !memory.iter().any(|(d, _)| *d == device) {
+                memory.push((device, DeviceMemory::new(identity)));
+            }
+        }
         let mut states = BTreeMap::new();
         let mut initial = TrainerState::new(step, loader.state(), a.config.merged.clone());
         initial.samples_committed = samples;
@@ -252,8 +297,31 @@ impl Sup {
             window_feature_wait_s: 0.0,
             window_started: Instant::now(),
             last_lr: 0.0,
+            total_samples: total,
+            config_version: 1,
+            run_metrics: RunMetrics::new(step, samples),
+            memory,
+            last_telemetry: Instant::now(),
+            evaluator: None,
+            eval_due: None,
+            last_evaluation: None,
             a,
         }
+    }
+
+    /// The drafters' state series and the live count.
+    fn publish_states(&self) {
+        for s in &self.slots {
+            let name = match s.state {
+                DrafterState::Starting => "starting",
+                DrafterState::Joining => "joining",
+                DrafterState::Live => "live",
+                DrafterState::Restarting => "restarting",
+                DrafterState::Failed => "failed",
+            };
+            DrafterMetrics::set_state(s.id, name);
+        }
+        self.run_metrics.drafters_live.set(self.live_members().len() as f64);
     }
 
     // ------------------------------------------------------------------ target
@@ -274,6 +342,7 @@ impl Sup {
             routes: self.routes.clone(),
             supervisor: self.myself.clone(),
             requests: rx,
+            metrics: TargetMetrics::new(&self.a.target_identity),
         };
         let name = format!("target-{}", self.target_generation);
         let (actor, _) = Actor::spawn_linked(Some(name), TargetActor, spawn, self.myself.get_cell()).await?;
@@ -323,7 +392,15 @@ impl Sup {
         *s.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
         let cap = 8 + self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
         let (tx, rx) = sync_channel(cap);
-        self.routes.set(id, Route { generation: s.generation, sender: tx.clone(), device: s.device, kind: s.kind });
+        s.metrics.feature_queue.set(0.0);
+        let route = Route {
+            generation: s.generation,
+            sender: tx.clone(),
+            device: s.device,
+            kind: s.kind,
+            queued: s.metrics.feature_queue.clone(),
+        };
+        self.routes.set(id, route);
         s.input = Some(tx);
         let spawn = DrafterSpawn {
             id,
@@ -341,9 +418,12 @@ impl Sup {
             supervisor: self.myself.clone(),
             input: rx,
             shared: s.shared.clone(),
+            metrics: s.metrics.clone(),
+            peak_tflops: self.a.config.drafters.peak_tflops,
         };
         // The actor's handle arrives with its ActorStarted supervision event.
         let name = format!("drafter-{id}-{}", s.generation);
+        self.publish_states();
         let cell = self.myself.get_cell();
         tokio::spawn(async move {
             if let Err(e) = Actor::spawn_linked(Some(name), DrafterActor, spawn, cell).await {
@@ -413,6 +493,7 @@ impl Sup {
         s.step = step;
         s.member_from = Some(step);
         tracing::info!(drafter = id, step, "drafter live");
+        self.publish_states();
         match self.phase {
             Phase0::StartingDrafters => self.start_next_drafter(),
             Phase0::Running => {
@@ -502,10 +583,12 @@ impl Sup {
             return;
         };
         let mut metrics = Metrics::default();
+        let mut tokens = 0;
         for (_, batches, m, samples) in &r.contributions {
             for b in batches {
                 self.loader.commit(*b);
                 if let Some(batch) = self.batches.remove(b) {
+                    tokens += batch.samples.iter().map(|&p| self.lengths[p] as u64).sum::<u64>();
                     self.write_ledger(r.step, &batch);
                 }
             }
@@ -521,11 +604,23 @@ impl Sup {
         // Members of this step that did not contribute had their batches requeued when they failed.
         let _ = step_map;
         self.window.add(&metrics);
+        let m = &self.run_metrics;
+        m.committed_samples.increment(r.samples_committed.saturating_sub(self.samples_committed));
+        m.committed_tokens.increment(tokens);
+        m.committed_steps.increment(1);
+        m.step.set((r.step + 1) as f64);
+        m.last_step_timestamp.set(crate::telemetry::unix_now());
+        if metrics.weight > 0.0 {
+            m.loss.set(metrics.loss());
+            m.accuracy.set(metrics.accuracy());
+            m.acceptance_length.set(metrics.acceptance_length());
+        }
         self.samples_committed = r.samples_committed;
         self.committed_step = r.step + 1;
         self.last_lr = r.lr;
         if !r.total_weight.is_finite() {
             self.skipped_steps += 1;
+            self.run_metrics.skipped_steps.increment(1);
         }
         let mut state = TrainerState::new(self.committed_step, self.loader.state(), self.a.config.merged.clone());
         state.samples_committed = self.samples_committed;
@@ -543,6 +638,11 @@ impl Sup {
         let every = self.a.config.checkpoint.every_steps;
         if every > 0 && self.committed_step.is_multiple_of(every) {
             self.request_checkpoint("periodic");
+        }
+        let every = self.a.config.eval.every_steps;
+        if every > 0 && self.committed_step.is_multiple_of(every) {
+            self.eval_due = Some(self.committed_step);
+            self.request_checkpoint("evaluation");
         }
         self.top_up();
     }
@@ -571,6 +671,7 @@ impl Sup {
             self.replicas_checked_step = Some(step);
         } else {
             self.replicas_diverged += 1;
+            self.run_metrics.replica_divergences.increment(1);
             tracing::error!(step, checksums = ?seen, "replicas diverged: their parameters or optimizer states differ");
         }
         self.digests.retain(|s, _| *s > step);
@@ -669,12 +770,15 @@ impl Sup {
                 self.loader.commit(b);
                 self.set_aside.push(b);
             } else {
-                self.samples_requeued += self.batches.get(&b).map_or(0, |x| x.samples.len() as u64);
+                let n = self.batches.get(&b).map_or(0, |x| x.samples.len() as u64);
+                self.samples_requeued += n;
+                self.run_metrics.samples_requeued.increment(n);
                 self.loader.requeue(b);
             }
         }
         if !failure.restartable() {
             self.emergency(id);
+            self.publish_states();
             return;
         }
         // Intensity: at most max_restarts within the window.
@@ -698,12 +802,14 @@ impl Sup {
             let delay = sup.backoff_initial_ms.saturating_mul(1 << s.restarts.len().min(16)).min(sup.backoff_max_ms);
             s.restarts.push_back(Instant::now());
             s.total_restarts += 1;
+            DrafterMetrics::restarted(id);
             let me = self.myself.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(delay)).await;
                 let _ = me.send_message(SupervisorMsg::RestartDrafter { id });
             });
         }
+        self.publish_states();
         let alive = self.slots.iter().filter(|s| s.state != DrafterState::Failed).count();
         if alive < sup.min_live_drafters {
             tracing::error!(
@@ -818,6 +924,18 @@ impl Sup {
         {
             self.request_checkpoint("periodic (time)");
         }
+        if self.last_telemetry.elapsed() >= Duration::from_secs(1) {
+            self.last_telemetry = Instant::now();
+            for (device, gauges) in &self.memory {
+                if let Ok(m) = device::memory_stats(*device) {
+                    gauges.allocated.set(m.allocated as f64);
+                    gauges.reserved.set(m.reserved as f64);
+                }
+            }
+            if let Some(h) = &self.a.prometheus {
+                h.run_upkeep();
+            }
+        }
     }
 
     // ------------------------------------------------------------------ checkpoints
@@ -860,9 +978,14 @@ impl Sup {
         match result {
             Ok(w) => {
                 tracing::info!(step = w.step, path = %w.path.display(), seconds = format!("{:.2}", w.seconds), "checkpoint written");
+                self.run_metrics.checkpoint(Some((w.step, w.seconds)));
+                self.evaluate_if_due(w.step, &w.path);
                 self.last_checkpoint = Some((w, Instant::now()));
             }
-            Err(e) => tracing::error!("checkpoint failed: {e}"),
+            Err(e) => {
+                self.run_metrics.checkpoint(None);
+                tracing::error!("checkpoint failed: {e}");
+            }
         }
         self.end_if_idle();
     }
@@ -917,7 +1040,7 @@ impl Sup {
             skipped_steps: self.skipped_steps,
             replicas_checked_step: self.replicas_checked_step,
             replicas_diverged: self.replicas_diverged,
-            config_version: 1,
+            config_version: self.config_version,
             drafters: self
                 .slots
                 .iter()
@@ -934,7 +1057,141 @@ impl Sup {
                 path: w.path.display().to_string(),
                 age_s: at.elapsed().as_secs_f64(),
             }),
+            last_evaluation: self.last_evaluation.clone(),
         }
+    }
+
+    // ------------------------------------------------------------------ evaluation
+
+    /// Hands checkpoint `path` of `step` to the evaluator when an evaluation is due (starting it the first time).
+    fn evaluate_if_due(&mut self, step: u64, path: &std::path::Path) {
+        let Some(due) = self.eval_due else { return };
+        if step < due {
+            // An older checkpoint was in flight when the evaluation came due.
+            self.request_checkpoint("evaluation");
+            return;
+        }
+        self.eval_due = None;
+        if self.evaluator.is_none() {
+            match self.start_evaluator() {
+                Ok(e) => self.evaluator = Some(e),
+                Err(e) => {
+                    tracing::error!("evaluation unavailable: {e:#}");
+                    self.run_metrics.evaluation(false);
+                    return;
+                }
+            }
+        }
+        if let Some(e) = &self.evaluator
+            && !e.submit(step, path.to_path_buf())
+        {
+            tracing::warn!(step, "evaluation skipped: the previous one is still decoding (raise eval.every_steps)");
+        }
+    }
+
+    fn start_evaluator(&self) -> anyhow::Result<Evaluator> {
+        let (device, kind) = self.a.target_device;
+        let spec = EvalSpec {
+            source: self.a.target_source.clone(),
+            taps: self.a.taps.clone(),
+            device,
+            kind,
+            prompts: eval_prompts(&self.a.config, self.a.vocab_size)?,
+            settings: DecodeSettings {
+                max_new_tokens: self.a.config.eval.max_new_tokens,
+                stop: self.a.eos_token_ids.clone(),
+            },
+            checkpoint_root: self.a.config.checkpoint.dir.clone(),
+        };
+        Ok(Evaluator::start(spec, self.myself.clone())?)
+    }
+
+    fn on_evaluated(&mut self, outcome: Result<Evaluated, String>) {
+        let m = &self.run_metrics;
+        m.evaluation(outcome.is_ok());
+        match outcome {
+            Ok(e) => {
+                m.decode_acceptance_length.set(e.decode_acceptance_length);
+                m.decode_acceptance_length_best.set(e.best);
+                m.decode_token_match.set(e.token_match_rate);
+                m.eval_duration.record(e.seconds);
+                m.eval_last_step.set(e.step as f64);
+                tracing::info!(
+                    step = e.step,
+                    "evaluation: decoded acceptance {:.3} · token match {:.3} · {} prompts · {:.1} s · best {:.3}{}",
+                    e.decode_acceptance_length,
+                    e.token_match_rate,
+                    e.prompts,
+                    e.seconds,
+                    e.best,
+                    if e.new_best { " (new best: checkpoint kept as best)" } else { "" }
+                );
+                self.last_evaluation = Some(e);
+            }
+            Err(e) => tracing::error!("evaluation failed: {e}"),
+        }
+    }
+
+    // ------------------------------------------------------------------ reload
+
+    /// Rereads the configuration and applies what may change while running; refuses anything else whole.
+    fn reload(&mut self) -> Result<Reloaded, String> {
+        let result = self.try_reload();
+        match &result {
+            Ok(r) => {
+                self.run_metrics.reload(true, self.config_version);
+                if r.changes.is_empty() {
+                    tracing::info!(version = self.config_version, "configuration reread: nothing changed");
+                }
+            }
+            Err(e) => {
+                self.run_metrics.reload(false, self.config_version);
+                tracing::error!(version = self.config_version, "configuration reload refused: {e}");
+            }
+        }
+        result
+    }
+
+    fn try_reload(&mut self) -> Result<Reloaded, String> {
+        let keep = "; the running configuration stays in effect";
+        let new = Config::load(&self.a.layers).map_err(|e| format!("{e}{keep}"))?;
+        let changes = diff(&self.a.config.merged, &new.merged);
+        let fixed: Vec<&str> = changes.iter().map(|c| c.key.as_str()).filter(|k| !RELOADABLE.contains(k)).collect();
+        if !fixed.is_empty() {
+            return Err(format!(
+                "{} cannot change while the service runs (restart it with --resume auto to change them){keep}",
+                fixed.join(", ")
+            ));
+        }
+        if changes.is_empty() {
+            return Ok(Reloaded { config_version: self.config_version, applies_from_step: None, changes });
+        }
+        let gamma = new.objective.gamma.resolve(self.a.drafter_config.block_size).map_err(|e| format!("{e}{keep}"))?;
+        if new.eval.every_steps > 0 && self.evaluator.is_none() {
+            eval_prompts(&new, self.a.vocab_size).map_err(|e| format!("{e:#}{keep}"))?;
+        }
+        if changes.iter().any(|c| c.key == "log.level") {
+            match logging::set_level(&new.log.level).map_err(|e| format!("{e}{keep}"))? {
+                LevelChange::PinnedByEnv => tracing::warn!("log.level changed, but RUST_LOG is set and wins"),
+                LevelChange::Applied | LevelChange::NoLogger => {}
+            }
+        }
+        let from = self.collective.reload(step_settings(&new, self.total_samples, gamma));
+        self.a.objective.num_anchors = new.objective.num_anchors;
+        self.a.objective.gamma = gamma;
+        self.a.config = new;
+        self.config_version += 1;
+        let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
+        for c in &changes {
+            tracing::info!(key = %c.key, old = %show(&c.old), new = %show(&c.new), "configuration: {} {} -> {}", c.key, show(&c.old), show(&c.new));
+        }
+        tracing::info!(
+            version = self.config_version,
+            step = from,
+            "configuration reloaded: version {} applies from step {from} on every drafter",
+            self.config_version
+        );
+        Ok(Reloaded { config_version: self.config_version, applies_from_step: Some(from), changes })
     }
 }
 
@@ -1027,6 +1284,13 @@ impl Actor for Supervisor {
             SupervisorMsg::Status(reply) => {
                 let _ = reply.send(s.status());
             }
+            SupervisorMsg::Reload(reply) => {
+                let result = s.reload();
+                if let Some(reply) = reply {
+                    let _ = reply.send(result);
+                }
+            }
+            SupervisorMsg::Evaluated(outcome) => s.on_evaluated(outcome),
             SupervisorMsg::Shutdown => {
                 if s.ending.is_none() {
                     tracing::info!(

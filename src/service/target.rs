@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
+use metrics::Gauge;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tch::{Device, Kind};
 
@@ -18,6 +19,7 @@ use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::Depth;
 use crate::model::shared::SharedTensor;
+use crate::telemetry::TargetMetrics;
 use crate::train::FeatureBatch;
 
 /// Where a drafter's current thread takes its work.
@@ -26,6 +28,8 @@ pub struct Route {
     pub sender: SyncSender<Work>,
     pub device: Device,
     pub kind: Kind,
+    /// The drafter's feature-queue depth series (features sent, not yet taken).
+    pub queued: Gauge,
 }
 
 /// Drafter id -> its current thread's channel.
@@ -41,14 +45,22 @@ impl Routes {
     }
     /// Sends `work` to drafter `id` if its current thread is of `generation`; false if it is not.
     pub fn send(&self, id: usize, generation: u64, work: Work) -> bool {
-        let sender = {
+        let (sender, queued) = {
             let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
             match map.get(&id) {
-                Some(r) if r.generation == generation => r.sender.clone(),
+                Some(r) if r.generation == generation => (r.sender.clone(), r.queued.clone()),
                 _ => return false,
             }
         };
-        sender.send(work).is_ok()
+        let features = matches!(work, Work::Features { .. });
+        if features {
+            queued.increment(1.0);
+        }
+        let sent = sender.send(work).is_ok();
+        if features && !sent {
+            queued.decrement(1.0);
+        }
+        sent
     }
     fn destination(&self, id: usize, generation: u64) -> Option<(Device, Kind)> {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -81,6 +93,7 @@ pub struct TargetSpawn {
     pub routes: Arc<Routes>,
     pub supervisor: ActorRef<SupervisorMsg>,
     pub requests: Receiver<TargetWork>,
+    pub metrics: TargetMetrics,
 }
 
 pub struct TargetActor;
@@ -108,10 +121,12 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
         lm_head: SharedTensor::new(target.lm_head().shallow_clone()),
     };
     let _ = a.supervisor.send_message(SupervisorMsg::TargetReady { generation: a.generation, heads: Arc::new(heads) });
+    let mut timings = CaptureTimings::new(a.device, a.metrics.clone());
     while let Ok(work) = a.requests.recv() {
         match work {
             TargetWork::Capture { drafter, generation, batch, positions } => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
+                    let started = timings.start().map_err(torch)?;
                     let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
                     let features = FeatureBatch::capture(
                         &target,
@@ -123,6 +138,7 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                         kind,
                     )
                     .map_err(torch)?;
+                    timings.end(started).map_err(torch)?;
                     a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
                 let _ = a.supervisor.send_message(SupervisorMsg::Delivered { generation: a.generation, batch });
@@ -133,4 +149,55 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// Capture durations without stalling the thread: on a GPU, a pair of events around each capture, read once the
+/// device has passed the second (the thread keeps queueing work meanwhile); on the CPU, which computes as it is
+/// called, the wall time.
+struct CaptureTimings {
+    device: Device,
+    metrics: TargetMetrics,
+    pending: std::collections::VecDeque<(device::TimingEvent, device::TimingEvent)>,
+}
+
+/// Where one capture started.
+enum Started {
+    Host(std::time::Instant),
+    Device(device::TimingEvent),
+}
+
+impl CaptureTimings {
+    fn new(device: Device, metrics: TargetMetrics) -> Self {
+        CaptureTimings { device, metrics, pending: Default::default() }
+    }
+
+    fn start(&mut self) -> Result<Started, device::DeviceError> {
+        Ok(match device::TimingEvent::new(self.device)? {
+            Some(e) => {
+                e.record()?;
+                Started::Device(e)
+            }
+            None => Started::Host(std::time::Instant::now()),
+        })
+    }
+
+    fn end(&mut self, started: Started) -> Result<(), device::DeviceError> {
+        match started {
+            Started::Host(t) => self.metrics.capture_duration.record(t.elapsed().as_secs_f64()),
+            Started::Device(start) => {
+                if let Some(end) = device::TimingEvent::new(self.device)? {
+                    end.record()?;
+                    self.pending.push_back((start, end));
+                }
+            }
+        }
+        while let Some((start, end)) = self.pending.front() {
+            if !end.is_done()? {
+                break;
+            }
+            self.metrics.capture_duration.record(start.elapsed_ms(end)? / 1e3);
+            self.pending.pop_front();
+        }
+        Ok(())
+    }
 }

@@ -65,6 +65,20 @@ impl Hyper {
     }
 }
 
+/// The objective's settings a reload may change; each drafter's forward reads them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ObjectiveKnobs {
+    pub num_anchors: usize,
+    pub gamma: Option<f64>,
+}
+
+/// Everything a reload may change in the training step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepSettings {
+    pub hyper: Hyper,
+    pub objective: ObjectiveKnobs,
+}
+
 /// A completed round, as every member applies it.
 pub struct RoundResult {
     pub step: u64,
@@ -72,6 +86,8 @@ pub struct RoundResult {
     pub grad: SharedTensor,
     pub total_weight: f64,
     pub update: UpdateSettings,
+    /// The objective of the next step's forward.
+    pub next_objective: ObjectiveKnobs,
     pub contributors: Vec<MemberId>,
 }
 
@@ -135,8 +151,19 @@ struct State {
     contributions: BTreeMap<MemberId, Contribution>,
     results: VecDeque<Arc<RoundResult>>,
     samples_committed: u64,
-    hyper: Hyper,
+    settings: StepSettings,
+    /// Settings of a reload and the first step they apply to.
+    pending: Option<(u64, StepSettings)>,
     joiners: BTreeMap<MemberId, Joiner>,
+}
+
+impl State {
+    fn settings_at(&self, step: u64) -> StepSettings {
+        match self.pending {
+            Some((from, next)) if from <= step => next,
+            _ => self.settings,
+        }
+    }
 }
 
 /// See the module documentation.
@@ -151,7 +178,7 @@ impl Collective {
     pub fn new(
         step: u64,
         samples_committed: u64,
-        hyper: Hyper,
+        settings: StepSettings,
         on_round: impl Fn(RoundReport) + Send + Sync + 'static,
     ) -> Self {
         Collective {
@@ -161,7 +188,8 @@ impl Collective {
                 contributions: BTreeMap::new(),
                 results: VecDeque::new(),
                 samples_committed,
-                hyper,
+                settings,
+                pending: None,
                 joiners: BTreeMap::new(),
             }),
             changed: Condvar::new(),
@@ -191,10 +219,23 @@ impl Collective {
         s.samples_committed = samples_committed;
         s.contributions.clear();
         s.results.clear();
+        if let Some((_, next)) = s.pending.take() {
+            s.settings = next;
+        }
     }
 
-    pub fn set_hyper(&self, hyper: Hyper) {
-        self.lock().hyper = hyper;
+    /// New settings (a reload): they apply from the returned step on every member, the first step none has begun
+    /// (members may be computing the open round, whose update still uses the old settings).
+    pub fn reload(&self, settings: StepSettings) -> u64 {
+        let mut s = self.lock();
+        let from = s.round + 1;
+        s.pending = Some((from, settings));
+        from
+    }
+
+    /// The objective of step `step`'s forward (for a member's first step; later ones come with each round).
+    pub fn objective_at(&self, step: u64) -> ObjectiveKnobs {
+        self.lock().settings_at(step).objective
     }
 
     pub fn members(&self) -> Vec<MemberId> {
@@ -353,7 +394,12 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
         samples += c.samples;
         report.push((*member, c.batches.clone(), c.metrics, c.samples));
     }
-    let update = s.hyper.update(s.samples_committed);
+    if s.pending.is_some_and(|(from, _)| from <= step) {
+        s.settings = s.settings_at(step);
+        s.pending = None;
+    }
+    let update = s.settings.hyper.update(s.samples_committed);
+    let next_objective = s.settings_at(step + 1).objective;
     s.samples_committed += samples;
     s.round += 1;
     let result = Arc::new(RoundResult {
@@ -361,6 +407,7 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
         grad: SharedTensor::new(grad.expect("a complete round has a contribution")),
         total_weight,
         update,
+        next_objective,
         contributors: contributions.keys().copied().collect(),
     });
     let report = RoundReport {
@@ -379,6 +426,10 @@ mod tests {
     use crate::train::optim::ScheduleKind;
     use std::sync::mpsc;
     use tch::{Device, Kind};
+
+    fn settings() -> StepSettings {
+        StepSettings { hyper: hyper(), objective: ObjectiveKnobs { num_anchors: 4, gamma: None } }
+    }
 
     fn hyper() -> Hyper {
         Hyper {
@@ -410,7 +461,7 @@ mod tests {
     fn collective() -> (Arc<Collective>, mpsc::Receiver<RoundReport>) {
         let (tx, rx) = mpsc::channel();
         let tx = Mutex::new(tx);
-        let c = Arc::new(Collective::new(5, 0, hyper(), move |r| {
+        let c = Arc::new(Collective::new(5, 0, settings(), move |r| {
             let _ = tx.lock().unwrap().send(r);
         }));
         (c, rx)
@@ -441,6 +492,26 @@ mod tests {
         let report = rx.recv().unwrap();
         assert_eq!((report.step, report.samples_committed), (5, 6));
         assert_eq!(c.waiting_for(), (6, vec![0, 1, 2]));
+    }
+
+    #[test]
+    fn a_reload_applies_from_the_first_step_no_member_has_begun() {
+        let (c, rx) = collective();
+        c.found(0, 1).unwrap();
+        let mut next = settings();
+        next.hyper.schedule.lr = 0.5;
+        next.objective.num_anchors = 9;
+        // Round 5 is open (a member may be computing it): the reload applies from step 6.
+        assert_eq!(c.reload(next), 6);
+        assert_eq!(c.objective_at(5).num_anchors, 4);
+        assert_eq!(c.objective_at(6).num_anchors, 9);
+        let r = c.contribute(0, 1, 5, contribution(&[1.0], 1.0)).unwrap();
+        assert_eq!((r.update.adamw.lr, r.next_objective.num_anchors), (0.1, 9));
+        assert_eq!(rx.recv().unwrap().lr, 0.1);
+        let r = c.contribute(0, 1, 6, contribution(&[1.0], 1.0)).unwrap();
+        assert_eq!((r.update.adamw.lr, r.next_objective.num_anchors), (0.5, 9));
+        assert_eq!(rx.recv().unwrap().lr, 0.5);
+        assert_eq!(c.objective_at(6).num_anchors, 9);
     }
 
     #[test]

@@ -1,0 +1,284 @@
+//! The decoded acceptance length during training. A thread of its own takes the checkpoints the supervisor asks it
+//! to, decodes held-out prompts with each by real speculative decoding (checked against greedy decoding), beside
+//! training rather than in its way, and keeps the checkpoint with the best acceptance length as
+//! `checkpoint.dir/best` (hard links of the checkpoint's files, so pruning old checkpoints never touches it). It
+//! loads the full target stack on its first job: a run with evaluation off never does.
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use ractor::ActorRef;
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind};
+
+use super::messages::SupervisorMsg;
+use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
+use crate::data::prepare::ModelAssets;
+use crate::data::prompts::{Prompt, read_prompts};
+use crate::data::shards::PreparedSplit;
+use crate::model::{Depth, Drafter, Preset, Target};
+use crate::panic::catch_torch;
+use crate::train::checkpoint::DRAFTER_DIR;
+use crate::train::decode_eval::{DecodeSettings, evaluate_decoding};
+
+/// The folder of the best checkpoint, in `checkpoint.dir`.
+pub const BEST_DIR: &str = "best";
+/// What the best checkpoint was measured at, in its folder.
+pub const EVAL_FILE: &str = "eval.json";
+
+/// The prompts `[eval]` names: the first `num_prompts` of the held-out split (each cut where the first assistant
+/// reply starts) or of a prompts file.
+pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
+    let want = config.eval.num_prompts;
+    let prompts = match &config.eval.prompts {
+        EvalPrompts::File(path) => {
+            let assets = match &config.target.source {
+                TargetSource::Folder(dir) => Some(ModelAssets::resolve(&dir.to_string_lossy(), &Default::default())?),
+                TargetSource::Preset(Preset::Tiny) => Some(ModelAssets::tiny(&Default::default())),
+                TargetSource::Preset(_) => None,
+            };
+            let mut all = read_prompts(path, vocab_size, assets.as_ref())
+                .with_context(|| format!("eval.prompts = {}", path.display()))?;
+            all.truncate(want);
+            all
+        }
+        EvalPrompts::Holdout => {
+            let dir = match &config.data.source {
+                DataSource::Prepared(dir) => dir.clone(),
+                DataSource::Builtin => config.data.cache_dir.join("prepared"),
+                DataSource::Synthetic => bail!(
+                    "eval.prompts = \"holdout\": synthetic data has no held-out split; give a prompts file, or set \
+                     eval.every_steps = 0"
+                ),
+            };
+            let split = PreparedSplit::open(&dir, "holdout", false)
+                .with_context(|| format!("eval.prompts = \"holdout\" reads the holdout split of {}", dir.display()))?;
+            (0..split.len())
+                .filter_map(|i| {
+                    let s = split.get(i);
+                    let first = s.loss_mask.iter().position(|&m| m != 0)?;
+                    (first > 0).then(|| Prompt { id: s.id, input_ids: s.input_ids()[..first].to_vec() })
+                })
+                .take(want)
+                .collect()
+        }
+    };
+    if prompts.is_empty() {
+        bail!(
+            "eval.prompts: no prompt to decode (prepare the data with --holdout 0.05, or give a prompts file; or set \
+             eval.every_steps = 0)"
+        );
+    }
+    Ok(prompts)
+}
+
+/// What the evaluation thread needs.
+pub struct EvalSpec {
+    pub source: TargetSource,
+    pub taps: Vec<usize>,
+    pub device: Device,
+    pub kind: Kind,
+    pub prompts: Vec<Prompt>,
+    pub settings: DecodeSettings,
+    pub checkpoint_root: PathBuf,
+}
+
+/// One evaluation's result.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Evaluated {
+    pub step: u64,
+    pub decode_acceptance_length: f64,
+    pub token_match_rate: f64,
+    pub lossless: bool,
+    pub prompts: usize,
+    pub seconds: f64,
+    /// The best acceptance length so far (this one's when it is the new best).
+    pub best: f64,
+    pub new_best: bool,
+}
+
+/// The handle the supervisor keeps.
+pub struct Evaluator {
+    jobs: SyncSender<(u64, PathBuf)>,
+    busy: Arc<AtomicBool>,
+}
+
+impl Evaluator {
+    pub fn start(spec: EvalSpec, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<Self> {
+        let (jobs, rx) = sync_channel(1);
+        let busy = Arc::new(AtomicBool::new(false));
+        let flag = busy.clone();
+        std::thread::Builder::new().name("evaluator".into()).spawn(move || run(spec, rx, flag, supervisor))?;
+        Ok(Evaluator { jobs, busy })
+    }
+
+    /// Hands checkpoint `dir` of `step` over; false when the previous evaluation is still running.
+    pub fn submit(&self, step: u64, dir: PathBuf) -> bool {
+        if self.busy.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        match self.jobs.try_send((step, dir)) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.busy.store(false, Ordering::SeqCst);
+                false
+            }
+        }
+    }
+}
+
+fn run(spec: EvalSpec, jobs: Receiver<(u64, PathBuf)>, busy: Arc<AtomicBool>, supervisor: ActorRef<SupervisorMsg>) {
+    if let Err(e) = crate::device::bind_thread(spec.device) {
+        tracing::error!("evaluator: cannot use {:?}: {e}", spec.device);
+    }
+    clean_staging(&spec.checkpoint_root);
+    let mut best = read_best(&spec.checkpoint_root);
+    let mut target: Option<Target> = None;
+    while let Ok((step, dir)) = jobs.recv() {
+        let outcome = match catch_torch(|| evaluate(&spec, &mut target, step, &dir, &mut best)) {
+            Ok(Ok(e)) => Ok(e),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(p) => Err(p.to_string()),
+        };
+        busy.store(false, Ordering::SeqCst);
+        let _ = supervisor.send_message(SupervisorMsg::Evaluated(outcome));
+    }
+}
+
+fn evaluate(
+    spec: &EvalSpec,
+    target: &mut Option<Target>,
+    step: u64,
+    checkpoint: &Path,
+    best: &mut Option<f64>,
+) -> Result<Evaluated> {
+    let started = Instant::now();
+    // The checkpoint may be pruned while it is decoded: its files are linked first.
+    let staged = stage(checkpoint, &spec.checkpoint_root, step)?;
+    let result = (|| {
+        if target.is_none() {
+            tracing::info!(device = ?spec.device, "evaluator: loading the full target (once)");
+            *target = Some(spec.source.build_target(&spec.taps, Depth::Full, spec.device, spec.kind)?);
+        }
+        let target = target.as_ref().expect("loaded above");
+        let drafter = Drafter::load(&staged.join(DRAFTER_DIR), spec.device, spec.kind)?;
+        Ok::<_, anyhow::Error>(evaluate_decoding(target, &drafter, &spec.prompts, &spec.settings)?)
+    })();
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staged);
+            return Err(e);
+        }
+    };
+    let acceptance = report.decode_acceptance_length;
+    let new_best = best.is_none_or(|b| acceptance > b);
+    let mut evaluated = Evaluated {
+        step,
+        decode_acceptance_length: acceptance,
+        token_match_rate: report.token_match_rate,
+        lossless: report.lossless,
+        prompts: report.prompts,
+        seconds: 0.0,
+        best: if new_best { acceptance } else { best.unwrap_or(acceptance) },
+        new_best,
+    };
+    evaluated.seconds = started.elapsed().as_secs_f64();
+    if new_best {
+        std::fs::write(staged.join(EVAL_FILE), serde_json::to_vec_pretty(&evaluated)?)?;
+        promote(&staged, &spec.checkpoint_root)?;
+        *best = Some(acceptance);
+    } else {
+        std::fs::remove_dir_all(&staged)?;
+    }
+    Ok(evaluated)
+}
+
+/// The best acceptance length recorded in `root/best`, if any.
+fn read_best(root: &Path) -> Option<f64> {
+    let text = std::fs::read(root.join(BEST_DIR).join(EVAL_FILE)).ok()?;
+    serde_json::from_slice::<Evaluated>(&text).ok().map(|e| e.decode_acceptance_length)
+}
+
+/// Removes staging folders a crash left behind.
+fn clean_staging(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".eval-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// `root/.eval-<step>`: the checkpoint's files, hard-linked (copied where linking fails).
+fn stage(checkpoint: &Path, root: &Path, step: u64) -> Result<PathBuf> {
+    let staged = root.join(format!(".eval-{step}"));
+    let _ = std::fs::remove_dir_all(&staged);
+    link_tree(checkpoint, &staged).with_context(|| format!("staging {} for evaluation", checkpoint.display()))?;
+    Ok(staged)
+}
+
+fn link_tree(src: &Path, dst: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dst)?;
+    for entry in std::fs::read_dir(src)? {
+        let entry = entry?;
+        let to = dst.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            link_tree(&entry.path(), &to)?;
+        } else if std::fs::hard_link(entry.path(), &to).is_err() {
+            std::fs::copy(entry.path(), &to)?;
+        }
+    }
+    Ok(())
+}
+
+/// Makes `staged` the new `root/best` (the old one is removed only once the new one is in place).
+fn promote(staged: &Path, root: &Path) -> Result<()> {
+    let best = root.join(BEST_DIR);
+    let old = root.join(".eval-old-best");
+    let _ = std::fs::remove_dir_all(&old);
+    if best.exists() {
+        std::fs::rename(&best, &old)?;
+    }
+    std::fs::rename(staged, &best)?;
+    std::fs::File::open(root)?.sync_all()?;
+    let _ = std::fs::remove_dir_all(&old);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_links_a_checkpoint_and_promotion_replaces_best() {
+        let root = tempfile::tempdir().unwrap();
+        let ckpt = root.path().join("ckpt-000000010");
+        std::fs::create_dir_all(ckpt.join("drafter")).unwrap();
+        std::fs::write(ckpt.join("MANIFEST"), "m").unwrap();
+        std::fs::write(ckpt.join("drafter/model.safetensors"), "w").unwrap();
+        let staged = stage(&ckpt, root.path(), 10).unwrap();
+        // Pruning the checkpoint leaves the staged files intact.
+        std::fs::remove_dir_all(&ckpt).unwrap();
+        assert_eq!(std::fs::read_to_string(staged.join("drafter/model.safetensors")).unwrap(), "w");
+        std::fs::write(
+            staged.join(EVAL_FILE),
+            r#"{"step":10,"decode_acceptance_length":2.5,"token_match_rate":1.0,
+            "lossless":true,"prompts":3,"seconds":1.0,"best":2.5,"new_best":true}"#,
+        )
+        .unwrap();
+        promote(&staged, root.path()).unwrap();
+        assert_eq!(read_best(root.path()), Some(2.5));
+        let again = stage(&root.path().join(BEST_DIR), root.path(), 20).unwrap();
+        promote(&again, root.path()).unwrap();
+        assert!(root.path().join(BEST_DIR).join("MANIFEST").exists());
+        let left: Vec<_> = std::fs::read_dir(root.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from(BEST_DIR)]);
+        std::fs::create_dir_all(root.path().join(".eval-99")).unwrap();
+        clean_staging(root.path());
+        assert!(!root.path().join(".eval-99").exists());
+    }
+}
