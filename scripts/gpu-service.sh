@@ -100,15 +100,15 @@ import json, random
 random.seed(0)
 with open("/tmp/prompts.jsonl", "w") as f:
     for i in range(4):
-        f.write(json.dumps({"input_ids": [random.randrange(1000, 100000) for _ in range(128)]}) + "\n")
+        f.write(json.dumps({"input_ids": [random.randrange(10, 300) for _ in range(128)]}) + "\n")
 '
-printf '[optim]\nlr = 6e-4\nschedule = "constant"\n' >/tmp/obs.toml
+printf '[optim]\nlr = 6e-4\nschedule = "constant"\nwarmup_ratio = 0.0\n' >/tmp/obs.toml
 ./.bin/dflash --config /tmp/obs.toml serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" \
   --set checkpoint.dir=runs/obs --set eval.every_steps=20 --set eval.prompts=/tmp/prompts.jsonl \
   --set eval.num_prompts=4 --set eval.max_new_tokens=64 2>"$out/serve-obs.log" &
 pid=$!
 wait_step 30
-printf '[optim]\nlr = 3e-4\nschedule = "constant"\n' >/tmp/obs.toml
+printf '[optim]\nlr = 3e-4\nschedule = "constant"\nwarmup_ratio = 0.0\n' >/tmp/obs.toml
 kill -HUP $pid; kill -HUP $pid
 wait_step 75
 get /metrics >"$out/metrics-gpu.txt"
