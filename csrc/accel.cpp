@@ -6,6 +6,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -38,13 +39,13 @@ int dflash_set_device(int index, char* err, size_t len) {
 }
 
 // Moves the calling thread onto a stream of the device's pool (until then it launches on the default stream, shared
-// by every thread of the process).
-int dflash_use_pool_stream(int index, char* err, size_t len) {
+// by every thread of the process); a high-priority stream's blocks are dispatched before pending normal ones.
+int dflash_use_pool_stream(int index, int high_priority, char* err, size_t len) {
   try {
     auto type = at::accelerator::getAccelerator(true).value();
     c10::Device device(type, static_cast<c10::DeviceIndex>(index));
     const auto* impl = c10::impl::getDeviceGuardImpl(type);
-    impl->exchangeStream(impl->getStreamFromGlobalPool(device, false));
+    impl->exchangeStream(impl->getStreamFromGlobalPool(device, high_priority != 0));
     return 0;
   } catch (const std::exception& e) {
     write_error(e, err, len);
@@ -131,6 +132,18 @@ int dflash_event_elapsed_ms(void* start, void* end, double* ms, char* err, size_
   } catch (const std::exception& e) {
     write_error(e, err, len);
     return 1;
+  }
+}
+
+// An uninitialised host tensor shaped like `like`, in page-locked memory (from libtorch's caching host allocator, so repeated snapshots
+// reuse it): device-to-host copies into it run at full bus speed, where pageable memory is staged in small pieces.
+at::Tensor* dflash_empty_pinned_like(const at::Tensor* like, char* err, size_t len) {
+  try {
+    auto options = at::TensorOptions().dtype(like->scalar_type()).device(at::kCPU).pinned_memory(true);
+    return new at::Tensor(at::empty(like->sizes(), options));
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return nullptr;
   }
 }
 

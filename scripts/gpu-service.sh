@@ -93,7 +93,7 @@ done | tee "$out/launch.jsonl"
 fi
 
 if has 5; then
-echo "== 5. metrics, a SIGHUP reload at step 30 and a decoding evaluation every 20 steps, one drafter"
+echo "== 5. metrics, a SIGHUP reload at step 30 and a decoding evaluation every 60 steps, one drafter"
 rm -rf runs/obs
 python3 -c '
 import json, random
@@ -104,13 +104,14 @@ with open("/tmp/prompts.jsonl", "w") as f:
 '
 printf '[optim]\nlr = 6e-4\nschedule = "constant"\nwarmup_ratio = 0.0\n' >/tmp/obs.toml
 ./.bin/dflash --config /tmp/obs.toml serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" \
-  --set checkpoint.dir=runs/obs --set eval.every_steps=20 --set eval.prompts=/tmp/prompts.jsonl \
-  --set eval.num_prompts=4 --set eval.max_new_tokens=64 2>"$out/serve-obs.log" &
+  --set checkpoint.dir=runs/obs --set eval.every_steps=60 --set eval.prompts=/tmp/prompts.jsonl \
+  --set eval.num_prompts=4 --set eval.max_new_tokens=64 --set checkpoint.every_steps=40 --set log.every_steps=1 \
+  2>"$out/serve-obs.log" &
 pid=$!
 wait_step 30
 printf '[optim]\nlr = 3e-4\nschedule = "constant"\nwarmup_ratio = 0.0\n' >/tmp/obs.toml
 kill -HUP $pid; kill -HUP $pid
-wait_step 75
+wait_step 300
 get /metrics >"$out/metrics-gpu.txt"
 get /status >"$out/status-obs.json"
 nvidia-smi --query-gpu=index,uuid --format=csv,noheader >>"$out/gpu.txt"

@@ -8,7 +8,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 /// Errors about devices and numeric types, each naming what was asked for and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -164,7 +164,7 @@ unsafe extern "C" {
     fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
-    fn dflash_use_pool_stream(index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_use_pool_stream(index: c_int, high_priority: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_memory_stats(index: c_int, out: *mut i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_event_new(index: c_int, err: *mut c_char, len: usize) -> *mut c_void;
@@ -178,6 +178,25 @@ unsafe extern "C" {
         len: usize,
     ) -> c_int;
     fn dflash_event_free(event: *mut c_void);
+    fn dflash_empty_pinned_like(like: *const c_void, err: *mut c_char, len: usize) -> *mut c_void;
+}
+
+/// A copy of GPU tensor `t` in page-locked host memory (a CPU tensor is copied as it is). Device-to-host copies into
+/// pinned memory run at bus speed; a pageable destination is staged through small buffers, about 10x slower.
+pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
+    if t.device() == Device::Cpu {
+        return Ok(t.copy());
+    }
+    let mut raw = std::ptr::null_mut();
+    call_shim(t.device(), |e, n| {
+        // SAFETY: `t` is a live tensor (tch hands out at::Tensor*); the shim returns a new tensor or null.
+        raw = unsafe { dflash_empty_pinned_like(t.as_ptr() as *const c_void, e, n) };
+        c_int::from(raw.is_null())
+    })?;
+    // SAFETY: a live at::Tensor* the shim allocated with `new`, owned by the returned Tensor from here on.
+    let mut host = unsafe { Tensor::from_ptr(raw as *mut torch_sys::C_tensor) };
+    host.f_copy_(t).map_err(|e| DeviceError::Runtime { device: t.device(), message: e.to_string() })?;
+    Ok(host)
 }
 
 /// Calls a shim function with an error buffer and turns a failure into a [`DeviceError::Runtime`].
@@ -222,13 +241,22 @@ pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
 
 /// Moves the calling thread's launches on `device` from the default stream (shared by every thread) onto a stream of
 /// its own from libtorch's pool (a no-op for the CPU). Work on other streams is not ordered with it: only for
-/// threads that share no tensors, as the launch benchmark's.
-pub fn use_own_stream(device: Device) -> Result<(), DeviceError> {
+/// threads that share no tensors, as the launch benchmark's. `Priority::High`: the GPU dispatches its blocks before
+/// pending ones of normal streams (latency-bound work beside a saturating one).
+pub fn use_own_stream(device: Device, priority: Priority) -> Result<(), DeviceError> {
+    let high = c_int::from(priority == Priority::High);
     match cuda_index(device) {
         // SAFETY: plain C call with a valid buffer.
-        Some(i) => call_shim(device, |e, n| unsafe { dflash_use_pool_stream(i, e, n) }),
+        Some(i) => call_shim(device, |e, n| unsafe { dflash_use_pool_stream(i, high, e, n) }),
         None => Ok(()),
     }
+}
+
+/// A stream's scheduling priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    Normal,
+    High,
 }
 
 /// Waits for all work queued on `device` (a no-op for the CPU).

@@ -706,7 +706,9 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     }
     svc.wait("version 2", |s| s["config_version"] == 2);
     let from = svc.reload_step(2);
-    let s = svc.wait("the reloaded step committed", |s| step(s) > from);
+    // Round `from + 1` completes only after every member applied round `from` (where the new rate starts) and
+    // recorded its rate: the committed step then exceeds `from + 1`.
+    let s = svc.wait("the step after the reloaded one committed", |s| step(s) > from + 1);
     let text = svc.metrics();
     assert_eq!((lr_of(&text, 0), lr_of(&text, 1)), (Some(1e-3), Some(1e-3)), "step {} from {from}", step(&s));
     assert_eq!(metric(&text, "dflash_config_reloads_total{result=\"success\"}"), Some(1.0), "a burst is one reload");
@@ -737,10 +739,12 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     assert_eq!((lr_of(&text, 0), lr_of(&text, 1)), (Some(1e-3), Some(1e-3)));
     assert_eq!(metric(&text, "dflash_config_last_reload_successful"), Some(0.0));
 
-    // A reload while a drafter restarts applies to the restarted drafter too.
+    // A reload while a drafter restarts applies to the restarted drafter too; a new log level applies at once.
     svc.fault(1, "panic");
     svc.wait("drafter 1 restarting", |s| state(s, 1) == "restarting");
-    std::fs::write(&cfg, original.replace("lr = 2e-3", "lr = 4e-4")).unwrap();
+    let debug = original.replace("lr = 2e-3", "lr = 4e-4").replace("[log]\n", "[log]\nlevel = \"debug\"\n");
+    std::fs::write(&cfg, debug).unwrap();
+    assert!(!logged(&svc.tail(100_000), "\"level\":\"DEBUG\""), "debug lines before the reload");
     let (code, body) = svc.request("POST", "/reload", None);
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["config_version"], 3);
@@ -748,6 +752,10 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     let text = svc.wait_metrics("drafter 1 trained with the new rate", |t| lr_of(t, 1) == Some(4e-4));
     assert_eq!(lr_of(&text, 0), Some(4e-4));
     assert_eq!(metric(&text, "dflash_config_last_reload_successful"), Some(1.0));
+    let (code, _) = svc.request("POST", "/checkpoint", None);
+    assert!(code == 202 || code == 409);
+    svc.wait("a checkpoint", |s| !s["last_checkpoint"].is_null());
+    assert!(logged(&svc.tail(100_000), "\"level\":\"DEBUG\""), "log.level = debug took effect");
     svc.signal("-TERM");
     assert_eq!(svc.exit_code().0, 0);
 }

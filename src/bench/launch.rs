@@ -103,7 +103,7 @@ fn launch_run(device: Device, threads: usize, launches: usize, own_stream: bool)
                     let prepared = catch_torch(|| -> Result<Tensor, BenchError> {
                         device::bind_thread(device)?;
                         if own_stream {
-                            device::use_own_stream(device)?;
+                            device::use_own_stream(device, device::Priority::Normal)?;
                         }
                         Ok(Tensor::f_zeros([256], (Kind::Float, device))?)
                     });

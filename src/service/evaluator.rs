@@ -131,7 +131,12 @@ impl Evaluator {
 }
 
 fn run(spec: EvalSpec, jobs: Receiver<(u64, PathBuf)>, busy: Arc<AtomicBool>, supervisor: ActorRef<SupervisorMsg>) {
-    if let Err(e) = crate::device::bind_thread(spec.device) {
+    // Its own stream, of high priority: training launches on the device's default stream and keeps every SM busy,
+    // while decoding reads a token every step; on the shared stream each read would wait for the training work
+    // queued before it, and on a normal stream its small kernels would queue behind training's blocks.
+    let bound = crate::device::bind_thread(spec.device)
+        .and_then(|()| crate::device::use_own_stream(spec.device, crate::device::Priority::High));
+    if let Err(e) = bound {
         tracing::error!("evaluator: cannot use {:?}: {e}", spec.device);
     }
     clean_staging(&spec.checkpoint_root);
@@ -160,8 +165,10 @@ fn evaluate(
     let staged = stage(checkpoint, &spec.checkpoint_root, step)?;
     let result = (|| {
         if target.is_none() {
-            tracing::info!(device = ?spec.device, "evaluator: loading the full target (once)");
+            let loading = Instant::now();
             *target = Some(spec.source.build_target(&spec.taps, Depth::Full, spec.device, spec.kind)?);
+            let seconds = format!("{:.1}", loading.elapsed().as_secs_f64());
+            tracing::info!(device = ?spec.device, seconds, "evaluator: loaded the full target (once)");
         }
         let target = target.as_ref().expect("loaded above");
         let drafter = Drafter::load(&staged.join(DRAFTER_DIR), spec.device, spec.kind)?;

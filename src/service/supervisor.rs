@@ -640,7 +640,8 @@ impl Sup {
             self.request_checkpoint("periodic");
         }
         let every = self.a.config.eval.every_steps;
-        if every > 0 && self.committed_step.is_multiple_of(every) {
+        if every > 0 && self.committed_step.is_multiple_of(every) && self.eval_due.is_none() {
+            // One due evaluation at a time: a slow checkpoint or evaluation makes later ones wait, not pile up.
             self.eval_due = Some(self.committed_step);
             self.request_checkpoint("evaluation");
         }
@@ -1063,7 +1064,8 @@ impl Sup {
 
     // ------------------------------------------------------------------ evaluation
 
-    /// Hands checkpoint `path` of `step` to the evaluator when an evaluation is due (starting it the first time).
+    /// Hands checkpoint `path` of `step` to the evaluator when an evaluation is due at or before `step` (starting the
+    /// evaluator the first time).
     fn evaluate_if_due(&mut self, step: u64, path: &std::path::Path) {
         let Some(due) = self.eval_due else { return };
         if step < due {
