@@ -396,7 +396,7 @@ pub const NON_RELOADABLE: [&str; 9] = [
 
 /// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
 /// to any other key is refused while running.
-pub const RELOADABLE: [&str; 24] = [
+pub const RELOADABLE: [&str; 22] = [
     "optim.lr",
     "optim.betas",
     "optim.eps",
@@ -419,8 +419,6 @@ pub const RELOADABLE: [&str; 24] = [
     "supervision.step_timeout_s",
     "supervision.min_live_drafters",
     "supervision.gpu_hang_limit",
-    "drafters.peak_tflops",
-    "data.ledger",
 ];
 
 /// One key's value before and after.
