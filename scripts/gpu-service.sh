@@ -119,3 +119,20 @@ kill -9 $pid; wait 2>/dev/null
 grep -E "evaluation|configuration|checkpoint written" "$out/serve-obs.log" | tail -20
 grep -E "^dflash_(learning_rate|mfu_ratio|drafter_info|device_memory_allocated_bytes|decode_acceptance_length|eval_duration_seconds_(sum|count))" "$out/metrics-gpu.txt"
 fi
+
+if has 6; then
+echo "== 6. one drafter per GPU on $(nvidia-smi -L | wc -l) GPUs (target on cuda:0, in-process collective); drafter 1 panics at step 40"
+n=$(nvidia-smi -L | wc -l)
+devices=$(python3 -c "import json;print(json.dumps(['cuda:%d' % i for i in range($n)]))")
+rm -rf runs/multi
+./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=$devices" --set checkpoint.dir=runs/multi \
+  --set control.fault_injection=true --set supervision.check_replicas_every=10 2>"$out/serve-multi.log" &
+pid=$!
+wait_step 40
+post /drafters/1/fault '{"kind": "panic"}'
+wait_step 90
+get /status >"$out/status-multi.json"
+get /metrics | grep -E "^dflash_(collective_duration_seconds_(sum|count)|step_duration_seconds_(sum|count)|drafter_info)" \
+  >"$out/metrics-multi.txt"
+kill -9 $pid; wait 2>/dev/null
+fi

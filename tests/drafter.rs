@@ -257,6 +257,60 @@ fn the_head_loss_equals_cross_entropy_written_out() {
 }
 
 #[test]
+fn the_head_gradient_is_the_loss_gradient_even_where_the_drafter_is_sure() {
+    let d = drafter(6);
+    let c = case(18, 7);
+    let anchors = vec![1, 7, 12];
+    let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
+    let s = settings();
+    let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 18, &s);
+    let t = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
+    let labels = Vec::<i64>::try_from(&t.labels).unwrap();
+    let weights = Vec::<f32>::try_from(&t.weights).unwrap();
+    // Every third weighted row all but certain of its label (p within 1e-6 of 1): its gradient is tiny, and a
+    // softmax stored in bf16 minus the one-hot would cancel to nothing there.
+    let h = run(&d, &c, &anchors, 2).detach();
+    let sure: Vec<i64> = (0..labels.len() as i64).filter(|&i| weights[i as usize] > 0.0 && i % 3 == 0).collect();
+    for &i in &sure {
+        h.get(i).copy_(&(c.embed.get(labels[i as usize]) * 6.0));
+    }
+    // On the CPU, and on a GPU where there is one (its bf16 kernels are the ones training uses).
+    let mut cases = vec![(Device::Cpu, Kind::Float, 1e-5), (Device::Cpu, Kind::BFloat16, 3e-2)];
+    if tch::Cuda::is_available() {
+        cases.extend([(Device::Cuda(0), Kind::Float, 1e-5), (Device::Cuda(0), Kind::BFloat16, 3e-2)]);
+    }
+    for (device, kind, tolerance) in cases {
+        let (x, head) = (h.to_kind(kind), c.embed.to_kind(kind));
+        let (labels, weights) = (t.labels.to_device(device), t.weights.to_device(device));
+        let out =
+            lm_head_loss(&x.to_device(device), &head.to_device(device), &labels, &weights, &plan, 5, true).unwrap();
+        let grad = out.grad.unwrap().to_device(Device::Cpu).to_kind(Kind::Double);
+        // The reference: autograd of sum(w * CE) in f64, from the same (rounded) inputs.
+        let xr = x.to_kind(Kind::Double).set_requires_grad(true);
+        let lsm = xr.matmul(&head.to_kind(Kind::Double).tr()).log_softmax(-1, Kind::Double);
+        let ce = -lsm.gather(1, &t.labels.unsqueeze(1), false).squeeze_dim(1);
+        (ce * t.weights.to_kind(Kind::Double)).sum(Kind::Double).backward();
+        let reference = xr.grad();
+        let err = rel_err(&grad, &reference);
+        eprintln!("{device:?} {kind:?}: head gradient relative error {err}");
+        assert!(err < tolerance, "{device:?} {kind:?}: head gradient relative error {err}");
+        for &i in &sure {
+            let (g, r) = (grad.get(i), reference.get(i));
+            assert!(r.abs().max().double_value(&[]) > 0.0);
+            let err = rel_err(&g, &r);
+            assert!(err < 20.0 * tolerance, "{device:?} {kind:?}: row {i} (p near 1): relative error {err}");
+        }
+        let want = (ce_sum(&lsm, &t) - out.metrics.weighted_loss).abs();
+        assert!(want < 10.0 * tolerance * out.metrics.weighted_loss.abs(), "{device:?} {kind:?}: loss off by {want}");
+    }
+}
+
+fn ce_sum(lsm: &Tensor, t: &PlanTensors) -> f64 {
+    let ce = -lsm.gather(1, &t.labels.unsqueeze(1), false).squeeze_dim(1);
+    (ce * t.weights.to_kind(Kind::Double)).sum(Kind::Double).double_value(&[])
+}
+
+#[test]
 fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no GPU here");

@@ -247,7 +247,9 @@ pub struct HeadOutput {
 /// LM head and weighted cross-entropy over `hidden [rows, H]` (detached), in chunks of `chunk_rows` rows with
 /// `w > 0` (only those are computed at all). Each chunk's logits `[chunk, V]` give the loss, the argmax, and
 /// (with `want_grad`) the gradient of `sum(w * CE)` with respect to the hidden states, `(softmax - onehot) * w`
-/// times the head, so the logits are never recomputed. Also fills the accuracy and acceptance sums, for blocks of
+/// times the head, so the logits are never recomputed. The softmax is stored in the hidden states' dtype; the
+/// label's log-probability comes from `log1p(-(1 - p))` where p > 0.5 and from the label's logit, the largest logit
+/// and the largest probability elsewhere, each to that dtype's relative precision. Also fills the accuracy and acceptance sums, for blocks of
 /// `block_size` rows whose kept flags are `keep`.
 pub fn lm_head_loss(
     hidden: &Tensor,
@@ -276,17 +278,32 @@ pub fn lm_head_loss(
         let w = sel_weights.narrow(0, start, len);
         let x = hidden.f_index_select(0, &idx)?;
         let logits = x.f_linear(lm_head, None::<Tensor>)?;
+        let (max_logit, argmax) = logits.f_max_dim(-1, false)?;
         let mut hit = correct_sel.narrow(0, start, len);
-        hit.f_copy_(&logits.f_argmax(-1, false)?.f_eq_tensor(&lab)?)?;
-        let mut log_probs = logits.f_log_softmax(-1, Kind::Float)?;
+        hit.f_copy_(&argmax.f_eq_tensor(&lab)?)?;
+        let lab1 = lab.unsqueeze(1);
+        let label_logit = logits.f_gather(1, &lab1, false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
+        // Softmax accumulated in f32 but stored in the hidden states' dtype: on a GPU (bf16) this is the chunk's
+        // only full pass besides the max and the scaling, where f32 log-probabilities took five.
+        let mut probs = logits.f_softmax(-1, hidden.kind())?;
         drop(logits);
-        let label_lp = log_probs.f_gather(1, &lab.unsqueeze(1), false)?.f_squeeze_dim(1)?;
+        let p_max = probs.f_gather(1, &argmax.unsqueeze(1), false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
+        // The other tokens' mass, summed in f32 with the label's entry zeroed: 1 - p to the storage dtype's relative
+        // precision even where p is near 1 (where 1 - p itself would cancel).
+        let _ = probs.f_scatter_value_(1, &lab1, 0.0)?;
+        let rest = probs.f_sum_dim_intlist(-1, false, Kind::Float)?;
+        // log p = log1p(-(1 - p)) where the label is likely; elsewhere (label logit - max logit) + log p_max, as
+        // p_max >= 1/V never underflows however unlikely the label.
+        let far = (label_logit - max_logit.f_to_kind(Kind::Float)?) + p_max.f_log()?;
+        let label_lp = (-&rest).f_log1p()?.f_where_self(&rest.f_lt(0.5)?, &far)?;
         loss_sum -= (label_lp * &w).f_sum(Kind::Double)?;
         if let Some(grad) = sel_grad.as_mut() {
-            // (softmax - onehot) * w, formed in f32 and cast once.
-            let mut probs = log_probs.f_exp_()?.f_mul_(&w.unsqueeze(1))?;
-            let probs = probs.f_scatter_add_(1, &lab.unsqueeze(1), &(-&w).unsqueeze(1))?;
-            let g = probs.f_to_kind(hidden.kind())?.f_matmul(lm_head)?;
+            // (softmax - onehot) * w: the other entries scaled in place (computed in f32, rounded once), the label's
+            // entry -(1 - p) * w from the precise sum.
+            let _ = probs.f_mul_(&w.unsqueeze(1))?;
+            let label_grad = (-(&rest * &w)).f_unsqueeze(1)?.f_to_kind(probs.kind())?;
+            let _ = probs.f_scatter_(1, &lab1, &label_grad)?;
+            let g = probs.f_matmul(lm_head)?;
             grad.narrow(0, start, len).f_copy_(&g)?;
         }
         start += len;
