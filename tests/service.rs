@@ -759,3 +759,23 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     svc.signal("-TERM");
     assert_eq!(svc.exit_code().0, 0);
 }
+
+#[test]
+fn two_target_copies_each_feed_their_drafter_and_every_sample_is_trained_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let mut svc = Service::start(&cfg, false, &["target.capture_devices=[\"cpu\", \"cpu\"]", "optim.epochs=2"]);
+    let s = svc.wait("training", |s| step(s) >= 2);
+    let targets = s["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 2, "{s:#}");
+    for (i, t) in targets.iter().enumerate() {
+        assert_eq!(t["drafters"], json!([i]), "{s:#}");
+        assert_eq!(t["ready"], true);
+    }
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 0);
+    let ready = logs.iter().filter(|l| l.contains("\"message\":\"target ready\"")).count();
+    assert_eq!(ready, 2, "one target ready line per copy");
+    let samples = PreparedSplitLen::of(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), samples), 2, "two whole epochs");
+}

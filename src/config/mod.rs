@@ -68,6 +68,15 @@ struct RawTarget {
     model: String,
     device: String,
     dtype: String,
+    capture_devices: RawCaptureDevices,
+}
+
+/// `capture_devices` is a list of devices or the word `colocated`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawCaptureDevices {
+    List(Vec<String>),
+    Word(String),
 }
 
 #[derive(Debug, Deserialize)]
@@ -142,11 +151,23 @@ impl std::fmt::Display for TargetSource {
     }
 }
 
+/// Where `serve-train` runs target copies that capture features for the drafters.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CapturePlacement {
+    /// One target on `target.device`, feeding every drafter.
+    TargetDevice,
+    /// One target on each distinct device of `drafters.devices`, feeding the drafters there.
+    Colocated,
+    /// One target on each listed device; a drafter is fed by one on its own device if any, else by any, spread evenly.
+    Devices(Vec<DeviceSpec>),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct TargetSettings {
     pub source: TargetSource,
     pub device: DeviceSpec,
     pub dtype: DtypeSpec,
+    pub capture: CapturePlacement,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -488,7 +509,20 @@ impl RawTarget {
             .dtype
             .parse()
             .map_err(|_| invalid("target.dtype", format!("{:?}", self.dtype), "expected auto, bf16 or f32"))?;
-        Ok(TargetSettings { source, device, dtype })
+        let key = "target.capture_devices";
+        let capture = match self.capture_devices {
+            RawCaptureDevices::Word(w) if w == "colocated" => CapturePlacement::Colocated,
+            RawCaptureDevices::Word(w) => {
+                return Err(invalid(key, format!("{w:?}"), "a list of devices, [] (target.device) or \"colocated\""));
+            }
+            RawCaptureDevices::List(list) if list.is_empty() => CapturePlacement::TargetDevice,
+            RawCaptureDevices::List(list) => CapturePlacement::Devices(
+                list.iter()
+                    .map(|d| d.parse().map_err(|_| invalid(key, format!("{d:?}"), "each entry is cpu, cuda:N or auto")))
+                    .collect::<Result<_, _>>()?,
+            ),
+        };
+        Ok(TargetSettings { source, device, dtype, capture })
     }
 }
 
@@ -658,6 +692,8 @@ mod tests {
             ("eval.num_prompts=0", &["eval.num_prompts"]),
             ("eval.prompts=\"\"", &["eval.prompts", "holdout"]),
             ("drafters.peak_tflops=0", &["drafters.peak_tflops"]),
+            ("target.capture_devices=everywhere", &["target.capture_devices", "colocated"]),
+            ("target.capture_devices=[\"cpu\", \"tpu\"]", &["target.capture_devices", "tpu"]),
             ("log.level=dflash=loud", &["log.level", "loud"]),
             ("draft_model.target_layer_ids=\"x\"", &["target_layer_ids"]),
         ];

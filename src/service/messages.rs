@@ -40,11 +40,13 @@ pub struct Heads {
 /// Messages of the supervisor actor.
 pub enum SupervisorMsg {
     TargetReady {
+        target: usize,
         generation: u64,
         heads: Arc<Heads>,
     },
-    /// The target delivered a batch's features to its drafter.
+    /// A target copy delivered a batch's features to its drafter.
     Delivered {
+        target: usize,
         generation: u64,
         batch: BatchId,
     },
@@ -78,7 +80,9 @@ pub enum SupervisorMsg {
     RestartDrafter {
         id: usize,
     },
-    RestartTarget,
+    RestartTarget {
+        target: usize,
+    },
     Tick,
     Fault {
         id: usize,
@@ -119,6 +123,17 @@ pub struct DrafterStatus {
     pub restarts: u64,
 }
 
+/// A copy of the target that captures features (`target.capture_devices`).
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetStatus {
+    pub id: usize,
+    pub device: String,
+    pub ready: bool,
+    pub restarts: u64,
+    /// The drafters it feeds.
+    pub drafters: Vec<usize>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct CheckpointStatus {
     pub step: u64,
@@ -150,6 +165,7 @@ pub struct Status {
     pub replicas_diverged: u64,
     pub config_version: u64,
     pub drafters: Vec<DrafterStatus>,
+    pub targets: Vec<TargetStatus>,
     pub last_checkpoint: Option<CheckpointStatus>,
     pub last_evaluation: Option<Evaluated>,
 }

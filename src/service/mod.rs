@@ -1,6 +1,6 @@
-//! `dflash serve-train`: the long-running training service. A supervisor actor owns the target actor and one
-//! drafter actor per configured device (each drafter computing on its own thread), the loader, the collective and
-//! the checkpointer; an HTTP control plane reports status and takes commands.
+//! `dflash serve-train`: the long-running training service. A supervisor actor owns the target actors and one
+//! drafter actor per configured device (each computing on its own thread), the loader, the collective, the
+//! checkpointer and the evaluator; an HTTP control plane reports status and metrics and takes commands.
 pub mod builtin_data;
 pub mod compute_thread;
 pub mod control;
@@ -8,6 +8,7 @@ pub mod drafter;
 pub mod evaluator;
 pub mod failure;
 pub mod messages;
+pub mod placement;
 pub mod run;
 pub mod supervisor;
 pub mod target;

@@ -11,6 +11,7 @@ use tch::{Device, Kind};
 use super::builtin_data::dataset;
 use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
+use super::placement::capture_devices;
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::config::{Config, Layers, NON_RELOADABLE, TargetSource, changed_keys, leaf_keys};
 use crate::model::{DrafterConfig, TargetConfig};
@@ -118,7 +119,8 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         eval_prompts(&config, target_cfg.vocab_size)?;
     }
     let prometheus = telemetry::install()?;
-    let target_identity = GpuIdentity::of(target_device);
+    let capture_devices = capture_devices(&config, (target_device, target_kind), &drafter_devices)?;
+    let capture_identities = capture_devices.iter().map(|(d, _)| GpuIdentity::of(*d)).collect();
     let drafter_identities = drafter_devices.iter().map(|(d, _)| GpuIdentity::of(*d)).collect();
     let exit_code = Arc::new(Mutex::new(None));
     let args = SupervisorArgs {
@@ -127,12 +129,13 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         objective,
         target_source: config.target.source.clone(),
         target_device: (target_device, target_kind),
+        capture_devices,
         drafter_devices,
         dataset: data,
         resume,
         exit_code: exit_code.clone(),
         layers,
-        target_identity,
+        capture_identities,
         drafter_identities,
         prometheus: Some(prometheus.clone()),
         vocab_size: target_cfg.vocab_size,

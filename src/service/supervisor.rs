@@ -1,8 +1,9 @@
-//! The supervisor: owns the target actor and one drafter actor per configured device, the loader and its ledger,
-//! the collective, the checkpointer and the run's progress.
+//! The supervisor: owns the target actors (one per `target.capture_devices` entry), one drafter actor per configured
+//! device, the loader and its ledger, the collective, the checkpointer, the evaluator and the run's progress; applies
+//! configuration reloads.
 //!
 //! Steps are assigned ahead (`prefetch_steps`): for each step every live drafter gets `accumulation` micro-batches
-//! (or `Empty` when the data ran out), sent through the target, which captures their features. A step is committed
+//! (or `Empty` when the data ran out), sent through the target copy that feeds it, which captures their features. A step is committed
 //! when its round completes: the contributors' batches are consumed; a drafter that fails has its uncontributed
 //! batches requeued. A failed drafter is restarted alone with backoff and an intensity limit, on a new thread that
 //! copies a live peer's state; with no live peer the run rewinds to the newest valid checkpoint. Hung threads are
@@ -21,8 +22,10 @@ use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start};
 use super::evaluator::{EvalSpec, Evaluated, Evaluator, eval_prompts};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{
-    CheckpointStatus, DrafterState, DrafterStatus, Heads, Reloaded, Status, SupervisorMsg, ThreadMsg, Work,
+    CheckpointStatus, DrafterState, DrafterStatus, Heads, Reloaded, Status, SupervisorMsg, TargetStatus, ThreadMsg,
+    Work,
 };
+use super::placement::assign_targets;
 use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};
 use crate::config::{Config, Layers, RELOADABLE, TargetSource, diff};
 use crate::data::dataset::Dataset;
@@ -46,15 +49,18 @@ pub struct SupervisorArgs {
     pub objective: ObjectiveSettings,
     pub target_source: TargetSource,
     pub taps: Vec<usize>,
+    /// The configured target device (evaluation runs there).
     pub target_device: (Device, Kind),
+    /// The devices of the target copies that capture features (`target.capture_devices`).
+    pub capture_devices: Vec<(Device, Kind)>,
     pub drafter_devices: Vec<(Device, Kind)>,
     pub dataset: Arc<dyn Dataset>,
     pub resume: Option<(PathBuf, TrainerState)>,
     pub exit_code: Arc<Mutex<Option<i32>>>,
     /// Where the configuration came from, reread on a reload.
     pub layers: Layers,
-    /// Metric labels of the target's device and of each drafter's.
-    pub target_identity: GpuIdentity,
+    /// Metric labels of each target copy's device and of each drafter's.
+    pub capture_identities: Vec<GpuIdentity>,
     pub drafter_identities: Vec<GpuIdentity>,
     /// Renders `/metrics`; kept here for its periodic upkeep.
     pub prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -78,6 +84,21 @@ struct Slot {
     /// Steps from which it is a member (after joining).
     member_from: Option<u64>,
     metrics: DrafterMetrics,
+}
+
+/// One copy of the target that captures features, and the requests it has not delivered yet.
+struct TargetSlot {
+    id: usize,
+    device: Device,
+    kind: Kind,
+    generation: u64,
+    handle: Option<(ActorRef<ThreadMsg>, SyncSender<TargetWork>)>,
+    /// Requests sent and not yet reported delivered, in order (resent when it restarts).
+    undelivered: VecDeque<(TargetWork, BatchId)>,
+    ready: bool,
+    ever_ready: bool,
+    restarts: u64,
+    metrics: TargetMetrics,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,10 +129,9 @@ pub struct Sup {
     loader_settings: LoaderSettings,
     lengths: Vec<usize>,
     heads: Option<Arc<Heads>>,
-    target: Option<(ActorRef<ThreadMsg>, SyncSender<TargetWork>)>,
-    target_generation: u64,
-    /// Requests sent to the target not yet reported delivered, in order.
-    undelivered: VecDeque<(TargetWork, BatchId)>,
+    targets: Vec<TargetSlot>,
+    /// Drafter id -> the target copy that feeds it.
+    feeds: Vec<usize>,
     slots: Vec<Slot>,
     /// step -> drafter -> its micro-batches (None: Empty)
     assigned: BTreeMap<u64, BTreeMap<usize, Vec<Option<BatchId>>>>,
@@ -231,9 +251,33 @@ impl Sup {
                 metrics: DrafterMetrics::new(id, &a.drafter_identities[id]),
             })
             .collect();
+        let targets: Vec<TargetSlot> = a
+            .capture_devices
+            .iter()
+            .zip(&a.capture_identities)
+            .enumerate()
+            .map(|(id, (&(device, kind), identity))| TargetSlot {
+                id,
+                device,
+                kind,
+                generation: 0,
+                handle: None,
+                undelivered: VecDeque::new(),
+                ready: false,
+                ever_ready: false,
+                restarts: 0,
+                metrics: TargetMetrics::new(identity),
+            })
+            .collect();
+        let drafter_devices: Vec<Device> = a.drafter_devices.iter().map(|(d, _)| *d).collect();
+        let feeds = assign_targets(&drafter_devices, &targets.iter().map(|t| t.device).collect::<Vec<_>>());
         let mut memory: Vec<(Device, DeviceMemory)> = Vec::new();
-        let devices = std::iter::once((a.target_device.0, &a.target_identity))
-            .chain(a.drafter_devices.iter().map(|(d, _)| *d).zip(&a.drafter_identities));
+        let devices = a
+            .capture_devices
+            .iter()
+            .map(|(d, _)| *d)
+            .zip(&a.capture_identities)
+            .chain(drafter_devices.iter().copied().zip(&a.drafter_identities));
         for (device, identity) in devices {
             if !memory.iter().any(|(d, _)| *d == device) {
                 memory.push((device, DeviceMemory::new(identity)));
@@ -259,9 +303,8 @@ impl Sup {
             loader_settings,
             lengths,
             heads: None,
-            target: None,
-            target_generation: 0,
-            undelivered: VecDeque::new(),
+            targets,
+            feeds,
             slots,
             assigned: BTreeMap::new(),
             batches: HashMap::new(),
@@ -326,53 +369,86 @@ impl Sup {
 
     // ------------------------------------------------------------------ target
 
-    async fn start_target(&mut self) -> Result<(), ActorProcessingErr> {
-        self.target_generation += 1;
-        let cap =
-            64 + self.slots.len() * self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
+    async fn start_target(&mut self, id: usize) -> Result<(), ActorProcessingErr> {
+        let feeds = self.feeds.iter().filter(|&&t| t == id).count().max(1);
+        let cap = 64 + feeds * self.a.config.supervision.prefetch_steps * self.a.config.optim.accumulation * 2;
         let (tx, rx) = sync_channel(cap);
-        let (device, kind) = self.a.target_device;
+        let t = &mut self.targets[id];
+        t.generation += 1;
+        t.ready = false;
         let spawn = TargetSpawn {
-            generation: self.target_generation,
+            id,
+            generation: t.generation,
             source: self.a.target_source.clone(),
             taps: self.a.taps.clone(),
-            device,
-            kind,
+            device: t.device,
+            kind: t.kind,
             dataset: self.a.dataset.clone(),
             routes: self.routes.clone(),
             supervisor: self.myself.clone(),
             requests: rx,
-            metrics: TargetMetrics::new(&self.a.target_identity),
+            metrics: t.metrics.clone(),
         };
-        let name = format!("target-{}", self.target_generation);
+        let name = format!("target-{id}-{}", t.generation);
         let (actor, _) = Actor::spawn_linked(Some(name), TargetActor, spawn, self.myself.get_cell()).await?;
-        self.target = Some((actor, tx));
+        self.targets[id].handle = Some((actor, tx));
         Ok(())
     }
 
-    fn on_target_ready(&mut self, generation: u64, heads: Arc<Heads>) {
-        if generation != self.target_generation {
+    fn on_target_ready(&mut self, id: usize, generation: u64, heads: Arc<Heads>) {
+        let t = &mut self.targets[id];
+        if generation != t.generation {
             return;
         }
-        if self.heads.is_none() {
-            self.heads = Some(heads);
-            tracing::info!(target = %self.a.target_source, device = %device_name(self.a.target_device.0), "target ready");
-            self.phase = Phase0::StartingDrafters;
-            self.start_next_drafter();
+        t.ready = true;
+        if !t.ever_ready {
+            t.ever_ready = true;
+            let fed: Vec<usize> = (0..self.feeds.len()).filter(|&d| self.feeds[d] == id).collect();
+            tracing::info!(target = %self.a.target_source, id, device = %device_name(t.device), drafters = ?fed, "target ready");
+            self.heads.get_or_insert(heads);
+            if self.phase == Phase0::StartingTarget && self.targets.iter().all(|t| t.ready) {
+                self.phase = Phase0::StartingDrafters;
+                self.start_next_drafter();
+            }
             return;
         }
-        tracing::info!("target restarted; resending {} requests", self.undelivered.len());
-        let pending: Vec<TargetWork> = self.undelivered.iter().map(|(w, _)| clone_work(w)).collect();
-        if let Some((_, tx)) = &self.target {
+        tracing::info!(id, "target restarted; resending {} requests", t.undelivered.len());
+        let pending: Vec<TargetWork> = t.undelivered.iter().map(|(w, _)| clone_work(w)).collect();
+        if let Some((_, tx)) = &t.handle {
             for w in pending {
                 let _ = tx.send(w);
             }
         }
     }
 
-    fn on_delivered(&mut self, generation: u64, batch: BatchId) {
-        if generation == self.target_generation && self.undelivered.front().is_some_and(|(_, b)| *b == batch) {
-            self.undelivered.pop_front();
+    fn on_delivered(&mut self, id: usize, generation: u64, batch: BatchId) {
+        let t = &mut self.targets[id];
+        if generation == t.generation && t.undelivered.front().is_some_and(|(_, b)| *b == batch) {
+            t.undelivered.pop_front();
+        }
+    }
+
+    /// A target copy failed: restart it after the initial backoff (or end, for a poisoned device).
+    fn target_failed(&mut self, id: usize, generation: u64, failure: Failure) {
+        let t = &mut self.targets[id];
+        if generation != t.generation {
+            return;
+        }
+        tracing::warn!(id, device = %device_name(t.device), kind = ?failure.kind, "target failed: {}; restarting it", failure.message);
+        t.handle = None;
+        t.ready = false;
+        t.restarts += 1;
+        if !failure.restartable() {
+            self.ending = Some(Ending { code: EXIT_RESTART, export: false });
+            self.request_checkpoint("emergency");
+            self.end_if_idle();
+        } else {
+            let me = self.myself.clone();
+            let delay = self.a.config.supervision.backoff_initial_ms;
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                let _ = me.send_message(SupervisorMsg::RestartTarget { target: id });
+            });
         }
     }
 
@@ -551,12 +627,12 @@ impl Sup {
                     let work =
                         TargetWork::Capture { drafter: id, generation, batch: b.id, positions: b.samples.clone() };
                     items.push(Some(b.id));
-                    self.send_target(work, b.id);
+                    self.send_target(id, work, b.id);
                     self.batches.insert(b.id, b);
                 }
                 None => {
                     items.push(None);
-                    if let Some((_, tx)) = &self.target {
+                    if let Some((_, tx)) = &self.targets[self.feeds[id]].handle {
                         let _ = tx.send(TargetWork::Empty { drafter: id, generation });
                     }
                 }
@@ -571,11 +647,13 @@ impl Sup {
         self.loader.next_epoch().is_some_and(|e| e < self.a.config.optim.epochs)
     }
 
-    fn send_target(&mut self, work: TargetWork, batch: BatchId) {
-        if let Some((_, tx)) = &self.target {
+    /// Sends drafter `drafter`'s capture request to the target copy that feeds it.
+    fn send_target(&mut self, drafter: usize, work: TargetWork, batch: BatchId) {
+        let t = &mut self.targets[self.feeds[drafter]];
+        if let Some((_, tx)) = &t.handle {
             let _ = tx.send(clone_work(&work));
         }
-        self.undelivered.push_back((work, batch));
+        t.undelivered.push_back((work, batch));
     }
 
     fn on_round(&mut self, r: RoundReport) {
@@ -857,7 +935,9 @@ impl Sup {
             tracing::warn!("checkpoint rejected: {r}");
         }
         self.assigned.clear();
-        self.undelivered.clear();
+        for t in &mut self.targets {
+            t.undelivered.clear();
+        }
         self.pending_snapshots.clear();
         self.checkpoint_in_flight = false;
         match found {
@@ -1058,6 +1138,17 @@ impl Sup {
                 path: w.path.display().to_string(),
                 age_s: at.elapsed().as_secs_f64(),
             }),
+            targets: self
+                .targets
+                .iter()
+                .map(|t| TargetStatus {
+                    id: t.id,
+                    device: device_name(t.device),
+                    ready: t.ready,
+                    restarts: t.restarts,
+                    drafters: (0..self.feeds.len()).filter(|&d| self.feeds[d] == t.id).collect(),
+                })
+                .collect(),
             last_evaluation: self.last_evaluation.clone(),
         }
     }
@@ -1223,7 +1314,9 @@ impl Actor for Supervisor {
         args: SupervisorArgs,
     ) -> Result<Sup, ActorProcessingErr> {
         let mut sup = Sup::new(args, myself.clone());
-        sup.start_target().await?;
+        for id in 0..sup.targets.len() {
+            sup.start_target(id).await?;
+        }
         myself.send_interval(Duration::from_millis(200), || SupervisorMsg::Tick);
         Ok(sup)
     }
@@ -1235,8 +1328,8 @@ impl Actor for Supervisor {
         s: &mut Sup,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::TargetReady { generation, heads } => s.on_target_ready(generation, heads),
-            SupervisorMsg::Delivered { generation, batch } => s.on_delivered(generation, batch),
+            SupervisorMsg::TargetReady { target, generation, heads } => s.on_target_ready(target, generation, heads),
+            SupervisorMsg::Delivered { target, generation, batch } => s.on_delivered(target, generation, batch),
             SupervisorMsg::DrafterReady { id, generation } => s.on_ready(id, generation),
             SupervisorMsg::DrafterJoined { id, generation, step } => s.on_joined(id, generation, step),
             SupervisorMsg::StepDone { id, generation, step, report, digest, feature_wait_s } => {
@@ -1255,9 +1348,9 @@ impl Actor for Supervisor {
             SupervisorMsg::Round(r) => s.on_round(r),
             SupervisorMsg::CheckpointWritten(r) => s.on_written(r),
             SupervisorMsg::RestartDrafter { id } => s.restart(id),
-            SupervisorMsg::RestartTarget => {
+            SupervisorMsg::RestartTarget { target } => {
                 if s.ending.is_none() {
-                    s.start_target().await?;
+                    s.start_target(target).await?;
                 }
             }
             SupervisorMsg::Tick => s.tick(),
@@ -1342,30 +1435,26 @@ impl Actor for Supervisor {
             if id < s.slots.len() {
                 s.failed(id, generation, failure);
             }
-        } else if let Some(generation) = name.strip_prefix("target-").and_then(|g| g.parse::<u64>().ok())
-            && generation == s.target_generation
+        } else if let Some((id, generation)) = parse_target(&name)
+            && id < s.targets.len()
         {
-            tracing::warn!(kind = ?failure.kind, "target failed: {}; restarting it", failure.message);
-            s.target = None;
-            if !failure.restartable() {
-                s.ending = Some(Ending { code: EXIT_RESTART, export: false });
-                s.request_checkpoint("emergency");
-                s.end_if_idle();
-            } else {
-                let me = s.myself.clone();
-                let delay = s.a.config.supervision.backoff_initial_ms;
-                tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(delay)).await;
-                    let _ = me.send_message(SupervisorMsg::RestartTarget);
-                });
-            }
+            s.target_failed(id, generation, failure);
         }
         Ok(())
     }
 }
 
 fn parse_drafter(name: &str) -> Option<(usize, u64)> {
-    let rest = name.strip_prefix("drafter-")?;
+    parse_actor(name, "drafter-")
+}
+
+fn parse_target(name: &str) -> Option<(usize, u64)> {
+    parse_actor(name, "target-")
+}
+
+/// `<prefix><id>-<generation>`.
+fn parse_actor(name: &str, prefix: &str) -> Option<(usize, u64)> {
+    let rest = name.strip_prefix(prefix)?;
     let (id, generation) = rest.split_once('-')?;
     Some((id.parse().ok()?, generation.parse().ok()?))
 }

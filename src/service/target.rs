@@ -84,6 +84,8 @@ pub enum TargetWork {
 }
 
 pub struct TargetSpawn {
+    /// Its index among the target copies.
+    pub id: usize,
     pub generation: u64,
     pub source: TargetSource,
     pub taps: Vec<usize>,
@@ -104,7 +106,7 @@ impl Actor for TargetActor {
     type Arguments = TargetSpawn;
 
     async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: TargetSpawn) -> Result<(), ActorProcessingErr> {
-        compute_thread::spawn("target".into(), myself, move || run(args))?;
+        compute_thread::spawn(format!("target-{}", args.id), myself, move || run(args))?;
         Ok(())
     }
 
@@ -120,7 +122,8 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
         embed: SharedTensor::new(target.embed_tokens().shallow_clone()),
         lm_head: SharedTensor::new(target.lm_head().shallow_clone()),
     };
-    let _ = a.supervisor.send_message(SupervisorMsg::TargetReady { generation: a.generation, heads: Arc::new(heads) });
+    let ready = SupervisorMsg::TargetReady { target: a.id, generation: a.generation, heads: Arc::new(heads) };
+    let _ = a.supervisor.send_message(ready);
     let mut timings = CaptureTimings::new(a.device, a.metrics.clone());
     while let Ok(work) = a.requests.recv() {
         match work {
@@ -141,7 +144,8 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                     timings.end(started).map_err(torch)?;
                     a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
-                let _ = a.supervisor.send_message(SupervisorMsg::Delivered { generation: a.generation, batch });
+                let delivered = SupervisorMsg::Delivered { target: a.id, generation: a.generation, batch };
+                let _ = a.supervisor.send_message(delivered);
             }
             TargetWork::Empty { drafter, generation } => {
                 a.routes.send(drafter, generation, Work::Empty);
