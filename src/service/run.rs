@@ -97,6 +97,15 @@ fn reloadable_keys(tree: &serde_json::Value) -> Vec<String> {
 /// Runs the service until it ends; returns its exit status. `layers` are where `config` came from: a reload rereads
 /// them.
 pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("dflash-control")
+        .build()
+        .context("starting the async runtime")?;
+    // Taken over first: SIGHUP's default action ends the process, and start-up (built-in data, loading) can be long.
+    // One that arrives before the supervisor runs is one reload once it does.
+    let hangup = runtime.block_on(async { tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) });
     let target_device = config.target.device.resolve().context("target.device")?;
     let target_kind = config.target.dtype.resolve(target_device);
     let drafter_devices: Vec<(Device, Kind)> = config
@@ -142,12 +151,6 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         eos_token_ids: target_cfg.eos_token_ids.clone(),
         config,
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("dflash-control")
-        .build()
-        .context("starting the async runtime")?;
     runtime.block_on(async move {
         let listen = args.config.control.listen;
         let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
@@ -159,7 +162,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             })?;
             tracing::info!(address = %bound, "control plane: GET /healthz /status /metrics, POST /checkpoint /reload");
         }
-        watch_reload_signal(supervisor.clone());
+        watch_reload_signal(hangup, supervisor.clone());
         let sup = supervisor.clone();
         tokio::spawn(async move {
             let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -192,9 +195,11 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
 }
 
 /// SIGHUP rereads the configuration. Signals arriving within a quarter second of each other are one reload.
-fn watch_reload_signal(supervisor: ractor::ActorRef<SupervisorMsg>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = match signal(SignalKind::hangup()) {
+fn watch_reload_signal(
+    hangup: std::io::Result<tokio::signal::unix::Signal>,
+    supervisor: ractor::ActorRef<SupervisorMsg>,
+) {
+    let mut hup = match hangup {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("cannot watch SIGHUP (reload with POST /reload instead): {e}");
