@@ -395,10 +395,12 @@ impl Sup {
         Ok(())
     }
 
-    fn on_target_ready(&mut self, id: usize, generation: u64, heads: Arc<Heads>) {
+    /// Returns the next target copy to start: copies start one at a time, each once the one before is ready, as
+    /// drafters do (random preset weights are drawn from the reseeded generators, and loads do not pile up).
+    fn on_target_ready(&mut self, id: usize, generation: u64, heads: Arc<Heads>) -> Option<usize> {
         let t = &mut self.targets[id];
         if generation != t.generation {
-            return;
+            return None;
         }
         t.ready = true;
         if !t.ever_ready {
@@ -410,7 +412,7 @@ impl Sup {
                 self.phase = Phase0::StartingDrafters;
                 self.start_next_drafter();
             }
-            return;
+            return self.targets.iter().position(|t| t.generation == 0);
         }
         tracing::info!(id, "target restarted; resending {} requests", t.undelivered.len());
         let pending: Vec<TargetWork> = t.undelivered.iter().map(|(w, _)| clone_work(w)).collect();
@@ -419,6 +421,7 @@ impl Sup {
                 let _ = tx.send(w);
             }
         }
+        None
     }
 
     fn on_delivered(&mut self, id: usize, generation: u64, batch: BatchId) {
@@ -1314,9 +1317,7 @@ impl Actor for Supervisor {
         args: SupervisorArgs,
     ) -> Result<Sup, ActorProcessingErr> {
         let mut sup = Sup::new(args, myself.clone());
-        for id in 0..sup.targets.len() {
-            sup.start_target(id).await?;
-        }
+        sup.start_target(0).await?;
         myself.send_interval(Duration::from_millis(200), || SupervisorMsg::Tick);
         Ok(sup)
     }
@@ -1328,7 +1329,11 @@ impl Actor for Supervisor {
         s: &mut Sup,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::TargetReady { target, generation, heads } => s.on_target_ready(target, generation, heads),
+            SupervisorMsg::TargetReady { target, generation, heads } => {
+                if let Some(next) = s.on_target_ready(target, generation, heads) {
+                    s.start_target(next).await?;
+                }
+            }
             SupervisorMsg::Delivered { target, generation, batch } => s.on_delivered(target, generation, batch),
             SupervisorMsg::DrafterReady { id, generation } => s.on_ready(id, generation),
             SupervisorMsg::DrafterJoined { id, generation, step } => s.on_joined(id, generation, step),
