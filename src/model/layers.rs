@@ -55,24 +55,50 @@ impl Rope {
         Rope { inv_freq: inv_freq.to_device(device) }
     }
 
-    /// `cos` and `sin` of the angles for `positions` (any integer shape `P`), each `[..P, head_dim]` in `kind`.
+    /// The factors [`apply_rope`] takes for `positions` (any integer shape `P`), each `[..P, head_dim]` in `kind`:
+    /// `cos` of the angles (repeated over both halves), and their `sin` with the sign of `rotate_half` folded in,
+    /// `[-sin, sin]`.
     pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
-        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+        let sin = freqs.sin();
+        (emb.cos().to_kind(kind), Tensor::cat(&[-&sin, sin], -1).to_kind(kind))
     }
 }
 
-/// `x * cos + rotate_half(x) * sin`, where `rotate_half([a, b]) = [-b, a]` over the last dimension.
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+/// HF's `x * cos + rotate_half(x) * sin` (`rotate_half([a, b]) = [-b, a]` over the last dimension), with `cos` and
+/// the signed `sin` of [`Rope::cos_sin`]: the halves swapped (one copy), then one multiply and one fused
+/// multiply-add, where the plain form takes five kernels.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
     let half = x.size().last().expect("rope input has a last dimension") / 2;
-    let rotated = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
-    x * cos + rotated * sin
+    let swapped = x.unflatten(-1, [2, half]).flip([-2]).flatten(-2, -1);
+    let mut out = x * cos;
+    let _ = out.addcmul_(&swapped, signed_sin);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rope_is_hf_rotate_half_written_out() {
+        let rope = Rope::new(10000.0, 8, RopeScaling::None, Device::Cpu);
+        let positions = Tensor::from_slice(&[0i64, 3, 17, 250]);
+        let x = Tensor::randn([2, 4, 8], (Kind::Double, Device::Cpu));
+        let (cos, signed_sin) = rope.cos_sin(&positions, Kind::Double);
+        let angles = positions.to_kind(Kind::Double).unsqueeze(-1) * rope.inv_freq.to_kind(Kind::Double);
+        let emb = Tensor::cat(&[&angles, &angles], -1);
+        let rotate_half = Tensor::cat(&[-x.narrow(-1, 4, 4), x.narrow(-1, 0, 4)], -1);
+        let reference = &x * emb.cos() + rotate_half * emb.sin();
+        let got = apply_rope(&x, &cos, &signed_sin);
+        let err = (&got - &reference).abs().max().double_value(&[]);
+        assert!(err < 1e-6, "max difference {err}");
+        // A non-contiguous input (heads sliced out of a stacked projection) gives the same.
+        let stacked = Tensor::cat(&[&x, &x], -1);
+        let sliced = apply_rope(&stacked.narrow(-1, 8, 8), &cos, &signed_sin);
+        assert!((sliced - got).abs().max().double_value(&[]) == 0.0);
+    }
 
     #[test]
     fn rope_preserves_norm_and_rotates_relative_positions() {
