@@ -260,6 +260,29 @@ fn promote(staged: &Path, root: &Path) -> Result<()> {
 mod tests {
     use super::*;
 
+    fn config(sets: &[&str]) -> Config {
+        let layers = crate::config::Layers { set: sets.iter().map(|s| s.to_string()).collect(), ..Default::default() };
+        Config::load(&layers).unwrap()
+    }
+
+    #[test]
+    fn prompts_come_from_a_file_or_a_held_out_split_and_are_refused_clearly_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("prompts.jsonl");
+        std::fs::write(&file, "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4]}\n{\"input_ids\": [5, 6]}\n").unwrap();
+        let c = config(&[&format!("eval.prompts={}", file.display()), "eval.num_prompts=2"]);
+        let prompts = eval_prompts(&c, 320).unwrap();
+        assert_eq!(prompts.iter().map(|p| p.input_ids.clone()).collect::<Vec<_>>(), vec![vec![1, 2, 3], vec![4]]);
+        let err = format!("{:#}", eval_prompts(&config(&["data.path=synthetic"]), 320).unwrap_err());
+        assert!(err.contains("synthetic") && err.contains("eval.every_steps = 0"), "{err}");
+        let missing = dir.path().join("no-data");
+        let err =
+            format!("{:#}", eval_prompts(&config(&[&format!("data.path={}", missing.display())]), 320).unwrap_err());
+        assert!(err.contains("holdout") && err.contains("no-data"), "{err}");
+        let err = format!("{:#}", eval_prompts(&config(&["eval.prompts=/no/such.jsonl"]), 320).unwrap_err());
+        assert!(err.contains("/no/such.jsonl"), "{err}");
+    }
+
     #[test]
     fn staging_links_a_checkpoint_and_promotion_replaces_best() {
         let root = tempfile::tempdir().unwrap();
