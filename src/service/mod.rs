@@ -9,6 +9,7 @@ pub mod evaluator;
 pub mod failure;
 pub mod messages;
 pub mod placement;
+pub mod reload;
 pub mod run;
 pub mod supervisor;
 pub mod target;

@@ -26,8 +26,9 @@ use super::messages::{
     Work,
 };
 use super::placement::assign_targets;
+use super::reload::{Accepted, reread};
 use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};
-use crate::config::{Config, Layers, RELOADABLE, TargetSource, diff};
+use crate::config::{Config, Layers, TargetSource};
 use crate::data::dataset::Dataset;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
 use crate::device::{self, device_name};
@@ -1249,27 +1250,24 @@ impl Sup {
     }
 
     fn try_reload(&mut self) -> Result<Reloaded, String> {
-        let keep = "; the running configuration stays in effect";
-        let new = Config::load(&self.a.layers).map_err(|e| format!("{e}{keep}"))?;
-        let changes = diff(&self.a.config.merged, &new.merged);
-        let fixed: Vec<&str> = changes.iter().map(|c| c.key.as_str()).filter(|k| !RELOADABLE.contains(k)).collect();
-        if !fixed.is_empty() {
-            return Err(format!(
-                "{} cannot change while the service runs (restart it with --resume auto to change them){keep}",
-                fixed.join(", ")
-            ));
-        }
-        if changes.is_empty() {
-            return Ok(Reloaded { config_version: self.config_version, applies_from_step: None, changes });
-        }
-        let gamma = new.objective.gamma.resolve(self.a.drafter_config.block_size).map_err(|e| format!("{e}{keep}"))?;
-        if new.eval.every_steps > 0 && self.evaluator.is_none() {
-            eval_prompts(&new, self.a.vocab_size).map_err(|e| format!("{e:#}{keep}"))?;
-        }
+        let starts_evaluating = self.evaluator.is_none();
+        let vocab = self.a.vocab_size;
+        let check = |c: &Config| {
+            if c.eval.every_steps > 0 && starts_evaluating {
+                eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?;
+            }
+            Ok(())
+        };
+        let Some(Accepted { config: new, changes, gamma }) =
+            reread(&self.a.config, &self.a.layers, self.a.drafter_config.block_size, check)?
+        else {
+            return Ok(Reloaded { config_version: self.config_version, applies_from_step: None, changes: vec![] });
+        };
         if changes.iter().any(|c| c.key == "log.level") {
-            match logging::set_level(&new.log.level).map_err(|e| format!("{e}{keep}"))? {
-                LevelChange::PinnedByEnv => tracing::warn!("log.level changed, but RUST_LOG is set and wins"),
-                LevelChange::Applied | LevelChange::NoLogger => {}
+            let level =
+                logging::set_level(&new.log.level).map_err(|e| format!("{e}; the running configuration stays"))?;
+            if level == LevelChange::PinnedByEnv {
+                tracing::warn!("log.level changed, but RUST_LOG is set and wins");
             }
         }
         let from = self.collective.reload(step_settings(&new, self.total_samples, gamma));

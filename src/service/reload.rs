@@ -1,0 +1,90 @@
+//! Live reload (SIGHUP, `POST /reload`): the configuration's layers are reread and the whole result validated; it
+//! is accepted only if every changed key is one a running service can change ([`RELOADABLE`]) and its derived
+//! values resolve. Nothing is applied here: the supervisor swaps an accepted configuration in at a step boundary.
+use crate::config::{Change, Config, Layers, RELOADABLE, diff};
+
+/// A reread configuration that may replace the running one.
+pub struct Accepted {
+    pub config: Config,
+    /// Every changed key, with both values (none outside [`RELOADABLE`]).
+    pub changes: Vec<Change>,
+    /// The loss-weight decay the new `objective.gamma` resolves to.
+    pub gamma: Option<f64>,
+}
+
+const KEPT: &str = "; the running configuration stays in effect";
+
+/// Rereads `layers` against the running `current` (drafter block size `block_size`). `Ok(None)`: nothing changed.
+/// `check` vets the new configuration further (for example, that evaluation prompts exist when it turns them on).
+/// Errors say why, and that the running configuration stays.
+pub fn reread(
+    current: &Config,
+    layers: &Layers,
+    block_size: usize,
+    check: impl FnOnce(&Config) -> Result<(), String>,
+) -> Result<Option<Accepted>, String> {
+    let config = Config::load(layers).map_err(|e| format!("{e}{KEPT}"))?;
+    let changes = diff(&current.merged, &config.merged);
+    let fixed: Vec<&str> = changes.iter().map(|c| c.key.as_str()).filter(|k| !RELOADABLE.contains(k)).collect();
+    if !fixed.is_empty() {
+        return Err(format!(
+            "{} cannot change while the service runs (restart it with --resume auto to change them){KEPT}",
+            fixed.join(", ")
+        ));
+    }
+    if changes.is_empty() {
+        return Ok(None);
+    }
+    let gamma = config.objective.gamma.resolve(block_size).map_err(|e| format!("{e}{KEPT}"))?;
+    check(&config).map_err(|e| format!("{e}{KEPT}"))?;
+    Ok(Some(Accepted { config, changes, gamma }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file of its own per call (a reread reads the file again).
+    fn layers(dir: &std::path::Path, text: &str) -> Layers {
+        let n = std::fs::read_dir(dir).unwrap().count();
+        let file = dir.join(format!("run-{n}.toml"));
+        std::fs::write(&file, text).unwrap();
+        Layers { file: Some(file), set: vec!["optim.epochs=2".into()], ..Layers::default() }
+    }
+
+    #[test]
+    fn only_reloadable_keys_may_change_and_the_whole_file_must_be_valid() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = "[optim]\nlr = 2e-3\n[data]\nbatch_size = 2\n";
+        let current = Config::load(&layers(dir.path(), base)).unwrap();
+        let ok = |_: &Config| Ok(());
+
+        let same = layers(dir.path(), base);
+        assert!(reread(&current, &same, 16, ok).unwrap().is_none(), "nothing changed");
+
+        let lr = layers(dir.path(), "[optim]\nlr = 1e-3\nweight_decay = 0.01\n[data]\nbatch_size = 2\n");
+        let accepted = reread(&current, &lr, 16, ok).unwrap().unwrap();
+        let keys: Vec<&str> = accepted.changes.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(keys, ["optim.lr", "optim.weight_decay"]);
+        assert_eq!((accepted.config.optim.lr, accepted.gamma), (1e-3, Some(7.0)));
+        assert_eq!(accepted.config.optim.epochs, 2, "--set values stay layered on top");
+
+        let batch = layers(dir.path(), "[optim]\nlr = 1e-3\n[data]\nbatch_size = 3\n");
+        let err = reread(&current, &batch, 16, ok).err().unwrap();
+        assert!(err.contains("data.batch_size") && err.contains("--resume auto") && err.contains("stays"), "{err}");
+
+        let broken = layers(dir.path(), "[optim\nlr = 1e-3\n");
+        let err = reread(&current, &broken, 16, ok).err().unwrap();
+        assert!(err.contains(".toml") && err.contains("stays"), "{err}");
+
+        let invalid = layers(dir.path(), "[optim]\nlr = -1\n[data]\nbatch_size = 2\n");
+        let err = reread(&current, &invalid, 16, ok).err().unwrap();
+        assert!(err.contains("optim.lr"), "{err}");
+
+        // Derived values must resolve too: "auto" gamma has no default for a block size of 12.
+        let err = reread(&current, &lr, 12, ok).err().unwrap();
+        assert!(err.contains("block size 12"), "{err}");
+        let err = reread(&current, &lr, 16, |_| Err("no prompts".into())).err().unwrap();
+        assert!(err.starts_with("no prompts"), "{err}");
+    }
+}
