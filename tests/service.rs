@@ -779,3 +779,34 @@ fn two_target_copies_each_feed_their_drafter_and_every_sample_is_trained_once() 
     let samples = PreparedSplitLen::of(prepared());
     assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), samples), 2, "two whole epochs");
 }
+
+#[test]
+fn the_grafana_dashboard_and_the_prometheus_example_are_well_formed() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dash: Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("grafana/dashboards/dflash.json")).unwrap()).unwrap();
+    let panels = dash["panels"].as_array().unwrap();
+    let rows: Vec<&str> = panels.iter().filter(|p| p["type"] == "row").map(|p| p["title"].as_str().unwrap()).collect();
+    for wanted in ["Health", "Throughput", "Learning", "Fault tolerance", "Checkpoints", "Configuration"] {
+        assert!(rows.iter().any(|r| r.starts_with(wanted)), "no {wanted} row in {rows:?}");
+    }
+    let mut ids: Vec<i64> = panels.iter().map(|p| p["id"].as_i64().unwrap()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), panels.len(), "panel ids are unique");
+    for p in panels.iter().filter(|p| p["type"] != "row") {
+        let g = &p["gridPos"];
+        assert!(g["x"].as_i64().unwrap() + g["w"].as_i64().unwrap() <= 24, "{} overflows the grid", p["title"]);
+        assert_eq!(p["datasource"]["uid"], "${datasource}", "{} uses the dashboard's datasource", p["title"]);
+        for t in p["targets"].as_array().unwrap() {
+            let expr = t["expr"].as_str().unwrap();
+            assert!(!expr.contains("[1m]") && !expr.contains("[5m]"), "{expr}: rates use $__rate_interval");
+        }
+    }
+    let out = Command::new("promtool")
+        .args(["check", "config"])
+        .arg(root.join("grafana/prometheus.yml"))
+        .output()
+        .expect("promtool (Debian package `prometheus`)");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr));
+}
