@@ -26,8 +26,8 @@ wait_step() {  # gives up after 5 minutes
   until [ "$(step)" -ge "$1" ] || [ $SECONDS -ge $deadline ]; do sleep 0.2; done
 }
 
-# GPU utilisation sampled every 200 ms into FILE until the returned pid is killed: smi FILE
-smi() { nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 >"$1" 2>/dev/null & }
+# GPU 0's utilisation (where stages 2 and 3 run) sampled every 200 ms into FILE until the returned pid is killed
+smi() { nvidia-smi -i 0 --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 >"$1" 2>/dev/null & }
 
 if has 1; then
 echo "== 1. bench --what pipeline"
