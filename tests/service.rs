@@ -135,27 +135,19 @@ impl Service {
         Service { child, addr, logs }
     }
 
+    /// A request to the control plane; (status, JSON body or null).
     fn request(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut s = match TcpStream::connect(self.addr) {
-            Ok(s) => s,
-            Err(e) => {
-                let logs = self.logs.lock().unwrap().join("\n");
-                let _ = std::fs::write(Path::new(env!("CARGO_TARGET_TMPDIR")).join("service-failure.log"), logs);
-                panic!("control plane unreachable ({e}); last log lines: {:#?}", self.tail(30))
-            }
-        };
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        let code = text[9..12].parse().unwrap();
-        let payload = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-        (code, serde_json::from_str(payload).unwrap_or(Value::Null))
+        let (code, payload) = self.http(method, path, &body.map(|b| b.to_string()).unwrap_or_default());
+        (code, serde_json::from_str(&payload).unwrap_or(Value::Null))
+    }
+
+    /// A request to the control plane; a failure to connect saves the log and says what the service last logged.
+    fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        http(self.addr, method, path, body).unwrap_or_else(|e| {
+            let logs = self.logs.lock().unwrap().join("\n");
+            let _ = std::fs::write(Path::new(env!("CARGO_TARGET_TMPDIR")).join("service-failure.log"), logs);
+            panic!("control plane unreachable ({e}); last log lines: {:#?}", self.tail(30))
+        })
     }
 
     fn status(&self) -> Value {
@@ -169,18 +161,23 @@ impl Service {
 
     /// Polls the status until `pred` holds.
     fn wait(&mut self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        self.poll(what, Self::status, pred)
+    }
+
+    /// Reads `fetch` until `pred` holds; fails if the service exits or two minutes pass.
+    fn poll<T: std::fmt::Display>(&mut self, what: &str, fetch: impl Fn(&Self) -> T, pred: impl Fn(&T) -> bool) -> T {
         let started = Instant::now();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("exited ({status}) while waiting for {what}: {:#?}", self.tail(40));
             }
-            let s = self.status();
-            if pred(&s) {
-                return s;
+            let seen = fetch(self);
+            if pred(&seen) {
+                return seen;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(120),
-                "timed out waiting for {what}: {s:#}\n{:#?}",
+                "timed out waiting for {what}: {seen:#}\n{:#?}",
                 self.tail(40)
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -479,23 +476,12 @@ fn metric(text: &str, series: &str) -> Option<f64> {
 
 impl Service {
     fn metrics(&self) -> String {
-        http(self.addr, "GET", "/metrics").1
+        self.http("GET", "/metrics", "").1
     }
 
     /// Polls `/metrics` until `pred` holds.
     fn wait_metrics(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let started = Instant::now();
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("exited ({status}) while waiting for {what}: {:#?}", self.tail(40));
-            }
-            let text = self.metrics();
-            if pred(&text) {
-                return text;
-            }
-            assert!(started.elapsed() < Duration::from_secs(120), "timed out waiting for {what}\n{:#?}", self.tail(40));
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.poll(what, Self::metrics, |t| pred(t))
     }
 
     /// The step a logged reload applies from.
@@ -512,16 +498,20 @@ impl Service {
     }
 }
 
-/// A plain HTTP/1.1 request; (status, body).
-fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n").unwrap();
+/// A plain HTTP/1.1 request with a JSON body (may be empty); (status, body). Both servers here answer with a
+/// Content-Length, never chunked.
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
     let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let code = text[9..12].parse().unwrap();
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    // axum answers chunked only for streams; every answer here has a Content-Length.
-    (code, body.to_string())
+    s.read_to_string(&mut text)?;
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let payload = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok((code, payload.to_string()))
 }
 
 fn percent_encode(s: &str) -> String {
@@ -570,13 +560,9 @@ impl Prometheus {
 
     /// An instant query's result vector (empty when Prometheus is not up yet).
     fn query(&self, expr: &str) -> Vec<Value> {
-        let Ok(mut s) = TcpStream::connect(self.addr) else { return vec![] };
         let path = format!("/api/v1/query?query={}", percent_encode(expr));
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-        let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+        let Ok((_, body)) = http(self.addr, "GET", &path, "") else { return vec![] };
+        let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
         assert_ne!(v["status"], "error", "{expr}: {v}");
         v["data"]["result"].as_array().cloned().unwrap_or_default()
     }
