@@ -214,8 +214,17 @@ fn slot_zero_and_padding_blocks_carry_no_loss_and_no_gradient() {
     assert!(g.get(0).abs().max().double_value(&[]) > 0.0);
 }
 
-#[test]
-fn the_head_loss_equals_cross_entropy_written_out() {
+/// What the LM-head tests share: 18 tokens, blocks at 1, 7 and 12, their plan (tensors on the CPU) and the
+/// drafter's hidden states `[rows, H]`.
+struct HeadCase {
+    c: Case,
+    anchors: Vec<usize>,
+    plan: BlockPlan,
+    t: PlanTensors,
+    h: Tensor,
+}
+
+fn head_case() -> HeadCase {
     let d = drafter(6);
     let c = case(18, 7);
     let anchors = vec![1, 7, 12];
@@ -224,6 +233,12 @@ fn the_head_loss_equals_cross_entropy_written_out() {
     let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 18, &s);
     let t = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
     let h = run(&d, &c, &anchors, 2);
+    HeadCase { c, anchors, plan, t, h }
+}
+
+#[test]
+fn the_head_loss_equals_cross_entropy_written_out() {
+    let HeadCase { c, anchors, plan, t, h } = head_case();
     let out = lm_head_loss(&h, &c.embed, &t.labels, &t.weights, &plan, 3, false).unwrap();
     // Written out: logits, log-softmax, weighted sum; acceptance per block from the argmax.
     let logits = h.to_kind(Kind::Double).matmul(&c.embed.to_kind(Kind::Double).tr());
@@ -258,18 +273,12 @@ fn the_head_loss_equals_cross_entropy_written_out() {
 
 #[test]
 fn the_head_gradient_is_the_loss_gradient_even_where_the_drafter_is_sure() {
-    let d = drafter(6);
-    let c = case(18, 7);
-    let anchors = vec![1, 7, 12];
-    let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
-    let s = settings();
-    let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 18, &s);
-    let t = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
+    let HeadCase { c, plan, t, h, .. } = head_case();
     let labels = Vec::<i64>::try_from(&t.labels).unwrap();
     let weights = Vec::<f32>::try_from(&t.weights).unwrap();
     // Every third weighted row all but certain of its label (p within 1e-6 of 1): its gradient is tiny, and a
     // softmax stored in bf16 minus the one-hot would cancel to nothing there.
-    let h = run(&d, &c, &anchors, 2).detach();
+    let h = h.detach();
     let sure: Vec<i64> = (0..labels.len() as i64).filter(|&i| weights[i as usize] > 0.0 && i % 3 == 0).collect();
     for &i in &sure {
         h.get(i).copy_(&(c.embed.get(labels[i as usize]) * 6.0));
@@ -289,7 +298,9 @@ fn the_head_gradient_is_the_loss_gradient_even_where_the_drafter_is_sure() {
         let xr = x.to_kind(Kind::Double).set_requires_grad(true);
         let lsm = xr.matmul(&head.to_kind(Kind::Double).tr()).log_softmax(-1, Kind::Double);
         let ce = -lsm.gather(1, &t.labels.unsqueeze(1), false).squeeze_dim(1);
-        (ce * t.weights.to_kind(Kind::Double)).sum(Kind::Double).backward();
+        let loss = (ce * t.weights.to_kind(Kind::Double)).sum(Kind::Double);
+        let reference_loss = loss.double_value(&[]);
+        loss.backward();
         let reference = xr.grad();
         let err = rel_err(&grad, &reference);
         eprintln!("{device:?} {kind:?}: head gradient relative error {err}");
@@ -300,14 +311,9 @@ fn the_head_gradient_is_the_loss_gradient_even_where_the_drafter_is_sure() {
             let err = rel_err(&g, &r);
             assert!(err < 20.0 * tolerance, "{device:?} {kind:?}: row {i} (p near 1): relative error {err}");
         }
-        let want = (ce_sum(&lsm, &t) - out.metrics.weighted_loss).abs();
+        let want = (reference_loss - out.metrics.weighted_loss).abs();
         assert!(want < 10.0 * tolerance * out.metrics.weighted_loss.abs(), "{device:?} {kind:?}: loss off by {want}");
     }
-}
-
-fn ce_sum(lsm: &Tensor, t: &PlanTensors) -> f64 {
-    let ce = -lsm.gather(1, &t.labels.unsqueeze(1), false).squeeze_dim(1);
-    (ce * t.weights.to_kind(Kind::Double)).sum(Kind::Double).double_value(&[])
 }
 
 #[test]
