@@ -2,7 +2,7 @@
 //! pairing: it starts the thread, turns whatever ends it (an error, a libtorch error, a panic) into a classified
 //! [`Failure`] sent to the actor, and makes the actor fail with it, so the supervisor sees the thread's failure as
 //! its child's.
-use ractor::{ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::failure::Failure;
 use super::messages::ThreadMsg;
@@ -20,8 +20,35 @@ impl std::fmt::Display for ThreadFailure {
 
 impl std::error::Error for ThreadFailure {}
 
+/// A compute thread's work and the name it runs under: what a [`ComputeActor`] starts.
+pub struct ThreadBody {
+    pub name: String,
+    pub body: Box<dyn FnOnce() -> Result<(), Failure> + Send>,
+}
+
+/// The thin actor around one compute thread (a drafter's or a target copy's): it owns nothing but the thread's
+/// report, and fails with the thread's failure, so the supervisor sees it as its child's.
+pub struct ComputeActor;
+
+impl Actor for ComputeActor {
+    type Msg = ThreadMsg;
+    type State = ();
+    type Arguments = ThreadBody;
+
+    async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: ThreadBody) -> Result<(), ActorProcessingErr> {
+        spawn(args.name, myself, args.body)?;
+        Ok(())
+    }
+
+    async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
+        match msg {
+            ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
+        }
+    }
+}
+
 /// Starts `body` on a new thread named `name`; when it fails, its actor `owner` is told.
-pub fn spawn(
+fn spawn(
     name: String,
     owner: ActorRef<ThreadMsg>,
     body: impl FnOnce() -> Result<(), Failure> + Send + 'static,
@@ -37,13 +64,6 @@ pub fn spawn(
         }
     })?;
     Ok(())
-}
-
-/// The owning actor's handling of its thread's messages: a death is the actor's failure.
-pub fn on_thread_msg(msg: ThreadMsg) -> Result<(), ActorProcessingErr> {
-    match msg {
-        ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
-    }
 }
 
 /// A libtorch (or device) error inside a compute thread, classified.

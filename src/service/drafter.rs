@@ -9,12 +9,12 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::ActorRef;
 use tch::{Device, Kind, Tensor};
 
-use super::compute_thread::{self, torch};
+use super::compute_thread::{ThreadBody, torch};
 use super::failure::{Failure, FailureKind, FaultKind};
-use super::messages::{Heads, SupervisorMsg, ThreadMsg, Work};
+use super::messages::{Heads, SupervisorMsg, Work};
 use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
@@ -79,23 +79,9 @@ pub struct DrafterSpawn {
     pub peak_tflops: f64,
 }
 
-/// The drafter actor: owns nothing but its thread's report.
-pub struct DrafterActor;
-
-impl Actor for DrafterActor {
-    type Msg = ThreadMsg;
-    type State = ();
-    type Arguments = DrafterSpawn;
-
-    async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: DrafterSpawn) -> Result<(), ActorProcessingErr> {
-        let name = format!("drafter-{}", args.id);
-        compute_thread::spawn(name, myself, move || run(args))?;
-        Ok(())
-    }
-
-    async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
-        compute_thread::on_thread_msg(msg)
-    }
+/// The drafter's compute thread, for a [`ComputeActor`](super::compute_thread::ComputeActor).
+pub fn thread(args: DrafterSpawn) -> ThreadBody {
+    ThreadBody { name: format!("drafter-{}", args.id), body: Box::new(move || run(args)) }
 }
 
 /// A small synthetic micro-batch through forward and backward: kernels chosen and memory allocated before Ready.

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
+use super::compute_thread::ComputeActor;
 use super::compute_thread::ThreadFailure;
-use super::drafter::{DrafterActor, DrafterShared, DrafterSpawn, Phase, Start};
+use super::drafter::{self, DrafterShared, DrafterSpawn, Phase, Start};
 use super::evaluator::{EvalSpec, Evaluated, Evaluator, eval_prompts};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{
@@ -27,7 +28,7 @@ use super::messages::{
 };
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
-use super::target::{Route, Routes, TargetActor, TargetSpawn, TargetWork};
+use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
 use crate::config::{Config, Layers, TargetSource};
 use crate::data::dataset::Dataset;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
@@ -391,7 +392,8 @@ impl Sup {
             metrics: t.metrics.clone(),
         };
         let name = format!("target-{id}-{}", t.generation);
-        let (actor, _) = Actor::spawn_linked(Some(name), TargetActor, spawn, self.myself.get_cell()).await?;
+        let (actor, _) =
+            Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), self.myself.get_cell()).await?;
         self.targets[id].handle = Some((actor, tx));
         Ok(())
     }
@@ -506,7 +508,7 @@ impl Sup {
         self.publish_states();
         let cell = self.myself.get_cell();
         tokio::spawn(async move {
-            if let Err(e) = Actor::spawn_linked(Some(name), DrafterActor, spawn, cell).await {
+            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
                 tracing::error!(drafter = id, "could not start the drafter actor: {e}");
             }
         });

@@ -7,12 +7,12 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
 use metrics::Gauge;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::ActorRef;
 use tch::{Device, Kind};
 
-use super::compute_thread::{self, torch};
+use super::compute_thread::{ThreadBody, torch};
 use super::failure::Failure;
-use super::messages::{Heads, SupervisorMsg, ThreadMsg, Work};
+use super::messages::{Heads, SupervisorMsg, Work};
 use crate::config::TargetSource;
 use crate::data::dataset::Dataset;
 use crate::data::loader::BatchId;
@@ -98,21 +98,9 @@ pub struct TargetSpawn {
     pub metrics: TargetMetrics,
 }
 
-pub struct TargetActor;
-
-impl Actor for TargetActor {
-    type Msg = ThreadMsg;
-    type State = ();
-    type Arguments = TargetSpawn;
-
-    async fn pre_start(&self, myself: ActorRef<ThreadMsg>, args: TargetSpawn) -> Result<(), ActorProcessingErr> {
-        compute_thread::spawn(format!("target-{}", args.id), myself, move || run(args))?;
-        Ok(())
-    }
-
-    async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
-        compute_thread::on_thread_msg(msg)
-    }
+/// A target copy's compute thread, for a [`ComputeActor`](super::compute_thread::ComputeActor).
+pub fn thread(args: TargetSpawn) -> ThreadBody {
+    ThreadBody { name: format!("target-{}", args.id), body: Box::new(move || run(args)) }
 }
 
 fn run(a: TargetSpawn) -> Result<(), Failure> {
