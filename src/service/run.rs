@@ -1,6 +1,7 @@
 //! Starting and ending the service: resolves devices, the drafter's shape and the data, checks a resumed
 //! checkpoint against the configuration, starts the supervisor, the control plane and the signal handlers, and
 //! returns the exit status the supervisor chose.
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -123,14 +124,16 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let resume = checkpoint_to_resume(&config, &resume)?;
     let data = dataset(&config, target_cfg.vocab_size, target_device, target_kind)?;
-    if config.eval.every_steps > 0 {
-        // Found wanting now rather than at the first evaluation.
-        eval_prompts(&config, target_cfg.vocab_size)?;
-    }
+    // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
+    let eval_prompts =
+        (config.eval.every_steps > 0).then(|| eval_prompts(&config, target_cfg.vocab_size)).transpose()?;
     let prometheus = telemetry::install()?;
     let capture_devices = capture_devices(&config, (target_device, target_kind), &drafter_devices)?;
-    let capture_identities = capture_devices.iter().map(|(d, _)| GpuIdentity::of(*d)).collect();
-    let drafter_identities = drafter_devices.iter().map(|(d, _)| GpuIdentity::of(*d)).collect();
+    // One NVML lookup per device, however many drafters and target copies share it.
+    let mut identities: HashMap<Device, GpuIdentity> = HashMap::new();
+    let mut identity = |d: Device| identities.entry(d).or_insert_with(|| GpuIdentity::of(d)).clone();
+    let capture_identities = capture_devices.iter().map(|(d, _)| identity(*d)).collect();
+    let drafter_identities = drafter_devices.iter().map(|(d, _)| identity(*d)).collect();
     let exit_code = Arc::new(Mutex::new(None));
     let args = SupervisorArgs {
         taps: drafter_cfg.target_layer_ids.clone(),
@@ -148,6 +151,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         drafter_identities,
         prometheus: Some(prometheus.clone()),
         vocab_size: target_cfg.vocab_size,
+        eval_prompts,
         eos_token_ids: target_cfg.eos_token_ids.clone(),
         config,
     };

@@ -32,6 +32,7 @@ use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
 use crate::config::{Config, Layers, TargetSource};
 use crate::data::dataset::Dataset;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
+use crate::data::prompts::Prompt;
 use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig};
 use crate::telemetry::logging::{self, LevelChange};
@@ -69,6 +70,8 @@ pub struct SupervisorArgs {
     /// The target's vocabulary and end-of-sequence ids (evaluation prompts and decoding).
     pub vocab_size: usize,
     pub eos_token_ids: Vec<i64>,
+    /// The evaluation prompts, read once when evaluation is on (their keys cannot change while running).
+    pub eval_prompts: Option<Vec<Prompt>>,
 }
 
 struct Slot {
@@ -1188,14 +1191,18 @@ impl Sup {
         }
     }
 
-    fn start_evaluator(&self) -> anyhow::Result<Evaluator> {
+    fn start_evaluator(&mut self) -> anyhow::Result<Evaluator> {
+        let prompts = match self.a.eval_prompts.take() {
+            Some(p) => p,
+            None => eval_prompts(&self.a.config, self.a.vocab_size)?,
+        };
         let (device, kind) = self.a.target_device;
         let spec = EvalSpec {
             source: self.a.target_source.clone(),
             taps: self.a.taps.clone(),
             device,
             kind,
-            prompts: eval_prompts(&self.a.config, self.a.vocab_size)?,
+            prompts,
             settings: DecodeSettings {
                 max_new_tokens: self.a.config.eval.max_new_tokens,
                 stop: self.a.eos_token_ids.clone(),
@@ -1252,11 +1259,13 @@ impl Sup {
     }
 
     fn try_reload(&mut self) -> Result<Reloaded, String> {
-        let starts_evaluating = self.evaluator.is_none();
+        // Turning evaluation on reads its prompts now (kept for the evaluator), so a missing split refuses the reload.
+        let needs_prompts = self.evaluator.is_none() && self.a.eval_prompts.is_none();
         let vocab = self.a.vocab_size;
+        let mut loaded = None;
         let check = |c: &Config| {
-            if c.eval.every_steps > 0 && starts_evaluating {
-                eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?;
+            if c.eval.every_steps > 0 && needs_prompts {
+                loaded = Some(eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?);
             }
             Ok(())
         };
@@ -1265,6 +1274,9 @@ impl Sup {
         else {
             return Ok(Reloaded { config_version: self.config_version, applies_from_step: None, changes: vec![] });
         };
+        if loaded.is_some() {
+            self.a.eval_prompts = loaded;
+        }
         if changes.iter().any(|c| c.key == "log.level") {
             let level =
                 logging::set_level(&new.log.level).map_err(|e| format!("{e}; the running configuration stays"))?;
