@@ -14,7 +14,7 @@ use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
 use super::placement::capture_devices;
 use super::supervisor::{Supervisor, SupervisorArgs};
-use crate::config::{Config, Layers, NON_RELOADABLE, TargetSource, changed_keys, leaf_keys};
+use crate::config::{Change, Config, Layers, NON_RELOADABLE, TargetSource, diff};
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
@@ -71,8 +71,10 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(Path
             Ok(None)
         }
         (Resume::Auto, Some((path, state))) => {
-            let changed = changed_keys(&state.config, &config.merged, &NON_RELOADABLE);
-            if !changed.is_empty() {
+            let (fixed, others): (Vec<Change>, Vec<Change>) =
+                diff(&state.config, &config.merged).into_iter().partition(|c| NON_RELOADABLE.contains(&c.key.as_str()));
+            if !fixed.is_empty() {
+                let changed: Vec<&str> = fixed.iter().map(|c| c.key.as_str()).collect();
                 bail!(
                     "cannot resume {}: these settings differ from the run's and cannot change mid-run: {}. Restore \
                      them, or start a new run in another checkpoint.dir",
@@ -80,19 +82,14 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(Path
                     changed.join(", ")
                 );
             }
-            let others = changed_keys(&state.config, &config.merged, &reloadable_keys(&config.merged));
             if !others.is_empty() {
-                tracing::info!(keys = ?others, "resuming with settings changed since the checkpoint");
+                let keys: Vec<&str> = others.iter().map(|c| c.key.as_str()).collect();
+                tracing::info!(?keys, "resuming with settings changed since the checkpoint");
             }
             tracing::info!(step = state.step, path = %path.display(), "resuming");
             Ok(Some((path, state)))
         }
     }
-}
-
-/// Every dotted key of a merged configuration except the non-reloadable ones.
-fn reloadable_keys(tree: &serde_json::Value) -> Vec<String> {
-    leaf_keys(tree).into_iter().filter(|k| !NON_RELOADABLE.contains(&k.as_str())).collect()
 }
 
 /// Runs the service until it ends; returns its exit status. `layers` are where `config` came from: a reload rereads
