@@ -271,7 +271,7 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
 }
 
 /// Moves the finished `tmp` folder to `out`, replacing an older output, and syncs the parent folder.
-fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
+pub(crate) fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |err| DataError::Io { path, err }

@@ -16,7 +16,7 @@ use tch::{Device, Kind};
 
 use super::messages::SupervisorMsg;
 use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
-use crate::data::prepare::ModelAssets;
+use crate::data::prepare::{ModelAssets, commit_folder};
 use crate::data::prompts::{Prompt, read_prompts};
 use crate::data::shards::PreparedSplit;
 use crate::model::{Depth, Drafter, Preset, Target};
@@ -183,17 +183,16 @@ fn evaluate(
     };
     let acceptance = report.decode_acceptance_length;
     let new_best = best.is_none_or(|b| acceptance > b);
-    let mut evaluated = Evaluated {
+    let evaluated = Evaluated {
         step,
         decode_acceptance_length: acceptance,
         token_match_rate: report.token_match_rate,
         lossless: report.lossless,
         prompts: report.prompts,
-        seconds: 0.0,
+        seconds: started.elapsed().as_secs_f64(),
         best: if new_best { acceptance } else { best.unwrap_or(acceptance) },
         new_best,
     };
-    evaluated.seconds = started.elapsed().as_secs_f64();
     if new_best {
         std::fs::write(staged.join(EVAL_FILE), serde_json::to_vec_pretty(&evaluated)?)?;
         promote(&staged, &spec.checkpoint_root)?;
@@ -242,18 +241,10 @@ fn link_tree(src: &Path, dst: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Makes `staged` the new `root/best` (the old one is removed only once the new one is in place).
+/// Makes `staged` the new `root/best`, as `prepare` commits its output (the old one is removed only once the new
+/// one is in place).
 fn promote(staged: &Path, root: &Path) -> Result<()> {
-    let best = root.join(BEST_DIR);
-    let old = root.join(".eval-old-best");
-    let _ = std::fs::remove_dir_all(&old);
-    if best.exists() {
-        std::fs::rename(&best, &old)?;
-    }
-    std::fs::rename(staged, &best)?;
-    std::fs::File::open(root)?.sync_all()?;
-    let _ = std::fs::remove_dir_all(&old);
-    Ok(())
+    Ok(commit_folder(staged, &root.join(BEST_DIR))?)
 }
 
 #[cfg(test)]
