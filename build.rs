@@ -1,5 +1,6 @@
 //! Links the binary to libtorch so it runs without LD_LIBRARY_PATH and finds CUDA, and compiles the small C++ shim
-//! (`csrc/accel.cpp`) for what tch does not expose: binding a thread's device and reading allocator statistics.
+//! (`csrc/`) for what tch does not expose: binding a thread's device, allocator statistics, timing events, the
+//! fused AdamW kernel and autograd functions with a leaner backward.
 use std::path::PathBuf;
 
 fn main() {
@@ -12,6 +13,11 @@ fn main() {
     // An rpath to the libtorch the crate was built against: `dflash` starts without LD_LIBRARY_PATH. A loader path
     // set by the user (LD_LIBRARY_PATH) still wins, since the linker writes RUNPATH.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+    // NVRTC, for the fused kernels (opened at run time), ships beside libtorch in the wheel's nvidia/cu13/lib.
+    let nvrtc = lib.join("../../nvidia/cu13/lib");
+    if let Ok(dir) = std::fs::canonicalize(nvrtc) {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+    }
     // Nothing references libtorch_cuda's symbols directly, so `--as-needed` would drop it and CUDA would never
     // register. Keep it linked where this libtorch has it (a CPU-only libtorch does not).
     if lib.join("libtorch_cuda.so").exists() {
@@ -28,7 +34,8 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .flag("-Wno-unused-parameter")
         .file("csrc/accel.cpp")
+        .file("csrc/autograd.cpp")
         .compile("dflash_accel");
-    println!("cargo:rerun-if-changed=csrc/accel.cpp");
+    println!("cargo:rerun-if-changed=csrc");
     println!("cargo:rerun-if-changed=build.rs");
 }

@@ -10,21 +10,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <cstring>
-#include <exception>
-#include <string>
-
-namespace {
-void write_error(const std::exception& e, char* err, size_t len) {
-  if (err == nullptr || len == 0) return;
-  std::string msg = e.what();
-  // libtorch appends a C++ backtrace after the first line; the first line is the message.
-  auto nl = msg.find('\n');
-  if (nl != std::string::npos) msg.resize(nl);
-  std::strncpy(err, msg.c_str(), len - 1);
-  err[len - 1] = '\0';
-}
-}  // namespace
+#include "shim_error.h"
 
 extern "C" {
 
@@ -46,6 +32,18 @@ int dflash_use_pool_stream(int index, int high_priority, char* err, size_t len) 
     c10::Device device(type, static_cast<c10::DeviceIndex>(index));
     const auto* impl = c10::impl::getDeviceGuardImpl(type);
     impl->exchangeStream(impl->getStreamFromGlobalPool(device, high_priority != 0));
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, len);
+    return 1;
+  }
+}
+
+// The native handle (a `cudaStream_t`) of the calling thread's current stream on device `index`, for kernels launched
+// outside libtorch that must stay ordered with its work.
+int dflash_current_stream(int index, void** out, char* err, size_t len) {
+  try {
+    *out = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(index)).native_handle();
     return 0;
   } catch (const std::exception& e) {
     write_error(e, err, len);

@@ -6,7 +6,9 @@ set -uo pipefail
 what=${1:-all}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export LD_LIBRARY_PATH=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+# libtorch, and NVRTC for the fused kernels (the binaries' rpath names this machine's paths only where they were built).
+export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 for t in .bin/test-*; do

@@ -6,7 +6,9 @@
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export LD_LIBRARY_PATH=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+# libtorch, and NVRTC for the fused kernels (the binaries' rpath names this machine's paths only where they were built).
+export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 # STAGES picks the parts to run (default: all, "1 2 3 4 5").
 stages=" ${STAGES:-1 2 3 4 5} "

@@ -164,6 +164,7 @@ unsafe extern "C" {
     fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
+    fn dflash_current_stream(index: c_int, out: *mut *mut c_void, err: *mut c_char, len: usize) -> c_int;
     fn dflash_use_pool_stream(index: c_int, high_priority: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_memory_stats(index: c_int, out: *mut i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
@@ -237,6 +238,18 @@ pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
         });
     }
     Ok(())
+}
+
+/// The native handle (a `cudaStream_t`) of the calling thread's current stream on CUDA `device`, for kernels
+/// launched outside libtorch that must stay ordered with its work; None for other devices.
+pub fn current_stream_handle(device: Device) -> Result<Option<*mut c_void>, DeviceError> {
+    let Some(i) = cuda_index(device) else {
+        return Ok(None);
+    };
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: plain C call with valid out-pointer and buffer.
+    call_shim(device, |e, n| unsafe { dflash_current_stream(i, &mut handle, e, n) })?;
+    Ok(Some(handle))
 }
 
 /// Moves the calling thread's launches on `device` from the default stream (shared by every thread) onto a stream of

@@ -40,6 +40,10 @@ pub struct DrafterBenchOptions {
     /// Capture every step's features with the preset's target before the step (`--what pipeline`).
     pub pipeline: bool,
     pub peak_tflops: f64,
+    /// Rows of the LM head and loss computed at once; None: the trainer's default.
+    pub lm_head_chunk_rows: Option<i64>,
+    /// Blocks per attention group; None: the trainer's default.
+    pub attention_group_blocks: Option<usize>,
 }
 
 #[derive(Debug, Serialize)]
@@ -52,6 +56,8 @@ pub struct DrafterBenchReport {
     pub seq: i64,
     pub anchors: usize,
     pub block_size: usize,
+    pub lm_head_chunk_rows: i64,
+    pub attention_group_blocks: usize,
     pub drafter_params: i64,
     pub steps: usize,
     pub samples_per_s: f64,
@@ -112,7 +118,20 @@ pub fn bench_drafter(
         )));
     }
     let gamma = default_gamma(opts.block_size);
-    let objective = ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id);
+    let mut objective = ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id);
+    if let Some(rows) = opts.lm_head_chunk_rows {
+        if rows < 1 {
+            return Err(BenchError::Settings(format!("--lm-head-chunk-rows must be at least 1, got {rows}")));
+        }
+        objective.lm_head_chunk_rows = rows;
+    }
+    if let Some(blocks) = opts.attention_group_blocks {
+        if blocks < 1 {
+            return Err(BenchError::Settings("--attention-group-blocks must be at least 1".into()));
+        }
+        objective.attention_group_blocks = blocks;
+    }
+    let (lm_head_chunk_rows, attention_group_blocks) = (objective.lm_head_chunk_rows, objective.attention_group_blocks);
     let (v, h) = (cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64);
     let width = cfg.context_width() as i64;
     let init = match spec.init {
@@ -209,6 +228,8 @@ pub fn bench_drafter(
         seq: opts.seq,
         anchors: opts.anchors,
         block_size: opts.block_size,
+        lm_head_chunk_rows,
+        attention_group_blocks,
         drafter_params,
         steps: opts.steps,
         samples_per_s,
@@ -278,6 +299,8 @@ mod tests {
             capture: true,
             pipeline: false,
             peak_tflops: 1.0,
+            lm_head_chunk_rows: None,
+            attention_group_blocks: None,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert!(r.samples_per_s > 0.0 && r.loss.is_finite() && r.loss > 0.0);
@@ -302,6 +325,8 @@ mod tests {
             capture: false,
             pipeline: true,
             peak_tflops: 1.0,
+            lm_head_chunk_rows: None,
+            attention_group_blocks: None,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.what, "pipeline");

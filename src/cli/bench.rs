@@ -83,6 +83,14 @@ pub struct BenchArgs {
     /// Launch: each thread launches on a stream of its own rather than the device's default stream.
     #[arg(long)]
     own_streams: bool,
+    /// Drafter: rows of the LM head and loss computed at once (the trainer's default: 2048). More rows: fewer,
+    /// larger matrix products; fewer rows: less memory.
+    #[arg(long, value_name = "ROWS")]
+    lm_head_chunk_rows: Option<i64>,
+    /// Drafter: blocks attended together in one attention call (the trainer's default: 64); results do not depend
+    /// on it, only speed.
+    #[arg(long, value_name = "BLOCKS")]
+    attention_group_blocks: Option<usize>,
     /// Also time the phases of one extra step with device events (reported as phases_ms).
     #[arg(long)]
     profile: bool,
@@ -137,6 +145,8 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 capture: args.capture,
                 pipeline: args.what == BenchWhat::Pipeline,
                 peak_tflops: args.peak_tflops,
+                lm_head_chunk_rows: args.lm_head_chunk_rows,
+                attention_group_blocks: args.attention_group_blocks,
             };
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(%preset, device = %device_name(device), "building the drafter");

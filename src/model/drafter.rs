@@ -20,9 +20,10 @@ use super::drafter_config::DrafterConfig;
 use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
-use super::layers::{Rope, apply_rope, rms_norm, swiglu};
+use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
+use crate::ops;
 use crate::profile::span;
 
 /// Context lengths seen by attention are multiples of this (see the module docs).
@@ -174,8 +175,13 @@ impl Drafter {
         self.device
     }
 
+    /// Parameter group `group` in the compute dtype, recording its gradient into the flat gradient buffer.
     fn weight(&self, group: usize) -> Tensor {
-        self.params.leaf(group).to_kind(self.kind)
+        let leaf = self.params.leaf(group);
+        if leaf.kind() == self.kind {
+            return leaf.shallow_clone();
+        }
+        ops::weight_cast(leaf, self.kind).unwrap_or_else(|e| panic!("casting drafter weights: {e}"))
     }
 
     /// Runs the drafter: `target_hidden [B, S, n*H]` (the tapped states), `block_embeddings [B, Q, H]` (the
@@ -251,7 +257,8 @@ impl Drafter {
             x = {
                 let _p = span("drafter.mlp");
                 let h = rms_norm(&x, &self.weight(layer.post_attention_layernorm), eps);
-                &x + swiglu(&h, &self.weight(layer.gate_up_proj), &self.weight(layer.down_proj))
+                let gu = h.linear(&self.weight(layer.gate_up_proj), None::<Tensor>);
+                &x + ops::swiglu_down(&gu, &self.weight(layer.down_proj)).unwrap_or_else(|e| panic!("drafter MLP: {e}"))
             };
         }
         rms_norm(&x, &self.weight(self.norm), eps)
@@ -325,13 +332,13 @@ impl Drafter {
                 let q = qkv.narrow(-1, 0, heads * d).view([1, bs, heads, d]);
                 let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([1, bs, kv_heads, d]);
                 let v_blk = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([1, bs, kv_heads, d]);
-                let q = apply_rope(&rms_norm(&q, q_norm, eps), &cos_b, &sin_b).transpose(1, 2);
-                let k_blk = apply_rope(&rms_norm(&k_blk, k_norm, eps), &cos_b, &sin_b).transpose(1, 2);
+                let q = norm_rope(&q, Some(q_norm), eps, &cos_b, &sin_b).transpose(1, 2);
+                let k_blk = norm_rope(&k_blk, Some(k_norm), eps, &cos_b, &sin_b).transpose(1, 2);
                 if n > 0 {
                     let kv = ctx.f_linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>)?;
                     let k = kv.narrow(-1, 0, kv_heads * d).view([1, n, kv_heads, d]);
                     let v = kv.narrow(-1, kv_heads * d, kv_heads * d).view([1, n, kv_heads, d]);
-                    let k = apply_rope(&rms_norm(&k, k_norm, eps), &cos_c, &sin_c).transpose(1, 2);
+                    let k = norm_rope(&k, Some(k_norm), eps, &cos_c, &sin_c).transpose(1, 2);
                     let _ = cache.write(i, &k, &v.transpose(1, 2))?;
                 }
                 let (k_ctx, v_ctx) = cache.prefix(i, padded)?;

@@ -3,6 +3,8 @@
 use tch::{Device, Kind, Tensor};
 
 use super::config::RopeScaling;
+use super::fused;
+use crate::ops;
 
 /// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x^2) + eps))`, accumulated in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
@@ -13,9 +15,24 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
 /// `down(silu(gate(x)) * up(x))` with the gate and up projections stacked in one weight `[2 * I, H]`.
 pub fn swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Tensor {
     let gu = x.linear(gate_up, None::<Tensor>);
-    let inter = gate_up.size()[0] / 2;
-    let act = gu.narrow(-1, 0, inter).silu() * gu.narrow(-1, inter, inter);
-    act.linear(down, None::<Tensor>)
+    swiglu_activation(&gu).linear(down, None::<Tensor>)
+}
+
+/// `silu(gate) * up` of a stacked projection `[..., 2I]` (gate first): one fused kernel for inference on CUDA,
+/// otherwise one autograd node that saves only the projection ([`ops::swiglu_activation`]).
+pub fn swiglu_activation(gate_up: &Tensor) -> Tensor {
+    fused::silu_mul(gate_up)
+        .unwrap_or_else(|| ops::swiglu_activation(gate_up).unwrap_or_else(|e| panic!("swiglu activation: {e}")))
+}
+
+/// Per-head RMSNorm (where the model has one) then RoPE of `x` `[B, S, heads, d]`, with the factors of
+/// [`Rope::cos_sin`] for the S positions: one fused kernel for inference on CUDA, otherwise libtorch's RMSNorm and
+/// [`apply_rope`].
+pub fn norm_rope(x: &Tensor, weight: Option<&Tensor>, eps: f64, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
+    fused::norm_rope(x, weight, eps, cos, signed_sin).unwrap_or_else(|| {
+        let normed = weight.map(|w| rms_norm(x, w, eps));
+        apply_rope(normed.as_ref().unwrap_or(x), cos, signed_sin)
+    })
 }
 
 /// Rotary position embedding frequencies for one head size.
@@ -67,14 +84,11 @@ impl Rope {
 }
 
 /// HF's `x * cos + rotate_half(x) * sin` (`rotate_half([a, b]) = [-b, a]` over the last dimension), with `cos` and
-/// the signed `sin` of [`Rope::cos_sin`]: the halves swapped (one copy), then one multiply and one fused
-/// multiply-add, where the plain form takes five kernels.
+/// the signed `sin` of [`Rope::cos_sin`] (broadcast to `x`'s shape): the halves swapped (one copy), then one
+/// multiply and one fused multiply-add, where the plain form takes five kernels. One autograd node keeping only the
+/// factors for the backward ([`ops::rope`]).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
-    let half = x.size().last().expect("rope input has a last dimension") / 2;
-    let swapped = x.unflatten(-1, [2, half]).flip([-2]).flatten(-2, -1);
-    let mut out = x * cos;
-    let _ = out.addcmul_(&swapped, signed_sin);
-    out
+    ops::rope(x, cos, signed_sin).unwrap_or_else(|e| panic!("rope: {e}"))
 }
 
 #[cfg(test)]
@@ -98,6 +112,53 @@ mod tests {
         let stacked = Tensor::cat(&[&x, &x], -1);
         let sliced = apply_rope(&stacked.narrow(-1, 8, 8), &cos, &signed_sin);
         assert!((sliced - got).abs().max().double_value(&[]) == 0.0);
+    }
+
+    /// The gradient of `sum(f(x) * r)` with respect to `x`, and `f(x)`.
+    fn value_and_grad(x: &Tensor, r: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+        let x = x.detach().set_requires_grad(true);
+        let y = f(&x);
+        (&y * r).sum(y.kind()).backward();
+        (y.detach(), x.grad())
+    }
+
+    #[test]
+    fn rope_node_matches_the_plain_expression_forward_and_backward() {
+        let rope = Rope::new(10000.0, 8, RopeScaling::None, Device::Cpu);
+        let positions = Tensor::from_slice(&[0i64, 3, 17, 250, 9]).view([1, 5, 1]);
+        for kind in [Kind::Double, Kind::BFloat16] {
+            let (cos, ssin) = rope.cos_sin(&positions, kind);
+            let x = Tensor::randn([2, 5, 3, 8], (Kind::Double, Device::Cpu)).to_kind(kind);
+            let r = Tensor::randn([2, 5, 3, 8], (Kind::Double, Device::Cpu)).to_kind(kind);
+            let plain = |x: &Tensor| {
+                let swapped = x.unflatten(-1, [2, 4]).flip([-2]).flatten(-2, -1);
+                x * &cos + swapped * &ssin
+            };
+            let (y0, g0) = value_and_grad(&x, &r, plain);
+            let (y1, g1) = value_and_grad(&x, &r, |x| apply_rope(x, &cos, &ssin));
+            let tol = if kind == Kind::Double { 1e-12 } else { 2e-2 };
+            let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().to_kind(Kind::Double).double_value(&[]);
+            assert!(diff(&y0, &y1) <= tol, "{kind:?} forward differs by {}", diff(&y0, &y1));
+            assert!(diff(&g0, &g1) <= tol, "{kind:?} gradient differs by {}", diff(&g0, &g1));
+        }
+        // Factors that would broadcast x up to a larger shape are refused (the backward could not reduce them).
+        let (cos, ssin) = rope.cos_sin(&Tensor::from_slice(&[1i64, 2]).view([2, 1]), Kind::Float);
+        let small = Tensor::ones([1, 8], (Kind::Float, Device::Cpu));
+        let err = crate::ops::rope(&small, &cos, &ssin).unwrap_err().to_string();
+        assert!(err.contains("do not broadcast"), "{err}");
+    }
+
+    #[test]
+    fn swiglu_node_matches_the_plain_expression_bit_for_bit() {
+        for kind in [Kind::Double, Kind::BFloat16] {
+            let gu = (Tensor::randn([3, 4, 12], (Kind::Double, Device::Cpu)) * 3.0).to_kind(kind);
+            let r = Tensor::randn([3, 4, 6], (Kind::Double, Device::Cpu)).to_kind(kind);
+            let plain = |gu: &Tensor| gu.narrow(-1, 0, 6).silu() * gu.narrow(-1, 6, 6);
+            let (y0, g0) = value_and_grad(&gu, &r, plain);
+            let (y1, g1) = value_and_grad(&gu, &r, |gu| crate::ops::swiglu_activation(gu).unwrap());
+            assert!(y0.equal(&y1), "{kind:?} forward differs");
+            assert!(g0.equal(&g1), "{kind:?} gradient differs: {}", (&g0 - &g1).abs().max());
+        }
     }
 
     #[test]

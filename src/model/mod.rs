@@ -6,6 +6,7 @@ pub mod config;
 pub mod drafter;
 pub mod drafter_config;
 pub mod flat_params;
+pub mod fused;
 pub mod generate;
 pub mod init;
 pub mod kv_cache;

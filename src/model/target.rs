@@ -15,7 +15,7 @@ use super::config::TargetConfig;
 use super::drafter::{context_bucket, repeat_kv};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
-use super::layers::{Rope, apply_rope, rms_norm, swiglu};
+use super::layers::{Rope, norm_rope, rms_norm, swiglu_activation};
 use super::weights::{HostTensor, WeightFiles, write_sharded};
 use crate::device::kind_name;
 use crate::profile::span;
@@ -325,7 +325,7 @@ impl Target {
             let mut taps = Vec::with_capacity(self.taps.len());
             let x = self.run_layers(input_ids, self.layers.len(), Some(cache), |layer, x| {
                 if self.taps.contains(&layer) {
-                    taps.push(x.shallow_clone());
+                    taps.push(x.copy());
                 }
             })?;
             let logits = rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?;
@@ -359,7 +359,8 @@ impl Target {
         Ok((b, s))
     }
 
-    /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output.
+    /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output. The
+    /// next layer updates `output` in place: copy what you keep.
     /// With a cache, the tokens continue the cached sequence (positions from its length on) and every layer's new
     /// keys and values are written to it.
     fn run_layers(
@@ -430,16 +431,13 @@ impl Target {
         let q = qkv.narrow(-1, 0, heads * d).view([b, s, heads, d]);
         let k = qkv.narrow(-1, heads * d, kv_heads * d).view([b, s, kv_heads, d]);
         let v = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([b, s, kv_heads, d]);
-        let (q, k) = match (&layer.q_norm, &layer.k_norm) {
-            (Some(qn), Some(kn)) => {
-                let _p = span("target.norms");
-                (rms_norm(&q, qn, c.rms_norm_eps), rms_norm(&k, kn, c.rms_norm_eps))
-            }
-            _ => (q, k),
-        };
         let (q, k) = {
-            let _p = span("target.rope");
-            (apply_rope(&q, cos, sin).transpose(1, 2), apply_rope(&k, cos, sin).transpose(1, 2))
+            let _p = span("target.qk_norm_rope");
+            let eps = c.rms_norm_eps;
+            (
+                norm_rope(&q, layer.q_norm.as_ref(), eps, cos, sin).transpose(1, 2),
+                norm_rope(&k, layer.k_norm.as_ref(), eps, cos, sin).transpose(1, 2),
+            )
         };
         let v = v.transpose(1, 2);
         let attn = {
@@ -475,16 +473,23 @@ impl Target {
                 }
             }
         };
-        let x = {
+        // The residual stream is updated in place (no autograd here): the GEMMs add their product to it (beta = 1),
+        // where `x + product` would read both and write a third tensor.
+        let hidden = c.hidden_size as i64;
+        {
             let _p = span("target.o_proj");
-            x + attn.transpose(1, 2).reshape([b, s, heads * d]).linear(&layer.o_proj, None::<Tensor>)
-        };
+            let attn = attn.transpose(1, 2).reshape([b * s, heads * d]);
+            let _ = x.view([b * s, hidden]).f_addmm_(&attn, &layer.o_proj.tr())?;
+        }
         let h = {
             let _p = span("target.norms");
-            rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps)
+            rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps)
         };
         let _p = span("target.mlp");
-        Ok(x + swiglu(&h, &layer.gate_up_proj, &layer.down_proj))
+        let gu = h.view([b * s, hidden]).linear(&layer.gate_up_proj, None::<Tensor>);
+        let act = swiglu_activation(&gu);
+        let _ = x.view([b * s, hidden]).f_addmm_(&act, &layer.down_proj.tr())?;
+        Ok(x.shallow_clone())
     }
 
     fn zero_padding(&self, t: &Tensor, lengths: &[i64]) -> Result<(), ModelError> {

@@ -25,7 +25,9 @@ pub struct ObjectiveSettings {
     /// Decay of the slot weights; `None`: no decay.
     pub gamma: Option<f64>,
     pub mask_token_id: i64,
-    /// Blocks per attention group (see `BlockAttention`); results do not depend on it.
+    /// Blocks per attention group (see `BlockAttention`); results do not depend on it, only speed and memory.
+    /// 64 measured fastest and leanest on the H200 at 768/256 and 3072/512 (BENCHMARKS.md): fewer, larger attention
+    /// calls outweigh the masked keys a larger group computes.
     pub attention_group_blocks: usize,
     /// Rows of the LM head + cross-entropy computed at once.
     pub lm_head_chunk_rows: i64,
@@ -39,7 +41,7 @@ impl ObjectiveSettings {
             block_size,
             gamma,
             mask_token_id,
-            attention_group_blocks: 16,
+            attention_group_blocks: 64,
             lm_head_chunk_rows: 2048,
         }
     }
@@ -278,32 +280,16 @@ pub fn lm_head_loss(
         let w = sel_weights.narrow(0, start, len);
         let x = hidden.f_index_select(0, &idx)?;
         let logits = x.f_linear(lm_head, None::<Tensor>)?;
-        let (max_logit, argmax) = logits.f_max_dim(-1, false)?;
+        let soft = chunk_softmax(logits, &lab, &w, want_grad)?;
         let mut hit = correct_sel.narrow(0, start, len);
-        hit.f_copy_(&argmax.f_eq_tensor(&lab)?)?;
-        let lab1 = lab.unsqueeze(1);
-        let label_logit = logits.f_gather(1, &lab1, false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
-        // Softmax accumulated in f32 but stored in the hidden states' dtype: on a GPU (bf16) this is the chunk's
-        // only full pass besides the max and the scaling, where f32 log-probabilities took five.
-        let mut probs = logits.f_softmax(-1, hidden.kind())?;
-        drop(logits);
-        let p_max = probs.f_gather(1, &argmax.unsqueeze(1), false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
-        // The other tokens' mass, summed in f32 with the label's entry zeroed: 1 - p to the storage dtype's relative
-        // precision even where p is near 1 (where 1 - p itself would cancel).
-        let _ = probs.f_scatter_value_(1, &lab1, 0.0)?;
-        let rest = probs.f_sum_dim_intlist(-1, false, Kind::Float)?;
+        hit.f_copy_(&soft.argmax.f_eq_tensor(&lab)?)?;
         // log p = log1p(-(1 - p)) where the label is likely; elsewhere (label logit - max logit) + log p_max, as
         // p_max >= 1/V never underflows however unlikely the label.
-        let far = (label_logit - max_logit.f_to_kind(Kind::Float)?) + p_max.f_log()?;
-        let label_lp = (-&rest).f_log1p()?.f_where_self(&rest.f_lt(0.5)?, &far)?;
+        let far = (soft.label_logit - soft.max_logit) + soft.p_max.f_log()?;
+        let label_lp = (-&soft.rest).f_log1p()?.f_where_self(&soft.rest.f_lt(0.5)?, &far)?;
         loss_sum -= (label_lp * &w).f_sum(Kind::Double)?;
-        if let Some(grad) = sel_grad.as_mut() {
-            // (softmax - onehot) * w: the other entries scaled in place (computed in f32, rounded once), the label's
-            // entry -(1 - p) * w from the precise sum.
-            let _ = probs.f_mul_(&w.unsqueeze(1))?;
-            let label_grad = (-(&rest * &w)).f_unsqueeze(1)?.f_to_kind(probs.kind())?;
-            let _ = probs.f_scatter_(1, &lab1, &label_grad)?;
-            let g = probs.f_matmul(lm_head)?;
+        if let (Some(grad), Some(d_logits)) = (sel_grad.as_mut(), soft.grad) {
+            let g = d_logits.f_matmul(lm_head)?;
             grad.narrow(0, start, len).f_copy_(&g)?;
         }
         start += len;
@@ -324,6 +310,62 @@ pub fn lm_head_loss(
         None => None,
     };
     Ok(HeadOutput { metrics, grad })
+}
+
+/// What the loss needs of the softmax of one chunk of logits `[len, V]`: per row (f32) the largest logit, its index,
+/// the label's logit, the probability at the argmax and the summed probability of every other token than the label
+/// (the label's `1 - p`, precise where `p` is near 1); with `want_grad`, the logits' gradient `(softmax - onehot) * w`
+/// in their dtype.
+struct ChunkSoftmax {
+    max_logit: Tensor,
+    argmax: Tensor,
+    label_logit: Tensor,
+    p_max: Tensor,
+    rest: Tensor,
+    grad: Option<Tensor>,
+}
+
+/// [`ChunkSoftmax`] of `logits` (consumed: the gradient is written over them), by one fused kernel pair on a GPU in
+/// bf16, otherwise by [`chunk_softmax_plain`].
+fn chunk_softmax(mut logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool) -> Result<ChunkSoftmax, ModelError> {
+    let Some(fused) = crate::model::fused::softmax_rows(&mut logits, lab, w, want_grad) else {
+        return chunk_softmax_plain(logits, lab, w, want_grad);
+    };
+    let column = |i: i64| fused.stats.select(1, i);
+    Ok(ChunkSoftmax {
+        max_logit: column(0),
+        argmax: fused.argmax,
+        label_logit: column(1),
+        p_max: column(2),
+        rest: column(3),
+        grad: want_grad.then_some(logits),
+    })
+}
+
+/// [`ChunkSoftmax`] by libtorch operations: the softmax accumulated in f32 but stored in the logits' dtype (on a GPU,
+/// bf16), the only full pass besides the max, the sum and the scaling.
+fn chunk_softmax_plain(logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool) -> Result<ChunkSoftmax, ModelError> {
+    let (max_logit, argmax) = logits.f_max_dim(-1, false)?;
+    let lab1 = lab.unsqueeze(1);
+    let label_logit = logits.f_gather(1, &lab1, false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
+    let mut probs = logits.f_softmax(-1, logits.kind())?;
+    drop(logits);
+    let p_max = probs.f_gather(1, &argmax.unsqueeze(1), false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
+    // The other tokens' mass, summed in f32 with the label's entry zeroed: 1 - p to the storage dtype's relative
+    // precision even where p is near 1 (where 1 - p itself would cancel).
+    let _ = probs.f_scatter_value_(1, &lab1, 0.0)?;
+    let rest = probs.f_sum_dim_intlist(-1, false, Kind::Float)?;
+    let grad = if want_grad {
+        // The other entries scaled in place (computed in f32, rounded once), the label's entry -(1 - p) * w from the
+        // precise sum.
+        let _ = probs.f_mul_(&w.unsqueeze(1))?;
+        let label_grad = (-(&rest * w)).f_unsqueeze(1)?.f_to_kind(probs.kind())?;
+        let _ = probs.f_scatter_(1, &lab1, &label_grad)?;
+        Some(probs)
+    } else {
+        None
+    };
+    Ok(ChunkSoftmax { max_logit: max_logit.f_to_kind(Kind::Float)?, argmax, label_logit, p_max, rest, grad })
 }
 
 /// Sum of simulated acceptance lengths over kept blocks, and their count: per block, 1 + the number of leading
@@ -349,6 +391,47 @@ fn acceptance(correct: &Tensor, weights: &Tensor, plan: &BlockPlan) -> Result<(f
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a GPU: the fused softmax kernels run (the test fails if they cannot be built) and give what the libtorch
+    /// operations give, within one bf16 rounding; without a gradient the logits are left alone.
+    #[test]
+    fn on_a_gpu_the_fused_chunk_softmax_matches_libtorch() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no GPU here");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        let (rows, vocab) = (37, 1000);
+        // Row 0 is confident in its label (rest near 0, the log1p branch); the others are spread out.
+        let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;
+        let labels = Tensor::randint(vocab, [rows], (Kind::Int64, dev));
+        let _ = logits.get(0).index_fill_(0, &labels.get(0).unsqueeze(0), 40.0);
+        let logits = logits.to_kind(Kind::BFloat16);
+        let w = Tensor::rand([rows], (Kind::Float, dev)) + 0.1;
+        let fused_ran = crate::model::fused::softmax_rows(&mut logits.copy(), &labels, &w, false).is_some();
+        assert!(fused_ran, "the fused kernels did not run (see the warning above)");
+        for want_grad in [true, false] {
+            let fused = chunk_softmax(logits.copy(), &labels, &w, want_grad).unwrap();
+            let plain = chunk_softmax_plain(logits.copy(), &labels, &w, want_grad).unwrap();
+            let max_rel = |a: &Tensor, b: &Tensor| ((a - b).abs() / (b.abs() + 1e-30)).max().double_value(&[]);
+            assert!(fused.max_logit.equal(&plain.max_logit));
+            assert!(fused.label_logit.equal(&plain.label_logit));
+            // Equal maxima at two indices may resolve either way; the logits there are equal regardless.
+            let at = |i: &Tensor| logits.gather(1, &i.unsqueeze(1), false);
+            assert!(at(&fused.argmax).equal(&at(&plain.argmax)));
+            assert!(max_rel(&fused.p_max, &plain.p_max) <= 1.0 / 128.0);
+            assert!(max_rel(&fused.rest, &plain.rest) <= 1e-3, "rest {}", max_rel(&fused.rest, &plain.rest));
+            assert!(fused.rest.get(0).double_value(&[]) < 1e-6);
+            match (fused.grad, plain.grad) {
+                (Some(f), Some(p)) => {
+                    let err = (f.to_kind(Kind::Float) - p.to_kind(Kind::Float)).abs().max().double_value(&[]);
+                    assert!(err <= 1.1 / 128.0, "gradient differs by {err}");
+                }
+                (None, None) => assert!(!want_grad),
+                _ => panic!("one path returned a gradient, the other not"),
+            }
+        }
+    }
 
     fn settings(bs: usize, gamma: Option<f64>) -> ObjectiveSettings {
         ObjectiveSettings::new(8, bs, gamma, 99)

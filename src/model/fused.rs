@@ -1,0 +1,513 @@
+//! Elementwise work fused into single kernels on CUDA in bf16, where no autograd is recorded: for inference (target
+//! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass and the SwiGLU activation in one pass;
+//! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits (the loss is
+//! differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice. The kernels are compiled at run time by NVRTC (it ships with the
+//! torch wheel) and launched on libtorch's current stream, so they stay ordered with its work.
+//!
+//! Every entry point returns `None` where it does not apply (CPU, other dtypes, tensors that need gradients, shapes
+//! the kernels do not take, NVRTC or the driver missing, `DFLASH_FUSED_KERNELS=0`), and the caller runs the plain
+//! libtorch expression, which the tests compare these against.
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, result, sys};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use tch::{Device, Kind, Tensor};
+
+/// Set to `0` to run the plain libtorch expressions instead (for comparisons).
+pub const DISABLE_ENV: &str = "DFLASH_FUSED_KERNELS";
+
+const SOURCE: &str = r#"
+typedef unsigned short bf16;
+__device__ __forceinline__ float from_bf16(bf16 v) { return __uint_as_float(((unsigned int)v) << 16); }
+// Round to nearest even, as libtorch's casts do; NaN stays NaN.
+__device__ __forceinline__ bf16 to_bf16(float f) {
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (bf16)(u >> 16);
+}
+__device__ __forceinline__ float rounded(float f) { return from_bf16(to_bf16(f)); }
+// NVRTC has no math.h: negative infinity by its bits.
+#define NEG_INF __int_as_float(0xff800000u)
+
+// One warp per (token, head) row of `dim` <= 256 elements; lane l holds the pairs (p, p + dim/2) for p = l + 32i, the
+// two elements RoPE mixes. With `weight`: HF's RMSNorm first (f32 statistics; normalised value rounded to bf16, then
+// scaled and rounded again). RoPE: out = round(x * cos) + swap(x) * ssin, rounded once (libtorch's mul, addcmul_).
+// `x` rows: token t, head h at x + t * token_stride + h * dim; `cos`/`ssin`: [seq, dim], token t at row t % seq.
+extern "C" __global__ void norm_rope(const bf16* __restrict__ x, long long token_stride, int heads, int dim,
+                                     const bf16* __restrict__ weight, float eps, const bf16* __restrict__ cos,
+                                     const bf16* __restrict__ ssin, int seq, bf16* __restrict__ out, long long rows) {
+  long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  int lane = threadIdx.x & 31;
+  long long token = row / heads;
+  int head = (int)(row - token * heads);
+  const bf16* src = x + token * token_stride + (long long)head * dim;
+  const bf16* c = cos + (token % seq) * dim;
+  const bf16* s = ssin + (token % seq) * dim;
+  bf16* dst = out + row * dim;
+  int half = dim >> 1;
+  float a[4], b[4];
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    int p = lane + 32 * i;
+    a[i] = 0.f;
+    b[i] = 0.f;
+    if (p < half) {
+      a[i] = from_bf16(src[p]);
+      b[i] = from_bf16(src[p + half]);
+    }
+    squares += a[i] * a[i] + b[i] * b[i];
+  }
+  if (weight) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, o);
+    float r = rsqrtf(squares / dim + eps);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      int p = lane + 32 * i;
+      if (p < half) {
+        a[i] = rounded(from_bf16(weight[p]) * rounded(a[i] * r));
+        b[i] = rounded(from_bf16(weight[p + half]) * rounded(b[i] * r));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    int p = lane + 32 * i;
+    if (p < half) {
+      dst[p] = to_bf16(rounded(a[i] * from_bf16(c[p])) + b[i] * from_bf16(s[p]));
+      dst[p + half] = to_bf16(rounded(b[i] * from_bf16(c[p + half])) + a[i] * from_bf16(s[p + half]));
+    }
+  }
+}
+
+// silu(gate) * up over rows of a stacked [rows, 2 * inter] projection (gate first), 8 elements per thread
+// (inter % 8 == 0): silu rounded to bf16, then the product rounded (libtorch's silu, mul).
+extern "C" __global__ void silu_mul(const uint4* __restrict__ gate_up, int inter8, uint4* __restrict__ out,
+                                    long long n8) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n8) return;
+  long long row = i / inter8;
+  int col = (int)(i - row * inter8);
+  uint4 g = gate_up[row * 2 * inter8 + col];
+  uint4 u = gate_up[row * 2 * inter8 + inter8 + col];
+  const bf16* gs = (const bf16*)&g;
+  const bf16* us = (const bf16*)&u;
+  uint4 r;
+  bf16* rs = (bf16*)&r;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    float x = from_bf16(gs[k]);
+    rs[k] = to_bf16(rounded(x / (1.0f + expf(-x))) * from_bf16(us[k]));
+  }
+  out[i] = r;
+}
+
+__device__ __forceinline__ void combine(float& m, float& s, int& i, float m2, float s2, int i2) {
+  if (m2 == NEG_INF) return;
+  if (m == NEG_INF) { m = m2; s = s2; i = i2; return; }
+  if (m2 > m) {
+    s = s * expf(m - m2) + s2;
+    m = m2;
+    i = i2;
+  } else {
+    s += s2 * expf(m2 - m);
+    if (m2 == m && i2 < i) i = i2;
+  }
+}
+
+// The softmax of each row of `logits` [rows, vocab] (vocab % 8 == 0; one block of 1024 threads per row) as the LM
+// head's loss needs it, in two passes where libtorch takes about seven. Pass 1: the largest logit, its first index
+// and the sum of exp(x - max), online in f32. Pass 2: p = exp(x - max) / sum rounded to bf16, and the mass of all but
+// the label summed in f32 from the rounded values; with `want_grad` the row is overwritten by the gradient of the
+// weighted cross-entropy, p * w (rounded once) and -(rest * w) at the label. `stats` [rows, 4]: largest logit,
+// label logit, p at the argmax, rest.
+extern "C" __global__ void softmax_rows(bf16* __restrict__ logits, int vocab, const long long* __restrict__ labels,
+                                        const float* __restrict__ weights, int want_grad, float* __restrict__ stats,
+                                        long long* __restrict__ argmax) {
+  __shared__ float sm[32], ss[32];
+  __shared__ int si[32];
+  long long row = blockIdx.x;
+  bf16* x = logits + row * (long long)vocab;
+  uint4* v = (uint4*)x;
+  int n8 = vocab >> 3;
+  long long label = labels[row];
+  bool label_ok = label >= 0 && label < vocab;
+  float label_logit = label_ok ? from_bf16(x[label]) : 0.f;
+  float m = NEG_INF, s = 0.f;
+  int idx = 0x7fffffff;
+  for (int j = threadIdx.x; j < n8; j += blockDim.x) {
+    uint4 q = v[j];
+    const bf16* e = (const bf16*)&q;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float z = from_bf16(e[k]);
+      if (z > m) {
+        s = s * expf(m - z) + 1.f;
+        m = z;
+        idx = j * 8 + k;
+      } else {
+        s += expf(z - m);
+      }
+    }
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+    combine(m, s, idx, m2, s2, i2);
+  }
+  if (lane == 0) { sm[warp] = m; ss[warp] = s; si[warp] = idx; }
+  __syncthreads();
+  if (warp == 0) {
+    int warps = blockDim.x >> 5;
+    m = lane < warps ? sm[lane] : NEG_INF;
+    s = lane < warps ? ss[lane] : 0.f;
+    idx = lane < warps ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+      combine(m, s, idx, m2, s2, i2);
+    }
+    if (lane == 0) { sm[0] = m; ss[0] = s; si[0] = idx; }
+  }
+  __syncthreads();
+  float mx = sm[0], sum = ss[0];
+  int best = si[0];
+  float w = weights[row];
+  float rest = 0.f;
+  for (int j = threadIdx.x; j < n8; j += blockDim.x) {
+    uint4 q = v[j];
+    bf16* e = (bf16*)&q;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float p = from_bf16(to_bf16(expf(from_bf16(e[k]) - mx) / sum));
+      if (j * 8 + k != label) rest += p;
+      e[k] = to_bf16(p * w);
+    }
+    if (want_grad) v[j] = q;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) rest += __shfl_xor_sync(0xffffffffu, rest, o);
+  __syncthreads();
+  if (lane == 0) ss[warp] = rest;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    rest = 0.f;
+    for (int k = 0; k < (int)(blockDim.x >> 5); ++k) rest += ss[k];
+    stats[row * 4 + 0] = mx;
+    stats[row * 4 + 1] = label_logit;
+    stats[row * 4 + 2] = from_bf16(to_bf16(1.f / sum));
+    stats[row * 4 + 3] = rest;
+    argmax[row] = best;
+    if (want_grad && label_ok) x[label] = to_bf16(-(rest * w));
+  }
+}
+"#;
+
+/// The kernels' PTX (NVRTC needs no GPU).
+fn compile() -> Result<Ptx, String> {
+    // NVRTC opens its builtins library by name while compiling, searching its own paths, which do not include the
+    // rpath this binary was linked with. Opened first from here (through that rpath), it is found already loaded.
+    static BUILTINS: OnceLock<Option<libloading::Library>> = OnceLock::new();
+    // SAFETY: loading NVRTC's own companion library, which runs no initialisation with preconditions.
+    BUILTINS.get_or_init(|| unsafe { libloading::Library::new("libnvrtc-builtins.so.13.0") }.ok());
+    let options = CompileOptions { name: Some("dflash_fused.cu".into()), ..Default::default() };
+    compile_ptx_with_opts(SOURCE, options).map_err(|e| format!("NVRTC: {e}"))
+}
+
+/// The compiled kernels of one device.
+struct Kernels {
+    context: Arc<CudaContext>,
+    _module: Arc<CudaModule>,
+    norm_rope: CudaFunction,
+    silu_mul: CudaFunction,
+    softmax_rows: CudaFunction,
+}
+
+// SAFETY: the handles are plain driver handles, valid in any thread bound to the context (each launch binds it).
+unsafe impl Send for Kernels {}
+unsafe impl Sync for Kernels {}
+
+impl Kernels {
+    fn compile(ordinal: usize) -> Result<Self, String> {
+        // SAFETY: only probes whether the libraries can be opened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so.1) was not found".into());
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(
+                "NVRTC (libnvrtc.so.13) was not found: add the torch wheel's nvidia/cu13/lib to the library path"
+                    .into(),
+            );
+        }
+        let context = CudaContext::new(ordinal).map_err(|e| format!("cannot open cuda:{ordinal}: {e}"))?;
+        let ptx = compile()?;
+        let module = context.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;
+        let function = |name| module.load_function(name).map_err(|e| format!("kernel {name}: {e}"));
+        Ok(Kernels {
+            norm_rope: function("norm_rope")?,
+            silu_mul: function("silu_mul")?,
+            softmax_rows: function("softmax_rows")?,
+            _module: module.clone(),
+            context,
+        })
+    }
+
+    /// Launches `f` on the calling thread's current libtorch stream of `device`. `params` point at the kernel's
+    /// arguments, in order, each with the kernel's C type.
+    fn launch(
+        &self,
+        f: &CudaFunction,
+        device: Device,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), String> {
+        let stream =
+            crate::device::current_stream_handle(device).map_err(|e| e.to_string())?.ok_or("not a CUDA device")?;
+        self.context.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the function belongs to this context's live module; every parameter points at a live value of the
+        // type the kernel declares, and the tensors they address stay alive until the stream has run the kernel
+        // (libtorch's caching allocator orders reuse of their memory after work queued on this stream).
+        unsafe {
+            result::launch_kernel(f.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream as sys::CUstream, params)
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+/// The kernels for `device`, compiled on first use; None where they do not apply or failed to build (said once).
+fn kernels(device: Device) -> Option<Arc<Kernels>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Option<Arc<Kernels>>>>> = OnceLock::new();
+    let Device::Cuda(ordinal) = device else {
+        return None;
+    };
+    if std::env::var(DISABLE_ENV).is_ok_and(|v| v == "0") {
+        return None;
+    }
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    cache
+        .entry(ordinal)
+        .or_insert_with(|| match Kernels::compile(ordinal) {
+            Ok(k) => Some(Arc::new(k)),
+            Err(e) => {
+                tracing::warn!("fused kernels unavailable on cuda:{ordinal}, running plain libtorch instead: {e}");
+                None
+            }
+        })
+        .clone()
+}
+
+fn applies(t: &Tensor) -> bool {
+    t.kind() == Kind::BFloat16 && matches!(t.device(), Device::Cuda(_)) && !t.requires_grad()
+}
+
+fn ptr(t: &Tensor) -> u64 {
+    t.data_ptr() as u64
+}
+
+/// `silu(gate) * up` of a contiguous stacked projection `[..., 2I]` (gate first), in one pass.
+pub fn silu_mul(gate_up: &Tensor) -> Option<Tensor> {
+    let two_inter = *gate_up.size().last()?;
+    let inter = two_inter / 2;
+    if !applies(gate_up) || !gate_up.is_contiguous() || two_inter % 16 != 0 {
+        return None;
+    }
+    let k = kernels(gate_up.device())?;
+    let mut shape = gate_up.size();
+    *shape.last_mut()? = inter;
+    let out = Tensor::empty(&shape, (Kind::BFloat16, gate_up.device()));
+    let n8 = out.numel() as i64 / 8;
+    if n8 == 0 {
+        return Some(out);
+    }
+    let (mut src, mut dst, mut inter8, mut n) = (ptr(gate_up), ptr(&out), (inter / 8) as i32, n8);
+    let mut params = [
+        &mut src as *mut u64 as *mut c_void,
+        &mut inter8 as *mut i32 as *mut c_void,
+        &mut dst as *mut u64 as *mut c_void,
+        &mut n as *mut i64 as *mut c_void,
+    ];
+    let block = 256u32;
+    let grid = u32::try_from((n8 + 255) / 256).ok()?;
+    launched(k.launch(&k.silu_mul, gate_up.device(), grid, block, &mut params), out)
+}
+
+/// Per-head RMSNorm (when `weight` is given) and RoPE of `x` `[B, S, heads, dim]` (last two dimensions packed, as
+/// the heads sliced out of a stacked q/k/v projection are), with `cos`/`ssin` of [`super::layers::Rope::cos_sin`]
+/// for the S positions (`S * dim` elements each, broadcast over batch and heads). Returns a contiguous
+/// `[B, S, heads, dim]`.
+pub fn norm_rope(x: &Tensor, weight: Option<&Tensor>, eps: f64, cos: &Tensor, ssin: &Tensor) -> Option<Tensor> {
+    let &[b, s, heads, dim] = x.size().as_slice() else {
+        return None;
+    };
+    let st = x.stride();
+    let packed = st[3] == 1 && st[2] == dim && st[0] == s * st[1];
+    let factors_fit = [cos, ssin].iter().all(|f| applies(f) && f.is_contiguous() && f.numel() as i64 == s * dim);
+    let weight_fits = weight.is_none_or(|w| applies(w) && w.is_contiguous() && w.size() == [dim]);
+    if !applies(x) || !packed || !factors_fit || !weight_fits || dim % 2 != 0 || dim > 256 || s == 0 {
+        return None;
+    }
+    let k = kernels(x.device())?;
+    let out = Tensor::empty([b, s, heads, dim], (Kind::BFloat16, x.device()));
+    let rows = b * s * heads;
+    if rows == 0 {
+        return Some(out);
+    }
+    let (mut src, mut token_stride, mut h, mut d) = (ptr(x), st[1], heads as i32, dim as i32);
+    let (mut w, mut eps, mut c, mut sn, mut seq) = (weight.map_or(0, ptr), eps as f32, ptr(cos), ptr(ssin), s as i32);
+    let (mut dst, mut n) = (ptr(&out), rows);
+    let mut params = [
+        &mut src as *mut u64 as *mut c_void,
+        &mut token_stride as *mut i64 as *mut c_void,
+        &mut h as *mut i32 as *mut c_void,
+        &mut d as *mut i32 as *mut c_void,
+        &mut w as *mut u64 as *mut c_void,
+        &mut eps as *mut f32 as *mut c_void,
+        &mut c as *mut u64 as *mut c_void,
+        &mut sn as *mut u64 as *mut c_void,
+        &mut seq as *mut i32 as *mut c_void,
+        &mut dst as *mut u64 as *mut c_void,
+        &mut n as *mut i64 as *mut c_void,
+    ];
+    let warps_per_block = 8i64;
+    let grid = u32::try_from((rows + warps_per_block - 1) / warps_per_block).ok()?;
+    launched(k.launch(&k.norm_rope, x.device(), grid, 32 * warps_per_block as u32, &mut params), out)
+}
+
+/// What the LM head's loss needs of the softmax of each row, from [`softmax_rows`].
+pub struct RowSoftmax {
+    /// `[rows, 4]` f32: the largest logit, the label's logit, the probability at the argmax, and the summed
+    /// probability of every token but the label (each probability rounded to bf16 first).
+    pub stats: Tensor,
+    /// `[rows]` i64: the first index of the largest logit.
+    pub argmax: Tensor,
+}
+
+/// The softmax statistics of each row of bf16 `logits` `[rows, vocab]` (contiguous, `vocab % 8 == 0`) against
+/// `labels` (i64) and loss weights `weights` (f32). With `want_grad`, `logits` is overwritten by the gradient of the
+/// weighted cross-entropy, `(softmax - onehot) * w`, with the label's entry `-(rest * w)` from the precise sum.
+pub fn softmax_rows(logits: &mut Tensor, labels: &Tensor, weights: &Tensor, want_grad: bool) -> Option<RowSoftmax> {
+    let &[rows, vocab] = logits.size().as_slice() else {
+        return None;
+    };
+    let device = logits.device();
+    let fits = |t: &Tensor, kind| t.kind() == kind && t.device() == device && t.is_contiguous() && t.size() == [rows];
+    if !applies(logits) || !logits.is_contiguous() || vocab % 8 != 0 || vocab > i32::MAX as i64 || rows == 0 {
+        return None;
+    }
+    if !fits(labels, Kind::Int64) || !fits(weights, Kind::Float) {
+        return None;
+    }
+    let k = kernels(device)?;
+    let stats = Tensor::empty([rows, 4], (Kind::Float, device));
+    let argmax = Tensor::empty([rows], (Kind::Int64, device));
+    let (mut x, mut v, mut l, mut w) = (ptr(logits), vocab as i32, ptr(labels), ptr(weights));
+    let (mut g, mut st, mut am) = (i32::from(want_grad), ptr(&stats), ptr(&argmax));
+    let mut params = [
+        &mut x as *mut u64 as *mut c_void,
+        &mut v as *mut i32 as *mut c_void,
+        &mut l as *mut u64 as *mut c_void,
+        &mut w as *mut u64 as *mut c_void,
+        &mut g as *mut i32 as *mut c_void,
+        &mut st as *mut u64 as *mut c_void,
+        &mut am as *mut u64 as *mut c_void,
+    ];
+    let grid = u32::try_from(rows).ok()?;
+    launched(k.launch(&k.softmax_rows, device, grid, 1024, &mut params), RowSoftmax { stats, argmax })
+}
+
+/// `out` after a successful launch; a failed launch is said once and the caller falls back to libtorch.
+fn launched<T>(result: Result<(), String>, out: T) -> Option<T> {
+    match result {
+        Ok(()) => Some(out),
+        Err(e) => {
+            static SAID: OnceLock<()> = OnceLock::new();
+            SAID.get_or_init(|| tracing::warn!("a fused kernel failed to launch, running plain libtorch: {e}"));
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::RopeScaling;
+    use crate::model::layers::{Rope, apply_rope, rms_norm};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a.to_kind(Kind::Float) - b.to_kind(Kind::Float)).abs().max().double_value(&[])
+    }
+
+    /// On a GPU: the fused kernels run (the test fails if they cannot be built) and agree with the plain libtorch
+    /// expressions within one bf16 rounding.
+    #[test]
+    fn on_a_gpu_fused_kernels_match_plain_libtorch() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no GPU here");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        let bf = (Kind::BFloat16, dev);
+        // SwiGLU activation: odd row count, several blocks.
+        let gu = (Tensor::randn([3, 37, 2 * 200], (Kind::Float, dev)) * 4.0).to_kind(Kind::BFloat16);
+        let fused = silu_mul(&gu).expect("the fused SwiGLU kernel ran");
+        let plain = gu.narrow(-1, 0, 200).silu() * gu.narrow(-1, 200, 200);
+        assert!(max_diff(&fused, &plain) <= plain.abs().max().double_value(&[]) / 128.0);
+        let mismatched = fused.ne_tensor(&plain).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!(mismatched < 0.01, "{mismatched} of the elements differ");
+        // Norm and RoPE of q and k sliced out of a stacked projection, with and without the norm, head sizes 128 and
+        // 64 (pairs spread over lanes differently).
+        for (heads, kv_heads, d) in [(4i64, 2i64, 128i64), (3, 1, 64)] {
+            let (b, s) = (2, 33);
+            let rope = Rope::new(10000.0, d as usize, RopeScaling::None, dev);
+            let positions = Tensor::arange_start(5, 5 + s, (Kind::Int64, dev));
+            let (cos, ssin) = rope.cos_sin(&positions, Kind::BFloat16);
+            let (cos, ssin) = (cos.unsqueeze(0).unsqueeze(2), ssin.unsqueeze(0).unsqueeze(2));
+            let qkv = (Tensor::randn([b, s, (heads + 2 * kv_heads) * d], (Kind::Float, dev)) * 3.0).to_kind(bf.0);
+            let weight = (Tensor::rand([d], (Kind::Float, dev)) + 0.5).to_kind(bf.0);
+            for (start, count) in [(0, heads), (heads * d, kv_heads)] {
+                let x = qkv.narrow(-1, start, count * d).view([b, s, count, d]);
+                for w in [Some(&weight), None] {
+                    let fused = norm_rope(&x, w, 1e-6, &cos, &ssin).expect("the fused norm-rope kernel ran");
+                    let normed = w.map(|w| rms_norm(&x, w, 1e-6));
+                    let plain = apply_rope(normed.as_ref().unwrap_or(&x), &cos, &ssin);
+                    let scale = plain.abs().max().double_value(&[]);
+                    let err = max_diff(&fused, &plain);
+                    assert!(err <= scale / 64.0, "d {d} norm {}: max difference {err} of {scale}", w.is_some());
+                    assert!(fused.is_contiguous() && fused.size() == x.size());
+                }
+            }
+        }
+    }
+
+    /// NVRTC ships with the torch wheel and compiles without a GPU, so a CPU machine checks the kernels' source.
+    #[test]
+    fn the_kernels_compile() {
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: NVRTC not found");
+            return;
+        }
+        let ptx = compile().unwrap().to_src();
+        for entry in ["norm_rope", "silu_mul", "softmax_rows"] {
+            assert!(ptx.contains(&format!(".entry {entry}(")), "{entry} missing from the PTX");
+        }
+    }
+
+    #[test]
+    fn nothing_applies_on_the_cpu() {
+        let gu = Tensor::ones([4, 32], (Kind::BFloat16, Device::Cpu));
+        assert!(silu_mul(&gu).is_none());
+        let x = Tensor::ones([1, 2, 3, 8], (Kind::BFloat16, Device::Cpu));
+        let f = Tensor::ones([2, 8], (Kind::BFloat16, Device::Cpu));
+        assert!(norm_rope(&x, None, 1e-6, &f, &f).is_none());
+    }
+}
