@@ -35,6 +35,7 @@ fn main() {
         .flag("-Wno-unused-parameter")
         .file("csrc/accel.cpp")
         .file("csrc/autograd.cpp")
+        .file("csrc/nccl.cpp")
         .compile("dflash_accel");
     println!("cargo:rerun-if-changed=csrc");
     println!("cargo:rerun-if-changed=build.rs");

@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod decode_eval;
 pub mod eval;
+pub mod nccl;
 pub mod objective;
 pub mod optim;
 pub mod step;

@@ -1,0 +1,257 @@
+//! NCCL communicators, the engine for a collective across GPUs and hosts (`csrc/nccl.cpp`, through the NCCL that
+//! libtorch_cuda loads). Communicators are non-blocking: joining and every all-reduce wait with a deadline, so a peer
+//! that never arrives, or dies mid-collective, surfaces as [`NcclError::Timeout`] instead of a hung thread, and the
+//! communicator is aborted when dropped. A survivor then builds a new communicator for the new membership (a new
+//! [`NcclId`] shared by its members). Collectives run on the communicator's own stream, ordered after the caller's
+//! current stream and before the caller's later work.
+use std::ffi::{c_char, c_int, c_void};
+use std::time::Duration;
+
+use tch::{Device, Tensor};
+use thiserror::Error;
+use torch_sys::C_tensor;
+
+use crate::device::{DeviceError, call_shim};
+
+unsafe extern "C" {
+    fn dflash_nccl_version(out: *mut c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_nccl_unique_id(out: *mut c_char, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_nccl_init(
+        id: *const c_char,
+        rank: c_int,
+        nranks: c_int,
+        device: c_int,
+        timeout_s: f64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_nccl_all_reduce_sum(
+        comm: *mut c_void,
+        send: *const C_tensor,
+        recv: *mut C_tensor,
+        timeout_s: f64,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_nccl_abort(comm: *mut c_void);
+}
+
+/// The shim's status for "the deadline passed".
+const TIMED_OUT: c_int = 2;
+
+#[derive(Debug, Error)]
+pub enum NcclError {
+    #[error("NCCL needs CUDA devices; {0:?} is not one")]
+    NotCuda(Device),
+    #[error("rank {rank} of {nranks} does not exist")]
+    BadRank { rank: usize, nranks: usize },
+    #[error("NCCL {what} timed out after {seconds:.1} s: {message}")]
+    Timeout { what: &'static str, seconds: f64, message: String },
+    #[error("NCCL: {0}")]
+    Failed(String),
+}
+
+impl From<DeviceError> for NcclError {
+    fn from(e: DeviceError) -> Self {
+        NcclError::Failed(match e {
+            DeviceError::Runtime { message, .. } => message,
+            other => other.to_string(),
+        })
+    }
+}
+
+/// The NCCL version loaded in this process, as NCCL codes it (2.28.9 is 22809).
+pub fn version() -> Result<i32, NcclError> {
+    let mut v = 0;
+    // SAFETY: plain C call with valid out-pointer and buffer.
+    call_shim(Device::Cpu, |e, n| unsafe { dflash_nccl_version(&mut v, e, n) })?;
+    Ok(v)
+}
+
+/// The identity of one communicator: made by one member, handed to every other before they join.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclId([u8; 128]);
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclId({:02x}{:02x}{:02x}{:02x}..)", self.0[0], self.0[1], self.0[2], self.0[3])
+    }
+}
+
+impl NcclId {
+    pub fn new() -> Result<Self, NcclError> {
+        let mut id = [0u8; 128];
+        // SAFETY: the shim writes exactly 128 bytes.
+        call_shim(Device::Cpu, |e, n| unsafe { dflash_nccl_unique_id(id.as_mut_ptr() as *mut c_char, e, n) })?;
+        Ok(NcclId(id))
+    }
+}
+
+/// One rank's membership of a communicator; aborted when dropped.
+#[derive(Debug)]
+pub struct NcclComm {
+    raw: *mut c_void,
+    device: Device,
+    rank: usize,
+    nranks: usize,
+}
+
+// SAFETY: NCCL communicators may be used from any thread, one call at a time (`&mut self` for collectives).
+unsafe impl Send for NcclComm {}
+
+impl NcclComm {
+    /// Joins communicator `id` as `rank` of `nranks` on `device`, waiting at most `timeout` for every rank.
+    pub fn join(id: &NcclId, rank: usize, nranks: usize, device: Device, timeout: Duration) -> Result<Self, NcclError> {
+        let Device::Cuda(index) = device else {
+            return Err(NcclError::NotCuda(device));
+        };
+        if rank >= nranks {
+            return Err(NcclError::BadRank { rank, nranks });
+        }
+        let mut raw = std::ptr::null_mut();
+        let status = shim_status(|e, n| unsafe {
+            // SAFETY: a 128-byte id, valid out-pointer and buffer.
+            dflash_nccl_init(
+                id.0.as_ptr() as *const c_char,
+                rank as c_int,
+                nranks as c_int,
+                index as c_int,
+                timeout.as_secs_f64(),
+                &mut raw,
+                e,
+                n,
+            )
+        });
+        status.map_err(|e| e.into_error("join", timeout))?;
+        Ok(NcclComm { raw, device, rank, nranks })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// Sums `send` over the ranks into `recv` (pass the same tensor twice to sum in place), waiting at most `timeout`.
+    /// After a timeout the communicator is unusable: drop it (that aborts it) and build a new one.
+    pub fn all_reduce_sum(&mut self, send: &Tensor, recv: &Tensor, timeout: Duration) -> Result<(), NcclError> {
+        for t in [send, recv] {
+            if t.device() != self.device {
+                return Err(NcclError::Failed(format!(
+                    "a tensor on {:?} given to the communicator of {:?}",
+                    t.device(),
+                    self.device
+                )));
+            }
+        }
+        let status = shim_status(|e, n| unsafe {
+            // SAFETY: live communicator and tensor handles; the shim validates shapes and devices.
+            dflash_nccl_all_reduce_sum(
+                self.raw,
+                send.as_ptr(),
+                recv.as_ptr() as *mut C_tensor,
+                timeout.as_secs_f64(),
+                e,
+                n,
+            )
+        });
+        status.map_err(|e| e.into_error("all-reduce", timeout))
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from dflash_nccl_init and is released exactly once.
+        unsafe { dflash_nccl_abort(self.raw) };
+    }
+}
+
+/// A shim call's failure: its status and message.
+struct ShimFailure {
+    status: c_int,
+    message: String,
+}
+
+impl ShimFailure {
+    fn into_error(self, what: &'static str, timeout: Duration) -> NcclError {
+        if self.status == TIMED_OUT {
+            NcclError::Timeout { what, seconds: timeout.as_secs_f64(), message: self.message }
+        } else {
+            NcclError::Failed(self.message)
+        }
+    }
+}
+
+/// Runs a shim call that returns 0 (done), 1 (failed) or 2 (timed out), with an error buffer.
+fn shim_status(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), ShimFailure> {
+    let mut status = 0;
+    let result = call_shim(Device::Cpu, |e, n| {
+        status = f(e, n);
+        status
+    });
+    result.map_err(|e| ShimFailure {
+        status,
+        message: match e {
+            DeviceError::Runtime { message, .. } => message,
+            other => other.to_string(),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+    use tch::Kind;
+
+    /// libtorch_cuda loads NCCL wherever the CUDA wheel is installed, GPU or not: the symbols resolve and identities
+    /// are made without a GPU (a host's part of the rendezvous).
+    #[test]
+    fn nccl_is_found_and_makes_distinct_ids_without_a_gpu() {
+        let v = version().unwrap();
+        assert!(v >= 21800, "NCCL {v} is too old for non-blocking communicators");
+        let (a, b) = (NcclId::new().unwrap(), NcclId::new().unwrap());
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn cpu_devices_and_bad_ranks_are_refused_before_nccl_is_touched() {
+        let id = NcclId([0; 128]);
+        let err = NcclComm::join(&id, 0, 1, Device::Cpu, Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(err, NcclError::NotCuda(Device::Cpu)), "{err}");
+        let err = NcclComm::join(&id, 2, 2, Device::Cuda(0), Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(err, NcclError::BadRank { rank: 2, nranks: 2 }), "{err}");
+    }
+
+    /// On a GPU: a one-rank communicator sums (an identity) on its own stream, in place and out of place; a
+    /// communicator whose other rank never arrives times out and is aborted promptly; a new one works afterwards.
+    #[test]
+    fn on_a_gpu_a_missing_rank_times_out_and_a_rebuilt_communicator_works() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no GPU here");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        let mut one = NcclComm::join(&NcclId::new().unwrap(), 0, 1, dev, Duration::from_secs(30)).unwrap();
+        let x = Tensor::arange(1000, (Kind::Float, dev)) * 0.5;
+        let sum = Tensor::zeros([1000], (Kind::Float, dev));
+        one.all_reduce_sum(&x, &sum, Duration::from_secs(30)).unwrap();
+        assert!(sum.equal(&x));
+        let y = Tensor::randn([4096], (Kind::BFloat16, dev));
+        let before = y.copy();
+        one.all_reduce_sum(&y, &y, Duration::from_secs(30)).unwrap();
+        assert!(y.equal(&before));
+        drop(one);
+
+        let started = Instant::now();
+        let err = NcclComm::join(&NcclId::new().unwrap(), 0, 2, dev, Duration::from_secs(3)).unwrap_err();
+        assert!(matches!(err, NcclError::Timeout { what: "join", .. }), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(20), "the abort took {:?}", started.elapsed());
+
+        let mut rebuilt = NcclComm::join(&NcclId::new().unwrap(), 0, 1, dev, Duration::from_secs(30)).unwrap();
+        rebuilt.all_reduce_sum(&x, &sum, Duration::from_secs(30)).unwrap();
+        assert!(sum.equal(&x));
+    }
+}
