@@ -101,7 +101,8 @@ pub struct NcclComm {
 unsafe impl Send for NcclComm {}
 
 impl NcclComm {
-    /// Joins communicator `id` as `rank` of `nranks` on `device`, waiting at most `timeout` for every rank.
+    /// Joins communicator `id` as `rank` of `nranks` on `device`, waiting at most `timeout` for every rank. NCCL
+    /// takes the calling thread's current device, so `device` becomes it (call this from the thread bound to it).
     pub fn join(id: &NcclId, rank: usize, nranks: usize, device: Device, timeout: Duration) -> Result<Self, NcclError> {
         let Device::Cuda(index) = device else {
             return Err(NcclError::NotCuda(device));
