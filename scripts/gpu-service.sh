@@ -27,6 +27,11 @@ wait_step() {  # gives up after 5 minutes
   local deadline=$((SECONDS + 300))
   until [ "$(step)" -ge "$1" ] || [ $SECONDS -ge $deadline ]; do sleep 0.2; done
 }
+evaluated() { get /status | python3 -c "import sys,json;print(json.load(sys.stdin)['last_evaluation'] is not None)" 2>/dev/null; }
+wait_eval() {  # until an evaluation has finished; gives up after 3 minutes
+  local deadline=$((SECONDS + 180))
+  until [ "$(evaluated)" = True ] || [ $SECONDS -ge $deadline ]; do sleep 0.5; done
+}
 
 # GPU 0's utilisation (where stages 2 and 3 run) sampled every 200 ms into FILE until the returned pid is killed
 smi() { nvidia-smi -i 0 --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 >"$1" 2>/dev/null & }
@@ -114,6 +119,8 @@ wait_step 30
 printf '[optim]\nlr = 3e-4\nschedule = "constant"\nwarmup_ratio = 0.0\n' >/tmp/obs.toml
 kill -HUP $pid; kill -HUP $pid
 wait_step 300
+# Checkpoints take tens of seconds to write and an evaluation decodes the newest one: wait for one to finish.
+wait_eval
 get /metrics >"$out/metrics-gpu.txt"
 get /status >"$out/status-obs.json"
 nvidia-smi --query-gpu=index,uuid --format=csv,noheader >>"$out/gpu.txt"
