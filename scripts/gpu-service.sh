@@ -132,13 +132,15 @@ fi
 if has 6; then
 # CAPTURE: target.capture_devices ('[]': one target on cuda:0 feeding all; "colocated": one on each GPU).
 capture=${CAPTURE:-colocated}
-echo "== 6. one drafter per GPU on $(nvidia-smi -L | wc -l) GPUs (capture_devices=$capture, in-process collective); drafter 1 panics at step 40"
+# COLLECTIVE: drafters.collective (in_process or nccl).
+collective=${COLLECTIVE:-in_process}
+echo "== 6. one drafter per GPU on $(nvidia-smi -L | wc -l) GPUs (capture_devices=$capture, $collective collective); drafter 1 panics at step 40"
 n=$(nvidia-smi -L | wc -l)
 devices=$(python3 -c "import json;print(json.dumps(['cuda:%d' % i for i in range($n)]))")
 rm -rf runs/multi
 ./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=$devices" --set checkpoint.dir=runs/multi \
   --set control.fault_injection=true --set supervision.check_replicas_every=10 \
-  --set "target.capture_devices=$capture" 2>"$out/serve-multi.log" &
+  --set "target.capture_devices=$capture" --set "drafters.collective=$collective" 2>"$out/serve-multi.log" &
 pid=$!
 wait_step 40
 post /drafters/1/fault '{"kind": "panic"}'

@@ -248,7 +248,7 @@ fn accumulating_micro_batches_equals_one_batch() {
 
 #[test]
 fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
-    use dflash::train::collective::{Collective, Contribution, Hyper, ObjectiveKnobs, StepSettings};
+    use dflash::train::collective::{Collective, Contribution, GradientSum, Hyper, ObjectiveKnobs, StepSettings};
     use dflash::train::optim::{LrSchedule, ScheduleKind};
     use std::sync::Arc;
     let t = target();
@@ -270,7 +270,8 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
     let mut one = trainer(&t, 6, 12);
     let mut halves = [trainer(&t, 6, 12), trainer(&t, 6, 12)];
     let objective = ObjectiveKnobs { num_anchors: 12, gamma: None };
-    let collective = Arc::new(Collective::new(0, 0, StepSettings { hyper, objective }, |_| {}));
+    let collective =
+        Arc::new(Collective::new(0, 0, StepSettings { hyper, objective }, GradientSum::DeviceCopies, |_| {}));
     collective.found(0, 1).unwrap();
     // The second replica joins: it receives the first's state.
     let joiner = collective.clone();
@@ -308,8 +309,9 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
                         metrics: m,
                     };
                     let r = c.contribute(id, 1, step, contribution).unwrap();
-                    if r.grad.data_ptr() != own.data_ptr() {
-                        own.shallow_clone().copy_(&r.grad);
+                    let sum = r.grad.as_ref().expect("device copies give the sum");
+                    if sum.data_ptr() != own.data_ptr() {
+                        own.shallow_clone().copy_(sum);
                     }
                     tr.apply(r.total_weight, &r.update).unwrap();
                 });

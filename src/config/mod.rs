@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 mod training;
 
 pub use training::{
-    CheckpointSettings, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts, EvalSettings,
-    OptimSettings, SupervisionSettings,
+    CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
+    EvalSettings, OptimSettings, SupervisionSettings,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -687,6 +687,9 @@ mod tests {
             ("eval.num_prompts=0", &["eval.num_prompts"]),
             ("eval.prompts=\"\"", &["eval.prompts", "holdout"]),
             ("drafters.peak_tflops=0", &["drafters.peak_tflops"]),
+            ("drafters.collective=mpi", &["drafters.collective", "mpi", "nccl"]),
+            ("drafters.collective=nccl", &["drafters.devices", "auto", "explicit cuda:N"]),
+            ("drafters.collective_timeout_s=0", &["drafters.collective_timeout_s"]),
             ("target.capture_devices=everywhere", &["target.capture_devices", "colocated"]),
             ("target.capture_devices=[\"cpu\", \"tpu\"]", &["target.capture_devices", "tpu"]),
             ("log.level=dflash=loud", &["log.level", "loud"]),
@@ -698,6 +701,11 @@ mod tests {
                 assert!(err.contains(e), "--set {set}: expected {e:?} in {err:?}");
             }
         }
+        let twice = with_set(&["drafters.collective=nccl", "drafters.devices=[\"cuda:0\", \"cuda:1\", \"cuda:0\"]"]);
+        let err = twice.unwrap_err().to_string();
+        assert!(err.contains("cuda:0 twice") && err.contains("listed once"), "{err}");
+        let ok = with_set(&["drafters.collective=nccl", "drafters.devices=[\"cuda:0\", \"cuda:1\"]"]).unwrap();
+        assert_eq!(ok.drafters.collective, CollectiveKind::Nccl);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! the value and what is allowed.
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -29,6 +30,8 @@ fn finite_in(key: &str, value: f64, lo: f64, hi: f64, what: &str) -> Result<f64,
 pub(super) struct RawDrafters {
     devices: Vec<String>,
     peak_tflops: f64,
+    collective: String,
+    collective_timeout_s: f64,
 }
 
 /// One drafter per entry; entries may name the same device.
@@ -37,6 +40,18 @@ pub struct DraftersSettings {
     pub devices: Vec<DeviceSpec>,
     /// The devices' bf16 matrix peak, for the MFU metric.
     pub peak_tflops: f64,
+    pub collective: CollectiveKind,
+    /// NCCL: the deadline of joining a communicator and of one all-reduce.
+    pub collective_timeout: Duration,
+}
+
+/// How the drafters sum their gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectiveKind {
+    /// Device-to-device copies in member order.
+    InProcess,
+    /// An NCCL all-reduce, one rank per GPU.
+    Nccl,
 }
 
 impl RawDrafters {
@@ -44,7 +59,7 @@ impl RawDrafters {
         if self.devices.is_empty() {
             return Err(invalid("drafters.devices", "[]", "needs at least one device, e.g. [\"cuda:0\"]"));
         }
-        let devices = self
+        let devices: Vec<DeviceSpec> = self
             .devices
             .iter()
             .map(|d| {
@@ -54,8 +69,39 @@ impl RawDrafters {
             .collect::<Result<_, _>>()?;
         let peak_tflops =
             finite_in("drafters.peak_tflops", self.peak_tflops, 1e-6, 1e6, "TFLOP/s > 0 (797 for an H200)")?;
-        Ok(DraftersSettings { devices, peak_tflops })
+        let collective = match self.collective.as_str() {
+            "in_process" => CollectiveKind::InProcess,
+            "nccl" => CollectiveKind::Nccl,
+            other => return Err(invalid("drafters.collective", format!("{other:?}"), "\"in_process\" or \"nccl\"")),
+        };
+        if collective == CollectiveKind::Nccl {
+            check_one_rank_per_gpu(&devices)?;
+        }
+        let timeout = finite_in("drafters.collective_timeout_s", self.collective_timeout_s, 0.1, 86400.0, "seconds")?;
+        Ok(DraftersSettings { devices, peak_tflops, collective, collective_timeout: Duration::from_secs_f64(timeout) })
     }
+}
+
+/// NCCL runs one rank per GPU: every drafter device must be an explicit, distinct `cuda:N`.
+fn check_one_rank_per_gpu(devices: &[DeviceSpec]) -> Result<(), ConfigError> {
+    let mut seen = std::collections::BTreeSet::new();
+    for d in devices {
+        let DeviceSpec::Cuda(i) = d else {
+            return Err(invalid(
+                "drafters.devices",
+                format!("{d}"),
+                "with drafters.collective = \"nccl\" every entry is an explicit cuda:N (NCCL runs on GPUs only)",
+            ));
+        };
+        if !seen.insert(*i) {
+            return Err(invalid(
+                "drafters.devices",
+                format!("cuda:{i} twice"),
+                "with drafters.collective = \"nccl\" each GPU is listed once (NCCL takes one rank per GPU)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]

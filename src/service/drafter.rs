@@ -20,7 +20,8 @@ use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
 use crate::telemetry::DrafterMetrics;
 use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
-use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs};
+use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs, Ring};
+use crate::train::nccl::{NcclComm, NcclError};
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::{AdamW, FeatureBatch, Trainer};
 
@@ -77,6 +78,8 @@ pub struct DrafterSpawn {
     pub metrics: DrafterMetrics,
     /// The device's matrix peak (TFLOP/s), for the MFU series.
     pub peak_tflops: f64,
+    /// NCCL: the deadline of joining a communicator and of one all-reduce.
+    pub collective_timeout: Duration,
 }
 
 /// The drafter's compute thread, for a [`ComputeActor`](super::compute_thread::ComputeActor).
@@ -103,6 +106,32 @@ fn warm_up(trainer: &mut Trainer) -> Result<(), Failure> {
     trainer.accumulate(&batch).map_err(torch)?;
     trainer.drafter.params_mut().zero_grad();
     device::synchronize(trainer.drafter.device()).map_err(torch)
+}
+
+/// Sums this drafter's gradient in place with the round's other contributors over NCCL, first joining the ring's
+/// communicator if the membership changed since the last round (the old communicator is aborted). On a failure the
+/// communicator is dropped (aborted) too: the drafter fails and is restarted.
+fn nccl_sum(
+    slot: &mut Option<(u64, NcclComm)>,
+    ring: &Ring,
+    me: usize,
+    device: Device,
+    timeout: Duration,
+    grad: &Tensor,
+) -> Result<(), NcclError> {
+    if slot.as_ref().is_none_or(|(epoch, _)| *epoch != ring.epoch) {
+        *slot = None;
+        let rank = ring.rank_of(me).ok_or(NcclError::BadRank { rank: me, nranks: ring.members.len() })?;
+        *slot = Some((ring.epoch, NcclComm::join(&ring.id, rank, ring.members.len(), device, timeout)?));
+    }
+    let Some((_, comm)) = slot.as_mut() else {
+        unreachable!("joined above");
+    };
+    let summed = comm.all_reduce_sum(grad, grad, timeout);
+    if summed.is_err() {
+        *slot = None;
+    }
+    summed
 }
 
 fn state_tensors(trainer: &Trainer) -> [&Tensor; 3] {
@@ -152,6 +181,8 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     };
     set_objective(&mut trainer, a.collective.objective_at(step));
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
+    // NCCL: this drafter's membership of the current ring's communicator (aborted when replaced or dropped).
+    let mut communicator: Option<(u64, NcclComm)> = None;
     loop {
         let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
         let mut taken = 0;
@@ -231,11 +262,19 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             Err(CollectiveError::Removed) => return Ok(()),
             Err(e) => return Err(torch(e)),
         };
-        a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
-        if result.grad.data_ptr() != own.data_ptr() {
-            let mut dst = own.shallow_clone();
-            dst.f_copy_(&result.grad).map_err(torch)?;
+        match (&result.grad, &result.ring) {
+            (Some(sum), _) if sum.data_ptr() != own.data_ptr() => {
+                let mut dst = own.shallow_clone();
+                dst.f_copy_(sum).map_err(torch)?;
+            }
+            (Some(_), _) => {}
+            (None, Some(ring)) => nccl_sum(&mut communicator, ring, a.id, a.device, a.collective_timeout, &own)
+                .map_err(|e| {
+                    torch(format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members))
+                })?,
+            (None, None) => return Err(torch("a round completed without a gradient sum")),
         }
+        a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
         let report = trainer.apply(result.total_weight, &result.update).map_err(torch)?;
         set_objective(&mut trainer, result.next_objective);
         step = result.step + 1;

@@ -29,7 +29,7 @@ use super::messages::{
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
-use crate::config::{Config, Layers, TargetSource};
+use crate::config::{CollectiveKind, Config, Layers, TargetSource};
 use crate::data::dataset::Dataset;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings};
 use crate::data::prompts::Prompt;
@@ -38,7 +38,7 @@ use crate::model::{Drafter, DrafterConfig};
 use crate::telemetry::logging::{self, LevelChange};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
 use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid};
-use crate::train::collective::{Collective, Hyper, ObjectiveKnobs, RoundReport, StepSettings};
+use crate::train::collective::{Collective, GradientSum, Hyper, ObjectiveKnobs, RoundReport, StepSettings};
 use crate::train::decode_eval::DecodeSettings;
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::optim::LrSchedule;
@@ -229,7 +229,11 @@ impl Sup {
         }
         let me = myself.clone();
         let settings = step_settings(&a.config, total, a.objective.gamma);
-        let collective = Arc::new(Collective::new(step, samples, settings, move |r| {
+        let sum = match a.config.drafters.collective {
+            CollectiveKind::InProcess => GradientSum::DeviceCopies,
+            CollectiveKind::Nccl => GradientSum::Nccl,
+        };
+        let collective = Arc::new(Collective::new(step, samples, settings, sum, move |r| {
             let _ = me.send_message(SupervisorMsg::Round(r));
         }));
         let me = myself.clone();
@@ -505,6 +509,7 @@ impl Sup {
             shared: s.shared.clone(),
             metrics: s.metrics.clone(),
             peak_tflops: self.a.config.drafters.peak_tflops,
+            collective_timeout: self.a.config.drafters.collective_timeout,
         };
         // The actor's handle arrives with its ActorStarted supervision event.
         let name = format!("drafter-{id}-{}", s.generation);

@@ -132,7 +132,8 @@ fn describe() {
     describe_histogram!(
         COLLECTIVE_DURATION,
         Unit::Seconds,
-        "Time a drafter spent in the step's gradient round (waiting for peers included)."
+        "Time a drafter spent in the step's gradient round, waiting for peers included (with NCCL also its own \
+         GPU's queued step work, which the all-reduce waits behind)."
     );
     describe_histogram!(TARGET_CAPTURE_DURATION, Unit::Seconds, "The target's capture of one micro-batch's features.");
     describe_gauge!(

@@ -11,7 +11,10 @@
 //! copies its parameters and optimizer state into them (device to device) and adds it to the membership of its
 //! next round. Replicas therefore stay bitwise identical.
 //!
-//! The interface is what a collective across processes (NCCL) needs too: contribute, remove, join.
+//! Summing: by device-to-device copies in the member completing the round, or (`GradientSum::Nccl`) by an NCCL
+//! all-reduce the contributors run after the round's bookkeeping completes, in a communicator (`Ring`) made for
+//! the round's membership and replaced whenever it changes. The interface is what a collective across processes
+//! needs too: contribute, remove, join.
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -21,6 +24,7 @@ use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
 use crate::model::shared::SharedTensor;
 use crate::ops::AdamwStep;
+use crate::train::nccl::NcclId;
 use crate::train::objective::Metrics;
 use crate::train::optim::LrSchedule;
 use crate::train::step::UpdateSettings;
@@ -79,11 +83,37 @@ pub struct StepSettings {
     pub objective: ObjectiveKnobs,
 }
 
+/// How a round's gradients are summed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradientSum {
+    /// The member completing the round adds the others' gradients by device-to-device copies.
+    DeviceCopies,
+    /// The contributors all-reduce over NCCL, in the round's [`Ring`].
+    Nccl,
+}
+
+/// The NCCL communicator a round's contributors sum in: one per membership, numbered in order; rank `r` is
+/// `members[r]`. A new membership (a member removed or joined) gets a new one, and the old one is aborted.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Ring {
+    pub epoch: u64,
+    pub members: Vec<MemberId>,
+    pub id: NcclId,
+}
+
+impl Ring {
+    pub fn rank_of(&self, member: MemberId) -> Option<usize> {
+        self.members.iter().position(|&m| m == member)
+    }
+}
+
 /// A completed round, as every member applies it.
 pub struct RoundResult {
     pub step: u64,
-    /// The summed gradient (on the first contributor's device).
-    pub grad: SharedTensor,
+    /// With [`GradientSum::DeviceCopies`]: the summed gradient (on the first contributor's device).
+    pub grad: Option<SharedTensor>,
+    /// With [`GradientSum::Nccl`]: the communicator the contributors sum in.
+    pub ring: Option<Arc<Ring>>,
     pub total_weight: f64,
     pub update: UpdateSettings,
     /// The objective of the next step's forward.
@@ -155,6 +185,8 @@ struct State {
     /// Settings of a reload and the first step they apply to.
     pending: Option<(u64, StepSettings)>,
     joiners: BTreeMap<MemberId, Joiner>,
+    sum: GradientSum,
+    ring: Option<Arc<Ring>>,
 }
 
 impl State {
@@ -179,6 +211,7 @@ impl Collective {
         step: u64,
         samples_committed: u64,
         settings: StepSettings,
+        sum: GradientSum,
         on_round: impl Fn(RoundReport) + Send + Sync + 'static,
     ) -> Self {
         Collective {
@@ -191,6 +224,8 @@ impl Collective {
                 settings,
                 pending: None,
                 joiners: BTreeMap::new(),
+                sum,
+                ring: None,
             }),
             changed: Condvar::new(),
             on_round: Box::new(on_round),
@@ -382,14 +417,16 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
     let (mut total_weight, mut samples) = (0.0, 0);
     let mut report = Vec::new();
     for (member, c) in &contributions {
-        grad = Some(match grad {
-            None if contributions.len() == 1 => c.grad.shallow_clone(),
-            None => c.grad.copy(),
-            Some(mut sum) => {
-                let _ = sum.f_add_(&c.grad.to_device(sum.device())).map_err(|e| DeviceErrorText(e.to_string()))?;
-                sum
-            }
-        });
+        if s.sum == GradientSum::DeviceCopies {
+            grad = Some(match grad {
+                None if contributions.len() == 1 => c.grad.shallow_clone(),
+                None => c.grad.copy(),
+                Some(mut sum) => {
+                    let _ = sum.f_add_(&c.grad.to_device(sum.device())).map_err(|e| DeviceErrorText(e.to_string()))?;
+                    sum
+                }
+            });
+        }
         total_weight += c.weight;
         samples += c.samples;
         report.push((*member, c.batches.clone(), c.metrics, c.samples));
@@ -398,13 +435,26 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
         s.settings = s.settings_at(step);
         s.pending = None;
     }
+    let ring = match s.sum {
+        GradientSum::DeviceCopies => None,
+        GradientSum::Nccl => {
+            let members: Vec<MemberId> = contributions.keys().copied().collect();
+            if s.ring.as_ref().is_none_or(|r| r.members != members) {
+                let epoch = s.ring.as_ref().map_or(0, |r| r.epoch + 1);
+                let id = NcclId::new().map_err(|e| DeviceErrorText(e.to_string()))?;
+                s.ring = Some(Arc::new(Ring { epoch, members, id }));
+            }
+            s.ring.clone()
+        }
+    };
     let update = s.settings.hyper.update(s.samples_committed);
     let next_objective = s.settings_at(step + 1).objective;
     s.samples_committed += samples;
     s.round += 1;
     let result = Arc::new(RoundResult {
         step,
-        grad: SharedTensor::new(grad.expect("a complete round has a contribution")),
+        grad: grad.map(SharedTensor::new),
+        ring,
         total_weight,
         update,
         next_objective,
@@ -459,12 +509,48 @@ mod tests {
     }
 
     fn collective() -> (Arc<Collective>, mpsc::Receiver<RoundReport>) {
+        collective_summing(GradientSum::DeviceCopies)
+    }
+
+    fn collective_summing(sum: GradientSum) -> (Arc<Collective>, mpsc::Receiver<RoundReport>) {
         let (tx, rx) = mpsc::channel();
         let tx = Mutex::new(tx);
-        let c = Arc::new(Collective::new(5, 0, settings(), move |r| {
+        let c = Arc::new(Collective::new(5, 0, settings(), sum, move |r| {
             let _ = tx.lock().unwrap().send(r);
         }));
         (c, rx)
+    }
+
+    /// With NCCL the round only does the bookkeeping: no gradient, and a ring of the contributors, the same while
+    /// the membership holds and a new one (next epoch, new id) when it changes.
+    #[test]
+    fn nccl_rounds_carry_a_ring_per_membership_and_no_gradient() {
+        let (c, rx) = collective_summing(GradientSum::Nccl);
+        c.found(0, 1).unwrap();
+        c.lock().members.insert(1, 1);
+        let round = |step: u64, members: &[usize]| {
+            let handles: Vec<_> = members
+                .iter()
+                .map(|&m| {
+                    let c = c.clone();
+                    std::thread::spawn(move || c.contribute(m, 1, step, contribution(&[1.0], 1.0)).unwrap())
+                })
+                .collect();
+            let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            assert!(results.iter().all(|r| r.grad.is_none() && r.total_weight == members.len() as f64));
+            let ring = results[0].ring.clone().expect("an NCCL round has a ring");
+            assert!(results.iter().all(|r| r.ring.as_ref() == Some(&ring)));
+            rx.recv().unwrap();
+            ring
+        };
+        let first = round(5, &[0, 1]);
+        assert_eq!((first.epoch, first.members.clone(), first.rank_of(1)), (0, vec![0, 1], Some(1)));
+        let same = round(6, &[0, 1]);
+        assert!(Arc::ptr_eq(&first, &same));
+        c.remove(1, 1);
+        let smaller = round(7, &[0]);
+        assert_eq!((smaller.epoch, smaller.members.clone(), smaller.rank_of(1)), (1, vec![0], None));
+        assert_ne!(smaller.id, first.id);
     }
 
     #[test]
@@ -480,7 +566,12 @@ mod tests {
                 let c = c.clone();
                 std::thread::spawn(move || {
                     let r = c.contribute(m, 1, 5, contribution(&v, 1.5)).unwrap();
-                    (r.step, Vec::<f32>::try_from(&*r.grad).unwrap(), r.total_weight, r.contributors.clone())
+                    (
+                        r.step,
+                        Vec::<f32>::try_from(&**r.grad.as_ref().unwrap()).unwrap(),
+                        r.total_weight,
+                        r.contributors.clone(),
+                    )
                 })
             })
             .collect();
