@@ -1,8 +1,9 @@
 //! Elementwise work fused into single kernels on CUDA in bf16, where no autograd is recorded: for inference (target
 //! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass and the SwiGLU activation in one pass;
 //! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits (the loss is
-//! differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice. The kernels are compiled at run time by NVRTC (it ships with the
-//! torch wheel) and launched on libtorch's current stream, so they stay ordered with its work.
+//! differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice.
+//! The kernels are compiled at run time by NVRTC (it ships with the torch wheel) and launched on libtorch's current
+//! stream, so they stay ordered with its work.
 //!
 //! Every entry point returns `None` where it does not apply (CPU, other dtypes, tensors that need gradients, shapes
 //! the kernels do not take, NVRTC or the driver missing, `DFLASH_FUSED_KERNELS=0`), and the caller runs the plain
