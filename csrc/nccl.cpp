@@ -138,7 +138,9 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kBFloat16: return ncclBfloat16;
     case at::kHalf: return ncclFloat16;
     case at::kDouble: return ncclFloat64;
-    default: throw std::runtime_error(std::string("NCCL all-reduce of ") + c10::toString(t.scalar_type()) + " is not supported");
+    default:
+      throw std::runtime_error(std::string("NCCL all-reduce of ") + c10::toString(t.scalar_type()) +
+                               " is not supported");
   }
 }
 }  // namespace
@@ -218,7 +220,8 @@ int dflash_nccl_all_reduce_sum(void* handle, const at::Tensor* send, at::Tensor*
     if (!send->is_contiguous() || !recv->is_contiguous() || send->numel() != recv->numel() ||
         send->scalar_type() != recv->scalar_type() || send->device() != cuda(c->device) ||
         recv->device() != cuda(c->device)) {
-      throw std::runtime_error("all-reduce needs two contiguous tensors of one shape and dtype on the communicator's device");
+      throw std::runtime_error(
+          "all-reduce needs two contiguous tensors of one shape and dtype on the communicator's device");
     }
     auto current = at::accelerator::getCurrentStream(c->device);
     c10::Event ready(c10::DeviceType::CUDA);

@@ -251,8 +251,8 @@ pub struct HeadOutput {
 /// (with `want_grad`) the gradient of `sum(w * CE)` with respect to the hidden states, `(softmax - onehot) * w`
 /// times the head, so the logits are never recomputed. The softmax is stored in the hidden states' dtype; the
 /// label's log-probability comes from `log1p(-(1 - p))` where p > 0.5 and from the label's logit, the largest logit
-/// and the largest probability elsewhere, each to that dtype's relative precision. Also fills the accuracy and acceptance sums, for blocks of
-/// `block_size` rows whose kept flags are `keep`.
+/// and the largest probability elsewhere, each to that dtype's relative precision. Also fills the accuracy and
+/// acceptance sums, for blocks of `block_size` rows whose kept flags are `keep`.
 pub fn lm_head_loss(
     hidden: &Tensor,
     lm_head: &Tensor,
