@@ -261,26 +261,62 @@ impl Kernels {
         })
     }
 
-    /// Launches `f` on the calling thread's current libtorch stream of `device`. `params` point at the kernel's
-    /// arguments, in order, each with the kernel's C type.
-    fn launch(
-        &self,
-        f: &CudaFunction,
-        device: Device,
-        grid: u32,
-        block: u32,
-        params: &mut [*mut c_void],
-    ) -> Result<(), String> {
-        let stream =
-            crate::device::current_stream_handle(device).map_err(|e| e.to_string())?.ok_or("not a CUDA device")?;
-        self.context.bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: the function belongs to this context's live module; every parameter points at a live value of the
-        // type the kernel declares, and the tensors they address stay alive until the stream has run the kernel
-        // (libtorch's caching allocator orders reuse of their memory after work queued on this stream).
-        unsafe {
-            result::launch_kernel(f.cu_function(), (grid, 1, 1), (block, 1, 1), 0, stream as sys::CUstream, params)
+    /// Launches `f` on the calling thread's current libtorch stream of `device` with `args`, in the kernel's order.
+    /// A failed launch is said once and gives None: the caller falls back to libtorch.
+    fn launch(&self, f: &CudaFunction, device: Device, grid: u32, block: u32, args: &[Arg]) -> Option<()> {
+        let launched = (|| -> Result<(), String> {
+            let stream =
+                crate::device::current_stream_handle(device).map_err(|e| e.to_string())?.ok_or("not a CUDA device")?;
+            self.context.bind_to_thread().map_err(|e| e.to_string())?;
+            let mut values = args.to_vec();
+            let mut params: Vec<*mut c_void> = values.iter_mut().map(Arg::as_param).collect();
+            // SAFETY: the function belongs to this context's live module; every parameter points at a live value of
+            // the C type the kernel declares (`values` outlives the call, which copies them), and the tensors they
+            // address stay alive until the stream has run the kernel (libtorch's caching allocator orders reuse of
+            // their memory after work queued on this stream).
+            unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    (grid, 1, 1),
+                    (block, 1, 1),
+                    0,
+                    stream as sys::CUstream,
+                    &mut params,
+                )
+            }
+            .map_err(|e| e.to_string())
+        })();
+        if let Err(e) = &launched {
+            static SAID: OnceLock<()> = OnceLock::new();
+            SAID.get_or_init(|| tracing::warn!("a fused kernel failed to launch, running plain libtorch: {e}"));
         }
-        .map_err(|e| e.to_string())
+        launched.ok()
+    }
+}
+
+/// One kernel argument, as the C type the kernel declares it.
+#[derive(Clone, Copy)]
+enum Arg {
+    /// A tensor's data pointer.
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    fn tensor(t: &Tensor) -> Self {
+        Arg::Ptr(t.data_ptr() as u64)
+    }
+
+    /// The address `cuLaunchKernel` reads the value from.
+    fn as_param(&mut self) -> *mut c_void {
+        match self {
+            Arg::Ptr(v) => v as *mut u64 as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::I64(v) => v as *mut i64 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+        }
     }
 }
 
@@ -310,10 +346,6 @@ fn applies(t: &Tensor) -> bool {
     t.kind() == Kind::BFloat16 && matches!(t.device(), Device::Cuda(_)) && !t.requires_grad()
 }
 
-fn ptr(t: &Tensor) -> u64 {
-    t.data_ptr() as u64
-}
-
 /// `silu(gate) * up` of a contiguous stacked projection `[..., 2I]` (gate first), in one pass.
 pub fn silu_mul(gate_up: &Tensor) -> Option<Tensor> {
     let two_inter = *gate_up.size().last()?;
@@ -329,16 +361,10 @@ pub fn silu_mul(gate_up: &Tensor) -> Option<Tensor> {
     if n8 == 0 {
         return Some(out);
     }
-    let (mut src, mut dst, mut inter8, mut n) = (ptr(gate_up), ptr(&out), (inter / 8) as i32, n8);
-    let mut params = [
-        &mut src as *mut u64 as *mut c_void,
-        &mut inter8 as *mut i32 as *mut c_void,
-        &mut dst as *mut u64 as *mut c_void,
-        &mut n as *mut i64 as *mut c_void,
-    ];
-    let block = 256u32;
+    let args = [Arg::tensor(gate_up), Arg::I32((inter / 8) as i32), Arg::tensor(&out), Arg::I64(n8)];
     let grid = u32::try_from((n8 + 255) / 256).ok()?;
-    launched(k.launch(&k.silu_mul, gate_up.device(), grid, block, &mut params), out)
+    k.launch(&k.silu_mul, gate_up.device(), grid, 256, &args)?;
+    Some(out)
 }
 
 /// Per-head RMSNorm (when `weight` is given) and RoPE of `x` `[B, S, heads, dim]` (last two dimensions packed, as
@@ -362,25 +388,23 @@ pub fn norm_rope(x: &Tensor, weight: Option<&Tensor>, eps: f64, cos: &Tensor, ss
     if rows == 0 {
         return Some(out);
     }
-    let (mut src, mut token_stride, mut h, mut d) = (ptr(x), st[1], heads as i32, dim as i32);
-    let (mut w, mut eps, mut c, mut sn, mut seq) = (weight.map_or(0, ptr), eps as f32, ptr(cos), ptr(ssin), s as i32);
-    let (mut dst, mut n) = (ptr(&out), rows);
-    let mut params = [
-        &mut src as *mut u64 as *mut c_void,
-        &mut token_stride as *mut i64 as *mut c_void,
-        &mut h as *mut i32 as *mut c_void,
-        &mut d as *mut i32 as *mut c_void,
-        &mut w as *mut u64 as *mut c_void,
-        &mut eps as *mut f32 as *mut c_void,
-        &mut c as *mut u64 as *mut c_void,
-        &mut sn as *mut u64 as *mut c_void,
-        &mut seq as *mut i32 as *mut c_void,
-        &mut dst as *mut u64 as *mut c_void,
-        &mut n as *mut i64 as *mut c_void,
+    let args = [
+        Arg::tensor(x),
+        Arg::I64(st[1]),
+        Arg::I32(heads as i32),
+        Arg::I32(dim as i32),
+        weight.map_or(Arg::Ptr(0), Arg::tensor),
+        Arg::F32(eps as f32),
+        Arg::tensor(cos),
+        Arg::tensor(ssin),
+        Arg::I32(s as i32),
+        Arg::tensor(&out),
+        Arg::I64(rows),
     ];
     let warps_per_block = 8i64;
     let grid = u32::try_from((rows + warps_per_block - 1) / warps_per_block).ok()?;
-    launched(k.launch(&k.norm_rope, x.device(), grid, 32 * warps_per_block as u32, &mut params), out)
+    k.launch(&k.norm_rope, x.device(), grid, 32 * warps_per_block as u32, &args)?;
+    Some(out)
 }
 
 /// What the LM head's loss needs of the softmax of each row, from [`softmax_rows`].
@@ -410,31 +434,18 @@ pub fn softmax_rows(logits: &mut Tensor, labels: &Tensor, weights: &Tensor, want
     let k = kernels(device)?;
     let stats = Tensor::empty([rows, 4], (Kind::Float, device));
     let argmax = Tensor::empty([rows], (Kind::Int64, device));
-    let (mut x, mut v, mut l, mut w) = (ptr(logits), vocab as i32, ptr(labels), ptr(weights));
-    let (mut g, mut st, mut am) = (i32::from(want_grad), ptr(&stats), ptr(&argmax));
-    let mut params = [
-        &mut x as *mut u64 as *mut c_void,
-        &mut v as *mut i32 as *mut c_void,
-        &mut l as *mut u64 as *mut c_void,
-        &mut w as *mut u64 as *mut c_void,
-        &mut g as *mut i32 as *mut c_void,
-        &mut st as *mut u64 as *mut c_void,
-        &mut am as *mut u64 as *mut c_void,
+    let args = [
+        Arg::tensor(logits),
+        Arg::I32(vocab as i32),
+        Arg::tensor(labels),
+        Arg::tensor(weights),
+        Arg::I32(i32::from(want_grad)),
+        Arg::tensor(&stats),
+        Arg::tensor(&argmax),
     ];
     let grid = u32::try_from(rows).ok()?;
-    launched(k.launch(&k.softmax_rows, device, grid, 1024, &mut params), RowSoftmax { stats, argmax })
-}
-
-/// `out` after a successful launch; a failed launch is said once and the caller falls back to libtorch.
-fn launched<T>(result: Result<(), String>, out: T) -> Option<T> {
-    match result {
-        Ok(()) => Some(out),
-        Err(e) => {
-            static SAID: OnceLock<()> = OnceLock::new();
-            SAID.get_or_init(|| tracing::warn!("a fused kernel failed to launch, running plain libtorch: {e}"));
-            None
-        }
-    }
+    k.launch(&k.softmax_rows, device, grid, 1024, &args)?;
+    Some(RowSoftmax { stats, argmax })
 }
 
 #[cfg(test)]
