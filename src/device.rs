@@ -188,16 +188,27 @@ pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
     if t.device() == Device::Cpu {
         return Ok(t.copy());
     }
-    let mut raw = std::ptr::null_mut();
-    call_shim(t.device(), |e, n| {
-        // SAFETY: `t` is a live tensor (tch hands out at::Tensor*); the shim returns a new tensor or null.
-        raw = unsafe { dflash_empty_pinned_like(t.as_ptr() as *const c_void, e, n) };
-        c_int::from(raw.is_null())
+    // SAFETY: `t` is a live tensor (tch hands out at::Tensor*); the shim returns a new tensor or null.
+    let mut host = shim_tensor(t.device(), |e, n| unsafe {
+        dflash_empty_pinned_like(t.as_ptr() as *const c_void, e, n) as *mut torch_sys::C_tensor
     })?;
-    // SAFETY: a live at::Tensor* the shim allocated with `new`, owned by the returned Tensor from here on.
-    let mut host = unsafe { Tensor::from_ptr(raw as *mut torch_sys::C_tensor) };
     host.f_copy_(t).map_err(|e| DeviceError::Runtime { device: t.device(), message: e.to_string() })?;
     Ok(host)
+}
+
+/// Wraps the `at::Tensor*` a shim function allocated with `new` (null means it failed, with the message in the
+/// buffer); the returned Tensor owns it.
+pub(crate) fn shim_tensor(
+    device: Device,
+    f: impl FnOnce(*mut c_char, usize) -> *mut torch_sys::C_tensor,
+) -> Result<Tensor, DeviceError> {
+    let mut out = std::ptr::null_mut();
+    call_shim(device, |e, n| {
+        out = f(e, n);
+        c_int::from(out.is_null())
+    })?;
+    // SAFETY: a live at::Tensor* the shim allocated with `new`, owned by the returned Tensor from here on.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// Calls a shim function with an error buffer and turns a failure into a [`DeviceError::Runtime`].

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int};
 use tch::{Kind, Tensor};
 use torch_sys::C_tensor;
 
-use crate::device::{DeviceError, call_shim};
+use crate::device::{DeviceError, call_shim, shim_tensor};
 
 unsafe extern "C" {
     fn dflash_set_grad(param: *mut C_tensor, grad: *mut C_tensor, err: *mut c_char, len: usize) -> c_int;
@@ -93,21 +93,21 @@ pub fn fused_adamw(
 /// saves only the factors: the backward is the inverse rotation of the incoming gradient.
 pub fn rope(x: &Tensor, cos: &Tensor, ssin: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
-    new_tensor(x, |e, n| unsafe { dflash_rope(raw(x), raw(cos), raw(ssin), e, n) })
+    shim_tensor(x.device(), |e, n| unsafe { dflash_rope(raw(x), raw(cos), raw(ssin), e, n) })
 }
 
 /// `silu(gate) * up` of a stacked projection `[..., 2I]` (gate first) as one autograd node that saves only the
 /// projection and recomputes `silu(gate)` in the backward.
 pub fn swiglu_activation(gate_up: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: a live tensor handle; the shim returns a new tensor or null.
-    new_tensor(gate_up, |e, n| unsafe { dflash_swiglu_activation(raw(gate_up), e, n) })
+    shim_tensor(gate_up.device(), |e, n| unsafe { dflash_swiglu_activation(raw(gate_up), e, n) })
 }
 
 /// `down(silu(gate) * up)` for a stacked projection `[..., 2I]` and `down` `[H, I]`, as one autograd node that
 /// saves only the projection (the activation is recomputed for the down weight's gradient).
 pub fn swiglu_down(gate_up: &Tensor, down: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
-    new_tensor(gate_up, |e, n| unsafe { dflash_swiglu_down(raw(gate_up), raw(down), e, n) })
+    shim_tensor(gate_up.device(), |e, n| unsafe { dflash_swiglu_down(raw(gate_up), raw(down), e, n) })
 }
 
 /// `leaf` cast to `kind`, for a leaf whose `.grad` is preset ([`set_grad`]): the backward adds the gradient into
@@ -127,18 +127,7 @@ pub fn weight_cast(leaf: &Tensor, kind: Kind) -> Result<Tensor, DeviceError> {
         }
     };
     // SAFETY: a live tensor handle; the shim returns a new tensor or null.
-    new_tensor(leaf, |e, n| unsafe { dflash_weight_cast(raw(leaf), code, e, n) })
-}
-
-/// Wraps the `at::Tensor*` a shim function allocated (null means it failed, with the message in the buffer).
-fn new_tensor(like: &Tensor, f: impl FnOnce(*mut c_char, usize) -> *mut C_tensor) -> Result<Tensor, DeviceError> {
-    let mut out = std::ptr::null_mut();
-    call_shim(like.device(), |e, n| {
-        out = f(e, n);
-        c_int::from(out.is_null())
-    })?;
-    // SAFETY: a live at::Tensor* the shim allocated with `new`, owned by the returned Tensor from here on.
-    Ok(unsafe { Tensor::from_ptr(out) })
+    shim_tensor(leaf.device(), |e, n| unsafe { dflash_weight_cast(raw(leaf), code, e, n) })
 }
 
 #[cfg(test)]
