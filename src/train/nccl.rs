@@ -111,7 +111,7 @@ impl NcclComm {
             return Err(NcclError::BadRank { rank, nranks });
         }
         let mut raw = std::ptr::null_mut();
-        let status = shim_status(|e, n| unsafe {
+        let joined = shim_status("join", timeout, |e, n| unsafe {
             // SAFETY: a 128-byte id, valid out-pointer and buffer.
             dflash_nccl_init(
                 id.0.as_ptr() as *const c_char,
@@ -124,7 +124,7 @@ impl NcclComm {
                 n,
             )
         });
-        status.map_err(|e| e.into_error("join", timeout))?;
+        joined?;
         Ok(NcclComm { raw, device, rank, nranks })
     }
 
@@ -147,7 +147,7 @@ impl NcclComm {
                 )));
             }
         }
-        let status = shim_status(|e, n| unsafe {
+        shim_status("all-reduce", timeout, |e, n| unsafe {
             // SAFETY: live communicator and tensor handles; the shim validates shapes and devices.
             dflash_nccl_all_reduce_sum(
                 self.raw,
@@ -157,8 +157,7 @@ impl NcclComm {
                 e,
                 n,
             )
-        });
-        status.map_err(|e| e.into_error("all-reduce", timeout))
+        })
     }
 }
 
@@ -169,35 +168,23 @@ impl Drop for NcclComm {
     }
 }
 
-/// A shim call's failure: its status and message.
-struct ShimFailure {
-    status: c_int,
-    message: String,
-}
-
-impl ShimFailure {
-    fn into_error(self, what: &'static str, timeout: Duration) -> NcclError {
-        if self.status == TIMED_OUT {
-            NcclError::Timeout { what, seconds: timeout.as_secs_f64(), message: self.message }
-        } else {
-            NcclError::Failed(self.message)
-        }
-    }
-}
-
-/// Runs a shim call that returns 0 (done), 1 (failed) or 2 (timed out), with an error buffer.
-fn shim_status(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), ShimFailure> {
+/// Runs a shim call that returns 0 (done), 1 (failed) or 2 (the deadline `timeout` of `what` passed), with an
+/// error buffer.
+fn shim_status(
+    what: &'static str,
+    timeout: Duration,
+    f: impl FnOnce(*mut c_char, usize) -> c_int,
+) -> Result<(), NcclError> {
     let mut status = 0;
     let result = call_shim(Device::Cpu, |e, n| {
         status = f(e, n);
         status
     });
-    result.map_err(|e| ShimFailure {
-        status,
-        message: match e {
-            DeviceError::Runtime { message, .. } => message,
-            other => other.to_string(),
-        },
+    result.map_err(|e| match NcclError::from(e) {
+        NcclError::Failed(message) if status == TIMED_OUT => {
+            NcclError::Timeout { what, seconds: timeout.as_secs_f64(), message }
+        }
+        other => other,
     })
 }
 
