@@ -17,7 +17,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use tch::{Device, Kind, Tensor};
 
 /// Set to `0` to run the plain libtorch expressions instead (for comparisons).
-pub const DISABLE_ENV: &str = "DFLASH_FUSED_KERNELS";
+const DISABLE_ENV: &str = "DFLASH_FUSED_KERNELS";
 
 const SOURCE: &str = r#"
 typedef unsigned short bf16;

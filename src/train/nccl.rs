@@ -93,8 +93,6 @@ impl NcclId {
 pub struct NcclComm {
     raw: *mut c_void,
     device: Device,
-    rank: usize,
-    nranks: usize,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one call at a time (`&mut self` for collectives).
@@ -125,14 +123,7 @@ impl NcclComm {
             )
         });
         joined?;
-        Ok(NcclComm { raw, device, rank, nranks })
-    }
-
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-    pub fn nranks(&self) -> usize {
-        self.nranks
+        Ok(NcclComm { raw, device })
     }
 
     /// Sums `send` over the ranks into `recv` (pass the same tensor twice to sum in place), waiting at most `timeout`.
