@@ -320,23 +320,26 @@ impl Arg {
     }
 }
 
-/// The kernels for `device`, compiled on first use; None where they do not apply or failed to build (said once).
+/// The kernels for `device`, compiled on first use; None where they are turned off or failed to build (said once).
 fn kernels(device: Device) -> Option<Arc<Kernels>> {
     static CACHE: OnceLock<Mutex<HashMap<usize, Option<Arc<Kernels>>>>> = OnceLock::new();
     let Device::Cuda(ordinal) = device else {
         return None;
     };
-    if std::env::var(DISABLE_ENV).is_ok_and(|v| v == "0") {
-        return None;
-    }
     let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     cache
         .entry(ordinal)
-        .or_insert_with(|| match Kernels::compile(ordinal) {
-            Ok(k) => Some(Arc::new(k)),
-            Err(e) => {
-                tracing::warn!("fused kernels unavailable on cuda:{ordinal}, running plain libtorch instead: {e}");
-                None
+        .or_insert_with(|| {
+            // Read once per device, with the first kernel it runs, not on every launch.
+            if std::env::var(DISABLE_ENV).is_ok_and(|v| v == "0") {
+                return None;
+            }
+            match Kernels::compile(ordinal) {
+                Ok(k) => Some(Arc::new(k)),
+                Err(e) => {
+                    tracing::warn!("fused kernels unavailable on cuda:{ordinal}, running plain libtorch instead: {e}");
+                    None
+                }
             }
         })
         .clone()
