@@ -15,7 +15,8 @@ const AFTER_HELP: &str = "\
 Configuration layers, each overriding the one before: the built-in defaults (config/default.toml lists and
 explains every key), --config FILE, DFLASH__SECTION__KEY environment variables, then --set section.key=value.
 
-Exit status: 0 success, 1 error, 2 bad command line, 75 serve-train asks to be restarted with --resume auto.
+Exit status: 0 success, 1 error, 2 bad command line, 3 serve-train cannot go on (no drafter, or too few, left;
+a target copy past its restart limit), 75 serve-train asks to be restarted with --resume auto.
 Logs go to stderr (RUST_LOG or log.level filter them); results go to stdout.";
 
 #[derive(Parser)]
@@ -55,8 +56,11 @@ enum Command {
         the same step on every drafter; other changes are refused and the run goes on. With eval.every_steps, the \
         acceptance length is measured by real speculative decoding of held-out prompts on a thread beside training, \
         and the best checkpoint is kept as checkpoint.dir/best. SIGTERM or Ctrl-C finishes the current steps, \
-        checkpoints and exits 0; a second signal exits at once. Exit 75 asks an outside supervisor to restart with \
-        --resume auto (an error poisoned a device).\n\n\
+        checkpoints and exits 0; a second signal exits at once. Exit 3: the run cannot go on (fewer than \
+        supervision.min_live_drafters drafters left that are not failed, or a target copy past its restart limit). \
+        Exit 75 asks an outside supervisor to restart with --resume auto (an error poisoned a device, or the end's \
+        checkpoint did not finish within supervision.shutdown_timeout_s). GET /readyz answers 503 while no drafter \
+        is live.\n\n\
         The built-in default trains the tiny target on built-in sample data with two drafters:\n  dflash serve-train")]
     ServeTrain(ServeTrainArgs),
     /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template

@@ -231,3 +231,23 @@ fn the_cli_prepares_inspects_and_feeds_eval() {
     let o = dflash(&["inspect", out.to_str().unwrap(), "--id", "999"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no sample with id 999"));
 }
+
+/// A prepared split is checked against the target that will read it: a sample longer than its positions, or a
+/// token id outside its vocabulary, is an error naming the shard file and the sample.
+#[test]
+fn a_split_that_does_not_fit_the_target_names_the_file_and_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chats.jsonl");
+    write_lines(&input, &sample_lines(20));
+    let out = dir.path().join("prepared");
+    prepare(&ModelAssets::tiny(&Map::new()), &options(vec![input], &out)).unwrap();
+    let train = PreparedSplit::open(&out, "train", false).unwrap();
+    let longest = train.lengths().into_iter().max().unwrap();
+    let max_id = (0..train.len()).flat_map(|i| train.get(i).input_ids()).max().unwrap() as usize;
+    train.check_fits(&out, max_id + 1, longest).unwrap();
+    let short = train.check_fits(&out, max_id + 1, longest - 1).unwrap_err().to_string();
+    assert!(short.contains("train-00000.tokens") && short.contains("sample id"), "{short}");
+    assert!(short.contains(&format!("{longest} tokens, more than the target's {} positions", longest - 1)), "{short}");
+    let small = train.check_fits(&out, max_id, longest).unwrap_err().to_string();
+    assert!(small.contains(&format!("token id {max_id} is outside the target's vocabulary (0..{max_id})")), "{small}");
+}

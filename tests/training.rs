@@ -248,7 +248,9 @@ fn accumulating_micro_batches_equals_one_batch() {
 
 #[test]
 fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
-    use dflash::train::collective::{Collective, Contribution, GradientSum, Hyper, ObjectiveKnobs, StepSettings};
+    use dflash::train::collective::{
+        Collective, Contribution, GradientSum, Hyper, ObjectiveKnobs, Progress, StepSettings,
+    };
     use dflash::train::optim::{LrSchedule, ScheduleKind};
     use std::sync::Arc;
     let t = target();
@@ -261,6 +263,7 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
             total_steps: 1,
             min_lr_ratio: 0.0,
         },
+        progress: Progress::Steps,
         beta1: 0.9,
         beta2: 0.999,
         eps: 1e-8,
@@ -284,7 +287,7 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
             exp_avg_sq: v.shallow_clone(),
         }
     };
-    joiner.request_join(1, 1, buffers);
+    joiner.request_join(1, 1, buffers).unwrap();
     {
         let [m, v, _] = halves[0].optimizer.state_tensors();
         collective.serve_joiners(0, 1, [&halves[0].drafter.params().master, m, v], 0).unwrap();

@@ -33,11 +33,13 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
         verify_checkpoint(&args.checkpoint)?;
         args.checkpoint.clone()
     } else {
-        let (found, rejected) = newest_valid(&args.checkpoint);
-        for r in rejected {
-            eprintln!("skipping an invalid checkpoint: {r}");
+        let scan = newest_valid(&args.checkpoint, &|_| true)?;
+        for (_, why) in scan.rejected {
+            eprintln!("skipping an invalid checkpoint: {why}");
         }
-        found.map(|(p, _)| p).with_context(|| format!("{}: no valid checkpoint here", args.checkpoint.display()))?
+        scan.newest
+            .map(|(p, _)| p)
+            .with_context(|| format!("{}: no valid checkpoint here", args.checkpoint.display()))?
     };
     let kind = match args.dtype {
         ExportDtype::Bf16 => Kind::BFloat16,

@@ -417,7 +417,7 @@ pub const NON_RELOADABLE: [&str; 9] = [
 
 /// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
 /// to any other key is refused while running.
-pub const RELOADABLE: [&str; 22] = [
+pub const RELOADABLE: [&str; 23] = [
     "optim.lr",
     "optim.betas",
     "optim.eps",
@@ -438,6 +438,7 @@ pub const RELOADABLE: [&str; 22] = [
     "supervision.backoff_initial_ms",
     "supervision.backoff_max_ms",
     "supervision.step_timeout_s",
+    "supervision.shutdown_timeout_s",
     "supervision.min_live_drafters",
     "supervision.gpu_hang_limit",
 ];

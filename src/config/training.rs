@@ -280,6 +280,7 @@ pub(super) struct RawSupervision {
     backoff_initial_ms: i64,
     backoff_max_ms: i64,
     step_timeout_s: f64,
+    shutdown_timeout_s: f64,
     min_live_drafters: i64,
     gpu_hang_limit: i64,
     prefetch_steps: i64,
@@ -293,8 +294,11 @@ pub struct SupervisionSettings {
     pub restart_window_s: f64,
     pub backoff_initial_ms: u64,
     pub backoff_max_ms: u64,
-    /// A drafter computing one step longer than this is hung: abandoned and restarted.
+    /// A drafter computing one step longer than this is hung: abandoned and restarted. Starting a drafter or a
+    /// target copy may take twice this.
     pub step_timeout_s: f64,
+    /// How long the end of a run (SIGTERM, completion, a failure that ends it) may wait for its checkpoint.
+    pub shutdown_timeout_s: f64,
     /// Below this many live drafters the run checkpoints and stops.
     pub min_live_drafters: usize,
     /// Hangs on one device after which its drafters are not restarted.
@@ -328,6 +332,13 @@ impl RawSupervision {
             backoff_initial_ms: initial,
             backoff_max_ms: max,
             step_timeout_s: finite_in("supervision.step_timeout_s", self.step_timeout_s, 0.01, 1e9, "seconds > 0")?,
+            shutdown_timeout_s: finite_in(
+                "supervision.shutdown_timeout_s",
+                self.shutdown_timeout_s,
+                0.01,
+                1e9,
+                "seconds > 0",
+            )?,
             min_live_drafters: at_least("supervision.min_live_drafters", self.min_live_drafters, 1)?,
             gpu_hang_limit: at_least("supervision.gpu_hang_limit", self.gpu_hang_limit, 1)?,
             prefetch_steps: at_least("supervision.prefetch_steps", self.prefetch_steps, 1)?,

@@ -164,6 +164,8 @@ impl SplitWriter {
 
 /// One memory-mapped shard.
 struct MappedShard {
+    /// The tokens file's name, for messages.
+    tokens_file: String,
     tokens: Mmap,
     mask: Mmap,
     /// (id, first token, token count)
@@ -244,7 +246,7 @@ impl PreparedSplit {
                 })
                 .collect();
             rows.extend((0..index.len()).map(|r| (shards.len(), r)));
-            shards.push(MappedShard { tokens, mask, index });
+            shards.push(MappedShard { tokens_file: shard.files[0].file.clone(), tokens, mask, index });
         }
         Ok(PreparedSplit { shards, rows })
     }
@@ -272,6 +274,33 @@ impl PreparedSplit {
     /// Token counts of all samples, in file order (for length bucketing).
     pub fn lengths(&self) -> Vec<usize> {
         self.rows.iter().map(|&(s, r)| self.shards[s].index[r].2 as usize).collect()
+    }
+
+    /// Checks that every sample fits the target: token ids below `vocab_size`, at most `max_positions` tokens. The
+    /// error names the shard file and the sample (data prepared for another model is the usual cause). Reads every
+    /// token once, at memory speed.
+    pub fn check_fits(&self, dir: &Path, vocab_size: usize, max_positions: usize) -> Result<(), DataError> {
+        for (i, &(s, r)) in self.rows.iter().enumerate() {
+            let shard = &self.shards[s];
+            let (id, _, len) = shard.index[r];
+            let bad = |reason: String| DataError::File {
+                path: dir.join(&shard.tokens_file),
+                reason: format!("sample id {id} (number {i} of the split): {reason}"),
+            };
+            if len as usize > max_positions {
+                return Err(bad(format!(
+                    "{len} tokens, more than the target's {max_positions} positions; prepare the data again with \
+                     --max-len {max_positions} or less"
+                )));
+            }
+            if let Some(t) = self.get(i).input_ids().into_iter().find(|&t| t as usize >= vocab_size) {
+                return Err(bad(format!(
+                    "token id {t} is outside the target's vocabulary (0..{vocab_size}): the data was prepared for \
+                     another model; prepare it again with this target (dflash prepare --model <the target>)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The position of the sample with this id.

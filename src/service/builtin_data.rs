@@ -17,7 +17,7 @@ use crate::data::prepare::{ModelAssets, PrepareOptions, prepare};
 use crate::data::regenerate::{RegenerateOptions, Reply, Responder, regenerate_with};
 use crate::data::shards::PreparedSplit;
 use crate::model::generate::{Sampling, generate};
-use crate::model::{Depth, Target};
+use crate::model::{Depth, Target, TargetConfig};
 
 /// The target answering as the chat template prompts it (`regenerate --local`, built-in data).
 pub struct LocalResponder {
@@ -56,17 +56,26 @@ impl Responder for LocalResponder {
     }
 }
 
-/// The training samples the configuration names.
-pub fn dataset(config: &Config, vocab_size: usize, device: Device, kind: Kind) -> Result<Arc<dyn Dataset>> {
+/// The training samples the configuration names, checked against the target: every token id in its vocabulary,
+/// every sample within its positions (an error names the file and the sample).
+pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kind) -> Result<Arc<dyn Dataset>> {
     let d = &config.data;
+    let vocab_size = target.vocab_size;
+    let fits = |split: PreparedSplit, dir: &Path| -> Result<PreparedSplit> {
+        split
+            .check_fits(dir, vocab_size, target.max_position_embeddings)
+            .with_context(|| format!("data.path = {}: the data does not fit the target", dir.display()))?;
+        Ok(split)
+    };
     let data: Arc<dyn Dataset> = match &d.source {
-        DataSource::Prepared(dir) => Arc::new(
+        DataSource::Prepared(dir) => Arc::new(fits(
             PreparedSplit::open(dir, "train", false).with_context(|| format!("data.path = {}", dir.display()))?,
-        ),
+            dir,
+        )?),
         DataSource::Synthetic => {
             Arc::new(SyntheticData::new(d.builtin_conversations, d.max_len, vocab_size, config.objective.seed))
         }
-        DataSource::Builtin => Arc::new(builtin(config, device, kind)?),
+        DataSource::Builtin => Arc::new(fits(builtin(config, device, kind)?, &d.cache_dir.join("prepared"))?),
     };
     if data.is_empty() {
         bail!("data.path: the training split holds no sample");

@@ -1,7 +1,7 @@
 //! The target and every drafter compute on a dedicated OS thread, owned by a thin actor. This module is that
 //! pairing: it starts the thread, turns whatever ends it (an error, a libtorch error, a panic) into a classified
 //! [`Failure`] sent to the actor, and makes the actor fail with it, so the supervisor sees the thread's failure as
-//! its child's.
+//! its child's. A thread that returns makes its actor stop, so a return nobody asked for is seen too.
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::failure::Failure;
@@ -40,9 +40,13 @@ impl Actor for ComputeActor {
         Ok(())
     }
 
-    async fn handle(&self, _: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
+    async fn handle(&self, myself: ActorRef<ThreadMsg>, msg: ThreadMsg, _: &mut ()) -> Result<(), ActorProcessingErr> {
         match msg {
             ThreadMsg::Died(failure) => Err(Box::new(ThreadFailure(failure))),
+            ThreadMsg::Returned => {
+                myself.stop(Some("its thread returned".into()));
+                Ok(())
+            }
         }
     }
 }
@@ -59,9 +63,10 @@ fn spawn(
             Err(Panicked::Torch(m)) => Err(Failure::from_torch(&m)),
             Err(Panicked::Bug(m)) => Err(Failure::panic(m)),
         };
-        if let Err(failure) = outcome {
-            let _ = owner.send_message(ThreadMsg::Died(failure));
-        }
+        let _ = owner.send_message(match outcome {
+            Ok(()) => ThreadMsg::Returned,
+            Err(failure) => ThreadMsg::Died(failure),
+        });
     })?;
     Ok(())
 }

@@ -1,6 +1,7 @@
-//! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /healthz`,
-//! `GET /status`, `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as
-//! SIGHUP does), and with `control.fault_injection = true`, `POST /drafters/{id}/fault`.
+//! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /healthz`
+//! (liveness: the process answers), `GET /readyz` (readiness: training, with a live drafter), `GET /status`,
+//! `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as SIGHUP does),
+//! and with `control.fault_injection = true`, `POST /drafters/{id}/fault`.
 use std::net::SocketAddr;
 
 use axum::extract::{Path, State};
@@ -15,7 +16,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::failure::FaultKind;
-use super::messages::SupervisorMsg;
+use super::messages::{DrafterState, SupervisorMsg};
 
 const TIMEOUT_MS: u64 = 5000;
 
@@ -44,6 +45,19 @@ fn unavailable(e: impl std::fmt::Display) -> Response {
 
 async fn healthz() -> &'static str {
     "ok\n"
+}
+
+/// 200 while training can go on (running, not stopping, a drafter live); 503 with the phase otherwise.
+async fn readyz(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+    match ask(&sup, SupervisorMsg::Status).await {
+        Ok(s) if s.ready => (StatusCode::OK, "ready\n").into_response(),
+        Ok(s) => {
+            let live = s.drafters.iter().filter(|d| d.state == DrafterState::Live).count();
+            let body = json!({"ready": false, "phase": s.phase, "drafters_live": live});
+            (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+        }
+        Err(e) => unavailable(e),
+    }
 }
 
 async fn status(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
@@ -94,6 +108,7 @@ pub async fn serve(
     };
     let app = Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
         .route("/checkpoint", post(checkpoint))

@@ -3,7 +3,6 @@
 //! founding it from the seed or a checkpoint), then trains: each step takes its micro-batches from a bounded
 //! channel, runs forward and backward, contributes to the step's round and applies the round's update. Its loop
 //! runs inside `catch_unwind`; a panic or error is reported to the actor, which fails so the supervisor sees it.
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
@@ -15,6 +14,7 @@ use tch::{Device, Kind, Tensor};
 use super::compute_thread::{ThreadBody, torch};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{Heads, SupervisorMsg, Work};
+pub use super::supervisor::protocol::Start;
 use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
@@ -47,14 +47,6 @@ pub enum Phase {
         since: Instant,
         batches: Vec<BatchId>,
     },
-}
-
-/// Where a drafter's first state comes from.
-pub enum Start {
-    /// The first member: fresh weights, or a checkpoint folder.
-    Found(Option<PathBuf>),
-    /// Copy a live peer's state.
-    Join,
 }
 
 /// Everything a drafter thread needs.
@@ -142,27 +134,37 @@ fn state_tensors(trainer: &Trainer) -> [&Tensor; 3] {
 /// The compute thread. `Ok(())` means it was told to stop or was removed.
 fn run(a: DrafterSpawn) -> Result<(), Failure> {
     device::bind_thread(a.device).map_err(torch)?;
+    // A checkpoint that cannot be loaded is reported as such: the supervisor then founds from an older one.
+    let unloadable = |e: crate::model::ModelError| match (torch(&e), &a.start) {
+        (f, Start::Found(Some(ckpt))) if f.kind == FailureKind::Torch => {
+            Failure { kind: FailureKind::CheckpointLoad, message: format!("loading {}: {}", ckpt.display(), f.message) }
+        }
+        (f, _) => f,
+    };
     let drafter = match &a.start {
-        Start::Found(Some(ckpt)) => Drafter::load(&ckpt.join(DRAFTER_DIR), a.device, a.kind),
+        Start::Found(Some(ckpt)) => Drafter::load(&ckpt.join(DRAFTER_DIR), a.device, a.kind).map_err(unloadable),
         Start::Found(None) => {
             let init = if a.device == Device::Cpu { Init::Portable(a.seed) } else { Init::Device(a.seed) };
-            Drafter::new(a.config.clone(), a.device, a.kind, init)
+            Drafter::new(a.config.clone(), a.device, a.kind, init).map_err(torch)
         }
-        Start::Join => Drafter::zeroed(a.config.clone(), a.device, a.kind),
-    }
-    .map_err(torch)?;
+        Start::Join => Drafter::zeroed(a.config.clone(), a.device, a.kind).map_err(torch),
+    }?;
     let embed = a.heads.embed.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)).map_err(torch)?;
     let lm_head = a.heads.lm_head.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)).map_err(torch)?;
     let mut trainer = Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
     if let Start::Found(Some(ckpt)) = &a.start {
         trainer.optimizer =
-            AdamW::load(ckpt, OPTIMIZER_FILE, trainer.drafter.params().layout(), a.device).map_err(torch)?;
+            AdamW::load(ckpt, OPTIMIZER_FILE, trainer.drafter.params().layout(), a.device).map_err(unloadable)?;
     }
     warm_up(&mut trainer)?;
     if let Start::Join = a.start {
-        // Registered before Ready, so the donor the supervisor asks finds the request.
+        // Registered before Ready, so the donor the supervisor asks finds the request. Refused when the supervisor
+        // gave up on this thread while it was starting: it stops quietly.
         let [master, m, v] = state_tensors(&trainer).map(Tensor::shallow_clone);
-        a.collective.request_join(a.id, a.generation, JoinBuffers { master, exp_avg: m, exp_avg_sq: v });
+        let buffers = JoinBuffers { master, exp_avg: m, exp_avg_sq: v };
+        if a.collective.request_join(a.id, a.generation, buffers).is_err() {
+            return Ok(());
+        }
     }
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady { id: a.id, generation: a.generation });
     let joined = match a.start {
@@ -176,8 +178,10 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             }
             step
         }
+        // The supervisor gave up on this thread (it was removed): it was asked to stop.
         Err(CollectiveError::Removed) => return Ok(()),
-        Err(e) => return Err(torch(e)),
+        // A founder that finds members is a supervisor bug: fail loudly rather than train beside them.
+        Err(e) => return Err(Failure::panic(format!("drafter {} could not take its place: {e}", a.id))),
     };
     set_objective(&mut trainer, a.collective.objective_at(step));
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });

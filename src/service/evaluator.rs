@@ -10,11 +10,9 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use ractor::ActorRef;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
-use super::messages::SupervisorMsg;
 use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
 use crate::data::prepare::{ModelAssets, commit_folder};
 use crate::data::prompts::{Prompt, read_prompts};
@@ -107,11 +105,16 @@ pub struct Evaluator {
 }
 
 impl Evaluator {
-    pub fn start(spec: EvalSpec, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<Self> {
+    /// Starts the evaluation thread; `on_done` gets each job's outcome (as the checkpointer and the collective
+    /// report theirs).
+    pub fn start(
+        spec: EvalSpec,
+        on_done: impl Fn(Result<Evaluated, String>) + Send + 'static,
+    ) -> std::io::Result<Self> {
         let (jobs, rx) = sync_channel(1);
         let busy = Arc::new(AtomicBool::new(false));
         let flag = busy.clone();
-        std::thread::Builder::new().name("evaluator".into()).spawn(move || run(spec, rx, flag, supervisor))?;
+        std::thread::Builder::new().name("evaluator".into()).spawn(move || run(spec, rx, flag, on_done))?;
         Ok(Evaluator { jobs, busy })
     }
 
@@ -130,7 +133,12 @@ impl Evaluator {
     }
 }
 
-fn run(spec: EvalSpec, jobs: Receiver<(u64, PathBuf)>, busy: Arc<AtomicBool>, supervisor: ActorRef<SupervisorMsg>) {
+fn run(
+    spec: EvalSpec,
+    jobs: Receiver<(u64, PathBuf)>,
+    busy: Arc<AtomicBool>,
+    on_done: impl Fn(Result<Evaluated, String>),
+) {
     // Its own stream, of high priority: training launches on the device's default stream and keeps every SM busy,
     // while decoding reads a token every step; on the shared stream each read would wait for the training work
     // queued before it, and on a normal stream its small kernels would queue behind training's blocks.
@@ -149,7 +157,7 @@ fn run(spec: EvalSpec, jobs: Receiver<(u64, PathBuf)>, busy: Arc<AtomicBool>, su
             Err(p) => Err(p.to_string()),
         };
         busy.store(false, Ordering::SeqCst);
-        let _ = supervisor.send_message(SupervisorMsg::Evaluated(outcome));
+        on_done(outcome);
     }
 }
 

@@ -13,6 +13,8 @@ pub enum FailureKind {
     /// An injected fault of kind `error`.
     Injected,
     Poisoned,
+    /// A founder could not load the checkpoint it was to start from (the supervisor passes that one over).
+    CheckpointLoad,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,5 +1,6 @@
 //! The messages between the supervisor, the target and drafter actors and their compute threads, and the status
 //! the control plane reports.
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use ractor::RpcReplyPort;
@@ -11,7 +12,7 @@ use crate::config::Change;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
-use crate::train::checkpoint::{Snapshot, Written};
+use crate::train::checkpoint::{Scan, Snapshot, Written};
 use crate::train::collective::RoundReport;
 use crate::train::step::UpdateReport;
 
@@ -44,11 +45,11 @@ pub enum SupervisorMsg {
         generation: u64,
         heads: Arc<Heads>,
     },
-    /// A target copy delivered a batch's features to its drafter.
+    /// A target copy passed request `seq` (a batch's features, or an empty slot) on to its drafter.
     Delivered {
         target: usize,
         generation: u64,
-        batch: BatchId,
+        seq: u64,
     },
     DrafterReady {
         id: usize,
@@ -76,13 +77,12 @@ pub enum SupervisorMsg {
         snapshot: Box<Snapshot>,
     },
     Round(RoundReport),
-    CheckpointWritten(Result<Written, String>),
-    RestartDrafter {
-        id: usize,
-    },
-    RestartTarget {
-        target: usize,
-    },
+    /// The writer's answer.
+    CheckpointWritten(Written),
+    /// The answer to a look for the checkpoint to rewind to.
+    CheckpointFound(Result<Scan, String>),
+    /// The final export finished.
+    Exported(Result<PathBuf, String>),
     Tick,
     Fault {
         id: usize,
@@ -99,9 +99,11 @@ pub enum SupervisorMsg {
     Shutdown,
 }
 
-/// A compute thread's end, reported to its actor (which then fails, so the supervisor sees it).
+/// A compute thread's end, reported to its actor: a failure makes the actor fail, a return makes it stop, so the
+/// supervisor sees either.
 pub enum ThreadMsg {
     Died(Failure),
+    Returned,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -112,6 +114,19 @@ pub enum DrafterState {
     Restarting,
     Joining,
     Failed,
+}
+
+impl DrafterState {
+    /// As `/status` and the `dflash_drafter_state` series spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DrafterState::Starting => "starting",
+            DrafterState::Live => "live",
+            DrafterState::Restarting => "restarting",
+            DrafterState::Joining => "joining",
+            DrafterState::Failed => "failed",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -154,6 +169,8 @@ pub struct Reloaded {
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub phase: String,
+    /// Training can go on: running, not stopping, at least one drafter live (`GET /readyz`).
+    pub ready: bool,
     pub step: u64,
     pub epoch: u64,
     pub samples_committed: u64,

@@ -50,13 +50,17 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
     Ok((target, drafter))
 }
 
-fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(PathBuf, TrainerState)>> {
+/// The checkpoint to resume (if any), and the steps of the checkpoint folders rejected on the way.
+type ResumePoint = (Option<(PathBuf, TrainerState)>, Vec<u64>);
+
+fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint> {
     let dir = &config.checkpoint.dir;
-    let (found, rejected) = newest_valid(dir);
-    for r in &rejected {
-        tracing::warn!("checkpoint rejected: {r}");
+    let scan = newest_valid(dir, &|_| true).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
+    for (_, why) in &scan.rejected {
+        tracing::warn!("checkpoint rejected: {why}");
     }
-    match (resume, found) {
+    let rejected = scan.rejected.iter().map(|(step, _)| *step).collect();
+    let found = match (resume, scan.newest) {
         (Resume::No, Some((path, state))) => bail!(
             "checkpoint.dir {} already holds checkpoints (newest: step {} in {}): pass --resume auto to continue that \
              run, or choose another checkpoint.dir",
@@ -68,7 +72,7 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(Path
             if *resume == Resume::Auto {
                 tracing::info!(dir = %dir.display(), "no valid checkpoint to resume: starting a new run");
             }
-            Ok(None)
+            None
         }
         (Resume::Auto, Some((path, state))) => {
             let (fixed, others): (Vec<Change>, Vec<Change>) =
@@ -87,9 +91,10 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<Option<(Path
                 tracing::info!(?keys, "resuming with settings changed since the checkpoint");
             }
             tracing::info!(step = state.step, path = %path.display(), "resuming");
-            Ok(Some((path, state)))
+            Some((path, state))
         }
-    }
+    };
+    Ok((found, rejected))
 }
 
 /// Runs the service until it ends; returns its exit status. `layers` are where `config` came from: a reload rereads
@@ -119,8 +124,8 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
     let objective =
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
-    let resume = checkpoint_to_resume(&config, &resume)?;
-    let data = dataset(&config, target_cfg.vocab_size, target_device, target_kind)?;
+    let (resume, rejected) = checkpoint_to_resume(&config, &resume)?;
+    let data = dataset(&config, &target_cfg, target_device, target_kind)?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
     let eval_prompts =
         (config.eval.every_steps > 0).then(|| eval_prompts(&config, target_cfg.vocab_size)).transpose()?;
@@ -142,6 +147,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         drafter_devices,
         dataset: data,
         resume,
+        rejected,
         exit_code: exit_code.clone(),
         layers,
         capture_identities,
@@ -161,7 +167,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             let bound = super::control::serve(addr, supervisor.clone(), prometheus).await.with_context(|| {
                 format!("control.listen = {addr}: cannot listen (in use? set another address or \"off\")")
             })?;
-            tracing::info!(address = %bound, "control plane: GET /healthz /status /metrics, POST /checkpoint /reload");
+            tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, POST /checkpoint /reload");
         }
         watch_reload_signal(hangup, supervisor.clone());
         let sup = supervisor.clone();

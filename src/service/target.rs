@@ -40,8 +40,12 @@ impl Routes {
     pub fn set(&self, id: usize, route: Route) {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).insert(id, route);
     }
-    pub fn remove(&self, id: usize) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    /// Removes drafter `id`'s route if it leads to its thread `generation`.
+    pub fn remove(&self, id: usize, generation: u64) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.get(&id).is_some_and(|r| r.generation == generation) {
+            map.remove(&id);
+        }
     }
     /// Sends `work` to drafter `id` if its current thread is of `generation`; false if it is not.
     pub fn send(&self, id: usize, generation: u64, work: Work) -> bool {
@@ -62,25 +66,29 @@ impl Routes {
         }
         sent
     }
+    /// Like [`Routes::send`], without waiting: false when the thread is gone or its queue is full.
+    pub fn try_send(&self, id: usize, generation: u64, work: Work) -> bool {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match map.get(&id) {
+            Some(r) if r.generation == generation => r.sender.try_send(work).is_ok(),
+            _ => false,
+        }
+    }
+
     fn destination(&self, id: usize, generation: u64) -> Option<(Device, Kind)> {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         map.get(&id).filter(|r| r.generation == generation).map(|r| (r.device, r.kind))
     }
 }
 
-/// Requests to the target thread, handled in order.
-pub enum TargetWork {
-    Capture {
-        drafter: usize,
-        generation: u64,
-        batch: BatchId,
-        positions: Vec<usize>,
-    },
-    /// Passes `Work::Empty` on in order with the features.
-    Empty {
-        drafter: usize,
-        generation: u64,
-    },
+/// A request to the target thread (handled in order): for drafter `drafter`'s thread `generation`, capture a
+/// batch's features, or pass an empty slot on in order with them; then report request `seq` delivered.
+pub struct TargetWork {
+    pub seq: u64,
+    pub drafter: usize,
+    pub generation: u64,
+    /// `None`: an empty slot.
+    pub capture: Option<(BatchId, Vec<usize>)>,
 }
 
 pub struct TargetSpawn {
@@ -113,9 +121,9 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
     let ready = SupervisorMsg::TargetReady { target: a.id, generation: a.generation, heads: Arc::new(heads) };
     let _ = a.supervisor.send_message(ready);
     let mut timings = CaptureTimings::new(a.device, a.metrics.clone());
-    while let Ok(work) = a.requests.recv() {
-        match work {
-            TargetWork::Capture { drafter, generation, batch, positions } => {
+    while let Ok(TargetWork { seq, drafter, generation, capture }) = a.requests.recv() {
+        match capture {
+            Some((batch, positions)) => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let started = timings.start().map_err(torch)?;
                     let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
@@ -132,13 +140,12 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                     timings.end(started).map_err(torch)?;
                     a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
-                let delivered = SupervisorMsg::Delivered { target: a.id, generation: a.generation, batch };
-                let _ = a.supervisor.send_message(delivered);
             }
-            TargetWork::Empty { drafter, generation } => {
+            None => {
                 a.routes.send(drafter, generation, Work::Empty);
             }
         }
+        let _ = a.supervisor.send_message(SupervisorMsg::Delivered { target: a.id, generation: a.generation, seq });
     }
     Ok(())
 }

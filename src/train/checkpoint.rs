@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{
     Arc,
-    atomic::{AtomicBool, Ordering},
+    atomic::{AtomicBool, AtomicU64, Ordering},
 };
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -121,12 +121,14 @@ fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
 }
 
-/// Writes a checkpoint under `root`; `after_first_file` runs after the first file is written (fault rehearsal).
+/// Writes a checkpoint under `root`; `after_first_file` runs after the first file is written (fault rehearsal), and
+/// `still_wanted` is asked just before the checkpoint is put in place: when it says no, the write is discarded.
 pub fn write_checkpoint(
     root: &Path,
     snapshot: &Snapshot,
     state: &TrainerState,
     after_first_file: &dyn Fn(),
+    still_wanted: &dyn Fn() -> bool,
 ) -> Result<PathBuf, CheckpointError> {
     std::fs::create_dir_all(root).map_err(io(root))?;
     let name = checkpoint_name(snapshot.step);
@@ -167,6 +169,13 @@ pub fn write_checkpoint(
     std::fs::File::open(&manifest).and_then(|h| h.sync_all()).map_err(io(&manifest))?;
     sync_dir(&tmp.join(DRAFTER_DIR))?;
     sync_dir(&tmp)?;
+    if !still_wanted() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(CheckpointError::Invalid {
+            path: root.join(&name),
+            reason: "discarded: the run rewound to an earlier checkpoint while it was written".into(),
+        });
+    }
     let dest = root.join(&name);
     if dest.exists() {
         std::fs::remove_dir_all(&dest).map_err(io(&dest))?;
@@ -203,71 +212,161 @@ pub fn verify_checkpoint(dir: &Path) -> Result<TrainerState, CheckpointError> {
     Ok(state)
 }
 
-/// Checkpoints under `root`, newest first.
-pub fn list_checkpoints(root: &Path) -> Vec<(u64, PathBuf)> {
-    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(root)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let step = name.strip_prefix("ckpt-")?.parse().ok()?;
-            Some((step, e.path()))
-        })
-        .collect();
-    found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
-    found
-}
-
-/// The newest checkpoint whose manifest verifies, with the ones rejected on the way (and why).
-pub fn newest_valid(root: &Path) -> (Option<(PathBuf, TrainerState)>, Vec<String>) {
-    let mut rejected = Vec::new();
-    for (_, path) in list_checkpoints(root) {
-        match verify_checkpoint(&path) {
-            Ok(state) => return (Some((path, state)), rejected),
-            Err(e) => rejected.push(e.to_string()),
+/// Checkpoints under `root`, newest first; a missing folder holds none.
+pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(io(root)(e)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io(root))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(step) = name.strip_prefix("ckpt-").and_then(|s| s.parse().ok()) {
+            found.push((step, entry.path()));
         }
     }
-    (None, rejected)
+    found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    Ok(found)
 }
 
-/// Which checkpoints to delete so that the newest `keep` remain (`steps` in any order).
-pub fn to_delete(steps: &[u64], keep: usize) -> Vec<u64> {
-    let mut sorted = steps.to_vec();
-    sorted.sort_unstable_by_key(|s| std::cmp::Reverse(*s));
-    sorted.into_iter().skip(keep).collect()
+/// What a look for the checkpoint to resume found.
+#[derive(Debug, Default)]
+pub struct Scan {
+    /// The newest checkpoint whose manifest verifies.
+    pub newest: Option<(PathBuf, TrainerState)>,
+    /// The newer ones rejected on the way: step and why.
+    pub rejected: Vec<(u64, String)>,
 }
 
-/// A written checkpoint.
+/// The newest checkpoint under `root` whose manifest verifies, among the steps `allowed` lets through. Fails only
+/// when the folder cannot be listed.
+pub fn newest_valid(root: &Path, allowed: &dyn Fn(u64) -> bool) -> Result<Scan, CheckpointError> {
+    let mut scan = Scan::default();
+    for (step, path) in list_checkpoints(root)? {
+        if !allowed(step) {
+            continue;
+        }
+        match verify_checkpoint(&path) {
+            Ok(state) => {
+                scan.newest = Some((path, state));
+                break;
+            }
+            Err(e) => scan.rejected.push((step, e.to_string())),
+        }
+    }
+    Ok(scan)
+}
+
+/// Which checkpoints to delete, given each one's step and whether it is valid (not known invalid, manifest
+/// present): the newest `keep` valid ones stay; older valid ones go, and so do invalid ones older than the newest
+/// valid one (nothing would resume them). Invalid ones newer than every valid one stay, for a person to look at;
+/// they never count towards `keep`, so a valid checkpoint is never deleted because of them.
+pub fn to_delete(found: &[(u64, bool)], keep: usize) -> Vec<u64> {
+    let mut valid: Vec<u64> = found.iter().filter(|(_, v)| *v).map(|(s, _)| *s).collect();
+    valid.sort_unstable_by_key(|s| std::cmp::Reverse(*s));
+    let newest_valid = valid.first().copied();
+    let mut delete: Vec<u64> = valid.into_iter().skip(keep).collect();
+    delete.extend(found.iter().filter(|(s, v)| !*v && newest_valid.is_some_and(|n| *s < n)).map(|(s, _)| *s));
+    delete.sort_unstable_by_key(|s| std::cmp::Reverse(*s));
+    delete
+}
+
+/// Moves the checkpoints of steps `from..=to` under `root` aside: each `ckpt-<step>` is renamed
+/// `retired-ckpt-<step>-<unix seconds>`, out of reach of resuming and retention, kept for a person to look at or
+/// delete. Returns the new paths.
+pub fn retire(root: &Path, from: u64, to: u64) -> Result<Vec<PathBuf>, CheckpointError> {
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let mut moved = Vec::new();
+    for (step, path) in list_checkpoints(root)? {
+        if (from..=to).contains(&step) {
+            let aside = root.join(format!("retired-{}-{stamp}", checkpoint_name(step)));
+            std::fs::rename(&path, &aside).map_err(io(&path))?;
+            moved.push(aside);
+        }
+    }
+    if !moved.is_empty() {
+        sync_dir(root)?;
+    }
+    Ok(moved)
+}
+
+/// Applies retention under `root`: folders whose step is in `invalid`, or without a manifest, are not valid.
+fn prune(root: &Path, keep: usize, invalid: &[u64]) -> Result<(), CheckpointError> {
+    let found: Vec<(u64, bool)> = list_checkpoints(root)?
+        .into_iter()
+        .map(|(step, path)| (step, !invalid.contains(&step) && path.join(MANIFEST_FILE).is_file()))
+        .collect();
+    for step in to_delete(&found, keep) {
+        let path = root.join(checkpoint_name(step));
+        std::fs::remove_dir_all(&path).map_err(io(&path))?;
+    }
+    Ok(())
+}
+
+/// A write's outcome: the checkpoint of `step`, asked for in the run's `incarnation`, and where it went (with the
+/// seconds it took) or why it failed.
 #[derive(Debug, Clone)]
 pub struct Written {
     pub step: u64,
-    pub path: PathBuf,
-    pub seconds: f64,
+    pub incarnation: u64,
+    pub result: Result<(PathBuf, f64), String>,
+}
+
+/// A checkpoint to write.
+struct WriteJob {
+    snapshot: Snapshot,
+    state: TrainerState,
+    /// Steps of folders known to be invalid (retention does not count them).
+    invalid: Vec<u64>,
+    incarnation: u64,
 }
 
 enum Job {
-    Write(Box<Snapshot>, Box<TrainerState>),
+    Write(Box<WriteJob>),
+    Retire { from: u64, to: u64 },
     Stop,
 }
 
-/// The background checkpoint writer: jobs in, results out through `on_done`. Dropping it finishes the queued jobs
-/// and joins the thread.
+/// The background checkpoint writer: jobs in, results out through `on_done`. A job of an older incarnation than
+/// the current one ([`Checkpointer::fence`]) is discarded before it is put in place. Dropping it finishes the
+/// queued jobs and joins the thread.
 pub struct Checkpointer {
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
     stall_next: Arc<AtomicBool>,
+    incarnation: Arc<AtomicU64>,
 }
 
 impl Checkpointer {
-    pub fn start(root: PathBuf, keep: usize, on_done: impl Fn(Result<Written, String>) + Send + 'static) -> Self {
+    /// Starts the writer thread; `on_done` gets each write's outcome (the step and why, when it failed).
+    /// Starts the writer thread; `on_done` gets each write's outcome.
+    pub fn start(root: PathBuf, keep: usize, on_done: impl Fn(Written) + Send + 'static) -> Self {
         let (tx, rx) = mpsc::channel::<Job>();
         let stall_next = Arc::new(AtomicBool::new(false));
-        let stall = stall_next.clone();
+        let incarnation = Arc::new(AtomicU64::new(0));
+        let (stall, current) = (stall_next.clone(), incarnation.clone());
         let thread = std::thread::Builder::new()
             .name("checkpointer".into())
             .spawn(move || {
-                while let Ok(Job::Write(snapshot, state)) = rx.recv() {
+                loop {
+                    let job = match rx.recv() {
+                        Ok(Job::Write(job)) => job,
+                        Ok(Job::Retire { from, to }) => {
+                            match retire(&root, from, to) {
+                                Ok(moved) if moved.is_empty() => {}
+                                Ok(moved) => tracing::warn!(
+                                    ?moved,
+                                    "checkpoints of steps the run no longer has were moved aside (delete them when \
+                                     no longer wanted)"
+                                ),
+                                Err(e) => tracing::error!("moving checkpoints aside: {e}"),
+                            }
+                            continue;
+                        }
+                        Ok(Job::Stop) | Err(_) => break,
+                    };
                     let started = Instant::now();
                     let stall_once = || {
                         if stall.swap(false, Ordering::SeqCst) {
@@ -275,27 +374,40 @@ impl Checkpointer {
                             std::thread::sleep(Duration::from_secs(3600));
                         }
                     };
-                    let result = write_checkpoint(&root, &snapshot, &state, &stall_once)
+                    let wanted = || current.load(Ordering::SeqCst) == job.incarnation;
+                    let result = write_checkpoint(&root, &job.snapshot, &job.state, &stall_once, &wanted)
                         .map(|path| {
-                            let steps: Vec<u64> = list_checkpoints(&root).iter().map(|(s, _)| *s).collect();
-                            for step in to_delete(&steps, keep) {
-                                let _ = std::fs::remove_dir_all(root.join(checkpoint_name(step)));
+                            if let Err(e) = prune(&root, keep, &job.invalid) {
+                                tracing::warn!("retention: {e}");
                             }
-                            Written { step: snapshot.step, path, seconds: started.elapsed().as_secs_f64() }
+                            (path, started.elapsed().as_secs_f64())
                         })
                         .map_err(|e| e.to_string());
-                    on_done(result);
+                    on_done(Written { step: job.snapshot.step, incarnation: job.incarnation, result });
                 }
             })
             .expect("spawn the checkpoint writer");
-        Checkpointer { jobs: Some(tx), thread: Some(thread), stall_next }
+        Checkpointer { jobs: Some(tx), thread: Some(thread), stall_next, incarnation }
     }
 
-    /// Queues a checkpoint.
-    pub fn write(&self, snapshot: Snapshot, state: TrainerState) {
+    /// Queues a checkpoint of the run's `incarnation`; `invalid`: steps of folders known to be invalid, which
+    /// retention does not count.
+    pub fn write(&self, snapshot: Snapshot, state: TrainerState, invalid: Vec<u64>, incarnation: u64) {
         if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(Job::Write(Box::new(snapshot), Box::new(state)));
+            let _ = jobs.send(Job::Write(Box::new(WriteJob { snapshot, state, invalid, incarnation })));
         }
+    }
+
+    /// Queues moving the checkpoints of steps `from..=to` aside ([`retire`]), after the writes queued before.
+    pub fn retire(&self, from: u64, to: u64) {
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(Job::Retire { from, to });
+        }
+    }
+
+    /// The run is now in `incarnation` (it rewound): writes of earlier ones are discarded.
+    pub fn fence(&self, incarnation: u64) {
+        self.incarnation.store(incarnation, Ordering::SeqCst);
     }
 
     /// The next write pauses after its first file (fault rehearsal: a kill mid-checkpoint is deterministic).
@@ -323,9 +435,31 @@ mod tests {
     use tch::Device;
 
     #[test]
-    fn retention_keeps_the_newest() {
-        assert_eq!(to_delete(&[10, 30, 20, 40], 2), vec![20, 10]);
-        assert!(to_delete(&[5, 6], 3).is_empty());
+    fn retention_keeps_the_newest_valid_and_never_counts_invalid_ones() {
+        let all_valid = |steps: &[u64]| steps.iter().map(|&s| (s, true)).collect::<Vec<_>>();
+        assert_eq!(to_delete(&all_valid(&[10, 30, 20, 40]), 2), vec![20, 10]);
+        assert!(to_delete(&all_valid(&[5, 6]), 3).is_empty());
+        // Corrupt checkpoints at higher steps (an older run, a bad disk): the new valid ones are kept, the
+        // invalid ones above them stay for inspection, the invalid one below the newest valid goes.
+        let found = [(60, false), (50, false), (34, true), (32, true), (30, true), (25, false)];
+        assert_eq!(to_delete(&found, 2), vec![30, 25]);
+        assert!(to_delete(&[(9, false), (8, false)], 2).is_empty(), "no valid one: nothing is deleted");
+    }
+
+    #[test]
+    fn the_scan_passes_over_excluded_steps_and_reports_an_unreadable_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [10, 20] {
+            write_checkpoint(dir.path(), &snapshot(step), &state(step), &|| {}, &|| true).unwrap();
+        }
+        assert_eq!(newest_valid(dir.path(), &|s| s != 20).unwrap().newest.unwrap().1.step, 10);
+        assert!(newest_valid(&dir.path().join("absent"), &|_| true).unwrap().newest.is_none());
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, "").unwrap();
+        assert!(
+            newest_valid(&file, &|_| true).is_err(),
+            "a folder that cannot be listed is an error, not 'no checkpoint'"
+        );
     }
 
     fn snapshot(step: u64) -> Snapshot {
@@ -345,27 +479,27 @@ mod tests {
     fn a_corrupted_checkpoint_is_rejected_and_the_previous_one_used() {
         let dir = tempfile::tempdir().unwrap();
         for step in [10, 20] {
-            write_checkpoint(dir.path(), &snapshot(step), &state(step), &|| {}).unwrap();
+            write_checkpoint(dir.path(), &snapshot(step), &state(step), &|| {}, &|| true).unwrap();
         }
-        let (found, rejected) = newest_valid(dir.path());
-        assert_eq!(found.unwrap().1.step, 20);
-        assert!(rejected.is_empty());
+        let scan = newest_valid(dir.path(), &|_| true).unwrap();
+        assert_eq!(scan.newest.unwrap().1.step, 20);
+        assert!(scan.rejected.is_empty());
         // Flip one byte of the newest checkpoint's weights.
         let weights = dir.path().join(checkpoint_name(20)).join("drafter/model.safetensors");
         let mut bytes = std::fs::read(&weights).unwrap();
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
         std::fs::write(&weights, bytes).unwrap();
-        let (found, rejected) = newest_valid(dir.path());
-        assert_eq!(found.unwrap().1.step, 10);
-        assert!(rejected[0].contains("checksum"), "{rejected:?}");
+        let scan = newest_valid(dir.path(), &|_| true).unwrap();
+        assert_eq!(scan.newest.unwrap().1.step, 10);
+        assert!(scan.rejected[0].0 == 20 && scan.rejected[0].1.contains("checksum"), "{:?}", scan.rejected);
     }
 
     #[test]
     fn a_checkpoint_loads_back_bitwise() {
         let dir = tempfile::tempdir().unwrap();
         let snap = snapshot(7);
-        let path = write_checkpoint(dir.path(), &snap, &state(7), &|| {}).unwrap();
+        let path = write_checkpoint(dir.path(), &snap, &state(7), &|| {}, &|| true).unwrap();
         let d = Drafter::load(&path.join(DRAFTER_DIR), Device::Cpu, Kind::Float).unwrap();
         assert!(d.params().master.equal(&snap.master));
         let opt = AdamW::load(&path, OPTIMIZER_FILE, d.params().layout(), Device::Cpu).unwrap();
@@ -375,14 +509,36 @@ mod tests {
     }
 
     #[test]
+    fn retiring_moves_checkpoints_out_of_reach_and_keeps_them() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [10, 20, 30] {
+            write_checkpoint(dir.path(), &snapshot(step), &state(step), &|| {}, &|| true).unwrap();
+        }
+        let moved = retire(dir.path(), 11, u64::MAX).unwrap();
+        assert_eq!(moved.len(), 2);
+        assert!(moved.iter().all(|p| p.join(MANIFEST_FILE).is_file()), "kept whole");
+        let left: Vec<u64> = list_checkpoints(dir.path()).unwrap().iter().map(|(s, _)| *s).collect();
+        assert_eq!(left, vec![10]);
+        assert_eq!(newest_valid(dir.path(), &|_| true).unwrap().newest.unwrap().1.step, 10);
+    }
+
+    #[test]
+    fn a_write_no_longer_wanted_is_discarded_before_it_is_put_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = write_checkpoint(dir.path(), &snapshot(3), &state(3), &|| {}, &|| false).unwrap_err();
+        assert!(err.to_string().contains("discarded"), "{err}");
+        assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing left behind");
+    }
+
+    #[test]
     fn an_unfinished_write_is_not_a_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         let tmp = dir.path().join(format!(".{}.tmp", checkpoint_name(5)));
         std::fs::create_dir_all(&tmp).unwrap();
-        assert!(list_checkpoints(dir.path()).is_empty());
+        assert!(list_checkpoints(dir.path()).unwrap().is_empty());
         let half = dir.path().join(checkpoint_name(6));
         std::fs::create_dir_all(&half).unwrap();
-        let (found, rejected) = newest_valid(dir.path());
-        assert!(found.is_none() && rejected[0].contains("no MANIFEST"));
+        let scan = newest_valid(dir.path(), &|_| true).unwrap();
+        assert!(scan.newest.is_none() && scan.rejected[0].1.contains("no MANIFEST"));
     }
 }

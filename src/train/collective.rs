@@ -9,13 +9,14 @@
 //!
 //! Joining: a (re)started replica asks to join with its own buffers; a live member, between two of its rounds,
 //! copies its parameters and optimizer state into them (device to device) and adds it to the membership of its
-//! next round. Replicas therefore stay bitwise identical.
+//! next round. Replicas therefore stay bitwise identical. The membership and round bookkeeping is
+//! [`Rounds`](super::rounds::Rounds), shared with the supervisor's simulation.
 //!
 //! Summing: by device-to-device copies in the member completing the round, or (`GradientSum::Nccl`) by an NCCL
 //! all-reduce the contributors run after the round's bookkeeping completes, in a communicator (`Ring`) made for
 //! the round's membership and replaced whenever it changes. The interface is what a collective across processes
 //! needs too: contribute, remove, join.
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
@@ -27,9 +28,9 @@ use crate::ops::AdamwStep;
 use crate::train::nccl::NcclId;
 use crate::train::objective::Metrics;
 use crate::train::optim::LrSchedule;
+use crate::train::rounds::{Completed, JoinPoll, Rounds, RoundsError};
+pub use crate::train::rounds::{JoinInfo, MemberId, Removal};
 use crate::train::step::UpdateSettings;
-
-pub type MemberId = usize;
 
 /// What a member brings to a round.
 pub struct Contribution {
@@ -42,11 +43,21 @@ pub struct Contribution {
     pub metrics: Metrics,
 }
 
+/// What the learning-rate schedule counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Committed samples (a run bounded by epochs): the rate does not depend on how many drafters are live.
+    Samples,
+    /// Committed steps (a run bounded by `optim.max_steps`).
+    Steps,
+}
+
 /// Hyperparameters of the update, by progress through the run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Hyper {
-    /// Learning rate by committed samples (`total_steps` and `warmup_steps` count samples).
+    /// Learning rate by progress (`total_steps` and `warmup_steps` count what `progress` counts).
     pub schedule: LrSchedule,
+    pub progress: Progress,
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
@@ -55,10 +66,18 @@ pub struct Hyper {
 }
 
 impl Hyper {
-    fn update(&self, samples_committed: u64) -> UpdateSettings {
+    /// The learning rate of step `step`, taken after `samples_committed` samples.
+    pub fn lr_at(&self, step: u64, samples_committed: u64) -> f64 {
+        self.schedule.lr_at(match self.progress {
+            Progress::Samples => samples_committed,
+            Progress::Steps => step,
+        })
+    }
+
+    fn update(&self, step: u64, samples_committed: u64) -> UpdateSettings {
         UpdateSettings {
             adamw: AdamwStep {
-                lr: self.schedule.lr_at(samples_committed),
+                lr: self.lr_at(step, samples_committed),
                 beta1: self.beta1,
                 beta2: self.beta2,
                 weight_decay: self.weight_decay,
@@ -121,12 +140,23 @@ pub struct RoundResult {
     pub contributors: Vec<MemberId>,
 }
 
+/// One contributor's part of a completed round, as the supervisor commits it.
+#[derive(Debug, Clone)]
+pub struct Contributed {
+    pub member: MemberId,
+    pub generation: u64,
+    pub batches: Vec<BatchId>,
+    pub metrics: Metrics,
+    pub samples: u64,
+}
+
 /// A completed round, as the supervisor commits it.
 #[derive(Debug, Clone)]
 pub struct RoundReport {
     pub step: u64,
-    /// `(member, batches, metrics, samples)` of each contributor.
-    pub contributions: Vec<(MemberId, Vec<BatchId>, Metrics, u64)>,
+    /// Rounds from before a rewind have an older incarnation.
+    pub incarnation: u64,
+    pub contributions: Vec<Contributed>,
     pub total_weight: f64,
     pub lr: f64,
     pub samples_committed: u64,
@@ -138,8 +168,20 @@ pub enum CollectiveError {
     Removed,
     #[error("contribution to round {got} while round {expected} is open")]
     WrongRound { expected: u64, got: u64 },
+    #[error("cannot found the collective: it has members {0:?}")]
+    Occupied(Vec<MemberId>),
     #[error(transparent)]
     Device(#[from] DeviceErrorText),
+}
+
+impl From<RoundsError> for CollectiveError {
+    fn from(e: RoundsError) -> Self {
+        match e {
+            RoundsError::Removed => CollectiveError::Removed,
+            RoundsError::WrongRound { expected, got } => CollectiveError::WrongRound { expected, got },
+            RoundsError::Occupied(m) => CollectiveError::Occupied(m),
+        }
+    }
 }
 
 /// A device error, as text (so the error type stays `Clone`).
@@ -160,31 +202,13 @@ pub struct JoinBuffers {
     pub exp_avg_sq: Tensor,
 }
 
-/// What a joiner learns once it has the peers' state.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct JoinInfo {
-    /// The first round it contributes to.
-    pub step: u64,
-    pub optimizer_steps: u64,
-}
-
-struct Joiner {
-    generation: u64,
-    buffers: JoinBuffers,
-    done: Option<JoinInfo>,
-}
-
 struct State {
-    /// member -> generation of its current thread
-    members: BTreeMap<MemberId, u64>,
-    round: u64,
-    contributions: BTreeMap<MemberId, Contribution>,
+    rounds: Rounds<Contribution, JoinBuffers>,
     results: VecDeque<Arc<RoundResult>>,
     samples_committed: u64,
     settings: StepSettings,
     /// Settings of a reload and the first step they apply to.
     pending: Option<(u64, StepSettings)>,
-    joiners: BTreeMap<MemberId, Joiner>,
     sum: GradientSum,
     ring: Option<Arc<Ring>>,
 }
@@ -216,14 +240,11 @@ impl Collective {
     ) -> Self {
         Collective {
             state: Mutex::new(State {
-                members: BTreeMap::new(),
-                round: step,
-                contributions: BTreeMap::new(),
+                rounds: Rounds::new(step),
                 results: VecDeque::new(),
                 samples_committed,
                 settings,
                 pending: None,
-                joiners: BTreeMap::new(),
                 sum,
                 ring: None,
             }),
@@ -237,33 +258,31 @@ impl Collective {
     }
 
     /// Makes `id` the first member (its own state is the reference); its first round is the returned step.
-    /// Fails when there are members already: then it must join.
+    /// Fails when there are members already: the supervisor founds only an empty collective.
     pub fn found(&self, id: MemberId, generation: u64) -> Result<u64, CollectiveError> {
-        let mut s = self.lock();
-        if !s.members.is_empty() {
-            return Err(CollectiveError::Removed);
-        }
-        s.members.insert(id, generation);
-        Ok(s.round)
+        Ok(self.lock().rounds.found(id, generation)?)
     }
 
-    /// Resets the round counter and progress (a run rewound to a checkpoint); only with no members.
-    pub fn rewind(&self, step: u64, samples_committed: u64) {
+    /// Moves an empty collective to `step` after `samples_committed` samples (a run rewound to a checkpoint);
+    /// returns its new incarnation.
+    pub fn rewind(&self, step: u64, samples_committed: u64) -> Result<u64, CollectiveError> {
         let mut s = self.lock();
-        s.round = step;
+        let incarnation = s.rounds.rewind(step)?;
         s.samples_committed = samples_committed;
-        s.contributions.clear();
         s.results.clear();
         if let Some((_, next)) = s.pending.take() {
             s.settings = next;
         }
+        drop(s);
+        self.changed.notify_all();
+        Ok(incarnation)
     }
 
     /// New settings (a reload): they apply from the returned step on every member, the first step none has begun
     /// (members may be computing the open round, whose update still uses the old settings).
     pub fn reload(&self, settings: StepSettings) -> u64 {
         let mut s = self.lock();
-        let from = s.round + 1;
+        let from = s.rounds.round() + 1;
         s.pending = Some((from, settings));
         from
     }
@@ -274,27 +293,16 @@ impl Collective {
     }
 
     pub fn members(&self) -> Vec<MemberId> {
-        self.lock().members.keys().copied().collect()
-    }
-
-    /// The open round and the members that have not contributed to it yet.
-    pub fn waiting_for(&self) -> (u64, Vec<MemberId>) {
-        let s = self.lock();
-        let missing = s.members.keys().filter(|m| !s.contributions.contains_key(m)).copied().collect();
-        (s.round, missing)
+        self.lock().rounds.members().into_iter().map(|(m, _)| m).collect()
     }
 
     /// Removes the member's thread of this generation (and its join request); the open round completes without it.
-    pub fn remove(&self, id: MemberId, generation: u64) {
-        let mut s = self.lock();
-        if s.members.get(&id) == Some(&generation) {
-            s.members.remove(&id);
-        }
-        if s.joiners.get(&id).is_some_and(|j| j.generation == generation) {
-            s.joiners.remove(&id);
-        }
-        drop(s);
+    /// Says, from the same look at the state, whether it was a member, whether it had contributed to the open
+    /// round, and who is left.
+    pub fn remove(&self, id: MemberId, generation: u64) -> Removal {
+        let removal = self.lock().rounds.remove(id, generation);
         self.changed.notify_all();
+        removal
     }
 
     /// Contributes to round `step` and waits for its result.
@@ -306,22 +314,13 @@ impl Collective {
         contribution: Contribution,
     ) -> Result<Arc<RoundResult>, CollectiveError> {
         let mut s = self.lock();
-        if s.members.get(&id) != Some(&generation) {
-            return Err(CollectiveError::Removed);
-        }
-        if step != s.round {
-            return Err(CollectiveError::WrongRound { expected: s.round, got: step });
-        }
-        s.contributions.insert(id, contribution);
+        s.rounds.contribute(id, generation, step, contribution)?;
         loop {
             if let Some(r) = s.results.iter().find(|r| r.step == step) {
                 return Ok(r.clone());
             }
-            let complete = s.round == step
-                && !s.contributions.is_empty()
-                && s.members.keys().all(|m| s.contributions.contains_key(m));
-            if complete {
-                let (result, report) = reduce(&mut s)?;
+            if let Some(done) = s.rounds.complete() {
+                let (result, report) = reduce(&mut s, done)?;
                 s.results.push_back(result.clone());
                 while s.results.len() > 4 {
                     s.results.pop_front();
@@ -331,48 +330,45 @@ impl Collective {
                 (self.on_round)(report);
                 return Ok(result);
             }
-            if s.members.get(&id) != Some(&generation) && !s.contributions.contains_key(&id) {
+            if !s.rounds.is_member(id, generation) && !s.rounds.has_contributed(id, generation) {
                 return Err(CollectiveError::Removed);
             }
             s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
         }
     }
 
-    /// Asks to join: registers `buffers` for a live member to fill. Then [`Collective::wait_joined`].
-    pub fn request_join(&self, id: MemberId, generation: u64, buffers: JoinBuffers) {
-        self.lock().joiners.insert(id, Joiner { generation, buffers, done: None });
+    /// Asks to join: registers `buffers` for a live member to fill. Then [`Collective::wait_joined`]. Refused
+    /// (`Removed`) for a thread the supervisor already gave up on.
+    pub fn request_join(&self, id: MemberId, generation: u64, buffers: JoinBuffers) -> Result<(), CollectiveError> {
+        Ok(self.lock().rounds.request_join(id, generation, buffers)?)
     }
 
     /// Blocks until a member has copied its state into the buffers of this join request, or the request is removed.
     pub fn wait_joined(&self, id: MemberId, generation: u64) -> Result<JoinInfo, CollectiveError> {
         let mut s = self.lock();
         loop {
-            match s.joiners.get(&id) {
-                Some(j) if j.generation == generation => {
-                    if let Some(info) = j.done {
-                        s.joiners.remove(&id);
-                        return Ok(info);
-                    }
-                }
-                _ => return Err(CollectiveError::Removed),
+            match s.rounds.poll_join(id, generation) {
+                JoinPoll::Joined(info) => return Ok(info),
+                JoinPoll::Removed => return Err(CollectiveError::Removed),
+                JoinPoll::Waiting => s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner()),
             }
-            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
         }
     }
 
     /// [`Collective::request_join`] then [`Collective::wait_joined`].
     pub fn join(&self, id: MemberId, generation: u64, buffers: JoinBuffers) -> Result<JoinInfo, CollectiveError> {
-        self.request_join(id, generation, buffers);
+        self.request_join(id, generation, buffers)?;
         self.wait_joined(id, generation)
     }
 
     /// Whether anyone waits to join.
     pub fn has_joiners(&self) -> bool {
-        self.lock().joiners.values().any(|j| j.done.is_none())
+        self.lock().rounds.has_joiners()
     }
 
     /// Called by a member between its rounds: copies its state (`master`, moments, update count) into every
-    /// waiting joiner and adds them to the membership of the open round. Only the lowest-id member serves.
+    /// waiting joiner and adds them to the membership of the open round. Any member may serve: every member at its
+    /// step boundary holds the state the open round starts from.
     pub fn serve_joiners(
         &self,
         id: MemberId,
@@ -381,42 +377,30 @@ impl Collective {
         optimizer_steps: u64,
     ) -> Result<usize, CollectiveError> {
         let mut s = self.lock();
-        if s.members.get(&id) != Some(&generation) {
-            return Err(CollectiveError::Removed);
-        }
-        if s.members.keys().next() != Some(&id) {
-            return Ok(0);
-        }
-        let waiting: Vec<MemberId> = s.joiners.iter().filter(|(_, j)| j.done.is_none()).map(|(m, _)| *m).collect();
-        let step = s.round;
-        for m in &waiting {
-            let j = s.joiners.get_mut(m).expect("listed above");
-            let mut dst = j.buffers.master.shallow_clone();
+        let copy = |j: &mut JoinBuffers| -> Result<(), DeviceError> {
+            let mut dst = j.master.shallow_clone();
             dst.copy_(master);
-            let mut dst = j.buffers.exp_avg.shallow_clone();
+            let mut dst = j.exp_avg.shallow_clone();
             dst.copy_(exp_avg);
-            let mut dst = j.buffers.exp_avg_sq.shallow_clone();
+            let mut dst = j.exp_avg_sq.shallow_clone();
             dst.copy_(exp_avg_sq);
-            device::synchronize(j.buffers.master.device())?;
-            device::synchronize(master.device())?;
-            j.done = Some(JoinInfo { step, optimizer_steps });
-            let generation = j.generation;
-            s.members.insert(*m, generation);
-        }
+            device::synchronize(j.master.device())?;
+            device::synchronize(master.device())
+        };
+        let admitted = s.rounds.serve(id, generation, optimizer_steps, copy)??;
         drop(s);
         self.changed.notify_all();
-        Ok(waiting.len())
+        Ok(admitted.len())
     }
 }
 
-/// Sums the open round's contributions in member order and advances the round.
-fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveError> {
-    let contributions = std::mem::take(&mut s.contributions);
-    let step = s.round;
+/// Sums a completed round's contributions in member order.
+fn reduce(s: &mut State, done: Completed<Contribution>) -> Result<(Arc<RoundResult>, RoundReport), CollectiveError> {
+    let Completed { step, incarnation, contributions } = done;
     let mut grad: Option<Tensor> = None;
     let (mut total_weight, mut samples) = (0.0, 0);
     let mut report = Vec::new();
-    for (member, c) in &contributions {
+    for (member, generation, c) in &contributions {
         if s.sum == GradientSum::DeviceCopies {
             grad = Some(match grad {
                 None if contributions.len() == 1 => c.grad.shallow_clone(),
@@ -429,28 +413,33 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
         }
         total_weight += c.weight;
         samples += c.samples;
-        report.push((*member, c.batches.clone(), c.metrics, c.samples));
+        report.push(Contributed {
+            member: *member,
+            generation: *generation,
+            batches: c.batches.clone(),
+            metrics: c.metrics,
+            samples: c.samples,
+        });
     }
     if s.pending.is_some_and(|(from, _)| from <= step) {
         s.settings = s.settings_at(step);
         s.pending = None;
     }
+    let contributors: Vec<MemberId> = contributions.iter().map(|(m, ..)| *m).collect();
     let ring = match s.sum {
         GradientSum::DeviceCopies => None,
         GradientSum::Nccl => {
-            let members: Vec<MemberId> = contributions.keys().copied().collect();
-            if s.ring.as_ref().is_none_or(|r| r.members != members) {
+            if s.ring.as_ref().is_none_or(|r| r.members != contributors) {
                 let epoch = s.ring.as_ref().map_or(0, |r| r.epoch + 1);
                 let id = NcclId::new().map_err(|e| DeviceErrorText(e.to_string()))?;
-                s.ring = Some(Arc::new(Ring { epoch, members, id }));
+                s.ring = Some(Arc::new(Ring { epoch, members: contributors.clone(), id }));
             }
             s.ring.clone()
         }
     };
-    let update = s.settings.hyper.update(s.samples_committed);
+    let update = s.settings.hyper.update(step, s.samples_committed);
     let next_objective = s.settings_at(step + 1).objective;
     s.samples_committed += samples;
-    s.round += 1;
     let result = Arc::new(RoundResult {
         step,
         grad: grad.map(SharedTensor::new),
@@ -458,10 +447,11 @@ fn reduce(s: &mut State) -> Result<(Arc<RoundResult>, RoundReport), CollectiveEr
         total_weight,
         update,
         next_objective,
-        contributors: contributions.keys().copied().collect(),
+        contributors,
     });
     let report = RoundReport {
         step,
+        incarnation,
         contributions: report,
         total_weight,
         lr: update.adamw.lr,
@@ -490,6 +480,7 @@ mod tests {
                 total_steps: 100,
                 min_lr_ratio: 0.0,
             },
+            progress: Progress::Samples,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
@@ -506,6 +497,19 @@ mod tests {
             batches: vec![],
             metrics: Metrics::default(),
         }
+    }
+
+    fn zero_buffers() -> JoinBuffers {
+        let z = || Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        JoinBuffers { master: z(), exp_avg: z(), exp_avg_sq: z() }
+    }
+
+    /// Admits `m` (generation 1) as member 0 (generation 1) would, without copying state.
+    fn admit(c: &Collective, m: MemberId) {
+        let mut s = c.lock();
+        s.rounds.request_join(m, 1, zero_buffers()).unwrap();
+        s.rounds.serve(0, 1, 0, |_| Ok::<(), ()>(())).unwrap().unwrap();
+        assert!(matches!(s.rounds.poll_join(m, 1), JoinPoll::Joined(_)));
     }
 
     fn collective() -> (Arc<Collective>, mpsc::Receiver<RoundReport>) {
@@ -527,7 +531,7 @@ mod tests {
     fn nccl_rounds_carry_a_ring_per_membership_and_no_gradient() {
         let (c, rx) = collective_summing(GradientSum::Nccl);
         c.found(0, 1).unwrap();
-        c.lock().members.insert(1, 1);
+        admit(&c, 1);
         let round = |step: u64, members: &[usize]| {
             let handles: Vec<_> = members
                 .iter()
@@ -557,8 +561,8 @@ mod tests {
     fn a_round_sums_in_member_order_and_every_member_gets_it() {
         let (c, rx) = collective();
         c.found(0, 1).unwrap();
-        for (m, _) in [(1usize, ()), (2, ())] {
-            c.lock().members.insert(m, 1);
+        for m in [1, 2] {
+            admit(&c, m);
         }
         let handles: Vec<_> = [(2usize, [3.0f32, 0.5]), (0, [1.0, 0.25]), (1, [2.0, 0.125])]
             .into_iter()
@@ -581,8 +585,11 @@ mod tests {
             assert_eq!(grad, vec![6.0, 0.875]);
         }
         let report = rx.recv().unwrap();
-        assert_eq!((report.step, report.samples_committed), (5, 6));
-        assert_eq!(c.waiting_for(), (6, vec![0, 1, 2]));
+        assert_eq!((report.step, report.samples_committed, report.incarnation), (5, 6, 0));
+        let who: Vec<(usize, u64)> = report.contributions.iter().map(|c| (c.member, c.generation)).collect();
+        assert_eq!(who, vec![(0, 1), (1, 1), (2, 1)]);
+        let round = c.lock().rounds.round();
+        assert_eq!((round, c.members()), (6, vec![0, 1, 2]));
     }
 
     #[test]
@@ -609,13 +616,15 @@ mod tests {
     fn a_member_removed_mid_round_is_dropped_and_stale_threads_are_refused() {
         let (c, _rx) = collective();
         c.found(0, 1).unwrap();
-        c.lock().members.insert(1, 1);
+        admit(&c, 1);
         let c2 = c.clone();
         let waiter =
             std::thread::spawn(move || c2.contribute(0, 1, 5, contribution(&[1.0], 1.0)).unwrap().contributors.clone());
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        assert_eq!(c.waiting_for(), (5, vec![1]));
-        c.remove(1, 1);
+        while !c.lock().rounds.has_contributed(0, 1) {
+            std::thread::yield_now();
+        }
+        let removal = c.remove(1, 1);
+        assert_eq!(removal, Removal { was_member: true, contributed: false, remaining: vec![(0, 1)] });
         assert_eq!(waiter.join().unwrap(), vec![0]);
         assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0)).err(), Some(CollectiveError::Removed));
     }
@@ -629,11 +638,7 @@ mod tests {
             Tensor::from_slice(&[0.1f32, 0.2]),
             Tensor::from_slice(&[0.01f32, 0.02]),
         ];
-        let buffers = JoinBuffers {
-            master: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-            exp_avg: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-            exp_avg_sq: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-        };
+        let buffers = zero_buffers();
         let (m, v) = (buffers.master.shallow_clone(), buffers.exp_avg_sq.shallow_clone());
         let c2 = c.clone();
         let joiner = std::thread::spawn(move || c2.join(3, 7, buffers).unwrap());
@@ -644,18 +649,13 @@ mod tests {
         assert_eq!(joiner.join().unwrap(), JoinInfo { step: 5, optimizer_steps: 9 });
         assert!(m.equal(&donor[0]) && v.equal(&donor[2]));
         assert_eq!(c.members(), vec![0, 3]);
-        // Only the lowest-id member serves; a removed joiner stops waiting.
+        // A thread that is not a member cannot serve; a removed joiner stops waiting.
         let c3 = c.clone();
-        let buffers = JoinBuffers {
-            master: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-            exp_avg: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-            exp_avg_sq: Tensor::zeros([2], (Kind::Float, Device::Cpu)),
-        };
-        let late = std::thread::spawn(move || c3.join(4, 1, buffers));
+        let late = std::thread::spawn(move || c3.join(4, 1, zero_buffers()));
         while !c.has_joiners() {
             std::thread::yield_now();
         }
-        assert_eq!(c.serve_joiners(3, 7, [&donor[0], &donor[1], &donor[2]], 9).unwrap(), 0);
+        assert_eq!(c.serve_joiners(3, 6, [&donor[0], &donor[1], &donor[2]], 9), Err(CollectiveError::Removed));
         c.remove(4, 1);
         assert_eq!(late.join().unwrap(), Err(CollectiveError::Removed));
     }

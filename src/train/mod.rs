@@ -7,6 +7,7 @@ pub mod eval;
 pub mod nccl;
 pub mod objective;
 pub mod optim;
+pub mod rounds;
 pub mod step;
 
 pub use objective::{Metrics, ObjectiveSettings};

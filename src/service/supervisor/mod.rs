@@ -1,0 +1,800 @@
+//! The supervisor: a ractor actor around the pure [`Core`]. It turns what happens (thread reports, supervision
+//! events, timers, control requests, signals) into [`Event`]s, and carries out the [`Action`]s the core answers
+//! with: starting and abandoning compute threads, routing capture requests, rewinding the collective, writing
+//! checkpoints, the ledger, evaluation, export, metrics, and the exit. Every decision is the core's; this module
+//! only owns the handles (actors, channels, tensors, files) the core must not see.
+pub mod core;
+pub mod protocol;
+
+mod checkpoints;
+mod drafters;
+mod restarts;
+mod schedule;
+mod targets;
+
+#[cfg(test)]
+mod sim;
+
+use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Sender, channel, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tch::{Device, Kind};
+
+pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, Setup, step_settings};
+use self::protocol::{Action, Event, Found, LedgerEntry, Notice, Order};
+use super::compute_thread::{ComputeActor, ThreadFailure};
+use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
+use super::evaluator::{EvalSpec, Evaluator, eval_prompts};
+use super::failure::{Failure, FailureKind, FaultKind};
+use super::messages::{Heads, Reloaded, SupervisorMsg, ThreadMsg, Work};
+use super::placement::assign_targets;
+use super::reload::{Accepted, reread};
+use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
+use crate::config::{CollectiveKind, Config, Layers, TargetSource};
+use crate::data::dataset::Dataset;
+use crate::data::prompts::Prompt;
+use crate::device::{self, device_name};
+use crate::model::{Drafter, DrafterConfig};
+use crate::telemetry::logging::{self, LevelChange};
+use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
+use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid};
+use crate::train::collective::{Collective, GradientSum};
+use crate::train::decode_eval::DecodeSettings;
+use crate::train::objective::ObjectiveSettings;
+
+pub struct SupervisorArgs {
+    pub config: Config,
+    pub drafter_config: DrafterConfig,
+    pub objective: ObjectiveSettings,
+    pub target_source: TargetSource,
+    pub taps: Vec<usize>,
+    /// The configured target device (evaluation runs there).
+    pub target_device: (Device, Kind),
+    /// The devices of the target copies that capture features (`target.capture_devices`).
+    pub capture_devices: Vec<(Device, Kind)>,
+    pub drafter_devices: Vec<(Device, Kind)>,
+    pub dataset: Arc<dyn Dataset>,
+    pub resume: Option<(PathBuf, TrainerState)>,
+    /// Checkpoint folders found invalid when looking for the one to resume.
+    pub rejected: Vec<u64>,
+    pub exit_code: Arc<Mutex<Option<i32>>>,
+    /// Where the configuration came from, reread on a reload.
+    pub layers: Layers,
+    /// Metric labels of each target copy's device and of each drafter's.
+    pub capture_identities: Vec<GpuIdentity>,
+    pub drafter_identities: Vec<GpuIdentity>,
+    /// Renders `/metrics`; kept here for its periodic upkeep.
+    pub prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// The target's vocabulary and end-of-sequence ids (evaluation prompts and decoding).
+    pub vocab_size: usize,
+    pub eos_token_ids: Vec<i64>,
+    /// The evaluation prompts, read once when evaluation is on (their keys cannot change while running).
+    pub eval_prompts: Option<Vec<Prompt>>,
+}
+
+/// The handles of one drafter slot.
+struct DrafterHandle {
+    device: Device,
+    kind: Kind,
+    shared: Arc<DrafterShared>,
+    /// Its current thread's actor, once started, and that thread's generation.
+    actor: Option<(u64, ActorRef<ThreadMsg>)>,
+    metrics: DrafterMetrics,
+}
+
+/// The handles of one target copy.
+struct TargetHandle {
+    device: Device,
+    kind: Kind,
+    /// Its current thread's generation, actor and request channel.
+    thread: Option<(u64, ActorRef<ThreadMsg>, Sender<TargetWork>)>,
+    metrics: TargetMetrics,
+}
+
+/// The actor's state.
+pub struct Shell {
+    core: Core,
+    a: SupervisorArgs,
+    myself: ActorRef<SupervisorMsg>,
+    started: Instant,
+    routes: Arc<Routes>,
+    collective: Arc<Collective>,
+    checkpointer: Checkpointer,
+    heads: Option<Arc<Heads>>,
+    drafters: Vec<DrafterHandle>,
+    targets: Vec<TargetHandle>,
+    /// Snapshots received and not yet written, by `(drafter, generation, step)`.
+    snapshots: HashMap<(usize, u64, u64), Snapshot>,
+    ledger: Option<std::io::BufWriter<std::fs::File>>,
+    run_metrics: RunMetrics,
+    memory: Vec<(Device, DeviceMemory)>,
+    last_telemetry: Instant,
+    evaluator: Option<Evaluator>,
+    samples_per_epoch: u64,
+}
+
+impl Shell {
+    fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> Self {
+        let lengths = a.dataset.lengths();
+        let sample_ids = (0..a.dataset.len()).map(|p| a.dataset.row(p).id).collect();
+        let (step, samples) = a.resume.as_ref().map_or((0, 0), |(_, s)| (s.step, s.samples_committed));
+        let drafter_devices: Vec<Device> = a.drafter_devices.iter().map(|(d, _)| *d).collect();
+        let capture: Vec<Device> = a.capture_devices.iter().map(|(d, _)| *d).collect();
+        let samples_per_epoch = lengths.len() as u64;
+        let core = Core::new(Setup {
+            config: a.config.clone(),
+            drafter_devices: drafter_devices.iter().map(|d| device_name(*d)).collect(),
+            target_devices: capture.iter().map(|d| device_name(*d)).collect(),
+            feeds: assign_targets(&drafter_devices, &capture),
+            lengths,
+            sample_ids,
+            resume: a.resume.clone(),
+            rejected: a.rejected.clone(),
+        });
+        let me = myself.clone();
+        let settings = step_settings(&a.config, samples_per_epoch, a.objective.gamma);
+        let sum = match a.config.drafters.collective {
+            CollectiveKind::InProcess => GradientSum::DeviceCopies,
+            CollectiveKind::Nccl => GradientSum::Nccl,
+        };
+        let collective = Arc::new(Collective::new(step, samples, settings, sum, move |r| {
+            let _ = me.send_message(SupervisorMsg::Round(r));
+        }));
+        let me = myself.clone();
+        let checkpointer = Checkpointer::start(a.config.checkpoint.dir.clone(), a.config.checkpoint.keep, move |r| {
+            let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
+        });
+        let drafters = a
+            .drafter_devices
+            .iter()
+            .enumerate()
+            .map(|(id, &(device, kind))| DrafterHandle {
+                device,
+                kind,
+                shared: Arc::new(DrafterShared::default()),
+                actor: None,
+                metrics: DrafterMetrics::new(id, &a.drafter_identities[id]),
+            })
+            .collect();
+        let targets = a
+            .capture_devices
+            .iter()
+            .zip(&a.capture_identities)
+            .map(|(&(device, kind), identity)| TargetHandle {
+                device,
+                kind,
+                thread: None,
+                metrics: TargetMetrics::new(identity),
+            })
+            .collect();
+        let mut memory: Vec<(Device, DeviceMemory)> = Vec::new();
+        let devices = capture
+            .iter()
+            .copied()
+            .zip(&a.capture_identities)
+            .chain(drafter_devices.iter().copied().zip(&a.drafter_identities));
+        for (device, identity) in devices {
+            if !memory.iter().any(|(d, _)| *d == device) {
+                memory.push((device, DeviceMemory::new(identity)));
+            }
+        }
+        let ledger = a.config.data.ledger.as_ref().and_then(|p| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| tracing::error!(path = %p.display(), "cannot open data.ledger: {e}"))
+                .ok()
+                .map(std::io::BufWriter::new)
+        });
+        Shell {
+            core,
+            myself,
+            started: Instant::now(),
+            routes: Arc::new(Routes::default()),
+            collective,
+            checkpointer,
+            heads: None,
+            drafters,
+            targets,
+            snapshots: HashMap::new(),
+            ledger,
+            run_metrics: RunMetrics::new(step, samples),
+            memory,
+            last_telemetry: Instant::now(),
+            evaluator: None,
+            samples_per_epoch,
+            a,
+        }
+    }
+
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Hands `event` to the core and carries out what it answers, and what those answers lead to, in order.
+    async fn feed(&mut self, event: Event) {
+        let actions = self.core.handle(self.now(), event);
+        self.perform(actions).await;
+    }
+
+    async fn perform(&mut self, actions: Vec<Action>) {
+        let mut queue: VecDeque<Action> = actions.into();
+        while let Some(action) = queue.pop_front() {
+            if let Some(event) = self.carry_out(action).await {
+                let more = self.core.handle(self.now(), event);
+                queue.extend(more);
+            }
+        }
+        self.publish_states();
+    }
+
+    /// Carries out one action; some answer with an event at once.
+    async fn carry_out(&mut self, action: Action) -> Option<Event> {
+        match action {
+            Action::StartTarget { target, generation } => {
+                if let Err(e) = self.start_target(target, generation).await {
+                    let failure = Failure::panic(format!("could not start the target actor: {e}"));
+                    return Some(Event::TargetFailed { target, generation, failure });
+                }
+            }
+            Action::TargetRequest { target, generation, request } => {
+                let Some((g, _, tx)) = &self.targets[target].thread else { return None };
+                if *g == generation {
+                    let capture = match request.item {
+                        schedule::Item::Capture { batch, positions } => Some((batch, positions)),
+                        schedule::Item::Empty => None,
+                    };
+                    let _ = tx.send(TargetWork {
+                        seq: request.seq,
+                        drafter: request.drafter,
+                        generation: request.generation,
+                        capture,
+                    });
+                }
+            }
+            Action::SpawnDrafter { id, generation, start } => self.spawn_drafter(id, generation, start),
+            Action::Abandon { id, generation } => {
+                let h = &mut self.drafters[id];
+                h.shared.abandoned.fetch_max(generation, Ordering::SeqCst);
+                if let Some((g, actor)) = h.actor.take() {
+                    if g == generation {
+                        actor.stop(None);
+                    } else {
+                        h.actor = Some((g, actor));
+                    }
+                }
+                self.routes.remove(id, generation);
+                let removal = self.collective.remove(id, generation);
+                return Some(Event::MemberRemoved { remaining: removal.remaining });
+            }
+            Action::Tell { id, generation, order } => {
+                let work = match order {
+                    Order::ServeJoiners => Work::ServeJoiners,
+                    Order::Checkpoint => Work::Checkpoint,
+                    Order::Stop => Work::Stop,
+                };
+                if !self.routes.try_send(id, generation, work) {
+                    tracing::debug!(drafter = id, ?order, "an order for a drafter thread that is gone or busy");
+                }
+            }
+            Action::RewindCollective { step, samples_committed } => {
+                match self.collective.rewind(step, samples_committed) {
+                    Ok(incarnation) => self.checkpointer.fence(incarnation),
+                    Err(e) => tracing::error!("rewinding the collective: {e} (a supervisor bug)"),
+                }
+            }
+            Action::FindCheckpoint(filter) => {
+                let dir = self.a.config.checkpoint.dir.clone();
+                let me = self.myself.clone();
+                tokio::task::spawn_blocking(move || {
+                    let scan = newest_valid(&dir, &|step| filter.allows(step)).map_err(|e| e.to_string());
+                    let _ = me.send_message(SupervisorMsg::CheckpointFound(scan));
+                });
+            }
+            Action::WriteCheckpoint(job) => match self.snapshots.remove(&(job.donor.0, job.donor.1, job.step)) {
+                Some(snapshot) => self.checkpointer.write(snapshot, job.state, job.invalid, job.incarnation),
+                None => {
+                    let result = Err("its snapshot is missing (a supervisor bug)".to_string());
+                    return Some(Event::CheckpointWritten { step: job.step, incarnation: job.incarnation, result });
+                }
+            },
+            Action::RetireCheckpoints { from, to } => self.checkpointer.retire(from, to),
+            Action::DropSnapshots { which } => match which {
+                Some(key) => {
+                    self.snapshots.remove(&key);
+                }
+                None => self.snapshots.clear(),
+            },
+            Action::Evaluate { step, path } => self.evaluate(step, path),
+            Action::Ledger(entry) => self.write_ledger(entry),
+            Action::Export { from } => {
+                let out = self.a.config.checkpoint.dir.join("final");
+                let me = self.myself.clone();
+                tokio::task::spawn_blocking(move || {
+                    let exported = crate::panic::catch_torch(|| {
+                        Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
+                            .and_then(|d| d.save(&out, Kind::BFloat16))
+                    });
+                    let result = match exported {
+                        Ok(Ok(())) => Ok(out),
+                        Ok(Err(e)) => Err(e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    let _ = me.send_message(SupervisorMsg::Exported(result));
+                });
+            }
+            Action::Notice(notice) => self.notice(notice),
+            Action::Exit { code } => {
+                *self.a.exit_code.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
+                self.myself.stop(Some(format!("exit {code}")));
+            }
+        }
+        None
+    }
+
+    async fn start_target(&mut self, id: usize, generation: u64) -> Result<(), ActorProcessingErr> {
+        let (tx, rx) = channel();
+        let t = &self.targets[id];
+        let spawn = TargetSpawn {
+            id,
+            generation,
+            source: self.a.target_source.clone(),
+            taps: self.a.taps.clone(),
+            device: t.device,
+            kind: t.kind,
+            dataset: self.a.dataset.clone(),
+            routes: self.routes.clone(),
+            supervisor: self.myself.clone(),
+            requests: rx,
+            metrics: t.metrics.clone(),
+        };
+        let name = format!("target-{id}-{generation}");
+        let (actor, _) =
+            Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), self.myself.get_cell()).await?;
+        self.targets[id].thread = Some((generation, actor, tx));
+        Ok(())
+    }
+
+    fn spawn_drafter(&mut self, id: usize, generation: u64, start: protocol::Start) {
+        let Some(heads) = self.heads.clone() else {
+            tracing::error!(drafter = id, "a drafter was started before the target was ready (a supervisor bug)");
+            return;
+        };
+        let c = &self.a.config;
+        let h = &mut self.drafters[id];
+        *h.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
+        let (tx, rx) = sync_channel(8 + c.supervision.prefetch_steps * c.optim.accumulation * 2);
+        h.metrics.feature_queue.set(0.0);
+        let route =
+            Route { generation, sender: tx, device: h.device, kind: h.kind, queued: h.metrics.feature_queue.clone() };
+        self.routes.set(id, route);
+        let spawn = DrafterSpawn {
+            id,
+            generation,
+            device: h.device,
+            kind: h.kind,
+            config: self.a.drafter_config.clone(),
+            objective: self.a.objective.clone(),
+            seed: c.objective.seed,
+            accumulation: c.optim.accumulation,
+            check_every: c.supervision.check_replicas_every,
+            start,
+            heads,
+            collective: self.collective.clone(),
+            supervisor: self.myself.clone(),
+            input: rx,
+            shared: h.shared.clone(),
+            metrics: h.metrics.clone(),
+            peak_tflops: c.drafters.peak_tflops,
+            collective_timeout: c.drafters.collective_timeout,
+        };
+        // The actor's handle arrives with its ActorStarted supervision event.
+        let name = format!("drafter-{id}-{generation}");
+        let cell = self.myself.get_cell();
+        tokio::spawn(async move {
+            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
+                tracing::error!(drafter = id, "could not start the drafter actor: {e}");
+            }
+        });
+    }
+
+    /// A drafter's thread failed: what it was computing and whether the fault was injected, for the core.
+    fn drafter_failed(&mut self, id: usize, generation: u64, failure: Failure) -> Event {
+        let shared = &self.drafters[id].shared;
+        let running = match std::mem::take(&mut *shared.phase.lock().unwrap_or_else(|p| p.into_inner())) {
+            Phase::Computing { batches, generation: g, .. } if g == generation => batches,
+            _ => vec![],
+        };
+        let injected = shared.injected.swap(false, Ordering::SeqCst);
+        Event::DrafterFailed { id, generation, failure, running, injected }
+    }
+
+    /// Live drafters computing one step for longer than `supervision.step_timeout_s`.
+    fn hung_drafters(&mut self) -> Vec<Event> {
+        let timeout = Duration::from_secs_f64(self.a.config.supervision.step_timeout_s);
+        let mut events = Vec::new();
+        for (id, generation) in self.core.running_threads() {
+            let computing = match &*self.drafters[id].shared.phase.lock().unwrap_or_else(|p| p.into_inner()) {
+                Phase::Computing { generation: g, since, .. } => *g == generation && since.elapsed() > timeout,
+                Phase::Idle => false,
+            };
+            if computing {
+                let dev = self.drafters[id].device;
+                let held = device::memory_stats(dev).map(|m| m.allocated).unwrap_or(0);
+                tracing::error!(drafter = id, device = %device_name(dev), held_bytes = held, "drafter hung: abandoning its thread (memory it holds stays allocated)");
+                let failure = Failure {
+                    kind: FailureKind::Hang,
+                    message: format!("no progress for {:.0} s", timeout.as_secs_f64()),
+                };
+                events.push(self.drafter_failed(id, generation, failure));
+            }
+        }
+        events
+    }
+
+    fn tick_telemetry(&mut self) {
+        if self.last_telemetry.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.last_telemetry = Instant::now();
+        for (device, gauges) in &self.memory {
+            if let Ok(m) = device::memory_stats(*device) {
+                gauges.allocated.set(m.allocated as f64);
+                gauges.reserved.set(m.reserved as f64);
+            }
+        }
+        if let Some(h) = &self.a.prometheus {
+            h.run_upkeep();
+        }
+    }
+
+    fn publish_states(&self) {
+        for id in 0..self.drafters.len() {
+            if let Some(state) = self.core.drafter_state(id) {
+                DrafterMetrics::set_state(id, state.name());
+            }
+        }
+        self.run_metrics.drafters_live.set(self.core.live_count() as f64);
+    }
+
+    fn notice(&self, notice: Notice) {
+        let m = &self.run_metrics;
+        match notice {
+            Notice::Committed { step, samples, tokens, loss, skipped } => {
+                m.committed_samples.increment(samples);
+                m.committed_tokens.increment(tokens);
+                m.committed_steps.increment(1);
+                m.step.set(step as f64);
+                m.last_step_timestamp.set(crate::telemetry::unix_now());
+                if let Some([loss, accuracy, acceptance]) = loss {
+                    m.loss.set(loss);
+                    m.accuracy.set(accuracy);
+                    m.acceptance_length.set(acceptance);
+                }
+                if skipped {
+                    m.skipped_steps.increment(1);
+                }
+            }
+            Notice::Requeued { samples } => m.samples_requeued.increment(samples),
+            Notice::Restarted { id } => DrafterMetrics::restarted(id),
+            Notice::ReplicasDiverged => m.replica_divergences.increment(1),
+            Notice::CheckpointOutcome(written) => m.checkpoint(written),
+        }
+    }
+
+    fn write_ledger(&mut self, entry: LedgerEntry) {
+        let Some(w) = self.ledger.as_mut() else { return };
+        let line = match entry {
+            LedgerEntry::Commit { step, batch } => {
+                let ids: Vec<u64> = batch.samples.iter().map(|&p| self.a.dataset.row(p).id).collect();
+                serde_json::json!({"step": step, "epoch": batch.id.epoch, "batch": batch.id.ordinal, "ids": ids})
+            }
+            // Entries of this step and later were undone with the model.
+            LedgerEntry::Rewind { step } => serde_json::json!({"rewind_to_step": step}),
+        };
+        if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
+            tracing::error!("data.ledger: {e}");
+        }
+    }
+
+    // ------------------------------------------------------------------ evaluation
+
+    fn evaluate(&mut self, step: u64, path: PathBuf) {
+        if self.evaluator.is_none() {
+            match self.start_evaluator() {
+                Ok(e) => self.evaluator = Some(e),
+                Err(e) => {
+                    tracing::error!("evaluation unavailable: {e:#}");
+                    self.run_metrics.evaluation(false);
+                    return;
+                }
+            }
+        }
+        if let Some(e) = &self.evaluator
+            && !e.submit(step, path)
+        {
+            tracing::warn!(step, "evaluation skipped: the previous one is still decoding (raise eval.every_steps)");
+        }
+    }
+
+    fn start_evaluator(&mut self) -> anyhow::Result<Evaluator> {
+        let prompts = match self.a.eval_prompts.take() {
+            Some(p) => p,
+            None => eval_prompts(self.core.config(), self.a.vocab_size)?,
+        };
+        let (device, kind) = self.a.target_device;
+        let spec = EvalSpec {
+            source: self.a.target_source.clone(),
+            taps: self.a.taps.clone(),
+            device,
+            kind,
+            prompts,
+            settings: DecodeSettings {
+                max_new_tokens: self.a.config.eval.max_new_tokens,
+                stop: self.a.eos_token_ids.clone(),
+            },
+            checkpoint_root: self.a.config.checkpoint.dir.clone(),
+        };
+        let me = self.myself.clone();
+        Ok(Evaluator::start(spec, move |outcome| {
+            let _ = me.send_message(SupervisorMsg::Evaluated(outcome));
+        })?)
+    }
+
+    fn evaluated_metrics(&self, outcome: &Result<super::evaluator::Evaluated, String>) {
+        let m = &self.run_metrics;
+        m.evaluation(outcome.is_ok());
+        if let Ok(e) = outcome {
+            m.decode_acceptance_length.set(e.decode_acceptance_length);
+            m.decode_acceptance_length_best.set(e.best);
+            m.decode_token_match.set(e.token_match_rate);
+            m.eval_duration.record(e.seconds);
+            m.eval_last_step.set(e.step as f64);
+        }
+    }
+
+    // ------------------------------------------------------------------ reload
+
+    /// Rereads the configuration and applies what may change while running; refuses anything else whole.
+    async fn reload(&mut self) -> Result<Reloaded, String> {
+        let result = self.try_reload().await;
+        let version = self.core.config_version();
+        match &result {
+            Ok(r) => {
+                self.run_metrics.reload(true, version);
+                if r.changes.is_empty() {
+                    tracing::info!(version, "configuration reread: nothing changed");
+                }
+            }
+            Err(e) => {
+                self.run_metrics.reload(false, version);
+                tracing::error!(version, "configuration reload refused: {e}");
+            }
+        }
+        result
+    }
+
+    async fn try_reload(&mut self) -> Result<Reloaded, String> {
+        // Turning evaluation on reads its prompts now (kept for the evaluator), so a missing split refuses the reload.
+        let needs_prompts = self.evaluator.is_none() && self.a.eval_prompts.is_none();
+        let vocab = self.a.vocab_size;
+        let mut loaded = None;
+        let check = |c: &Config| {
+            if c.eval.every_steps > 0 && needs_prompts {
+                loaded = Some(eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?);
+            }
+            Ok(())
+        };
+        let current = self.core.config().clone();
+        let Some(Accepted { config: new, changes, gamma }) =
+            reread(&current, &self.a.layers, self.a.drafter_config.block_size, check)?
+        else {
+            return Ok(Reloaded {
+                config_version: self.core.config_version(),
+                applies_from_step: None,
+                changes: vec![],
+            });
+        };
+        if loaded.is_some() {
+            self.a.eval_prompts = loaded;
+        }
+        if changes.iter().any(|c| c.key == "log.level") {
+            let level =
+                logging::set_level(&new.log.level).map_err(|e| format!("{e}; the running configuration stays"))?;
+            if level == LevelChange::PinnedByEnv {
+                tracing::warn!("log.level changed, but RUST_LOG is set and wins");
+            }
+        }
+        let from = self.collective.reload(step_settings(&new, self.samples_per_epoch, gamma));
+        self.a.objective.num_anchors = new.objective.num_anchors;
+        self.a.objective.gamma = gamma;
+        self.feed(Event::Reconfigured(Box::new(new))).await;
+        let version = self.core.config_version();
+        let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
+        for c in &changes {
+            tracing::info!(key = %c.key, old = %show(&c.old), new = %show(&c.new), "configuration: {} {} -> {}", c.key, show(&c.old), show(&c.new));
+        }
+        tracing::info!(
+            version,
+            step = from,
+            "configuration reloaded: version {version} applies from step {from} on every drafter"
+        );
+        Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
+    }
+
+    /// `POST /drafters/{id}/fault`.
+    fn inject(&mut self, id: usize, kind: FaultKind) -> Result<(), String> {
+        if !self.a.config.control.fault_injection {
+            return Err("fault injection is off (control.fault_injection = false)".to_string());
+        }
+        if id >= self.drafters.len() {
+            return Err(format!("no drafter {id} (ids 0..{})", self.drafters.len()));
+        }
+        if kind == FaultKind::CheckpointStall {
+            self.checkpointer.stall_next_write();
+        } else {
+            *self.drafters[id].shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(kind);
+        }
+        Ok(())
+    }
+}
+
+/// The supervisor actor.
+pub struct Supervisor;
+
+impl Actor for Supervisor {
+    type Msg = SupervisorMsg;
+    type State = Shell;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
+    ) -> Result<Shell, ActorProcessingErr> {
+        let mut shell = Shell::new(args, myself.clone());
+        let actions = shell.core.start(shell.now());
+        shell.perform(actions).await;
+        myself.send_interval(Duration::from_millis(200), || SupervisorMsg::Tick);
+        Ok(shell)
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        s: &mut Shell,
+    ) -> Result<(), ActorProcessingErr> {
+        let event = match msg {
+            SupervisorMsg::TargetReady { target, generation, heads } => {
+                s.heads.get_or_insert(heads);
+                Event::TargetReady { target, generation }
+            }
+            SupervisorMsg::Delivered { target, generation, seq } => Event::Delivered { target, generation, seq },
+            SupervisorMsg::DrafterReady { id, generation } => Event::DrafterReady { id, generation },
+            SupervisorMsg::DrafterJoined { id, generation, step } => Event::DrafterJoined { id, generation, step },
+            SupervisorMsg::StepDone { id, generation, step, report, digest, feature_wait_s } => {
+                Event::StepDone { id, generation, step, digest, applied: report.applied, feature_wait_s }
+            }
+            SupervisorMsg::Snapshot { id, generation, snapshot } => {
+                let (step, optimizer_steps) = (snapshot.step, snapshot.optimizer_steps);
+                s.snapshots.insert((id, generation, step), *snapshot);
+                Event::Snapshot { id, generation, step, optimizer_steps }
+            }
+            SupervisorMsg::Round(r) => Event::Round(r),
+            SupervisorMsg::CheckpointWritten(w) => {
+                Event::CheckpointWritten { step: w.step, incarnation: w.incarnation, result: w.result }
+            }
+            SupervisorMsg::CheckpointFound(scan) => Event::CheckpointFound(scan.map(|scan| {
+                for (_, why) in &scan.rejected {
+                    tracing::warn!("checkpoint rejected: {why}");
+                }
+                Found { newest: scan.newest, rejected: scan.rejected.into_iter().map(|(step, _)| step).collect() }
+            })),
+            SupervisorMsg::Exported(r) => Event::Exported(r),
+            SupervisorMsg::Tick => {
+                s.tick_telemetry();
+                for event in s.hung_drafters() {
+                    s.feed(event).await;
+                }
+                Event::Tick
+            }
+            SupervisorMsg::Fault { id, kind, reply } => {
+                let _ = reply.send(s.inject(id, kind));
+                return Ok(());
+            }
+            SupervisorMsg::CheckpointNow(reply) => {
+                let (answer, actions) = s.core.checkpoint_now(s.now());
+                s.perform(actions).await;
+                let _ = reply.send(answer);
+                return Ok(());
+            }
+            SupervisorMsg::Status(reply) => {
+                let _ = reply.send(s.core.status());
+                return Ok(());
+            }
+            SupervisorMsg::Reload(reply) => {
+                let result = s.reload().await;
+                if let Some(reply) = reply {
+                    let _ = reply.send(result);
+                }
+                return Ok(());
+            }
+            SupervisorMsg::Evaluated(outcome) => {
+                s.evaluated_metrics(&outcome);
+                Event::Evaluated(outcome)
+            }
+            SupervisorMsg::Shutdown => {
+                if !s.core.ending() {
+                    tracing::info!("stop requested: checkpointing, then exiting (a second signal exits at once)");
+                }
+                Event::Shutdown
+            }
+        };
+        s.feed(event).await;
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _: ActorRef<SupervisorMsg>,
+        event: SupervisionEvent,
+        s: &mut Shell,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, failure) = match event {
+            SupervisionEvent::ActorFailed(cell, err) => {
+                let failure = match err.downcast_ref::<ThreadFailure>() {
+                    Some(f) => f.0.clone(),
+                    None => Failure::panic(err.to_string()),
+                };
+                (cell, Some(failure))
+            }
+            SupervisionEvent::ActorTerminated(cell, ..) => (cell, None),
+            SupervisionEvent::ActorStarted(cell) => {
+                // Keep a handle on each drafter actor, to stop it when its thread is given up.
+                if let Some((id, generation)) = cell.get_name().as_deref().and_then(|n| parse_actor(n, "drafter-"))
+                    && id < s.drafters.len()
+                    && s.core.running_threads().contains(&(id, generation))
+                {
+                    s.drafters[id].actor = Some((generation, cell.into()));
+                }
+                return Ok(());
+            }
+            _ => return Ok(()),
+        };
+        let Some(name) = cell.get_name() else { return Ok(()) };
+        let event = if let Some((id, generation)) = parse_actor(&name, "drafter-")
+            && id < s.drafters.len()
+        {
+            match failure {
+                Some(f) => s.drafter_failed(id, generation, f),
+                None => Event::DrafterExited { id, generation },
+            }
+        } else if let Some((target, generation)) = parse_actor(&name, "target-")
+            && target < s.targets.len()
+        {
+            match failure {
+                Some(failure) => Event::TargetFailed { target, generation, failure },
+                None => Event::TargetExited { target, generation },
+            }
+        } else {
+            return Ok(());
+        };
+        s.feed(event).await;
+        Ok(())
+    }
+}
+
+/// `<prefix><id>-<generation>`.
+fn parse_actor(name: &str, prefix: &str) -> Option<(usize, u64)> {
+    let rest = name.strip_prefix(prefix)?;
+    let (id, generation) = rest.split_once('-')?;
+    Some((id.parse().ok()?, generation.parse().ok()?))
+}

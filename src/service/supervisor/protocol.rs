@@ -1,0 +1,218 @@
+//! What the supervisor's core takes in and gives out. Events are facts reported by threads, timers, the control
+//! plane and signals; actions are what the shell (the ractor actor, or the simulation) carries out. Some actions
+//! answer with an event: `Abandon` with `MemberRemoved`, `FindCheckpoint` with `CheckpointFound`, `WriteCheckpoint`
+//! with `CheckpointWritten`, `Export` with `Exported`.
+use std::path::PathBuf;
+
+use super::schedule::Item;
+use crate::config::Config;
+use crate::data::loader::{Batch, BatchId};
+use crate::service::evaluator::Evaluated;
+use crate::service::failure::Failure;
+use crate::train::checkpoint::TrainerState;
+use crate::train::collective::RoundReport;
+
+pub use super::checkpoints::{ScanFilter, WriteJob};
+pub use super::targets::Request;
+
+/// Where a drafter thread's first state comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Start {
+    /// The only member of an empty collective: a checkpoint folder, or fresh weights from the seed.
+    Found(Option<PathBuf>),
+    /// Copies a live member's state.
+    Join,
+}
+
+/// What a drafter thread is told between its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Copy this replica's state into waiting joiners.
+    ServeJoiners,
+    /// Snapshot the state for a checkpoint.
+    Checkpoint,
+    Stop,
+}
+
+/// A line of the data ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LedgerEntry {
+    Commit {
+        step: u64,
+        batch: Batch,
+    },
+    /// The run went back to `step`: entries of that step and later were undone.
+    Rewind {
+        step: u64,
+    },
+}
+
+/// A checkpoint scan's answer: the newest valid checkpoint (none: start from the beginning) and the steps of the
+/// folders it rejected.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    pub newest: Option<(PathBuf, TrainerState)>,
+    pub rejected: Vec<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Time passed (the shell ticks a few times a second).
+    Tick,
+    TargetReady {
+        target: usize,
+        generation: u64,
+    },
+    TargetFailed {
+        target: usize,
+        generation: u64,
+        failure: Failure,
+    },
+    /// A target thread returned without being asked to.
+    TargetExited {
+        target: usize,
+        generation: u64,
+    },
+    /// A target thread passed request `seq` on to its drafter.
+    Delivered {
+        target: usize,
+        generation: u64,
+        seq: u64,
+    },
+    /// A drafter thread built its model (a joiner has registered its join request).
+    DrafterReady {
+        id: usize,
+        generation: u64,
+    },
+    /// A drafter thread is a member of the collective; its first round is `step`.
+    DrafterJoined {
+        id: usize,
+        generation: u64,
+        step: u64,
+    },
+    /// A drafter thread failed (or was found hung); `running`: the batches it was computing; `injected`: a
+    /// rehearsed fault, not held against those batches or the device.
+    DrafterFailed {
+        id: usize,
+        generation: u64,
+        failure: Failure,
+        running: Vec<BatchId>,
+        injected: bool,
+    },
+    /// A drafter thread returned without being asked to.
+    DrafterExited {
+        id: usize,
+        generation: u64,
+    },
+    /// The answer to `Abandon`: who is left in the collective, `(id, generation)`.
+    MemberRemoved {
+        remaining: Vec<(usize, u64)>,
+    },
+    /// A drafter applied a round; its state's checksums when replicas are compared at this step.
+    StepDone {
+        id: usize,
+        generation: u64,
+        step: u64,
+        digest: Option<[i64; 3]>,
+        applied: bool,
+        feature_wait_s: f64,
+    },
+    Round(RoundReport),
+    /// A drafter took the snapshot it was asked for, at boundary `step` (the shell holds the tensors).
+    Snapshot {
+        id: usize,
+        generation: u64,
+        step: u64,
+        optimizer_steps: u64,
+    },
+    /// The writer's answer for the checkpoint of `step` written in `incarnation`: its folder and seconds.
+    CheckpointWritten {
+        step: u64,
+        incarnation: u64,
+        result: Result<(PathBuf, f64), String>,
+    },
+    CheckpointFound(Result<Found, String>),
+    Evaluated(Result<Evaluated, String>),
+    Exported(Result<PathBuf, String>),
+    /// A reload was accepted: the new configuration.
+    Reconfigured(Box<Config>),
+    /// SIGTERM or SIGINT.
+    Shutdown,
+}
+
+/// What the shell reports to metrics and logs (the core decides nothing more by them).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Notice {
+    Committed { step: u64, samples: u64, tokens: u64, loss: Option<[f64; 3]>, skipped: bool },
+    Requeued { samples: u64 },
+    Restarted { id: usize },
+    ReplicasDiverged,
+    CheckpointOutcome(Option<(u64, f64)>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    StartTarget {
+        target: usize,
+        generation: u64,
+    },
+    /// Send to target copy `target`'s thread `generation`.
+    TargetRequest {
+        target: usize,
+        generation: u64,
+        request: Request,
+    },
+    SpawnDrafter {
+        id: usize,
+        generation: u64,
+        start: Start,
+    },
+    /// Give up on the thread: remove it from the collective (its join request too) and from the routes, stop its
+    /// actor, let it stop quietly if it ever wakes. Answered by `MemberRemoved`.
+    Abandon {
+        id: usize,
+        generation: u64,
+    },
+    Tell {
+        id: usize,
+        generation: u64,
+        order: Order,
+    },
+    /// Move the (empty) collective to `step` after `samples_committed` samples, as a new incarnation; the writer
+    /// discards writes of older incarnations still in progress.
+    RewindCollective {
+        step: u64,
+        samples_committed: u64,
+    },
+    /// Find the newest valid checkpoint the filter allows. Answered by `CheckpointFound`.
+    FindCheckpoint(ScanFilter),
+    WriteCheckpoint(WriteJob),
+    /// Move the checkpoint folders of steps `from..=to` aside (renamed, never deleted), in order with the writes.
+    RetireCheckpoints {
+        from: u64,
+        to: u64,
+    },
+    /// The shell may drop the snapshot it holds from this drafter thread `(id, generation)` at this step (or every
+    /// one it holds, `None`).
+    DropSnapshots {
+        which: Option<(usize, u64, u64)>,
+    },
+    Evaluate {
+        step: u64,
+        path: PathBuf,
+    },
+    Ledger(LedgerEntry),
+    /// Export the drafter of checkpoint `from` (bf16, published format) to `checkpoint.dir/final`. Answered by
+    /// `Exported`.
+    Export {
+        from: PathBuf,
+    },
+    Notice(Notice),
+    /// The run is over: stop with this exit status.
+    Exit {
+        code: i32,
+    },
+}
+
+/// `Item` re-exported for the shell.
+pub type RequestItem = Item;

@@ -1,0 +1,415 @@
+//! Which batches each drafter trains at which step, and what becomes of them: the run's data bookkeeping, without
+//! threads or tensors.
+//!
+//! Steps are assigned ahead: each live drafter gets `accumulation` items per step (a batch, or `Empty` once the
+//! data ran out). A batch is settled only by the report of its step's round, never by a failure: batches the round
+//! took are committed (written to the ledger), the others go back to the loader, or are set aside once they were
+//! running during two failures. A drafter flagged failed that still contributes is therefore counted once, and a
+//! failure whose report is still on its way loses nothing. Reports of an earlier incarnation (before a rewind) are
+//! ignored; reports that arrive out of order wait for the ones before them.
+use std::collections::{BTreeMap, HashMap};
+
+use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings, LoaderState};
+use crate::train::collective::RoundReport;
+use crate::train::objective::Metrics;
+
+/// One micro-batch slot of a drafter's step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    /// A batch: its id and the sample positions the target captures.
+    Capture { batch: BatchId, positions: Vec<usize> },
+    /// No batch (the data ran out, or the batch was set aside): the drafter counts it and contributes without it.
+    Empty,
+}
+
+/// An item for drafter `.0`'s thread `.1`.
+pub type Sent = (usize, u64, Item);
+
+/// A drafter's items of one step.
+#[derive(Debug, Clone)]
+struct Assignment {
+    drafter: usize,
+    generation: u64,
+    batches: Vec<Option<BatchId>>,
+}
+
+/// What committing a round did.
+#[derive(Debug, Default, Clone)]
+pub struct Settled {
+    pub step: u64,
+    /// Batches trained, in contribution order (for the ledger).
+    pub committed: Vec<Batch>,
+    pub tokens: u64,
+    pub samples: u64,
+    pub metrics: Metrics,
+    /// Samples of batches handed out again.
+    pub requeued_samples: u64,
+    /// Batches set aside after their second failure, with their sample positions.
+    pub set_aside: Vec<Batch>,
+    pub lr: f64,
+    pub total_weight: f64,
+    /// Members that contributed, `(id, generation)`.
+    pub contributors: Vec<(usize, u64)>,
+}
+
+/// See the module documentation.
+pub struct Schedule {
+    loader: Loader,
+    settings: LoaderSettings,
+    lengths: Vec<usize>,
+    batches: HashMap<BatchId, Batch>,
+    assigned: BTreeMap<u64, Vec<Assignment>>,
+    next_step: u64,
+    committed_step: u64,
+    samples_committed: u64,
+    incarnation: u64,
+    early: BTreeMap<u64, RoundReport>,
+    failures: HashMap<BatchId, u32>,
+    set_aside: Vec<BatchId>,
+    accumulation: usize,
+    epochs: u64,
+    max_steps: u64,
+}
+
+/// Where a schedule starts: a checkpoint's position, or the beginning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Position {
+    pub step: u64,
+    pub samples_committed: u64,
+    pub loader: Option<LoaderState>,
+    pub set_aside: Vec<BatchId>,
+}
+
+impl Position {
+    pub const START: Position = Position { step: 0, samples_committed: 0, loader: None, set_aside: vec![] };
+}
+
+impl Schedule {
+    pub fn new(
+        lengths: Vec<usize>,
+        settings: LoaderSettings,
+        accumulation: usize,
+        epochs: u64,
+        max_steps: u64,
+    ) -> Self {
+        Schedule {
+            loader: Loader::new(lengths.clone(), settings),
+            settings,
+            lengths,
+            batches: HashMap::new(),
+            assigned: BTreeMap::new(),
+            next_step: 0,
+            committed_step: 0,
+            samples_committed: 0,
+            incarnation: 0,
+            early: BTreeMap::new(),
+            failures: HashMap::new(),
+            set_aside: vec![],
+            accumulation: accumulation.max(1),
+            epochs,
+            max_steps,
+        }
+    }
+
+    /// Starts over from `position` as a new incarnation: nothing is assigned, reports from before are ignored.
+    pub fn restore(&mut self, position: &Position, incarnation: u64) {
+        self.loader = match &position.loader {
+            Some(state) => Loader::restore(self.lengths.clone(), self.settings, state.clone()),
+            None => Loader::new(self.lengths.clone(), self.settings),
+        };
+        self.batches.clear();
+        self.assigned.clear();
+        self.early.clear();
+        self.next_step = position.step;
+        self.committed_step = position.step;
+        self.samples_committed = position.samples_committed;
+        self.set_aside = position.set_aside.clone();
+        self.incarnation = incarnation;
+    }
+
+    /// Steps completed (the next round to commit).
+    pub fn committed_step(&self) -> u64 {
+        self.committed_step
+    }
+
+    pub fn samples_committed(&self) -> u64 {
+        self.samples_committed
+    }
+
+    pub fn set_aside(&self) -> &[BatchId] {
+        &self.set_aside
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.loader.epoch()
+    }
+
+    pub fn samples_per_epoch(&self) -> usize {
+        self.lengths.len()
+    }
+
+    pub fn loader_state(&self) -> LoaderState {
+        self.loader.state()
+    }
+
+    /// Steps assigned and not committed.
+    pub fn in_flight(&self) -> usize {
+        self.assigned.len()
+    }
+
+    /// Whether more steps may be assigned (`optim.max_steps` not reached, epochs left).
+    pub fn data_left(&self) -> bool {
+        if self.max_steps > 0 && self.next_step >= self.max_steps {
+            return false;
+        }
+        self.batches_left()
+    }
+
+    fn batches_left(&self) -> bool {
+        self.loader.next_epoch().is_some_and(|e| e < self.epochs)
+    }
+
+    /// The run's data is trained: nothing in flight and nothing left to assign.
+    pub fn finished(&self) -> bool {
+        self.assigned.is_empty() && !self.data_left()
+    }
+
+    /// Opens the next step (when data is left) and assigns it to `drafters`; returns the items to send, each with
+    /// its drafter `(id, generation)`.
+    pub fn open_step(&mut self, drafters: &[(usize, u64)]) -> Option<(u64, Vec<Sent>)> {
+        if !self.data_left() {
+            return None;
+        }
+        let step = self.next_step;
+        self.next_step += 1;
+        self.assigned.insert(step, Vec::new());
+        let mut items = Vec::new();
+        for &(drafter, generation) in drafters {
+            items.extend(self.assign(step, drafter, generation).into_iter().map(|i| (drafter, generation, i)));
+        }
+        Some((step, items))
+    }
+
+    /// Steps opened from `from` on (a drafter admitted at round `from` takes part in them).
+    pub fn open_steps_from(&self, from: u64) -> Vec<u64> {
+        self.assigned.range(from..).map(|(s, _)| *s).collect()
+    }
+
+    /// Gives drafter `drafter` (thread `generation`) its items of open step `step`.
+    pub fn assign(&mut self, step: u64, drafter: usize, generation: u64) -> Vec<Item> {
+        let Some(list) = self.assigned.get(&step) else { return vec![] };
+        if list.iter().any(|a| a.drafter == drafter && a.generation == generation) {
+            return vec![];
+        }
+        let mut items = Vec::new();
+        let mut batches = Vec::new();
+        for _ in 0..self.accumulation {
+            match self.batches_left().then(|| self.loader.next_batch()).flatten() {
+                Some(b) => {
+                    items.push(Item::Capture { batch: b.id, positions: b.samples.clone() });
+                    batches.push(Some(b.id));
+                    self.batches.insert(b.id, b);
+                }
+                None => {
+                    items.push(Item::Empty);
+                    batches.push(None);
+                }
+            }
+        }
+        if let Some(list) = self.assigned.get_mut(&step) {
+            list.push(Assignment { drafter, generation, batches });
+        }
+        items
+    }
+
+    /// The batches were running in a thread that failed (not an injected fault): two such failures set a batch
+    /// aside when its round settles it.
+    pub fn note_failure(&mut self, batches: &[BatchId]) {
+        for b in batches {
+            *self.failures.entry(*b).or_insert(0) += 1;
+        }
+    }
+
+    /// How often `batch` was running during a failure.
+    pub fn failures_of(&self, batch: BatchId) -> u32 {
+        self.failures.get(&batch).copied().unwrap_or(0)
+    }
+
+    /// Sets a batch aside now (it made the target fail twice): it is never handed out again this epoch, and its
+    /// slot in the step becomes empty.
+    pub fn set_aside_now(&mut self, batch: BatchId) -> Option<Batch> {
+        for list in self.assigned.values_mut() {
+            for a in list.iter_mut() {
+                for slot in a.batches.iter_mut() {
+                    if *slot == Some(batch) {
+                        *slot = None;
+                    }
+                }
+            }
+        }
+        self.loader.commit(batch);
+        self.set_aside.push(batch);
+        self.batches.remove(&batch)
+    }
+
+    /// Takes a round's report; returns what each round it completes settled (none while an earlier one is missing,
+    /// several when it fills a gap).
+    pub fn take_report(&mut self, report: RoundReport) -> Vec<Settled> {
+        if report.incarnation != self.incarnation || report.step < self.committed_step {
+            return vec![];
+        }
+        self.early.insert(report.step, report);
+        let mut settled = Vec::new();
+        while let Some(r) = self.early.remove(&self.committed_step) {
+            settled.push(self.settle(r));
+        }
+        settled
+    }
+
+    fn settle(&mut self, r: RoundReport) -> Settled {
+        let mut out = Settled {
+            step: r.step,
+            lr: r.lr,
+            total_weight: r.total_weight,
+            samples: r.samples_committed.saturating_sub(self.samples_committed),
+            ..Settled::default()
+        };
+        let mut taken = std::collections::HashSet::new();
+        for c in &r.contributions {
+            out.contributors.push((c.member, c.generation));
+            out.metrics.add(&c.metrics);
+            for b in &c.batches {
+                taken.insert(*b);
+                self.loader.commit(*b);
+                self.failures.remove(b);
+                if let Some(batch) = self.batches.remove(b) {
+                    out.tokens += batch.samples.iter().map(|&p| self.lengths[p] as u64).sum::<u64>();
+                    out.committed.push(batch);
+                }
+            }
+        }
+        for a in self.assigned.remove(&r.step).unwrap_or_default() {
+            for b in a.batches.into_iter().flatten().filter(|b| !taken.contains(b)) {
+                if self.failures_of(b) >= 2 {
+                    self.failures.remove(&b);
+                    if let Some(batch) = self.set_aside_now(b) {
+                        out.set_aside.push(batch);
+                    }
+                } else {
+                    out.requeued_samples += self.batches.remove(&b).map_or(0, |x| x.samples.len() as u64);
+                    self.loader.requeue(b);
+                }
+            }
+        }
+        self.samples_committed = r.samples_committed;
+        self.committed_step = r.step + 1;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::collective::Contributed;
+
+    fn schedule(samples: usize, accumulation: usize) -> Schedule {
+        let settings = LoaderSettings { batch_size: 2, seed: 1, bucket_batches: 2 };
+        Schedule::new(vec![10; samples], settings, accumulation, 1, 0)
+    }
+
+    fn batches(items: &[Sent], drafter: usize) -> Vec<BatchId> {
+        items
+            .iter()
+            .filter(|(d, ..)| *d == drafter)
+            .filter_map(|(_, _, i)| match i {
+                Item::Capture { batch, .. } => Some(*batch),
+                Item::Empty => None,
+            })
+            .collect()
+    }
+
+    fn report(step: u64, incarnation: u64, parts: &[(usize, Vec<BatchId>)], samples: u64) -> RoundReport {
+        RoundReport {
+            step,
+            incarnation,
+            contributions: parts
+                .iter()
+                .map(|(m, b)| Contributed {
+                    member: *m,
+                    generation: 1,
+                    batches: b.clone(),
+                    metrics: Metrics::default(),
+                    samples: 2 * b.len() as u64,
+                })
+                .collect(),
+            total_weight: 1.0,
+            lr: 0.1,
+            samples_committed: samples,
+        }
+    }
+
+    #[test]
+    fn a_round_commits_what_it_took_and_requeues_the_rest() {
+        let mut s = schedule(8, 1);
+        let (step, items) = s.open_step(&[(0, 1), (1, 1)]).unwrap();
+        let (a, b) = (batches(&items, 0), batches(&items, 1));
+        // Drafter 1 failed before contributing: its batch goes back, and comes out first next time.
+        let settled = s.take_report(report(step, 0, &[(0, a.clone())], 2));
+        assert_eq!(settled.len(), 1);
+        assert_eq!(settled[0].committed.iter().map(|b| b.id).collect::<Vec<_>>(), a);
+        assert_eq!(settled[0].requeued_samples, 2);
+        let (_, items) = s.open_step(&[(0, 1)]).unwrap();
+        assert_eq!(batches(&items, 0), b);
+        assert_eq!(s.committed_step(), 1);
+    }
+
+    #[test]
+    fn a_contribution_of_a_drafter_flagged_failed_still_counts_once() {
+        let mut s = schedule(8, 1);
+        let (step, items) = s.open_step(&[(0, 1), (1, 1)]).unwrap();
+        s.note_failure(&batches(&items, 1));
+        let all: Vec<_> = [batches(&items, 0), batches(&items, 1)].concat();
+        let settled = s.take_report(report(step, 0, &[(0, batches(&items, 0)), (1, batches(&items, 1))], 4));
+        assert_eq!(settled[0].committed.len(), 2);
+        assert_eq!(settled[0].requeued_samples, 0);
+        assert!(all.iter().all(|b| s.failures_of(*b) == 0));
+    }
+
+    #[test]
+    fn early_reports_wait_and_old_incarnations_are_ignored() {
+        let mut s = schedule(16, 1);
+        let (s0, i0) = s.open_step(&[(0, 1)]).unwrap();
+        let (s1, i1) = s.open_step(&[(0, 1)]).unwrap();
+        assert!(s.take_report(report(s1, 0, &[(0, batches(&i1, 0))], 4)).is_empty(), "step 0 is missing");
+        let settled = s.take_report(report(s0, 0, &[(0, batches(&i0, 0))], 2));
+        assert_eq!(settled.iter().map(|x| x.step).collect::<Vec<_>>(), vec![0, 1]);
+        s.restore(&Position { step: 1, samples_committed: 2, loader: None, set_aside: vec![] }, 1);
+        assert!(s.take_report(report(1, 0, &[], 4)).is_empty(), "a report from before the rewind");
+        assert_eq!((s.committed_step(), s.samples_committed()), (1, 2));
+    }
+
+    #[test]
+    fn a_batch_running_in_two_failures_is_set_aside_when_its_round_settles() {
+        let mut s = schedule(8, 2);
+        let (step, items) = s.open_step(&[(0, 1)]).unwrap();
+        let mine = batches(&items, 0);
+        s.note_failure(&mine[..1]);
+        s.note_failure(&mine[..1]);
+        s.note_failure(&mine[1..]);
+        let settled = s.take_report(report(step, 0, &[], 0));
+        assert_eq!(settled[0].set_aside.iter().map(|b| b.id).collect::<Vec<_>>(), vec![mine[0]]);
+        assert_eq!(settled[0].requeued_samples, 2, "the batch that failed once is handed out again");
+        assert_eq!(s.set_aside(), &[mine[0]]);
+    }
+
+    #[test]
+    fn a_batch_set_aside_now_leaves_an_empty_slot() {
+        let mut s = schedule(8, 1);
+        let (step, items) = s.open_step(&[(0, 1)]).unwrap();
+        let b = batches(&items, 0)[0];
+        assert_eq!(s.set_aside_now(b).map(|x| x.id), Some(b));
+        let settled = s.take_report(report(step, 0, &[(0, vec![])], 0));
+        assert_eq!((settled[0].requeued_samples, settled[0].committed.len()), (0, 0));
+        assert_eq!(s.loader_state().owed, vec![], "neither owed nor handed out again");
+    }
+}

@@ -1,0 +1,1404 @@
+//! A deterministic simulation of the supervisor, in the spirit of FoundationDB's and TigerBeetle's simulators: the
+//! real [`Core`] and the real collective bookkeeping ([`Rounds`]) in a model world of drafter threads, target
+//! copies, a checkpoint writer and a disk, with a seeded random schedule of thousands of events: failures of any
+//! subset of drafters at once, failures during a rejoin, of the donor, of a founder, hangs, slow steps flagged as
+//! hangs, poisoned devices, target failures and batches that crash the target, failed and corrupted checkpoints,
+//! unreadable checkpoint folders, SIGTERM at any point followed by `--resume auto` (sometimes with another number of
+//! drafters), reloads. Messages from one sender arrive in order; messages from different senders interleave at
+//! random, as they do between ractor's message queue and its supervision events.
+//!
+//! Checked after every event, or at the end of a run:
+//! - the run commits a step within a bounded simulated time, or ends with a documented exit code (never a silent
+//!   stall);
+//! - every sample is committed at most once per epoch (rewinds undo what they undo), and a completed run committed
+//!   each epoch whole, set-aside batches aside;
+//! - every round's contributors hold the same state, at the round's step; founders load the state the collective
+//!   was rewound to; joiners receive the state of the open round;
+//! - the learning rate of every round is the schedule's value at that round (steps under `optim.max_steps`,
+//!   committed samples otherwise), whatever the number of drafters, across rewinds and resumes;
+//! - a checkpoint's trainer state is the one of its snapshot's step boundary;
+//! - retention keeps the newest `keep` checkpoints not known invalid, and never deletes one because of invalid ones.
+//!
+//! `cargo test sim_` runs a CI-sized set of seeds; `DFLASH_SIM_SEEDS=20000 cargo test --release sim_many` runs more
+//! (`DFLASH_SIM_FIRST` moves the first seed);
+//! a failing seed prints its parameters, the end of its trace and the command that replays it in full
+//! (`DFLASH_SIM_SEED=<seed> cargo test --lib sim_replay -- --nocapture`).
+use std::cell::Cell;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, Setup, step_settings};
+use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, WriteJob};
+use super::schedule::Item;
+use crate::config::Config;
+use crate::data::loader::BatchId;
+use crate::service::evaluator::Evaluated;
+use crate::service::failure::{Failure, FailureKind};
+use crate::train::checkpoint::{TrainerState, to_delete};
+use crate::train::collective::{Contributed, Hyper, RoundReport};
+use crate::train::objective::Metrics;
+use crate::train::optim::{LrSchedule, ScheduleKind};
+use crate::train::rounds::{JoinPoll, Rounds};
+
+const STEP_TIMEOUT_S: f64 = 5.0;
+const SHUTDOWN_TIMEOUT_S: f64 = 30.0;
+/// No committed step for this long while the process runs is a stall.
+const STALL: Duration = Duration::from_secs(150);
+/// Simulated time a seed runs at most.
+const HORIZON: Duration = Duration::from_secs(3 * 3600);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A seed's shape of run and how often things fail.
+#[derive(Debug, Clone)]
+struct Params {
+    drafters: usize,
+    targets: usize,
+    samples: usize,
+    batch_size: usize,
+    accumulation: usize,
+    epochs: u64,
+    max_steps: u64,
+    prefetch: usize,
+    keep: usize,
+    every_steps: u64,
+    every_seconds: f64,
+    min_live: usize,
+    max_restarts: usize,
+    backoff_initial_ms: u64,
+    backoff_max_ms: u64,
+    check_every: u64,
+    /// Mean simulated seconds between two faults.
+    fault_every_s: f64,
+    /// Restarts of the whole process (`--resume auto`) the operator allows.
+    process_restarts: u32,
+}
+
+impl Params {
+    fn draw(rng: &mut ChaCha8Rng) -> Self {
+        let drafters = rng.random_range(1..=4);
+        let initial = rng.random_range(20..=300);
+        Params {
+            drafters,
+            targets: if drafters > 1 && rng.random_bool(0.3) { 2 } else { 1 },
+            samples: rng.random_range(100..=800),
+            batch_size: rng.random_range(1..=3),
+            accumulation: rng.random_range(1..=2),
+            epochs: rng.random_range(1..=5),
+            max_steps: if rng.random_bool(0.3) { rng.random_range(50..=600) } else { 0 },
+            prefetch: rng.random_range(1..=3),
+            keep: rng.random_range(2..=3),
+            every_steps: [0, 3, 7, 15][rng.random_range(0..4)],
+            every_seconds: if rng.random_bool(0.3) { 2.0 } else { 0.0 },
+            min_live: if drafters > 1 && rng.random_bool(0.3) { 2 } else { 1 },
+            max_restarts: rng.random_range(2..=6),
+            backoff_initial_ms: initial,
+            backoff_max_ms: initial * rng.random_range(1..=8),
+            check_every: [0, 1, 5][rng.random_range(0..3)],
+            fault_every_s: [1.0, 3.0, 10.0, 30.0][rng.random_range(0..4)],
+            process_restarts: rng.random_range(0..=3),
+        }
+    }
+
+    fn config(&self) -> Config {
+        let mut c = Config::builtin().expect("the built-in configuration");
+        c.drafters.devices = vec![c.drafters.devices[0]; self.drafters];
+        c.data.batch_size = self.batch_size;
+        c.optim.accumulation = self.accumulation;
+        c.optim.epochs = self.epochs;
+        c.optim.max_steps = self.max_steps;
+        c.optim.schedule = ScheduleKind::Cosine;
+        c.optim.warmup_ratio = 0.1;
+        c.optim.lr = 1e-3;
+        c.optim.min_lr_ratio = 0.1;
+        c.supervision.prefetch_steps = self.prefetch;
+        c.supervision.min_live_drafters = self.min_live;
+        c.supervision.max_restarts = self.max_restarts;
+        c.supervision.restart_window_s = 60.0;
+        c.supervision.backoff_initial_ms = self.backoff_initial_ms;
+        c.supervision.backoff_max_ms = self.backoff_max_ms;
+        c.supervision.step_timeout_s = STEP_TIMEOUT_S;
+        c.supervision.shutdown_timeout_s = SHUTDOWN_TIMEOUT_S;
+        c.supervision.gpu_hang_limit = 3;
+        c.supervision.check_replicas_every = self.check_every;
+        c.checkpoint.keep = self.keep;
+        c.checkpoint.every_steps = self.every_steps;
+        c.checkpoint.every_seconds = self.every_seconds;
+        c.eval.every_steps = 0;
+        c.log.every_steps = 10;
+        c
+    }
+
+    /// The learning rate every round must use: the schedule written out from the configuration, independently of
+    /// the code under test and of the number of drafters.
+    fn expected_lr(&self, step: u64, samples_before: u64) -> f64 {
+        let (total, at) = match self.max_steps {
+            0 => (self.samples as u64 * self.epochs, samples_before),
+            m => (m, step),
+        };
+        let schedule = LrSchedule {
+            kind: ScheduleKind::Cosine,
+            lr: 1e-3,
+            warmup_steps: (0.1 * total as f64).round() as u64,
+            total_steps: total.max(1),
+            min_lr_ratio: 0.1,
+        };
+        schedule.lr_at(at)
+    }
+}
+
+/// A drafter replica's state, as a chain of the rounds it applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Replica {
+    step: u64,
+    hash: u64,
+    optimizer_steps: u64,
+}
+
+fn mix(a: u64, b: u64) -> u64 {
+    (a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Stage {
+    Building,
+    Joining,
+    Collecting,
+    Computing { hung: bool },
+    InRound,
+    Gone,
+}
+
+enum Msg {
+    Features(BatchId, u64),
+    Empty,
+    Order(Order),
+}
+
+/// A model of one drafter thread.
+struct Thread {
+    start: Start,
+    stage: Stage,
+    replica: Replica,
+    inbox: VecDeque<Msg>,
+    items: Vec<BatchId>,
+    samples: u64,
+    taken: usize,
+    joined: Rc<Cell<Option<Replica>>>,
+    computing_since: Duration,
+    /// Its messages arrive in order: not before this.
+    clock: Duration,
+}
+
+struct Contribution {
+    replica: Replica,
+    batches: Vec<BatchId>,
+    samples: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TargetStage {
+    Building,
+    Ready,
+    Gone,
+}
+
+/// A request in a target thread's queue: its seq, the drafter thread `(id, generation)` it is for, and the batch
+/// with its samples (none: an empty slot).
+type Queued = (u64, usize, u64, Option<(BatchId, u64)>);
+
+/// A model of one target thread.
+struct TargetThread {
+    generation: u64,
+    stage: TargetStage,
+    queue: VecDeque<Queued>,
+    busy: bool,
+    clock: Duration,
+}
+
+/// The writer's queue: writes and retirements, in order.
+enum DiskJob {
+    Write(Box<WriteJob>, Replica),
+    Retire(u64, u64),
+}
+
+struct OnDisk {
+    state: TrainerState,
+    replica: Replica,
+    intact: bool,
+}
+
+#[derive(Debug)]
+enum Occ {
+    Deliver(Box<Event>),
+    Built { id: usize, generation: u64 },
+    Wake { id: usize, generation: u64 },
+    Computed { id: usize, generation: u64 },
+    HangCheck { id: usize, generation: u64 },
+    TargetBuilt { target: usize, generation: u64 },
+    TargetDone { target: usize, generation: u64 },
+    Scan(ScanFilter),
+    WriteDone,
+    Tick,
+    Fault,
+    Restart,
+}
+
+/// Faults armed for the next time their occasion comes.
+#[derive(Default)]
+struct Armed {
+    hang: HashSet<usize>,
+    slow: HashSet<usize>,
+    start_crash: bool,
+    start_hang: bool,
+    kill_donor_on_serve: bool,
+    kill_founder: bool,
+    fail_write: bool,
+    fail_scan: bool,
+}
+
+struct World {
+    seed: u64,
+    p: Params,
+    rng: ChaCha8Rng,
+    now: Duration,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(Duration, u64)>>,
+    pending: HashMap<u64, (u32, Occ)>,
+    process: u32,
+    alive: bool,
+    core: Core,
+    hyper: Hyper,
+    rounds: Rounds<Contribution, Rc<Cell<Option<Replica>>>>,
+    samples_committed: u64,
+    /// Samples committed before round `step` of the collective's incarnation `i` in process `p`: `(p, i, step)`.
+    boundary_samples: HashMap<(u32, u64, u64), u64>,
+    /// The state every contributor of round `(p, i, step)` held.
+    round_state: HashMap<(u32, u64, u64), Replica>,
+    threads: BTreeMap<(usize, u64), Thread>,
+    routes: HashMap<usize, u64>,
+    targets: Vec<TargetThread>,
+    collective_clock: Duration,
+    disk: BTreeMap<u64, OnDisk>,
+    writes: VecDeque<DiskJob>,
+    writing: bool,
+    snapshots: HashMap<(usize, u64, u64), Replica>,
+    ledger: Vec<(u64, u64, Vec<usize>)>,
+    batches: HashMap<BatchId, Vec<usize>>,
+    poison: HashSet<BatchId>,
+    armed: Armed,
+    last_progress: Duration,
+    restarts_left: u32,
+    exits: Vec<(i32, String)>,
+    completed: bool,
+    shutdown_requested: bool,
+    write_failed: bool,
+    target_failures: Vec<Duration>,
+    trace: VecDeque<String>,
+    full_trace: bool,
+    events: u64,
+}
+
+type Check = Result<(), String>;
+
+fn violation(what: impl Into<String>) -> Check {
+    Err(what.into())
+}
+
+impl World {
+    fn new(seed: u64, full_trace: bool) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let p = Params::draw(&mut rng);
+        let config = p.config();
+        let core = Core::new(setup(&p, config.clone(), None, vec![]));
+        World {
+            seed,
+            hyper: step_settings(&config, p.samples as u64, None).hyper,
+            restarts_left: p.process_restarts,
+            p,
+            rng,
+            now: Duration::ZERO,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            pending: HashMap::new(),
+            process: 0,
+            alive: false,
+            core,
+            rounds: Rounds::new(0),
+            samples_committed: 0,
+            boundary_samples: HashMap::new(),
+            round_state: HashMap::new(),
+            threads: BTreeMap::new(),
+            routes: HashMap::new(),
+            targets: vec![],
+            collective_clock: Duration::ZERO,
+            disk: BTreeMap::new(),
+            writes: VecDeque::new(),
+            writing: false,
+            snapshots: HashMap::new(),
+            ledger: vec![],
+            batches: HashMap::new(),
+            poison: HashSet::new(),
+            armed: Armed::default(),
+            last_progress: Duration::ZERO,
+            exits: vec![],
+            completed: false,
+            shutdown_requested: false,
+            write_failed: false,
+            target_failures: vec![],
+            trace: VecDeque::new(),
+            full_trace,
+            events: 0,
+        }
+    }
+
+    fn note(&mut self, line: String) {
+        let line = format!("{:>10.3}s p{} {line}", self.now.as_secs_f64(), self.process);
+        if self.full_trace {
+            println!("{line}");
+        }
+        self.trace.push_back(line);
+        if self.trace.len() > 80 {
+            self.trace.pop_front();
+        }
+    }
+
+    fn at(&mut self, when: Duration, occ: Occ) {
+        self.seq += 1;
+        self.queue.push(Reverse((when.max(self.now), self.seq)));
+        self.pending.insert(self.seq, (self.process, occ));
+    }
+
+    fn after(&mut self, delay: Duration, occ: Occ) {
+        self.at(self.now + delay, occ);
+    }
+
+    fn jitter(&mut self, lo: u64, hi: u64) -> Duration {
+        ms(self.rng.random_range(lo..=hi))
+    }
+
+    /// A message to the core from a sender whose messages stay in order.
+    fn send_from(&mut self, clock: Duration, event: Event) -> Duration {
+        let when = (self.now + self.jitter(0, 4)).max(clock);
+        self.at(when, Occ::Deliver(Box::new(event)));
+        when
+    }
+
+    fn thread_says(&mut self, id: usize, generation: u64, event: Event) {
+        let clock = self.threads.get(&(id, generation)).map_or(self.now, |t| t.clock);
+        let when = self.send_from(clock, event);
+        if let Some(t) = self.threads.get_mut(&(id, generation)) {
+            t.clock = when;
+        }
+    }
+
+    /// A supervision event (ractor delivers those ahead of messages): a short delay, no order with messages.
+    fn supervision(&mut self, event: Event) {
+        let delay = self.jitter(0, 2);
+        self.after(delay, Occ::Deliver(Box::new(event)));
+    }
+
+    // ------------------------------------------------------------------ the process
+
+    fn start_process(&mut self) -> Check {
+        self.process += 1;
+        self.alive = true;
+        let (resume, rejected) = self.scan_disk(&|_| true);
+        let mut config = self.p.config();
+        if self.process > 1 && self.rng.random_bool(0.4) {
+            // Resumed on another machine: another number of drafters.
+            self.p.drafters = self.rng.random_range(1..=4);
+            self.p.min_live = self.p.min_live.min(self.p.drafters);
+            self.p.targets = self.p.targets.min(self.p.drafters);
+            config = self.p.config();
+        }
+        let step = resume.as_ref().map_or(0, |(_, s): &(PathBuf, TrainerState)| s.step);
+        let samples = resume.as_ref().map_or(0, |(_, s)| s.samples_committed);
+        self.note(format!(
+            "process starts: {} drafters, resume from step {step}, rejected {rejected:?}",
+            self.p.drafters
+        ));
+        self.core = Core::new(setup(&self.p, config.clone(), resume, rejected));
+        self.hyper = step_settings(&config, self.p.samples as u64, None).hyper;
+        self.rounds = Rounds::new(step);
+        self.samples_committed = samples;
+        self.threads.clear();
+        self.routes.clear();
+        self.targets = (0..self.p.targets)
+            .map(|_| TargetThread {
+                generation: 0,
+                stage: TargetStage::Gone,
+                queue: VecDeque::new(),
+                busy: false,
+                clock: Duration::ZERO,
+            })
+            .collect();
+        self.writes.clear();
+        self.writing = false;
+        self.snapshots.clear();
+        self.armed = Armed::default();
+        self.last_progress = self.now;
+        self.after(ms(200), Occ::Tick);
+        let actions = self.core.start(self.now);
+        self.apply(actions)
+    }
+
+    /// The newest intact checkpoint `allowed` lets through, and the steps of the damaged ones passed on the way.
+    fn scan_disk(&self, allowed: &dyn Fn(u64) -> bool) -> (Option<(PathBuf, TrainerState)>, Vec<u64>) {
+        let mut rejected = vec![];
+        for (step, c) in self.disk.iter().rev() {
+            if !allowed(*step) {
+                continue;
+            }
+            if c.intact {
+                return (Some((path_of(*step), c.state.clone())), rejected);
+            }
+            rejected.push(*step);
+        }
+        (None, rejected)
+    }
+
+    // ------------------------------------------------------------------ the core's actions
+
+    fn feed(&mut self, event: Event) -> Check {
+        self.events += 1;
+        self.note(format!("-> {}", short(&format!("{event:?}"))));
+        let actions = self.core.handle(self.now, event);
+        self.apply(actions)
+    }
+
+    fn apply(&mut self, actions: Vec<Action>) -> Check {
+        let mut queue: VecDeque<Action> = actions.into();
+        while let Some(action) = queue.pop_front() {
+            self.note(format!("<- {}", short(&format!("{action:?}"))));
+            if let Some(event) = self.carry_out(action)? {
+                self.note(format!("-> {}", short(&format!("{event:?}"))));
+                queue.extend(self.core.handle(self.now, event));
+            }
+        }
+        Ok(())
+    }
+
+    fn carry_out(&mut self, action: Action) -> Result<Option<Event>, String> {
+        match action {
+            Action::StartTarget { target, generation } => {
+                let t = &mut self.targets[target];
+                *t = TargetThread {
+                    generation,
+                    stage: TargetStage::Building,
+                    queue: VecDeque::new(),
+                    busy: false,
+                    clock: t.clock,
+                };
+                let delay = self.jitter(10, 100);
+                self.after(delay, Occ::TargetBuilt { target, generation });
+            }
+            Action::TargetRequest { target, generation, request } => {
+                let item = match request.item {
+                    Item::Capture { batch, positions } => {
+                        let n = positions.len() as u64;
+                        self.batches.insert(batch, positions);
+                        Some((batch, n))
+                    }
+                    Item::Empty => None,
+                };
+                let t = &mut self.targets[target];
+                if t.generation == generation && t.stage != TargetStage::Gone {
+                    t.queue.push_back((request.seq, request.drafter, request.generation, item));
+                    self.target_work(target);
+                }
+            }
+            Action::SpawnDrafter { id, generation, start } => {
+                if let Some(&g) = self.routes.get(&id)
+                    && self.threads.get(&(id, g)).is_some_and(|t| t.stage != Stage::Gone)
+                    && self.rounds.is_member(id, g)
+                {
+                    return Err(format!("drafter {id} started again while its thread {g} is still a member"));
+                }
+                let founder = matches!(start, Start::Found(_));
+                self.threads.insert(
+                    (id, generation),
+                    Thread {
+                        start,
+                        stage: Stage::Building,
+                        replica: Replica { step: 0, hash: 0, optimizer_steps: 0 },
+                        inbox: VecDeque::new(),
+                        items: vec![],
+                        samples: 0,
+                        taken: 0,
+                        joined: Rc::new(Cell::new(None)),
+                        computing_since: Duration::ZERO,
+                        clock: self.now,
+                    },
+                );
+                self.routes.insert(id, generation);
+                if std::mem::take(&mut self.armed.start_hang) {
+                    self.note(format!("fault: drafter {id}.{generation} never finishes starting"));
+                } else {
+                    let delay = self.jitter(5, 60);
+                    self.after(delay, Occ::Built { id, generation });
+                    if std::mem::take(&mut self.armed.start_crash)
+                        || (founder && std::mem::take(&mut self.armed.kill_founder))
+                    {
+                        self.kill(id, generation, FailureKind::Panic, "fault: crash while starting");
+                    }
+                }
+            }
+            Action::Abandon { id, generation } => {
+                if self.routes.get(&id) == Some(&generation) {
+                    self.routes.remove(&id);
+                }
+                let removal = self.rounds.remove(id, generation);
+                if self.threads.get(&(id, generation)).is_some_and(|t| t.stage != Stage::Gone) {
+                    // Its actor is stopped: the supervisor hears of it.
+                    self.supervision(Event::DrafterExited { id, generation });
+                    self.wake(id, generation);
+                }
+                self.complete_rounds()?;
+                return Ok(Some(Event::MemberRemoved { remaining: removal.remaining }));
+            }
+            Action::Tell { id, generation, order } => {
+                if order == Order::ServeJoiners && std::mem::take(&mut self.armed.kill_donor_on_serve) {
+                    self.kill(id, generation, FailureKind::Panic, "fault: the donor dies as it is asked to serve");
+                }
+                if self.routes.get(&id) == Some(&generation)
+                    && let Some(t) = self.threads.get_mut(&(id, generation))
+                {
+                    t.inbox.push_back(Msg::Order(order));
+                    self.wake(id, generation);
+                }
+            }
+            Action::RewindCollective { step, samples_committed } => {
+                if let Err(e) = self.rounds.rewind(step) {
+                    return Err(format!("rewound a collective that has members: {e}"));
+                }
+                self.samples_committed = samples_committed;
+                self.boundary_samples.insert((self.process, self.rounds.incarnation(), step), samples_committed);
+            }
+            Action::FindCheckpoint(filter) => {
+                let delay = self.jitter(5, 60);
+                self.after(delay, Occ::Scan(filter));
+            }
+            Action::WriteCheckpoint(job) => {
+                let Some(replica) = self.snapshots.remove(&(job.donor.0, job.donor.1, job.step)) else {
+                    return Err(format!("a checkpoint of step {} without its snapshot", job.step));
+                };
+                if replica.step != job.step || job.state.step != job.step {
+                    return Err(format!(
+                        "checkpoint of step {} pairs a snapshot of step {} with a state of step {}",
+                        job.step, replica.step, job.state.step
+                    ));
+                }
+                let key = (self.process, self.rounds.incarnation(), job.step);
+                if let Some(&samples) = self.boundary_samples.get(&key)
+                    && samples != job.state.samples_committed
+                {
+                    return Err(format!(
+                        "checkpoint of step {}: {} samples committed in its state, {samples} at that boundary",
+                        job.step, job.state.samples_committed
+                    ));
+                }
+                self.writes.push_back(DiskJob::Write(Box::new(job), replica));
+                self.next_write();
+            }
+            Action::RetireCheckpoints { from, to } => {
+                self.writes.push_back(DiskJob::Retire(from, to));
+                self.next_write();
+            }
+            Action::DropSnapshots { which } => match which {
+                Some(key) => {
+                    self.snapshots.remove(&key);
+                }
+                None => self.snapshots.clear(),
+            },
+            Action::Evaluate { step, .. } => {
+                let e = Evaluated {
+                    step,
+                    decode_acceptance_length: 1.5,
+                    token_match_rate: 1.0,
+                    lossless: true,
+                    prompts: 1,
+                    seconds: 0.1,
+                    best: 1.5,
+                    new_best: false,
+                };
+                self.after(ms(100), Occ::Deliver(Box::new(Event::Evaluated(Ok(e)))));
+            }
+            Action::Ledger(LedgerEntry::Commit { step, batch }) => {
+                self.ledger.push((step, batch.id.epoch, batch.samples));
+            }
+            Action::Ledger(LedgerEntry::Rewind { step }) => self.ledger.retain(|(s, ..)| *s < step),
+            Action::Export { from } => {
+                self.after(ms(50), Occ::Deliver(Box::new(Event::Exported(Ok(from)))));
+            }
+            Action::Notice(Notice::Committed { .. }) => self.last_progress = self.now,
+            Action::Notice(_) => {}
+            Action::Exit { code } => self.exited(code)?,
+        }
+        Ok(None)
+    }
+
+    fn exited(&mut self, code: i32) -> Check {
+        let status = self.core.status();
+        self.note(format!("exit {code}: {}", status.phase));
+        self.alive = false;
+        for t in self.threads.values_mut() {
+            t.stage = Stage::Gone;
+        }
+        let failed = status.drafters.iter().filter(|d| d.state.name() == "failed").count();
+        let why = match code {
+            EXIT_OK => {
+                let complete = self.pending_export_done();
+                if !complete && !self.shutdown_requested {
+                    return violation("exit 0 without completing the run or being asked to stop");
+                }
+                self.completed |= complete;
+                if complete { "complete" } else { "stopped" }
+            }
+            EXIT_NO_PROGRESS => {
+                // The restart window, counted back from when the ending began (at most shutdown_timeout_s ago).
+                let window = Duration::from_secs_f64(60.0 + SHUTDOWN_TIMEOUT_S);
+                let recent = self.target_failures.iter().filter(|t| self.now.saturating_sub(**t) <= window).count();
+                if failed + self.p.min_live <= self.p.drafters && recent <= self.p.max_restarts {
+                    return violation(format!(
+                        "exit 3 with {failed} of {} drafters failed (min_live {}) and {recent} recent target failures",
+                        self.p.drafters, self.p.min_live
+                    ));
+                }
+                "no progress"
+            }
+            EXIT_ERROR => {
+                if !self.write_failed {
+                    return violation("exit 1 without a failed checkpoint write");
+                }
+                "error"
+            }
+            EXIT_RESTART => "restart me",
+            other => return violation(format!("undocumented exit status {other}")),
+        };
+        self.exits.push((code, why.to_string()));
+        self.last_progress = self.now;
+        self.shutdown_requested = false;
+        self.write_failed = false;
+        if !self.completed && self.restarts_left > 0 {
+            self.restarts_left -= 1;
+            self.after(Duration::from_secs(1), Occ::Restart);
+        }
+        Ok(())
+    }
+
+    /// Whether the export of a completed run was asked for in this process (the exit follows its answer).
+    fn pending_export_done(&self) -> bool {
+        self.trace.iter().rev().take_while(|l| !l.contains("process starts")).any(|l| l.contains("<- Export"))
+    }
+
+    // ------------------------------------------------------------------ drafter threads
+
+    fn wake(&mut self, id: usize, generation: u64) {
+        let delay = self.jitter(0, 2);
+        self.after(delay, Occ::Wake { id, generation });
+    }
+
+    /// The thread dies; its actor fails, and the supervisor hears of it.
+    fn kill(&mut self, id: usize, generation: u64, kind: FailureKind, message: &str) {
+        let Some(t) = self.threads.get_mut(&(id, generation)) else { return };
+        if t.stage == Stage::Gone {
+            return;
+        }
+        let running = if matches!(t.stage, Stage::Computing { .. }) { t.items.clone() } else { vec![] };
+        t.stage = Stage::Gone;
+        let injected = kind == FailureKind::Injected;
+        let failure = Failure { kind, message: message.to_string() };
+        self.note(format!("fault: drafter {id}.{generation} dies ({kind:?})"));
+        self.supervision(Event::DrafterFailed { id, generation, failure, running, injected });
+    }
+
+    fn built(&mut self, id: usize, generation: u64) -> Check {
+        let Some(t) = self.threads.get(&(id, generation)) else { return Ok(()) };
+        if t.stage != Stage::Building {
+            return Ok(());
+        }
+        let start = t.start.clone();
+        let slot = t.joined.clone();
+        if start == Start::Join && self.rounds.request_join(id, generation, slot).is_err() {
+            // Given up on while it was starting: it stops quietly.
+            self.returned(id, generation);
+            return Ok(());
+        }
+        self.thread_says(id, generation, Event::DrafterReady { id, generation });
+        match start {
+            Start::Join => {
+                self.threads.get_mut(&(id, generation)).expect("present").stage = Stage::Joining;
+                self.wake(id, generation);
+            }
+            Start::Found(path) => {
+                let replica = match &path {
+                    None => Replica { step: 0, hash: 0, optimizer_steps: 0 },
+                    Some(p) => {
+                        let step = step_of(p);
+                        match self.disk.get(&step) {
+                            Some(c) if c.intact => c.replica,
+                            _ => {
+                                // Deleted or damaged since it was chosen: loading fails.
+                                self.kill(id, generation, FailureKind::CheckpointLoad, "cannot load the checkpoint");
+                                return Ok(());
+                            }
+                        }
+                    }
+                };
+                let round = match self.rounds.found(id, generation) {
+                    Ok(round) => round,
+                    Err(crate::train::rounds::RoundsError::Removed) => {
+                        self.returned(id, generation);
+                        return Ok(());
+                    }
+                    Err(e) => return violation(format!("drafter {id}.{generation} could not found: {e}")),
+                };
+                if round != replica.step {
+                    return violation(format!(
+                        "founder {id}.{generation} holds the state of step {} but the collective's round is {round}",
+                        replica.step
+                    ));
+                }
+                let t = self.threads.get_mut(&(id, generation)).expect("present");
+                t.replica = replica;
+                t.stage = Stage::Collecting;
+                self.thread_says(id, generation, Event::DrafterJoined { id, generation, step: round });
+                self.wake(id, generation);
+            }
+        }
+        Ok(())
+    }
+
+    /// The thread takes what its inbox holds, as the real one does between and before its steps.
+    fn run_thread(&mut self, id: usize, generation: u64) -> Check {
+        let Some(t) = self.threads.get_mut(&(id, generation)) else { return Ok(()) };
+        match t.stage {
+            Stage::Joining => match self.rounds.poll_join(id, generation) {
+                JoinPoll::Joined(info) => {
+                    let Some(replica) = t.joined.get() else {
+                        return violation(format!("joiner {id}.{generation} admitted without a state"));
+                    };
+                    if replica.step != info.step || replica.optimizer_steps != info.optimizer_steps {
+                        return violation(format!(
+                            "joiner {id} got the state of step {} to join round {}",
+                            replica.step, info.step
+                        ));
+                    }
+                    t.replica = replica;
+                    t.stage = Stage::Collecting;
+                    self.thread_says(id, generation, Event::DrafterJoined { id, generation, step: info.step });
+                    self.wake(id, generation);
+                }
+                JoinPoll::Waiting => {}
+                JoinPoll::Removed => self.returned(id, generation),
+            },
+            Stage::Collecting => {
+                while t.taken < self.p.accumulation {
+                    let Some(msg) = t.inbox.pop_front() else { return Ok(()) };
+                    match msg {
+                        Msg::Features(batch, samples) => {
+                            t.items.push(batch);
+                            t.samples += samples;
+                            t.taken += 1;
+                        }
+                        Msg::Empty => t.taken += 1,
+                        Msg::Order(Order::ServeJoiners) => {
+                            self.serve(id, generation);
+                            return self.run_thread(id, generation);
+                        }
+                        Msg::Order(Order::Checkpoint) => {
+                            let r = t.replica;
+                            self.snapshots.insert((id, generation, r.step), r);
+                            let event =
+                                Event::Snapshot { id, generation, step: r.step, optimizer_steps: r.optimizer_steps };
+                            self.thread_says(id, generation, event);
+                            return self.run_thread(id, generation);
+                        }
+                        Msg::Order(Order::Stop) => {
+                            self.returned(id, generation);
+                            return Ok(());
+                        }
+                    }
+                }
+                let hung = self.armed.hang.remove(&id);
+                let slow = self.armed.slow.remove(&id);
+                let t = self.threads.get_mut(&(id, generation)).expect("present");
+                t.stage = Stage::Computing { hung };
+                t.computing_since = self.now;
+                let check = Duration::from_secs_f64(STEP_TIMEOUT_S) + self.jitter(1, 200);
+                self.after(check, Occ::HangCheck { id, generation });
+                if !hung {
+                    let compute =
+                        if slow { Duration::from_secs_f64(STEP_TIMEOUT_S + 2.0) } else { self.jitter(20, 250) };
+                    self.after(compute, Occ::Computed { id, generation });
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn returned(&mut self, id: usize, generation: u64) {
+        if let Some(t) = self.threads.get_mut(&(id, generation)) {
+            t.stage = Stage::Gone;
+        }
+        self.supervision(Event::DrafterExited { id, generation });
+    }
+
+    fn serve(&mut self, id: usize, generation: u64) {
+        let Some(t) = self.threads.get(&(id, generation)) else { return };
+        let replica = t.replica;
+        let served = self.rounds.serve(id, generation, replica.optimizer_steps, |slot| {
+            slot.set(Some(replica));
+            Ok::<(), ()>(())
+        });
+        if let Ok(Ok(admitted)) = served {
+            for joiner in admitted {
+                let g = self.threads.keys().filter(|(i, _)| *i == joiner).map(|(_, g)| *g).max();
+                if let Some(g) = g {
+                    self.wake(joiner, g);
+                }
+            }
+        }
+    }
+
+    fn computed(&mut self, id: usize, generation: u64) -> Check {
+        let Some(t) = self.threads.get_mut(&(id, generation)) else { return Ok(()) };
+        if t.stage != (Stage::Computing { hung: false }) {
+            return Ok(());
+        }
+        let contribution =
+            Contribution { replica: t.replica, batches: std::mem::take(&mut t.items), samples: t.samples };
+        let step = t.replica.step;
+        t.samples = 0;
+        t.taken = 0;
+        t.stage = Stage::InRound;
+        match self.rounds.contribute(id, generation, step, contribution) {
+            Ok(()) => self.complete_rounds(),
+            Err(crate::train::rounds::RoundsError::Removed) => {
+                self.returned(id, generation);
+                Ok(())
+            }
+            Err(e) => violation(format!("drafter {id}.{generation} contributed to step {step}: {e}")),
+        }
+    }
+
+    /// Closes every complete round: checks the contributors agree, reports it, and every contributor still
+    /// running applies it.
+    fn complete_rounds(&mut self) -> Check {
+        while let Some(done) = self.rounds.complete() {
+            let first = done.contributions[0].2.replica;
+            for (m, _, c) in &done.contributions {
+                if c.replica != first || c.replica.step != done.step {
+                    return violation(format!(
+                        "round {}: member {m} holds {:?}, member {} holds {first:?}",
+                        done.step, c.replica, done.contributions[0].0
+                    ));
+                }
+            }
+            let key = (self.process, done.incarnation, done.step);
+            if let Some(previous) = self.round_state.insert(key, first)
+                && previous != first
+            {
+                return violation(format!("round {} of incarnation {} ran twice", done.step, done.incarnation));
+            }
+            let lr = self.hyper.lr_at(done.step, self.samples_committed);
+            let expected = self.p.expected_lr(done.step, self.samples_committed);
+            if (lr - expected).abs() > 1e-12 * expected.max(1e-12) {
+                return violation(format!("round {}: learning rate {lr}, the schedule says {expected}", done.step));
+            }
+            let samples: u64 = done.contributions.iter().map(|(.., c)| c.samples).sum();
+            self.samples_committed += samples;
+            self.boundary_samples.insert((self.process, done.incarnation, done.step + 1), self.samples_committed);
+            let mut hash = mix(first.hash, done.step);
+            for (.., c) in &done.contributions {
+                for b in &c.batches {
+                    hash = mix(hash, b.epoch << 32 | b.ordinal);
+                }
+            }
+            let report = RoundReport {
+                step: done.step,
+                incarnation: done.incarnation,
+                contributions: done
+                    .contributions
+                    .iter()
+                    .map(|(m, g, c)| Contributed {
+                        member: *m,
+                        generation: *g,
+                        batches: c.batches.clone(),
+                        metrics: Metrics::default(),
+                        samples: c.samples,
+                    })
+                    .collect(),
+                total_weight: samples as f64,
+                lr,
+                samples_committed: self.samples_committed,
+            };
+            self.collective_clock = self.send_from(self.collective_clock, Event::Round(report));
+            let next = Replica { step: done.step + 1, hash, optimizer_steps: first.optimizer_steps + 1 };
+            for (m, g, _) in done.contributions {
+                let Some(t) = self.threads.get_mut(&(m, g)) else { continue };
+                if t.stage != Stage::InRound {
+                    continue;
+                }
+                t.replica = next;
+                t.stage = Stage::Collecting;
+                let digest = (self.p.check_every > 0 && next.step.is_multiple_of(self.p.check_every)).then_some([
+                    next.hash as i64,
+                    next.step as i64,
+                    next.optimizer_steps as i64,
+                ]);
+                let event = Event::StepDone {
+                    id: m,
+                    generation: g,
+                    step: next.step,
+                    digest,
+                    applied: true,
+                    feature_wait_s: 0.0,
+                };
+                self.thread_says(m, g, event);
+                if self.rounds.has_joiners() {
+                    self.serve(m, g);
+                }
+                self.wake(m, g);
+            }
+        }
+        Ok(())
+    }
+
+    fn hang_check(&mut self, id: usize, generation: u64) {
+        let Some(t) = self.threads.get(&(id, generation)) else { return };
+        let overdue = self.now.saturating_sub(t.computing_since) > Duration::from_secs_f64(STEP_TIMEOUT_S);
+        if !matches!(t.stage, Stage::Computing { .. }) || !overdue {
+            return;
+        }
+        // The shell looks only at the threads the core runs.
+        if !self.core.running_threads().contains(&(id, generation)) {
+            return;
+        }
+        let running = t.items.clone();
+        let failure = Failure { kind: FailureKind::Hang, message: "no progress".into() };
+        self.supervision(Event::DrafterFailed { id, generation, failure, running, injected: false });
+    }
+
+    // ------------------------------------------------------------------ target threads
+
+    fn target_work(&mut self, target: usize) {
+        let t = &mut self.targets[target];
+        if t.stage == TargetStage::Ready && !t.busy && !t.queue.is_empty() {
+            t.busy = true;
+            let generation = t.generation;
+            let delay = self.jitter(1, 10);
+            self.after(delay, Occ::TargetDone { target, generation });
+        }
+    }
+
+    fn target_done(&mut self, target: usize, generation: u64) {
+        let t = &mut self.targets[target];
+        if t.generation != generation || t.stage != TargetStage::Ready {
+            return;
+        }
+        t.busy = false;
+        let Some((seq, drafter, dgen, item)) = t.queue.pop_front() else { return };
+        if let Some((batch, _)) = item
+            && self.poison.contains(&batch)
+        {
+            t.stage = TargetStage::Gone;
+            self.target_failures.push(self.now);
+            self.note(format!("fault: target {target} crashes on batch {batch:?}"));
+            let failure = Failure { kind: FailureKind::Torch, message: "index out of range in self".into() };
+            self.supervision(Event::TargetFailed { target, generation, failure });
+            return;
+        }
+        if self.routes.get(&drafter) == Some(&dgen)
+            && let Some(th) = self.threads.get_mut(&(drafter, dgen))
+        {
+            th.inbox.push_back(match item {
+                Some((batch, samples)) => Msg::Features(batch, samples),
+                None => Msg::Empty,
+            });
+            self.wake(drafter, dgen);
+        }
+        let clock = self.targets[target].clock;
+        self.targets[target].clock = self.send_from(clock, Event::Delivered { target, generation, seq });
+        self.target_work(target);
+    }
+
+    // ------------------------------------------------------------------ the disk
+
+    fn next_write(&mut self) {
+        if !self.writing && !self.writes.is_empty() {
+            self.writing = true;
+            // Now and then a write takes far longer than the rest (a slow or stuck disk).
+            let delay = if self.rng.random_bool(0.03) { self.jitter(5_000, 40_000) } else { self.jitter(20, 300) };
+            self.after(delay, Occ::WriteDone);
+        }
+    }
+
+    fn write_done(&mut self) -> Check {
+        self.writing = false;
+        let (job, replica) = match self.writes.pop_front() {
+            Some(DiskJob::Write(job, replica)) => (*job, replica),
+            Some(DiskJob::Retire(from, to)) => {
+                self.disk.retain(|s, _| !(from..=to).contains(s));
+                self.next_write();
+                return Ok(());
+            }
+            None => return Ok(()),
+        };
+        let result = if job.incarnation != self.rounds.incarnation() {
+            // The writer's fence: the run rewound while this was written.
+            Err("discarded: the run rewound".to_string())
+        } else if std::mem::take(&mut self.armed.fail_write) {
+            self.write_failed = true;
+            Err("No space left on device".to_string())
+        } else {
+            self.disk.insert(job.step, OnDisk { state: job.state.clone(), replica, intact: true });
+            self.retention(&job)?;
+            Ok((path_of(job.step), 0.1))
+        };
+        let event = Event::CheckpointWritten { step: job.step, incarnation: job.incarnation, result };
+        self.after(ms(1), Occ::Deliver(Box::new(event)));
+        self.next_write();
+        Ok(())
+    }
+
+    /// The writer's retention, with the real rule, checked against what was known.
+    fn retention(&mut self, job: &WriteJob) -> Check {
+        let found: Vec<(u64, bool)> = self.disk.keys().map(|s| (*s, !job.invalid.contains(s))).collect();
+        let newest_intact = self.disk.iter().rev().find(|(_, c)| c.intact).map(|(s, _)| *s);
+        for step in to_delete(&found, self.p.keep) {
+            let counted_newer = found.iter().filter(|(s, valid)| *s > step && *valid).count();
+            if !job.invalid.contains(&step) && counted_newer < self.p.keep {
+                return violation(format!("retention deleted step {step} with {counted_newer} valid ones newer"));
+            }
+            if Some(step) == newest_intact {
+                return violation(format!("retention deleted the newest intact checkpoint (step {step})"));
+            }
+            self.disk.remove(&step);
+        }
+        Ok(())
+    }
+
+    fn scanned(&mut self, filter: ScanFilter) -> Check {
+        let event = if std::mem::take(&mut self.armed.fail_scan) {
+            Event::CheckpointFound(Err("Input/output error".into()))
+        } else {
+            let (newest, rejected) = self.scan_disk(&|step| filter.allows(step));
+            Event::CheckpointFound(Ok(Found { newest, rejected }))
+        };
+        self.feed(event)
+    }
+
+    // ------------------------------------------------------------------ faults
+
+    fn fault(&mut self) -> Check {
+        let running: Vec<(usize, u64)> =
+            self.threads.iter().filter(|(_, t)| t.stage != Stage::Gone).map(|(k, _)| *k).collect();
+        let pick = self.rng.random_range(0..100);
+        match pick {
+            0..=17 => {
+                if let Some(&(id, g)) = choose(&mut self.rng, &running) {
+                    let kind = if self.rng.random_bool(0.3) { FailureKind::Injected } else { FailureKind::Panic };
+                    self.kill(id, g, kind, "fault: panic");
+                }
+            }
+            18..=25 => {
+                // Every drafter at once: what a peer dying inside an NCCL all-reduce does to the others.
+                for (id, g) in running {
+                    self.kill(id, g, FailureKind::Torch, "fault: collective timed out");
+                }
+            }
+            26..=31 => {
+                let keep = choose(&mut self.rng, &running).copied();
+                for (id, g) in running.into_iter().filter(|r| Some(*r) != keep) {
+                    self.kill(id, g, FailureKind::Panic, "fault: all but one");
+                }
+            }
+            32..=39 => {
+                let id = self.rng.random_range(0..self.p.drafters);
+                self.armed.hang.insert(id);
+            }
+            40..=45 => {
+                let id = self.rng.random_range(0..self.p.drafters);
+                self.armed.slow.insert(id);
+            }
+            46 => {
+                if let Some(&(id, g)) = choose(&mut self.rng, &running) {
+                    self.kill(id, g, FailureKind::Poisoned, "fault: an illegal memory access was encountered");
+                }
+            }
+            47..=53 => {
+                let target = self.rng.random_range(0..self.targets.len());
+                let t = &mut self.targets[target];
+                if t.stage != TargetStage::Gone {
+                    t.stage = TargetStage::Gone;
+                    let generation = t.generation;
+                    self.target_failures.push(self.now);
+                    let failure = Failure { kind: FailureKind::Torch, message: "fault: target error".into() };
+                    self.supervision(Event::TargetFailed { target, generation, failure });
+                }
+            }
+            54..=58 => {
+                // A batch whose ids the target cannot embed: it crashes the target every time.
+                let queued: Vec<BatchId> =
+                    self.targets.iter().flat_map(|t| t.queue.iter().filter_map(|q| q.3.map(|(b, _)| b))).collect();
+                if let Some(&b) = choose(&mut self.rng, &queued) {
+                    self.poison.insert(b);
+                }
+            }
+            59..=63 => self.armed.fail_write = true,
+            64..=69 => {
+                let steps: Vec<u64> = self.disk.keys().copied().collect();
+                if let Some(&s) = choose(&mut self.rng, &steps) {
+                    self.note(format!("fault: checkpoint {s} damaged on disk"));
+                    self.disk.get_mut(&s).expect("listed").intact = false;
+                }
+            }
+            70..=73 => self.armed.fail_scan = true,
+            74..=77 => self.armed.start_crash = true,
+            78..=80 => self.armed.start_hang = true,
+            81..=85 => self.armed.kill_donor_on_serve = true,
+            86..=89 => self.armed.kill_founder = true,
+            90..=93 => {
+                if self.rng.random_bool(0.5) {
+                    self.shutdown_requested = true;
+                    return self.feed(Event::Shutdown);
+                }
+            }
+            _ => {
+                let mut config = self.core.config().clone();
+                config.checkpoint.every_steps = [0, 2, 5][self.rng.random_range(0..3)];
+                config.log.every_steps = 3;
+                return self.feed(Event::Reconfigured(Box::new(config)));
+            }
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ the loop
+
+    fn step(&mut self, occ: Occ) -> Check {
+        match occ {
+            Occ::Deliver(event) => {
+                if let Event::Shutdown = *event {
+                    self.shutdown_requested = true;
+                }
+                self.feed(*event)?
+            }
+            Occ::Built { id, generation } => self.built(id, generation)?,
+            Occ::Wake { id, generation } => self.run_thread(id, generation)?,
+            Occ::Computed { id, generation } => self.computed(id, generation)?,
+            Occ::HangCheck { id, generation } => self.hang_check(id, generation),
+            Occ::TargetBuilt { target, generation } => {
+                let t = &mut self.targets[target];
+                if t.generation == generation && t.stage == TargetStage::Building {
+                    t.stage = TargetStage::Ready;
+                    let clock = t.clock;
+                    self.targets[target].clock = self.send_from(clock, Event::TargetReady { target, generation });
+                    self.target_work(target);
+                }
+            }
+            Occ::TargetDone { target, generation } => self.target_done(target, generation),
+            Occ::Scan(filter) => self.scanned(filter)?,
+            Occ::WriteDone => self.write_done()?,
+            Occ::Tick => {
+                self.after(ms(200), Occ::Tick);
+                self.feed(Event::Tick)?;
+            }
+            Occ::Fault => {
+                let mean = self.p.fault_every_s;
+                let next = Duration::from_secs_f64(-mean * (1.0 - self.rng.random::<f64>()).ln());
+                self.after(next, Occ::Fault);
+                self.fault()?;
+            }
+            Occ::Restart => self.start_process()?,
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> Check {
+        self.start_process()?;
+        let first = Duration::from_secs_f64(self.p.fault_every_s);
+        self.after(first, Occ::Fault);
+        while let Some(Reverse((when, seq))) = self.queue.pop() {
+            let Some((process, occ)) = self.pending.remove(&seq) else { continue };
+            // Whatever the last process left scheduled died with it; faults and restarts outlive it.
+            let everlasting = matches!(occ, Occ::Fault | Occ::Restart);
+            if process != self.process && !everlasting {
+                continue;
+            }
+            if !self.alive && !everlasting {
+                continue;
+            }
+            if matches!(occ, Occ::Fault) && !self.alive {
+                if self.pending.values().any(|(_, o)| matches!(o, Occ::Restart)) {
+                    self.now = when;
+                    let next = Duration::from_secs_f64(self.p.fault_every_s);
+                    self.after(next, Occ::Fault);
+                }
+                continue;
+            }
+            self.now = when;
+            self.step(occ)?;
+            if self.alive && self.now.saturating_sub(self.last_progress) > STALL {
+                return violation(format!(
+                    "no step committed for {} s and no exit: {:?}",
+                    STALL.as_secs(),
+                    self.core.status()
+                ));
+            }
+            if self.now > HORIZON {
+                break;
+            }
+        }
+        self.check_ledger()
+    }
+
+    /// Every sample at most once per epoch; once the run completed, every epoch whole (set-aside batches aside).
+    fn check_ledger(&self) -> Check {
+        let mut per_epoch: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for (_, epoch, samples) in &self.ledger {
+            per_epoch.entry(*epoch).or_default().extend(samples);
+        }
+        for (epoch, samples) in &mut per_epoch {
+            samples.sort_unstable();
+            if let Some(w) = samples.windows(2).find(|w| w[0] == w[1]) {
+                return violation(format!("epoch {epoch} trained sample {} twice", w[0]));
+            }
+        }
+        if self.completed && self.p.max_steps == 0 {
+            let aside: Vec<BatchId> = self.core.set_aside().to_vec();
+            for epoch in 0..self.p.epochs {
+                let mut samples = per_epoch.remove(&epoch).unwrap_or_default();
+                for b in aside.iter().filter(|b| b.epoch == epoch) {
+                    samples.extend(self.batches.get(b).into_iter().flatten());
+                }
+                samples.sort_unstable();
+                samples.dedup();
+                if samples.len() != self.p.samples {
+                    let missing: Vec<usize> =
+                        (0..self.p.samples).filter(|s| samples.binary_search(s).is_err()).collect();
+                    let batches: Vec<&BatchId> = self
+                        .batches
+                        .iter()
+                        .filter(|(_, p)| p.iter().any(|s| missing.contains(s)))
+                        .map(|(b, _)| b)
+                        .collect();
+                    return violation(format!(
+                        "the run completed but epoch {epoch} holds {} of {} samples: missing {missing:?}, in {batches:?}",
+                        samples.len(),
+                        self.p.samples
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn report(&self, error: &str) -> String {
+        format!(
+            "seed {} failed: {error}\nparameters: {:?}\nexits: {:?}\nlast events:\n{}\nreplay: DFLASH_SIM_SEED={} cargo \
+             test --lib sim_replay -- --nocapture",
+            self.seed,
+            self.p,
+            self.exits,
+            self.trace.iter().cloned().collect::<Vec<_>>().join("\n"),
+            self.seed
+        )
+    }
+}
+
+fn setup(p: &Params, config: Config, resume: Option<(PathBuf, TrainerState)>, rejected: Vec<u64>) -> Setup {
+    Setup {
+        config,
+        // Two drafters a device: hangs count per device.
+        drafter_devices: (0..p.drafters).map(|i| format!("cuda:{}", i / 2)).collect(),
+        target_devices: (0..p.targets).map(|i| format!("cuda:{i}")).collect(),
+        feeds: (0..p.drafters).map(|i| i % p.targets).collect(),
+        lengths: vec![16; p.samples],
+        sample_ids: (0..p.samples as u64).collect(),
+        resume,
+        rejected,
+    }
+}
+
+fn path_of(step: u64) -> PathBuf {
+    PathBuf::from(format!("ckpt-{step:09}"))
+}
+
+fn step_of(path: &std::path::Path) -> u64 {
+    path.to_string_lossy().trim_start_matches("ckpt-").parse().expect("a path from path_of")
+}
+
+fn choose<'a, T>(rng: &mut ChaCha8Rng, items: &'a [T]) -> Option<&'a T> {
+    (!items.is_empty()).then(|| &items[rng.random_range(0..items.len())])
+}
+
+fn short(s: &str) -> String {
+    if s.len() > 240 { format!("{}...", &s[..240]) } else { s.to_string() }
+}
+
+/// Runs one seed; the error is the whole report.
+fn simulate(seed: u64, full_trace: bool) -> Result<(u64, Vec<(i32, String)>), String> {
+    let mut world = World::new(seed, full_trace);
+    match world.run() {
+        Ok(()) => Ok((world.events, world.exits)),
+        Err(e) => Err(world.report(&e)),
+    }
+}
+
+fn seeds(default: u64) -> u64 {
+    std::env::var("DFLASH_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// A CI-sized set of seeds (`DFLASH_SIM_SEEDS` for more, from `DFLASH_SIM_FIRST`).
+#[test]
+fn sim_many_seeds_hold_every_invariant() {
+    let n = seeds(48);
+    let first: u64 = std::env::var("DFLASH_SIM_FIRST").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut events = 0;
+    let mut endings: BTreeMap<String, usize> = BTreeMap::new();
+    for seed in first..first + n {
+        match simulate(seed, false) {
+            Ok((e, exits)) => {
+                events += e;
+                for (code, why) in exits {
+                    *endings.entry(format!("{code} ({why})")).or_default() += 1;
+                }
+            }
+            Err(report) => panic!("{report}"),
+        }
+    }
+    eprintln!("{n} seeds, {events} events to the core; endings: {endings:?}");
+    assert!(events > n * 1000, "the schedules should be long: {events} events");
+    for wanted in ["0 (complete)", "3 (no progress)"] {
+        assert!(endings.keys().any(|k| k == wanted), "no seed ended with {wanted}: {endings:?}");
+    }
+}
+
+/// Replays one seed with its whole trace: `DFLASH_SIM_SEED=<seed>`.
+#[test]
+fn sim_replay() {
+    let Some(seed) = std::env::var("DFLASH_SIM_SEED").ok().and_then(|s| s.parse().ok()) else { return };
+    if let Err(report) = simulate(seed, true) {
+        panic!("{report}");
+    }
+}
+
+/// The same seed, the same run: the simulation (and the core) are deterministic.
+#[test]
+fn sim_is_deterministic() {
+    let a = simulate(7, false);
+    let b = simulate(7, false);
+    assert_eq!(a, b);
+}

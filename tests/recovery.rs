@@ -1,0 +1,261 @@
+//! Recovery when failures come together, as clusters produce them, through the public surface only: the fault API,
+//! `/status`, `/readyz`, exit codes, logs, the data ledger and the checkpoint folder. Each test reproduces a defect
+//! of the supervisor before it became a state machine (`src/service/supervisor/core.rs`; its simulation covers
+//! thousands of schedules, these check the real process end to end).
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::*;
+
+/// Waits until every drafter is live and the step passed `after`; the bound is generous (CI machines are slow).
+fn all_live_past(svc: &mut Service, drafters: usize, after: u64) -> Value {
+    svc.wait("every drafter live again, training on", |s| {
+        (0..drafters).all(|i| state(s, i) == "live") && step(s) > after
+    })
+}
+
+fn readyz(svc: &Service) -> u16 {
+    svc.http("GET", "/readyz", "").0
+}
+
+/// All drafters failing together (what a peer dying inside an NCCL all-reduce does to the others), then all but one,
+/// then the donor while the others rejoin: every drafter is live again each time and training goes on; every
+/// sample of an epoch is trained once; the replicas stay identical.
+#[test]
+fn correlated_failures_bring_every_drafter_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "optim.epochs=1000",
+        "checkpoint.every_steps=4",
+        "supervision.max_restarts=20",
+        "supervision.restart_window_s=600",
+        "supervision.backoff_initial_ms=300",
+        "supervision.backoff_max_ms=300",
+    ];
+    let mut svc = Service::start(&config(dir.path(), 3), false, &sets);
+    let s = svc.wait("a checkpoint", |s| !s["last_checkpoint"].is_null() && step(s) >= 4);
+    assert_eq!(readyz(&svc), 200, "ready while training");
+
+    // Every drafter at once: one founds the run again from the newest checkpoint, the others join it.
+    for id in 0..3 {
+        svc.fault(id, "panic");
+    }
+    svc.wait("all three restarted", |s| (0..3).all(|i| drafter(s, i)["restarts"] == 1));
+    let s = all_live_past(&mut svc, 3, step(&s));
+
+    // All but one.
+    svc.fault(1, "panic");
+    svc.fault(2, "panic");
+    svc.wait("two restarted", |s| (1..3).all(|i| drafter(s, i)["restarts"] == 2));
+    let s = all_live_past(&mut svc, 3, step(&s));
+
+    // The donor, while the others rejoin it.
+    svc.fault(1, "panic");
+    svc.fault(2, "panic");
+    svc.wait("a drafter joining", |s| (1..3).any(|i| state(s, i) == "joining"));
+    svc.fault(0, "panic");
+    svc.wait("the donor restarted", |s| drafter(s, 0)["restarts"] == 2);
+    let back = all_live_past(&mut svc, 3, step(&s));
+
+    let s =
+        svc.wait("replicas compared since", |s| s["replicas_checked_step"].as_u64().is_some_and(|c| c > step(&back)));
+    assert_eq!(s["replicas_diverged"], 0, "replicas must stay bitwise identical: {s:#}");
+    assert_eq!(s["batches_set_aside"], 0, "injected faults are not held against batches: {s:#}");
+    svc.signal("-TERM");
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 0);
+    assert!(logged(&logs, "no live replica: the run continues from step"), "a rewind happened");
+    let samples = PreparedSplitLen::of(prepared());
+    assert_exactly_once(&dir.path().join("ledger.jsonl"), samples);
+}
+
+/// A run that cannot go on (every drafter failed past its restart limit) ends with the documented status 3 instead
+/// of idling; `/readyz` answers 503 while no drafter is live, and `/healthz` stays 200 (the process is alive).
+#[test]
+fn a_run_with_no_drafter_left_ends_with_status_3_and_readyz_tells_probes() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "optim.epochs=1000",
+        "supervision.max_restarts=1",
+        "supervision.restart_window_s=600",
+        "supervision.backoff_initial_ms=2000",
+        "supervision.backoff_max_ms=2000",
+    ];
+    let mut svc = Service::start(&config(dir.path(), 2), false, &sets);
+    svc.wait("training", |s| step(s) >= 2);
+    assert_eq!(readyz(&svc), 200);
+    svc.fault(0, "panic");
+    svc.fault(1, "panic");
+    let s = svc.wait("both restarting", |s| (0..2).all(|i| state(s, i) == "restarting"));
+    assert_eq!(s["ready"], false, "{s:#}");
+    assert_eq!(readyz(&svc), 503, "no drafter live: not ready");
+    assert_eq!(svc.http("GET", "/healthz", "").0, 200, "but alive");
+    let s = all_live_past(&mut svc, 2, step(&s));
+    assert_eq!(readyz(&svc), 200);
+    // Their second failure within the window exceeds max_restarts = 1: both fail for good.
+    svc.fault(0, "panic");
+    svc.fault(1, "panic");
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 3, "documented: the run cannot progress");
+    assert!(logged(&logs, "below supervision.min_live_drafters"), "{:#?}", &logs[logs.len().saturating_sub(10)..]);
+    assert!(step(&s) > 0);
+}
+
+/// Corrupt checkpoints at higher steps than the run's (an older run, a damaged disk) are never counted by
+/// retention: the checkpoints the resumed run writes stay, `/status` points at one that exists, and the next resume
+/// continues from the newest of them, not from step 0. The corrupt ones are moved aside, not deleted.
+#[test]
+fn corrupt_checkpoints_above_the_run_never_cost_it_its_valid_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let sets = ["optim.epochs=1000", "checkpoint.every_steps=3", "checkpoint.keep=2"];
+    let mut first = Service::start(&cfg, false, &sets);
+    first.wait("two checkpoints", |s| s["last_checkpoint"]["step"].as_u64().unwrap_or(0) >= 6);
+    first.signal("-TERM");
+    assert_eq!(first.exit_code().0, 0);
+    let ckpt = dir.path().join("ckpt");
+    let newest = newest_checkpoint(&ckpt);
+    for step in [700u64, 800, 900] {
+        let fake = ckpt.join(format!("ckpt-{step:09}"));
+        copy_dir(&newest, &fake);
+        let weights = fake.join("drafter/model.safetensors");
+        let mut bytes = std::fs::read(&weights).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 0xFF;
+        std::fs::write(&weights, bytes).unwrap();
+    }
+
+    let mut second = Service::start(&cfg, true, &sets);
+    let resumed = step(&second.status());
+    let s =
+        second.wait("two new checkpoints", |s| s["last_checkpoint"]["step"].as_u64().is_some_and(|c| c >= resumed + 6));
+    let path = PathBuf::from(s["last_checkpoint"]["path"].as_str().unwrap());
+    assert!(path.join("MANIFEST").is_file(), "/status points at a checkpoint that exists: {s:#}");
+    let written = s["last_checkpoint"]["step"].as_u64().unwrap();
+    second.signal("-KILL");
+    let _ = second.exit_code();
+    let retired = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("retired-ckpt-"))
+        .count();
+    assert_eq!(retired, 3, "the corrupt checkpoints are moved aside, kept for a look");
+
+    let mut third = Service::start(&cfg, true, &sets);
+    let s = third.wait("resumed", |s| s["phase"] == "running");
+    assert!(step(&s) >= written, "resumed from step {} although step {written} was written", step(&s));
+    third.signal("-TERM");
+    assert_eq!(third.exit_code().0, 0);
+}
+
+/// Under `optim.max_steps` the learning-rate schedule counts steps: a run resumed with fewer drafters than it
+/// started with keeps the rate where the schedule says (it used to drop to zero, the span being counted in samples
+/// of the configured drafters).
+#[test]
+fn the_learning_rate_follows_the_steps_when_resumed_with_fewer_drafters() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 3);
+    let sets = [
+        "optim.max_steps=30",
+        "optim.epochs=1000",
+        "optim.schedule=cosine",
+        "optim.warmup_ratio=0.0",
+        "optim.min_lr_ratio=0.0",
+    ];
+    let mut first = Service::start(&cfg, false, &sets);
+    first.wait("step 10", |s| step(s) >= 10);
+    first.signal("-TERM");
+    let (code, mut logs) = first.exit_code();
+    assert_eq!(code, 0);
+    let mut fewer: Vec<&str> = sets.to_vec();
+    fewer.push("drafters.devices=[\"cpu\"]");
+    let (code, resumed) = Service::start(&cfg, true, &fewer).exit_code();
+    assert_eq!(code, 0, "{:#?}", &resumed[resumed.len().saturating_sub(10)..]);
+    assert!(logged(&resumed, "drafters 1/1 live"), "the resumed run trains with one drafter");
+    logs.extend(resumed);
+    let lines = progress_lr(&logs);
+    assert!(lines.iter().any(|(s, _)| *s > 15), "progress lines after the resume: {lines:?}");
+    for (step, lr) in lines {
+        // The line of step N shows the rate of round N - 1: cosine over 30 steps, from 2e-3 to 0.
+        let expected = 2e-3 * 0.5 * (1.0 + (std::f64::consts::PI * (step - 1) as f64 / 30.0).cos());
+        assert!((lr - expected).abs() <= 0.01 * expected, "step {step}: lr {lr}, the schedule says {expected}");
+    }
+}
+
+/// Data whose token ids do not fit the target (prepared for another model) is refused when it is opened, with the
+/// file and the sample named, instead of crashing the target over and over.
+#[test]
+fn data_prepared_for_another_model_is_refused_at_start_naming_the_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("other-model");
+    copy_dir(prepared(), &data);
+    let tokens = data.join("train-00000.tokens");
+    let mut bytes = std::fs::read(&tokens).unwrap();
+    bytes[40..44].copy_from_slice(&151_000u32.to_le_bytes());
+    std::fs::write(&tokens, bytes).unwrap();
+    let cfg = config(dir.path(), 2);
+    let set = format!("data.path={}", data.display());
+    let mut child = std::process::Command::new(BIN)
+        .args(["--config", cfg.to_str().unwrap(), "serve-train", "--set", &set])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("still running after a minute: the bad data was not refused at start");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    for needed in ["train-00000.tokens", "sample id", "token id 151000", "vocabulary (0..320)", "prepare"] {
+        assert!(stderr.contains(needed), "the error names {needed:?}: {stderr}");
+    }
+}
+
+/// `(step, lr)` of every progress line.
+fn progress_lr(logs: &[String]) -> Vec<(u64, f64)> {
+    logs.iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["fields"]["message"].as_str().map(str::to_string))
+        .filter(|m| m.starts_with("step "))
+        .map(|m| {
+            let step = m[5..].split(' ').next().unwrap().parse().unwrap();
+            let lr = m.split(" · ").find_map(|f| f.strip_prefix("lr ")).unwrap().parse().unwrap();
+            (step, lr)
+        })
+        .collect()
+}
+
+fn newest_checkpoint(dir: &Path) -> PathBuf {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("ckpt-"))
+        .collect();
+    found.sort();
+    found.pop().expect("a checkpoint")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
