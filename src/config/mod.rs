@@ -385,7 +385,7 @@ fn toml_to_config(v: toml::Value) -> Value {
 
 impl RawConfig {
     fn validate(self, merged: serde_json::Value) -> Result<Config, ConfigError> {
-        Ok(Config {
+        let config = Config {
             target: self.target.validate()?,
             draft_model: self.draft_model.validate()?,
             drafters: self.drafters.validate()?,
@@ -398,7 +398,18 @@ impl RawConfig {
             control: self.control.validate()?,
             log: self.log.validate()?,
             merged,
-        })
+        };
+        let (min, drafters) = (config.supervision.min_live_drafters, config.drafters.devices.len());
+        if min > drafters {
+            return Err(invalid(
+                "supervision.min_live_drafters",
+                min,
+                format!(
+                    "at most the number of drafters ({drafters} in drafters.devices), or the run could never start"
+                ),
+            ));
+        }
+        Ok(config)
     }
 }
 
@@ -682,6 +693,7 @@ mod tests {
             ("optim.lr=-1", &["optim.lr", "-1"]),
             ("checkpoint.keep=1", &["checkpoint.keep", "at least 2"]),
             ("supervision.backoff_max_ms=1", &["supervision.backoff_max_ms", "backoff_initial_ms"]),
+            ("supervision.min_live_drafters=3", &["supervision.min_live_drafters", "3", "2 in drafters.devices"]),
             ("control.listen=nowhere", &["control.listen", "nowhere", "127.0.0.1"]),
             ("log.every_steps=0", &["log.every_steps"]),
             ("eval.every_steps=-1", &["eval.every_steps"]),

@@ -302,6 +302,8 @@ struct World {
     shutdown_requested: bool,
     write_failed: bool,
     target_failures: Vec<Duration>,
+    /// The largest `min_live_drafters` and the smallest `max_restarts` of this process so far.
+    strictest: (usize, usize),
     trace: VecDeque<String>,
     full_trace: bool,
     events: u64,
@@ -354,6 +356,7 @@ impl World {
             shutdown_requested: false,
             write_failed: false,
             target_failures: vec![],
+            strictest: (0, usize::MAX),
             trace: VecDeque::new(),
             full_trace,
             events: 0,
@@ -426,6 +429,7 @@ impl World {
             "process starts: {} drafters, resume from step {step}, rejected {rejected:?}",
             self.p.drafters
         ));
+        self.strictest = (config.supervision.min_live_drafters, config.supervision.max_restarts);
         self.core = Core::new(setup(&self.p, config.clone(), resume, rejected));
         self.hyper = step_settings(&config, self.p.samples as u64, None).hyper;
         self.rounds = Rounds::new(step);
@@ -667,10 +671,13 @@ impl World {
                 // The restart window, counted back from when the ending began (at most shutdown_timeout_s ago).
                 let window = Duration::from_secs_f64(60.0 + SHUTDOWN_TIMEOUT_S);
                 let recent = self.target_failures.iter().filter(|t| self.now.saturating_sub(**t) <= window).count();
-                if failed + self.p.min_live <= self.p.drafters && recent <= self.p.max_restarts {
+                // Reloads move both limits: the strictest each was in this process counts.
+                let (min_live, max_restarts) = self.strictest;
+                if failed + min_live <= self.p.drafters && recent <= max_restarts {
                     return violation(format!(
-                        "exit 3 with {failed} of {} drafters failed (min_live {}) and {recent} recent target failures",
-                        self.p.drafters, self.p.min_live
+                        "exit 3 with {failed} of {} drafters failed (min_live {min_live}) and {recent} recent target \
+                         failures (max_restarts {max_restarts})",
+                        self.p.drafters
                     ));
                 }
                 "no progress"
@@ -1179,6 +1186,12 @@ impl World {
                 let mut config = self.core.config().clone();
                 config.checkpoint.every_steps = [0, 2, 5][self.rng.random_range(0..3)];
                 config.log.every_steps = 3;
+                let s = &mut config.supervision;
+                s.max_restarts = self.rng.random_range(2..=6);
+                s.backoff_initial_ms = self.rng.random_range(20..=300);
+                s.backoff_max_ms = s.backoff_initial_ms * self.rng.random_range(1..=8);
+                s.min_live_drafters = self.rng.random_range(1..=self.p.drafters);
+                self.strictest = (self.strictest.0.max(s.min_live_drafters), self.strictest.1.min(s.max_restarts));
                 return self.feed(Event::Reconfigured(Box::new(config)));
             }
         }

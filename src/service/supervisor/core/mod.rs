@@ -1,0 +1,666 @@
+//! The supervisor's decisions as a state machine: events in ([`Event`]), actions out ([`Action`]), time given by the
+//! caller. No threads, locks, tensors, files or actors: the ractor actor around it carries actions out and feeds
+//! back what happens, and the simulation (`sim.rs`) drives it through thousands of seeded failure schedules.
+//!
+//! What it guarantees (and the simulation checks):
+//! - **Nothing stalls silently.** Every state a drafter or target copy can be in ends by itself: backoffs expire,
+//!   starts have a deadline (twice `supervision.step_timeout_s`), a drafter waiting for a donor is started as soon
+//!   as the collective can take it. With no member left in the collective exactly one drafter founds it again from
+//!   the newest valid checkpoint (the others join once it is live), so correlated failures recover. A run that
+//!   cannot go on (fewer than `min_live_drafters` drafters that are not failed for good, a target copy past its
+//!   restart limit, a poisoned device) checkpoints if a replica is live and exits with a documented code; an
+//!   ending that cannot finish its checkpoint exits after `supervision.shutdown_timeout_s`.
+//! - **Every sample once per epoch.** Batches are settled by round reports only ([`Schedule`]).
+//! - **One founder.** The collective is founded (and rewound) only when it is known to be empty: membership is
+//!   learnt from the collective itself after every removal, never assumed.
+mod checkpoints;
+mod drafters;
+mod ending;
+mod rewind;
+mod steps;
+mod targets;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::checkpoints::{Book, Newest, SnapshotOutcome};
+use super::drafters::{Fate, Life, Role, Slot};
+use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, Request, Start, WriteJob};
+use super::schedule::{Item, Position, Schedule, Settled};
+use super::targets::TargetCopy;
+use crate::config::Config;
+use crate::data::loader::{BatchId, LoaderSettings};
+use crate::service::evaluator::Evaluated;
+use crate::service::failure::{Failure, FailureKind};
+use crate::service::messages::{CheckpointStatus, DrafterStatus, Status, TargetStatus};
+use crate::train::checkpoint::TrainerState;
+use crate::train::collective::{Hyper, ObjectiveKnobs, Progress, StepSettings};
+use crate::train::objective::Metrics;
+use crate::train::optim::LrSchedule;
+
+/// The run is complete, or was stopped by a signal after its checkpoint.
+pub const EXIT_OK: i32 = 0;
+/// An error: a checkpoint or export at the end of the run could not be written, or start-up failed.
+pub const EXIT_ERROR: i32 = 1;
+/// The run cannot go on: fewer than `supervision.min_live_drafters` drafters are left that are not failed for good,
+/// or a target copy failed past its restart limit. The newest valid checkpoint is kept; fix the cause, then resume.
+pub const EXIT_NO_PROGRESS: i32 = 3;
+/// Restart the service with `--resume auto`: an error poisoned a device, or the run's end could not checkpoint in
+/// time.
+pub const EXIT_RESTART: i32 = 75;
+
+/// Everything a reload may change in the training step, from the configuration. The learning-rate schedule counts
+/// steps when `optim.max_steps` bounds the run (it spans `max_steps`), and committed samples otherwise (it spans
+/// the epochs): either way its length and position do not depend on how many drafters are live, so the rate is
+/// continuous across failures, rejoins and resuming with a different number of drafters.
+pub fn step_settings(cfg: &Config, samples_per_epoch: u64, gamma: Option<f64>) -> StepSettings {
+    let o = &cfg.optim;
+    let (progress, total) = match o.max_steps {
+        0 => (Progress::Samples, samples_per_epoch * o.epochs),
+        steps => (Progress::Steps, steps),
+    };
+    StepSettings {
+        hyper: Hyper {
+            schedule: LrSchedule {
+                kind: o.schedule,
+                lr: o.lr,
+                warmup_steps: (o.warmup_ratio * total as f64).round() as u64,
+                total_steps: total.max(1),
+                min_lr_ratio: o.min_lr_ratio,
+            },
+            progress,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            grad_clip: o.grad_clip,
+        },
+        objective: ObjectiveKnobs { num_anchors: cfg.objective.num_anchors, gamma },
+    }
+}
+
+/// What the core starts from.
+pub struct Setup {
+    pub config: Config,
+    /// Device names of the drafters (by id) and of the target copies, for status and hang accounting.
+    pub drafter_devices: Vec<String>,
+    pub target_devices: Vec<String>,
+    /// Drafter id -> the target copy that feeds it.
+    pub feeds: Vec<usize>,
+    /// Token count and sample id of each sample, by position.
+    pub lengths: Vec<usize>,
+    pub sample_ids: Vec<u64>,
+    /// The checkpoint to resume (`--resume auto`) and the checkpoint folders found invalid on the way.
+    pub resume: Option<(PathBuf, TrainerState)>,
+    pub rejected: Vec<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    StartingTargets,
+    StartingDrafters,
+    Running,
+}
+
+/// Where a founder's state comes from.
+#[derive(Debug, Clone)]
+enum Source {
+    Fresh,
+    Checkpoint(PathBuf, Box<TrainerState>),
+}
+
+/// Finding the state a new founder starts from, once the collective is empty.
+#[derive(Debug, Clone)]
+enum Rewind {
+    Idle,
+    Scanning,
+    Scanned(Source),
+    /// The last scan failed: try again at `at`.
+    RetryAt(Duration),
+}
+
+struct Ending {
+    code: i32,
+    /// Export the final checkpoint (the run is complete).
+    export: bool,
+    reason: String,
+    deadline: Duration,
+    writes_before: u64,
+    failures_before: u64,
+    exporting: bool,
+}
+
+/// The members that must report their checksums at a step, and what they reported.
+type Expected = (Vec<usize>, BTreeMap<usize, [i64; 3]>);
+
+/// Replica checksums of a step, compared once every member reported.
+#[derive(Default)]
+struct Replicas {
+    expected: BTreeMap<u64, Expected>,
+    checked_step: Option<u64>,
+    diverged: u64,
+}
+
+impl Replicas {
+    /// Some(true) when the step's members all reported and agree, Some(false) when they differ.
+    fn compare(&mut self, step: u64) -> Option<bool> {
+        let (members, seen) = self.expected.get(&step)?;
+        if members.is_empty() || !members.iter().all(|m| seen.contains_key(m)) {
+            return None;
+        }
+        let first = seen[&members[0]];
+        let agree = members.iter().all(|m| seen[m] == first);
+        if agree {
+            self.checked_step = Some(step);
+        } else {
+            self.diverged += 1;
+        }
+        self.expected.retain(|s, _| *s > step);
+        Some(agree)
+    }
+}
+
+/// What a progress line summarises.
+struct Window {
+    metrics: Metrics,
+    samples: u64,
+    feature_wait_s: f64,
+    started: Duration,
+}
+
+/// See the module documentation.
+pub struct Core {
+    config: Config,
+    slots: Vec<Slot>,
+    targets: Vec<TargetCopy>,
+    feeds: Vec<usize>,
+    sample_ids: Vec<u64>,
+    schedule: Schedule,
+    book: Book,
+    replicas: Replicas,
+    phase: Phase,
+    ending: Option<Ending>,
+    exit: Option<i32>,
+    /// The collective's members `(id, generation)` as it last said, plus those that joined since.
+    members: Vec<(usize, u64)>,
+    incarnation: u64,
+    rewind: Rewind,
+    /// Scans that failed in a row.
+    scan_failures: u32,
+    /// The source of the first founder (the resumed checkpoint, or fresh weights).
+    initial: Option<Source>,
+    /// The checkpoint step the starting founder loads.
+    founding_from: Option<u64>,
+    gpu_hangs: HashMap<String, usize>,
+    /// A checkpoint is owed (its donor was lost, or an evaluation waits for it).
+    checkpoint_owed: bool,
+    seq: u64,
+    window: Window,
+    skipped_steps: u64,
+    samples_requeued: u64,
+    config_version: u64,
+    last_lr: f64,
+    eval_due: Option<u64>,
+    last_evaluation: Option<Evaluated>,
+    now: Duration,
+    out: Vec<Action>,
+}
+
+impl Core {
+    pub fn new(setup: Setup) -> Self {
+        let c = &setup.config;
+        let settings = LoaderSettings { batch_size: c.data.batch_size, seed: c.objective.seed, bucket_batches: 16 };
+        let schedule = Schedule::new(setup.lengths, settings, c.optim.accumulation, c.optim.epochs, c.optim.max_steps);
+        let mut book = Book::default();
+        book.found_invalid(&setup.rejected);
+        let initial = match setup.resume {
+            Some((path, state)) => Source::Checkpoint(path, Box::new(state)),
+            None => Source::Fresh,
+        };
+        let mut core = Core {
+            slots: setup.drafter_devices.into_iter().enumerate().map(|(id, d)| Slot::new(id, d)).collect(),
+            targets: setup.target_devices.into_iter().enumerate().map(|(id, d)| TargetCopy::new(id, d)).collect(),
+            feeds: setup.feeds,
+            sample_ids: setup.sample_ids,
+            schedule,
+            book,
+            replicas: Replicas::default(),
+            phase: Phase::StartingTargets,
+            ending: None,
+            exit: None,
+            members: vec![],
+            incarnation: 0,
+            rewind: Rewind::Idle,
+            scan_failures: 0,
+            initial: None,
+            founding_from: None,
+            gpu_hangs: HashMap::new(),
+            checkpoint_owed: false,
+            seq: 0,
+            window: Window { metrics: Metrics::default(), samples: 0, feature_wait_s: 0.0, started: Duration::ZERO },
+            skipped_steps: 0,
+            samples_requeued: 0,
+            config_version: 1,
+            last_lr: 0.0,
+            eval_due: None,
+            last_evaluation: None,
+            now: Duration::ZERO,
+            out: vec![],
+            config: setup.config,
+        };
+        // Status shows where the run starts before the first founder loads it.
+        core.restore(&initial);
+        core.initial = Some(initial);
+        core
+    }
+
+    /// The first actions (start the first target copy).
+    pub fn start(&mut self, now: Duration) -> Vec<Action> {
+        self.now = now;
+        self.window.started = now;
+        self.advance();
+        std::mem::take(&mut self.out)
+    }
+
+    /// Takes one event at `now` (never earlier than the last); returns what to do.
+    pub fn handle(&mut self, now: Duration, event: Event) -> Vec<Action> {
+        self.now = self.now.max(now);
+        if self.exit.is_some() {
+            return vec![];
+        }
+        match event {
+            Event::Tick => {}
+            Event::TargetReady { target, generation } => self.target_ready(target, generation),
+            Event::TargetFailed { target, generation, failure } => self.target_failed(target, generation, failure),
+            Event::TargetExited { target, generation } => {
+                let failure = Failure::panic("the target thread ended without being asked to".into());
+                self.target_failed(target, generation, failure)
+            }
+            Event::Delivered { target, generation, seq } => self.targets[target].delivered(generation, seq),
+            Event::DrafterReady { id, generation } => self.drafter_ready(id, generation),
+            Event::DrafterJoined { id, generation, step } => self.drafter_joined(id, generation, step),
+            Event::DrafterFailed { id, generation, failure, running, injected } => {
+                self.drafter_failed(id, generation, failure, &running, injected)
+            }
+            Event::DrafterExited { id, generation } => {
+                let failure = Failure::panic("the drafter thread ended without being asked to".into());
+                self.drafter_failed(id, generation, failure, &[], false)
+            }
+            Event::MemberRemoved { remaining } => self.members = remaining,
+            Event::StepDone { id, generation, step, digest, applied, feature_wait_s } => {
+                self.step_done(id, generation, step, digest, applied, feature_wait_s)
+            }
+            Event::Round(report) => {
+                for settled in self.schedule.take_report(report) {
+                    self.commit(settled);
+                }
+            }
+            Event::Snapshot { id, generation, step, optimizer_steps } => {
+                match self.book.snapshot(id, generation, step, optimizer_steps, self.now) {
+                    SnapshotOutcome::Unwanted if !self.book.holds(id, generation, step) => {
+                        self.out.push(Action::DropSnapshots { which: Some((id, generation, step)) })
+                    }
+                    SnapshotOutcome::Unwanted => {}
+                    SnapshotOutcome::Waiting => {}
+                    SnapshotOutcome::Write(job) => self.write(*job),
+                }
+            }
+            Event::CheckpointWritten { step, incarnation, result } => {
+                self.checkpoint_written(step, incarnation, result)
+            }
+            Event::CheckpointFound(result) => self.checkpoint_found(result),
+            Event::Evaluated(outcome) => self.evaluated(outcome),
+            Event::Exported(result) if self.ending.as_ref().is_some_and(|e| e.exporting) => {
+                let code = match result {
+                    Ok(path) => {
+                        tracing::info!(path = %path.display(), "exported the drafter (bf16, published format)");
+                        self.ending.as_ref().map_or(EXIT_OK, |e| e.code)
+                    }
+                    Err(e) => {
+                        tracing::error!("export failed: {e}");
+                        EXIT_ERROR
+                    }
+                };
+                self.exit_now(code);
+            }
+            Event::Exported(_) => {}
+            Event::Reconfigured(config) => {
+                self.config = *config;
+                self.config_version += 1;
+            }
+            Event::Shutdown => self.begin_ending(EXIT_OK, false, "stop requested".into()),
+        }
+        self.advance();
+        std::mem::take(&mut self.out)
+    }
+
+    // ------------------------------------------------------------------ queries
+
+    /// Ready to train: running, not ending, at least one drafter live (`/readyz`).
+    pub fn ready(&self) -> bool {
+        self.phase == Phase::Running && self.ending.is_none() && self.exit.is_none() && self.live().next().is_some()
+    }
+
+    pub fn ending(&self) -> bool {
+        self.ending.is_some()
+    }
+
+    pub fn config_version(&self) -> u64 {
+        self.config_version
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn live_count(&self) -> usize {
+        self.live().count()
+    }
+
+    /// A drafter's state, by id.
+    pub fn drafter_state(&self, id: usize) -> Option<crate::service::messages::DrafterState> {
+        self.slots.get(id).map(Slot::state)
+    }
+
+    /// The current thread `(id, generation)` of every drafter that runs one.
+    pub fn running_threads(&self) -> Vec<(usize, u64)> {
+        self.slots.iter().filter(|s| s.is_running()).map(|s| (s.id, s.generation)).collect()
+    }
+
+    /// Batches set aside (failed twice), in this incarnation's history.
+    pub fn set_aside(&self) -> &[BatchId] {
+        self.schedule.set_aside()
+    }
+
+    /// Asks for a checkpoint at the next step boundary (`POST /checkpoint`); the step committed now.
+    pub fn checkpoint_now(&mut self, now: Duration) -> (Result<u64, String>, Vec<Action>) {
+        self.now = self.now.max(now);
+        let answer = if self.exit.is_some() || self.ending.is_some() {
+            Err("the service is stopping".to_string())
+        } else if self.book.in_flight() {
+            Err("a checkpoint is being written; try again shortly".to_string())
+        } else if self.request_checkpoint("requested") {
+            Ok(self.schedule.committed_step())
+        } else {
+            Err("no live drafter to checkpoint from".to_string())
+        };
+        (answer, std::mem::take(&mut self.out))
+    }
+
+    fn live(&self) -> impl Iterator<Item = &Slot> {
+        self.slots.iter().filter(|s| s.is_live())
+    }
+
+    /// The replica checkpoints are taken from and joiners are served by: the lowest-id live drafter.
+    fn donor(&self) -> Option<(usize, u64)> {
+        self.live().next().map(|s| (s.id, s.generation))
+    }
+
+    fn supervision(&self) -> &crate::config::SupervisionSettings {
+        &self.config.supervision
+    }
+
+    /// How long a drafter or target thread may take to start (build, load, join).
+    fn start_deadline(&self) -> Duration {
+        Duration::from_secs_f64(2.0 * self.supervision().step_timeout_s)
+    }
+
+    fn tell(&mut self, (id, generation): (usize, u64), order: Order) {
+        self.out.push(Action::Tell { id, generation, order });
+    }
+
+    // ------------------------------------------------------------------ after every event
+
+    /// What every event leads to: deadlines, starts, new steps, the end.
+    fn advance(&mut self) {
+        if self.exit.is_some() {
+            return;
+        }
+        self.check_deadlines();
+        self.start_targets();
+        self.start_drafters();
+        if self.phase == Phase::StartingDrafters && self.slots.iter().all(|s| s.is_live() || s.is_failed()) {
+            self.phase = Phase::Running;
+            self.window.started = self.now;
+            tracing::info!(
+                drafters = self.slots.len(),
+                step = self.schedule.committed_step(),
+                samples = self.schedule.samples_per_epoch(),
+                "training"
+            );
+        }
+        self.open_steps();
+        if self.phase == Phase::Running && self.ending.is_none() && self.schedule.finished() {
+            self.begin_ending(EXIT_OK, true, "run complete".into());
+        }
+        let alive = self.slots.iter().filter(|s| !s.is_failed()).count();
+        let min = self.supervision().min_live_drafters;
+        if alive < min {
+            let reason = format!(
+                "{alive} drafter(s) left that are not failed for good, below supervision.min_live_drafters = {min}"
+            );
+            self.begin_ending(EXIT_NO_PROGRESS, false, reason);
+        }
+        self.periodic_checkpoint();
+        self.try_end();
+    }
+
+    fn check_deadlines(&mut self) {
+        let (now, deadline) = (self.now, self.start_deadline());
+        let overdue: Vec<(usize, u64)> =
+            self.slots.iter().filter(|s| s.start_overdue(now, deadline)).map(|s| (s.id, s.generation)).collect();
+        for (id, generation) in overdue {
+            let message =
+                format!("did not start within {:.0} s (twice supervision.step_timeout_s)", deadline.as_secs_f64());
+            self.drafter_failed(id, generation, Failure { kind: FailureKind::Hang, message }, &[], false);
+        }
+        let overdue: Vec<(usize, u64)> =
+            self.targets.iter().filter(|t| t.start_overdue(now, deadline)).map(|t| (t.id, t.generation)).collect();
+        for (target, generation) in overdue {
+            let message =
+                format!("did not start within {:.0} s (twice supervision.step_timeout_s)", deadline.as_secs_f64());
+            self.target_failed(target, generation, Failure { kind: FailureKind::Hang, message });
+        }
+        if let Some((donor, generation)) = self.book.snapshot_overdue(now, deadline) {
+            tracing::warn!(drafter = donor, "no snapshot within {:.0} s: asking again", deadline.as_secs_f64());
+            self.book.donor_lost(donor, generation);
+            self.checkpoint_owed = true;
+        }
+    }
+}
+
+/// `what`, and the failure's message.
+fn because(what: &str, failure: &Failure) -> String {
+    format!("{what}: {}", failure.message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::messages::DrafterState;
+
+    fn setup(drafters: usize) -> Setup {
+        let mut config = Config::builtin().unwrap();
+        config.drafters.devices = vec![config.drafters.devices[0]; drafters];
+        config.supervision.backoff_initial_ms = 100;
+        config.supervision.backoff_max_ms = 100;
+        Setup {
+            config,
+            drafter_devices: vec!["cpu".into(); drafters],
+            target_devices: vec!["cpu".into()],
+            feeds: vec![0; drafters],
+            lengths: vec![8; 64],
+            sample_ids: (0..64).collect(),
+            resume: None,
+            rejected: vec![],
+        }
+    }
+
+    fn secs(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    fn spawned(actions: &[Action]) -> Vec<(usize, u64, Start)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::SpawnDrafter { id, generation, start } => Some((*id, *generation, start.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The target ready, then every drafter founded or joined and live, one at a time.
+    fn running(drafters: usize) -> Core {
+        let mut c = Core::new(setup(drafters));
+        c.start(secs(0.0));
+        let mut actions = c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
+        for _ in 0..drafters {
+            let (id, generation, _) = spawned(&actions)[0].clone();
+            c.handle(secs(0.2), Event::DrafterReady { id, generation });
+            actions = c.handle(secs(0.2), Event::DrafterJoined { id, generation, step: 0 });
+        }
+        assert!(c.ready());
+        c
+    }
+
+    fn fail(c: &mut Core, id: usize, generation: u64, at: f64) -> Vec<Action> {
+        let failure = Failure::panic("boom".into());
+        c.handle(secs(at), Event::DrafterFailed { id, generation, failure, running: vec![], injected: false })
+    }
+
+    #[test]
+    fn start_up_founds_with_the_first_drafter_and_joins_the_others_one_at_a_time() {
+        let mut c = Core::new(setup(3));
+        assert!(matches!(c.start(secs(0.0))[..], [Action::StartTarget { target: 0, generation: 1 }]));
+        let actions = c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
+        assert_eq!(spawned(&actions), vec![(0, 1, Start::Found(None))]);
+        let actions = c.handle(secs(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        assert_eq!(spawned(&actions), vec![(1, 1, Start::Join)], "the next one, once the first is live");
+        assert!(!c.ready(), "start-up is not over");
+    }
+
+    /// Every drafter failing at once: exactly one founds the run again (after the rewind's scan), the others wait
+    /// for it to be live and then join it.
+    #[test]
+    fn when_every_drafter_fails_exactly_one_founds_and_the_others_join_it() {
+        let mut c = running(3);
+        let mut actions = vec![];
+        for id in 0..3 {
+            actions.extend(fail(&mut c, id, 1, 1.0));
+            actions.extend(
+                c.handle(secs(1.0), Event::MemberRemoved { remaining: ((id + 1)..3).map(|m| (m, 1)).collect() }),
+            );
+        }
+        assert!(spawned(&actions).is_empty(), "in backoff");
+        assert!(!c.ready());
+        let actions = c.handle(secs(1.2), Event::Tick);
+        assert!(matches!(actions[..], [Action::FindCheckpoint(_)]), "{actions:?}");
+        let found = Found { newest: None, rejected: vec![] };
+        let actions = c.handle(secs(1.3), Event::CheckpointFound(Ok(found)));
+        assert_eq!(spawned(&actions), vec![(0, 2, Start::Found(None))], "one founder: {actions:?}");
+        assert!(actions.iter().any(|a| matches!(a, Action::RewindCollective { step: 0, .. })));
+        assert!(spawned(&c.handle(secs(1.4), Event::Tick)).is_empty(), "the others wait for the founder");
+        let actions = c.handle(secs(1.5), Event::DrafterJoined { id: 0, generation: 2, step: 0 });
+        assert_eq!(spawned(&actions), vec![(1, 2, Start::Join), (2, 2, Start::Join)]);
+    }
+
+    /// A joiner whose donor dies before serving it would wait forever: it is given up on and started again, without
+    /// it counting against its restart limit.
+    #[test]
+    fn a_joiner_that_lost_its_donor_starts_again_without_a_restart_counted() {
+        let mut c = running(2);
+        fail(&mut c, 1, 1, 1.0);
+        c.handle(secs(1.0), Event::MemberRemoved { remaining: vec![(0, 1)] });
+        let actions = c.handle(secs(1.2), Event::Tick);
+        assert_eq!(spawned(&actions), vec![(1, 2, Start::Join)]);
+        c.handle(secs(1.3), Event::DrafterReady { id: 1, generation: 2 });
+        let actions = fail(&mut c, 0, 1, 1.4);
+        assert!(actions.contains(&Action::Abandon { id: 0, generation: 1 }));
+        let actions = c.handle(secs(1.4), Event::MemberRemoved { remaining: vec![] });
+        assert!(actions.contains(&Action::Abandon { id: 1, generation: 2 }), "the orphan is given up on: {actions:?}");
+        assert_eq!(c.status().drafters[1].restarts, 1, "only its own failure counts");
+        c.handle(secs(1.4), Event::MemberRemoved { remaining: vec![] });
+        let actions = c.handle(secs(1.45), Event::CheckpointFound(Ok(Found { newest: None, rejected: vec![] })));
+        assert_eq!(spawned(&actions), vec![(1, 3, Start::Found(None))], "it founds, drafter 0 is backing off");
+    }
+
+    /// A member whose `Joined` report is still on its way when the last known live drafter fails: the collective
+    /// says it is there, so nobody founds over it.
+    #[test]
+    fn nobody_founds_while_the_collective_still_has_a_member() {
+        let mut c = running(2);
+        fail(&mut c, 1, 1, 1.0);
+        c.handle(secs(1.0), Event::MemberRemoved { remaining: vec![(0, 1)] });
+        c.handle(secs(1.2), Event::Tick);
+        c.handle(secs(1.3), Event::DrafterReady { id: 1, generation: 2 });
+        fail(&mut c, 0, 1, 1.4);
+        let actions = c.handle(secs(1.4), Event::MemberRemoved { remaining: vec![(1, 2)] });
+        assert!(
+            !actions.iter().any(|a| matches!(a, Action::FindCheckpoint(_) | Action::Abandon { .. })),
+            "{actions:?}"
+        );
+        let actions = c.handle(secs(1.5), Event::DrafterJoined { id: 1, generation: 2, step: 0 });
+        assert!(c.live_count() == 1 && !actions.iter().any(|a| matches!(a, Action::RewindCollective { .. })));
+    }
+
+    /// Every drafter failed for good: the run cannot progress, so it ends with status 3 (nothing to checkpoint from).
+    #[test]
+    fn with_no_drafter_left_the_run_exits_3() {
+        let mut s = setup(2);
+        s.config.supervision.max_restarts = 0;
+        let mut c = Core::new(s);
+        c.start(secs(0.0));
+        c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(secs(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        c.handle(secs(0.3), Event::DrafterJoined { id: 1, generation: 1, step: 0 });
+        fail(&mut c, 0, 1, 1.0);
+        let actions = fail(&mut c, 1, 1, 1.0);
+        assert!(actions.contains(&Action::Exit { code: EXIT_NO_PROGRESS }), "{actions:?}");
+        assert_eq!(c.status().drafters.iter().filter(|d| d.state == DrafterState::Failed).count(), 2);
+    }
+
+    /// A rewind waits for the checkpoint being written (it may be the newest state), within twice the step timeout.
+    #[test]
+    fn a_rewind_waits_for_the_checkpoint_in_flight() {
+        let mut c = running(1);
+        c.handle(secs(1.0), Event::Round(report(0, c.incarnation)));
+        let (answer, actions) = c.checkpoint_now(secs(1.0));
+        assert_eq!(answer, Ok(1));
+        assert!(actions.contains(&Action::Tell { id: 0, generation: 1, order: Order::Checkpoint }));
+        let actions = c.handle(secs(1.1), Event::Snapshot { id: 0, generation: 1, step: 1, optimizer_steps: 1 });
+        assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]));
+        fail(&mut c, 0, 1, 1.2);
+        c.handle(secs(1.2), Event::MemberRemoved { remaining: vec![] });
+        assert!(c.handle(secs(1.5), Event::Tick).is_empty(), "waiting for the write");
+        let written =
+            Event::CheckpointWritten { step: 1, incarnation: c.incarnation, result: Ok(("ckpt-1".into(), 0.1)) };
+        let actions = c.handle(secs(1.6), written);
+        let Some(Action::FindCheckpoint(filter)) = actions.last() else { panic!("{actions:?}") };
+        assert!(filter.allows(1), "the checkpoint just written qualifies");
+    }
+
+    /// Under `optim.max_steps` the schedule counts steps; otherwise committed samples over the epochs.
+    #[test]
+    fn the_schedule_counts_steps_under_max_steps_and_samples_otherwise() {
+        let mut cfg = Config::builtin().unwrap();
+        let samples = step_settings(&cfg, 100, None).hyper;
+        assert_eq!((samples.progress, samples.schedule.total_steps), (Progress::Samples, 100 * cfg.optim.epochs));
+        cfg.optim.max_steps = 30;
+        let steps = step_settings(&cfg, 100, None).hyper;
+        assert_eq!((steps.progress, steps.schedule.total_steps), (Progress::Steps, 30));
+        assert_eq!(steps.lr_at(29, 0), steps.lr_at(29, 1_000_000), "the drafter count plays no part");
+    }
+
+    fn report(step: u64, incarnation: u64) -> crate::train::collective::RoundReport {
+        crate::train::collective::RoundReport {
+            step,
+            incarnation,
+            contributions: vec![],
+            total_weight: 0.0,
+            lr: 1e-3,
+            samples_committed: 0,
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Steps: opened ahead for the live drafters, committed by the rounds' reports, reported as progress lines,
+//! replica checks and the status.
+use super::*;
+
+impl Core {
+    /// Opens steps ahead until `prefetch_steps` are in flight, for the live drafters.
+    pub(super) fn open_steps(&mut self) {
+        if self.phase != Phase::Running || self.ending.is_some() {
+            return;
+        }
+        while self.schedule.in_flight() < self.supervision().prefetch_steps {
+            let live: Vec<(usize, u64)> = self.live().map(|s| (s.id, s.generation)).collect();
+            if live.is_empty() {
+                return;
+            }
+            let Some((_, items)) = self.schedule.open_step(&live) else { return };
+            for (drafter, generation, item) in items {
+                self.send(drafter, generation, item);
+            }
+        }
+    }
+
+    pub(super) fn commit(&mut self, settled: Settled) {
+        let step = settled.step + 1;
+        for batch in settled.committed {
+            self.out.push(Action::Ledger(LedgerEntry::Commit { step: settled.step, batch }));
+        }
+        if settled.requeued_samples > 0 {
+            self.samples_requeued += settled.requeued_samples;
+            self.out.push(Action::Notice(Notice::Requeued { samples: settled.requeued_samples }));
+        }
+        for batch in &settled.set_aside {
+            let ids: Vec<u64> = batch.samples.iter().filter_map(|&p| self.sample_ids.get(p).copied()).collect();
+            tracing::error!(batch = ?batch.id, sample_ids = ?ids, "batch failed twice: set aside");
+        }
+        let every = self.config.supervision.check_replicas_every;
+        if every > 0 && step.is_multiple_of(every) {
+            let members = settled.contributors.iter().map(|(m, _)| *m).collect();
+            self.replicas.expected.entry(step).or_default().0 = members;
+            self.compare_replicas(step);
+        }
+        let skipped = !settled.total_weight.is_finite();
+        if skipped {
+            self.skipped_steps += 1;
+        }
+        self.last_lr = settled.lr;
+        self.window.metrics.add(&settled.metrics);
+        self.window.samples += settled.samples;
+        let m = &settled.metrics;
+        let loss = (m.weight > 0.0).then(|| [m.loss(), m.accuracy(), m.acceptance_length()]);
+        self.out.push(Action::Notice(Notice::Committed {
+            step,
+            samples: settled.samples,
+            tokens: settled.tokens,
+            loss,
+            skipped,
+        }));
+        if let Some(job) = self.book.boundary(step, self.boundary_state(), self.now) {
+            self.write(job);
+        }
+        if self.config.log.every_steps > 0 && step.is_multiple_of(self.config.log.every_steps) {
+            self.log_progress();
+        }
+        let every = self.config.checkpoint.every_steps;
+        if every > 0 && step.is_multiple_of(every) {
+            self.request_checkpoint("periodic");
+        }
+        let every = self.config.eval.every_steps;
+        if every > 0 && step.is_multiple_of(every) && self.eval_due.is_none() {
+            // One due evaluation at a time: a slow checkpoint or evaluation makes later ones wait, not pile up.
+            self.eval_due = Some(step);
+            if !self.request_checkpoint("evaluation") {
+                self.checkpoint_owed = true;
+            }
+        }
+    }
+
+    pub(super) fn compare_replicas(&mut self, step: u64) {
+        if self.replicas.compare(step) == Some(false) {
+            self.out.push(Action::Notice(Notice::ReplicasDiverged));
+            tracing::error!(step, "replicas diverged: their parameters or optimizer states differ");
+        }
+    }
+
+    pub(super) fn log_progress(&mut self) {
+        let elapsed = self.now.saturating_sub(self.window.started).as_secs_f64().max(1e-9);
+        let live = self.live_count();
+        let w = &self.window;
+        tracing::info!(
+            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · acceptance {:.2} · {:.1} samples/s · feature wait {:.1}% · \
+             lr {:.2e} · drafters {}/{} live",
+            self.schedule.committed_step(),
+            self.schedule.epoch(),
+            w.metrics.loss(),
+            w.metrics.accuracy(),
+            w.metrics.acceptance_length(),
+            w.samples as f64 / elapsed,
+            100.0 * w.feature_wait_s / (elapsed * live.max(1) as f64),
+            self.last_lr,
+            live,
+            self.slots.len()
+        );
+        self.window = Window { metrics: Metrics::default(), samples: 0, feature_wait_s: 0.0, started: self.now };
+    }
+
+    pub fn status(&self) -> Status {
+        let phase = match (self.exit, &self.ending, self.phase) {
+            (Some(c), ..) => format!("stopped ({c})"),
+            (None, Some(_), _) => "stopping".into(),
+            (None, None, Phase::StartingTargets) => "starting target".into(),
+            (None, None, Phase::StartingDrafters) => "starting drafters".into(),
+            (None, None, Phase::Running) if self.live().next().is_none() => "recovering".into(),
+            (None, None, Phase::Running) => "running".into(),
+        };
+        Status {
+            phase,
+            ready: self.ready(),
+            step: self.schedule.committed_step(),
+            epoch: self.schedule.epoch(),
+            samples_committed: self.schedule.samples_committed(),
+            samples_requeued: self.samples_requeued,
+            batches_set_aside: self.schedule.set_aside().len() as u64,
+            skipped_steps: self.skipped_steps,
+            replicas_checked_step: self.replicas.checked_step,
+            replicas_diverged: self.replicas.diverged,
+            config_version: self.config_version,
+            drafters: self
+                .slots
+                .iter()
+                .map(|s| DrafterStatus {
+                    id: s.id,
+                    device: s.device.clone(),
+                    state: s.state(),
+                    step: s.step,
+                    restarts: s.restarts.total,
+                })
+                .collect(),
+            targets: self
+                .targets
+                .iter()
+                .map(|t| TargetStatus {
+                    id: t.id,
+                    device: t.device.clone(),
+                    ready: t.is_ready(),
+                    restarts: t.restarts(),
+                    drafters: (0..self.feeds.len()).filter(|&d| self.feeds[d] == t.id).collect(),
+                })
+                .collect(),
+            last_checkpoint: self.book.newest().map(|n| CheckpointStatus {
+                step: n.step,
+                path: n.path.display().to_string(),
+                age_s: self.now.saturating_sub(n.at).as_secs_f64(),
+            }),
+            last_evaluation: self.last_evaluation.clone(),
+        }
+    }
+}
