@@ -10,7 +10,7 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 # libtorch, and NVRTC for the fused kernels (the binaries' rpath names this machine's paths only where they were built).
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# STAGES picks the parts to run (default: all, "1 2 3 4 5").
+# STAGES picks the parts to run (default: "1 2 3 4 5"; 6 needs several GPUs; 7 is the correlated failure).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -149,4 +149,36 @@ get /status >"$out/status-multi.json"
 get /metrics | grep -E "^dflash_(collective_duration_seconds_(sum|count)|step_duration_seconds_(sum|count)|drafter_info)" \
   >"$out/metrics-multi.txt"
 kill -9 $pid; wait 2>/dev/null
+fi
+
+if has 7; then
+echo "== 7. two drafters sharing the GPU, both panic at once at step 25: one founds again, the other joins it"
+rm -rf runs/both
+./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\", \"$dev\"]" \
+  --set checkpoint.dir=runs/both --set control.fault_injection=true 2>"$out/serve-both.log" &
+pid=$!
+wait_step 25
+date +%s.%N >"$out/both-sent"
+post /drafters/0/fault '{"kind": "panic"}'
+post /drafters/1/fault '{"kind": "panic"}'
+python3 - "$out" <<'EOF'
+import json, sys, time, urllib.request
+out = sys.argv[1]
+t0 = float(open(f"{out}/both-sent").read())
+seen = []
+while True:
+    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
+    now = time.time()
+    states = [d["state"] for d in s["drafters"]]
+    if not seen or seen[-1][1] != states or seen[-1][2] != s["phase"]:
+        seen.append((round(now - t0, 3), states, s["phase"], s["step"]))
+    if len(seen) > 1 and states == ["live", "live"] and s["step"] > 5 or now - t0 > 300:
+        break
+    time.sleep(0.05)
+json.dump({"transitions": seen}, open(f"{out}/both-timeline.json", "w"))
+print(seen)
+EOF
+wait_step $(($(step) + 10))
+kill -9 $pid; wait 2>/dev/null
+grep -E "rewind|continues from|drafter live" "$out/serve-both.log" | tail -8
 fi
