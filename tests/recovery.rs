@@ -223,6 +223,36 @@ fn data_prepared_for_another_model_is_refused_at_start_naming_the_sample() {
     }
 }
 
+/// The end of a run cannot be held by a checkpoint write that stalls (a hung disk): past
+/// `supervision.shutdown_timeout_s` the service exits 75 (restart me), and the next `--resume auto` continues from
+/// the newest valid checkpoint.
+#[test]
+fn a_stalled_last_checkpoint_ends_in_status_75_after_the_shutdown_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let sets = ["optim.epochs=1000", "checkpoint.every_steps=3", "supervision.shutdown_timeout_s=3"];
+    let mut svc = Service::start(&cfg, false, &sets);
+    let s = svc.wait("a checkpoint", |s| s["last_checkpoint"]["step"].as_u64().unwrap_or(0) >= 3);
+    let valid = s["last_checkpoint"]["step"].as_u64().unwrap();
+    svc.fault(0, "checkpoint_stall");
+    svc.wait("the next checkpoint stalls", |_| {
+        std::fs::read_dir(dir.path().join("ckpt")).unwrap().flatten().any(|e| {
+            e.file_name().to_string_lossy().ends_with(".tmp") && e.path().join("optimizer.safetensors").exists()
+        })
+    });
+    let stopped = Instant::now();
+    svc.signal("-TERM");
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 75, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
+    assert!(stopped.elapsed() < Duration::from_secs(60), "{:?}", stopped.elapsed());
+    assert!(logged(&logs, "did not finish within supervision.shutdown_timeout_s"));
+    let mut again = Service::start(&cfg, true, &sets);
+    let s = again.wait("resumed", |s| s["phase"] == "running");
+    assert!(step(&s) >= valid, "resumed at step {} below the valid checkpoint of step {valid}", step(&s));
+    again.signal("-TERM");
+    assert_eq!(again.exit_code().0, 0);
+}
+
 /// `(step, lr)` of every progress line.
 fn progress_lr(logs: &[String]) -> Vec<(u64, f64)> {
     logs.iter()

@@ -331,10 +331,13 @@ enum Job {
 
 /// The background checkpoint writer: jobs in, results out through `on_done`. A job of an older incarnation than
 /// the current one ([`Checkpointer::fence`]) is discarded before it is put in place. Dropping it finishes the
-/// queued jobs and joins the thread.
+/// queued jobs and joins the thread, waiting at most [`Checkpointer::DROP_WAIT`]: a write stalled on a disk is left
+/// behind rather than holding the process (its temporary folder is never taken for a checkpoint).
 pub struct Checkpointer {
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
+    /// Closed when the writer thread ends.
+    ended: mpsc::Receiver<()>,
     stall_next: Arc<AtomicBool>,
     incarnation: Arc<AtomicU64>,
 }
@@ -347,9 +350,11 @@ impl Checkpointer {
         let stall_next = Arc::new(AtomicBool::new(false));
         let incarnation = Arc::new(AtomicU64::new(0));
         let (stall, current) = (stall_next.clone(), incarnation.clone());
+        let (ending, ended) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("checkpointer".into())
             .spawn(move || {
+                let _ending = ending;
                 loop {
                     let job = match rx.recv() {
                         Ok(Job::Write(job)) => job,
@@ -387,7 +392,7 @@ impl Checkpointer {
                 }
             })
             .expect("spawn the checkpoint writer");
-        Checkpointer { jobs: Some(tx), thread: Some(thread), stall_next, incarnation }
+        Checkpointer { jobs: Some(tx), thread: Some(thread), ended, stall_next, incarnation }
     }
 
     /// Queues a checkpoint of the run's `incarnation`; `invalid`: steps of folders known to be invalid, which
@@ -416,13 +421,26 @@ impl Checkpointer {
     }
 }
 
+impl Checkpointer {
+    /// How long dropping the writer waits for the jobs queued before it.
+    pub const DROP_WAIT: Duration = Duration::from_secs(10);
+}
+
 impl Drop for Checkpointer {
     fn drop(&mut self) {
         if let Some(jobs) = self.jobs.take() {
             let _ = jobs.send(Job::Stop);
         }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        // The thread's end closes `ended`: a disconnect is the signal.
+        match self.ended.recv_timeout(Self::DROP_WAIT) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                tracing::warn!("the checkpoint writer is still busy (a stalled disk?): leaving it behind");
+            }
+            _ => {
+                if let Some(t) = self.thread.take() {
+                    let _ = t.join();
+                }
+            }
         }
     }
 }
@@ -528,6 +546,23 @@ mod tests {
         let err = write_checkpoint(dir.path(), &snapshot(3), &state(3), &|| {}, &|| false).unwrap_err();
         assert!(err.to_string().contains("discarded"), "{err}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing left behind");
+    }
+
+    /// A write stalled on its disk does not hold whoever drops the writer for longer than `DROP_WAIT`.
+    #[test]
+    fn dropping_the_writer_leaves_a_stalled_write_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = Checkpointer::start(dir.path().to_path_buf(), 2, |_| {});
+        writer.stall_next_write();
+        writer.write(snapshot(4), state(4), vec![], 0);
+        while !dir.path().join(format!(".{}.tmp", checkpoint_name(4))).join(OPTIMIZER_FILE).exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let started = Instant::now();
+        drop(writer);
+        let waited = started.elapsed();
+        assert!(waited >= Checkpointer::DROP_WAIT && waited < Checkpointer::DROP_WAIT * 2, "{waited:?}");
+        assert!(list_checkpoints(dir.path()).unwrap().is_empty(), "the stalled write is no checkpoint");
     }
 
     #[test]
