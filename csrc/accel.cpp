@@ -15,65 +15,50 @@
 extern "C" {
 
 int dflash_set_device(int index, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(index));
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // Moves the calling thread onto a stream of the device's pool (until then it launches on the default stream, shared
 // by every thread of the process); a high-priority stream's blocks are dispatched before pending normal ones.
 int dflash_use_pool_stream(int index, int high_priority, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     auto type = at::accelerator::getAccelerator(true).value();
     c10::Device device(type, static_cast<c10::DeviceIndex>(index));
     const auto* impl = c10::impl::getDeviceGuardImpl(type);
     impl->exchangeStream(impl->getStreamFromGlobalPool(device, high_priority != 0));
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // The native handle (a `cudaStream_t`) of the calling thread's current stream on device `index`, for kernels launched
 // outside libtorch that must stay ordered with its work.
 int dflash_current_stream(int index, void** out, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     *out = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(index)).native_handle();
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // The calling thread's current device index (-1 on failure).
 int dflash_current_device(char* err, size_t len) {
-  try {
+  return guard(-1, err, len, [&] {
     return static_cast<int>(at::accelerator::getDeviceIndex());
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return -1;
-  }
+  });
 }
 
 int dflash_synchronize(int index, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(index));
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // out: [allocated, peak allocated, reserved, free on device, total on device]
 int dflash_memory_stats(int index, int64_t* out, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     auto idx = static_cast<c10::DeviceIndex>(index);
     auto stats = at::accelerator::getDeviceStats(idx);
     auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -84,89 +69,65 @@ int dflash_memory_stats(int index, int64_t* out, char* err, size_t len) {
     out[3] = static_cast<int64_t>(info.first);
     out[4] = static_cast<int64_t>(info.second);
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 int dflash_reset_peak_memory(int index, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // A timing event on device `index`; null on failure.
 void* dflash_event_new(int index, char* err, size_t len) {
-  try {
+  return guard(nullptr, err, len, [&] {
     (void)index;
     return new c10::Event(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return nullptr;
-  }
+  });
 }
 
 int dflash_event_record(void* event, int index, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     auto stream = at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(index));
     static_cast<c10::Event*>(event)->record(stream);
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // Milliseconds from `start` to `end`; both must have completed (synchronize first).
 int dflash_event_elapsed_ms(void* start, void* end, double* ms, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     *ms = static_cast<c10::Event*>(start)->elapsedTime(*static_cast<c10::Event*>(end));
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // An uninitialised host tensor shaped like `like`, in page-locked memory (from libtorch's caching host allocator, so repeated snapshots
 // reuse it): device-to-host copies into it run at full bus speed, where pageable memory is staged in small pieces.
 at::Tensor* dflash_empty_pinned_like(const at::Tensor* like, char* err, size_t len) {
-  try {
+  return guard(nullptr, err, len, [&] {
     auto options = at::TensorOptions().dtype(like->scalar_type()).device(at::kCPU).pinned_memory(true);
     return new at::Tensor(at::empty(like->sizes(), options));
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return nullptr;
-  }
+  });
 }
 
 // Whether the event's recorded work has completed (never blocks).
 int dflash_event_query(void* event, int* done, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     *done = static_cast<c10::Event*>(event)->query() ? 1 : 0;
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 void dflash_event_free(void* event) { delete static_cast<c10::Event*>(event); }
 
 // Makes `grad` the `.grad` of `param`; autograd then accumulates into it in place.
 int dflash_set_grad(at::Tensor* param, at::Tensor* grad, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     param->mutable_grad() = *grad;
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // One AdamW step (decoupled weight decay) over one flat parameter buffer; `step` (float32, same device) must
@@ -174,16 +135,13 @@ int dflash_set_grad(at::Tensor* param, at::Tensor* grad, char* err, size_t len) 
 int dflash_fused_adamw(at::Tensor* param, at::Tensor* grad, at::Tensor* exp_avg, at::Tensor* exp_avg_sq,
                        at::Tensor* step, double lr, double beta1, double beta2, double weight_decay, double eps,
                        at::Tensor* grad_scale, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     std::optional<at::Tensor> scale;
     if (grad_scale != nullptr) scale = *grad_scale;
     at::_fused_adamw_({*param}, {*grad}, {*exp_avg}, {*exp_avg_sq}, {}, {*step}, lr, beta1, beta2, weight_decay,
                       eps, /*amsgrad=*/false, /*maximize=*/false, scale, std::nullopt);
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 }  // extern "C"

@@ -126,12 +126,7 @@ struct WeightCast : public torch::autograd::Function<WeightCast> {
 
 template <typename F>
 at::Tensor* guarded(F&& f, char* err, size_t len) {
-  try {
-    return new at::Tensor(f());
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return nullptr;
-  }
+  return guard(nullptr, err, len, [&] { return new at::Tensor(f()); });
 }
 }  // namespace
 

@@ -50,6 +50,9 @@ const char* ncclGetLastError(ncclComm_t comm);
 ncclResult_t ncclGetVersion(int* version);
 }
 
+// The NCCL version whose ncclConfig_t layout is declared above (NCCL codes 2.28.0 as 22800).
+constexpr int kConfigLayout = 22800;
+
 // NCCL_CONFIG_INITIALIZER with a non-blocking communicator.
 ncclConfig_t nonblocking_config() {
   ncclConfig_t c;
@@ -150,25 +153,19 @@ extern "C" {
 // Status codes: 0 done, 1 failed (message in `err`), 2 timed out.
 
 int dflash_nccl_version(int* out, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     check(api().version(out), "ncclGetVersion", nullptr);
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 int dflash_nccl_unique_id(char* out, char* err, size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     ncclUniqueId id;
     check(api().get_unique_id(&id), "ncclGetUniqueId", nullptr);
     std::memcpy(out, id.internal, NCCL_UNIQUE_ID_BYTES);
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // Joins communicator `id` as `rank` of `nranks` on CUDA device `device`, waiting at most `timeout_s` for the other
@@ -176,8 +173,18 @@ int dflash_nccl_unique_id(char* out, char* err, size_t len) {
 int dflash_nccl_init(const char* id, int rank, int nranks, int device, double timeout_s, void** out, char* err,
                      size_t len) {
   *out = nullptr;
-  try {
+  return guard(1, err, len, [&] {
     const auto& nccl = api();
+    // The configuration below has the layout of NCCL 2.28 (ncclConfig_v22800): newer libraries read it by its size
+    // and version, older ones would misread it.
+    int loaded = 0;
+    check(nccl.version(&loaded), "ncclGetVersion", nullptr);
+    if (loaded < kConfigLayout) {
+      throw std::runtime_error("the NCCL loaded in this process is " + std::to_string(loaded) +
+                               ", older than 2.28 (" + std::to_string(kConfigLayout) +
+                               "), whose communicator configuration this build passes: use the NCCL of torch 2.11 "
+                               "(2.28 or newer)");
+    }
     auto index = static_cast<c10::DeviceIndex>(device);
     at::accelerator::setDeviceIndex(index);
     ncclUniqueId unique;
@@ -203,10 +210,7 @@ int dflash_nccl_init(const char* id, int rank, int nranks, int device, double ti
     auto stream = impl->getStreamFromGlobalPool(cuda(index), /*isHighPriority=*/false);
     *out = new Comm{comm, stream, c10::Event(c10::DeviceType::CUDA), index};
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // Sums `send` over the ranks into `recv` (the same tensor for in place) on the communicator's stream, after the
@@ -214,7 +218,7 @@ int dflash_nccl_init(const char* id, int rank, int nranks, int device, double ti
 // On a timeout (2) the communicator must be aborted: a peer is missing or stuck.
 int dflash_nccl_all_reduce_sum(void* handle, const at::Tensor* send, at::Tensor* recv, double timeout_s, char* err,
                                size_t len) {
-  try {
+  return guard(1, err, len, [&] {
     auto* c = static_cast<Comm*>(handle);
     const auto& nccl = api();
     if (!send->is_contiguous() || !recv->is_contiguous() || send->numel() != recv->numel() ||
@@ -252,10 +256,7 @@ int dflash_nccl_all_reduce_sum(void* handle, const at::Tensor* send, at::Tensor*
     }
     c->done.block(current);
     return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, len);
-    return 1;
-  }
+  });
 }
 
 // Aborts the communicator (its in-flight collectives are cancelled) and frees it.

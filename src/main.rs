@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
-use dflash::config::{Config, Layers};
+use dflash::config::{Config, ConfigError, Layers};
 use dflash::panic::{is_torch_error, payload_message};
 
 const AFTER_HELP: &str = "\
@@ -165,7 +165,11 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // A malformed `--set` is a bad command line, as clap's own errors are.
+            match e.downcast_ref::<ConfigError>() {
+                Some(ConfigError::BadOverride(_)) => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }

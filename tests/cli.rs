@@ -39,6 +39,10 @@ fn configuration_errors_name_the_key() {
     assert!(err.contains("target.device") && err.contains("gpu"), "{err}");
     let out = dflash(&["--set", "target.devcie=cpu", "bench", "--what", "target"]);
     assert!(text(&out.stderr).contains("devcie"));
+    // A malformed override is a bad command line: exit 2, as for any other (README, --help).
+    let out = dflash(&["--set", "noequals", "serve-train"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("section.key=value"));
 }
 
 #[test]

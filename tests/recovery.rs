@@ -253,6 +253,40 @@ fn a_stalled_last_checkpoint_ends_in_status_75_after_the_shutdown_timeout() {
     assert_eq!(again.exit_code().0, 0);
 }
 
+/// The fault API says when it cannot do what it is asked: one pending fault per drafter (409 for a second), none
+/// for a drafter failed for good (409), one pending checkpoint stall (409 for a second).
+#[test]
+fn the_fault_api_refuses_what_it_cannot_inject() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "optim.epochs=1000",
+        "supervision.max_restarts=1",
+        "supervision.restart_window_s=600",
+        "supervision.backoff_initial_ms=2000",
+        "supervision.backoff_max_ms=2000",
+    ];
+    let mut svc = Service::start(&config(dir.path(), 2), false, &sets);
+    svc.wait("training", |s| step(s) >= 2);
+    let post = |svc: &Service, id: usize, kind: &str| {
+        svc.request("POST", &format!("/drafters/{id}/fault"), Some(serde_json::json!({"kind": kind})))
+    };
+    svc.fault(1, "panic");
+    svc.wait("drafter 1 restarting", |s| state(s, 1) == "restarting");
+    assert_eq!(post(&svc, 1, "panic").0, 200, "pending for its next thread");
+    let (code, body) = post(&svc, 1, "hang");
+    assert_eq!(code, 409, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("pending already"), "{body}");
+    svc.wait("drafter 1 failed for good", |s| state(s, 1) == "failed");
+    let (code, body) = post(&svc, 1, "panic");
+    assert_eq!(code, 409, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("is failed"), "{body}");
+    assert_eq!(post(&svc, 0, "checkpoint_stall").0, 200);
+    assert_eq!(post(&svc, 0, "checkpoint_stall").0, 409);
+    assert_eq!(post(&svc, 7, "panic").0, 404);
+    svc.signal("-KILL");
+    let _ = svc.exit_code();
+}
+
 /// `(step, lr)` of every progress line.
 fn progress_lr(logs: &[String]) -> Vec<(u64, f64)> {
     logs.iter()

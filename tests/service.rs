@@ -189,6 +189,7 @@ fn a_run_killed_mid_checkpoint_resumes_from_the_previous_valid_one() {
 
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(20)..]);
+    assert!(!torn.exists(), "the killed write's temporary folder is removed at start-up");
     assert!(logged(&logs, "checkpoint rejected"), "the damaged checkpoint is rejected");
     let resumed: Vec<u64> = logs
         .iter()
@@ -482,4 +483,27 @@ fn the_grafana_dashboard_and_the_prometheus_example_are_well_formed() {
         .output()
         .expect("promtool (Debian package `prometheus`)");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr));
+}
+
+/// `POST /checkpoint` answers with the step the checkpoint will be of (the first step not handed out yet), and
+/// that is the checkpoint written; a second request while it is in flight is refused (409).
+#[test]
+fn a_requested_checkpoint_is_of_the_step_the_answer_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut svc = Service::start(&config(dir.path(), 2), false, &["optim.epochs=1000"]);
+    svc.wait("training", |s| step(s) >= 3);
+    for _ in 0..3 {
+        let (code, body) = svc.request("POST", "/checkpoint", None);
+        assert_eq!(code, 202, "{body}");
+        let promised = body["step"].as_u64().unwrap();
+        let s = svc.wait("the checkpoint", |s| s["last_checkpoint"]["step"].as_u64().is_some_and(|c| c >= promised));
+        assert_eq!(s["last_checkpoint"]["step"], promised, "{s:#}");
+        let path = std::path::PathBuf::from(s["last_checkpoint"]["path"].as_str().unwrap());
+        assert!(path.ends_with(format!("ckpt-{promised:09}")), "{}", path.display());
+    }
+    let (first, _) = svc.request("POST", "/checkpoint", None);
+    let (second, body) = svc.request("POST", "/checkpoint", None);
+    assert_eq!((first, second), (202, 409), "{body}");
+    svc.signal("-TERM");
+    assert_eq!(svc.exit_code().0, 0);
 }

@@ -313,9 +313,7 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
                     };
                     let r = c.contribute(id, 1, step, contribution).unwrap();
                     let sum = r.grad.as_ref().expect("device copies give the sum");
-                    if sum.data_ptr() != own.data_ptr() {
-                        own.shallow_clone().copy_(sum);
-                    }
+                    sum.copy_into(&mut own.shallow_clone()).unwrap();
                     tr.apply(r.total_weight, &r.update).unwrap();
                 });
             }

@@ -15,7 +15,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::failure::FaultKind;
+use super::failure::{FaultKind, FaultRefused};
 use super::messages::{DrafterState, SupervisorMsg};
 
 const TIMEOUT_MS: u64 = 5000;
@@ -90,8 +90,14 @@ async fn fault(
 ) -> Response {
     match ask(&sup, |reply| SupervisorMsg::Fault { id, kind: req.kind, reply }).await {
         Ok(Ok(())) => Json(json!({"injected": req.kind, "drafter": id})).into_response(),
-        Ok(Err(e)) if e.contains("is off") => (StatusCode::FORBIDDEN, Json(json!({"error": e}))).into_response(),
-        Ok(Err(e)) => (StatusCode::NOT_FOUND, Json(json!({"error": e}))).into_response(),
+        Ok(Err(refused)) => {
+            let code = match refused {
+                FaultRefused::Off => StatusCode::FORBIDDEN,
+                FaultRefused::NoSuchDrafter { .. } => StatusCode::NOT_FOUND,
+                FaultRefused::Conflict(_) => StatusCode::CONFLICT,
+            };
+            (code, Json(json!({"error": refused.to_string()}))).into_response()
+        }
         Err(e) => unavailable(e),
     }
 }

@@ -149,8 +149,11 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         }
         Start::Join => Drafter::zeroed(a.config.clone(), a.device, a.kind).map_err(torch),
     }?;
-    let embed = a.heads.embed.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)).map_err(torch)?;
-    let lm_head = a.heads.lm_head.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)).map_err(torch)?;
+    // SAFETY: the drafter trains neither the target's embedding nor its LM head: it only reads them (on the target's
+    // device and dtype these are the target's own tensors, not copies).
+    let [embed, lm_head] = [&a.heads.embed, &a.heads.lm_head]
+        .map(|h| unsafe { h.alias() }.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)));
+    let (embed, lm_head) = (embed.map_err(torch)?, lm_head.map_err(torch)?);
     let mut trainer = Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
     if let Start::Found(Some(ckpt)) = &a.start {
         trainer.optimizer =
@@ -187,7 +190,13 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
     // NCCL: this drafter's membership of the current ring's communicator (aborted when replaced or dropped).
     let mut communicator: Option<(u64, NcclComm)> = None;
+    // A checkpoint asked for at a later step boundary than this one.
+    let mut snapshot_at: Option<u64> = None;
     loop {
+        if snapshot_at.is_some_and(|at| at <= step) {
+            snapshot_at = None;
+            send_snapshot(&a, &trainer, step)?;
+        }
         let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
         let mut taken = 0;
         let mut feature_wait_s = 0.0;
@@ -203,21 +212,8 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
                 }
                 Ok(Work::Empty) => taken += 1,
                 Ok(Work::ServeJoiners) => serve(&a, &trainer)?,
-                Ok(Work::Checkpoint) => {
-                    let snapshot = Snapshot::take(
-                        step,
-                        trainer.drafter.config(),
-                        trainer.drafter.params().layout(),
-                        state_tensors(&trainer),
-                        trainer.optimizer.steps(),
-                    )
-                    .map_err(torch)?;
-                    let _ = a.supervisor.send_message(SupervisorMsg::Snapshot {
-                        id: a.id,
-                        generation: a.generation,
-                        snapshot: Box::new(snapshot),
-                    });
-                }
+                Ok(Work::Checkpoint { at }) if at <= step => send_snapshot(&a, &trainer, step)?,
+                Ok(Work::Checkpoint { at }) => snapshot_at = Some(at),
                 Ok(Work::Stop) | Err(_) => return Ok(()),
             }
         }
@@ -267,11 +263,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             Err(e) => return Err(torch(e)),
         };
         match (&result.grad, &result.ring) {
-            (Some(sum), _) if sum.data_ptr() != own.data_ptr() => {
-                let mut dst = own.shallow_clone();
-                dst.f_copy_(sum).map_err(torch)?;
-            }
-            (Some(_), _) => {}
+            (Some(sum), _) => sum.copy_into(&mut own.shallow_clone()).map_err(torch)?,
             (None, Some(ring)) => nccl_sum(&mut communicator, ring, a.id, a.device, a.collective_timeout, &own)
                 .map_err(|e| {
                     torch(format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members))
@@ -306,6 +298,21 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             serve(&a, &trainer)?;
         }
     }
+}
+
+/// Copies the state at step boundary `step` to host memory and hands it to the supervisor for a checkpoint.
+fn send_snapshot(a: &DrafterSpawn, trainer: &Trainer, step: u64) -> Result<(), Failure> {
+    let snapshot = Snapshot::take(
+        step,
+        trainer.drafter.config(),
+        trainer.drafter.params().layout(),
+        state_tensors(trainer),
+        trainer.optimizer.steps(),
+    )
+    .map_err(torch)?;
+    let message = SupervisorMsg::Snapshot { id: a.id, generation: a.generation, snapshot: Box::new(snapshot) };
+    let _ = a.supervisor.send_message(message);
+    Ok(())
 }
 
 /// The objective's reloadable settings, from the step they apply to.

@@ -77,6 +77,18 @@ pub enum FaultKind {
     CheckpointStall,
 }
 
+/// Why a fault was not injected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FaultRefused {
+    #[error("fault injection is off (control.fault_injection = false)")]
+    Off,
+    #[error("no drafter {id} (ids 0..{count})")]
+    NoSuchDrafter { id: usize, count: usize },
+    /// The drafter cannot take it now: one is pending already, or it runs no thread.
+    #[error("{0}")]
+    Conflict(String),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,7 @@ use ractor::RpcReplyPort;
 use serde::Serialize;
 
 use super::evaluator::Evaluated;
-use super::failure::{Failure, FaultKind};
+use super::failure::{Failure, FaultKind, FaultRefused};
 use crate::config::Change;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
@@ -27,8 +27,10 @@ pub enum Work {
     Empty,
     /// Copy this replica's state into waiting joiners (at its next step boundary).
     ServeJoiners,
-    /// Snapshot the state for a checkpoint (at its next step boundary).
-    Checkpoint,
+    /// Snapshot the state for a checkpoint at step boundary `at` (now if it is there, else when it gets there).
+    Checkpoint {
+        at: u64,
+    },
     Stop,
 }
 
@@ -87,7 +89,7 @@ pub enum SupervisorMsg {
     Fault {
         id: usize,
         kind: FaultKind,
-        reply: RpcReplyPort<Result<(), String>>,
+        reply: RpcReplyPort<Result<(), FaultRefused>>,
     },
     CheckpointNow(RpcReplyPort<Result<u64, String>>),
     /// Reread the configuration (SIGHUP, `POST /reload`).

@@ -18,7 +18,7 @@ use crate::config::{Change, Config, Layers, NON_RELOADABLE, TargetSource, diff};
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
-use crate::train::checkpoint::{TrainerState, newest_valid};
+use crate::train::checkpoint::{TrainerState, newest_valid, remove_unfinished};
 
 /// How to treat existing checkpoints.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +55,10 @@ type ResumePoint = (Option<(PathBuf, TrainerState)>, Vec<u64>);
 
 fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint> {
     let dir = &config.checkpoint.dir;
+    let debris = remove_unfinished(dir).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
+    if !debris.is_empty() {
+        tracing::info!(?debris, "removed the temporary folders of checkpoint writes that were killed");
+    }
     let scan = newest_valid(dir, &|_| true).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
     for (_, why) in &scan.rejected {
         tracing::warn!("checkpoint rejected: {why}");

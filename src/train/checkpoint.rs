@@ -273,6 +273,29 @@ pub fn to_delete(found: &[(u64, bool)], keep: usize) -> Vec<u64> {
     delete
 }
 
+/// Removes the temporary folders of writes that were killed (`.ckpt-<step>.tmp`: never a checkpoint, gigabytes
+/// each at real sizes); returns them. Call before any writer of `root` starts.
+pub fn remove_unfinished(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(io(root)(e)),
+    };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io(root))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".ckpt-") && name.ends_with(".tmp") {
+            let path = entry.path();
+            let is_dir = entry.file_type().map_err(io(&path))?.is_dir();
+            let result = if is_dir { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            result.map_err(io(&path))?;
+            removed.push(path);
+        }
+    }
+    Ok(removed)
+}
+
 /// Moves the checkpoints of steps `from..=to` under `root` aside: each `ckpt-<step>` is renamed
 /// `retired-ckpt-<step>-<unix seconds>`, out of reach of resuming and retention, kept for a person to look at or
 /// delete. Returns the new paths.
@@ -415,9 +438,10 @@ impl Checkpointer {
         self.incarnation.store(incarnation, Ordering::SeqCst);
     }
 
-    /// The next write pauses after its first file (fault rehearsal: a kill mid-checkpoint is deterministic).
-    pub fn stall_next_write(&self) {
-        self.stall_next.store(true, Ordering::SeqCst);
+    /// The next write pauses after its first file (fault rehearsal: a kill mid-checkpoint is deterministic); false
+    /// when a stall is pending already.
+    pub fn stall_next_write(&self) -> bool {
+        !self.stall_next.swap(true, Ordering::SeqCst)
     }
 }
 
@@ -553,7 +577,8 @@ mod tests {
     fn dropping_the_writer_leaves_a_stalled_write_behind() {
         let dir = tempfile::tempdir().unwrap();
         let writer = Checkpointer::start(dir.path().to_path_buf(), 2, |_| {});
-        writer.stall_next_write();
+        assert!(writer.stall_next_write());
+        assert!(!writer.stall_next_write(), "one pending at a time");
         writer.write(snapshot(4), state(4), vec![], 0);
         while !dir.path().join(format!(".{}.tmp", checkpoint_name(4))).join(OPTIMIZER_FILE).exists() {
             std::thread::sleep(Duration::from_millis(10));
@@ -575,5 +600,24 @@ mod tests {
         std::fs::create_dir_all(&half).unwrap();
         let scan = newest_valid(dir.path(), &|_| true).unwrap();
         assert!(scan.newest.is_none() && scan.rejected[0].1.contains("no MANIFEST"));
+    }
+
+    #[test]
+    fn debris_of_killed_writes_is_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join(format!(".{}.tmp", checkpoint_name(5)));
+        std::fs::create_dir_all(folder.join("inner")).unwrap();
+        let file = dir.path().join(format!(".{}.tmp", checkpoint_name(7)));
+        std::fs::write(&file, b"half").unwrap();
+        let kept = [checkpoint_name(4), "retired-ckpt-9-1".to_string(), "notes.tmp".to_string()];
+        for name in &kept {
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
+        }
+        let mut removed = remove_unfinished(dir.path()).unwrap();
+        removed.sort();
+        assert_eq!(removed, vec![folder.clone(), file.clone()]);
+        assert!(!folder.exists() && !file.exists());
+        assert!(kept.iter().all(|name| dir.path().join(name).exists()));
+        assert!(remove_unfinished(&dir.path().join("absent")).unwrap().is_empty());
     }
 }

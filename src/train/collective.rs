@@ -202,9 +202,28 @@ pub struct JoinBuffers {
     pub exp_avg_sq: Tensor,
 }
 
+impl JoinBuffers {
+    /// Handles on the same storage (the donor fills them while the joiner waits for its admission).
+    fn alias(&self) -> JoinBuffers {
+        JoinBuffers {
+            master: self.master.shallow_clone(),
+            exp_avg: self.exp_avg.shallow_clone(),
+            exp_avg_sq: self.exp_avg_sq.shallow_clone(),
+        }
+    }
+}
+
+/// A round's outcome, as its contributors find it: the result, or why the sum failed (every contributor then fails,
+/// rather than waiting for a result that never comes).
+struct Published {
+    step: u64,
+    incarnation: u64,
+    outcome: Result<Arc<RoundResult>, CollectiveError>,
+}
+
 struct State {
     rounds: Rounds<Contribution, JoinBuffers>,
-    results: VecDeque<Arc<RoundResult>>,
+    results: VecDeque<Published>,
     samples_committed: u64,
     settings: StepSettings,
     /// Settings of a reload and the first step they apply to.
@@ -305,7 +324,8 @@ impl Collective {
         removal
     }
 
-    /// Contributes to round `step` and waits for its result.
+    /// Contributes to round `step` and waits for its result. The member completing the round sums the gradients
+    /// outside the lock (device work never holds it), then publishes the result, or the error, to every contributor.
     pub fn contribute(
         &self,
         id: MemberId,
@@ -315,20 +335,29 @@ impl Collective {
     ) -> Result<Arc<RoundResult>, CollectiveError> {
         let mut s = self.lock();
         s.rounds.contribute(id, generation, step, contribution)?;
+        let incarnation = s.rounds.incarnation();
         loop {
-            if let Some(r) = s.results.iter().find(|r| r.step == step) {
-                return Ok(r.clone());
+            if let Some(p) = s.results.iter().find(|p| p.step == step && p.incarnation == incarnation) {
+                return p.outcome.clone();
             }
             if let Some(done) = s.rounds.complete() {
-                let (result, report) = reduce(&mut s, done)?;
-                s.results.push_back(result.clone());
-                while s.results.len() > 4 {
-                    s.results.pop_front();
+                let plan = plan(&mut s, &done);
+                drop(s);
+                let summed = sum_gradients(plan.sum, &done.contributions);
+                let (outcome, report) = finish(plan, done, summed);
+                let mut s = self.lock();
+                if s.rounds.incarnation() == incarnation {
+                    s.results.push_back(Published { step, incarnation, outcome: outcome.clone() });
+                    while s.results.len() > 4 {
+                        s.results.pop_front();
+                    }
                 }
                 drop(s);
                 self.changed.notify_all();
-                (self.on_round)(report);
-                return Ok(result);
+                if outcome.is_ok() {
+                    (self.on_round)(report);
+                }
+                return outcome;
             }
             if !s.rounds.is_member(id, generation) && !s.rounds.has_contributed(id, generation) {
                 return Err(CollectiveError::Removed);
@@ -368,7 +397,8 @@ impl Collective {
 
     /// Called by a member between its rounds: copies its state (`master`, moments, update count) into every
     /// waiting joiner and adds them to the membership of the open round. Any member may serve: every member at its
-    /// step boundary holds the state the open round starts from.
+    /// step boundary holds the state the open round starts from. The copies happen outside the lock (a device that
+    /// hangs during them holds no one else up); a joiner removed meanwhile is skipped.
     pub fn serve_joiners(
         &self,
         id: MemberId,
@@ -376,8 +406,14 @@ impl Collective {
         [master, exp_avg, exp_avg_sq]: [&Tensor; 3],
         optimizer_steps: u64,
     ) -> Result<usize, CollectiveError> {
-        let mut s = self.lock();
-        let copy = |j: &mut JoinBuffers| -> Result<(), DeviceError> {
+        let (claim, buffers) = {
+            let mut s = self.lock();
+            let claim = s.rounds.claim_joiners(id, generation)?;
+            let buffers: Vec<JoinBuffers> =
+                claim.joiners.iter().filter_map(|&(m, g)| s.rounds.payload(m, g).map(JoinBuffers::alias)).collect();
+            (claim, buffers)
+        };
+        let copied = buffers.iter().try_for_each(|j| -> Result<(), DeviceError> {
             let mut dst = j.master.shallow_clone();
             dst.copy_(master);
             let mut dst = j.exp_avg.shallow_clone();
@@ -386,78 +422,120 @@ impl Collective {
             dst.copy_(exp_avg_sq);
             device::synchronize(j.master.device())?;
             device::synchronize(master.device())
+        });
+        let mut s = self.lock();
+        let admitted = match copied {
+            Ok(()) => s.rounds.admit(&claim, optimizer_steps),
+            Err(e) => {
+                s.rounds.unclaim(&claim);
+                return Err(e.into());
+            }
         };
-        let admitted = s.rounds.serve(id, generation, optimizer_steps, copy)??;
         drop(s);
         self.changed.notify_all();
         Ok(admitted.len())
     }
 }
 
-/// Sums a completed round's contributions in member order.
-fn reduce(s: &mut State, done: Completed<Contribution>) -> Result<(Arc<RoundResult>, RoundReport), CollectiveError> {
-    let Completed { step, incarnation, contributions } = done;
-    let mut grad: Option<Tensor> = None;
-    let (mut total_weight, mut samples) = (0.0, 0);
-    let mut report = Vec::new();
-    for (member, generation, c) in &contributions {
-        if s.sum == GradientSum::DeviceCopies {
-            grad = Some(match grad {
-                None if contributions.len() == 1 => c.grad.shallow_clone(),
-                None => c.grad.copy(),
-                Some(mut sum) => {
-                    let _ = sum.f_add_(&c.grad.to_device(sum.device())).map_err(|e| DeviceErrorText(e.to_string()))?;
-                    sum
-                }
-            });
-        }
-        total_weight += c.weight;
-        samples += c.samples;
-        report.push(Contributed {
-            member: *member,
-            generation: *generation,
-            batches: c.batches.clone(),
-            metrics: c.metrics,
-            samples: c.samples,
-        });
-    }
+/// A completed round's bookkeeping, done under the lock before its gradients are summed.
+struct Plan {
+    sum: GradientSum,
+    ring: Option<Arc<Ring>>,
+    update: UpdateSettings,
+    next_objective: ObjectiveKnobs,
+    samples_committed: u64,
+    ring_error: Option<CollectiveError>,
+}
+
+/// Advances the settings, the progress and the ring for a completed round.
+fn plan(s: &mut State, done: &Completed<Contribution>) -> Plan {
+    let step = done.step;
     if s.pending.is_some_and(|(from, _)| from <= step) {
         s.settings = s.settings_at(step);
         s.pending = None;
     }
-    let contributors: Vec<MemberId> = contributions.iter().map(|(m, ..)| *m).collect();
+    let contributors: Vec<MemberId> = done.contributions.iter().map(|(m, ..)| *m).collect();
+    let mut ring_error = None;
     let ring = match s.sum {
         GradientSum::DeviceCopies => None,
         GradientSum::Nccl => {
             if s.ring.as_ref().is_none_or(|r| r.members != contributors) {
                 let epoch = s.ring.as_ref().map_or(0, |r| r.epoch + 1);
-                let id = NcclId::new().map_err(|e| DeviceErrorText(e.to_string()))?;
-                s.ring = Some(Arc::new(Ring { epoch, members: contributors.clone(), id }));
+                match NcclId::new() {
+                    Ok(id) => s.ring = Some(Arc::new(Ring { epoch, members: contributors, id })),
+                    Err(e) => ring_error = Some(DeviceErrorText(e.to_string()).into()),
+                }
             }
             s.ring.clone()
         }
     };
     let update = s.settings.hyper.update(step, s.samples_committed);
     let next_objective = s.settings_at(step + 1).objective;
-    s.samples_committed += samples;
-    let result = Arc::new(RoundResult {
-        step,
-        grad: grad.map(SharedTensor::new),
-        ring,
-        total_weight,
-        update,
-        next_objective,
-        contributors,
-    });
+    s.samples_committed += done.contributions.iter().map(|(.., c)| c.samples).sum::<u64>();
+    Plan { sum: s.sum, ring, update, next_objective, samples_committed: s.samples_committed, ring_error }
+}
+
+/// The contributions' gradients summed in member order (device copies), or `None` when NCCL sums them.
+fn sum_gradients(
+    sum: GradientSum,
+    contributions: &[(MemberId, u64, Contribution)],
+) -> Result<Option<Tensor>, CollectiveError> {
+    if sum == GradientSum::Nccl {
+        return Ok(None);
+    }
+    let mut total: Option<Tensor> = None;
+    for (_, _, c) in contributions {
+        total = Some(match total {
+            None if contributions.len() == 1 => c.grad.shallow_clone(),
+            None => c.grad.f_detach_copy().map_err(|e| DeviceErrorText(e.to_string()))?,
+            Some(mut acc) => {
+                let part = c.grad.f_to_device(acc.device()).map_err(|e| DeviceErrorText(e.to_string()))?;
+                let _ = acc.f_add_(&part).map_err(|e| DeviceErrorText(e.to_string()))?;
+                acc
+            }
+        });
+    }
+    Ok(total)
+}
+
+/// The round's result (or its failure) and its report.
+fn finish(
+    plan: Plan,
+    done: Completed<Contribution>,
+    summed: Result<Option<Tensor>, CollectiveError>,
+) -> (Result<Arc<RoundResult>, CollectiveError>, RoundReport) {
+    let Completed { step, incarnation, contributions } = done;
+    let total_weight = contributions.iter().map(|(.., c)| c.weight).sum();
     let report = RoundReport {
         step,
         incarnation,
-        contributions: report,
+        contributions: contributions
+            .iter()
+            .map(|(m, g, c)| Contributed {
+                member: *m,
+                generation: *g,
+                batches: c.batches.clone(),
+                metrics: c.metrics,
+                samples: c.samples,
+            })
+            .collect(),
         total_weight,
-        lr: update.adamw.lr,
-        samples_committed: s.samples_committed,
+        lr: plan.update.adamw.lr,
+        samples_committed: plan.samples_committed,
     };
-    Ok((result, report))
+    let outcome = match (plan.ring_error, summed) {
+        (Some(e), _) | (None, Err(e)) => Err(e),
+        (None, Ok(grad)) => Ok(Arc::new(RoundResult {
+            step,
+            grad: grad.map(SharedTensor::new),
+            ring: plan.ring,
+            total_weight,
+            update: plan.update,
+            next_objective: plan.next_objective,
+            contributors: contributions.iter().map(|(m, ..)| *m).collect(),
+        })),
+    };
+    (outcome, report)
 }
 
 #[cfg(test)]
@@ -572,7 +650,7 @@ mod tests {
                     let r = c.contribute(m, 1, 5, contribution(&v, 1.5)).unwrap();
                     (
                         r.step,
-                        Vec::<f32>::try_from(&**r.grad.as_ref().unwrap()).unwrap(),
+                        Vec::<f32>::try_from(&r.grad.as_ref().unwrap().to_copy().unwrap()).unwrap(),
                         r.total_weight,
                         r.contributors.clone(),
                     )
@@ -627,6 +705,27 @@ mod tests {
         assert_eq!(removal, Removal { was_member: true, contributed: false, remaining: vec![(0, 1)] });
         assert_eq!(waiter.join().unwrap(), vec![0]);
         assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0)).err(), Some(CollectiveError::Removed));
+    }
+
+    /// A sum that fails (here: gradients of different sizes) fails the round for every contributor, each with the
+    /// error, instead of leaving the others waiting for a result that never comes; no report is sent.
+    #[test]
+    fn a_failed_sum_fails_the_round_for_every_contributor() {
+        let (c, rx) = collective();
+        c.found(0, 1).unwrap();
+        admit(&c, 1);
+        let (tx, outcomes) = mpsc::channel();
+        for (m, values) in [(0usize, vec![1.0f32, 2.0]), (1, vec![1.0, 2.0, 3.0])] {
+            let (c, tx) = (c.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let _ = tx.send((m, c.contribute(m, 1, 5, contribution(&values, 1.0)).map(|r| r.step)));
+            });
+        }
+        for _ in 0..2 {
+            let (m, outcome) = outcomes.recv_timeout(std::time::Duration::from_secs(10)).expect("nobody hangs");
+            assert!(matches!(outcome, Err(CollectiveError::Device(_))), "member {m}: {outcome:?}");
+        }
+        assert!(rx.try_recv().is_err(), "a failed round is not reported as committed");
     }
 
     #[test]

@@ -66,7 +66,19 @@ pub enum JoinPoll {
 struct Joiner<J> {
     generation: u64,
     payload: J,
+    /// The member `(id, generation)` copying its state into the payload.
+    claimed: Option<(MemberId, u64)>,
     admitted: Option<JoinInfo>,
+}
+
+/// Joiners a member claimed to serve: it copies its state into their payloads (outside any lock), then admits them
+/// with [`Rounds::admit`], or gives them back with [`Rounds::unclaim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub server: (MemberId, u64),
+    pub incarnation: u64,
+    /// `(id, generation)` of each joiner claimed.
+    pub joiners: Vec<(MemberId, u64)>,
 }
 
 /// See the module documentation. `C`: what a member brings to a round; `J`: what a joiner lends to be filled.
@@ -157,6 +169,10 @@ impl<C, J> Rounds<C, J> {
         if self.joiners.get(&id).is_some_and(|j| j.generation == generation) {
             self.joiners.remove(&id);
         }
+        // Joiners it was serving wait for another server.
+        for j in self.joiners.values_mut().filter(|j| j.claimed == Some((id, generation))) {
+            j.claimed = None;
+        }
         Removal { was_member, contributed: self.has_contributed(id, generation), remaining: self.members() }
     }
 
@@ -194,18 +210,63 @@ impl<C, J> Rounds<C, J> {
         if self.was_removed(id, generation) {
             return Err(RoundsError::Removed);
         }
-        self.joiners.insert(id, Joiner { generation, payload, admitted: None });
+        self.joiners.insert(id, Joiner { generation, payload, claimed: None, admitted: None });
         Ok(())
     }
 
     /// Whether a join request waits to be served.
     pub fn has_joiners(&self) -> bool {
-        self.joiners.values().any(|j| j.admitted.is_none())
+        self.joiners.values().any(|j| j.admitted.is_none() && j.claimed.is_none())
     }
 
-    /// Called by member `id` at its step boundary: `copy` fills each waiting joiner's payload with the member's
-    /// state, and the joiner becomes a member of the open round. Returns the joiners admitted. A failed copy stops
-    /// there: that joiner and the ones after it keep waiting.
+    /// Member `id` (at its step boundary) claims every waiting joiner to serve.
+    pub fn claim_joiners(&mut self, id: MemberId, generation: u64) -> Result<Claim, RoundsError> {
+        if !self.is_member(id, generation) {
+            return Err(RoundsError::Removed);
+        }
+        let mut joiners = Vec::new();
+        for (m, j) in self.joiners.iter_mut().filter(|(_, j)| j.admitted.is_none() && j.claimed.is_none()) {
+            j.claimed = Some((id, generation));
+            joiners.push((*m, j.generation));
+        }
+        Ok(Claim { server: (id, generation), incarnation: self.incarnation, joiners })
+    }
+
+    /// The payload of joiner `id`'s request of thread `generation`.
+    pub fn payload(&self, id: MemberId, generation: u64) -> Option<&J> {
+        self.joiners.get(&id).filter(|j| j.generation == generation).map(|j| &j.payload)
+    }
+
+    /// Admits the claimed joiners whose state was copied into the open round; returns those admitted. Nobody is
+    /// admitted when the server was removed or the collective rewound meanwhile (the copy may no longer be the
+    /// open round's state): those requests wait for another server, as do ones removed meanwhile (gone).
+    pub fn admit(&mut self, claim: &Claim, optimizer_steps: u64) -> Vec<MemberId> {
+        let valid = self.is_member(claim.server.0, claim.server.1) && self.incarnation == claim.incarnation;
+        let info = JoinInfo { step: self.round, optimizer_steps };
+        let mut admitted = Vec::new();
+        for &(m, generation) in &claim.joiners {
+            let Some(j) = self.joiners.get_mut(&m).filter(|j| j.generation == generation) else { continue };
+            j.claimed = None;
+            if valid {
+                j.admitted = Some(info);
+                self.members.insert(m, generation);
+                admitted.push(m);
+            }
+        }
+        admitted
+    }
+
+    /// Gives claimed joiners back unserved (the copy failed): another member may serve them.
+    pub fn unclaim(&mut self, claim: &Claim) {
+        for &(m, generation) in &claim.joiners {
+            if let Some(j) = self.joiners.get_mut(&m).filter(|j| j.generation == generation) {
+                j.claimed = None;
+            }
+        }
+    }
+
+    /// Claims, copies and admits in one go (single-threaded callers): `copy` fills each waiting joiner's payload
+    /// with member `id`'s state. Returns the joiners admitted; a failed copy admits nobody.
     pub fn serve<E>(
         &mut self,
         id: MemberId,
@@ -213,20 +274,15 @@ impl<C, J> Rounds<C, J> {
         optimizer_steps: u64,
         mut copy: impl FnMut(&mut J) -> Result<(), E>,
     ) -> Result<Result<Vec<MemberId>, E>, RoundsError> {
-        if !self.is_member(id, generation) {
-            return Err(RoundsError::Removed);
-        }
-        let info = JoinInfo { step: self.round, optimizer_steps };
-        let mut admitted = Vec::new();
-        for (m, j) in self.joiners.iter_mut().filter(|(_, j)| j.admitted.is_none()) {
+        let claim = self.claim_joiners(id, generation)?;
+        for &(m, _) in &claim.joiners {
+            let j = self.joiners.get_mut(&m).expect("claimed just now");
             if let Err(e) = copy(&mut j.payload) {
+                self.unclaim(&claim);
                 return Ok(Err(e));
             }
-            j.admitted = Some(info);
-            self.members.insert(*m, j.generation);
-            admitted.push(*m);
         }
-        Ok(Ok(admitted))
+        Ok(Ok(self.admit(&claim, optimizer_steps)))
     }
 
     /// Where this join request stands; a request that was admitted is consumed by the answer.
@@ -311,9 +367,10 @@ mod tests {
         // Nobody may serve who is not a member.
         assert_eq!(r.serve(0, 1, 0, |_| Ok::<(), ()>(())), Err(RoundsError::Removed));
         r.found(0, 1).unwrap();
-        // A failed copy admits nobody.
+        // A failed copy admits nobody, and gives the request back.
         assert_eq!(r.serve(0, 1, 0, |_| Err("copy failed")), Ok(Err("copy failed")));
         assert_eq!(r.poll_join(4, 2), JoinPoll::Waiting);
+        assert!(r.has_joiners());
         r.remove(4, 2);
         assert_eq!(r.poll_join(4, 2), JoinPoll::Removed);
         assert!(!r.has_joiners());
@@ -336,6 +393,28 @@ mod tests {
         r.contribute(0, 2, 7, "new").unwrap();
         let done = r.complete().unwrap();
         assert_eq!(done.contributions, vec![(0, 1, "dead"), (0, 2, "new"), (2, 1, "b")]);
+    }
+
+    /// The copy happens outside any lock: between the claim and the admission the server may be removed (or the
+    /// collective rewound), and then nobody is admitted on its copy; a joiner removed meanwhile is simply gone.
+    #[test]
+    fn a_claim_admits_only_if_its_server_is_still_there() {
+        let mut r = R::new(3);
+        r.found(0, 1).unwrap();
+        r.request_join(1, 1, 0).unwrap();
+        r.request_join(2, 1, 0).unwrap();
+        let claim = r.claim_joiners(0, 1).unwrap();
+        assert_eq!(claim.joiners, vec![(1, 1), (2, 1)]);
+        assert!(!r.has_joiners(), "claimed: nobody else serves them");
+        r.remove(2, 1);
+        assert_eq!(r.admit(&claim, 7), vec![1], "the one removed meanwhile is gone");
+        assert_eq!(r.poll_join(1, 1), JoinPoll::Joined(JoinInfo { step: 3, optimizer_steps: 7 }));
+        r.request_join(3, 1, 0).unwrap();
+        let claim = r.claim_joiners(0, 1).unwrap();
+        r.remove(0, 1);
+        assert!(r.has_joiners(), "its server is gone: the joiner waits for another one");
+        assert!(r.admit(&claim, 7).is_empty(), "its server was removed during the copy");
+        assert_eq!(r.poll_join(3, 1), JoinPoll::Waiting);
     }
 
     /// A thread given up on while it was still starting asks to join (or found) afterwards: refused, so a member

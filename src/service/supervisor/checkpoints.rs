@@ -12,8 +12,8 @@ use crate::train::checkpoint::TrainerState;
 /// The checkpoint in flight.
 #[derive(Debug, Clone, PartialEq)]
 enum Flight {
-    /// Asked drafter `donor` (thread `generation`) for a snapshot.
-    Snapshot { donor: usize, generation: u64, since: Duration },
+    /// Asked drafter `donor` (thread `generation`) for a snapshot at step boundary `at`.
+    Snapshot { donor: usize, generation: u64, at: u64, since: Duration },
     /// The snapshot of `step` waits for that boundary's trainer state.
     Pairing { donor: (usize, u64), step: u64, optimizer_steps: u64 },
     /// The writer has the snapshot of drafter thread `donor` since `since`.
@@ -97,13 +97,13 @@ impl Book {
         now.saturating_sub(self.last_request)
     }
 
-    /// Asks drafter `donor` for a snapshot; false when one is in flight already.
-    pub fn request(&mut self, donor: usize, generation: u64, now: Duration) -> bool {
+    /// Asks drafter `donor` for a snapshot at step boundary `at`; false when one is in flight already.
+    pub fn request(&mut self, donor: usize, generation: u64, at: u64, now: Duration) -> bool {
         self.last_request = now;
         if self.flight.is_some() {
             return false;
         }
-        self.flight = Some(Flight::Snapshot { donor, generation, since: now });
+        self.flight = Some(Flight::Snapshot { donor, generation, at, since: now });
         true
     }
 
@@ -138,7 +138,7 @@ impl Book {
         now: Duration,
     ) -> SnapshotOutcome {
         match self.flight {
-            Some(Flight::Snapshot { donor, generation: g, .. }) if donor == id && g == generation => {
+            Some(Flight::Snapshot { donor, generation: g, at, .. }) if donor == id && g == generation && at == step => {
                 if self.states.contains_key(&step) {
                     SnapshotOutcome::Write(Box::new(self.pair((id, generation), step, optimizer_steps, now)))
                 } else {
@@ -163,7 +163,7 @@ impl Book {
     /// The donor asked at `since` has not answered within `deadline`: `(donor, generation)`.
     pub fn snapshot_overdue(&self, now: Duration, deadline: Duration) -> Option<(usize, u64)> {
         match self.flight {
-            Some(Flight::Snapshot { donor, generation, since }) if now.saturating_sub(since) > deadline => {
+            Some(Flight::Snapshot { donor, generation, since, .. }) if now.saturating_sub(since) > deadline => {
                 Some((donor, generation))
             }
             _ => None,
@@ -264,10 +264,11 @@ mod tests {
     #[test]
     fn a_snapshot_is_written_with_its_boundary_state_whichever_comes_first() {
         let mut b = Book::default();
-        assert!(b.request(1, 3, Duration::ZERO));
-        assert!(!b.request(0, 1, Duration::ZERO), "one in flight");
+        assert!(b.request(1, 3, 5, Duration::ZERO));
+        assert!(!b.request(0, 1, 5, Duration::ZERO), "one in flight");
         let t = Duration::ZERO;
         assert_eq!(b.snapshot(0, 1, 5, 9, t), SnapshotOutcome::Unwanted, "not the donor asked");
+        assert_eq!(b.snapshot(1, 3, 4, 9, t), SnapshotOutcome::Unwanted, "not the boundary asked for");
         assert_eq!(b.snapshot(1, 3, 5, 9, t), SnapshotOutcome::Waiting, "step 5's state is not known yet");
         assert_eq!(b.snapshot(1, 3, 5, 9, t), SnapshotOutcome::Unwanted, "a duplicate answer");
         assert!(b.holds(1, 3, 5), "but the snapshot it duplicates is held");
@@ -277,7 +278,7 @@ mod tests {
         assert!(!b.in_flight() && b.written_at(5));
         // The state first, then the snapshot.
         b.boundary(6, state(6), t);
-        assert!(b.request(0, 1, Duration::from_secs(2)));
+        assert!(b.request(0, 1, 6, Duration::from_secs(2)));
         assert!(matches!(b.snapshot(0, 1, 6, 10, t), SnapshotOutcome::Write(_)));
         assert_eq!(b.writing_since(), Some(t));
         b.forget_write();
@@ -287,7 +288,7 @@ mod tests {
     #[test]
     fn a_lost_donor_frees_the_slot_and_an_unloadable_checkpoint_is_shunned() {
         let mut b = Book::default();
-        b.request(2, 1, Duration::ZERO);
+        b.request(2, 1, 0, Duration::ZERO);
         assert!(b.snapshot_overdue(Duration::from_secs(5), Duration::from_secs(10)).is_none());
         assert_eq!(b.snapshot_overdue(Duration::from_secs(11), Duration::from_secs(10)), Some((2, 1)));
         assert!(!b.donor_lost(2, 0) && b.donor_lost(2, 1));
@@ -296,14 +297,14 @@ mod tests {
         b.shun(30);
         assert_eq!(b.excluded(), vec![30, 40]);
         b.boundary(30, state(30), Duration::ZERO);
-        b.request(0, 1, Duration::ZERO);
+        b.request(0, 1, 30, Duration::ZERO);
         let SnapshotOutcome::Write(job) = b.snapshot(0, 1, 30, 1, Duration::ZERO) else { panic!("write") };
         assert_eq!(job.invalid, vec![40]);
         b.written(30, Some("ckpt-30".into()), Duration::ZERO);
         assert_eq!(b.excluded(), vec![40], "rewritten: no longer shunned");
         // After a rewind to 20, only its history and what it writes qualify.
         b.rewound(20, state(20), None);
-        b.request(0, 2, Duration::ZERO);
+        b.request(0, 2, 25, Duration::ZERO);
         b.boundary(25, state(25), Duration::ZERO);
         b.snapshot(0, 2, 25, 1, Duration::ZERO);
         b.written(25, Some("ckpt-25".into()), Duration::ZERO);

@@ -31,8 +31,8 @@ use self::protocol::{Action, Event, Found, LedgerEntry, Notice, Order};
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
 use super::evaluator::{EvalSpec, Evaluator, eval_prompts};
-use super::failure::{Failure, FailureKind, FaultKind};
-use super::messages::{Heads, Reloaded, SupervisorMsg, ThreadMsg, Work};
+use super::failure::{Failure, FailureKind, FaultKind, FaultRefused};
+use super::messages::{DrafterState, Heads, Reloaded, SupervisorMsg, ThreadMsg, Work};
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
@@ -277,7 +277,7 @@ impl Shell {
             Action::Tell { id, generation, order } => {
                 let work = match order {
                     Order::ServeJoiners => Work::ServeJoiners,
-                    Order::Checkpoint => Work::Checkpoint,
+                    Order::Checkpoint { at } => Work::Checkpoint { at },
                     Order::Stop => Work::Stop,
                 };
                 if !self.routes.try_send(id, generation, work) {
@@ -629,20 +629,34 @@ impl Shell {
         Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
     }
 
-    /// `POST /drafters/{id}/fault`.
-    fn inject(&mut self, id: usize, kind: FaultKind) -> Result<(), String> {
+    /// `POST /drafters/{id}/fault`: one pending fault per drafter (and one checkpoint stall) at a time; a drafter
+    /// failed for good runs no thread to fail.
+    fn inject(&mut self, id: usize, kind: FaultKind) -> Result<(), FaultRefused> {
         if !self.a.config.control.fault_injection {
-            return Err("fault injection is off (control.fault_injection = false)".to_string());
+            return Err(FaultRefused::Off);
         }
         if id >= self.drafters.len() {
-            return Err(format!("no drafter {id} (ids 0..{})", self.drafters.len()));
+            return Err(FaultRefused::NoSuchDrafter { id, count: self.drafters.len() });
         }
         if kind == FaultKind::CheckpointStall {
-            self.checkpointer.stall_next_write();
-        } else {
-            *self.drafters[id].shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(kind);
+            return match self.checkpointer.stall_next_write() {
+                true => Ok(()),
+                false => Err(FaultRefused::Conflict("a checkpoint stall is pending already".into())),
+            };
         }
-        Ok(())
+        if self.core.drafter_state(id) == Some(DrafterState::Failed) {
+            return Err(FaultRefused::Conflict(format!("drafter {id} is failed: it runs no thread to fail")));
+        }
+        let mut pending = self.drafters[id].shared.fault.lock().unwrap_or_else(|p| p.into_inner());
+        match *pending {
+            Some(other) => Err(FaultRefused::Conflict(format!(
+                "drafter {id} has a fault pending already ({other:?}); it takes effect at its next step"
+            ))),
+            None => {
+                *pending = Some(kind);
+                Ok(())
+            }
+        }
     }
 }
 

@@ -29,8 +29,11 @@ pub enum Start {
 pub enum Order {
     /// Copy this replica's state into waiting joiners.
     ServeJoiners,
-    /// Snapshot the state for a checkpoint.
-    Checkpoint,
+    /// Snapshot the state for a checkpoint at step boundary `at` (the first step not yet handed out: the drafter
+    /// cannot be past it), so that the checkpoint's step is known when it is asked for.
+    Checkpoint {
+        at: u64,
+    },
     Stop,
 }
 

@@ -132,6 +132,11 @@ impl Schedule {
         self.committed_step
     }
 
+    /// The first step not handed out yet: no drafter is past this boundary.
+    pub fn next_step(&self) -> u64 {
+        self.next_step
+    }
+
     pub fn samples_committed(&self) -> u64 {
         self.samples_committed
     }

@@ -44,7 +44,7 @@ use crate::train::checkpoint::{TrainerState, to_delete};
 use crate::train::collective::{Contributed, Hyper, RoundReport};
 use crate::train::objective::Metrics;
 use crate::train::optim::{LrSchedule, ScheduleKind};
-use crate::train::rounds::{JoinPoll, Rounds};
+use crate::train::rounds::{Claim, JoinPoll, Rounds};
 
 const STEP_TIMEOUT_S: f64 = 5.0;
 const SHUTDOWN_TIMEOUT_S: f64 = 30.0;
@@ -172,8 +172,12 @@ enum Stage {
     Building,
     Joining,
     Collecting,
-    Computing { hung: bool },
+    Computing {
+        hung: bool,
+    },
     InRound,
+    /// Copying its state into joiners it claimed.
+    Serving,
     Gone,
 }
 
@@ -193,6 +197,8 @@ struct Thread {
     samples: u64,
     taken: usize,
     joined: Rc<Cell<Option<Replica>>>,
+    /// A snapshot asked for at this step boundary.
+    snapshot_at: Option<u64>,
     computing_since: Duration,
     /// Its messages arrive in order: not before this.
     clock: Duration,
@@ -242,6 +248,7 @@ enum Occ {
     Built { id: usize, generation: u64 },
     Wake { id: usize, generation: u64 },
     Computed { id: usize, generation: u64 },
+    Served { claim: Claim, optimizer_steps: u64 },
     HangCheck { id: usize, generation: u64 },
     TargetBuilt { target: usize, generation: u64 },
     TargetDone { target: usize, generation: u64 },
@@ -539,6 +546,7 @@ impl World {
                         samples: 0,
                         taken: 0,
                         joined: Rc::new(Cell::new(None)),
+                        snapshot_at: None,
                         computing_since: Duration::ZERO,
                         clock: self.now,
                     },
@@ -809,6 +817,14 @@ impl World {
                 JoinPoll::Removed => self.returned(id, generation),
             },
             Stage::Collecting => {
+                if t.snapshot_at.is_some_and(|at| at <= t.replica.step) {
+                    t.snapshot_at = None;
+                    let r = t.replica;
+                    self.snapshots.insert((id, generation, r.step), r);
+                    let event = Event::Snapshot { id, generation, step: r.step, optimizer_steps: r.optimizer_steps };
+                    self.thread_says(id, generation, event);
+                    return self.run_thread(id, generation);
+                }
                 while t.taken < self.p.accumulation {
                     let Some(msg) = t.inbox.pop_front() else { return Ok(()) };
                     match msg {
@@ -822,12 +838,13 @@ impl World {
                             self.serve(id, generation);
                             return self.run_thread(id, generation);
                         }
-                        Msg::Order(Order::Checkpoint) => {
-                            let r = t.replica;
-                            self.snapshots.insert((id, generation, r.step), r);
-                            let event =
-                                Event::Snapshot { id, generation, step: r.step, optimizer_steps: r.optimizer_steps };
-                            self.thread_says(id, generation, event);
+                        Msg::Order(Order::Checkpoint { at }) => {
+                            if at < t.replica.step {
+                                return violation(format!(
+                                    "drafter {id} asked for a snapshot at {at}, already past it"
+                                ));
+                            }
+                            t.snapshot_at = Some(at);
                             return self.run_thread(id, generation);
                         }
                         Msg::Order(Order::Stop) => {
@@ -861,21 +878,36 @@ impl World {
         self.supervision(Event::DrafterExited { id, generation });
     }
 
+    /// The member claims the waiting joiners and copies its state into them; it admits them once the copy is done
+    /// (a few milliseconds later, during which anything may happen: it is blocked meanwhile).
     fn serve(&mut self, id: usize, generation: u64) {
         let Some(t) = self.threads.get(&(id, generation)) else { return };
         let replica = t.replica;
-        let served = self.rounds.serve(id, generation, replica.optimizer_steps, |slot| {
-            slot.set(Some(replica));
-            Ok::<(), ()>(())
-        });
-        if let Ok(Ok(admitted)) = served {
-            for joiner in admitted {
-                let g = self.threads.keys().filter(|(i, _)| *i == joiner).map(|(_, g)| *g).max();
-                if let Some(g) = g {
-                    self.wake(joiner, g);
-                }
+        let Ok(claim) = self.rounds.claim_joiners(id, generation) else { return };
+        if claim.joiners.is_empty() {
+            return;
+        }
+        for &(m, g) in &claim.joiners {
+            if let Some(slot) = self.rounds.payload(m, g) {
+                slot.set(Some(replica));
             }
         }
+        self.threads.get_mut(&(id, generation)).expect("present").stage = Stage::Serving;
+        let delay = self.jitter(1, 8);
+        self.after(delay, Occ::Served { claim, optimizer_steps: replica.optimizer_steps });
+    }
+
+    fn served(&mut self, claim: Claim, optimizer_steps: u64) {
+        let (id, generation) = claim.server;
+        if self.threads.get(&(id, generation)).is_none_or(|t| t.stage != Stage::Serving) {
+            return;
+        }
+        for joiner in self.rounds.admit(&claim, optimizer_steps) {
+            let g = claim.joiners.iter().find(|(m, _)| *m == joiner).map(|(_, g)| *g).expect("claimed");
+            self.wake(joiner, g);
+        }
+        self.threads.get_mut(&(id, generation)).expect("present").stage = Stage::Collecting;
+        self.wake(id, generation);
     }
 
     fn computed(&mut self, id: usize, generation: u64) -> Check {
@@ -1211,6 +1243,7 @@ impl World {
             Occ::Built { id, generation } => self.built(id, generation)?,
             Occ::Wake { id, generation } => self.run_thread(id, generation)?,
             Occ::Computed { id, generation } => self.computed(id, generation)?,
+            Occ::Served { claim, optimizer_steps } => self.served(claim, optimizer_steps),
             Occ::HangCheck { id, generation } => self.hang_check(id, generation),
             Occ::TargetBuilt { target, generation } => {
                 let t = &mut self.targets[target];

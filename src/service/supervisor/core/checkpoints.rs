@@ -3,16 +3,18 @@
 use super::*;
 
 impl Core {
-    /// Asks the donor for a snapshot at its next step boundary; false when none is live or one is in flight.
-    pub(super) fn request_checkpoint(&mut self, reason: &str) -> bool {
-        let Some(donor) = self.donor() else { return false };
-        if !self.book.request(donor.0, donor.1, self.now) {
-            return false;
+    /// Asks the donor for a snapshot at the first step boundary not handed out yet (once the steps in flight are
+    /// done); the step, or `None` when no drafter is live or a checkpoint is in flight.
+    pub(super) fn request_checkpoint(&mut self, reason: &str) -> Option<u64> {
+        let donor = self.donor()?;
+        let at = self.schedule.next_step();
+        if !self.book.request(donor.0, donor.1, at, self.now) {
+            return None;
         }
-        tracing::debug!(reason, drafter = donor.0, "checkpoint requested");
+        tracing::debug!(reason, drafter = donor.0, at, "checkpoint requested");
         self.checkpoint_owed = false;
-        self.tell(donor, Order::Checkpoint);
-        true
+        self.tell(donor, Order::Checkpoint { at });
+        Some(at)
     }
 
     /// Hands a checkpoint to the writer, as part of the current incarnation.

@@ -72,7 +72,7 @@ impl Core {
             // Steps are still in flight: the final checkpoint is of the last one.
             return;
         }
-        if !self.request_checkpoint(if export { "final" } else { "ending" }) {
+        if self.request_checkpoint(if export { "final" } else { "ending" }).is_none() {
             // No live replica to checkpoint from.
             let code = if export { EXIT_RESTART } else { code };
             if code != EXIT_OK {

@@ -373,17 +373,15 @@ impl Core {
         self.schedule.set_aside()
     }
 
-    /// Asks for a checkpoint at the next step boundary (`POST /checkpoint`); the step committed now.
+    /// Asks for a checkpoint (`POST /checkpoint`); the step it will be of: the first step not handed out yet.
     pub fn checkpoint_now(&mut self, now: Duration) -> (Result<u64, String>, Vec<Action>) {
         self.now = self.now.max(now);
         let answer = if self.exit.is_some() || self.ending.is_some() {
             Err("the service is stopping".to_string())
         } else if self.book.in_flight() {
             Err("a checkpoint is being written; try again shortly".to_string())
-        } else if self.request_checkpoint("requested") {
-            Ok(self.schedule.committed_step())
         } else {
-            Err("no live drafter to checkpoint from".to_string())
+            self.request_checkpoint("requested").ok_or_else(|| "no live drafter to checkpoint from".to_string())
         };
         (answer, std::mem::take(&mut self.out))
     }
@@ -462,8 +460,12 @@ impl Core {
                 format!("did not start within {:.0} s (twice supervision.step_timeout_s)", deadline.as_secs_f64());
             self.target_failed(target, generation, Failure { kind: FailureKind::Hang, message });
         }
-        if let Some((donor, generation)) = self.book.snapshot_overdue(now, deadline) {
-            tracing::warn!(drafter = donor, "no snapshot within {:.0} s: asking again", deadline.as_secs_f64());
+        // A snapshot is taken once the steps handed out are done: a step's budget for each, twice over.
+        let steps_ahead = self.schedule.next_step().saturating_sub(self.schedule.committed_step()) + 1;
+        let snapshot_deadline = deadline.saturating_mul(steps_ahead as u32);
+        if let Some((donor, generation)) = self.book.snapshot_overdue(now, snapshot_deadline) {
+            let seconds = snapshot_deadline.as_secs_f64();
+            tracing::warn!(drafter = donor, "no snapshot within {seconds:.0} s: asking again");
             self.book.donor_lost(donor, generation);
             self.checkpoint_owed = true;
         }
@@ -625,20 +627,23 @@ mod tests {
     #[test]
     fn a_rewind_waits_for_the_checkpoint_in_flight() {
         let mut c = running(1);
-        c.handle(secs(1.0), Event::Round(report(0, c.incarnation)));
         let (answer, actions) = c.checkpoint_now(secs(1.0));
-        assert_eq!(answer, Ok(1));
-        assert!(actions.contains(&Action::Tell { id: 0, generation: 1, order: Order::Checkpoint }));
-        let actions = c.handle(secs(1.1), Event::Snapshot { id: 0, generation: 1, step: 1, optimizer_steps: 1 });
-        assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]));
+        let at = answer.unwrap();
+        assert!(at > 0, "the first boundary past the steps handed out");
+        assert!(actions.contains(&Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at } }));
+        for step in 0..at {
+            c.handle(secs(1.0), Event::Round(report(step, c.incarnation)));
+        }
+        let actions = c.handle(secs(1.1), Event::Snapshot { id: 0, generation: 1, step: at, optimizer_steps: at });
+        assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]), "{actions:?}");
         fail(&mut c, 0, 1, 1.2);
         c.handle(secs(1.2), Event::MemberRemoved { remaining: vec![] });
         assert!(c.handle(secs(1.5), Event::Tick).is_empty(), "waiting for the write");
         let written =
-            Event::CheckpointWritten { step: 1, incarnation: c.incarnation, result: Ok(("ckpt-1".into(), 0.1)) };
+            Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
         let actions = c.handle(secs(1.6), written);
         let Some(Action::FindCheckpoint(filter)) = actions.last() else { panic!("{actions:?}") };
-        assert!(filter.allows(1), "the checkpoint just written qualifies");
+        assert!(filter.allows(at), "the checkpoint just written qualifies");
     }
 
     /// Under `optim.max_steps` the schedule counts steps; otherwise committed samples over the epochs.

@@ -69,7 +69,7 @@ impl Core {
         if every > 0 && step.is_multiple_of(every) && self.eval_due.is_none() {
             // One due evaluation at a time: a slow checkpoint or evaluation makes later ones wait, not pile up.
             self.eval_due = Some(step);
-            if !self.request_checkpoint("evaluation") {
+            if self.request_checkpoint("evaluation").is_none() {
                 self.checkpoint_owed = true;
             }
         }
