@@ -10,7 +10,7 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 # libtorch, and NVRTC for the fused kernels (the binaries' rpath names this machine's paths only where they were built).
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# STAGES picks the parts to run (default: "1 2 3 4 5"; 6 needs several GPUs; 7 is the correlated failure).
+# STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -181,4 +181,40 @@ EOF
 wait_step $(($(step) + 10))
 kill -9 $pid; wait 2>/dev/null
 grep -E "rewind|continues from|drafter live" "$out/serve-both.log" | tail -8
+fi
+
+if has 8; then
+# A hang over NCCL, with the default hang budget (hang_factor x p99 round time, floor 30 s, step_timeout_s 600 s):
+# drafter 1 hangs inside its step at step 40; its peer waits in the all-reduce. The watchdog finds the hung one.
+echo "== 8. one drafter per GPU over NCCL; drafter 1 hangs at step 40 (default hang budget)"
+n=$(nvidia-smi -L | wc -l)
+devices=$(python3 -c "import json;print(json.dumps(['cuda:%d' % i for i in range($n)]))")
+rm -rf runs/hang
+./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=$devices" --set checkpoint.dir=runs/hang \
+  --set control.fault_injection=true --set target.capture_devices=colocated --set drafters.collective=nccl \
+  2>"$out/serve-hang.log" &
+pid=$!
+wait_step 40
+date +%s.%N >"$out/hang-sent"
+post /drafters/1/fault '{"kind": "hang"}'
+python3 - "$out" <<'EOF'
+import json, sys, time, urllib.request
+out = sys.argv[1]
+t0 = float(open(f"{out}/hang-sent").read())
+seen = []
+while True:
+    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
+    now = time.time()
+    states = [(d["state"], d["restarts"]) for d in s["drafters"]]
+    if not seen or seen[-1][1] != states:
+        seen.append((round(now - t0, 3), states, s["step"]))
+    if s["drafters"][1]["restarts"] >= 1 and all(d["state"] == "live" for d in s["drafters"]) or now - t0 > 400:
+        break
+    time.sleep(0.05)
+json.dump({"transitions": seen}, open(f"{out}/hang-timeline.json", "w"))
+print(seen)
+EOF
+wait_step $(($(step) + 10))
+kill -9 $pid; wait 2>/dev/null
+grep -E "drafter failed|hang budget|drafter live" "$out/serve-hang.log" | tail -6
 fi

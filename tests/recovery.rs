@@ -1,6 +1,6 @@
 //! Recovery when failures come together, as clusters produce them, through the public surface only: the fault API,
 //! `/status`, `/readyz`, exit codes, logs, the data ledger and the checkpoint folder. Each test reproduces a defect
-//! of the supervisor before it became a state machine (`src/service/supervisor/core.rs`; its simulation covers
+//! of the supervisor before it became a state machine (`src/service/supervisor/core/`; its simulation covers
 //! thousands of schedules, these check the real process end to end).
 mod support;
 
@@ -102,6 +102,40 @@ fn a_run_with_no_drafter_left_ends_with_status_3_and_readyz_tells_probes() {
     assert_eq!(code, 3, "documented: the run cannot progress");
     assert!(logged(&logs, "below supervision.min_live_drafters"), "{:#?}", &logs[logs.len().saturating_sub(10)..]);
     assert!(step(&s) > 0);
+}
+
+/// The hang budget is measured from the run: a drafter hung in its step is found within `hang_factor` x the recent
+/// p99 round time (floored at `hang_floor_s`), not after `step_timeout_s` (here 300 s, beyond this test's patience);
+/// its peer, waiting for it, is not blamed.
+#[test]
+fn a_hang_is_found_within_the_measured_budget_and_its_peer_is_innocent() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "optim.epochs=1000",
+        "supervision.step_timeout_s=300",
+        "supervision.hang_factor=10",
+        "supervision.hang_floor_s=1",
+    ];
+    let mut svc = Service::start(&config(dir.path(), 2), false, &sets);
+    let s = svc.wait("rounds measured", |s| step(s) >= 30);
+    svc.fault(1, "hang");
+    svc.wait("the hung drafter restarted", |s| drafter(s, 1)["restarts"] == 1);
+    all_live_past(&mut svc, 2, step(&s));
+    let s = svc.status();
+    assert_eq!(drafter(&s, 0)["restarts"], 0, "the peer waiting for it is innocent: {s:#}");
+    svc.signal("-TERM");
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 0);
+    let budget = logs
+        .iter()
+        .find_map(|l| {
+            let v: Value = serde_json::from_str(l).ok()?;
+            let message = v["fields"]["message"].as_str()?;
+            let rest = message.strip_prefix("drafter failed: computing for ")?;
+            rest.split("hang budget ").nth(1)?.split(' ').next()?.parse::<f64>().ok()
+        })
+        .unwrap_or_else(|| panic!("no hang logged: {:#?}", &logs[logs.len().saturating_sub(20)..]));
+    assert!(budget < 300.0, "the budget was measured, not step_timeout_s: {budget} s");
 }
 
 /// Corrupt checkpoints at higher steps than the run's (an older run, a damaged disk) are never counted by

@@ -311,7 +311,7 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
                         batches: vec![],
                         metrics: m,
                     };
-                    let r = c.contribute(id, 1, step, contribution).unwrap();
+                    let r = c.contribute(id, 1, step, contribution, || {}).unwrap();
                     let sum = r.grad.as_ref().expect("device copies give the sum");
                     sum.copy_into(&mut own.shallow_clone()).unwrap();
                     tr.apply(r.total_weight, &r.update).unwrap();

@@ -428,7 +428,7 @@ pub const NON_RELOADABLE: [&str; 9] = [
 
 /// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
 /// to any other key is refused while running.
-pub const RELOADABLE: [&str; 23] = [
+pub const RELOADABLE: [&str; 25] = [
     "optim.lr",
     "optim.betas",
     "optim.eps",
@@ -449,6 +449,8 @@ pub const RELOADABLE: [&str; 23] = [
     "supervision.backoff_initial_ms",
     "supervision.backoff_max_ms",
     "supervision.step_timeout_s",
+    "supervision.hang_factor",
+    "supervision.hang_floor_s",
     "supervision.shutdown_timeout_s",
     "supervision.min_live_drafters",
     "supervision.gpu_hang_limit",

@@ -280,6 +280,8 @@ pub(super) struct RawSupervision {
     backoff_initial_ms: i64,
     backoff_max_ms: i64,
     step_timeout_s: f64,
+    hang_factor: f64,
+    hang_floor_s: f64,
     shutdown_timeout_s: f64,
     min_live_drafters: i64,
     gpu_hang_limit: i64,
@@ -294,9 +296,13 @@ pub struct SupervisionSettings {
     pub restart_window_s: f64,
     pub backoff_initial_ms: u64,
     pub backoff_max_ms: u64,
-    /// A drafter computing one step longer than this is hung: abandoned and restarted. Starting a drafter or a
-    /// target copy may take twice this.
+    /// The longest any wait of a step may take: the hang budget until a few rounds are measured, and its ceiling.
+    /// Starting a drafter or a target copy may take twice this.
     pub step_timeout_s: f64,
+    /// The measured hang budget: this many times the recent p99 time between committed rounds...
+    pub hang_factor: f64,
+    /// ...and never less than this.
+    pub hang_floor_s: f64,
     /// How long the end of a run (SIGTERM, completion, a failure that ends it) may wait for its checkpoint.
     pub shutdown_timeout_s: f64,
     /// Below this many live drafters the run checkpoints and stops.
@@ -332,6 +338,8 @@ impl RawSupervision {
             backoff_initial_ms: initial,
             backoff_max_ms: max,
             step_timeout_s: finite_in("supervision.step_timeout_s", self.step_timeout_s, 0.01, 1e9, "seconds > 0")?,
+            hang_factor: finite_in("supervision.hang_factor", self.hang_factor, 1.0, 1e6, "a factor >= 1")?,
+            hang_floor_s: finite_in("supervision.hang_floor_s", self.hang_floor_s, 0.0, 1e9, "seconds >= 0")?,
             shutdown_timeout_s: finite_in(
                 "supervision.shutdown_timeout_s",
                 self.shutdown_timeout_s,

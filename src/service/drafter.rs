@@ -3,7 +3,7 @@
 //! founding it from the seed or a checkpoint), then trains: each step takes its micro-batches from a bounded
 //! channel, runs forward and backward, contributes to the step's round and applies the round's update. Its loop
 //! runs inside `catch_unwind`; a panic or error is reported to the actor, which fails so the supervisor sees it.
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use super::compute_thread::{ThreadBody, torch};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{Heads, SupervisorMsg, Work};
 pub use super::supervisor::protocol::Start;
+use super::supervisor::watchdog::Activity;
 use crate::data::loader::BatchId;
 use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
@@ -34,19 +35,30 @@ pub struct DrafterShared {
     pub phase: Mutex<Phase>,
     /// Threads of this generation or older are abandoned: they stop quietly if they ever wake.
     pub abandoned: AtomicU64,
-    /// Its last failure was injected (a rehearsal): not held against the batch it was running.
-    pub injected: AtomicBool,
+    /// The generation of its thread that took an injected fault (0: none): that thread's failure is a rehearsal,
+    /// not held against the batches it was running or its device.
+    pub injected: AtomicU64,
 }
 
-#[derive(Debug, Clone, Default)]
-pub enum Phase {
-    #[default]
-    Idle,
-    Computing {
-        generation: u64,
-        since: Instant,
-        batches: Vec<BatchId>,
-    },
+/// What a drafter thread is doing since when, for the watchdog; the batches it is computing, if it is.
+#[derive(Debug, Clone)]
+pub struct Phase {
+    pub generation: u64,
+    pub activity: Activity,
+    pub since: Instant,
+    pub batches: Vec<BatchId>,
+}
+
+impl Default for Phase {
+    fn default() -> Self {
+        Phase { generation: 0, activity: Activity::Starting, since: Instant::now(), batches: vec![] }
+    }
+}
+
+/// Reports what the thread does from now on.
+fn now_doing(a: &DrafterSpawn, activity: Activity, batches: Vec<BatchId>) {
+    *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) =
+        Phase { generation: a.generation, activity, since: Instant::now(), batches };
 }
 
 /// Everything a drafter thread needs.
@@ -187,6 +199,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         Err(e) => return Err(Failure::panic(format!("drafter {} could not take its place: {e}", a.id))),
     };
     set_objective(&mut trainer, a.collective.objective_at(step));
+    now_doing(&a, Activity::WaitingForWork, vec![]);
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
     // NCCL: this drafter's membership of the current ring's communicator (aborted when replaced or dropped).
     let mut communicator: Option<(u64, NcclComm)> = None;
@@ -219,10 +232,9 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         }
         let started = Instant::now();
         let batches: Vec<BatchId> = items.iter().map(|(b, _)| *b).collect();
-        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) =
-            Phase::Computing { generation: a.generation, since: Instant::now(), batches: batches.clone() };
+        now_doing(&a, Activity::Computing, batches.clone());
         if let Some(fault) = a.shared.fault.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            a.shared.injected.store(true, Ordering::SeqCst);
+            a.shared.injected.store(a.generation, Ordering::SeqCst);
             match fault {
                 FaultKind::Panic => panic!("injected panic (fault injection) in drafter {}", a.id),
                 FaultKind::Error => {
@@ -252,16 +264,18 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
                 * crate::bench::drafter_flops_per_sample(&a.config, seq, trainer.objective.num_anchors);
         }
         // Waiting for the peers is not computing: a hung peer must not make this one look hung.
-        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
+        now_doing(&a, Activity::WaitingForPeers, vec![]);
         let own = trainer.drafter.params().grad.shallow_clone();
         let contribution =
             Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics };
         let in_round = Instant::now();
-        let result = match a.collective.contribute(a.id, a.generation, step, contribution) {
+        let summing = || now_doing(&a, Activity::Summing, vec![]);
+        let result = match a.collective.contribute(a.id, a.generation, step, contribution, summing) {
             Ok(r) => r,
             Err(CollectiveError::Removed) => return Ok(()),
             Err(e) => return Err(torch(e)),
         };
+        now_doing(&a, Activity::Summing, vec![]);
         match (&result.grad, &result.ring) {
             (Some(sum), _) => sum.copy_into(&mut own.shallow_clone()).map_err(torch)?,
             (None, Some(ring)) => nccl_sum(&mut communicator, ring, a.id, a.device, a.collective_timeout, &own)
@@ -271,6 +285,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             (None, None) => return Err(torch("a round completed without a gradient sum")),
         }
         a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
+        now_doing(&a, Activity::Applying, vec![]);
         let report = trainer.apply(result.total_weight, &result.update).map_err(torch)?;
         set_objective(&mut trainer, result.next_objective);
         step = result.step + 1;
@@ -280,7 +295,6 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         a.metrics.learning_rate.set(report.lr);
         a.metrics.grad_norm.set(report.grad_norm);
         a.metrics.mfu.set(flops / seconds.max(1e-9) / (a.peak_tflops * 1e12));
-        *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
         let digest = if a.check_every > 0 && step.is_multiple_of(a.check_every) {
             Some(checksums(state_tensors(&trainer)).map_err(torch)?)
         } else {
@@ -297,11 +311,14 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         if a.collective.has_joiners() {
             serve(&a, &trainer)?;
         }
+        now_doing(&a, Activity::WaitingForWork, vec![]);
     }
 }
 
 /// Copies the state at step boundary `step` to host memory and hands it to the supervisor for a checkpoint.
 fn send_snapshot(a: &DrafterSpawn, trainer: &Trainer, step: u64) -> Result<(), Failure> {
+    let previous = a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    now_doing(a, Activity::Snapshotting, vec![]);
     let snapshot = Snapshot::take(
         step,
         trainer.drafter.config(),
@@ -312,6 +329,7 @@ fn send_snapshot(a: &DrafterSpawn, trainer: &Trainer, step: u64) -> Result<(), F
     .map_err(torch)?;
     let message = SupervisorMsg::Snapshot { id: a.id, generation: a.generation, snapshot: Box::new(snapshot) };
     let _ = a.supervisor.send_message(message);
+    *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = previous;
     Ok(())
 }
 
@@ -331,7 +349,11 @@ fn checksums(tensors: [&Tensor; 3]) -> Result<[i64; 3], tch::TchError> {
 }
 
 fn serve(a: &DrafterSpawn, trainer: &Trainer) -> Result<(), Failure> {
-    match a.collective.serve_joiners(a.id, a.generation, state_tensors(trainer), trainer.optimizer.steps()) {
+    let previous = a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    now_doing(a, Activity::Serving, vec![]);
+    let served = a.collective.serve_joiners(a.id, a.generation, state_tensors(trainer), trainer.optimizer.steps());
+    *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = previous;
+    match served {
         Ok(_) | Err(CollectiveError::Removed) => Ok(()),
         Err(e) => Err(torch(e)),
     }

@@ -9,7 +9,11 @@ pub enum FailureKind {
     Panic,
     Torch,
     OutOfMemory,
+    /// Busy (computing, summing, applying, copying) past the hang budget: counted against its device.
     Hang,
+    /// Waited past the hang budget for work or peers that never came, with no one else to blame: restarted, not
+    /// counted against its device.
+    Stalled,
     /// An injected fault of kind `error`.
     Injected,
     Poisoned,

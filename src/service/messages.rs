@@ -8,8 +8,10 @@ use serde::Serialize;
 
 use super::evaluator::Evaluated;
 use super::failure::{Failure, FaultKind, FaultRefused};
+use super::reload::Accepted;
 use crate::config::Change;
 use crate::data::loader::BatchId;
+use crate::data::prompts::Prompt;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
 use crate::train::checkpoint::{Scan, Snapshot, Written};
@@ -38,6 +40,15 @@ pub enum Work {
 pub struct Heads {
     pub embed: SharedTensor,
     pub lm_head: SharedTensor,
+}
+
+/// Where a reload's answer goes (`POST /reload`; SIGHUP has none).
+pub type ReloadReply = RpcReplyPort<Result<Reloaded, String>>;
+
+/// A reread configuration that may replace the running one, and the evaluation prompts read for it.
+pub struct Reread {
+    pub accepted: Accepted,
+    pub prompts: Option<Vec<Prompt>>,
 }
 
 /// Messages of the supervisor actor.
@@ -93,7 +104,12 @@ pub enum SupervisorMsg {
     },
     CheckpointNow(RpcReplyPort<Result<u64, String>>),
     /// Reread the configuration (SIGHUP, `POST /reload`).
-    Reload(Option<RpcReplyPort<Result<Reloaded, String>>>),
+    Reload(Option<ReloadReply>),
+    /// The configuration as a blocking thread reread it (with the evaluation prompts it turned on), to apply.
+    Reread {
+        reread: Box<Result<Option<Reread>, String>>,
+        reply: Option<ReloadReply>,
+    },
     /// The evaluation thread finished a job.
     Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),

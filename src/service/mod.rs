@@ -7,6 +7,7 @@ pub mod control;
 pub mod drafter;
 pub mod evaluator;
 pub mod failure;
+pub mod ledger;
 pub mod messages;
 pub mod placement;
 pub mod reload;

@@ -3,6 +3,7 @@
 //! features to the drafter they were made for, over that drafter's bounded channel (through the routing table,
 //! which knows each drafter's current thread). A request for a drafter thread that is gone is dropped.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
@@ -103,6 +104,8 @@ pub struct TargetSpawn {
     pub routes: Arc<Routes>,
     pub supervisor: ActorRef<SupervisorMsg>,
     pub requests: Receiver<TargetWork>,
+    /// Threads of this generation or older were given up (failed or hung): they deliver nothing more.
+    pub abandoned: Arc<AtomicU64>,
     pub metrics: TargetMetrics,
 }
 
@@ -121,7 +124,11 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
     let ready = SupervisorMsg::TargetReady { target: a.id, generation: a.generation, heads: Arc::new(heads) };
     let _ = a.supervisor.send_message(ready);
     let mut timings = CaptureTimings::new(a.device, a.metrics.clone());
+    let abandoned = || a.abandoned.load(Ordering::SeqCst) >= a.generation;
     while let Ok(TargetWork { seq, drafter, generation, capture }) = a.requests.recv() {
+        if abandoned() {
+            return Ok(());
+        }
         match capture {
             Some((batch, positions)) => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
@@ -138,6 +145,10 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                     )
                     .map_err(torch)?;
                     timings.end(started).map_err(torch)?;
+                    if abandoned() {
+                        // Its requests were handed to a new thread: delivering this one too would deliver it twice.
+                        return Ok(());
+                    }
                     a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
             }

@@ -324,14 +324,16 @@ impl Collective {
         removal
     }
 
-    /// Contributes to round `step` and waits for its result. The member completing the round sums the gradients
-    /// outside the lock (device work never holds it), then publishes the result, or the error, to every contributor.
+    /// Contributes to round `step` and waits for its result. The member completing the round calls `summing`,
+    /// sums the gradients outside the lock (device work never holds it), then publishes the result, or the error,
+    /// to every contributor.
     pub fn contribute(
         &self,
         id: MemberId,
         generation: u64,
         step: u64,
         contribution: Contribution,
+        summing: impl FnOnce(),
     ) -> Result<Arc<RoundResult>, CollectiveError> {
         let mut s = self.lock();
         s.rounds.contribute(id, generation, step, contribution)?;
@@ -343,6 +345,7 @@ impl Collective {
             if let Some(done) = s.rounds.complete() {
                 let plan = plan(&mut s, &done);
                 drop(s);
+                summing();
                 let summed = sum_gradients(plan.sum, &done.contributions);
                 let (outcome, report) = finish(plan, done, summed);
                 let mut s = self.lock();
@@ -615,7 +618,7 @@ mod tests {
                 .iter()
                 .map(|&m| {
                     let c = c.clone();
-                    std::thread::spawn(move || c.contribute(m, 1, step, contribution(&[1.0], 1.0)).unwrap())
+                    std::thread::spawn(move || c.contribute(m, 1, step, contribution(&[1.0], 1.0), || {}).unwrap())
                 })
                 .collect();
             let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -647,7 +650,7 @@ mod tests {
             .map(|(m, v)| {
                 let c = c.clone();
                 std::thread::spawn(move || {
-                    let r = c.contribute(m, 1, 5, contribution(&v, 1.5)).unwrap();
+                    let r = c.contribute(m, 1, 5, contribution(&v, 1.5), || {}).unwrap();
                     (
                         r.step,
                         Vec::<f32>::try_from(&r.grad.as_ref().unwrap().to_copy().unwrap()).unwrap(),
@@ -681,10 +684,10 @@ mod tests {
         assert_eq!(c.reload(next), 6);
         assert_eq!(c.objective_at(5).num_anchors, 4);
         assert_eq!(c.objective_at(6).num_anchors, 9);
-        let r = c.contribute(0, 1, 5, contribution(&[1.0], 1.0)).unwrap();
+        let r = c.contribute(0, 1, 5, contribution(&[1.0], 1.0), || {}).unwrap();
         assert_eq!((r.update.adamw.lr, r.next_objective.num_anchors), (0.1, 9));
         assert_eq!(rx.recv().unwrap().lr, 0.1);
-        let r = c.contribute(0, 1, 6, contribution(&[1.0], 1.0)).unwrap();
+        let r = c.contribute(0, 1, 6, contribution(&[1.0], 1.0), || {}).unwrap();
         assert_eq!((r.update.adamw.lr, r.next_objective.num_anchors), (0.5, 9));
         assert_eq!(rx.recv().unwrap().lr, 0.5);
         assert_eq!(c.objective_at(6).num_anchors, 9);
@@ -696,15 +699,16 @@ mod tests {
         c.found(0, 1).unwrap();
         admit(&c, 1);
         let c2 = c.clone();
-        let waiter =
-            std::thread::spawn(move || c2.contribute(0, 1, 5, contribution(&[1.0], 1.0)).unwrap().contributors.clone());
+        let waiter = std::thread::spawn(move || {
+            c2.contribute(0, 1, 5, contribution(&[1.0], 1.0), || {}).unwrap().contributors.clone()
+        });
         while !c.lock().rounds.has_contributed(0, 1) {
             std::thread::yield_now();
         }
         let removal = c.remove(1, 1);
         assert_eq!(removal, Removal { was_member: true, contributed: false, remaining: vec![(0, 1)] });
         assert_eq!(waiter.join().unwrap(), vec![0]);
-        assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0)).err(), Some(CollectiveError::Removed));
+        assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0), || {}).err(), Some(CollectiveError::Removed));
     }
 
     /// A sum that fails (here: gradients of different sizes) fails the round for every contributor, each with the
@@ -718,7 +722,7 @@ mod tests {
         for (m, values) in [(0usize, vec![1.0f32, 2.0]), (1, vec![1.0, 2.0, 3.0])] {
             let (c, tx) = (c.clone(), tx.clone());
             std::thread::spawn(move || {
-                let _ = tx.send((m, c.contribute(m, 1, 5, contribution(&values, 1.0)).map(|r| r.step)));
+                let _ = tx.send((m, c.contribute(m, 1, 5, contribution(&values, 1.0), || {}).map(|r| r.step)));
             });
         }
         for _ in 0..2 {

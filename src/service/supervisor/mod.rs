@@ -11,14 +11,14 @@ mod drafters;
 mod restarts;
 mod schedule;
 mod targets;
+pub mod watchdog;
 
 #[cfg(test)]
 mod sim;
 
 use std::collections::{HashMap, VecDeque};
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,12 +27,13 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, Setup, step_settings};
-use self::protocol::{Action, Event, Found, LedgerEntry, Notice, Order};
+use self::protocol::{Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, Watched};
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
 use super::evaluator::{EvalSpec, Evaluator, eval_prompts};
-use super::failure::{Failure, FailureKind, FaultKind, FaultRefused};
-use super::messages::{DrafterState, Heads, Reloaded, SupervisorMsg, ThreadMsg, Work};
+use super::failure::{Failure, FaultKind, FaultRefused};
+use super::ledger::LedgerWriter;
+use super::messages::{DrafterState, Heads, ReloadReply, Reloaded, Reread, SupervisorMsg, ThreadMsg, Work};
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
@@ -94,6 +95,8 @@ struct TargetHandle {
     kind: Kind,
     /// Its current thread's generation, actor and request channel.
     thread: Option<(u64, ActorRef<ThreadMsg>, Sender<TargetWork>)>,
+    /// Threads of this generation or older are abandoned: they deliver nothing more.
+    abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
 }
 
@@ -111,7 +114,7 @@ pub struct Shell {
     targets: Vec<TargetHandle>,
     /// Snapshots received and not yet written, by `(drafter, generation, step)`.
     snapshots: HashMap<(usize, u64, u64), Snapshot>,
-    ledger: Option<std::io::BufWriter<std::fs::File>>,
+    ledger: Option<LedgerWriter>,
     run_metrics: RunMetrics,
     memory: Vec<(Device, DeviceMemory)>,
     last_telemetry: Instant,
@@ -170,6 +173,7 @@ impl Shell {
                 device,
                 kind,
                 thread: None,
+                abandoned: Arc::new(AtomicU64::new(0)),
                 metrics: TargetMetrics::new(identity),
             })
             .collect();
@@ -185,13 +189,7 @@ impl Shell {
             }
         }
         let ledger = a.config.data.ledger.as_ref().and_then(|p| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .map_err(|e| tracing::error!(path = %p.display(), "cannot open data.ledger: {e}"))
-                .ok()
-                .map(std::io::BufWriter::new)
+            LedgerWriter::open(p).map_err(|e| tracing::error!(path = %p.display(), "cannot open data.ledger: {e}")).ok()
         });
         Shell {
             core,
@@ -238,6 +236,15 @@ impl Shell {
     /// Carries out one action; some answer with an event at once.
     async fn carry_out(&mut self, action: Action) -> Option<Event> {
         match action {
+            Action::AbandonTarget { target, generation } => {
+                let t = &mut self.targets[target];
+                t.abandoned.fetch_max(generation, Ordering::SeqCst);
+                if t.thread.as_ref().is_some_and(|(g, ..)| *g == generation)
+                    && let Some((_, actor, _)) = t.thread.take()
+                {
+                    actor.stop(None);
+                }
+            }
             Action::StartTarget { target, generation } => {
                 if let Err(e) = self.start_target(target, generation).await {
                     let failure = Failure::panic(format!("could not start the target actor: {e}"));
@@ -318,12 +325,25 @@ impl Shell {
                 let out = self.a.config.checkpoint.dir.join("final");
                 let me = self.myself.clone();
                 tokio::task::spawn_blocking(move || {
+                    // Written aside and put in place whole: a failed export leaves no partial or older `final/`.
+                    let staged = out.with_file_name(".final.tmp");
+                    let _ = std::fs::remove_dir_all(&staged);
                     let exported = crate::panic::catch_torch(|| {
                         Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
-                            .and_then(|d| d.save(&out, Kind::BFloat16))
+                            .and_then(|d| d.save(&staged, Kind::BFloat16))
                     });
+                    let placed = || -> Result<PathBuf, String> {
+                        match std::fs::remove_dir_all(&out) {
+                            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                                return Err(format!("removing the old {}: {e}", out.display()));
+                            }
+                            _ => {}
+                        }
+                        std::fs::rename(&staged, &out).map_err(|e| format!("moving the export into place: {e}"))?;
+                        Ok(out)
+                    };
                     let result = match exported {
-                        Ok(Ok(())) => Ok(out),
+                        Ok(Ok(())) => placed(),
                         Ok(Err(e)) => Err(e.to_string()),
                         Err(e) => Err(e.to_string()),
                     };
@@ -353,6 +373,7 @@ impl Shell {
             routes: self.routes.clone(),
             supervisor: self.myself.clone(),
             requests: rx,
+            abandoned: t.abandoned.clone(),
             metrics: t.metrics.clone(),
         };
         let name = format!("target-{id}-{generation}");
@@ -369,7 +390,7 @@ impl Shell {
         };
         let c = &self.a.config;
         let h = &mut self.drafters[id];
-        *h.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::Idle;
+        *h.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::default();
         let (tx, rx) = sync_channel(8 + c.supervision.prefetch_steps * c.optim.accumulation * 2);
         h.metrics.feature_queue.set(0.0);
         let route =
@@ -409,34 +430,29 @@ impl Shell {
     fn drafter_failed(&mut self, id: usize, generation: u64, failure: Failure) -> Event {
         let shared = &self.drafters[id].shared;
         let running = match std::mem::take(&mut *shared.phase.lock().unwrap_or_else(|p| p.into_inner())) {
-            Phase::Computing { batches, generation: g, .. } if g == generation => batches,
+            Phase { activity: Activity::Computing, batches, generation: g, .. } if g == generation => batches,
             _ => vec![],
         };
-        let injected = shared.injected.swap(false, Ordering::SeqCst);
+        let injected = shared.injected.load(Ordering::SeqCst) == generation;
         Event::DrafterFailed { id, generation, failure, running, injected }
     }
 
-    /// Live drafters computing one step for longer than `supervision.step_timeout_s`.
-    fn hung_drafters(&mut self) -> Vec<Event> {
-        let timeout = Duration::from_secs_f64(self.a.config.supervision.step_timeout_s);
-        let mut events = Vec::new();
+    /// What every running drafter thread is doing and for how long, for the core's watchdog.
+    fn watched(&self) -> Vec<Watched> {
+        let mut watched = Vec::new();
         for (id, generation) in self.core.running_threads() {
-            let computing = match &*self.drafters[id].shared.phase.lock().unwrap_or_else(|p| p.into_inner()) {
-                Phase::Computing { generation: g, since, .. } => *g == generation && since.elapsed() > timeout,
-                Phase::Idle => false,
-            };
-            if computing {
-                let dev = self.drafters[id].device;
-                let held = device::memory_stats(dev).map(|m| m.allocated).unwrap_or(0);
-                tracing::error!(drafter = id, device = %device_name(dev), held_bytes = held, "drafter hung: abandoning its thread (memory it holds stays allocated)");
-                let failure = Failure {
-                    kind: FailureKind::Hang,
-                    message: format!("no progress for {:.0} s", timeout.as_secs_f64()),
-                };
-                events.push(self.drafter_failed(id, generation, failure));
+            let shared = &self.drafters[id].shared;
+            let phase = shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if phase.generation != generation {
+                continue;
             }
+            watched.push(Watched {
+                seen: DrafterSeen { id, generation, activity: phase.activity, for_: phase.since.elapsed() },
+                running: phase.batches,
+                injected: shared.injected.load(Ordering::SeqCst) == generation,
+            });
         }
-        events
+        watched
     }
 
     fn tick_telemetry(&mut self) {
@@ -490,7 +506,7 @@ impl Shell {
     }
 
     fn write_ledger(&mut self, entry: LedgerEntry) {
-        let Some(w) = self.ledger.as_mut() else { return };
+        let Some(w) = self.ledger.as_ref() else { return };
         let line = match entry {
             LedgerEntry::Commit { step, batch } => {
                 let ids: Vec<u64> = batch.samples.iter().map(|&p| self.a.dataset.row(p).id).collect();
@@ -499,9 +515,7 @@ impl Shell {
             // Entries of this step and later were undone with the model.
             LedgerEntry::Rewind { step } => serde_json::json!({"rewind_to_step": step}),
         };
-        if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
-            tracing::error!("data.ledger: {e}");
-        }
+        w.append(line.to_string());
     }
 
     // ------------------------------------------------------------------ evaluation
@@ -562,9 +576,33 @@ impl Shell {
 
     // ------------------------------------------------------------------ reload
 
-    /// Rereads the configuration and applies what may change while running; refuses anything else whole.
-    async fn reload(&mut self) -> Result<Reloaded, String> {
-        let result = self.try_reload().await;
+    /// Rereads the configuration on a blocking thread (files, prompts: nothing blocks the runtime); the answer
+    /// comes back as [`SupervisorMsg::Reread`].
+    fn reread(&self, reply: Option<ReloadReply>) {
+        // Turning evaluation on reads its prompts now (kept for the evaluator), so a missing split refuses the reload.
+        let needs_prompts = self.evaluator.is_none() && self.a.eval_prompts.is_none();
+        let vocab = self.a.vocab_size;
+        let current = self.core.config().clone();
+        let layers = self.a.layers.clone();
+        let block_size = self.a.drafter_config.block_size;
+        let me = self.myself.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut prompts = None;
+            let check = |c: &Config| {
+                if c.eval.every_steps > 0 && needs_prompts {
+                    prompts = Some(eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?);
+                }
+                Ok(())
+            };
+            let reread = reread(&current, &layers, block_size, check);
+            let reread = reread.map(|accepted| accepted.map(|accepted| Reread { accepted, prompts }));
+            let _ = me.send_message(SupervisorMsg::Reread { reread: Box::new(reread), reply });
+        });
+    }
+
+    /// Applies what may change while running from a reread configuration; refuses anything else whole.
+    async fn reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
+        let result = self.apply_reload(reread).await;
         let version = self.core.config_version();
         match &result {
             Ok(r) => {
@@ -581,29 +619,16 @@ impl Shell {
         result
     }
 
-    async fn try_reload(&mut self) -> Result<Reloaded, String> {
-        // Turning evaluation on reads its prompts now (kept for the evaluator), so a missing split refuses the reload.
-        let needs_prompts = self.evaluator.is_none() && self.a.eval_prompts.is_none();
-        let vocab = self.a.vocab_size;
-        let mut loaded = None;
-        let check = |c: &Config| {
-            if c.eval.every_steps > 0 && needs_prompts {
-                loaded = Some(eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?);
-            }
-            Ok(())
-        };
-        let current = self.core.config().clone();
-        let Some(Accepted { config: new, changes, gamma }) =
-            reread(&current, &self.a.layers, self.a.drafter_config.block_size, check)?
-        else {
+    async fn apply_reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
+        let Some(Reread { accepted: Accepted { config: new, changes, gamma }, prompts }) = reread? else {
             return Ok(Reloaded {
                 config_version: self.core.config_version(),
                 applies_from_step: None,
                 changes: vec![],
             });
         };
-        if loaded.is_some() {
-            self.a.eval_prompts = loaded;
+        if prompts.is_some() && self.evaluator.is_none() {
+            self.a.eval_prompts = prompts;
         }
         if changes.iter().any(|c| c.key == "log.level") {
             let level =
@@ -715,10 +740,7 @@ impl Actor for Supervisor {
             SupervisorMsg::Exported(r) => Event::Exported(r),
             SupervisorMsg::Tick => {
                 s.tick_telemetry();
-                for event in s.hung_drafters() {
-                    s.feed(event).await;
-                }
-                Event::Tick
+                Event::Watch(s.watched())
             }
             SupervisorMsg::Fault { id, kind, reply } => {
                 let _ = reply.send(s.inject(id, kind));
@@ -735,7 +757,11 @@ impl Actor for Supervisor {
                 return Ok(());
             }
             SupervisorMsg::Reload(reply) => {
-                let result = s.reload().await;
+                s.reread(reply);
+                return Ok(());
+            }
+            SupervisorMsg::Reread { reread, reply } => {
+                let result = s.reload(*reread).await;
                 if let Some(reply) = reply {
                     let _ = reply.send(result);
                 }

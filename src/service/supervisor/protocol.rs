@@ -14,6 +14,7 @@ use crate::train::collective::RoundReport;
 
 pub use super::checkpoints::{ScanFilter, WriteJob};
 pub use super::targets::Request;
+pub use super::watchdog::{Activity, DrafterSeen};
 
 /// Where a drafter thread's first state comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,10 +59,21 @@ pub struct Found {
     pub rejected: Vec<u64>,
 }
 
+/// A drafter thread as the watchdog sees it, with what failing it needs: the batches it is computing, and whether
+/// a fault was injected into it (a rehearsal, not held against the batches or the device).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Watched {
+    pub seen: DrafterSeen,
+    pub running: Vec<BatchId>,
+    pub injected: bool,
+}
+
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Time passed (the shell ticks a few times a second).
     Tick,
+    /// What each running drafter thread is doing, for the watchdog (the shell sends it with its ticks).
+    Watch(Vec<Watched>),
     TargetReady {
         target: usize,
         generation: u64,
@@ -155,6 +167,11 @@ pub enum Notice {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
+    /// Stop target thread `generation` (it failed or hung): it must deliver nothing more.
+    AbandonTarget {
+        target: usize,
+        generation: u64,
+    },
     StartTarget {
         target: usize,
         generation: u64,

@@ -1,8 +1,9 @@
 //! A deterministic simulation of the supervisor, in the spirit of FoundationDB's and TigerBeetle's simulators: the
 //! real [`Core`] and the real collective bookkeeping ([`Rounds`]) in a model world of drafter threads, target
 //! copies, a checkpoint writer and a disk, with a seeded random schedule of thousands of events: failures of any
-//! subset of drafters at once, failures during a rejoin, of the donor, of a founder, hangs, slow steps flagged as
-//! hangs, poisoned devices, target failures and batches that crash the target, failed and corrupted checkpoints,
+//! subset of drafters at once, failures during a rejoin, of the donor, of a founder, hangs of drafters and of target
+//! copies (found by the watchdog), slow steps flagged as hangs, poisoned devices, target failures and batches that
+//! crash the target, failed and corrupted checkpoints,
 //! unreadable checkpoint folders, SIGTERM at any point followed by `--resume auto` (sometimes with another number of
 //! drafters), reloads. Messages from one sender arrive in order; messages from different senders interleave at
 //! random, as they do between ractor's message queue and its supervision events.
@@ -34,7 +35,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, Setup, step_settings};
-use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, WriteJob};
+use super::protocol::{
+    Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
+};
 use super::schedule::Item;
 use crate::config::Config;
 use crate::data::loader::BatchId;
@@ -76,6 +79,8 @@ struct Params {
     backoff_initial_ms: u64,
     backoff_max_ms: u64,
     check_every: u64,
+    hang_factor: f64,
+    hang_floor_s: f64,
     /// Mean simulated seconds between two faults.
     fault_every_s: f64,
     /// Restarts of the whole process (`--resume auto`) the operator allows.
@@ -103,6 +108,8 @@ impl Params {
             backoff_initial_ms: initial,
             backoff_max_ms: initial * rng.random_range(1..=8),
             check_every: [0, 1, 5][rng.random_range(0..3)],
+            hang_factor: [5.0, 20.0][rng.random_range(0..2)],
+            hang_floor_s: [1.0, 30.0][rng.random_range(0..2)],
             fault_every_s: [1.0, 3.0, 10.0, 30.0][rng.random_range(0..4)],
             process_restarts: rng.random_range(0..=3),
         }
@@ -126,6 +133,8 @@ impl Params {
         c.supervision.backoff_initial_ms = self.backoff_initial_ms;
         c.supervision.backoff_max_ms = self.backoff_max_ms;
         c.supervision.step_timeout_s = STEP_TIMEOUT_S;
+        c.supervision.hang_factor = self.hang_factor;
+        c.supervision.hang_floor_s = self.hang_floor_s;
         c.supervision.shutdown_timeout_s = SHUTDOWN_TIMEOUT_S;
         c.supervision.gpu_hang_limit = 3;
         c.supervision.check_replicas_every = self.check_every;
@@ -187,6 +196,19 @@ enum Msg {
     Order(Order),
 }
 
+impl Stage {
+    /// What the real thread reports in this stage.
+    fn activity(self) -> Activity {
+        match self {
+            Stage::Building | Stage::Joining | Stage::Gone => Activity::Starting,
+            Stage::Collecting => Activity::WaitingForWork,
+            Stage::Computing { .. } => Activity::Computing,
+            Stage::InRound => Activity::WaitingForPeers,
+            Stage::Serving => Activity::Serving,
+        }
+    }
+}
+
 /// A model of one drafter thread.
 struct Thread {
     start: Start,
@@ -199,9 +221,17 @@ struct Thread {
     joined: Rc<Cell<Option<Replica>>>,
     /// A snapshot asked for at this step boundary.
     snapshot_at: Option<u64>,
-    computing_since: Duration,
+    /// When it entered its stage (for the watchdog).
+    since: Duration,
     /// Its messages arrive in order: not before this.
     clock: Duration,
+}
+
+impl Thread {
+    fn enter(&mut self, stage: Stage, now: Duration) {
+        self.stage = stage;
+        self.since = now;
+    }
 }
 
 struct Contribution {
@@ -249,7 +279,6 @@ enum Occ {
     Wake { id: usize, generation: u64 },
     Computed { id: usize, generation: u64 },
     Served { claim: Claim, optimizer_steps: u64 },
-    HangCheck { id: usize, generation: u64 },
     TargetBuilt { target: usize, generation: u64 },
     TargetDone { target: usize, generation: u64 },
     Scan(ScanFilter),
@@ -264,6 +293,7 @@ enum Occ {
 struct Armed {
     hang: HashSet<usize>,
     slow: HashSet<usize>,
+    target_hang: bool,
     start_crash: bool,
     start_hang: bool,
     kill_donor_on_serve: bool,
@@ -314,6 +344,8 @@ struct World {
     trace: VecDeque<String>,
     full_trace: bool,
     events: u64,
+    /// Hung target copies the watchdog found.
+    hung_targets_found: u64,
 }
 
 type Check = Result<(), String>;
@@ -367,6 +399,7 @@ impl World {
             trace: VecDeque::new(),
             full_trace,
             events: 0,
+            hung_targets_found: 0,
         }
     }
 
@@ -512,6 +545,15 @@ impl World {
                 let delay = self.jitter(10, 100);
                 self.after(delay, Occ::TargetBuilt { target, generation });
             }
+            Action::AbandonTarget { target, generation } => {
+                let t = &mut self.targets[target];
+                if t.generation == generation && t.stage != TargetStage::Gone {
+                    // Found hung: a failure like any other (it counts against the restart limit).
+                    t.stage = TargetStage::Gone;
+                    self.target_failures.push(self.now);
+                    self.hung_targets_found += 1;
+                }
+            }
             Action::TargetRequest { target, generation, request } => {
                 let item = match request.item {
                     Item::Capture { batch, positions } => {
@@ -547,7 +589,7 @@ impl World {
                         taken: 0,
                         joined: Rc::new(Cell::new(None)),
                         snapshot_at: None,
-                        computing_since: Duration::ZERO,
+                        since: self.now,
                         clock: self.now,
                     },
                 );
@@ -663,7 +705,7 @@ impl World {
         self.note(format!("exit {code}: {}", status.phase));
         self.alive = false;
         for t in self.threads.values_mut() {
-            t.stage = Stage::Gone;
+            t.enter(Stage::Gone, self.now);
         }
         let failed = status.drafters.iter().filter(|d| d.state.name() == "failed").count();
         let why = match code {
@@ -729,7 +771,7 @@ impl World {
             return;
         }
         let running = if matches!(t.stage, Stage::Computing { .. }) { t.items.clone() } else { vec![] };
-        t.stage = Stage::Gone;
+        t.enter(Stage::Gone, self.now);
         let injected = kind == FailureKind::Injected;
         let failure = Failure { kind, message: message.to_string() };
         self.note(format!("fault: drafter {id}.{generation} dies ({kind:?})"));
@@ -751,7 +793,7 @@ impl World {
         self.thread_says(id, generation, Event::DrafterReady { id, generation });
         match start {
             Start::Join => {
-                self.threads.get_mut(&(id, generation)).expect("present").stage = Stage::Joining;
+                self.threads.get_mut(&(id, generation)).expect("present").enter(Stage::Joining, self.now);
                 self.wake(id, generation);
             }
             Start::Found(path) => {
@@ -785,7 +827,7 @@ impl World {
                 }
                 let t = self.threads.get_mut(&(id, generation)).expect("present");
                 t.replica = replica;
-                t.stage = Stage::Collecting;
+                t.enter(Stage::Collecting, self.now);
                 self.thread_says(id, generation, Event::DrafterJoined { id, generation, step: round });
                 self.wake(id, generation);
             }
@@ -809,7 +851,7 @@ impl World {
                         ));
                     }
                     t.replica = replica;
-                    t.stage = Stage::Collecting;
+                    t.enter(Stage::Collecting, self.now);
                     self.thread_says(id, generation, Event::DrafterJoined { id, generation, step: info.step });
                     self.wake(id, generation);
                 }
@@ -856,10 +898,7 @@ impl World {
                 let hung = self.armed.hang.remove(&id);
                 let slow = self.armed.slow.remove(&id);
                 let t = self.threads.get_mut(&(id, generation)).expect("present");
-                t.stage = Stage::Computing { hung };
-                t.computing_since = self.now;
-                let check = Duration::from_secs_f64(STEP_TIMEOUT_S) + self.jitter(1, 200);
-                self.after(check, Occ::HangCheck { id, generation });
+                t.enter(Stage::Computing { hung }, self.now);
                 if !hung {
                     let compute =
                         if slow { Duration::from_secs_f64(STEP_TIMEOUT_S + 2.0) } else { self.jitter(20, 250) };
@@ -873,7 +912,7 @@ impl World {
 
     fn returned(&mut self, id: usize, generation: u64) {
         if let Some(t) = self.threads.get_mut(&(id, generation)) {
-            t.stage = Stage::Gone;
+            t.enter(Stage::Gone, self.now);
         }
         self.supervision(Event::DrafterExited { id, generation });
     }
@@ -892,7 +931,7 @@ impl World {
                 slot.set(Some(replica));
             }
         }
-        self.threads.get_mut(&(id, generation)).expect("present").stage = Stage::Serving;
+        self.threads.get_mut(&(id, generation)).expect("present").enter(Stage::Serving, self.now);
         let delay = self.jitter(1, 8);
         self.after(delay, Occ::Served { claim, optimizer_steps: replica.optimizer_steps });
     }
@@ -906,7 +945,7 @@ impl World {
             let g = claim.joiners.iter().find(|(m, _)| *m == joiner).map(|(_, g)| *g).expect("claimed");
             self.wake(joiner, g);
         }
-        self.threads.get_mut(&(id, generation)).expect("present").stage = Stage::Collecting;
+        self.threads.get_mut(&(id, generation)).expect("present").enter(Stage::Collecting, self.now);
         self.wake(id, generation);
     }
 
@@ -920,7 +959,7 @@ impl World {
         let step = t.replica.step;
         t.samples = 0;
         t.taken = 0;
-        t.stage = Stage::InRound;
+        t.enter(Stage::InRound, self.now);
         match self.rounds.contribute(id, generation, step, contribution) {
             Ok(()) => self.complete_rounds(),
             Err(crate::train::rounds::RoundsError::Removed) => {
@@ -990,7 +1029,7 @@ impl World {
                     continue;
                 }
                 t.replica = next;
-                t.stage = Stage::Collecting;
+                t.enter(Stage::Collecting, self.now);
                 let digest = (self.p.check_every > 0 && next.step.is_multiple_of(self.p.check_every)).then_some([
                     next.hash as i64,
                     next.step as i64,
@@ -1014,19 +1053,22 @@ impl World {
         Ok(())
     }
 
-    fn hang_check(&mut self, id: usize, generation: u64) {
-        let Some(t) = self.threads.get(&(id, generation)) else { return };
-        let overdue = self.now.saturating_sub(t.computing_since) > Duration::from_secs_f64(STEP_TIMEOUT_S);
-        if !matches!(t.stage, Stage::Computing { .. }) || !overdue {
-            return;
-        }
-        // The shell looks only at the threads the core runs.
-        if !self.core.running_threads().contains(&(id, generation)) {
-            return;
-        }
-        let running = t.items.clone();
-        let failure = Failure { kind: FailureKind::Hang, message: "no progress".into() };
-        self.supervision(Event::DrafterFailed { id, generation, failure, running, injected: false });
+    /// What the shell reports with its ticks: the stage of every thread the core runs, and since when.
+    fn watched(&self) -> Vec<Watched> {
+        let running = self.core.running_threads();
+        let threads = self.threads.iter().filter(|(key, t)| t.stage != Stage::Gone && running.contains(key));
+        threads
+            .map(|(&(id, generation), t)| Watched {
+                seen: DrafterSeen {
+                    id,
+                    generation,
+                    activity: t.stage.activity(),
+                    for_: self.now.saturating_sub(t.since),
+                },
+                running: if matches!(t.stage, Stage::Computing { .. }) { t.items.clone() } else { vec![] },
+                injected: false,
+            })
+            .collect()
     }
 
     // ------------------------------------------------------------------ target threads
@@ -1036,6 +1078,10 @@ impl World {
         if t.stage == TargetStage::Ready && !t.busy && !t.queue.is_empty() {
             t.busy = true;
             let generation = t.generation;
+            if std::mem::take(&mut self.armed.target_hang) {
+                self.note(format!("fault: target {target}.{generation} hangs on its request"));
+                return;
+            }
             let delay = self.jitter(1, 10);
             self.after(delay, Occ::TargetDone { target, generation });
         }
@@ -1167,10 +1213,11 @@ impl World {
                 let id = self.rng.random_range(0..self.p.drafters);
                 self.armed.hang.insert(id);
             }
-            40..=45 => {
+            40..=43 => {
                 let id = self.rng.random_range(0..self.p.drafters);
                 self.armed.slow.insert(id);
             }
+            44..=45 => self.armed.target_hang = true,
             46 => {
                 if let Some(&(id, g)) = choose(&mut self.rng, &running) {
                     self.kill(id, g, FailureKind::Poisoned, "fault: an illegal memory access was encountered");
@@ -1244,7 +1291,6 @@ impl World {
             Occ::Wake { id, generation } => self.run_thread(id, generation)?,
             Occ::Computed { id, generation } => self.computed(id, generation)?,
             Occ::Served { claim, optimizer_steps } => self.served(claim, optimizer_steps),
-            Occ::HangCheck { id, generation } => self.hang_check(id, generation),
             Occ::TargetBuilt { target, generation } => {
                 let t = &mut self.targets[target];
                 if t.generation == generation && t.stage == TargetStage::Building {
@@ -1259,7 +1305,8 @@ impl World {
             Occ::WriteDone => self.write_done()?,
             Occ::Tick => {
                 self.after(ms(200), Occ::Tick);
-                self.feed(Event::Tick)?;
+                let watched = self.watched();
+                self.feed(Event::Watch(watched))?;
             }
             Occ::Fault => {
                 let mean = self.p.fault_every_s;
@@ -1395,10 +1442,18 @@ fn short(s: &str) -> String {
 }
 
 /// Runs one seed; the error is the whole report.
-fn simulate(seed: u64, full_trace: bool) -> Result<(u64, Vec<(i32, String)>), String> {
+/// What a seed did: events fed to the core, hung target copies found, and its exits with their reasons.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    events: u64,
+    hung_targets: u64,
+    exits: Vec<(i32, String)>,
+}
+
+fn simulate(seed: u64, full_trace: bool) -> Result<Outcome, String> {
     let mut world = World::new(seed, full_trace);
     match world.run() {
-        Ok(()) => Ok((world.events, world.exits)),
+        Ok(()) => Ok(Outcome { events: world.events, hung_targets: world.hung_targets_found, exits: world.exits }),
         Err(e) => Err(world.report(&e)),
     }
 }
@@ -1412,21 +1467,23 @@ fn seeds(default: u64) -> u64 {
 fn sim_many_seeds_hold_every_invariant() {
     let n = seeds(48);
     let first: u64 = std::env::var("DFLASH_SIM_FIRST").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-    let mut events = 0;
+    let (mut events, mut hung_targets) = (0, 0);
     let mut endings: BTreeMap<String, usize> = BTreeMap::new();
     for seed in first..first + n {
         match simulate(seed, false) {
-            Ok((e, exits)) => {
-                events += e;
-                for (code, why) in exits {
+            Ok(outcome) => {
+                events += outcome.events;
+                hung_targets += outcome.hung_targets;
+                for (code, why) in outcome.exits {
                     *endings.entry(format!("{code} ({why})")).or_default() += 1;
                 }
             }
             Err(report) => panic!("{report}"),
         }
     }
-    eprintln!("{n} seeds, {events} events to the core; endings: {endings:?}");
+    eprintln!("{n} seeds, {events} events to the core, {hung_targets} hung target copies found; endings: {endings:?}");
     assert!(events > n * 1000, "the schedules should be long: {events} events");
+    assert!(n < 20 || hung_targets > 0, "no hung target copy was found by the watchdog");
     for wanted in ["0 (complete)", "3 (no progress)"] {
         assert!(endings.keys().any(|k| k == wanted), "no seed ended with {wanted}: {endings:?}");
     }

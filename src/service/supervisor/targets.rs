@@ -48,6 +48,8 @@ pub struct TargetCopy {
     pub ever_ready: bool,
     restarts: Restarts,
     undelivered: VecDeque<Request>,
+    /// Since when the ready copy holds the request at the head of `undelivered` (for the watchdog).
+    holding_since: Duration,
     suspects: HashMap<BatchId, u32>,
 }
 
@@ -61,6 +63,7 @@ impl TargetCopy {
             ever_ready: false,
             restarts: Restarts::default(),
             undelivered: VecDeque::new(),
+            holding_since: Duration::ZERO,
             suspects: HashMap::new(),
         }
     }
@@ -98,27 +101,37 @@ impl TargetCopy {
         matches!(self.life, Life::Starting { since } if now.saturating_sub(since) > deadline)
     }
 
-    /// Its thread of `generation` is ready: the requests to send it (every undelivered one, in order).
-    pub fn ready(&mut self, generation: u64) -> Option<Vec<Request>> {
+    /// Its thread of `generation` is ready at `now`: the requests to send it (every undelivered one, in order).
+    pub fn ready(&mut self, generation: u64, now: Duration) -> Option<Vec<Request>> {
         if generation != self.generation || !matches!(self.life, Life::Starting { .. }) {
             return None;
         }
         self.life = Life::Ready;
+        self.holding_since = now;
         self.ever_ready = true;
         Some(self.undelivered.iter().cloned().collect())
     }
 
-    /// Queues a request; returns it when it is to be sent now (the copy is ready).
-    pub fn push(&mut self, request: Request) -> Option<Request> {
+    /// Queues a request at `now`; returns it when it is to be sent now (the copy is ready).
+    pub fn push(&mut self, request: Request, now: Duration) -> Option<Request> {
+        if self.undelivered.is_empty() {
+            self.holding_since = now;
+        }
         self.undelivered.push_back(request.clone());
         self.is_ready().then_some(request)
     }
 
-    /// The thread of `generation` delivered request `seq`.
-    pub fn delivered(&mut self, generation: u64, seq: u64) {
+    /// The thread of `generation` delivered request `seq` at `now`.
+    pub fn delivered(&mut self, generation: u64, seq: u64, now: Duration) {
         if generation == self.generation {
             self.undelivered.retain(|r| r.seq != seq);
+            self.holding_since = now;
         }
+    }
+
+    /// How long the ready copy has held its oldest undelivered request; `None` when it holds none or is not ready.
+    pub fn holding_for(&self, now: Duration) -> Option<Duration> {
+        (self.is_ready() && !self.undelivered.is_empty()).then(|| now.saturating_sub(self.holding_since))
     }
 
     /// Forgets every request (the run rewound).
@@ -176,16 +189,24 @@ mod tests {
         let s = Config::builtin().unwrap().supervision;
         let mut t = TargetCopy::new(0, "cpu".into());
         let g = t.start(Duration::ZERO);
-        assert_eq!(t.push(capture(1, 0)), None, "not ready: queued only");
-        assert_eq!(t.ready(g).unwrap(), vec![capture(1, 0)]);
-        assert_eq!(t.push(capture(2, 1)), Some(capture(2, 1)));
-        t.delivered(g, 1);
+        let at = Duration::from_millis;
+        assert_eq!(t.push(capture(1, 0), at(0)), None, "not ready: queued only");
+        assert_eq!(t.holding_for(at(10)), None, "not holding anything before it is ready");
+        assert_eq!(t.ready(g, at(100)).unwrap(), vec![capture(1, 0)]);
+        assert_eq!(t.holding_for(at(150)), Some(at(50)), "held since it became ready");
+        assert_eq!(t.push(capture(2, 1), at(200)), Some(capture(2, 1)));
+        t.delivered(g, 1, at(300));
+        assert_eq!(t.holding_for(at(450)), Some(at(150)), "the next request, since the last delivery");
         let failure = t.failed(g, Duration::from_secs(1), &s).unwrap();
         assert_eq!(failure.suspect, Some((BatchId { epoch: 0, ordinal: 1 }, false)));
-        assert!(t.push(capture(3, 2)).is_none(), "down: queued only");
+        assert_eq!(t.holding_for(at(1100)), None, "a failed copy holds nothing");
+        assert!(t.push(capture(3, 2), at(1200)).is_none(), "down: queued only");
         let g2 = t.start(failure.restart_at.unwrap());
-        assert!(t.ready(g).is_none(), "a stale thread");
-        assert_eq!(t.ready(g2).unwrap(), vec![capture(2, 1), capture(3, 2)], "undelivered, in order");
+        assert!(t.ready(g, at(2000)).is_none(), "a stale thread");
+        assert_eq!(t.ready(g2, at(2000)).unwrap(), vec![capture(2, 1), capture(3, 2)], "undelivered, in order");
+        t.delivered(g2, 2, at(2100));
+        t.delivered(g2, 3, at(2200));
+        assert_eq!(t.holding_for(at(9000)), None, "nothing left to deliver");
     }
 
     #[test]
@@ -194,17 +215,17 @@ mod tests {
         s.max_restarts = 2;
         let mut t = TargetCopy::new(0, "cpu".into());
         let mut g = t.start(Duration::ZERO);
-        t.ready(g);
-        t.push(capture(1, 7));
+        t.ready(g, Duration::ZERO);
+        t.push(capture(1, 7), Duration::ZERO);
         let first = t.failed(g, Duration::from_secs(1), &s).unwrap();
         assert_eq!(first.suspect, Some((BatchId { epoch: 0, ordinal: 7 }, false)));
         g = t.start(first.restart_at.unwrap());
-        t.ready(g);
+        t.ready(g, Duration::ZERO);
         let second = t.failed(g, Duration::from_secs(2), &s).unwrap();
         assert_eq!(second.suspect, Some((BatchId { epoch: 0, ordinal: 7 }, true)));
         t.blank(BatchId { epoch: 0, ordinal: 7 });
         g = t.start(second.restart_at.unwrap());
-        assert_eq!(t.ready(g).unwrap()[0].item, Item::Empty);
+        assert_eq!(t.ready(g, Duration::ZERO).unwrap()[0].item, Item::Empty);
         let third = t.failed(g, Duration::from_secs(3), &s).unwrap();
         assert_eq!(third, TargetFailure { suspect: None, restart_at: None });
         assert!(t.gave_up());

@@ -27,6 +27,7 @@ impl Core {
         let founder = slot.role() == Some(Role::Founder);
         slot.life = Life::Live;
         slot.step = step;
+        self.progress_at = self.now;
         if !self.members.contains(&(id, generation)) {
             self.members.push((id, generation));
             self.members.sort_unstable();

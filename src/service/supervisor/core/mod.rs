@@ -19,6 +19,7 @@ mod ending;
 mod rewind;
 mod steps;
 mod targets;
+mod watch;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -26,9 +27,10 @@ use std::time::Duration;
 
 use super::checkpoints::{Book, Newest, SnapshotOutcome};
 use super::drafters::{Fate, Life, Role, Slot};
-use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, Request, Start, WriteJob};
+use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, Request, Start, Watched, WriteJob};
 use super::schedule::{Item, Position, Schedule, Settled};
 use super::targets::TargetCopy;
+use super::watchdog::StepTimes;
 use crate::config::Config;
 use crate::data::loader::{BatchId, LoaderSettings};
 use crate::service::evaluator::Evaluated;
@@ -203,6 +205,11 @@ pub struct Core {
     last_lr: f64,
     eval_due: Option<u64>,
     last_evaluation: Option<Evaluated>,
+    /// Times between committed rounds, for the hang budget.
+    step_times: StepTimes,
+    last_commit: Option<Duration>,
+    /// The last sign of progress: a committed round, a drafter joining, training beginning.
+    progress_at: Duration,
     now: Duration,
     out: Vec<Action>,
 }
@@ -245,6 +252,9 @@ impl Core {
             last_lr: 0.0,
             eval_due: None,
             last_evaluation: None,
+            step_times: StepTimes::default(),
+            last_commit: None,
+            progress_at: Duration::ZERO,
             now: Duration::ZERO,
             out: vec![],
             config: setup.config,
@@ -271,13 +281,14 @@ impl Core {
         }
         match event {
             Event::Tick => {}
+            Event::Watch(drafters) => self.watch(drafters),
             Event::TargetReady { target, generation } => self.target_ready(target, generation),
             Event::TargetFailed { target, generation, failure } => self.target_failed(target, generation, failure),
             Event::TargetExited { target, generation } => {
                 let failure = Failure::panic("the target thread ended without being asked to".into());
                 self.target_failed(target, generation, failure)
             }
-            Event::Delivered { target, generation, seq } => self.targets[target].delivered(generation, seq),
+            Event::Delivered { target, generation, seq } => self.targets[target].delivered(generation, seq, self.now),
             Event::DrafterReady { id, generation } => self.drafter_ready(id, generation),
             Event::DrafterJoined { id, generation, step } => self.drafter_joined(id, generation, step),
             Event::DrafterFailed { id, generation, failure, running, injected } => {
@@ -421,6 +432,7 @@ impl Core {
         if self.phase == Phase::StartingDrafters && self.slots.iter().all(|s| s.is_live() || s.is_failed()) {
             self.phase = Phase::Running;
             self.window.started = self.now;
+            self.progress_at = self.now;
             tracing::info!(
                 drafters = self.slots.len(),
                 step = self.schedule.committed_step(),
@@ -481,6 +493,7 @@ fn because(what: &str, failure: &Failure) -> String {
 mod tests {
     use super::*;
     use crate::service::messages::DrafterState;
+    use crate::service::supervisor::watchdog::Activity;
 
     fn setup(drafters: usize) -> Setup {
         let mut config = Config::builtin().unwrap();
@@ -667,5 +680,85 @@ mod tests {
             lr: 1e-3,
             samples_committed: 0,
         }
+    }
+
+    fn watched(id: usize, activity: Activity, for_: f64) -> Watched {
+        let seen = crate::service::supervisor::watchdog::DrafterSeen { id, generation: 1, activity, for_: secs(for_) };
+        Watched { seen, running: vec![], injected: false }
+    }
+
+    fn abandoned(actions: &[Action]) -> Vec<String> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Abandon { id, .. } => Some(format!("drafter {id}")),
+                Action::AbandonTarget { target, .. } => Some(format!("target {target}")),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The watchdog fails the one that is stuck: a hung drafter (not its peers waiting for it), a target copy
+    /// holding a capture (not the drafters waiting for their features).
+    #[test]
+    fn the_watchdog_fails_the_stuck_one_not_those_waiting_for_it() {
+        let mut c = running(2);
+        c.config.supervision.step_timeout_s = 10.0;
+        let quiet = c.handle(secs(5.0), Event::Watch(vec![watched(0, Activity::Computing, 4.0)]));
+        assert!(abandoned(&quiet).is_empty(), "within the budget");
+        let hung = vec![watched(0, Activity::Applying, 11.0), watched(1, Activity::WaitingForPeers, 11.0)];
+        let actions = c.handle(secs(12.0), Event::Watch(hung));
+        assert_eq!(abandoned(&actions), ["drafter 0"]);
+        assert_eq!(c.drafter_state(1), Some(DrafterState::Live));
+
+        let mut c = running(2);
+        c.config.supervision.step_timeout_s = 10.0;
+        let waiting = vec![watched(0, Activity::WaitingForWork, 11.0), watched(1, Activity::WaitingForWork, 11.0)];
+        let actions = c.handle(secs(12.0), Event::Watch(waiting));
+        assert_eq!(abandoned(&actions), ["target 0"], "the copy holding the requests since 0.2 s");
+        assert!(c.live().count() == 2, "its drafters are innocent");
+        let actions = c.handle(secs(12.5), Event::Tick);
+        assert!(actions.contains(&Action::StartTarget { target: 0, generation: 2 }), "{actions:?}");
+        let actions = c.handle(secs(13.0), Event::TargetReady { target: 0, generation: 2 });
+        let resent = actions.iter().filter(|a| matches!(a, Action::TargetRequest { generation: 2, .. })).count();
+        assert!(resent > 0, "the undelivered requests go to the new thread: {actions:?}");
+    }
+
+    /// The budget follows the measured rounds: `hang_factor` x their p99, at least `hang_floor_s`.
+    #[test]
+    fn the_hang_budget_is_measured_from_the_rounds() {
+        let mut c = running(1);
+        (c.config.supervision.hang_factor, c.config.supervision.hang_floor_s) = (10.0, 2.0);
+        assert_eq!(c.hang_budget(), secs(600.0), "step_timeout_s until measured");
+        for step in 0..10 {
+            c.handle(secs(1.0 + 0.5 * step as f64), Event::Round(report(step, c.incarnation)));
+        }
+        assert_eq!(c.hang_budget(), secs(5.0));
+        let actions = c.handle(secs(7.0), Event::Watch(vec![watched(0, Activity::Computing, 5.5)]));
+        assert_eq!(abandoned(&actions), ["drafter 0"], "a hang found in 5.5 s, not 600");
+    }
+
+    /// A complete run whose final checkpoint cannot be written exits 1 and exports nothing (no `final/` from an
+    /// older checkpoint).
+    #[test]
+    fn a_failed_final_checkpoint_exits_1_without_exporting() {
+        let mut s = setup(1);
+        s.config.optim.max_steps = 2;
+        let mut c = Core::new(s);
+        c.start(secs(0.0));
+        c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(secs(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        c.handle(secs(0.5), Event::Round(report(0, c.incarnation)));
+        let actions = c.handle(secs(0.6), Event::Round(report(1, c.incarnation)));
+        assert!(
+            actions.contains(&Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at: 2 } }),
+            "the final checkpoint, of the last step: {actions:?}"
+        );
+        let actions = c.handle(secs(0.7), Event::Snapshot { id: 0, generation: 1, step: 2, optimizer_steps: 2 });
+        assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]), "{actions:?}");
+        let failed = Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Err("disk full".into()) };
+        let actions = c.handle(secs(0.8), failed);
+        assert!(actions.contains(&Action::Exit { code: EXIT_ERROR }), "{actions:?}");
+        assert!(!actions.iter().any(|a| matches!(a, Action::Export { .. })), "nothing exported: {actions:?}");
     }
 }

@@ -22,6 +22,11 @@ impl Core {
 
     pub(super) fn commit(&mut self, settled: Settled) {
         let step = settled.step + 1;
+        if let Some(last) = self.last_commit {
+            self.step_times.record(self.now.saturating_sub(last));
+        }
+        self.last_commit = Some(self.now);
+        self.progress_at = self.now;
         for batch in settled.committed {
             self.out.push(Action::Ledger(LedgerEntry::Commit { step: settled.step, batch }));
         }

@@ -5,7 +5,7 @@ use super::*;
 impl Core {
     pub(super) fn target_ready(&mut self, target: usize, generation: u64) {
         let first = !self.targets[target].ever_ready;
-        let Some(resend) = self.targets[target].ready(generation) else { return };
+        let Some(resend) = self.targets[target].ready(generation, self.now) else { return };
         let fed: Vec<usize> = (0..self.feeds.len()).filter(|&d| self.feeds[d] == target).collect();
         if first {
             tracing::info!(id = target, device = %self.targets[target].device, drafters = ?fed, "target ready");
@@ -20,6 +20,7 @@ impl Core {
     pub(super) fn target_failed(&mut self, target: usize, generation: u64, failure: Failure) {
         let s = self.config.supervision.clone();
         let Some(outcome) = self.targets[target].failed(generation, self.now, &s) else { return };
+        self.out.push(Action::AbandonTarget { target, generation });
         tracing::warn!(id = target, device = %self.targets[target].device, kind = ?failure.kind, "target failed: {}", failure.message);
         if let Some((batch, true)) = outcome.suspect {
             let ids = self.set_batch_aside(batch);
@@ -54,7 +55,7 @@ impl Core {
         self.seq += 1;
         let request = Request { seq: self.seq, drafter, generation, item };
         let target = self.feeds[drafter];
-        if let Some(request) = self.targets[target].push(request) {
+        if let Some(request) = self.targets[target].push(request, self.now) {
             let generation = self.targets[target].generation;
             self.out.push(Action::TargetRequest { target, generation, request });
         }

@@ -1,0 +1,57 @@
+//! The watchdog's verdicts carried out: who is stuck (see [`find_stuck`]) is failed like any other failure, a
+//! drafter abandoned and restarted, a target copy restarted.
+use super::*;
+use crate::service::supervisor::watchdog::{Activity, DrafterSeen, Look, Stuck, TargetSeen, find_stuck};
+
+impl Core {
+    /// The hang budget now: measured from the recent rounds (see [`StepTimes::budget`]).
+    pub(super) fn hang_budget(&self) -> Duration {
+        self.step_times.budget(self.supervision())
+    }
+
+    pub(super) fn watch(&mut self, watched: Vec<Watched>) {
+        if self.phase != Phase::Running || self.ending.is_some() {
+            return;
+        }
+        let watched: Vec<Watched> = watched
+            .into_iter()
+            .filter(|w| self.slots.get(w.seen.id).is_some_and(|s| s.is_live() && s.current(w.seen.generation)))
+            .collect();
+        let drafters: Vec<DrafterSeen> = watched.iter().map(|w| w.seen.clone()).collect();
+        let now = self.now;
+        let targets: Vec<TargetSeen> = self
+            .targets
+            .iter()
+            .filter_map(|t| {
+                t.holding_for(now).map(|d| TargetSeen { id: t.id, generation: t.generation, holding_for: d })
+            })
+            .collect();
+        let budget = self.hang_budget();
+        let look = Look {
+            budget,
+            since_commit: now.saturating_sub(self.progress_at),
+            steps_in_flight: self.schedule.in_flight() > 0,
+            target_restarting: self.targets.iter().any(|t| !t.is_ready()),
+            drafters: &drafters,
+            targets: &targets,
+        };
+        let stuck = find_stuck(&look);
+        let over = |for_: Duration| format!("{:.1} s (hang budget {:.1} s)", for_.as_secs_f64(), budget.as_secs_f64());
+        for verdict in stuck {
+            match verdict {
+                Stuck::Drafter { id, generation, activity, for_ } => {
+                    let Some(w) = watched.iter().find(|w| w.seen.id == id) else { continue };
+                    let kind = if activity.is_busy() { FailureKind::Hang } else { FailureKind::Stalled };
+                    let message = format!("{} for {}", activity.name(), over(for_));
+                    let running = if activity == Activity::Computing { w.running.clone() } else { vec![] };
+                    let injected = w.injected;
+                    self.drafter_failed(id, generation, Failure { kind, message }, &running, injected);
+                }
+                Stuck::Target { id, generation, for_ } => {
+                    let message = format!("no capture delivered for {}", over(for_));
+                    self.target_failed(id, generation, Failure { kind: FailureKind::Hang, message });
+                }
+            }
+        }
+    }
+}
