@@ -231,6 +231,7 @@ impl TargetMetrics {
 }
 
 /// One device's memory series.
+#[derive(Clone)]
 pub struct DeviceMemory {
     pub allocated: Gauge,
     pub reserved: Gauge,

@@ -18,7 +18,7 @@ mod sim;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -117,6 +117,8 @@ pub struct Shell {
     ledger: Option<LedgerWriter>,
     run_metrics: RunMetrics,
     memory: Vec<(Device, DeviceMemory)>,
+    /// A reading of the memory statistics is under way.
+    reading_memory: Arc<AtomicBool>,
     last_telemetry: Instant,
     evaluator: Option<Evaluator>,
     samples_per_epoch: u64,
@@ -205,6 +207,7 @@ impl Shell {
             ledger,
             run_metrics: RunMetrics::new(step, samples),
             memory,
+            reading_memory: Arc::new(AtomicBool::new(false)),
             last_telemetry: Instant::now(),
             evaluator: None,
             samples_per_epoch,
@@ -460,11 +463,19 @@ impl Shell {
             return;
         }
         self.last_telemetry = Instant::now();
-        for (device, gauges) in &self.memory {
-            if let Ok(m) = device::memory_stats(*device) {
-                gauges.allocated.set(m.allocated as f64);
-                gauges.reserved.set(m.reserved as f64);
-            }
+        // The allocator's statistics take its lock, which a thread stuck in a device call may hold: read them off
+        // the runtime, one reading at a time.
+        if !self.reading_memory.swap(true, Ordering::SeqCst) {
+            let (memory, reading) = (self.memory.clone(), self.reading_memory.clone());
+            tokio::task::spawn_blocking(move || {
+                for (device, gauges) in &memory {
+                    if let Ok(m) = device::memory_stats(*device) {
+                        gauges.allocated.set(m.allocated as f64);
+                        gauges.reserved.set(m.reserved as f64);
+                    }
+                }
+                reading.store(false, Ordering::SeqCst);
+            });
         }
         if let Some(h) = &self.a.prometheus {
             h.run_upkeep();
