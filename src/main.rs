@@ -61,7 +61,7 @@ enum Command {
         Exit 75 asks an outside supervisor to restart with --resume auto (an error poisoned a device, or the end's \
         checkpoint did not finish within supervision.shutdown_timeout_s). GET /readyz answers 503 while no drafter \
         is live.\n\n\
-        The built-in default trains the tiny target on built-in sample data with two drafters:\n  dflash serve-train")]
+        The built-in default trains on the tiny-tasks target (built in) and built-in sample data with two drafters:\n  dflash serve-train")]
     ServeTrain(ServeTrainArgs),
     /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template
     #[command(long_about = "Turn chat JSONL into token ids and loss masks with the target's own tokenizer and chat \

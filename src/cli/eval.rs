@@ -11,7 +11,7 @@ use dflash::data::prepare::ModelAssets;
 use dflash::data::prompts::read_prompts;
 use dflash::data::read_token_rows;
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
-use dflash::model::{Depth, Drafter, Preset, Target};
+use dflash::model::{Depth, Drafter, Target};
 use dflash::panic::catch_torch;
 use dflash::train::ObjectiveSettings;
 use dflash::train::decode_eval::{DecodeSettings, evaluate_decoding};
@@ -137,10 +137,10 @@ fn load_target(
 fn decode(args: &EvalArgs, source: &TargetSource, device: Device, kind: Kind) -> Result<ExitCode> {
     let prompts_path = args.prompts.as_ref().expect("clap requires --prompts with --decode");
     let kwargs = super::data::template_kwargs(args.template_kwargs.as_deref())?;
-    // Chat prompts need the target's tokenizer and template: a model folder's, or the tiny preset's.
+    // Chat prompts need the target's tokenizer and template: a model folder's, or the tiny presets'.
     let assets = match source {
         TargetSource::Folder(dir) => Some(ModelAssets::resolve(&dir.to_string_lossy(), &kwargs)?),
-        TargetSource::Preset(Preset::Tiny) => Some(ModelAssets::tiny(&kwargs)),
+        TargetSource::Preset(p) if p.is_tiny() => Some(ModelAssets::tiny(&kwargs)),
         TargetSource::Preset(_) => None,
     };
     let report = catch_torch(|| -> Result<_> {

@@ -630,7 +630,7 @@ mod tests {
     #[test]
     fn builtin_defaults_are_valid() {
         let c = Config::builtin().unwrap();
-        assert_eq!(c.target.source, TargetSource::Preset(Preset::Tiny));
+        assert_eq!(c.target.source, TargetSource::Preset(Preset::TinyTasks));
         assert_eq!(c.target.device, DeviceSpec::Auto);
         assert_eq!(c.target_layer_ids().unwrap(), vec![1, 3, 5]);
     }

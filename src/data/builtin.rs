@@ -58,9 +58,9 @@ impl ModelAssets {
         }
     }
 
-    /// A model folder's assets, or the built-in ones for `tiny`.
+    /// A model folder's assets, or the built-in ones for `tiny` and `tiny-tasks`.
     pub fn resolve(model: &str, template_kwargs: &Map<String, Value>) -> Result<Self, DataError> {
-        if model == "tiny" {
+        if model.parse::<crate::model::Preset>().is_ok_and(|p| p.is_tiny()) {
             return Ok(Self::tiny(template_kwargs));
         }
         Self::from_dir(Path::new(model), template_kwargs)

@@ -51,10 +51,10 @@ impl DrafterConfig {
         Ok(cfg)
     }
 
-    /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for `tiny`), block size 16.
+    /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for the tiny ones), block size 16.
     pub fn for_preset(preset: Preset, block_size: usize) -> Self {
         let spec = preset.spec();
-        let layers = if preset == Preset::Tiny { 2 } else { DEFAULT_DRAFTER_LAYERS };
+        let layers = if preset.is_tiny() { 2 } else { DEFAULT_DRAFTER_LAYERS };
         Self::for_target(&spec.target, layers, None, block_size, spec.taps, spec.mask_token_id)
             .expect("preset drafters are valid")
     }

@@ -1,6 +1,7 @@
-//! Built-in target shapes with random weights: `tiny` for tests and the default run, and the real shapes of
-//! published targets for benchmarks. A preset also fixes what later components share with it: the tapped layer ids
-//! (written out, never re-derived) and the MASK token id.
+//! Built-in targets: `tiny-tasks`, the default run's target (the `tiny` shape with trained weights built into the
+//! binary: it answers the built-in tasks, so a drafter has something to learn); `tiny` with random weights for
+//! tests; and the real shapes of published targets, with random weights, for benchmarks. A preset also fixes what
+//! later components share with it: the tapped layer ids (written out, never re-derived) and the MASK token id.
 use std::fmt;
 use std::str::FromStr;
 
@@ -28,9 +29,17 @@ pub mod tiny {
     pub const SEED: u64 = 20260206;
 }
 
+/// The `tiny-tasks` weights: the `tiny` shape trained on the built-in tasks (counting, sums, repeating, reversing,
+/// spelling) by `scripts/train_tiny_target.py` (the recipe is in its doc string; 330 s on one H200). Its greedy
+/// answers to new questions are right 98.7% of the time (309 of 313, `dflash regenerate --local`).
+pub const TINY_TASKS_WEIGHTS: &[u8] = include_bytes!("tiny_tasks.safetensors");
+/// The SHA-256 of [`TINY_TASKS_WEIGHTS`].
+pub const TINY_TASKS_SHA256: &str = "7ff79fdb60bfd51ce893764c49264a2a839d8fd6e54c91e6bdea86ec3e7693fe";
+
 /// A named target shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
+    TinyTasks,
     Tiny,
     Qwen3_4b,
     Qwen3_8b,
@@ -48,20 +57,40 @@ pub struct PresetSpec {
     /// Standard deviation of the random matrices: HF's 0.02 for real shapes; 1/sqrt(hidden) for `tiny`, so its
     /// 64-wide LM head gives logits of a realistic spread rather than a near-uniform softmax.
     pub init_std: f64,
+    /// Trained weights built into the binary (a safetensors file), instead of random ones.
+    pub weights: Option<&'static [u8]>,
 }
 
 impl PresetSpec {
-    /// The preset's target with its random weights.
+    /// The preset's target with its built-in or random weights.
     pub fn build_target(&self, depth: Depth, device: Device, kind: Kind) -> Result<Target, ModelError> {
-        Target::random(self.target.clone(), &self.taps, depth, device, kind, self.init, self.init_std)
+        match self.weights {
+            Some(bytes) => Target::from_safetensors(
+                self.target.clone(),
+                bytes,
+                "built-in weights",
+                &self.taps,
+                depth,
+                device,
+                kind,
+            ),
+            None => Target::random(self.target.clone(), &self.taps, depth, device, kind, self.init, self.init_std),
+        }
     }
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [Preset::Tiny, Preset::Qwen3_4b, Preset::Qwen3_8b, Preset::Llama31_8b];
+    pub const ALL: [Preset; 5] =
+        [Preset::TinyTasks, Preset::Tiny, Preset::Qwen3_4b, Preset::Qwen3_8b, Preset::Llama31_8b];
+
+    /// The two presets of the `tiny` shape and its built-in byte-level tokenizer.
+    pub fn is_tiny(self) -> bool {
+        matches!(self, Preset::Tiny | Preset::TinyTasks)
+    }
 
     pub fn name(self) -> &'static str {
         match self {
+            Preset::TinyTasks => "tiny-tasks",
             Preset::Tiny => "tiny",
             Preset::Qwen3_4b => "qwen3-4b",
             Preset::Qwen3_8b => "qwen3-8b",
@@ -94,8 +123,10 @@ impl Preset {
             mask_token_id: mask,
             init: Init::Device(0),
             init_std: 0.02,
+            weights: None,
         };
         match self {
+            Preset::TinyTasks => PresetSpec { weights: Some(TINY_TASKS_WEIGHTS), ..Preset::Tiny.spec() },
             Preset::Tiny => PresetSpec {
                 target: TargetConfig {
                     architecture: Architecture::Qwen3,
@@ -119,6 +150,7 @@ impl Preset {
                 mask_token_id: tiny::MASK,
                 init: Init::Portable(tiny::SEED),
                 init_std: 0.125,
+                weights: None,
             },
             Preset::Qwen3_4b => real(qwen3(2560, 9728, true), &[1, 9, 17, 25, 33], 151669),
             Preset::Qwen3_8b => real(qwen3(4096, 12288, false), &[1, 9, 17, 25, 33], 151669),
@@ -198,5 +230,29 @@ mod tests {
         let t = Preset::Tiny.spec();
         assert_eq!(t.mask_token_id, tiny::MASK);
         assert!(tiny::MASK > tiny::END_THINK && (tiny::MASK as usize) == tiny::VOCAB_SIZE - 1);
+    }
+
+    /// The built-in weights are the recorded file, and the model answers a question it never saw as the task says.
+    #[test]
+    fn tiny_tasks_is_the_recorded_model_and_answers_right() {
+        use sha2::{Digest, Sha256};
+        let digest: String = Sha256::digest(TINY_TASKS_WEIGHTS).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(digest, TINY_TASKS_SHA256);
+        let target = Preset::TinyTasks.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+        let assets = crate::data::prepare::ModelAssets::tiny(&Default::default());
+        let messages = [serde_json::json!({"role": "user", "content": "Count from 17 to 33."})];
+        let prompt = assets.template.render(&messages, None, true).unwrap();
+        let ids: Vec<i64> = assets.tokenizer.encode(&prompt).unwrap().ids.iter().map(|&t| t as i64).collect();
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(0);
+        let sampling = crate::model::generate::Sampling::Greedy;
+        let out = crate::model::generate::generate(&target, &ids, 120, &[tiny::IM_END], sampling, &mut rng).unwrap();
+        let tokens: Vec<u32> = out.iter().filter(|&&t| t < 256).map(|&t| t as u32).collect();
+        let text = assets.tokenizer.decode(&tokens).unwrap();
+        let want: Vec<String> = (17..=33).map(|n| n.to_string()).collect();
+        assert_eq!(text.trim(), want.join(" "), "{out:?}");
+        // The random-weight `tiny` does not.
+        let random = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+        let noise = crate::model::generate::generate(&random, &ids, 40, &[tiny::IM_END], sampling, &mut rng).unwrap();
+        assert_ne!(noise, out);
     }
 }

@@ -144,6 +144,30 @@ impl Target {
         Self::build(cfg, taps, depth, device, kind, |name, shape, _| files.load(name, shape, &why, kind, device))
     }
 
+    /// A target whose weights are one safetensors file held in memory (`what` names it in errors): the built-in
+    /// `tiny-tasks` model.
+    pub fn from_safetensors(
+        cfg: TargetConfig,
+        bytes: &[u8],
+        what: &str,
+        taps: &[usize],
+        depth: Depth,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self, ModelError> {
+        let bad = |reason: String| ModelError::Safetensors { path: what.into(), reason };
+        let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+        Self::build(cfg, taps, depth, device, kind, |name, shape, _| {
+            let view = file.tensor(name).map_err(|e| bad(format!("{name}: {e}")))?;
+            if view.shape() != shape {
+                return Err(bad(format!("{name} has shape {:?}, the config wants {shape:?}", view.shape())));
+            }
+            let stored = super::weights::kind_of(view.dtype()).ok_or_else(|| bad(format!("{name}: dtype")))?;
+            let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+            Ok(Tensor::f_from_data_size(view.data(), &dims, stored)?.f_to_device(device)?.f_to_kind(kind)?)
+        })
+    }
+
     /// A target with random weights: norms 1, matrices N(0, std^2), drawn as `init` says.
     pub fn random(
         cfg: TargetConfig,

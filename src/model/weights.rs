@@ -146,7 +146,7 @@ fn map_file(path: &Path) -> Result<MappedFile, ModelError> {
     Ok(MappedFile { path: path.to_path_buf(), map, header_len, metadata })
 }
 
-fn kind_of(dtype: Dtype) -> Option<Kind> {
+pub(super) fn kind_of(dtype: Dtype) -> Option<Kind> {
     Some(match dtype {
         Dtype::BF16 => Kind::BFloat16,
         Dtype::F16 => Kind::Half,

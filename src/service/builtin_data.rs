@@ -15,9 +15,10 @@ use crate::data::builtin::sample_conversations;
 use crate::data::dataset::{Dataset, SyntheticData};
 use crate::data::prepare::{ModelAssets, PrepareOptions, prepare};
 use crate::data::regenerate::{RegenerateOptions, Reply, Responder, regenerate_with};
-use crate::data::shards::PreparedSplit;
+use crate::data::shards::{PreparedSplit, hex};
 use crate::model::generate::{Sampling, generate};
 use crate::model::{Depth, Target, TargetConfig};
+use sha2::{Digest, Sha256};
 
 /// The target answering as the chat template prompts it (`regenerate --local`, built-in data).
 pub struct LocalResponder {
@@ -75,7 +76,7 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
         DataSource::Synthetic => {
             Arc::new(SyntheticData::new(d.builtin_conversations, d.max_len, vocab_size, config.objective.seed))
         }
-        DataSource::Builtin => Arc::new(fits(builtin(config, device, kind)?, &d.cache_dir.join("prepared"))?),
+        DataSource::Builtin => Arc::new(fits(builtin(config, device, kind)?, &builtin_dir(config).join("prepared"))?),
     };
     if data.is_empty() {
         bail!("data.path: the training split holds no sample");
@@ -83,12 +84,29 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
     Ok(data)
 }
 
+/// Where the built-in data of this configuration's target lives: `data.cache_dir/<target>/` (the preset's name, or
+/// the model folder's name and a hash of its path), so answers one target gave are never reused for another. The
+/// conversations themselves are shared, in `data.cache_dir`.
+pub fn builtin_dir(config: &Config) -> std::path::PathBuf {
+    let key = match &config.target.source {
+        TargetSource::Preset(p) => p.name().to_string(),
+        TargetSource::Folder(dir) => {
+            let full = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            let digest = hex(&Sha256::digest(full.to_string_lossy().as_bytes()));
+            let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+            format!("{name}-{}", &digest[..12])
+        }
+    };
+    config.data.cache_dir.join(key)
+}
+
 fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit> {
     let model = match &config.target.source {
-        TargetSource::Preset(p) if p.name() == "tiny" => "tiny".to_string(),
+        TargetSource::Preset(p) if p.is_tiny() => p.name().to_string(),
         TargetSource::Folder(dir) => dir.display().to_string(),
         TargetSource::Preset(p) => bail!(
-            "data.path = \"builtin\" needs a tokenizer: target.model = tiny or a model folder, not the {p} preset; \
+            "data.path = \"builtin\" needs a tokenizer: target.model = tiny-tasks, tiny or a model folder, not the {p} \
+             preset; \
              use data.path = \"synthetic\" to benchmark presets"
         ),
     };
@@ -96,6 +114,8 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
     let dir = &d.cache_dir;
     std::fs::create_dir_all(dir).with_context(|| format!("data.cache_dir = {}", dir.display()))?;
     let conversations = dir.join("conversations.jsonl");
+    let answered = builtin_dir(config);
+    std::fs::create_dir_all(&answered).with_context(|| format!("data.cache_dir: {}", answered.display()))?;
     if !conversations.exists() {
         let text: String = sample_conversations(d.builtin_conversations, config.objective.seed)
             .iter()
@@ -106,8 +126,8 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         std::fs::rename(&tmp, &conversations)?;
     }
     let assets = ModelAssets::resolve(&model, &Map::new())?;
-    let regenerated = dir.join("regenerated.jsonl");
-    let done_marker = dir.join(".regenerated.done");
+    let regenerated = answered.join("regenerated.jsonl");
+    let done_marker = answered.join(".regenerated.done");
     if !done_marker.exists() {
         tracing::info!(
             conversations = d.builtin_conversations,
@@ -135,7 +155,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         }
         std::fs::write(&done_marker, "")?;
     }
-    let prepared = dir.join("prepared");
+    let prepared = answered.join("prepared");
     let opts = PrepareOptions {
         inputs: vec![regenerated],
         out: prepared.clone(),

@@ -17,7 +17,7 @@ use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
 use crate::data::prepare::{ModelAssets, commit_folder};
 use crate::data::prompts::{Prompt, read_prompts};
 use crate::data::shards::PreparedSplit;
-use crate::model::{Depth, Drafter, Preset, Target};
+use crate::model::{Depth, Drafter, Target};
 use crate::panic::catch_torch;
 use crate::train::checkpoint::DRAFTER_DIR;
 use crate::train::decode_eval::{DecodeSettings, evaluate_decoding};
@@ -35,7 +35,7 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
         EvalPrompts::File(path) => {
             let assets = match &config.target.source {
                 TargetSource::Folder(dir) => Some(ModelAssets::resolve(&dir.to_string_lossy(), &Default::default())?),
-                TargetSource::Preset(Preset::Tiny) => Some(ModelAssets::tiny(&Default::default())),
+                TargetSource::Preset(p) if p.is_tiny() => Some(ModelAssets::tiny(&Default::default())),
                 TargetSource::Preset(_) => None,
             };
             let mut all = read_prompts(path, vocab_size, assets.as_ref())
@@ -46,7 +46,7 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
         EvalPrompts::Holdout => {
             let dir = match &config.data.source {
                 DataSource::Prepared(dir) => dir.clone(),
-                DataSource::Builtin => config.data.cache_dir.join("prepared"),
+                DataSource::Builtin => super::builtin_data::builtin_dir(config).join("prepared"),
                 DataSource::Synthetic => bail!(
                     "eval.prompts = \"holdout\": synthetic data has no held-out split; give a prompts file, or set \
                      eval.every_steps = 0"

@@ -536,8 +536,7 @@ impl Shell {
             match self.start_evaluator() {
                 Ok(e) => self.evaluator = Some(e),
                 Err(e) => {
-                    tracing::error!("evaluation unavailable: {e:#}");
-                    self.run_metrics.evaluation(false);
+                    let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(format!("unavailable: {e:#}"))));
                     return;
                 }
             }
@@ -545,7 +544,9 @@ impl Shell {
         if let Some(e) = &self.evaluator
             && !e.submit(step, path)
         {
-            tracing::warn!(step, "evaluation skipped: the previous one is still decoding (raise eval.every_steps)");
+            // The core waits for every evaluation it asks for to answer.
+            let busy = "skipped: the previous one is still decoding (a supervisor bug)".to_string();
+            let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(busy)));
         }
     }
 

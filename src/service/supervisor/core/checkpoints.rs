@@ -56,10 +56,16 @@ impl Core {
             return;
         }
         self.eval_due = None;
+        if self.evaluating {
+            tracing::warn!(step, "evaluation skipped: the previous one is still decoding (raise eval.every_steps)");
+            return;
+        }
+        self.evaluating = true;
         self.out.push(Action::Evaluate { step, path });
     }
 
     pub(super) fn evaluated(&mut self, outcome: Result<Evaluated, String>) {
+        self.evaluating = false;
         match outcome {
             Ok(e) => {
                 tracing::info!(

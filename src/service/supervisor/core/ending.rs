@@ -31,6 +31,7 @@ impl Core {
             writes_before: self.book.writes,
             failures_before: self.book.failures,
             exporting: false,
+            final_evaluation: false,
         });
     }
 
@@ -46,10 +47,14 @@ impl Core {
         } else {
             self.book.writes > e.writes_before
         };
+        let late = self.now >= e.deadline;
         if done {
+            if export && !late && self.final_evaluation_pending() {
+                return;
+            }
             return self.finish(code, export);
         }
-        if self.now >= e.deadline {
+        if late {
             let code = if code == EXIT_OK { EXIT_RESTART } else { code };
             tracing::error!(
                 seconds = self.supervision().shutdown_timeout_s,
@@ -82,6 +87,30 @@ impl Core {
         }
     }
 
+    /// With evaluation on, a complete run's end line is about its final checkpoint: waits for an evaluation in
+    /// flight, then evaluates the final checkpoint (once; a failure does not hold the end up). True while waiting.
+    fn final_evaluation_pending(&mut self) -> bool {
+        if self.config.eval.every_steps == 0 {
+            return false;
+        }
+        if self.evaluating {
+            return true;
+        }
+        let step = self.schedule.committed_step();
+        let asked = self.ending.as_ref().is_some_and(|e| e.final_evaluation);
+        if asked || self.last_evaluation.as_ref().is_some_and(|e| e.step >= step) {
+            return false;
+        }
+        let Some(newest) = self.book.newest() else { return false };
+        let path = newest.path.clone();
+        if let Some(e) = &mut self.ending {
+            e.final_evaluation = true;
+        }
+        self.evaluating = true;
+        self.out.push(Action::Evaluate { step, path });
+        true
+    }
+
     pub(super) fn finish(&mut self, code: i32, export: bool) {
         if export && let Some(newest) = self.book.newest() {
             let from = newest.path.clone();
@@ -95,10 +124,51 @@ impl Core {
     }
 
     pub(super) fn exit_now(&mut self, code: i32) {
+        if let Some(line) = self.last_evaluation.as_ref().map(gained) {
+            tracing::info!("{line}");
+        }
         for (id, generation) in self.running_threads() {
             self.tell((id, generation), Order::Stop);
         }
         self.out.push(Action::Exit { code });
         self.exit = Some(code);
+    }
+}
+
+/// The end-of-run line: what training gained, in the number that matters.
+fn gained(e: &Evaluated) -> String {
+    let output = if e.lossless {
+        "the same output".to_string()
+    } else {
+        format!("{:.1}% of tokens matching (bf16)", 100.0 * e.token_match_rate)
+    };
+    format!(
+        "decoded acceptance 1.00 -> {:.2} (step {}, best {:.2}): on {} held-out prompts the target ran {:.2}x fewer \
+         forward passes than greedy decoding, with {output}",
+        e.decode_acceptance_length, e.step, e.best, e.prompts, e.decode_acceptance_length
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_end_of_run_line_says_what_was_gained() {
+        let e = Evaluated {
+            step: 150,
+            decode_acceptance_length: 2.75,
+            token_match_rate: 1.0,
+            lossless: true,
+            prompts: 8,
+            seconds: 3.0,
+            best: 2.8,
+            new_best: false,
+        };
+        let line = gained(&e);
+        assert!(line.starts_with("decoded acceptance 1.00 -> 2.75 (step 150, best 2.80)"), "{line}");
+        assert!(line.contains("2.75x fewer forward passes") && line.ends_with("the same output"), "{line}");
+        let bf16 = gained(&Evaluated { lossless: false, token_match_rate: 0.97, ..e });
+        assert!(bf16.ends_with("97.0% of tokens matching (bf16)"), "{bf16}");
     }
 }

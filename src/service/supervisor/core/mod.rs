@@ -131,6 +131,8 @@ struct Ending {
     writes_before: u64,
     failures_before: u64,
     exporting: bool,
+    /// The final checkpoint's evaluation was asked for.
+    final_evaluation: bool,
 }
 
 /// The members that must report their checksums at a step, and what they reported.
@@ -204,6 +206,8 @@ pub struct Core {
     config_version: u64,
     last_lr: f64,
     eval_due: Option<u64>,
+    /// An evaluation was asked for and has not answered.
+    evaluating: bool,
     last_evaluation: Option<Evaluated>,
     /// Times between committed rounds, for the hang budget.
     step_times: StepTimes,
@@ -251,6 +255,7 @@ impl Core {
             config_version: 1,
             last_lr: 0.0,
             eval_due: None,
+            evaluating: false,
             last_evaluation: None,
             step_times: StepTimes::default(),
             last_commit: None,
@@ -760,5 +765,43 @@ mod tests {
         let actions = c.handle(secs(0.8), failed);
         assert!(actions.contains(&Action::Exit { code: EXIT_ERROR }), "{actions:?}");
         assert!(!actions.iter().any(|a| matches!(a, Action::Export { .. })), "nothing exported: {actions:?}");
+    }
+
+    /// With evaluation on, a complete run evaluates its final checkpoint before it exports and exits, so its end
+    /// line is about what it hands over.
+    #[test]
+    fn a_complete_run_evaluates_its_final_checkpoint_before_the_end() {
+        let mut s = setup(1);
+        s.config.optim.max_steps = 2;
+        s.config.eval.every_steps = 100;
+        let mut c = Core::new(s);
+        c.start(secs(0.0));
+        c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(secs(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        c.handle(secs(0.5), Event::Round(report(0, c.incarnation)));
+        c.handle(secs(0.6), Event::Round(report(1, c.incarnation)));
+        c.handle(secs(0.7), Event::Snapshot { id: 0, generation: 1, step: 2, optimizer_steps: 2 });
+        let written =
+            Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Ok(("ckpt-2".into(), 0.1)) };
+        let actions = c.handle(secs(0.8), written);
+        assert!(
+            actions.iter().any(|a| matches!(a, Action::Evaluate { step: 2, .. })),
+            "the final checkpoint is evaluated: {actions:?}"
+        );
+        assert!(!actions.iter().any(|a| matches!(a, Action::Export { .. } | Action::Exit { .. })), "{actions:?}");
+        assert!(c.handle(secs(1.0), Event::Tick).is_empty(), "waiting for it");
+        let evaluated = Evaluated {
+            step: 2,
+            decode_acceptance_length: 2.5,
+            token_match_rate: 1.0,
+            lossless: true,
+            prompts: 8,
+            seconds: 1.0,
+            best: 2.5,
+            new_best: true,
+        };
+        let actions = c.handle(secs(2.0), Event::Evaluated(Ok(evaluated)));
+        assert!(actions.iter().any(|a| matches!(a, Action::Export { .. })), "{actions:?}");
+        assert_eq!(c.last_evaluation.as_ref().map(|e| e.step), Some(2));
     }
 }
