@@ -16,7 +16,9 @@ supervised (assistant) tokens. Output: an HF-style folder (config.json, model.sa
     dflash inspect prep --split holdout --json --limit 100000 > holdout.jsonl
     python3 scripts/train_tiny_target.py --rows rows.jsonl --holdout holdout.jsonl --out tiny-tasks
 
-Rerunning it gives a model of the same quality; the exact bytes depend on the machine (CPU or GPU kernels).
+The built-in model was made with these defaults (12 epochs, lr 3e-3, 16384 tokens a batch): 4836 steps, 330 s on
+one H200, held-out token accuracy 0.9999; on 2 CPU cores a step takes about 2 s (about 2.7 hours). Rerunning it
+gives a model of the same quality; the exact bytes depend on the machine (CPU or GPU kernels).
 """
 import argparse
 import gzip
@@ -262,7 +264,7 @@ def main():
     p.add_argument("--rows", required=True, help="training rows (dflash inspect --json)")
     p.add_argument("--holdout", help="held-out rows, scored as training goes")
     p.add_argument("--out", required=True, help="the model folder to write")
-    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--epochs", type=float, default=12.0)
     p.add_argument("--tokens-per-batch", type=int, default=16384)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1)
