@@ -3,6 +3,7 @@
 //! The compute core (`model`, later `train`) knows nothing of actors, so it is tested and benchmarked alone; the
 //! binary (`src/main.rs`) is only the command line.
 pub mod bench;
+pub mod bounded_join;
 pub mod config;
 pub mod data;
 pub mod device;

@@ -46,16 +46,8 @@ impl LedgerWriter {
 impl Drop for LedgerWriter {
     fn drop(&mut self) {
         self.lines.take();
-        // The thread's end closes `ended`: a disconnect is the signal.
-        match self.ended.recv_timeout(Self::DROP_WAIT) {
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                tracing::warn!("the data ledger's disk is not keeping up: its last lines are left behind");
-            }
-            _ => {
-                if let Some(t) = self.thread.take() {
-                    let _ = t.join();
-                }
-            }
+        if !crate::bounded_join::join_within(&mut self.thread, &self.ended, Self::DROP_WAIT) {
+            tracing::warn!("the data ledger's disk is not keeping up: its last lines are left behind");
         }
     }
 }

@@ -455,16 +455,8 @@ impl Drop for Checkpointer {
         if let Some(jobs) = self.jobs.take() {
             let _ = jobs.send(Job::Stop);
         }
-        // The thread's end closes `ended`: a disconnect is the signal.
-        match self.ended.recv_timeout(Self::DROP_WAIT) {
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                tracing::warn!("the checkpoint writer is still busy (a stalled disk?): leaving it behind");
-            }
-            _ => {
-                if let Some(t) = self.thread.take() {
-                    let _ = t.join();
-                }
-            }
+        if !crate::bounded_join::join_within(&mut self.thread, &self.ended, Self::DROP_WAIT) {
+            tracing::warn!("the checkpoint writer is still busy (a stalled disk?): leaving it behind");
         }
     }
 }

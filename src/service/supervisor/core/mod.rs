@@ -743,12 +743,12 @@ mod tests {
         assert_eq!(abandoned(&actions), ["drafter 0"], "a hang found in 5.5 s, not 600");
     }
 
-    /// A complete run whose final checkpoint cannot be written exits 1 and exports nothing (no `final/` from an
-    /// older checkpoint).
-    #[test]
-    fn a_failed_final_checkpoint_exits_1_without_exporting() {
+    /// A one-drafter run of 2 steps (evaluating every `eval_every` steps) whose final checkpoint, of step 2, is
+    /// being written.
+    fn writing_the_final_checkpoint(eval_every: u64) -> Core {
         let mut s = setup(1);
         s.config.optim.max_steps = 2;
+        s.config.eval.every_steps = eval_every;
         let mut c = Core::new(s);
         c.start(secs(0.0));
         c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
@@ -761,6 +761,14 @@ mod tests {
         );
         let actions = c.handle(secs(0.7), Event::Snapshot { id: 0, generation: 1, step: 2, optimizer_steps: 2 });
         assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]), "{actions:?}");
+        c
+    }
+
+    /// A complete run whose final checkpoint cannot be written exits 1 and exports nothing (no `final/` from an
+    /// older checkpoint).
+    #[test]
+    fn a_failed_final_checkpoint_exits_1_without_exporting() {
+        let mut c = writing_the_final_checkpoint(0);
         let failed = Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Err("disk full".into()) };
         let actions = c.handle(secs(0.8), failed);
         assert!(actions.contains(&Action::Exit { code: EXIT_ERROR }), "{actions:?}");
@@ -771,16 +779,7 @@ mod tests {
     /// line is about what it hands over.
     #[test]
     fn a_complete_run_evaluates_its_final_checkpoint_before_the_end() {
-        let mut s = setup(1);
-        s.config.optim.max_steps = 2;
-        s.config.eval.every_steps = 100;
-        let mut c = Core::new(s);
-        c.start(secs(0.0));
-        c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
-        c.handle(secs(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
-        c.handle(secs(0.5), Event::Round(report(0, c.incarnation)));
-        c.handle(secs(0.6), Event::Round(report(1, c.incarnation)));
-        c.handle(secs(0.7), Event::Snapshot { id: 0, generation: 1, step: 2, optimizer_steps: 2 });
+        let mut c = writing_the_final_checkpoint(100);
         let written =
             Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Ok(("ckpt-2".into(), 0.1)) };
         let actions = c.handle(secs(0.8), written);
