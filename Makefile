@@ -14,12 +14,11 @@ build: setup
 
 run: build
 	@echo "[run] dflash serve-train on the built-in default: the tiny-tasks target (trained, built in), 2 drafters, the built-in"
-	@echo "[run] sample data, CPU unless a GPU is present, decoded acceptance every 50 steps; a fresh run in runs/make-run"
+	@echo "[run] sample data, CPU unless a GPU is present; with config/make-run.toml (the tiny drafter's recipe: batch 2, lr 3e-3,"
+	@echo "[run] 6 epochs, decoded acceptance on the held-out prompts every 300 steps and at the end); a fresh run in runs/make-run"
 	@echo "[run] (metrics: curl localhost:9410/metrics; Ctrl-C checkpoints and stops)"
 	rm -rf runs/make-run
-	@echo "[run] (optim.lr=1.5e-3 and 5 epochs suit the tiny 2-layer drafter; real drafters keep the default 6e-4)"
-	./target/release/dflash serve-train --set checkpoint.dir=runs/make-run --set eval.every_steps=100 \
-		--set optim.lr=1.5e-3 --set optim.epochs=5
+	./target/release/dflash serve-train --config config/make-run.toml
 	@echo "[run] the exported drafter against greedy decoding, on 24 questions it never saw:"
 	./target/release/dflash sample-data --count 24 --seed 777 --out runs/make-run/fresh.jsonl
 	./target/release/dflash eval --decode --target tiny-tasks --drafter runs/make-run/final \

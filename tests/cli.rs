@@ -210,3 +210,37 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--prompts"), "{}", text(&out.stderr));
 }
+
+/// `export --preset tiny-tasks` writes the built-in target as a HuggingFace folder: the weights byte for byte as built
+/// in (the checksum the README states), a config and tokenizer that load back into the same model.
+#[test]
+fn a_preset_exports_as_a_model_folder_that_loads_back_as_the_preset() {
+    use dflash::model::presets::TINY_TASKS_SHA256;
+    use dflash::model::{Depth, Preset, Target};
+    use sha2::{Digest, Sha256};
+    use tch::{Device, Kind, Tensor};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tiny-tasks");
+    let run = dflash(&["export", "--preset", "tiny-tasks", "--out", out.to_str().unwrap()]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let weights = std::fs::read(out.join("model.safetensors")).unwrap();
+    let digest: String = Sha256::digest(&weights).iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(digest, TINY_TASKS_SHA256);
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(out.join(file).exists(), "{file} missing");
+    }
+    let spec = Preset::TinyTasks.spec();
+    let loaded = Target::load(&out, &spec.taps, Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let built = spec.build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let ids = Tensor::from_slice(&[257i64, 117, 10, 40, 41]).view([1, 5]);
+    let (a, b) = (loaded.logits(&ids, &[5]).unwrap(), built.logits(&ids, &[5]).unwrap());
+    assert!(a.equal(&b), "the exported folder is a different model");
+
+    // Presets without a tokenizer, and no source at all, are refused with what to do.
+    let refused = dflash(&["export", "--preset", "qwen3-8b", "--out", dir.path().join("q").to_str().unwrap()]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(text(&refused.stderr).contains("tiny-tasks"), "{}", text(&refused.stderr));
+    let neither = dflash(&["export", "--out", dir.path().join("n").to_str().unwrap()]);
+    assert_eq!(neither.status.code(), Some(2));
+    assert!(text(&neither.stderr).contains("--checkpoint"), "{}", text(&neither.stderr));
+}

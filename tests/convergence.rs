@@ -25,7 +25,7 @@ fn path(p: &Path) -> &str {
 /// 2.18 tokens per target step (2 CPU cores, 2.5 minutes); the threshold leaves room for other CPUs' rounding.
 #[test]
 fn a_drafter_trained_from_scratch_decodes_several_tokens_per_target_step() {
-    const STEPS: &str = "240";
+    const STEPS: &str = "400";
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let conversations = d.join("conversations.jsonl");
@@ -39,7 +39,9 @@ fn a_drafter_trained_from_scratch_decodes_several_tokens_per_target_step() {
         "target.device=cpu".into(),
         "drafters.devices=[\"cpu\"]".into(),
         format!("data.path={}", path(&prepared)),
-        "optim.lr=1.5e-3".into(),
+        "optim.lr=3e-3".into(),
+        "optim.warmup_ratio=0.1".into(),
+        "optim.min_lr_ratio=0.1".into(),
         format!("optim.max_steps={STEPS}"),
         format!("checkpoint.dir={}", path(&ckpt)),
         "checkpoint.every_steps=0".into(),

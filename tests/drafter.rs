@@ -65,7 +65,7 @@ fn settings() -> ObjectiveSettings {
 fn run(d: &Drafter, c: &Case, anchors: &[usize], group_blocks: usize) -> Tensor {
     let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
     let mut s = settings();
-    s.attention_group_blocks = group_blocks;
+    s.attention_group_blocks = Some(group_blocks);
     let plan = BlockPlan::new(&rows, &[anchors.to_vec()], c.ids.len(), &s);
     let t = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
     let emb = Tensor::embedding(&c.embed, &t.block_ids, -1, false, false);
@@ -327,7 +327,7 @@ fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
     let c = case(64, 8);
     let anchors: Vec<usize> = vec![0, 5, 9, 17, 30, 31, 44, 50, 58];
     let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
-    let s = ObjectiveSettings { attention_group_blocks: 4, ..settings() };
+    let s = ObjectiveSettings { attention_group_blocks: Some(4), ..settings() };
     let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 64, &s);
     let reference = run(&cpu, &c, &anchors, 4).to_kind(Kind::Double);
     let t_cpu = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();

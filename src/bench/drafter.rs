@@ -22,7 +22,7 @@ use crate::model::drafter_config::default_gamma;
 use crate::model::{Depth, Drafter, DrafterConfig, Init, ModelError, Preset};
 use crate::ops::AdamwStep;
 use crate::profile::Recorder;
-use crate::train::objective::ObjectiveSettings;
+use crate::train::objective::{ObjectiveSettings, default_group_blocks};
 use crate::train::{FeatureBatch, Trainer, UpdateSettings};
 
 #[derive(Debug, Clone)]
@@ -129,9 +129,10 @@ pub fn bench_drafter(
         if blocks < 1 {
             return Err(BenchError::Settings("--attention-group-blocks must be at least 1".into()));
         }
-        objective.attention_group_blocks = blocks;
+        objective.attention_group_blocks = Some(blocks);
     }
-    let (lm_head_chunk_rows, attention_group_blocks) = (objective.lm_head_chunk_rows, objective.attention_group_blocks);
+    let attention_group_blocks = objective.attention_group_blocks.unwrap_or_else(|| default_group_blocks(device));
+    let lm_head_chunk_rows = objective.lm_head_chunk_rows;
     let (v, h) = (cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64);
     let width = cfg.context_width() as i64;
     let init = match spec.init {

@@ -87,7 +87,8 @@ pub struct BenchArgs {
     /// larger matrix products; fewer rows: less memory.
     #[arg(long, value_name = "ROWS")]
     lm_head_chunk_rows: Option<i64>,
-    /// Drafter: blocks attended together in one attention call (the trainer's default: 64); results do not depend
+    /// Drafter: blocks attended together in one attention call (the trainer's default: 64 on a
+    /// GPU, 8 on the CPU); results do not depend
     /// on it, only speed.
     #[arg(long, value_name = "BLOCKS")]
     attention_group_blocks: Option<usize>,

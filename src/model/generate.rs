@@ -1,10 +1,11 @@
 //! Plain autoregressive generation with the target, greedy or sampled: what `regenerate --local` uses to write the
-//! target's own responses. Each step reruns the whole sequence (no KV cache), which suits the small and offline
-//! setups `--local` is for.
+//! target's own responses (and the built-in data's answers). The prompt is prefilled once; each new token is one
+//! cached step.
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Kind, Tensor};
+use tch::Kind;
 
+use super::speculative::ids_tensor;
 use super::{ModelError, Target};
 
 /// How the next token is chosen.
@@ -25,13 +26,16 @@ pub fn generate(
     sampling: Sampling,
     rng: &mut ChaCha8Rng,
 ) -> Result<Vec<i64>, ModelError> {
-    let mut ids = prompt.to_vec();
     let mut out = Vec::new();
-    let limit = target.config().max_position_embeddings;
-    while out.len() < max_new && ids.len() < limit {
-        let input = Tensor::f_from_slice(&ids)?.f_view([1, ids.len() as i64])?.f_to(target.device())?;
-        let logits = target.logits(&input, &[ids.len() as i64])?;
-        let last = logits.get(0).get(ids.len() as i64 - 1).f_to_kind(Kind::Float)?;
+    // Past the model's positions a generation ends where it is, as a length limit does.
+    let max_new = max_new.min(target.config().max_position_embeddings.saturating_sub(prompt.len()));
+    if max_new == 0 || prompt.is_empty() {
+        return Ok(out);
+    }
+    let mut cache = target.new_cache((prompt.len() + max_new) as i64)?;
+    let mut logits = target.decode(&ids_tensor(target, prompt)?, &mut cache)?.logits;
+    loop {
+        let last = logits.get(0).get(-1).f_to_kind(Kind::Float)?;
         let next = match sampling {
             Sampling::Greedy => last.f_argmax(0, false)?.f_int64_value(&[])?,
             Sampling::Temperature(t) => {
@@ -49,13 +53,12 @@ pub fn generate(
                 pick as i64
             }
         };
-        ids.push(next);
         out.push(next);
-        if stop.contains(&next) {
-            break;
+        if out.len() == max_new || stop.contains(&next) {
+            return Ok(out);
         }
+        logits = target.decode(&ids_tensor(target, &[next])?, &mut cache)?.logits;
     }
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -63,7 +66,7 @@ mod tests {
     use super::*;
     use crate::model::{Depth, Preset};
     use rand::SeedableRng;
-    use tch::Device;
+    use tch::{Device, Tensor};
 
     #[test]
     fn greedy_is_deterministic_and_matches_the_logits() {
@@ -77,6 +80,18 @@ mod tests {
         let ids = Tensor::from_slice(&[257i64, 117, 10]).view([1, 3]);
         let first = t.logits(&ids, &[3]).unwrap().get(0).get(2).argmax(0, false).int64_value(&[]);
         assert_eq!(a[0], first);
+        // Every cached step picks what a whole pass over the sequence so far picks.
+        let mut seq = vec![257i64, 117, 10];
+        for &token in &a {
+            let ids = Tensor::from_slice(&seq).view([1, seq.len() as i64]);
+            let logits = t.logits(&ids, &[seq.len() as i64]).unwrap();
+            assert_eq!(logits.get(0).get(seq.len() as i64 - 1).argmax(0, false).int64_value(&[]), token);
+            seq.push(token);
+        }
+        // At the model's positions a generation ends where it is.
+        let limit = t.config().max_position_embeddings;
+        let long: Vec<i64> = (0..limit as i64 - 2).map(|i| 10 + i % 50).collect();
+        assert_eq!(generate(&t, &long, 6, &[], Sampling::Greedy, &mut rng).unwrap().len(), 2);
         // Stopping: with the first token as a stop token, generation ends there.
         let stopped = generate(&t, &[257, 117, 10], 6, &[first], Sampling::Greedy, &mut rng).unwrap();
         assert_eq!(stopped, vec![first]);

@@ -70,7 +70,7 @@ pub struct GreedyOutput {
     pub top2_gaps: Vec<f32>,
 }
 
-fn ids_tensor(target: &Target, ids: &[i64]) -> Result<Tensor, ModelError> {
+pub(crate) fn ids_tensor(target: &Target, ids: &[i64]) -> Result<Tensor, ModelError> {
     Ok(Tensor::f_from_slice(ids)?.f_view([1, ids.len() as i64])?.f_to(target.device())?)
 }
 
