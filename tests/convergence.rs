@@ -20,9 +20,28 @@ fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Trains one drafter for `STEPS` steps (batch 4) on the built-in tasks' reference answers (tiny-tasks gives the
-/// same answer 98.7% of the time, so no regeneration is needed), then decodes 16 fresh questions with it. Measured:
-/// 2.18 tokens per target step (2 CPU cores, 2.5 minutes); the threshold leaves room for other CPUs' rounding.
+/// Trains one drafter for `STEPS` steps (batch 4, the tiny drafter's recipe of `config/make-run.toml`) on the built-in
+/// tasks' reference answers (tiny-tasks gives the same answer 98.7% of the time, so no regeneration is needed), then
+/// decodes 16 fresh questions with it. Measured: 2.72 tokens per target step (2 CPU cores, 3 minutes).
+///
+/// Checked once by hand (2026-11-30), each breakage put in, the test run, the breakage taken out again:
+///
+/// | breakage | decoded acceptance | this test |
+/// |---|---|---|
+/// | none | 2.72 | passes |
+/// | loss weighting: the loss mask inverted (`loss_mask[a+k] == 0` weighted) | 1.04 | fails |
+/// | shifted label: slot k learns `input_ids[a+k+1]` | 1.04 | fails |
+/// | wrong anchors: drawn from unsupervised positions (the validity test inverted) | 1.27 | fails |
+/// | taps differ: decoding concatenates the tapped layers in reverse order | 1.93 | fails |
+/// | leaking attention mask: block j sees context keys `p < a_j + bs` | 1.09 | fails |
+/// | loss weighting: the decay's sign flipped, `exp(+(k-1)/gamma)` | 2.47 | passes; `weights_match_a_hand_computed_example` fails |
+/// | wrong anchors: slot 0 given `input_ids[a-1]` | 2.81 | passes; `weights_match_a_hand_computed_example` fails |
+/// | taps differ: training taps one layer early (HF `hidden_states[i]`) | 2.63 | passes; `cached_decoding_equals_the_whole_sequence_at_once` and the naive-decoder tests fail |
+///
+/// The last three barely move a drafter this short-trained (on data the target wrote, its state at `a-1` already
+/// says which token comes at `a`, and neighbouring layers of a residual stream differ little), so exact tests guard
+/// them; the threshold sits between the healthy run and the worst breakage it must catch, with room for other CPUs'
+/// rounding.
 #[test]
 fn a_drafter_trained_from_scratch_decodes_several_tokens_per_target_step() {
     const STEPS: &str = "400";
@@ -61,5 +80,5 @@ fn a_drafter_trained_from_scratch_decodes_several_tokens_per_target_step() {
     let acceptance = report["decode_acceptance_length"].as_f64().unwrap();
     eprintln!("decoded acceptance {acceptance:.3} after {STEPS} steps: {report}");
     assert_eq!(report["lossless"], true, "speculative decoding must equal greedy decoding on the CPU: {report}");
-    assert!(acceptance >= 1.7, "decoded acceptance {acceptance:.3} (a broken pipeline decodes at ~1): {report}");
+    assert!(acceptance >= 2.2, "decoded acceptance {acceptance:.3} (broken pipelines measured 1.04-1.93): {report}");
 }
