@@ -205,6 +205,24 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
     assert_eq!(lines[1]["id"], 1, "a line without id is named by its line number");
     assert!(lines.iter().all(|l| l["tokens"].as_array().unwrap().len() == 20 && l["lossless"] == true));
 
+    // Token-id prompts need no tokenizer: a folder without one decodes them; a chat prompt names what is missing.
+    std::fs::remove_file(target_dir.join("tokenizer.json")).unwrap();
+    std::fs::write(&prompts, "{\"id\": 5, \"input_ids\": [257, 117, 10, 40, 41]}\n").unwrap();
+    let decode = |prompts: &std::path::Path| {
+        let (t, d, p) = (target_dir.to_str().unwrap(), drafter_dir.to_str().unwrap(), prompts.to_str().unwrap());
+        dflash(&["eval", "--decode", "--target", t, "--drafter", d, "--prompts", p, "--max-new-tokens", "4", "--json"])
+    };
+    let out = decode(&prompts);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    std::fs::write(&prompts, "{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n").unwrap();
+    let out = decode(&prompts);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("prompts.jsonl:1") && text(&out.stderr).contains("tokenizer"),
+        "{}",
+        text(&out.stderr)
+    );
+
     // Without --prompts, --decode explains itself.
     let out = dflash(&["eval", "--decode", "--drafter", drafter_dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
@@ -243,4 +261,21 @@ fn a_preset_exports_as_a_model_folder_that_loads_back_as_the_preset() {
     let neither = dflash(&["export", "--out", dir.path().join("n").to_str().unwrap()]);
     assert_eq!(neither.status.code(), Some(2));
     assert!(text(&neither.stderr).contains("--checkpoint"), "{}", text(&neither.stderr));
+}
+
+/// Logs written to a pipe (a file, journald, `docker logs`) carry no colour codes.
+#[test]
+fn logs_to_a_pipe_are_plain_text() {
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["bench", "--what", "target", "--preset", "tiny", "--device", "cpu", "--batch", "1", "--seq", "8"])
+        .args(["--steps", "1"])
+        .env_remove("RUST_LOG")
+        .env_remove("NO_COLOR")
+        .env("DFLASH__LOG__LEVEL", "info")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let log = text(&out.stderr);
+    assert!(log.contains("INFO"), "an info line is logged: {log}");
+    assert!(!log.contains('\x1b'), "colour codes in a piped log: {log:?}");
 }

@@ -223,11 +223,15 @@ fn the_cli_prepares_inspects_and_feeds_eval() {
     let o = dflash(&["inspect", out.to_str().unwrap(), "--limit", "2"]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("── id") && text.contains("⟦") && text.contains("<|im_end|>⟧"), "{text}");
-    let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--limit", "100"]);
+    // As JSON, the whole split unless --limit says otherwise (the README's held-out set is not cut short).
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--json"]);
     let rows_path = dir.path().join("rows.jsonl");
     std::fs::write(&rows_path, &o.stdout).unwrap();
     let rows = read_token_rows(&rows_path, 320).unwrap();
+    assert!(rows.len() > 3);
     assert_eq!(rows.len() as u64, report["report"]["kept_train"].as_u64().unwrap());
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--limit", "2"]);
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2);
     let o = dflash(&["inspect", out.to_str().unwrap(), "--id", "999"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no sample with id 999"));
 }

@@ -110,9 +110,9 @@ pub struct InspectArgs {
     /// Show the sample with this id.
     #[arg(long)]
     id: Option<u64>,
-    /// Show at most this many samples (from the start of the split).
-    #[arg(long, default_value_t = 3)]
-    limit: usize,
+    /// Show at most this many samples, from the start of the split (default: 3 as text; with --json every one).
+    #[arg(long)]
+    limit: Option<usize>,
     /// Print `{"id", "input_ids", "loss_mask"}` lines (the input `dflash eval --data` reads) instead of text.
     #[arg(long)]
     json: bool,
@@ -124,13 +124,18 @@ pub struct InspectArgs {
     verify: bool,
 }
 
+/// How many samples `inspect` shows: `--limit`, else a few to read or, as JSON (an evaluation set), the whole split.
+fn shown(limit: Option<usize>, json: bool) -> usize {
+    limit.unwrap_or(if json { usize::MAX } else { 3 })
+}
+
 pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     let split = PreparedSplit::open(&args.dir, &args.split, args.verify)?;
     let positions: Vec<usize> = match args.id {
         Some(id) => {
             vec![split.position_of(id).with_context(|| format!("no sample with id {id} in the {} split", args.split))?]
         }
-        None => (0..split.len().min(args.limit)).collect(),
+        None => (0..split.len().min(shown(args.limit, args.json))).collect(),
     };
     let mut out = std::io::stdout().lock();
     if args.json {

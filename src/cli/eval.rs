@@ -7,7 +7,6 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use dflash::config::{Config, Gamma, TargetSource};
-use dflash::data::prepare::ModelAssets;
 use dflash::data::prompts::read_prompts;
 use dflash::data::read_token_rows;
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
@@ -137,16 +136,11 @@ fn load_target(
 fn decode(args: &EvalArgs, source: &TargetSource, device: Device, kind: Kind) -> Result<ExitCode> {
     let prompts_path = args.prompts.as_ref().expect("clap requires --prompts with --decode");
     let kwargs = super::data::template_kwargs(args.template_kwargs.as_deref())?;
-    // Chat prompts need the target's tokenizer and template: a model folder's, or the tiny presets'.
-    let assets = match source {
-        TargetSource::Folder(dir) => Some(ModelAssets::resolve(&dir.to_string_lossy(), &kwargs)?),
-        TargetSource::Preset(p) if p.is_tiny() => Some(ModelAssets::tiny(&kwargs)),
-        TargetSource::Preset(_) => None,
-    };
     let report = catch_torch(|| -> Result<_> {
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let target = load_target(source, &args.drafter, &drafter, Depth::Full, device, kind)?;
-        let prompts = read_prompts(prompts_path, target.config().vocab_size, assets.as_ref())?;
+        // Chat prompts need the target's tokenizer and template (read only if a conversation line is there).
+        let prompts = read_prompts(prompts_path, target.config().vocab_size, &|| source.chat_assets(&kwargs))?;
         let stop = if args.ignore_eos { Vec::new() } else { target.config().eos_token_ids.clone() };
         let settings = DecodeSettings { max_new_tokens: args.max_new_tokens, stop };
         tracing::info!(prompts = prompts.len(), max_new_tokens = args.max_new_tokens, "decoding");

@@ -18,6 +18,7 @@ pub use training::{
 use config::{File, FileFormat, Value, ValueKind};
 use serde::Deserialize;
 
+use crate::data::prepare::ModelAssets;
 use crate::device::{DeviceSpec, DtypeSpec};
 use crate::model::drafter_config::default_gamma;
 use crate::model::presets::PresetSpec;
@@ -130,6 +131,21 @@ impl TargetSource {
         match value.parse() {
             Ok(preset) => TargetSource::Preset(preset),
             Err(_) => TargetSource::Folder(PathBuf::from(value)),
+        }
+    }
+
+    /// The tokenizer and chat template conversations are rendered with: the folder's, or the tiny presets' built-in
+    /// ones; the other presets have none.
+    pub fn chat_assets(
+        &self,
+        template_kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ModelAssets, String> {
+        match self {
+            TargetSource::Folder(dir) => {
+                ModelAssets::resolve(&dir.to_string_lossy(), template_kwargs).map_err(|e| e.to_string())
+            }
+            TargetSource::Preset(p) if p.is_tiny() => Ok(ModelAssets::tiny(template_kwargs)),
+            TargetSource::Preset(p) => Err(format!("the {p} preset has no tokenizer (use token-id prompts)")),
         }
     }
 

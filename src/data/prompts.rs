@@ -2,6 +2,7 @@
 //! conversation (`{"id"?, "messages": [...]}` or ShareGPT `conversations`) rendered with the target's chat template
 //! and a generation prompt, so the target answers its last user turn. Trailing assistant messages are dropped
 //! (they are the answers being regenerated). Any bad line is an error naming the file and line.
+use std::cell::OnceCell;
 use std::io::BufRead;
 use std::path::Path;
 
@@ -18,9 +19,22 @@ pub struct Prompt {
     pub input_ids: Vec<i64>,
 }
 
-/// Reads every prompt of `path`; `assets` (tokenizer and chat template) are needed only for conversation lines.
-pub fn read_prompts(path: &Path, vocab_size: usize, assets: Option<&ModelAssets>) -> Result<Vec<Prompt>, DataError> {
+/// Reads every prompt of `path`. `chat_assets` loads the tokenizer and chat template, called only at the first
+/// conversation line: token-id prompts never need a tokenizer.
+pub fn read_prompts(
+    path: &Path,
+    vocab_size: usize,
+    chat_assets: &dyn Fn() -> Result<ModelAssets, String>,
+) -> Result<Vec<Prompt>, DataError> {
     let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
+    let loaded = OnceCell::new();
+    let assets = || -> Result<&ModelAssets, String> {
+        if let Some(a) = loaded.get() {
+            return Ok(a);
+        }
+        let a = chat_assets().map_err(|e| format!("conversation prompts need the target's tokenizer: {e}"))?;
+        Ok(loaded.get_or_init(|| a))
+    };
     let mut prompts = Vec::new();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
@@ -28,7 +42,7 @@ pub fn read_prompts(path: &Path, vocab_size: usize, assets: Option<&ModelAssets>
             continue;
         }
         let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
-        let prompt = parse_prompt(&line, i as u64, vocab_size, assets).map_err(bad)?;
+        let prompt = parse_prompt(&line, i as u64, vocab_size, &assets).map_err(bad)?;
         prompts.push(prompt);
     }
     if prompts.is_empty() {
@@ -37,11 +51,11 @@ pub fn read_prompts(path: &Path, vocab_size: usize, assets: Option<&ModelAssets>
     Ok(prompts)
 }
 
-fn parse_prompt(
+fn parse_prompt<'a>(
     line: &str,
     line_number: u64,
     vocab_size: usize,
-    assets: Option<&ModelAssets>,
+    assets: &dyn Fn() -> Result<&'a ModelAssets, String>,
 ) -> Result<Prompt, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
     let input_ids = match value.get("input_ids") {
@@ -51,7 +65,7 @@ fn parse_prompt(
             let conv = Conversation::from_json_line(line, line_number).map_err(|e| {
                 format!("{e}; expected {{\"input_ids\": [...]}} or a conversation {{\"messages\": [...]}}")
             })?;
-            let assets = assets.ok_or("conversation prompts need the target's tokenizer and chat template")?;
+            let assets = assets()?;
             let keep = conv.messages.iter().rposition(|m| m["role"] != "assistant").map_or(0, |i| i + 1);
             if keep == 0 {
                 return Err("the conversation has no message before its assistant turns".into());
@@ -79,11 +93,16 @@ mod tests {
     use super::*;
     use serde_json::Map;
 
-    fn read(text: &str, assets: Option<&ModelAssets>) -> Result<Vec<Prompt>, DataError> {
+    /// Reads `text` as a prompts file; `tiny`: with the tiny tokenizer, else as a folder without one.
+    fn read(text: &str, tiny: bool) -> Result<Vec<Prompt>, DataError> {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.jsonl");
         std::fs::write(&path, text).unwrap();
-        read_prompts(&path, 320, assets)
+        let assets = || match tiny {
+            true => Ok(ModelAssets::tiny(&Map::new())),
+            false => Err("no tokenizer.json in the model folder".to_string()),
+        };
+        read_prompts(&path, 320, &assets)
     }
 
     #[test]
@@ -94,7 +113,7 @@ mod tests {
             "\n",
             "{\"id\": 7, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
         );
-        let p = read(text, Some(&assets)).unwrap();
+        let p = read(text, true).unwrap();
         assert_eq!(p[0], Prompt { id: 0, input_ids: vec![1, 2, 3] });
         assert_eq!(p[1].id, 7);
         let expected =
@@ -106,11 +125,12 @@ mod tests {
 
     #[test]
     fn bad_lines_name_the_line() {
-        let e = read("{\"input_ids\": [1]}\n{\"input_ids\": [400]}\n", None).unwrap_err().to_string();
+        let e = read("{\"input_ids\": [1]}\n{\"input_ids\": [400]}\n", false).unwrap_err().to_string();
         assert!(e.contains(":2:") && e.contains("400"), "{e}");
-        let e = read("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n", None).unwrap_err().to_string();
-        assert!(e.contains(":1:") && e.contains("tokenizer"), "{e}");
-        assert!(read("{\"input_ids\": []}\n", None).unwrap_err().to_string().contains("no tokens"));
-        assert!(read("\n", None).unwrap_err().to_string().contains("no prompts"));
+        let e = read("{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n", false).unwrap_err().to_string();
+        assert!(e.contains(":1:") && e.contains("tokenizer.json"), "{e}");
+        assert_eq!(read("{\"input_ids\": [1]}\n", false).unwrap().len(), 1, "token ids need no tokenizer");
+        assert!(read("{\"input_ids\": []}\n", false).unwrap_err().to_string().contains("no tokens"));
+        assert!(read("\n", false).unwrap_err().to_string().contains("no prompts"));
     }
 }

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
-use crate::data::prepare::{ModelAssets, commit_folder};
+use crate::data::prepare::commit_folder;
 use crate::data::prompts::{Prompt, read_prompts};
 use crate::data::shards::PreparedSplit;
 use crate::model::{Depth, Drafter, Target};
@@ -33,12 +33,8 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
     let want = config.eval.num_prompts;
     let prompts = match &config.eval.prompts {
         EvalPrompts::File(path) => {
-            let assets = match &config.target.source {
-                TargetSource::Folder(dir) => Some(ModelAssets::resolve(&dir.to_string_lossy(), &Default::default())?),
-                TargetSource::Preset(p) if p.is_tiny() => Some(ModelAssets::tiny(&Default::default())),
-                TargetSource::Preset(_) => None,
-            };
-            let mut all = read_prompts(path, vocab_size, assets.as_ref())
+            let assets = || config.target.source.chat_assets(&Default::default());
+            let mut all = read_prompts(path, vocab_size, &assets)
                 .with_context(|| format!("eval.prompts = {}", path.display()))?;
             all.truncate(want);
             all

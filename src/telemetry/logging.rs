@@ -1,5 +1,8 @@
 //! Structured logs on stderr (`tracing`), text or JSON, filtered by `log.level` unless `RUST_LOG` is set; the
-//! filter can be swapped while running (a reloaded `log.level`).
+//! filter can be swapped while running (a reloaded `log.level`). Text is coloured only on a terminal: logs sent to a
+//! file, a pipe, journald or `docker logs` stay plain, and `NO_COLOR` turns colours off everywhere.
+use std::ffi::OsStr;
+use std::io::IsTerminal;
 use std::sync::OnceLock;
 
 use tracing_subscriber::layer::SubscriberExt;
@@ -32,13 +35,22 @@ pub fn init(settings: &LogSettings) -> Result<(), LoggingError> {
     let (filter, handle) = reload::Layer::new(filter);
     let registry = tracing_subscriber::registry().with(filter);
     let installed = match settings.format {
-        LogFormat::Text => registry.with(fmt::layer().with_writer(std::io::stderr)).try_init(),
+        LogFormat::Text => {
+            let ansi = colour(std::io::stderr().is_terminal(), std::env::var_os("NO_COLOR").as_deref());
+            registry.with(fmt::layer().with_ansi(ansi).with_writer(std::io::stderr)).try_init()
+        }
         LogFormat::Json => registry.with(fmt::layer().json().with_writer(std::io::stderr)).try_init(),
     };
     installed.map_err(|_| LoggingError::AlreadySet)?;
     let _ = FILTER.set(handle);
     let _ = PINNED_BY_ENV.set(pinned);
     Ok(())
+}
+
+/// Whether text logs are coloured: on a terminal, unless `NO_COLOR` is set to anything but the empty string
+/// (no-color.org).
+fn colour(terminal: bool, no_color: Option<&OsStr>) -> bool {
+    terminal && no_color.is_none_or(OsStr::is_empty)
 }
 
 fn parse(level: &str) -> Result<EnvFilter, LoggingError> {
@@ -66,4 +78,17 @@ pub fn set_level(level: &str) -> Result<LevelChange, LoggingError> {
     let filter = parse(level)?;
     handle.reload(filter).map_err(|e| LoggingError::BadLevel(level.to_string(), e.to_string()))?;
     Ok(LevelChange::Applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn colours_only_on_a_terminal_and_never_with_no_color() {
+        assert!(colour(true, None));
+        assert!(!colour(false, None), "a file or pipe gets plain text");
+        assert!(!colour(true, Some(OsStr::new("1"))));
+        assert!(colour(true, Some(OsStr::new(""))), "an empty NO_COLOR does not count (no-color.org)");
+    }
 }
