@@ -87,9 +87,8 @@ pub struct BenchArgs {
     /// larger matrix products; fewer rows: less memory.
     #[arg(long, value_name = "ROWS")]
     lm_head_chunk_rows: Option<i64>,
-    /// Drafter: blocks attended together in one attention call (the trainer's default: 64 on a
-    /// GPU, 8 on the CPU); results do not depend
-    /// on it, only speed.
+    /// Drafter: blocks attended together in one attention call (the trainer's default: 64 on a GPU, 8 on the CPU);
+    /// results do not depend on it, only speed.
     #[arg(long, value_name = "BLOCKS")]
     attention_group_blocks: Option<usize>,
     /// Also time the phases of one extra step with device events (reported as phases_ms).
