@@ -3,7 +3,7 @@
 //! cached step.
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-use tch::Kind;
+use tch::{Kind, Tensor};
 
 use super::speculative::ids_tensor;
 use super::{ModelError, Target};
@@ -26,33 +26,48 @@ pub fn generate(
     sampling: Sampling,
     rng: &mut ChaCha8Rng,
 ) -> Result<Vec<i64>, ModelError> {
-    let mut out = Vec::new();
     // Past the model's positions a generation ends where it is, as a length limit does.
     let max_new = max_new.min(target.config().max_position_embeddings.saturating_sub(prompt.len()));
-    if max_new == 0 || prompt.is_empty() {
+    if prompt.is_empty() {
+        return Ok(Vec::new());
+    }
+    cached_generation(target, prompt, max_new, stop, |last| match sampling {
+        Sampling::Greedy => Ok(last.f_argmax(0, false)?.f_int64_value(&[])?),
+        Sampling::Temperature(t) => {
+            let probs: Vec<f32> =
+                Vec::try_from(last.f_div_scalar(t)?.f_softmax(0, Kind::Float)?.f_to(tch::Device::Cpu)?)?;
+            let mut draw: f32 = rng.random();
+            let mut pick = probs.len() - 1;
+            for (i, p) in probs.iter().enumerate() {
+                if draw < *p {
+                    pick = i;
+                    break;
+                }
+                draw -= p;
+            }
+            Ok(pick as i64)
+        }
+    })
+}
+
+/// The loop every plain generation runs: prefills `prompt` (non-empty; with `max_new` new tokens it must fit the
+/// model's positions) once, then feeds back the token `pick` chooses from the last position's logits (`[vocab]`,
+/// f32), one cached step each, until `max_new` tokens or a token of `stop` (returned with the rest).
+pub(crate) fn cached_generation(
+    target: &Target,
+    prompt: &[i64],
+    max_new: usize,
+    stop: &[i64],
+    mut pick: impl FnMut(&Tensor) -> Result<i64, ModelError>,
+) -> Result<Vec<i64>, ModelError> {
+    let mut out = Vec::new();
+    if max_new == 0 {
         return Ok(out);
     }
     let mut cache = target.new_cache((prompt.len() + max_new) as i64)?;
     let mut logits = target.decode(&ids_tensor(target, prompt)?, &mut cache)?.logits;
     loop {
-        let last = logits.get(0).get(-1).f_to_kind(Kind::Float)?;
-        let next = match sampling {
-            Sampling::Greedy => last.f_argmax(0, false)?.f_int64_value(&[])?,
-            Sampling::Temperature(t) => {
-                let probs: Vec<f32> =
-                    Vec::try_from(last.f_div_scalar(t)?.f_softmax(0, Kind::Float)?.f_to(tch::Device::Cpu)?)?;
-                let mut draw: f32 = rng.random();
-                let mut pick = probs.len() - 1;
-                for (i, p) in probs.iter().enumerate() {
-                    if draw < *p {
-                        pick = i;
-                        break;
-                    }
-                    draw -= p;
-                }
-                pick as i64
-            }
-        };
+        let next = pick(&logits.get(0).get(-1).f_to_kind(Kind::Float)?)?;
         out.push(next);
         if out.len() == max_new || stop.contains(&next) {
             return Ok(out);
@@ -66,7 +81,7 @@ mod tests {
     use super::*;
     use crate::model::{Depth, Preset};
     use rand::SeedableRng;
-    use tch::{Device, Tensor};
+    use tch::Device;
 
     #[test]
     fn greedy_is_deterministic_and_matches_the_logits() {

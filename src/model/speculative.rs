@@ -7,11 +7,12 @@
 //! longest prefix of drafted tokens equal to the target's own argmax is accepted, plus the target's next token
 //! (the bonus); the target's cache is cropped to the accepted tokens. [`greedy`] is the reference the result must
 //! equal: the target alone, one token per step.
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::profile::span;
 
 use super::drafter::DraftWeights;
+use super::generate::cached_generation;
 use super::{Drafter, KvCache, ModelError, Target};
 
 /// Proposes the tokens of a block: the DFlash drafter, or a test double.
@@ -148,22 +149,16 @@ pub fn speculative(
 
 /// Plain greedy generation with the target alone, one token per step: the reference for [`speculative`].
 pub fn greedy(target: &Target, prompt: &[i64], max_new: usize, stop: &[i64]) -> Result<GreedyOutput, ModelError> {
-    let mut out = GreedyOutput { tokens: Vec::new(), top2_gaps: Vec::new() };
     if max_new == 0 {
-        return Ok(out);
+        return Ok(GreedyOutput { tokens: Vec::new(), top2_gaps: Vec::new() });
     }
-    let mut cache = target.new_cache(capacity(target, prompt, max_new)?)?;
-    let mut logits = target.decode(&ids_tensor(target, prompt)?, &mut cache)?.logits;
-    loop {
-        let last = logits.narrow(1, logits.size()[1] - 1, 1).f_flatten(0, -1)?.f_to_kind(Kind::Float)?;
+    capacity(target, prompt, max_new)?;
+    let mut top2_gaps = Vec::new();
+    let tokens = cached_generation(target, prompt, max_new, stop, |last| {
         let (top, index) = last.f_topk(2, 0, true, true)?;
         let top: Vec<f32> = Vec::try_from(top)?;
-        let token = index.f_int64_value(&[0])?;
-        out.tokens.push(token);
-        out.top2_gaps.push(top[0] - top.get(1).copied().unwrap_or(f32::NEG_INFINITY));
-        if out.tokens.len() == max_new || stop.contains(&token) {
-            return Ok(out);
-        }
-        logits = target.decode(&ids_tensor(target, &[token])?, &mut cache)?.logits;
-    }
+        top2_gaps.push(top[0] - top.get(1).copied().unwrap_or(f32::NEG_INFINITY));
+        Ok(index.f_int64_value(&[0])?)
+    })?;
+    Ok(GreedyOutput { tokens, top2_gaps })
 }
