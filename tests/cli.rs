@@ -169,7 +169,7 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
         .unwrap();
     std::fs::write(
         &prompts,
-        "{\"id\": 5, \"input_ids\": [257, 117, 10, 40, 41]}\n{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n",
+        "{\"id\": \"q-5\", \"input_ids\": [257, 117, 10, 40, 41]}\n{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}\n",
     )
     .unwrap();
     let out = dflash(&[
@@ -201,7 +201,7 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
     let lines: Vec<serde_json::Value> =
         std::fs::read_to_string(&dump).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 2);
-    assert_eq!(lines[0]["id"], 5);
+    assert_eq!(lines[0]["id"], "q-5", "ids as given");
     assert_eq!(lines[1]["id"], 1, "a line without id is named by its line number");
     assert!(lines.iter().all(|l| l["tokens"].as_array().unwrap().len() == 20 && l["lossless"] == true));
 

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use dflash::data::SampleId;
 use dflash::data::builtin::{sample_conversations, write_tiny_tokenizer};
 use dflash::data::chat::Conversation;
 use dflash::data::prepare::{Manifest, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
@@ -55,7 +56,8 @@ fn prepared_samples_are_the_conversations_tokenized_and_masked() {
     for split in [&train, &holdout] {
         for i in 0..split.len() {
             let s = split.get(i);
-            let conv = Conversation::from_json_line(&lines[s.id as usize], s.id).unwrap();
+            let line = s.id.key();
+            let conv = Conversation::from_json_line(&lines[line as usize], line).unwrap();
             let direct = build_sample(&assets.template, &assets.tokenizer, &conv).unwrap();
             let n = direct.input_ids.len().min(opts.max_len);
             let ids: Vec<i64> = direct.input_ids[..n].iter().map(|&t| t as i64).collect();
@@ -94,7 +96,7 @@ fn short_samples_are_dropped_and_long_ones_truncated() {
     assert_eq!(m.report.truncated, 1);
     let train = PreparedSplit::open(&out, "train", false).unwrap();
     assert_eq!(train.get(0).len(), 256);
-    assert_eq!(train.get(0).id, 1);
+    assert_eq!(train.get(0).id, &SampleId::Number(1), "no id: the line number");
 }
 
 #[test]
@@ -254,4 +256,121 @@ fn a_split_that_does_not_fit_the_target_names_the_file_and_sample() {
     assert!(short.contains(&format!("{longest} tokens, more than the target's {} positions", longest - 1)), "{short}");
     let small = train.check_fits(&out, max_id, longest).unwrap_err().to_string();
     assert!(small.contains(&format!("token id {max_id} is outside the target's vocabulary (0..{max_id})")), "{small}");
+}
+
+/// `n` conversations in ShareGPT form (`{"id", "conversations": [{"from", "value"}]}`) with string ids, as public
+/// chat sets give them.
+fn sharegpt_lines(n: usize) -> Vec<String> {
+    sample_conversations(n, 5)
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let turns: Vec<serde_json::Value> = c["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    let from = match m["role"].as_str().unwrap() {
+                        "user" => "human",
+                        "assistant" => "gpt",
+                        other => other,
+                    };
+                    json!({"from": from, "value": m["content"]})
+                })
+                .collect();
+            json!({"id": format!("QWJhYvA_{i}"), "conversations": turns}).to_string()
+        })
+        .collect()
+}
+
+fn ids_of(split: &PreparedSplit) -> Vec<SampleId> {
+    (0..split.len()).map(|i| split.get(i).id.clone()).collect()
+}
+
+/// String ids (ShareGPT's) prepare, are kept as given in the splits, `inspect` and its JSON, and decide the holdout
+/// split by themselves (not by line order); a repeated id is named with the file and line that used it first.
+#[test]
+fn string_ids_are_kept_as_given_and_split_by_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut lines = sharegpt_lines(40);
+    lines.push(json!({"id": 5, "messages": [{"role": "user", "content": "five"}, {"role": "assistant", "content": "an integer id, kept as one"}]}).to_string());
+    lines.push(json!({"id": "5", "messages": [{"role": "user", "content": "five again"}, {"role": "assistant", "content": "the same id as a string"}]}).to_string());
+    let input = dir.path().join("sharegpt.jsonl");
+    write_lines(&input, &lines);
+    let assets = ModelAssets::tiny(&Map::new());
+    let out = dir.path().join("p");
+    let mut opts = options(vec![input.clone()], &out);
+    opts.holdout = 0.3;
+    let PrepareOutcome::Written(m) = prepare(&assets, &opts).unwrap() else { panic!() };
+    assert_eq!(m.report.bad_lines.get("duplicate id"), Some(&1), "{:?}", m.report);
+    let quoted = m.report.examples.join("\n");
+    assert!(
+        quoted.contains(&format!("{}:42: id \"5\" was already used at {}:41", input.display(), input.display())),
+        "{quoted}"
+    );
+    let train = PreparedSplit::open(&out, "train", true).unwrap();
+    let holdout = PreparedSplit::open(&out, "holdout", true).unwrap();
+    assert_eq!(train.len() + holdout.len(), 41);
+    assert!(holdout.len() >= 5 && train.len() >= 20, "{} / {}", train.len(), holdout.len());
+    let mut all: Vec<SampleId> = ids_of(&train).into_iter().chain(ids_of(&holdout)).collect();
+    assert!(all.contains(&SampleId::Text("QWJhYvA_0".into())));
+    let five = all.iter().find(|id| id.key() == 5).unwrap();
+    assert!(matches!(five, SampleId::Number(5)), "an integer stays an integer: {five:?}");
+
+    // The same conversations in reverse order: the same ids in each split.
+    let reversed = dir.path().join("reversed.jsonl");
+    write_lines(&reversed, &lines.iter().rev().cloned().collect::<Vec<_>>());
+    let out2 = dir.path().join("p2");
+    let mut opts2 = options(vec![reversed], &out2);
+    opts2.holdout = 0.3;
+    prepare(&assets, &opts2).unwrap();
+    let mut holdout2 = ids_of(&PreparedSplit::open(&out2, "holdout", false).unwrap());
+    let mut holdout1 = ids_of(&holdout);
+    holdout1.retain(|id| id.key() != 5);
+    holdout2.retain(|id| id.key() != 5);
+    let sort = |v: &mut Vec<SampleId>| v.sort_by_key(|id| id.to_json().to_string());
+    sort(&mut holdout1);
+    sort(&mut holdout2);
+    assert_eq!(holdout1, holdout2, "the holdout split is a function of the id");
+    all.retain(|id| id.key() != 5);
+    assert_eq!(all.len(), 40);
+
+    // inspect: by a string id, and as JSON with the ids as given.
+    let dflash = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_dflash")).args(args).output().unwrap();
+    let first = train.get(0).id.to_json();
+    let first = first.as_str().unwrap();
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--id", first]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.contains(&format!("── id \"{first}\"")), "{text}");
+    let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--limit", "1"]);
+    let row: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(row["id"], json!(first));
+}
+
+/// Folders prepared before string ids (format 1: no `.ids` files) still open, their ids the integers they were.
+#[test]
+fn format_1_folders_are_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("c.jsonl");
+    write_lines(&input, &sample_lines(12));
+    let out = dir.path().join("p");
+    prepare(&ModelAssets::tiny(&Map::new()), &options(vec![input], &out)).unwrap();
+    let now = ids_of(&PreparedSplit::open(&out, "train", true).unwrap());
+    // Make it what format 1 wrote: the same shards without `.ids` files.
+    let manifest_path = out.join("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    assert_eq!(manifest["format"], "dflash-prepared/2");
+    manifest["format"] = json!("dflash-prepared/1");
+    for split in manifest["splits"].as_object_mut().unwrap().values_mut() {
+        for shard in split["shards"].as_array_mut().unwrap() {
+            let files = shard["files"].as_array_mut().unwrap();
+            let ids = files.pop().unwrap();
+            std::fs::remove_file(out.join(ids["file"].as_str().unwrap())).unwrap();
+        }
+    }
+    std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+    let old = PreparedSplit::open(&out, "train", true).unwrap();
+    assert_eq!(ids_of(&old), now);
+    assert!(now.iter().all(|id| matches!(id, SampleId::Number(_))));
 }

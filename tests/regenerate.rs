@@ -47,11 +47,12 @@ async fn start(state: Arc<Mutex<Server>>) -> SocketAddr {
     addr
 }
 
+/// `n` conversations with string ids `conv-100`, `conv-101`, ...
 fn input(path: &Path, n: usize) {
     let lines: Vec<String> = (0..n)
         .map(|i| {
             let topic = if i == 3 { "poison".to_string() } else { format!("topic {i}") };
-            json!({"id": 100 + i, "messages": [
+            json!({"id": format!("conv-{}", 100 + i), "messages": [
                 {"role": "system", "content": "be brief"},
                 {"role": "user", "content": topic},
                 {"role": "assistant", "content": "old answer"},
@@ -64,13 +65,13 @@ fn input(path: &Path, n: usize) {
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
-fn read_out(path: &Path) -> HashMap<u64, Value> {
+fn read_out(path: &Path) -> HashMap<String, Value> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
         .map(|l| {
             let v: Value = serde_json::from_str(l).unwrap();
-            (v["id"].as_u64().unwrap(), v)
+            (v["id"].as_str().expect("the id as given, a string").to_string(), v)
         })
         .collect()
 }
@@ -91,6 +92,12 @@ async fn regenerates_turn_by_turn_with_retries_and_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let (inp, out) = (dir.path().join("in.jsonl"), dir.path().join("out.jsonl"));
     input(&inp, 10);
+    // A repeated id is a bad line, named with the line that used it first.
+    let mut text = std::fs::read_to_string(&inp).unwrap();
+    let first = text.lines().next().unwrap().to_string();
+    text.push_str(&first);
+    text.push('\n');
+    std::fs::write(&inp, text).unwrap();
     let state = Arc::new(Mutex::new(Server { poison: true, ..Server::default() }));
     let addr = start(state.clone()).await;
     let opts = RegenerateOptions {
@@ -103,10 +110,12 @@ async fn regenerates_turn_by_turn_with_retries_and_resumes() {
     };
     let report = regenerate_endpoint(&opts, &endpoint(addr)).await.unwrap();
     assert_eq!((report.conversations, report.regenerated, report.failed), (10, 9, 1), "{report:?}");
+    assert_eq!(report.bad_lines, 1);
+    assert!(report.examples[0].contains(":11: id \"conv-100\" was already used at line 1"), "{report:?}");
     let written = read_out(&out);
     assert_eq!(written.len(), 9);
-    assert!(!written.contains_key(&103), "the failed conversation is not written");
-    let c = &written[&105];
+    assert!(!written.contains_key("conv-103"), "the failed conversation is not written");
+    let c = &written["conv-105"];
     assert_eq!(c["messages"][2]["content"], "reply to topic 5 after 0 turns");
     // The second turn saw the regenerated first turn, not the old one.
     assert_eq!(c["messages"][4]["content"], "reply to more on 5 after 1 turns");
@@ -131,7 +140,7 @@ async fn regenerates_turn_by_turn_with_retries_and_resumes() {
     assert_eq!((report.already_done, report.regenerated, report.failed), (9, 1, 0), "{report:?}");
     let written = read_out(&out);
     assert_eq!(written.len(), 10);
-    assert_eq!(written[&103]["messages"][2]["content"], "reply to poison after 0 turns");
+    assert_eq!(written["conv-103"]["messages"][2]["content"], "reply to poison after 0 turns");
 }
 
 #[test]

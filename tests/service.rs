@@ -144,8 +144,8 @@ fn chaos_failures_of_every_kind_lose_nothing_and_keep_replicas_identical() {
     svc.signal("-TERM");
     let (code, _) = svc.exit_code();
     assert_eq!(code, 0);
-    let samples = PreparedSplitLen::of(prepared());
-    assert!(assert_exactly_once(&dir.path().join("ledger.jsonl"), samples) >= 2, "at least two whole epochs");
+    let ids = train_ids(prepared());
+    assert!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids) >= 2, "at least two whole epochs");
 }
 
 #[test]
@@ -450,8 +450,9 @@ fn two_target_copies_each_feed_their_drafter_and_every_sample_is_trained_once() 
     assert_eq!(code, 0);
     let ready = logs.iter().filter(|l| l.contains("\"message\":\"target ready\"")).count();
     assert_eq!(ready, 2, "one target ready line per copy");
-    let samples = PreparedSplitLen::of(prepared());
-    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), samples), 2, "two whole epochs");
+    let ids = train_ids(prepared());
+    assert!(ids.iter().any(|id| id.starts_with("\"sg-")) && ids.iter().any(|id| !id.starts_with('"')), "{ids:?}");
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "two whole epochs, by the ids given");
 }
 
 #[test]

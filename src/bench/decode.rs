@@ -13,6 +13,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::{BenchError, StepTimes};
+use crate::data::SampleId;
 use crate::data::prompts::Prompt;
 use crate::device::{self, device_name, kind_name};
 use crate::model::speculative::{DFlashProposer, Proposer};
@@ -113,7 +114,7 @@ pub fn bench_decode(
     drop(cache);
 
     let settings = DecodeSettings { max_new_tokens: opts.steps, stop: Vec::new() };
-    let prompts = [Prompt { id: 0, input_ids: prompt }];
+    let prompts = [Prompt { id: SampleId::Number(0), input_ids: prompt }];
     let _warm = evaluate_decoding(&target, &drafter, &prompts, &DecodeSettings { max_new_tokens: 2, stop: vec![] })?;
     let generation = evaluate_decoding(&target, &drafter, &prompts, &settings)?;
     let verify_ms = verify_times.percentile(50.0);

@@ -8,6 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::{Map, Value};
 
+use dflash::data::SampleId;
 use dflash::data::builtin::sample_conversations;
 use dflash::data::prepare::{Manifest, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
 use dflash::data::shards::PreparedSplit;
@@ -107,9 +108,9 @@ pub struct InspectArgs {
     /// Which split.
     #[arg(long, default_value = "train")]
     split: String,
-    /// Show the sample with this id.
+    /// Show the sample with this id (as the data gave it: `--id 17` or `--id QWJhYvA_0`).
     #[arg(long)]
-    id: Option<u64>,
+    id: Option<String>,
     /// Show at most this many samples, from the start of the split (default: 3 as text; with --json every one).
     #[arg(long)]
     limit: Option<usize>,
@@ -133,7 +134,8 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     let split = PreparedSplit::open(&args.dir, &args.split, args.verify)?;
     let positions: Vec<usize> = match args.id {
         Some(id) => {
-            vec![split.position_of(id).with_context(|| format!("no sample with id {id} in the {} split", args.split))?]
+            let position = split.position_of(&SampleId::parse(&id));
+            vec![position.with_context(|| format!("no sample with id {id} in the {} split", args.split))?]
         }
         None => (0..split.len().min(shown(args.limit, args.json))).collect(),
     };

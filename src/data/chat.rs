@@ -19,6 +19,8 @@ use minijinja::value::Value as JValue;
 use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value, json};
 
+use super::SampleId;
+
 /// Strings that end an assistant turn, in the order they are tried.
 const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>"];
 
@@ -49,7 +51,7 @@ pub enum ChatError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Conversation {
     /// The line's `id`, else its 0-based line number.
-    pub id: u64,
+    pub id: SampleId,
     pub messages: Vec<Value>,
     /// Tool definitions, passed to the template as `tools`.
     pub tools: Option<Value>,
@@ -57,20 +59,11 @@ pub struct Conversation {
 
 impl Conversation {
     /// Parses one JSONL line: `{"messages": [...]}` (OpenAI) or `{"conversations": [{"from", "value"}]}`
-    /// (ShareGPT), with an optional integer `id`.
+    /// (ShareGPT), with an optional `id` (an integer or a string).
     pub fn from_json_line(line: &str, line_number: u64) -> Result<Self, ChatError> {
         let v: Value = serde_json::from_str(line).map_err(|e| ChatError::Json(e.to_string()))?;
         let obj = v.as_object().ok_or_else(|| ChatError::Shape("a line must be a JSON object".into()))?;
-        let id = match obj.get("id") {
-            None | Some(Value::Null) => line_number,
-            Some(Value::Number(n)) if n.is_u64() => n.as_u64().expect("checked"),
-            Some(Value::String(s)) => {
-                s.parse().map_err(|_| ChatError::Shape(format!("`id` {s:?} is not a non-negative integer")))?
-            }
-            Some(other) => {
-                return Err(ChatError::Shape(format!("`id` {other} is not a non-negative integer")));
-            }
-        };
+        let id = SampleId::from_json(obj.get("id"), line_number).map_err(ChatError::Shape)?;
         let messages = if let Some(m) = obj.get("messages") {
             let list = m.as_array().ok_or_else(|| ChatError::Shape("`messages` must be a list".into()))?;
             list.iter().map(openai_message).collect::<Result<Vec<_>, _>>()?
@@ -384,8 +377,14 @@ mod tests {
             3,
         )
         .unwrap();
-        assert_eq!(a.id, 7);
-        assert_eq!(b.id, 3);
+        let c = Conversation::from_json_line(
+            r#"{"id": "QWJhYvA_0", "conversations": [{"from": "human", "value": "hi"}]}"#,
+            3,
+        )
+        .unwrap();
+        assert_eq!(a.id, SampleId::Number(7));
+        assert_eq!(b.id, SampleId::Number(3), "no id: the line number");
+        assert_eq!(c.id, SampleId::Text("QWJhYvA_0".into()));
         assert_eq!(a.messages, b.messages);
         assert_eq!(a.assistant_turns(), vec![1]);
     }

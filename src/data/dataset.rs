@@ -3,6 +3,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::SampleId;
 use super::shards::PreparedSplit;
 use super::token_rows::TokenRow;
 
@@ -15,6 +16,8 @@ pub trait Dataset: Send + Sync {
     fn lengths(&self) -> Vec<usize>;
     /// The sample at `position`.
     fn row(&self, position: usize) -> TokenRow;
+    /// The id of the sample at `position`.
+    fn id(&self, position: usize) -> SampleId;
 }
 
 impl Dataset for PreparedSplit {
@@ -26,7 +29,10 @@ impl Dataset for PreparedSplit {
     }
     fn row(&self, position: usize) -> TokenRow {
         let s = self.get(position);
-        TokenRow { id: s.id, input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() }
+        TokenRow { id: s.id.clone(), input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() }
+    }
+    fn id(&self, position: usize) -> SampleId {
+        PreparedSplit::id(self, position).clone()
     }
 }
 
@@ -41,7 +47,7 @@ impl SyntheticData {
         let top = vocab.saturating_sub(2).max(1) as i64;
         let rows = (0..count)
             .map(|id| TokenRow {
-                id: id as u64,
+                id: SampleId::Number(id as u64),
                 input_ids: (0..len).map(|_| rng.random_range(0..top)).collect(),
                 loss_mask: vec![1; len],
             })
@@ -59,5 +65,8 @@ impl Dataset for SyntheticData {
     }
     fn row(&self, position: usize) -> TokenRow {
         self.rows[position].clone()
+    }
+    fn id(&self, position: usize) -> SampleId {
+        self.rows[position].id.clone()
     }
 }

@@ -8,10 +8,12 @@ pub mod prepare;
 pub mod prompts;
 pub mod regenerate;
 pub mod sample;
+pub mod sample_id;
 pub mod shards;
 pub mod token_rows;
 pub mod tokenize;
 
+pub use sample_id::SampleId;
 pub use token_rows::{TokenRow, read_token_rows};
 
 use std::path::PathBuf;

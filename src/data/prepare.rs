@@ -4,7 +4,7 @@
 //! order. Everything goes into a hidden temporary folder beside the output, which is renamed into place after the
 //! manifest is written and synced: an interrupted run leaves no output, and a rerun starts clean. A run whose inputs,
 //! tokenizer, template and settings match an existing output's fingerprint does nothing.
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,9 +16,10 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
+use super::SampleId;
 use super::chat::{ChatError, ChatTemplate, Conversation};
 use super::sample::{Sample, build_sample_timed};
-use super::shards::{FORMAT, SplitEntry, SplitWriter, file_sha256, hex, manifest_path};
+use super::shards::{FORMAT, FORMAT_1, SplitEntry, SplitWriter, file_sha256, hex, manifest_path};
 use super::tokenize::TextTokenizer;
 
 /// Lines processed together (in parallel) before being written.
@@ -116,10 +117,13 @@ impl Manifest {
         })?;
         let m: Manifest = serde_json::from_str(&text)
             .map_err(|e| DataError::File { path: path.clone(), reason: format!("not a dflash manifest: {e}") })?;
-        if m.format != FORMAT {
+        if m.format != FORMAT && m.format != FORMAT_1 {
             return Err(DataError::File {
                 path,
-                reason: format!("format {:?}; this build reads {FORMAT:?}: prepare the data again", m.format),
+                reason: format!(
+                    "format {:?}; this build reads {FORMAT:?} and {FORMAT_1:?}: prepare the data again",
+                    m.format
+                ),
             });
         }
         Ok(m)
@@ -196,7 +200,7 @@ fn process_line(
     if sample.supervised() < 2 * opts.block_size {
         return LineResult::Dropped("fewer than 2 x block_size supervised tokens");
     }
-    let holdout = opts.holdout > 0.0 && unit_hash(opts.seed, sample.id) < opts.holdout;
+    let holdout = opts.holdout > 0.0 && unit_hash(opts.seed, sample.id.key()) < opts.holdout;
     LineResult::Kept(sample, holdout)
 }
 
@@ -312,7 +316,8 @@ fn write_all(
     let mut train = SplitWriter::new(dir, "train");
     let mut holdout = SplitWriter::new(dir, "holdout");
     let mut report = PrepareReport::default();
-    let mut seen_ids: HashSet<u64> = HashSet::new();
+    // Where each kept id was first seen (`file:line`).
+    let mut seen_ids: HashMap<SampleId, String> = HashMap::new();
     let clock = PhaseClock::default();
     let mut ordinal = 0u64;
     for path in &opts.inputs {
@@ -347,13 +352,15 @@ fn write_all(
                     LineResult::Bad(kind, message) => bad(kind, message)?,
                     LineResult::Dropped(reason) => *report.dropped.entry(reason.to_string()).or_insert(0) += 1,
                     LineResult::Kept(sample, to_holdout) => {
-                        if !seen_ids.insert(sample.id) {
+                        let here = format!("{}:{line_no}", path.display());
+                        if let Some(first) = seen_ids.get(&sample.id) {
                             bad(
                                 "duplicate id",
-                                format!("id {} appears more than once; give every line a unique id", sample.id),
+                                format!("id {} was already used at {first}; give every line a unique id", sample.id),
                             )?;
                             continue;
                         }
+                        seen_ids.insert(sample.id.clone(), here);
                         if sample.input_ids.len() == opts.max_len {
                             report.truncated += 1;
                         }

@@ -3,19 +3,20 @@
 //! and a generation prompt, so the target answers its last user turn. Trailing assistant messages are dropped
 //! (they are the answers being regenerated). Any bad line is an error naming the file and line.
 use std::cell::OnceCell;
+use std::collections::HashMap;
 use std::io::BufRead;
 use std::path::Path;
 
 use serde_json::Value;
 
-use super::DataError;
 use super::chat::Conversation;
 use super::prepare::ModelAssets;
+use super::{DataError, SampleId};
 
 /// One prompt's token ids and its id (the line's `id`, else its 0-based line number).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prompt {
-    pub id: u64,
+    pub id: SampleId,
     pub input_ids: Vec<i64>,
 }
 
@@ -35,7 +36,8 @@ pub fn read_prompts(
         let a = chat_assets().map_err(|e| format!("conversation prompts need the target's tokenizer: {e}"))?;
         Ok(loaded.get_or_init(|| a))
     };
-    let mut prompts = Vec::new();
+    let mut prompts: Vec<Prompt> = Vec::new();
+    let mut first_line: HashMap<SampleId, usize> = HashMap::new();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
         if line.trim().is_empty() {
@@ -43,6 +45,12 @@ pub fn read_prompts(
         }
         let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
         let prompt = parse_prompt(&line, i as u64, vocab_size, &assets).map_err(bad)?;
+        if let Some(first) = first_line.insert(prompt.id.clone(), i + 1) {
+            return Err(bad(format!(
+                "id {} was already used at line {first}; give every prompt a unique id",
+                prompt.id
+            )));
+        }
         prompts.push(prompt);
     }
     if prompts.is_empty() {
@@ -81,10 +89,7 @@ fn parse_prompt<'a>(
     if let Some(t) = input_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
         return Err(format!("token id {t} is outside the target's vocabulary (0..{vocab_size})"));
     }
-    let id = match value.get("id") {
-        None | Some(Value::Null) => line_number,
-        Some(v) => v.as_u64().ok_or_else(|| format!("`id` {v} is not a non-negative integer"))?,
-    };
+    let id = SampleId::from_json(value.get("id"), line_number)?;
     Ok(Prompt { id, input_ids })
 }
 
@@ -111,11 +116,11 @@ mod tests {
         let text = concat!(
             "{\"input_ids\": [1, 2, 3]}\n",
             "\n",
-            "{\"id\": 7, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
+            "{\"id\": \"q-7\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n",
         );
         let p = read(text, true).unwrap();
-        assert_eq!(p[0], Prompt { id: 0, input_ids: vec![1, 2, 3] });
-        assert_eq!(p[1].id, 7);
+        assert_eq!(p[0], Prompt { id: SampleId::Number(0), input_ids: vec![1, 2, 3] });
+        assert_eq!(p[1].id, SampleId::Text("q-7".into()));
         let expected =
             assets.template.render(&[serde_json::json!({"role": "user", "content": "hi"})], None, true).unwrap();
         assert!(expected.ends_with("<|im_start|>assistant\n"), "{expected:?}");
@@ -132,5 +137,7 @@ mod tests {
         assert_eq!(read("{\"input_ids\": [1]}\n", false).unwrap().len(), 1, "token ids need no tokenizer");
         assert!(read("{\"input_ids\": []}\n", false).unwrap_err().to_string().contains("no tokens"));
         assert!(read("\n", false).unwrap_err().to_string().contains("no prompts"));
+        let e = read("{\"id\": \"a\", \"input_ids\": [1]}\n{\"id\": \"a\", \"input_ids\": [2]}\n", false).unwrap_err();
+        assert!(e.to_string().contains(":2:") && e.to_string().contains("already used at line 1"), "{e}");
     }
 }

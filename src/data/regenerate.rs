@@ -5,7 +5,7 @@
 //! Resumable: output lines are appended and flushed one conversation at a time, each carrying its input id; a rerun
 //! skips ids already written (a torn last line from an interrupted run is dropped first). Conversations that fail
 //! after all retries are not written, so a rerun retries them.
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -15,8 +15,8 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
-use super::DataError;
-use super::chat::Conversation;
+use super::chat::{ChatError, Conversation};
+use super::{DataError, SampleId};
 
 #[derive(Debug, Clone)]
 pub struct RegenerateOptions {
@@ -51,7 +51,7 @@ pub trait Responder {
 }
 
 /// Reads the ids already written to `out`, dropping a torn last line left by an interrupted run.
-fn resume_point(out: &Path) -> Result<HashSet<u64>, DataError> {
+fn resume_point(out: &Path) -> Result<HashSet<SampleId>, DataError> {
     let io = |err| DataError::Io { path: out.to_path_buf(), err };
     let mut done = HashSet::new();
     if !out.exists() {
@@ -61,7 +61,9 @@ fn resume_point(out: &Path) -> Result<HashSet<u64>, DataError> {
     let mut good_len = 0;
     for line in text.split_inclusive('\n') {
         let complete = line.ends_with('\n');
-        let id = serde_json::from_str::<Value>(line.trim_end()).ok().and_then(|v| v.get("id").and_then(Value::as_u64));
+        let id = serde_json::from_str::<Value>(line.trim_end())
+            .ok()
+            .and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
         match (complete, id) {
             (true, Some(id)) => {
                 done.insert(id);
@@ -84,12 +86,22 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
     let file = std::fs::File::open(&opts.input).map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
     let mut report = RegenerateReport::default();
     let mut todo = Vec::new();
+    let mut first_line: HashMap<SampleId, usize> = HashMap::new();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
         if line.trim().is_empty() {
             continue;
         }
-        match Conversation::from_json_line(&line, n as u64) {
+        let parsed = Conversation::from_json_line(&line, n as u64).and_then(|conv| {
+            match first_line.insert(conv.id.clone(), n + 1) {
+                Some(first) => Err(ChatError::Shape(format!(
+                    "id {} was already used at line {first}; give every line a unique id",
+                    conv.id
+                ))),
+                None => Ok(conv),
+            }
+        });
+        match parsed {
             Ok(conv) => {
                 report.conversations += 1;
                 if done.contains(&conv.id) {
@@ -122,7 +134,7 @@ fn apply_reply(message: &mut Value, content: String, reasoning: Option<String>) 
 
 /// The output line of a regenerated conversation.
 fn output_line(conv: &Conversation, messages: Vec<Value>) -> Value {
-    let mut out = json!({"id": conv.id, "messages": messages});
+    let mut out = json!({"id": conv.id.to_json(), "messages": messages});
     if let Some(tools) = &conv.tools {
         out["tools"] = tools.clone();
     }
@@ -181,7 +193,7 @@ fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
     bar
 }
 
-fn record_failure(report: &mut RegenerateReport, id: u64, e: &str) {
+fn record_failure(report: &mut RegenerateReport, id: &SampleId, e: &str) {
     report.failed += 1;
     if report.examples.len() < 10 {
         report.examples.push(format!("id {id}: {e}"));
@@ -201,7 +213,7 @@ pub fn regenerate_with(opts: &RegenerateOptions, responder: &mut dyn Responder) 
                 out.write(&line)?;
                 report.regenerated += 1;
             }
-            Err(e) => record_failure(&mut report, conv.id, &e),
+            Err(e) => record_failure(&mut report, &conv.id, &e),
         }
         bar.inc(1);
     }
@@ -303,7 +315,7 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             }
             let written = match failure {
                 Some(e) => {
-                    record_failure(&mut report.lock().expect("report lock"), conv.id, &e);
+                    record_failure(&mut report.lock().expect("report lock"), &conv.id, &e);
                     Ok(())
                 }
                 None => {

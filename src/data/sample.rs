@@ -1,13 +1,14 @@
 //! One conversation as the trainer sees it: the rendered conversation's token ids and its loss mask.
 use std::time::{Duration, Instant};
 
+use super::SampleId;
 use super::chat::{ChatError, ChatTemplate, Conversation};
 use super::tokenize::{TextTokenizer, loss_mask};
 
 /// Token ids and the loss mask (1 on tokens the assistant produced) of one conversation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
-    pub id: u64,
+    pub id: SampleId,
     pub input_ids: Vec<u32>,
     pub loss_mask: Vec<u8>,
 }
@@ -37,7 +38,10 @@ pub fn build_sample_timed(
     let rendered = template.render_supervised(conv)?;
     let t1 = Instant::now();
     let encoded = tokenizer.encode(&rendered.text).map_err(ChatError::Template)?;
-    let sample =
-        Sample { id: conv.id, loss_mask: loss_mask(&encoded.offsets, &rendered.supervised), input_ids: encoded.ids };
+    let sample = Sample {
+        id: conv.id.clone(),
+        loss_mask: loss_mask(&encoded.offsets, &rendered.supervised),
+        input_ids: encoded.ids,
+    };
     Ok((sample, [t1 - t0, t1.elapsed()]))
 }

@@ -1,7 +1,10 @@
 //! Prepared samples on disk, memory-mapped for reading. A prepared folder holds, per split (`train`, `holdout`),
-//! shards of three files: `<split>-NNNNN.tokens` (u32 little-endian token ids), `.mask` (one byte per token) and
-//! `.index` (per sample: id, first token, token count as u64 little-endian), and `manifest.json`, written last,
-//! which lists every file with its size and SHA-256. A folder without a manifest is not a finished output.
+//! shards of four files: `<split>-NNNNN.tokens` (u32 little-endian token ids), `.mask` (one byte per token),
+//! `.index` (per sample: id key, first token, token count as u64 little-endian) and `.ids` (per sample, one line:
+//! the id as the data gave it, in JSON), and `manifest.json`, written last, which lists every file with its size
+//! and SHA-256. A folder without a manifest is not a finished output.
+//!
+//! Format 1 (before string ids) had no `.ids` file: its ids are the integer keys. It is still read.
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -10,10 +13,12 @@ use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::DataError;
 use super::sample::Sample;
+use super::{DataError, SampleId};
 
-pub const FORMAT: &str = "dflash-prepared/1";
+pub const FORMAT: &str = "dflash-prepared/2";
+/// The format before string ids: shards without `.ids` files.
+pub const FORMAT_1: &str = "dflash-prepared/1";
 /// Tokens per shard (256 MiB of token ids).
 pub const SHARD_TOKENS: usize = 1 << 26;
 pub const SPLITS: [&str; 2] = ["train", "holdout"];
@@ -92,6 +97,7 @@ struct OpenShard {
     tokens: HashedFile,
     mask: HashedFile,
     index: HashedFile,
+    ids: HashedFile,
     samples: u64,
     tokens_written: u64,
 }
@@ -123,19 +129,21 @@ impl SplitWriter {
                 tokens: HashedFile::create(&self.dir, format!("{name}.tokens"))?,
                 mask: HashedFile::create(&self.dir, format!("{name}.mask"))?,
                 index: HashedFile::create(&self.dir, format!("{name}.index"))?,
+                ids: HashedFile::create(&self.dir, format!("{name}.ids"))?,
                 samples: 0,
                 tokens_written: 0,
             });
         }
         let shard = self.current.as_mut().expect("opened above");
         let mut record = [0u8; 24];
-        record[..8].copy_from_slice(&sample.id.to_le_bytes());
+        record[..8].copy_from_slice(&sample.id.key().to_le_bytes());
         record[8..16].copy_from_slice(&shard.tokens_written.to_le_bytes());
         record[16..].copy_from_slice(&(sample.input_ids.len() as u64).to_le_bytes());
         shard.index.write(&record)?;
         let bytes: Vec<u8> = sample.input_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
         shard.tokens.write(&bytes)?;
         shard.mask.write(&sample.loss_mask)?;
+        shard.ids.write(format!("{}\n", sample.id.to_json()).as_bytes())?;
         shard.samples += 1;
         shard.tokens_written += sample.input_ids.len() as u64;
         self.entry.samples += 1;
@@ -149,7 +157,7 @@ impl SplitWriter {
             self.entry.shards.push(ShardEntry {
                 samples: s.samples,
                 tokens: s.tokens_written,
-                files: vec![s.tokens.finish()?, s.mask.finish()?, s.index.finish()?],
+                files: vec![s.tokens.finish()?, s.mask.finish()?, s.index.finish()?, s.ids.finish()?],
             });
         }
         Ok(())
@@ -168,14 +176,16 @@ struct MappedShard {
     tokens_file: String,
     tokens: Mmap,
     mask: Mmap,
-    /// (id, first token, token count)
+    /// (id key, first token, token count)
     index: Vec<(u64, u64, u64)>,
+    /// The ids as given, by row.
+    ids: Vec<SampleId>,
 }
 
 /// A borrowed sample of a prepared split.
 #[derive(Debug, Clone, Copy)]
 pub struct SampleRef<'a> {
-    pub id: u64,
+    pub id: &'a SampleId,
     tokens: &'a [u8],
     pub loss_mask: &'a [u8],
 }
@@ -234,10 +244,15 @@ impl PreparedSplit {
                 // SAFETY: prepared folders are written once and never modified in place.
                 maps.push(unsafe { Mmap::map(&file) }.map_err(io_err(&path))?);
             }
-            let [tokens, mask, index]: [Mmap; 3] = maps.try_into().map_err(|_| DataError::File {
+            let bad_shard = || DataError::File {
                 path: dir.join("manifest.json"),
-                reason: "a shard must list its tokens, mask and index files".into(),
-            })?;
+                reason: format!("a shard of {} must list its tokens, mask, index and ids files", manifest.format),
+            };
+            let ids_file = match manifest.format.as_str() {
+                FORMAT_1 => None,
+                _ => Some((dir.join(&shard.files.get(3).ok_or_else(bad_shard)?.file), maps.pop().expect("listed"))),
+            };
+            let [tokens, mask, index]: [Mmap; 3] = maps.try_into().map_err(|_| bad_shard())?;
             let index: Vec<(u64, u64, u64)> = index
                 .chunks_exact(24)
                 .map(|c| {
@@ -245,8 +260,12 @@ impl PreparedSplit {
                     (u(0), u(8), u(16))
                 })
                 .collect();
+            let ids = match ids_file {
+                Some((path, text)) => read_ids(&path, &text, &index)?,
+                None => index.iter().map(|&(key, _, _)| SampleId::Number(key)).collect(),
+            };
             rows.extend((0..index.len()).map(|r| (shards.len(), r)));
-            shards.push(MappedShard { tokens_file: shard.files[0].file.clone(), tokens, mask, index });
+            shards.push(MappedShard { tokens_file: shard.files[0].file.clone(), tokens, mask, index, ids });
         }
         Ok(PreparedSplit { shards, rows })
     }
@@ -262,13 +281,19 @@ impl PreparedSplit {
     pub fn get(&self, i: usize) -> SampleRef<'_> {
         let (s, r) = self.rows[i];
         let shard = &self.shards[s];
-        let (id, start, len) = shard.index[r];
+        let (_, start, len) = shard.index[r];
         let (start, len) = (start as usize, len as usize);
         SampleRef {
-            id,
+            id: &shard.ids[r],
             tokens: &shard.tokens[start * 4..(start + len) * 4],
             loss_mask: &shard.mask[start..start + len],
         }
+    }
+
+    /// The id of sample `i` in file order.
+    pub fn id(&self, i: usize) -> &SampleId {
+        let (s, r) = self.rows[i];
+        &self.shards[s].ids[r]
     }
 
     /// Token counts of all samples, in file order (for length bucketing).
@@ -282,7 +307,8 @@ impl PreparedSplit {
     pub fn check_fits(&self, dir: &Path, vocab_size: usize, max_positions: usize) -> Result<(), DataError> {
         for (i, &(s, r)) in self.rows.iter().enumerate() {
             let shard = &self.shards[s];
-            let (id, _, len) = shard.index[r];
+            let (_, _, len) = shard.index[r];
+            let id = &shard.ids[r];
             let bad = |reason: String| DataError::File {
                 path: dir.join(&shard.tokens_file),
                 reason: format!("sample id {id} (number {i} of the split): {reason}"),
@@ -304,9 +330,33 @@ impl PreparedSplit {
     }
 
     /// The position of the sample with this id.
-    pub fn position_of(&self, id: u64) -> Option<usize> {
-        (0..self.len()).find(|&i| self.get(i).id == id)
+    pub fn position_of(&self, id: &SampleId) -> Option<usize> {
+        self.rows.iter().position(|&(s, r)| &self.shards[s].ids[r] == id)
     }
+}
+
+/// The ids of a shard's `.ids` file, checked against the keys of its index.
+fn read_ids(path: &Path, text: &[u8], index: &[(u64, u64, u64)]) -> Result<Vec<SampleId>, DataError> {
+    let damaged = |reason: String| DataError::File {
+        path: path.to_path_buf(),
+        reason: format!("{reason}: the folder is damaged; prepare again"),
+    };
+    let lines: Vec<&[u8]> = text.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    if lines.len() != index.len() {
+        return Err(damaged(format!("{} ids for {} samples", lines.len(), index.len())));
+    }
+    lines
+        .iter()
+        .zip(index)
+        .enumerate()
+        .map(|(row, (line, &(key, _, _)))| {
+            let id: SampleId = serde_json::from_slice(line).map_err(|e| damaged(format!("line {}: {e}", row + 1)))?;
+            if id.key() != key {
+                return Err(damaged(format!("line {}: id {id} does not match the index", row + 1)));
+            }
+            Ok(id)
+        })
+        .collect()
 }
 
 /// The path of the manifest of a prepared folder.

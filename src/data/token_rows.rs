@@ -1,17 +1,18 @@
-//! Token rows as JSON lines: `{"id"?: int, "input_ids": [int...], "loss_mask": [0|1...]}`, one conversation per
-//! line. `dflash eval --data` reads them (and keeps reading them once prepared shards exist).
+//! Token rows as JSON lines: `{"id"?: int|string, "input_ids": [int...], "loss_mask": [0|1...]}`, one conversation
+//! per line. `dflash eval --data` reads them (and keeps reading them once prepared shards exist).
+use std::collections::HashMap;
 use std::io::BufRead;
 use std::path::Path;
 
 use serde::Deserialize;
 
-use super::DataError;
+use super::{DataError, SampleId};
 
 /// One conversation: token ids and the loss mask (1 on supervised tokens).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenRow {
-    /// Stable id (the line number, 0-based, when the file gives none).
-    pub id: u64,
+    /// The row's id as given (the line number, 0-based, when the file gives none).
+    pub id: SampleId,
     pub input_ids: Vec<i64>,
     pub loss_mask: Vec<u8>,
 }
@@ -19,16 +20,17 @@ pub struct TokenRow {
 /// Other fields (text, metadata from other tools) are ignored.
 #[derive(Deserialize)]
 struct RawRow {
-    id: Option<u64>,
+    id: Option<serde_json::Value>,
     input_ids: Vec<i64>,
     loss_mask: Vec<u8>,
 }
 
-/// Reads every row of a JSONL file; any bad line is an error naming the file and line. Token ids must be below
-/// `vocab_size`.
+/// Reads every row of a JSONL file; any bad line (a repeated id among them) is an error naming the file and line.
+/// Token ids must be below `vocab_size`.
 pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, DataError> {
     let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
     let mut rows = Vec::new();
+    let mut first_line: HashMap<SampleId, usize> = HashMap::new();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
         if line.trim().is_empty() {
@@ -36,7 +38,7 @@ pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, 
         }
         let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
         let raw: RawRow = serde_json::from_str(&line).map_err(|e| {
-            bad(format!("{e}; expected {{\"id\"?: int, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}"))
+            bad(format!("{e}; expected {{\"id\"?: int|string, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}"))
         })?;
         if raw.input_ids.is_empty() {
             return Err(bad("input_ids is empty".into()));
@@ -54,7 +56,11 @@ pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, 
         if let Some(t) = raw.input_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
             return Err(bad(format!("token id {t} is outside the target's vocabulary (0..{vocab_size})")));
         }
-        rows.push(TokenRow { id: raw.id.unwrap_or(i as u64), input_ids: raw.input_ids, loss_mask: raw.loss_mask });
+        let id = SampleId::from_json(raw.id.as_ref(), i as u64).map_err(bad)?;
+        if let Some(first) = first_line.insert(id.clone(), i + 1) {
+            return Err(bad(format!("id {id} was already used at line {first}; give every row a unique id")));
+        }
+        rows.push(TokenRow { id, input_ids: raw.input_ids, loss_mask: raw.loss_mask });
     }
     if rows.is_empty() {
         return Err(DataError::File { path: path.to_path_buf(), reason: "no rows".into() });
@@ -75,9 +81,10 @@ mod tests {
 
     #[test]
     fn reads_rows_and_numbers_missing_ids_by_line() {
-        let rows = read("{\"input_ids\": [1, 2], \"loss_mask\": [0, 1], \"text\": \"ignored\"}\n\n{\"id\": 9, \"input_ids\": [3], \"loss_mask\": [1]}\n").unwrap();
-        assert_eq!(rows[0].id, 0);
-        assert_eq!(rows[1].id, 9);
+        let rows = read("{\"input_ids\": [1, 2], \"loss_mask\": [0, 1], \"text\": \"ignored\"}\n\n{\"id\": 9, \"input_ids\": [3], \"loss_mask\": [1]}\n{\"id\": \"a-1\", \"input_ids\": [3], \"loss_mask\": [1]}\n").unwrap();
+        assert_eq!(rows[0].id, SampleId::Number(0));
+        assert_eq!(rows[1].id, SampleId::Number(9));
+        assert_eq!(rows[2].id, SampleId::Text("a-1".into()));
         assert_eq!(rows[1].input_ids, vec![3]);
     }
 
@@ -89,11 +96,17 @@ mod tests {
             ("{\"input_ids\": [100], \"loss_mask\": [1]}", "outside the target's vocabulary"),
             ("{\"input_ids\": [], \"loss_mask\": []}", "empty"),
             ("not json", "expected"),
+            ("{\"id\": -2, \"input_ids\": [1], \"loss_mask\": [1]}", "`id` -2"),
         ];
         for (line, expected) in cases {
             let err = read(&format!("{{\"input_ids\": [1], \"loss_mask\": [1]}}\n{line}\n")).unwrap_err().to_string();
             assert!(err.contains("rows.jsonl:2:") && err.contains(expected), "{err}");
         }
         assert!(read("").unwrap_err().to_string().contains("no rows"));
+        let twice = read(
+            "{\"id\": 5, \"input_ids\": [1], \"loss_mask\": [1]}\n{\"id\": \"5\", \"input_ids\": [1], \"loss_mask\": [1]}\n",
+        );
+        let err = twice.unwrap_err().to_string();
+        assert!(err.contains("rows.jsonl:2:") && err.contains("already used at line 1"), "{err}");
     }
 }

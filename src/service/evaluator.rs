@@ -54,7 +54,7 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
                 .filter_map(|i| {
                     let s = split.get(i);
                     let first = s.loss_mask.iter().position(|&m| m != 0)?;
-                    (first > 0).then(|| Prompt { id: s.id, input_ids: s.input_ids()[..first].to_vec() })
+                    (first > 0).then(|| Prompt { id: s.id.clone(), input_ids: s.input_ids()[..first].to_vec() })
                 })
                 .take(want)
                 .collect()

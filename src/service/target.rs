@@ -136,7 +136,7 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                     let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
                     let features = FeatureBatch::capture(
                         &target,
-                        rows.iter().map(|r| r.id).collect(),
+                        rows.iter().map(|r| r.id.key()).collect(),
                         batch.epoch,
                         rows.iter().map(|r| r.input_ids.clone()).collect(),
                         rows.iter().map(|r| r.loss_mask.clone()).collect(),

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::data::SampleId;
 use crate::data::prompts::Prompt;
 use crate::device;
 use crate::model::speculative::{DFlashProposer, greedy, speculative};
@@ -25,7 +26,7 @@ pub struct DecodeSettings {
 /// One prompt's first difference between speculative and greedy decoding.
 #[derive(Debug, Clone, Serialize)]
 pub struct Divergence {
-    pub prompt: u64,
+    pub prompt: SampleId,
     /// Index among the generated tokens.
     pub position: usize,
     pub speculative_token: Option<i64>,
@@ -37,7 +38,7 @@ pub struct Divergence {
 /// One prompt's result, as `--dump` writes it.
 #[derive(Debug, Clone, Serialize)]
 pub struct PromptResult {
-    pub id: u64,
+    pub id: SampleId,
     pub prompt_tokens: usize,
     pub tokens: Vec<i64>,
     /// Tokens kept per verify step, bonus included.
@@ -116,7 +117,7 @@ pub fn evaluate_decoding(
         greedy_tokens += reference.tokens.len();
         if !lossless {
             divergences.push(Divergence {
-                prompt: p.id,
+                prompt: p.id.clone(),
                 position: common,
                 speculative_token: spec.tokens.get(common).copied(),
                 greedy_token: reference.tokens.get(common).copied(),
@@ -124,7 +125,7 @@ pub fn evaluate_decoding(
             });
         }
         results.push(PromptResult {
-            id: p.id,
+            id: p.id.clone(),
             prompt_tokens: p.input_ids.len(),
             tokens: spec.tokens.clone(),
             accepted: spec.accepted.clone(),

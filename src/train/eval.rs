@@ -41,7 +41,7 @@ pub fn evaluate_rows(
     for chunk in order.chunks(batch_size.max(1)) {
         let batch = FeatureBatch::capture(
             target,
-            chunk.iter().map(|r| r.id).collect(),
+            chunk.iter().map(|r| r.id.key()).collect(),
             0,
             chunk.iter().map(|r| r.input_ids.clone()).collect(),
             chunk.iter().map(|r| r.loss_mask.clone()).collect(),

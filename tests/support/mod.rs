@@ -13,7 +13,8 @@ use serde_json::{Value, json};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_dflash");
 
-/// Prepared sample data shared by the tests of this file (made once).
+/// Prepared sample data shared by the tests of this file (made once): the built-in sample conversations, every
+/// other one in ShareGPT form with a string id (as public chat sets give them), the rest with integer ids.
 pub fn prepared() -> &'static PathBuf {
     static DATA: OnceLock<PathBuf> = OnceLock::new();
     DATA.get_or_init(|| {
@@ -25,6 +26,32 @@ pub fn prepared() -> &'static PathBuf {
             assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
         };
         run(&["sample-data", "--count", "160", "--seed", "3", "--out", conversations.to_str().unwrap()]);
+        let mixed: Vec<String> = std::fs::read_to_string(&conversations)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                let id = v["id"].as_u64().unwrap();
+                if id % 2 == 1 {
+                    return l.to_string();
+                }
+                let turns: Vec<Value> = v["messages"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|m| {
+                        let from = match m["role"].as_str().unwrap() {
+                            "user" => "human",
+                            "assistant" => "gpt",
+                            other => other,
+                        };
+                        json!({"from": from, "value": m["content"]})
+                    })
+                    .collect();
+                json!({"id": format!("sg-{id:04x}_0"), "conversations": turns}).to_string()
+            })
+            .collect();
+        std::fs::write(&conversations, mixed.join("\n") + "\n").unwrap();
         let out = dir.join("prepared");
         run(&[
             "prepare",
@@ -246,8 +273,9 @@ pub fn state(s: &Value, id: usize) -> String {
     drafter(s, id)["state"].as_str().unwrap().to_string()
 }
 
-/// Every epoch of the ledger that was trained to its end holds each sample exactly once; none holds one twice.
-pub fn assert_exactly_once(ledger: &Path, samples: usize) -> usize {
+/// Every epoch of the ledger that was trained to its end holds each sample of `ids` (the split's ids, as JSON) exactly
+/// once; none holds one twice or one that is not in `ids`. Returns the number of complete epochs.
+pub fn assert_exactly_once(ledger: &Path, ids: &[String]) -> usize {
     // A rewind (no live replica left) undoes the steps after a checkpoint: drop their entries.
     let mut entries: Vec<Value> = Vec::new();
     for line in std::fs::read_to_string(ledger).unwrap().lines() {
@@ -257,31 +285,32 @@ pub fn assert_exactly_once(ledger: &Path, samples: usize) -> usize {
             None => entries.push(v),
         }
     }
-    let mut per_epoch: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+    let known: std::collections::HashSet<&String> = ids.iter().collect();
+    let mut per_epoch: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
     for v in entries {
-        let ids = v["ids"].as_array().unwrap().iter().map(|i| i.as_u64().unwrap());
-        per_epoch.entry(v["epoch"].as_u64().unwrap()).or_default().extend(ids);
+        let trained = v["ids"].as_array().unwrap().iter().map(|i| i.to_string());
+        per_epoch.entry(v["epoch"].as_u64().unwrap()).or_default().extend(trained);
     }
     let mut complete = 0;
-    for (epoch, mut ids) in per_epoch {
-        ids.sort_unstable();
-        let before = ids.len();
-        ids.dedup();
-        assert_eq!(before, ids.len(), "epoch {epoch} trained a sample twice");
-        if ids.len() == samples {
+    for (epoch, mut trained) in per_epoch {
+        if let Some(stranger) = trained.iter().find(|id| !known.contains(id)) {
+            panic!("epoch {epoch} trained {stranger}, which is not a sample id of the split");
+        }
+        trained.sort_unstable();
+        let before = trained.len();
+        trained.dedup();
+        assert_eq!(before, trained.len(), "epoch {epoch} trained a sample twice");
+        if trained.len() == ids.len() {
             complete += 1;
         }
     }
     complete
 }
 
-/// The number of samples in a prepared folder's train split.
-pub struct PreparedSplitLen;
-
-impl PreparedSplitLen {
-    pub fn of(dir: &Path) -> usize {
-        dflash::data::shards::PreparedSplit::open(dir, "train", false).unwrap().len()
-    }
+/// The ids of a prepared folder's train split, as JSON (`17`, `"sg-0010_0"`): what the ledger writes.
+pub fn train_ids(dir: &Path) -> Vec<String> {
+    let split = dflash::data::shards::PreparedSplit::open(dir, "train", false).unwrap();
+    (0..split.len()).map(|i| split.id(i).to_json().to_string()).collect()
 }
 
 // ---------------------------------------------------------------- observability and live control

@@ -38,6 +38,7 @@ use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
+use crate::data::SampleId;
 use crate::data::dataset::Dataset;
 use crate::data::prompts::Prompt;
 use crate::device::{self, device_name};
@@ -127,7 +128,7 @@ pub struct Shell {
 impl Shell {
     fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> Self {
         let lengths = a.dataset.lengths();
-        let sample_ids = (0..a.dataset.len()).map(|p| a.dataset.row(p).id).collect();
+        let sample_ids = (0..a.dataset.len()).map(|p| a.dataset.id(p)).collect();
         let (step, samples) = a.resume.as_ref().map_or((0, 0), |(_, s)| (s.step, s.samples_committed));
         let drafter_devices: Vec<Device> = a.drafter_devices.iter().map(|(d, _)| *d).collect();
         let capture: Vec<Device> = a.capture_devices.iter().map(|(d, _)| *d).collect();
@@ -520,7 +521,7 @@ impl Shell {
         let Some(w) = self.ledger.as_ref() else { return };
         let line = match entry {
             LedgerEntry::Commit { step, batch } => {
-                let ids: Vec<u64> = batch.samples.iter().map(|&p| self.a.dataset.row(p).id).collect();
+                let ids: Vec<SampleId> = batch.samples.iter().map(|&p| self.a.dataset.id(p)).collect();
                 serde_json::json!({"step": step, "epoch": batch.id.epoch, "batch": batch.id.ordinal, "ids": ids})
             }
             // Entries of this step and later were undone with the model.

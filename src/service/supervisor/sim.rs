@@ -40,6 +40,7 @@ use super::protocol::{
 };
 use super::schedule::Item;
 use crate::config::Config;
+use crate::data::SampleId;
 use crate::data::loader::BatchId;
 use crate::service::evaluator::Evaluated;
 use crate::service::failure::{Failure, FailureKind};
@@ -1419,7 +1420,7 @@ fn setup(p: &Params, config: Config, resume: Option<(PathBuf, TrainerState)>, re
         target_devices: (0..p.targets).map(|i| format!("cuda:{i}")).collect(),
         feeds: (0..p.drafters).map(|i| i % p.targets).collect(),
         lengths: vec![16; p.samples],
-        sample_ids: (0..p.samples as u64).collect(),
+        sample_ids: (0..p.samples as u64).map(SampleId::Number).collect(),
         resume,
         rejected,
     }

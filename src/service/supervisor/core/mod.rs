@@ -32,6 +32,7 @@ use super::schedule::{Item, Position, Schedule, Settled};
 use super::targets::TargetCopy;
 use super::watchdog::StepTimes;
 use crate::config::Config;
+use crate::data::SampleId;
 use crate::data::loader::{BatchId, LoaderSettings};
 use crate::service::evaluator::Evaluated;
 use crate::service::failure::{Failure, FailureKind};
@@ -92,7 +93,7 @@ pub struct Setup {
     pub feeds: Vec<usize>,
     /// Token count and sample id of each sample, by position.
     pub lengths: Vec<usize>,
-    pub sample_ids: Vec<u64>,
+    pub sample_ids: Vec<SampleId>,
     /// The checkpoint to resume (`--resume auto`) and the checkpoint folders found invalid on the way.
     pub resume: Option<(PathBuf, TrainerState)>,
     pub rejected: Vec<u64>,
@@ -179,7 +180,7 @@ pub struct Core {
     slots: Vec<Slot>,
     targets: Vec<TargetCopy>,
     feeds: Vec<usize>,
-    sample_ids: Vec<u64>,
+    sample_ids: Vec<SampleId>,
     schedule: Schedule,
     book: Book,
     replicas: Replicas,
@@ -511,7 +512,7 @@ mod tests {
             target_devices: vec!["cpu".into()],
             feeds: vec![0; drafters],
             lengths: vec![8; 64],
-            sample_ids: (0..64).collect(),
+            sample_ids: (0..64).map(SampleId::Number).collect(),
             resume: None,
             rejected: vec![],
         }

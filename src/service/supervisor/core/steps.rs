@@ -35,8 +35,7 @@ impl Core {
             self.out.push(Action::Notice(Notice::Requeued { samples: settled.requeued_samples }));
         }
         for batch in &settled.set_aside {
-            let ids: Vec<u64> = batch.samples.iter().filter_map(|&p| self.sample_ids.get(p).copied()).collect();
-            tracing::error!(batch = ?batch.id, sample_ids = ?ids, "batch failed twice: set aside");
+            tracing::error!(batch = ?batch.id, sample_ids = %self.ids_of(&batch.samples), "batch failed twice: set aside");
         }
         let every = self.config.supervision.check_replicas_every;
         if every > 0 && step.is_multiple_of(every) {

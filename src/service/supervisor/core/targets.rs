@@ -26,7 +26,7 @@ impl Core {
             let ids = self.set_batch_aside(batch);
             tracing::error!(
                 ?batch,
-                sample_ids = ?ids,
+                sample_ids = %ids,
                 "batch failed the target twice: set aside (its samples are not trained this epoch); the last error: {}",
                 failure.message
             );
@@ -42,13 +42,19 @@ impl Core {
         }
     }
 
-    /// Sets a batch aside everywhere it is queued; returns its sample ids.
-    pub(super) fn set_batch_aside(&mut self, batch: BatchId) -> Vec<u64> {
+    /// The ids of the samples at `positions`, as a JSON list (for the log).
+    pub(super) fn ids_of(&self, positions: &[usize]) -> String {
+        let ids: Vec<&SampleId> = positions.iter().filter_map(|&p| self.sample_ids.get(p)).collect();
+        serde_json::to_string(&ids).unwrap_or_default()
+    }
+
+    /// Sets a batch aside everywhere it is queued; returns its sample ids (a JSON list, for the log).
+    pub(super) fn set_batch_aside(&mut self, batch: BatchId) -> String {
         let positions = self.schedule.set_aside_now(batch).map(|b| b.samples).unwrap_or_default();
         for t in &mut self.targets {
             t.blank(batch);
         }
-        positions.iter().filter_map(|&p| self.sample_ids.get(p).copied()).collect()
+        self.ids_of(&positions)
     }
 
     pub(super) fn send(&mut self, drafter: usize, generation: u64, item: Item) {
