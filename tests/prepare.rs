@@ -374,3 +374,32 @@ fn format_1_folders_are_still_read() {
     assert_eq!(ids_of(&old), now);
     assert!(now.iter().all(|id| matches!(id, SampleId::Number(_))));
 }
+
+/// Token rows prepare without a tokenizer: checked against the target (vocabulary, positions) with the bad line
+/// named, rows with too few supervised tokens dropped and counted, ids kept as given.
+#[test]
+fn token_rows_are_checked_against_the_target_and_prepared() {
+    use dflash::data::prepare::{Lines, prepare_lines};
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("rows.jsonl");
+    let row = |id: serde_json::Value, n: usize, supervised: usize| {
+        let mask: Vec<u8> = (0..n).map(|i| u8::from(i >= n - supervised)).collect();
+        json!({"id": id, "input_ids": (0..n as u32).collect::<Vec<_>>(), "loss_mask": mask}).to_string()
+    };
+    write_lines(&input, &[row(json!("a"), 20, 10), row(json!(3), 20, 7), row(json!("c"), 30, 30)]);
+    let lines = Lines::TokenRows { vocab_size: 100 };
+    let mut opts = options(vec![input.clone()], &dir.path().join("p"));
+    opts.max_len = 30;
+    opts.strict = true;
+    let PrepareOutcome::Written(m) = prepare_lines(lines, &opts).unwrap() else { panic!() };
+    assert_eq!((m.report.kept_train, m.report.dropped.values().sum::<u64>()), (2, 1), "{:?}", m.report);
+    let train = PreparedSplit::open(&opts.out, "train", true).unwrap();
+    assert_eq!(ids_of(&train), vec![SampleId::Text("a".into()), SampleId::Text("c".into())]);
+    assert_eq!(train.get(1).input_ids(), (0..30).collect::<Vec<i64>>());
+
+    opts.max_len = 29;
+    let e = prepare_lines(lines, &opts).err().unwrap().to_string();
+    assert!(e.contains("rows.jsonl:3") && e.contains("30 tokens, more than the target's 29 positions"), "{e}");
+    let e = prepare_lines(Lines::TokenRows { vocab_size: 15 }, &opts).err().unwrap().to_string();
+    assert!(e.contains("rows.jsonl:1") && e.contains("outside the target's vocabulary (0..15)"), "{e}");
+}

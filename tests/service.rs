@@ -508,3 +508,82 @@ fn a_requested_checkpoint_is_of_the_step_the_answer_names() {
     svc.signal("-TERM");
     assert_eq!(svc.exit_code().0, 0);
 }
+
+/// The shared data's train split written as token rows (`inspect --json`: ids as given, strings and integers).
+fn token_row_file(dir: &Path) -> PathBuf {
+    let o = Command::new(BIN).args(["inspect", prepared().to_str().unwrap(), "--json"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows = dir.join("rows.jsonl");
+    std::fs::write(&rows, &o.stdout).unwrap();
+    rows
+}
+
+/// `data.path` naming a token-row file: its rows are checked and prepared once, `data.holdout` of them kept apart
+/// by id, and the rest trained exactly once per epoch across a stop and a resume, with the ids as given.
+#[test]
+fn a_token_row_file_trains_exactly_once_across_a_resume_and_keeps_its_holdout_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = token_row_file(dir.path());
+    let cache = dir.path().join("cache");
+    let sets = [
+        format!("data.path={}", rows.display()),
+        format!("data.cache_dir={}", cache.display()),
+        "data.holdout=0.25".into(),
+    ];
+    let sets: Vec<&str> = sets.iter().map(String::as_str).chain(["optim.epochs=2"]).collect();
+    let cfg = config(dir.path(), 2);
+    let mut first = Service::start(&cfg, false, &sets);
+    first.wait("step 3", |s| step(s) >= 3);
+    first.signal("-TERM");
+    let (code, logs) = first.exit_code();
+    assert_eq!(code, 0);
+    assert!(logged(&logs, "token rows checked and prepared"), "{logs:#?}");
+    let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
+    assert_eq!(code, 0);
+    assert!(logged(&logs, "resuming") && !logged(&logs, "token rows checked and prepared"), "prepared once");
+
+    let copies: Vec<PathBuf> =
+        std::fs::read_dir(cache.join("token-rows")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(copies.len(), 1, "{copies:?}");
+    let trained = train_ids(&copies[0]);
+    let split = dflash::data::shards::PreparedSplit::open(&copies[0], "holdout", false).unwrap();
+    let held: Vec<String> = (0..split.len()).map(|i| split.id(i).to_json().to_string()).collect();
+    let given: Vec<String> = std::fs::read_to_string(&rows)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["id"].to_string())
+        .collect();
+    assert!(held.len() * 8 > given.len() && held.len() * 2 < given.len(), "{} of {}", held.len(), given.len());
+    assert!(held.iter().all(|id| !trained.contains(id)), "the holdout split is never trained");
+    let mut both: Vec<String> = trained.iter().chain(&held).cloned().collect();
+    both.sort();
+    let mut given_sorted = given.clone();
+    given_sorted.sort();
+    assert_eq!(both, given_sorted, "every row is in one split (none is too short to keep)");
+    assert!(trained.iter().any(|id| id.starts_with('"')), "string ids as given");
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &trained), 2, "two whole epochs");
+}
+
+/// A bad row stops serve-train before any training, naming the file and line.
+#[test]
+fn a_bad_token_row_is_refused_at_start_with_its_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = token_row_file(dir.path());
+    let mut lines: Vec<String> = std::fs::read_to_string(&rows).unwrap().lines().map(String::from).collect();
+    lines[2] = json!({"id": "broken", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}).to_string();
+    std::fs::write(&rows, lines.join("\n") + "\n").unwrap();
+    let cfg = config(dir.path(), 1);
+    let o = Command::new(BIN)
+        .args(["--config", cfg.to_str().unwrap(), "serve-train"])
+        .args(["--set", &format!("data.path={}", rows.display())])
+        .args(["--set", &format!("data.cache_dir={}", dir.path().join("cache").display())])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("rows.jsonl:3") && stderr.contains("loss_mask has 2"), "{stderr}");
+    assert!(
+        !dir.path().join("ledger.jsonl").exists()
+            || std::fs::read_to_string(dir.path().join("ledger.jsonl")).unwrap().is_empty()
+    );
+}

@@ -430,7 +430,7 @@ impl RawConfig {
 }
 
 /// Keys a running service cannot change: resuming with a different value is refused.
-pub const NON_RELOADABLE: [&str; 9] = [
+pub const NON_RELOADABLE: [&str; 10] = [
     "target.model",
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
@@ -438,6 +438,7 @@ pub const NON_RELOADABLE: [&str; 9] = [
     "draft_model.target_layer_ids",
     "draft_model.mask_token_id",
     "data.path",
+    "data.holdout",
     "data.batch_size",
     "objective.seed",
 ];
@@ -501,6 +502,18 @@ pub fn diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
             let (o, n) = (lookup(old, &key), lookup(new, &key));
             (o != n).then(|| Change { key, old: o.cloned(), new: n.cloned() })
         })
+        .collect()
+}
+
+/// The changes from `old` (a checkpoint's configuration) to `new` that resuming must refuse: keys of
+/// [`NON_RELOADABLE`] that differ, except a key the checkpoint's build did not have yet (absent from `old`) whose
+/// new value is the built-in default: the run meant that value all along.
+pub fn fixed_changes(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
+    let defaults = Config::builtin().map(|c| c.merged).unwrap_or_default();
+    diff(old, new)
+        .into_iter()
+        .filter(|c| NON_RELOADABLE.contains(&c.key.as_str()))
+        .filter(|c| !(c.old.is_none() && c.new.is_some() && c.new.as_ref() == lookup(&defaults, &c.key)))
         .collect()
 }
 
@@ -767,6 +780,21 @@ mod tests {
         assert_eq!(fixed(&a, &b), vec!["data.batch_size", "draft_model.block_size"]);
         assert_eq!(b.optim.lr, 1e-3);
         assert!(fixed(&a, &a).is_empty());
+    }
+
+    #[test]
+    fn a_fixed_key_newer_than_the_checkpoint_is_refused_only_away_from_its_default() {
+        let now = Config::builtin().unwrap();
+        let mut old = now.merged.clone();
+        old["data"].as_object_mut().unwrap().remove("holdout");
+        assert!(fixed_changes(&old, &now.merged).is_empty(), "a checkpoint from before data.holdout resumes");
+        let other = with_set(&["data.holdout=0.1"]).unwrap();
+        let keys: Vec<String> = fixed_changes(&old, &other.merged).into_iter().map(|c| c.key).collect();
+        assert_eq!(keys, vec!["data.holdout"]);
+        assert_eq!(fixed_changes(&now.merged, &other.merged).len(), 1);
+        let mut gone = now.merged.clone();
+        gone["data"].as_object_mut().unwrap().remove("batch_size");
+        assert_eq!(fixed_changes(&now.merged, &gone).len(), 1, "a key removed is a change");
     }
 
     #[test]

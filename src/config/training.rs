@@ -2,7 +2,7 @@
 //! supervision and the control plane. Raw (serde) sections and their validated forms; every error names the key,
 //! the value and what is allowed.
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -108,6 +108,7 @@ fn check_one_rank_per_gpu(devices: &[DeviceSpec]) -> Result<(), ConfigError> {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawData {
     path: String,
+    holdout: f64,
     batch_size: i64,
     max_len: i64,
     builtin_conversations: i64,
@@ -125,11 +126,16 @@ pub enum DataSource {
     Synthetic,
     /// A folder written by `dflash prepare`.
     Prepared(PathBuf),
+    /// A JSONL file of token rows (`{"id"?, "input_ids", "loss_mask"}`), checked against the target and prepared
+    /// into `cache_dir` once.
+    TokenRows(PathBuf),
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataSettings {
     pub source: DataSource,
+    /// Token-row files: the fraction of rows kept apart as the holdout split (by a hash of the id).
+    pub holdout: f64,
     /// Sequences per drafter per micro-batch.
     pub batch_size: usize,
     /// Built-in data: conversations are truncated to this many tokens.
@@ -147,12 +153,21 @@ impl RawData {
             "builtin" => DataSource::Builtin,
             "synthetic" => DataSource::Synthetic,
             "" => {
-                return Err(invalid("data.path", "\"\"", "\"builtin\" or a folder written by `dflash prepare`"));
+                return Err(invalid(
+                    "data.path",
+                    "\"\"",
+                    "\"builtin\", a folder written by `dflash prepare`, or a JSONL file of token rows",
+                ));
             }
+            p if p.ends_with(".jsonl") || Path::new(p).is_file() => DataSource::TokenRows(PathBuf::from(p)),
             p => DataSource::Prepared(PathBuf::from(p)),
         };
+        if !(0.0..1.0).contains(&self.holdout) {
+            return Err(invalid("data.holdout", self.holdout, "a fraction in [0, 1)"));
+        }
         Ok(DataSettings {
             source,
+            holdout: self.holdout,
             batch_size: at_least("data.batch_size", self.batch_size, 1)?,
             max_len: at_least("data.max_len", self.max_len, 2)?,
             builtin_conversations: at_least("data.builtin_conversations", self.builtin_conversations, 1)?,

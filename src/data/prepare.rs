@@ -1,4 +1,6 @@
-//! `dflash prepare`: chat JSONL -> token ids and loss masks in memory-mappable shards.
+//! `dflash prepare`: chat JSONL -> token ids and loss masks in memory-mappable shards. Token-row JSONL (rows
+//! `{"id"?, "input_ids", "loss_mask"}` another pipeline tokenized) takes the same way, checked against the target
+//! instead of tokenized: `serve-train` trains from such a file through a prepared copy of it.
 //!
 //! Lines are read in chunks and processed in parallel (render, tokenize, mask, truncate), then written in input
 //! order. Everything goes into a hidden temporary folder beside the output, which is renamed into place after the
@@ -20,6 +22,7 @@ use super::SampleId;
 use super::chat::{ChatError, ChatTemplate, Conversation};
 use super::sample::{Sample, build_sample_timed};
 use super::shards::{FORMAT, FORMAT_1, SplitEntry, SplitWriter, file_sha256, hex, manifest_path};
+use super::token_rows::parse_row;
 use super::tokenize::TextTokenizer;
 
 /// Lines processed together (in parallel) before being written.
@@ -130,6 +133,27 @@ impl Manifest {
     }
 }
 
+/// What the input lines are.
+#[derive(Clone, Copy)]
+pub enum Lines<'a> {
+    /// Conversations, rendered with the model's chat template and tokenized.
+    Conversations(&'a ModelAssets),
+    /// Token rows, checked against a target's vocabulary; a row longer than `max_len` is a bad line (not cut).
+    TokenRows { vocab_size: usize },
+}
+
+impl Lines<'_> {
+    /// What identifies the tokenization (part of the fingerprint), and what to call it in the manifest.
+    fn identity(&self) -> (String, String) {
+        match self {
+            Lines::Conversations(assets) => (assets.identity.clone(), assets.name.clone()),
+            Lines::TokenRows { vocab_size } => {
+                (format!("token-rows:{vocab_size}"), format!("token rows (a vocabulary of {vocab_size})"))
+            }
+        }
+    }
+}
+
 /// Whether the run wrote a new output.
 pub enum PrepareOutcome {
     UpToDate(Manifest),
@@ -171,27 +195,19 @@ struct PhaseClock {
     tokenize: AtomicU64,
 }
 
-fn process_line(
-    assets: &ModelAssets,
-    opts: &PrepareOptions,
-    line: &str,
-    ordinal: u64,
-    clock: &PhaseClock,
-) -> LineResult {
+fn process_line(lines: Lines, opts: &PrepareOptions, line: &str, ordinal: u64, clock: &PhaseClock) -> LineResult {
     if line.trim().is_empty() {
         return LineResult::Blank;
     }
-    let conv = match Conversation::from_json_line(line, ordinal) {
-        Ok(c) => c,
-        Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
-    };
-    let mut sample = match build_sample_timed(&assets.template, &assets.tokenizer, &conv) {
-        Ok((s, [render, tokenize])) => {
-            clock.render.fetch_add(render.as_nanos() as u64, Ordering::Relaxed);
-            clock.tokenize.fetch_add(tokenize.as_nanos() as u64, Ordering::Relaxed);
-            s
-        }
-        Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
+    let mut sample = match lines {
+        Lines::Conversations(assets) => match conversation_sample(assets, line, ordinal, clock) {
+            Ok(s) => s,
+            Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
+        },
+        Lines::TokenRows { vocab_size } => match token_row_sample(vocab_size, opts.max_len, line, ordinal) {
+            Ok(s) => s,
+            Err(e) => return LineResult::Bad("bad token row", e),
+        },
     };
     if sample.input_ids.len() > opts.max_len {
         sample.input_ids.truncate(opts.max_len);
@@ -204,8 +220,38 @@ fn process_line(
     LineResult::Kept(sample, holdout)
 }
 
-/// Prepares `opts.inputs` with `assets` into `opts.out`.
+fn token_row_sample(vocab_size: usize, max_len: usize, line: &str, ordinal: u64) -> Result<Sample, String> {
+    let row = parse_row(line, ordinal, vocab_size)?;
+    if row.input_ids.len() > max_len {
+        return Err(format!(
+            "{} tokens, more than the target's {max_len} positions; cut the row to {max_len} tokens",
+            row.input_ids.len()
+        ));
+    }
+    Ok(Sample { id: row.id, input_ids: row.input_ids.iter().map(|&t| t as u32).collect(), loss_mask: row.loss_mask })
+}
+
+fn conversation_sample(
+    assets: &ModelAssets,
+    line: &str,
+    ordinal: u64,
+    clock: &PhaseClock,
+) -> Result<Sample, ChatError> {
+    let conv = Conversation::from_json_line(line, ordinal)?;
+    let (sample, [render, tokenize]) = build_sample_timed(&assets.template, &assets.tokenizer, &conv)?;
+    clock.render.fetch_add(render.as_nanos() as u64, Ordering::Relaxed);
+    clock.tokenize.fetch_add(tokenize.as_nanos() as u64, Ordering::Relaxed);
+    Ok(sample)
+}
+
+/// Prepares the conversations of `opts.inputs` with `assets` into `opts.out`.
 pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
+    prepare_lines(Lines::Conversations(assets), opts)
+}
+
+/// Prepares `opts.inputs`, lines of the given kind, into `opts.out`.
+pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
+    let (identity, model) = lines.identity();
     let started = Instant::now();
     let settings = serde_json::json!({
         "max_len": opts.max_len,
@@ -218,7 +264,7 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
     let mut inputs = Vec::new();
     let mut h = Sha256::new();
     h.update(FORMAT);
-    h.update(&assets.identity);
+    h.update(&identity);
     h.update(settings.to_string());
     for path in &opts.inputs {
         let meta = std::fs::metadata(path).map_err(|err| DataError::Io { path: path.clone(), err })?;
@@ -247,16 +293,8 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
         std::fs::remove_dir_all(&tmp).map_err(|err| DataError::Io { path: tmp.clone(), err })?;
     }
     std::fs::create_dir_all(&tmp).map_err(|err| DataError::Io { path: tmp.clone(), err })?;
-    let result = write_all(assets, opts, &tmp, started).and_then(|(splits, report)| {
-        let manifest = Manifest {
-            format: FORMAT.to_string(),
-            fingerprint,
-            model: assets.name.clone(),
-            settings,
-            inputs,
-            splits,
-            report,
-        };
+    let result = write_all(lines, opts, &tmp, started).and_then(|(splits, report)| {
+        let manifest = Manifest { format: FORMAT.to_string(), fingerprint, model, settings, inputs, splits, report };
         let path = manifest_path(&tmp);
         let text = serde_json::to_string_pretty(&manifest).expect("json");
         std::fs::write(&path, text).map_err(|err| DataError::Io { path: path.clone(), err })?;
@@ -295,7 +333,7 @@ pub(crate) fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
 }
 
 fn write_all(
-    assets: &ModelAssets,
+    lines_of: Lines,
     opts: &PrepareOptions,
     dir: &Path,
     started: Instant,
@@ -334,7 +372,7 @@ fn write_all(
                 break;
             }
             let results: Vec<LineResult> =
-                chunk.par_iter().map(|(_, ord, line)| process_line(assets, opts, line, *ord, &clock)).collect();
+                chunk.par_iter().map(|(_, ord, line)| process_line(lines_of, opts, line, *ord, &clock)).collect();
             for ((line_no, _, _), result) in chunk.iter().zip(results) {
                 bar.inc(1);
                 let mut bad = |kind: &'static str, message: String| -> Result<(), DataError> {

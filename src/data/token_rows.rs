@@ -37,35 +37,46 @@ pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, 
             continue;
         }
         let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
-        let raw: RawRow = serde_json::from_str(&line).map_err(|e| {
-            bad(format!("{e}; expected {{\"id\"?: int|string, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}"))
-        })?;
-        if raw.input_ids.is_empty() {
-            return Err(bad("input_ids is empty".into()));
+        let row = parse_row(&line, i as u64, vocab_size).map_err(bad)?;
+        if let Some(first) = first_line.insert(row.id.clone(), i + 1) {
+            return Err(bad(format!("id {} was already used at line {first}; give every row a unique id", row.id)));
         }
-        if raw.input_ids.len() != raw.loss_mask.len() {
-            return Err(bad(format!(
-                "input_ids has {} tokens but loss_mask has {}",
-                raw.input_ids.len(),
-                raw.loss_mask.len()
-            )));
-        }
-        if let Some(m) = raw.loss_mask.iter().find(|&&m| m > 1) {
-            return Err(bad(format!("loss_mask holds {m}; only 0 and 1 are allowed")));
-        }
-        if let Some(t) = raw.input_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
-            return Err(bad(format!("token id {t} is outside the target's vocabulary (0..{vocab_size})")));
-        }
-        let id = SampleId::from_json(raw.id.as_ref(), i as u64).map_err(bad)?;
-        if let Some(first) = first_line.insert(id.clone(), i + 1) {
-            return Err(bad(format!("id {id} was already used at line {first}; give every row a unique id")));
-        }
-        rows.push(TokenRow { id, input_ids: raw.input_ids, loss_mask: raw.loss_mask });
+        rows.push(row);
     }
     if rows.is_empty() {
         return Err(DataError::File { path: path.to_path_buf(), reason: "no rows".into() });
     }
     Ok(rows)
+}
+
+/// One line as a row, checked: JSON of the expected shape, a valid id (`line_number`, 0-based, when it has none), as
+/// many mask values as tokens, masks of 0 and 1, token ids below `vocab_size`.
+pub(crate) fn parse_row(line: &str, line_number: u64, vocab_size: usize) -> Result<TokenRow, String> {
+    let raw: RawRow = serde_json::from_str(line).map_err(|e| {
+        let value = serde_json::from_str::<serde_json::Value>(line).unwrap_or_default();
+        if value.get("messages").is_some() || value.get("conversations").is_some() {
+            return "a conversation, not a token row: tokenize conversations with `dflash prepare` and train from its \
+                    folder"
+                .to_string();
+        }
+        format!("{e}; expected {{\"id\"?: int|string, \"input_ids\": [int...], \"loss_mask\": [0|1...]}}")
+    })?;
+    if raw.input_ids.is_empty() {
+        return Err("input_ids is empty".into());
+    }
+    if raw.input_ids.len() != raw.loss_mask.len() {
+        return Err(format!("input_ids has {} tokens but loss_mask has {}", raw.input_ids.len(), raw.loss_mask.len()));
+    }
+    if let Some(m) = raw.loss_mask.iter().find(|&&m| m > 1) {
+        return Err(format!("loss_mask holds {m}; only 0 and 1 are allowed"));
+    }
+    if let Some(t) = raw.input_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
+        return Err(format!(
+            "token id {t} is outside the target's vocabulary (0..{vocab_size}): rows made for another model?"
+        ));
+    }
+    let id = SampleId::from_json(raw.id.as_ref(), line_number)?;
+    Ok(TokenRow { id, input_ids: raw.input_ids, loss_mask: raw.loss_mask })
 }
 
 #[cfg(test)]
@@ -96,6 +107,7 @@ mod tests {
             ("{\"input_ids\": [100], \"loss_mask\": [1]}", "outside the target's vocabulary"),
             ("{\"input_ids\": [], \"loss_mask\": []}", "empty"),
             ("not json", "expected"),
+            ("{\"messages\": []}", "a conversation, not a token row"),
             ("{\"id\": -2, \"input_ids\": [1], \"loss_mask\": [1]}", "`id` -2"),
         ];
         for (line, expected) in cases {

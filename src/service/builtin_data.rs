@@ -1,7 +1,8 @@
-//! The data a run starts from: a prepared folder, synthetic rows, or the built-in conversations answered by the
-//! target itself (`data.path = "builtin"`), generated, regenerated and prepared once into `data.cache_dir` (each
-//! stage resumable and idempotent, so later runs start at once).
-use std::path::Path;
+//! The data a run starts from: a prepared folder, synthetic rows, a token-row file (checked against the target and
+//! prepared once into `data.cache_dir`), or the built-in conversations answered by the target itself
+//! (`data.path = "builtin"`), generated, regenerated and prepared once into `data.cache_dir` (each stage resumable
+//! and idempotent, so later runs start at once).
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
@@ -13,7 +14,7 @@ use tch::{Device, Kind};
 use crate::config::{Config, DataSource, TargetSource};
 use crate::data::builtin::sample_conversations;
 use crate::data::dataset::{Dataset, SyntheticData};
-use crate::data::prepare::{ModelAssets, PrepareOptions, prepare};
+use crate::data::prepare::{Lines, ModelAssets, PrepareOptions, PrepareOutcome, prepare, prepare_lines};
 use crate::data::regenerate::{RegenerateOptions, Reply, Responder, regenerate_with};
 use crate::data::shards::{PreparedSplit, hex};
 use crate::model::generate::{Sampling, generate};
@@ -77,11 +78,56 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
             Arc::new(SyntheticData::new(d.builtin_conversations, d.max_len, vocab_size, config.objective.seed))
         }
         DataSource::Builtin => Arc::new(fits(builtin(config, device, kind)?, &builtin_dir(config).join("prepared"))?),
+        DataSource::TokenRows(file) => Arc::new(token_rows(config, target, file)?),
     };
     if data.is_empty() {
         bail!("data.path: the training split holds no sample");
     }
     Ok(data)
+}
+
+/// Where the prepared copy of a token-row file lives: `data.cache_dir/token-rows/<file name>-<hash of its full
+/// path>` (rewritten when the file, the target's vocabulary or positions, the block size or `data.holdout` change).
+pub fn token_rows_dir(config: &Config, file: &Path) -> PathBuf {
+    config.data.cache_dir.join("token-rows").join(path_key(file))
+}
+
+/// A folder name for `path`: its last component and a hash of its full path.
+fn path_key(path: &Path) -> String {
+    let full = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let digest = hex(&Sha256::digest(full.to_string_lossy().as_bytes()));
+    let name = path.file_name().map_or("data".into(), |n| n.to_string_lossy().into_owned());
+    format!("{name}-{}", &digest[..12])
+}
+
+/// The train split of a token-row file: every row checked (an error names the file and line), rows with fewer than
+/// 2 x block_size supervised tokens dropped, `data.holdout` of them kept apart by id, prepared once.
+fn token_rows(config: &Config, target: &TargetConfig, file: &Path) -> Result<PreparedSplit> {
+    let out = token_rows_dir(config, file);
+    let opts = PrepareOptions {
+        inputs: vec![file.to_path_buf()],
+        out: out.clone(),
+        max_len: target.max_position_embeddings,
+        block_size: config.draft_model.block_size,
+        holdout: config.data.holdout,
+        seed: 0,
+        template_kwargs: Map::new(),
+        strict: true,
+        progress: false,
+    };
+    let what = || format!("data.path = {}: token rows", file.display());
+    let lines = Lines::TokenRows { vocab_size: target.vocab_size };
+    let manifest = match prepare_lines(lines, &opts).with_context(what)? {
+        PrepareOutcome::UpToDate(m) => m,
+        PrepareOutcome::Written(m) => {
+            tracing::info!(copy = %out.display(), "token rows checked and prepared: {}", m.report.summary());
+            m
+        }
+    };
+    if manifest.report.kept_train == 0 {
+        bail!("{}: no row to train on ({})", what(), manifest.report.summary());
+    }
+    PreparedSplit::open(&out, "train", false).with_context(what)
 }
 
 /// Where the built-in data of this configuration's target lives: `data.cache_dir/<target>/` (the preset's name, or
@@ -90,12 +136,7 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
 pub fn builtin_dir(config: &Config) -> std::path::PathBuf {
     let key = match &config.target.source {
         TargetSource::Preset(p) => p.name().to_string(),
-        TargetSource::Folder(dir) => {
-            let full = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
-            let digest = hex(&Sha256::digest(full.to_string_lossy().as_bytes()));
-            let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
-            format!("{name}-{}", &digest[..12])
-        }
+        TargetSource::Folder(dir) => path_key(dir),
     };
     config.data.cache_dir.join(key)
 }

@@ -43,6 +43,7 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
             let dir = match &config.data.source {
                 DataSource::Prepared(dir) => dir.clone(),
                 DataSource::Builtin => super::builtin_data::builtin_dir(config).join("prepared"),
+                DataSource::TokenRows(file) => super::builtin_data::token_rows_dir(config, file),
                 DataSource::Synthetic => bail!(
                     "eval.prompts = \"holdout\": synthetic data has no held-out split; give a prompts file, or set \
                      eval.every_steps = 0"
@@ -62,8 +63,8 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
     };
     if prompts.is_empty() {
         bail!(
-            "eval.prompts: no prompt to decode (prepare the data with --holdout 0.05, or give a prompts file; or set \
-             eval.every_steps = 0)"
+            "eval.prompts: no prompt to decode (prepare the data with --holdout 0.05, or set data.holdout = 0.05 for a \
+             token-row file; or give a prompts file; or set eval.every_steps = 0)"
         );
     }
     Ok(prompts)

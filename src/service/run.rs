@@ -14,7 +14,7 @@ use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
 use super::placement::capture_devices;
 use super::supervisor::{Supervisor, SupervisorArgs};
-use crate::config::{Change, Config, Layers, NON_RELOADABLE, TargetSource, diff};
+use crate::config::{Change, Config, Layers, TargetSource, diff, fixed_changes};
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
@@ -79,8 +79,11 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
             None
         }
         (Resume::Auto, Some((path, state))) => {
-            let (fixed, others): (Vec<Change>, Vec<Change>) =
-                diff(&state.config, &config.merged).into_iter().partition(|c| NON_RELOADABLE.contains(&c.key.as_str()));
+            let fixed = fixed_changes(&state.config, &config.merged);
+            let others: Vec<Change> = diff(&state.config, &config.merged)
+                .into_iter()
+                .filter(|c| !fixed.iter().any(|f| f.key == c.key))
+                .collect();
             if !fixed.is_empty() {
                 let changed: Vec<&str> = fixed.iter().map(|c| c.key.as_str()).collect();
                 bail!(
