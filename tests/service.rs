@@ -587,3 +587,54 @@ fn a_bad_token_row_is_refused_at_start_with_its_file_and_line() {
             || std::fs::read_to_string(dir.path().join("ledger.jsonl")).unwrap().is_empty()
     );
 }
+
+/// The tensors of a drafter folder's `model.safetensors`: name -> (dtype, bytes).
+fn drafter_tensors(dir: &Path) -> std::collections::BTreeMap<String, (String, Vec<u8>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors().into_iter().map(|(name, t)| (name, (format!("{:?}", t.dtype()), t.data().to_vec()))).collect()
+}
+
+/// `draft_model.init`: a new run starts from a published drafter (with lr 0 it exports exactly those weights); a
+/// drafter that does not fit is refused at start naming the key to set; a resumed run never reads it.
+#[test]
+fn a_run_starts_from_a_published_drafter_and_resuming_ignores_it() {
+    use dflash::model::{Drafter, DrafterConfig, Init, Preset};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Preset::Tiny.spec();
+    // The drafter `config()` describes (1 layer, block size 4, the tiny target's taps and MASK), as published: bf16.
+    let published = dir.path().join("published");
+    let cfg = DrafterConfig::for_target(&spec.target, 1, None, 4, spec.taps.clone(), spec.mask_token_id).unwrap();
+    let start = Drafter::new(cfg, tch::Device::Cpu, tch::Kind::Float, Init::Portable(77)).unwrap();
+    start.save(&published, tch::Kind::BFloat16).unwrap();
+    let init = format!("draft_model.init={}", published.display());
+
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let cfg = config(&run, 2);
+    let sets = [init.as_str(), "optim.lr=0", "optim.max_steps=3"];
+    let (code, logs) = Service::start(&cfg, false, &sets).exit_code();
+    assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(10)..]);
+    assert!(logged(&logs, "starts from the published drafter"));
+    assert_eq!(drafter_tensors(&run.join("ckpt/final")), drafter_tensors(&published), "lr 0: the start, exported");
+
+    // Resuming: the checkpoint is the start, whatever init says (here: a folder that is not there).
+    let gone = format!("draft_model.init={}", dir.path().join("deleted").display());
+    let (code, logs) = Service::start(&cfg, true, &[gone.as_str(), "optim.lr=0", "optim.max_steps=5"]).exit_code();
+    assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(10)..]);
+    assert!(logged(&logs, "resuming") && logged(&logs, "draft_model.init is not read"));
+
+    // A drafter that does not fit the run: refused before anything starts, naming what to set.
+    let other = dir.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let o = Command::new(BIN)
+        .args(["--config", config(&other, 1).to_str().unwrap(), "serve-train"])
+        .args(["--set", &init, "--set", "draft_model.block_size=8", "--set", "draft_model.num_hidden_layers=2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    for needed in ["draft_model.init", "set draft_model.block_size = 4", "set draft_model.num_hidden_layers = 1"] {
+        assert!(stderr.contains(needed), "{needed}: {stderr}");
+    }
+}

@@ -88,6 +88,7 @@ struct RawDraftModel {
     intermediate_size: Option<i64>,
     target_layer_ids: Option<Vec<i64>>,
     mask_token_id: Option<i64>,
+    init: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -195,6 +196,8 @@ pub struct DraftModelSettings {
     /// Explicit ids, or `None` for the preset's.
     pub target_layer_ids: Option<Vec<usize>>,
     pub mask_token_id: Option<i64>,
+    /// A published drafter folder whose weights a new run starts from (`None`: random weights).
+    pub init: Option<PathBuf>,
 }
 
 /// The decay of the loss weights over block slots.
@@ -600,6 +603,7 @@ impl RawDraftModel {
             intermediate_size: self.intermediate_size.map(|i| i as usize),
             target_layer_ids,
             mask_token_id: self.mask_token_id,
+            init: self.init.filter(|p| !p.is_empty()).map(PathBuf::from),
         })
     }
 }

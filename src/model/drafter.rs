@@ -138,7 +138,11 @@ impl Drafter {
     /// Loads a drafter folder in the published format (`config.json` + safetensors in any float dtype); the
     /// weights are copied into fp32 master weights.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
-        let cfg = DrafterConfig::from_dir(dir)?;
+        Self::with_weights(DrafterConfig::from_dir(dir)?, dir, device, kind)
+    }
+
+    /// A drafter of `cfg` with the weights of the drafter folder `dir` (whose tensors must have `cfg`'s shapes).
+    pub fn with_weights(cfg: DrafterConfig, dir: &Path, device: Device, kind: Kind) -> Result<Self, ModelError> {
         let files = WeightFiles::open(dir)?;
         let drafter = Self::empty(cfg, device, kind)?;
         let why = "config.json (the drafter's shape)";

@@ -98,6 +98,12 @@ impl WeightFiles {
         self.location.contains_key(name)
     }
 
+    /// The shape of tensor `name`, read from its file's header; `None` when no file holds it.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let file = &self.files[*self.location.get(name)?];
+        file.metadata.info(name).map(|info| info.shape.clone())
+    }
+
     /// Copies tensor `name` to `device` as `kind`, after checking its shape is `expected`. `why` says where the
     /// expectation comes from (for example "config.json: hidden_size=4096") so a mismatch names it.
     pub fn load(

@@ -3,6 +3,7 @@
 //! founding it from the seed or a checkpoint), then trains: each step takes its micro-batches from a bounded
 //! channel, runs forward and backward, contributes to the step's round and applies the round's update. Its loop
 //! runs inside `catch_unwind`; a panic or error is reported to the actor, which fails so the supervisor sees it.
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
@@ -70,6 +71,8 @@ pub struct DrafterSpawn {
     pub config: DrafterConfig,
     pub objective: ObjectiveSettings,
     pub seed: u64,
+    /// A new run's starting weights (`draft_model.init`, checked at start); `None`: random from `seed`.
+    pub init: Option<PathBuf>,
     pub accumulation: usize,
     /// Report checksums of the state every this many steps (0: never).
     pub check_every: u64,
@@ -155,10 +158,13 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     };
     let drafter = match &a.start {
         Start::Found(Some(ckpt)) => Drafter::load(&ckpt.join(DRAFTER_DIR), a.device, a.kind).map_err(unloadable),
-        Start::Found(None) => {
-            let init = if a.device == Device::Cpu { Init::Portable(a.seed) } else { Init::Device(a.seed) };
-            Drafter::new(a.config.clone(), a.device, a.kind, init).map_err(torch)
-        }
+        Start::Found(None) => match &a.init {
+            Some(dir) => Drafter::with_weights(a.config.clone(), dir, a.device, a.kind).map_err(torch),
+            None => {
+                let init = if a.device == Device::Cpu { Init::Portable(a.seed) } else { Init::Device(a.seed) };
+                Drafter::new(a.config.clone(), a.device, a.kind, init).map_err(torch)
+            }
+        },
         Start::Join => Drafter::zeroed(a.config.clone(), a.device, a.kind).map_err(torch),
     }?;
     // SAFETY: the drafter trains neither the target's embedding nor its LM head: it only reads them (on the target's

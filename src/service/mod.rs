@@ -5,6 +5,7 @@ pub mod builtin_data;
 pub mod compute_thread;
 pub mod control;
 pub mod drafter;
+pub mod drafter_init;
 pub mod evaluator;
 pub mod failure;
 pub mod ledger;

@@ -10,6 +10,7 @@ use ractor::Actor;
 use tch::{Device, Kind};
 
 use super::builtin_data::dataset;
+use super::drafter_init::check_init;
 use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
 use super::placement::capture_devices;
@@ -132,6 +133,18 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let objective =
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let (resume, rejected) = checkpoint_to_resume(&config, &resume)?;
+    match (&config.draft_model.init, &resume) {
+        (Some(dir), None) => {
+            check_init(dir, &drafter_cfg)?;
+            tracing::info!(init = %dir.display(), "a new run: the drafter starts from the published drafter's weights");
+        }
+        (Some(dir), Some((path, _))) => tracing::info!(
+            init = %dir.display(),
+            checkpoint = %path.display(),
+            "draft_model.init is not read: the run resumes its checkpoint"
+        ),
+        (None, _) => {}
+    }
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
     let eval_prompts =

@@ -408,6 +408,7 @@ impl Shell {
             config: self.a.drafter_config.clone(),
             objective: self.a.objective.clone(),
             seed: c.objective.seed,
+            init: c.draft_model.init.clone(),
             accumulation: c.optim.accumulation,
             check_every: c.supervision.check_replicas_every,
             start,
