@@ -186,6 +186,15 @@ fn evaluate(
             return Err(e);
         }
     };
+    if !report.lossless {
+        let ids: Vec<&crate::data::SampleId> = report.divergences.iter().map(|d| &d.prompt).collect();
+        tracing::warn!(
+            step,
+            prompts = %serde_json::to_string(&ids).unwrap_or_default(),
+            "evaluation: speculative decoding left greedy decoding's output on these prompts (in bf16, usually a \
+             near-tie of the top two logits; `dflash eval --decode --dump` shows where)"
+        );
+    }
     let acceptance = report.decode_acceptance_length;
     let new_best = best.is_none_or(|b| acceptance > b);
     let evaluated = Evaluated {
