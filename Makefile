@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 
-.PHONY: setup run test build
+.PHONY: setup run test build check-exports
 
 setup:
 	@scripts/setup.sh
@@ -29,3 +29,8 @@ test:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
 	cargo test
+
+# The drafter exports against the reference Python packages (speculators 0.9.0, z-lab's dflash 0.1.0); needs the
+# network once for them. Not part of `make test` (CI has no Python packages); see README, "Serving the drafter".
+check-exports: setup
+	@scripts/check-exports.sh

@@ -1,20 +1,33 @@
-//! `dflash export`: a checkpoint's drafter as a standalone folder in the published DFlash format, or a built-in
-//! target preset (`tiny-tasks`, `tiny`) as a HuggingFace model folder, for other tools to load.
-use std::path::PathBuf;
+//! `dflash export`: a checkpoint's drafter as a standalone folder in z-lab's published DFlash layout or the
+//! `speculators` format, or a built-in target preset (`tiny-tasks`, `tiny`) as a HuggingFace model folder, for
+//! other tools to load.
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use tch::{Device, Kind};
 
+use dflash::config::TargetSource;
 use dflash::data::builtin::write_tiny_tokenizer;
-use dflash::model::{Depth, Drafter, Preset};
-use dflash::train::checkpoint::{DRAFTER_DIR, newest_valid, verify_checkpoint};
+use dflash::model::speculators::{self, Verifier};
+use dflash::model::{Depth, Drafter, Preset, TargetConfig};
+use dflash::train::checkpoint::{DRAFTER_DIR, TrainerState, newest_valid, verify_checkpoint};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum ExportDtype {
     Bf16,
     F32,
+}
+
+/// How the drafter is laid out on disk.
+#[derive(Clone, Copy, PartialEq, ValueEnum)]
+pub enum ExportFormat {
+    /// z-lab's published layout (config.json with dflash_config, model.safetensors): SGLang, vLLM's "dflash"
+    /// method, z-lab's own code, `draft_model.init`.
+    Zlab,
+    /// The speculators 0.9.0 format (config.json with speculators_config): `vllm serve <folder>` detects it.
+    Speculators,
 }
 
 #[derive(Args)]
@@ -33,6 +46,14 @@ pub struct ExportArgs {
     /// The drafter's weights' dtype: bf16 as published, or f32 (the master weights as trained).
     #[arg(long, value_enum, default_value = "bf16")]
     dtype: ExportDtype,
+    /// zlab, or speculators (tapped layer i is written as i + 1, speculators' convention; see README).
+    #[arg(long, value_enum, default_value = "zlab")]
+    format: ExportFormat,
+    /// speculators: the target the drafter serves beside, a model folder or a hub id (Qwen/Qwen3-8B), written into
+    /// config.json; speculators loads the embedding and LM head from it. Default: the run's target.model when it is
+    /// a folder.
+    #[arg(long, value_name = "DIR|HUB_ID")]
+    verifier: Option<String>,
 }
 
 pub fn run(args: ExportArgs) -> Result<ExitCode> {
@@ -44,24 +65,66 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
     let Some(checkpoint) = args.checkpoint else {
         bail!("give --checkpoint DIR or --preset NAME");
     };
-    let ckpt = if checkpoint.join("MANIFEST").exists() {
-        verify_checkpoint(&checkpoint)?;
-        checkpoint.clone()
+    let (ckpt, state) = if checkpoint.join("MANIFEST").exists() {
+        let state = verify_checkpoint(&checkpoint)?;
+        (checkpoint.clone(), state)
     } else {
         let scan = newest_valid(&checkpoint, &|_| true)?;
         for (_, why) in scan.rejected {
             eprintln!("skipping an invalid checkpoint: {why}");
         }
-        scan.newest.map(|(p, _)| p).with_context(|| format!("{}: no valid checkpoint here", checkpoint.display()))?
+        scan.newest.with_context(|| format!("{}: no valid checkpoint here", checkpoint.display()))?
     };
     let kind = match args.dtype {
         ExportDtype::Bf16 => Kind::BFloat16,
         ExportDtype::F32 => Kind::Float,
     };
     let drafter = Drafter::load(&ckpt.join(DRAFTER_DIR), Device::Cpu, Kind::Float)?;
+    // Checked before anything is written.
+    let speculators_config = match args.format {
+        ExportFormat::Zlab => None,
+        ExportFormat::Speculators => {
+            let verifier = verifier(args.verifier.as_deref(), &state, drafter.config().decoder.hidden_size)?;
+            let dtype = dflash::device::kind_name(kind);
+            Some(speculators::config_json(drafter.config(), &verifier, dtype).map_err(anyhow::Error::msg)?)
+        }
+    };
     drafter.save(&args.out, kind)?;
+    if let Some(config) = speculators_config {
+        let path = args.out.join("config.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&config)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     println!("exported {} to {}", ckpt.display(), args.out.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// The target a speculators export names: `--verifier`, else the run's target folder. A local folder's
+/// `config.json` gives its architecture and depth (and must have the drafter's hidden size); for a hub id they are
+/// the run's target's.
+fn verifier(given: Option<&str>, state: &TrainerState, hidden_size: usize) -> Result<Verifier> {
+    let trained = state.config.pointer("/target/model").and_then(|m| m.as_str()).unwrap_or_default().to_string();
+    let name = match given {
+        Some(v) => v.to_string(),
+        None if Path::new(&trained).is_dir() => trained.clone(),
+        None => bail!(
+            "--format speculators needs --verifier: the target the drafter serves beside, a model folder or a hub id \
+             (the run trained on {trained:?}, which is not a folder)"
+        ),
+    };
+    let from = if Path::new(&name).is_dir() { name.clone() } else { trained.clone() };
+    let target = match TargetSource::from_arg(&from) {
+        TargetSource::Folder(dir) => TargetConfig::from_dir(&dir).with_context(|| format!("--verifier {name}"))?,
+        TargetSource::Preset(p) => p.spec().target,
+    };
+    if target.hidden_size != hidden_size {
+        bail!("--verifier {name}: hidden size {}, the drafter's is {hidden_size}: another model", target.hidden_size);
+    }
+    Ok(Verifier {
+        name_or_path: name,
+        architectures: vec![target.architecture.hf_class().to_string()],
+        num_hidden_layers: target.num_hidden_layers,
+    })
 }
 
 /// The preset as a HuggingFace folder: its weights (built-in bytes as they are, or the random ones drawn), its

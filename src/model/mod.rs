@@ -14,6 +14,7 @@ pub mod layers;
 pub mod presets;
 pub mod shared;
 pub mod speculative;
+pub mod speculators;
 pub mod target;
 pub mod weights;
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `make check-exports`: dflash's drafter exports against the reference Python packages, on the CPU.
+#   - speculators 0.9.0: dflash's --format speculators equals what its own DFlashConverter makes of dflash's
+#     --format zlab (config.json and every tensor), and loads with its DFlashDraftModel;
+#   - z-lab's model definition (PyPI `dflash` 0.1.0, z-lab's own package): the zlab export loads, and its forward
+#     on the tiny target's tapped states equals dflash's (tests/exports.rs, run here on the fresh output).
+# Needs network once: the packages go into a per-user venv (~5 GB with the torch they pin). Pass --write-fixture to
+# refresh tests/fixtures/zlab-forward (what CI compares against without Python).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache="${DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
+venv="$cache/check-exports-speculators-0.9.0"
+say() { printf '[check-exports] %s\n' "$*" >&2; }
+
+if [ ! -f "$venv/.complete" ]; then
+  say "installing speculators==0.9.0 and z-lab's dflash==0.1.0 into $venv (once)"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check speculators==0.9.0 dflash==0.1.0
+  # transformers imports torchaudio when present, and the one pip brings does not load beside this torch.
+  "$venv/bin/python" -m pip uninstall --quiet -y torchaudio || true
+  touch "$venv/.complete"
+fi
+
+cargo build --quiet
+bin="$root/target/debug/dflash"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+say "a tiny drafter: 2 steps of serve-train on the tiny-tasks target (synthetic rows, CPU)"
+"$bin" export --preset tiny-tasks --out "$work/target" >/dev/null
+"$bin" serve-train --set target.model=tiny-tasks --set target.device=cpu --set 'drafters.devices=["cpu"]' \
+  --set data.path=synthetic --set data.builtin_conversations=8 --set data.max_len=64 --set data.batch_size=2 \
+  --set draft_model.num_hidden_layers=1 --set optim.max_steps=2 --set checkpoint.dir="$work/ckpt" \
+  --set control.listen=off --set log.level=warn
+"$bin" export --checkpoint "$work/ckpt" --format zlab --out "$work/zlab" >/dev/null
+"$bin" export --checkpoint "$work/ckpt" --format speculators --verifier "$work/target" --out "$work/speculators" >/dev/null
+fixture=()
+if [ "${1:-}" = "--write-fixture" ]; then fixture=(--write-fixture "$root/tests/fixtures/zlab-forward"); fi
+"$venv/bin/python" "$root/scripts/check_exports.py" "$work" "${fixture[@]}" 2> >(grep -v -e '| INFO' -e '| DEBUG' -e 'Loading weights' >&2)
+say "dflash's forward against z-lab's, on this run's drafter"
+DFLASH_ZLAB_FORWARD="$work/zlab-forward" cargo test --quiet --test exports
+say "all checks passed"

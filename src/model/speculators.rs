@@ -1,0 +1,137 @@
+//! The `speculators` format of a DFlash drafter (vLLM detects it by `speculators_model_type`; `vllm serve <folder>`
+//! runs it), as the `speculators` package 0.9.0 writes it: its `DFlashConverter` turns z-lab's layout into this.
+//!
+//! - `config.json`: `speculators_model_type = "dflash"`, the drafter's Qwen3 shape as `transformer_layer_config`
+//!   (`rope_theta` and any scaling folded into `rope_parameters`, as transformers 5 writes it), `block_size`,
+//!   `mask_token_id`, one greedy proposal of `block_size - 1` tokens, and the verifier (the target) by path or hub id.
+//! - The tapped layers as `aux_hidden_state_layer_ids`: z-lab's `target_layer_ids` name decoder layer i's output,
+//!   which is `hidden_states[i + 1]` (index 0 is the embedding output); speculators names that `i + 1`. The
+//!   verifier's last layer is always fed to the drafter implicitly and is left out of the list, so a drafter that
+//!   taps it cannot be written in this format (the converter would drop its columns of `fc`).
+//! - `model.safetensors`: the drafter's own tensors under the published names (`fc`, `hidden_norm`, `layers.*`,
+//!   `norm`). Version 0.9.0 saves neither the embedding, the LM head nor the verifier's norm: it loads them from
+//!   the verifier when the model is built.
+use serde_json::{Map, Value, json};
+
+use super::DrafterConfig;
+use super::config::RopeScaling;
+
+/// The `speculators` version whose format this writes.
+pub const SPECULATORS_VERSION: &str = "0.9.0";
+
+/// The target the drafter serves beside, as the config names it.
+pub struct Verifier {
+    /// A local folder or a hub id (`Qwen/Qwen3-8B`); speculators loads the embedding and LM head from it.
+    pub name_or_path: String,
+    /// Its `architectures` (`["Qwen3ForCausalLM"]`).
+    pub architectures: Vec<String>,
+    pub num_hidden_layers: usize,
+}
+
+/// speculators' tap ids for `cfg`'s: each z-lab id plus one; an error when one of them is the verifier's last layer.
+pub fn aux_hidden_state_layer_ids(cfg: &DrafterConfig, verifier_layers: usize) -> Result<Vec<usize>, String> {
+    let ids: Vec<usize> = cfg.target_layer_ids.iter().map(|i| i + 1).collect();
+    if ids.contains(&verifier_layers) {
+        return Err(format!(
+            "the drafter taps the target's last layer ({}): speculators feeds that layer implicitly and leaves it out \
+             of aux_hidden_state_layer_ids, so this drafter cannot be written in its format; export --format zlab",
+            verifier_layers - 1
+        ));
+    }
+    Ok(ids)
+}
+
+/// The `config.json` of the speculators format for a drafter of `cfg`, its weights in `torch_dtype`.
+pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) -> Result<Value, String> {
+    let aux = aux_hidden_state_layer_ids(cfg, verifier.num_hidden_layers)?;
+    let mut layer = cfg.to_json(torch_dtype);
+    let obj = layer.as_object_mut().expect("the drafter's config is an object");
+    for key in ["architectures", "block_size", "dflash_config", "num_target_layers", "torch_dtype"] {
+        obj.remove(key);
+    }
+    let theta = obj.remove("rope_theta").unwrap_or(Value::Null);
+    obj.remove("rope_scaling");
+    obj.insert("rope_parameters".into(), rope_parameters(&cfg.decoder.rope_scaling, theta));
+    let sorted: Map<String, Value> =
+        std::mem::take(obj).into_iter().collect::<std::collections::BTreeMap<_, _>>().into_iter().collect();
+    Ok(json!({
+        "architectures": ["DFlashDraftModel"],
+        "aux_hidden_state_layer_ids": aux,
+        "block_size": cfg.block_size,
+        "draft_vocab_size": cfg.decoder.vocab_size,
+        "dtype": torch_dtype,
+        "mask_token_id": cfg.mask_token_id,
+        "sample_from_anchor": false,
+        "sliding_window_non_causal": false,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{
+                "accept_tolerance": 0.0,
+                "proposal_type": "greedy",
+                "speculative_tokens": cfg.block_size - 1,
+                "verifier_accept_k": 1,
+            }],
+            "verifier": {"architectures": verifier.architectures, "name_or_path": verifier.name_or_path},
+        },
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": null,
+        "tie_word_embeddings": false,
+        "transformer_layer_config": Value::Object(sorted),
+    }))
+}
+
+/// transformers 5's `rope_parameters`: the scaling's fields with its `rope_type`, and `rope_theta`.
+fn rope_parameters(scaling: &RopeScaling, theta: Value) -> Value {
+    match *scaling {
+        RopeScaling::None => json!({"rope_theta": theta, "rope_type": "default"}),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
+            "factor": factor,
+            "high_freq_factor": high_freq_factor,
+            "low_freq_factor": low_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "rope_theta": theta,
+            "rope_type": "llama3",
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+
+    fn tiny_tasks_drafter() -> DrafterConfig {
+        let spec = Preset::TinyTasks.spec();
+        DrafterConfig::for_target(&spec.target, 5, None, 16, spec.taps.clone(), spec.mask_token_id).unwrap()
+    }
+
+    /// The config equals what speculators 0.9.0's own converter wrote for the same drafter (the fixture), but for
+    /// `auto_map` (the converter also copies speculators' config class as config.py for `trust_remote_code`; vLLM
+    /// and speculators' `from_pretrained` do not need it) and `transformers_version` (the converter's transformers).
+    #[test]
+    fn the_config_is_what_speculators_own_converter_writes() {
+        let fixture: Value =
+            serde_json::from_str(include_str!("../../tests/fixtures/speculators-0.9.0-tiny-tasks.json")).unwrap();
+        let mut expected = fixture["config"].clone();
+        for key in ["auto_map", "transformers_version"] {
+            expected.as_object_mut().unwrap().remove(key);
+        }
+        let verifier = Verifier {
+            name_or_path: "VERIFIER".into(),
+            architectures: vec!["Qwen3ForCausalLM".into()],
+            num_hidden_layers: 8,
+        };
+        let ours = config_json(&tiny_tasks_drafter(), &verifier, "bfloat16").unwrap();
+        assert_eq!(ours, expected, "ours:\n{ours:#}\nthe converter's:\n{expected:#}");
+    }
+
+    #[test]
+    fn taps_shift_by_one_and_the_last_layer_cannot_be_tapped() {
+        let cfg = tiny_tasks_drafter();
+        assert_eq!(aux_hidden_state_layer_ids(&cfg, 8).unwrap(), vec![2, 4, 6]);
+        let e = aux_hidden_state_layer_ids(&cfg, 6).unwrap_err();
+        assert!(e.contains("last layer (5)") && e.contains("--format zlab"), "{e}");
+    }
+}
