@@ -91,8 +91,10 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
     };
     drafter.save(&args.out, kind)?;
     if let Some(config) = speculators_config {
-        let path = args.out.join("config.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&config)?)
+        // Replaces z-lab's config.json whole: a failed write leaves the zlab folder, never a torn config.
+        let (path, staged) = (args.out.join("config.json"), args.out.join(".config.json.tmp"));
+        std::fs::write(&staged, serde_json::to_string_pretty(&config)?)
+            .and_then(|()| std::fs::rename(&staged, &path))
             .with_context(|| format!("writing {}", path.display()))?;
     }
     println!("exported {} to {}", ckpt.display(), args.out.display());
