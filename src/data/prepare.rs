@@ -6,7 +6,7 @@
 //! order. Everything goes into a hidden temporary folder beside the output, which is renamed into place after the
 //! manifest is written and synced: an interrupted run leaves no output, and a rerun starts clean. A run whose inputs,
 //! tokenizer, template and settings match an existing output's fingerprint does nothing.
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,9 +18,9 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
-use super::SampleId;
 use super::chat::{ChatError, ChatTemplate, Conversation};
 use super::sample::{Sample, build_sample_timed};
+use super::sample_id::FirstUse;
 use super::shards::{FORMAT, FORMAT_1, SplitEntry, SplitWriter, file_sha256, hex, manifest_path};
 use super::token_rows::parse_row;
 use super::tokenize::TextTokenizer;
@@ -354,8 +354,7 @@ fn write_all(
     let mut train = SplitWriter::new(dir, "train");
     let mut holdout = SplitWriter::new(dir, "holdout");
     let mut report = PrepareReport::default();
-    // Where each kept id was first seen (`file:line`).
-    let mut seen_ids: HashMap<SampleId, String> = HashMap::new();
+    let mut seen_ids = FirstUse::default();
     let clock = PhaseClock::default();
     let mut ordinal = 0u64;
     for path in &opts.inputs {
@@ -390,15 +389,10 @@ fn write_all(
                     LineResult::Bad(kind, message) => bad(kind, message)?,
                     LineResult::Dropped(reason) => *report.dropped.entry(reason.to_string()).or_insert(0) += 1,
                     LineResult::Kept(sample, to_holdout) => {
-                        let here = format!("{}:{line_no}", path.display());
-                        if let Some(first) = seen_ids.get(&sample.id) {
-                            bad(
-                                "duplicate id",
-                                format!("id {} was already used at {first}; give every line a unique id", sample.id),
-                            )?;
+                        if let Err(repeated) = seen_ids.record(&sample.id, || format!("{}:{line_no}", path.display())) {
+                            bad("duplicate id", repeated)?;
                             continue;
                         }
-                        seen_ids.insert(sample.id.clone(), here);
                         if sample.input_ids.len() == opts.max_len {
                             report.truncated += 1;
                         }

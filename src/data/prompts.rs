@@ -3,7 +3,6 @@
 //! and a generation prompt, so the target answers its last user turn. Trailing assistant messages are dropped
 //! (they are the answers being regenerated). Any bad line is an error naming the file and line.
 use std::cell::OnceCell;
-use std::collections::HashMap;
 use std::io::BufRead;
 use std::path::Path;
 
@@ -11,6 +10,7 @@ use serde_json::Value;
 
 use super::chat::Conversation;
 use super::prepare::ModelAssets;
+use super::sample_id::FirstUse;
 use super::{DataError, SampleId};
 
 /// One prompt's token ids and its id (the line's `id`, else its 0-based line number).
@@ -37,7 +37,7 @@ pub fn read_prompts(
         Ok(loaded.get_or_init(|| a))
     };
     let mut prompts: Vec<Prompt> = Vec::new();
-    let mut first_line: HashMap<SampleId, usize> = HashMap::new();
+    let mut seen = FirstUse::default();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
         if line.trim().is_empty() {
@@ -45,12 +45,7 @@ pub fn read_prompts(
         }
         let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
         let prompt = parse_prompt(&line, i as u64, vocab_size, &assets).map_err(bad)?;
-        if let Some(first) = first_line.insert(prompt.id.clone(), i + 1) {
-            return Err(bad(format!(
-                "id {} was already used at line {first}; give every prompt a unique id",
-                prompt.id
-            )));
-        }
+        seen.record(&prompt.id, || format!("line {}", i + 1)).map_err(bad)?;
         prompts.push(prompt);
     }
     if prompts.is_empty() {

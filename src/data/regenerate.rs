@@ -5,7 +5,7 @@
 //! Resumable: output lines are appended and flushed one conversation at a time, each carrying its input id; a rerun
 //! skips ids already written (a torn last line from an interrupted run is dropped first). Conversations that fail
 //! after all retries are not written, so a rerun retries them.
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -16,6 +16,7 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::chat::{ChatError, Conversation};
+use super::sample_id::FirstUse;
 use super::{DataError, SampleId};
 
 #[derive(Debug, Clone)]
@@ -86,20 +87,15 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
     let file = std::fs::File::open(&opts.input).map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
     let mut report = RegenerateReport::default();
     let mut todo = Vec::new();
-    let mut first_line: HashMap<SampleId, usize> = HashMap::new();
+    let mut seen = FirstUse::default();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
         if line.trim().is_empty() {
             continue;
         }
         let parsed = Conversation::from_json_line(&line, n as u64).and_then(|conv| {
-            match first_line.insert(conv.id.clone(), n + 1) {
-                Some(first) => Err(ChatError::Shape(format!(
-                    "id {} was already used at line {first}; give every line a unique id",
-                    conv.id
-                ))),
-                None => Ok(conv),
-            }
+            seen.record(&conv.id, || format!("line {}", n + 1)).map_err(ChatError::Shape)?;
+            Ok(conv)
         });
         match parsed {
             Ok(conv) => {

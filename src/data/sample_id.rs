@@ -10,6 +10,8 @@
 //! anchors it always had), and so is a string's that is an integer written plainly (`"5"`); any other string's key
 //! is the first 8 bytes of its SHA-256 (little-endian) with the top bit set: the same on every machine and in every
 //! version, and apart from every integer below 2^63.
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 
@@ -64,6 +66,25 @@ impl SampleId {
         match self {
             SampleId::Number(n) => n.to_string().into(),
             SampleId::Text(s) => s.as_str().into(),
+        }
+    }
+}
+
+/// Where each id of an input was first used (`line 3`, `file:3`): a repeated id is an error naming that place.
+#[derive(Default)]
+pub struct FirstUse(HashMap<SampleId, String>);
+
+impl FirstUse {
+    /// Records `id` as used at `here`; an id used before is an error naming where it was first used.
+    pub fn record(&mut self, id: &SampleId, here: impl FnOnce() -> String) -> Result<(), String> {
+        match self.0.entry(id.clone()) {
+            Entry::Occupied(first) => {
+                Err(format!("id {id} was already used at {}; give every line a unique id", first.get()))
+            }
+            Entry::Vacant(slot) => {
+                slot.insert(here());
+                Ok(())
+            }
         }
     }
 }

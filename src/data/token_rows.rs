@@ -1,11 +1,11 @@
 //! Token rows as JSON lines: `{"id"?: int|string, "input_ids": [int...], "loss_mask": [0|1...]}`, one conversation
 //! per line. `dflash eval --data` reads them (and keeps reading them once prepared shards exist).
-use std::collections::HashMap;
 use std::io::BufRead;
 use std::path::Path;
 
 use serde::Deserialize;
 
+use super::sample_id::FirstUse;
 use super::{DataError, SampleId};
 
 /// One conversation: token ids and the loss mask (1 on supervised tokens).
@@ -30,7 +30,7 @@ struct RawRow {
 pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, DataError> {
     let file = std::fs::File::open(path).map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
     let mut rows = Vec::new();
-    let mut first_line: HashMap<SampleId, usize> = HashMap::new();
+    let mut seen = FirstUse::default();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
         if line.trim().is_empty() {
@@ -38,9 +38,7 @@ pub fn read_token_rows(path: &Path, vocab_size: usize) -> Result<Vec<TokenRow>, 
         }
         let bad = |reason: String| DataError::Line { path: path.to_path_buf(), line: i + 1, reason };
         let row = parse_row(&line, i as u64, vocab_size).map_err(bad)?;
-        if let Some(first) = first_line.insert(row.id.clone(), i + 1) {
-            return Err(bad(format!("id {} was already used at line {first}; give every row a unique id", row.id)));
-        }
+        seen.record(&row.id, || format!("line {}", i + 1)).map_err(bad)?;
         rows.push(row);
     }
     if rows.is_empty() {
