@@ -508,16 +508,14 @@ pub fn diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
         .collect()
 }
 
-/// The changes from `old` (a checkpoint's configuration) to `new` that resuming must refuse: keys of
-/// [`NON_RELOADABLE`] that differ, except a key the checkpoint's build did not have yet (absent from `old`) whose
-/// new value is the built-in default: the run meant that value all along.
-pub fn fixed_changes(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
+/// The changes from `old` (a checkpoint's configuration) to `new`, split into those resuming must refuse and the
+/// rest. Refused: keys of [`NON_RELOADABLE`] that differ, except a key the checkpoint's build did not have yet
+/// (absent from `old`) whose new value is the built-in default: the run meant that value all along.
+pub fn resume_changes(old: &serde_json::Value, new: &serde_json::Value) -> (Vec<Change>, Vec<Change>) {
     let defaults = Config::builtin().map(|c| c.merged).unwrap_or_default();
-    diff(old, new)
-        .into_iter()
-        .filter(|c| NON_RELOADABLE.contains(&c.key.as_str()))
-        .filter(|c| !(c.old.is_none() && c.new.is_some() && c.new.as_ref() == lookup(&defaults, &c.key)))
-        .collect()
+    let newer_at_default =
+        |c: &Change| c.old.is_none() && c.new.is_some() && c.new.as_ref() == lookup(&defaults, &c.key);
+    diff(old, new).into_iter().partition(|c| NON_RELOADABLE.contains(&c.key.as_str()) && !newer_at_default(c))
 }
 
 /// The value at a dotted key of a merged configuration tree.
@@ -791,14 +789,14 @@ mod tests {
         let now = Config::builtin().unwrap();
         let mut old = now.merged.clone();
         old["data"].as_object_mut().unwrap().remove("holdout");
-        assert!(fixed_changes(&old, &now.merged).is_empty(), "a checkpoint from before data.holdout resumes");
+        assert!(resume_changes(&old, &now.merged).0.is_empty(), "a checkpoint from before data.holdout resumes");
         let other = with_set(&["data.holdout=0.1"]).unwrap();
-        let keys: Vec<String> = fixed_changes(&old, &other.merged).into_iter().map(|c| c.key).collect();
+        let keys: Vec<String> = resume_changes(&old, &other.merged).0.into_iter().map(|c| c.key).collect();
         assert_eq!(keys, vec!["data.holdout"]);
-        assert_eq!(fixed_changes(&now.merged, &other.merged).len(), 1);
+        assert_eq!(resume_changes(&now.merged, &other.merged).0.len(), 1);
         let mut gone = now.merged.clone();
         gone["data"].as_object_mut().unwrap().remove("batch_size");
-        assert_eq!(fixed_changes(&now.merged, &gone).len(), 1, "a key removed is a change");
+        assert_eq!(resume_changes(&now.merged, &gone).0.len(), 1, "a key removed is a change");
     }
 
     #[test]

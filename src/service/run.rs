@@ -15,7 +15,7 @@ use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
 use super::placement::capture_devices;
 use super::supervisor::{Supervisor, SupervisorArgs};
-use crate::config::{Change, Config, Layers, TargetSource, diff, fixed_changes};
+use crate::config::{Config, Layers, TargetSource, resume_changes};
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
@@ -80,11 +80,7 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
             None
         }
         (Resume::Auto, Some((path, state))) => {
-            let fixed = fixed_changes(&state.config, &config.merged);
-            let others: Vec<Change> = diff(&state.config, &config.merged)
-                .into_iter()
-                .filter(|c| !fixed.iter().any(|f| f.key == c.key))
-                .collect();
+            let (fixed, others) = resume_changes(&state.config, &config.merged);
             if !fixed.is_empty() {
                 let changed: Vec<&str> = fixed.iter().map(|c| c.key.as_str()).collect();
                 bail!(
