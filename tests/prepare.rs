@@ -1,5 +1,7 @@
 //! `prepare` and `inspect` through their public interfaces: output format and contents, idempotence, every kind of
 //! bad input, strict mode, and interrupted runs.
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -264,22 +266,7 @@ fn sharegpt_lines(n: usize) -> Vec<String> {
     sample_conversations(n, 5)
         .iter()
         .enumerate()
-        .map(|(i, c)| {
-            let turns: Vec<serde_json::Value> = c["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| {
-                    let from = match m["role"].as_str().unwrap() {
-                        "user" => "human",
-                        "assistant" => "gpt",
-                        other => other,
-                    };
-                    json!({"from": from, "value": m["content"]})
-                })
-                .collect();
-            json!({"id": format!("QWJhYvA_{i}"), "conversations": turns}).to_string()
-        })
+        .map(|(i, c)| support::sharegpt(c, json!(format!("QWJhYvA_{i}"))).to_string())
         .collect()
 }
 

@@ -35,20 +35,7 @@ pub fn prepared() -> &'static PathBuf {
                 if id % 2 == 1 {
                     return l.to_string();
                 }
-                let turns: Vec<Value> = v["messages"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|m| {
-                        let from = match m["role"].as_str().unwrap() {
-                            "user" => "human",
-                            "assistant" => "gpt",
-                            other => other,
-                        };
-                        json!({"from": from, "value": m["content"]})
-                    })
-                    .collect();
-                json!({"id": format!("sg-{id:04x}_0"), "conversations": turns}).to_string()
+                sharegpt(&v, json!(format!("sg-{id:04x}_0"))).to_string()
             })
             .collect();
         std::fs::write(&conversations, mixed.join("\n") + "\n").unwrap();
@@ -70,6 +57,25 @@ pub fn prepared() -> &'static PathBuf {
         ]);
         out
     })
+}
+
+/// An OpenAI-form conversation (`{"messages": [{"role", "content"}]}`) in ShareGPT form, with `id`:
+/// `{"id", "conversations": [{"from", "value"}]}`, roles as ShareGPT names them.
+pub fn sharegpt(conversation: &Value, id: Value) -> Value {
+    let turns: Vec<Value> = conversation["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let from = match m["role"].as_str().unwrap() {
+                "user" => "human",
+                "assistant" => "gpt",
+                other => other,
+            };
+            json!({"from": from, "value": m["content"]})
+        })
+        .collect();
+    json!({"id": id, "conversations": turns})
 }
 
 /// A run's configuration in `dir` (tests add `--set` overrides when they start it).
