@@ -1,5 +1,5 @@
-//! The target model through its public interface: hidden-state capture and logits against an independent naive
-//! decoder (padded batches included), loading HuggingFace folders (single file and sharded), and every bad-input
+//! The target model through its public interface: hidden-state capture, logits and (for a mixture of experts) the
+//! experts each token is routed to, against an independent naive decoder (padded batches included), loading HuggingFace folders (single file and sharded), and every bad-input
 //! case producing an error that names the file or key.
 mod common;
 
@@ -25,6 +25,9 @@ fn check_against_naive(cfg: &TargetConfig, seed: i64) {
     let (ids, lengths) = pad_batch(&rows);
     let states = capture.capture(&ids, &lengths).unwrap();
     let logits = full.logits(&ids, &lengths).unwrap();
+    let routes = full.expert_choices(&ids, &lengths).unwrap();
+    let sparse_layers = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_sparse(l)).count();
+    assert_eq!(routes.len(), sparse_layers);
     let h = cfg.hidden_size as i64;
     assert_eq!(states.size(), vec![4, 11, TAPS.len() as i64 * h]);
     for (b, row) in rows.iter().enumerate() {
@@ -37,6 +40,15 @@ fn check_against_naive(cfg: &TargetConfig, seed: i64) {
         }
         let err = rel_err(&logits.get(b as i64).narrow(0, 0, len), &reference.logits);
         assert!(err < 1e-5, "row {b} logits: relative error {err}");
+        // Routing: the reference's choices are far from ties, and dflash makes exactly the same ones.
+        if cfg.moe.is_some() {
+            assert!(reference.routing_margin > 1e-4, "row {b}: routing margin {}", reference.routing_margin);
+        }
+        for (layer, (mine, theirs)) in routes.iter().zip(&reference.experts).enumerate() {
+            let s = ids.size()[1];
+            let mine: Vec<Vec<i64>> = (0..len).map(|t| Vec::try_from(&mine.get(b as i64 * s + t)).unwrap()).collect();
+            assert_eq!(&mine, theirs, "row {b}, sparse layer {layer}: expert choices");
+        }
         if len < 11 {
             let pad = states.get(b as i64).narrow(0, len, 11 - len);
             assert_eq!(pad.abs().max().double_value(&[]), 0.0, "padded positions are zeroed");
@@ -57,6 +69,36 @@ fn llama_with_llama3_rope_scaling_matches_the_naive_decoder() {
 #[test]
 fn tied_lm_head_matches_the_naive_decoder() {
     check_against_naive(&small_config(Architecture::Qwen3, true, RopeScaling::None), 3);
+}
+
+#[test]
+fn qwen3_moe_matches_the_naive_decoder_with_the_same_expert_choices() {
+    check_against_naive(&small_moe_config(), 5);
+}
+
+/// The sparse layers are not vacuous: with each token sent to its experts, changing one expert's weights or the
+/// renormalisation changes the output.
+#[test]
+fn the_naive_moe_reference_depends_on_routing() {
+    let cfg = small_moe_config();
+    let w = random_weights(&cfg, 6);
+    let row = &token_rows(cfg.vocab_size as i64, &[9], 6)[0];
+    let run = naive_forward(&cfg, &w, row);
+    assert_eq!(run.experts.len(), 3, "layers 0, 2 and 3 are sparse; 1 is dense");
+    let chosen: std::collections::BTreeSet<i64> = run.experts.iter().flatten().flatten().copied().collect();
+    assert!(chosen.len() >= 4, "tokens spread over the experts: {chosen:?}");
+    let plain = TargetConfig {
+        moe: cfg.moe.clone().map(|m| dflash::model::config::MoeConfig { norm_topk_prob: false, ..m }),
+        ..cfg.clone()
+    };
+    assert!(rel_err(&naive_forward(&plain, &w, row).logits, &run.logits) > 0.01);
+    let mut other: Weights = w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
+    let used = run.experts[0][0][0];
+    other.insert(
+        format!("model.layers.0.mlp.experts.{used}.up_proj.weight"),
+        w["model.layers.0.mlp.experts.0.up_proj.weight"].zeros_like(),
+    );
+    assert!(rel_err(&naive_forward(&cfg, &other, row).layer_outputs[0], &run.layer_outputs[0]) > 0.01);
 }
 
 #[test]

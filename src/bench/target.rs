@@ -66,7 +66,7 @@ pub struct TargetBenchReport {
 pub fn target_flops(cfg: &TargetConfig, layers_run: usize, batch: i64, seq: i64, full: bool) -> f64 {
     let tokens = (batch * seq) as f64;
     let layers = layers_run as f64;
-    let matmul = 2.0 * cfg.layer_matmul_params() as f64 * layers * tokens;
+    let matmul = 2.0 * (0..layers_run).map(|l| cfg.layer_matmul_params(l)).sum::<usize>() as f64 * tokens;
     let attention = 2.0 * layers * (cfg.num_attention_heads * cfg.head_dim) as f64 * seq as f64 * tokens;
     let head = if full { 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64 * tokens } else { 0.0 };
     matmul + attention + head
@@ -161,12 +161,30 @@ mod tests {
     fn flops_match_the_published_formula_at_qwen3_8b_shapes() {
         let cfg = Preset::Qwen3_8b.spec().target;
         // Per layer: q 4096x4096, k and v 1024x4096, o 4096x4096, MLP 3 x 4096x12288.
-        assert_eq!(cfg.layer_matmul_params(), 192_937_984);
+        assert_eq!(cfg.layer_matmul_params(0), 192_937_984);
         let f = target_flops(&cfg, 34, 16, 2048, false);
         let tokens = 16.0 * 2048.0;
         let expected = 2.0 * 192_937_984.0 * 34.0 * tokens + 2.0 * 34.0 * 4096.0 * 2048.0 * tokens;
         assert_eq!(f, expected);
         assert!(target_flops(&cfg, 36, 1, 8, true) > target_flops(&cfg, 36, 1, 8, false));
+    }
+
+    /// A mixture-of-experts layer counts what one token multiplies: the router and its 8 chosen experts of 128.
+    #[test]
+    fn moe_flops_count_the_active_parameters() {
+        let cfg = Preset::Qwen3_30bA3b.spec().target;
+        let attention = 2048 * 4096 * 2 + 2 * 2048 * 512;
+        let active = attention + 2048 * 128 + 8 * 3 * 2048 * 768;
+        assert!((0..48).all(|l| cfg.layer_matmul_params(l) == active));
+        // With the embedding and the LM head: Qwen's published 3.3B activated parameters.
+        let total = 48 * active + 2 * 151936 * 2048;
+        assert!((3.3e9..3.4e9).contains(&(total as f64)), "{total}");
+        // A dense layer (mlp_only_layers) counts its dense MLP.
+        let tiny = Preset::TinyMoe.spec().target;
+        assert_eq!(
+            tiny.layer_matmul_params(0) - tiny.layer_matmul_params(1),
+            3 * 64 * 192 - (64 * 8 + 2 * 3 * 64 * 64)
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The target's architecture, read from a HuggingFace `config.json` (Qwen3 and Llama-3 decoders) or built from a
-//! preset, and written back in the same format. Both spellings of the RoPE settings are read: `rope_theta` (+
+//! The target's architecture, read from a HuggingFace `config.json` (Qwen3, Qwen3-MoE and Llama-3 decoders) or built
+//! from a preset, and written back in the same format. Both spellings of the RoPE settings are read: `rope_theta` (+
 //! `rope_scaling`) at the top level, as published checkpoints have them, and transformers 5's `rope_parameters`.
 use std::path::Path;
 
@@ -8,29 +8,56 @@ use serde_json::{Value, json};
 
 use super::ModelError;
 
-/// Which decoder family: they differ in per-head q/k norms (Qwen3 has them) and in naming only.
+/// Which decoder family: they differ in per-head q/k norms (the Qwen3 families have them), in the MLP (Qwen3-MoE's
+/// sparse layers route each token to a few experts) and in naming.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Architecture {
     Qwen3,
+    Qwen3Moe,
     Llama,
 }
 
 impl Architecture {
+    const ALL: [Architecture; 3] = [Architecture::Qwen3, Architecture::Qwen3Moe, Architecture::Llama];
+
     pub fn hf_class(self) -> &'static str {
         match self {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
             Architecture::Llama => "LlamaForCausalLM",
         }
     }
     pub fn model_type(self) -> &'static str {
         match self {
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Llama => "llama",
         }
     }
-    /// Qwen3 normalises each query and key head (RMSNorm over head_dim) before RoPE.
+    /// The Qwen3 families normalise each query and key head (RMSNorm over head_dim) before RoPE.
     pub fn has_qk_norm(self) -> bool {
-        self == Architecture::Qwen3
+        matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe)
+    }
+}
+
+/// Qwen3-MoE's sparse MLP: a router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per token (softmax
+/// over all experts in f32, top-k, renormalised over the chosen ones when `norm_topk_prob`), and their outputs are
+/// summed with those weights. Layer `l` is sparse unless listed in `mlp_only_layers` or `(l + 1)` is not a multiple
+/// of `decoder_sparse_step`; other layers keep the dense MLP of `intermediate_size`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer` routes its tokens to experts (HF's `Qwen3MoeDecoderLayer` rule).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer) && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 }
 
@@ -66,6 +93,8 @@ pub struct TargetConfig {
     pub bos_token_id: Option<i64>,
     pub eos_token_ids: Vec<i64>,
     pub pad_token_id: Option<i64>,
+    /// The sparse MLP of a Qwen3-MoE target; `None` for dense decoders.
+    pub moe: Option<MoeConfig>,
 }
 
 /// The subset of HuggingFace's `config.json` we read; other keys are ignored, as transformers does.
@@ -92,9 +121,19 @@ struct HfConfig {
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
     pad_token_id: Option<Value>,
+    use_sliding_window: Option<bool>,
+    num_experts: Option<usize>,
+    /// transformers 5 writes `num_experts` under this name.
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
-const SUPPORTED: &str = "Qwen3ForCausalLM (model_type qwen3) or LlamaForCausalLM (model_type llama)";
+const SUPPORTED: &str = "Qwen3ForCausalLM (model_type qwen3), Qwen3MoeForCausalLM (model_type qwen3_moe) or \
+                         LlamaForCausalLM (model_type llama)";
 
 impl TargetConfig {
     /// Reads and validates `dir/config.json`.
@@ -119,7 +158,11 @@ impl TargetConfig {
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(format!("`hidden_act` = {act:?} is not supported (only \"silu\")"));
         }
+        if hf.use_sliding_window == Some(true) {
+            return Err("`use_sliding_window` = true is not supported (published Qwen3 models have it false)".into());
+        }
         let (rope_theta, rope_scaling) = rope_settings(&hf)?;
+        let moe = (architecture == Architecture::Qwen3Moe).then(|| moe_settings(&hf));
         let cfg = TargetConfig {
             architecture,
             vocab_size: need(hf.vocab_size, "vocab_size")?,
@@ -137,6 +180,7 @@ impl TargetConfig {
             bos_token_id: token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(hf.eos_token_id.as_ref(), "eos_token_id")?,
             pad_token_id: token_ids(hf.pad_token_id.as_ref(), "pad_token_id")?.first().copied(),
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -170,6 +214,30 @@ impl TargetConfig {
         }
         if !self.rms_norm_eps.is_finite() || self.rms_norm_eps <= 0.0 {
             return Err(format!("`rms_norm_eps` ({}) must be positive", self.rms_norm_eps));
+        }
+        match (self.architecture, &self.moe) {
+            (Architecture::Qwen3Moe, None) => return Err("a qwen3_moe target needs its experts' settings".into()),
+            (other, Some(_)) if other != Architecture::Qwen3Moe => {
+                return Err(format!("a {} target has no experts; only qwen3_moe does", other.model_type()));
+            }
+            _ => {}
+        }
+        if let Some(m) = &self.moe {
+            for (key, v) in [
+                ("num_experts", m.num_experts),
+                ("moe_intermediate_size", m.moe_intermediate_size),
+                ("decoder_sparse_step", m.decoder_sparse_step),
+            ] {
+                if v == 0 {
+                    return Err(format!("`{key}` must be positive"));
+                }
+            }
+            if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+                return Err(format!(
+                    "`num_experts_per_tok` ({}) must be between 1 and `num_experts` ({})",
+                    m.num_experts_per_tok, m.num_experts
+                ));
+            }
         }
         Ok(())
     }
@@ -211,6 +279,18 @@ impl TargetConfig {
                 "original_max_position_embeddings": original_max_position_embeddings,
             });
         }
+        if let Some(m) = &self.moe {
+            for (key, value) in [
+                ("num_experts", json!(m.num_experts)),
+                ("num_experts_per_tok", json!(m.num_experts_per_tok)),
+                ("moe_intermediate_size", json!(m.moe_intermediate_size)),
+                ("norm_topk_prob", json!(m.norm_topk_prob)),
+                ("decoder_sparse_step", json!(m.decoder_sparse_step)),
+                ("mlp_only_layers", json!(m.mlp_only_layers)),
+            ] {
+                v[key] = value;
+            }
+        }
         v
     }
 
@@ -218,12 +298,24 @@ impl TargetConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
-    /// Weights in the matrix products of one decoder layer (q, k, v, o, gate, up, down).
-    pub fn layer_matmul_params(&self) -> usize {
+    /// Whether decoder layer `layer` has a sparse (mixture-of-experts) MLP.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
+    }
+
+    /// The weights one token multiplies in decoder layer `layer` (its active parameters): q, k, v, o, and the dense
+    /// MLP's gate, up and down, or in a sparse layer the router and the gate, up and down of each chosen expert.
+    pub fn layer_matmul_params(&self, layer: usize) -> usize {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+        let mlp = match &self.moe {
+            Some(m) if m.is_sparse(layer) => {
+                h * m.num_experts + m.num_experts_per_tok * 3 * h * m.moe_intermediate_size
+            }
+            _ => 3 * h * self.intermediate_size,
+        };
+        h * q + 2 * h * kv + q * h + mlp
     }
 }
 
@@ -242,22 +334,30 @@ pub(crate) fn read_config_json<T>(
 }
 
 fn architecture_of(hf: &HfConfig) -> Result<Architecture, String> {
-    let from_class = |c: &str| match c {
-        "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
-        "LlamaForCausalLM" => Some(Architecture::Llama),
-        _ => None,
-    };
     if let Some(classes) = &hf.architectures {
         return classes
             .iter()
-            .find_map(|c| from_class(c))
+            .find_map(|c| Architecture::ALL.into_iter().find(|a| a.hf_class() == c))
             .ok_or_else(|| format!("unsupported `architectures` {classes:?}: dflash runs {SUPPORTED}"));
     }
     match hf.model_type.as_deref() {
-        Some("qwen3") => Ok(Architecture::Qwen3),
-        Some("llama") => Ok(Architecture::Llama),
-        Some(other) => Err(format!("unsupported `model_type` {other:?}: dflash runs {SUPPORTED}")),
+        Some(t) => Architecture::ALL
+            .into_iter()
+            .find(|a| a.model_type() == t)
+            .ok_or_else(|| format!("unsupported `model_type` {t:?}: dflash runs {SUPPORTED}")),
         None => Err(format!("neither `architectures` nor `model_type` is set: dflash runs {SUPPORTED}")),
+    }
+}
+
+/// Qwen3-MoE's keys, with transformers' `Qwen3MoeConfig` defaults where a key is absent.
+fn moe_settings(hf: &HfConfig) -> MoeConfig {
+    MoeConfig {
+        num_experts: hf.num_experts.or(hf.num_local_experts).unwrap_or(128),
+        num_experts_per_tok: hf.num_experts_per_tok.unwrap_or(8),
+        moe_intermediate_size: hf.moe_intermediate_size.unwrap_or(768),
+        norm_topk_prob: hf.norm_topk_prob.unwrap_or(false),
+        decoder_sparse_step: hf.decoder_sparse_step.unwrap_or(1),
+        mlp_only_layers: hf.mlp_only_layers.clone().unwrap_or_default(),
     }
 }
 
@@ -339,6 +439,40 @@ mod tests {
         assert!(matches!(l.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
     }
 
+    /// Qwen3-30B-A3B's published config.json (Qwen/Qwen3-30B-A3B).
+    const QWEN3_30B_A3B: &str = r#"{
+      "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+      "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+      "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+      "moe_intermediate_size": 768, "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+      "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": false,
+      "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+      "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936 }"#;
+
+    #[test]
+    fn reads_the_published_qwen3_moe_config_as_the_preset() {
+        let cfg = TargetConfig::from_json(QWEN3_30B_A3B).unwrap();
+        // The preset also names the tokenizer's pad token (<|endoftext|>), which config.json leaves out.
+        let preset = crate::model::Preset::Qwen3_30bA3b.spec().target;
+        assert_eq!(TargetConfig { pad_token_id: Some(151643), ..cfg.clone() }, preset);
+        assert!((0..48).all(|l| cfg.is_sparse(l)));
+        // decoder_sparse_step and mlp_only_layers as HF's decoder layer reads them.
+        let text = QWEN3_30B_A3B
+            .replace(r#""decoder_sparse_step": 1"#, r#""decoder_sparse_step": 2"#)
+            .replace(r#""mlp_only_layers": []"#, r#""mlp_only_layers": [3]"#);
+        let cfg = TargetConfig::from_json(&text).unwrap();
+        let sparse: Vec<usize> = (0..8).filter(|&l| cfg.is_sparse(l)).collect();
+        assert_eq!(sparse, vec![1, 5, 7]);
+        // Absent keys take transformers' defaults (norm_topk_prob false among them).
+        let bare = QWEN3_30B_A3B.replace(r#""norm_topk_prob": true,"#, "").replace(r#""num_experts": 128,"#, "");
+        let m = TargetConfig::from_json(&bare).unwrap().moe.unwrap();
+        assert_eq!((m.num_experts, m.norm_topk_prob), (128, false));
+        let again = TargetConfig::from_json(&cfg.to_hf_json("bfloat16").to_string()).unwrap();
+        assert_eq!(cfg, again);
+    }
+
     #[test]
     fn reads_rope_parameters_spelling() {
         let text = QWEN3_8B.replace(
@@ -371,6 +505,22 @@ mod tests {
             (QWEN3_8B.replace(r#""hidden_act": "silu""#, r#""hidden_act": "gelu""#), "hidden_act"),
             (QWEN3_8B.replace(r#""eos_token_id": 151645"#, r#""eos_token_id": "x""#), "eos_token_id"),
             ("{not json".to_string(), "not valid JSON"),
+            (
+                QWEN3_8B.replace(r#""rope_scaling""#, r#""use_sliding_window": true, "rope_scaling""#),
+                "use_sliding_window",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""num_experts_per_tok": 8"#, r#""num_experts_per_tok": 129"#),
+                "num_experts_per_tok",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""moe_intermediate_size": 768"#, r#""moe_intermediate_size": 0"#),
+                "moe_intermediate_size",
+            ),
+            (
+                QWEN3_30B_A3B.replace(r#""decoder_sparse_step": 1"#, r#""decoder_sparse_step": 0"#),
+                "decoder_sparse_step",
+            ),
         ];
         for (text, expected) in cases {
             let err = TargetConfig::from_json(&text).unwrap_err();

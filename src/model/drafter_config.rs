@@ -38,6 +38,7 @@ impl DrafterConfig {
             num_hidden_layers: num_layers,
             intermediate_size: intermediate_size.unwrap_or(target.intermediate_size),
             tie_word_embeddings: false,
+            moe: None,
             ..target.clone()
         };
         let cfg = DrafterConfig {

@@ -1,4 +1,4 @@
-//! Models: the frozen target (Qwen3 / Llama-3), the layers it shares with the drafter, HuggingFace config and
+//! Models: the frozen target (Qwen3 / Qwen3-MoE / Llama-3), the layers it shares with the drafter, HuggingFace config and
 //! safetensors I/O, and the built-in presets.
 use std::path::PathBuf;
 
@@ -11,6 +11,7 @@ pub mod generate;
 pub mod init;
 pub mod kv_cache;
 pub mod layers;
+pub mod moe;
 pub mod presets;
 pub mod shared;
 pub mod speculative;

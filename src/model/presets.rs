@@ -1,13 +1,14 @@
 //! Built-in targets: `tiny-tasks`, the default run's target (the `tiny` shape with trained weights built into the
-//! binary: it answers the built-in tasks, so a drafter has something to learn); `tiny` with random weights for
-//! tests; and the real shapes of published targets, with random weights, for benchmarks. A preset also fixes what
+//! binary: it answers the built-in tasks, so a drafter has something to learn); `tiny` and `tiny-moe` (its
+//! mixture-of-experts twin) with random weights for tests; and the real shapes of published targets, with random
+//! weights, for benchmarks. A preset also fixes what
 //! later components share with it: the tapped layer ids (written out, never re-derived) and the MASK token id.
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer};
 
-use super::config::{Architecture, RopeScaling, TargetConfig};
+use super::config::{Architecture, MoeConfig, RopeScaling, TargetConfig};
 use super::init::Init;
 use super::{Depth, ModelError, Target};
 use tch::{Device, Kind};
@@ -41,9 +42,11 @@ pub const TINY_TASKS_SHA256: &str = "7ff79fdb60bfd51ce893764c49264a2a839d8fd6e54
 pub enum Preset {
     TinyTasks,
     Tiny,
+    TinyMoe,
     Qwen3_4b,
     Qwen3_8b,
     Llama31_8b,
+    Qwen3_30bA3b,
 }
 
 /// What a preset fixes.
@@ -80,21 +83,30 @@ impl PresetSpec {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 5] =
-        [Preset::TinyTasks, Preset::Tiny, Preset::Qwen3_4b, Preset::Qwen3_8b, Preset::Llama31_8b];
+    pub const ALL: [Preset; 7] = [
+        Preset::TinyTasks,
+        Preset::Tiny,
+        Preset::TinyMoe,
+        Preset::Qwen3_4b,
+        Preset::Qwen3_8b,
+        Preset::Llama31_8b,
+        Preset::Qwen3_30bA3b,
+    ];
 
-    /// The two presets of the `tiny` shape and its built-in byte-level tokenizer.
+    /// The presets of the `tiny` vocabulary and its built-in byte-level tokenizer.
     pub fn is_tiny(self) -> bool {
-        matches!(self, Preset::Tiny | Preset::TinyTasks)
+        matches!(self, Preset::Tiny | Preset::TinyTasks | Preset::TinyMoe)
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Preset::TinyTasks => "tiny-tasks",
             Preset::Tiny => "tiny",
+            Preset::TinyMoe => "tiny-moe",
             Preset::Qwen3_4b => "qwen3-4b",
             Preset::Qwen3_8b => "qwen3-8b",
             Preset::Llama31_8b => "llama3.1-8b",
+            Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
         }
     }
 
@@ -116,6 +128,7 @@ impl Preset {
             bos_token_id: Some(151643),
             eos_token_ids: vec![151645],
             pad_token_id: Some(151643),
+            moe: None,
         };
         let real = |target, taps: &[usize], mask| PresetSpec {
             target,
@@ -145,6 +158,7 @@ impl Preset {
                     bos_token_id: Some(tiny::ENDOFTEXT),
                     eos_token_ids: vec![tiny::IM_END],
                     pad_token_id: Some(tiny::ENDOFTEXT),
+                    moe: None,
                 },
                 taps: vec![1, 3, 5],
                 mask_token_id: tiny::MASK,
@@ -152,6 +166,20 @@ impl Preset {
                 init_std: 0.125,
                 weights: None,
             },
+            // The tiny shape with 8 experts of width 64, two per token; layer 0 keeps the dense MLP.
+            Preset::TinyMoe => {
+                let tiny = Preset::Tiny.spec();
+                let moe = MoeConfig {
+                    num_experts: 8,
+                    num_experts_per_tok: 2,
+                    moe_intermediate_size: 64,
+                    norm_topk_prob: true,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: vec![0],
+                };
+                let target = TargetConfig { architecture: Architecture::Qwen3Moe, moe: Some(moe), ..tiny.target };
+                PresetSpec { target, init: Init::Portable(tiny::SEED + 1), ..tiny }
+            }
             Preset::Qwen3_4b => real(qwen3(2560, 9728, true), &[1, 9, 17, 25, 33], 151669),
             Preset::Qwen3_8b => real(qwen3(4096, 12288, false), &[1, 9, 17, 25, 33], 151669),
             Preset::Llama31_8b => real(
@@ -177,10 +205,32 @@ impl Preset {
                     bos_token_id: Some(128000),
                     eos_token_ids: vec![128001, 128008, 128009],
                     pad_token_id: None,
+                    moe: None,
                 },
                 &[1, 8, 15, 22, 29],
                 // <|reserved_special_token_0|>: in the embedding table, never produced by the tokenizer.
                 128002,
+            ),
+            // Qwen3-30B-A3B's config.json: 48 layers, 128 experts of width 768, 8 per token; taps by z-lab's rule for
+            // 5 drafter layers (1 + i * 44 / 4).
+            Preset::Qwen3_30bA3b => real(
+                TargetConfig {
+                    architecture: Architecture::Qwen3Moe,
+                    num_hidden_layers: 48,
+                    num_key_value_heads: 4,
+                    intermediate_size: 6144,
+                    moe: Some(MoeConfig {
+                        num_experts: 128,
+                        num_experts_per_tok: 8,
+                        moe_intermediate_size: 768,
+                        norm_topk_prob: true,
+                        decoder_sparse_step: 1,
+                        mlp_only_layers: vec![],
+                    }),
+                    ..qwen3(2048, 6144, false)
+                },
+                &[1, 12, 23, 34, 45],
+                151669,
             ),
         }
     }
@@ -222,7 +272,7 @@ mod tests {
             assert!((spec.mask_token_id as usize) < spec.target.vocab_size);
             assert_eq!(p.name().parse::<Preset>().unwrap(), p);
         }
-        assert!("qwen3-9b".parse::<Preset>().unwrap_err().contains("tiny, qwen3-4b"));
+        assert!("qwen3-9b".parse::<Preset>().unwrap_err().contains("tiny, tiny-moe, qwen3-4b"));
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The frozen target decoder (Qwen3 or Llama-3). Its one training-time job is to turn token batches into the
+//! The frozen target decoder (Qwen3, Qwen3-MoE or Llama-3). Its one training-time job is to turn token batches into the
 //! concatenated hidden states of the tapped layers, as fast as the GPU allows; it also lends the drafter its
 //! embedding and LM head, and can run the whole stack for decoding.
 //!
@@ -16,6 +16,7 @@ use super::drafter::{context_bucket, repeat_kv};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, norm_rope, rms_norm, swiglu_activation};
+use super::moe::SparseMlp;
 use super::weights::{HostTensor, WeightFiles, write_sharded};
 use crate::device::kind_name;
 use crate::profile::span;
@@ -38,9 +39,16 @@ struct DecoderLayer {
     o_proj: Tensor,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
-    /// `[2 * intermediate, hidden]`
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
+    mlp: Mlp,
+}
+
+enum Mlp {
+    Dense {
+        /// `[2 * intermediate, hidden]`
+        gate_up_proj: Tensor,
+        down_proj: Tensor,
+    },
+    Sparse(SparseMlp),
 }
 
 /// How a layer's attention finds its keys.
@@ -111,9 +119,22 @@ fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(St
             out.push((format!("{p}.self_attn.q_norm.weight"), vec![d], norm));
             out.push((format!("{p}.self_attn.k_norm.weight"), vec![d], norm));
         }
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], std));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], std));
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], std));
+        match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+            Some(m) => {
+                out.push((format!("{p}.mlp.gate.weight"), vec![m.num_experts, h], std));
+                for e in 0..m.num_experts {
+                    let (x, mi) = (format!("{p}.mlp.experts.{e}"), m.moe_intermediate_size);
+                    out.push((format!("{x}.gate_proj.weight"), vec![mi, h], std));
+                    out.push((format!("{x}.up_proj.weight"), vec![mi, h], std));
+                    out.push((format!("{x}.down_proj.weight"), vec![h, mi], std));
+                }
+            }
+            None => {
+                out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h], std));
+                out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h], std));
+                out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i], std));
+            }
+        }
     }
     if with_head {
         out.push(("model.norm.weight".to_string(), vec![h], norm));
@@ -199,10 +220,13 @@ impl Target {
             Depth::ToLastTap => taps.last().expect("validated non-empty") + 1,
             Depth::Full => cfg.num_hidden_layers,
         };
-        let specs = hf_tensors(&cfg, num_layers, depth == Depth::Full);
+        let specs: std::collections::HashMap<String, (Vec<usize>, bool)> =
+            hf_tensors(&cfg, num_layers, depth == Depth::Full)
+                .into_iter()
+                .map(|(name, shape, is_matrix)| (name, (shape, is_matrix)))
+                .collect();
         let mut get = |name: &str| -> Result<Tensor, ModelError> {
-            let (_, shape, is_matrix) =
-                specs.iter().find(|(n, _, _)| n == name).expect("every requested tensor is in the spec list");
+            let (shape, is_matrix) = specs.get(name).expect("every requested tensor is in the spec list");
             tensor(name, shape, *is_matrix)
         };
         let embed_tokens = get("model.embed_tokens.weight")?;
@@ -218,7 +242,31 @@ impl Target {
                 ],
                 0,
             )?;
-            let gate_up_proj = Tensor::f_cat(&[get(&w("mlp.gate_proj.weight"))?, get(&w("mlp.up_proj.weight"))?], 0)?;
+            let mlp = match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+                Some(m) => {
+                    let mut gate_up = Vec::with_capacity(m.num_experts);
+                    let mut down = Vec::with_capacity(m.num_experts);
+                    for e in 0..m.num_experts {
+                        let x = |suffix: &str| w(&format!("mlp.experts.{e}.{suffix}"));
+                        gate_up.push(Tensor::f_cat(&[get(&x("gate_proj.weight"))?, get(&x("up_proj.weight"))?], 0)?);
+                        down.push(get(&x("down_proj.weight"))?);
+                    }
+                    Mlp::Sparse(SparseMlp::new(
+                        get(&w("mlp.gate.weight"))?,
+                        Tensor::f_stack(&gate_up, 0)?,
+                        Tensor::f_stack(&down, 0)?,
+                        m.num_experts_per_tok,
+                        m.norm_topk_prob,
+                    ))
+                }
+                None => Mlp::Dense {
+                    gate_up_proj: Tensor::f_cat(
+                        &[get(&w("mlp.gate_proj.weight"))?, get(&w("mlp.up_proj.weight"))?],
+                        0,
+                    )?,
+                    down_proj: get(&w("mlp.down_proj.weight"))?,
+                },
+            };
             let (q_norm, k_norm) = if cfg.architecture.has_qk_norm() {
                 (Some(get(&w("self_attn.q_norm.weight"))?), Some(get(&w("self_attn.k_norm.weight"))?))
             } else {
@@ -231,8 +279,7 @@ impl Target {
                 o_proj: get(&w("self_attn.o_proj.weight"))?,
                 q_norm,
                 k_norm,
-                gate_up_proj,
-                down_proj: get(&w("mlp.down_proj.weight"))?,
+                mlp,
             });
         }
         let (norm, lm_head) = match depth {
@@ -293,7 +340,7 @@ impl Target {
         let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
         let _last = tch::no_grad(|| {
             let mut next_tap = 0;
-            self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, None, |layer, x| {
+            self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, None, None, |layer, x| {
                 if self.taps.get(next_tap) == Some(&layer) {
                     let _p = span("target.copy_taps");
                     let mut slot = out.narrow(2, next_tap as i64 * h, h);
@@ -314,11 +361,21 @@ impl Target {
         };
         self.check_batch(input_ids, lengths)?;
         let logits = tch::no_grad(|| -> Result<Tensor, ModelError> {
-            let x = self.run_layers(input_ids, self.layers.len(), None, |_, _| {})?;
+            let x = self.run_layers(input_ids, self.layers.len(), None, None, |_, _| {})?;
             Ok(rms_norm(&x, norm, self.cfg.rms_norm_eps).linear(self.lm_head(), None::<Tensor>))
         })?;
         self.zero_padding(&logits, lengths)?;
         Ok(logits)
+    }
+
+    /// The experts each sparse layer (in layer order, up to the last tap or all) chooses for every position of
+    /// `input_ids [B, S]`: `[B * S, experts per token]` each, most probable first. For checking routing against a
+    /// reference implementation; empty for a dense target.
+    pub fn expert_choices(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Vec<Tensor>, ModelError> {
+        self.check_batch(input_ids, lengths)?;
+        let mut routes = vec![];
+        let _last = tch::no_grad(|| self.run_layers(input_ids, self.layers.len(), None, Some(&mut routes), |_, _| {}))?;
+        Ok(routes)
     }
 
     /// A cache for [`Target::decode`] holding up to `capacity` positions of one sequence (rounded up to a
@@ -347,7 +404,7 @@ impl Target {
         }
         tch::no_grad(|| {
             let mut taps = Vec::with_capacity(self.taps.len());
-            let x = self.run_layers(input_ids, self.layers.len(), Some(cache), |layer, x| {
+            let x = self.run_layers(input_ids, self.layers.len(), Some(cache), None, |layer, x| {
                 if self.taps.contains(&layer) {
                     taps.push(x.copy());
                 }
@@ -386,12 +443,13 @@ impl Target {
     /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output. The
     /// next layer updates `output` in place: copy what you keep.
     /// With a cache, the tokens continue the cached sequence (positions from its length on) and every layer's new
-    /// keys and values are written to it.
+    /// keys and values are written to it. With `routes`, each sparse layer appends its chosen experts.
     fn run_layers(
         &self,
         input_ids: &Tensor,
         count: usize,
         mut cache: Option<&mut KvCache>,
+        mut routes: Option<&mut Vec<Tensor>>,
         mut observe: impl FnMut(usize, &Tensor),
     ) -> Result<Tensor, ModelError> {
         let s = input_ids.size()[1];
@@ -424,7 +482,7 @@ impl Target {
                 Some(c) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
                 None => Keys::Causal,
             };
-            x = self.layer_forward(layer, &x, &cos, &sin, attend)?;
+            x = self.layer_forward(layer, &x, &cos, &sin, attend, routes.as_deref_mut())?;
             observe(i, &x);
         }
         if let Some(c) = cache {
@@ -440,6 +498,7 @@ impl Target {
         cos: &Tensor,
         sin: &Tensor,
         keys: Keys<'_>,
+        routes: Option<&mut Vec<Tensor>>,
     ) -> Result<Tensor, ModelError> {
         let c = &self.cfg;
         let (b, s) = (x.size()[0], x.size()[1]);
@@ -510,9 +569,19 @@ impl Target {
             rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps)
         };
         let _p = span("target.mlp");
-        let gu = h.view([b * s, hidden]).linear(&layer.gate_up_proj, None::<Tensor>);
-        let act = swiglu_activation(&gu);
-        let _ = x.view([b * s, hidden]).f_addmm_(&act, &layer.down_proj.tr())?;
+        let (mut x_rows, h_rows) = (x.view([b * s, hidden]), h.view([b * s, hidden]));
+        match &layer.mlp {
+            Mlp::Dense { gate_up_proj, down_proj } => {
+                let act = swiglu_activation(&h_rows.linear(gate_up_proj, None::<Tensor>));
+                let _ = x_rows.f_addmm_(&act, &down_proj.tr())?;
+            }
+            Mlp::Sparse(sparse) => {
+                if let Some(routes) = routes {
+                    routes.push(sparse.route(&h_rows)?.0);
+                }
+                sparse.add_to(&x_rows, &h_rows)?;
+            }
+        }
         Ok(x.shallow_clone())
     }
 
@@ -535,45 +604,51 @@ impl Target {
         }
         std::fs::create_dir_all(dir).map_err(|err| ModelError::Io { path: dir.to_path_buf(), err })?;
         let c = &self.cfg;
-        let (q, kv, i) = (
-            (c.num_attention_heads * c.head_dim) as i64,
-            (c.num_key_value_heads * c.head_dim) as i64,
-            c.intermediate_size as i64,
-        );
-        // (HF name, stored tensor, the rows of a stacked tensor that hold it)
-        type Part<'a> = (String, &'a Tensor, Option<(i64, i64)>);
-        let mut tensors: Vec<Part> = vec![("model.embed_tokens.weight".into(), &self.embed_tokens, None)];
+        let (q, kv) = ((c.num_attention_heads * c.head_dim) as i64, (c.num_key_value_heads * c.head_dim) as i64);
+        let rows = |t: &Tensor, start: i64, len: i64| t.narrow(0, start, len);
+        let mut tensors: Vec<(String, Tensor)> =
+            vec![("model.embed_tokens.weight".into(), self.embed_tokens.shallow_clone())];
         for (l, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{l}");
-            tensors.push((format!("{p}.input_layernorm.weight"), &layer.input_layernorm, None));
-            tensors.push((format!("{p}.post_attention_layernorm.weight"), &layer.post_attention_layernorm, None));
-            tensors.push((format!("{p}.self_attn.q_proj.weight"), &layer.qkv_proj, Some((0, q))));
-            tensors.push((format!("{p}.self_attn.k_proj.weight"), &layer.qkv_proj, Some((q, kv))));
-            tensors.push((format!("{p}.self_attn.v_proj.weight"), &layer.qkv_proj, Some((q + kv, kv))));
-            tensors.push((format!("{p}.self_attn.o_proj.weight"), &layer.o_proj, None));
+            let mut put = |suffix: String, t: Tensor| tensors.push((format!("{p}.{suffix}"), t));
+            put("input_layernorm.weight".into(), layer.input_layernorm.shallow_clone());
+            put("post_attention_layernorm.weight".into(), layer.post_attention_layernorm.shallow_clone());
+            put("self_attn.q_proj.weight".into(), rows(&layer.qkv_proj, 0, q));
+            put("self_attn.k_proj.weight".into(), rows(&layer.qkv_proj, q, kv));
+            put("self_attn.v_proj.weight".into(), rows(&layer.qkv_proj, q + kv, kv));
+            put("self_attn.o_proj.weight".into(), layer.o_proj.shallow_clone());
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                tensors.push((format!("{p}.self_attn.q_norm.weight"), qn, None));
-                tensors.push((format!("{p}.self_attn.k_norm.weight"), kn, None));
+                put("self_attn.q_norm.weight".into(), qn.shallow_clone());
+                put("self_attn.k_norm.weight".into(), kn.shallow_clone());
             }
-            tensors.push((format!("{p}.mlp.gate_proj.weight"), &layer.gate_up_proj, Some((0, i))));
-            tensors.push((format!("{p}.mlp.up_proj.weight"), &layer.gate_up_proj, Some((i, i))));
-            tensors.push((format!("{p}.mlp.down_proj.weight"), &layer.down_proj, None));
+            match &layer.mlp {
+                Mlp::Dense { gate_up_proj, down_proj } => {
+                    let i = gate_up_proj.size()[0] / 2;
+                    put("mlp.gate_proj.weight".into(), rows(gate_up_proj, 0, i));
+                    put("mlp.up_proj.weight".into(), rows(gate_up_proj, i, i));
+                    put("mlp.down_proj.weight".into(), down_proj.shallow_clone());
+                }
+                Mlp::Sparse(sparse) => {
+                    put("mlp.gate.weight".into(), sparse.router().shallow_clone());
+                    let i = sparse.gate_up().size()[1] / 2;
+                    for e in 0..sparse.gate_up().size()[0] {
+                        let gate_up = sparse.gate_up().get(e);
+                        put(format!("mlp.experts.{e}.gate_proj.weight"), rows(&gate_up, 0, i));
+                        put(format!("mlp.experts.{e}.up_proj.weight"), rows(&gate_up, i, i));
+                        put(format!("mlp.experts.{e}.down_proj.weight"), sparse.down().get(e));
+                    }
+                }
+            }
         }
         if let Some(norm) = &self.norm {
-            tensors.push(("model.norm.weight".into(), norm, None));
+            tensors.push(("model.norm.weight".into(), norm.shallow_clone()));
         }
         if let Some(head) = &self.lm_head {
-            tensors.push(("lm_head.weight".into(), head, None));
+            tensors.push(("lm_head.weight".into(), head.shallow_clone()));
         }
         let host = tensors
             .into_iter()
-            .map(|(name, t, rows)| {
-                let t = match rows {
-                    Some((start, len)) => t.narrow(0, start, len),
-                    None => t.shallow_clone(),
-                };
-                Ok((name, HostTensor::from_tensor(&t)?))
-            })
+            .map(|(name, t)| Ok((name, HostTensor::from_tensor(&t)?)))
             .collect::<Result<Vec<_>, ModelError>>()?;
         write_sharded(dir, host, max_shard_bytes)?;
         let config = serde_json::to_string_pretty(&c.to_hf_json(kind_name(self.kind))).expect("json");

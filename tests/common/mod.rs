@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use dflash::model::config::RopeScaling;
+use dflash::model::config::{MoeConfig, RopeScaling};
 use dflash::model::weights::{HostTensor, write_sharded};
 use dflash::model::{Architecture, TargetConfig};
 use tch::{Device, Kind, Tensor};
@@ -33,6 +33,23 @@ pub fn small_config(architecture: Architecture, tie: bool, scaling: RopeScaling)
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         pad_token_id: Some(0),
+        moe: None,
+    }
+}
+
+/// [`small_config`] as a Qwen3-MoE: 6 experts of width 24, two per token, renormalised; layer 1 keeps a dense MLP
+/// (`mlp_only_layers`), so both kinds of layer are tapped.
+pub fn small_moe_config() -> TargetConfig {
+    TargetConfig {
+        moe: Some(MoeConfig {
+            num_experts: 6,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 24,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            mlp_only_layers: vec![1],
+        }),
+        ..small_config(Architecture::Qwen3Moe, false, RopeScaling::None)
     }
 }
 
@@ -64,13 +81,26 @@ pub fn random_weights(cfg: &TargetConfig, seed: i64) -> Weights {
         w.insert(format!("{p}.self_attn.k_proj.weight"), mat(kv, h));
         w.insert(format!("{p}.self_attn.v_proj.weight"), mat(kv, h));
         w.insert(format!("{p}.self_attn.o_proj.weight"), mat(h, q));
-        if cfg.architecture == Architecture::Qwen3 {
+        if cfg.architecture.has_qk_norm() {
             w.insert(format!("{p}.self_attn.q_norm.weight"), norm(d));
             w.insert(format!("{p}.self_attn.k_norm.weight"), norm(d));
         }
-        w.insert(format!("{p}.mlp.gate_proj.weight"), mat(i, h));
-        w.insert(format!("{p}.mlp.up_proj.weight"), mat(i, h));
-        w.insert(format!("{p}.mlp.down_proj.weight"), mat(h, i));
+        match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+            Some(m) => {
+                let mi = m.moe_intermediate_size as i64;
+                w.insert(format!("{p}.mlp.gate.weight"), mat(m.num_experts as i64, h));
+                for e in 0..m.num_experts {
+                    w.insert(format!("{p}.mlp.experts.{e}.gate_proj.weight"), mat(mi, h));
+                    w.insert(format!("{p}.mlp.experts.{e}.up_proj.weight"), mat(mi, h));
+                    w.insert(format!("{p}.mlp.experts.{e}.down_proj.weight"), mat(h, mi));
+                }
+            }
+            None => {
+                w.insert(format!("{p}.mlp.gate_proj.weight"), mat(i, h));
+                w.insert(format!("{p}.mlp.up_proj.weight"), mat(i, h));
+                w.insert(format!("{p}.mlp.down_proj.weight"), mat(h, i));
+            }
+        }
     }
     w.insert("model.norm.weight".into(), norm(h));
     if !cfg.tie_word_embeddings {
@@ -156,10 +186,46 @@ pub fn rope_at(x: &Tensor, inv: &[f64], positions: &[i64]) -> Tensor {
     x * cos + rotated * sin
 }
 
-/// One sequence through the decoder: the output of every layer (`[len, hidden]` each) and the logits.
+/// One sequence through the decoder: the output of every layer (`[len, hidden]` each) and the logits; for a
+/// mixture of experts, each sparse layer's chosen experts per token (most probable first) and the smallest gap
+/// between the last chosen and the first unchosen expert's probability anywhere (how far routing is from a tie).
 pub struct NaiveRun {
     pub layer_outputs: Vec<Tensor>,
     pub logits: Tensor,
+    pub experts: Vec<Vec<Vec<i64>>>,
+    pub routing_margin: f64,
+}
+
+/// `down(silu(gate(h)) * up(h))` with the three weights named by `prefix`.
+fn naive_swiglu(w: &Weights, prefix: &str, h: &Tensor) -> Tensor {
+    let gate = h.matmul(&f64w(w, &format!("{prefix}.gate_proj.weight")).tr());
+    let up = h.matmul(&f64w(w, &format!("{prefix}.up_proj.weight")).tr());
+    (&gate * gate.sigmoid() * up).matmul(&f64w(w, &format!("{prefix}.down_proj.weight")).tr())
+}
+
+/// HF's Qwen3-MoE block, one token at a time: softmax over the router's logits, the top k, renormalised if asked,
+/// the weighted sum of those experts. Returns the output, each token's experts and the routing margin.
+fn naive_moe(m: &MoeConfig, w: &Weights, p: &str, h: &Tensor) -> (Tensor, Vec<Vec<i64>>, f64) {
+    let probs = h.matmul(&f64w(w, &format!("{p}.mlp.gate.weight")).tr()).softmax(-1, Kind::Double);
+    let (mut rows, mut chosen, mut margin) = (vec![], vec![], f64::INFINITY);
+    for t in 0..h.size()[0] {
+        let mut ranked: Vec<(f64, i64)> = Vec::<f64>::try_from(&probs.get(t)).unwrap().into_iter().zip(0..).collect();
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let k = m.num_experts_per_tok;
+        if k < ranked.len() {
+            margin = margin.min(ranked[k - 1].0 - ranked[k].0);
+        }
+        let top = &ranked[..k];
+        let total: f64 = if m.norm_topk_prob { top.iter().map(|r| r.0).sum() } else { 1.0 };
+        let x = h.narrow(0, t, 1);
+        let mut y = Tensor::zeros_like(&x);
+        for &(prob, e) in top {
+            y += naive_swiglu(w, &format!("{p}.mlp.experts.{e}"), &x) * (prob / total);
+        }
+        rows.push(y);
+        chosen.push(top.iter().map(|r| r.1).collect());
+    }
+    (Tensor::cat(&rows, 0), chosen, margin)
 }
 
 pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
@@ -170,7 +236,7 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
     let group = (cfg.num_attention_heads / cfg.num_key_value_heads) as i64;
     let causal = Tensor::ones([len, len], (Kind::Double, Device::Cpu)).triu(1).to_kind(Kind::Bool);
     let mut x = f64w(w, "model.embed_tokens.weight").index_select(0, &Tensor::from_slice(ids));
-    let mut outputs = vec![];
+    let (mut outputs, mut experts, mut routing_margin) = (vec![], vec![], f64::INFINITY);
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
         let h = rms(&x, &f64w(w, &format!("{p}.input_layernorm.weight")), eps);
@@ -183,7 +249,7 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
             let mut qh = q.narrow(1, head * d, d);
             let mut kh = k.narrow(1, kv_head * d, d);
             let vh = v.narrow(1, kv_head * d, d);
-            if cfg.architecture == Architecture::Qwen3 {
+            if cfg.architecture.has_qk_norm() {
                 qh = rms(&qh, &f64w(w, &format!("{p}.self_attn.q_norm.weight")), eps);
                 kh = rms(&kh, &f64w(w, &format!("{p}.self_attn.k_norm.weight")), eps);
             }
@@ -195,15 +261,20 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
         let attn = Tensor::cat(&heads, 1);
         x = &x + attn.matmul(&f64w(w, &format!("{p}.self_attn.o_proj.weight")).tr());
         let h = rms(&x, &f64w(w, &format!("{p}.post_attention_layernorm.weight")), eps);
-        let gate = h.matmul(&f64w(w, &format!("{p}.mlp.gate_proj.weight")).tr());
-        let up = h.matmul(&f64w(w, &format!("{p}.mlp.up_proj.weight")).tr());
-        let act = &gate * gate.sigmoid() * up;
-        x = &x + act.matmul(&f64w(w, &format!("{p}.mlp.down_proj.weight")).tr());
+        match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+            Some(m) => {
+                let (y, chosen, margin) = naive_moe(m, w, &p, &h);
+                x = &x + y;
+                experts.push(chosen);
+                routing_margin = routing_margin.min(margin);
+            }
+            None => x = &x + naive_swiglu(w, &format!("{p}.mlp"), &h),
+        }
         outputs.push(x.shallow_clone());
     }
     let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
     let logits = rms(&x, &f64w(w, "model.norm.weight"), eps).matmul(&f64w(w, head).tr());
-    NaiveRun { layer_outputs: outputs, logits }
+    NaiveRun { layer_outputs: outputs, logits, experts, routing_margin }
 }
 
 /// Max |a - b| over max |b|: the relative error of `a` against reference `b`.

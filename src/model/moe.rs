@@ -1,0 +1,151 @@
+//! Qwen3-MoE's sparse MLP for inference (capture and decoding). Every token is routed first; then all experts run at
+//! once as two grouped matrix products over the token rows sorted by expert (libtorch's `_grouped_mm`: one kernel
+//! per projection on Hopper, a loop over the groups inside libtorch elsewhere), instead of HF's loop over experts with
+//! a gather, two products and a scatter each. No step waits for the host: the group sizes stay on the device.
+//!
+//! Numerics follow HF's `Qwen3MoeSparseMoeBlock`: router logits in the model's dtype, softmax in f32, top-k,
+//! renormalised over the chosen experts when `norm_topk_prob`, cast back; SwiGLU experts. The weighted sum of a
+//! token's experts and the residual are accumulated in f32 and rounded once (HF rounds each weighted expert output
+//! and sums them in the model's dtype, expert by expert), so in bf16 the two agree to bf16 rounding, not bit for bit.
+use tch::{Kind, TchError, Tensor};
+
+use super::layers::swiglu_activation;
+
+/// One layer's router and experts.
+pub struct SparseMlp {
+    /// `[experts, hidden]`
+    router: Tensor,
+    /// `[experts, 2 * moe_intermediate, hidden]`: each expert's gate then up projection (HF's per-expert weights,
+    /// stacked).
+    gate_up: Tensor,
+    /// `[experts, hidden, moe_intermediate]`
+    down: Tensor,
+    top_k: i64,
+    norm_topk_prob: bool,
+}
+
+impl SparseMlp {
+    pub fn new(router: Tensor, gate_up: Tensor, down: Tensor, top_k: usize, norm_topk_prob: bool) -> Self {
+        SparseMlp { router, gate_up, down, top_k: top_k as i64, norm_topk_prob }
+    }
+
+    pub fn router(&self) -> &Tensor {
+        &self.router
+    }
+    /// `[experts, 2 * moe_intermediate, hidden]`, gate rows first.
+    pub fn gate_up(&self) -> &Tensor {
+        &self.gate_up
+    }
+    pub fn down(&self) -> &Tensor {
+        &self.down
+    }
+
+    /// The experts chosen for each row of `h [T, hidden]`, `[T, top_k]` (int64, most probable first), and their
+    /// weights `[T, top_k]` in `h`'s dtype.
+    pub fn route(&self, h: &Tensor) -> Result<(Tensor, Tensor), TchError> {
+        let probs = h.f_linear(&self.router, None::<Tensor>)?.f_softmax(-1, Kind::Float)?;
+        let (mut weights, experts) = probs.f_topk(self.top_k, -1, true, true)?;
+        if self.norm_topk_prob {
+            weights = weights.f_div(&weights.f_sum_dim_intlist(-1, true, Kind::Float)?)?;
+        }
+        Ok((experts, weights.f_to_kind(h.kind())?))
+    }
+
+    /// Adds the layer's output for `h [T, hidden]` to the residual stream `x [T, hidden]` in place.
+    pub fn add_to(&self, x: &Tensor, h: &Tensor) -> Result<(), TchError> {
+        let (tokens, hidden) = (h.size()[0], h.size()[1]);
+        let (experts, weights) = self.route(h)?;
+        let flat = experts.f_view([-1])?;
+        // Row r of the sorted order is copy `r % top_k` of token `r / top_k`; rows of one expert are contiguous and
+        // expert e's end at `offsets[e]`.
+        let order = flat.f_argsort_stable(true, 0, false)?;
+        let token = order.f_floor_divide_scalar(self.top_k)?;
+        let counts = Tensor::f_zeros([self.router.size()[0]], (Kind::Int64, h.device()))?.f_scatter_add(
+            0,
+            &flat,
+            &flat.f_ones_like()?,
+        )?;
+        let offsets = counts.f_cumsum(0, Kind::Int)?;
+        let rows = h.f_index_select(0, &token)?;
+        let gate_up = rows.f_internal_grouped_mm(&self.gate_up.f_transpose(1, 2)?, Some(&offsets), None, None)?;
+        let out = swiglu_activation(&gate_up).f_internal_grouped_mm(
+            &self.down.f_transpose(1, 2)?,
+            Some(&offsets),
+            None,
+            None,
+        )?;
+        // Back in token order, `[T, top_k, hidden]`; x += weights @ outputs, one f32 accumulation per token.
+        let by_token = out.f_empty_like()?.f_index_copy(0, &order, &out)?.f_view([tokens, self.top_k, hidden])?;
+        let _ = x.f_view([tokens, 1, hidden])?.f_baddbmm_(&weights.f_unsqueeze(1)?, &by_token)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// The HF expert loop written out per token in f64: softmax, top-k, renormalise, sum of weighted SwiGLU experts.
+    fn per_token(mlp: &SparseMlp, h: &Tensor) -> (Vec<Vec<i64>>, Tensor) {
+        let f = |t: &Tensor| t.to_kind(Kind::Double);
+        let inter = mlp.down.size()[2];
+        let mut chosen = vec![];
+        let mut rows = vec![];
+        for t in 0..h.size()[0] {
+            let x = f(&h.get(t));
+            let probs = f(&mlp.router).mv(&x).softmax(-1, Kind::Double);
+            let mut ranked: Vec<(f64, i64)> =
+                Vec::<f64>::try_from(&probs).unwrap().into_iter().zip(0..).collect::<Vec<_>>();
+            ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let top = &ranked[..mlp.top_k as usize];
+            let total: f64 = if mlp.norm_topk_prob { top.iter().map(|p| p.0).sum() } else { 1.0 };
+            let mut y = Tensor::zeros_like(&x);
+            for &(p, e) in top {
+                let gu = f(&mlp.gate_up.get(e)).mv(&x);
+                let (gate, up) = (gu.narrow(0, 0, inter), gu.narrow(0, inter, inter));
+                y += f(&mlp.down.get(e)).mv(&(&gate * gate.sigmoid() * up)) * (p / total);
+            }
+            chosen.push(top.iter().map(|p| p.1).collect());
+            rows.push(y);
+        }
+        (chosen, Tensor::stack(&rows, 0))
+    }
+
+    fn random_mlp(experts: i64, top_k: usize, norm: bool) -> SparseMlp {
+        let (h, i) = (24, 16);
+        let w = |shape: &[i64], std: f64| Tensor::randn(shape, (Kind::Float, Device::Cpu)) * std;
+        SparseMlp::new(w(&[experts, h], 1.0), w(&[experts, 2 * i, h], 0.2), w(&[experts, h, i], 0.2), top_k, norm)
+    }
+
+    #[test]
+    fn grouped_experts_equal_the_per_token_loop() {
+        tch::manual_seed(7);
+        for (experts, top_k, norm) in [(8, 2, true), (6, 3, false), (4, 4, true), (5, 1, false)] {
+            let mlp = random_mlp(experts, top_k, norm);
+            // 37 tokens: some experts get many rows, and with 8 experts and top-2 likely one gets none.
+            let h = Tensor::randn([37, 24], (Kind::Float, Device::Cpu));
+            let (want_experts, want) = per_token(&mlp, &h);
+            let (got_experts, _) = mlp.route(&h).unwrap();
+            let got_experts: Vec<Vec<i64>> = (0..37).map(|t| Vec::try_from(&got_experts.get(t)).unwrap()).collect();
+            assert_eq!(got_experts, want_experts, "{experts} experts, top {top_k}");
+            let residual = Tensor::randn([37, 24], (Kind::Float, Device::Cpu));
+            let x = residual.copy();
+            mlp.add_to(&x, &h).unwrap();
+            let err = (x.to_kind(Kind::Double) - residual.to_kind(Kind::Double) - &want).abs().max().double_value(&[]);
+            let scale = want.abs().max().double_value(&[]);
+            assert!(err < 1e-5 * scale.max(1.0), "{experts} experts, top {top_k}: max error {err} (scale {scale})");
+        }
+    }
+
+    #[test]
+    fn one_token_and_an_expert_nobody_chose_are_fine() {
+        tch::manual_seed(3);
+        let mlp = random_mlp(8, 2, true);
+        let h = Tensor::randn([1, 24], (Kind::Float, Device::Cpu));
+        let (_, want) = per_token(&mlp, &h);
+        let x = Tensor::zeros([1, 24], (Kind::Float, Device::Cpu));
+        mlp.add_to(&x, &h).unwrap();
+        assert!((x.to_kind(Kind::Double) - want).abs().max().double_value(&[]) < 1e-5);
+    }
+}
