@@ -1,5 +1,5 @@
 """Writes tests/fixtures/hf-qwen3-moe/: a tiny Qwen3-MoE made and run by HuggingFace transformers itself, the
-definition dflash's Qwen3-MoE capture is checked against (tests/hf_targets.rs), so CI needs no Python.
+definition dflash's Qwen3-MoE capture is checked against (eager attention, the eager loop over experts) (tests/hf_targets.rs), so CI needs no Python.
 
     python scripts/make_hf_target_fixture.py OUT_DIR      # transformers 5.x, torch, safetensors
 
@@ -34,6 +34,8 @@ def build(seed):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).float().eval()
+    # HF's reference loop over experts (transformers 5 defaults to its grouped_mm path, dflash's own approach).
+    model.set_experts_implementation("eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

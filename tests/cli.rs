@@ -99,9 +99,13 @@ fn a_model_folder_without_taps_is_refused_with_the_fix() {
 
 /// The tiny preset saved as a HuggingFace model folder (weights and config.json).
 fn tiny_target_folder(dir: &std::path::Path) {
-    use dflash::model::{Depth, Preset};
+    preset_target_folder(dflash::model::Preset::Tiny, dir);
+}
+
+fn preset_target_folder(preset: dflash::model::Preset, dir: &std::path::Path) {
+    use dflash::model::Depth;
     use tch::{Device, Kind};
-    Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap().save_hf(dir, usize::MAX).unwrap();
+    preset.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap().save_hf(dir, usize::MAX).unwrap();
 }
 
 /// A tiny target folder, a drafter for it, and token rows: `dflash eval` scores them.
@@ -227,6 +231,48 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
     let out = dflash(&["eval", "--decode", "--drafter", drafter_dir.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--prompts"), "{}", text(&out.stderr));
+}
+
+/// On a mixture-of-experts target (`tiny-moe`, written out as a Qwen3-MoE folder and loaded back) speculative
+/// decoding gives exactly the target's greedy tokens: verify steps run the sparse layers on blocks of tokens,
+/// the greedy reference on one token at a time.
+#[test]
+fn eval_decode_is_lossless_on_a_mixture_of_experts_target() {
+    use dflash::model::{Drafter, DrafterConfig, Init, Preset};
+    use tch::{Device, Kind};
+    let dir = tempfile::tempdir().unwrap();
+    let (target_dir, drafter_dir, prompts) = (dir.path().join("t"), dir.path().join("d"), dir.path().join("p.jsonl"));
+    preset_target_folder(Preset::TinyMoe, &target_dir);
+    let config = std::fs::read_to_string(target_dir.join("config.json")).unwrap();
+    assert!(config.contains("Qwen3MoeForCausalLM") && config.contains("\"num_experts\": 8"), "{config}");
+    Drafter::new(DrafterConfig::for_preset(Preset::TinyMoe, 8), Device::Cpu, Kind::Float, Init::Portable(4))
+        .unwrap()
+        .save(&drafter_dir, Kind::Float)
+        .unwrap();
+    std::fs::write(&prompts, "{\"input_ids\": [257, 117, 10, 40, 41]}\n{\"input_ids\": [257, 99, 98, 97, 10, 32]}\n")
+        .unwrap();
+    let (t, d, p) = (target_dir.to_str().unwrap(), drafter_dir.to_str().unwrap(), prompts.to_str().unwrap());
+    let out = dflash(&[
+        "eval",
+        "--decode",
+        "--target",
+        t,
+        "--drafter",
+        d,
+        "--prompts",
+        p,
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["lossless"], true, "{report}");
+    assert_eq!(report["token_match_rate"], 1.0);
+    assert_eq!(report["generated_tokens"], 48);
 }
 
 /// `export --preset tiny-tasks` writes the built-in target as a HuggingFace folder: the weights byte for byte as built

@@ -33,8 +33,8 @@ pub struct BenchArgs {
     /// What to measure.
     #[arg(long, value_enum)]
     what: BenchWhat,
-    /// A built-in shape with random weights: tiny, qwen3-4b, qwen3-8b, llama3.1-8b (default: target.model when it
-    /// is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for tiny).
+    /// A built-in shape with random weights: tiny, tiny-moe, qwen3-4b, qwen3-8b, llama3.1-8b, qwen3-30b-a3b
+    /// (default: target.model when it is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for tiny).
     #[arg(long, conflicts_with = "model")]
     preset: Option<Preset>,
     /// A HuggingFace model folder to load instead of a preset (--what target only).

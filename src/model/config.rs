@@ -298,6 +298,20 @@ impl TargetConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
+    /// One line for logs: the family, depth and width, and the experts of a mixture.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{}, {} layers, hidden {}",
+            self.architecture.model_type(),
+            self.num_hidden_layers,
+            self.hidden_size
+        );
+        if let Some(m) = &self.moe {
+            s += &format!(", {} experts ({} per token)", m.num_experts, m.num_experts_per_tok);
+        }
+        s
+    }
+
     /// Whether decoder layer `layer` has a sparse (mixture-of-experts) MLP.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))

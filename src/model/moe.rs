@@ -10,6 +10,7 @@
 use tch::{Kind, TchError, Tensor};
 
 use super::layers::swiglu_activation;
+use crate::profile::span;
 
 /// One layer's router and experts.
 pub struct SparseMlp {
@@ -54,6 +55,7 @@ impl SparseMlp {
     /// Adds the layer's output for `h [T, hidden]` to the residual stream `x [T, hidden]` in place.
     pub fn add_to(&self, x: &Tensor, h: &Tensor) -> Result<(), TchError> {
         let (tokens, hidden) = (h.size()[0], h.size()[1]);
+        let route = span("target.moe.route");
         let (experts, weights) = self.route(h)?;
         let flat = experts.f_view([-1])?;
         // Row r of the sorted order is copy `r % top_k` of token `r / top_k`; rows of one expert are contiguous and
@@ -66,7 +68,12 @@ impl SparseMlp {
             &flat.f_ones_like()?,
         )?;
         let offsets = counts.f_cumsum(0, Kind::Int)?;
-        let rows = h.f_index_select(0, &token)?;
+        drop(route);
+        let rows = {
+            let _p = span("target.moe.gather");
+            h.f_index_select(0, &token)?
+        };
+        let experts_span = span("target.moe.experts");
         let gate_up = rows.f_internal_grouped_mm(&self.gate_up.f_transpose(1, 2)?, Some(&offsets), None, None)?;
         let out = swiglu_activation(&gate_up).f_internal_grouped_mm(
             &self.down.f_transpose(1, 2)?,
@@ -74,7 +81,9 @@ impl SparseMlp {
             None,
             None,
         )?;
+        drop(experts_span);
         // Back in token order, `[T, top_k, hidden]`; x += weights @ outputs, one f32 accumulation per token.
+        let _p = span("target.moe.combine");
         let by_token = out.f_empty_like()?.f_index_copy(0, &order, &out)?.f_view([tokens, self.top_k, hidden])?;
         let _ = x.f_view([tokens, 1, hidden])?.f_baddbmm_(&weights.f_unsqueeze(1)?, &by_token)?;
         Ok(())

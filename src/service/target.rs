@@ -117,6 +117,7 @@ pub fn thread(args: TargetSpawn) -> ThreadBody {
 fn run(a: TargetSpawn) -> Result<(), Failure> {
     device::bind_thread(a.device).map_err(torch)?;
     let target = a.source.build_target(&a.taps, Depth::ToLastTap, a.device, a.kind).map_err(torch)?;
+    tracing::info!(id = a.id, model = %target.config().summary(), layers_run = target.layers_run(), "target loaded");
     let heads = Heads {
         embed: SharedTensor::new(target.embed_tokens().shallow_clone()),
         lm_head: SharedTensor::new(target.lm_head().shallow_clone()),
