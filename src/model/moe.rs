@@ -4,9 +4,10 @@
 //! a gather, two products and a scatter each. No step waits for the host: the group sizes stay on the device.
 //!
 //! Numerics follow HF's `Qwen3MoeSparseMoeBlock`: router logits in the model's dtype, softmax in f32, top-k,
-//! renormalised over the chosen experts when `norm_topk_prob`, cast back; SwiGLU experts. The weighted sum of a
-//! token's experts and the residual are accumulated in f32 and rounded once (HF rounds each weighted expert output
-//! and sums them in the model's dtype, expert by expert), so in bf16 the two agree to bf16 rounding, not bit for bit.
+//! renormalised over the chosen experts when `norm_topk_prob`, cast back; SwiGLU experts. Each expert's activation
+//! is scaled by its routing weight before the down projection (HF scales the output: the same sum, rounded
+//! elsewhere), and a token's experts and the residual are summed in f32 and rounded once (HF sums rounded outputs in
+//! the model's dtype, expert by expert), so in bf16 the two agree to bf16 rounding, not bit for bit.
 use tch::{Kind, TchError, Tensor};
 
 use super::layers::swiglu_activation;
@@ -58,8 +59,8 @@ impl SparseMlp {
         let route = span("target.moe.route");
         let (experts, weights) = self.route(h)?;
         let flat = experts.f_view([-1])?;
-        // Row r of the sorted order is copy `r % top_k` of token `r / top_k`; rows of one expert are contiguous and
-        // expert e's end at `offsets[e]`.
+        // Row r of the sorted order is copy `order[r] % top_k` of token `order[r] / top_k`; rows of one expert are
+        // contiguous and expert e's end at `offsets[e]`.
         let order = flat.f_argsort_stable(true, 0, false)?;
         let token = order.f_floor_divide_scalar(self.top_k)?;
         let counts = Tensor::f_zeros([self.router.size()[0]], (Kind::Int64, h.device()))?.f_scatter_add(
@@ -68,24 +69,32 @@ impl SparseMlp {
             &flat.f_ones_like()?,
         )?;
         let offsets = counts.f_cumsum(0, Kind::Int)?;
+        let row_weights = weights.f_view([-1])?.f_index_select(0, &order)?.f_unsqueeze(1)?;
+        // Where each (token, k) pair sits in the sorted order: gathering by it restores token order.
+        let rows_n = order.size()[0];
+        let back =
+            order.f_empty_like()?.f_index_copy(0, &order, &Tensor::f_arange(rows_n, (Kind::Int64, h.device()))?)?;
         drop(route);
         let rows = {
             let _p = span("target.moe.gather");
             h.f_index_select(0, &token)?
         };
-        let experts_span = span("target.moe.experts");
-        let gate_up = rows.f_internal_grouped_mm(&self.gate_up.f_transpose(1, 2)?, Some(&offsets), None, None)?;
-        let out = swiglu_activation(&gate_up).f_internal_grouped_mm(
-            &self.down.f_transpose(1, 2)?,
-            Some(&offsets),
-            None,
-            None,
-        )?;
-        drop(experts_span);
-        // Back in token order, `[T, top_k, hidden]`; x += weights @ outputs, one f32 accumulation per token.
+        let out = {
+            let _p = span("target.moe.experts");
+            let gate_up = rows.f_internal_grouped_mm(&self.gate_up.f_transpose(1, 2)?, Some(&offsets), None, None)?;
+            // Each row is weighted before the down projection (linear, so the same sum; one pass over the narrower
+            // activation instead of the output).
+            let act = swiglu_activation(&gate_up).f_mul_(&row_weights)?;
+            act.f_internal_grouped_mm(&self.down.f_transpose(1, 2)?, Some(&offsets), None, None)?
+        };
+        // Back in token order, `[T, top_k, hidden]`; the k outputs and the residual summed in f32, rounded once.
         let _p = span("target.moe.combine");
-        let by_token = out.f_empty_like()?.f_index_copy(0, &order, &out)?.f_view([tokens, self.top_k, hidden])?;
-        let _ = x.f_view([tokens, 1, hidden])?.f_baddbmm_(&weights.f_unsqueeze(1)?, &by_token)?;
+        let summed = out.f_index_select(0, &back)?.f_view([tokens, self.top_k, hidden])?.f_sum_dim_intlist(
+            1,
+            false,
+            Kind::Float,
+        )?;
+        let _ = x.shallow_clone().f_add_(&summed)?;
         Ok(())
     }
 }
