@@ -252,6 +252,25 @@ fn a_shape_that_disagrees_with_config_json_is_named() {
     assert!(err.contains("[80, 48]") && err.contains("[96, 48]"), "{err}");
 }
 
+/// A Qwen3-MoE folder whose config disagrees with its expert tensors names the key; one missing an expert names it.
+#[test]
+fn a_moe_folder_that_disagrees_with_its_config_is_named() {
+    let cfg = small_moe_config();
+    let mut weights = random_weights(&cfg, 10);
+    let dir = tempfile::tempdir().unwrap();
+    let wider = TargetConfig {
+        moe: cfg.moe.clone().map(|m| dflash::model::config::MoeConfig { moe_intermediate_size: 32, ..m }),
+        ..cfg.clone()
+    };
+    write_folder(dir.path(), &wider, &weights, usize::MAX);
+    let err = load_err(dir.path(), &TAPS);
+    assert!(err.contains("mlp.experts.0.gate_proj.weight") && err.contains("moe_intermediate_size=32"), "{err}");
+    weights.remove("model.layers.2.mlp.experts.5.down_proj.weight");
+    write_folder(dir.path(), &cfg, &weights, usize::MAX);
+    let err = load_err(dir.path(), &TAPS);
+    assert!(err.contains("model.layers.2.mlp.experts.5.down_proj.weight") && err.contains("missing"), "{err}");
+}
+
 #[test]
 fn an_unsupported_architecture_is_named() {
     let (dir, cfg) = good_folder();

@@ -150,7 +150,7 @@ impl Target {
     pub fn load(dir: &Path, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Self, ModelError> {
         let cfg = TargetConfig::from_dir(dir)?;
         let files = WeightFiles::open(dir)?;
-        let why = format!(
+        let mut why = format!(
             "config.json: hidden_size={}, intermediate_size={}, heads={}, kv_heads={}, head_dim={}, vocab_size={}",
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -159,6 +159,9 @@ impl Target {
             cfg.head_dim,
             cfg.vocab_size
         );
+        if let Some(m) = &cfg.moe {
+            why += &format!(", num_experts={}, moe_intermediate_size={}", m.num_experts, m.moe_intermediate_size);
+        }
         if cfg.tie_word_embeddings && files.contains("lm_head.weight") {
             tracing::debug!("config.json ties the LM head to the embedding; ignoring lm_head.weight");
         }
