@@ -11,11 +11,11 @@ HF's `hidden_states`, the embedding first), `p{p}.logits` and, for each sparse l
 (k+1)-th expert probabilities at least MARGIN apart for every token of every sparse layer, so a different summation
 order cannot flip a choice.
 """
-import json
 import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -79,8 +79,9 @@ def main():
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest)
     save_file({k: v.contiguous() for k, v in out.items()}, dest / "expected.safetensors")
-    names = json.loads((dest / "model.safetensors").read_bytes()[8:8 + int.from_bytes((dest / "model.safetensors").read_bytes()[:8], "little")])
-    print(f"seed {seed}, routing margin {margin:.4f}; tensor names like", sorted(k for k in names if "layers.0.mlp" in k)[:4])
+    with safe_open(dest / "model.safetensors", "pt") as f:
+        names = sorted(k for k in f.keys() if "layers.0.mlp" in k)[:4]
+    print(f"seed {seed}, routing margin {margin:.4f}; tensor names like {names}")
 
 
 if __name__ == "__main__":
