@@ -24,7 +24,7 @@ Logs go to stderr (RUST_LOG or log.level filter them); results go to stdout.";
     name = "dflash",
     version,
     about = "Train DFlash speculative-decoding drafters for a frozen target LLM",
-    long_about = "Train DFlash speculative-decoding drafters for a frozen target LLM (Qwen3, Qwen3-MoE, Llama-3).\n\n\
+    long_about = "Train DFlash speculative-decoding drafters for a frozen target LLM (Qwen3, Qwen3-MoE, GPT-OSS, Llama-3).\n\n\
                   A drafter reads hidden states of the target and proposes a whole block of tokens in one forward \
                   pass; the target verifies the block, so decoding runs several times faster. dflash trains such \
                   drafters as a long-running, fault-tolerant service and measures what matters on the way.",
@@ -114,9 +114,10 @@ enum Command {
         states concatenated (what training needs); with --full the whole stack and the LM head (what decoding \
         needs). FLOPs counted: 2 x matmul weights x tokens per layer, plus 2 x layers x heads x head_dim x seq x \
         tokens for causal attention, plus 2 x hidden x vocab x tokens for the LM head with --full. In a \
-        mixture-of-experts layer (qwen3-30b-a3b, tiny-moe) only the active weights count: q, k, v, o, the router \
-        (hidden x experts) and the experts each token is sent to (experts per token x 3 x hidden x \
-        moe_intermediate_size), so MFU is against the work actually done.\n\n\
+        mixture-of-experts layer (qwen3-30b-a3b, gpt-oss-20b, tiny-moe, tiny-gpt-oss) only the active weights \
+        count: q, k, v, o, the router (hidden x experts) and the experts each token is sent to (experts per token x \
+        3 x hidden x expert width), so MFU is against the work actually done; a GPT-OSS sliding-window layer counts \
+        the keys its window lets each query see.\n\n\
         --what drafter: whole training steps of the preset's drafter (forward, LM head + loss in chunks, backward, \
         clipping, AdamW) on random target features, target capture excluded (--capture times it separately). \
         FLOPs per sample follow DFLASH.md's cost model as the PyTorch peer counts it: 3x the forward products of \
@@ -131,6 +132,7 @@ enum Command {
         Examples (the H200 comparisons in BENCHMARKS.md):\n  \
         dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
         dflash bench --what target --preset qwen3-30b-a3b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
+        dflash bench --what target --preset gpt-oss-20b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
         dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --json")]
     Bench(cli::bench::BenchArgs),
 }

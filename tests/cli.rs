@@ -233,46 +233,52 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
     assert!(text(&out.stderr).contains("--prompts"), "{}", text(&out.stderr));
 }
 
-/// On a mixture-of-experts target (`tiny-moe`, written out as a Qwen3-MoE folder and loaded back) speculative
-/// decoding gives exactly the target's greedy tokens: verify steps run the sparse layers on blocks of tokens,
-/// the greedy reference on one token at a time.
+/// On mixture-of-experts targets (`tiny-moe` and `tiny-gpt-oss`, written out as Qwen3-MoE and GPT-OSS folders and
+/// loaded back) speculative decoding gives exactly the target's greedy tokens: verify steps run the sparse layers
+/// (and GPT-OSS's sliding windows over the cache) on blocks of tokens, the greedy reference one token at a time.
 #[test]
-fn eval_decode_is_lossless_on_a_mixture_of_experts_target() {
+fn eval_decode_is_lossless_on_mixture_of_experts_targets() {
     use dflash::model::{Drafter, DrafterConfig, Init, Preset};
     use tch::{Device, Kind};
-    let dir = tempfile::tempdir().unwrap();
-    let (target_dir, drafter_dir, prompts) = (dir.path().join("t"), dir.path().join("d"), dir.path().join("p.jsonl"));
-    preset_target_folder(Preset::TinyMoe, &target_dir);
-    let config = std::fs::read_to_string(target_dir.join("config.json")).unwrap();
-    assert!(config.contains("Qwen3MoeForCausalLM") && config.contains("\"num_experts\": 8"), "{config}");
-    Drafter::new(DrafterConfig::for_preset(Preset::TinyMoe, 8), Device::Cpu, Kind::Float, Init::Portable(4))
-        .unwrap()
-        .save(&drafter_dir, Kind::Float)
+    for (preset, class) in [(Preset::TinyMoe, "Qwen3MoeForCausalLM"), (Preset::TinyGptOss, "GptOssForCausalLM")] {
+        let dir = tempfile::tempdir().unwrap();
+        let (target_dir, drafter_dir, prompts) =
+            (dir.path().join("t"), dir.path().join("d"), dir.path().join("p.jsonl"));
+        preset_target_folder(preset, &target_dir);
+        let config = std::fs::read_to_string(target_dir.join("config.json")).unwrap();
+        assert!(config.contains(class), "{config}");
+        Drafter::new(DrafterConfig::for_preset(preset, 8), Device::Cpu, Kind::Float, Init::Portable(4))
+            .unwrap()
+            .save(&drafter_dir, Kind::Float)
+            .unwrap();
+        std::fs::write(
+            &prompts,
+            "{\"input_ids\": [257, 117, 10, 40, 41]}\n{\"input_ids\": [257, 99, 98, 97, 10, 32]}\n",
+        )
         .unwrap();
-    std::fs::write(&prompts, "{\"input_ids\": [257, 117, 10, 40, 41]}\n{\"input_ids\": [257, 99, 98, 97, 10, 32]}\n")
-        .unwrap();
-    let (t, d, p) = (target_dir.to_str().unwrap(), drafter_dir.to_str().unwrap(), prompts.to_str().unwrap());
-    let out = dflash(&[
-        "eval",
-        "--decode",
-        "--target",
-        t,
-        "--drafter",
-        d,
-        "--prompts",
-        p,
-        "--max-new-tokens",
-        "24",
-        "--ignore-eos",
-        "--device",
-        "cpu",
-        "--json",
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["lossless"], true, "{report}");
-    assert_eq!(report["token_match_rate"], 1.0);
-    assert_eq!(report["generated_tokens"], 48);
+        let (t, d, p) = (target_dir.to_str().unwrap(), drafter_dir.to_str().unwrap(), prompts.to_str().unwrap());
+        let out = dflash(&[
+            "eval",
+            "--decode",
+            "--target",
+            t,
+            "--drafter",
+            d,
+            "--prompts",
+            p,
+            "--max-new-tokens",
+            "24",
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--json",
+        ]);
+        assert!(out.status.success(), "{preset}: {}", text(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["lossless"], true, "{preset}: {report}");
+        assert_eq!(report["token_match_rate"], 1.0);
+        assert_eq!(report["generated_tokens"], 48);
+    }
 }
 
 /// `export --preset tiny-tasks` writes the built-in target as a HuggingFace folder: the weights byte for byte as built

@@ -1,18 +1,21 @@
-//! Targets against HuggingFace transformers itself: `tests/fixtures/hf-qwen3-moe/` is a tiny Qwen3-MoE that
-//! transformers 5.19 made, saved (`save_pretrained`, per-expert tensors, its own config.json spelling) and ran
-//! (`scripts/make_hf_target_fixture.py` says how; its routing margins are at least 2e-3). dflash loads the folder and
-//! must route every token to the same experts and reproduce every layer's hidden states and the logits.
-use std::path::Path;
+//! Targets against HuggingFace transformers itself: `tests/fixtures/hf-qwen3-moe/` and `tests/fixtures/hf-gpt-oss/`
+//! are tiny models that transformers 5.19 made, saved (`save_pretrained`, in its own config.json spelling) and ran
+//! with eager attention and its eager loop over experts (`scripts/make_hf_target_fixture.py` says how; routing
+//! margins at least 2e-3). dflash loads each folder and must route every token to the same experts and reproduce
+//! every layer's hidden states and the logits; `hf-gpt-oss/mxfp4/` is the same GPT-OSS with its experts stored as
+//! the published folders store them (MXFP4 blocks and scales).
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 use dflash::model::{Depth, Target};
 use tch::{Device, Kind, Tensor};
 
-fn fixture() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-qwen3-moe"))
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
-fn expected() -> std::collections::HashMap<String, Tensor> {
-    Tensor::read_safetensors(fixture().join("expected.safetensors")).unwrap().into_iter().collect()
+fn expected(name: &str) -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(fixture(name).join("expected.safetensors")).unwrap().into_iter().collect()
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
@@ -20,18 +23,16 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     (&a - &b).abs().max().double_value(&[]) / b.abs().max().double_value(&[])
 }
 
-#[test]
-fn qwen3_moe_captures_as_transformers_computes_it() {
-    // HF's last `hidden_states` entry is after the final norm; the logits check the last layer.
-    let taps = [0, 1, 2];
-    let target = Target::load(fixture(), &taps, Depth::Full, Device::Cpu, Kind::Float).unwrap();
+/// Loads `folder` and compares, for both prompts in one right-padded batch (routing groups the tokens of both rows
+/// together), the states of `taps` (HF's last `hidden_states` entry is after the final norm: the logits check the
+/// last layer), the logits and every sparse layer's expert choices with what transformers computed (`reference`).
+fn captures_as_transformers_computes(folder: &Path, reference: &str, taps: &[usize], sparse: &[usize]) {
+    let target = Target::load(folder, taps, Depth::Full, Device::Cpu, Kind::Float).unwrap();
     let cfg = target.config().clone();
-    assert_eq!(cfg.moe.as_ref().map(|m| m.num_experts), Some(6), "transformers 5 writes num_local_experts");
-    let sparse: Vec<usize> = (0..4).filter(|&l| cfg.is_sparse(l)).collect();
-    assert_eq!(sparse, vec![0, 2, 3]);
-    let want = expected();
+    let found: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&l| cfg.is_sparse(l)).collect();
+    assert_eq!(found, sparse);
+    let want = expected(reference);
     let prompts: Vec<Tensor> = (0..2).map(|p| want[&format!("p{p}.input_ids")].shallow_clone()).collect();
-    // Both prompts in one right-padded batch: routing groups tokens of both rows together.
     let lengths: Vec<i64> = prompts.iter().map(|p| p.size()[0]).collect();
     let s = *lengths.iter().max().unwrap();
     let ids = Tensor::stack(&prompts.iter().map(|p| p.constant_pad_nd([0, s - p.size()[0]])).collect::<Vec<_>>(), 0);
@@ -44,11 +45,11 @@ fn qwen3_moe_captures_as_transformers_computes_it() {
         for (j, &layer) in taps.iter().enumerate() {
             let mine = states.get(p as i64).narrow(0, 0, len).narrow(1, j as i64 * h, h);
             let err = rel_err(&mine, &hf_states.get(layer as i64 + 1));
-            assert!(err < 1e-5, "prompt {p}, layer {layer}: relative error {err}");
+            assert!(err < 1e-5, "{}: prompt {p}, layer {layer}: relative error {err}", folder.display());
         }
         let err = rel_err(&logits.get(p as i64).narrow(0, 0, len), &want[&format!("p{p}.logits")]);
-        assert!(err < 1e-5, "prompt {p} logits: relative error {err}");
-        for (route, layer) in routes.iter().zip(&sparse) {
+        assert!(err < 1e-5, "{}: prompt {p} logits: relative error {err}", folder.display());
+        for (route, layer) in routes.iter().zip(sparse) {
             let mine = route.narrow(0, p as i64 * s, len);
             let theirs = &want[&format!("p{p}.experts.{layer}")];
             assert!(mine.equal(theirs), "prompt {p}, layer {layer}: experts {mine} vs transformers' {theirs}");
@@ -56,12 +57,12 @@ fn qwen3_moe_captures_as_transformers_computes_it() {
     }
 }
 
-/// The same model decodes one token at a time with its cache as it runs whole sequences (the path `eval --decode`
-/// and the in-training evaluation take, where a sparse layer sees one token).
-#[test]
-fn qwen3_moe_decodes_token_by_token_as_transformers_runs_the_sequence() {
-    let target = Target::load(fixture(), &[1, 3], Depth::Full, Device::Cpu, Kind::Float).unwrap();
-    let want = expected();
+/// Decodes prompt 0 with the cache (a prefill of 5, then one token at a time: the path of `eval --decode` and the
+/// in-training evaluation, where a sparse layer sees one token and a sliding window moves through the cache) and
+/// compares the logits with transformers' whole-sequence run.
+fn decodes_as_transformers_runs_the_sequence(folder: &Path, reference: &str, taps: &[usize]) {
+    let target = Target::load(folder, taps, Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let want = expected(reference);
     let ids = want["p0.input_ids"].unsqueeze(0);
     let len = ids.size()[1];
     let mut cache = target.new_cache(len).unwrap();
@@ -71,5 +72,31 @@ fn qwen3_moe_decodes_token_by_token_as_transformers_runs_the_sequence() {
         logits.push(target.decode(&ids.narrow(1, t, 1), &mut cache).unwrap().logits);
     }
     let err = rel_err(&Tensor::cat(&logits, 1).squeeze_dim(0), &want["p0.logits"]);
-    assert!(err < 1e-5, "relative error {err}");
+    assert!(err < 1e-5, "{}: relative error {err}", folder.display());
+}
+
+#[test]
+fn qwen3_moe_captures_as_transformers_computes_it() {
+    let target = Target::load(&fixture("hf-qwen3-moe"), &[0], Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(target.config().moe.as_ref().map(|m| m.num_experts), Some(6), "transformers 5 writes num_local_experts");
+    captures_as_transformers_computes(&fixture("hf-qwen3-moe"), "hf-qwen3-moe", &[0, 1, 2], &[0, 2, 3]);
+}
+
+#[test]
+fn qwen3_moe_decodes_token_by_token_as_transformers_runs_the_sequence() {
+    decodes_as_transformers_runs_the_sequence(&fixture("hf-qwen3-moe"), "hf-qwen3-moe", &[1, 3]);
+}
+
+/// GPT-OSS: attention biases and sinks, a window of 4 on layers 0 and 2 (the prompts are 13 and 7 tokens), YaRN,
+/// top-k-then-softmax routing, clamped SwiGLU experts with biases; from bf16 weights and from MXFP4 experts.
+#[test]
+fn gpt_oss_captures_as_transformers_computes_it_from_bf16_and_from_mxfp4() {
+    let folder = fixture("hf-gpt-oss");
+    captures_as_transformers_computes(&folder, "hf-gpt-oss", &[0, 1], &[0, 1, 2]);
+    captures_as_transformers_computes(&folder.join("mxfp4"), "hf-gpt-oss", &[0, 1], &[0, 1, 2]);
+}
+
+#[test]
+fn gpt_oss_decodes_token_by_token_as_transformers_runs_the_sequence() {
+    decodes_as_transformers_runs_the_sequence(&fixture("hf-gpt-oss").join("mxfp4"), "hf-gpt-oss", &[0, 2]);
 }

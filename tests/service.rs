@@ -455,19 +455,25 @@ fn two_target_copies_each_feed_their_drafter_and_every_sample_is_trained_once() 
     assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "two whole epochs, by the ids given");
 }
 
-/// A mixture-of-experts target (`tiny-moe`: sparse layers tapped, one dense layer) trains drafters through the
-/// service as a dense one does: the run completes, every sample is trained once, the drafter is exported.
+/// Mixture-of-experts targets (`tiny-moe`: Qwen3-MoE, sparse layers tapped and one dense layer; `tiny-gpt-oss`:
+/// sinks, sliding windows, YaRN, clamped experts) train drafters through the service as a dense one does: the run
+/// completes, every sample is trained once, the drafter is exported.
 #[test]
-fn a_mixture_of_experts_target_trains_drafters_and_every_sample_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path(), 2);
-    let svc = Service::start(&cfg, false, &["target.model=tiny-moe"]);
-    let (code, logs) = svc.exit_code();
-    assert_eq!(code, 0, "{logs:#?}");
-    assert!(logged(&logs, "run complete"), "{logs:#?}");
-    assert!(logged(&logs, "qwen3_moe, 8 layers, hidden 64, 8 experts (2 per token)"), "{logs:#?}");
-    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 1);
-    assert!(dir.path().join("ckpt/final/model.safetensors").is_file());
+fn mixture_of_experts_targets_train_drafters_and_every_sample_once() {
+    for (preset, summary) in [
+        ("tiny-moe", "qwen3_moe, 8 layers, hidden 64, 8 experts (2 per token)"),
+        ("tiny-gpt-oss", "gpt_oss, 8 layers, hidden 64, 8 experts (2 per token), 4 layers with a 8-token window"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), 2);
+        let svc = Service::start(&cfg, false, &[&format!("target.model={preset}")]);
+        let (code, logs) = svc.exit_code();
+        assert_eq!(code, 0, "{preset}: {logs:#?}");
+        assert!(logged(&logs, "run complete"), "{preset}: {logs:#?}");
+        assert!(logged(&logs, summary), "{preset}: {logs:#?}");
+        assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 1);
+        assert!(dir.path().join("ckpt/final/model.safetensors").is_file());
+    }
 }
 
 #[test]

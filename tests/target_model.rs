@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use dflash::model::config::RopeScaling;
+use dflash::model::config::{GptOssConfig, RopeScaling};
 use dflash::model::{Architecture, Depth, ModelError, Preset, Target, TargetConfig};
 use tch::{Device, Kind, Tensor};
 
@@ -74,6 +74,42 @@ fn tied_lm_head_matches_the_naive_decoder() {
 #[test]
 fn qwen3_moe_matches_the_naive_decoder_with_the_same_expert_choices() {
     check_against_naive(&small_moe_config(), 5);
+}
+
+#[test]
+fn gpt_oss_matches_the_naive_decoder_with_the_same_expert_choices() {
+    check_against_naive(&small_gpt_oss_config(), 11);
+}
+
+/// Every GPT-OSS piece changes the reference's output, so the match above checks each: the sliding window, the
+/// sinks, the SwiGLU clamp and YaRN.
+#[test]
+fn the_naive_gpt_oss_reference_depends_on_each_piece() {
+    let cfg = small_gpt_oss_config();
+    let w = random_weights(&cfg, 12);
+    let row = &token_rows(cfg.vocab_size as i64, &[11], 12)[0];
+    let base = naive_forward(&cfg, &w, row).logits;
+    let oss = cfg.gpt_oss.clone().unwrap();
+    let variants = [
+        (
+            "no window",
+            TargetConfig {
+                gpt_oss: Some(GptOssConfig { sliding_layers: vec![false; 4], ..oss.clone() }),
+                ..cfg.clone()
+            },
+        ),
+        ("no clamp", TargetConfig { gpt_oss: Some(GptOssConfig { swiglu_limit: 1e9, ..oss.clone() }), ..cfg.clone() }),
+        ("no YaRN", TargetConfig { rope_scaling: RopeScaling::None, ..cfg.clone() }),
+    ];
+    for (what, other) in variants {
+        assert!(rel_err(&naive_forward(&other, &w, row).logits, &base) > 1e-3, "{what} changes nothing");
+    }
+    let mut no_sinks: Weights = w.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect();
+    for l in 0..4 {
+        no_sinks
+            .insert(format!("model.layers.{l}.self_attn.sinks"), Tensor::full([4], -1e9, (Kind::Float, Device::Cpu)));
+    }
+    assert!(rel_err(&naive_forward(&cfg, &no_sinks, row).logits, &base) > 1e-3, "the sinks change nothing");
 }
 
 /// The sparse layers are not vacuous: with each token sent to its experts, changing one expert's weights or the
@@ -318,18 +354,23 @@ fn on_a_gpu_capture_and_logits_match_the_cpu() {
     }
 }
 
-/// The grouped expert GEMMs on the GPU: in f32 the same experts and states as the CPU; in bf16 (router logits
-/// rounded, so a token near a tie may pick another expert, which moves its state a lot) nearly all choices agree and
-/// the states agree on average.
+/// The grouped expert GEMMs (and GPT-OSS's sink attention) on the GPU: in f32 the same experts and states as the
+/// CPU; in bf16 (router logits rounded, so a token near a tie may pick another expert, which moves its state a lot)
+/// nearly all choices agree and the states agree on average.
 #[test]
 fn on_a_gpu_moe_capture_matches_the_cpu() {
     if !tch::Cuda::is_available() {
         eprintln!("skipped: no GPU here");
         return;
     }
-    let cfg = small_moe_config();
+    for cfg in [small_moe_config(), small_gpt_oss_config()] {
+        moe_on_the_gpu_matches_the_cpu(&cfg);
+    }
+}
+
+fn moe_on_the_gpu_matches_the_cpu(cfg: &TargetConfig) {
     let dir = tempfile::tempdir().unwrap();
-    write_folder(dir.path(), &cfg, &random_weights(&cfg, 9), usize::MAX);
+    write_folder(dir.path(), cfg, &random_weights(cfg, 9), usize::MAX);
     let load = |device, kind| Target::load(dir.path(), &TAPS, Depth::Full, device, kind).unwrap();
     let cpu = load(Device::Cpu, Kind::Float);
     let (ids, lengths) = pad_batch(&token_rows(cfg.vocab_size as i64, &[64, 40, 3], 9));
@@ -344,12 +385,12 @@ fn on_a_gpu_moe_capture_matches_the_cpu() {
         let ids = ids.to_device(Device::Cuda(0));
         let states = gpu.capture(&ids, &lengths).unwrap().to_device(Device::Cpu);
         let err = if kind == Kind::Float { rel_err(&states, &reference) } else { mean_rel_err(&states) };
-        assert!(err < tolerance, "{kind:?} capture: relative error {err}");
+        assert!(err < tolerance, "{:?} {kind:?} capture: relative error {err}", cfg.architecture);
         let routes = gpu.expert_choices(&ids, &lengths).unwrap();
         for (mine, theirs) in routes.iter().zip(&reference_routes) {
             let same = mine.to_device(Device::Cpu).eq_tensor(theirs).to_kind(Kind::Float).mean(Kind::Float);
             let same = same.double_value(&[]);
-            assert!(same >= min_agreement, "{kind:?}: {same} of the expert choices agree");
+            assert!(same >= min_agreement, "{:?} {kind:?}: {same} of the expert choices agree", cfg.architecture);
         }
     }
 }

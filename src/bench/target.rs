@@ -65,9 +65,10 @@ pub struct TargetBenchReport {
 /// FLOPs of one capture (or full) step; see the module docs.
 pub fn target_flops(cfg: &TargetConfig, layers_run: usize, batch: i64, seq: i64, full: bool) -> f64 {
     let tokens = (batch * seq) as f64;
-    let layers = layers_run as f64;
     let matmul = 2.0 * (0..layers_run).map(|l| cfg.layer_matmul_params(l)).sum::<usize>() as f64 * tokens;
-    let attention = 2.0 * layers * (cfg.num_attention_heads * cfg.head_dim) as f64 * seq as f64 * tokens;
+    // 4 x width per attended key (QK^T and PV): `2 * width * seq * tokens` per causal layer, as the peers count it.
+    let keys: f64 = (0..layers_run).map(|l| cfg.attended_keys(l, seq as usize)).sum();
+    let attention = 4.0 * (cfg.num_attention_heads * cfg.head_dim) as f64 * keys * batch as f64;
     let head = if full { 2.0 * (cfg.hidden_size * cfg.vocab_size) as f64 * tokens } else { 0.0 };
     matmul + attention + head
 }

@@ -35,7 +35,7 @@ pub struct ExportArgs {
     /// A checkpoint folder (ckpt-N), or a checkpoint.dir whose newest valid checkpoint is taken.
     #[arg(long, value_name = "DIR", required_unless_present = "preset", conflicts_with = "preset")]
     checkpoint: Option<PathBuf>,
-    /// A built-in target instead: tiny-tasks, tiny or tiny-moe (a Qwen3-MoE folder), written as a HuggingFace model folder (config.json,
+    /// A built-in target instead: tiny-tasks, tiny, tiny-moe or tiny-gpt-oss (Qwen3-MoE and GPT-OSS folders), written as a HuggingFace model folder (config.json,
     /// model.safetensors, tokenizer.json, tokenizer_config.json with the chat template). tiny-tasks' weights are
     /// written as built in, so model.safetensors has the SHA-256 the README states.
     #[arg(long, value_name = "PRESET")]
@@ -133,7 +133,9 @@ fn verifier(given: Option<&str>, state: &TrainerState, hidden_size: usize) -> Re
 /// config and the tiny tokenizer. Only the tiny family has a tokenizer to go with it.
 fn export_preset(preset: Preset, out: &std::path::Path) -> Result<()> {
     if !preset.is_tiny() {
-        bail!("--preset {preset}: only tiny-tasks, tiny and tiny-moe can be exported (the others have no tokenizer)");
+        bail!(
+            "--preset {preset}: only tiny-tasks, tiny, tiny-moe and tiny-gpt-oss can be exported (the others have no tokenizer)"
+        );
     }
     let spec = preset.spec();
     let target = spec.build_target(Depth::Full, Device::Cpu, Kind::Float)?;

@@ -1,5 +1,5 @@
-//! The target's architecture, read from a HuggingFace `config.json` (Qwen3, Qwen3-MoE and Llama-3 decoders) or built
-//! from a preset, and written back in the same format. Both spellings of the RoPE settings are read: `rope_theta` (+
+//! The target's architecture, read from a HuggingFace `config.json` (Qwen3, Qwen3-MoE, GPT-OSS and Llama-3 decoders)
+//! or built from a preset, and written back in the same format. Both spellings of the RoPE settings are read: `rope_theta` (+
 //! `rope_scaling`) at the top level, as published checkpoints have them, and transformers 5's `rope_parameters`.
 use std::path::Path;
 
@@ -9,21 +9,25 @@ use serde_json::{Value, json};
 use super::ModelError;
 
 /// Which decoder family: they differ in per-head q/k norms (the Qwen3 families have them), in the MLP (Qwen3-MoE's
-/// sparse layers route each token to a few experts) and in naming.
+/// and GPT-OSS's sparse layers route each token to a few experts), in attention (GPT-OSS: biases, sinks, sliding
+/// windows) and in naming.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Architecture {
     Qwen3,
     Qwen3Moe,
+    GptOss,
     Llama,
 }
 
 impl Architecture {
-    const ALL: [Architecture; 3] = [Architecture::Qwen3, Architecture::Qwen3Moe, Architecture::Llama];
+    const ALL: [Architecture; 4] =
+        [Architecture::Qwen3, Architecture::Qwen3Moe, Architecture::GptOss, Architecture::Llama];
 
     pub fn hf_class(self) -> &'static str {
         match self {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::GptOss => "GptOssForCausalLM",
             Architecture::Llama => "LlamaForCausalLM",
         }
     }
@@ -31,6 +35,7 @@ impl Architecture {
         match self {
             Architecture::Qwen3 => "qwen3",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::GptOss => "gpt_oss",
             Architecture::Llama => "llama",
         }
     }
@@ -40,10 +45,12 @@ impl Architecture {
     }
 }
 
-/// Qwen3-MoE's sparse MLP: a router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per token (softmax
+/// The mixture of experts of Qwen3-MoE and GPT-OSS. Qwen3-MoE's sparse MLP: a router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per token (softmax
 /// over all experts in f32, top-k, renormalised over the chosen ones when `norm_topk_prob`), and their outputs are
 /// summed with those weights. Layer `l` is sparse unless listed in `mlp_only_layers` or `(l + 1)` is not a multiple
-/// of `decoder_sparse_step`; other layers keep the dense MLP of `intermediate_size`.
+/// of `decoder_sparse_step`; other layers keep the dense MLP of `intermediate_size`. GPT-OSS routes as
+/// [`GptOssConfig`] says, in every layer, to experts of width `intermediate_size` (held here as
+/// `moe_intermediate_size`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MoeConfig {
     pub num_experts: usize,
@@ -61,6 +68,19 @@ impl MoeConfig {
     }
 }
 
+/// GPT-OSS's differences from the Qwen3 layout: q/k/v/o biases, one learned attention sink per head (a logit that
+/// takes part in the softmax and adds nothing), a sliding window on the layers `layer_types` marks
+/// `sliding_attention`, and experts with biases, top-k-then-softmax routing and a clamped SwiGLU,
+/// `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = clamp(gate, max = limit)`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GptOssConfig {
+    pub sliding_window: usize,
+    /// Per layer: whether it attends only to the last `sliding_window` positions.
+    pub sliding_layers: Vec<bool>,
+    pub swiglu_alpha: f64,
+    pub swiglu_limit: f64,
+}
+
 /// How rotary position frequencies are derived from `theta`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub enum RopeScaling {
@@ -72,6 +92,50 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// YaRN (GPT-OSS; Qwen3 for long contexts): frequencies interpolated by `factor` below the `beta_slow` rotation
+    /// boundary, kept above `beta_fast`, ramped between; cos and sin scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        original_max_position_embeddings: f64,
+        truncate: bool,
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// The fields transformers writes for it (`rope_type` included), `None` for plain RoPE.
+    pub fn to_json(&self) -> Option<Value> {
+        match *self {
+            RopeScaling::None => None,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                Some(json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                }))
+            }
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                truncate,
+                attention_factor,
+            } => Some(json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "truncate": truncate,
+                "attention_factor": attention_factor,
+            })),
+        }
+    }
 }
 
 /// Everything the decoder needs to know about its shape, validated.
@@ -93,8 +157,10 @@ pub struct TargetConfig {
     pub bos_token_id: Option<i64>,
     pub eos_token_ids: Vec<i64>,
     pub pad_token_id: Option<i64>,
-    /// The sparse MLP of a Qwen3-MoE target; `None` for dense decoders.
+    /// The experts of a Qwen3-MoE or GPT-OSS target; `None` for dense decoders.
     pub moe: Option<MoeConfig>,
+    /// What GPT-OSS adds; `None` for the other families.
+    pub gpt_oss: Option<GptOssConfig>,
 }
 
 /// The subset of HuggingFace's `config.json` we read; other keys are ignored, as transformers does.
@@ -130,10 +196,15 @@ struct HfConfig {
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    experts_per_token: Option<usize>,
+    sliding_window: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    swiglu_alpha: Option<f64>,
+    swiglu_limit: Option<f64>,
 }
 
-const SUPPORTED: &str = "Qwen3ForCausalLM (model_type qwen3), Qwen3MoeForCausalLM (model_type qwen3_moe) or \
-                         LlamaForCausalLM (model_type llama)";
+const SUPPORTED: &str = "Qwen3ForCausalLM (model_type qwen3), Qwen3MoeForCausalLM (qwen3_moe), \
+                         GptOssForCausalLM (gpt_oss) or LlamaForCausalLM (llama)";
 
 impl TargetConfig {
     /// Reads and validates `dir/config.json`.
@@ -152,7 +223,13 @@ impl TargetConfig {
         let need = |v: Option<usize>, key: &str| v.ok_or_else(|| format!("missing key `{key}`"));
         let hidden_size = need(hf.hidden_size, "hidden_size")?;
         let num_attention_heads = need(hf.num_attention_heads, "num_attention_heads")?;
-        if hf.attention_bias == Some(true) || hf.mlp_bias == Some(true) {
+        let gpt_oss = architecture == Architecture::GptOss;
+        if gpt_oss && hf.attention_bias == Some(false) {
+            return Err(
+                "`attention_bias` = false is not supported for gpt_oss (published GPT-OSS models have biases)".into()
+            );
+        }
+        if (!gpt_oss && hf.attention_bias == Some(true)) || hf.mlp_bias == Some(true) {
             return Err("`attention_bias`/`mlp_bias` = true is not supported (Qwen3 and Llama-3 have no biases)".into());
         }
         if let Some(act) = hf.hidden_act.as_deref().filter(|a| *a != "silu") {
@@ -161,26 +238,37 @@ impl TargetConfig {
         if hf.use_sliding_window == Some(true) {
             return Err("`use_sliding_window` = true is not supported (published Qwen3 models have it false)".into());
         }
-        let (rope_theta, rope_scaling) = rope_settings(&hf)?;
-        let moe = (architecture == Architecture::Qwen3Moe).then(|| moe_settings(&hf));
+        let max_position_embeddings = hf.max_position_embeddings.unwrap_or(32768);
+        let (rope_theta, rope_scaling) = rope_settings(&hf, max_position_embeddings)?;
+        let num_hidden_layers = need(hf.num_hidden_layers, "num_hidden_layers")?;
+        let intermediate_size = need(hf.intermediate_size, "intermediate_size")?;
+        let (moe, gpt_oss) = match architecture {
+            Architecture::Qwen3Moe => (Some(moe_settings(&hf)), None),
+            Architecture::GptOss => {
+                let (moe, oss) = gpt_oss_settings(&hf, num_hidden_layers, intermediate_size)?;
+                (Some(moe), Some(oss))
+            }
+            _ => (None, None),
+        };
         let cfg = TargetConfig {
             architecture,
             vocab_size: need(hf.vocab_size, "vocab_size")?,
             hidden_size,
-            intermediate_size: need(hf.intermediate_size, "intermediate_size")?,
-            num_hidden_layers: need(hf.num_hidden_layers, "num_hidden_layers")?,
+            intermediate_size,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(num_attention_heads),
             head_dim: hf.head_dim.unwrap_or(hidden_size / num_attention_heads.max(1)),
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: hf.max_position_embeddings.unwrap_or(32768),
+            max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
             bos_token_id: token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(hf.eos_token_id.as_ref(), "eos_token_id")?,
             pad_token_id: token_ids(hf.pad_token_id.as_ref(), "pad_token_id")?.first().copied(),
             moe,
+            gpt_oss,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -215,12 +303,29 @@ impl TargetConfig {
         if !self.rms_norm_eps.is_finite() || self.rms_norm_eps <= 0.0 {
             return Err(format!("`rms_norm_eps` ({}) must be positive", self.rms_norm_eps));
         }
-        match (self.architecture, &self.moe) {
-            (Architecture::Qwen3Moe, None) => return Err("a qwen3_moe target needs its experts' settings".into()),
-            (other, Some(_)) if other != Architecture::Qwen3Moe => {
-                return Err(format!("a {} target has no experts; only qwen3_moe does", other.model_type()));
+        let has_experts = matches!(self.architecture, Architecture::Qwen3Moe | Architecture::GptOss);
+        if has_experts != self.moe.is_some() || (self.architecture == Architecture::GptOss) != self.gpt_oss.is_some() {
+            return Err(format!(
+                "a {} target has the settings of another family (experts: {}, GPT-OSS attention: {})",
+                self.architecture.model_type(),
+                self.moe.is_some(),
+                self.gpt_oss.is_some()
+            ));
+        }
+        if let Some(oss) = &self.gpt_oss {
+            if oss.sliding_layers.len() != self.num_hidden_layers {
+                return Err(format!(
+                    "`layer_types` has {} entries for {} layers",
+                    oss.sliding_layers.len(),
+                    self.num_hidden_layers
+                ));
             }
-            _ => {}
+            if oss.sliding_window == 0 {
+                return Err("`sliding_window` must be positive".into());
+            }
+            if self.moe.as_ref().is_some_and(|m| m.moe_intermediate_size != self.intermediate_size) {
+                return Err("a gpt_oss target's experts are `intermediate_size` wide".into());
+            }
         }
         if let Some(m) = &self.moe {
             for (key, v) in [
@@ -268,18 +373,24 @@ impl TargetConfig {
             },
             "pad_token_id": self.pad_token_id,
         });
-        if let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } =
-            self.rope_scaling
-        {
-            v["rope_scaling"] = json!({
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low_freq_factor,
-                "high_freq_factor": high_freq_factor,
-                "original_max_position_embeddings": original_max_position_embeddings,
-            });
+        if let Some(scaling) = self.rope_scaling.to_json() {
+            v["rope_scaling"] = scaling;
         }
-        if let Some(m) = &self.moe {
+        if let (Some(m), Some(oss)) = (&self.moe, &self.gpt_oss) {
+            let types: Vec<&str> =
+                oss.sliding_layers.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+            for (key, value) in [
+                ("num_local_experts", json!(m.num_experts)),
+                ("num_experts_per_tok", json!(m.num_experts_per_tok)),
+                ("sliding_window", json!(oss.sliding_window)),
+                ("layer_types", json!(types)),
+                ("swiglu_alpha", json!(oss.swiglu_alpha)),
+                ("swiglu_limit", json!(oss.swiglu_limit)),
+                ("attention_bias", json!(true)),
+            ] {
+                v[key] = value;
+            }
+        } else if let Some(m) = &self.moe {
             for (key, value) in [
                 ("num_experts", json!(m.num_experts)),
                 ("num_experts_per_tok", json!(m.num_experts_per_tok)),
@@ -298,6 +409,19 @@ impl TargetConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
+    /// Keys attended to in layer `layer` of a `seq`-token sequence, summed over the queries, as FLOP counts take
+    /// them: half the square under a causal mask (as the PyTorch peers count), the exact count in a GPT-OSS
+    /// sliding-window layer (at most `sliding_window` keys a query).
+    pub fn attended_keys(&self, layer: usize, seq: usize) -> f64 {
+        match self.gpt_oss.as_ref().filter(|o| o.sliding_layers[layer]) {
+            Some(o) if o.sliding_window < seq => {
+                let w = o.sliding_window;
+                (w * (w + 1) / 2 + (seq - w) * w) as f64
+            }
+            _ => (seq * seq) as f64 / 2.0,
+        }
+    }
+
     /// One line for logs: the family, depth and width, and the experts of a mixture.
     pub fn summary(&self) -> String {
         let mut s = format!(
@@ -308,6 +432,10 @@ impl TargetConfig {
         );
         if let Some(m) = &self.moe {
             s += &format!(", {} experts ({} per token)", m.num_experts, m.num_experts_per_tok);
+        }
+        if let Some(o) = &self.gpt_oss {
+            let sliding = o.sliding_layers.iter().filter(|&&s| s).count();
+            s += &format!(", {sliding} layers with a {}-token window", o.sliding_window);
         }
         s
     }
@@ -376,7 +504,7 @@ fn moe_settings(hf: &HfConfig) -> MoeConfig {
 }
 
 /// Reads `rope_theta` and the scaling from either spelling; `rope_parameters` wins where both exist.
-fn rope_settings(hf: &HfConfig) -> Result<(f64, RopeScaling), String> {
+fn rope_settings(hf: &HfConfig, max_position_embeddings: usize) -> Result<(f64, RopeScaling), String> {
     let (params, key) = match (&hf.rope_parameters, &hf.rope_scaling) {
         (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
         (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
@@ -388,12 +516,14 @@ fn rope_settings(hf: &HfConfig) -> Result<(f64, RopeScaling), String> {
         return Ok((theta, RopeScaling::None));
     };
     let kind = params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let optional = |name: &str| params.get(name).filter(|v| !v.is_null()).and_then(Value::as_f64);
     let number = |name: &str| {
-        params
-            .get(name)
-            .and_then(Value::as_f64)
+        optional(name)
             .ok_or_else(|| format!("`{key}.{name}` is missing or not a number (needed by rope_type {kind:?})"))
     };
+    if optional("partial_rotary_factor").is_some_and(|f| f != 1.0) {
+        return Err(format!("`{key}.partial_rotary_factor` other than 1 is not supported"));
+    }
     match kind {
         "default" => Ok((theta, RopeScaling::None)),
         "llama3" => Ok((
@@ -405,8 +535,64 @@ fn rope_settings(hf: &HfConfig) -> Result<(f64, RopeScaling), String> {
                 original_max_position_embeddings: number("original_max_position_embeddings")?,
             },
         )),
-        other => Err(format!("`{key}.rope_type` = {other:?} is not supported (supported: \"default\", \"llama3\")")),
+        // transformers' `_compute_yarn_parameters`, defaults included.
+        "yarn" => {
+            let factor = number("factor")?;
+            let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let attention_factor = optional("attention_factor").unwrap_or_else(|| {
+                match (optional("mscale").filter(|&m| m != 0.0), optional("mscale_all_dim").filter(|&m| m != 0.0)) {
+                    (Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                    _ => mscale(factor, 1.0),
+                }
+            });
+            Ok((
+                theta,
+                RopeScaling::Yarn {
+                    factor,
+                    beta_fast: optional("beta_fast").filter(|&b| b != 0.0).unwrap_or(32.0),
+                    beta_slow: optional("beta_slow").filter(|&b| b != 0.0).unwrap_or(1.0),
+                    original_max_position_embeddings: optional("original_max_position_embeddings")
+                        .unwrap_or(max_position_embeddings as f64),
+                    truncate: params.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                    attention_factor,
+                },
+            ))
+        }
+        other => Err(format!(
+            "`{key}.rope_type` = {other:?} is not supported (supported: \"default\", \"llama3\", \"yarn\")"
+        )),
     }
+}
+
+/// GPT-OSS's keys (transformers' `GptOssConfig` defaults where absent): its experts as a [`MoeConfig`] (every layer
+/// sparse) and the rest.
+fn gpt_oss_settings(hf: &HfConfig, layers: usize, width: usize) -> Result<(MoeConfig, GptOssConfig), String> {
+    let moe = MoeConfig {
+        num_experts: hf.num_local_experts.or(hf.num_experts).unwrap_or(128),
+        num_experts_per_tok: hf.num_experts_per_tok.or(hf.experts_per_token).unwrap_or(4),
+        moe_intermediate_size: width,
+        norm_topk_prob: false,
+        decoder_sparse_step: 1,
+        mlp_only_layers: vec![],
+    };
+    let sliding_layers = match &hf.layer_types {
+        None => (0..layers).map(|l| l % 2 == 0).collect(),
+        Some(types) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => Err(format!("`layer_types` entry {other:?} is not sliding_attention or full_attention")),
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let oss = GptOssConfig {
+        sliding_window: hf.sliding_window.unwrap_or(128),
+        sliding_layers,
+        swiglu_alpha: hf.swiglu_alpha.unwrap_or(1.702),
+        swiglu_limit: hf.swiglu_limit.unwrap_or(7.0),
+    };
+    Ok((moe, oss))
 }
 
 /// A token id field may be absent, null, one integer or a list of integers.
@@ -487,6 +673,84 @@ mod tests {
         assert_eq!(cfg, again);
     }
 
+    /// gpt-oss-20b's published config.json (openai/gpt-oss-20b), MXFP4 quantization_config included.
+    fn gpt_oss_20b() -> String {
+        let types: Vec<&str> =
+            (0..24).map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
+        format!(
+            r#"{{ "architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+            "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+            "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+            "layer_types": {types:?}, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+            "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+            "num_local_experts": 32, "output_router_logits": false, "pad_token_id": 199999,
+            "quantization_config": {{"modules_to_not_convert": ["model.layers.*.self_attn",
+            "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}},
+            "rms_norm_eps": 1e-05, "rope_scaling": {{"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false}}, "rope_theta": 150000,
+            "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false,
+            "transformers_version": "4.55.0.dev0", "use_cache": true, "vocab_size": 201088 }}"#
+        )
+    }
+
+    #[test]
+    fn reads_the_published_gpt_oss_config_as_the_preset() {
+        let cfg = TargetConfig::from_json(&gpt_oss_20b()).unwrap();
+        assert_eq!(cfg, crate::model::Preset::GptOss20b.spec().target);
+        assert!(
+            cfg.summary().contains("32 experts (4 per token), 12 layers with a 128-token window"),
+            "{}",
+            cfg.summary()
+        );
+        let again = TargetConfig::from_json(&cfg.to_hf_json("bfloat16").to_string()).unwrap();
+        assert_eq!(cfg, again);
+        // A sliding layer attends to at most 128 keys per query.
+        assert_eq!(cfg.attended_keys(0, 2048), (128 * 129 / 2 + (2048 - 128) * 128) as f64);
+        assert_eq!(cfg.attended_keys(1, 2048), 2048.0 * 2048.0 / 2.0);
+        let bad = gpt_oss_20b().replace(r#""attention_bias": true"#, r#""attention_bias": false"#);
+        assert!(TargetConfig::from_json(&bad).unwrap_err().contains("attention_bias"));
+        let bad = gpt_oss_20b().replacen("full_attention", "chunked_attention", 1);
+        assert!(TargetConfig::from_json(&bad).unwrap_err().contains("chunked_attention"));
+    }
+
+    #[test]
+    fn reads_yarn_as_transformers_resolves_it() {
+        // Qwen3's long-context recipe: factor 4 over 32768 positions; the attention factor is 0.1 ln 4 + 1.
+        let text = QWEN3_8B.replace(
+            r#""rope_scaling": null"#,
+            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
+        );
+        let RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            truncate,
+            attention_factor,
+            original_max_position_embeddings,
+        } = TargetConfig::from_json(&text).unwrap().rope_scaling
+        else {
+            panic!("yarn")
+        };
+        assert_eq!(
+            (factor, beta_fast, beta_slow, truncate, original_max_position_embeddings),
+            (4.0, 32.0, 1.0, true, 32768.0)
+        );
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        // mscale and mscale_all_dim (DeepSeek's spelling) give their ratio; attention_factor wins when given.
+        let with = |extra: &str| {
+            let t = QWEN3_8B.replace(
+                r#""rope_scaling": null"#,
+                &format!(r#""rope_scaling": {{"rope_type": "yarn", "factor": 4.0{extra}}}"#),
+            );
+            match TargetConfig::from_json(&t).unwrap().rope_scaling {
+                RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+                _ => panic!("yarn"),
+            }
+        };
+        assert_eq!(with(r#", "mscale": 1.0, "mscale_all_dim": 1.0"#), 1.0);
+        assert_eq!(with(r#", "attention_factor": 0.5"#), 0.5);
+    }
+
     #[test]
     fn reads_rope_parameters_spelling() {
         let text = QWEN3_8B.replace(
@@ -494,10 +758,10 @@ mod tests {
             r#""rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},"#,
         );
         assert_eq!(TargetConfig::from_json(&text).unwrap().rope_theta, 5e6);
-        let yarn =
-            QWEN3_8B.replace(r#""rope_scaling": null"#, r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#);
-        let err = TargetConfig::from_json(&yarn).unwrap_err();
-        assert!(err.contains("rope_scaling.rope_type") && err.contains("yarn"), "{err}");
+        let longrope =
+            QWEN3_8B.replace(r#""rope_scaling": null"#, r#""rope_scaling": {"rope_type": "longrope", "factor": 4.0}"#);
+        let err = TargetConfig::from_json(&longrope).unwrap_err();
+        assert!(err.contains("rope_scaling.rope_type") && err.contains("longrope"), "{err}");
     }
 
     #[test]

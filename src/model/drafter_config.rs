@@ -39,6 +39,7 @@ impl DrafterConfig {
             intermediate_size: intermediate_size.unwrap_or(target.intermediate_size),
             tie_word_embeddings: false,
             moe: None,
+            gpt_oss: None,
             ..target.clone()
         };
         let cfg = DrafterConfig {

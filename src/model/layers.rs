@@ -40,6 +40,8 @@ pub fn norm_rope(x: &Tensor, weight: Option<&Tensor>, eps: f64, cos: &Tensor, si
 pub struct Rope {
     /// `[head_dim / 2]`, f32
     inv_freq: Tensor,
+    /// YaRN's factor on cos and sin (1 otherwise).
+    attention_scaling: f64,
 }
 
 impl Rope {
@@ -48,9 +50,38 @@ impl Rope {
         let d = head_dim as f64;
         let exponent =
             Tensor::arange_start_step(0, head_dim as i64, 2, (Kind::Int64, Device::Cpu)).to_kind(Kind::Float) / d;
-        let inv_freq = Tensor::pow_scalar(theta, &exponent).reciprocal();
+        let pos_freqs = Tensor::pow_scalar(theta, &exponent);
+        let inv_freq = pos_freqs.reciprocal();
+        let mut attention_scaling = 1.0;
         let inv_freq = match scaling {
             RopeScaling::None => inv_freq,
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings: old_len,
+                truncate,
+                attention_factor,
+            } => {
+                attention_scaling = attention_factor;
+                // transformers' `_compute_yarn_parameters`: the dimensions whose rotation count over the original
+                // context lies between beta_fast and beta_slow are ramped from extrapolated to interpolated.
+                let correction_dim =
+                    |rotations: f64| d * (old_len / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+                let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let ramp = ((Tensor::arange(head_dim as i64 / 2, (Kind::Float, Device::Cpu)) - low) / (high - low))
+                    .clamp(0.0, 1.0);
+                let extrapolation = ramp.ones_like() - ramp;
+                let interpolation = (&pos_freqs * factor).reciprocal();
+                &interpolation * (extrapolation.ones_like() - &extrapolation) + &inv_freq * &extrapolation
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -69,7 +100,7 @@ impl Rope {
                 smoothed.where_self(&medium, &scaled)
             }
         };
-        Rope { inv_freq: inv_freq.to_device(device) }
+        Rope { inv_freq: inv_freq.to_device(device), attention_scaling }
     }
 
     /// The factors [`apply_rope`] takes for `positions` (any integer shape `P`), each `[..P, head_dim]` in `kind`:
@@ -78,8 +109,8 @@ impl Rope {
     pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
-        let sin = freqs.sin();
-        (emb.cos().to_kind(kind), Tensor::cat(&[-&sin, sin], -1).to_kind(kind))
+        let (cos, sin) = (emb.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling);
+        (cos.to_kind(kind), Tensor::cat(&[-&sin, sin], -1).to_kind(kind))
     }
 }
 

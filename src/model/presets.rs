@@ -8,7 +8,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer};
 
-use super::config::{Architecture, MoeConfig, RopeScaling, TargetConfig};
+use super::config::{Architecture, GptOssConfig, MoeConfig, RopeScaling, TargetConfig};
 use super::init::Init;
 use super::{Depth, ModelError, Target};
 use tch::{Device, Kind};
@@ -43,10 +43,12 @@ pub enum Preset {
     TinyTasks,
     Tiny,
     TinyMoe,
+    TinyGptOss,
     Qwen3_4b,
     Qwen3_8b,
     Llama31_8b,
     Qwen3_30bA3b,
+    GptOss20b,
 }
 
 /// What a preset fixes.
@@ -83,19 +85,21 @@ impl PresetSpec {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 7] = [
+    pub const ALL: [Preset; 9] = [
         Preset::TinyTasks,
         Preset::Tiny,
         Preset::TinyMoe,
+        Preset::TinyGptOss,
         Preset::Qwen3_4b,
         Preset::Qwen3_8b,
         Preset::Llama31_8b,
         Preset::Qwen3_30bA3b,
+        Preset::GptOss20b,
     ];
 
     /// The presets of the `tiny` vocabulary and its built-in byte-level tokenizer.
     pub fn is_tiny(self) -> bool {
-        matches!(self, Preset::Tiny | Preset::TinyTasks | Preset::TinyMoe)
+        matches!(self, Preset::Tiny | Preset::TinyTasks | Preset::TinyMoe | Preset::TinyGptOss)
     }
 
     pub fn name(self) -> &'static str {
@@ -103,10 +107,12 @@ impl Preset {
             Preset::TinyTasks => "tiny-tasks",
             Preset::Tiny => "tiny",
             Preset::TinyMoe => "tiny-moe",
+            Preset::TinyGptOss => "tiny-gpt-oss",
             Preset::Qwen3_4b => "qwen3-4b",
             Preset::Qwen3_8b => "qwen3-8b",
             Preset::Llama31_8b => "llama3.1-8b",
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
+            Preset::GptOss20b => "gpt-oss-20b",
         }
     }
 
@@ -129,6 +135,7 @@ impl Preset {
             eos_token_ids: vec![151645],
             pad_token_id: Some(151643),
             moe: None,
+            gpt_oss: None,
         };
         let real = |target, taps: &[usize], mask| PresetSpec {
             target,
@@ -159,6 +166,7 @@ impl Preset {
                     eos_token_ids: vec![tiny::IM_END],
                     pad_token_id: Some(tiny::ENDOFTEXT),
                     moe: None,
+                    gpt_oss: None,
                 },
                 taps: vec![1, 3, 5],
                 mask_token_id: tiny::MASK,
@@ -179,6 +187,40 @@ impl Preset {
                 };
                 let target = TargetConfig { architecture: Architecture::Qwen3Moe, moe: Some(moe), ..tiny.target };
                 PresetSpec { target, init: Init::Portable(tiny::SEED + 1), ..tiny }
+            }
+            // The tiny shape as a GPT-OSS: 8 experts of width 192, two per token, an 8-token window on even layers,
+            // YaRN over 1024 original positions.
+            Preset::TinyGptOss => {
+                let tiny = Preset::Tiny.spec();
+                let moe = MoeConfig {
+                    num_experts: 8,
+                    num_experts_per_tok: 2,
+                    moe_intermediate_size: tiny.target.intermediate_size,
+                    norm_topk_prob: false,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: vec![],
+                };
+                let layers = tiny.target.num_hidden_layers;
+                let target = TargetConfig {
+                    architecture: Architecture::GptOss,
+                    rope_scaling: RopeScaling::Yarn {
+                        factor: 4.0,
+                        beta_fast: 32.0,
+                        beta_slow: 1.0,
+                        original_max_position_embeddings: 1024.0,
+                        truncate: false,
+                        attention_factor: 0.1 * 4f64.ln() + 1.0,
+                    },
+                    moe: Some(moe),
+                    gpt_oss: Some(GptOssConfig {
+                        sliding_window: 8,
+                        sliding_layers: (0..layers).map(|l| l % 2 == 0).collect(),
+                        swiglu_alpha: 1.702,
+                        swiglu_limit: 7.0,
+                    }),
+                    ..tiny.target
+                };
+                PresetSpec { target, init: Init::Portable(tiny::SEED + 2), ..tiny }
             }
             Preset::Qwen3_4b => real(qwen3(2560, 9728, true), &[1, 9, 17, 25, 33], 151669),
             Preset::Qwen3_8b => real(qwen3(4096, 12288, false), &[1, 9, 17, 25, 33], 151669),
@@ -206,6 +248,7 @@ impl Preset {
                     eos_token_ids: vec![128001, 128008, 128009],
                     pad_token_id: None,
                     moe: None,
+                    gpt_oss: None,
                 },
                 &[1, 8, 15, 22, 29],
                 // <|reserved_special_token_0|>: in the embedding table, never produced by the tokenizer.
@@ -231,6 +274,51 @@ impl Preset {
                 },
                 &[1, 12, 23, 34, 45],
                 151669,
+            ),
+            // gpt-oss-20b's config.json (its experts dequantised from MXFP4 to bf16); taps by z-lab's rule for 24
+            // layers; MASK <|reserved_200000|>.
+            Preset::GptOss20b => real(
+                TargetConfig {
+                    architecture: Architecture::GptOss,
+                    vocab_size: 201088,
+                    hidden_size: 2880,
+                    intermediate_size: 2880,
+                    num_hidden_layers: 24,
+                    num_attention_heads: 64,
+                    num_key_value_heads: 8,
+                    head_dim: 64,
+                    rms_norm_eps: 1e-5,
+                    rope_theta: 150000.0,
+                    rope_scaling: RopeScaling::Yarn {
+                        factor: 32.0,
+                        beta_fast: 32.0,
+                        beta_slow: 1.0,
+                        original_max_position_embeddings: 4096.0,
+                        truncate: false,
+                        attention_factor: 0.1 * 32f64.ln() + 1.0,
+                    },
+                    max_position_embeddings: 131072,
+                    tie_word_embeddings: false,
+                    bos_token_id: None,
+                    eos_token_ids: vec![200002],
+                    pad_token_id: Some(199999),
+                    moe: Some(MoeConfig {
+                        num_experts: 32,
+                        num_experts_per_tok: 4,
+                        moe_intermediate_size: 2880,
+                        norm_topk_prob: false,
+                        decoder_sparse_step: 1,
+                        mlp_only_layers: vec![],
+                    }),
+                    gpt_oss: Some(GptOssConfig {
+                        sliding_window: 128,
+                        sliding_layers: (0..24).map(|l| l % 2 == 0).collect(),
+                        swiglu_alpha: 1.702,
+                        swiglu_limit: 7.0,
+                    }),
+                },
+                &[1, 6, 11, 16, 21],
+                200000,
             ),
         }
     }
@@ -272,7 +360,7 @@ mod tests {
             assert!((spec.mask_token_id as usize) < spec.target.vocab_size);
             assert_eq!(p.name().parse::<Preset>().unwrap(), p);
         }
-        assert!("qwen3-9b".parse::<Preset>().unwrap_err().contains("tiny, tiny-moe, qwen3-4b"));
+        assert!("qwen3-9b".parse::<Preset>().unwrap_err().contains("tiny, tiny-moe, tiny-gpt-oss, qwen3-4b"));
     }
 
     #[test]

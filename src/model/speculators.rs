@@ -84,17 +84,9 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
 
 /// transformers 5's `rope_parameters`: the scaling's fields with its `rope_type`, and `rope_theta`.
 fn rope_parameters(scaling: &RopeScaling, theta: Value) -> Value {
-    match *scaling {
-        RopeScaling::None => json!({"rope_theta": theta, "rope_type": "default"}),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
-            "factor": factor,
-            "high_freq_factor": high_freq_factor,
-            "low_freq_factor": low_freq_factor,
-            "original_max_position_embeddings": original_max_position_embeddings,
-            "rope_theta": theta,
-            "rope_type": "llama3",
-        }),
-    }
+    let mut v = scaling.to_json().unwrap_or_else(|| json!({"rope_type": "default"}));
+    v["rope_theta"] = theta;
+    v
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! The frozen target decoder (Qwen3, Qwen3-MoE or Llama-3). Its one training-time job is to turn token batches into the
+//! The frozen target decoder (Qwen3, Qwen3-MoE, GPT-OSS or Llama-3). Its one training-time job is to turn token batches into the
 //! concatenated hidden states of the tapped layers, as fast as the GPU allows; it also lends the drafter its
 //! embedding and LM head, and can run the whole stack for decoding.
 //!
@@ -17,7 +17,7 @@ use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, norm_rope, rms_norm, swiglu_activation};
 use super::moe::SparseMlp;
-use super::weights::{HostTensor, WeightFiles, write_sharded};
+use super::weights::{HostTensor, WeightFiles, dequantize_mxfp4, write_sharded};
 use crate::device::kind_name;
 use crate::profile::span;
 
@@ -39,6 +39,12 @@ struct DecoderLayer {
     o_proj: Tensor,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
+    /// GPT-OSS: `[(heads + 2 * kv_heads) * head_dim]` and `[hidden]`.
+    qkv_bias: Option<Tensor>,
+    o_bias: Option<Tensor>,
+    /// GPT-OSS: one attention-sink logit per head, `[heads]`, and the sliding window of this layer.
+    sinks: Option<Tensor>,
+    window: Option<i64>,
     mlp: Mlp,
 }
 
@@ -115,11 +121,27 @@ fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(St
         out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], std));
         out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], std));
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], std));
+        if cfg.gpt_oss.is_some() {
+            out.push((format!("{p}.self_attn.q_proj.bias"), vec![q], std));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], std));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], std));
+            out.push((format!("{p}.self_attn.o_proj.bias"), vec![h], std));
+            out.push((format!("{p}.self_attn.sinks"), vec![cfg.num_attention_heads], std));
+        }
         if cfg.architecture.has_qk_norm() {
             out.push((format!("{p}.self_attn.q_norm.weight"), vec![d], norm));
             out.push((format!("{p}.self_attn.k_norm.weight"), vec![d], norm));
         }
         match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+            Some(m) if cfg.gpt_oss.is_some() => {
+                let (e, w, x) = (m.num_experts, m.moe_intermediate_size, format!("{p}.mlp"));
+                out.push((format!("{x}.router.weight"), vec![e, h], std));
+                out.push((format!("{x}.router.bias"), vec![e], std));
+                out.push((format!("{x}.experts.gate_up_proj"), vec![e, h, 2 * w], std));
+                out.push((format!("{x}.experts.gate_up_proj_bias"), vec![e, 2 * w], std));
+                out.push((format!("{x}.experts.down_proj"), vec![e, w, h], std));
+                out.push((format!("{x}.experts.down_proj_bias"), vec![e, h], std));
+            }
             Some(m) => {
                 out.push((format!("{p}.mlp.gate.weight"), vec![m.num_experts, h], std));
                 for e in 0..m.num_experts {
@@ -145,6 +167,41 @@ fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(St
     out
 }
 
+/// GPT-OSS's attention: causal (within `window` positions, the query's own included, where the layer has one), with
+/// one sink logit per head that takes part in the softmax and contributes no value. `q [B, H, T, d]` holds positions
+/// `start..start + T`; `k`, `v` `[B, KV, K, d]` positions `0..K` (the whole sequence, or the cache's bucketed
+/// prefix, whose unwritten tail the causal mask hides). The sink is an extra key of zeros (score 0) whose mask entry is
+/// the sink, with a zero value; the memory-efficient kernel takes the mask and wants the key/value heads expanded.
+fn sink_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: &Tensor,
+    window: Option<i64>,
+    start: i64,
+) -> Result<Tensor, ModelError> {
+    let (heads, t, keys) = (q.size()[1], q.size()[2], k.size()[2]);
+    let group = heads / k.size()[1];
+    let extend = |x: &Tensor| -> Result<Tensor, ModelError> {
+        let x = repeat_kv(x, group);
+        let zero = x.f_narrow(2, 0, 1)?.f_zeros_like()?;
+        Ok(Tensor::f_cat(&[&x, &zero], 2)?)
+    };
+    let (k, v) = (extend(k)?, extend(v)?);
+    let device = q.device();
+    let query_positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?.unsqueeze(1);
+    let key_positions = Tensor::f_arange(keys, (Kind::Int64, device))?.unsqueeze(0);
+    let mut visible = key_positions.f_le_tensor(&query_positions)?;
+    if let Some(w) = window {
+        visible = visible.f_logical_and(&(&query_positions - &key_positions).f_lt(w)?)?;
+    }
+    let mask =
+        Tensor::f_zeros([t, keys], (q.kind(), device))?.f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?;
+    let sink = sinks.to_kind(q.kind()).view([1, heads, 1, 1]).expand([1, heads, t, 1], false);
+    let mask = Tensor::f_cat(&[&mask.view([1, 1, t, keys]).expand([1, heads, t, keys], false), &sink], 3)?;
+    Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, Some(&mask), 0.0, false, None, false)?)
+}
+
 impl Target {
     /// Loads a HuggingFace model folder (`config.json` + safetensors) onto `device` as `kind`.
     pub fn load(dir: &Path, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Self, ModelError> {
@@ -165,7 +222,23 @@ impl Target {
         if cfg.tie_word_embeddings && files.contains("lm_head.weight") {
             tracing::debug!("config.json ties the LM head to the embedding; ignoring lm_head.weight");
         }
-        Self::build(cfg, taps, depth, device, kind, |name, shape, _| files.load(name, shape, &why, kind, device))
+        Self::build(cfg, taps, depth, device, kind, |name, shape, _| {
+            let blocks = format!("{name}_blocks");
+            if files.contains(name) || !files.contains(&blocks) {
+                return files.load(name, shape, &why, kind, device);
+            }
+            // GPT-OSS's experts as published: MXFP4 `[experts, out, in / 32, 16]` codes and `[experts, out, in / 32]`
+            // scales of the `[experts, in, out]` weight transformers uses.
+            let [experts, inputs, outputs] = shape[..] else {
+                return files.load(name, shape, &why, kind, device);
+            };
+            let groups = inputs.div_ceil(32);
+            let codes = files.load(&blocks, &[experts, outputs, groups, 16], &why, Kind::Uint8, device)?;
+            let scales =
+                files.load(&format!("{name}_scales"), &[experts, outputs, groups], &why, Kind::Uint8, device)?;
+            let weight = dequantize_mxfp4(&codes, &scales, kind)?.f_narrow(2, 0, inputs as i64)?;
+            Ok(weight.f_transpose(1, 2)?.f_contiguous()?)
+        })
     }
 
     /// A target whose weights are one safetensors file held in memory (`what` names it in errors): the built-in
@@ -246,6 +319,20 @@ impl Target {
                 0,
             )?;
             let mlp = match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+                Some(m) if cfg.gpt_oss.is_some() => {
+                    let oss = cfg.gpt_oss.as_ref().expect("checked");
+                    let mut pair = |name: &str, bias: &str| -> Result<(Tensor, Tensor), ModelError> {
+                        Ok((get(&w(name))?, get(&w(bias))?))
+                    };
+                    Mlp::Sparse(SparseMlp::gpt_oss(
+                        pair("mlp.router.weight", "mlp.router.bias")?,
+                        pair("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias")?,
+                        pair("mlp.experts.down_proj", "mlp.experts.down_proj_bias")?,
+                        m.num_experts_per_tok,
+                        oss.swiglu_alpha,
+                        oss.swiglu_limit,
+                    ))
+                }
                 Some(m) => {
                     let mut gate_up = Vec::with_capacity(m.num_experts);
                     let mut down = Vec::with_capacity(m.num_experts);
@@ -254,7 +341,7 @@ impl Target {
                         gate_up.push(Tensor::f_cat(&[get(&x("gate_proj.weight"))?, get(&x("up_proj.weight"))?], 0)?);
                         down.push(get(&x("down_proj.weight"))?);
                     }
-                    Mlp::Sparse(SparseMlp::new(
+                    Mlp::Sparse(SparseMlp::qwen3(
                         get(&w("mlp.gate.weight"))?,
                         Tensor::f_stack(&gate_up, 0)?,
                         Tensor::f_stack(&down, 0)?,
@@ -275,6 +362,22 @@ impl Target {
             } else {
                 (None, None)
             };
+            let (qkv_bias, o_bias, sinks, window) = match &cfg.gpt_oss {
+                Some(oss) => (
+                    Some(Tensor::f_cat(
+                        &[
+                            get(&w("self_attn.q_proj.bias"))?,
+                            get(&w("self_attn.k_proj.bias"))?,
+                            get(&w("self_attn.v_proj.bias"))?,
+                        ],
+                        0,
+                    )?),
+                    Some(get(&w("self_attn.o_proj.bias"))?),
+                    Some(get(&w("self_attn.sinks"))?),
+                    oss.sliding_layers[l].then_some(oss.sliding_window as i64),
+                ),
+                None => (None, None, None, None),
+            };
             layers.push(DecoderLayer {
                 input_layernorm: get(&w("input_layernorm.weight"))?,
                 post_attention_layernorm: get(&w("post_attention_layernorm.weight"))?,
@@ -282,6 +385,10 @@ impl Target {
                 o_proj: get(&w("self_attn.o_proj.weight"))?,
                 q_norm,
                 k_norm,
+                qkv_bias,
+                o_bias,
+                sinks,
+                window,
                 mlp,
             });
         }
@@ -512,7 +619,7 @@ impl Target {
         };
         let qkv = {
             let _p = span("target.qkv_proj");
-            qkv.linear(&layer.qkv_proj, None::<Tensor>)
+            qkv.linear(&layer.qkv_proj, layer.qkv_bias.as_ref())
         };
         let q = qkv.narrow(-1, 0, heads * d).view([b, s, heads, d]);
         let k = qkv.narrow(-1, heads * d, kv_heads * d).view([b, s, kv_heads, d]);
@@ -529,11 +636,23 @@ impl Target {
         let attn = {
             let _p = span("target.attention");
             let gqa = kv_heads != heads;
-            match keys {
-                Keys::Causal => {
+            match (keys, &layer.sinks) {
+                (keys, Some(sinks)) => {
+                    let (k, v, start) = match keys {
+                        Keys::Causal => (k, v, 0),
+                        Keys::Cached { cache, layer: index, .. } => {
+                            let start = cache.len();
+                            let _written = cache.write(index, &k, &v)?;
+                            let (k, v) = cache.prefix(index, context_bucket(start + s))?;
+                            (k, v, start)
+                        }
+                    };
+                    sink_attention(&q, &k, &v, sinks, layer.window, start)?
+                }
+                (Keys::Causal, None) => {
                     Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
                 }
-                Keys::Cached { cache, layer: index, bias } => {
+                (Keys::Cached { cache, layer: index, bias }, None) => {
                     let (k, v) = cache.write(index, &k, &v)?;
                     match bias {
                         // After the prefill: the bucketed cache, masked. The memory-efficient kernel takes the mask
@@ -566,6 +685,9 @@ impl Target {
             let _p = span("target.o_proj");
             let attn = attn.transpose(1, 2).reshape([b * s, heads * d]);
             let _ = x.view([b * s, hidden]).f_addmm_(&attn, &layer.o_proj.tr())?;
+            if let Some(bias) = &layer.o_bias {
+                let _ = x.shallow_clone().f_add_(bias)?;
+            }
         }
         let h = {
             let _p = span("target.norms");
@@ -631,16 +753,32 @@ impl Target {
                     put("mlp.up_proj.weight".into(), rows(gate_up_proj, i, i));
                     put("mlp.down_proj.weight".into(), down_proj.shallow_clone());
                 }
+                Mlp::Sparse(sparse) if sparse.router_bias().is_some() => {
+                    let bias = |t: Option<&Tensor>| t.expect("GPT-OSS experts have biases").shallow_clone();
+                    put("mlp.router.weight".into(), sparse.router().shallow_clone());
+                    put("mlp.router.bias".into(), bias(sparse.router_bias()));
+                    put("mlp.experts.gate_up_proj".into(), sparse.gate_up().shallow_clone());
+                    put("mlp.experts.gate_up_proj_bias".into(), bias(sparse.gate_up_bias()));
+                    put("mlp.experts.down_proj".into(), sparse.down().shallow_clone());
+                    put("mlp.experts.down_proj_bias".into(), bias(sparse.down_bias()));
+                }
                 Mlp::Sparse(sparse) => {
                     put("mlp.gate.weight".into(), sparse.router().shallow_clone());
-                    let i = sparse.gate_up().size()[1] / 2;
+                    let i = sparse.gate_up().size()[2] / 2;
                     for e in 0..sparse.gate_up().size()[0] {
-                        let gate_up = sparse.gate_up().get(e);
+                        let gate_up = sparse.gate_up().get(e).tr();
                         put(format!("mlp.experts.{e}.gate_proj.weight"), rows(&gate_up, 0, i));
                         put(format!("mlp.experts.{e}.up_proj.weight"), rows(&gate_up, i, i));
-                        put(format!("mlp.experts.{e}.down_proj.weight"), sparse.down().get(e));
+                        put(format!("mlp.experts.{e}.down_proj.weight"), sparse.down().get(e).tr());
                     }
                 }
+            }
+            if let (Some(bias), Some(o_bias), Some(sinks)) = (&layer.qkv_bias, &layer.o_bias, &layer.sinks) {
+                put("self_attn.q_proj.bias".into(), bias.narrow(0, 0, q));
+                put("self_attn.k_proj.bias".into(), bias.narrow(0, q, kv));
+                put("self_attn.v_proj.bias".into(), bias.narrow(0, q + kv, kv));
+                put("self_attn.o_proj.bias".into(), o_bias.shallow_clone());
+                put("self_attn.sinks".into(), sinks.shallow_clone());
             }
         }
         if let Some(norm) = &self.norm {

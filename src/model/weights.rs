@@ -159,8 +159,30 @@ pub(super) fn kind_of(dtype: Dtype) -> Option<Kind> {
         Dtype::F32 => Kind::Float,
         Dtype::F64 => Kind::Double,
         Dtype::I64 => Kind::Int64,
+        Dtype::U8 => Kind::Uint8,
         _ => return None,
     })
+}
+
+/// The 16 values of an FP4 (e2m1) code: `+0, 0.5, 1, 1.5, 2, 3, 4, 6`, then the same negated.
+const FP4_VALUES: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// MXFP4 (OCP microscaling, as GPT-OSS's experts are published) to `kind`: `blocks [.., G, 16]` u8 hold 32 FP4 codes
+/// per group, the low nibble first; `scales [.., G]` u8 are each group's power of two, biased by 127. Returns
+/// `[.., G * 32]`. Exact: every value is a small binary fraction times a power of two.
+pub fn dequantize_mxfp4(blocks: &Tensor, scales: &Tensor, kind: Kind) -> Result<Tensor, tch::TchError> {
+    let size = blocks.size();
+    let lut = Tensor::f_from_slice(&FP4_VALUES)?.f_to(blocks.device())?;
+    let codes = blocks.f_to_kind(Kind::Int64)?;
+    let low = lut.f_index_select(0, &codes.f_bitwise_and(15)?.f_view([-1])?)?;
+    let high = lut.f_index_select(0, &codes.f_bitwise_right_shift_tensor_scalar(4)?.f_view([-1])?)?;
+    let mut shape = size[..size.len() - 1].to_vec();
+    let values =
+        Tensor::f_stack(&[low, high], 1)?.f_view(&shape.iter().copied().chain([32]).collect::<Vec<_>>()[..])?;
+    let exponent = scales.f_to_kind(Kind::Float)?.f_sub_scalar(127.0)?.f_exp2()?.f_unsqueeze(-1)?;
+    let last = shape.pop().expect("blocks have a group dimension");
+    shape.push(last * 32);
+    values.f_mul(&exponent)?.f_view(&shape[..])?.f_to_kind(kind)
 }
 
 fn dtype_of(kind: Kind) -> Result<Dtype, ModelError> {
@@ -170,6 +192,7 @@ fn dtype_of(kind: Kind) -> Result<Dtype, ModelError> {
         Kind::Float => Dtype::F32,
         Kind::Double => Dtype::F64,
         Kind::Int64 => Dtype::I64,
+        Kind::Uint8 => Dtype::U8,
         other => {
             return Err(ModelError::Torch(format!("cannot write tensors of kind {other:?}")));
         }
@@ -254,4 +277,33 @@ pub fn write_sharded(dir: &Path, tensors: Vec<(String, HostTensor)>, max_shard_b
     let path = dir.join(INDEX);
     std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json"))
         .map_err(|err| ModelError::Io { path, err })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The codes and scales of the OCP MX spec by hand: nibbles low first, the E8M0 scale 2^(s - 127).
+    #[test]
+    fn mxfp4_decodes_nibbles_low_first_times_the_group_scale() {
+        let mut bytes = vec![0u8; 32];
+        bytes[0] = 0x21; // low 1 -> 0.5, high 2 -> 1.0
+        bytes[1] = 0xF8; // low 8 -> -0.0, high 15 -> -6.0
+        bytes[16] = 0x7A; // second group: low 10 -> -1.0, high 7 -> 6.0
+        let blocks = Tensor::from_slice(&bytes).view([2, 16]);
+        let scales = Tensor::from_slice(&[128u8, 125]);
+        let out: Vec<f32> = Vec::try_from(&dequantize_mxfp4(&blocks, &scales, Kind::Float).unwrap()).unwrap();
+        assert_eq!(out.len(), 64);
+        assert_eq!(&out[..4], &[1.0, 2.0, -0.0, -12.0]);
+        assert!(out[4..32].iter().all(|&v| v == 0.0));
+        assert_eq!(&out[32..34], &[-0.25, 1.5]);
+        // Leading dimensions are kept: [2, 3, G=2, 16] -> [2, 3, 64].
+        let many = dequantize_mxfp4(
+            &Tensor::zeros([2, 3, 2, 16], (Kind::Uint8, Device::Cpu)),
+            &Tensor::full([2, 3, 2], 127, (Kind::Uint8, Device::Cpu)),
+            Kind::BFloat16,
+        )
+        .unwrap();
+        assert_eq!(many.size(), vec![2, 3, 64]);
+    }
 }

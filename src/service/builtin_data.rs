@@ -146,7 +146,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         TargetSource::Preset(p) if p.is_tiny() => p.name().to_string(),
         TargetSource::Folder(dir) => dir.display().to_string(),
         TargetSource::Preset(p) => bail!(
-            "data.path = \"builtin\" needs a tokenizer: target.model = tiny-tasks, tiny, tiny-moe or a model folder, not the {p} \
+            "data.path = \"builtin\" needs a tokenizer: target.model = tiny-tasks, tiny, tiny-moe, tiny-gpt-oss or a model folder, not the {p} \
              preset; \
              use data.path = \"synthetic\" to benchmark presets"
         ),

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use dflash::model::config::{MoeConfig, RopeScaling};
+use dflash::model::config::{GptOssConfig, MoeConfig, RopeScaling};
 use dflash::model::weights::{HostTensor, write_sharded};
 use dflash::model::{Architecture, TargetConfig};
 use tch::{Device, Kind, Tensor};
@@ -34,6 +34,7 @@ pub fn small_config(architecture: Architecture, tie: bool, scaling: RopeScaling)
         eos_token_ids: vec![2],
         pad_token_id: Some(0),
         moe: None,
+        gpt_oss: None,
     }
 }
 
@@ -50,6 +51,37 @@ pub fn small_moe_config() -> TargetConfig {
             mlp_only_layers: vec![1],
         }),
         ..small_config(Architecture::Qwen3Moe, false, RopeScaling::None)
+    }
+}
+
+/// [`small_config`] as a GPT-OSS: 6 experts of width 24, two per token, a window of 3 positions on layers 0 and 2,
+/// YaRN, and a SwiGLU limit low enough (1.5) that the clamps act on random weights.
+pub fn small_gpt_oss_config() -> TargetConfig {
+    TargetConfig {
+        intermediate_size: 24,
+        rope_scaling: RopeScaling::Yarn {
+            factor: 4.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position_embeddings: 16.0,
+            truncate: false,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+        },
+        moe: Some(MoeConfig {
+            num_experts: 6,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 24,
+            norm_topk_prob: false,
+            decoder_sparse_step: 1,
+            mlp_only_layers: vec![],
+        }),
+        gpt_oss: Some(GptOssConfig {
+            sliding_window: 3,
+            sliding_layers: vec![true, false, true, false],
+            swiglu_alpha: 1.702,
+            swiglu_limit: 1.5,
+        }),
+        ..small_config(Architecture::GptOss, false, RopeScaling::None)
     }
 }
 
@@ -81,11 +113,29 @@ pub fn random_weights(cfg: &TargetConfig, seed: i64) -> Weights {
         w.insert(format!("{p}.self_attn.k_proj.weight"), mat(kv, h));
         w.insert(format!("{p}.self_attn.v_proj.weight"), mat(kv, h));
         w.insert(format!("{p}.self_attn.o_proj.weight"), mat(h, q));
+        if cfg.gpt_oss.is_some() {
+            let vec = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.3;
+            w.insert(format!("{p}.self_attn.q_proj.bias"), vec(q));
+            w.insert(format!("{p}.self_attn.k_proj.bias"), vec(kv));
+            w.insert(format!("{p}.self_attn.v_proj.bias"), vec(kv));
+            w.insert(format!("{p}.self_attn.o_proj.bias"), vec(h));
+            w.insert(format!("{p}.self_attn.sinks"), vec(cfg.num_attention_heads as i64) * 3.0);
+            let m = cfg.moe.as_ref().unwrap();
+            let (e, iw) = (m.num_experts as i64, m.moe_intermediate_size as i64);
+            let stack = |r: i64, c: i64| Tensor::stack(&(0..e).map(|_| mat(r, c)).collect::<Vec<_>>(), 0);
+            w.insert(format!("{p}.mlp.router.weight"), mat(e, h));
+            w.insert(format!("{p}.mlp.router.bias"), vec(e));
+            w.insert(format!("{p}.mlp.experts.gate_up_proj"), stack(h, 2 * iw));
+            w.insert(format!("{p}.mlp.experts.gate_up_proj_bias"), vec(e * 2 * iw).view([e, 2 * iw]));
+            w.insert(format!("{p}.mlp.experts.down_proj"), stack(iw, h));
+            w.insert(format!("{p}.mlp.experts.down_proj_bias"), vec(e * h).view([e, h]));
+        }
         if cfg.architecture.has_qk_norm() {
             w.insert(format!("{p}.self_attn.q_norm.weight"), norm(d));
             w.insert(format!("{p}.self_attn.k_norm.weight"), norm(d));
         }
         match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+            Some(_) if cfg.gpt_oss.is_some() => {}
             Some(m) => {
                 let mi = m.moe_intermediate_size as i64;
                 w.insert(format!("{p}.mlp.gate.weight"), mat(m.num_experts as i64, h));
@@ -127,7 +177,9 @@ pub fn rms(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     x / (var + eps).sqrt() * weight
 }
 
-/// Inverse frequencies in plain f64 arithmetic, with Llama-3 scaling written from its published definition.
+/// Inverse frequencies in plain f64 arithmetic, with Llama-3 and YaRN scaling written from their published
+/// definitions (YaRN: the paper's ramp between the dimensions that rotate `beta_fast` and `beta_slow` times over the
+/// original context).
 pub fn inv_freqs(cfg: &TargetConfig) -> Vec<f64> {
     let d = cfg.head_dim;
     (0..d / 2)
@@ -135,6 +187,28 @@ pub fn inv_freqs(cfg: &TargetConfig) -> Vec<f64> {
             let f = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64);
             match cfg.rope_scaling {
                 RopeScaling::None => f,
+                RopeScaling::Yarn {
+                    factor,
+                    beta_fast,
+                    beta_slow,
+                    original_max_position_embeddings: old,
+                    truncate,
+                    ..
+                } => {
+                    let dim_of = |rotations: f64| {
+                        d as f64 * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * cfg.rope_theta.ln())
+                    };
+                    let (mut low, mut high) = (dim_of(beta_fast), dim_of(beta_slow));
+                    if truncate {
+                        (low, high) = (low.floor(), high.ceil());
+                    }
+                    let (low, mut high) = (low.max(0.0), high.min(d as f64 - 1.0));
+                    if low == high {
+                        high += 0.001;
+                    }
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor * ramp + f * (1.0 - ramp)
+                }
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor: lo,
@@ -228,6 +302,50 @@ fn naive_moe(m: &MoeConfig, w: &Weights, p: &str, h: &Tensor) -> (Tensor, Vec<Ve
     (Tensor::cat(&rows, 0), chosen, margin)
 }
 
+/// HF's GPT-OSS block, one token at a time: router logits (with bias), the top k, softmax over those k; each
+/// expert `x @ W_gate_up + b` (gate and up interleaved), clamped SwiGLU, `@ W_down + b`, weighted and summed.
+fn naive_gpt_oss_moe(
+    m: &MoeConfig,
+    oss: &GptOssConfig,
+    w: &Weights,
+    p: &str,
+    h: &Tensor,
+) -> (Tensor, Vec<Vec<i64>>, f64) {
+    let logits = h.matmul(&f64w(w, &format!("{p}.mlp.router.weight")).tr()) + f64w(w, &format!("{p}.mlp.router.bias"));
+    let x_of = |name: &str| f64w(w, &format!("{p}.mlp.experts.{name}"));
+    let (gate_up, gate_up_bias, down, down_bias) =
+        (x_of("gate_up_proj"), x_of("gate_up_proj_bias"), x_of("down_proj"), x_of("down_proj_bias"));
+    let (alpha, limit) = (oss.swiglu_alpha, oss.swiglu_limit);
+    let (mut rows, mut chosen, mut margin) = (vec![], vec![], f64::INFINITY);
+    for t in 0..h.size()[0] {
+        let mut ranked: Vec<(f64, i64)> = Vec::<f64>::try_from(&logits.get(t)).unwrap().into_iter().zip(0..).collect();
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let k = m.num_experts_per_tok;
+        if k < ranked.len() {
+            margin = margin.min(ranked[k - 1].0 - ranked[k].0);
+        }
+        let top = &ranked[..k];
+        let total: f64 = top.iter().map(|r| (r.0 - top[0].0).exp()).sum();
+        let x = h.get(t);
+        let mut y = Tensor::zeros_like(&x);
+        for &(logit, e) in top {
+            let gu: Vec<f64> = Vec::try_from(&(x.matmul(&gate_up.get(e)) + gate_up_bias.get(e))).unwrap();
+            let act: Vec<f64> = gu
+                .chunks(2)
+                .map(|pair| {
+                    let (g, u) = (pair[0].min(limit), pair[1].clamp(-limit, limit));
+                    (u + 1.0) * g / (1.0 + (-alpha * g).exp())
+                })
+                .collect();
+            let out = Tensor::from_slice(&act).matmul(&down.get(e)) + down_bias.get(e);
+            y += out * ((logit - top[0].0).exp() / total);
+        }
+        rows.push(y.unsqueeze(0));
+        chosen.push(top.iter().map(|r| r.1).collect());
+    }
+    (Tensor::cat(&rows, 0), chosen, margin)
+}
+
 pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
     let len = ids.len() as i64;
     let d = cfg.head_dim as i64;
@@ -240,9 +358,26 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
         let h = rms(&x, &f64w(w, &format!("{p}.input_layernorm.weight")), eps);
-        let q = h.matmul(&f64w(w, &format!("{p}.self_attn.q_proj.weight")).tr());
-        let k = h.matmul(&f64w(w, &format!("{p}.self_attn.k_proj.weight")).tr());
-        let v = h.matmul(&f64w(w, &format!("{p}.self_attn.v_proj.weight")).tr());
+        let proj = |name: &str| {
+            let y = h.matmul(&f64w(w, &format!("{p}.self_attn.{name}.weight")).tr());
+            match w.get(&format!("{p}.self_attn.{name}.bias")) {
+                Some(b) => y + b.to_kind(Kind::Double),
+                None => y,
+            }
+        };
+        let (q, k, v) = (proj("q_proj"), proj("k_proj"), proj("v_proj"));
+        // GPT-OSS: keys more than `window - 1` positions back are hidden too; YaRN scales cos and sin.
+        let window = cfg.gpt_oss.as_ref().filter(|o| o.sliding_layers[l]).map(|o| o.sliding_window as i64);
+        let hidden_keys = match window {
+            Some(wnd) => {
+                causal.logical_or(&Tensor::ones([len, len], (Kind::Double, Device::Cpu)).tril(-wnd).to_kind(Kind::Bool))
+            }
+            None => causal.shallow_clone(),
+        };
+        let scale = match cfg.rope_scaling {
+            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            _ => 1.0,
+        };
         let mut heads = vec![];
         for head in 0..cfg.num_attention_heads as i64 {
             let kv_head = head / group;
@@ -253,15 +388,31 @@ pub fn naive_forward(cfg: &TargetConfig, w: &Weights, ids: &[i64]) -> NaiveRun {
                 qh = rms(&qh, &f64w(w, &format!("{p}.self_attn.q_norm.weight")), eps);
                 kh = rms(&kh, &f64w(w, &format!("{p}.self_attn.k_norm.weight")), eps);
             }
-            let (qh, kh) = (rope(&qh, &inv), rope(&kh, &inv));
-            let scores = qh.matmul(&kh.tr()) / (d as f64).sqrt();
-            let probs = scores.masked_fill(&causal, f64::NEG_INFINITY).softmax(-1, Kind::Double);
+            let (qh, kh) = (rope(&qh, &inv) * scale, rope(&kh, &inv) * scale);
+            let scores = (qh.matmul(&kh.tr()) / (d as f64).sqrt()).masked_fill(&hidden_keys, f64::NEG_INFINITY);
+            let probs = match w.get(&format!("{p}.self_attn.sinks")) {
+                // The sink: one more logit per head in the softmax, dropped afterwards.
+                Some(sinks) => {
+                    let sink = Tensor::full([len, 1], sinks.double_value(&[head]), (Kind::Double, Device::Cpu));
+                    Tensor::cat(&[scores, sink], 1).softmax(-1, Kind::Double).narrow(1, 0, len)
+                }
+                None => scores.softmax(-1, Kind::Double),
+            };
             heads.push(probs.matmul(&vh));
         }
         let attn = Tensor::cat(&heads, 1);
         x = &x + attn.matmul(&f64w(w, &format!("{p}.self_attn.o_proj.weight")).tr());
+        if let Some(b) = w.get(&format!("{p}.self_attn.o_proj.bias")) {
+            x = &x + b.to_kind(Kind::Double);
+        }
         let h = rms(&x, &f64w(w, &format!("{p}.post_attention_layernorm.weight")), eps);
         match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+            Some(m) if cfg.gpt_oss.is_some() => {
+                let (y, chosen, margin) = naive_gpt_oss_moe(m, cfg.gpt_oss.as_ref().unwrap(), w, &p, &h);
+                x = &x + y;
+                experts.push(chosen);
+                routing_margin = routing_margin.min(margin);
+            }
             Some(m) => {
                 let (y, chosen, margin) = naive_moe(m, w, &p, &h);
                 x = &x + y;
