@@ -356,7 +356,8 @@ fn on_a_gpu_capture_and_logits_match_the_cpu() {
 
 /// The grouped expert GEMMs (and GPT-OSS's sink attention) on the GPU: in f32 the same experts and states as the
 /// CPU; in bf16 (router logits rounded, so a token near a tie may pick another expert, which moves its state a lot)
-/// nearly all choices agree and the states agree on average.
+/// nearly all choices agree and the states agree on average (within 3%: GPT-OSS routes on raw logits, two of six
+/// experts, so a bf16 flip moves more).
 #[test]
 fn on_a_gpu_moe_capture_matches_the_cpu() {
     if !tch::Cuda::is_available() {
@@ -380,7 +381,7 @@ fn moe_on_the_gpu_matches_the_cpu(cfg: &TargetConfig) {
         let diff = (a.to_kind(Kind::Double) - &reference).abs().mean(Kind::Double);
         (diff / reference.abs().mean(Kind::Double)).double_value(&[])
     };
-    for (kind, tolerance, min_agreement) in [(Kind::Float, 1e-4, 1.0), (Kind::BFloat16, 2e-2, 0.9)] {
+    for (kind, tolerance, min_agreement) in [(Kind::Float, 1e-4, 1.0), (Kind::BFloat16, 3e-2, 0.9)] {
         let gpu = load(Device::Cuda(0), kind);
         let ids = ids.to_device(Device::Cuda(0));
         let states = gpu.capture(&ids, &lengths).unwrap().to_device(Device::Cpu);
