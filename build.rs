@@ -1,6 +1,6 @@
 //! Links the binary to libtorch so it runs without LD_LIBRARY_PATH and finds CUDA, and compiles the small C++ shim
 //! (`csrc/`) for what tch does not expose: binding a thread's device, allocator statistics, timing events, the
-//! fused AdamW kernel and autograd functions with a leaner backward.
+//! fused AdamW kernel, autograd functions with a leaner backward and flash attention with sinks and windows.
 use std::path::PathBuf;
 
 fn main() {
@@ -34,6 +34,7 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .flag("-Wno-unused-parameter")
         .file("csrc/accel.cpp")
+        .file("csrc/attention.cpp")
         .file("csrc/autograd.cpp")
         .file("csrc/nccl.cpp")
         .compile("dflash_accel");

@@ -1,5 +1,5 @@
 //! libtorch operations tch does not bind, called through the C++ shim (`csrc/`): presetting a tensor's `.grad`, the
-//! fused AdamW kernel, and autograd functions (RoPE, the SwiGLU activation and MLP tail, the master weights' cast)
+//! fused AdamW kernel, flash attention with GPT-OSS's sinks and sliding windows, and autograd functions (RoPE, the SwiGLU activation and MLP tail, the master weights' cast)
 //! that save less for the backward pass or accumulate gradients in fewer passes.
 use std::ffi::{c_char, c_int};
 
@@ -35,6 +35,15 @@ unsafe extern "C" {
     fn dflash_swiglu_activation(gate_up: *mut C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
     fn dflash_swiglu_down(gate_up: *mut C_tensor, down: *mut C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
     fn dflash_weight_cast(leaf: *mut C_tensor, kind: c_int, err: *mut c_char, len: usize) -> *mut C_tensor;
+    fn dflash_sink_flash_attention(
+        q: *mut C_tensor,
+        k: *mut C_tensor,
+        v: *mut C_tensor,
+        sinks: *mut C_tensor,
+        window: i64,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut C_tensor;
 }
 
 fn raw(t: &Tensor) -> *mut C_tensor {
@@ -101,6 +110,23 @@ pub fn rope(x: &Tensor, cos: &Tensor, ssin: &Tensor) -> Result<Tensor, DeviceErr
 pub fn swiglu_activation(gate_up: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: a live tensor handle; the shim returns a new tensor or null.
     shim_tensor(gate_up.device(), |e, n| unsafe { dflash_swiglu_activation(raw(gate_up), e, n) })
+}
+
+/// GPT-OSS's causal attention with one sink logit per head (`sinks [H]`) through libtorch's flash-attention kernel
+/// (CUDA, bf16/f16): `q [B, T, H, d]`, `k` and `v` `[B, T, KV, d]` (last dimension contiguous); with `window`, each
+/// query sees itself and the `window - 1` positions before it. Returns `[B, T, H, d]`.
+pub fn sink_flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: &Tensor,
+    window: Option<i64>,
+) -> Result<Tensor, DeviceError> {
+    let window = window.unwrap_or(0);
+    // SAFETY: live tensor handles; the shim returns a new tensor or null.
+    shim_tensor(q.device(), |e, n| unsafe {
+        dflash_sink_flash_attention(raw(q), raw(k), raw(v), raw(sinks), window, e, n)
+    })
 }
 
 /// `down(silu(gate) * up)` for a stacked projection `[..., 2I]` and `down` `[H, I]`, as one autograd node that

@@ -167,6 +167,14 @@ fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(St
     out
 }
 
+/// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless `DFLASH_FUSED_KERNELS=0`
+/// asks for the plain path (the masked one below) for comparisons.
+fn flash_applies(q: &Tensor) -> bool {
+    q.device().is_cuda()
+        && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
+        && std::env::var("DFLASH_FUSED_KERNELS").map_or(true, |v| v != "0")
+}
+
 /// GPT-OSS's attention: causal (within `window` positions, the query's own included, where the layer has one), with
 /// one sink logit per head that takes part in the softmax and contributes no value. `q [B, H, T, d]` holds positions
 /// `start..start + T`; `k`, `v` `[B, KV, K, d]` positions `0..K` (the whole sequence, or the cache's bucketed
@@ -637,6 +645,15 @@ impl Target {
             let _p = span("target.attention");
             let gqa = kv_heads != heads;
             match (keys, &layer.sinks) {
+                // The whole sequence on a GPU in bf16: flash attention with the window, the sink folded in after.
+                (Keys::Causal, Some(sinks)) if flash_applies(&q) => crate::ops::sink_flash_attention(
+                    &q.transpose(1, 2),
+                    &k.transpose(1, 2),
+                    &v.transpose(1, 2),
+                    sinks,
+                    layer.window,
+                )?
+                .transpose(1, 2),
                 (keys, Some(sinks)) => {
                     let (k, v, start) = match keys {
                         Keys::Causal => (k, v, 0),
@@ -795,5 +812,35 @@ impl Target {
         let config = serde_json::to_string_pretty(&c.to_hf_json(kind_name(self.kind))).expect("json");
         let path = dir.join("config.json");
         std::fs::write(&path, config).map_err(|err| ModelError::Io { path, err })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flash path (bf16, window and sink folded in through the log-sum-exp) against the masked path in f32, on
+    /// random inputs with grouped-query heads: the same attention within bf16 rounding.
+    #[test]
+    fn on_a_gpu_sink_flash_attention_matches_the_masked_path() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no GPU here");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        tch::manual_seed(5);
+        let (b, t, heads, kv, d) = (2, 300, 8, 2, 64);
+        let q = Tensor::randn([b, heads, t, d], (Kind::Float, dev));
+        let k = Tensor::randn([b, kv, t, d], (Kind::Float, dev));
+        let v = Tensor::randn([b, kv, t, d], (Kind::Float, dev));
+        let sinks = Tensor::randn([heads], (Kind::Float, dev)) * 2.0;
+        for window in [None, Some(128), Some(3)] {
+            let want = sink_attention(&q, &k, &v, &sinks, window, 0).unwrap();
+            let bf = |x: &Tensor| x.to_kind(Kind::BFloat16).transpose(1, 2);
+            let got = crate::ops::sink_flash_attention(&bf(&q), &bf(&k), &bf(&v), &sinks, window).unwrap();
+            let got = got.transpose(1, 2).to_kind(Kind::Float);
+            let err = (&got - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
+            assert!(err < 2e-2, "window {window:?}: relative error {err}");
+        }
     }
 }
