@@ -174,6 +174,11 @@ mod tests {
 
     #[test]
     fn round_trips_and_reads_top_level_fields() {
+        // Each RoPE the drafter can inherit from its target: plain, Llama-3's, YaRN (GPT-OSS).
+        for preset in [Preset::Llama31_8b, Preset::GptOss20b] {
+            let cfg = DrafterConfig::for_preset(preset, 16);
+            assert_eq!(DrafterConfig::from_json(&cfg.to_json("bfloat16").to_string()).unwrap(), cfg, "{preset}");
+        }
         let cfg = DrafterConfig::for_preset(Preset::Qwen3_8b, 16);
         let json = cfg.to_json("bfloat16");
         assert_eq!(DrafterConfig::from_json(&json.to_string()).unwrap(), cfg);
