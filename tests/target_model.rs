@@ -395,3 +395,53 @@ fn moe_on_the_gpu_matches_the_cpu(cfg: &TargetConfig) {
         }
     }
 }
+
+/// A target spread over several devices (layers split into runs, the hidden state hopping between them) computes what
+/// the unsplit one does: capture, logits and cached decoding, for a dense, a Qwen3-MoE and a GPT-OSS target. Here
+/// the two "devices" are both the CPU; `on_a_gpu_a_target_spread_over_gpu_and_cpu_matches` crosses a real boundary.
+#[test]
+fn a_target_spread_over_two_devices_computes_what_the_unsplit_one_does() {
+    for cfg in [small_config(Architecture::Qwen3, false, RopeScaling::None), small_moe_config(), small_gpt_oss_config()]
+    {
+        spread_matches(&cfg, &[Device::Cpu, Device::Cpu], 0.0);
+    }
+}
+
+#[test]
+fn on_a_gpu_a_target_spread_over_gpu_and_cpu_matches() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no GPU here");
+        return;
+    }
+    for cfg in [small_config(Architecture::Llama, false, llama3_scaling()), small_moe_config(), small_gpt_oss_config()]
+    {
+        spread_matches(&cfg, &[Device::Cuda(0), Device::Cpu], 1e-4);
+    }
+}
+
+fn spread_matches(cfg: &TargetConfig, devices: &[Device], tolerance: f64) {
+    let dir = tempfile::tempdir().unwrap();
+    write_folder(dir.path(), cfg, &random_weights(cfg, 14), usize::MAX);
+    let whole = Target::load(dir.path(), &TAPS, Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let spread = Target::load_spread(dir.path(), &TAPS, Depth::Full, devices, Kind::Float).unwrap();
+    let placed = spread.layer_devices();
+    assert_eq!(placed.first(), devices.first());
+    assert_eq!(placed.last(), devices.last(), "{:?}: every device holds layers", cfg.architecture);
+    let (ids, lengths) = pad_batch(&token_rows(cfg.vocab_size as i64, &[11, 7, 1], 14));
+    let first = devices[0];
+    let check = |a: &Tensor, b: &Tensor, what: &str| {
+        let err = rel_err(&a.to_device(Device::Cpu), &b.to_kind(Kind::Double));
+        assert!(err <= tolerance, "{:?} {what}: relative error {err}", cfg.architecture);
+    };
+    let ids_there = ids.to_device(first);
+    check(&spread.capture(&ids_there, &lengths).unwrap(), &whole.capture(&ids, &lengths).unwrap(), "capture");
+    check(&spread.logits(&ids_there, &lengths).unwrap(), &whole.logits(&ids, &lengths).unwrap(), "logits");
+    let row = ids.narrow(0, 0, 1);
+    let (mut a, mut b) = (spread.new_cache(16).unwrap(), whole.new_cache(16).unwrap());
+    for (start, len) in [(0, 6), (6, 1), (7, 4)] {
+        let mine = spread.decode(&row.narrow(1, start, len).to_device(first), &mut a).unwrap();
+        let theirs = whole.decode(&row.narrow(1, start, len), &mut b).unwrap();
+        check(&mine.logits, &theirs.logits, "decoded logits");
+        check(&mine.taps, &theirs.taps, "decoded taps");
+    }
+}

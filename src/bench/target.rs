@@ -73,6 +73,18 @@ pub fn target_flops(cfg: &TargetConfig, layers_run: usize, batch: i64, seq: i64,
     matmul + attention + head
 }
 
+/// The target's device, or its devices in layer order (`cuda:0,cuda:1`) when it is spread.
+fn spread_name(target: &Target) -> String {
+    let mut names = vec![device::device_name(target.device())];
+    for d in target.layer_devices() {
+        let name = device::device_name(d);
+        if names.last() != Some(&name) {
+            names.push(name);
+        }
+    }
+    names.join(",")
+}
+
 /// Times target capture (or the full stack) on random token ids.
 pub fn bench_target(target: &Target, label: &str, opts: &TargetBenchOptions) -> Result<TargetBenchReport, BenchError> {
     check_counts(opts.batch, opts.seq, opts.steps)?;
@@ -108,7 +120,7 @@ pub fn bench_target(target: &Target, label: &str, opts: &TargetBenchOptions) -> 
     Ok(TargetBenchReport {
         what: "target",
         preset: label.to_string(),
-        device: device::device_name(dev),
+        device: spread_name(target),
         dtype: kind_name(target.kind()),
         batch: opts.batch,
         seq: opts.seq,

@@ -2,7 +2,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 
 use dflash::bench::{
@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// Print one JSON object per run instead of a summary line.
     #[arg(long)]
     json: bool,
+    /// Target: spread the decoder layers over these devices (e.g. cuda:0,cuda:1), split by bytes, instead of
+    /// --device; the first holds the embedding and head and receives the tapped states.
+    #[arg(long, value_delimiter = ',', value_name = "DEVICES", conflicts_with = "device")]
+    spread: Option<Vec<DeviceSpec>>,
 }
 
 pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
@@ -123,9 +127,14 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 peak_tflops: args.peak_tflops,
             };
             let depth = if args.full { Depth::Full } else { Depth::ToLastTap };
+            let devices = match &args.spread {
+                Some(list) => list.iter().map(|d| d.resolve()).collect::<Result<Vec<_>, _>>().context("--spread")?,
+                None => vec![device],
+            };
             let report = catch_torch(|| -> Result<_> {
-                tracing::info!(target = %source, device = %device_name(device), "building the target");
-                let target = source.build_target(&taps, depth, device, kind)?;
+                let names: Vec<String> = devices.iter().map(|&d| device_name(d)).collect();
+                tracing::info!(target = %source, devices = ?names, "building the target");
+                let target = source.build_target_spread(&taps, depth, &devices, kind)?;
                 Ok(bench_target(&target, &source.to_string(), &opts)?)
             })??;
             print_summary(args.json, &report.summary());

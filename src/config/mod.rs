@@ -152,9 +152,22 @@ impl TargetSource {
 
     /// The target with tapped layers `taps`: the preset's random weights, or the folder's.
     pub fn build_target(&self, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Target, ModelError> {
+        self.build_target_spread(taps, depth, &[device], kind)
+    }
+
+    /// [`TargetSource::build_target`] with the decoder layers spread over `devices` (the first holds the rest).
+    pub fn build_target_spread(
+        &self,
+        taps: &[usize],
+        depth: Depth,
+        devices: &[Device],
+        kind: Kind,
+    ) -> Result<Target, ModelError> {
         match self {
-            TargetSource::Preset(p) => PresetSpec { taps: taps.to_vec(), ..p.spec() }.build_target(depth, device, kind),
-            TargetSource::Folder(dir) => Target::load(dir, taps, depth, device, kind),
+            TargetSource::Preset(p) => {
+                PresetSpec { taps: taps.to_vec(), ..p.spec() }.build_target_spread(depth, devices, kind)
+            }
+            TargetSource::Folder(dir) => Target::load_spread(dir, taps, depth, devices, kind),
         }
     }
 }

@@ -24,9 +24,21 @@ impl KvCache {
         kind: Kind,
         device: Device,
     ) -> Result<Self, ModelError> {
+        Self::on_devices(&vec![device; layers], batch, kv_heads, head_dim, capacity, kind)
+    }
+
+    /// A cache whose layer `i` lives on `devices[i]` (a target spread over several devices).
+    pub fn on_devices(
+        devices: &[Device],
+        batch: i64,
+        kv_heads: i64,
+        head_dim: i64,
+        capacity: i64,
+        kind: Kind,
+    ) -> Result<Self, ModelError> {
         let shape = [batch, kv_heads, capacity, head_dim];
         let make = || -> Result<Vec<Tensor>, ModelError> {
-            (0..layers).map(|_| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect()
+            devices.iter().map(|&device| Ok(Tensor::f_zeros(shape, (kind, device))?)).collect()
         };
         Ok(KvCache { keys: make()?, values: make()?, len: 0, capacity })
     }

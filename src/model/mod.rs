@@ -16,6 +16,7 @@ pub mod presets;
 pub mod shared;
 pub mod speculative;
 pub mod speculators;
+pub mod split;
 pub mod target;
 pub mod weights;
 

@@ -69,6 +69,11 @@ pub struct PresetSpec {
 impl PresetSpec {
     /// The preset's target with its built-in or random weights.
     pub fn build_target(&self, depth: Depth, device: Device, kind: Kind) -> Result<Target, ModelError> {
+        self.build_target_spread(depth, &[device], kind)
+    }
+
+    /// [`PresetSpec::build_target`] with the layers spread over `devices` ([`Target::load_spread`]).
+    pub fn build_target_spread(&self, depth: Depth, devices: &[Device], kind: Kind) -> Result<Target, ModelError> {
         match self.weights {
             Some(bytes) => Target::from_safetensors(
                 self.target.clone(),
@@ -76,10 +81,12 @@ impl PresetSpec {
                 "built-in weights",
                 &self.taps,
                 depth,
-                device,
+                devices,
                 kind,
             ),
-            None => Target::random(self.target.clone(), &self.taps, depth, device, kind, self.init, self.init_std),
+            None => {
+                Target::random_spread(self.target.clone(), &self.taps, depth, devices, kind, self.init, self.init_std)
+            }
         }
     }
 }

@@ -6,6 +6,7 @@
 //! tapped layer. Rows are right-padded: with causal attention a valid position never sees a later one, so padding
 //! cannot change valid positions and the fused causal SDPA kernel (flash attention) runs without a mask; padded
 //! positions of the output are zeroed.
+use std::collections::HashMap;
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
@@ -17,6 +18,7 @@ use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, norm_rope, rms_norm, swiglu_activation};
 use super::moe::SparseMlp;
+use super::split::split_layers;
 use super::weights::{HostTensor, WeightFiles, dequantize_mxfp4, write_sharded};
 use crate::device::kind_name;
 use crate::profile::span;
@@ -46,6 +48,8 @@ struct DecoderLayer {
     sinks: Option<Tensor>,
     window: Option<i64>,
     mlp: Mlp,
+    /// Where this layer's weights live (the first device unless the target is spread).
+    device: Device,
 }
 
 enum Mlp {
@@ -167,6 +171,31 @@ fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(St
     out
 }
 
+/// The device of each of the first `layers` decoder layers: [`split_layers`] over the bytes of each layer's tensors
+/// in `specs`, the embedding and head counted on the first device.
+fn spread(
+    cfg: &TargetConfig,
+    specs: &HashMap<String, (Vec<usize>, bool)>,
+    layers: usize,
+    devices: &[Device],
+    kind: Kind,
+) -> Vec<Device> {
+    let bytes = |shape: &[usize]| shape.iter().product::<usize>() as u64 * kind.elt_size_in_bytes() as u64;
+    let mut per_layer = vec![0u64; layers];
+    let mut first = 0u64;
+    for (name, (shape, _)) in specs {
+        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
+        match layer {
+            Some(l) if l < layers => per_layer[l] += bytes(shape),
+            _ => first += bytes(shape),
+        }
+    }
+    if cfg.tie_word_embeddings {
+        first += bytes(&[cfg.vocab_size, cfg.hidden_size]);
+    }
+    split_layers(&per_layer, first, devices.len()).into_iter().map(|d| devices[d]).collect()
+}
+
 /// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless `DFLASH_FUSED_KERNELS=0`
 /// asks for the plain path (the masked one below) for comparisons.
 fn flash_applies(q: &Tensor) -> bool {
@@ -213,6 +242,19 @@ fn sink_attention(
 impl Target {
     /// Loads a HuggingFace model folder (`config.json` + safetensors) onto `device` as `kind`.
     pub fn load(dir: &Path, taps: &[usize], depth: Depth, device: Device, kind: Kind) -> Result<Self, ModelError> {
+        Self::load_spread(dir, taps, depth, &[device], kind)
+    }
+
+    /// [`Target::load`] over several devices: the decoder layers split into contiguous runs balanced by bytes
+    /// ([`split_layers`]), the embedding, final norm and LM head on the first device, which also receives the tapped
+    /// states. Each tensor is read straight to its device.
+    pub fn load_spread(
+        dir: &Path,
+        taps: &[usize],
+        depth: Depth,
+        devices: &[Device],
+        kind: Kind,
+    ) -> Result<Self, ModelError> {
         let cfg = TargetConfig::from_dir(dir)?;
         let files = WeightFiles::open(dir)?;
         let mut why = format!(
@@ -230,7 +272,7 @@ impl Target {
         if cfg.tie_word_embeddings && files.contains("lm_head.weight") {
             tracing::debug!("config.json ties the LM head to the embedding; ignoring lm_head.weight");
         }
-        Self::build(cfg, taps, depth, device, kind, |name, shape, _| {
+        Self::build(cfg, taps, depth, devices, kind, |name, shape, _, device| {
             let blocks = format!("{name}_blocks");
             if files.contains(name) || !files.contains(&blocks) {
                 return files.load(name, shape, &why, kind, device);
@@ -257,12 +299,12 @@ impl Target {
         what: &str,
         taps: &[usize],
         depth: Depth,
-        device: Device,
+        devices: &[Device],
         kind: Kind,
     ) -> Result<Self, ModelError> {
         let bad = |reason: String| ModelError::Safetensors { path: what.into(), reason };
         let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
-        Self::build(cfg, taps, depth, device, kind, |name, shape, _| {
+        Self::build(cfg, taps, depth, devices, kind, |name, shape, _, device| {
             let view = file.tensor(name).map_err(|e| bad(format!("{name}: {e}")))?;
             if view.shape() != shape {
                 return Err(bad(format!("{name} has shape {:?}, the config wants {shape:?}", view.shape())));
@@ -283,39 +325,60 @@ impl Target {
         init: Init,
         std: f64,
     ) -> Result<Self, ModelError> {
-        let mut stream = InitStream::new(init, device);
-        Self::build(cfg, taps, depth, device, kind, |_, shape, is_matrix| {
+        Self::random_spread(cfg, taps, depth, &[device], kind, init, std)
+    }
+
+    /// [`Target::random`] over several devices, split as [`Target::load_spread`] splits; the values are the same as
+    /// on the first device alone.
+    pub fn random_spread(
+        cfg: TargetConfig,
+        taps: &[usize],
+        depth: Depth,
+        devices: &[Device],
+        kind: Kind,
+        init: Init,
+        std: f64,
+    ) -> Result<Self, ModelError> {
+        let mut stream = InitStream::new(init, devices.first().copied().unwrap_or(Device::Cpu));
+        Self::build(cfg, taps, depth, devices, kind, |_, shape, is_matrix, device| {
             let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-            stream.next(&dims, if is_matrix { std } else { 0.0 }, kind)
+            Ok(stream.next(&dims, if is_matrix { std } else { 0.0 }, kind)?.f_to_device(device)?)
         })
     }
 
-    /// Assembles the model from a source of named HF tensors: `(name, shape, is_matrix) -> tensor`.
+    /// Assembles the model from a source of named HF tensors: `(name, shape, is_matrix, device) -> tensor` on that
+    /// device. The layers are split over `devices` ([`split_layers`]); everything else lives on the first.
     fn build(
         cfg: TargetConfig,
         taps: &[usize],
         depth: Depth,
-        device: Device,
+        devices: &[Device],
         kind: Kind,
-        mut tensor: impl FnMut(&str, &[usize], bool) -> Result<Tensor, ModelError>,
+        mut tensor: impl FnMut(&str, &[usize], bool, Device) -> Result<Tensor, ModelError>,
     ) -> Result<Self, ModelError> {
+        let Some(&device) = devices.first() else {
+            return Err(ModelError::Batch("a target needs at least one device".into()));
+        };
         validate_taps(taps, cfg.num_hidden_layers).map_err(ModelError::Taps)?;
         let num_layers = match depth {
             Depth::ToLastTap => taps.last().expect("validated non-empty") + 1,
             Depth::Full => cfg.num_hidden_layers,
         };
-        let specs: std::collections::HashMap<String, (Vec<usize>, bool)> =
-            hf_tensors(&cfg, num_layers, depth == Depth::Full)
-                .into_iter()
-                .map(|(name, shape, is_matrix)| (name, (shape, is_matrix)))
-                .collect();
+        let specs: HashMap<String, (Vec<usize>, bool)> = hf_tensors(&cfg, num_layers, depth == Depth::Full)
+            .into_iter()
+            .map(|(name, shape, is_matrix)| (name, (shape, is_matrix)))
+            .collect();
+        let layer_devices = spread(&cfg, &specs, num_layers, devices, kind);
+        // The device the next tensors go to: each layer's own, the first for the rest.
+        let on = std::cell::Cell::new(device);
         let mut get = |name: &str| -> Result<Tensor, ModelError> {
             let (shape, is_matrix) = specs.get(name).expect("every requested tensor is in the spec list");
-            tensor(name, shape, *is_matrix)
+            tensor(name, shape, *is_matrix, on.get())
         };
         let embed_tokens = get("model.embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(num_layers);
-        for l in 0..num_layers {
+        for (l, &layer_device) in layer_devices.iter().enumerate() {
+            on.set(layer_device);
             let p = format!("model.layers.{l}");
             let w = |suffix: &str| format!("{p}.{suffix}");
             let qkv_proj = Tensor::f_cat(
@@ -398,8 +461,10 @@ impl Target {
                 sinks,
                 window,
                 mlp,
+                device: layer_device,
             });
         }
+        on.set(device);
         let (norm, lm_head) = match depth {
             Depth::Full => (
                 Some(get("model.norm.weight")?),
@@ -411,7 +476,7 @@ impl Target {
                     .into_iter()
                     .find(|(n, _, _)| n == "lm_head.weight")
                     .expect("untied configs have an lm_head");
-                (None, Some(tensor("lm_head.weight", &shape, is_matrix)?))
+                (None, Some(tensor("lm_head.weight", &shape, is_matrix, device)?))
             }
             Depth::ToLastTap => (None, None),
         };
@@ -501,7 +566,13 @@ impl Target {
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
         let c = &self.cfg;
         let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
-        KvCache::new(self.layers.len(), 1, kv_heads, d, context_bucket(capacity), self.kind, self.device)
+        let devices: Vec<Device> = self.layers.iter().map(|l| l.device).collect();
+        KvCache::on_devices(&devices, 1, kv_heads, d, context_bucket(capacity), self.kind)
+    }
+
+    /// The device of each decoder layer held (the first device for all unless the target is spread).
+    pub fn layer_devices(&self) -> Vec<Device> {
+        self.layers.iter().map(|l| l.device).collect()
     }
 
     /// Continues the cached sequence with `input_ids [1, T]` (the prefill when the cache is empty, one token, or a
@@ -524,7 +595,8 @@ impl Target {
             let mut taps = Vec::with_capacity(self.taps.len());
             let x = self.run_layers(input_ids, self.layers.len(), Some(cache), None, |layer, x| {
                 if self.taps.contains(&layer) {
-                    taps.push(x.copy());
+                    // A copy (the next layer updates x in place), on the first device.
+                    taps.push(if x.device() == self.device { x.copy() } else { x.to_device(self.device) });
                 }
             })?;
             let logits = rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?;
@@ -595,7 +667,15 @@ impl Target {
             let _p = span("target.embed");
             self.embed(input_ids)
         };
+        // On a spread target the hidden state and the per-step factors follow the layers from device to device.
+        let (mut cos, mut sin, mut bias) = (cos, sin, bias);
         for (i, layer) in self.layers[..count].iter().enumerate() {
+            if x.device() != layer.device {
+                let _p = span("target.device_hop");
+                let to = |t: &Tensor| t.f_to_device(layer.device);
+                (x, cos, sin) = (to(&x)?, to(&cos)?, to(&sin)?);
+                bias = bias.as_ref().map(to).transpose()?;
+            }
             let attend = match cache.as_deref_mut() {
                 Some(c) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
                 None => Keys::Causal,
@@ -606,7 +686,7 @@ impl Target {
         if let Some(c) = cache {
             c.advance(s);
         }
-        Ok(x)
+        Ok(x.f_to_device(self.device)?)
     }
 
     fn layer_forward(
