@@ -476,6 +476,28 @@ fn mixture_of_experts_targets_train_drafters_and_every_sample_once() {
     }
 }
 
+/// A target spread over two devices (here both the CPU: `target.spread_to`) feeds the drafters as a whole one does;
+/// with two target copies the setting is refused at start, naming both keys.
+#[test]
+fn a_target_spread_over_devices_trains_and_spreading_several_copies_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let svc = Service::start(&cfg, false, &["target.model=tiny-moe", "target.spread_to=[\"cpu\"]"]);
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 0, "{logs:#?}");
+    assert!(logged(&logs, "cpu layers 0-5"), "{logs:#?}");
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 1);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["serve-train", "--config", cfg.to_str().unwrap()])
+        .args(["--set", "target.spread_to=[\"cpu\"]", "--set", "target.capture_devices=[\"cpu\", \"cpu\"]"])
+        .args(["--set", &format!("checkpoint.dir={}", dir.path().join("other").display())])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(err.contains("target.spread_to") && err.contains("capture_devices"), "{err}");
+}
+
 #[test]
 fn the_grafana_dashboard_and_the_prometheus_example_are_well_formed() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

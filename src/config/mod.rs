@@ -70,6 +70,7 @@ struct RawTarget {
     device: String,
     dtype: String,
     capture_devices: RawCaptureDevices,
+    spread_to: Vec<String>,
 }
 
 /// `capture_devices` is a list of devices or the word `colocated`.
@@ -198,6 +199,8 @@ pub struct TargetSettings {
     pub device: DeviceSpec,
     pub dtype: DtypeSpec,
     pub capture: CapturePlacement,
+    /// Devices the target copy spreads its later decoder layers over (`target.spread_to`).
+    pub spread_to: Vec<DeviceSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -574,7 +577,14 @@ impl RawTarget {
                     .collect::<Result<_, _>>()?,
             ),
         };
-        Ok(TargetSettings { source, device, dtype, capture })
+        let spread_to = self
+            .spread_to
+            .iter()
+            .map(|d| {
+                d.parse().map_err(|_| invalid("target.spread_to", format!("{d:?}"), "each entry is cpu or cuda:N"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(TargetSettings { source, device, dtype, capture, spread_to })
     }
 }
 

@@ -570,6 +570,19 @@ impl Target {
         KvCache::on_devices(&devices, 1, kv_heads, d, context_bucket(capacity), self.kind)
     }
 
+    /// Where the layers run, for logs: `cuda:0 layers 0-16, cuda:1 layers 17-33`.
+    pub fn placement(&self) -> String {
+        let mut runs: Vec<(Device, usize, usize)> = vec![];
+        for (l, layer) in self.layers.iter().enumerate() {
+            match runs.last_mut() {
+                Some((d, _, end)) if *d == layer.device => *end = l,
+                _ => runs.push((layer.device, l, l)),
+            }
+        }
+        let run = |(d, a, b): &(Device, usize, usize)| format!("{} layers {a}-{b}", crate::device::device_name(*d));
+        runs.iter().map(run).collect::<Vec<_>>().join(", ")
+    }
+
     /// The device of each decoder layer held (the first device for all unless the target is spread).
     pub fn layer_devices(&self) -> Vec<Device> {
         self.layers.iter().map(|l| l.device).collect()

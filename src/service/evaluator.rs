@@ -75,6 +75,8 @@ pub struct EvalSpec {
     pub source: TargetSource,
     pub taps: Vec<usize>,
     pub device: Device,
+    /// More devices its target spreads its later layers over (`target.spread_to`).
+    pub spread_to: Vec<Device>,
     pub kind: Kind,
     pub prompts: Vec<Prompt>,
     pub settings: DecodeSettings,
@@ -171,7 +173,8 @@ fn evaluate(
     let result = (|| {
         if target.is_none() {
             let loading = Instant::now();
-            *target = Some(spec.source.build_target(&spec.taps, Depth::Full, spec.device, spec.kind)?);
+            let devices: Vec<Device> = std::iter::once(spec.device).chain(spec.spread_to.iter().copied()).collect();
+            *target = Some(spec.source.build_target_spread(&spec.taps, Depth::Full, &devices, spec.kind)?);
             let seconds = format!("{:.1}", loading.elapsed().as_secs_f64());
             tracing::info!(device = ?spec.device, seconds, "evaluator: loaded the full target (once)");
         }

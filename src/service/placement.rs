@@ -35,6 +35,19 @@ pub fn capture_devices(
     })
 }
 
+/// The devices `target.spread_to` names, resolved: allowed for one target copy only (each copy would need devices
+/// of its own).
+pub fn spread_to(config: &Config, copies: usize) -> Result<Vec<Device>> {
+    let list = &config.target.spread_to;
+    if !list.is_empty() && copies != 1 {
+        anyhow::bail!(
+            "target.spread_to spreads one target copy over more devices, but target.capture_devices makes {copies} \
+             copies: use one copy (capture_devices = []) or leave spread_to empty"
+        );
+    }
+    list.iter().map(|d| d.resolve().context("target.spread_to")).collect()
+}
+
 /// For each drafter (by its device), the index of the target copy that feeds it.
 pub fn assign_targets(drafters: &[Device], targets: &[Device]) -> Vec<usize> {
     let mut next: HashMap<Vec<usize>, usize> = HashMap::new();

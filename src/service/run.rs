@@ -13,7 +13,7 @@ use super::builtin_data::dataset;
 use super::drafter_init::check_init;
 use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
-use super::placement::capture_devices;
+use super::placement::{capture_devices, spread_to};
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::config::{Config, Layers, TargetSource, resume_changes};
 use crate::model::{DrafterConfig, TargetConfig};
@@ -147,6 +147,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         (config.eval.every_steps > 0).then(|| eval_prompts(&config, target_cfg.vocab_size)).transpose()?;
     let prometheus = telemetry::install()?;
     let capture_devices = capture_devices(&config, (target_device, target_kind), &drafter_devices)?;
+    let spread_to = spread_to(&config, capture_devices.len())?;
     // One NVML lookup per device, however many drafters and target copies share it.
     let mut identities: HashMap<Device, GpuIdentity> = HashMap::new();
     let mut identity = |d: Device| identities.entry(d).or_insert_with(|| GpuIdentity::of(d)).clone();
@@ -160,6 +161,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         target_source: config.target.source.clone(),
         target_device: (target_device, target_kind),
         capture_devices,
+        spread_to,
         drafter_devices,
         dataset: data,
         resume,

@@ -99,6 +99,8 @@ pub struct TargetSpawn {
     pub source: TargetSource,
     pub taps: Vec<usize>,
     pub device: Device,
+    /// More devices the copy spreads its later layers over (`target.spread_to`).
+    pub spread_to: Vec<Device>,
     pub kind: Kind,
     pub dataset: Arc<dyn Dataset>,
     pub routes: Arc<Routes>,
@@ -116,8 +118,9 @@ pub fn thread(args: TargetSpawn) -> ThreadBody {
 
 fn run(a: TargetSpawn) -> Result<(), Failure> {
     device::bind_thread(a.device).map_err(torch)?;
-    let target = a.source.build_target(&a.taps, Depth::ToLastTap, a.device, a.kind).map_err(torch)?;
-    tracing::info!(id = a.id, model = %target.config().summary(), layers_run = target.layers_run(), "target loaded");
+    let devices: Vec<Device> = std::iter::once(a.device).chain(a.spread_to.iter().copied()).collect();
+    let target = a.source.build_target_spread(&a.taps, Depth::ToLastTap, &devices, a.kind).map_err(torch)?;
+    tracing::info!(id = a.id, model = %target.config().summary(), layers = %target.placement(), "target loaded");
     let heads = Heads {
         embed: SharedTensor::new(target.embed_tokens().shallow_clone()),
         lm_head: SharedTensor::new(target.lm_head().shallow_clone()),

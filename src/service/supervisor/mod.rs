@@ -60,6 +60,9 @@ pub struct SupervisorArgs {
     pub target_device: (Device, Kind),
     /// The devices of the target copies that capture features (`target.capture_devices`).
     pub capture_devices: Vec<(Device, Kind)>,
+    /// Devices the (one) target copy and the evaluation's target spread their later layers over
+    /// (`target.spread_to`).
+    pub spread_to: Vec<Device>,
     pub drafter_devices: Vec<(Device, Kind)>,
     pub dataset: Arc<dyn Dataset>,
     pub resume: Option<(PathBuf, TrainerState)>,
@@ -372,6 +375,7 @@ impl Shell {
             source: self.a.target_source.clone(),
             taps: self.a.taps.clone(),
             device: t.device,
+            spread_to: self.a.spread_to.clone(),
             kind: t.kind,
             dataset: self.a.dataset.clone(),
             routes: self.routes.clone(),
@@ -562,6 +566,7 @@ impl Shell {
             source: self.a.target_source.clone(),
             taps: self.a.taps.clone(),
             device,
+            spread_to: self.a.spread_to.clone(),
             kind,
             prompts,
             settings: DecodeSettings {
