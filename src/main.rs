@@ -51,7 +51,7 @@ enum Command {
         to checkpoint.dir (atomic, verified, the newest kept); at the end the drafter is exported to \
         checkpoint.dir/final in the published format.\n\n\
         The control plane on control.listen serves GET /healthz, /status and /metrics (Prometheus), POST \
-        /checkpoint and /reload (and POST /drafters/{id}/fault with control.fault_injection). SIGHUP or POST /reload \
+        /checkpoint and /reload (and POST /drafters/{id}/fault and /targets/{id}/fault with control.fault_injection). SIGHUP or POST /reload \
         rereads the configuration: learning rate and schedule, num_anchors, gamma, intervals and log level change at \
         the same step on every drafter; other changes are refused and the run goes on. With eval.every_steps, the \
         acceptance length is measured by real speculative decoding of held-out prompts on a thread beside training, \

@@ -476,17 +476,30 @@ fn mixture_of_experts_targets_train_drafters_and_every_sample_once() {
     }
 }
 
-/// A target spread over two devices (here both the CPU: `target.spread_to`) feeds the drafters as a whole one does;
-/// with two target copies the setting is refused at start, naming both keys.
+/// A target spread over two devices (here both the CPU: `target.spread_to`) feeds the drafters as a whole one does,
+/// and an injected panic restarts it whole with every sample still trained exactly once; with two target copies the
+/// setting is refused at start, naming both keys.
 #[test]
 fn a_target_spread_over_devices_trains_and_spreading_several_copies_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 2);
-    let svc = Service::start(&cfg, false, &["target.model=tiny-moe", "target.spread_to=[\"cpu\"]"]);
+    let sets = ["target.model=tiny-moe", "target.spread_to=[\"cpu\"]", "optim.epochs=2"];
+    let mut svc = Service::start(&cfg, false, &sets);
+    svc.wait("training", |s| step(s) >= 2);
+    // The spread copy is one supervised unit: a panic in it restarts it whole, its in-flight requests are sent again,
+    // the drafters wait, nothing is lost.
+    let (code, answer) = svc.request("POST", "/targets/0/fault", None);
+    assert_eq!(code, 200, "{answer}");
+    let (code, answer) = svc.request("POST", "/targets/3/fault", None);
+    assert_eq!(code, 404, "{answer}");
     let (code, logs) = svc.exit_code();
     assert_eq!(code, 0, "{logs:#?}");
     assert!(logged(&logs, "cpu layers 0-5"), "{logs:#?}");
-    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 1);
+    assert!(logged(&logs, "injected panic (fault injection) in target copy 0"), "{logs:#?}");
+    let loaded = logs.iter().filter(|l| l.contains("\"message\":\"target loaded\"")).count();
+    assert_eq!(loaded, 2, "the copy came back once");
+    assert!(logged(&logs, "target restarted; resending"), "{logs:#?}");
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 2);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(["serve-train", "--config", cfg.to_str().unwrap()])
         .args(["--set", "target.spread_to=[\"cpu\"]", "--set", "target.capture_devices=[\"cpu\", \"cpu\"]"])

@@ -1,7 +1,7 @@
 //! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /healthz`
 //! (liveness: the process answers), `GET /readyz` (readiness: training, with a live drafter), `GET /status`,
 //! `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as SIGHUP does),
-//! and with `control.fault_injection = true`, `POST /drafters/{id}/fault`.
+//! and with `control.fault_injection = true`, `POST /drafters/{id}/fault` and `POST /targets/{id}/fault`.
 use std::net::SocketAddr;
 
 use axum::extract::{Path, State};
@@ -90,14 +90,25 @@ async fn fault(
 ) -> Response {
     match ask(&sup, |reply| SupervisorMsg::Fault { id, kind: req.kind, reply }).await {
         Ok(Ok(())) => Json(json!({"injected": req.kind, "drafter": id})).into_response(),
-        Ok(Err(refused)) => {
-            let code = match refused {
-                FaultRefused::Off => StatusCode::FORBIDDEN,
-                FaultRefused::NoSuchDrafter { .. } => StatusCode::NOT_FOUND,
-                FaultRefused::Conflict(_) => StatusCode::CONFLICT,
-            };
-            (code, Json(json!({"error": refused.to_string()}))).into_response()
-        }
+        Ok(Err(refused)) => refused_response(refused),
+        Err(e) => unavailable(e),
+    }
+}
+
+fn refused_response(refused: FaultRefused) -> Response {
+    let code = match refused {
+        FaultRefused::Off => StatusCode::FORBIDDEN,
+        FaultRefused::NoSuchDrafter { .. } | FaultRefused::NoSuchTarget { .. } => StatusCode::NOT_FOUND,
+        FaultRefused::Conflict(_) => StatusCode::CONFLICT,
+    };
+    (code, Json(json!({"error": refused.to_string()}))).into_response()
+}
+
+/// `POST /targets/{id}/fault`: target copy `id` panics at its next capture.
+async fn target_fault(State(sup): State<ActorRef<SupervisorMsg>>, Path(id): Path<usize>) -> Response {
+    match ask(&sup, |reply| SupervisorMsg::TargetFault { id, reply }).await {
+        Ok(Ok(())) => Json(json!({"injected": "panic", "target": id})).into_response(),
+        Ok(Err(refused)) => refused_response(refused),
         Err(e) => unavailable(e),
     }
 }
@@ -120,6 +131,7 @@ pub async fn serve(
         .route("/checkpoint", post(checkpoint))
         .route("/reload", post(reload))
         .route("/drafters/{id}/fault", post(fault))
+        .route("/targets/{id}/fault", post(target_fault))
         .with_state(supervisor);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;

@@ -88,6 +88,8 @@ pub enum FaultRefused {
     Off,
     #[error("no drafter {id} (ids 0..{count})")]
     NoSuchDrafter { id: usize, count: usize },
+    #[error("no target copy {id} (ids 0..{count})")]
+    NoSuchTarget { id: usize, count: usize },
     /// The drafter cannot take it now: one is pending already, or it runs no thread.
     #[error("{0}")]
     Conflict(String),

@@ -102,6 +102,11 @@ pub enum SupervisorMsg {
         kind: FaultKind,
         reply: RpcReplyPort<Result<(), FaultRefused>>,
     },
+    /// A panic at target copy `id`'s next capture (fault injection).
+    TargetFault {
+        id: usize,
+        reply: RpcReplyPort<Result<(), FaultRefused>>,
+    },
     CheckpointNow(RpcReplyPort<Result<u64, String>>),
     /// Reread the configuration (SIGHUP, `POST /reload`).
     Reload(Option<ReloadReply>),

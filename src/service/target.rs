@@ -109,6 +109,8 @@ pub struct TargetSpawn {
     /// Threads of this generation or older were given up (failed or hung): they deliver nothing more.
     pub abandoned: Arc<AtomicU64>,
     pub metrics: TargetMetrics,
+    /// Fault injection: panic at the next capture.
+    pub fault: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A target copy's compute thread, for a [`ComputeActor`](super::compute_thread::ComputeActor).
@@ -135,6 +137,9 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
         }
         match capture {
             Some((batch, positions)) => {
+                if a.fault.swap(false, Ordering::SeqCst) {
+                    panic!("injected panic (fault injection) in target copy {}", a.id);
+                }
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let started = timings.start().map_err(torch)?;
                     let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();

@@ -102,6 +102,8 @@ struct TargetHandle {
     /// Threads of this generation or older are abandoned: they deliver nothing more.
     abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
+    /// Set by fault injection: the thread panics at its next capture.
+    fault: Arc<AtomicBool>,
 }
 
 /// The actor's state.
@@ -180,6 +182,7 @@ impl Shell {
                 kind,
                 thread: None,
                 abandoned: Arc::new(AtomicU64::new(0)),
+                fault: Arc::new(AtomicBool::new(false)),
                 metrics: TargetMetrics::new(identity),
             })
             .collect();
@@ -383,6 +386,7 @@ impl Shell {
             requests: rx,
             abandoned: t.abandoned.clone(),
             metrics: t.metrics.clone(),
+            fault: t.fault.clone(),
         };
         let name = format!("target-{id}-{generation}");
         let (actor, _) =
@@ -675,6 +679,23 @@ impl Shell {
 
     /// `POST /drafters/{id}/fault`: one pending fault per drafter (and one checkpoint stall) at a time; a drafter
     /// failed for good runs no thread to fail.
+    /// Makes target copy `id` panic at its next capture: a failure of the whole supervised unit, whichever of its
+    /// devices it strikes.
+    fn inject_target(&mut self, id: usize) -> Result<(), FaultRefused> {
+        if !self.a.config.control.fault_injection {
+            return Err(FaultRefused::Off);
+        }
+        let count = self.targets.len();
+        let target = self.targets.get(id).ok_or(FaultRefused::NoSuchTarget { id, count })?;
+        if target.thread.is_none() {
+            return Err(FaultRefused::Conflict(format!("target copy {id} runs no thread to fail")));
+        }
+        match target.fault.swap(true, Ordering::SeqCst) {
+            true => Err(FaultRefused::Conflict(format!("target copy {id} has a fault pending already"))),
+            false => Ok(()),
+        }
+    }
+
     fn inject(&mut self, id: usize, kind: FaultKind) -> Result<(), FaultRefused> {
         if !self.a.config.control.fault_injection {
             return Err(FaultRefused::Off);
@@ -763,6 +784,10 @@ impl Actor for Supervisor {
             }
             SupervisorMsg::Fault { id, kind, reply } => {
                 let _ = reply.send(s.inject(id, kind));
+                return Ok(());
+            }
+            SupervisorMsg::TargetFault { id, reply } => {
+                let _ = reply.send(s.inject_target(id));
                 return Ok(());
             }
             SupervisorMsg::CheckpointNow(reply) => {
