@@ -61,6 +61,8 @@ pub enum ModelError {
     NotFull,
     #[error("libtorch: {0}")]
     Torch(String),
+    #[error("no device to place the target on: give at least one")]
+    NoDevice,
 }
 
 impl From<crate::device::DeviceError> for ModelError {

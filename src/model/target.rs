@@ -190,7 +190,8 @@ fn spread(
             _ => first += bytes(shape),
         }
     }
-    if cfg.tie_word_embeddings {
+    // Capture loads an untied LM head outside the list (the drafter needs it): it lives on the first device too.
+    if !cfg.tie_word_embeddings && !specs.contains_key("lm_head.weight") {
         first += bytes(&[cfg.vocab_size, cfg.hidden_size]);
     }
     split_layers(&per_layer, first, devices.len()).into_iter().map(|d| devices[d]).collect()
@@ -357,7 +358,7 @@ impl Target {
         mut tensor: impl FnMut(&str, &[usize], bool, Device) -> Result<Tensor, ModelError>,
     ) -> Result<Self, ModelError> {
         let Some(&device) = devices.first() else {
-            return Err(ModelError::Batch("a target needs at least one device".into()));
+            return Err(ModelError::NoDevice);
         };
         validate_taps(taps, cfg.num_hidden_layers).map_err(ModelError::Taps)?;
         let num_layers = match depth {
@@ -911,6 +912,23 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Qwen3-8B over two GPUs: the first also holds the embedding and the (untied) LM head, 2.5 GB in bf16, worth
+    /// about six and a half layers of 0.39 GB, so the even split of 15.6 GB gives it 13 of the 34 layers capture runs
+    /// and the second 21; with a tied head (one table) 15 and 19.
+    #[test]
+    fn spreading_counts_the_embedding_and_head_on_the_first_device() {
+        let (a, b) = (Device::Cuda(0), Device::Cuda(1));
+        let count = |cfg: &TargetConfig| {
+            let specs = hf_tensors(cfg, 34, false).into_iter().map(|(n, s, m)| (n, (s, m))).collect();
+            let placed = spread(cfg, &specs, 34, &[a, b], Kind::BFloat16);
+            (placed.iter().filter(|&&d| d == a).count(), placed.iter().filter(|&&d| d == b).count())
+        };
+        let untied = crate::model::Preset::Qwen3_8b.spec().target;
+        assert_eq!(count(&untied), (13, 21));
+        let tied = TargetConfig { tie_word_embeddings: true, ..untied };
+        assert_eq!(count(&tied), (15, 19));
+    }
 
     /// The flash path (bf16, window and sink folded in through the log-sum-exp) against the masked path in f32, on
     /// random inputs with grouped-query heads: the same attention within bf16 rounding.
