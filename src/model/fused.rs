@@ -320,6 +320,13 @@ impl Arg {
     }
 }
 
+/// Whether `DFLASH_FUSED_KERNELS=0` asks for the plain libtorch paths (read once per process): the fused kernels
+/// here and GPT-OSS's flash attention with sinks.
+pub fn switched_off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| std::env::var(DISABLE_ENV).is_ok_and(|v| v == "0"))
+}
+
 /// The kernels for `device`, compiled on first use; None where they are turned off or failed to build (said once).
 fn kernels(device: Device) -> Option<Arc<Kernels>> {
     static CACHE: OnceLock<Mutex<HashMap<usize, Option<Arc<Kernels>>>>> = OnceLock::new();
@@ -330,8 +337,7 @@ fn kernels(device: Device) -> Option<Arc<Kernels>> {
     cache
         .entry(ordinal)
         .or_insert_with(|| {
-            // Read once per device, with the first kernel it runs, not on every launch.
-            if std::env::var(DISABLE_ENV).is_ok_and(|v| v == "0") {
+            if switched_off() {
                 return None;
             }
             match Kernels::compile(ordinal) {

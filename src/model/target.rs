@@ -197,12 +197,10 @@ fn spread(
     split_layers(&per_layer, first, devices.len()).into_iter().map(|d| devices[d]).collect()
 }
 
-/// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless `DFLASH_FUSED_KERNELS=0`
-/// asks for the plain path (the masked one below) for comparisons.
+/// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless the fused paths are
+/// switched off ([`super::fused::switched_off`]) for comparisons, leaving the masked one below.
 fn flash_applies(q: &Tensor) -> bool {
-    q.device().is_cuda()
-        && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
-        && std::env::var("DFLASH_FUSED_KERNELS").map_or(true, |v| v != "0")
+    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
 }
 
 /// GPT-OSS's attention: causal (within `window` positions, the query's own included, where the layer has one), with

@@ -277,23 +277,28 @@ fn naive_swiglu(w: &Weights, prefix: &str, h: &Tensor) -> Tensor {
     (&gate * gate.sigmoid() * up).matmul(&f64w(w, &format!("{prefix}.down_proj.weight")).tr())
 }
 
+/// A token's experts ranked by `scores` (best first): the top `k` as (score, expert), and the gap between the k-th
+/// and the (k+1)-th score (how far the choice is from a tie; infinite when every expert is chosen).
+fn top_k(scores: &Tensor, k: usize) -> (Vec<(f64, i64)>, f64) {
+    let mut ranked: Vec<(f64, i64)> = Vec::<f64>::try_from(scores).unwrap().into_iter().zip(0..).collect();
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let margin = if k < ranked.len() { ranked[k - 1].0 - ranked[k].0 } else { f64::INFINITY };
+    ranked.truncate(k);
+    (ranked, margin)
+}
+
 /// HF's Qwen3-MoE block, one token at a time: softmax over the router's logits, the top k, renormalised if asked,
 /// the weighted sum of those experts. Returns the output, each token's experts and the routing margin.
 fn naive_moe(m: &MoeConfig, w: &Weights, p: &str, h: &Tensor) -> (Tensor, Vec<Vec<i64>>, f64) {
     let probs = h.matmul(&f64w(w, &format!("{p}.mlp.gate.weight")).tr()).softmax(-1, Kind::Double);
     let (mut rows, mut chosen, mut margin) = (vec![], vec![], f64::INFINITY);
     for t in 0..h.size()[0] {
-        let mut ranked: Vec<(f64, i64)> = Vec::<f64>::try_from(&probs.get(t)).unwrap().into_iter().zip(0..).collect();
-        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let k = m.num_experts_per_tok;
-        if k < ranked.len() {
-            margin = margin.min(ranked[k - 1].0 - ranked[k].0);
-        }
-        let top = &ranked[..k];
+        let (top, gap) = top_k(&probs.get(t), m.num_experts_per_tok);
+        margin = margin.min(gap);
         let total: f64 = if m.norm_topk_prob { top.iter().map(|r| r.0).sum() } else { 1.0 };
         let x = h.narrow(0, t, 1);
         let mut y = Tensor::zeros_like(&x);
-        for &(prob, e) in top {
+        for &(prob, e) in &top {
             y += naive_swiglu(w, &format!("{p}.mlp.experts.{e}"), &x) * (prob / total);
         }
         rows.push(y);
@@ -318,17 +323,12 @@ fn naive_gpt_oss_moe(
     let (alpha, limit) = (oss.swiglu_alpha, oss.swiglu_limit);
     let (mut rows, mut chosen, mut margin) = (vec![], vec![], f64::INFINITY);
     for t in 0..h.size()[0] {
-        let mut ranked: Vec<(f64, i64)> = Vec::<f64>::try_from(&logits.get(t)).unwrap().into_iter().zip(0..).collect();
-        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let k = m.num_experts_per_tok;
-        if k < ranked.len() {
-            margin = margin.min(ranked[k - 1].0 - ranked[k].0);
-        }
-        let top = &ranked[..k];
+        let (top, gap) = top_k(&logits.get(t), m.num_experts_per_tok);
+        margin = margin.min(gap);
         let total: f64 = top.iter().map(|r| (r.0 - top[0].0).exp()).sum();
         let x = h.get(t);
         let mut y = Tensor::zeros_like(&x);
-        for &(logit, e) in top {
+        for &(logit, e) in &top {
             let gu: Vec<f64> = Vec::try_from(&(x.matmul(&gate_up.get(e)) + gate_up_bias.get(e))).unwrap();
             let act: Vec<f64> = gu
                 .chunks(2)
