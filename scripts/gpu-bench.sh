@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (see BENCHMARKS.md): the GPU tests, then dflash's benchmarks beside the PyTorch peers in
 # one lease. Expects stripped binaries in .bin/ (dflash and the test executables) and the peers in .peer/.
-# Usage: scripts/gpu-bench.sh [target|drafter|all]; results go to $OUT (or ./gpu-out).
+# Usage: scripts/gpu-bench.sh [target|drafter|spread|all]; results go to $OUT (or ./gpu-out).
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-gpu-out}
@@ -18,6 +18,18 @@ run() { echo "== $*"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
 if [ "$what" = target ] || [ "$what" = all ]; then
   run ./.bin/dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json --profile
   run python3 .peer/pt_target_capture.py --batch 16 --seq 2048
+fi
+if [ "$what" = spread ]; then
+  # A target spread over the GPUs (cuda:0 twice where there is one) by micro-batch count, against the unsplit one.
+  n=$(nvidia-smi -L | wc -l)
+  spread=$(python3 -c "print(','.join('cuda:%d' % i for i in range($n)) if $n > 1 else 'cuda:0,cuda:0')")
+  run ./.bin/dflash bench --what target --preset qwen3-8b --device cuda:0 --batch 16 --seq 2048 --steps 8 --json
+  for m in 1 2 4 8 16; do
+    run ./.bin/dflash bench --what target --preset qwen3-8b --spread $spread --micro-batches $m --batch 16 --seq 2048 --steps 8 --json
+  done
+  for m in 1 4 8; do
+    run ./.bin/dflash bench --what target --preset qwen3-30b-a3b --spread $spread --micro-batches $m --batch 16 --seq 2048 --steps 5 --json
+  done
 fi
 if [ "$what" = drafter ] || [ "$what" = all ]; then
   run ./.bin/dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --steps 8 --json --profile --capture

@@ -10,7 +10,8 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 # libtorch, and NVRTC for the fused kernels (the binaries' rpath names this machine's paths only where they were built).
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure).
+# STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure; 9 a
+# target spread over the GPUs).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -217,4 +218,28 @@ EOF
 wait_step $(($(step) + 10))
 kill -9 $pid; wait 2>/dev/null
 grep -E "drafter failed|hang budget|drafter live" "$out/serve-hang.log" | tail -6
+fi
+
+if has 9; then
+# One target copy spread over every GPU (over cuda:0 twice where there is one: the same code path, no speed-up),
+# drafters one per GPU; part 1 of the target panics at step 40 and the copy restarts whole.
+n=$(nvidia-smi -L | wc -l)
+if [ "$n" -gt 1 ]; then
+  spread=$(python3 -c "import json;print(json.dumps(['cuda:%d' % i for i in range(1, $n)]))")
+  devices=$(python3 -c "import json;print(json.dumps(['cuda:%d' % i for i in range($n)]))")
+else
+  spread='["cuda:0"]' devices='["cuda:0"]'
+fi
+echo "== 9. one target spread over $spread beside $dev, drafters on $devices; part 1 panics at step 40"
+rm -rf runs/spread
+./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=$devices" --set checkpoint.dir=runs/spread \
+  --set control.fault_injection=true --set "target.spread_to=$spread" 2>"$out/serve-spread.log" &
+pid=$!
+wait_step 40
+date +%s.%N >"$out/spread-fault-sent"
+post /targets/0/fault '{"part": 1}'
+wait_step 110
+get /status >"$out/status-spread.json"
+kill -9 $pid; wait 2>/dev/null
+grep -E "target loaded|target failed|target restarted|set aside" "$out/serve-spread.log" | tail -6
 fi

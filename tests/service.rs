@@ -476,30 +476,47 @@ fn mixture_of_experts_targets_train_drafters_and_every_sample_once() {
     }
 }
 
-/// A target spread over two devices (here both the CPU: `target.spread_to`) feeds the drafters as a whole one does,
-/// and an injected panic restarts it whole with every sample still trained exactly once; with two target copies the
-/// setting is refused at start, naming both keys.
+/// A target spread over two devices (here both the CPU: `target.spread_to`, captures in two micro-batches) feeds the
+/// drafters as a whole one does, and an injected panic in either part restarts it whole with every sample still
+/// trained exactly once; with two target copies the setting is refused at start, naming both keys.
 #[test]
 fn a_target_spread_over_devices_trains_and_spreading_several_copies_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 2);
-    let sets = ["target.model=tiny-moe", "target.spread_to=[\"cpu\"]", "optim.epochs=2"];
+    let sets = ["target.model=tiny-moe", "target.spread_to=[\"cpu\"]", "optim.epochs=3", "target.micro_batches=2"];
     let mut svc = Service::start(&cfg, false, &sets);
     svc.wait("training", |s| step(s) >= 2);
-    // The spread copy is one supervised unit: a panic in it restarts it whole, its in-flight requests are sent again,
-    // the drafters wait, nothing is lost.
-    let (code, answer) = svc.request("POST", "/targets/0/fault", None);
-    assert_eq!(code, 200, "{answer}");
-    let (code, answer) = svc.request("POST", "/targets/3/fault", None);
-    assert_eq!(code, 404, "{answer}");
+    // The spread copy is one supervised unit: a panic in either part restarts it whole, its in-flight requests are
+    // sent again, the drafters wait, nothing is lost. The later part first, then the first, once it is back and has
+    // trained past the batches it was resent (a batch that fails the target twice in a row is set aside as poison).
+    for (part, restarts) in [(1, 1), (0, 2)] {
+        let (code, answer) = svc.request("POST", "/targets/0/fault", Some(json!({ "part": part })));
+        assert_eq!(code, 200, "{answer}");
+        let s = svc.wait("the target's restart", |s| {
+            s["targets"][0]["restarts"] == restarts && s["targets"][0]["ready"] == true
+        });
+        let back = step(&s);
+        svc.wait("training after the restart", |s| step(s) >= back + 8);
+    }
+    for (path, body, wanted) in [
+        ("/targets/3/fault", None, 404),
+        ("/targets/0/fault", Some(json!({"part": 2})), 404),
+        ("/targets/0/fault", Some(json!({"parts": 1})), 400),
+    ] {
+        let (code, answer) = svc.request("POST", path, body);
+        assert_eq!(code, wanted, "{path}: {answer}");
+    }
     let (code, logs) = svc.exit_code();
     assert_eq!(code, 0, "{logs:#?}");
-    assert!(logged(&logs, "cpu layers 0-5"), "{logs:#?}");
-    assert!(logged(&logs, "injected panic (fault injection) in target copy 0"), "{logs:#?}");
+    assert!(logged(&logs, "cpu layers 0-2, cpu layers 3-5"), "{logs:#?}");
+    for part in [1, 0] {
+        let message = format!("injected panic (fault injection) in part {part} (cpu) of the target");
+        assert!(logged(&logs, &message), "{logs:#?}");
+    }
     let loaded = logs.iter().filter(|l| l.contains("\"message\":\"target loaded\"")).count();
-    assert_eq!(loaded, 2, "the copy came back once");
+    assert_eq!(loaded, 3, "the copy came back after each failure");
     assert!(logged(&logs, "target restarted; resending"), "{logs:#?}");
-    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 2);
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &train_ids(prepared())), 3);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(["serve-train", "--config", cfg.to_str().unwrap()])
         .args(["--set", "target.spread_to=[\"cpu\"]", "--set", "target.capture_devices=[\"cpu\", \"cpu\"]"])

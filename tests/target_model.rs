@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use dflash::model::config::{GptOssConfig, RopeScaling};
-use dflash::model::{Architecture, Depth, ModelError, Preset, Target, TargetConfig};
+use dflash::model::{Architecture, Depth, Init, ModelError, PartFault, Preset, Target, TargetConfig};
 use tch::{Device, Kind, Tensor};
 
 const TAPS: [usize; 2] = [0, 2];
@@ -405,6 +405,35 @@ fn a_target_spread_over_two_devices_computes_what_the_unsplit_one_does() {
     {
         spread_matches(&cfg, &[Device::Cpu, Device::Cpu], 0.0);
     }
+    spread_matches(&small_config(Architecture::Llama, false, llama3_scaling()), &[Device::Cpu; 3], 0.0);
+}
+
+/// Fault injection aimed at one part of a spread target: the pass panics where the hidden state enters that part,
+/// naming it; the switch then disarms, one pending fault at a time.
+#[test]
+fn a_fault_armed_for_one_part_strikes_that_part_once() {
+    let cfg = small_moe_config();
+    let mut target = Target::random_spread(
+        cfg.clone(),
+        &TAPS,
+        Depth::ToLastTap,
+        &[Device::Cpu, Device::Cpu],
+        Kind::Float,
+        Init::Portable(3),
+        0.02,
+    )
+    .unwrap();
+    let fault = std::sync::Arc::new(PartFault::default());
+    target.watch_faults(fault.clone());
+    let (ids, lengths) = pad_batch(&token_rows(cfg.vocab_size as i64, &[5, 3], 2));
+    for part in [1, 0] {
+        assert!(fault.arm(part));
+        assert!(!fault.arm(0), "one pending fault at a time");
+        let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| target.capture(&ids, &lengths)));
+        let message = hit.err().and_then(|p| p.downcast_ref::<String>().cloned()).expect("the capture panicked");
+        assert!(message.contains(&format!("part {part} (cpu)")), "{message}");
+        let _states = target.capture(&ids, &lengths).expect("the fault struck once");
+    }
 }
 
 #[test]
@@ -423,18 +452,28 @@ fn spread_matches(cfg: &TargetConfig, devices: &[Device], tolerance: f64) {
     let dir = tempfile::tempdir().unwrap();
     write_folder(dir.path(), cfg, &random_weights(cfg, 14), usize::MAX);
     let whole = Target::load(dir.path(), &TAPS, Depth::Full, Device::Cpu, Kind::Float).unwrap();
-    let spread = Target::load_spread(dir.path(), &TAPS, Depth::Full, devices, Kind::Float).unwrap();
+    let mut spread = Target::load_spread(dir.path(), &TAPS, Depth::Full, devices, Kind::Float).unwrap();
     let placed = spread.layer_devices();
     assert_eq!(placed.first(), devices.first());
-    assert_eq!(placed.last(), devices.last(), "{:?}: every device holds layers", cfg.architecture);
+    assert_eq!(placed.last(), devices.last());
+    assert_eq!(spread.parts(), devices.len(), "{:?}: every device holds layers", cfg.architecture);
     let (ids, lengths) = pad_batch(&token_rows(cfg.vocab_size as i64, &[11, 7, 1], 14));
     let first = devices[0];
-    let check = |a: &Tensor, b: &Tensor, what: &str| {
+    let check_within = |a: &Tensor, b: &Tensor, what: &str, tolerance: f64| {
         let err = rel_err(&a.to_device(Device::Cpu), &b.to_kind(Kind::Double));
         assert!(err <= tolerance, "{:?} {what}: relative error {err}", cfg.architecture);
     };
+    let check = |a: &Tensor, b: &Tensor, what: &str| check_within(a, b, what, tolerance);
     let ids_there = ids.to_device(first);
-    check(&spread.capture(&ids_there, &lengths).unwrap(), &whole.capture(&ids, &lengths).unwrap(), "capture");
+    let whole_states = whole.capture(&ids, &lengths).unwrap();
+    // One micro-batch, uneven ones (2 + 1 rows), one per row, and the default. Matrix products over fewer rows may
+    // round differently (f32: ~2e-7).
+    for micro_batches in [1, 2, 3, 0] {
+        spread.set_micro_batches(micro_batches);
+        let states = spread.capture(&ids_there, &lengths).unwrap();
+        let within = if micro_batches == 1 { tolerance } else { tolerance.max(1e-6) };
+        check_within(&states, &whole_states, &format!("capture in {micro_batches} micro-batches"), within);
+    }
     check(&spread.logits(&ids_there, &lengths).unwrap(), &whole.logits(&ids, &lengths).unwrap(), "logits");
     let row = ids.narrow(0, 0, 1);
     let (mut a, mut b) = (spread.new_cache(16).unwrap(), whole.new_cache(16).unwrap());

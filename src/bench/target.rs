@@ -43,6 +43,8 @@ pub struct TargetBenchReport {
     pub dtype: &'static str,
     pub batch: i64,
     pub seq: i64,
+    /// Micro-batches each capture ran as ([`Target::set_micro_batches`]).
+    pub micro_batches: usize,
     pub full: bool,
     pub layers_run: usize,
     pub taps: Vec<usize>,
@@ -57,6 +59,9 @@ pub struct TargetBenchReport {
     pub step_ms_p50: f64,
     pub step_ms_min: f64,
     pub step_ms_max: f64,
+    /// Median milliseconds until the capture call returned, its work queued but not necessarily done: far below the
+    /// step time, the host waited on no device inside the call (what lets the parts of a spread target overlap).
+    pub queued_ms_p50: f64,
     /// Milliseconds per phase of one step, from device events (with `profile`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub phases_ms: Option<BTreeMap<&'static str, f64>>,
@@ -73,16 +78,12 @@ pub fn target_flops(cfg: &TargetConfig, layers_run: usize, batch: i64, seq: i64,
     matmul + attention + head
 }
 
-/// The target's device, or its devices in layer order (`cuda:0,cuda:1`) when it is spread.
-fn spread_name(target: &Target) -> String {
-    let mut names = vec![device::device_name(target.device())];
-    for d in target.layer_devices() {
-        let name = device::device_name(d);
-        if names.last() != Some(&name) {
-            names.push(name);
-        }
+/// The target's device, or where its layers run when it is spread (`cuda:0 layers 0-12, cuda:1 layers 13-33`).
+fn placement(target: &Target) -> String {
+    match target.parts() {
+        1 => device::device_name(target.device()),
+        _ => target.placement(),
     }
-    names.join(",")
 }
 
 /// Times target capture (or the full stack) on random token ids.
@@ -104,7 +105,14 @@ pub fn bench_target(target: &Target, label: &str, opts: &TargetBenchOptions) -> 
     }
     device::synchronize(dev)?;
     device::reset_peak_memory(dev)?;
-    let times = StepTimes::measure(dev, opts.steps, step)?;
+    let mut queued_ms = Vec::with_capacity(opts.steps);
+    let times = StepTimes::measure(dev, opts.steps, || {
+        let start = std::time::Instant::now();
+        step()?;
+        queued_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        Ok::<(), BenchError>(())
+    })?;
+    queued_ms.sort_by(f64::total_cmp);
     let peak_mem_bytes = device::memory_stats(dev)?.peak_allocated;
     let phases_ms = if opts.profile {
         let recorder = Recorder::start(dev);
@@ -120,10 +128,11 @@ pub fn bench_target(target: &Target, label: &str, opts: &TargetBenchOptions) -> 
     Ok(TargetBenchReport {
         what: "target",
         preset: label.to_string(),
-        device: spread_name(target),
+        device: placement(target),
         dtype: kind_name(target.kind()),
         batch: opts.batch,
         seq: opts.seq,
+        micro_batches: target.micro_batches_for(opts.batch),
         full: opts.full,
         layers_run,
         taps: target.taps().to_vec(),
@@ -136,6 +145,7 @@ pub fn bench_target(target: &Target, label: &str, opts: &TargetBenchOptions) -> 
         peak_mem_bytes,
         step_ms_p50,
         step_ms_min: times.min(),
+        queued_ms_p50: queued_ms[queued_ms.len() / 2],
         step_ms_max: times.max(),
         phases_ms,
     })
@@ -145,7 +155,7 @@ impl TargetBenchReport {
     /// One line for people; `--json` prints the whole report instead.
     pub fn summary(&self) -> String {
         format!(
-            "target {} on {} ({}, {} layers{}): {}x{} tokens, {:.0} tokens/s, {:.1} TFLOP/s, MFU {:.1}% of {:.0}, \
+            "target {} on {} ({}, {} layers{}): {}x{} tokens in {} micro-batch(es), {:.0} tokens/s, {:.1} TFLOP/s, MFU {:.1}% of {:.0}, \
              step p50 {:.2} ms, peak memory {:.2} GB",
             self.preset,
             self.device,
@@ -154,6 +164,7 @@ impl TargetBenchReport {
             if self.full { " + LM head" } else { "" },
             self.batch,
             self.seq,
+            self.micro_batches,
             self.tokens_per_s,
             self.tflops,
             self.mfu * 100.0,

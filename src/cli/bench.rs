@@ -101,10 +101,14 @@ pub struct BenchArgs {
     /// Print one JSON object per run instead of a summary line.
     #[arg(long)]
     json: bool,
-    /// Target: spread the decoder layers over these devices (e.g. cuda:0,cuda:1), split by bytes, instead of
-    /// --device; the first holds the embedding and head and receives the tapped states.
+    /// Target: spread the decoder layers over these devices (e.g. cuda:0,cuda:1), split by the GPUs' free memory,
+    /// instead of --device; the first holds the embedding and head and receives the tapped states.
     #[arg(long, value_delimiter = ',', value_name = "DEVICES", conflicts_with = "device")]
     spread: Option<Vec<DeviceSpec>>,
+    /// Target: run each capture as this many micro-batches of rows (default: 1 on one device, 4 per device with
+    /// --spread), as target.micro_batches does in serve-train.
+    #[arg(long, value_name = "N")]
+    micro_batches: Option<usize>,
 }
 
 pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
@@ -134,7 +138,8 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             let report = catch_torch(|| -> Result<_> {
                 let names: Vec<String> = devices.iter().map(|&d| device_name(d)).collect();
                 tracing::info!(target = %source, devices = ?names, "building the target");
-                let target = source.build_target_spread(&taps, depth, &devices, kind)?;
+                let mut target = source.build_target_spread(&taps, depth, &devices, kind)?;
+                target.set_micro_batches(args.micro_batches.unwrap_or(0));
                 Ok(bench_target(&target, &source.to_string(), &opts)?)
             })??;
             print_summary(args.json, &report.summary());

@@ -71,6 +71,7 @@ struct RawTarget {
     dtype: String,
     capture_devices: RawCaptureDevices,
     spread_to: Vec<String>,
+    micro_batches: usize,
 }
 
 /// `capture_devices` is a list of devices or the word `colocated`.
@@ -201,6 +202,8 @@ pub struct TargetSettings {
     pub capture: CapturePlacement,
     /// Devices the target copy spreads its later decoder layers over (`target.spread_to`).
     pub spread_to: Vec<DeviceSpec>,
+    /// Micro-batches a spread target's capture is cut into (`target.micro_batches`; 0: 4 per device).
+    pub micro_batches: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -584,7 +587,7 @@ impl RawTarget {
                 d.parse().map_err(|_| invalid("target.spread_to", format!("{d:?}"), "each entry is cpu or cuda:N"))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(TargetSettings { source, device, dtype, capture, spread_to })
+        Ok(TargetSettings { source, device, dtype, capture, spread_to, micro_batches: self.micro_batches })
     }
 }
 

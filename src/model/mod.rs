@@ -26,7 +26,7 @@ pub use drafter_config::DrafterConfig;
 pub use init::Init;
 pub use kv_cache::KvCache;
 pub use presets::Preset;
-pub use target::{Decoded, Depth, Target};
+pub use target::{Decoded, Depth, PartFault, Target};
 
 /// Everything that can go wrong reading, building or running a model, each naming the file or key and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +63,11 @@ pub enum ModelError {
     Torch(String),
     #[error("no device to place the target on: give at least one")]
     NoDevice,
+    #[error(
+        "the target's weights need {needs_gib:.1} GiB on {device}, which has {free_gib:.1} GiB free (over {devices} \
+         device(s)): spread it over more GPUs (target.spread_to in serve-train, --spread in bench), or free that GPU"
+    )]
+    DoesNotFit { device: String, needs_gib: f64, free_gib: f64, devices: usize },
 }
 
 impl From<crate::device::DeviceError> for ModelError {

@@ -8,6 +8,8 @@
 //! positions of the output are zeroed.
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tch::{Device, Kind, Tensor};
 
@@ -22,6 +24,9 @@ use super::split::split_layers;
 use super::weights::{HostTensor, WeightFiles, dequantize_mxfp4, write_sharded};
 use crate::device::kind_name;
 use crate::profile::span;
+
+/// Micro-batches per part of a spread target's capture by default ([`Target::auto_micro_batches`]).
+pub const MICRO_BATCHES_PER_PART: usize = 4;
 
 /// How much of the stack to hold and run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,8 +53,10 @@ struct DecoderLayer {
     sinks: Option<Tensor>,
     window: Option<i64>,
     mlp: Mlp,
-    /// Where this layer's weights live (the first device unless the target is spread).
+    /// Where this layer's weights live (the first device unless the target is spread), and which of the devices
+    /// given (its part of the split: CPU stand-ins for several devices are one `Device` but distinct parts).
     device: Device,
+    part: usize,
 }
 
 enum Mlp {
@@ -91,6 +98,26 @@ pub struct Target {
     /// `None` when tied to the embedding.
     lm_head: Option<Tensor>,
     rope: Rope,
+    /// Micro-batches a capture is cut into (0: [`Target::auto_micro_batches`]).
+    micro_batches: usize,
+    fault: Option<Arc<PartFault>>,
+}
+
+/// Fault injection for a target's parts: armed with a part, the next pass panics where the hidden state enters that
+/// part's first layer (the micro-batches before it already in flight), as a failing device would.
+#[derive(Debug, Default)]
+pub struct PartFault(AtomicUsize);
+
+impl PartFault {
+    /// Arms the switch for `part`; false (and unchanged) when a fault is pending already.
+    pub fn arm(&self, part: usize) -> bool {
+        self.0.compare_exchange(0, part + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+
+    /// Disarms the switch if it is armed for `part`, saying whether it was.
+    fn fire(&self, part: usize) -> bool {
+        self.0.compare_exchange(part + 1, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
 }
 
 /// Checks tapped layer ids against the decoder: non-empty, strictly increasing, each below the layer count.
@@ -171,15 +198,14 @@ fn hf_tensors(cfg: &TargetConfig, num_layers: usize, with_head: bool) -> Vec<(St
     out
 }
 
-/// The device of each of the first `layers` decoder layers: [`split_layers`] over the bytes of each layer's tensors
-/// in `specs`, the embedding and head counted on the first device.
-fn spread(
+/// The bytes of each of the first `layers` decoder layers' tensors in `specs`, and of everything else, which lives on
+/// the first device (the embedding, and the final norm and LM head where they are held).
+fn layer_bytes(
     cfg: &TargetConfig,
     specs: &HashMap<String, (Vec<usize>, bool)>,
     layers: usize,
-    devices: &[Device],
     kind: Kind,
-) -> Vec<Device> {
+) -> (Vec<u64>, u64) {
     let bytes = |shape: &[usize]| shape.iter().product::<usize>() as u64 * kind.elt_size_in_bytes() as u64;
     let mut per_layer = vec![0u64; layers];
     let mut first = 0u64;
@@ -194,8 +220,65 @@ fn spread(
     if !cfg.tie_word_embeddings && !specs.contains_key("lm_head.weight") {
         first += bytes(&[cfg.vocab_size, cfg.hidden_size]);
     }
-    split_layers(&per_layer, first, devices.len()).into_iter().map(|d| devices[d]).collect()
+    (per_layer, first)
 }
+
+/// The part (index into `devices`) of each of the first `layers` decoder layers: [`split_layers`] by the GPUs' free
+/// memory when every device is a GPU, evenly otherwise. Refused, before anything is loaded, when the weights a GPU
+/// would hold exceed what it has free.
+fn spread(
+    cfg: &TargetConfig,
+    specs: &HashMap<String, (Vec<usize>, bool)>,
+    layers: usize,
+    devices: &[Device],
+    kind: Kind,
+) -> Result<Vec<usize>, ModelError> {
+    let (per_layer, first) = layer_bytes(cfg, specs, layers, kind);
+    let free = match devices.iter().all(|d| d.is_cuda()) {
+        true => Some(
+            devices
+                .iter()
+                .map(|&d| Ok(crate::device::memory_stats(d)?.device_free.max(0) as u64))
+                .collect::<Result<Vec<u64>, ModelError>>()?,
+        ),
+        false => None,
+    };
+    let parts = split_layers(&per_layer, first, free.as_deref().unwrap_or(&vec![1; devices.len()]));
+    if let Some(free) = free {
+        check_fit(&per_layer, first, &parts, devices, &free)?;
+    }
+    Ok(parts)
+}
+
+/// Refuses a split whose weights on some device (summed over the parts placed on it) exceed its free memory.
+fn check_fit(
+    per_layer: &[u64],
+    first: u64,
+    parts: &[usize],
+    devices: &[Device],
+    free: &[u64],
+) -> Result<(), ModelError> {
+    let mut load: Vec<(Device, u64, u64)> = vec![];
+    let mut add = |device: Device, bytes: u64, free: u64| match load.iter_mut().find(|(d, _, _)| *d == device) {
+        Some((_, l, _)) => *l += bytes,
+        None => load.push((device, bytes, free)),
+    };
+    add(devices[0], first, free[0]);
+    for (&part, &bytes) in parts.iter().zip(per_layer) {
+        add(devices[part], bytes, free[part]);
+    }
+    match load.into_iter().find(|&(_, needs, free)| needs > free) {
+        Some((device, needs, free)) => Err(ModelError::DoesNotFit {
+            device: crate::device::device_name(device),
+            needs_gib: needs as f64 / GIB,
+            free_gib: free as f64 / GIB,
+            devices: devices.len(),
+        }),
+        None => Ok(()),
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless the fused paths are
 /// switched off ([`super::fused::switched_off`]) for comparisons, leaving the masked one below.
@@ -367,7 +450,7 @@ impl Target {
             .into_iter()
             .map(|(name, shape, is_matrix)| (name, (shape, is_matrix)))
             .collect();
-        let layer_devices = spread(&cfg, &specs, num_layers, devices, kind);
+        let layer_parts = spread(&cfg, &specs, num_layers, devices, kind)?;
         // The device the next tensors go to: each layer's own, the first for the rest.
         let on = std::cell::Cell::new(device);
         let mut get = |name: &str| -> Result<Tensor, ModelError> {
@@ -376,7 +459,8 @@ impl Target {
         };
         let embed_tokens = get("model.embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(num_layers);
-        for (l, &layer_device) in layer_devices.iter().enumerate() {
+        for (l, &part) in layer_parts.iter().enumerate() {
+            let layer_device = devices[part];
             on.set(layer_device);
             let p = format!("model.layers.{l}");
             let w = |suffix: &str| format!("{p}.{suffix}");
@@ -461,6 +545,7 @@ impl Target {
                 window,
                 mlp,
                 device: layer_device,
+                part,
             });
         }
         on.set(device);
@@ -480,7 +565,20 @@ impl Target {
             Depth::ToLastTap => (None, None),
         };
         let rope = Rope::new(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, device);
-        Ok(Target { cfg, taps: taps.to_vec(), depth, device, kind, embed_tokens, layers, norm, lm_head, rope })
+        Ok(Target {
+            cfg,
+            taps: taps.to_vec(),
+            depth,
+            device,
+            kind,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            micro_batches: 0,
+            fault: None,
+        })
     }
 
     pub fn config(&self) -> &TargetConfig {
@@ -516,23 +614,86 @@ impl Target {
     /// Runs the decoder on right-padded `input_ids [B, S]` (int64, on the model's device) whose rows hold
     /// `lengths` real tokens, and returns the tapped states concatenated in tap order, `[B, S, taps * hidden]`,
     /// zero at padded positions. No gradients are recorded.
+    ///
+    /// A spread target runs the batch as micro-batches of rows ([`Target::set_micro_batches`]), all launched before
+    /// any is waited for, so while a later part works on one micro-batch an earlier part works on the next. Taps of
+    /// layers on other devices collect there and move to the first device once at the end: copying each as it comes
+    /// would make the first device wait for the later parts (a cross-device copy orders both devices' streams) and
+    /// the micro-batches would take turns.
     pub fn capture(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor, ModelError> {
         let (b, s) = self.check_batch(input_ids, lengths)?;
         let h = self.cfg.hidden_size as i64;
         let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
-        let _last = tch::no_grad(|| {
-            let mut next_tap = 0;
-            self.run_layers(input_ids, self.taps[self.taps.len() - 1] + 1, None, None, |layer, x| {
-                if self.taps.get(next_tap) == Some(&layer) {
-                    let _p = span("target.copy_taps");
-                    let mut slot = out.narrow(2, next_tap as i64 * h, h);
-                    slot.copy_(x);
-                    next_tap += 1;
-                }
+        let last_tap = self.taps[self.taps.len() - 1];
+        // The slot of each tap: in `out`, or a [B, S, hidden] buffer on its layer's device.
+        let staged = (self.taps.iter())
+            .map(|&layer| match self.layers[layer].device {
+                device if device == self.device => Ok(None),
+                device => Ok(Some(Tensor::f_empty([b, s, h], (self.kind, device))?)),
             })
+            .collect::<Result<Vec<Option<Tensor>>, ModelError>>()?;
+        let micro_batches = self.micro_batches_for(b) as i64;
+        let rows = (b + micro_batches - 1) / micro_batches;
+        tch::no_grad(|| -> Result<(), ModelError> {
+            for first in (0..b).step_by(rows as usize) {
+                let count = rows.min(b - first);
+                let ids = input_ids.f_narrow(0, first, count)?;
+                let mut next_tap = 0;
+                let _last = self.run_layers(&ids, last_tap + 1, None, None, |layer, x| {
+                    if self.taps.get(next_tap) == Some(&layer) {
+                        let _p = span("target.copy_taps");
+                        let slot = match &staged[next_tap] {
+                            Some(buffer) => buffer.narrow(0, first, count),
+                            None => out.narrow(2, next_tap as i64 * h, h).narrow(0, first, count),
+                        };
+                        slot.shallow_clone().copy_(x);
+                        next_tap += 1;
+                    }
+                })?;
+            }
+            for (t, buffer) in staged.iter().enumerate() {
+                if let Some(buffer) = buffer {
+                    out.f_narrow(2, t as i64 * h, h)?.f_copy_(buffer)?;
+                }
+            }
+            Ok(())
         })?;
         self.zero_padding(&out, lengths)?;
         Ok(out)
+    }
+
+    /// Sets how many micro-batches a capture of a spread target is cut into (at most one per row; 0 restores
+    /// [`Target::auto_micro_batches`]). More keeps the parts busier (a pipeline of P parts and M micro-batches idles
+    /// (P - 1) / (M + P - 1) of the time) at the cost of smaller matrix products.
+    pub fn set_micro_batches(&mut self, micro_batches: usize) {
+        self.micro_batches = micro_batches;
+    }
+
+    /// The micro-batches a capture uses by default: one on a single device, [`MICRO_BATCHES_PER_PART`] per part of
+    /// a spread target.
+    pub fn auto_micro_batches(&self) -> usize {
+        match self.parts() {
+            1 => 1,
+            parts => MICRO_BATCHES_PER_PART * parts,
+        }
+    }
+
+    /// The micro-batches a capture of `rows` rows runs as.
+    pub fn micro_batches_for(&self, rows: i64) -> usize {
+        let chosen = if self.micro_batches == 0 { self.auto_micro_batches() } else { self.micro_batches };
+        chosen.clamp(1, rows.max(1) as usize)
+    }
+
+    /// How many parts hold layers (1 unless the target is spread).
+    pub fn parts(&self) -> usize {
+        let mut parts: Vec<usize> = self.layers.iter().map(|l| l.part).collect();
+        parts.dedup();
+        parts.len().max(1)
+    }
+
+    /// Fault injection: the passes of this target panic where `fault` says ([`PartFault`]).
+    pub fn watch_faults(&mut self, fault: Arc<PartFault>) {
+        self.fault = Some(fault);
     }
 
     /// Runs the whole stack and the LM head: logits `[B, S, vocab]` (padded positions zeroed). Needs
@@ -543,7 +704,7 @@ impl Target {
         };
         self.check_batch(input_ids, lengths)?;
         let logits = tch::no_grad(|| -> Result<Tensor, ModelError> {
-            let x = self.run_layers(input_ids, self.layers.len(), None, None, |_, _| {})?;
+            let x = self.run_layers(input_ids, self.layers.len(), None, None, |_, _| {})?.f_to_device(self.device)?;
             Ok(rms_norm(&x, norm, self.cfg.rms_norm_eps).linear(self.lm_head(), None::<Tensor>))
         })?;
         self.zero_padding(&logits, lengths)?;
@@ -571,14 +732,15 @@ impl Target {
 
     /// Where the layers run, for logs: `cuda:0 layers 0-16, cuda:1 layers 17-33`.
     pub fn placement(&self) -> String {
-        let mut runs: Vec<(Device, usize, usize)> = vec![];
+        let mut runs: Vec<(usize, Device, usize, usize)> = vec![];
         for (l, layer) in self.layers.iter().enumerate() {
             match runs.last_mut() {
-                Some((d, _, end)) if *d == layer.device => *end = l,
-                _ => runs.push((layer.device, l, l)),
+                Some((part, _, _, end)) if *part == layer.part => *end = l,
+                _ => runs.push((layer.part, layer.device, l, l)),
             }
         }
-        let run = |(d, a, b): &(Device, usize, usize)| format!("{} layers {a}-{b}", crate::device::device_name(*d));
+        let run =
+            |(_, d, a, b): &(usize, Device, usize, usize)| format!("{} layers {a}-{b}", crate::device::device_name(*d));
         runs.iter().map(run).collect::<Vec<_>>().join(", ")
     }
 
@@ -611,6 +773,7 @@ impl Target {
                     taps.push(if x.device() == self.device { x.copy() } else { x.to_device(self.device) });
                 }
             })?;
+            let x = x.f_to_device(self.device)?;
             let logits = rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?;
             Ok(Decoded { logits, taps: Tensor::f_cat(&taps, 2)? })
         })
@@ -642,8 +805,8 @@ impl Target {
         Ok((b, s))
     }
 
-    /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output. The
-    /// next layer updates `output` in place: copy what you keep.
+    /// Embeds and runs layers `0..count`, calling `observe(layer, output)` after each; returns the last output, on
+    /// the last layer's device. The next layer updates `output` in place: copy what you keep.
     /// With a cache, the tokens continue the cached sequence (positions from its length on) and every layer's new
     /// keys and values are written to it. With `routes`, each sparse layer appends its chosen experts.
     fn run_layers(
@@ -681,7 +844,15 @@ impl Target {
         };
         // On a spread target the hidden state and the per-step factors follow the layers from device to device.
         let (mut cos, mut sin, mut bias) = (cos, sin, bias);
+        let mut part = None;
         for (i, layer) in self.layers[..count].iter().enumerate() {
+            if part != Some(layer.part) {
+                part = Some(layer.part);
+                if self.fault.as_ref().is_some_and(|f| f.fire(layer.part)) {
+                    let device = crate::device::device_name(layer.device);
+                    panic!("injected panic (fault injection) in part {} ({device}) of the target", layer.part);
+                }
+            }
             if x.device() != layer.device {
                 let _p = span("target.device_hop");
                 let to = |t: &Tensor| t.f_to_device(layer.device);
@@ -698,7 +869,7 @@ impl Target {
         if let Some(c) = cache {
             c.advance(s);
         }
-        Ok(x.f_to_device(self.device)?)
+        Ok(x)
     }
 
     fn layer_forward(
@@ -916,16 +1087,33 @@ mod tests {
     /// and the second 21; with a tied head (one table) 15 and 19.
     #[test]
     fn spreading_counts_the_embedding_and_head_on_the_first_device() {
-        let (a, b) = (Device::Cuda(0), Device::Cuda(1));
         let count = |cfg: &TargetConfig| {
             let specs = hf_tensors(cfg, 34, false).into_iter().map(|(n, s, m)| (n, (s, m))).collect();
-            let placed = spread(cfg, &specs, 34, &[a, b], Kind::BFloat16);
-            (placed.iter().filter(|&&d| d == a).count(), placed.iter().filter(|&&d| d == b).count())
+            let (per_layer, first) = layer_bytes(cfg, &specs, 34, Kind::BFloat16);
+            let placed = split_layers(&per_layer, first, &[1, 1]);
+            (placed.iter().filter(|&&p| p == 0).count(), placed.iter().filter(|&&p| p == 1).count())
         };
         let untied = crate::model::Preset::Qwen3_8b.spec().target;
         assert_eq!(count(&untied), (13, 21));
         let tied = TargetConfig { tie_word_embeddings: true, ..untied };
         assert_eq!(count(&tied), (15, 19));
+    }
+
+    /// Qwen3-8B's 34 layers (15.6 GB with embedding and head) on one GPU with 10 GiB free are refused, naming the
+    /// device and what to do; on two with 10 GiB each they fit; the same GPU named twice counts its load once.
+    #[test]
+    fn a_split_that_does_not_fit_the_free_memory_is_refused() {
+        let cfg = crate::model::Preset::Qwen3_8b.spec().target;
+        let specs = hf_tensors(&cfg, 34, false).into_iter().map(|(n, s, m)| (n, (s, m))).collect();
+        let (per_layer, first) = layer_bytes(&cfg, &specs, 34, Kind::BFloat16);
+        let ten = 10u64 << 30;
+        let (a, b) = (Device::Cuda(0), Device::Cuda(1));
+        let err = check_fit(&per_layer, first, &[0; 34], &[a], &[ten]).unwrap_err().to_string();
+        assert!(err.contains("cuda:0") && err.contains("14.5 GiB") && err.contains("spread_to"), "{err}");
+        let parts = split_layers(&per_layer, first, &[ten, ten]);
+        check_fit(&per_layer, first, &parts, &[a, b], &[ten, ten]).unwrap();
+        let err = check_fit(&per_layer, first, &parts, &[a, a], &[ten, ten]).unwrap_err().to_string();
+        assert!(err.contains("cuda:0"), "{err}");
     }
 
     /// The flash path (bf16, window and sink folded in through the log-sum-exp) against the masked path in f32, on

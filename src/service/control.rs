@@ -25,6 +25,13 @@ struct FaultRequest {
     kind: FaultKind,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TargetFaultRequest {
+    #[serde(default)]
+    part: usize,
+}
+
 /// Asks the supervisor and waits (bounded) for its answer.
 async fn ask<T: Send + 'static>(
     sup: &ActorRef<SupervisorMsg>,
@@ -98,16 +105,34 @@ async fn fault(
 fn refused_response(refused: FaultRefused) -> Response {
     let code = match refused {
         FaultRefused::Off => StatusCode::FORBIDDEN,
-        FaultRefused::NoSuchDrafter { .. } | FaultRefused::NoSuchTarget { .. } => StatusCode::NOT_FOUND,
+        FaultRefused::NoSuchDrafter { .. } | FaultRefused::NoSuchTarget { .. } | FaultRefused::NoSuchPart { .. } => {
+            StatusCode::NOT_FOUND
+        }
         FaultRefused::Conflict(_) => StatusCode::CONFLICT,
     };
     (code, Json(json!({"error": refused.to_string()}))).into_response()
 }
 
-/// `POST /targets/{id}/fault`: target copy `id` panics at its next capture.
-async fn target_fault(State(sup): State<ActorRef<SupervisorMsg>>, Path(id): Path<usize>) -> Response {
-    match ask(&sup, |reply| SupervisorMsg::TargetFault { id, reply }).await {
-        Ok(Ok(())) => Json(json!({"injected": "panic", "target": id})).into_response(),
+/// `POST /targets/{id}/fault`, optionally with `{"part": N}`: target copy `id` panics at its next capture, where the
+/// hidden state enters part N (default 0) of a spread target.
+async fn target_fault(
+    State(sup): State<ActorRef<SupervisorMsg>>,
+    Path(id): Path<usize>,
+    body: axum::body::Bytes,
+) -> Response {
+    // An empty body (curl -X POST) is part 0.
+    let part = match body.iter().all(u8::is_ascii_whitespace) {
+        true => 0,
+        false => match serde_json::from_slice::<TargetFaultRequest>(&body) {
+            Ok(r) => r.part,
+            Err(e) => {
+                let error = format!("the body must be empty or {{\"part\": N}}: {e}");
+                return (StatusCode::BAD_REQUEST, Json(json!({ "error": error }))).into_response();
+            }
+        },
+    };
+    match ask(&sup, |reply| SupervisorMsg::TargetFault { id, part, reply }).await {
+        Ok(Ok(())) => Json(json!({"injected": "panic", "target": id, "part": part})).into_response(),
         Ok(Err(refused)) => refused_response(refused),
         Err(e) => unavailable(e),
     }

@@ -90,6 +90,10 @@ pub enum FaultRefused {
     NoSuchDrafter { id: usize, count: usize },
     #[error("no target copy {id} (ids 0..{count})")]
     NoSuchTarget { id: usize, count: usize },
+    #[error(
+        "target copy {id} has no part {part}: parts 0..{parts}, one per device of [target.device] + target.spread_to"
+    )]
+    NoSuchPart { id: usize, part: usize, parts: usize },
     /// The drafter cannot take it now: one is pending already, or it runs no thread.
     #[error("{0}")]
     Conflict(String),

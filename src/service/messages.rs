@@ -102,9 +102,10 @@ pub enum SupervisorMsg {
         kind: FaultKind,
         reply: RpcReplyPort<Result<(), FaultRefused>>,
     },
-    /// A panic at target copy `id`'s next capture (fault injection).
+    /// A panic at target copy `id`'s next capture, where it enters `part` (fault injection).
     TargetFault {
         id: usize,
+        part: usize,
         reply: RpcReplyPort<Result<(), FaultRefused>>,
     },
     CheckpointNow(RpcReplyPort<Result<u64, String>>),

@@ -18,8 +18,8 @@ use crate::config::TargetSource;
 use crate::data::dataset::Dataset;
 use crate::data::loader::BatchId;
 use crate::device;
-use crate::model::Depth;
 use crate::model::shared::SharedTensor;
+use crate::model::{Depth, PartFault};
 use crate::telemetry::TargetMetrics;
 use crate::train::FeatureBatch;
 
@@ -99,8 +99,10 @@ pub struct TargetSpawn {
     pub source: TargetSource,
     pub taps: Vec<usize>,
     pub device: Device,
-    /// More devices the copy spreads its later layers over (`target.spread_to`).
+    /// More devices the copy spreads its later layers over (`target.spread_to`), and the micro-batches a capture is
+    /// cut into then (`target.micro_batches`, 0 for the default).
     pub spread_to: Vec<Device>,
+    pub micro_batches: usize,
     pub kind: Kind,
     pub dataset: Arc<dyn Dataset>,
     pub routes: Arc<Routes>,
@@ -109,8 +111,8 @@ pub struct TargetSpawn {
     /// Threads of this generation or older were given up (failed or hung): they deliver nothing more.
     pub abandoned: Arc<AtomicU64>,
     pub metrics: TargetMetrics,
-    /// Fault injection: panic at the next capture.
-    pub fault: Arc<std::sync::atomic::AtomicBool>,
+    /// Fault injection: panic at the next capture, where it enters the part armed.
+    pub fault: Arc<PartFault>,
 }
 
 /// A target copy's compute thread, for a [`ComputeActor`](super::compute_thread::ComputeActor).
@@ -121,7 +123,9 @@ pub fn thread(args: TargetSpawn) -> ThreadBody {
 fn run(a: TargetSpawn) -> Result<(), Failure> {
     device::bind_thread(a.device).map_err(torch)?;
     let devices: Vec<Device> = std::iter::once(a.device).chain(a.spread_to.iter().copied()).collect();
-    let target = a.source.build_target_spread(&a.taps, Depth::ToLastTap, &devices, a.kind).map_err(torch)?;
+    let mut target = a.source.build_target_spread(&a.taps, Depth::ToLastTap, &devices, a.kind).map_err(torch)?;
+    target.set_micro_batches(a.micro_batches);
+    target.watch_faults(a.fault.clone());
     tracing::info!(id = a.id, model = %target.config().summary(), layers = %target.placement(), "target loaded");
     let heads = Heads {
         embed: SharedTensor::new(target.embed_tokens().shallow_clone()),
@@ -137,9 +141,6 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
         }
         match capture {
             Some((batch, positions)) => {
-                if a.fault.swap(false, Ordering::SeqCst) {
-                    panic!("injected panic (fault injection) in target copy {}", a.id);
-                }
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let started = timings.start().map_err(torch)?;
                     let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();

@@ -42,7 +42,7 @@ use crate::data::SampleId;
 use crate::data::dataset::Dataset;
 use crate::data::prompts::Prompt;
 use crate::device::{self, device_name};
-use crate::model::{Drafter, DrafterConfig};
+use crate::model::{Drafter, DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
 use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid};
@@ -103,7 +103,7 @@ struct TargetHandle {
     abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
     /// Set by fault injection: the thread panics at its next capture.
-    fault: Arc<AtomicBool>,
+    fault: Arc<PartFault>,
 }
 
 /// The actor's state.
@@ -182,7 +182,7 @@ impl Shell {
                 kind,
                 thread: None,
                 abandoned: Arc::new(AtomicU64::new(0)),
-                fault: Arc::new(AtomicBool::new(false)),
+                fault: Arc::new(PartFault::default()),
                 metrics: TargetMetrics::new(identity),
             })
             .collect();
@@ -379,6 +379,7 @@ impl Shell {
             taps: self.a.taps.clone(),
             device: t.device,
             spread_to: self.a.spread_to.clone(),
+            micro_batches: self.a.config.target.micro_batches,
             kind: t.kind,
             dataset: self.a.dataset.clone(),
             routes: self.routes.clone(),
@@ -677,25 +678,30 @@ impl Shell {
         Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
     }
 
-    /// `POST /drafters/{id}/fault`: one pending fault per drafter (and one checkpoint stall) at a time; a drafter
-    /// failed for good runs no thread to fail.
-    /// Makes target copy `id` panic at its next capture: a failure of the whole supervised unit, whichever of its
-    /// devices it strikes.
-    fn inject_target(&mut self, id: usize) -> Result<(), FaultRefused> {
+    /// Makes target copy `id` panic at its next capture where the hidden state enters `part` (the layers on the
+    /// part-th device of `[target.device] + target.spread_to`): a failure of the whole supervised unit, whichever of
+    /// its devices it strikes.
+    fn inject_target(&mut self, id: usize, part: usize) -> Result<(), FaultRefused> {
         if !self.a.config.control.fault_injection {
             return Err(FaultRefused::Off);
         }
         let count = self.targets.len();
         let target = self.targets.get(id).ok_or(FaultRefused::NoSuchTarget { id, count })?;
+        let parts = 1 + self.a.spread_to.len();
+        if part >= parts {
+            return Err(FaultRefused::NoSuchPart { id, part, parts });
+        }
         if target.thread.is_none() {
             return Err(FaultRefused::Conflict(format!("target copy {id} runs no thread to fail")));
         }
-        match target.fault.swap(true, Ordering::SeqCst) {
-            true => Err(FaultRefused::Conflict(format!("target copy {id} has a fault pending already"))),
-            false => Ok(()),
+        match target.fault.arm(part) {
+            false => Err(FaultRefused::Conflict(format!("target copy {id} has a fault pending already"))),
+            true => Ok(()),
         }
     }
 
+    /// `POST /drafters/{id}/fault`: one pending fault per drafter (and one checkpoint stall) at a time; a drafter
+    /// failed for good runs no thread to fail.
     fn inject(&mut self, id: usize, kind: FaultKind) -> Result<(), FaultRefused> {
         if !self.a.config.control.fault_injection {
             return Err(FaultRefused::Off);
@@ -786,8 +792,8 @@ impl Actor for Supervisor {
                 let _ = reply.send(s.inject(id, kind));
                 return Ok(());
             }
-            SupervisorMsg::TargetFault { id, reply } => {
-                let _ = reply.send(s.inject_target(id));
+            SupervisorMsg::TargetFault { id, part, reply } => {
+                let _ = reply.send(s.inject_target(id, part));
                 return Ok(());
             }
             SupervisorMsg::CheckpointNow(reply) => {
