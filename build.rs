@@ -1,6 +1,7 @@
 //! Links the binary to libtorch so it runs without LD_LIBRARY_PATH and finds CUDA, and compiles the small C++ shim
 //! (`csrc/`) for what tch does not expose: binding a thread's device, allocator statistics, timing events, the
-//! fused AdamW kernel, autograd functions with a leaner backward and flash attention with sinks and windows.
+//! fused AdamW kernel, autograd functions with a leaner backward, flash attention with sinks and windows, and the
+//! c10d TCPStore hosts rendezvous through.
 use std::path::PathBuf;
 
 fn main() {
@@ -37,6 +38,7 @@ fn main() {
         .file("csrc/attention.cpp")
         .file("csrc/autograd.cpp")
         .file("csrc/nccl.cpp")
+        .file("csrc/store.cpp")
         .compile("dflash_accel");
     println!("cargo:rerun-if-changed=csrc");
     println!("cargo:rerun-if-changed=build.rs");

@@ -4,6 +4,7 @@
 //! binary (`src/main.rs`) is only the command line.
 pub mod bench;
 pub mod bounded_join;
+pub mod cluster;
 pub mod config;
 pub mod data;
 pub mod device;

@@ -60,6 +60,7 @@ struct RawConfig {
     supervision: training::RawSupervision,
     eval: training::RawEval,
     control: training::RawControl,
+    cluster: crate::cluster::launch::RawCluster,
     log: RawLog,
 }
 
@@ -296,6 +297,8 @@ pub struct Config {
     pub supervision: SupervisionSettings,
     pub eval: EvalSettings,
     pub control: ControlSettings,
+    /// The `[cluster]` keys set (several hosts; the launcher's environment fills in the rest).
+    pub cluster: crate::cluster::launch::ClusterSettings,
     pub log: LogSettings,
     /// The merged configuration as read (before validation), for checkpoints and comparisons.
     pub merged: serde_json::Value,
@@ -434,6 +437,7 @@ impl RawConfig {
             supervision: self.supervision.validate()?,
             eval: self.eval.validate()?,
             control: self.control.validate()?,
+            cluster: self.cluster.validate()?,
             log: self.log.validate()?,
             merged,
         };

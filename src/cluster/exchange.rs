@@ -1,0 +1,246 @@
+//! The per-step quorum across hosts carried over the c10d store: each host announces its generation and posts its
+//! contribution to each round; the rendezvous host runs [`HostQuorum`] on what it reads and posts each round's
+//! [`Closed`] decision, which every host waits for. A contribution may carry bytes (a CPU gradient in tests: the
+//! store is the CPU collective across processes); production GPU runs sum over NCCL among the round's members
+//! instead and post only the arrival.
+//!
+//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `round/{r}/from/{rank}` (the
+//! contributor's generation, then its bytes) and `round/{r}/closed` (the decision, JSON).
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::quorum::{Closed, Decision, HostQuorum, Rank};
+use super::store::{Store, StoreError};
+
+#[derive(Debug, Error)]
+pub enum ExchangeError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("host {rank} was dropped from round {round} (it missed the deadline): it must rejoin")]
+    Dropped { rank: Rank, round: u64 },
+    #[error("round {round} stalled: no host contributed by the deadline")]
+    Stalled { round: u64 },
+    #[error("malformed {what} in the store: {message}")]
+    Malformed { what: String, message: String },
+}
+
+fn generation_key(rank: Rank) -> String {
+    format!("dflash/host/{rank}/generation")
+}
+fn from_key(round: u64, rank: Rank) -> String {
+    format!("dflash/round/{round}/from/{rank}")
+}
+fn closed_key(round: u64) -> String {
+    format!("dflash/round/{round}/closed")
+}
+
+#[derive(Serialize, Deserialize)]
+struct ClosedRecord {
+    members: Vec<Rank>,
+    dropped: Vec<Rank>,
+    admitted: Vec<(Rank, Rank)>,
+}
+
+/// Starts this host as a new generation (1 at its first start) and returns it.
+pub fn announce(store: &Store, rank: Rank) -> Result<u64, ExchangeError> {
+    Ok(store.add(&generation_key(rank), 1)? as u64)
+}
+
+/// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read.
+pub fn contribute(store: &Store, round: u64, rank: Rank, generation: u64, payload: &[u8]) -> Result<(), ExchangeError> {
+    let mut value = generation.to_le_bytes().to_vec();
+    value.extend_from_slice(payload);
+    Ok(store.set(&from_key(round, rank), &value)?)
+}
+
+/// Waits up to `timeout` for the decision on `round`.
+pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Closed, ExchangeError> {
+    let bytes = store.get(&closed_key(round), timeout)?;
+    let r: ClosedRecord = serde_json::from_slice(&bytes)
+        .map_err(|e| ExchangeError::Malformed { what: closed_key(round), message: e.to_string() })?;
+    Ok(Closed { round, members: r.members, dropped: r.dropped, admitted: r.admitted })
+}
+
+/// The payload member `rank` posted to `round` (after the round closed with it as a member).
+pub fn payload(store: &Store, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
+    let key = from_key(round, rank);
+    let value = store.get(&key, timeout)?;
+    if value.len() < 8 {
+        return Err(ExchangeError::Malformed { what: key, message: format!("{} bytes", value.len()) });
+    }
+    Ok(value[8..].to_vec())
+}
+
+/// The rendezvous host's side: reads announcements and contributions, decides with [`HostQuorum`], posts decisions.
+pub struct Coordinator {
+    store: Store,
+    hosts: usize,
+    quorum: HostQuorum,
+    /// The generation last seen of each host.
+    seen: Vec<u64>,
+    started: Instant,
+}
+
+impl Coordinator {
+    /// Coordinates `hosts` hosts from round `round`, the founders being those announced now (their generations).
+    pub fn new(store: Store, hosts: usize, round: u64, deadline: Duration) -> Result<Self, ExchangeError> {
+        let seen =
+            (0..hosts).map(|r| Ok(store.add(&generation_key(r), 0)? as u64)).collect::<Result<Vec<_>, StoreError>>()?;
+        let founders: Vec<(Rank, u64)> =
+            seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
+        let quorum = HostQuorum::new(round, &founders, 0.0, deadline.as_secs_f64());
+        Ok(Coordinator { store, hosts, quorum, seen, started: Instant::now() })
+    }
+
+    pub fn members(&self) -> Vec<Rank> {
+        self.quorum.members()
+    }
+
+    /// One look at the store: new generations, contributions to the open round; posts the decision when the round
+    /// closes and returns it.
+    pub fn poll(&mut self) -> Result<Option<Closed>, ExchangeError> {
+        for rank in 0..self.hosts {
+            let generation = self.store.add(&generation_key(rank), 0)? as u64;
+            if generation > self.seen[rank] {
+                self.seen[rank] = generation;
+                self.quorum.announce(rank, generation);
+            }
+        }
+        let round = self.quorum.round();
+        for rank in self.quorum.members() {
+            let key = from_key(round, rank);
+            if self.store.check(&key)? {
+                let value = self.store.get(&key, Duration::from_secs(1))?;
+                let generation = value.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+                if let Some(generation) = generation {
+                    self.quorum.arrive(round, rank, generation);
+                }
+            }
+        }
+        match self.quorum.poll(self.started.elapsed().as_secs_f64()) {
+            Decision::Wait { .. } => Ok(None),
+            Decision::Stalled { round } => Err(ExchangeError::Stalled { round }),
+            Decision::Close(closed) => {
+                let record = ClosedRecord {
+                    members: closed.members.clone(),
+                    dropped: closed.dropped.clone(),
+                    admitted: closed.admitted.clone(),
+                };
+                let bytes = serde_json::to_vec(&record).expect("plain data serialises");
+                self.store.set(&closed_key(closed.round), &bytes)?;
+                Ok(Some(closed))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    /// A host's round as a CPU collective over the store: post its numbers, wait for the decision, sum the members'
+    /// numbers in rank order.
+    fn sum_round(
+        store: &Store,
+        round: u64,
+        rank: Rank,
+        generation: u64,
+        mine: &[f32],
+    ) -> Result<(Closed, Vec<f32>), ExchangeError> {
+        let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
+        contribute(store, round, rank, generation, &bytes)?;
+        let closed = wait_closed(store, round, WAIT)?;
+        if !closed.members.contains(&rank) {
+            return Err(ExchangeError::Dropped { rank, round });
+        }
+        let mut sum = vec![0f32; mine.len()];
+        for &m in &closed.members {
+            let theirs = payload(store, round, m, WAIT)?;
+            for (s, c) in sum.iter_mut().zip(theirs.chunks_exact(4)) {
+                *s += f32::from_le_bytes(c.try_into().expect("4 bytes"));
+            }
+        }
+        Ok((closed, sum))
+    }
+
+    /// Three hosts (threads, each with its own connection) sum over the store; host 2 dies silently after round 2:
+    /// round 3 closes at its deadline without it; it restarts as generation 2, is admitted (its state from host 0)
+    /// and sums with the others again. Every host gets the same sums, bit for bit.
+    #[test]
+    fn hosts_sum_in_rounds_survive_a_silent_death_and_readmit_the_restarted_host() {
+        let server = Store::serve(0, WAIT).unwrap();
+        let port = server.port();
+        let connect = move || Store::connect("127.0.0.1", port, WAIT).unwrap();
+        for rank in 0..3 {
+            assert_eq!(announce(&server, rank).unwrap(), 1);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let coordinator = {
+            let (store, stop) = (connect(), stop.clone());
+            std::thread::spawn(move || {
+                let mut c = Coordinator::new(store, 3, 0, Duration::from_millis(400)).unwrap();
+                let mut decisions = vec![];
+                while !stop.load(Ordering::SeqCst) {
+                    if let Some(closed) = c.poll().unwrap() {
+                        decisions.push(closed);
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                decisions
+            })
+        };
+        let numbers = |rank: Rank, round: u64| [rank as f32 + 0.1, round as f32];
+        // Hosts 0 and 1 go on until host 2 is a member again after its death.
+        let survivor = |rank: Rank| {
+            let store = connect();
+            std::thread::spawn(move || {
+                let mut sums = vec![];
+                for round in 0.. {
+                    let (closed, sum) = sum_round(&store, round, rank, 1, &numbers(rank, round)).unwrap();
+                    sums.push(sum);
+                    if round > 3 && closed.members.contains(&2) {
+                        return sums;
+                    }
+                }
+                unreachable!()
+            })
+        };
+        let (a, b) = (survivor(0), survivor(1));
+        let store = connect();
+        let before: Vec<Vec<f32>> = (0..3).map(|r| sum_round(&store, r, 2, 1, &numbers(2, r)).unwrap().1).collect();
+        // Host 2 dies (posts nothing to round 3); once round 3 closed without it, it restarts as generation 2.
+        assert_eq!(wait_closed(&store, 3, WAIT).unwrap().dropped, vec![2]);
+        assert_eq!(announce(&store, 2).unwrap(), 2);
+        let mut round = 4;
+        let back_sum: Vec<f32> = loop {
+            match sum_round(&store, round, 2, 2, &numbers(2, round)) {
+                Ok((_, sum)) => break sum,
+                Err(ExchangeError::Dropped { .. }) => round += 1,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let (a_sums, b_sums) = (a.join().unwrap(), b.join().unwrap());
+        stop.store(true, Ordering::SeqCst);
+        let decisions = coordinator.join().unwrap();
+
+        assert_eq!(a_sums, b_sums, "every member gets the same sums");
+        assert_eq!(&a_sums[..3], &before[..], "host 2 too, while it was a member");
+        let all = 0.1f32 + 1.1 + 2.1;
+        assert_eq!(a_sums[0], vec![all, 0.0]);
+        assert_eq!((decisions[3].members.clone(), decisions[3].dropped.clone()), (vec![0, 1], vec![2]));
+        assert_eq!(a_sums[3], vec![0.1 + 1.1, 6.0], "round 3 without host 2");
+        let admitted = decisions.iter().find(|d| !d.admitted.is_empty()).expect("host 2 was admitted");
+        assert_eq!(admitted.admitted, vec![(2, 0)], "its state comes from host 0");
+        assert_eq!(round, admitted.round + 1, "it contributes from the round after its admission");
+        assert_eq!(a_sums.len() as u64, round + 1);
+        assert_eq!(back_sum, a_sums[round as usize], "the readmitted host sums what the others do");
+        assert_eq!(back_sum, vec![all, 3.0 * round as f32]);
+    }
+}

@@ -1,0 +1,230 @@
+//! The per-step quorum across hosts, as the rendezvous host decides it: which hosts are in the run, when a step's
+//! round closes, who is dropped and who is admitted. A pure state machine driven by events (a host announced
+//! itself, a host's contribution arrived, time passed), so every failure path has a fast test; the store protocol
+//! only carries its inputs and outputs.
+//!
+//! A round closes when every member has contributed, or at its deadline with those that did (a host that missed it
+//! is dropped: it died, or hangs, and its contribution no longer counts even if it comes later). A host that starts
+//! (again) announces itself with a new generation: an older generation of it still in the membership is dropped at
+//! once (it was killed and restarted), and the new one is admitted at the next round boundary, its state copied
+//! from a donor (the lowest-ranked member of the round just closed, whose state is then the newest).
+use std::collections::BTreeMap;
+
+/// A host's rank in the run.
+pub type Rank = usize;
+
+/// What closing a round decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Closed {
+    pub round: u64,
+    /// The hosts whose contributions make the round, in rank order (the order sums are taken in).
+    pub members: Vec<Rank>,
+    /// Members that missed the deadline: out of the run until they announce themselves again.
+    pub dropped: Vec<Rank>,
+    /// Hosts joining from the next round, each with the member that sends it its state.
+    pub admitted: Vec<(Rank, Rank)>,
+}
+
+/// What the rendezvous host does next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Wait for more contributions until the deadline (seconds on the caller's clock).
+    Wait {
+        until: f64,
+    },
+    Close(Closed),
+    /// No member contributed by the deadline and no host is starting: nothing can go on (the caller ends the run
+    /// with a checkpoint).
+    Stalled {
+        round: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct HostQuorum {
+    /// Live hosts and their generations.
+    members: BTreeMap<Rank, u64>,
+    /// Hosts announced, waiting for the next round boundary.
+    joining: BTreeMap<Rank, u64>,
+    round: u64,
+    /// Contributions to the open round, by rank (the member's generation).
+    arrived: BTreeMap<Rank, u64>,
+    /// When the open round opened, and how long it may stay open.
+    opened_at: f64,
+    deadline_s: f64,
+}
+
+impl HostQuorum {
+    /// A run whose first round is `round`, with `founders` (rank, generation) as its members, the round opening now.
+    pub fn new(round: u64, founders: &[(Rank, u64)], now: f64, deadline_s: f64) -> Self {
+        HostQuorum {
+            members: founders.iter().copied().collect(),
+            joining: BTreeMap::new(),
+            round,
+            arrived: BTreeMap::new(),
+            opened_at: now,
+            deadline_s,
+        }
+    }
+
+    pub fn round(&self) -> u64 {
+        self.round
+    }
+
+    /// The members of the open round, in rank order.
+    pub fn members(&self) -> Vec<Rank> {
+        self.members.keys().copied().collect()
+    }
+
+    /// The generation of member `rank`, if it is one.
+    pub fn generation(&self, rank: Rank) -> Option<u64> {
+        self.members.get(&rank).copied()
+    }
+
+    /// Host `rank` started as `generation` (each start counts up). An older generation still a member was killed:
+    /// it leaves the membership (and the open round) now. Stale announcements are ignored.
+    pub fn announce(&mut self, rank: Rank, generation: u64) {
+        if self.members.get(&rank).is_some_and(|&g| g >= generation)
+            || self.joining.get(&rank).is_some_and(|&g| g >= generation)
+        {
+            return;
+        }
+        self.members.remove(&rank);
+        self.arrived.remove(&rank);
+        self.joining.insert(rank, generation);
+    }
+
+    /// Host `rank` (as `generation`) contributed to round `round`. Contributions of non-members, of older
+    /// generations or to other rounds do not count.
+    pub fn arrive(&mut self, round: u64, rank: Rank, generation: u64) {
+        if round == self.round && self.members.get(&rank) == Some(&generation) {
+            self.arrived.insert(rank, generation);
+        }
+    }
+
+    /// Closes the open round if it can at time `now`, opening the next one; says how long to wait otherwise.
+    pub fn poll(&mut self, now: f64) -> Decision {
+        let until = self.opened_at + self.deadline_s;
+        let complete = !self.members.is_empty() && self.members.keys().all(|r| self.arrived.contains_key(r));
+        if !complete && now < until {
+            return Decision::Wait { until };
+        }
+        if self.arrived.is_empty() && self.joining.is_empty() {
+            return Decision::Stalled { round: self.round };
+        }
+        // With no contribution but hosts (re)starting, the lowest of them founds the run again (from the newest
+        // checkpoint) and the members that missed the round are dropped.
+        self.close(now)
+    }
+
+    fn close(&mut self, now: f64) -> Decision {
+        let members: Vec<Rank> = self.arrived.keys().copied().collect();
+        let dropped: Vec<Rank> = self.members.keys().filter(|r| !self.arrived.contains_key(r)).copied().collect();
+        let donor = members.first().copied();
+        let admitted: Vec<(Rank, Rank)> = match donor {
+            Some(d) => self.joining.keys().map(|&r| (r, d)).collect(),
+            // No member left to copy from: the lowest joiner founds, the others copy from it.
+            None => {
+                let founder = self.joining.keys().next().copied().expect("checked: somebody joins");
+                self.joining.keys().map(|&r| (r, founder)).collect()
+            }
+        };
+        let closed = Closed { round: self.round, members, dropped, admitted };
+        self.members = std::mem::take(&mut self.arrived);
+        self.members.append(&mut self.joining);
+        self.round += 1;
+        self.opened_at = now;
+        Decision::Close(closed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn closed(d: Decision) -> Closed {
+        match d {
+            Decision::Close(c) => c,
+            other => panic!("expected the round to close, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_round_closes_when_every_member_contributed_and_not_before() {
+        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1), (2, 1)], 0.0, 30.0);
+        q.arrive(0, 2, 1);
+        q.arrive(0, 0, 1);
+        assert_eq!(q.poll(1.0), Decision::Wait { until: 30.0 });
+        q.arrive(0, 1, 1);
+        let c = closed(q.poll(2.0));
+        assert_eq!((c.round, c.members, c.dropped, c.admitted), (0, vec![0, 1, 2], vec![], vec![]));
+        assert_eq!(q.round(), 1);
+        assert_eq!(q.poll(3.0), Decision::Wait { until: 32.0 }, "the next round opened when this one closed");
+    }
+
+    #[test]
+    fn a_member_that_misses_the_deadline_is_dropped_and_its_late_contribution_ignored() {
+        let mut q = HostQuorum::new(5, &[(0, 1), (1, 1)], 0.0, 30.0);
+        q.arrive(5, 0, 1);
+        assert!(matches!(q.poll(29.9), Decision::Wait { .. }));
+        let c = closed(q.poll(30.0));
+        assert_eq!((c.members, c.dropped), (vec![0], vec![1]));
+        q.arrive(5, 1, 1);
+        q.arrive(6, 1, 1);
+        assert_eq!(q.members(), vec![0]);
+        q.arrive(6, 0, 1);
+        assert_eq!(closed(q.poll(31.0)).members, vec![0], "host 1 is out until it announces itself again");
+    }
+
+    #[test]
+    fn a_killed_host_restarting_leaves_at_once_and_joins_at_the_next_boundary_from_a_donor() {
+        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1), (2, 1)], 0.0, 30.0);
+        q.arrive(0, 1, 1);
+        // Host 1 is killed -9 after contributing and restarts as generation 2 before the round closes: its old
+        // contribution leaves with it, and the round need not wait for it.
+        q.announce(1, 2);
+        q.arrive(0, 0, 1);
+        q.arrive(0, 2, 1);
+        let c = closed(q.poll(1.0));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![0, 2], vec![], vec![(1, 0)]));
+        assert_eq!(q.members(), vec![0, 1, 2]);
+        assert_eq!(q.generation(1), Some(2));
+        // An old generation's contribution or announcement changes nothing.
+        q.arrive(1, 1, 1);
+        q.announce(1, 1);
+        assert_eq!(q.generation(1), Some(2));
+        for r in [0, 1, 2] {
+            q.arrive(1, r, if r == 1 { 2 } else { 1 });
+        }
+        assert_eq!(closed(q.poll(2.0)).members, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn the_donor_is_the_lowest_member_that_contributed() {
+        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1), (2, 1)], 0.0, 10.0);
+        q.announce(3, 1);
+        q.arrive(0, 2, 1);
+        q.arrive(0, 1, 1);
+        let c = closed(q.poll(10.0));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![1, 2], vec![0], vec![(3, 1)]));
+    }
+
+    #[test]
+    fn a_round_nobody_contributes_to_stalls_unless_a_host_comes_back_to_found_it_again() {
+        let mut q = HostQuorum::new(7, &[(0, 1), (1, 1), (2, 1)], 0.0, 10.0);
+        assert_eq!(q.poll(10.0), Decision::Stalled { round: 7 });
+        // Hosts 1 and 2 were restarted, host 0 hangs: the lowest joiner founds the run again, host 0 is dropped.
+        q.announce(2, 2);
+        q.announce(1, 2);
+        let c = closed(q.poll(11.0));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![0], vec![(1, 1), (2, 1)]));
+        assert_eq!(q.members(), vec![1, 2]);
+        // Every member restarted before the deadline: no one is dropped, both found again.
+        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1)], 0.0, 10.0);
+        q.announce(0, 2);
+        q.announce(1, 2);
+        assert!(matches!(q.poll(5.0), Decision::Wait { .. }), "the founders wait for the deadline");
+        let c = closed(q.poll(10.0));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![(0, 0), (1, 0)]));
+    }
+}
