@@ -4,7 +4,6 @@
 //! dflash need.
 use std::collections::HashMap;
 use std::path::Path;
-use std::time::Duration;
 
 use dflash::cluster::launch::{ClusterSettings, resolve};
 use serde_json::Value;
@@ -19,16 +18,6 @@ fn readme_block(lang: &str, marker: &str) -> String {
         .map(|rest| rest.split("\n```").next().unwrap().to_string())
         .find(|block| block.contains(marker))
         .unwrap_or_else(|| panic!("no ```{lang} block with {marker:?} in README.md"))
-}
-
-fn unset() -> ClusterSettings {
-    ClusterSettings {
-        hosts: None,
-        rank: None,
-        master_addr: None,
-        master_port: None,
-        rendezvous_timeout: Duration::from_secs(300),
-    }
 }
 
 fn write_executable(path: &Path, body: &str) {
@@ -74,7 +63,8 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         assert!(env["ARGS"].contains("serve-train") && env["ARGS"].contains("--resume auto"), "{env:?}");
-        let placed = resolve(&unset(), |k| env.get(k).cloned()).unwrap().expect("a run of two hosts");
+        let placed =
+            resolve(&ClusterSettings::default(), |k| env.get(k).cloned()).unwrap().expect("a run of two hosts");
         assert_eq!((placed.hosts, placed.rank, placed.master_addr.as_str()), (2, node, "gpu017"));
         assert_eq!(placed.serves_store, node == 0, "the first node serves the store");
     }

@@ -32,6 +32,19 @@ pub struct ClusterSettings {
     pub rendezvous_timeout: Duration,
 }
 
+/// Nothing set: everything from the environment, the rendezvous waited for as long as `config/default.toml` says.
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        ClusterSettings {
+            hosts: None,
+            rank: None,
+            master_addr: None,
+            master_port: None,
+            rendezvous_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
 impl RawCluster {
     pub(crate) fn validate(self) -> Result<ClusterSettings, crate::config::ConfigError> {
         use crate::config::invalid;
@@ -208,13 +221,7 @@ mod tests {
     use super::*;
 
     fn unset() -> ClusterSettings {
-        ClusterSettings {
-            hosts: None,
-            rank: None,
-            master_addr: None,
-            master_port: None,
-            rendezvous_timeout: Duration::from_secs(300),
-        }
+        ClusterSettings::default()
     }
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
