@@ -224,8 +224,8 @@ fn layer_bytes(
 }
 
 /// The part (index into `devices`) of each of the first `layers` decoder layers: [`split_layers`] by the GPUs' free
-/// memory when every device is a GPU, evenly otherwise. Refused, before anything is loaded, when the weights a GPU
-/// would hold exceed what it has free.
+/// memory (the device's, plus what this process's caching allocator holds unused) when every device is a GPU,
+/// evenly otherwise. Refused, before anything is loaded, when the weights a GPU would hold exceed what it has free.
 fn spread(
     cfg: &TargetConfig,
     specs: &HashMap<String, (Vec<usize>, bool)>,
@@ -238,7 +238,12 @@ fn spread(
         true => Some(
             devices
                 .iter()
-                .map(|&d| Ok(crate::device::memory_stats(d)?.device_free.max(0) as u64))
+                .map(|&d| {
+                    // What this process's allocator holds unused (a restarted target's predecessor, freed) is free
+                    // to it too.
+                    let m = crate::device::memory_stats(d)?;
+                    Ok((m.device_free.max(0) + (m.reserved - m.allocated).max(0)) as u64)
+                })
                 .collect::<Result<Vec<u64>, ModelError>>()?,
         ),
         false => None,
