@@ -731,8 +731,7 @@ impl Target {
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
         let c = &self.cfg;
         let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
-        let devices: Vec<Device> = self.layers.iter().map(|l| l.device).collect();
-        KvCache::on_devices(&devices, 1, kv_heads, d, context_bucket(capacity), self.kind)
+        KvCache::on_devices(&self.layer_devices(), 1, kv_heads, d, context_bucket(capacity), self.kind)
     }
 
     /// Where the layers run, for logs: `cuda:0 layers 0-16, cuda:1 layers 17-33`.

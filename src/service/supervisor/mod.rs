@@ -102,7 +102,7 @@ struct TargetHandle {
     /// Threads of this generation or older are abandoned: they deliver nothing more.
     abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
-    /// Set by fault injection: the thread panics at its next capture.
+    /// Set by fault injection: the thread panics at its next capture, where it enters the part armed.
     fault: Arc<PartFault>,
 }
 
