@@ -1,18 +1,24 @@
 //! The per-step quorum across hosts carried over the c10d store: each host announces its generation and posts its
 //! contribution to each round; the rendezvous host runs [`HostQuorum`] on what it reads and posts each round's
-//! [`Closed`] decision, which every host waits for. A contribution may carry bytes (a CPU gradient in tests: the
-//! store is the CPU collective across processes); production GPU runs sum over NCCL among the round's members
-//! instead and post only the arrival.
+//! [`Closed`] decision, which every host waits for. A contribution carries bytes (the host's gradient and what it
+//! trained: the store is the collective across processes). A host admitted at a round boundary finds what to start
+//! from under its own key: the state its donor posts, or, admitted as its own donor, the order to found the run again
+//! (the coordinator then reopens at the round it founds at).
 //!
-//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `round/{r}/from/{rank}` (the
-//! contributor's generation, then its bytes) and `round/{r}/closed` (the decision, JSON).
+//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
+//! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
+//! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON), `refound/count`
+//! and `refound/{n}` (rounds the run was founded again at). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::quorum::{Closed, Decision, HostQuorum, Rank};
+use super::quorum::{Admitted, Closed, Decision, HostQuorum, Rank};
 use super::store::{Store, StoreError};
+
+/// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
+pub const KEEP_ROUNDS: u64 = 4;
 
 #[derive(Debug, Error)]
 pub enum ExchangeError {
@@ -29,18 +35,42 @@ pub enum ExchangeError {
 fn generation_key(rank: Rank) -> String {
     format!("dflash/host/{rank}/generation")
 }
+fn entry_key(rank: Rank, generation: u64) -> String {
+    format!("dflash/host/{rank}/entry/{generation}")
+}
 fn from_key(round: u64, rank: Rank) -> String {
     format!("dflash/round/{round}/from/{rank}")
 }
+fn arrived_key(round: u64, rank: Rank) -> String {
+    format!("dflash/round/{round}/arrived/{rank}")
+}
 fn closed_key(round: u64) -> String {
     format!("dflash/round/{round}/closed")
+}
+const REFOUND_COUNT: &str = "dflash/refound/count";
+fn refound_key(n: i64) -> String {
+    format!("dflash/refound/{n}")
 }
 
 #[derive(Serialize, Deserialize)]
 struct ClosedRecord {
     members: Vec<Rank>,
     dropped: Vec<Rank>,
-    admitted: Vec<(Rank, Rank)>,
+    admitted: Vec<Admitted>,
+}
+
+/// What a (re)started host starts from, once admitted.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Entry {
+    /// Found the run (again): from its own checkpoint or seed; then post the state to `serve`.
+    Found { serve: Vec<Admitted> },
+    /// A donor's state (the bytes it posted).
+    State(Vec<u8>),
+}
+
+#[derive(Serialize, Deserialize)]
+struct FoundRecord {
+    serve: Vec<Admitted>,
 }
 
 /// Starts this host as a new generation (1 at its first start) and returns it.
@@ -48,11 +78,15 @@ pub fn announce(store: &Store, rank: Rank) -> Result<u64, ExchangeError> {
     Ok(store.add(&generation_key(rank), 1)? as u64)
 }
 
+/// The generation each of `hosts` hosts announced last (0: not yet).
+pub fn generations(store: &Store, hosts: usize) -> Result<Vec<u64>, ExchangeError> {
+    Ok((0..hosts).map(|r| store.add(&generation_key(r), 0).map(|g| g as u64)).collect::<Result<_, _>>()?)
+}
+
 /// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read.
 pub fn contribute(store: &Store, round: u64, rank: Rank, generation: u64, payload: &[u8]) -> Result<(), ExchangeError> {
-    let mut value = generation.to_le_bytes().to_vec();
-    value.extend_from_slice(payload);
-    Ok(store.set(&from_key(round, rank), &value)?)
+    store.set(&from_key(round, rank), payload)?;
+    Ok(store.set(&arrived_key(round, rank), &generation.to_le_bytes())?)
 }
 
 /// Waits up to `timeout` for the decision on `round`.
@@ -65,12 +99,45 @@ pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Close
 
 /// The payload member `rank` posted to `round` (after the round closed with it as a member).
 pub fn payload(store: &Store, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
-    let key = from_key(round, rank);
-    let value = store.get(&key, timeout)?;
-    if value.len() < 8 {
-        return Err(ExchangeError::Malformed { what: key, message: format!("{} bytes", value.len()) });
+    Ok(store.get(&from_key(round, rank), timeout)?)
+}
+
+/// A donor's state for the admitted host.
+pub fn post_state(store: &Store, to: &Admitted, state: &[u8]) -> Result<(), ExchangeError> {
+    let mut value = vec![b'S'];
+    value.extend_from_slice(state);
+    Ok(store.set(&entry_key(to.rank, to.generation), &value)?)
+}
+
+/// Tells host `to` to found the run again and then serve `serve`.
+fn post_found(store: &Store, to: &Admitted, serve: Vec<Admitted>) -> Result<(), ExchangeError> {
+    let mut value = vec![b'F'];
+    value.extend(serde_json::to_vec(&FoundRecord { serve }).expect("plain data serialises"));
+    Ok(store.set(&entry_key(to.rank, to.generation), &value)?)
+}
+
+/// Waits up to `timeout` for what generation `generation` of host `rank` starts from (and deletes it).
+pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration) -> Result<Entry, ExchangeError> {
+    let key = entry_key(rank, generation);
+    let mut value = store.get(&key, timeout)?;
+    store.delete(&key)?;
+    let malformed = |message: String| ExchangeError::Malformed { what: key.clone(), message };
+    match value.first() {
+        Some(b'S') => Ok(Entry::State(value.split_off(1))),
+        Some(b'F') => {
+            let r: FoundRecord = serde_json::from_slice(&value[1..]).map_err(|e| malformed(e.to_string()))?;
+            Ok(Entry::Found { serve: r.serve })
+        }
+        _ => Err(malformed(format!("{} bytes without a known tag", value.len()))),
     }
-    Ok(value[8..].to_vec())
+}
+
+/// The run was founded again at `round`: the coordinator reopens there.
+pub fn refounded(store: &Store, round: u64) -> Result<(), ExchangeError> {
+    let n = store.add(REFOUND_COUNT, 0)? + 1;
+    store.set(&refound_key(n), &round.to_le_bytes())?;
+    store.add(REFOUND_COUNT, 1)?;
+    Ok(())
 }
 
 /// The rendezvous host's side: reads announcements and contributions, decides with [`HostQuorum`], posts decisions.
@@ -80,6 +147,8 @@ pub struct Coordinator {
     quorum: HostQuorum,
     /// The generation last seen of each host.
     seen: Vec<u64>,
+    /// Refoundings seen.
+    refounds: i64,
     started: Instant,
 }
 
@@ -91,7 +160,8 @@ impl Coordinator {
         let founders: Vec<(Rank, u64)> =
             seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
         let quorum = HostQuorum::new(round, &founders, 0.0, deadline.as_secs_f64());
-        Ok(Coordinator { store, hosts, quorum, seen, started: Instant::now() })
+        let refounds = store.add(REFOUND_COUNT, 0)?;
+        Ok(Coordinator { store, hosts, quorum, seen, refounds, started: Instant::now() })
     }
 
     pub fn members(&self) -> Vec<Rank> {
@@ -108,9 +178,23 @@ impl Coordinator {
                 self.quorum.announce(rank, generation);
             }
         }
+        let now = self.started.elapsed().as_secs_f64();
+        let refounds = self.store.add(REFOUND_COUNT, 0)?;
+        while self.refounds < refounds {
+            self.refounds += 1;
+            let bytes = self.store.get(&refound_key(self.refounds), Duration::from_secs(1))?;
+            let round = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(|| {
+                ExchangeError::Malformed { what: refound_key(self.refounds), message: format!("{} bytes", bytes.len()) }
+            })?;
+            // Rounds from there on may hold keys of the run before it was founded again.
+            for r in round..self.quorum.round() + 1 {
+                self.delete_round(r)?;
+            }
+            self.quorum.restart_at(round, now);
+        }
         let round = self.quorum.round();
         for rank in self.quorum.members() {
-            let key = from_key(round, rank);
+            let key = arrived_key(round, rank);
             if self.store.check(&key)? {
                 let value = self.store.get(&key, Duration::from_secs(1))?;
                 let generation = value.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
@@ -119,7 +203,7 @@ impl Coordinator {
                 }
             }
         }
-        match self.quorum.poll(self.started.elapsed().as_secs_f64()) {
+        match self.quorum.poll(now) {
             Decision::Wait { .. } => Ok(None),
             Decision::Stalled { round } => Err(ExchangeError::Stalled { round }),
             Decision::Close(closed) => {
@@ -130,9 +214,24 @@ impl Coordinator {
                 };
                 let bytes = serde_json::to_vec(&record).expect("plain data serialises");
                 self.store.set(&closed_key(closed.round), &bytes)?;
+                for a in closed.admitted.iter().filter(|a| a.donor == a.rank) {
+                    let serve = closed.admitted.iter().filter(|b| b.donor == a.rank && b.rank != a.rank).copied();
+                    post_found(&self.store, a, serve.collect())?;
+                }
+                if let Some(old) = closed.round.checked_sub(KEEP_ROUNDS) {
+                    self.delete_round(old)?;
+                }
                 Ok(Some(closed))
             }
         }
+    }
+
+    fn delete_round(&self, round: u64) -> Result<(), ExchangeError> {
+        for rank in 0..self.hosts {
+            self.store.delete(&from_key(round, rank))?;
+            self.store.delete(&arrived_key(round, rank))?;
+        }
+        Ok(self.store.delete(&closed_key(round))?)
     }
 }
 
@@ -237,7 +336,8 @@ mod tests {
         assert_eq!((decisions[3].members.clone(), decisions[3].dropped.clone()), (vec![0, 1], vec![2]));
         assert_eq!(a_sums[3], vec![0.1 + 1.1, 6.0], "round 3 without host 2");
         let admitted = decisions.iter().find(|d| !d.admitted.is_empty()).expect("host 2 was admitted");
-        assert_eq!(admitted.admitted, vec![(2, 0)], "its state comes from host 0");
+        let host2 = Admitted { rank: 2, generation: 2, donor: 0 };
+        assert_eq!(admitted.admitted, vec![host2], "its state comes from host 0");
         assert_eq!(round, admitted.round + 1, "it contributes from the round after its admission");
         assert_eq!(a_sums.len() as u64, round + 1);
         assert_eq!(back_sum, a_sums[round as usize], "the readmitted host sums what the others do");

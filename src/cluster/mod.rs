@@ -4,5 +4,6 @@
 //! the torchrun environment (`MASTER_ADDR`, `MASTER_PORT`, `RANK`/`NODE_RANK`, `WORLD_SIZE`/`NNODES`).
 pub mod exchange;
 pub mod launch;
+pub mod link;
 pub mod quorum;
 pub mod store;

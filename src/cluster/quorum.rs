@@ -22,7 +22,16 @@ pub struct Closed {
     /// Members that missed the deadline: out of the run until they announce themselves again.
     pub dropped: Vec<Rank>,
     /// Hosts joining from the next round, each with the member that sends it its state.
-    pub admitted: Vec<(Rank, Rank)>,
+    pub admitted: Vec<Admitted>,
+}
+
+/// A host joining at a round boundary: its rank and generation, and the member whose state it copies (itself: it
+/// founds the run again, from its own checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Admitted {
+    pub rank: Rank,
+    pub generation: u64,
+    pub donor: Rank,
 }
 
 /// What the rendezvous host does next.
@@ -102,6 +111,14 @@ impl HostQuorum {
         }
     }
 
+    /// The run was founded again at `round` (from a checkpoint, by a host admitted as its own donor): the members
+    /// stay, the open round becomes `round`, opening now.
+    pub fn restart_at(&mut self, round: u64, now: f64) {
+        self.round = round;
+        self.arrived.clear();
+        self.opened_at = now;
+    }
+
     /// Closes the open round if it can at time `now`, opening the next one; says how long to wait otherwise.
     pub fn poll(&mut self, now: f64) -> Decision {
         let until = self.opened_at + self.deadline_s;
@@ -121,13 +138,13 @@ impl HostQuorum {
         let members: Vec<Rank> = self.arrived.keys().copied().collect();
         let dropped: Vec<Rank> = self.members.keys().filter(|r| !self.arrived.contains_key(r)).copied().collect();
         let donor = members.first().copied();
-        let admitted: Vec<(Rank, Rank)> = match donor {
-            Some(d) => self.joining.keys().map(|&r| (r, d)).collect(),
-            // No member left to copy from: the lowest joiner founds, the others copy from it.
-            None => {
-                let founder = self.joining.keys().next().copied().expect("checked: somebody joins");
-                self.joining.keys().map(|&r| (r, founder)).collect()
+        // No member left to copy from: the lowest joiner founds, the others copy from it.
+        let donor = donor.or_else(|| self.joining.keys().next().copied());
+        let admitted: Vec<Admitted> = match donor {
+            Some(donor) => {
+                self.joining.iter().map(|(&rank, &generation)| Admitted { rank, generation, donor }).collect()
             }
+            None => vec![],
         };
         let closed = Closed { round: self.round, members, dropped, admitted };
         self.members = std::mem::take(&mut self.arrived);
@@ -141,6 +158,10 @@ impl HostQuorum {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn a(rank: Rank, generation: u64, donor: Rank) -> Admitted {
+        Admitted { rank, generation, donor }
+    }
 
     fn closed(d: Decision) -> Closed {
         match d {
@@ -186,7 +207,7 @@ mod tests {
         q.arrive(0, 0, 1);
         q.arrive(0, 2, 1);
         let c = closed(q.poll(1.0));
-        assert_eq!((c.members, c.dropped, c.admitted), (vec![0, 2], vec![], vec![(1, 0)]));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![0, 2], vec![], vec![a(1, 2, 0)]));
         assert_eq!(q.members(), vec![0, 1, 2]);
         assert_eq!(q.generation(1), Some(2));
         // An old generation's contribution or announcement changes nothing.
@@ -206,7 +227,7 @@ mod tests {
         q.arrive(0, 2, 1);
         q.arrive(0, 1, 1);
         let c = closed(q.poll(10.0));
-        assert_eq!((c.members, c.dropped, c.admitted), (vec![1, 2], vec![0], vec![(3, 1)]));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![1, 2], vec![0], vec![a(3, 1, 1)]));
     }
 
     #[test]
@@ -217,7 +238,7 @@ mod tests {
         q.announce(2, 2);
         q.announce(1, 2);
         let c = closed(q.poll(11.0));
-        assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![0], vec![(1, 1), (2, 1)]));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![0], vec![a(1, 2, 1), a(2, 2, 1)]));
         assert_eq!(q.members(), vec![1, 2]);
         // Every member restarted before the deadline: no one is dropped, both found again.
         let mut q = HostQuorum::new(0, &[(0, 1), (1, 1)], 0.0, 10.0);
@@ -225,6 +246,13 @@ mod tests {
         q.announce(1, 2);
         assert!(matches!(q.poll(5.0), Decision::Wait { .. }), "the founders wait for the deadline");
         let c = closed(q.poll(10.0));
-        assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![(0, 0), (1, 0)]));
+        assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![a(0, 2, 0), a(1, 2, 0)]));
+        // Host 0 founded again from its checkpoint of step 4: the members stay, round 4 is open.
+        q.restart_at(4, 10.5);
+        assert_eq!((q.round(), q.members()), (4, vec![0, 1]));
+        assert_eq!(q.poll(11.0), Decision::Wait { until: 20.5 });
+        q.arrive(4, 0, 2);
+        q.arrive(4, 1, 2);
+        assert_eq!(closed(q.poll(11.0)).members, vec![0, 1]);
     }
 }

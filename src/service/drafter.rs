@@ -189,7 +189,13 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     }
     let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady { id: a.id, generation: a.generation });
     let joined = match a.start {
-        Start::Found(_) => a.collective.found(a.id, a.generation).map(|step| (step, None)),
+        // Across hosts this enters the run: founding it, or taking a live host's state.
+        Start::Found(_) => {
+            let [master, m, v] = state_tensors(&trainer).map(Tensor::shallow_clone);
+            let own = JoinBuffers { master, exp_avg: m, exp_avg_sq: v };
+            let entered = a.collective.enter(a.id, a.generation, &own, trainer.optimizer.steps());
+            entered.map(|info| (info.step, Some(info.optimizer_steps)))
+        }
         Start::Join => a.collective.wait_joined(a.id, a.generation).map(|info| (info.step, Some(info.optimizer_steps))),
     };
     let mut step = match joined {
@@ -201,6 +207,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         }
         // The supervisor gave up on this thread (it was removed): it was asked to stop.
         Err(CollectiveError::Removed) => return Ok(()),
+        Err(e @ CollectiveError::Hosts(_)) => return Err(torch(e)),
         // A founder that finds members is a supervisor bug: fail loudly rather than train beside them.
         Err(e) => return Err(Failure::panic(format!("drafter {} could not take its place: {e}", a.id))),
     };

@@ -12,6 +12,10 @@
 //! next round. Replicas therefore stay bitwise identical. The membership and round bookkeeping is
 //! [`Rounds`](super::rounds::Rounds), shared with the supervisor's simulation.
 //!
+//! Across hosts (a [`HostLink`]): the round's local sum becomes this host's share of the run's round, and every
+//! member applies the run's sum (the same bits on every host); the first thread to found the collective enters the
+//! run, founding it or taking a live host's state; a member serves a host admitted from this one at its boundary.
+//!
 //! Summing: by device-to-device copies in the member completing the round, or (`GradientSum::Nccl`) by an NCCL
 //! all-reduce the contributors run after the round's bookkeeping completes, in a communicator (`Ring`) made for
 //! the round's membership and replaced whenever it changes. The interface is what a collective across processes
@@ -21,6 +25,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
+use crate::cluster::link::{Entering, HostLink, HostShare};
+use crate::cluster::quorum::Admitted;
 use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
 use crate::model::shared::SharedTensor;
@@ -172,6 +178,8 @@ pub enum CollectiveError {
     Occupied(Vec<MemberId>),
     #[error(transparent)]
     Device(#[from] DeviceErrorText),
+    #[error("across hosts: {0}")]
+    Hosts(String),
 }
 
 impl From<RoundsError> for CollectiveError {
@@ -204,7 +212,7 @@ pub struct JoinBuffers {
 
 impl JoinBuffers {
     /// Handles on the same storage (the donor fills them while the joiner waits for its admission).
-    fn alias(&self) -> JoinBuffers {
+    pub fn alias(&self) -> JoinBuffers {
         JoinBuffers {
             master: self.master.shallow_clone(),
             exp_avg: self.exp_avg.shallow_clone(),
@@ -230,6 +238,8 @@ struct State {
     pending: Option<(u64, StepSettings)>,
     sum: GradientSum,
     ring: Option<Arc<Ring>>,
+    /// Hosts admitted at this boundary that take their state from this host.
+    remote_joiners: Vec<Admitted>,
 }
 
 impl State {
@@ -246,6 +256,7 @@ pub struct Collective {
     state: Mutex<State>,
     changed: Condvar,
     on_round: Box<dyn Fn(RoundReport) + Send + Sync>,
+    link: Option<Arc<HostLink>>,
 }
 
 impl Collective {
@@ -266,10 +277,18 @@ impl Collective {
                 pending: None,
                 sum,
                 ring: None,
+                remote_joiners: Vec::new(),
             }),
             changed: Condvar::new(),
             on_round: Box::new(on_round),
+            link: None,
         }
+    }
+
+    /// Makes this collective one host's part of a run across hosts.
+    pub fn with_link(mut self, link: Arc<HostLink>) -> Self {
+        self.link = Some(link);
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -280,6 +299,48 @@ impl Collective {
     /// Fails when there are members already: the supervisor founds only an empty collective.
     pub fn found(&self, id: MemberId, generation: u64) -> Result<u64, CollectiveError> {
         Ok(self.lock().rounds.found(id, generation)?)
+    }
+
+    /// Founds the collective with this thread's state (`state`, `optimizer_steps` updates applied). Across hosts the
+    /// host enters the run first: founding it (its state then goes to the hosts that wait for it), or taking a live
+    /// host's state into `state` and starting at that host's step. Returns the first round and the update count.
+    pub fn enter(
+        &self,
+        id: MemberId,
+        generation: u64,
+        state: &JoinBuffers,
+        optimizer_steps: u64,
+    ) -> Result<JoinInfo, CollectiveError> {
+        let Some(link) = &self.link else {
+            return Ok(JoinInfo { step: self.found(id, generation)?, optimizer_steps });
+        };
+        let hosts = |e: crate::cluster::link::LinkError| CollectiveError::Hosts(e.to_string());
+        match link.enter().map_err(hosts)? {
+            Entering::Found => {
+                let step = self.found(id, generation)?;
+                let samples = self.lock().samples_committed;
+                let tensors = [&state.master, &state.exp_avg, &state.exp_avg_sq];
+                link.founded(step, samples, optimizer_steps, tensors).map_err(hosts)?;
+                Ok(JoinInfo { step, optimizer_steps })
+            }
+            Entering::Joined(host) => {
+                let targets = [&state.master, &state.exp_avg, &state.exp_avg_sq];
+                for (dst, src) in targets.into_iter().zip(&host.tensors) {
+                    let src =
+                        src.f_view_as(dst).map_err(|e| CollectiveError::Hosts(format!("the donor's state: {e}")))?;
+                    dst.shallow_clone().f_copy_(&src).map_err(|e| DeviceErrorText(e.to_string()))?;
+                }
+                device::synchronize(state.master.device())?;
+                let mut s = self.lock();
+                s.rounds.rewind(host.step)?;
+                s.rounds.found(id, generation)?;
+                s.samples_committed = host.samples_committed;
+                s.results.clear();
+                drop(s);
+                self.changed.notify_all();
+                Ok(JoinInfo { step: host.step, optimizer_steps: host.optimizer_steps })
+            }
+        }
     }
 
     /// Moves an empty collective to `step` after `samples_committed` samples (a run rewound to a checkpoint);
@@ -347,6 +408,29 @@ impl Collective {
                 drop(s);
                 summing();
                 let summed = sum_gradients(plan.sum, &done.contributions);
+                let (summed, run) = match (&self.link, summed) {
+                    (Some(link), Ok(Some(local))) => match across_hosts(link, step, &done, &local) {
+                        Ok((grad, run)) => (Ok(Some(grad)), Some(run)),
+                        Err(e) => (Err(e), None),
+                    },
+                    (Some(_), Ok(None)) => (
+                        Err(CollectiveError::Hosts(
+                            "several hosts sum by device copies within each host (drafters.collective)".into(),
+                        )),
+                        None,
+                    ),
+                    (_, summed) => (summed, None),
+                };
+                let mut plan = plan;
+                if let Some(run) = run {
+                    // The run's round: every host's samples count, and the joiners this host serves wait.
+                    let mut s = self.lock();
+                    let local: u64 = done.contributions.iter().map(|(.., c)| c.samples).sum();
+                    s.samples_committed += run.samples - local;
+                    plan.samples_committed = s.samples_committed;
+                    plan.total_weight = Some(run.total_weight);
+                    s.remote_joiners.extend(run.serve);
+                }
                 let (outcome, report) = finish(plan, done, summed);
                 let mut s = self.lock();
                 if s.rounds.incarnation() == incarnation {
@@ -393,9 +477,10 @@ impl Collective {
         self.wait_joined(id, generation)
     }
 
-    /// Whether anyone waits to join.
+    /// Whether anyone waits to join (a thread of this host, or a host admitted from this one).
     pub fn has_joiners(&self) -> bool {
-        self.lock().rounds.has_joiners()
+        let s = self.lock();
+        s.rounds.has_joiners() || !s.remote_joiners.is_empty()
     }
 
     /// Called by a member between its rounds: copies its state (`master`, moments, update count) into every
@@ -409,13 +494,22 @@ impl Collective {
         [master, exp_avg, exp_avg_sq]: [&Tensor; 3],
         optimizer_steps: u64,
     ) -> Result<usize, CollectiveError> {
-        let (claim, buffers) = {
+        let (claim, buffers, hosts) = {
             let mut s = self.lock();
             let claim = s.rounds.claim_joiners(id, generation)?;
             let buffers: Vec<JoinBuffers> =
                 claim.joiners.iter().filter_map(|&(m, g)| s.rounds.payload(m, g).map(JoinBuffers::alias)).collect();
-            (claim, buffers)
+            let hosts = std::mem::take(&mut s.remote_joiners);
+            (claim, buffers, (hosts, s.rounds.round(), s.samples_committed))
         };
+        if let (Some(link), (joiners, step, samples)) = (&self.link, &hosts)
+            && !joiners.is_empty()
+        {
+            // A host that does not get the state times out and enters again: this member goes on either way.
+            if let Err(e) = link.serve(joiners, *step, *samples, optimizer_steps, [master, exp_avg, exp_avg_sq]) {
+                tracing::warn!(?joiners, "handing the state to joining hosts failed: {e}");
+            }
+        }
         let copied = buffers.iter().try_for_each(|j| -> Result<(), DeviceError> {
             let mut dst = j.master.shallow_clone();
             dst.copy_(master);
@@ -448,6 +542,8 @@ struct Plan {
     next_objective: ObjectiveKnobs,
     samples_committed: u64,
     ring_error: Option<CollectiveError>,
+    /// The run's loss weight, across hosts (`None`: this host's contributions').
+    total_weight: Option<f64>,
 }
 
 /// Advances the settings, the progress and the ring for a completed round.
@@ -475,7 +571,39 @@ fn plan(s: &mut State, done: &Completed<Contribution>) -> Plan {
     let update = s.settings.hyper.update(step, s.samples_committed);
     let next_objective = s.settings_at(step + 1).objective;
     s.samples_committed += done.contributions.iter().map(|(.., c)| c.samples).sum::<u64>();
-    Plan { sum: s.sum, ring, update, next_objective, samples_committed: s.samples_committed, ring_error }
+    Plan {
+        sum: s.sum,
+        ring,
+        update,
+        next_objective,
+        samples_committed: s.samples_committed,
+        ring_error,
+        total_weight: None,
+    }
+}
+
+/// This host's summed round as its share of the run's round: the run's gradient (on the local sum's device and
+/// dtype) and the round as every host sees it.
+fn across_hosts(
+    link: &HostLink,
+    step: u64,
+    done: &Completed<Contribution>,
+    local: &Tensor,
+) -> Result<(Tensor, crate::cluster::link::RunRound), CollectiveError> {
+    let share = HostShare {
+        grad: local,
+        weight: done.contributions.iter().map(|(.., c)| c.weight).sum(),
+        samples: done.contributions.iter().map(|(.., c)| c.samples).sum(),
+        batches: done.contributions.iter().flat_map(|(.., c)| c.batches.iter().copied()).collect(),
+    };
+    let run = link.exchange(step, share).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
+    let grad = run
+        .grad
+        .f_view_as(local)
+        .and_then(|g| g.f_to(local.device()))
+        .and_then(|g| g.f_to_kind(local.kind()))
+        .map_err(|e| DeviceErrorText(e.to_string()))?;
+    Ok((grad, run))
 }
 
 /// The contributions' gradients summed in member order (device copies), or `None` when NCCL sums them.
@@ -508,7 +636,7 @@ fn finish(
     summed: Result<Option<Tensor>, CollectiveError>,
 ) -> (Result<Arc<RoundResult>, CollectiveError>, RoundReport) {
     let Completed { step, incarnation, contributions } = done;
-    let total_weight = contributions.iter().map(|(.., c)| c.weight).sum();
+    let total_weight = plan.total_weight.unwrap_or_else(|| contributions.iter().map(|(.., c)| c.weight).sum());
     let report = RoundReport {
         step,
         incarnation,

@@ -1,0 +1,407 @@
+//! A host's side of a run across hosts, as its in-process collective uses it: entering the run (founding it, or
+//! taking a live host's state), turning the host's summed round into the run's round, and handing the state to a
+//! host admitted from this one. Rank 0 also runs the coordinator (the quorum, [`Coordinator`]) on a thread of its
+//! own, from the moment it founds the run.
+//!
+//! A round's gradient crosses hosts as f32 bytes through the store and every host sums the members' gradients in
+//! rank order, so every host applies the same sum bit for bit (the store is the collective across processes; NCCL
+//! among hosts is not built yet). The state a joiner takes is the donor's master weights, AdamW moments, update count,
+//! step and samples committed.
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use thiserror::Error;
+
+use super::exchange::{self, Coordinator, Entry, ExchangeError};
+use super::launch::HostPlacement;
+use super::quorum::{Admitted, Rank};
+use super::store::{Store, StoreError};
+use crate::data::loader::BatchId;
+
+#[derive(Debug, Error)]
+pub enum LinkError {
+    #[error(transparent)]
+    Exchange(#[from] ExchangeError),
+    #[error("the rendezvous host's coordinator stopped: {0}")]
+    CoordinatorStopped(String),
+    #[error("tensor: {0}")]
+    Tensor(String),
+    #[error("malformed {what} from host {rank}: {message}")]
+    Malformed { what: &'static str, rank: Rank, message: String },
+}
+
+impl From<StoreError> for LinkError {
+    fn from(e: StoreError) -> Self {
+        LinkError::Exchange(e.into())
+    }
+}
+
+impl From<tch::TchError> for LinkError {
+    fn from(e: tch::TchError) -> Self {
+        LinkError::Tensor(e.to_string())
+    }
+}
+
+/// What a host brings to a round: its drafters' summed gradient and what they trained.
+pub struct HostShare<'a> {
+    pub grad: &'a Tensor,
+    pub weight: f64,
+    pub samples: u64,
+    pub batches: Vec<BatchId>,
+}
+
+/// What a member host trained in a round, as every host reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostRecord {
+    pub rank: Rank,
+    pub weight: f64,
+    pub samples: u64,
+    pub batches: Vec<BatchId>,
+}
+
+/// A closed round of the run.
+pub struct RunRound {
+    /// The members' gradients summed in rank order (CPU, f32).
+    pub grad: Tensor,
+    pub total_weight: f64,
+    pub samples: u64,
+    /// Each member's record, in rank order.
+    pub hosts: Vec<HostRecord>,
+    /// Hosts admitted at this boundary that take their state from this one.
+    pub serve: Vec<Admitted>,
+}
+
+/// A host's state, as a joiner takes it.
+pub struct HostState {
+    /// The first round it contributes to.
+    pub step: u64,
+    pub optimizer_steps: u64,
+    pub samples_committed: u64,
+    /// Master weights and the two AdamW moments (CPU, f32).
+    pub tensors: [Tensor; 3],
+}
+
+/// How this host enters the run.
+pub enum Entering {
+    /// It founds the run (from its own checkpoint or seed); [`HostLink::founded`] follows.
+    Found,
+    Joined(HostState),
+}
+
+#[derive(Serialize, Deserialize)]
+struct StateHeader {
+    step: u64,
+    optimizer_steps: u64,
+    samples_committed: u64,
+    elements: [usize; 3],
+}
+
+/// Framing of a payload: its JSON header's length (8 bytes, little-endian), the header, then raw f32 data.
+fn frame(header: &impl Serialize, tensors: &[&Tensor]) -> Result<Vec<u8>, LinkError> {
+    let head = serde_json::to_vec(header).map_err(|e| LinkError::Tensor(e.to_string()))?;
+    let mut out = (head.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&head);
+    for t in tensors {
+        let flat = t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_contiguous()?.f_view([-1])?;
+        let values = Vec::<f32>::try_from(&flat)?;
+        out.extend(values.iter().flat_map(|x| x.to_le_bytes()));
+    }
+    Ok(out)
+}
+
+/// The header and the f32 data after it.
+fn unframe<'a, H: for<'de> Deserialize<'de>>(
+    bytes: &'a [u8],
+    what: &'static str,
+    rank: Rank,
+) -> Result<(H, &'a [u8]), LinkError> {
+    let malformed = |message: String| LinkError::Malformed { what, rank, message };
+    let len = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+    let len = len.ok_or_else(|| malformed(format!("{} bytes", bytes.len())))? as usize;
+    let head = bytes.get(8..8 + len).ok_or_else(|| malformed(format!("a header of {len} bytes is cut off")))?;
+    let header = serde_json::from_slice(head).map_err(|e| malformed(e.to_string()))?;
+    Ok((header, &bytes[8 + len..]))
+}
+
+fn floats(data: &[u8], elements: usize, what: &'static str, rank: Rank) -> Result<Tensor, LinkError> {
+    if data.len() != 4 * elements {
+        let message = format!("{} bytes of data for {elements} floats", data.len());
+        return Err(LinkError::Malformed { what, rank, message });
+    }
+    let values: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Ok(Tensor::from_slice(&values))
+}
+
+/// The coordinator's thread (rank 0), stopped when the link is dropped.
+struct CoordinatorThread {
+    stop: Arc<AtomicBool>,
+    /// Why it stopped on its own (a stalled run, a store failure).
+    failed: Arc<Mutex<Option<String>>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Drop for CoordinatorThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// See the module documentation.
+pub struct HostLink {
+    placement: HostPlacement,
+    /// The quorum's deadline for a round.
+    deadline: Duration,
+    /// The connection this link was made with (on rank 0 it serves the store: it lives as long as the link).
+    origin: Mutex<Store>,
+    /// Spare connections, one taken per operation (operations of several threads must not share one).
+    spare: Mutex<Vec<Store>>,
+    generation: AtomicU64,
+    /// Whether this process founded the run already (rank 0 founds at its first entry, and only then).
+    founded_once: AtomicBool,
+    /// Hosts to post the state to once this one has founded.
+    to_serve: Mutex<Vec<Admitted>>,
+    coordinator: Mutex<Option<CoordinatorThread>>,
+}
+
+impl HostLink {
+    /// Serves the store (rank 0, unless the launcher's agent does) or connects to it; nothing is announced yet.
+    pub fn open(placement: &HostPlacement, deadline: Duration) -> Result<HostLink, LinkError> {
+        let store = if placement.serves_store {
+            Store::serve(placement.master_port, placement.rendezvous_timeout)?
+        } else {
+            Store::connect(&placement.master_addr, placement.master_port, placement.rendezvous_timeout)?
+        };
+        Ok(HostLink {
+            placement: placement.clone(),
+            deadline,
+            origin: Mutex::new(store),
+            spare: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
+            founded_once: AtomicBool::new(false),
+            to_serve: Mutex::new(Vec::new()),
+            coordinator: Mutex::new(None),
+        })
+    }
+
+    pub fn rank(&self) -> Rank {
+        self.placement.rank
+    }
+
+    pub fn hosts(&self) -> usize {
+        self.placement.hosts
+    }
+
+    /// The generation this host entered the run as (0: not yet).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// How long a host waits for a round's decision or its entry: past the quorum's deadline, by the time a donor
+    /// needs to finish its step.
+    fn wait(&self) -> Duration {
+        2 * self.deadline + Duration::from_secs(10)
+    }
+
+    /// Runs `f` with a connection of its own.
+    fn with_store<T>(&self, f: impl FnOnce(&Store) -> Result<T, LinkError>) -> Result<T, LinkError> {
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let store = match spare {
+            Some(s) => s,
+            None => self.origin.lock().unwrap_or_else(|p| p.into_inner()).try_clone()?,
+        };
+        let out = f(&store);
+        // A connection that failed may be broken: it is not reused.
+        if out.is_ok() {
+            self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(store);
+        }
+        out
+    }
+
+    fn check_coordinator(&self) -> Result<(), LinkError> {
+        let guard = self.coordinator.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref().and_then(|c| c.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()) {
+            Some(why) => Err(LinkError::CoordinatorStopped(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// Enters the run as a new generation: rank 0 founds it the first time; every other entry waits to be admitted
+    /// and takes a live host's state (or is told to found the run again, when no host has one).
+    pub fn enter(&self) -> Result<Entering, LinkError> {
+        let rank = self.rank();
+        let generation = self.with_store(|s| Ok(exchange::announce(s, rank)?))?;
+        self.generation.store(generation, Ordering::SeqCst);
+        if rank == 0 && !self.founded_once.load(Ordering::SeqCst) {
+            return Ok(Entering::Found);
+        }
+        let wait = self.wait() + self.placement.rendezvous_timeout;
+        match self.with_store(|s| Ok(exchange::wait_entry(s, rank, generation, wait)?))? {
+            Entry::Found { serve } => {
+                *self.to_serve.lock().unwrap_or_else(|p| p.into_inner()) = serve;
+                Ok(Entering::Found)
+            }
+            Entry::State(bytes) => {
+                let (h, data): (StateHeader, &[u8]) = unframe(&bytes, "state", rank)?;
+                let [a, b, c] = h.elements;
+                if data.len() != 4 * (a + b + c) {
+                    let message = format!("{} bytes for {} floats", data.len(), a + b + c);
+                    return Err(LinkError::Malformed { what: "state", rank, message });
+                }
+                let tensors = [
+                    floats(&data[..4 * a], a, "state", rank)?,
+                    floats(&data[4 * a..4 * (a + b)], b, "state", rank)?,
+                    floats(&data[4 * (a + b)..], c, "state", rank)?,
+                ];
+                Ok(Entering::Joined(HostState {
+                    step: h.step,
+                    optimizer_steps: h.optimizer_steps,
+                    samples_committed: h.samples_committed,
+                    tensors,
+                }))
+            }
+        }
+    }
+
+    /// This host founded the run at round `step` with `state` (master, moments): rank 0, the first time, waits for
+    /// the other hosts to announce themselves (up to the rendezvous timeout), starts the coordinator with those
+    /// present as founders and hands them its state; a host founding again tells the coordinator where the run
+    /// restarts and hands its state to the hosts admitted with it.
+    pub fn founded(
+        &self,
+        step: u64,
+        samples_committed: u64,
+        optimizer_steps: u64,
+        state: [&Tensor; 3],
+    ) -> Result<(), LinkError> {
+        let serve = if self.rank() == 0 && !self.founded_once.swap(true, Ordering::SeqCst) {
+            let founders = self.rendezvous()?;
+            self.start_coordinator(step)?;
+            founders
+        } else {
+            self.with_store(|s| Ok(exchange::refounded(s, step)?))?;
+            std::mem::take(&mut *self.to_serve.lock().unwrap_or_else(|p| p.into_inner()))
+        };
+        self.serve(&serve, step, samples_committed, optimizer_steps, state)
+    }
+
+    /// Waits until every host announced itself or the rendezvous timeout passed; returns the others present.
+    fn rendezvous(&self) -> Result<Vec<Admitted>, LinkError> {
+        let hosts = self.hosts();
+        let started = std::time::Instant::now();
+        loop {
+            let generations = self.with_store(|s| Ok(exchange::generations(s, hosts)?))?;
+            let all = generations.iter().all(|&g| g > 0);
+            if all || started.elapsed() >= self.placement.rendezvous_timeout {
+                if !all {
+                    let missing: Vec<usize> = (0..hosts).filter(|&r| generations[r] == 0).collect();
+                    tracing::warn!(?missing, "hosts missing at the rendezvous: the run starts without them");
+                }
+                let present = generations.iter().enumerate().skip(1).filter(|&(_, &g)| g > 0);
+                return Ok(present.map(|(rank, &generation)| Admitted { rank, generation, donor: 0 }).collect());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn start_coordinator(&self, step: u64) -> Result<(), LinkError> {
+        let store = self.origin.lock().unwrap_or_else(|p| p.into_inner()).try_clone()?;
+        let mut coordinator = Coordinator::new(store, self.hosts(), step, self.deadline)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(Mutex::new(None));
+        let (stop2, failed2) = (stop.clone(), failed.clone());
+        let handle = std::thread::Builder::new()
+            .name("coordinator".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::SeqCst) {
+                    match coordinator.poll() {
+                        Ok(Some(closed)) if !closed.dropped.is_empty() || !closed.admitted.is_empty() => {
+                            tracing::info!(round = closed.round, members = ?closed.members, dropped = ?closed.dropped,
+                                admitted = ?closed.admitted, "hosts changed");
+                        }
+                        Ok(_) => std::thread::sleep(Duration::from_millis(2)),
+                        Err(e) => {
+                            tracing::error!("the coordinator stops: {e}");
+                            *failed2.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| LinkError::CoordinatorStopped(e.to_string()))?;
+        *self.coordinator.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(CoordinatorThread { stop, failed, handle: Some(handle) });
+        Ok(())
+    }
+
+    /// Posts this host's state (at the boundary of round `step`) to each admitted host.
+    pub fn serve(
+        &self,
+        joiners: &[Admitted],
+        step: u64,
+        samples_committed: u64,
+        optimizer_steps: u64,
+        state: [&Tensor; 3],
+    ) -> Result<(), LinkError> {
+        if joiners.is_empty() {
+            return Ok(());
+        }
+        let elements = state.map(|t| t.numel());
+        let header = StateHeader { step, optimizer_steps, samples_committed, elements };
+        let bytes = frame(&header, &state)?;
+        self.with_store(|s| {
+            for j in joiners {
+                exchange::post_state(s, j, &bytes)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Contributes this host's share to round `round` and waits for the run's round: the members' gradients summed
+    /// in rank order. A host the round closed without is told so (`Dropped`): it must enter again.
+    pub fn exchange(&self, round: u64, share: HostShare<'_>) -> Result<RunRound, LinkError> {
+        self.check_coordinator()?;
+        let (rank, generation) = (self.rank(), self.generation());
+        let record = HostRecord { rank, weight: share.weight, samples: share.samples, batches: share.batches };
+        let bytes = frame(&record, &[share.grad])?;
+        let wait = self.wait();
+        self.with_store(|s| {
+            exchange::contribute(s, round, rank, generation, &bytes)?;
+            let closed = exchange::wait_closed(s, round, wait)?;
+            if !closed.members.contains(&rank) {
+                return Err(ExchangeError::Dropped { rank, round }.into());
+            }
+            let elements = share.grad.numel();
+            let mut sum: Option<Tensor> = None;
+            let mut hosts = Vec::new();
+            for &m in &closed.members {
+                let theirs = exchange::payload(s, round, m, wait)?;
+                let (record, data): (HostRecord, &[u8]) = unframe(&theirs, "contribution", m)?;
+                let grad = floats(data, elements, "contribution", m)?;
+                sum = Some(match sum {
+                    None => grad,
+                    Some(mut acc) => {
+                        let _ = acc.f_add_(&grad)?;
+                        acc
+                    }
+                });
+                hosts.push(record);
+            }
+            let grad = sum.ok_or(ExchangeError::Dropped { rank, round })?;
+            let serve = closed.admitted.iter().filter(|a| a.donor == rank && a.rank != rank).copied().collect();
+            Ok(RunRound {
+                grad,
+                total_weight: hosts.iter().map(|h| h.weight).sum(),
+                samples: hosts.iter().map(|h| h.samples).sum(),
+                hosts,
+                serve,
+            })
+        })
+    }
+}

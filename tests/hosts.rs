@@ -1,0 +1,218 @@
+//! Several hosts through their public interfaces: each host is a `Collective` linked to the others by a `HostLink`
+//! over one c10d store on loopback (threads stand in for the drafters; a host "killed" stops without a word and
+//! drops its link). What must hold: the hosts found the run with rank 0's state, every host applies the same sum
+//! bit for bit, a killed host leaves the quorum and the others go on, the restarted host takes a live host's state
+//! and contributes again, and samples count across hosts.
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dflash::cluster::launch::HostPlacement;
+use dflash::cluster::link::HostLink;
+use dflash::cluster::store::Store;
+use dflash::data::loader::BatchId;
+use dflash::train::collective::{
+    Collective, CollectiveError, Contribution, GradientSum, Hyper, JoinBuffers, ObjectiveKnobs, Progress, RoundReport,
+    StepSettings,
+};
+use dflash::train::objective::Metrics;
+use dflash::train::optim::{LrSchedule, ScheduleKind};
+use tch::Tensor;
+
+const LAST_STEP: u64 = 12;
+
+fn settings() -> StepSettings {
+    let hyper = Hyper {
+        schedule: LrSchedule {
+            kind: ScheduleKind::Constant,
+            lr: 0.1,
+            warmup_steps: 0,
+            total_steps: 1,
+            min_lr_ratio: 0.0,
+        },
+        progress: Progress::Steps,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        grad_clip: None,
+    };
+    StepSettings { hyper, objective: ObjectiveKnobs { num_anchors: 4, gamma: None } }
+}
+
+/// What each host saw: its members' state after each step, its round reports.
+#[derive(Default)]
+struct Log {
+    /// `(rank, member, step)` -> the master weights after applying round `step - 1`.
+    states: BTreeMap<(usize, usize, u64), Vec<f32>>,
+    /// The state each host's founding member started from, `(rank, generation)`.
+    entered: BTreeMap<(usize, u64), (u64, Vec<f32>)>,
+    reports: Vec<(usize, RoundReport)>,
+}
+
+struct Host {
+    rank: usize,
+    generation: u64,
+    collective: Arc<Collective>,
+}
+
+fn host(rank: usize, port: u16, log: &Arc<Mutex<Log>>) -> Host {
+    let placement = HostPlacement {
+        hosts: 3,
+        rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        // The test serves the store itself, as torchrun's agent does.
+        serves_store: false,
+        rendezvous_timeout: Duration::from_secs(20),
+    };
+    let link = Arc::new(HostLink::open(&placement, Duration::from_millis(800)).unwrap());
+    let log = log.clone();
+    let collective = Collective::new(0, 0, settings(), GradientSum::DeviceCopies, move |r| {
+        log.lock().unwrap().reports.push((rank, r));
+    });
+    Host { rank, generation: 0, collective: Arc::new(collective.with_link(link)) }
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(t).unwrap()
+}
+
+/// One drafter thread: enters the run (the host's first member) or joins its host's collective (asked before the
+/// thread starts, so that the first member serves it before its first round), then trains until `LAST_STEP`, or
+/// until `die_before` (it stops without contributing, as a killed process does).
+fn member(
+    h: &Host,
+    id: usize,
+    first: bool,
+    die_before: Option<u64>,
+    log: &Arc<Mutex<Log>>,
+) -> std::thread::JoinHandle<()> {
+    let (rank, collective, log) = (h.rank, h.collective.clone(), log.clone());
+    let generation = h.generation;
+    // Each host starts from its own weights: the run's must replace them.
+    let master = Tensor::from_slice(&[rank as f32 + 1.0, 0.5, -0.25, 2.0]);
+    let (m, v) = (Tensor::zeros_like(&master), Tensor::zeros_like(&master));
+    let buffers =
+        JoinBuffers { master: master.shallow_clone(), exp_avg: m.shallow_clone(), exp_avg_sq: v.shallow_clone() };
+    if !first {
+        collective.request_join(id, 1, buffers.alias()).unwrap();
+    }
+    std::thread::spawn(move || {
+        let mut step = if first {
+            let info = collective.enter(id, 1, &buffers, 0).unwrap();
+            log.lock().unwrap().entered.insert((rank, generation), (info.step, values(&master)));
+            info.step
+        } else {
+            collective.wait_joined(id, 1).unwrap().step
+        };
+        while step < LAST_STEP && die_before != Some(step) {
+            if collective.has_joiners() {
+                collective.serve_joiners(id, 1, [&master, &m, &v], step).unwrap();
+            }
+            // A gradient that depends on the state, the host and the step.
+            let grad = &master * 0.5 + (rank as f64 + step as f64 * 0.1);
+            let c = Contribution {
+                grad: grad.shallow_clone(),
+                weight: 1.0,
+                samples: 2,
+                batches: vec![BatchId { epoch: 0, ordinal: step * 10 + rank as u64 }],
+                metrics: Metrics::default(),
+            };
+            let result = match collective.contribute(id, 1, step, c, || {}) {
+                Ok(r) => r,
+                Err(CollectiveError::Removed) => return,
+                Err(e) => panic!("host {rank} member {id} step {step}: {e}"),
+            };
+            let sum = result.grad.as_ref().unwrap().to_copy().unwrap();
+            let update = &sum * (result.update.adamw.lr / result.total_weight);
+            let (mut w, mut mm, mut vv) = (master.shallow_clone(), m.shallow_clone(), v.shallow_clone());
+            let _ = w.f_sub_(&update).unwrap();
+            let _ = mm.f_mul_scalar_(0.9).unwrap().f_add_(&sum).unwrap();
+            let _ = vv.f_add_(&(&sum * &sum)).unwrap();
+            step = result.step + 1;
+            log.lock().unwrap().states.insert((rank, id, step), values(&master));
+        }
+    })
+}
+
+/// Host 2 restarts at once: its new generation's announcement takes the old one out of round 4 without waiting
+/// for the deadline.
+#[test]
+fn hosts_found_from_rank_0_sum_identically_and_a_killed_host_rejoins_from_a_live_one() {
+    let back_at = three_hosts_one_killed(None);
+    assert_eq!(back_at, 5, "admitted when round 4 closed");
+}
+
+/// Host 2 stays down until host 0 is past step 7: round 4 closes at its deadline without it, the others go on,
+/// and it is admitted later.
+#[test]
+fn the_others_go_on_past_a_silent_death_and_the_host_rejoins_later() {
+    let back_at = three_hosts_one_killed(Some(7));
+    assert!(back_at > 7, "host 2 came back at step {back_at}");
+}
+
+/// Three hosts; host 2 is killed before step 4 and restarts once host 0 reached `restart_after` (at once: `None`).
+/// Returns the step the restarted host came back at.
+fn three_hosts_one_killed(restart_after: Option<u64>) -> u64 {
+    let server = Store::serve(0, Duration::from_secs(20)).unwrap();
+    let port = server.port();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let mut hosts: Vec<Host> = (0..3).map(|r| host(r, port, &log)).collect();
+    for h in &mut hosts {
+        h.generation = 1;
+    }
+    // Host 1 runs two drafters (a local sum under the run's sum); host 2 dies before step 4.
+    let mut threads = vec![
+        member(&hosts[0], 0, true, None, &log),
+        member(&hosts[1], 0, true, None, &log),
+        member(&hosts[1], 1, false, None, &log),
+    ];
+    let doomed = member(&hosts[2], 0, true, Some(4), &log);
+    doomed.join().unwrap();
+    // Killed: its link goes with it. It restarts as a new process would.
+    hosts.pop();
+    if let Some(after) = restart_after {
+        while !log.lock().unwrap().states.contains_key(&(0, 0, after)) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let mut again = host(2, port, &log);
+    again.generation = 2;
+    threads.push(member(&again, 0, true, None, &log));
+    for t in threads {
+        t.join().unwrap();
+    }
+    let log = log.lock().unwrap();
+
+    // Founding: hosts 1 and 2 started from rank 0's weights at step 0.
+    let founding = log.entered[&(0, 1)].clone();
+    assert_eq!(founding, (0, vec![1.0, 0.5, -0.25, 2.0]));
+    assert_eq!(log.entered[&(1, 1)], founding);
+    assert_eq!(log.entered[&(2, 1)], founding);
+    // The restarted host took a live host's state at a later boundary, the state the others had there.
+    let (back_at, back_state) = log.entered[&(2, 2)].clone();
+    assert!((5..LAST_STEP).contains(&back_at), "host 2 came back at step {back_at}");
+    assert_eq!(back_state, log.states[&(0, 0, back_at)]);
+
+    // Every member of every host holds the same weights after every step, bit for bit.
+    for step in 1..=LAST_STEP {
+        let at: Vec<_> = log.states.iter().filter(|((.., s), _)| *s == step).collect();
+        let reference = at[0].1;
+        assert!(at.iter().all(|(_, s)| *s == reference), "step {step}: {at:?}");
+        let expected = if step <= 4 || step > back_at { 4 } else { 3 };
+        assert_eq!(at.len(), expected, "members that applied step {step}: {at:?}");
+    }
+
+    // Samples count across hosts: 4 contributions of 2 with host 2, 3 without; host 1's report of round 4 (the one
+    // host 2 missed) knows the run's count.
+    let committed = |rank: usize, step: u64| {
+        log.reports.iter().find(|(r, rep)| *r == rank && rep.step == step).map(|(_, rep)| rep.samples_committed)
+    };
+    assert_eq!(committed(1, 0), Some(8));
+    assert_eq!(committed(1, 3), Some(32));
+    assert_eq!(committed(1, 4), Some(38));
+    assert_eq!(committed(0, LAST_STEP - 1), committed(2, LAST_STEP - 1));
+    drop(server);
+    back_at
+}
