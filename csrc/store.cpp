@@ -72,6 +72,14 @@ int dflash_store_clone(void* store, void** out, char* err, size_t len) {
   });
 }
 
+// The deadline of later operations without their own, and of connecting a clone.
+int dflash_store_set_timeout(void* store, int64_t timeout_ms, char* err, size_t len) {
+  return guard_store(err, len, [&] {
+    (*static_cast<StorePtr*>(store))->setTimeout(std::chrono::milliseconds(timeout_ms));
+    return 0;
+  });
+}
+
 void dflash_store_close(void* store) { delete static_cast<StorePtr*>(store); }
 
 void dflash_store_free_bytes(uint8_t* data) { std::free(data); }

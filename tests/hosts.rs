@@ -118,8 +118,9 @@ fn member(
                 samples: 2,
                 batches: vec![BatchId { epoch: 0, ordinal: step * 10 + rank as u64 }],
                 metrics: Metrics::default(),
+                digest: None,
             };
-            let result = match collective.contribute(id, 1, step, c, || {}) {
+            let result = match collective.contribute(id, 1, step, c, |_| {}) {
                 Ok(r) => r,
                 Err(CollectiveError::Removed) => return,
                 Err(e) => panic!("host {rank} member {id} step {step}: {e}"),

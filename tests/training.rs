@@ -310,8 +310,9 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
                         samples: 2,
                         batches: vec![],
                         metrics: m,
+                        digest: None,
                     };
-                    let r = c.contribute(id, 1, step, contribution, || {}).unwrap();
+                    let r = c.contribute(id, 1, step, contribution, |_| {}).unwrap();
                     let sum = r.grad.as_ref().expect("device copies give the sum");
                     sum.copy_into(&mut own.shallow_clone()).unwrap();
                     tr.apply(r.total_weight, &r.update).unwrap();

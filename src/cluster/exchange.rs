@@ -8,7 +8,8 @@
 //! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
 //! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON), `refound/count`
-//! and `refound/{n}` (rounds the run was founded again at). Rounds older than [`KEEP_ROUNDS`] are deleted.
+//! and `refound/{n}` (rounds the run was founded again at), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host
+//! at a step) and `finished` (rank 0's exit status at the end of the run). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -47,6 +48,11 @@ fn arrived_key(round: u64, rank: Rank) -> String {
 fn closed_key(round: u64) -> String {
     format!("dflash/round/{round}/closed")
 }
+fn feed_key(rank: Rank, generation: u64, step: u64) -> String {
+    format!("dflash/feed/{rank}/{generation}/{step}")
+}
+const FINISHED: &str = "dflash/finished";
+const FINISHED_ACKS: &str = "dflash/finished/acks";
 const REFOUND_COUNT: &str = "dflash/refound/count";
 fn refound_key(n: i64) -> String {
     format!("dflash/refound/{n}")
@@ -57,6 +63,7 @@ struct ClosedRecord {
     members: Vec<Rank>,
     dropped: Vec<Rank>,
     admitted: Vec<Admitted>,
+    next: Vec<(Rank, u64)>,
 }
 
 /// What a (re)started host starts from, once admitted.
@@ -94,7 +101,7 @@ pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Close
     let bytes = store.get(&closed_key(round), timeout)?;
     let r: ClosedRecord = serde_json::from_slice(&bytes)
         .map_err(|e| ExchangeError::Malformed { what: closed_key(round), message: e.to_string() })?;
-    Ok(Closed { round, members: r.members, dropped: r.dropped, admitted: r.admitted })
+    Ok(Closed { round, members: r.members, dropped: r.dropped, admitted: r.admitted, next: r.next })
 }
 
 /// The payload member `rank` posted to `round` (after the round closed with it as a member).
@@ -130,6 +137,52 @@ pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration)
         }
         _ => Err(malformed(format!("{} bytes without a known tag", value.len()))),
     }
+}
+
+/// What host `rank` (as `generation`) trains at `step`, as rank 0 assigns it.
+pub fn post_feed(store: &Store, rank: Rank, generation: u64, step: u64, items: &[u8]) -> Result<(), ExchangeError> {
+    Ok(store.set(&feed_key(rank, generation, step), items)?)
+}
+
+/// Waits up to `timeout` for this host's items of `step` and takes them (the key is deleted).
+pub fn take_feed(
+    store: &Store,
+    rank: Rank,
+    generation: u64,
+    step: u64,
+    timeout: Duration,
+) -> Result<Vec<u8>, ExchangeError> {
+    let key = feed_key(rank, generation, step);
+    let items = store.get(&key, timeout)?;
+    store.delete(&key)?;
+    Ok(items)
+}
+
+/// Rank 0 ended the run with exit status `code`.
+pub fn post_finished(store: &Store, code: i32) -> Result<(), ExchangeError> {
+    Ok(store.set(FINISHED, &code.to_le_bytes())?)
+}
+
+/// The run's exit status, once rank 0 ended it.
+pub fn finished(store: &Store) -> Result<Option<i32>, ExchangeError> {
+    if !store.check(FINISHED)? {
+        return Ok(None);
+    }
+    let bytes = store.get(FINISHED, Duration::from_secs(1))?;
+    let code = bytes.get(..4).and_then(|b| b.try_into().ok()).map(i32::from_le_bytes);
+    code.map(Some)
+        .ok_or_else(|| ExchangeError::Malformed { what: FINISHED.into(), message: format!("{} bytes", bytes.len()) })
+}
+
+/// Another host saw the run's end.
+pub fn acknowledge_finished(store: &Store) -> Result<(), ExchangeError> {
+    store.add(FINISHED_ACKS, 1)?;
+    Ok(())
+}
+
+/// How many hosts saw the run's end.
+pub fn finished_acks(store: &Store) -> Result<usize, ExchangeError> {
+    Ok(store.add(FINISHED_ACKS, 0)?.max(0) as usize)
 }
 
 /// The run was founded again at `round`: the coordinator reopens there.
@@ -211,6 +264,7 @@ impl Coordinator {
                     members: closed.members.clone(),
                     dropped: closed.dropped.clone(),
                     admitted: closed.admitted.clone(),
+                    next: closed.next.clone(),
                 };
                 let bytes = serde_json::to_vec(&record).expect("plain data serialises");
                 self.store.set(&closed_key(closed.round), &bytes)?;

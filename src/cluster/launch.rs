@@ -19,6 +19,7 @@ pub(crate) struct RawCluster {
     master_addr: String,
     master_port: i64,
     rendezvous_timeout_s: f64,
+    round_timeout_s: f64,
 }
 
 /// The `[cluster]` keys that were set; the rest come from the environment ([`resolve`]).
@@ -30,6 +31,8 @@ pub struct ClusterSettings {
     pub master_port: Option<u16>,
     /// How long a host waits for the rendezvous host's store (and the others) at start.
     pub rendezvous_timeout: Duration,
+    /// How long a round waits for a host's contribution before it closes without that host.
+    pub round_timeout: Duration,
 }
 
 /// Nothing set: everything from the environment, the rendezvous waited for as long as `config/default.toml` says.
@@ -41,6 +44,7 @@ impl Default for ClusterSettings {
             master_addr: None,
             master_port: None,
             rendezvous_timeout: Duration::from_secs(300),
+            round_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -65,12 +69,16 @@ impl RawCluster {
         if !(self.rendezvous_timeout_s > 0.0 && self.rendezvous_timeout_s.is_finite()) {
             return Err(invalid("cluster.rendezvous_timeout_s", self.rendezvous_timeout_s, "seconds > 0"));
         }
+        if !(self.round_timeout_s > 0.0 && self.round_timeout_s.is_finite()) {
+            return Err(invalid("cluster.round_timeout_s", self.round_timeout_s, "seconds > 0"));
+        }
         Ok(ClusterSettings {
             hosts,
             rank,
             master_addr: Some(self.master_addr).filter(|a| !a.is_empty()),
             master_port,
             rendezvous_timeout: Duration::from_secs_f64(self.rendezvous_timeout_s),
+            round_timeout: Duration::from_secs_f64(self.round_timeout_s),
         })
     }
 }

@@ -21,6 +21,7 @@ use super::launch::HostPlacement;
 use super::quorum::{Admitted, Rank};
 use super::store::{Store, StoreError};
 use crate::data::loader::BatchId;
+use crate::train::objective::Metrics;
 
 #[derive(Debug, Error)]
 pub enum LinkError {
@@ -32,6 +33,11 @@ pub enum LinkError {
     Tensor(String),
     #[error("malformed {what} from host {rank}: {message}")]
     Malformed { what: &'static str, rank: Rank, message: String },
+    #[error(
+        "this host's training data ({mine}) is not rank 0's ({theirs}): every host must read the same prepared data \
+         (data.* keys and files), since rank 0 assigns batches by position"
+    )]
+    DataDiffers { mine: String, theirs: String },
 }
 
 impl From<StoreError> for LinkError {
@@ -46,21 +52,39 @@ impl From<tch::TchError> for LinkError {
     }
 }
 
-/// What a host brings to a round: its drafters' summed gradient and what they trained.
+/// What a host brings to a round: its drafters' summed gradient and what each of them trained.
 pub struct HostShare<'a> {
     pub grad: &'a Tensor,
     pub weight: f64,
-    pub samples: u64,
+    pub contributions: Vec<DrafterPart>,
+}
+
+/// What one drafter of a host trained in a round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrafterPart {
+    /// The drafter's id on its host.
+    pub drafter: usize,
     pub batches: Vec<BatchId>,
+    pub samples: u64,
+    pub metrics: Metrics,
+    /// Checksums of its state at the round's start, on steps where replicas are compared.
+    pub digest: Option<[i64; 3]>,
 }
 
 /// What a member host trained in a round, as every host reads it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HostRecord {
     pub rank: Rank,
+    /// The generation it contributed as.
+    pub generation: u64,
     pub weight: f64,
-    pub samples: u64,
-    pub batches: Vec<BatchId>,
+    pub contributions: Vec<DrafterPart>,
+}
+
+impl HostRecord {
+    pub fn samples(&self) -> u64 {
+        self.contributions.iter().map(|c| c.samples).sum()
+    }
 }
 
 /// A closed round of the run.
@@ -73,6 +97,8 @@ pub struct RunRound {
     pub hosts: Vec<HostRecord>,
     /// Hosts admitted at this boundary that take their state from this one.
     pub serve: Vec<Admitted>,
+    /// The next round's members with their generations.
+    pub next: Vec<(Rank, u64)>,
 }
 
 /// A host's state, as a joiner takes it.
@@ -83,6 +109,14 @@ pub struct HostState {
     pub samples_committed: u64,
     /// Master weights and the two AdamW moments (CPU, f32).
     pub tensors: [Tensor; 3],
+}
+
+/// A member host of the run: its generation and the first round it takes part in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostMember {
+    pub rank: Rank,
+    pub generation: u64,
+    pub from: u64,
 }
 
 /// How this host enters the run.
@@ -136,6 +170,10 @@ fn floats(data: &[u8], elements: usize, what: &'static str, rank: Rank) -> Resul
     Ok(Tensor::from_slice(&values))
 }
 
+/// The deadline of a store operation without one of its own, and of opening another connection once connected: a
+/// rendezvous host that does not answer within it is gone.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The coordinator's thread (rank 0), stopped when the link is dropped.
 struct CoordinatorThread {
     stop: Arc<AtomicBool>,
@@ -168,16 +206,21 @@ pub struct HostLink {
     /// Hosts to post the state to once this one has founded.
     to_serve: Mutex<Vec<Admitted>>,
     coordinator: Mutex<Option<CoordinatorThread>>,
+    /// The run's member hosts as this host last learnt them (at founding, then from each round it took part in).
+    members: Mutex<Vec<HostMember>>,
+    /// The generation this host entered the run as, and the first round it takes part in.
+    entered: Mutex<Option<(u64, u64)>>,
 }
 
 impl HostLink {
     /// Serves the store (rank 0, unless the launcher's agent does) or connects to it; nothing is announced yet.
     pub fn open(placement: &HostPlacement, deadline: Duration) -> Result<HostLink, LinkError> {
-        let store = if placement.serves_store {
+        let mut store = if placement.serves_store {
             Store::serve(placement.master_port, placement.rendezvous_timeout)?
         } else {
             Store::connect(&placement.master_addr, placement.master_port, placement.rendezvous_timeout)?
         };
+        store.set_timeout(OPERATION_TIMEOUT)?;
         Ok(HostLink {
             placement: placement.clone(),
             deadline,
@@ -187,6 +230,8 @@ impl HostLink {
             founded_once: AtomicBool::new(false),
             to_serve: Mutex::new(Vec::new()),
             coordinator: Mutex::new(None),
+            members: Mutex::new(Vec::new()),
+            entered: Mutex::new(None),
         })
     }
 
@@ -201,6 +246,16 @@ impl HostLink {
     /// The generation this host entered the run as (0: not yet).
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
+    }
+
+    /// The generation this host entered the run as and the first round it takes part in, once it has.
+    pub fn entered(&self) -> Option<(u64, u64)> {
+        *self.entered.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The run's member hosts, as this host last learnt them.
+    pub fn members(&self) -> Vec<HostMember> {
+        self.members.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// How long a host waits for a round's decision or its entry: past the quorum's deadline, by the time a donor
@@ -232,6 +287,21 @@ impl HostLink {
         }
     }
 
+    /// Checks that this host reads the same training data as rank 0 (`fingerprint`: what identifies it), which
+    /// posts its own; waits up to the rendezvous timeout for it.
+    pub fn agree_on_data(&self, fingerprint: &str) -> Result<(), LinkError> {
+        const KEY: &str = "dflash/data";
+        if self.rank() == 0 {
+            return self.with_store(|s| Ok(s.set(KEY, fingerprint.as_bytes())?));
+        }
+        let theirs = self.with_store(|s| Ok(s.get(KEY, self.placement.rendezvous_timeout)?))?;
+        let theirs = String::from_utf8_lossy(&theirs).into_owned();
+        if theirs != fingerprint {
+            return Err(LinkError::DataDiffers { mine: fingerprint.into(), theirs });
+        }
+        Ok(())
+    }
+
     /// Enters the run as a new generation: rank 0 founds it the first time; every other entry waits to be admitted
     /// and takes a live host's state (or is told to found the run again, when no host has one).
     pub fn enter(&self) -> Result<Entering, LinkError> {
@@ -259,6 +329,7 @@ impl HostLink {
                     floats(&data[4 * a..4 * (a + b)], b, "state", rank)?,
                     floats(&data[4 * (a + b)..], c, "state", rank)?,
                 ];
+                *self.entered.lock().unwrap_or_else(|p| p.into_inner()) = Some((generation, h.step));
                 Ok(Entering::Joined(HostState {
                     step: h.step,
                     optimizer_steps: h.optimizer_steps,
@@ -280,9 +351,13 @@ impl HostLink {
         optimizer_steps: u64,
         state: [&Tensor; 3],
     ) -> Result<(), LinkError> {
+        *self.entered.lock().unwrap_or_else(|p| p.into_inner()) = Some((self.generation(), step));
         let serve = if self.rank() == 0 && !self.founded_once.swap(true, Ordering::SeqCst) {
             let founders = self.rendezvous()?;
             self.start_coordinator(step)?;
+            let me = HostMember { rank: 0, generation: self.generation(), from: step };
+            let others = founders.iter().map(|a| HostMember { rank: a.rank, generation: a.generation, from: step });
+            *self.members.lock().unwrap_or_else(|p| p.into_inner()) = std::iter::once(me).chain(others).collect();
             founders
         } else {
             self.with_store(|s| Ok(exchange::refounded(s, step)?))?;
@@ -368,7 +443,7 @@ impl HostLink {
     pub fn exchange(&self, round: u64, share: HostShare<'_>) -> Result<RunRound, LinkError> {
         self.check_coordinator()?;
         let (rank, generation) = (self.rank(), self.generation());
-        let record = HostRecord { rank, weight: share.weight, samples: share.samples, batches: share.batches };
+        let record = HostRecord { rank, generation, weight: share.weight, contributions: share.contributions };
         let bytes = frame(&record, &[share.grad])?;
         let wait = self.wait();
         self.with_store(|s| {
@@ -394,14 +469,66 @@ impl HostLink {
                 hosts.push(record);
             }
             let grad = sum.ok_or(ExchangeError::Dropped { rank, round })?;
+            {
+                let mut members = self.members.lock().unwrap_or_else(|p| p.into_inner());
+                let known = members.clone();
+                *members = closed
+                    .next
+                    .iter()
+                    .map(|&(rank, generation)| {
+                        let same = known.iter().find(|m| m.rank == rank && m.generation == generation);
+                        HostMember { rank, generation, from: same.map_or(round + 1, |m| m.from) }
+                    })
+                    .collect();
+            }
             let serve = closed.admitted.iter().filter(|a| a.donor == rank && a.rank != rank).copied().collect();
             Ok(RunRound {
                 grad,
                 total_weight: hosts.iter().map(|h| h.weight).sum(),
-                samples: hosts.iter().map(|h| h.samples).sum(),
+                samples: hosts.iter().map(HostRecord::samples).sum(),
                 hosts,
                 serve,
+                next: closed.next,
             })
         })
+    }
+
+    /// Rank 0: what host `rank` (as `generation`) trains at step `step` (bytes the supervisor reads back).
+    pub fn feed(&self, rank: Rank, generation: u64, step: u64, items: &[u8]) -> Result<(), LinkError> {
+        self.with_store(|s| Ok(exchange::post_feed(s, rank, generation, step, items)?))
+    }
+
+    /// What this host trains at `step`, waiting up to `timeout`; `None` when it has not been posted by then.
+    pub fn wait_feed(&self, generation: u64, step: u64, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
+        let rank = self.rank();
+        match self.with_store(|s| Ok(exchange::take_feed(s, rank, generation, step, timeout)?)) {
+            Err(LinkError::Exchange(ExchangeError::Store(StoreError::Timeout { .. }))) => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    /// Rank 0: the run ended with exit status `code`; waits up to `timeout` for `hosts` other hosts to have seen
+    /// it (they end too), so that they do not find the store gone first. The coordinator stops.
+    pub fn finish(&self, code: i32, hosts: usize, timeout: Duration) -> Result<(), LinkError> {
+        self.coordinator.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.with_store(|s| Ok(exchange::post_finished(s, code)?))?;
+        let started = std::time::Instant::now();
+        while started.elapsed() < timeout {
+            if self.with_store(|s| Ok(exchange::finished_acks(s)?))? >= hosts {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Another host saw the run end.
+    pub fn acknowledge_end(&self) -> Result<(), LinkError> {
+        self.with_store(|s| Ok(exchange::acknowledge_finished(s)?))
+    }
+
+    /// The run's exit status, once rank 0 ended it.
+    pub fn finished(&self) -> Result<Option<i32>, LinkError> {
+        self.with_store(|s| Ok(exchange::finished(s)?))
     }
 }

@@ -23,6 +23,8 @@ pub struct Closed {
     pub dropped: Vec<Rank>,
     /// Hosts joining from the next round, each with the member that sends it its state.
     pub admitted: Vec<Admitted>,
+    /// The next round's members with their generations (those that contributed, and those admitted).
+    pub next: Vec<(Rank, u64)>,
 }
 
 /// A host joining at a round boundary: its rank and generation, and the member whose state it copies (itself: it
@@ -146,9 +148,10 @@ impl HostQuorum {
             }
             None => vec![],
         };
-        let closed = Closed { round: self.round, members, dropped, admitted };
         self.members = std::mem::take(&mut self.arrived);
         self.members.append(&mut self.joining);
+        let next = self.members.iter().map(|(&r, &g)| (r, g)).collect();
+        let closed = Closed { round: self.round, members, dropped, admitted, next };
         self.round += 1;
         self.opened_at = now;
         Decision::Close(closed)
@@ -208,6 +211,7 @@ mod tests {
         q.arrive(0, 2, 1);
         let c = closed(q.poll(1.0));
         assert_eq!((c.members, c.dropped, c.admitted), (vec![0, 2], vec![], vec![a(1, 2, 0)]));
+        assert_eq!(c.next, vec![(0, 1), (1, 2), (2, 1)], "the next round's members, the joiner among them");
         assert_eq!(q.members(), vec![0, 1, 2]);
         assert_eq!(q.generation(1), Some(2));
         // An old generation's contribution or announcement changes nothing.

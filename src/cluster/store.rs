@@ -19,6 +19,7 @@ unsafe extern "C" {
         len: usize,
     ) -> c_int;
     fn dflash_store_clone(store: *mut c_void, out: *mut *mut c_void, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_store_set_timeout(store: *mut c_void, timeout_ms: i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_store_close(store: *mut c_void);
     fn dflash_store_free_bytes(data: *mut u8);
     fn dflash_store_set(
@@ -133,6 +134,17 @@ impl Store {
     /// The port of the store.
     pub fn port(&self) -> u16 {
         self.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0)
+    }
+
+    /// The deadline of later operations that give none of their own, and of connecting a clone (a connection is
+    /// opened with the rendezvous's patience; once the run is under way a store that does not answer is gone).
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
+        // SAFETY: live store.
+        shim(&self.address, "setting the deadline of", "", self.timeout, |e, n| unsafe {
+            dflash_store_set_timeout(self.raw, millis(timeout), e, n)
+        })?;
+        self.timeout = timeout;
+        Ok(())
     }
 
     /// Another connection to the same store, for another thread.

@@ -22,7 +22,7 @@ use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
 use crate::telemetry::DrafterMetrics;
 use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
-use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs, Ring};
+use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs, Ring, Summing};
 use crate::train::nccl::{NcclComm, NcclError};
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::{AdamW, FeatureBatch, Trainer};
@@ -218,6 +218,8 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
     let mut communicator: Option<(u64, NcclComm)> = None;
     // A checkpoint asked for at a later step boundary than this one.
     let mut snapshot_at: Option<u64> = None;
+    // The state's checksums at the boundary they were taken at: they go with that step's contribution too.
+    let mut boundary_digest: Option<(u64, [i64; 3])> = None;
     loop {
         if snapshot_at.is_some_and(|at| at <= step) {
             snapshot_at = None;
@@ -279,10 +281,14 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         // Waiting for the peers is not computing: a hung peer must not make this one look hung.
         now_doing(&a, Activity::WaitingForPeers, vec![]);
         let own = trainer.drafter.params().grad.shallow_clone();
+        let digest = boundary_digest.filter(|(at, _)| *at == step).map(|(_, d)| d);
         let contribution =
-            Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics };
+            Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics, digest };
         let in_round = Instant::now();
-        let summing = || now_doing(&a, Activity::Summing, vec![]);
+        let summing = |s: Summing| {
+            let activity = if s == Summing::Local { Activity::Summing } else { Activity::WaitingForPeers };
+            now_doing(&a, activity, vec![]);
+        };
         let result = match a.collective.contribute(a.id, a.generation, step, contribution, summing) {
             Ok(r) => r,
             Err(CollectiveError::Removed) => return Ok(()),
@@ -313,6 +319,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         } else {
             None
         };
+        boundary_digest = digest.map(|d| (step, d));
         let _ = a.supervisor.send_message(SupervisorMsg::StepDone {
             id: a.id,
             generation: a.generation,

@@ -121,6 +121,18 @@ pub enum SupervisorMsg {
     Status(RpcReplyPort<Status>),
     /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 0.
     Shutdown,
+    /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.
+    Fed {
+        generation: u64,
+        step: u64,
+        items: Vec<(usize, crate::service::supervisor::protocol::RequestItem)>,
+    },
+    /// Several hosts, rank > 0: rank 0 ended the run.
+    RunEnded {
+        code: i32,
+    },
+    /// Several hosts, rank > 0: the rendezvous host cannot be reached.
+    RendezvousLost(String),
 }
 
 /// A compute thread's end, reported to its actor: a failure makes the actor fail, a return makes it stop, so the

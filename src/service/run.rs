@@ -15,7 +15,10 @@ use super::evaluator::eval_prompts;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
 use super::supervisor::{Supervisor, SupervisorArgs};
-use crate::config::{Config, Layers, TargetSource, resume_changes};
+use crate::cluster::launch::resolve;
+use crate::cluster::link::HostLink;
+use crate::config::{CollectiveKind, Config, Layers, TargetSource, resume_changes};
+use crate::data::dataset::Dataset;
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
@@ -128,7 +131,18 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
     let objective =
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
-    let (resume, rejected) = checkpoint_to_resume(&config, &resume)?;
+    let placement =
+        resolve(&config.cluster, |k| std::env::var(k).ok()).context("[cluster] and the launcher's environment")?;
+    if placement.is_some() && config.drafters.collective == CollectiveKind::Nccl {
+        bail!(
+            "drafters.collective = \"nccl\" does not run across hosts yet: set drafters.collective = \"in-process\" \
+             (each host sums its drafters by device copies; hosts sum through the store)"
+        );
+    }
+    // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host and leaves
+    // checkpoint.dir alone (it may be rank 0's, on a shared disk).
+    let follower = placement.as_ref().is_some_and(|p| p.rank > 0);
+    let (resume, rejected) = if follower { (None, vec![]) } else { checkpoint_to_resume(&config, &resume)? };
     match (&config.draft_model.init, &resume) {
         (Some(dir), None) => {
             check_init(dir, &drafter_cfg)?;
@@ -153,6 +167,16 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let mut identity = |d: Device| identities.entry(d).or_insert_with(|| GpuIdentity::of(d)).clone();
     let capture_identities = capture_devices.iter().map(|(d, _)| identity(*d)).collect();
     let drafter_identities = drafter_devices.iter().map(|(d, _)| identity(*d)).collect();
+    let link = match &placement {
+        Some(p) => {
+            tracing::info!(rank = p.rank, hosts = p.hosts, rendezvous = %format!("{}:{}", p.master_addr, p.master_port),
+                "one host of several");
+            let link = HostLink::open(p, config.cluster.round_timeout).context("joining the run's hosts")?;
+            link.agree_on_data(&data_fingerprint(data.as_ref())).context("checking the training data across hosts")?;
+            Some(Arc::new(link))
+        }
+        None => None,
+    };
     let exit_code = Arc::new(Mutex::new(None));
     let args = SupervisorArgs {
         taps: drafter_cfg.target_layer_ids.clone(),
@@ -174,6 +198,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         vocab_size: target_cfg.vocab_size,
         eval_prompts,
         eos_token_ids: target_cfg.eos_token_ids.clone(),
+        link,
         config,
     };
     runtime.block_on(async move {
@@ -217,6 +242,18 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// What identifies the training data across hosts: its samples' ids and token counts, hashed.
+fn data_fingerprint(data: &dyn Dataset) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for (p, len) in data.lengths().into_iter().enumerate() {
+        h.update(format!("{}:{len};", data.id(p)).as_bytes());
+    }
+    let digest = h.finalize();
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("{} samples, sha256 {hex}", data.len())
 }
 
 /// SIGHUP rereads the configuration. Signals arriving within a quarter second of each other are one reload.

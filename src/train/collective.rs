@@ -25,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use crate::cluster::link::{Entering, HostLink, HostShare};
+use crate::cluster::link::{DrafterPart, Entering, HostLink, HostRecord, HostShare, RunRound};
 use crate::cluster::quorum::Admitted;
 use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
@@ -47,6 +47,9 @@ pub struct Contribution {
     pub samples: u64,
     pub batches: Vec<BatchId>,
     pub metrics: Metrics,
+    /// Checksums of the member's state at this round's start, on steps where replicas are compared (across hosts
+    /// they travel with the round).
+    pub digest: Option<[i64; 3]>,
 }
 
 /// What the learning-rate schedule counts.
@@ -108,6 +111,15 @@ pub struct StepSettings {
     pub objective: ObjectiveKnobs,
 }
 
+/// What the member completing a round is doing, for the watchdog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Summing {
+    /// Summing this host's contributions (device work).
+    Local,
+    /// Waiting for the other hosts' (a slow host is not this member hanging).
+    AcrossHosts,
+}
+
 /// How a round's gradients are summed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GradientSum {
@@ -166,6 +178,8 @@ pub struct RoundReport {
     pub total_weight: f64,
     pub lr: f64,
     pub samples_committed: u64,
+    /// Across hosts: the other member hosts' parts of the round (their drafters' ids are their own).
+    pub remote: Vec<HostRecord>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -385,8 +399,9 @@ impl Collective {
         removal
     }
 
-    /// Contributes to round `step` and waits for its result. The member completing the round calls `summing`,
-    /// sums the gradients outside the lock (device work never holds it), then publishes the result, or the error,
+    /// Contributes to round `step` and waits for its result. The member completing the round calls
+    /// `summing(Summing::Local)`, sums the gradients outside the lock (device work never holds it), across hosts
+    /// calls `summing(Summing::AcrossHosts)` and waits for the run's round, then publishes the result, or the error,
     /// to every contributor.
     pub fn contribute(
         &self,
@@ -394,7 +409,7 @@ impl Collective {
         generation: u64,
         step: u64,
         contribution: Contribution,
-        summing: impl FnOnce(),
+        summing: impl Fn(Summing),
     ) -> Result<Arc<RoundResult>, CollectiveError> {
         let mut s = self.lock();
         s.rounds.contribute(id, generation, step, contribution)?;
@@ -406,20 +421,14 @@ impl Collective {
             if let Some(done) = s.rounds.complete() {
                 let plan = plan(&mut s, &done);
                 drop(s);
-                summing();
+                summing(Summing::Local);
                 let summed = sum_gradients(plan.sum, &done.contributions);
-                let (summed, run) = match (&self.link, summed) {
-                    (Some(link), Ok(Some(local))) => match across_hosts(link, step, &done, &local) {
-                        Ok((grad, run)) => (Ok(Some(grad)), Some(run)),
-                        Err(e) => (Err(e), None),
-                    },
-                    (Some(_), Ok(None)) => (
-                        Err(CollectiveError::Hosts(
-                            "several hosts sum by device copies within each host (drafters.collective)".into(),
-                        )),
-                        None,
-                    ),
-                    (_, summed) => (summed, None),
+                let (summed, run) = match &self.link {
+                    Some(link) => {
+                        summing(Summing::AcrossHosts);
+                        across_hosts(link, step, &done, summed)
+                    }
+                    None => (summed, None),
                 };
                 let mut plan = plan;
                 if let Some(run) = run {
@@ -430,6 +439,8 @@ impl Collective {
                     plan.samples_committed = s.samples_committed;
                     plan.total_weight = Some(run.total_weight);
                     s.remote_joiners.extend(run.serve);
+                    let me = self.link.as_ref().map(|l| l.rank());
+                    plan.remote = run.hosts.into_iter().filter(|h| Some(h.rank) != me).collect();
                 }
                 let (outcome, report) = finish(plan, done, summed);
                 let mut s = self.lock();
@@ -544,6 +555,8 @@ struct Plan {
     ring_error: Option<CollectiveError>,
     /// The run's loss weight, across hosts (`None`: this host's contributions').
     total_weight: Option<f64>,
+    /// Across hosts: the other members' records.
+    remote: Vec<HostRecord>,
 }
 
 /// Advances the settings, the progress and the ring for a completed round.
@@ -579,22 +592,52 @@ fn plan(s: &mut State, done: &Completed<Contribution>) -> Plan {
         samples_committed: s.samples_committed,
         ring_error,
         total_weight: None,
+        remote: vec![],
     }
 }
 
-/// This host's summed round as its share of the run's round: the run's gradient (on the local sum's device and
-/// dtype) and the round as every host sees it.
+/// This host's summed round (`summed`) as its share of the run's round: the run's gradient (on the local sum's
+/// device and dtype) and the round as every host sees it.
 fn across_hosts(
     link: &HostLink,
     step: u64,
     done: &Completed<Contribution>,
+    summed: Result<Option<Tensor>, CollectiveError>,
+) -> (Result<Option<Tensor>, CollectiveError>, Option<RunRound>) {
+    let local = match summed {
+        Ok(Some(local)) => local,
+        Ok(None) => {
+            let e = "several hosts sum by device copies within each host (drafters.collective)";
+            return (Err(CollectiveError::Hosts(e.into())), None);
+        }
+        Err(e) => return (Err(e), None),
+    };
+    match exchange_share(link, step, done, &local) {
+        Ok((grad, run)) => (Ok(Some(grad)), Some(run)),
+        Err(e) => (Err(e), None),
+    }
+}
+
+fn exchange_share(
+    link: &HostLink,
+    step: u64,
+    done: &Completed<Contribution>,
     local: &Tensor,
-) -> Result<(Tensor, crate::cluster::link::RunRound), CollectiveError> {
+) -> Result<(Tensor, RunRound), CollectiveError> {
     let share = HostShare {
         grad: local,
         weight: done.contributions.iter().map(|(.., c)| c.weight).sum(),
-        samples: done.contributions.iter().map(|(.., c)| c.samples).sum(),
-        batches: done.contributions.iter().flat_map(|(.., c)| c.batches.iter().copied()).collect(),
+        contributions: done
+            .contributions
+            .iter()
+            .map(|(m, _, c)| DrafterPart {
+                drafter: *m,
+                batches: c.batches.clone(),
+                samples: c.samples,
+                metrics: c.metrics,
+                digest: c.digest,
+            })
+            .collect(),
     };
     let run = link.exchange(step, share).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
     let grad = run
@@ -653,6 +696,7 @@ fn finish(
         total_weight,
         lr: plan.update.adamw.lr,
         samples_committed: plan.samples_committed,
+        remote: plan.remote,
     };
     let outcome = match (plan.ring_error, summed) {
         (Some(e), _) | (None, Err(e)) => Err(e),
@@ -705,6 +749,7 @@ mod tests {
             samples: 2,
             batches: vec![],
             metrics: Metrics::default(),
+            digest: None,
         }
     }
 
@@ -746,7 +791,7 @@ mod tests {
                 .iter()
                 .map(|&m| {
                     let c = c.clone();
-                    std::thread::spawn(move || c.contribute(m, 1, step, contribution(&[1.0], 1.0), || {}).unwrap())
+                    std::thread::spawn(move || c.contribute(m, 1, step, contribution(&[1.0], 1.0), |_| {}).unwrap())
                 })
                 .collect();
             let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -778,7 +823,7 @@ mod tests {
             .map(|(m, v)| {
                 let c = c.clone();
                 std::thread::spawn(move || {
-                    let r = c.contribute(m, 1, 5, contribution(&v, 1.5), || {}).unwrap();
+                    let r = c.contribute(m, 1, 5, contribution(&v, 1.5), |_| {}).unwrap();
                     (
                         r.step,
                         Vec::<f32>::try_from(&r.grad.as_ref().unwrap().to_copy().unwrap()).unwrap(),
@@ -812,10 +857,10 @@ mod tests {
         assert_eq!(c.reload(next), 6);
         assert_eq!(c.objective_at(5).num_anchors, 4);
         assert_eq!(c.objective_at(6).num_anchors, 9);
-        let r = c.contribute(0, 1, 5, contribution(&[1.0], 1.0), || {}).unwrap();
+        let r = c.contribute(0, 1, 5, contribution(&[1.0], 1.0), |_| {}).unwrap();
         assert_eq!((r.update.adamw.lr, r.next_objective.num_anchors), (0.1, 9));
         assert_eq!(rx.recv().unwrap().lr, 0.1);
-        let r = c.contribute(0, 1, 6, contribution(&[1.0], 1.0), || {}).unwrap();
+        let r = c.contribute(0, 1, 6, contribution(&[1.0], 1.0), |_| {}).unwrap();
         assert_eq!((r.update.adamw.lr, r.next_objective.num_anchors), (0.5, 9));
         assert_eq!(rx.recv().unwrap().lr, 0.5);
         assert_eq!(c.objective_at(6).num_anchors, 9);
@@ -828,7 +873,7 @@ mod tests {
         admit(&c, 1);
         let c2 = c.clone();
         let waiter = std::thread::spawn(move || {
-            c2.contribute(0, 1, 5, contribution(&[1.0], 1.0), || {}).unwrap().contributors.clone()
+            c2.contribute(0, 1, 5, contribution(&[1.0], 1.0), |_| {}).unwrap().contributors.clone()
         });
         while !c.lock().rounds.has_contributed(0, 1) {
             std::thread::yield_now();
@@ -836,7 +881,7 @@ mod tests {
         let removal = c.remove(1, 1);
         assert_eq!(removal, Removal { was_member: true, contributed: false, remaining: vec![(0, 1)] });
         assert_eq!(waiter.join().unwrap(), vec![0]);
-        assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0), || {}).err(), Some(CollectiveError::Removed));
+        assert_eq!(c.contribute(1, 1, 6, contribution(&[1.0], 1.0), |_| {}).err(), Some(CollectiveError::Removed));
     }
 
     /// A sum that fails (here: gradients of different sizes) fails the round for every contributor, each with the
@@ -850,7 +895,7 @@ mod tests {
         for (m, values) in [(0usize, vec![1.0f32, 2.0]), (1, vec![1.0, 2.0, 3.0])] {
             let (c, tx) = (c.clone(), tx.clone());
             std::thread::spawn(move || {
-                let _ = tx.send((m, c.contribute(m, 1, 5, contribution(&values, 1.0), || {}).map(|r| r.step)));
+                let _ = tx.send((m, c.contribute(m, 1, 5, contribution(&values, 1.0), |_| {}).map(|r| r.step)));
             });
         }
         for _ in 0..2 {

@@ -10,7 +10,7 @@
 use rand::SeedableRng;
 use rand::seq::index;
 use rand_chacha::ChaCha8Rng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{BlockAttention, ModelError};
@@ -208,7 +208,7 @@ impl PlanTensors {
 }
 
 /// Sums from which the reported metrics follow; they add up across chunks, micro-batches and replicas.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
     /// `sum(w * CE)`
     pub weighted_loss: f64,

@@ -8,6 +8,7 @@ pub mod protocol;
 
 mod checkpoints;
 mod drafters;
+mod hosts;
 mod restarts;
 mod schedule;
 mod targets;
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
-pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, Setup, step_settings};
+pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, HostRole, Setup, step_settings};
 use self::protocol::{Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, Watched};
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
@@ -37,6 +38,7 @@ use super::messages::{DrafterState, Heads, ReloadReply, Reloaded, Reread, Superv
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
+use crate::cluster::link::{HostLink, HostMember};
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
 use crate::data::SampleId;
 use crate::data::dataset::Dataset;
@@ -81,6 +83,8 @@ pub struct SupervisorArgs {
     pub eos_token_ids: Vec<i64>,
     /// The evaluation prompts, read once when evaluation is on (their keys cannot change while running).
     pub eval_prompts: Option<Vec<Prompt>>,
+    /// Several hosts: this host's link to the others (`None`: one host).
+    pub link: Option<Arc<HostLink>>,
 }
 
 /// The handles of one drafter slot.
@@ -128,6 +132,10 @@ pub struct Shell {
     last_telemetry: Instant,
     evaluator: Option<Evaluator>,
     samples_per_epoch: u64,
+    /// Several hosts, rank 0: the member hosts last told to the core.
+    hosts_told: Vec<HostMember>,
+    /// Several hosts, rank > 0: reads rank 0's assignments.
+    _feed_reader: Option<hosts::FeedReader>,
 }
 
 impl Shell {
@@ -147,16 +155,28 @@ impl Shell {
             sample_ids,
             resume: a.resume.clone(),
             rejected: a.rejected.clone(),
+            role: a.link.as_ref().map(|l| if l.rank() == 0 { HostRole::Leader } else { HostRole::Follower }),
         });
+        let follower = a.link.as_ref().is_some_and(|l| l.rank() > 0);
         let me = myself.clone();
         let settings = step_settings(&a.config, samples_per_epoch, a.objective.gamma);
         let sum = match a.config.drafters.collective {
             CollectiveKind::InProcess => GradientSum::DeviceCopies,
             CollectiveKind::Nccl => GradientSum::Nccl,
         };
-        let collective = Arc::new(Collective::new(step, samples, settings, sum, move |r| {
+        let collective = Collective::new(step, samples, settings, sum, move |r| {
             let _ = me.send_message(SupervisorMsg::Round(r));
-        }));
+        });
+        let collective = Arc::new(match &a.link {
+            Some(link) => collective.with_link(link.clone()),
+            None => collective,
+        });
+        let feed_reader = match &a.link {
+            Some(link) if follower => hosts::read_feeds(link.clone(), myself.clone())
+                .map_err(|e| tracing::error!("cannot start the thread that reads rank 0's assignments: {e}"))
+                .ok(),
+            _ => None,
+        };
         let me = myself.clone();
         let checkpointer = Checkpointer::start(a.config.checkpoint.dir.clone(), a.config.checkpoint.keep, move |r| {
             let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
@@ -197,7 +217,8 @@ impl Shell {
                 memory.push((device, DeviceMemory::new(identity)));
             }
         }
-        let ledger = a.config.data.ledger.as_ref().and_then(|p| {
+        // Rank 0 keeps the run's ledger.
+        let ledger = a.config.data.ledger.as_ref().filter(|_| !follower).and_then(|p| {
             LedgerWriter::open(p).map_err(|e| tracing::error!(path = %p.display(), "cannot open data.ledger: {e}")).ok()
         });
         Shell {
@@ -218,12 +239,24 @@ impl Shell {
             last_telemetry: Instant::now(),
             evaluator: None,
             samples_per_epoch,
+            hosts_told: Vec::new(),
+            _feed_reader: feed_reader,
             a,
         }
     }
 
     fn now(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// Rank 0: tells the core when the run's member hosts changed.
+    async fn tell_hosts(&mut self) {
+        let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) else { return };
+        let members = link.members();
+        if members != self.hosts_told {
+            self.hosts_told = members.clone();
+            self.feed(Event::Hosts(members)).await;
+        }
     }
 
     /// Hands `event` to the core and carries out what it answers, and what those answers lead to, in order.
@@ -361,7 +394,19 @@ impl Shell {
                 });
             }
             Action::Notice(notice) => self.notice(notice),
+            Action::Feed { rank, generation, step, items } => {
+                if let Some(link) = &self.a.link {
+                    hosts::post_feed(link, rank, generation, step, &items);
+                }
+            }
             Action::Exit { code } => {
+                if let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) {
+                    // The others end with the run; waits a little for them to have seen it.
+                    let others = link.members().iter().filter(|m| m.rank != 0).count();
+                    if let Err(e) = link.finish(code, others, Duration::from_secs(10)) {
+                        tracing::warn!("cannot tell the other hosts the run ended: {e}");
+                    }
+                }
                 *self.a.exit_code.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
                 self.myself.stop(Some(format!("exit {code}")));
             }
@@ -827,8 +872,18 @@ impl Actor for Supervisor {
                 }
                 Event::Shutdown
             }
+            SupervisorMsg::Fed { generation, step, items } => {
+                // An assignment for a generation this host no longer is goes nowhere.
+                if s.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
+                    return Ok(());
+                }
+                Event::Fed { step, items }
+            }
+            SupervisorMsg::RunEnded { code } => Event::RunEnded { code },
+            SupervisorMsg::RendezvousLost(why) => Event::RendezvousLost(why),
         };
         s.feed(event).await;
+        s.tell_hosts().await;
         Ok(())
     }
 

@@ -153,6 +153,19 @@ pub enum Event {
     Reconfigured(Box<Config>),
     /// SIGTERM or SIGINT.
     Shutdown,
+    /// Several hosts, rank 0: the run's member hosts changed.
+    Hosts(Vec<crate::cluster::link::HostMember>),
+    /// Several hosts, other ranks: rank 0's items for a step, `(drafter, item)`.
+    Fed {
+        step: u64,
+        items: Vec<(usize, Item)>,
+    },
+    /// Several hosts, other ranks: rank 0 ended the run with this status.
+    RunEnded {
+        code: i32,
+    },
+    /// Several hosts, other ranks: the rendezvous host cannot be reached.
+    RendezvousLost(String),
 }
 
 /// What the shell reports to metrics and logs (the core decides nothing more by them).
@@ -228,6 +241,13 @@ pub enum Action {
         from: PathBuf,
     },
     Notice(Notice),
+    /// Several hosts, rank 0: what host `rank` (as `generation`) trains at `step`, `(drafter, item)`.
+    Feed {
+        rank: usize,
+        generation: u64,
+        step: u64,
+        items: Vec<(usize, Item)>,
+    },
     /// The run is over: stop with this exit status.
     Exit {
         code: i32,

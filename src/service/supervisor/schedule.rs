@@ -14,7 +14,7 @@ use crate::train::collective::RoundReport;
 use crate::train::objective::Metrics;
 
 /// One micro-batch slot of a drafter's step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Item {
     /// A batch: its id and the sample positions the target captures.
     Capture { batch: BatchId, positions: Vec<usize> },
@@ -69,6 +69,9 @@ pub struct Schedule {
     accumulation: usize,
     epochs: u64,
     max_steps: u64,
+    /// Another host assigns this one's batches (several hosts, rank > 0): no loader of its own, nothing requeued
+    /// or set aside here, and the run ends when that host says so.
+    follower: bool,
 }
 
 /// Where a schedule starts: a checkpoint's position, or the beginning.
@@ -108,6 +111,48 @@ impl Schedule {
             accumulation: accumulation.max(1),
             epochs,
             max_steps,
+            follower: false,
+        }
+    }
+
+    /// Makes this the schedule of a host whose batches another host assigns ([`Schedule::open_fed_step`]).
+    pub fn follow(&mut self) {
+        self.follower = true;
+    }
+
+    /// A follower's next step, with the items the assigning host gave each drafter (`(drafter, item)`; a live
+    /// drafter given fewer than `accumulation` gets `Empty` for the rest, items of drafters not live are dropped:
+    /// the assigning host takes back what no round took).
+    pub fn open_fed_step(&mut self, drafters: &[(usize, u64)], fed: Vec<(usize, Item)>) -> Vec<Sent> {
+        let step = self.next_step;
+        self.next_step += 1;
+        let mut list = Vec::new();
+        let mut out = Vec::new();
+        for &(drafter, generation) in drafters {
+            let mut items: Vec<Item> = fed.iter().filter(|(d, _)| *d == drafter).map(|(_, i)| i.clone()).collect();
+            items.resize(self.accumulation.max(items.len()), Item::Empty);
+            let mut batches = Vec::new();
+            for item in items {
+                if let Item::Capture { batch, positions } = &item {
+                    self.batches.insert(*batch, Batch { id: *batch, samples: positions.clone() });
+                    batches.push(Some(*batch));
+                } else {
+                    batches.push(None);
+                }
+                out.push((drafter, generation, item));
+            }
+            list.push(Assignment { drafter, generation, batches });
+        }
+        self.assigned.insert(step, list);
+        out
+    }
+
+    /// A follower that entered the run mid-way: the run's samples committed before `report`'s round.
+    pub fn align_samples(&mut self, report: &RoundReport) {
+        if self.follower && self.samples_committed == 0 {
+            let local: u64 = report.contributions.iter().map(|c| c.samples).sum();
+            let remote: u64 = report.remote.iter().map(|h| h.samples()).sum();
+            self.samples_committed = report.samples_committed.saturating_sub(local + remote);
         }
     }
 
@@ -164,6 +209,9 @@ impl Schedule {
 
     /// Whether more steps may be assigned (`optim.max_steps` not reached, epochs left).
     pub fn data_left(&self) -> bool {
+        if self.follower {
+            return true;
+        }
         if self.max_steps > 0 && self.next_step >= self.max_steps {
             return false;
         }
@@ -285,7 +333,9 @@ impl Schedule {
             out.metrics.add(&c.metrics);
             for b in &c.batches {
                 taken.insert(*b);
-                self.loader.commit(*b);
+                if !self.follower {
+                    self.loader.commit(*b);
+                }
                 self.failures.remove(b);
                 if let Some(batch) = self.batches.remove(b) {
                     out.tokens += batch.samples.iter().map(|&p| self.lengths[p] as u64).sum::<u64>();
@@ -295,6 +345,11 @@ impl Schedule {
         }
         for a in self.assigned.remove(&r.step).unwrap_or_default() {
             for b in a.batches.into_iter().flatten().filter(|b| !taken.contains(b)) {
+                if self.follower {
+                    // The assigning host takes it back.
+                    self.batches.remove(&b);
+                    continue;
+                }
                 if self.failures_of(b) >= 2 {
                     self.failures.remove(&b);
                     if let Some(batch) = self.set_aside_now(b) {
@@ -350,6 +405,7 @@ mod tests {
             total_weight: 1.0,
             lr: 0.1,
             samples_committed: samples,
+            remote: vec![],
         }
     }
 

@@ -697,6 +697,7 @@ impl World {
             Action::Notice(Notice::Committed { .. }) => self.last_progress = self.now,
             Action::Notice(_) => {}
             Action::Exit { code } => self.exited(code)?,
+            Action::Feed { .. } => return Err("an assignment for another host in a run of one host".into()),
         }
         Ok(None)
     }
@@ -1021,6 +1022,7 @@ impl World {
                 total_weight: samples as f64,
                 lr,
                 samples_committed: self.samples_committed,
+                remote: vec![],
             };
             self.collective_clock = self.send_from(self.collective_clock, Event::Round(report));
             let next = Replica { step: done.step + 1, hash, optimizer_steps: first.optimizer_steps + 1 };
@@ -1423,6 +1425,7 @@ fn setup(p: &Params, config: Config, resume: Option<(PathBuf, TrainerState)>, re
         sample_ids: (0..p.samples as u64).map(SampleId::Number).collect(),
         resume,
         rejected,
+        role: None,
     }
 }
 

@@ -6,6 +6,10 @@ impl Core {
     /// Asks the donor for a snapshot at the first step boundary not handed out yet (once the steps in flight are
     /// done); the step, or `None` when no drafter is live or a checkpoint is in flight.
     pub(super) fn request_checkpoint(&mut self, reason: &str) -> Option<u64> {
+        if self.is_follower() {
+            // Rank 0 writes the run's checkpoints.
+            return None;
+        }
         let donor = self.donor()?;
         let at = self.schedule.next_step();
         if !self.book.request(donor.0, donor.1, at, self.now) {

@@ -34,6 +34,9 @@ impl Core {
         }
         if founder {
             self.founding_from = None;
+            if self.is_follower() {
+                self.entered_at(step);
+            }
         }
         tracing::info!(drafter = id, step, "drafter live");
         if self.phase == Phase::Running {

@@ -6,6 +6,11 @@ impl Core {
     /// The run is to end with `code` (an ending already under way keeps its own, unless this one is an error and
     /// it was not).
     pub(super) fn begin_ending(&mut self, code: i32, export: bool, reason: String) {
+        if self.is_follower() {
+            // Nothing to write here: rank 0 keeps the run's checkpoints; this host leaves the run.
+            tracing::warn!(code, "{reason}: leaving the run");
+            return self.exit_now(code);
+        }
         if let Some(e) = &mut self.ending {
             if code != EXIT_OK && e.code == EXIT_OK {
                 tracing::error!("{reason}: ending with exit status {code}");

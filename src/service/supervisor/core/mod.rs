@@ -16,6 +16,7 @@
 mod checkpoints;
 mod drafters;
 mod ending;
+mod hosts;
 mod rewind;
 mod steps;
 mod targets;
@@ -25,6 +26,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use self::hosts::HostRole;
+use self::hosts::Hosts;
 use super::checkpoints::{Book, Newest, SnapshotOutcome};
 use super::drafters::{Fate, Life, Role, Slot};
 use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, Request, Start, Watched, WriteJob};
@@ -38,7 +41,7 @@ use crate::service::evaluator::Evaluated;
 use crate::service::failure::{Failure, FailureKind};
 use crate::service::messages::{CheckpointStatus, DrafterStatus, Status, TargetStatus};
 use crate::train::checkpoint::TrainerState;
-use crate::train::collective::{Hyper, ObjectiveKnobs, Progress, StepSettings};
+use crate::train::collective::{Contributed, Hyper, ObjectiveKnobs, Progress, RoundReport, StepSettings};
 use crate::train::objective::Metrics;
 use crate::train::optim::LrSchedule;
 
@@ -97,6 +100,8 @@ pub struct Setup {
     /// The checkpoint to resume (`--resume auto`) and the checkpoint folders found invalid on the way.
     pub resume: Option<(PathBuf, TrainerState)>,
     pub rejected: Vec<u64>,
+    /// Several hosts: this process's part (`None`: one host).
+    pub role: Option<HostRole>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,18 +222,24 @@ pub struct Core {
     progress_at: Duration,
     now: Duration,
     out: Vec<Action>,
+    hosts: Hosts,
 }
 
 impl Core {
     pub fn new(setup: Setup) -> Self {
         let c = &setup.config;
         let settings = LoaderSettings { batch_size: c.data.batch_size, seed: c.objective.seed, bucket_batches: 16 };
-        let schedule = Schedule::new(setup.lengths, settings, c.optim.accumulation, c.optim.epochs, c.optim.max_steps);
+        let mut schedule =
+            Schedule::new(setup.lengths, settings, c.optim.accumulation, c.optim.epochs, c.optim.max_steps);
+        if setup.role == Some(HostRole::Follower) {
+            schedule.follow();
+        }
         let mut book = Book::default();
         book.found_invalid(&setup.rejected);
         let initial = match setup.resume {
-            Some((path, state)) => Source::Checkpoint(path, Box::new(state)),
-            None => Source::Fresh,
+            // A follower takes the run's state from a live host: rank 0 resumes.
+            Some((path, state)) if setup.role != Some(HostRole::Follower) => Source::Checkpoint(path, Box::new(state)),
+            _ => Source::Fresh,
         };
         let mut core = Core {
             slots: setup.drafter_devices.into_iter().enumerate().map(|(id, d)| Slot::new(id, d)).collect(),
@@ -263,6 +274,7 @@ impl Core {
             progress_at: Duration::ZERO,
             now: Duration::ZERO,
             out: vec![],
+            hosts: Hosts::new(setup.role),
             config: setup.config,
         };
         // Status shows where the run starts before the first founder loads it.
@@ -309,9 +321,24 @@ impl Core {
                 self.step_done(id, generation, step, digest, applied, feature_wait_s)
             }
             Event::Round(report) => {
+                let report = if self.is_leader() { self.with_remote(report) } else { report };
+                self.schedule.align_samples(&report);
                 for settled in self.schedule.take_report(report) {
                     self.commit(settled);
                 }
+            }
+            Event::Hosts(members) => self.hosts_changed(members),
+            Event::Fed { step, items } => self.fed(step, items),
+            Event::RunEnded { code } => {
+                tracing::info!(code, "rank 0 ended the run");
+                self.exit_now(code);
+            }
+            Event::RendezvousLost(why) => {
+                tracing::error!(
+                    "the rendezvous host is gone ({why}): exiting; the run resumes from rank 0's newest \
+                    checkpoint once it is restarted"
+                );
+                self.exit_now(EXIT_RESTART);
             }
             Event::Snapshot { id, generation, step, optimizer_steps } => {
                 match self.book.snapshot(id, generation, step, optimizer_steps, self.now) {
@@ -395,6 +422,8 @@ impl Core {
         self.now = self.now.max(now);
         let answer = if self.exit.is_some() || self.ending.is_some() {
             Err("the service is stopping".to_string())
+        } else if self.is_follower() {
+            Err("rank 0 writes this run's checkpoints: ask it".to_string())
         } else if self.book.in_flight() {
             Err("a checkpoint is being written; try again shortly".to_string())
         } else {
@@ -418,7 +447,12 @@ impl Core {
 
     /// How long a drafter or target thread may take to start (build, load, join).
     fn start_deadline(&self) -> Duration {
-        Duration::from_secs_f64(2.0 * self.supervision().step_timeout_s)
+        let own = Duration::from_secs_f64(2.0 * self.supervision().step_timeout_s);
+        match self.hosts.role {
+            // Entering a run of several hosts waits for the others at the rendezvous, or for a round to close.
+            Some(_) => own + self.config.cluster.rendezvous_timeout + 2 * self.config.cluster.round_timeout,
+            None => own,
+        }
     }
 
     fn tell(&mut self, (id, generation): (usize, u64), order: Order) {
@@ -515,6 +549,7 @@ mod tests {
             sample_ids: (0..64).map(SampleId::Number).collect(),
             resume: None,
             rejected: vec![],
+            role: None,
         }
     }
 
@@ -685,6 +720,7 @@ mod tests {
             total_weight: 0.0,
             lr: 1e-3,
             samples_committed: 0,
+            remote: vec![],
         }
     }
 

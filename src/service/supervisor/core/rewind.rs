@@ -6,6 +6,18 @@ impl Core {
     /// Founds the empty collective with drafter `id`, once the state to found it from is known (the resumed
     /// checkpoint the first time; later a scan for the newest valid checkpoint).
     pub(super) fn found_with(&mut self, id: usize) {
+        if self.is_follower() {
+            return self.enter_again(id);
+        }
+        if self.is_leader() && self.incarnation > 0 {
+            // The run's batches of the rounds closed meanwhile would pass rank 0's ledger by: the run restarts.
+            return self.begin_ending(
+                EXIT_RESTART,
+                false,
+                "rank 0 lost every drafter: the run restarts from its newest checkpoint (resume with --resume auto)"
+                    .into(),
+            );
+        }
         if matches!(self.rewind, Rewind::Idle)
             && self.initial.is_none()
             && let Some(since) = self.book.writing_since()

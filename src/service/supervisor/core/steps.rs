@@ -8,15 +8,22 @@ impl Core {
         if self.phase != Phase::Running || self.ending.is_some() {
             return;
         }
+        if self.is_follower() {
+            return self.open_fed_steps();
+        }
         while self.schedule.in_flight() < self.supervision().prefetch_steps {
-            let live: Vec<(usize, u64)> = self.live().map(|s| (s.id, s.generation)).collect();
+            let mut live: Vec<(usize, u64)> = self.live().map(|s| (s.id, s.generation)).collect();
             if live.is_empty() {
                 return;
             }
-            let Some((_, items)) = self.schedule.open_step(&live) else { return };
-            for (drafter, generation, item) in items {
+            live.extend(self.remote_drafters());
+            let Some((step, items)) = self.schedule.open_step(&live) else { return };
+            let local = self.slots.len();
+            let (mine, remote): (Vec<_>, Vec<_>) = items.into_iter().partition(|(d, ..)| *d < local);
+            for (drafter, generation, item) in mine {
                 self.send(drafter, generation, item);
             }
+            self.feed_remote(step, remote);
         }
     }
 
@@ -27,8 +34,10 @@ impl Core {
         }
         self.last_commit = Some(self.now);
         self.progress_at = self.now;
-        for batch in settled.committed {
-            self.out.push(Action::Ledger(LedgerEntry::Commit { step: settled.step, batch }));
+        if !self.is_follower() {
+            for batch in settled.committed {
+                self.out.push(Action::Ledger(LedgerEntry::Commit { step: settled.step, batch }));
+            }
         }
         if settled.requeued_samples > 0 {
             self.samples_requeued += settled.requeued_samples;
@@ -39,7 +48,11 @@ impl Core {
         }
         let every = self.config.supervision.check_replicas_every;
         if every > 0 && step.is_multiple_of(every) {
-            let members = settled.contributors.iter().map(|(m, _)| *m).collect();
+            // Rank 0 compares every host's replicas (the others' checksums come with their next round); another
+            // host compares its own.
+            let local = self.slots.len();
+            let leader = self.is_leader();
+            let members = settled.contributors.iter().map(|(m, _)| *m).filter(|m| leader || *m < local).collect();
             self.replicas.expected.entry(step).or_default().0 = members;
             self.compare_replicas(step);
         }
@@ -70,7 +83,7 @@ impl Core {
             self.request_checkpoint("periodic");
         }
         let every = self.config.eval.every_steps;
-        if every > 0 && step.is_multiple_of(every) && self.eval_due.is_none() {
+        if every > 0 && step.is_multiple_of(every) && self.eval_due.is_none() && !self.is_follower() {
             // One due evaluation at a time: a slow checkpoint or evaluation makes later ones wait, not pile up.
             self.eval_due = Some(step);
             if self.request_checkpoint("evaluation").is_none() {

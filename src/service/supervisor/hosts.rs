@@ -1,0 +1,102 @@
+//! The shell's side of several hosts: the thread with which a host other than rank 0 reads what rank 0 assigns it
+//! (step by step, for the generation it entered the run as) and the run's end; on rank 0, the assignments posted
+//! for the others, the member hosts told to the core, and the end handed to the others at exit.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use ractor::ActorRef;
+
+use super::schedule::Item;
+use crate::cluster::link::HostLink;
+use crate::service::messages::SupervisorMsg;
+
+/// Store operations failing in a row before the rendezvous host counts as gone.
+const LOST_AFTER: u32 = 3;
+
+/// Reads this host's assignments and the run's end until dropped, the run ended, or the rendezvous host is gone.
+pub(super) struct FeedReader {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Drop for FeedReader {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Starts the reader; it tells `supervisor` `Fed`, `RunEnded` and `RendezvousLost`.
+pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<FeedReader> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
+    let handle = std::thread::Builder::new().name("feed-reader".into()).spawn(move || {
+        // The generation read for and its next step.
+        let mut at: Option<(u64, u64)> = None;
+        let mut failures = 0;
+        while !stopped.load(Ordering::SeqCst) {
+            match link.finished() {
+                Ok(Some(code)) => {
+                    let _ = link.acknowledge_end();
+                    let _ = supervisor.send_message(SupervisorMsg::RunEnded { code });
+                    return;
+                }
+                Ok(None) => {}
+                Err(e) if lost(&mut failures, e.to_string(), &supervisor) => return,
+                Err(_) => continue,
+            }
+            let Some((generation, from)) = link.entered() else {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            };
+            let step = match at {
+                Some((g, s)) if g == generation => s,
+                _ => from,
+            };
+            match link.wait_feed(generation, step, Duration::from_millis(200)) {
+                Ok(Some(bytes)) => {
+                    failures = 0;
+                    at = Some((generation, step + 1));
+                    match serde_json::from_slice::<Vec<(usize, Item)>>(&bytes) {
+                        Ok(items) => {
+                            let _ = supervisor.send_message(SupervisorMsg::Fed { generation, step, items });
+                        }
+                        // Its drafters then train nothing that step; rank 0 hands the batches out again.
+                        Err(e) => tracing::error!(step, "rank 0's assignment cannot be read: {e}"),
+                    }
+                }
+                Ok(None) => failures = 0,
+                Err(e) if lost(&mut failures, e.to_string(), &supervisor) => return,
+                Err(_) => {}
+            }
+        }
+    })?;
+    Ok(FeedReader { stop, handle: Some(handle) })
+}
+
+/// Counts a failed store operation; true (and the supervisor told) once the rendezvous host counts as gone.
+fn lost(failures: &mut u32, e: String, supervisor: &ActorRef<SupervisorMsg>) -> bool {
+    *failures += 1;
+    tracing::warn!("reading from the rendezvous host: {e}");
+    if *failures >= LOST_AFTER {
+        let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(e));
+        return true;
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    false
+}
+
+/// Rank 0: posts what host `rank` (as `generation`) trains at `step`. A host that does not get it misses the
+/// round and rejoins; its batches go back to the loader.
+pub(super) fn post_feed(link: &HostLink, rank: usize, generation: u64, step: u64, items: &[(usize, Item)]) {
+    let posted = serde_json::to_vec(items)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| link.feed(rank, generation, step, &bytes).map_err(|e| e.to_string()));
+    if let Err(e) = posted {
+        tracing::warn!(host = rank, step, "cannot hand the host its batches: {e}");
+    }
+}

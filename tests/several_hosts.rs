@@ -1,0 +1,130 @@
+//! Several hosts as real processes: three `serve-train` processes on loopback form one run (rank 0 serves the c10d
+//! store, assigns every host's batches and keeps the ledger). One host is killed with SIGKILL mid-run and started
+//! again: the others keep stepping, it rejoins from a live host, every sample of both epochs is committed exactly
+//! once, rank 0's replica check (which covers every host's drafters) never finds them apart, and all three processes
+//! end with the run.
+mod support;
+
+use std::net::TcpListener;
+
+use support::*;
+
+const HOSTS: usize = 3;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn three_hosts_train_one_run_and_a_killed_host_rejoins() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let port = free_port().to_string();
+    let sets = |rank: usize| -> Vec<String> {
+        vec![
+            format!("cluster.hosts={HOSTS}"),
+            format!("cluster.rank={rank}"),
+            "cluster.master_addr=127.0.0.1".into(),
+            format!("cluster.master_port={port}"),
+            "cluster.round_timeout_s=8".into(),
+            "cluster.rendezvous_timeout_s=120".into(),
+            "optim.epochs=2".into(),
+            "supervision.check_replicas_every=2".into(),
+            "supervision.step_timeout_s=30".into(),
+            "checkpoint.every_steps=10".into(),
+        ]
+    };
+    let start = |rank: usize| {
+        let sets = sets(rank);
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        Service::start(&cfg, false, &sets)
+    };
+    let mut rank0 = start(0);
+    let followers: Vec<Service> = (1..HOSTS).map(start).collect();
+    let mut followers = followers.into_iter();
+    let rank1 = followers.next().unwrap();
+    let rank2 = followers.next().unwrap();
+
+    let before = rank0.wait("the run to pass step 6", |s| s["step"].as_u64().is_some_and(|st| st >= 6));
+    rank2.signal("-9");
+    let (code, _) = rank2.exit_code();
+    assert_eq!(code, -1, "killed by a signal");
+    // The others step on without host 2 (its round closes at the deadline, or at once when it comes back).
+    let after_kill = step(&before) + 3;
+    rank0.wait("the run to step on without host 2", |s| step(s) >= after_kill);
+    let rank2 = start(2);
+    let rejoined = rank0.poll(
+        "host 2 to rejoin",
+        |s| s.tail(400).join("\n"),
+        |logs| logs.lines().any(|l| l.contains("host joined the run") && l.contains("\"generation\":2")),
+    );
+    assert!(rejoined.contains("\"host\":2"), "{rejoined}");
+    // Replicas across hosts, host 2's new one among them, agree after it came back.
+    let joined_at = step(&rank0.status());
+    let checked = rank0.wait("a replica check after host 2 rejoined", |s| {
+        s["replicas_checked_step"].as_u64().is_some_and(|c| c > joined_at + 2) || s["phase"] != "running"
+    });
+    assert_eq!(checked["replicas_diverged"], 0, "{checked:#}");
+    assert!(checked["replicas_checked_step"].as_u64().is_some_and(|c| c > joined_at + 2), "{checked:#}");
+
+    let (code0, logs0) = rank0.exit_code();
+    assert_eq!(code0, 0, "{:#?}", &logs0[logs0.len().saturating_sub(30)..]);
+    for (rank, host) in [(1, rank1), (2, rank2)] {
+        let (code, logs) = host.exit_code();
+        assert_eq!(code, 0, "host {rank}: {:#?}", &logs[logs.len().saturating_sub(30)..]);
+        assert!(logged(&logs, "rank 0 ended the run"), "host {rank}");
+    }
+    assert!(!logged(&logs0, "replicas diverged"));
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "both epochs, every sample once");
+    // Rank 0 alone wrote checkpoints; the others left checkpoint.dir alone.
+    assert!(!checkpoints_written(&logs0).is_empty());
+}
+
+/// The rendezvous host is the run's single point: when rank 0 is killed the others exit with 75 (restart with
+/// `--resume auto`), and the run resumes from rank 0's newest checkpoint, here on two hosts instead of three.
+#[test]
+fn losing_rank_0_ends_the_run_and_it_resumes_on_fewer_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let start = |rank: usize, hosts: usize, port: &str, resume: bool| {
+        let sets = [
+            format!("cluster.hosts={hosts}"),
+            format!("cluster.rank={rank}"),
+            "cluster.master_addr=127.0.0.1".into(),
+            format!("cluster.master_port={port}"),
+            "cluster.round_timeout_s=8".into(),
+            "optim.epochs=2".into(),
+            "supervision.step_timeout_s=30".into(),
+            "checkpoint.every_steps=5".into(),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        Service::start(&cfg, resume, &sets)
+    };
+    let port = free_port().to_string();
+    let mut rank0 = start(0, 3, &port, false);
+    let followers: Vec<Service> = (1..3).map(|r| start(r, 3, &port, false)).collect();
+    rank0.poll(
+        "a checkpoint past step 10",
+        |s| s.tail(200).join("\n"),
+        |logs| checkpoints_written(&logs.lines().map(String::from).collect::<Vec<_>>()).iter().any(|&s| s >= 10),
+    );
+    rank0.signal("-9");
+    let _ = rank0.exit_code();
+    for (rank, host) in followers.into_iter().enumerate() {
+        let (code, logs) = host.exit_code();
+        assert_eq!(code, 75, "host {}: {:#?}", rank + 1, &logs[logs.len().saturating_sub(20)..]);
+        assert!(logged(&logs, "the rendezvous host is gone"), "host {}", rank + 1);
+    }
+    // Resumed on two hosts (a new store on a new port, as a restarted job gets).
+    let port = free_port().to_string();
+    let rank0 = start(0, 2, &port, true);
+    let rank1 = start(1, 2, &port, true);
+    let (code0, logs0) = rank0.exit_code();
+    assert_eq!(code0, 0, "{:#?}", &logs0[logs0.len().saturating_sub(30)..]);
+    assert!(logged(&logs0, "resum"), "rank 0 resumed its checkpoint");
+    let (code1, logs1) = rank1.exit_code();
+    assert_eq!(code1, 0, "{:#?}", &logs1[logs1.len().saturating_sub(30)..]);
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "both epochs, every sample once");
+}
