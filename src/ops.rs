@@ -57,7 +57,7 @@ pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), DeviceError> {
 }
 
 /// AdamW hyperparameters of one step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamwStep {
     pub lr: f64,
     pub beta1: f64,

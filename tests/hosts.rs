@@ -2,7 +2,7 @@
 //! over one c10d store on loopback (threads stand in for the drafters; a host "killed" stops without a word and
 //! drops its link). What must hold: the hosts found the run with rank 0's state, every host applies the same sum
 //! bit for bit, a killed host leaves the quorum and the others go on, the restarted host takes a live host's state
-//! and contributes again, and samples count across hosts.
+//! and contributes again, samples count across hosts, and every host applies rank 0's hyperparameters.
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,11 +21,11 @@ use tch::Tensor;
 
 const LAST_STEP: u64 = 12;
 
-fn settings() -> StepSettings {
+fn settings(lr: f64) -> StepSettings {
     let hyper = Hyper {
         schedule: LrSchedule {
             kind: ScheduleKind::Constant,
-            lr: 0.1,
+            lr,
             warmup_steps: 0,
             total_steps: 1,
             min_lr_ratio: 0.0,
@@ -68,7 +68,9 @@ fn host(rank: usize, port: u16, log: &Arc<Mutex<Log>>) -> Host {
     };
     let link = Arc::new(HostLink::open(&placement, Duration::from_millis(800)).unwrap());
     let log = log.clone();
-    let collective = Collective::new(0, 0, settings(), GradientSum::DeviceCopies, move |r| {
+    // Host 1 is configured with another learning rate: every host applies rank 0's, the lowest member's.
+    let lr = if rank == 1 { 0.5 } else { 0.1 };
+    let collective = Collective::new(0, 0, settings(lr), GradientSum::DeviceCopies, move |r| {
         log.lock().unwrap().reports.push((rank, r));
     });
     Host { rank, generation: 0, collective: Arc::new(collective.with_link(link)) }

@@ -21,7 +21,9 @@ use super::launch::HostPlacement;
 use super::quorum::{Admitted, Rank};
 use super::store::{Store, StoreError};
 use crate::data::loader::BatchId;
+use crate::train::collective::ObjectiveKnobs;
 use crate::train::objective::Metrics;
+use crate::train::step::UpdateSettings;
 
 #[derive(Debug, Error)]
 pub enum LinkError {
@@ -55,6 +57,9 @@ impl From<tch::TchError> for LinkError {
 /// What a host brings to a round: its drafters' summed gradient and what each of them trained.
 pub struct HostShare<'a> {
     pub grad: &'a Tensor,
+    /// The update this host would apply and the objective of its next step: the round applies its lowest-ranked
+    /// member's, so that every host applies the same whatever each was configured or reloaded with.
+    pub settings: (UpdateSettings, ObjectiveKnobs),
     pub weight: f64,
     pub contributions: Vec<DrafterPart>,
 }
@@ -77,6 +82,7 @@ pub struct HostRecord {
     pub rank: Rank,
     /// The generation it contributed as.
     pub generation: u64,
+    pub settings: (UpdateSettings, ObjectiveKnobs),
     pub weight: f64,
     pub contributions: Vec<DrafterPart>,
 }
@@ -443,7 +449,13 @@ impl HostLink {
     pub fn exchange(&self, round: u64, share: HostShare<'_>) -> Result<RunRound, LinkError> {
         self.check_coordinator()?;
         let (rank, generation) = (self.rank(), self.generation());
-        let record = HostRecord { rank, generation, weight: share.weight, contributions: share.contributions };
+        let record = HostRecord {
+            rank,
+            generation,
+            settings: share.settings,
+            weight: share.weight,
+            contributions: share.contributions,
+        };
         let bytes = frame(&record, &[share.grad])?;
         let wait = self.wait();
         self.with_store(|s| {

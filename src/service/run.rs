@@ -135,7 +135,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         resolve(&config.cluster, |k| std::env::var(k).ok()).context("[cluster] and the launcher's environment")?;
     if placement.is_some() && config.drafters.collective == CollectiveKind::Nccl {
         bail!(
-            "drafters.collective = \"nccl\" does not run across hosts yet: set drafters.collective = \"in-process\" \
+            "drafters.collective = \"nccl\" does not run across hosts yet: set drafters.collective = \"in_process\" \
              (each host sums its drafters by device copies; hosts sum through the store)"
         );
     }

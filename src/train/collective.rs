@@ -98,7 +98,7 @@ impl Hyper {
 }
 
 /// The objective's settings a reload may change; each drafter's forward reads them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ObjectiveKnobs {
     pub num_anchors: usize,
     pub gamma: Option<f64>,
@@ -426,7 +426,7 @@ impl Collective {
                 let (summed, run) = match &self.link {
                     Some(link) => {
                         summing(Summing::AcrossHosts);
-                        across_hosts(link, step, &done, summed)
+                        across_hosts(link, step, &plan, &done, summed)
                     }
                     None => (summed, None),
                 };
@@ -438,6 +438,11 @@ impl Collective {
                     s.samples_committed += run.samples - local;
                     plan.samples_committed = s.samples_committed;
                     plan.total_weight = Some(run.total_weight);
+                    // Every host applies the lowest-ranked member's hyperparameters (rank 0's: reloads go there).
+                    if let Some((update, next_objective)) = run.hosts.first().map(|h| h.settings) {
+                        plan.update = update;
+                        plan.next_objective = next_objective;
+                    }
                     s.remote_joiners.extend(run.serve);
                     let me = self.link.as_ref().map(|l| l.rank());
                     plan.remote = run.hosts.into_iter().filter(|h| Some(h.rank) != me).collect();
@@ -601,6 +606,7 @@ fn plan(s: &mut State, done: &Completed<Contribution>) -> Plan {
 fn across_hosts(
     link: &HostLink,
     step: u64,
+    plan: &Plan,
     done: &Completed<Contribution>,
     summed: Result<Option<Tensor>, CollectiveError>,
 ) -> (Result<Option<Tensor>, CollectiveError>, Option<RunRound>) {
@@ -612,7 +618,7 @@ fn across_hosts(
         }
         Err(e) => return (Err(e), None),
     };
-    match exchange_share(link, step, done, &local) {
+    match exchange_share(link, step, plan, done, &local) {
         Ok((grad, run)) => (Ok(Some(grad)), Some(run)),
         Err(e) => (Err(e), None),
     }
@@ -621,11 +627,13 @@ fn across_hosts(
 fn exchange_share(
     link: &HostLink,
     step: u64,
+    plan: &Plan,
     done: &Completed<Contribution>,
     local: &Tensor,
 ) -> Result<(Tensor, RunRound), CollectiveError> {
     let share = HostShare {
         grad: local,
+        settings: (plan.update, plan.next_objective),
         weight: done.contributions.iter().map(|(.., c)| c.weight).sum(),
         contributions: done
             .contributions

@@ -65,7 +65,7 @@ impl FeatureBatch {
 }
 
 /// The hyperparameters of one update (applied by step number, so every replica applies the same).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct UpdateSettings {
     pub adamw: AdamwStep,
     /// Clip the global gradient norm to this; `None`: no clipping.

@@ -254,6 +254,16 @@ impl Service {
     }
 }
 
+/// A test that fails leaves no service behind (a host of a run of several would wait for the others for minutes).
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 pub fn step(s: &Value) -> u64 {
     s["step"].as_u64().unwrap()
 }

@@ -171,3 +171,179 @@ impl Core {
         self.out.push(Action::SpawnDrafter { id, generation, start: Start::Found(None) });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::link::{DrafterPart, HostRecord};
+    use crate::service::supervisor::protocol::Request;
+
+    fn core(role: HostRole) -> Core {
+        let mut config = Config::builtin().unwrap();
+        config.drafters.devices = vec![config.drafters.devices[0]];
+        Core::new(Setup {
+            config,
+            drafter_devices: vec!["cpu".into()],
+            target_devices: vec!["cpu".into()],
+            feeds: vec![0],
+            lengths: vec![8; 64],
+            sample_ids: (0..64).map(SampleId::Number).collect(),
+            resume: None,
+            rejected: vec![],
+            role: Some(role),
+        })
+    }
+
+    fn at(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    fn member(rank: usize, generation: u64, from: u64) -> HostMember {
+        HostMember { rank, generation, from }
+    }
+
+    /// The batches of the captures asked of the target.
+    fn captured(actions: &[Action]) -> Vec<BatchId> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::TargetRequest { request: Request { item: Item::Capture { batch, .. }, .. }, .. } => {
+                    Some(*batch)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The feeds posted: `(rank, generation, step, batches)`.
+    fn fed(actions: &[Action]) -> Vec<(usize, u64, u64, Vec<BatchId>)> {
+        let batch = |i: &Item| match i {
+            Item::Capture { batch, .. } => Some(*batch),
+            Item::Empty => None,
+        };
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Feed { rank, generation, step, items } => {
+                    Some((*rank, *generation, *step, items.iter().filter_map(|(_, i)| batch(i)).collect()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn committed(actions: &[Action]) -> Vec<BatchId> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Ledger(LedgerEntry::Commit { batch, .. }) => Some(batch.id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn contributed(member: usize, batches: Vec<BatchId>) -> Contributed {
+        Contributed { member, generation: 1, batches, metrics: Metrics::default(), samples: 4 }
+    }
+
+    fn report(step: u64, incarnation: u64, local: Vec<Contributed>, remote: Vec<HostRecord>) -> RoundReport {
+        let samples = 4 * (local.len() + remote.len()) as u64;
+        RoundReport {
+            step,
+            incarnation,
+            contributions: local,
+            total_weight: 1.0,
+            lr: 1e-3,
+            samples_committed: samples,
+            remote,
+        }
+    }
+
+    fn record(rank: usize, generation: u64, batches: Vec<BatchId>) -> HostRecord {
+        let settings = (
+            crate::train::step::UpdateSettings {
+                adamw: crate::ops::AdamwStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+                grad_clip: None,
+            },
+            ObjectiveKnobs { num_anchors: 4, gamma: None },
+        );
+        let part = DrafterPart { drafter: 0, batches, samples: 4, metrics: Metrics::default(), digest: None };
+        HostRecord { rank, generation, settings, weight: 1.0, contributions: vec![part] }
+    }
+
+    /// Rank 0 assigns a joined host its part of every open step, commits what that host trained with the round,
+    /// and takes back what a host that left was assigned: each batch is committed once, by whichever host.
+    #[test]
+    fn rank_0_assigns_the_other_hosts_and_commits_their_batches_once() {
+        let mut c = core(HostRole::Leader);
+        c.start(at(0.0));
+        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        let actions = c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        let local = captured(&actions);
+        assert_eq!(local.len(), 2, "two steps ahead, one batch each");
+        let actions = c.handle(at(0.3), Event::Hosts(vec![member(0, 1, 0), member(1, 1, 0)]));
+        let feeds = fed(&actions);
+        assert_eq!(
+            feeds.iter().map(|f| (f.0, f.1, f.2, f.3.len())).collect::<Vec<_>>(),
+            vec![(1, 1, 0, 1), (1, 1, 1, 1)]
+        );
+        let remote: Vec<BatchId> = feeds.iter().map(|f| f.3[0]).collect();
+        assert!(remote.iter().all(|b| !local.contains(b)), "no batch goes to two hosts");
+
+        // Round 0: both hosts trained theirs; both are committed.
+        let r = report(0, 1, vec![contributed(0, vec![local[0]])], vec![record(1, 1, vec![remote[0]])]);
+        let actions = c.handle(at(0.4), Event::Round(r));
+        assert_eq!(committed(&actions), vec![local[0], remote[0]]);
+        let opened = fed(&actions);
+        assert_eq!(opened.len(), 1, "the next step opened feeds host 1 too: {opened:?}");
+
+        // Host 1 leaves before round 1: what it was assigned goes back and is handed out again (here, to rank 0).
+        c.handle(at(0.5), Event::Hosts(vec![member(0, 1, 0)]));
+        let r = report(1, 1, vec![contributed(0, vec![local[1]])], vec![]);
+        let actions = c.handle(at(0.6), Event::Round(r));
+        assert_eq!(committed(&actions), vec![local[1]]);
+        assert!(actions.contains(&Action::Notice(Notice::Requeued { samples: 4 })), "{actions:?}");
+        assert!(fed(&actions).is_empty(), "nothing more for a host that left");
+        assert_eq!(captured(&actions), vec![remote[1]], "the batch host 1 did not train is handed out first");
+    }
+
+    /// Another host trains what rank 0 feeds it from the step it entered at, writes no ledger and no checkpoint,
+    /// enters again (no checkpoint read, nothing rewound) when its collective is empty, and ends with the run.
+    #[test]
+    fn another_host_trains_what_it_is_fed_and_writes_nothing() {
+        let mut c = core(HostRole::Follower);
+        c.start(at(0.0));
+        let actions = c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        assert!(actions.contains(&Action::SpawnDrafter { id: 0, generation: 1, start: Start::Found(None) }));
+        assert!(!actions.iter().any(|a| matches!(a, Action::FindCheckpoint(_) | Action::RewindCollective { .. })));
+        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
+        let batch = BatchId { epoch: 0, ordinal: 3 };
+        let item = Item::Capture { batch, positions: vec![0, 1] };
+        let actions = c.handle(at(0.3), Event::Fed { step: 6, items: vec![(0, item.clone())] });
+        assert!(captured(&actions).is_empty(), "a step before it entered");
+        let actions = c.handle(at(0.3), Event::Fed { step: 7, items: vec![(0, item)] });
+        assert_eq!(captured(&actions), vec![batch]);
+        let r = report(7, 1, vec![contributed(0, vec![batch])], vec![record(0, 1, vec![])]);
+        let actions = c.handle(at(0.4), Event::Round(r));
+        assert!(committed(&actions).is_empty(), "rank 0 keeps the ledger");
+        assert!(c.checkpoint_now(at(0.5)).0.is_err());
+
+        let failure = Failure::panic("boom".into());
+        let actions =
+            c.handle(at(0.6), Event::DrafterFailed { id: 0, generation: 1, failure, running: vec![], injected: false });
+        let removed = c.handle(at(0.6), Event::MemberRemoved { remaining: vec![] });
+        let actions: Vec<Action> = actions.into_iter().chain(removed).chain(c.handle(at(5.0), Event::Tick)).collect();
+        assert!(
+            actions.iter().any(|a| matches!(a, Action::SpawnDrafter { start: Start::Found(None), .. })),
+            "{actions:?}"
+        );
+        assert!(!actions.iter().any(|a| matches!(
+            a,
+            Action::FindCheckpoint(_)
+                | Action::RetireCheckpoints { .. }
+                | Action::Ledger(_)
+                | Action::WriteCheckpoint(_)
+        )));
+        assert_eq!(c.handle(at(6.0), Event::RunEnded { code: 0 }).last(), Some(&Action::Exit { code: 0 }));
+    }
+}
