@@ -11,7 +11,7 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 # STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure; 9 a
-# target spread over the GPUs).
+# target spread over the GPUs; 10 two serve-train processes as two hosts on this machine, with a kill -9 and rejoin).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -242,4 +242,65 @@ wait_step 110
 get /status >"$out/status-spread.json"
 kill -9 $pid; wait 2>/dev/null
 grep -E "target loaded|target failed|target restarted|set aside" "$out/serve-spread.log" | tail -6
+fi
+
+if has 10; then
+# Several hosts on one machine: two serve-train processes as two hosts (rank 0 serves the c10d store on loopback;
+# each host's summed gradient crosses through it), each with one drafter on $dev beside its own target, against
+# one process alone; rank 1 is killed -9 at step 40 and started again. HOST_MODELS picks the targets; the drafter
+# has one layer (its fp32 gradient: ~1 MB at tiny, ~0.5 GB at qwen3-4b).
+for m in ${HOST_MODELS:-tiny qwen3-4b}; do
+  hs=(--set target.model=$m --set target.device=$dev --set data.path=synthetic --set data.max_len=$seq
+    --set data.batch_size=4 --set data.builtin_conversations=4096 --set objective.num_anchors=$anchors
+    --set checkpoint.every_steps=0 --set log.every_steps=5 --set log.format=json --set "drafters.devices=[\"$dev\"]"
+    --set draft_model.num_hidden_layers=1 --set supervision.check_replicas_every=10)
+  # samples/s of the run between steps $1 and $2, read from rank 0's status
+  rate() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys, time, urllib.request
+a, b = int(sys.argv[1]), int(sys.argv[2])
+st = lambda: json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
+deadline = time.time() + 300
+while st()["step"] < a and time.time() < deadline: time.sleep(0.05)
+s0, t0 = st(), time.time()
+while st()["step"] < b and time.time() < deadline: time.sleep(0.05)
+s1, t1 = st(), time.time()
+print(json.dumps({"steps": s1["step"] - s0["step"], "seconds": round(t1 - t0, 3),
+                  "samples_per_s": round((s1["samples_committed"] - s0["samples_committed"]) / (t1 - t0), 2)}))
+PY
+  }
+  echo "== 10. $m: one process"
+  rm -rf runs/h1
+  ./.bin/dflash serve-train "${hs[@]}" --set checkpoint.dir=runs/h1 2>"$out/hosts-$m-one.log" &
+  pid=$!
+  rate 10 40 | tee "$out/hosts-$m-one.json"
+  get /metrics | grep -E "^dflash_(collective_duration|step_duration)_seconds_(sum|count)" >"$out/hosts-$m-one-metrics.txt"
+  kill -9 $pid; wait 2>/dev/null
+  echo "== 10. $m: two processes as two hosts"
+  rm -rf runs/h2 runs/h2-1
+  cl=(--set cluster.hosts=2 --set cluster.master_addr=127.0.0.1 --set cluster.master_port=29512
+    --set cluster.round_timeout_s=60)
+  ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" --set cluster.rank=0 --set checkpoint.dir=runs/h2 \
+    2>"$out/hosts-$m-rank0.log" &
+  p0=$!
+  ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" --set cluster.rank=1 --set checkpoint.dir=runs/h2-1 \
+    --set control.listen=127.0.0.1:9411 2>"$out/hosts-$m-rank1.log" &
+  p1=$!
+  rate 10 40 | tee "$out/hosts-$m-two.json"
+  get /metrics | grep -E "^dflash_(collective_duration|step_duration)_seconds_(sum|count)" >"$out/hosts-$m-two-metrics.txt"
+  kill -9 $p1
+  date +%s.%N >"$out/hosts-$m-killed"
+  ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" --set cluster.rank=1 --set checkpoint.dir=runs/h2-1 \
+    --set control.listen=127.0.0.1:9411 2>"$out/hosts-$m-rank1-again.log" &
+  p1=$!
+  deadline=$((SECONDS + 240))
+  until grep -q '"generation":2' <(grep "host joined the run" "$out/hosts-$m-rank0.log") || [ $SECONDS -ge $deadline ]; do
+    sleep 0.1
+  done
+  date +%s.%N >"$out/hosts-$m-rejoined"
+  wait_step $(($(step) + 20))
+  get /status >"$out/hosts-$m-status.json"
+  kill -9 $p0 $p1; wait 2>/dev/null
+  grep -E "host (joined|left)|hosts changed|replicas" "$out/hosts-$m-rank0.log" | tail -8
+done
 fi

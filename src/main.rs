@@ -59,8 +59,12 @@ enum Command {
         checkpoints and exits 0; a second signal exits at once. Exit 3: the run cannot go on (fewer than \
         supervision.min_live_drafters drafters left that are not failed, or a target copy past its restart limit). \
         Exit 75 asks an outside supervisor to restart with --resume auto (an error poisoned a device, or the end's \
-        checkpoint did not finish within supervision.shutdown_timeout_s). GET /readyz answers 503 while no drafter \
-        is live.\n\n\
+        checkpoint did not finish within supervision.shutdown_timeout_s, or, with several hosts, the rendezvous \
+        host is gone). GET /readyz answers 503 while no drafter is live.\n\n\
+        Several hosts: run one serve-train per host with the same configuration and data; the host's place comes \
+        from the launcher's environment (MASTER_ADDR, MASTER_PORT, NODE_RANK or RANK, NNODES or WORLD_SIZE) or \
+        [cluster]. Rank 0 serves the rendezvous store, assigns every host's batches and keeps ledger and \
+        checkpoints; a host that dies leaves the run and rejoins from a live one when restarted.\n\n\
         The built-in default trains on the tiny-tasks target (built in) and built-in sample data with two drafters:\n  dflash serve-train")]
     ServeTrain(ServeTrainArgs),
     /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template

@@ -23,13 +23,7 @@ const LAST_STEP: u64 = 12;
 
 fn settings(lr: f64) -> StepSettings {
     let hyper = Hyper {
-        schedule: LrSchedule {
-            kind: ScheduleKind::Constant,
-            lr,
-            warmup_steps: 0,
-            total_steps: 1,
-            min_lr_ratio: 0.0,
-        },
+        schedule: LrSchedule { kind: ScheduleKind::Constant, lr, warmup_steps: 0, total_steps: 1, min_lr_ratio: 0.0 },
         progress: Progress::Steps,
         beta1: 0.9,
         beta2: 0.999,

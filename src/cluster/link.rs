@@ -468,8 +468,10 @@ impl HostLink {
             let mut sum: Option<Tensor> = None;
             let mut hosts = Vec::new();
             for &m in &closed.members {
-                let theirs = exchange::payload(s, round, m, wait)?;
-                let (record, data): (HostRecord, &[u8]) = unframe(&theirs, "contribution", m)?;
+                // This host's own share is the bytes it posted: no need to read them back.
+                let theirs = if m == rank { None } else { Some(exchange::payload(s, round, m, wait)?) };
+                let (record, data): (HostRecord, &[u8]) =
+                    unframe(theirs.as_deref().unwrap_or(&bytes), "contribution", m)?;
                 let grad = floats(data, elements, "contribution", m)?;
                 sum = Some(match sum {
                     None => grad,
