@@ -25,7 +25,7 @@ get() { python3 -c "import sys,urllib.request;print(urllib.request.urlopen('http
 post() { python3 -c "import sys,urllib.request;r=urllib.request.Request('http://127.0.0.1:9410'+sys.argv[1],data=sys.argv[2].encode(),headers={'content-type':'application/json'});print(urllib.request.urlopen(r).read().decode())" "$1" "$2"; }
 step() { get /status | python3 -c "import sys,json;print(json.load(sys.stdin)['step'])" 2>/dev/null || echo -1; }
 wait_step() {  # gives up after 5 minutes
-  local deadline=$((SECONDS + 300))
+  local deadline=$((SECONDS + ${WAIT_S:-300}))
   until [ "$(step)" -ge "$1" ] || [ $SECONDS -ge $deadline ]; do sleep 0.2; done
 }
 evaluated() { get /status | python3 -c "import sys,json;print(json.load(sys.stdin)['last_evaluation'] is not None)" 2>/dev/null; }
@@ -245,13 +245,16 @@ grep -E "target loaded|target failed|target restarted|set aside" "$out/serve-spr
 fi
 
 if has 10; then
+WAIT_S=90
 # Several hosts on one machine: two serve-train processes as two hosts (rank 0 serves the c10d store on loopback;
 # each host's summed gradient crosses through it), each with one drafter on $dev beside its own target, against
 # one process alone; rank 1 is killed -9 at step 40 and started again. HOST_MODELS picks the targets; the drafter
-# has one layer (its fp32 gradient: ~1 MB at tiny, ~0.5 GB at qwen3-4b).
-for m in ${HOST_MODELS:-tiny qwen3-4b}; do
-  hs=(--set target.model=$m --set target.device=$dev --set data.path=synthetic --set data.max_len=$seq
-    --set data.batch_size=4 --set data.builtin_conversations=4096 --set objective.num_anchors=$anchors
+# has one layer (its fp32 gradient: ~0.5 GB at qwen3-4b).
+for m in ${HOST_MODELS:-qwen3-4b}; do
+  # The tiny presets take rows of at most 128 tokens.
+  case $m in tiny*) ms=64 ma=8 ;; *) ms=$seq ma=$anchors ;; esac
+  hs=(--set target.model=$m --set target.device=$dev --set data.path=synthetic --set data.max_len=$ms
+    --set data.batch_size=4 --set data.builtin_conversations=4096 --set objective.num_anchors=$ma
     --set checkpoint.every_steps=0 --set log.every_steps=5 --set log.format=json --set "drafters.devices=[\"$dev\"]"
     --set draft_model.num_hidden_layers=1 --set supervision.check_replicas_every=10)
   # samples/s of the run between steps $1 and $2, read from rank 0's status
@@ -259,8 +262,14 @@ for m in ${HOST_MODELS:-tiny qwen3-4b}; do
     python3 - "$1" "$2" <<'PY'
 import json, sys, time, urllib.request
 a, b = int(sys.argv[1]), int(sys.argv[2])
-st = lambda: json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
-deadline = time.time() + 300
+def st():
+    while True:  # the service may still be starting
+        try:
+            return json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
+        except OSError:
+            if time.time() > deadline: raise
+            time.sleep(0.2)
+deadline = time.time() + 150
 while st()["step"] < a and time.time() < deadline: time.sleep(0.05)
 s0, t0 = st(), time.time()
 while st()["step"] < b and time.time() < deadline: time.sleep(0.05)
@@ -293,7 +302,7 @@ PY
   ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" --set cluster.rank=1 --set checkpoint.dir=runs/h2-1 \
     --set control.listen=127.0.0.1:9411 2>"$out/hosts-$m-rank1-again.log" &
   p1=$!
-  deadline=$((SECONDS + 240))
+  deadline=$((SECONDS + 120))
   until grep -q '"generation":2' <(grep "host joined the run" "$out/hosts-$m-rank0.log") || [ $SECONDS -ge $deadline ]; do
     sleep 0.1
   done
@@ -303,4 +312,6 @@ PY
   kill -9 $p0 $p1; wait 2>/dev/null
   grep -E "host (joined|left)|hosts changed|replicas" "$out/hosts-$m-rank0.log" | tail -8
 done
+# One file back instead of many.
+tar -C "$out" -czf "$out/hosts.tgz" $(cd "$out" && ls hosts-* 2>/dev/null) && (cd "$out" && rm -f hosts-*)
 fi

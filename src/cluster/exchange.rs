@@ -80,6 +80,56 @@ struct FoundRecord {
     serve: Vec<Admitted>,
 }
 
+/// The largest value set in one piece: the store's server refuses messages over 8 MiB.
+const PIECE: usize = 4 << 20;
+
+/// Sets `key` to `value` of any size: the pieces under `{key}/{i}` first, then `key` itself (the piece count and
+/// the length), which readers wait for.
+pub fn set_large(store: &Store, key: &str, value: &[u8]) -> Result<(), ExchangeError> {
+    let pieces = value.chunks(PIECE).count();
+    for (i, piece) in value.chunks(PIECE).enumerate() {
+        store.set(&format!("{key}/{i}"), piece)?;
+    }
+    let mut head = (pieces as u64).to_le_bytes().to_vec();
+    head.extend_from_slice(&(value.len() as u64).to_le_bytes());
+    Ok(store.set(key, &head)?)
+}
+
+/// The piece count and length [`set_large`] wrote under `key`.
+fn large_head(key: &str, head: &[u8]) -> Result<(usize, usize), ExchangeError> {
+    let word = |i: usize| head.get(8 * i..8 * i + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+    match (head.len(), word(0), word(1)) {
+        (16, Some(pieces), Some(len)) => Ok((pieces as usize, len as usize)),
+        _ => Err(ExchangeError::Malformed { what: key.into(), message: format!("a head of {} bytes", head.len()) }),
+    }
+}
+
+/// Waits up to `timeout` for `key` set by [`set_large`] and reads the whole value.
+pub fn get_large(store: &Store, key: &str, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
+    let (pieces, len) = large_head(key, &store.get(key, timeout)?)?;
+    let mut value = Vec::with_capacity(len);
+    for i in 0..pieces {
+        value.extend(store.get(&format!("{key}/{i}"), timeout)?);
+    }
+    if value.len() != len {
+        let message = format!("{} bytes in its pieces, {len} announced", value.len());
+        return Err(ExchangeError::Malformed { what: key.into(), message });
+    }
+    Ok(value)
+}
+
+/// Deletes `key` set by [`set_large`] with its pieces (nothing when it is not set).
+fn delete_large(store: &Store, key: &str) -> Result<(), ExchangeError> {
+    if !store.check(key)? {
+        return Ok(());
+    }
+    let (pieces, _) = large_head(key, &store.get(key, Duration::from_secs(1))?)?;
+    for i in 0..pieces {
+        store.delete(&format!("{key}/{i}"))?;
+    }
+    Ok(store.delete(key)?)
+}
+
 /// Starts this host as a new generation (1 at its first start) and returns it.
 pub fn announce(store: &Store, rank: Rank) -> Result<u64, ExchangeError> {
     Ok(store.add(&generation_key(rank), 1)? as u64)
@@ -92,7 +142,7 @@ pub fn generations(store: &Store, hosts: usize) -> Result<Vec<u64>, ExchangeErro
 
 /// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read.
 pub fn contribute(store: &Store, round: u64, rank: Rank, generation: u64, payload: &[u8]) -> Result<(), ExchangeError> {
-    store.set(&from_key(round, rank), payload)?;
+    set_large(store, &from_key(round, rank), payload)?;
     Ok(store.set(&arrived_key(round, rank), &generation.to_le_bytes())?)
 }
 
@@ -106,14 +156,14 @@ pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Close
 
 /// The payload member `rank` posted to `round` (after the round closed with it as a member).
 pub fn payload(store: &Store, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
-    Ok(store.get(&from_key(round, rank), timeout)?)
+    get_large(store, &from_key(round, rank), timeout)
 }
 
 /// A donor's state for the admitted host.
 pub fn post_state(store: &Store, to: &Admitted, state: &[u8]) -> Result<(), ExchangeError> {
     let mut value = vec![b'S'];
     value.extend_from_slice(state);
-    Ok(store.set(&entry_key(to.rank, to.generation), &value)?)
+    set_large(store, &entry_key(to.rank, to.generation), &value)
 }
 
 /// Tells host `to` to found the run again and then serve `serve`.
@@ -126,8 +176,8 @@ fn post_found(store: &Store, to: &Admitted, serve: Vec<Admitted>) -> Result<(), 
 /// Waits up to `timeout` for what generation `generation` of host `rank` starts from (and deletes it).
 pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration) -> Result<Entry, ExchangeError> {
     let key = entry_key(rank, generation);
-    let mut value = store.get(&key, timeout)?;
-    store.delete(&key)?;
+    let mut value = get_large(store, &key, timeout)?;
+    delete_large(store, &key)?;
     let malformed = |message: String| ExchangeError::Malformed { what: key.clone(), message };
     match value.first() {
         Some(b'S') => Ok(Entry::State(value.split_off(1))),
@@ -282,7 +332,7 @@ impl Coordinator {
 
     fn delete_round(&self, round: u64) -> Result<(), ExchangeError> {
         for rank in 0..self.hosts {
-            self.store.delete(&from_key(round, rank))?;
+            delete_large(&self.store, &from_key(round, rank))?;
             self.store.delete(&arrived_key(round, rank))?;
         }
         Ok(self.store.delete(&closed_key(round))?)
@@ -297,6 +347,21 @@ mod tests {
     use super::*;
 
     const WAIT: Duration = Duration::from_secs(20);
+
+    /// A value larger than the server takes in one message (8 MiB) goes in pieces and comes back whole; deleting it
+    /// removes the pieces.
+    #[test]
+    fn a_large_value_crosses_in_pieces() {
+        let store = Store::serve(0, WAIT).unwrap();
+        let value: Vec<u8> = (0..(9 << 20) + 123).map(|i: usize| (i * 7 % 251) as u8).collect();
+        set_large(&store, "big", &value).unwrap();
+        assert!(store.check("big/2").unwrap(), "three pieces");
+        assert_eq!(get_large(&store, "big", WAIT).unwrap(), value);
+        delete_large(&store, "big").unwrap();
+        assert!(!store.check("big").unwrap() && !store.check("big/0").unwrap() && !store.check("big/2").unwrap());
+        set_large(&store, "empty", &[]).unwrap();
+        assert_eq!(get_large(&store, "empty", WAIT).unwrap(), Vec::<u8>::new());
+    }
 
     /// A host's round as a CPU collective over the store: post its numbers, wait for the decision, sum the members'
     /// numbers in rank order.
