@@ -213,3 +213,25 @@ fn three_hosts_one_killed(restart_after: Option<u64>) -> u64 {
     drop(server);
     back_at
 }
+
+/// A host whose training data is not rank 0's is refused at start, with both fingerprints named.
+#[test]
+fn a_host_with_other_data_is_refused() {
+    let server = Store::serve(0, Duration::from_secs(20)).unwrap();
+    let link = |rank: usize| {
+        let placement = HostPlacement {
+            hosts: 2,
+            rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: server.port(),
+            serves_store: false,
+            rendezvous_timeout: Duration::from_secs(20),
+        };
+        HostLink::open(&placement, Duration::from_secs(5)).unwrap()
+    };
+    link(0).agree_on_data("160 samples, sha256 aa").unwrap();
+    link(1).agree_on_data("160 samples, sha256 aa").unwrap();
+    let err = link(1).agree_on_data("144 samples, sha256 bb").unwrap_err().to_string();
+    assert!(err.contains("144 samples, sha256 bb") && err.contains("160 samples, sha256 aa"), "{err}");
+    assert!(err.contains("same prepared data"), "{err}");
+}

@@ -2,14 +2,14 @@
 //! contribution to each round; the rendezvous host runs [`HostQuorum`] on what it reads and posts each round's
 //! [`Closed`] decision, which every host waits for. A contribution carries bytes (the host's gradient and what it
 //! trained: the store is the collective across processes). A host admitted at a round boundary finds what to start
-//! from under its own key: the state its donor posts, or, admitted as its own donor, the order to found the run again
-//! (the coordinator then reopens at the round it founds at).
+//! from under its own key: the state its donor posts, or, admitted as its own donor, word that no member had the
+//! run's state (the run must start again).
 //!
 //! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
-//! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON), `refound/count`
-//! and `refound/{n}` (rounds the run was founded again at), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host
-//! at a step) and `finished` (rank 0's exit status at the end of the run). Rounds older than [`KEEP_ROUNDS`] are deleted.
+//! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON),
+//! `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and `finished` (rank 0's exit status at the end
+//! of the run). Values larger than the store's server takes in one message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -53,10 +53,6 @@ fn feed_key(rank: Rank, generation: u64, step: u64) -> String {
 }
 const FINISHED: &str = "dflash/finished";
 const FINISHED_ACKS: &str = "dflash/finished/acks";
-const REFOUND_COUNT: &str = "dflash/refound/count";
-fn refound_key(n: i64) -> String {
-    format!("dflash/refound/{n}")
-}
 
 #[derive(Serialize, Deserialize)]
 struct ClosedRecord {
@@ -69,15 +65,10 @@ struct ClosedRecord {
 /// What a (re)started host starts from, once admitted.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Entry {
-    /// Found the run (again): from its own checkpoint or seed; then post the state to `serve`.
-    Found { serve: Vec<Admitted> },
     /// A donor's state (the bytes it posted).
     State(Vec<u8>),
-}
-
-#[derive(Serialize, Deserialize)]
-struct FoundRecord {
-    serve: Vec<Admitted>,
+    /// Admitted as its own donor: no member had the run's state when it came (see [`Closed::admitted`]).
+    NoDonor,
 }
 
 /// The largest value set in one piece: the store's server refuses messages over 8 MiB.
@@ -166,11 +157,9 @@ pub fn post_state(store: &Store, to: &Admitted, state: &[u8]) -> Result<(), Exch
     set_large(store, &entry_key(to.rank, to.generation), &value)
 }
 
-/// Tells host `to` to found the run again and then serve `serve`.
-fn post_found(store: &Store, to: &Admitted, serve: Vec<Admitted>) -> Result<(), ExchangeError> {
-    let mut value = vec![b'F'];
-    value.extend(serde_json::to_vec(&FoundRecord { serve }).expect("plain data serialises"));
-    Ok(store.set(&entry_key(to.rank, to.generation), &value)?)
+/// Tells host `to` that no member had the run's state when it was admitted.
+fn post_no_donor(store: &Store, to: &Admitted) -> Result<(), ExchangeError> {
+    set_large(store, &entry_key(to.rank, to.generation), b"F")
 }
 
 /// Waits up to `timeout` for what generation `generation` of host `rank` starts from (and deletes it).
@@ -181,10 +170,7 @@ pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration)
     let malformed = |message: String| ExchangeError::Malformed { what: key.clone(), message };
     match value.first() {
         Some(b'S') => Ok(Entry::State(value.split_off(1))),
-        Some(b'F') => {
-            let r: FoundRecord = serde_json::from_slice(&value[1..]).map_err(|e| malformed(e.to_string()))?;
-            Ok(Entry::Found { serve: r.serve })
-        }
+        Some(b'F') => Ok(Entry::NoDonor),
         _ => Err(malformed(format!("{} bytes without a known tag", value.len()))),
     }
 }
@@ -235,14 +221,6 @@ pub fn finished_acks(store: &Store) -> Result<usize, ExchangeError> {
     Ok(store.add(FINISHED_ACKS, 0)?.max(0) as usize)
 }
 
-/// The run was founded again at `round`: the coordinator reopens there.
-pub fn refounded(store: &Store, round: u64) -> Result<(), ExchangeError> {
-    let n = store.add(REFOUND_COUNT, 0)? + 1;
-    store.set(&refound_key(n), &round.to_le_bytes())?;
-    store.add(REFOUND_COUNT, 1)?;
-    Ok(())
-}
-
 /// The rendezvous host's side: reads announcements and contributions, decides with [`HostQuorum`], posts decisions.
 pub struct Coordinator {
     store: Store,
@@ -250,8 +228,6 @@ pub struct Coordinator {
     quorum: HostQuorum,
     /// The generation last seen of each host.
     seen: Vec<u64>,
-    /// Refoundings seen.
-    refounds: i64,
     started: Instant,
 }
 
@@ -263,8 +239,7 @@ impl Coordinator {
         let founders: Vec<(Rank, u64)> =
             seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
         let quorum = HostQuorum::new(round, &founders, 0.0, deadline.as_secs_f64());
-        let refounds = store.add(REFOUND_COUNT, 0)?;
-        Ok(Coordinator { store, hosts, quorum, seen, refounds, started: Instant::now() })
+        Ok(Coordinator { store, hosts, quorum, seen, started: Instant::now() })
     }
 
     pub fn members(&self) -> Vec<Rank> {
@@ -282,19 +257,6 @@ impl Coordinator {
             }
         }
         let now = self.started.elapsed().as_secs_f64();
-        let refounds = self.store.add(REFOUND_COUNT, 0)?;
-        while self.refounds < refounds {
-            self.refounds += 1;
-            let bytes = self.store.get(&refound_key(self.refounds), Duration::from_secs(1))?;
-            let round = bytes.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(|| {
-                ExchangeError::Malformed { what: refound_key(self.refounds), message: format!("{} bytes", bytes.len()) }
-            })?;
-            // Rounds from there on may hold keys of the run before it was founded again.
-            for r in round..self.quorum.round() + 1 {
-                self.delete_round(r)?;
-            }
-            self.quorum.restart_at(round, now);
-        }
         let round = self.quorum.round();
         for rank in self.quorum.members() {
             let key = arrived_key(round, rank);
@@ -319,8 +281,7 @@ impl Coordinator {
                 let bytes = serde_json::to_vec(&record).expect("plain data serialises");
                 self.store.set(&closed_key(closed.round), &bytes)?;
                 for a in closed.admitted.iter().filter(|a| a.donor == a.rank) {
-                    let serve = closed.admitted.iter().filter(|b| b.donor == a.rank && b.rank != a.rank).copied();
-                    post_found(&self.store, a, serve.collect())?;
+                    post_no_donor(&self.store, a)?;
                 }
                 if let Some(old) = closed.round.checked_sub(KEEP_ROUNDS) {
                     self.delete_round(old)?;

@@ -40,6 +40,11 @@ pub enum LinkError {
          (data.* keys and files), since rank 0 assigns batches by position"
     )]
     DataDiffers { mine: String, theirs: String },
+    #[error(
+        "no live host had the run's state when this host was admitted (every host lost it at once, or rank 0 does not \
+         take part): restart every host with --resume auto"
+    )]
+    NoDonor,
 }
 
 impl From<StoreError> for LinkError {
@@ -209,8 +214,6 @@ pub struct HostLink {
     generation: AtomicU64,
     /// Whether this process founded the run already (rank 0 founds at its first entry, and only then).
     founded_once: AtomicBool,
-    /// Hosts to post the state to once this one has founded.
-    to_serve: Mutex<Vec<Admitted>>,
     coordinator: Mutex<Option<CoordinatorThread>>,
     /// The run's member hosts as this host last learnt them (at founding, then from each round it took part in).
     members: Mutex<Vec<HostMember>>,
@@ -234,7 +237,6 @@ impl HostLink {
             spare: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
             founded_once: AtomicBool::new(false),
-            to_serve: Mutex::new(Vec::new()),
             coordinator: Mutex::new(None),
             members: Mutex::new(Vec::new()),
             entered: Mutex::new(None),
@@ -309,7 +311,7 @@ impl HostLink {
     }
 
     /// Enters the run as a new generation: rank 0 founds it the first time; every other entry waits to be admitted
-    /// and takes a live host's state (or is told to found the run again, when no host has one).
+    /// and takes a live host's state (and fails when no live host had one).
     pub fn enter(&self) -> Result<Entering, LinkError> {
         let rank = self.rank();
         let generation = self.with_store(|s| Ok(exchange::announce(s, rank)?))?;
@@ -319,10 +321,7 @@ impl HostLink {
         }
         let wait = self.wait() + self.placement.rendezvous_timeout;
         match self.with_store(|s| Ok(exchange::wait_entry(s, rank, generation, wait)?))? {
-            Entry::Found { serve } => {
-                *self.to_serve.lock().unwrap_or_else(|p| p.into_inner()) = serve;
-                Ok(Entering::Found)
-            }
+            Entry::NoDonor => Err(LinkError::NoDonor),
             Entry::State(bytes) => {
                 let (h, data): (StateHeader, &[u8]) = unframe(&bytes, "state", rank)?;
                 let [a, b, c] = h.elements;
@@ -346,10 +345,9 @@ impl HostLink {
         }
     }
 
-    /// This host founded the run at round `step` with `state` (master, moments): rank 0, the first time, waits for
+    /// Rank 0 founded the run at round `step` with `state` (master, moments), after [`Entering::Found`]: waits for
     /// the other hosts to announce themselves (up to the rendezvous timeout), starts the coordinator with those
-    /// present as founders and hands them its state; a host founding again tells the coordinator where the run
-    /// restarts and hands its state to the hosts admitted with it.
+    /// present as founders and hands them its state.
     pub fn founded(
         &self,
         step: u64,
@@ -358,18 +356,14 @@ impl HostLink {
         state: [&Tensor; 3],
     ) -> Result<(), LinkError> {
         *self.entered.lock().unwrap_or_else(|p| p.into_inner()) = Some((self.generation(), step));
-        let serve = if self.rank() == 0 && !self.founded_once.swap(true, Ordering::SeqCst) {
-            let founders = self.rendezvous()?;
-            self.start_coordinator(step)?;
-            let me = HostMember { rank: 0, generation: self.generation(), from: step };
-            let others = founders.iter().map(|a| HostMember { rank: a.rank, generation: a.generation, from: step });
-            *self.members.lock().unwrap_or_else(|p| p.into_inner()) = std::iter::once(me).chain(others).collect();
-            founders
-        } else {
-            self.with_store(|s| Ok(exchange::refounded(s, step)?))?;
-            std::mem::take(&mut *self.to_serve.lock().unwrap_or_else(|p| p.into_inner()))
-        };
-        self.serve(&serve, step, samples_committed, optimizer_steps, state)
+        debug_assert!(self.rank() == 0 && !self.founded_once.load(Ordering::SeqCst), "only rank 0 founds, once");
+        self.founded_once.store(true, Ordering::SeqCst);
+        let founders = self.rendezvous()?;
+        self.start_coordinator(step)?;
+        let me = HostMember { rank: 0, generation: self.generation(), from: step };
+        let others = founders.iter().map(|a| HostMember { rank: a.rank, generation: a.generation, from: step });
+        *self.members.lock().unwrap_or_else(|p| p.into_inner()) = std::iter::once(me).chain(others).collect();
+        self.serve(&founders, step, samples_committed, optimizer_steps, state)
     }
 
     /// Waits until every host announced itself or the rendezvous timeout passed; returns the others present.

@@ -27,8 +27,8 @@ pub struct Closed {
     pub next: Vec<(Rank, u64)>,
 }
 
-/// A host joining at a round boundary: its rank and generation, and the member whose state it copies (itself: it
-/// founds the run again, from its own checkpoint).
+/// A host joining at a round boundary: its rank and generation, and the member whose state it copies (itself: no
+/// member had the run's state; the run must start again from its checkpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Admitted {
     pub rank: Rank,
@@ -113,14 +113,6 @@ impl HostQuorum {
         }
     }
 
-    /// The run was founded again at `round` (from a checkpoint, by a host admitted as its own donor): the members
-    /// stay, the open round becomes `round`, opening now.
-    pub fn restart_at(&mut self, round: u64, now: f64) {
-        self.round = round;
-        self.arrived.clear();
-        self.opened_at = now;
-    }
-
     /// Closes the open round if it can at time `now`, opening the next one; says how long to wait otherwise.
     pub fn poll(&mut self, now: f64) -> Decision {
         let until = self.opened_at + self.deadline_s;
@@ -131,8 +123,9 @@ impl HostQuorum {
         if self.arrived.is_empty() && self.joining.is_empty() {
             return Decision::Stalled { round: self.round };
         }
-        // With no contribution but hosts (re)starting, the lowest of them founds the run again (from the newest
-        // checkpoint) and the members that missed the round are dropped.
+        // With no contribution but hosts (re)starting, no member has the run's state: the joiners are admitted as
+        // their own donors (the run must start again from its checkpoint) and the members that missed the round are
+        // dropped.
         self.close(now)
     }
 
@@ -251,12 +244,5 @@ mod tests {
         assert!(matches!(q.poll(5.0), Decision::Wait { .. }), "the founders wait for the deadline");
         let c = closed(q.poll(10.0));
         assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![a(0, 2, 0), a(1, 2, 0)]));
-        // Host 0 founded again from its checkpoint of step 4: the members stay, round 4 is open.
-        q.restart_at(4, 10.5);
-        assert_eq!((q.round(), q.members()), (4, vec![0, 1]));
-        assert_eq!(q.poll(11.0), Decision::Wait { until: 20.5 });
-        q.arrive(4, 0, 2);
-        q.arrive(4, 1, 2);
-        assert_eq!(closed(q.poll(11.0)).members, vec![0, 1]);
     }
 }
