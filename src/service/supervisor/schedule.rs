@@ -72,6 +72,9 @@ pub struct Schedule {
     /// Another host assigns this one's batches (several hosts, rank > 0): no loader of its own, nothing requeued
     /// or set aside here, and the run ends when that host says so.
     follower: bool,
+    /// A follower's items of open steps for drafters that were not live when the step opened, by `(step, drafter)`:
+    /// a drafter that joins takes them.
+    unclaimed: BTreeMap<(u64, usize), Vec<Item>>,
 }
 
 /// Where a schedule starts: a checkpoint's position, or the beginning.
@@ -112,6 +115,7 @@ impl Schedule {
             epochs,
             max_steps,
             follower: false,
+            unclaimed: BTreeMap::new(),
         }
     }
 
@@ -121,30 +125,36 @@ impl Schedule {
     }
 
     /// A follower's next step, with the items the assigning host gave each drafter (`(drafter, item)`; a live
-    /// drafter given fewer than `accumulation` gets `Empty` for the rest, items of drafters not live are dropped:
-    /// the assigning host takes back what no round took).
+    /// drafter given fewer than `accumulation` gets `Empty` for the rest; the items of a drafter not live wait for
+    /// it to join, and the assigning host takes back what no round took).
     pub fn open_fed_step(&mut self, drafters: &[(usize, u64)], fed: Vec<(usize, Item)>) -> Vec<Sent> {
         let step = self.next_step;
         self.next_step += 1;
-        let mut list = Vec::new();
+        self.assigned.insert(step, Vec::new());
+        for (drafter, item) in fed {
+            self.unclaimed.entry((step, drafter)).or_default().push(item);
+        }
         let mut out = Vec::new();
         for &(drafter, generation) in drafters {
-            let mut items: Vec<Item> = fed.iter().filter(|(d, _)| *d == drafter).map(|(_, i)| i.clone()).collect();
-            items.resize(self.accumulation.max(items.len()), Item::Empty);
-            let mut batches = Vec::new();
-            for item in items {
-                if let Item::Capture { batch, positions } = &item {
-                    self.batches.insert(*batch, Batch { id: *batch, samples: positions.clone() });
-                    batches.push(Some(*batch));
-                } else {
-                    batches.push(None);
-                }
-                out.push((drafter, generation, item));
-            }
-            list.push(Assignment { drafter, generation, batches });
+            out.extend(self.assign(step, drafter, generation).into_iter().map(|i| (drafter, generation, i)));
         }
-        self.assigned.insert(step, list);
         out
+    }
+
+    /// A follower's drafter takes its items of open step `step`.
+    fn claim_fed(&mut self, step: u64, drafter: usize) -> (Vec<Item>, Vec<Option<BatchId>>) {
+        let mut items = self.unclaimed.remove(&(step, drafter)).unwrap_or_default();
+        items.resize(self.accumulation.max(items.len()), Item::Empty);
+        let mut batches = Vec::new();
+        for item in &items {
+            if let Item::Capture { batch, positions } = item {
+                self.batches.insert(*batch, Batch { id: *batch, samples: positions.clone() });
+                batches.push(Some(*batch));
+            } else {
+                batches.push(None);
+            }
+        }
+        (items, batches)
     }
 
     /// A follower that entered the run mid-way: the run's samples committed before `report`'s round.
@@ -165,6 +175,7 @@ impl Schedule {
         self.batches.clear();
         self.assigned.clear();
         self.early.clear();
+        self.unclaimed.clear();
         self.next_step = position.step;
         self.committed_step = position.step;
         self.samples_committed = position.samples_committed;
@@ -254,6 +265,13 @@ impl Schedule {
         if list.iter().any(|a| a.drafter == drafter && a.generation == generation) {
             return vec![];
         }
+        if self.follower {
+            let (items, batches) = self.claim_fed(step, drafter);
+            if let Some(list) = self.assigned.get_mut(&step) {
+                list.push(Assignment { drafter, generation, batches });
+            }
+            return items;
+        }
         let mut items = Vec::new();
         let mut batches = Vec::new();
         for _ in 0..self.accumulation {
@@ -338,11 +356,14 @@ impl Schedule {
                 }
                 self.failures.remove(b);
                 if let Some(batch) = self.batches.remove(b) {
-                    out.tokens += batch.samples.iter().map(|&p| self.lengths[p] as u64).sum::<u64>();
+                    // (A position another host assigned is checked at start to be this data's: counted, never trusted.)
+                    out.tokens +=
+                        batch.samples.iter().map(|&p| self.lengths.get(p).map_or(0, |&l| l as u64)).sum::<u64>();
                     out.committed.push(batch);
                 }
             }
         }
+        self.unclaimed.retain(|(step, _), _| *step > r.step);
         for a in self.assigned.remove(&r.step).unwrap_or_default() {
             for b in a.batches.into_iter().flatten().filter(|b| !taken.contains(b)) {
                 if self.follower {
@@ -461,6 +482,27 @@ mod tests {
         assert_eq!(settled[0].set_aside.iter().map(|b| b.id).collect::<Vec<_>>(), vec![mine[0]]);
         assert_eq!(settled[0].requeued_samples, 2, "the batch that failed once is handed out again");
         assert_eq!(s.set_aside(), &[mine[0]]);
+    }
+
+    /// A follower hands out only what it was fed: a drafter not live when its step opened takes its items when it
+    /// joins, one given fewer than `accumulation` gets empty slots, and nothing comes from its own loader.
+    #[test]
+    fn a_follower_hands_out_only_what_it_was_fed() {
+        let mut s = schedule(8, 2);
+        s.follow();
+        s.restore(&Position { step: 5, samples_committed: 0, loader: None, set_aside: vec![] }, 1);
+        let b = |o| BatchId { epoch: 0, ordinal: o };
+        let capture = |o| Item::Capture { batch: b(o), positions: vec![o as usize % 8] };
+        let fed = vec![(0, capture(10)), (1, capture(11)), (1, capture(12))];
+        let items = s.open_fed_step(&[(0, 1)], fed);
+        assert_eq!(items, vec![(0, 1, capture(10)), (0, 1, Item::Empty)]);
+        assert_eq!(s.assign(5, 1, 1), vec![capture(11), capture(12)], "drafter 1 joins and takes its items");
+        assert_eq!(s.assign(5, 1, 2), vec![Item::Empty, Item::Empty], "its next thread finds them taken");
+        let settled = s.take_report(report(5, 1, &[(0, vec![b(10)]), (1, vec![b(11)])], 4));
+        assert_eq!(settled[0].committed.iter().map(|x| x.id).collect::<Vec<_>>(), vec![b(10), b(11)]);
+        assert_eq!(settled[0].requeued_samples, 0, "what no round took goes back to the assigning host, not here");
+        assert_eq!(s.loader_state().owed, vec![], "its own loader handed out nothing");
+        assert!(s.data_left() && !s.finished());
     }
 
     #[test]

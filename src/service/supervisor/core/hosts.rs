@@ -85,11 +85,14 @@ impl Core {
             tracing::warn!(host = h.rank, generation = h.generation, "host left the run");
         }
         self.hosts.remote = now;
+        for h in &joined {
+            tracing::info!(host = h.rank, generation = h.generation, from = h.from, "host joined the run");
+        }
         if self.phase != Phase::Running {
+            // Steps open once training begins, with every member host.
             return;
         }
         for h in joined {
-            tracing::info!(host = h.rank, generation = h.generation, from = h.from, "host joined the run");
             for step in self.schedule.open_steps_from(h.from) {
                 let mut items = Vec::new();
                 for id in 0..self.slots.len() {
