@@ -346,8 +346,7 @@ impl Collective {
                 }
                 device::synchronize(state.master.device())?;
                 let mut s = self.lock();
-                s.rounds.rewind(host.step)?;
-                s.rounds.found(id, generation)?;
+                s.rounds.found_at(id, generation, host.step)?;
                 s.samples_committed = host.samples_committed;
                 s.results.clear();
                 drop(s);

@@ -146,6 +146,19 @@ impl<C, J> Rounds<C, J> {
         Ok(self.round)
     }
 
+    /// Makes `id` the only member at round `step` (its state is another host's at that step), in the incarnation the
+    /// supervisor's rewind began.
+    pub fn found_at(&mut self, id: MemberId, generation: u64, step: u64) -> Result<u64, RoundsError> {
+        if !self.members.is_empty() {
+            return Err(RoundsError::Occupied(self.members.keys().copied().collect()));
+        }
+        if self.round != step {
+            self.round = step;
+            self.contributions.clear();
+        }
+        self.found(id, generation)
+    }
+
     /// Moves an empty collective to `step` (a run rewound to a checkpoint), as a new incarnation; contributions of
     /// removed members to the old open round are dropped. Join requests stay: a founder will admit them.
     pub fn rewind(&mut self, step: u64) -> Result<u64, RoundsError> {
@@ -325,6 +338,16 @@ mod tests {
         assert_eq!(done.contributions, vec![(0, 3, "a"), (2, 1, "b")]);
         assert_eq!(r.round(), 6);
         assert_eq!(r.contribute(0, 3, 5, "late"), Err(RoundsError::WrongRound { expected: 6, got: 5 }));
+    }
+
+    /// A host entering a run of several takes the live hosts' step, in the incarnation its supervisor began.
+    #[test]
+    fn a_founder_can_take_another_hosts_step_without_a_new_incarnation() {
+        let mut r = R::new(0);
+        assert_eq!(r.rewind(3), Ok(1));
+        assert_eq!(r.found_at(0, 1, 40), Ok(40));
+        assert_eq!((r.round(), r.incarnation()), (40, 1));
+        assert_eq!(r.found_at(1, 1, 41), Err(RoundsError::Occupied(vec![0])));
     }
 
     #[test]

@@ -166,10 +166,13 @@ impl Core {
         self.replicas.expected.clear();
     }
 
-    /// Follower: founding the empty collective means entering the run again from a live host; nothing is rewound
-    /// here (the run goes on elsewhere) and no checkpoint is read.
+    /// Follower: founding the empty collective means entering the run again from a live host; no checkpoint is
+    /// read and nothing is rewound but this host's collective (a new incarnation, so that reports of its rounds
+    /// before are told apart; the founder moves it to the step it enters at).
     pub(super) fn enter_again(&mut self, id: usize) {
         self.incarnation += 1;
+        let step = self.schedule.committed_step();
+        self.out.push(Action::RewindCollective { step, samples_committed: 0 });
         let generation = self.slots[id].spawn(Role::Founder, self.now);
         self.out.push(Action::SpawnDrafter { id, generation, start: Start::Found(None) });
     }
@@ -318,7 +321,8 @@ mod tests {
         c.start(at(0.0));
         let actions = c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
         assert!(actions.contains(&Action::SpawnDrafter { id: 0, generation: 1, start: Start::Found(None) }));
-        assert!(!actions.iter().any(|a| matches!(a, Action::FindCheckpoint(_) | Action::RewindCollective { .. })));
+        assert!(!actions.iter().any(|a| matches!(a, Action::FindCheckpoint(_))));
+        assert!(actions.iter().any(|a| matches!(a, Action::RewindCollective { .. })), "a new incarnation here");
         c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
         let batch = BatchId { epoch: 0, ordinal: 3 };
         let item = Item::Capture { batch, positions: vec![0, 1] };
