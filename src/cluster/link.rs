@@ -280,8 +280,10 @@ impl HostLink {
             None => self.origin.lock().unwrap_or_else(|p| p.into_inner()).try_clone()?,
         };
         let out = f(&store);
-        // A connection that failed may be broken: it is not reused.
-        if out.is_ok() {
+        // A connection whose operation failed may be broken: it is not reused. A read that timed out, or a decision
+        // against this host, says nothing against the connection.
+        let broken = matches!(&out, Err(LinkError::Exchange(ExchangeError::Store(e))) if !matches!(e, StoreError::Timeout { .. }));
+        if !broken {
             self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(store);
         }
         out

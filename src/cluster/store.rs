@@ -322,6 +322,12 @@ mod tests {
         assert!(matches!(err, StoreError::Timeout { .. }), "{err}");
         assert!(started.elapsed() < 5 * SECOND, "the deadline bounds the wait");
         assert!(err.to_string().contains("\"never\""), "{err}");
+        // The connection answers correctly after a read that timed out (hosts keep their connections across them),
+        // even when the key it waited for comes later.
+        server.set("never", b"now").unwrap();
+        server.set("after", b"fine").unwrap();
+        assert_eq!(server.get("after", SECOND).unwrap(), b"fine");
+        assert_eq!(server.add("counter", 2).unwrap(), 2);
     }
 
     #[test]
