@@ -46,6 +46,13 @@ fn three_hosts_train_one_run_and_a_killed_host_rejoins() {
     let rank2 = followers.next().unwrap();
 
     let before = rank0.wait("the run to pass step 6", |s| s["step"].as_u64().is_some_and(|st| st >= 6));
+    let hosts = |s: &serde_json::Value| -> Vec<(u64, u64)> {
+        let others = s["other_hosts"].as_array().cloned().unwrap_or_default();
+        others.iter().map(|h| (h["rank"].as_u64().unwrap(), h["generation"].as_u64().unwrap())).collect()
+    };
+    assert_eq!((before["host_role"].as_str(), hosts(&before)), (Some("rank 0"), vec![(1, 1), (2, 1)]));
+    let follower = rank1.status();
+    assert_eq!((follower["host_role"].as_str(), hosts(&follower)), (Some("follower"), vec![]), "{follower:#}");
     rank2.signal("-9");
     let (code, _) = rank2.exit_code();
     assert_eq!(code, -1, "killed by a signal");
@@ -60,7 +67,9 @@ fn three_hosts_train_one_run_and_a_killed_host_rejoins() {
     );
     assert!(rejoined.contains("\"host\":2"), "{rejoined}");
     // Replicas across hosts, host 2's new one among them, agree after it came back.
-    let joined_at = step(&rank0.status());
+    let now = rank0.status();
+    assert_eq!(hosts(&now), vec![(1, 1), (2, 2)], "host 2 is back as its second generation");
+    let joined_at = step(&now);
     let checked = rank0.wait("a replica check after host 2 rejoined", |s| {
         s["replicas_checked_step"].as_u64().is_some_and(|c| c > joined_at + 2) || s["phase"] != "running"
     });

@@ -123,7 +123,7 @@ pub struct HostState {
 }
 
 /// A member host of the run: its generation and the first round it takes part in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HostMember {
     pub rank: Rank,
     pub generation: u64,

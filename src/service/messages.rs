@@ -221,4 +221,10 @@ pub struct Status {
     pub targets: Vec<TargetStatus>,
     pub last_checkpoint: Option<CheckpointStatus>,
     pub last_evaluation: Option<Evaluated>,
+    /// Several hosts: `"rank 0"` or `"follower"` (absent on one host).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_role: Option<&'static str>,
+    /// Several hosts, rank 0: the other member hosts, each with its generation and first round.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub other_hosts: Vec<crate::cluster::link::HostMember>,
 }

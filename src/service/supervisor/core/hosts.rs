@@ -41,6 +41,11 @@ impl Core {
         self.hosts.role == Some(HostRole::Leader)
     }
 
+    /// Leader: the other member hosts (for the status).
+    pub(super) fn other_hosts(&self) -> Vec<HostMember> {
+        self.hosts.remote.values().copied().collect()
+    }
+
     /// The schedule's drafter id of drafter `id` of host `rank`.
     fn remote_id(&self, rank: usize, id: usize) -> usize {
         rank * self.slots.len() + id

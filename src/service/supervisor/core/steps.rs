@@ -169,6 +169,11 @@ impl Core {
                 age_s: self.now.saturating_sub(n.at).as_secs_f64(),
             }),
             last_evaluation: self.last_evaluation.clone(),
+            host_role: self.hosts.role.map(|r| match r {
+                HostRole::Leader => "rank 0",
+                HostRole::Follower => "follower",
+            }),
+            other_hosts: self.other_hosts(),
         }
     }
 }
