@@ -234,8 +234,7 @@ pub struct Coordinator {
 impl Coordinator {
     /// Coordinates `hosts` hosts from round `round`, the founders being those announced now (their generations).
     pub fn new(store: Store, hosts: usize, round: u64, deadline: Duration) -> Result<Self, ExchangeError> {
-        let seen =
-            (0..hosts).map(|r| Ok(store.add(&generation_key(r), 0)? as u64)).collect::<Result<Vec<_>, StoreError>>()?;
+        let seen = generations(&store, hosts)?;
         let founders: Vec<(Rank, u64)> =
             seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
         let quorum = HostQuorum::new(round, &founders, 0.0, deadline.as_secs_f64());
@@ -249,8 +248,7 @@ impl Coordinator {
     /// One look at the store: new generations, contributions to the open round; posts the decision when the round
     /// closes and returns it.
     pub fn poll(&mut self) -> Result<Option<Closed>, ExchangeError> {
-        for rank in 0..self.hosts {
-            let generation = self.store.add(&generation_key(rank), 0)? as u64;
+        for (rank, generation) in generations(&self.store, self.hosts)?.into_iter().enumerate() {
             if generation > self.seen[rank] {
                 self.seen[rank] = generation;
                 self.quorum.announce(rank, generation);

@@ -9,13 +9,13 @@
 //! step and samples committed.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
 
+use super::background::Background;
 use super::exchange::{self, Coordinator, Entry, ExchangeError};
 use super::launch::HostPlacement;
 use super::quorum::{Admitted, Rank};
@@ -45,6 +45,13 @@ pub enum LinkError {
          take part): restart every host with --resume auto"
     )]
     NoDonor,
+}
+
+impl LinkError {
+    /// A store read whose deadline passed (nothing against the connection or the peer).
+    fn timed_out(&self) -> bool {
+        matches!(self, LinkError::Exchange(ExchangeError::Store(StoreError::Timeout { .. })))
+    }
 }
 
 impl From<StoreError> for LinkError {
@@ -108,8 +115,6 @@ pub struct RunRound {
     pub hosts: Vec<HostRecord>,
     /// Hosts admitted at this boundary that take their state from this one.
     pub serve: Vec<Admitted>,
-    /// The next round's members with their generations.
-    pub next: Vec<(Rank, u64)>,
 }
 
 /// A host's state, as a joiner takes it.
@@ -187,19 +192,9 @@ const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The coordinator's thread (rank 0), stopped when the link is dropped.
 struct CoordinatorThread {
-    stop: Arc<AtomicBool>,
     /// Why it stopped on its own (a stalled run, a store failure).
     failed: Arc<Mutex<Option<String>>>,
-    handle: Option<JoinHandle<()>>,
-}
-
-impl Drop for CoordinatorThread {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-    }
+    _thread: Background,
 }
 
 /// See the module documentation.
@@ -282,7 +277,7 @@ impl HostLink {
         let out = f(&store);
         // A connection whose operation failed may be broken: it is not reused. A read that timed out, or a decision
         // against this host, says nothing against the connection.
-        let broken = matches!(&out, Err(LinkError::Exchange(ExchangeError::Store(e))) if !matches!(e, StoreError::Timeout { .. }));
+        let broken = matches!(&out, Err(e @ LinkError::Exchange(ExchangeError::Store(_))) if !e.timed_out());
         if !broken {
             self.spare.lock().unwrap_or_else(|p| p.into_inner()).push(store);
         }
@@ -390,30 +385,27 @@ impl HostLink {
     fn start_coordinator(&self, step: u64) -> Result<(), LinkError> {
         let store = self.origin.lock().unwrap_or_else(|p| p.into_inner()).try_clone()?;
         let mut coordinator = Coordinator::new(store, self.hosts(), step, self.deadline)?;
-        let stop = Arc::new(AtomicBool::new(false));
         let failed = Arc::new(Mutex::new(None));
-        let (stop2, failed2) = (stop.clone(), failed.clone());
-        let handle = std::thread::Builder::new()
-            .name("coordinator".into())
-            .spawn(move || {
-                while !stop2.load(Ordering::SeqCst) {
-                    match coordinator.poll() {
-                        Ok(Some(closed)) if !closed.dropped.is_empty() || !closed.admitted.is_empty() => {
-                            tracing::info!(round = closed.round, members = ?closed.members, dropped = ?closed.dropped,
+        let failed2 = failed.clone();
+        let thread = Background::spawn("coordinator", move |stop| {
+            while !stop.load(Ordering::SeqCst) {
+                match coordinator.poll() {
+                    Ok(Some(closed)) if !closed.dropped.is_empty() || !closed.admitted.is_empty() => {
+                        tracing::info!(round = closed.round, members = ?closed.members, dropped = ?closed.dropped,
                                 admitted = ?closed.admitted, "hosts changed");
-                        }
-                        Ok(_) => std::thread::sleep(Duration::from_millis(2)),
-                        Err(e) => {
-                            tracing::error!("the coordinator stops: {e}");
-                            *failed2.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-                            return;
-                        }
+                    }
+                    Ok(_) => std::thread::sleep(Duration::from_millis(2)),
+                    Err(e) => {
+                        tracing::error!("the coordinator stops: {e}");
+                        *failed2.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                        return;
                     }
                 }
-            })
-            .map_err(|e| LinkError::CoordinatorStopped(e.to_string()))?;
+            }
+        })
+        .map_err(|e| LinkError::CoordinatorStopped(e.to_string()))?;
         *self.coordinator.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some(CoordinatorThread { stop, failed, handle: Some(handle) });
+            Some(CoordinatorThread { failed, _thread: thread });
         Ok(())
     }
 
@@ -498,7 +490,6 @@ impl HostLink {
                 samples: hosts.iter().map(HostRecord::samples).sum(),
                 hosts,
                 serve,
-                next: closed.next,
             })
         })
     }
@@ -512,7 +503,7 @@ impl HostLink {
     pub fn wait_feed(&self, generation: u64, step: u64, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
         let rank = self.rank();
         match self.with_store(|s| Ok(exchange::take_feed(s, rank, generation, step, timeout)?)) {
-            Err(LinkError::Exchange(ExchangeError::Store(StoreError::Timeout { .. }))) => Ok(None),
+            Err(e) if e.timed_out() => Ok(None),
             other => other.map(Some),
         }
     }

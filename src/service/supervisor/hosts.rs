@@ -2,39 +2,23 @@
 //! (step by step, for the generation it entered the run as) and the run's end; on rank 0, the assignments posted
 //! for the others, the member hosts told to the core, and the end handed to the others at exit.
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ractor::ActorRef;
 
 use super::schedule::Item;
+use crate::cluster::background::Background;
 use crate::cluster::link::HostLink;
 use crate::service::messages::SupervisorMsg;
 
 /// Store operations failing in a row before the rendezvous host counts as gone.
 const LOST_AFTER: u32 = 3;
 
-/// Reads this host's assignments and the run's end until dropped, the run ended, or the rendezvous host is gone.
-pub(super) struct FeedReader {
-    stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<()>>,
-}
-
-impl Drop for FeedReader {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-    }
-}
-
-/// Starts the reader; it tells `supervisor` `Fed`, `RunEnded` and `RendezvousLost`.
-pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<FeedReader> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let stopped = stop.clone();
-    let handle = std::thread::Builder::new().name("feed-reader".into()).spawn(move || {
+/// Starts the thread that reads this host's assignments and the run's end, telling `supervisor` `Fed`,
+/// `RunEnded` and `RendezvousLost`, until it is dropped, the run ended, or the rendezvous host is gone.
+pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<Background> {
+    Background::spawn("feed-reader", move |stopped| {
         // The generation read for and its next step.
         let mut at: Option<(u64, u64)> = None;
         let mut failures = 0;
@@ -74,8 +58,7 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                 Err(_) => {}
             }
         }
-    })?;
-    Ok(FeedReader { stop, handle: Some(handle) })
+    })
 }
 
 /// Counts a failed store operation; true (and the supervisor told) once the rendezvous host counts as gone.

@@ -135,7 +135,7 @@ pub struct Shell {
     /// Several hosts, rank 0: the member hosts last told to the core.
     hosts_told: Vec<HostMember>,
     /// Several hosts, rank > 0: reads rank 0's assignments.
-    _feed_reader: Option<hosts::FeedReader>,
+    _feed_reader: Option<crate::cluster::background::Background>,
 }
 
 impl Shell {

@@ -53,9 +53,8 @@ impl Core {
 
     /// Leader: the pseudo-drafters `(id, generation)` of the other member hosts, to assign with the local ones.
     pub(super) fn remote_drafters(&self) -> Vec<(usize, u64)> {
-        let per_host = self.slots.len();
         let hosts = self.hosts.remote.values();
-        hosts.flat_map(|h| (0..per_host).map(move |id| (h.rank * per_host + id, h.generation))).collect()
+        hosts.flat_map(|h| (0..self.slots.len()).map(move |id| (self.remote_id(h.rank, id), h.generation))).collect()
     }
 
     /// Leader: items of step `step` for the schedule's drafter `drafter` that belongs to another host, gathered
