@@ -42,7 +42,12 @@ struct Log {
     /// The state each host's founding member started from, `(rank, generation)`.
     entered: BTreeMap<(usize, u64), (u64, Vec<f32>)>,
     reports: Vec<(usize, RoundReport)>,
+    /// With NCCL: `(rank, member, step)` -> the ring the member found.
+    rings: BTreeMap<(usize, usize, u64), RingSeen>,
 }
+
+/// A ring's identity, the member's rank in it and the ring's size.
+type RingSeen = (Vec<u8>, usize, usize);
 
 struct Host {
     rank: usize,
@@ -50,7 +55,7 @@ struct Host {
     collective: Arc<Collective>,
 }
 
-fn host(rank: usize, port: u16, log: &Arc<Mutex<Log>>) -> Host {
+fn host(rank: usize, port: u16, sum: GradientSum, log: &Arc<Mutex<Log>>) -> Host {
     let placement = HostPlacement {
         hosts: 3,
         rank,
@@ -64,7 +69,7 @@ fn host(rank: usize, port: u16, log: &Arc<Mutex<Log>>) -> Host {
     let log = log.clone();
     // Host 1 is configured with another learning rate: every host applies rank 0's, the lowest member's.
     let lr = if rank == 1 { 0.5 } else { 0.1 };
-    let collective = Collective::new(0, 0, settings(lr), GradientSum::DeviceCopies, move |r| {
+    let collective = Collective::new(0, 0, settings(lr), sum, move |r| {
         log.lock().unwrap().reports.push((rank, r));
     });
     Host { rank, generation: 0, collective: Arc::new(collective.with_link(link)) }
@@ -121,13 +126,23 @@ fn member(
                 Err(CollectiveError::Removed) => return,
                 Err(e) => panic!("host {rank} member {id} step {step}: {e}"),
             };
-            let sum = result.grad.as_ref().unwrap().to_copy().unwrap();
+            step = result.step + 1;
+            if let Some(ring) = &result.ring {
+                let rank_in_ring = ring.rank_of(id).expect("a contributor is in the round's ring");
+                let ring = (ring.id.bytes().to_vec(), rank_in_ring, ring.members.len());
+                log.lock().unwrap().rings.insert((rank, id, step - 1), ring);
+            }
+            // With NCCL the drafters sum after the round (not here): the state stays as it is.
+            let Some(sum) = result.grad.as_ref() else {
+                log.lock().unwrap().states.insert((rank, id, step), values(&master));
+                continue;
+            };
+            let sum = sum.to_copy().unwrap();
             let update = &sum * (result.update.adamw.lr / result.total_weight);
             let (mut w, mut mm, mut vv) = (master.shallow_clone(), m.shallow_clone(), v.shallow_clone());
             let _ = w.f_sub_(&update).unwrap();
             let _ = mm.f_mul_scalar_(0.9).unwrap().f_add_(&sum).unwrap();
             let _ = vv.f_add_(&(&sum * &sum)).unwrap();
-            step = result.step + 1;
             log.lock().unwrap().states.insert((rank, id, step), values(&master));
         }
     })
@@ -137,7 +152,7 @@ fn member(
 /// for the deadline.
 #[test]
 fn hosts_found_from_rank_0_sum_identically_and_a_killed_host_rejoins_from_a_live_one() {
-    let back_at = three_hosts_one_killed(None);
+    let back_at = three_hosts_one_killed(None, GradientSum::DeviceCopies).0;
     assert_eq!(back_at, 5, "admitted when round 4 closed");
 }
 
@@ -145,17 +160,42 @@ fn hosts_found_from_rank_0_sum_identically_and_a_killed_host_rejoins_from_a_live
 /// and it is admitted later.
 #[test]
 fn the_others_go_on_past_a_silent_death_and_the_host_rejoins_later() {
-    let back_at = three_hosts_one_killed(Some(7));
+    let back_at = three_hosts_one_killed(Some(7), GradientSum::DeviceCopies).0;
     assert!(back_at > 7, "host 2 came back at step {back_at}");
 }
 
-/// Three hosts; host 2 is killed before step 4 and restarts once host 0 reached `restart_after` (at once: `None`).
-/// Returns the step the restarted host came back at.
-fn three_hosts_one_killed(restart_after: Option<u64>) -> u64 {
+/// With NCCL only the rounds' records cross the store: every drafter of every host finds the same communicator
+/// identity in each round, with a distinct rank and the round's size; the identity changes exactly when the
+/// membership does (host 2 killed, host 2 back) and is kept otherwise.
+#[test]
+fn with_nccl_every_drafter_of_every_host_sums_in_one_ring_per_membership() {
+    let (back_at, log) = three_hosts_one_killed(None, GradientSum::Nccl);
+    let log = log.lock().unwrap();
+    let mut identities = Vec::new();
+    for step in 0..LAST_STEP {
+        let at: Vec<_> = log.rings.iter().filter(|((.., s), _)| *s == step).map(|(_, r)| r).collect();
+        let size = if step < 4 || step >= back_at { 4 } else { 3 };
+        assert_eq!(at.len(), size, "step {step}: {at:?}");
+        assert!(at.iter().all(|(id, _, n)| *id == at[0].0 && *n == size), "step {step}: one ring of {size}: {at:?}");
+        let mut ranks: Vec<usize> = at.iter().map(|(_, r, _)| *r).collect();
+        ranks.sort();
+        assert_eq!(ranks, (0..size).collect::<Vec<_>>(), "step {step}: distinct ranks");
+        if identities.last() != Some(&at[0].0) {
+            identities.push(at[0].0.clone());
+        }
+    }
+    assert_eq!(identities.len(), 3, "a ring for the founders, one without host 2, one with it back");
+    // Nothing was summed through the store: no host applied an update.
+    assert!(log.states.values().all(|s| *s == [1.0, 0.5, -0.25, 2.0]));
+}
+
+/// Three hosts summing by `sum`; host 2 is killed before step 4 and restarts once host 0 reached `restart_after` (at
+/// once: `None`). Returns the step the restarted host came back at, and the log.
+fn three_hosts_one_killed(restart_after: Option<u64>, sum: GradientSum) -> (u64, Arc<Mutex<Log>>) {
     let server = Store::serve(0, Duration::from_secs(20)).unwrap();
     let port = server.port();
     let log = Arc::new(Mutex::new(Log::default()));
-    let mut hosts: Vec<Host> = (0..3).map(|r| host(r, port, &log)).collect();
+    let mut hosts: Vec<Host> = (0..3).map(|r| host(r, port, sum, &log)).collect();
     for h in &mut hosts {
         h.generation = 1;
     }
@@ -174,13 +214,14 @@ fn three_hosts_one_killed(restart_after: Option<u64>) -> u64 {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    let mut again = host(2, port, &log);
+    let mut again = host(2, port, sum, &log);
     again.generation = 2;
     threads.push(member(&again, 0, true, None, &log));
     for t in threads {
         t.join().unwrap();
     }
-    let log = log.lock().unwrap();
+    let shared = log;
+    let log = shared.lock().unwrap();
 
     // Founding: hosts 1 and 2 started from rank 0's weights at step 0.
     let founding = log.entered[&(0, 1)].clone();
@@ -210,8 +251,9 @@ fn three_hosts_one_killed(restart_after: Option<u64>) -> u64 {
     assert_eq!(committed(1, 3), Some(32));
     assert_eq!(committed(1, 4), Some(38));
     assert_eq!(committed(0, LAST_STEP - 1), committed(2, LAST_STEP - 1));
+    drop(log);
     drop(server);
-    back_at
+    (back_at, shared)
 }
 
 /// A host whose training data is not rank 0's is refused at start, with both fingerprints named.

@@ -22,7 +22,7 @@ fn readyz(svc: &Service) -> u16 {
 }
 
 /// All drafters failing together (what a peer dying inside an NCCL all-reduce does to the others), then all but one,
-/// then the donor while the others rejoin: every drafter is live again each time and training goes on; every
+/// then the donor failing (hung) while the others rejoin it: every drafter is live again each time and training goes on; every
 /// sample of an epoch is trained once; the replicas stay identical.
 #[test]
 fn correlated_failures_bring_every_drafter_back() {
@@ -34,6 +34,8 @@ fn correlated_failures_bring_every_drafter_back() {
         "supervision.restart_window_s=600",
         "supervision.backoff_initial_ms=300",
         "supervision.backoff_max_ms=300",
+        "supervision.hang_factor=10",
+        "supervision.hang_floor_s=3",
     ];
     let mut svc = Service::start(&config(dir.path(), 3), false, &sets);
     let s = svc.wait("a checkpoint", |s| !s["last_checkpoint"].is_null() && step(s) >= 4);
@@ -52,11 +54,12 @@ fn correlated_failures_bring_every_drafter_back() {
     svc.wait("two restarted", |s| (1..3).all(|i| drafter(s, i)["restarts"] == 2));
     let s = all_live_past(&mut svc, 3, step(&s));
 
-    // The donor, while the others rejoin it.
+    // The donor, while the others rejoin it: it hangs in its step, so the restarted drafters wait for it at the
+    // round boundary (joining for the whole hang budget, which a status poll cannot miss) until it is abandoned.
+    svc.fault(0, "hang");
     svc.fault(1, "panic");
     svc.fault(2, "panic");
     svc.wait("a drafter joining", |s| (1..3).any(|i| state(s, i) == "joining"));
-    svc.fault(0, "panic");
     svc.wait("the donor restarted", |s| drafter(s, 0)["restarts"] == 2);
     let back = all_live_past(&mut svc, 3, step(&s));
 

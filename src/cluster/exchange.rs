@@ -1,13 +1,14 @@
 //! The per-step quorum across hosts carried over the c10d store: each host announces its generation and posts its
 //! contribution to each round; the rendezvous host runs [`HostQuorum`] on what it reads and posts each round's
-//! [`Closed`] decision, which every host waits for. A contribution carries bytes (the host's gradient and what it
-//! trained: the store is the collective across processes). A host admitted at a round boundary finds what to start
+//! [`Closed`] decision, which every host waits for. A contribution carries bytes (what the host trained, and its
+//! gradient unless the drafters sum over NCCL: then the store carries only the round's record). A host admitted at a round boundary finds what to start
 //! from under its own key: the state its donor posts, or, admitted as its own donor, word that no member had the
 //! run's state (the run must start again).
 //!
 //! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
 //! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON),
+//! `ring/{r}` (the NCCL communicator's identity, when the drafters sum over NCCL and round `r` has a new membership),
 //! `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and `finished` (rank 0's exit status at the end
 //! of the run). Values larger than the store's server takes in one message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::time::{Duration, Instant};
@@ -47,6 +48,9 @@ fn arrived_key(round: u64, rank: Rank) -> String {
 }
 fn closed_key(round: u64) -> String {
     format!("dflash/round/{round}/closed")
+}
+fn ring_key(round: u64) -> String {
+    format!("dflash/ring/{round}")
 }
 fn feed_key(rank: Rank, generation: u64, step: u64) -> String {
     format!("dflash/feed/{rank}/{generation}/{step}")
@@ -148,6 +152,16 @@ pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Close
 /// The payload member `rank` posted to `round` (after the round closed with it as a member).
 pub fn payload(store: &Store, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
     get_large(store, &from_key(round, rank), timeout)
+}
+
+/// Posts the identity of the NCCL communicator the drafters of round `round` sum in (its membership is new).
+pub fn post_ring(store: &Store, round: u64, id: &[u8]) -> Result<(), ExchangeError> {
+    Ok(store.set(&ring_key(round), id)?)
+}
+
+/// Waits up to `timeout` for the identity [`post_ring`] posts.
+pub fn ring(store: &Store, round: u64, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
+    Ok(store.get(&ring_key(round), timeout)?)
 }
 
 /// A donor's state for the admitted host.
@@ -294,6 +308,7 @@ impl Coordinator {
             delete_large(&self.store, &from_key(round, rank))?;
             self.store.delete(&arrived_key(round, rank))?;
         }
+        self.store.delete(&ring_key(round))?;
         Ok(self.store.delete(&closed_key(round))?)
     }
 }

@@ -3,9 +3,12 @@
 //! host admitted from this one. Rank 0 also runs the coordinator (the quorum, [`Coordinator`]) on a thread of its
 //! own, from the moment it founds the run.
 //!
-//! A round's gradient crosses hosts as f32 bytes through the store and every host sums the members' gradients in
-//! rank order, so every host applies the same sum bit for bit (the store is the collective across processes; NCCL
-//! among hosts is not built yet). The state a joiner takes is the donor's master weights, AdamW moments, update count,
+//! A round's record (what each host trained, its settings and loss weight) crosses hosts through the store. Its
+//! gradient goes one of two ways: with `drafters.collective = "nccl"` every drafter of every host all-reduces over
+//! one NCCL communicator per membership, whose identity the round's lowest-ranked member host posts
+//! ([`HostLink::ring_id`]); otherwise it crosses as f32 bytes through the store and every host sums the members'
+//! gradients in rank order (for CPU runs and tests). Either way every host applies the same sum bit for bit. The
+//! state a joiner takes is the donor's master weights, AdamW moments, update count,
 //! step and samples committed.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,6 +25,7 @@ use super::quorum::{Admitted, Rank};
 use super::store::{Store, StoreError};
 use crate::data::loader::BatchId;
 use crate::train::collective::ObjectiveKnobs;
+use crate::train::nccl::NcclId;
 use crate::train::objective::Metrics;
 use crate::train::step::UpdateSettings;
 
@@ -33,6 +37,8 @@ pub enum LinkError {
     CoordinatorStopped(String),
     #[error("tensor: {0}")]
     Tensor(String),
+    #[error("NCCL: {0}")]
+    Nccl(String),
     #[error("malformed {what} from host {rank}: {message}")]
     Malformed { what: &'static str, rank: Rank, message: String },
     #[error(
@@ -68,7 +74,8 @@ impl From<tch::TchError> for LinkError {
 
 /// What a host brings to a round: its drafters' summed gradient and what each of them trained.
 pub struct HostShare<'a> {
-    pub grad: &'a Tensor,
+    /// Through the store (`None`: the drafters sum over NCCL, and only the round's record crosses the store).
+    pub grad: Option<&'a Tensor>,
     /// The update this host would apply and the objective of its next step: the round applies its lowest-ranked
     /// member's, so that every host applies the same whatever each was configured or reloaded with.
     pub settings: (UpdateSettings, ObjectiveKnobs),
@@ -81,6 +88,8 @@ pub struct HostShare<'a> {
 pub struct DrafterPart {
     /// The drafter's id on its host.
     pub drafter: usize,
+    /// The drafter's generation (its restarts make it a new member of the run's NCCL ring).
+    pub generation: u64,
     pub batches: Vec<BatchId>,
     pub samples: u64,
     pub metrics: Metrics,
@@ -107,8 +116,8 @@ impl HostRecord {
 
 /// A closed round of the run.
 pub struct RunRound {
-    /// The members' gradients summed in rank order (CPU, f32).
-    pub grad: Tensor,
+    /// The members' gradients summed in rank order (CPU, f32); `None` when the drafters sum over NCCL.
+    pub grad: Option<Tensor>,
     pub total_weight: f64,
     pub samples: u64,
     /// Each member's record, in rank order.
@@ -184,6 +193,26 @@ fn floats(data: &[u8], elements: usize, what: &'static str, rank: Rank) -> Resul
     }
     let values: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Ok(Tensor::from_slice(&values))
+}
+
+/// A member's gradient in its contribution: `elements` floats when this host sums through the store, nothing when
+/// its drafters sum over NCCL. A member that sums the other way is refused by name.
+fn gradient(data: &[u8], elements: Option<usize>, rank: Rank) -> Result<Option<Tensor>, LinkError> {
+    let differs = |message: String| LinkError::Malformed {
+        what: "contribution",
+        rank,
+        message: format!("{message}: every host must set the same drafters.collective"),
+    };
+    match elements {
+        Some(_) if data.is_empty() => {
+            Err(differs("no gradient (it sums over NCCL) where this host sums through the store".into()))
+        }
+        None if !data.is_empty() => {
+            Err(differs(format!("{} bytes of gradient where this host's drafters sum over NCCL", data.len())))
+        }
+        Some(elements) => floats(data, elements, "contribution", rank).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// The deadline of a store operation without one of its own, and of opening another connection once connected: a
@@ -444,7 +473,7 @@ impl HostLink {
             weight: share.weight,
             contributions: share.contributions,
         };
-        let bytes = frame(&record, &[share.grad])?;
+        let bytes = frame(&record, &Vec::from_iter(share.grad))?;
         let wait = self.wait();
         self.with_store(|s| {
             exchange::contribute(s, round, rank, generation, &bytes)?;
@@ -452,7 +481,7 @@ impl HostLink {
             if !closed.members.contains(&rank) {
                 return Err(ExchangeError::Dropped { rank, round }.into());
             }
-            let elements = share.grad.numel();
+            let elements = share.grad.map(Tensor::numel);
             let mut sum: Option<Tensor> = None;
             let mut hosts = Vec::new();
             for &m in &closed.members {
@@ -460,17 +489,17 @@ impl HostLink {
                 let theirs = if m == rank { None } else { Some(exchange::payload(s, round, m, wait)?) };
                 let (record, data): (HostRecord, &[u8]) =
                     unframe(theirs.as_deref().unwrap_or(&bytes), "contribution", m)?;
-                let grad = floats(data, elements, "contribution", m)?;
-                sum = Some(match sum {
-                    None => grad,
-                    Some(mut acc) => {
-                        let _ = acc.f_add_(&grad)?;
-                        acc
-                    }
-                });
+                if let Some(grad) = gradient(data, elements, m)? {
+                    sum = Some(match sum {
+                        None => grad,
+                        Some(mut acc) => {
+                            let _ = acc.f_add_(&grad)?;
+                            acc
+                        }
+                    });
+                }
                 hosts.push(record);
             }
-            let grad = sum.ok_or(ExchangeError::Dropped { rank, round })?;
             {
                 let mut members = self.members.lock().unwrap_or_else(|p| p.into_inner());
                 let known = members.clone();
@@ -485,11 +514,30 @@ impl HostLink {
             }
             let serve = closed.admitted.iter().filter(|a| a.donor == rank && a.rank != rank).copied().collect();
             Ok(RunRound {
-                grad,
+                grad: sum,
                 total_weight: hosts.iter().map(|h| h.weight).sum(),
                 samples: hosts.iter().map(HostRecord::samples).sum(),
                 hosts,
                 serve,
+            })
+        })
+    }
+
+    /// The identity of the NCCL communicator the run's drafters sum round `round` in, its membership being new: the
+    /// round's lowest-ranked member host (`maker`) makes it, the others wait for it.
+    pub fn ring_id(&self, round: u64, maker: Rank) -> Result<NcclId, LinkError> {
+        let wait = self.wait();
+        self.with_store(|s| {
+            if maker == self.rank() {
+                let id = NcclId::new().map_err(|e| LinkError::Nccl(e.to_string()))?;
+                exchange::post_ring(s, round, id.bytes())?;
+                return Ok(id);
+            }
+            let bytes = exchange::ring(s, round, wait)?;
+            NcclId::from_bytes(&bytes).ok_or_else(|| LinkError::Malformed {
+                what: "NCCL identity",
+                rank: maker,
+                message: format!("{} bytes, not 128", bytes.len()),
             })
         })
     }
@@ -531,5 +579,23 @@ impl HostLink {
     /// The run's exit status, once rank 0 ended it.
     pub fn finished(&self) -> Result<Option<i32>, LinkError> {
         self.with_store(|s| Ok(exchange::finished(s)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A member that sums the other way (NCCL against the store) is refused by name, whichever side this host is.
+    #[test]
+    fn a_member_summing_the_other_way_is_refused_by_name() {
+        let floats: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let sum = gradient(&floats, Some(2), 1).unwrap().unwrap();
+        assert_eq!(Vec::<f32>::try_from(&sum).unwrap(), [1.0, 2.0]);
+        assert!(gradient(&[], None, 1).unwrap().is_none());
+        for err in [gradient(&[], Some(2), 3).unwrap_err(), gradient(&floats, None, 3).unwrap_err()] {
+            let err = err.to_string();
+            assert!(err.contains("host 3") && err.contains("drafters.collective"), "{err}");
+        }
     }
 }

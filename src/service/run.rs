@@ -17,7 +17,7 @@ use super::placement::{capture_devices, spread_to};
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
 use crate::cluster::link::HostLink;
-use crate::config::{CollectiveKind, Config, Layers, TargetSource, resume_changes};
+use crate::config::{Config, Layers, TargetSource, resume_changes};
 use crate::data::dataset::Dataset;
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
@@ -133,12 +133,6 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let placement =
         resolve(&config.cluster, |k| std::env::var(k).ok()).context("[cluster] and the launcher's environment")?;
-    if placement.is_some() && config.drafters.collective == CollectiveKind::Nccl {
-        bail!(
-            "drafters.collective = \"nccl\" does not run across hosts yet: set drafters.collective = \"in_process\" \
-             (each host sums its drafters by device copies; hosts sum through the store)"
-        );
-    }
     // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host and leaves
     // checkpoint.dir alone (it may be rank 0's, on a shared disk).
     let follower = placement.as_ref().is_some_and(|p| p.rank > 0);

@@ -18,15 +18,16 @@
 //!
 //! Summing: by device-to-device copies in the member completing the round, or (`GradientSum::Nccl`) by an NCCL
 //! all-reduce the contributors run after the round's bookkeeping completes, in a communicator (`Ring`) made for
-//! the round's membership and replaced whenever it changes. The interface is what a collective across processes
-//! needs too: contribute, remove, join.
+//! the round's membership and replaced whenever it changes. Across hosts with NCCL, the ring holds every drafter of
+//! every member host of the run's round (only the round's record crosses the store); without NCCL, the host's
+//! device-copy sum crosses the store as its share.
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
 use crate::cluster::link::{DrafterPart, Entering, HostLink, HostRecord, HostShare, RunRound};
-use crate::cluster::quorum::Admitted;
+use crate::cluster::quorum::{Admitted, Rank};
 use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
 use crate::model::shared::SharedTensor;
@@ -129,19 +130,48 @@ pub enum GradientSum {
     Nccl,
 }
 
+/// One rank of a [`Ring`]: a drafter of a host, as the generations they contributed as (within one host, host 0 of
+/// generation 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingMember {
+    pub host: Rank,
+    pub host_generation: u64,
+    pub member: MemberId,
+    pub generation: u64,
+}
+
 /// The NCCL communicator a round's contributors sum in: one per membership, numbered in order; rank `r` is
-/// `members[r]`. A new membership (a member removed or joined) gets a new one, and the old one is aborted.
+/// `members[r]`. A new membership (a member removed, joined or restarted, on any host) gets a new one, and the old
+/// one is aborted. Across hosts every drafter of every member host is a rank.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Ring {
     pub epoch: u64,
-    pub members: Vec<MemberId>,
+    /// This host (its members find their rank among `members` by it).
+    pub host: Rank,
+    pub members: Vec<RingMember>,
     pub id: NcclId,
 }
 
 impl Ring {
     pub fn rank_of(&self, member: MemberId) -> Option<usize> {
-        self.members.iter().position(|&m| m == member)
+        self.members.iter().position(|m| m.host == self.host && m.member == member)
     }
+}
+
+/// The ranks of a round across hosts: each member host's drafters, in rank order then in member order (what every
+/// host reads alike from the round's records).
+fn ring_members(hosts: &[HostRecord]) -> Vec<RingMember> {
+    hosts
+        .iter()
+        .flat_map(|h| {
+            h.contributions.iter().map(|c| RingMember {
+                host: h.rank,
+                host_generation: h.generation,
+                member: c.drafter,
+                generation: c.generation,
+            })
+        })
+        .collect()
 }
 
 /// A completed round, as every member applies it.
@@ -252,11 +282,26 @@ struct State {
     pending: Option<(u64, StepSettings)>,
     sum: GradientSum,
     ring: Option<Arc<Ring>>,
+    /// This host's rank across hosts (0 within one).
+    host: Rank,
     /// Hosts admitted at this boundary that take their state from this host.
     remote_joiners: Vec<Admitted>,
 }
 
 impl State {
+    /// The ring, while its membership is `members`.
+    fn current_ring(&self, members: &[RingMember]) -> Option<Arc<Ring>> {
+        self.ring.clone().filter(|r| r.members == members)
+    }
+
+    /// The next ring (the old one's members abort their communicators when they see it).
+    fn new_ring(&mut self, members: Vec<RingMember>, id: NcclId) -> Arc<Ring> {
+        let epoch = self.ring.as_ref().map_or(0, |r| r.epoch + 1);
+        let ring = Arc::new(Ring { epoch, host: self.host, members, id });
+        self.ring = Some(ring.clone());
+        ring
+    }
+
     fn settings_at(&self, step: u64) -> StepSettings {
         match self.pending {
             Some((from, next)) if from <= step => next,
@@ -291,6 +336,7 @@ impl Collective {
                 pending: None,
                 sum,
                 ring: None,
+                host: 0,
                 remote_joiners: Vec::new(),
             }),
             changed: Condvar::new(),
@@ -301,6 +347,7 @@ impl Collective {
 
     /// Makes this collective one host's part of a run across hosts.
     pub fn with_link(mut self, link: Arc<HostLink>) -> Self {
+        self.lock().host = link.rank();
         self.link = Some(link);
         self
     }
@@ -354,6 +401,18 @@ impl Collective {
                 Ok(JoinInfo { step: host.step, optimizer_steps: host.optimizer_steps })
             }
         }
+    }
+
+    /// The ring of the run's round `step` (across hosts, summing over NCCL): the current one while the membership
+    /// holds, else a new one whose identity the round's lowest-ranked member host makes and the others read.
+    fn run_ring(&self, link: &HostLink, step: u64, hosts: &[HostRecord]) -> Result<Arc<Ring>, CollectiveError> {
+        let members = ring_members(hosts);
+        if let Some(ring) = self.lock().current_ring(&members) {
+            return Ok(ring);
+        }
+        let maker = hosts.first().map_or(link.rank(), |h| h.rank);
+        let id = link.ring_id(step, maker).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
+        Ok(self.lock().new_ring(members, id))
     }
 
     /// Moves an empty collective to `step` after `samples_committed` samples (a run rewound to a checkpoint);
@@ -418,7 +477,7 @@ impl Collective {
                 return p.outcome.clone();
             }
             if let Some(done) = s.rounds.complete() {
-                let plan = plan(&mut s, &done);
+                let plan = plan(&mut s, &done, self.link.is_some());
                 drop(s);
                 summing(Summing::Local);
                 let summed = sum_gradients(plan.sum, &done.contributions);
@@ -430,6 +489,14 @@ impl Collective {
                     None => (summed, None),
                 };
                 let mut plan = plan;
+                if let (Some(run), Some(link)) = (&run, &self.link)
+                    && plan.sum == GradientSum::Nccl
+                {
+                    match self.run_ring(link, step, &run.hosts) {
+                        Ok(ring) => plan.ring = Some(ring),
+                        Err(e) => plan.ring_error = Some(e),
+                    }
+                }
                 if let Some(run) = run {
                     // The run's round: every host's samples count, and the joiners this host serves wait.
                     let mut s = self.lock();
@@ -563,27 +630,34 @@ struct Plan {
     remote: Vec<HostRecord>,
 }
 
-/// Advances the settings, the progress and the ring for a completed round.
-fn plan(s: &mut State, done: &Completed<Contribution>) -> Plan {
+/// Advances the settings, the progress and (within one host) the ring for a completed round. Across hosts the
+/// ring waits for the run's round ([`Collective::run_ring`]).
+fn plan(s: &mut State, done: &Completed<Contribution>, across_hosts: bool) -> Plan {
     let step = done.step;
     if s.pending.is_some_and(|(from, _)| from <= step) {
         s.settings = s.settings_at(step);
         s.pending = None;
     }
-    let contributors: Vec<MemberId> = done.contributions.iter().map(|(m, ..)| *m).collect();
     let mut ring_error = None;
     let ring = match s.sum {
-        GradientSum::DeviceCopies => None,
-        GradientSum::Nccl => {
-            if s.ring.as_ref().is_none_or(|r| r.members != contributors) {
-                let epoch = s.ring.as_ref().map_or(0, |r| r.epoch + 1);
-                match NcclId::new() {
-                    Ok(id) => s.ring = Some(Arc::new(Ring { epoch, members: contributors, id })),
-                    Err(e) => ring_error = Some(DeviceErrorText(e.to_string()).into()),
-                }
+        GradientSum::Nccl if !across_hosts => {
+            let members: Vec<RingMember> = done
+                .contributions
+                .iter()
+                .map(|&(member, generation, _)| RingMember { host: 0, host_generation: 0, member, generation })
+                .collect();
+            match s.current_ring(&members) {
+                Some(ring) => Some(ring),
+                None => match NcclId::new() {
+                    Ok(id) => Some(s.new_ring(members, id)),
+                    Err(e) => {
+                        ring_error = Some(DeviceErrorText(e.to_string()).into());
+                        None
+                    }
+                },
             }
-            s.ring.clone()
         }
+        _ => None,
     };
     let update = s.settings.hyper.update(step, s.samples_committed);
     let next_objective = s.settings_at(step + 1).objective;
@@ -610,15 +684,11 @@ fn across_hosts(
     summed: Result<Option<Tensor>, CollectiveError>,
 ) -> (Result<Option<Tensor>, CollectiveError>, Option<RunRound>) {
     let local = match summed {
-        Ok(Some(local)) => local,
-        Ok(None) => {
-            let e = "several hosts sum by device copies within each host (drafters.collective)";
-            return (Err(CollectiveError::Hosts(e.into())), None);
-        }
+        Ok(local) => local,
         Err(e) => return (Err(e), None),
     };
-    match exchange_share(link, step, plan, done, &local) {
-        Ok((grad, run)) => (Ok(Some(grad)), Some(run)),
+    match exchange_share(link, step, plan, done, local.as_ref()) {
+        Ok((grad, run)) => (Ok(grad), Some(run)),
         Err(e) => (Err(e), None),
     }
 }
@@ -628,8 +698,8 @@ fn exchange_share(
     step: u64,
     plan: &Plan,
     done: &Completed<Contribution>,
-    local: &Tensor,
-) -> Result<(Tensor, RunRound), CollectiveError> {
+    local: Option<&Tensor>,
+) -> Result<(Option<Tensor>, RunRound), CollectiveError> {
     let share = HostShare {
         grad: local,
         settings: (plan.update, plan.next_objective),
@@ -637,8 +707,9 @@ fn exchange_share(
         contributions: done
             .contributions
             .iter()
-            .map(|(m, _, c)| DrafterPart {
+            .map(|(m, g, c)| DrafterPart {
                 drafter: *m,
+                generation: *g,
                 batches: c.batches.clone(),
                 samples: c.samples,
                 metrics: c.metrics,
@@ -646,13 +717,16 @@ fn exchange_share(
             })
             .collect(),
     };
-    let run = link.exchange(step, share).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
-    let grad = run
-        .grad
-        .f_view_as(local)
-        .and_then(|g| g.f_to(local.device()))
-        .and_then(|g| g.f_to_kind(local.kind()))
-        .map_err(|e| DeviceErrorText(e.to_string()))?;
+    let mut run = link.exchange(step, share).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
+    let grad = match (run.grad.take(), local) {
+        (Some(sum), Some(local)) => Some(
+            sum.f_view_as(local)
+                .and_then(|g| g.f_to(local.device()))
+                .and_then(|g| g.f_to_kind(local.kind()))
+                .map_err(|e| DeviceErrorText(e.to_string()))?,
+        ),
+        _ => None,
+    };
     Ok((grad, run))
 }
 
@@ -808,13 +882,14 @@ mod tests {
             rx.recv().unwrap();
             ring
         };
+        let ids = |r: &Ring| r.members.iter().map(|m| m.member).collect::<Vec<_>>();
         let first = round(5, &[0, 1]);
-        assert_eq!((first.epoch, first.members.clone(), first.rank_of(1)), (0, vec![0, 1], Some(1)));
+        assert_eq!((first.epoch, ids(&first), first.rank_of(1)), (0, vec![0, 1], Some(1)));
         let same = round(6, &[0, 1]);
         assert!(Arc::ptr_eq(&first, &same));
         c.remove(1, 1);
         let smaller = round(7, &[0]);
-        assert_eq!((smaller.epoch, smaller.members.clone(), smaller.rank_of(1)), (1, vec![0], None));
+        assert_eq!((smaller.epoch, ids(&smaller), smaller.rank_of(1)), (1, vec![0], None));
         assert_ne!(smaller.id, first.id);
     }
 

@@ -80,6 +80,16 @@ impl std::fmt::Debug for NcclId {
 }
 
 impl NcclId {
+    /// The identity's bytes, to hand to members in other processes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// An identity read back from [`NcclId::bytes`]; `None` unless exactly 128 bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(NcclId)
+    }
+
     pub fn new() -> Result<Self, NcclError> {
         let mut id = [0u8; 128];
         // SAFETY: the shim writes exactly 128 bytes.
@@ -193,6 +203,8 @@ mod tests {
         assert!(v >= 21800, "NCCL {v} is too old for non-blocking communicators");
         let (a, b) = (NcclId::new().unwrap(), NcclId::new().unwrap());
         assert_ne!(a, b);
+        assert_eq!(NcclId::from_bytes(a.bytes()), Some(a));
+        assert_eq!(NcclId::from_bytes(&a.bytes()[1..]), None);
     }
 
     #[test]

@@ -277,7 +277,8 @@ mod tests {
             },
             ObjectiveKnobs { num_anchors: 4, gamma: None },
         );
-        let part = DrafterPart { drafter: 0, batches, samples: 4, metrics: Metrics::default(), digest: None };
+        let part =
+            DrafterPart { drafter: 0, generation: 1, batches, samples: 4, metrics: Metrics::default(), digest: None };
         HostRecord { rank, generation, settings, weight: 1.0, contributions: vec![part] }
     }
 
