@@ -11,7 +11,8 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 # STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure; 9 a
-# target spread over the GPUs; 10 two serve-train processes as two hosts on this machine, with a kill -9 and rejoin).
+# target spread over the GPUs; 10 two serve-train processes as two hosts on this machine, with a kill -9 and rejoin;
+# 11 the same over NCCL with one GPU per process, against one process with both GPUs: needs two GPUs).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -36,6 +37,28 @@ wait_eval() {  # until an evaluation has finished; gives up after 3 minutes
 
 # GPU 0's utilisation (where stages 2 and 3 run) sampled every 200 ms into FILE until the returned pid is killed
 smi() { nvidia-smi -i 0 --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 >"$1" 2>/dev/null & }
+
+# samples/s of the run between steps $1 and $2, read from (rank 0's) status on port 9410
+rate() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys, time, urllib.request
+a, b = int(sys.argv[1]), int(sys.argv[2])
+def st():
+  while True:  # the service may still be starting
+      try:
+          return json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
+      except OSError:
+          if time.time() > deadline: raise
+          time.sleep(0.2)
+deadline = time.time() + 150
+while st()["step"] < a and time.time() < deadline: time.sleep(0.05)
+s0, t0 = st(), time.time()
+while st()["step"] < b and time.time() < deadline: time.sleep(0.05)
+s1, t1 = st(), time.time()
+print(json.dumps({"steps": s1["step"] - s0["step"], "seconds": round(t1 - t0, 3),
+                "samples_per_s": round((s1["samples_committed"] - s0["samples_committed"]) / (t1 - t0), 2)}))
+PY
+}
 
 if has 1; then
 echo "== 1. bench --what pipeline"
@@ -257,27 +280,6 @@ for m in ${HOST_MODELS:-qwen3-4b}; do
     --set data.batch_size=4 --set data.builtin_conversations=4096 --set objective.num_anchors=$ma
     --set checkpoint.every_steps=0 --set log.every_steps=5 --set log.format=json --set "drafters.devices=[\"$dev\"]"
     --set draft_model.num_hidden_layers=1 --set supervision.check_replicas_every=10)
-  # samples/s of the run between steps $1 and $2, read from rank 0's status
-  rate() {
-    python3 - "$1" "$2" <<'PY'
-import json, sys, time, urllib.request
-a, b = int(sys.argv[1]), int(sys.argv[2])
-def st():
-    while True:  # the service may still be starting
-        try:
-            return json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
-        except OSError:
-            if time.time() > deadline: raise
-            time.sleep(0.2)
-deadline = time.time() + 150
-while st()["step"] < a and time.time() < deadline: time.sleep(0.05)
-s0, t0 = st(), time.time()
-while st()["step"] < b and time.time() < deadline: time.sleep(0.05)
-s1, t1 = st(), time.time()
-print(json.dumps({"steps": s1["step"] - s0["step"], "seconds": round(t1 - t0, 3),
-                  "samples_per_s": round((s1["samples_committed"] - s0["samples_committed"]) / (t1 - t0), 2)}))
-PY
-  }
   echo "== 10. $m: one process"
   rm -rf runs/h1
   ./.bin/dflash serve-train "${hs[@]}" --set checkpoint.dir=runs/h1 2>"$out/hosts-$m-one.log" &
@@ -314,4 +316,73 @@ PY
 done
 # One file back instead of many.
 tar -C "$out" -czf "$out/hosts.tgz" $(cd "$out" && ls hosts-* 2>/dev/null) && (cd "$out" && rm -f hosts-*)
+fi
+
+if has 11; then
+WAIT_S=90
+# Two hosts over NCCL on a two-GPU machine: two serve-train processes of one GPU each (NCCL forced onto its network
+# transport, as between hosts: no P2P, no shared memory, sockets on loopback), against one process with both GPUs;
+# then rank 1 is killed -9 and started again. The shapes of stage 10 (HOST_MODEL, one-layer drafter), so the store's
+# numbers there compare.
+m=${HOST_MODEL:-qwen3-4b}
+hs=(--set target.model=$m --set data.path=synthetic --set data.max_len=$seq --set data.batch_size=4
+  --set data.builtin_conversations=4096 --set objective.num_anchors=$anchors --set checkpoint.every_steps=0
+  --set log.every_steps=5 --set log.format=json --set draft_model.num_hidden_layers=1
+  --set supervision.check_replicas_every=10 --set drafters.collective=nccl --set drafters.collective_timeout_s=30)
+n=$(nvidia-smi -L | wc -l)
+# With one GPU both processes use it, each told it is on a host of its own (NCCL_HOSTID): NCCL then refuses no
+# "duplicate GPU" and connects them over its network transport, as between hosts; the one-process comparison is
+# stage 10's.
+if [ "$n" -ge 2 ]; then g1=cuda:1; else g1=cuda:0; fi
+if [ "$n" -ge 2 ]; then
+  echo "== 11. $m: one process, two GPUs over NCCL"
+  rm -rf runs/n1
+  ./.bin/dflash serve-train "${hs[@]}" --set target.device=cuda:0 --set target.capture_devices=colocated \
+    --set 'drafters.devices=["cuda:0", "cuda:1"]' --set checkpoint.dir=runs/n1 2>"$out/nccl-one.log" &
+  pid=$!
+  rate 10 40 | tee "$out/nccl-one.json"
+  get /metrics | grep -E "^dflash_(collective_duration|step_duration)_seconds_(sum|count)" >"$out/nccl-one-metrics.txt"
+  kill -9 $pid; wait 2>/dev/null
+fi
+echo "== 11. $m: two processes as two hosts, NCCL over sockets"
+export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+rm -rf runs/n2 runs/n2-1
+cl=(--set cluster.hosts=2 --set cluster.master_addr=127.0.0.1 --set cluster.master_port=29513
+  --set cluster.round_timeout_s=60)
+r0=(--set cluster.rank=0 --set target.device=cuda:0 --set 'drafters.devices=["cuda:0"]' --set checkpoint.dir=runs/n2)
+r1=(--set cluster.rank=1 --set target.device=$g1 --set "drafters.devices=[\"$g1\"]" --set checkpoint.dir=runs/n2-1
+  --set control.listen=127.0.0.1:9411 --set control.fault_injection=true)
+NCCL_HOSTID=host0 ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" "${r0[@]}" 2>"$out/nccl-rank0.log" &
+p0=$!
+NCCL_HOSTID=host1 ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" "${r1[@]}" 2>"$out/nccl-rank1.log" &
+p1=$!
+rate 10 40 | tee "$out/nccl-two.json"
+get /metrics | grep -E "^dflash_(collective_duration|step_duration)_seconds_(sum|count)" >"$out/nccl-two-metrics.txt"
+# until rank 0 logs generation $1 of host 1 joined (or rank 0 is gone, or 100 s pass)
+joined() {
+  local deadline=$((SECONDS + 100))
+  until grep -q "\"generation\":$1" <(grep "host joined the run" "$out/nccl-rank0.log") || [ $SECONDS -ge $deadline ] \
+    || ! kill -0 $p0 2>/dev/null; do
+    sleep 0.1
+  done
+  date +%s.%N
+}
+# Host 1's only drafter fails before it contributes (a panic): the host leaves, enters again as generation 2 and
+# rejoins from rank 0 (the ring rebuilt twice), in the same process.
+date +%s.%N >"$out/nccl-fault-sent"
+python3 -c "import urllib.request as u;u.urlopen(u.Request('http://127.0.0.1:9411/drafters/0/fault',data=b'{\"kind\": \"panic\"}',headers={'content-type':'application/json'}))"
+joined 2 >"$out/nccl-fault-rejoined"
+kill -0 $p0 2>/dev/null && wait_step $(($(step) + 10))
+# Then the process killed -9 at a random point of its step, and started again.
+kill -9 $p1
+date +%s.%N >"$out/nccl-killed"
+NCCL_HOSTID=host1 ./.bin/dflash serve-train "${hs[@]}" "${cl[@]}" "${r1[@]}" 2>"$out/nccl-rank1-again.log" &
+p1=$!
+joined 3 >"$out/nccl-rejoined"
+kill -0 $p0 2>/dev/null && wait_step $(($(step) + 20))
+get /status >"$out/nccl-status.json"
+kill -0 $p0 2>/dev/null || { wait $p0; echo "rank 0 exited with $?" | tee "$out/nccl-rank0-exit"; }
+kill -9 $p0 $p1; wait 2>/dev/null
+grep -E "host (joined|left)|hosts changed|replicas|NCCL|failed" "$out/nccl-rank0.log" | tail -12
+tar -C "$out" -czf "$out/nccl.tgz" $(cd "$out" && ls nccl-* 2>/dev/null) && (cd "$out" && rm -f nccl-*)
 fi

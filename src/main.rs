@@ -64,7 +64,8 @@ enum Command {
         Several hosts: run one serve-train per host with the same configuration and data; the host's place comes \
         from the launcher's environment (MASTER_ADDR, MASTER_PORT, NODE_RANK or RANK, NNODES or WORLD_SIZE) or \
         [cluster]. Rank 0 serves the rendezvous store, assigns every host's batches and keeps ledger and \
-        checkpoints; a host that dies leaves the run and rejoins from a live one when restarted.\n\n\
+        checkpoints; a host that dies leaves the run and rejoins from a live one when restarted. On GPUs set \
+        drafters.collective = \"nccl\": every host's drafters then sum in one NCCL communicator.\n\n\
         The built-in default trains on the tiny-tasks target (built in) and built-in sample data with two drafters:\n  dflash serve-train")]
     ServeTrain(ServeTrainArgs),
     /// Turn chat JSONL into token ids and loss masks with the target's tokenizer and chat template

@@ -70,6 +70,8 @@ pub struct DrafterBenchReport {
     pub peak_mem_bytes: i64,
     pub step_ms_p50: f64,
     pub step_ms_p90: f64,
+    /// Every timed step, in the order run.
+    pub step_ms: Vec<f64>,
     /// The loss of the last timed step (a sanity check that the steps did real work).
     pub loss: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -242,6 +244,7 @@ pub fn bench_drafter(
         peak_mem_bytes,
         step_ms_p50,
         step_ms_p90: times.percentile(90.0),
+        step_ms: times.in_order().iter().map(|t| (t * 100.0).round() / 100.0).collect(),
         loss,
         phases_ms,
         capture_ms_p50,

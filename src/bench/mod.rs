@@ -44,8 +44,8 @@ fn check_counts(batch: i64, seq: i64, steps: usize) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// Wall-clock milliseconds of timed steps, each ended by a device synchronisation.
-pub struct StepTimes(Vec<f64>);
+/// Wall-clock milliseconds of timed steps, each ended by a device synchronisation: sorted, and in the order run.
+pub struct StepTimes(Vec<f64>, Vec<f64>);
 
 impl StepTimes {
     /// Runs `step` `steps` times on `device`, timing each to completion.
@@ -61,8 +61,14 @@ impl StepTimes {
             device::synchronize(device)?;
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
+        let in_order = times.clone();
         times.sort_by(f64::total_cmp);
-        Ok(StepTimes(times))
+        Ok(StepTimes(times, in_order))
+    }
+
+    /// The times in the order the steps ran (whether slow steps come at a period, or in a run).
+    pub fn in_order(&self) -> &[f64] {
+        &self.1
     }
 
     /// The nearest-rank percentile (p in 0..=100).
@@ -84,7 +90,7 @@ mod tests {
 
     #[test]
     fn percentiles_are_nearest_rank() {
-        let t = StepTimes((1..=10).map(f64::from).collect());
+        let t = StepTimes((1..=10).map(f64::from).collect(), vec![]);
         assert_eq!(t.percentile(50.0), 5.0);
         assert_eq!(t.percentile(90.0), 9.0);
         assert_eq!(t.percentile(100.0), 10.0);
