@@ -44,6 +44,8 @@ struct Log {
     reports: Vec<(usize, RoundReport)>,
     /// With NCCL: `(rank, member, step)` -> the ring the member found.
     rings: BTreeMap<(usize, usize, u64), RingSeen>,
+    /// With NCCL: `(rank, member, step)` -> whether the run applied the round's update.
+    applied: BTreeMap<(usize, usize, u64), bool>,
 }
 
 /// A ring's identity, the member's rank in it and the ring's size.
@@ -79,16 +81,22 @@ fn values(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t).unwrap()
 }
 
+/// How a test drafter's run ends or falters.
+#[derive(Clone, Copy, Default)]
+struct Fate {
+    /// It stops before contributing to this step, as a killed process does.
+    dies_before: Option<u64>,
+    /// With NCCL: it stops after this step's round closed, before saying whether it summed (killed inside the
+    /// all-reduce).
+    dies_inside_sum: Option<u64>,
+    /// With NCCL: its all-reduce of this step fails.
+    sum_fails: Option<u64>,
+}
+
 /// One drafter thread: enters the run (the host's first member) or joins its host's collective (asked before the
 /// thread starts, so that the first member serves it before its first round), then trains until `LAST_STEP`, or
-/// until `die_before` (it stops without contributing, as a killed process does).
-fn member(
-    h: &Host,
-    id: usize,
-    first: bool,
-    die_before: Option<u64>,
-    log: &Arc<Mutex<Log>>,
-) -> std::thread::JoinHandle<()> {
+/// until its `fate` stops it.
+fn member(h: &Host, id: usize, first: bool, fate: Fate, log: &Arc<Mutex<Log>>) -> std::thread::JoinHandle<()> {
     let (rank, collective, log) = (h.rank, h.collective.clone(), log.clone());
     let generation = h.generation;
     // Each host starts from its own weights: the run's must replace them.
@@ -107,7 +115,7 @@ fn member(
         } else {
             collective.wait_joined(id, 1).unwrap().step
         };
-        while step < LAST_STEP && die_before != Some(step) {
+        while step < LAST_STEP && fate.dies_before != Some(step) {
             if collective.has_joiners() {
                 collective.serve_joiners(id, 1, [&master, &m, &v], step).unwrap();
             }
@@ -132,9 +140,17 @@ fn member(
                 let ring = (ring.id.bytes().to_vec(), rank_in_ring, ring.members.len());
                 log.lock().unwrap().rings.insert((rank, id, step - 1), ring);
             }
-            // With NCCL the drafters sum after the round (not here): the state stays as it is.
+            // With NCCL the drafters all-reduce after the round (a stand-in here, completing unless the fate says
+            // otherwise; the state stays as it is), then the run decides whether the update applies.
             let Some(sum) = result.grad.as_ref() else {
-                log.lock().unwrap().states.insert((rank, id, step), values(&master));
+                let round = result.step;
+                if fate.dies_inside_sum == Some(round) {
+                    return;
+                }
+                let applies = collective.summed(id, round, fate.sum_fails != Some(round)).unwrap();
+                let mut log = log.lock().unwrap();
+                log.applied.insert((rank, id, round), applies);
+                log.states.insert((rank, id, step), values(&master));
                 continue;
             };
             let sum = sum.to_copy().unwrap();
@@ -185,8 +201,50 @@ fn with_nccl_every_drafter_of_every_host_sums_in_one_ring_per_membership() {
         }
     }
     assert_eq!(identities.len(), 3, "a ring for the founders, one without host 2, one with it back");
-    // Nothing was summed through the store: no host applied an update.
+    // Nothing was summed through the store (no host changed its state), and every round's sum completed.
     assert!(log.states.values().all(|s| *s == [1.0, 0.5, -0.25, 2.0]));
+    assert!(log.applied.len() > 30 && log.applied.values().all(|&a| a), "{:?}", log.applied);
+}
+
+/// With NCCL a host can die inside the all-reduce, after its round closed: that round's update is skipped on every
+/// host (the survivors keep identical state), and so is a round whose all-reduce failed on one host; every other
+/// round applies; every drafter of every host learns the same for every round, and the next round after a skip has
+/// a new communicator.
+#[test]
+fn with_nccl_a_round_whose_sum_failed_anywhere_is_skipped_on_every_host() {
+    let server = Store::serve(0, Duration::from_secs(20)).unwrap();
+    let port = server.port();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let mut hosts: Vec<Host> = (0..3).map(|r| host(r, port, GradientSum::Nccl, &log)).collect();
+    for h in &mut hosts {
+        h.generation = 1;
+    }
+    let mut threads = vec![
+        member(&hosts[0], 0, true, Fate::default(), &log),
+        member(&hosts[1], 0, true, Fate { sum_fails: Some(8), ..Fate::default() }, &log),
+        member(&hosts[1], 1, false, Fate::default(), &log),
+    ];
+    member(&hosts[2], 0, true, Fate { dies_inside_sum: Some(4), ..Fate::default() }, &log).join().unwrap();
+    hosts.pop();
+    let mut again = host(2, port, GradientSum::Nccl, &log);
+    again.generation = 2;
+    threads.push(member(&again, 0, true, Fate::default(), &log));
+    for t in threads {
+        t.join().unwrap();
+    }
+    let log = log.lock().unwrap();
+    for step in 0..LAST_STEP {
+        let at: Vec<_> = log.applied.iter().filter(|((.., s), _)| *s == step).collect();
+        assert!(at.len() >= 3, "step {step}: {at:?}");
+        let expected = step != 4 && step != 8;
+        assert!(at.iter().all(|(_, a)| **a == expected), "step {step}: every drafter applies: {expected}: {at:?}");
+    }
+    // Host 2 died inside round 4 and came back at 5 or later; round 8 had every host and a new ring after it.
+    assert!(!log.applied.contains_key(&(2, 0, 4)));
+    let ring = |step: u64| log.rings[&(0, 0, step)].0.clone();
+    assert_ne!(ring(9), ring(8), "a new communicator after the skipped round");
+    assert_eq!(ring(10), ring(9));
+    drop(server);
 }
 
 /// Three hosts summing by `sum`; host 2 is killed before step 4 and restarts once host 0 reached `restart_after` (at
@@ -201,11 +259,11 @@ fn three_hosts_one_killed(restart_after: Option<u64>, sum: GradientSum) -> (u64,
     }
     // Host 1 runs two drafters (a local sum under the run's sum); host 2 dies before step 4.
     let mut threads = vec![
-        member(&hosts[0], 0, true, None, &log),
-        member(&hosts[1], 0, true, None, &log),
-        member(&hosts[1], 1, false, None, &log),
+        member(&hosts[0], 0, true, Fate::default(), &log),
+        member(&hosts[1], 0, true, Fate::default(), &log),
+        member(&hosts[1], 1, false, Fate::default(), &log),
     ];
-    let doomed = member(&hosts[2], 0, true, Some(4), &log);
+    let doomed = member(&hosts[2], 0, true, Fate { dies_before: Some(4), ..Fate::default() }, &log);
     doomed.join().unwrap();
     // Killed: its link goes with it. It restarts as a new process would.
     hosts.pop();
@@ -216,7 +274,7 @@ fn three_hosts_one_killed(restart_after: Option<u64>, sum: GradientSum) -> (u64,
     }
     let mut again = host(2, port, sum, &log);
     again.generation = 2;
-    threads.push(member(&again, 0, true, None, &log));
+    threads.push(member(&again, 0, true, Fate::default(), &log));
     for t in threads {
         t.join().unwrap();
     }

@@ -8,15 +8,17 @@
 //! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
 //! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON),
-//! `ring/{r}` (the NCCL communicator's identity, when the drafters sum over NCCL and round `r` has a new membership),
+//! `round/{r}/summed/{rank}` and `round/{r}/applied` (with NCCL: whether each member's drafters summed round `r`, and
+//! whether its update applies), `ring/{r}` (the NCCL communicator's identity, when the drafters sum over NCCL and round `r` has a new membership),
 //! `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and `finished` (rank 0's exit status at the end
 //! of the run). Values larger than the store's server takes in one message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::quorum::{Admitted, Closed, Decision, HostQuorum, Rank};
+use super::quorum::{Admitted, Closed, Decision, HostQuorum, Rank, sum_outcome};
 use super::store::{Store, StoreError};
 
 /// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
@@ -48,6 +50,15 @@ fn arrived_key(round: u64, rank: Rank) -> String {
 }
 fn closed_key(round: u64) -> String {
     format!("dflash/round/{round}/closed")
+}
+fn summed_key(round: u64, rank: Rank) -> String {
+    format!("dflash/round/{round}/summed/{rank}")
+}
+fn summed_count_key(round: u64) -> String {
+    format!("dflash/round/{round}/summed")
+}
+fn applied_key(round: u64) -> String {
+    format!("dflash/round/{round}/applied")
 }
 fn ring_key(round: u64) -> String {
     format!("dflash/ring/{round}")
@@ -164,6 +175,21 @@ pub fn ring(store: &Store, round: u64, timeout: Duration) -> Result<Vec<u8>, Exc
     Ok(store.get(&ring_key(round), timeout)?)
 }
 
+/// Posts whether host `rank` (as `generation`) summed round `round` over NCCL (its drafters' all-reduce completed).
+pub fn post_summed(store: &Store, round: u64, rank: Rank, generation: u64, summed: bool) -> Result<(), ExchangeError> {
+    let mut value = generation.to_le_bytes().to_vec();
+    value.push(u8::from(summed));
+    store.set(&summed_key(round, rank), &value)?;
+    store.add(&summed_count_key(round), 1)?;
+    Ok(())
+}
+
+/// Waits up to `timeout` for whether round `round`'s update applies on every host (the rendezvous host decides it
+/// from the members' [`post_summed`]).
+pub fn wait_applied(store: &Store, round: u64, timeout: Duration) -> Result<bool, ExchangeError> {
+    Ok(store.get(&applied_key(round), timeout)? == [1])
+}
+
 /// A donor's state for the admitted host.
 pub fn post_state(store: &Store, to: &Admitted, state: &[u8]) -> Result<(), ExchangeError> {
     let mut value = vec![b'S'];
@@ -243,6 +269,10 @@ pub struct Coordinator {
     /// The generation last seen of each host.
     seen: Vec<u64>,
     started: Instant,
+    /// Closed rounds whose update waits for the members to say they summed (NCCL): their members with generations,
+    /// and when they closed.
+    unsettled: BTreeMap<u64, (Vec<(Rank, u64)>, f64)>,
+    deadline_s: f64,
 }
 
 impl Coordinator {
@@ -252,7 +282,15 @@ impl Coordinator {
         let founders: Vec<(Rank, u64)> =
             seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
         let quorum = HostQuorum::new(round, &founders, 0.0, deadline.as_secs_f64());
-        Ok(Coordinator { store, hosts, quorum, seen, started: Instant::now() })
+        Ok(Coordinator {
+            store,
+            hosts,
+            quorum,
+            seen,
+            started: Instant::now(),
+            unsettled: BTreeMap::new(),
+            deadline_s: deadline.as_secs_f64(),
+        })
     }
 
     pub fn members(&self) -> Vec<Rank> {
@@ -280,6 +318,7 @@ impl Coordinator {
                 }
             }
         }
+        self.settle_sums(now)?;
         match self.quorum.poll(now) {
             Decision::Wait { .. } => Ok(None),
             Decision::Stalled { round } => Err(ExchangeError::Stalled { round }),
@@ -295,19 +334,63 @@ impl Coordinator {
                 for a in closed.admitted.iter().filter(|a| a.donor == a.rank) {
                     post_no_donor(&self.store, a)?;
                 }
+                let members = closed.next.iter().filter(|(r, _)| closed.members.contains(r)).copied().collect();
+                self.unsettled.insert(closed.round, (members, now));
                 if let Some(old) = closed.round.checked_sub(KEEP_ROUNDS) {
                     self.delete_round(old)?;
+                    self.unsettled.retain(|&r, _| r > old);
                 }
                 Ok(Some(closed))
             }
         }
     }
 
+    /// Decides the update of every closed round whose members said whether they summed (see [`sum_outcome`]).
+    fn settle_sums(&mut self, now: f64) -> Result<(), ExchangeError> {
+        let mut settled = Vec::new();
+        for (&round, (members, closed_at)) in &self.unsettled {
+            if self.store.add(&summed_count_key(round), 0)? == 0 {
+                continue;
+            }
+            let mut posted = BTreeMap::new();
+            for &(rank, _) in members {
+                let key = summed_key(round, rank);
+                if self.store.check(&key)? {
+                    let value = self.store.get(&key, Duration::from_secs(1))?;
+                    let generation = value.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+                    if let (Some(generation), Some(&summed)) = (generation, value.get(8)) {
+                        posted.insert(rank, (generation, summed == 1));
+                    }
+                }
+            }
+            if let Some(applies) = sum_outcome(members, &posted, &self.seen, now - closed_at, self.deadline_s) {
+                if !applies {
+                    tracing::warn!(
+                        round,
+                        ?members,
+                        ?posted,
+                        "the sum across hosts did not complete on every member host: every host skips this round's \
+                         update (its samples stay committed) and keeps its state"
+                    );
+                }
+                self.store.set(&applied_key(round), &[u8::from(applies)])?;
+                settled.push(round);
+            }
+        }
+        for round in settled {
+            self.unsettled.remove(&round);
+        }
+        Ok(())
+    }
+
     fn delete_round(&self, round: u64) -> Result<(), ExchangeError> {
         for rank in 0..self.hosts {
             delete_large(&self.store, &from_key(round, rank))?;
             self.store.delete(&arrived_key(round, rank))?;
+            self.store.delete(&summed_key(round, rank))?;
         }
+        self.store.delete(&summed_count_key(round))?;
+        self.store.delete(&applied_key(round))?;
         self.store.delete(&ring_key(round))?;
         Ok(self.store.delete(&closed_key(round))?)
     }

@@ -542,6 +542,17 @@ impl HostLink {
         })
     }
 
+    /// With NCCL, after round `round`'s all-reduce: says whether this host's drafters all summed, and waits for
+    /// whether the round's update applies on every host (only if every member host summed; rank 0 decides).
+    pub fn settle_sum(&self, round: u64, summed: bool) -> Result<bool, LinkError> {
+        self.check_coordinator()?;
+        let (rank, generation, wait) = (self.rank(), self.generation(), self.wait());
+        self.with_store(|s| {
+            exchange::post_summed(s, round, rank, generation, summed)?;
+            Ok(exchange::wait_applied(s, round, wait)?)
+        })
+    }
+
     /// Rank 0: what host `rank` (as `generation`) trains at step `step` (bytes the supervisor reads back).
     pub fn feed(&self, rank: Rank, generation: u64, step: u64, items: &[u8]) -> Result<(), LinkError> {
         self.with_store(|s| Ok(exchange::post_feed(s, rank, generation, step, items)?))

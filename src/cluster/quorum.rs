@@ -151,6 +151,35 @@ impl HostQuorum {
     }
 }
 
+/// Whether a closed round's update applies, when its member hosts sum over NCCL after it closed: every member says
+/// whether its drafters' all-reduce completed (`posted`: rank -> (generation, summed)). The update applies only if
+/// every member summed (`Some(true)`); it is skipped on every host (`Some(false)`) as soon as one did not, or one
+/// will never say: it restarted since (`generations`: each host's newest), or the deadline passed. A survivor whose
+/// all-reduce failed because a peer died then keeps its state, and so does every other host: they stay identical.
+/// `None`: wait (also while nobody posted: hosts that sum through the store never do).
+pub fn sum_outcome(
+    members: &[(Rank, u64)],
+    posted: &BTreeMap<Rank, (u64, bool)>,
+    generations: &[u64],
+    waited_s: f64,
+    deadline_s: f64,
+) -> Option<bool> {
+    if posted.is_empty() {
+        return None;
+    }
+    let said = |&(rank, generation): &(Rank, u64)| posted.get(&rank).filter(|(g, _)| *g == generation).map(|p| p.1);
+    if members.iter().any(|m| said(m) == Some(false)) {
+        return Some(false);
+    }
+    if members.iter().all(|m| said(m) == Some(true)) {
+        return Some(true);
+    }
+    let restarted = members.iter().any(|&(rank, generation)| {
+        said(&(rank, generation)).is_none() && generations.get(rank).is_some_and(|&g| g > generation)
+    });
+    (restarted || waited_s >= deadline_s).then_some(false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,5 +273,28 @@ mod tests {
         assert!(matches!(q.poll(5.0), Decision::Wait { .. }), "the founders wait for the deadline");
         let c = closed(q.poll(10.0));
         assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![a(0, 2, 0), a(1, 2, 0)]));
+    }
+
+    /// A round's update applies only when every member summed; one failure, a member restarted since, or the
+    /// deadline skips it everywhere; nobody posting (the store sums) decides nothing.
+    #[test]
+    fn an_update_applies_only_when_every_member_summed() {
+        let members = [(0, 1), (1, 1), (2, 3)];
+        let gens = [1, 1, 3];
+        let posts = |p: &[(Rank, u64, bool)]| p.iter().map(|&(r, g, ok)| (r, (g, ok))).collect::<BTreeMap<_, _>>();
+        assert_eq!(sum_outcome(&members, &posts(&[]), &gens, 99.0, 10.0), None);
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, 1.0, 10.0), None);
+        assert_eq!(
+            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 3, true)]), &gens, 1.0, 10.0),
+            Some(true)
+        );
+        // One member's all-reduce failed: skip at once, whoever else has not said yet.
+        assert_eq!(sum_outcome(&members, &posts(&[(1, 1, false)]), &gens, 0.0, 10.0), Some(false));
+        // Host 2 restarted (generation 4): its old generation will never say.
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &[1, 1, 4], 1.0, 10.0), Some(false));
+        // A post of another generation is not the member's.
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 2, true)]), &gens, 1.0, 10.0), None);
+        // Silent past the deadline.
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, 10.0, 10.0), Some(false));
     }
 }

@@ -25,6 +25,7 @@ use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
 use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs, Ring, Summing};
 use crate::train::nccl::{NcclComm, NcclError};
 use crate::train::objective::{Metrics, ObjectiveSettings};
+use crate::train::step::UpdateReport;
 use crate::train::{AdamW, FeatureBatch, Trainer};
 
 /// What one drafter shares with the supervisor across its restarts.
@@ -295,17 +296,42 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             Err(e) => return Err(torch(e)),
         };
         now_doing(&a, Activity::Summing, vec![]);
-        match (&result.grad, &result.ring) {
-            (Some(sum), _) => sum.copy_into(&mut own.shallow_clone()).map_err(torch)?,
-            (None, Some(ring)) => nccl_sum(&mut communicator, ring, a.id, a.device, a.collective_timeout, &own)
-                .map_err(|e| {
-                    torch(format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members))
-                })?,
+        let applies = match (&result.grad, &result.ring) {
+            (Some(sum), _) => {
+                sum.copy_into(&mut own.shallow_clone()).map_err(torch)?;
+                true
+            }
+            (None, Some(ring)) => {
+                let summed = nccl_sum(&mut communicator, ring, a.id, a.device, a.collective_timeout, &own)
+                    .map_err(|e| format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members));
+                if !a.collective.settles_across_hosts() {
+                    summed.map_err(torch)?;
+                    true
+                } else {
+                    // Across hosts a failed all-reduce (a host died inside it) is the run's to decide: every host
+                    // then skips the round's update, and this drafter keeps its state.
+                    if let Err(e) = &summed {
+                        tracing::warn!(drafter = a.id, step = result.step, "{e}");
+                    }
+                    // Waiting for the other hosts' word, not computing.
+                    now_doing(&a, Activity::WaitingForPeers, vec![]);
+                    match a.collective.summed(a.id, result.step, summed.is_ok()) {
+                        Ok(applies) => applies,
+                        Err(CollectiveError::Removed) => return Ok(()),
+                        Err(e) => return Err(torch(e)),
+                    }
+                }
+            }
             (None, None) => return Err(torch("a round completed without a gradient sum")),
-        }
+        };
         a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
         now_doing(&a, Activity::Applying, vec![]);
-        let report = trainer.apply(result.total_weight, &result.update).map_err(torch)?;
+        let report = if applies {
+            trainer.apply(result.total_weight, &result.update).map_err(torch)?
+        } else {
+            trainer.drafter.params_mut().zero_grad();
+            UpdateReport { grad_norm: f64::NAN, applied: false, lr: result.update.adamw.lr }
+        };
         set_objective(&mut trainer, result.next_objective);
         step = result.step + 1;
         let seconds = started.elapsed().as_secs_f64();

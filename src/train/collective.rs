@@ -273,6 +273,33 @@ struct Published {
     outcome: Result<Arc<RoundResult>, CollectiveError>,
 }
 
+/// A round summed over NCCL across hosts, while its local contributors say whether their all-reduce completed.
+struct Settling {
+    step: u64,
+    /// Contributors yet to say.
+    waiting: Vec<MemberId>,
+    /// Whether every contributor that said completed.
+    completed: bool,
+    /// Whether a contributor is telling the run.
+    claimed: bool,
+    /// Whether the update applies on every host (or why that could not be learnt).
+    decision: Option<Result<bool, CollectiveError>>,
+}
+
+impl Settling {
+    fn new(step: u64, contributors: Vec<MemberId>) -> Self {
+        Settling { step, waiting: contributors, completed: true, claimed: false, decision: None }
+    }
+
+    /// Member `id` says (once) whether its all-reduce completed.
+    fn said(&mut self, id: MemberId, completed: bool) {
+        if let Some(i) = self.waiting.iter().position(|&m| m == id) {
+            self.waiting.remove(i);
+            self.completed &= completed;
+        }
+    }
+}
+
 struct State {
     rounds: Rounds<Contribution, JoinBuffers>,
     results: VecDeque<Published>,
@@ -282,23 +309,27 @@ struct State {
     pending: Option<(u64, StepSettings)>,
     sum: GradientSum,
     ring: Option<Arc<Ring>>,
+    /// A round's sum in `ring` did not complete on every host: the next round needs a new communicator.
+    ring_stale: bool,
     /// This host's rank across hosts (0 within one).
     host: Rank,
+    settling: Option<Settling>,
     /// Hosts admitted at this boundary that take their state from this host.
     remote_joiners: Vec<Admitted>,
 }
 
 impl State {
-    /// The ring, while its membership is `members`.
+    /// The ring, while its membership is `members` (and no sum in it was abandoned).
     fn current_ring(&self, members: &[RingMember]) -> Option<Arc<Ring>> {
-        self.ring.clone().filter(|r| r.members == members)
+        self.ring.clone().filter(|r| r.members == members && !self.ring_stale)
     }
 
-    /// The next ring (the old one's members abort their communicators when they see it).
+    /// The next ring, numbered after the last (its members abort their old communicators when they see it).
     fn new_ring(&mut self, members: Vec<RingMember>, id: NcclId) -> Arc<Ring> {
         let epoch = self.ring.as_ref().map_or(0, |r| r.epoch + 1);
         let ring = Arc::new(Ring { epoch, host: self.host, members, id });
         self.ring = Some(ring.clone());
+        self.ring_stale = false;
         ring
     }
 
@@ -336,7 +367,9 @@ impl Collective {
                 pending: None,
                 sum,
                 ring: None,
+                ring_stale: false,
                 host: 0,
+                settling: None,
                 remote_joiners: Vec::new(),
             }),
             changed: Condvar::new(),
@@ -452,9 +485,61 @@ impl Collective {
     /// Says, from the same look at the state, whether it was a member, whether it had contributed to the open
     /// round, and who is left.
     pub fn remove(&self, id: MemberId, generation: u64) -> Removal {
-        let removal = self.lock().rounds.remove(id, generation);
+        let mut s = self.lock();
+        let removal = s.rounds.remove(id, generation);
+        // A contributor gone before saying whether its all-reduce completed: the round cannot count as summed.
+        if removal.was_member
+            && let Some(settling) = s.settling.as_mut()
+        {
+            settling.said(id, false);
+        }
+        drop(s);
         self.changed.notify_all();
         removal
+    }
+
+    /// Whether rounds are summed over NCCL across hosts (then each contributor says, after its all-reduce, whether
+    /// it completed: [`Collective::summed`]).
+    pub fn settles_across_hosts(&self) -> bool {
+        self.link.is_some() && self.lock().sum == GradientSum::Nccl
+    }
+
+    /// Across hosts with NCCL, after round `step`'s all-reduce: member `id` says whether its all-reduce completed,
+    /// and learns whether the round's update applies. The host's last contributor to say tells the run (every
+    /// local all-reduce completed, or not) and the rendezvous host decides for every host: the update applies only
+    /// if every member host summed. Otherwise every host skips it and keeps its state (a host that died inside the
+    /// all-reduce leaves the survivors identical), and the next round has a new communicator.
+    pub fn summed(&self, id: MemberId, step: u64, completed: bool) -> Result<bool, CollectiveError> {
+        let Some(link) = &self.link else {
+            return Ok(completed);
+        };
+        let mut s = self.lock();
+        loop {
+            let Some(settling) = s.settling.as_mut().filter(|st| st.step == step) else {
+                return Err(CollectiveError::Hosts(format!("round {step} is not settling its sum")));
+            };
+            settling.said(id, completed);
+            if let Some(decision) = &settling.decision {
+                return decision.clone();
+            }
+            if settling.waiting.is_empty() && !settling.claimed {
+                settling.claimed = true;
+                let all = settling.completed;
+                drop(s);
+                let decision = link.settle_sum(step, all).map_err(|e| CollectiveError::Hosts(e.to_string()));
+                let mut s = self.lock();
+                if let Some(settling) = s.settling.as_mut().filter(|st| st.step == step) {
+                    settling.decision = Some(decision.clone());
+                }
+                if decision != Ok(true) {
+                    s.ring_stale = true;
+                }
+                drop(s);
+                self.changed.notify_all();
+                return decision;
+            }
+            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Contributes to round `step` and waits for its result. The member completing the round calls
@@ -513,9 +598,13 @@ impl Collective {
                     let me = self.link.as_ref().map(|l| l.rank());
                     plan.remote = run.hosts.into_iter().filter(|h| Some(h.rank) != me).collect();
                 }
+                let settles = self.link.is_some() && plan.sum == GradientSum::Nccl;
                 let (outcome, report) = finish(plan, done, summed);
                 let mut s = self.lock();
                 if s.rounds.incarnation() == incarnation {
+                    if let (true, Ok(result)) = (settles, &outcome) {
+                        s.settling = Some(Settling::new(step, result.contributors.clone()));
+                    }
                     s.results.push_back(Published { step, incarnation, outcome: outcome.clone() });
                     while s.results.len() > 4 {
                         s.results.pop_front();

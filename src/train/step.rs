@@ -77,7 +77,8 @@ pub struct UpdateSettings {
 pub struct UpdateReport {
     /// Global norm of the averaged gradient, before clipping.
     pub grad_norm: f64,
-    /// False when the norm was not finite and the update was skipped.
+    /// False when the update was skipped on every replica (the norm was not finite, or a sum across hosts did not
+    /// complete).
     pub applied: bool,
     pub lr: f64,
 }

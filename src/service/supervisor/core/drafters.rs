@@ -120,7 +120,11 @@ impl Core {
         self.slots[id].step = step;
         self.window.feature_wait_s += wait;
         if !applied && self.donor().map(|d| d.0) == Some(id) {
-            tracing::warn!(step, "non-finite gradient norm: the update was skipped on every replica");
+            tracing::warn!(
+                step,
+                "the update was skipped on every replica (a non-finite gradient norm, or a sum across hosts that did \
+                 not complete); its samples stay committed"
+            );
         }
         if let Some(d) = digest {
             self.replicas.expected.entry(step).or_default().1.insert(id, d);
