@@ -300,6 +300,30 @@ impl Settling {
     }
 }
 
+/// Rounds in a row whose all-reduce failed on this host: one is a peer dying inside it (the round is skipped and
+/// the run goes on); [`FailedSums::LIMIT`] in a row is this host's own fault, and its drafters fail and restart
+/// rather than have every host skip round after round.
+#[derive(Debug, Default)]
+struct FailedSums(u32);
+
+impl FailedSums {
+    const LIMIT: u32 = 2;
+
+    /// This host's outcome of a round (`completed`: every local all-reduce completed) and the run's `decision`,
+    /// as this host's drafters take it.
+    fn settle(&mut self, completed: bool, decision: Result<bool, CollectiveError>) -> Result<bool, CollectiveError> {
+        self.0 = if completed { 0 } else { self.0 + 1 };
+        match decision {
+            Ok(_) if self.0 >= Self::LIMIT => Err(CollectiveError::Hosts(format!(
+                "the all-reduce failed on this host in {} rounds in a row: its drafters restart (a network fault on \
+                 this host?)",
+                self.0
+            ))),
+            other => other,
+        }
+    }
+}
+
 struct State {
     rounds: Rounds<Contribution, JoinBuffers>,
     results: VecDeque<Published>,
@@ -314,6 +338,7 @@ struct State {
     /// This host's rank across hosts (0 within one).
     host: Rank,
     settling: Option<Settling>,
+    failed_sums: FailedSums,
     /// Hosts admitted at this boundary that take their state from this host.
     remote_joiners: Vec<Admitted>,
 }
@@ -370,6 +395,7 @@ impl Collective {
                 ring_stale: false,
                 host: 0,
                 settling: None,
+                failed_sums: FailedSums::default(),
                 remote_joiners: Vec::new(),
             }),
             changed: Condvar::new(),
@@ -528,6 +554,7 @@ impl Collective {
                 drop(s);
                 let decision = link.settle_sum(step, all).map_err(|e| CollectiveError::Hosts(e.to_string()));
                 let mut s = self.lock();
+                let decision = s.failed_sums.settle(all, decision);
                 if let Some(settling) = s.settling.as_mut().filter(|st| st.step == step) {
                     settling.decision = Some(decision.clone());
                 }
@@ -980,6 +1007,21 @@ mod tests {
         let smaller = round(7, &[0]);
         assert_eq!((smaller.epoch, ids(&smaller), smaller.rank_of(1)), (1, vec![0], None));
         assert_ne!(smaller.id, first.id);
+    }
+
+    /// One failed all-reduce on this host is a skipped round; two in a row make its drafters restart; a round that
+    /// summed here starts the count again.
+    #[test]
+    fn a_host_whose_all_reduce_keeps_failing_restarts_its_drafters() {
+        let mut failed = FailedSums::default();
+        assert_eq!(failed.settle(false, Ok(false)), Ok(false));
+        assert_eq!(failed.settle(true, Ok(false)), Ok(false), "another host's failure");
+        assert_eq!(failed.settle(false, Ok(false)), Ok(false));
+        let err = failed.settle(false, Ok(false)).unwrap_err().to_string();
+        assert!(err.contains("2 rounds in a row"), "{err}");
+        assert_eq!(failed.settle(true, Ok(true)), Ok(true));
+        let lost = Err(CollectiveError::Hosts("store gone".into()));
+        assert_eq!(failed.settle(false, lost.clone()), lost);
     }
 
     #[test]
