@@ -1,17 +1,19 @@
 //! The per-step quorum across hosts carried over the c10d store: each host announces its generation and posts its
 //! contribution to each round; the rendezvous host runs [`HostQuorum`] on what it reads and posts each round's
 //! [`Closed`] decision, which every host waits for. A contribution carries bytes (what the host trained, and its
-//! gradient unless the drafters sum over NCCL: then the store carries only the round's record). A host admitted at a round boundary finds what to start
-//! from under its own key: the state its donor posts, or, admitted as its own donor, word that no member had the
-//! run's state (the run must start again).
+//! gradient unless the drafters sum over NCCL: then the store carries only the round's record, and after the
+//! all-reduce the rendezvous host decides from the members' word whether the round's update applies:
+//! [`sum_outcome`]). A host admitted at a round boundary finds what to start from under its own key: the state its
+//! donor posts, or, admitted as its own donor, word that no member had the run's state (the run must start again).
 //!
 //! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
 //! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON),
-//! `round/{r}/summed/{rank}` and `round/{r}/applied` (with NCCL: whether each member's drafters summed round `r`, and
-//! whether its update applies), `ring/{r}` (the NCCL communicator's identity, when the drafters sum over NCCL and round `r` has a new membership),
-//! `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and `finished` (rank 0's exit status at the end
-//! of the run). Values larger than the store's server takes in one message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
+//! `round/{r}/summed/{rank}`, `round/{r}/summed` and `round/{r}/applied` (with NCCL: whether each member's drafters
+//! summed round `r`, how many said, and whether its update applies), `ring/{r}` (the NCCL communicator's identity,
+//! when round `r` has a new membership), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and
+//! `finished` (rank 0's exit status at the end of the run). Values larger than the store's server takes in one
+//! message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

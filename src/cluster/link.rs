@@ -7,9 +7,9 @@
 //! gradient goes one of two ways: with `drafters.collective = "nccl"` every drafter of every host all-reduces over
 //! one NCCL communicator per membership, whose identity the round's lowest-ranked member host posts
 //! ([`HostLink::ring_id`]); otherwise it crosses as f32 bytes through the store and every host sums the members'
-//! gradients in rank order (for CPU runs and tests). Either way every host applies the same sum bit for bit. The
-//! state a joiner takes is the donor's master weights, AdamW moments, update count,
-//! step and samples committed.
+//! gradients in rank order (for CPU runs and tests). Either way every host applies the same sum bit for bit; with
+//! NCCL, only if every host's all-reduce completed ([`HostLink::settle_sum`]). The state a joiner takes is the
+//! donor's master weights, AdamW moments, update count, step and samples committed.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -72,7 +72,7 @@ impl From<tch::TchError> for LinkError {
     }
 }
 
-/// What a host brings to a round: its drafters' summed gradient and what each of them trained.
+/// What a host brings to a round: what each of its drafters trained, and (through the store) their summed gradient.
 pub struct HostShare<'a> {
     /// Through the store (`None`: the drafters sum over NCCL, and only the round's record crosses the store).
     pub grad: Option<&'a Tensor>,

@@ -106,7 +106,11 @@ fn describe() {
     describe_counter!(COMMITTED_STEPS, Unit::Count, "Training steps committed.");
     describe_counter!(COMMITTED_SAMPLES, Unit::Count, "Samples trained on in committed steps.");
     describe_counter!(COMMITTED_TOKENS, Unit::Count, "Tokens (sequence positions) of the committed samples.");
-    describe_counter!(SKIPPED_STEPS, Unit::Count, "Steps whose update was skipped for a non-finite gradient norm.");
+    describe_counter!(
+        SKIPPED_STEPS,
+        Unit::Count,
+        "Steps whose update was skipped on every replica (a non-finite gradient norm, or a sum across hosts that did not complete)."
+    );
     describe_gauge!(LAST_STEP_TIMESTAMP, Unit::Seconds, "Unix time of the last committed step.");
     describe_gauge!(LOSS, "Weighted cross-entropy of the last committed step (DFLASH.md's objective).");
     describe_gauge!(ACCURACY, "Top-1 accuracy of the drafted tokens of the last committed step.");

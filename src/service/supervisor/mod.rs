@@ -550,7 +550,7 @@ impl Shell {
     fn notice(&self, notice: Notice) {
         let m = &self.run_metrics;
         match notice {
-            Notice::Committed { step, samples, tokens, loss, skipped } => {
+            Notice::Committed { step, samples, tokens, loss } => {
                 m.committed_samples.increment(samples);
                 m.committed_tokens.increment(tokens);
                 m.committed_steps.increment(1);
@@ -561,10 +561,8 @@ impl Shell {
                     m.accuracy.set(accuracy);
                     m.acceptance_length.set(acceptance);
                 }
-                if skipped {
-                    m.skipped_steps.increment(1);
-                }
             }
+            Notice::Skipped => m.skipped_steps.increment(1),
             Notice::Requeued { samples } => m.samples_requeued.increment(samples),
             Notice::Restarted { id } => DrafterMetrics::restarted(id),
             Notice::ReplicasDiverged => m.replica_divergences.increment(1),

@@ -171,9 +171,20 @@ pub enum Event {
 /// What the shell reports to metrics and logs (the core decides nothing more by them).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Notice {
-    Committed { step: u64, samples: u64, tokens: u64, loss: Option<[f64; 3]>, skipped: bool },
-    Requeued { samples: u64 },
-    Restarted { id: usize },
+    Committed {
+        step: u64,
+        samples: u64,
+        tokens: u64,
+        loss: Option<[f64; 3]>,
+    },
+    /// A step's update was skipped on every replica.
+    Skipped,
+    Requeued {
+        samples: u64,
+    },
+    Restarted {
+        id: usize,
+    },
     ReplicasDiverged,
     CheckpointOutcome(Option<(u64, f64)>),
 }

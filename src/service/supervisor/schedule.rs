@@ -47,7 +47,6 @@ pub struct Settled {
     /// Batches set aside after their second failure, with their sample positions.
     pub set_aside: Vec<Batch>,
     pub lr: f64,
-    pub total_weight: f64,
     /// Members that contributed, `(id, generation)`.
     pub contributors: Vec<(usize, u64)>,
 }
@@ -341,7 +340,6 @@ impl Schedule {
         let mut out = Settled {
             step: r.step,
             lr: r.lr,
-            total_weight: r.total_weight,
             samples: r.samples_committed.saturating_sub(self.samples_committed),
             ..Settled::default()
         };

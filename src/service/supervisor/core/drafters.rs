@@ -119,12 +119,15 @@ impl Core {
         }
         self.slots[id].step = step;
         self.window.feature_wait_s += wait;
+        // Every replica skips alike; the donor's word counts it once.
         if !applied && self.donor().map(|d| d.0) == Some(id) {
             tracing::warn!(
                 step,
                 "the update was skipped on every replica (a non-finite gradient norm, or a sum across hosts that did \
                  not complete); its samples stay committed"
             );
+            self.skipped_steps += 1;
+            self.out.push(Action::Notice(Notice::Skipped));
         }
         if let Some(d) = digest {
             self.replicas.expected.entry(step).or_default().1.insert(id, d);

@@ -622,6 +622,26 @@ mod tests {
         assert_eq!(spawned(&actions), vec![(1, 2, Start::Join), (2, 2, Start::Join)]);
     }
 
+    /// An update skipped on every replica is counted once, by the donor's word (each replica reports it).
+    #[test]
+    fn a_skipped_update_is_counted_once() {
+        let mut c = running(2);
+        let done = |id: usize, applied: bool| Event::StepDone {
+            id,
+            generation: 1,
+            step: 1,
+            digest: None,
+            applied,
+            feature_wait_s: 0.0,
+        };
+        let skipped = |actions: &[Action]| actions.iter().any(|a| matches!(a, Action::Notice(Notice::Skipped)));
+        assert!(!skipped(&c.handle(secs(1.0), done(1, true))));
+        assert!(!skipped(&c.handle(secs(1.0), done(1, false))), "not the donor");
+        assert!(skipped(&c.handle(secs(1.0), done(0, false))));
+        assert!(!skipped(&c.handle(secs(1.1), done(0, true))));
+        assert_eq!(c.status().skipped_steps, 1);
+    }
+
     /// A joiner whose donor dies before serving it would wait forever: it is given up on and started again, without
     /// it counting against its restart limit.
     #[test]

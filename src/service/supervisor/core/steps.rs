@@ -56,10 +56,6 @@ impl Core {
             self.replicas.expected.entry(step).or_default().0 = members;
             self.compare_replicas(step);
         }
-        let skipped = !settled.total_weight.is_finite();
-        if skipped {
-            self.skipped_steps += 1;
-        }
         self.last_lr = settled.lr;
         self.window.metrics.add(&settled.metrics);
         self.window.samples += settled.samples;
@@ -70,7 +66,6 @@ impl Core {
             samples: settled.samples,
             tokens: settled.tokens,
             loss,
-            skipped,
         }));
         if let Some(job) = self.book.boundary(step, self.boundary_state(), self.now) {
             self.write(job);
