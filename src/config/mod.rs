@@ -12,7 +12,7 @@ mod training;
 
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
-    EvalSettings, OptimSettings, SupervisionSettings,
+    EvalSettings, OptimSettings, SupervisionSettings, SyntheticLengths,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -717,6 +717,13 @@ mod tests {
         let c = Config::load(&layers).unwrap();
         assert_eq!(c.target.dtype, DtypeSpec::Bf16); // --set over env
         assert_eq!(c.target_layer_ids().unwrap(), vec![0, 2]);
+    }
+
+    #[test]
+    fn synthetic_data_comes_full_length_or_with_chat_lengths() {
+        let source = |path: &str| with_set(&[&format!("data.path={path}")]).unwrap().data.source;
+        assert_eq!(source("synthetic"), DataSource::Synthetic(SyntheticLengths::Full));
+        assert_eq!(source("synthetic-chat"), DataSource::Synthetic(SyntheticLengths::Chat));
     }
 
     #[test]

@@ -74,9 +74,13 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
             PreparedSplit::open(dir, "train", false).with_context(|| format!("data.path = {}", dir.display()))?,
             dir,
         )?),
-        DataSource::Synthetic => {
-            Arc::new(SyntheticData::new(d.builtin_conversations, d.max_len, vocab_size, config.objective.seed))
-        }
+        DataSource::Synthetic(lengths) => Arc::new(SyntheticData::new(
+            d.builtin_conversations,
+            d.max_len,
+            *lengths,
+            vocab_size,
+            config.objective.seed,
+        )),
         DataSource::Builtin => Arc::new(fits(builtin(config, device, kind)?, &builtin_dir(config).join("prepared"))?),
         DataSource::TokenRows(file) => Arc::new(token_rows(config, target, file)?),
     };

@@ -44,7 +44,7 @@ pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
                 DataSource::Prepared(dir) => dir.clone(),
                 DataSource::Builtin => super::builtin_data::builtin_dir(config).join("prepared"),
                 DataSource::TokenRows(file) => super::builtin_data::token_rows_dir(config, file),
-                DataSource::Synthetic => bail!(
+                DataSource::Synthetic(_) => bail!(
                     "eval.prompts = \"holdout\": synthetic data has no held-out split; give a prompts file, or set \
                      eval.every_steps = 0"
                 ),
