@@ -12,7 +12,8 @@ export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 # STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure; 9 a
 # target spread over the GPUs; 10 two serve-train processes as two hosts on this machine, with a kill -9 and rejoin;
-# 11 the same over NCCL with one GPU per process, against one process with both GPUs: needs two GPUs).
+# 11 the same over NCCL with one GPU per process, against one process with both GPUs (or both on one GPU); 12
+# serve-train at the published recipe's shapes, full-length rows and chat lengths).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -38,25 +39,31 @@ wait_eval() {  # until an evaluation has finished; gives up after 3 minutes
 # GPU 0's utilisation (where stages 2 and 3 run) sampled every 200 ms into FILE until the returned pid is killed
 smi() { nvidia-smi -i 0 --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 >"$1" 2>/dev/null & }
 
-# samples/s of the run between steps $1 and $2, read from (rank 0's) status on port 9410
+# samples/s and tokens/s of the run between steps $1 and $2, read from (rank 0's) status and metrics on port 9410
 rate() {
   python3 - "$1" "$2" <<'PY'
 import json, sys, time, urllib.request
 a, b = int(sys.argv[1]), int(sys.argv[2])
-def st():
-  while True:  # the service may still be starting
-      try:
-          return json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
-      except OSError:
-          if time.time() > deadline: raise
-          time.sleep(0.2)
 deadline = time.time() + 150
+def read(path):
+    while True:  # the service may still be starting
+        try:
+            return urllib.request.urlopen("http://127.0.0.1:9410" + path).read().decode()
+        except OSError:
+            if time.time() > deadline: raise
+            time.sleep(0.2)
+def st():
+    return json.loads(read("/status"))
+def tokens():
+    return sum(float(l.split()[-1]) for l in read("/metrics").splitlines()
+               if l.startswith("dflash_committed_tokens_total"))
 while st()["step"] < a and time.time() < deadline: time.sleep(0.05)
-s0, t0 = st(), time.time()
+s0, k0, t0 = st(), tokens(), time.time()
 while st()["step"] < b and time.time() < deadline: time.sleep(0.05)
-s1, t1 = st(), time.time()
+s1, k1, t1 = st(), tokens(), time.time()
 print(json.dumps({"steps": s1["step"] - s0["step"], "seconds": round(t1 - t0, 3),
-                "samples_per_s": round((s1["samples_committed"] - s0["samples_committed"]) / (t1 - t0), 2)}))
+                  "samples_per_s": round((s1["samples_committed"] - s0["samples_committed"]) / (t1 - t0), 2),
+                  "tokens_per_s": round((k1 - k0) / (t1 - t0), 1)}))
 PY
 }
 
@@ -385,4 +392,19 @@ kill -0 $p0 2>/dev/null || { wait $p0; echo "rank 0 exited with $?" | tee "$out/
 kill -9 $p0 $p1; wait 2>/dev/null
 grep -E "host (joined|left)|hosts changed|replicas|NCCL|failed" "$out/nccl-rank0.log" | tail -12
 tar -C "$out" -czf "$out/nccl.tgz" $(cd "$out" && ls nccl-* 2>/dev/null) && (cd "$out" && rm -f nccl-*)
+fi
+
+if has 12; then
+# The published recipe's shapes end to end (the second Performance issue): 4 x 3072 tokens, 512 anchors, one drafter
+# beside its target, with every row 3,072 tokens long and with chat lengths (data.path = "synthetic-chat").
+for data in synthetic synthetic-chat; do
+  echo "== 12. serve-train, 4 x 3072, 512 anchors, data.path=$data"
+  rm -rf runs/recipe
+  ./.bin/dflash serve-train "${shapes[@]}" --set data.max_len=3072 --set objective.num_anchors=512 \
+    --set data.path=$data --set "drafters.devices=[\"$dev\"]" --set checkpoint.dir=runs/recipe \
+    2>"$out/recipe-$data.log" &
+  pid=$!
+  rate 10 40 | tee "$out/recipe-$data.json"
+  kill -9 $pid; wait 2>/dev/null
+done
 fi
