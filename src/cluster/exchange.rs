@@ -148,10 +148,20 @@ pub fn generations(store: &Store, hosts: usize) -> Result<Vec<u64>, ExchangeErro
     Ok((0..hosts).map(|r| store.add(&generation_key(r), 0).map(|g| g as u64)).collect::<Result<_, _>>()?)
 }
 
-/// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read.
-pub fn contribute(store: &Store, round: u64, rank: Rank, generation: u64, payload: &[u8]) -> Result<(), ExchangeError> {
+/// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read; `settles`:
+/// its drafters sum over NCCL after the round closes and say whether they summed ([`post_summed`]).
+pub fn contribute(
+    store: &Store,
+    round: u64,
+    rank: Rank,
+    generation: u64,
+    settles: bool,
+    payload: &[u8],
+) -> Result<(), ExchangeError> {
     set_large(store, &from_key(round, rank), payload)?;
-    Ok(store.set(&arrived_key(round, rank), &generation.to_le_bytes())?)
+    let mut arrived = generation.to_le_bytes().to_vec();
+    arrived.push(u8::from(settles));
+    Ok(store.set(&arrived_key(round, rank), &arrived)?)
 }
 
 /// Waits up to `timeout` for the decision on `round`.
@@ -274,6 +284,8 @@ pub struct Coordinator {
     /// Closed rounds whose update waits for the members to say they summed (NCCL): their members with generations,
     /// and when they closed.
     unsettled: BTreeMap<u64, (Vec<(Rank, u64)>, f64)>,
+    /// Whether a member of the open round said its drafters sum over NCCL (then the round waits to be settled).
+    open_round_settles: bool,
     deadline_s: f64,
 }
 
@@ -291,6 +303,7 @@ impl Coordinator {
             seen,
             started: Instant::now(),
             unsettled: BTreeMap::new(),
+            open_round_settles: false,
             deadline_s: deadline.as_secs_f64(),
         })
     }
@@ -318,6 +331,7 @@ impl Coordinator {
                 if let Some(generation) = generation {
                     self.quorum.arrive(round, rank, generation);
                 }
+                self.open_round_settles |= value.get(8) == Some(&1);
             }
         }
         self.settle_sums(now)?;
@@ -336,8 +350,10 @@ impl Coordinator {
                 for a in closed.admitted.iter().filter(|a| a.donor == a.rank) {
                     post_no_donor(&self.store, a)?;
                 }
-                let members = closed.next.iter().filter(|(r, _)| closed.members.contains(r)).copied().collect();
-                self.unsettled.insert(closed.round, (members, now));
+                if std::mem::take(&mut self.open_round_settles) {
+                    let members = closed.next.iter().filter(|(r, _)| closed.members.contains(r)).copied().collect();
+                    self.unsettled.insert(closed.round, (members, now));
+                }
                 if let Some(old) = closed.round.checked_sub(KEEP_ROUNDS) {
                     self.delete_round(old)?;
                     self.unsettled.retain(|&r, _| r > old);
@@ -422,6 +438,35 @@ mod tests {
         assert_eq!(get_large(&store, "empty", WAIT).unwrap(), Vec::<u8>::new());
     }
 
+    /// Rounds whose hosts sum over NCCL wait for the members' word: one host's failed all-reduce skips the update
+    /// for every host, all summed applies it; rounds summed through the store are never settled.
+    #[test]
+    fn nccl_rounds_apply_only_when_every_member_summed() {
+        let store = Store::serve(0, WAIT).unwrap();
+        for rank in 0..2 {
+            announce(&store, rank).unwrap();
+        }
+        let mut c = Coordinator::new(store.try_clone().unwrap(), 2, 0, Duration::from_secs(30)).unwrap();
+        let mut round = |r: u64, settles: bool| {
+            for rank in 0..2 {
+                contribute(&store, r, rank, 1, settles, &[]).unwrap();
+            }
+            while c.poll().unwrap().is_none() {}
+        };
+        round(0, true);
+        post_summed(&store, 0, 0, 1, true).unwrap();
+        post_summed(&store, 0, 1, 1, false).unwrap();
+        round(1, true);
+        for rank in 0..2 {
+            post_summed(&store, 1, rank, 1, true).unwrap();
+        }
+        round(2, false);
+        c.poll().unwrap();
+        assert!(!wait_applied(&store, 0, WAIT).unwrap(), "host 1's all-reduce failed");
+        assert!(wait_applied(&store, 1, WAIT).unwrap());
+        assert!(!store.check(&applied_key(2)).unwrap() && c.unsettled.is_empty(), "nothing to settle");
+    }
+
     /// A host's round as a CPU collective over the store: post its numbers, wait for the decision, sum the members'
     /// numbers in rank order.
     fn sum_round(
@@ -432,7 +477,7 @@ mod tests {
         mine: &[f32],
     ) -> Result<(Closed, Vec<f32>), ExchangeError> {
         let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
-        contribute(store, round, rank, generation, &bytes)?;
+        contribute(store, round, rank, generation, false, &bytes)?;
         let closed = wait_closed(store, round, WAIT)?;
         if !closed.members.contains(&rank) {
             return Err(ExchangeError::Dropped { rank, round });

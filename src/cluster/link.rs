@@ -476,7 +476,7 @@ impl HostLink {
         let bytes = frame(&record, &Vec::from_iter(share.grad))?;
         let wait = self.wait();
         self.with_store(|s| {
-            exchange::contribute(s, round, rank, generation, &bytes)?;
+            exchange::contribute(s, round, rank, generation, share.grad.is_none(), &bytes)?;
             let closed = exchange::wait_closed(s, round, wait)?;
             if !closed.members.contains(&rank) {
                 return Err(ExchangeError::Dropped { rank, round }.into());
