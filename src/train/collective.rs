@@ -301,8 +301,8 @@ impl Settling {
 }
 
 /// Rounds in a row whose all-reduce failed on this host: one is a peer dying inside it (the round is skipped and
-/// the run goes on); [`FailedSums::LIMIT`] in a row is this host's own fault, and its drafters fail and restart
-/// rather than have every host skip round after round.
+/// the run goes on); at [`FailedSums::LIMIT`] in a row the host's drafters fail and restart (a faulty host leaves and
+/// rejoins) rather than have every host skip round after round.
 #[derive(Debug, Default)]
 struct FailedSums(u32);
 
