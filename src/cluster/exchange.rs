@@ -16,7 +16,7 @@
 //! `finished` (rank 0's exit status at the end of the run). Values larger than the store's server takes in one
 //! message go in pieces ([`set_large`]); a joiner's state is streamed ([`send_stream`]: the store holds a few pieces
 //! of it at a time). Rounds older than [`KEEP_ROUNDS`] are deleted.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -357,6 +357,8 @@ pub struct Coordinator {
     /// Each member's beat counter as last read and when it last changed; when the beats were last read.
     beats: BTreeMap<Rank, (i64, f64)>,
     beats_read_at: f64,
+    /// Members found gone by their silence, `(rank, generation)`: they will never say whether they summed.
+    gone: BTreeSet<(Rank, u64)>,
 }
 
 impl Coordinator {
@@ -377,6 +379,7 @@ impl Coordinator {
             deadline_s: deadline.as_secs_f64(),
             beats: BTreeMap::new(),
             beats_read_at: f64::NEG_INFINITY,
+            gone: BTreeSet::new(),
         })
     }
 
@@ -460,6 +463,7 @@ impl Coordinator {
                     "a host stopped beating: it leaves the run"
                 );
                 self.quorum.gone(rank, generation);
+                self.gone.insert((rank, generation));
                 self.beats.remove(&rank);
             }
         }
@@ -484,7 +488,8 @@ impl Coordinator {
                     }
                 }
             }
-            if let Some(applies) = sum_outcome(members, &posted, &self.seen, now - closed_at, self.deadline_s) {
+            let outcome = sum_outcome(members, &posted, &self.seen, &self.gone, now - closed_at, self.deadline_s);
+            if let Some(applies) = outcome {
                 if !applies {
                     tracing::warn!(
                         round,
