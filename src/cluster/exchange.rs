@@ -16,7 +16,7 @@
 //! `finished` (rank 0's exit status at the end of the run). Values larger than the store's server takes in one
 //! message go in pieces ([`set_large`]); a joiner's state is streamed ([`send_stream`]: the store holds a few pieces
 //! of it at a time). Rounds older than [`KEEP_ROUNDS`] are deleted.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -357,8 +357,6 @@ pub struct Coordinator {
     /// Each member's beat counter as last read and when it last changed; when the beats were last read.
     beats: BTreeMap<Rank, (i64, f64)>,
     beats_read_at: f64,
-    /// Members found gone by their silence, `(rank, generation)`: they will never say whether they summed.
-    gone: BTreeSet<(Rank, u64)>,
 }
 
 impl Coordinator {
@@ -379,7 +377,6 @@ impl Coordinator {
             deadline_s: deadline.as_secs_f64(),
             beats: BTreeMap::new(),
             beats_read_at: f64::NEG_INFINITY,
-            gone: BTreeSet::new(),
         })
     }
 
@@ -463,7 +460,6 @@ impl Coordinator {
                     "a host stopped beating: it leaves the run"
                 );
                 self.quorum.gone(rank, generation);
-                self.gone.insert((rank, generation));
                 self.beats.remove(&rank);
             }
         }
@@ -488,8 +484,7 @@ impl Coordinator {
                     }
                 }
             }
-            let outcome = sum_outcome(members, &posted, &self.seen, &self.gone, now - closed_at, self.deadline_s);
-            if let Some(applies) = outcome {
+            if let Some(applies) = sum_outcome(members, &posted, &self.seen, now - closed_at, self.deadline_s) {
                 if !applies {
                     tracing::warn!(
                         round,

@@ -8,7 +8,7 @@
 //! (again) announces itself with a new generation: an older generation of it still in the membership is dropped at
 //! once (it was killed and restarted), and the new one is admitted at the next round boundary, its state copied
 //! from a donor (the lowest-ranked member of the round just closed, whose state is then the newest).
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// A host's rank in the run.
 pub type Rank = usize;
@@ -172,15 +172,13 @@ impl HostQuorum {
 /// Whether a closed round's update applies, when its member hosts sum over NCCL after it closed: every member says
 /// whether its drafters' all-reduce completed (`posted`: rank -> (generation, summed)). The update applies only if
 /// every member summed (`Some(true)`); it is skipped on every host (`Some(false)`) as soon as one did not, or one
-/// will never say: it restarted since (`generations`: each host's newest), its process is gone (`gone`: members that
-/// stopped beating, `(rank, generation)`), or the deadline passed. A survivor whose
+/// will never say: it restarted since (`generations`: each host's newest), or the deadline passed. A survivor whose
 /// all-reduce failed because a peer died then keeps its state, and so does every other host: they stay identical.
 /// `None`: wait (also while nobody posted: hosts that sum through the store never do).
 pub fn sum_outcome(
     members: &[(Rank, u64)],
     posted: &BTreeMap<Rank, (u64, bool)>,
     generations: &[u64],
-    gone: &BTreeSet<(Rank, u64)>,
     waited_s: f64,
     deadline_s: f64,
 ) -> Option<bool> {
@@ -194,11 +192,10 @@ pub fn sum_outcome(
     if members.iter().all(|m| said(m) == Some(true)) {
         return Some(true);
     }
-    let silent_for_good = members.iter().any(|&(rank, generation)| {
-        said(&(rank, generation)).is_none()
-            && (generations.get(rank).is_some_and(|&g| g > generation) || gone.contains(&(rank, generation)))
+    let restarted = members.iter().any(|&(rank, generation)| {
+        said(&(rank, generation)).is_none() && generations.get(rank).is_some_and(|&g| g > generation)
     });
-    (silent_for_good || waited_s >= deadline_s).then_some(false)
+    (restarted || waited_s >= deadline_s).then_some(false)
 }
 
 #[cfg(test)]
@@ -322,30 +319,20 @@ mod tests {
     fn an_update_applies_only_when_every_member_summed() {
         let members = [(0, 1), (1, 1), (2, 3)];
         let gens = [1, 1, 3];
-        let none = BTreeSet::new();
         let posts = |p: &[(Rank, u64, bool)]| p.iter().map(|&(r, g, ok)| (r, (g, ok))).collect::<BTreeMap<_, _>>();
-        assert_eq!(sum_outcome(&members, &posts(&[]), &gens, &none, 99.0, 10.0), None);
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, &none, 1.0, 10.0), None);
+        assert_eq!(sum_outcome(&members, &posts(&[]), &gens, 99.0, 10.0), None);
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, 1.0, 10.0), None);
         assert_eq!(
-            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 3, true)]), &gens, &none, 1.0, 10.0),
+            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 3, true)]), &gens, 1.0, 10.0),
             Some(true)
         );
         // One member's all-reduce failed: skip at once, whoever else has not said yet.
-        assert_eq!(sum_outcome(&members, &posts(&[(1, 1, false)]), &gens, &none, 0.0, 10.0), Some(false));
+        assert_eq!(sum_outcome(&members, &posts(&[(1, 1, false)]), &gens, 0.0, 10.0), Some(false));
         // Host 2 restarted (generation 4): its old generation will never say.
-        assert_eq!(
-            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &[1, 1, 4], &none, 1.0, 10.0),
-            Some(false)
-        );
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &[1, 1, 4], 1.0, 10.0), Some(false));
         // A post of another generation is not the member's.
-        assert_eq!(
-            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 2, true)]), &gens, &none, 1.0, 10.0),
-            None
-        );
-        // Host 2's process is gone (it stopped beating): it will never say either.
-        let gone = BTreeSet::from([(2, 3)]);
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, &gone, 1.0, 10.0), Some(false));
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 2, true)]), &gens, 1.0, 10.0), None);
         // Silent past the deadline.
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, &none, 10.0, 10.0), Some(false));
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, 10.0, 10.0), Some(false));
     }
 }
