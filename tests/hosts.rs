@@ -21,14 +21,6 @@ use tch::Tensor;
 
 const LAST_STEP: u64 = 12;
 
-/// The tests of this file run one at a time: each runs three hosts whose coordinators and store connections are
-/// busy threads, and several at once on a 2-core machine starved the stores' servers (connecting timed out).
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 fn settings(lr: f64) -> StepSettings {
     let hyper = Hyper {
         schedule: LrSchedule { kind: ScheduleKind::Constant, lr, warmup_steps: 0, total_steps: 1, min_lr_ratio: 0.0 },
@@ -181,7 +173,6 @@ fn member(h: &Host, id: usize, first: bool, fate: Fate, log: &Arc<Mutex<Log>>) -
 /// for the deadline.
 #[test]
 fn hosts_found_from_rank_0_sum_identically_and_a_killed_host_rejoins_from_a_live_one() {
-    let _serial = one_at_a_time();
     let back_at = three_hosts_one_killed(None, GradientSum::DeviceCopies).0;
     assert_eq!(back_at, 5, "admitted when round 4 closed");
 }
@@ -190,7 +181,6 @@ fn hosts_found_from_rank_0_sum_identically_and_a_killed_host_rejoins_from_a_live
 /// rounds' deadline (two minutes here): the others go on without it.
 #[test]
 fn a_dead_host_is_found_by_its_silence_not_at_the_deadline() {
-    let _serial = one_at_a_time();
     let server = Store::serve(0, Duration::from_secs(20)).unwrap();
     let log = Arc::new(Mutex::new(Log::default()));
     let deadline = Duration::from_secs(120);
@@ -218,7 +208,6 @@ fn a_dead_host_is_found_by_its_silence_not_at_the_deadline() {
 /// and it is admitted later.
 #[test]
 fn the_others_go_on_past_a_silent_death_and_the_host_rejoins_later() {
-    let _serial = one_at_a_time();
     let back_at = three_hosts_one_killed(Some(7), GradientSum::DeviceCopies).0;
     assert!(back_at > 7, "host 2 came back at step {back_at}");
 }
@@ -228,7 +217,6 @@ fn the_others_go_on_past_a_silent_death_and_the_host_rejoins_later() {
 /// membership does (host 2 killed, host 2 back) and is kept otherwise.
 #[test]
 fn with_nccl_every_drafter_of_every_host_sums_in_one_ring_per_membership() {
-    let _serial = one_at_a_time();
     let (back_at, log) = three_hosts_one_killed(None, GradientSum::Nccl);
     let log = log.lock().unwrap();
     let mut identities = Vec::new();
@@ -256,7 +244,6 @@ fn with_nccl_every_drafter_of_every_host_sums_in_one_ring_per_membership() {
 /// a new communicator.
 #[test]
 fn with_nccl_a_round_whose_sum_failed_anywhere_is_skipped_on_every_host() {
-    let _serial = one_at_a_time();
     let server = Store::serve(0, Duration::from_secs(20)).unwrap();
     let port = server.port();
     let log = Arc::new(Mutex::new(Log::default()));
@@ -362,7 +349,6 @@ fn three_hosts_one_killed(restart_after: Option<u64>, sum: GradientSum) -> (u64,
 /// A host whose training data is not rank 0's is refused at start, with both fingerprints named.
 #[test]
 fn a_host_with_other_data_is_refused() {
-    let _serial = one_at_a_time();
     let server = Store::serve(0, Duration::from_secs(20)).unwrap();
     let link = |rank: usize| {
         let placement = HostPlacement {
