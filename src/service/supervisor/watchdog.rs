@@ -28,9 +28,6 @@ pub enum Activity {
     Applying,
     /// Copying its state into joiners.
     Serving,
-    /// Handing its state to a joining host through the store: a transfer paced by that host and bounded by its own
-    /// deadline (a large state takes a minute). Neither this drafter's hang nor its peers': the round waits for it.
-    ServingHosts,
     /// Copying its state to host memory for a checkpoint.
     Snapshotting,
 }
@@ -38,10 +35,7 @@ pub enum Activity {
 impl Activity {
     /// Whether the drafter itself is working (so a long time in it is its own hang).
     pub fn is_busy(self) -> bool {
-        !matches!(
-            self,
-            Activity::Starting | Activity::WaitingForWork | Activity::WaitingForPeers | Activity::ServingHosts
-        )
+        !matches!(self, Activity::Starting | Activity::WaitingForWork | Activity::WaitingForPeers)
     }
 
     pub fn name(self) -> &'static str {
@@ -53,7 +47,6 @@ impl Activity {
             Activity::Summing => "summing gradients",
             Activity::Applying => "applying the update",
             Activity::Serving => "serving joiners",
-            Activity::ServingHosts => "handing its state to a joining host",
             Activity::Snapshotting => "taking a snapshot",
         }
     }
@@ -108,9 +101,7 @@ pub fn find_stuck(look: &Look) -> Vec<Stuck> {
         // A target blocked behind a hung drafter, or peers waiting for it, are innocent: fail the drafter first.
         return busy;
     }
-    // A member handing its state to a joining host holds the round up with good reason (and a deadline of its own).
-    let transferring = look.drafters.iter().any(|d| d.activity == Activity::ServingHosts);
-    if transferring || !look.steps_in_flight || !over(look.since_commit) {
+    if !look.steps_in_flight || !over(look.since_commit) {
         return vec![];
     }
     let targets: Vec<Stuck> = look
@@ -248,18 +239,6 @@ mod tests {
         // A target copy restarting (loading a large model takes minutes): waiting for it is nobody's fault.
         let restarting = Look { target_restarting: true, ..look(20, &drafters, &[]) };
         assert!(find_stuck(&restarting).is_empty());
-    }
-
-    /// A member streaming its state to a joining host for longer than the budget is neither hung nor holding the
-    /// round up: nobody is failed, not its waiting peers, not the target holding their features.
-    #[test]
-    fn handing_the_state_to_a_joining_host_fails_nobody() {
-        let drafters = [seen(0, Activity::ServingHosts, 60), seen(1, Activity::WaitingForPeers, 60)];
-        let targets = [TargetSeen { id: 0, generation: 1, holding_for: secs(60) }];
-        assert!(find_stuck(&look(60, &drafters, &targets)).is_empty());
-        // Once it is done, the old rules hold again.
-        let drafters = [seen(0, Activity::WaitingForPeers, 20), seen(1, Activity::WaitingForPeers, 20)];
-        assert_eq!(ids(&find_stuck(&look(60, &drafters, &[]))), ["drafter 0", "drafter 1"]);
     }
 
     #[test]
