@@ -122,7 +122,7 @@ fn member(h: &Host, id: usize, first: bool, fate: Fate, log: &Arc<Mutex<Log>>) -
         };
         while step < LAST_STEP && fate.dies_before != Some(step) {
             if collective.has_joiners() {
-                collective.serve_joiners(id, 1, [&master, &m, &v], step, |_| {}).unwrap();
+                collective.serve_joiners(id, 1, [&master, &m, &v], step).unwrap();
             }
             // A gradient that depends on the state, the host and the step.
             let grad = &master * 0.5 + (rank as f64 + step as f64 * 0.1);

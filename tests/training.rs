@@ -290,7 +290,7 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
     joiner.request_join(1, 1, buffers).unwrap();
     {
         let [m, v, _] = halves[0].optimizer.state_tensors();
-        collective.serve_joiners(0, 1, [&halves[0].drafter.params().master, m, v], 0, |_| {}).unwrap();
+        collective.serve_joiners(0, 1, [&halves[0].drafter.params().master, m, v], 0).unwrap();
     }
     collective.wait_joined(1, 1).unwrap();
     for step in 0..3u64 {

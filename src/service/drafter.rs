@@ -397,12 +397,7 @@ fn checksums(tensors: [&Tensor; 3]) -> Result<[i64; 3], tch::TchError> {
 fn serve(a: &DrafterSpawn, trainer: &Trainer) -> Result<(), Failure> {
     let previous = a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
     now_doing(a, Activity::Serving, vec![]);
-    // Handing the state to another host is a transfer through the store, paced by that host: not this drafter's
-    // work for the hang watchdog (a 12 GB state takes a minute).
-    let to_hosts =
-        |remote: bool| now_doing(a, if remote { Activity::WaitingForPeers } else { Activity::Serving }, vec![]);
-    let served =
-        a.collective.serve_joiners(a.id, a.generation, state_tensors(trainer), trainer.optimizer.steps(), to_hosts);
+    let served = a.collective.serve_joiners(a.id, a.generation, state_tensors(trainer), trainer.optimizer.steps());
     *a.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = previous;
     match served {
         Ok(_) | Err(CollectiveError::Removed) => Ok(()),

@@ -684,16 +684,13 @@ impl Collective {
     /// Called by a member between its rounds: copies its state (`master`, moments, update count) into every
     /// waiting joiner and adds them to the membership of the open round. Any member may serve: every member at its
     /// step boundary holds the state the open round starts from. The copies happen outside the lock (a device that
-    /// hangs during them holds no one else up); a joiner removed meanwhile is skipped. `to_hosts(true)` is called
-    /// before the state goes to joining hosts (through the store: a network transfer, not this member's device
-    /// work, for the watchdog), `to_hosts(false)` before the device copies.
+    /// hangs during them holds no one else up); a joiner removed meanwhile is skipped.
     pub fn serve_joiners(
         &self,
         id: MemberId,
         generation: u64,
         [master, exp_avg, exp_avg_sq]: [&Tensor; 3],
         optimizer_steps: u64,
-        to_hosts: impl Fn(bool),
     ) -> Result<usize, CollectiveError> {
         let (claim, buffers, hosts) = {
             let mut s = self.lock();
@@ -707,11 +704,9 @@ impl Collective {
             && !joiners.is_empty()
         {
             // A host that does not get the state times out and enters again: this member goes on either way.
-            to_hosts(true);
             if let Err(e) = link.serve(joiners, *step, *samples, optimizer_steps, [master, exp_avg, exp_avg_sq]) {
                 tracing::warn!(?joiners, "handing the state to joining hosts failed: {e}");
             }
-            to_hosts(false);
         }
         let copied = buffers.iter().try_for_each(|j| -> Result<(), DeviceError> {
             let mut dst = j.master.shallow_clone();
@@ -1139,7 +1134,7 @@ mod tests {
         while !c.has_joiners() {
             std::thread::yield_now();
         }
-        assert_eq!(c.serve_joiners(0, 1, [&donor[0], &donor[1], &donor[2]], 9, |_| {}).unwrap(), 1);
+        assert_eq!(c.serve_joiners(0, 1, [&donor[0], &donor[1], &donor[2]], 9).unwrap(), 1);
         assert_eq!(joiner.join().unwrap(), JoinInfo { step: 5, optimizer_steps: 9 });
         assert!(m.equal(&donor[0]) && v.equal(&donor[2]));
         assert_eq!(c.members(), vec![0, 3]);
@@ -1149,7 +1144,7 @@ mod tests {
         while !c.has_joiners() {
             std::thread::yield_now();
         }
-        assert_eq!(c.serve_joiners(3, 6, [&donor[0], &donor[1], &donor[2]], 9, |_| {}), Err(CollectiveError::Removed));
+        assert_eq!(c.serve_joiners(3, 6, [&donor[0], &donor[1], &donor[2]], 9), Err(CollectiveError::Removed));
         c.remove(4, 1);
         assert_eq!(late.join().unwrap(), Err(CollectiveError::Removed));
     }
