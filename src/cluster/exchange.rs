@@ -14,8 +14,7 @@
 //! summed round `r`, how many said, and whether its update applies), `ring/{r}` (the NCCL communicator's identity,
 //! when round `r` has a new membership), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and
 //! `finished` (rank 0's exit status at the end of the run). Values larger than the store's server takes in one
-//! message go in pieces ([`set_large`]); a joiner's state is streamed ([`send_stream`]: the store holds a few pieces
-//! of it at a time). Rounds older than [`KEEP_ROUNDS`] are deleted.
+//! message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -43,8 +42,6 @@ pub enum ExchangeError {
     Stalled { round: u64 },
     #[error("malformed {what} in the store: {message}")]
     Malformed { what: String, message: String },
-    #[error("the reader of {key} took nothing for {seconds:.0} s: the transfer was abandoned")]
-    ReaderGone { key: String, seconds: f64 },
 }
 
 fn generation_key(rank: Rank) -> String {
@@ -106,62 +103,13 @@ const PIECE: usize = 4 << 20;
 /// Sets `key` to `value` of any size: the pieces under `{key}/{i}` first, then `key` itself (the piece count and
 /// the length), which readers wait for.
 pub fn set_large(store: &Store, key: &str, value: &[u8]) -> Result<(), ExchangeError> {
+    let pieces = value.chunks(PIECE).count();
     for (i, piece) in value.chunks(PIECE).enumerate() {
         store.set(&format!("{key}/{i}"), piece)?;
     }
-    Ok(store.set(key, &large_head_of(value))?)
-}
-
-/// The head [`set_large`] and [`send_stream`] write: the piece count and the length.
-fn large_head_of(value: &[u8]) -> Vec<u8> {
-    let mut head = (value.chunks(PIECE).count() as u64).to_le_bytes().to_vec();
+    let mut head = (pieces as u64).to_le_bytes().to_vec();
     head.extend_from_slice(&(value.len() as u64).to_le_bytes());
-    head
-}
-
-/// Pieces a [`send_stream`] writer stays ahead of its reader by.
-const STREAM_WINDOW: usize = 8;
-
-/// Hands `value` (any size) to the one reader of `key` ([`receive_stream`]), which deletes each piece as it takes it:
-/// the writer stays at most [`STREAM_WINDOW`] pieces (32 MiB) ahead, so the store never holds the whole value (a
-/// drafter's state is gigabytes, and the store lives in rank 0's memory). Gives up, deleting what it wrote, if the
-/// reader takes nothing for `timeout`.
-pub fn send_stream(store: &Store, key: &str, value: &[u8], timeout: Duration) -> Result<(), ExchangeError> {
-    store.set(key, &large_head_of(value))?;
-    for (i, piece) in value.chunks(PIECE).enumerate() {
-        if let Some(behind) = i.checked_sub(STREAM_WINDOW) {
-            let deadline = Instant::now() + timeout;
-            while store.check(&format!("{key}/{behind}"))? {
-                if Instant::now() >= deadline {
-                    for j in behind..i {
-                        store.delete(&format!("{key}/{j}"))?;
-                    }
-                    store.delete(key)?;
-                    return Err(ExchangeError::ReaderGone { key: key.into(), seconds: timeout.as_secs_f64() });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-        store.set(&format!("{key}/{i}"), piece)?;
-    }
-    Ok(())
-}
-
-/// Takes what [`send_stream`] hands over under `key`, deleting each piece once read; waits up to `timeout` for each.
-pub fn receive_stream(store: &Store, key: &str, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
-    let (pieces, len) = large_head(key, &store.get(key, timeout)?)?;
-    store.delete(key)?;
-    let mut value = Vec::with_capacity(len);
-    for i in 0..pieces {
-        let piece = format!("{key}/{i}");
-        value.extend(store.get(&piece, timeout)?);
-        store.delete(&piece)?;
-    }
-    if value.len() != len {
-        let message = format!("{} bytes in its pieces, {len} announced", value.len());
-        return Err(ExchangeError::Malformed { what: key.into(), message });
-    }
-    Ok(value)
+    Ok(store.set(key, &head)?)
 }
 
 /// The piece count and length [`set_large`] wrote under `key`.
@@ -269,23 +217,23 @@ pub fn wait_applied(store: &Store, round: u64, timeout: Duration) -> Result<bool
     Ok(store.get(&applied_key(round), timeout)? == [1])
 }
 
-/// A donor's state for the admitted host, streamed (see [`send_stream`]): returns once the host has taken all but
-/// the last pieces, or fails if it takes nothing for `timeout`.
-pub fn post_state(store: &Store, to: &Admitted, state: &[u8], timeout: Duration) -> Result<(), ExchangeError> {
+/// A donor's state for the admitted host.
+pub fn post_state(store: &Store, to: &Admitted, state: &[u8]) -> Result<(), ExchangeError> {
     let mut value = vec![b'S'];
     value.extend_from_slice(state);
-    send_stream(store, &entry_key(to.rank, to.generation), &value, timeout)
+    set_large(store, &entry_key(to.rank, to.generation), &value)
 }
 
 /// Tells host `to` that no member had the run's state when it was admitted.
 fn post_no_donor(store: &Store, to: &Admitted) -> Result<(), ExchangeError> {
-    send_stream(store, &entry_key(to.rank, to.generation), b"F", Duration::ZERO)
+    set_large(store, &entry_key(to.rank, to.generation), b"F")
 }
 
-/// Waits up to `timeout` for what generation `generation` of host `rank` starts from (taking it from the store).
+/// Waits up to `timeout` for what generation `generation` of host `rank` starts from (and deletes it).
 pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration) -> Result<Entry, ExchangeError> {
     let key = entry_key(rank, generation);
-    let mut value = receive_stream(store, &key, timeout)?;
+    let mut value = get_large(store, &key, timeout)?;
+    delete_large(store, &key)?;
     let malformed = |message: String| ExchangeError::Malformed { what: key.clone(), message };
     match value.first() {
         Some(b'S') => Ok(Entry::State(value.split_off(1))),
@@ -539,28 +487,6 @@ mod tests {
         assert!(!store.check("big").unwrap() && !store.check("big/0").unwrap() && !store.check("big/2").unwrap());
         set_large(&store, "empty", &[]).unwrap();
         assert_eq!(get_large(&store, "empty", WAIT).unwrap(), Vec::<u8>::new());
-    }
-
-    /// A stream keeps no more than its window in the store while its reader is away, arrives whole, and leaves
-    /// nothing behind; a writer whose reader never takes anything gives up and deletes what it wrote.
-    #[test]
-    fn a_stream_stays_within_its_window_and_an_abandoned_one_is_cleaned_up() {
-        let store = Store::serve(0, WAIT).unwrap();
-        let value: Vec<u8> = (0..PIECE * 12 + 5).map(|i| (i * 13 % 251) as u8).collect();
-        let writer = {
-            let (s, v) = (store.try_clone().unwrap(), value.clone());
-            std::thread::spawn(move || send_stream(&s, "st", &v, WAIT))
-        };
-        std::thread::sleep(Duration::from_millis(300));
-        let window_full = store.check(&format!("st/{}", STREAM_WINDOW - 1)).unwrap();
-        assert!(window_full && !store.check(&format!("st/{STREAM_WINDOW}")).unwrap(), "the writer waits at its window");
-        assert_eq!(receive_stream(&store, "st", WAIT).unwrap(), value);
-        writer.join().unwrap().unwrap();
-        assert!(!store.check("st").unwrap() && (0..=12).all(|i| !store.check(&format!("st/{i}")).unwrap()));
-
-        let err = send_stream(&store, "gone", &value, Duration::from_millis(100)).unwrap_err();
-        assert!(matches!(err, ExchangeError::ReaderGone { .. }), "{err}");
-        assert!(!store.check("gone").unwrap() && (0..=12).all(|i| !store.check(&format!("gone/{i}")).unwrap()));
     }
 
     /// Rounds whose hosts sum over NCCL wait for the members' word: one host's failed all-reduce skips the update

@@ -476,10 +476,9 @@ impl HostLink {
         let elements = state.map(|t| t.numel());
         let header = StateHeader { step, optimizer_steps, samples_committed, elements };
         let bytes = frame(&header, &state)?;
-        let wait = self.wait();
         self.with_store(|s| {
             for j in joiners {
-                exchange::post_state(s, j, &bytes, wait)?;
+                exchange::post_state(s, j, &bytes)?;
             }
             Ok(())
         })
