@@ -6,8 +6,7 @@
 //! [`sum_outcome`]). A host admitted at a round boundary finds what to start from under its own key: the state its
 //! donor posts, or, admitted as its own donor, word that no member had the run's state (the run must start again).
 //!
-//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/beat` (a counter
-//! its heartbeat adds to every second: a member silent for [`GONE_AFTER`] is gone), `host/{rank}/entry/{gen}`
+//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
 //! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON),
 //! `round/{r}/summed/{rank}`, `round/{r}/summed` and `round/{r}/applied` (with NCCL: whether each member's drafters
@@ -26,11 +25,6 @@ use super::store::{Store, StoreError};
 
 /// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
 pub const KEEP_ROUNDS: u64 = 4;
-
-/// How often a host beats ([`beat`]), and how long a member may stay silent before the rendezvous host takes its
-/// process for gone and closes rounds without it (rather than at each round's deadline).
-pub const BEAT_EVERY: Duration = Duration::from_secs(1);
-pub const GONE_AFTER: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Error)]
 pub enum ExchangeError {
@@ -70,9 +64,6 @@ fn applied_key(round: u64) -> String {
 }
 fn ring_key(round: u64) -> String {
     format!("dflash/ring/{round}")
-}
-fn beat_key(rank: Rank) -> String {
-    format!("dflash/host/{rank}/beat")
 }
 fn feed_key(rank: Rank, generation: u64, step: u64) -> String {
     format!("dflash/feed/{rank}/{generation}/{step}")
@@ -155,12 +146,6 @@ pub fn announce(store: &Store, rank: Rank) -> Result<u64, ExchangeError> {
 /// The generation each of `hosts` hosts announced last (0: not yet).
 pub fn generations(store: &Store, hosts: usize) -> Result<Vec<u64>, ExchangeError> {
     Ok((0..hosts).map(|r| store.add(&generation_key(r), 0).map(|g| g as u64)).collect::<Result<_, _>>()?)
-}
-
-/// Host `rank` is alive (a counter its heartbeat thread adds to every [`BEAT_EVERY`], whatever its drafters do).
-pub fn beat(store: &Store, rank: Rank) -> Result<(), ExchangeError> {
-    store.add(&beat_key(rank), 1)?;
-    Ok(())
 }
 
 /// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read; `settles`:
@@ -302,9 +287,6 @@ pub struct Coordinator {
     /// Whether a member of the open round said its drafters sum over NCCL (then the round waits to be settled).
     open_round_settles: bool,
     deadline_s: f64,
-    /// Each member's beat counter as last read and when it last changed; when the beats were last read.
-    beats: BTreeMap<Rank, (i64, f64)>,
-    beats_read_at: f64,
 }
 
 impl Coordinator {
@@ -323,8 +305,6 @@ impl Coordinator {
             unsettled: BTreeMap::new(),
             open_round_settles: false,
             deadline_s: deadline.as_secs_f64(),
-            beats: BTreeMap::new(),
-            beats_read_at: f64::NEG_INFINITY,
         })
     }
 
@@ -355,7 +335,6 @@ impl Coordinator {
             }
         }
         self.settle_sums(now)?;
-        self.read_beats(now)?;
         match self.quorum.poll(now) {
             Decision::Wait { .. } => Ok(None),
             Decision::Stalled { round } => Err(ExchangeError::Stalled { round }),
@@ -382,36 +361,6 @@ impl Coordinator {
                 Ok(Some(closed))
             }
         }
-    }
-
-    /// Every [`BEAT_EVERY`] / 2: a member whose beat has not moved for [`GONE_AFTER`] is gone (its process died
-    /// without a restart announcing it): the quorum closes rounds without it from now on.
-    fn read_beats(&mut self, now: f64) -> Result<(), ExchangeError> {
-        if now - self.beats_read_at < BEAT_EVERY.as_secs_f64() / 2.0 {
-            return Ok(());
-        }
-        self.beats_read_at = now;
-        let members = self.quorum.members();
-        self.beats.retain(|r, _| members.contains(r));
-        for rank in members {
-            let count = self.store.add(&beat_key(rank), 0)?;
-            let (last, since) = self.beats.entry(rank).or_insert((count, now));
-            if *last != count {
-                (*last, *since) = (count, now);
-            } else if now - *since >= GONE_AFTER.as_secs_f64()
-                && let Some(generation) = self.quorum.generation(rank)
-            {
-                tracing::warn!(
-                    host = rank,
-                    generation,
-                    silent_s = now - *since,
-                    "a host stopped beating: it leaves the run"
-                );
-                self.quorum.gone(rank, generation);
-                self.beats.remove(&rank);
-            }
-        }
-        Ok(())
     }
 
     /// Decides the update of every closed round whose members said whether they summed (see [`sum_outcome`]).

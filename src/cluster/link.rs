@@ -39,8 +39,6 @@ pub enum LinkError {
     Tensor(String),
     #[error("NCCL: {0}")]
     Nccl(String),
-    #[error("cannot start the {name} thread: {message}")]
-    Thread { name: &'static str, message: String },
     #[error("malformed {what} from host {rank}: {message}")]
     Malformed { what: &'static str, rank: Rank, message: String },
     #[error(
@@ -221,23 +219,6 @@ fn gradient(data: &[u8], elements: Option<usize>, rank: Rank) -> Result<Option<T
 /// rendezvous host that does not answer within it is gone.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The thread that beats for host `rank` every [`exchange::BEAT_EVERY`] until the link is dropped (a failed beat
-/// is tried again at the next; the link's other operations find a rendezvous host that is gone).
-fn heartbeat(store: Store, rank: Rank) -> Result<Background, LinkError> {
-    Background::spawn("heartbeat", move |stop| {
-        while !stop.load(Ordering::SeqCst) {
-            if let Err(e) = exchange::beat(&store, rank) {
-                tracing::debug!("heartbeat: {e}");
-            }
-            let next = std::time::Instant::now() + exchange::BEAT_EVERY;
-            while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < next {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    })
-    .map_err(|e| LinkError::Thread { name: "heartbeat", message: e.to_string() })
-}
-
 /// The coordinator's thread (rank 0), stopped when the link is dropped.
 struct CoordinatorThread {
     /// Why it stopped on its own (a stalled run, a store failure).
@@ -262,8 +243,6 @@ pub struct HostLink {
     members: Mutex<Vec<HostMember>>,
     /// The generation this host entered the run as, and the first round it takes part in.
     entered: Mutex<Option<(u64, u64)>>,
-    /// Beats while the process lives, so that the rendezvous host learns of its death in seconds.
-    _heartbeat: Background,
 }
 
 impl HostLink {
@@ -275,7 +254,6 @@ impl HostLink {
             Store::connect(&placement.master_addr, placement.master_port, placement.rendezvous_timeout)?
         };
         store.set_timeout(OPERATION_TIMEOUT)?;
-        let heartbeat = heartbeat(store.try_clone()?, placement.rank)?;
         Ok(HostLink {
             placement: placement.clone(),
             deadline,
@@ -286,7 +264,6 @@ impl HostLink {
             coordinator: Mutex::new(None),
             members: Mutex::new(Vec::new()),
             entered: Mutex::new(None),
-            _heartbeat: heartbeat,
         })
     }
 

@@ -63,8 +63,6 @@ pub struct HostQuorum {
     /// When the open round opened, and how long it may stay open.
     opened_at: f64,
     deadline_s: f64,
-    /// Members that stopped beating since the last round closed (the next decision lists them as dropped).
-    departed: Vec<Rank>,
 }
 
 impl HostQuorum {
@@ -77,7 +75,6 @@ impl HostQuorum {
             arrived: BTreeMap::new(),
             opened_at: now,
             deadline_s,
-            departed: Vec::new(),
         }
     }
 
@@ -108,19 +105,6 @@ impl HostQuorum {
         self.joining.insert(rank, generation);
     }
 
-    /// Host `rank` (as `generation`) stopped beating: its process is gone. It leaves the membership and the open
-    /// round now, as it would at the round's deadline, so the others need not wait for that.
-    pub fn gone(&mut self, rank: Rank, generation: u64) {
-        if self.members.get(&rank) == Some(&generation) {
-            self.members.remove(&rank);
-            self.arrived.remove(&rank);
-            self.departed.push(rank);
-        }
-        if self.joining.get(&rank) == Some(&generation) {
-            self.joining.remove(&rank);
-        }
-    }
-
     /// Host `rank` (as `generation`) contributed to round `round`. Contributions of non-members, of older
     /// generations or to other rounds do not count.
     pub fn arrive(&mut self, round: u64, rank: Rank, generation: u64) {
@@ -147,9 +131,7 @@ impl HostQuorum {
 
     fn close(&mut self, now: f64) -> Decision {
         let members: Vec<Rank> = self.arrived.keys().copied().collect();
-        let mut dropped: Vec<Rank> = self.members.keys().filter(|r| !self.arrived.contains_key(r)).copied().collect();
-        dropped.append(&mut self.departed);
-        dropped.sort_unstable();
+        let dropped: Vec<Rank> = self.members.keys().filter(|r| !self.arrived.contains_key(r)).copied().collect();
         let donor = members.first().copied();
         // No member left to copy from: the lowest joiner founds, the others copy from it.
         let donor = donor.or_else(|| self.joining.keys().next().copied());
@@ -291,26 +273,6 @@ mod tests {
         assert!(matches!(q.poll(5.0), Decision::Wait { .. }), "the founders wait for the deadline");
         let c = closed(q.poll(10.0));
         assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![a(0, 2, 0), a(1, 2, 0)]));
-    }
-
-    /// A member whose process is gone (it stopped beating) leaves the open round at once: the round closes with the
-    /// others without waiting for the deadline, and lists it as dropped; a stale generation's silence changes nothing.
-    #[test]
-    fn a_member_that_stopped_beating_leaves_the_round_at_once() {
-        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1), (2, 1)], 0.0, 120.0);
-        q.arrive(0, 0, 1);
-        q.arrive(0, 1, 1);
-        assert!(matches!(q.poll(1.0), Decision::Wait { .. }));
-        q.gone(2, 7);
-        assert!(matches!(q.poll(1.5), Decision::Wait { .. }), "another generation's silence");
-        q.gone(2, 1);
-        let c = closed(q.poll(2.0));
-        assert_eq!((c.members, c.dropped, c.next), (vec![0, 1], vec![2], vec![(0, 1), (1, 1)]));
-        // Restarted, it is admitted as usual.
-        q.announce(2, 2);
-        q.arrive(1, 0, 1);
-        q.arrive(1, 1, 1);
-        assert_eq!(closed(q.poll(3.0)).admitted, vec![a(2, 2, 0)]);
     }
 
     /// A round's update applies only when every member summed; one failure, a member restarted since, or the
