@@ -43,7 +43,11 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
 ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t* config);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
+ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
+                           ncclComm_t comm, void* stream);
+ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, void* stream);
 const char* ncclGetErrorString(ncclResult_t result);
 const char* ncclGetLastError(ncclComm_t comm);
@@ -74,7 +78,10 @@ struct Api {
   decltype(&ncclCommInitRankConfig) init_rank_config = nullptr;
   decltype(&ncclCommGetAsyncError) get_async_error = nullptr;
   decltype(&ncclCommAbort) abort = nullptr;
+  decltype(&ncclCommFinalize) finalize = nullptr;
+  decltype(&ncclCommDestroy) destroy = nullptr;
   decltype(&ncclAllReduce) all_reduce = nullptr;
+  decltype(&ncclBroadcast) broadcast = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
   decltype(&ncclGetLastError) last_error = nullptr;
   decltype(&ncclGetVersion) version = nullptr;
@@ -93,7 +100,10 @@ const Api& api() {
     resolve(a.init_rank_config, "ncclCommInitRankConfig");
     resolve(a.get_async_error, "ncclCommGetAsyncError");
     resolve(a.abort, "ncclCommAbort");
+    resolve(a.finalize, "ncclCommFinalize");
+    resolve(a.destroy, "ncclCommDestroy");
     resolve(a.all_reduce, "ncclAllReduce");
+    resolve(a.broadcast, "ncclBroadcast");
     resolve(a.error_string, "ncclGetErrorString");
     resolve(a.last_error, "ncclGetLastError");
     resolve(a.version, "ncclGetVersion");
@@ -142,7 +152,7 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kHalf: return ncclFloat16;
     case at::kDouble: return ncclFloat64;
     default:
-      throw std::runtime_error(std::string("NCCL all-reduce of ") + c10::toString(t.scalar_type()) +
+      throw std::runtime_error(std::string("an NCCL collective of ") + c10::toString(t.scalar_type()) +
                                " is not supported");
   }
 }
@@ -213,6 +223,52 @@ int dflash_nccl_init(const char* id, int rank, int nranks, int device, double ti
   });
 }
 
+}  // extern "C"
+
+namespace {
+
+// Runs one collective (`enqueue` puts it on the stream it is given) on the communicator's stream, after the caller's
+// current stream's work, and waits at most `timeout_s` for it; the caller's stream then waits for its result.
+// Returns 2 on a timeout (the communicator must then be aborted: a peer is missing or stuck), with the message in
+// `err`; throws on a failure.
+template <typename F>
+int run_collective(Comm* c, const char* what, double timeout_s, char* err, size_t len, F&& enqueue) {
+  const auto& nccl = api();
+  auto current = at::accelerator::getCurrentStream(c->device);
+  c10::Event ready(c10::DeviceType::CUDA);
+  ready.record(current);
+  ready.block(c->stream);
+  check(enqueue(c->stream.native_handle()), what, c->comm);
+  auto state = settle(c->comm, timeout_s);
+  if (state == ncclInProgress) {
+    write_error(std::runtime_error(std::string("enqueueing the ") + what + " did not finish in time"), err, len);
+    return 2;
+  }
+  if (state != ncclSuccess) throw std::runtime_error(std::string(what) + ": " + describe(state, c->comm));
+  c->done.record(c->stream);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (!c->done.query()) {
+    ncclResult_t async = ncclSuccess;
+    nccl.get_async_error(c->comm, &async);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      throw std::runtime_error(std::string(what) + " failed: " + describe(async, c->comm));
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      write_error(std::runtime_error(std::string("the ") + what + " did not complete in time"), err, len);
+      return 2;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  c->done.block(current);
+  return 0;
+}
+
+bool on_comm(const Comm* c, const at::Tensor& t) { return t.is_contiguous() && t.device() == cuda(c->device); }
+
+}  // namespace
+
+extern "C" {
+
 // Sums `send` over the ranks into `recv` (the same tensor for in place) on the communicator's stream, after the
 // caller's current stream's work, and waits at most `timeout_s` for it. The caller's stream waits for the result.
 // On a timeout (2) the communicator must be aborted: a peer is missing or stuck.
@@ -220,43 +276,52 @@ int dflash_nccl_all_reduce_sum(void* handle, const at::Tensor* send, at::Tensor*
                                size_t len) {
   return guard(1, err, len, [&] {
     auto* c = static_cast<Comm*>(handle);
-    const auto& nccl = api();
-    if (!send->is_contiguous() || !recv->is_contiguous() || send->numel() != recv->numel() ||
-        send->scalar_type() != recv->scalar_type() || send->device() != cuda(c->device) ||
-        recv->device() != cuda(c->device)) {
+    if (!on_comm(c, *send) || !on_comm(c, *recv) || send->numel() != recv->numel() ||
+        send->scalar_type() != recv->scalar_type()) {
       throw std::runtime_error(
           "all-reduce needs two contiguous tensors of one shape and dtype on the communicator's device");
     }
-    auto current = at::accelerator::getCurrentStream(c->device);
-    c10::Event ready(c10::DeviceType::CUDA);
-    ready.record(current);
-    ready.block(c->stream);
-    auto r = nccl.all_reduce(send->data_ptr(), recv->data_ptr(), static_cast<size_t>(send->numel()), nccl_type(*send),
-                             ncclSum, c->comm, c->stream.native_handle());
-    check(r, "ncclAllReduce", c->comm);
+    return run_collective(c, "all-reduce", timeout_s, err, len, [&](void* stream) {
+      return api().all_reduce(send->data_ptr(), recv->data_ptr(), static_cast<size_t>(send->numel()),
+                              nccl_type(*send), ncclSum, c->comm, stream);
+    });
+  });
+}
+
+// Copies rank `root`'s `tensor` into every other rank's `tensor` (in place), as dflash_nccl_all_reduce_sum runs.
+int dflash_nccl_broadcast(void* handle, at::Tensor* tensor, int root, double timeout_s, char* err, size_t len) {
+  return guard(1, err, len, [&] {
+    auto* c = static_cast<Comm*>(handle);
+    if (!on_comm(c, *tensor)) throw std::runtime_error("broadcast needs a contiguous tensor on the communicator's device");
+    return run_collective(c, "broadcast", timeout_s, err, len, [&](void* stream) {
+      return api().broadcast(tensor->data_ptr(), tensor->data_ptr(), static_cast<size_t>(tensor->numel()),
+                             nccl_type(*tensor), root, c->comm, stream);
+    });
+  });
+}
+
+void dflash_nccl_abort(void* handle);
+
+// Closes the communicator gracefully: waits at most `timeout_s` for what it still has in flight (over the network
+// transport a rank's collective can complete while its proxy still sends to a peer: an abort then cuts the peer's
+// receive off), then destroys it; a failure or timeout aborts it instead. Frees it either way.
+int dflash_nccl_finalize(void* handle, double timeout_s, char* err, size_t len) {
+  auto* c = static_cast<Comm*>(handle);
+  int status = guard(1, err, len, [&] {
+    const auto& nccl = api();
+    check(nccl.finalize(c->comm), "ncclCommFinalize", c->comm);
     auto state = settle(c->comm, timeout_s);
     if (state == ncclInProgress) {
-      write_error(std::runtime_error("enqueueing the all-reduce did not finish in time"), err, len);
+      write_error(std::runtime_error("finalizing the communicator did not finish in time"), err, len);
       return 2;
     }
-    if (state != ncclSuccess) throw std::runtime_error("ncclAllReduce: " + describe(state, c->comm));
-    c->done.record(c->stream);
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-    while (!c->done.query()) {
-      ncclResult_t async = ncclSuccess;
-      nccl.get_async_error(c->comm, &async);
-      if (async != ncclSuccess && async != ncclInProgress) {
-        throw std::runtime_error("all-reduce failed: " + describe(async, c->comm));
-      }
-      if (std::chrono::steady_clock::now() >= deadline) {
-        write_error(std::runtime_error("the all-reduce did not complete in time"), err, len);
-        return 2;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-    c->done.block(current);
+    if (state != ncclSuccess) throw std::runtime_error("ncclCommFinalize: " + describe(state, c->comm));
+    check(nccl.destroy(c->comm), "ncclCommDestroy", c->comm);
+    delete c;
     return 0;
   });
+  if (status != 0) dflash_nccl_abort(c);
+  return status;
 }
 
 // Aborts the communicator (its in-flight collectives are cancelled) and frees it.

@@ -3,6 +3,7 @@
 // process holds a client. Stores cross the boundary as `c10::intrusive_ptr<c10d::Store>*`; values are byte strings,
 // returned in buffers the caller frees with `dflash_store_free_bytes`. A deadline that passes returns 2 (c10d's
 // DistStoreError: a wait or get that timed out); any other failure 1, with the message in `err`.
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -43,6 +44,13 @@ void give(const std::vector<uint8_t>& value, uint8_t** out, size_t* out_len) {
   if (!value.empty()) std::memcpy(*out, value.data(), value.size());
 }
 
+// c10d logs a warning for every read whose deadline passes (two lines each), and here a deadline passing is a
+// decision, not a fault: a host polling for its next assignment would log ten lines a second. Unless the user chose
+// a level (TORCH_CPP_LOG_LEVEL), libtorch's C++ log shows errors only.
+void quiet_timeouts() {
+  if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr && FLAGS_caffe2_log_level < 2) FLAGS_caffe2_log_level = 2;
+}
+
 }  // namespace
 
 extern "C" {
@@ -52,6 +60,7 @@ extern "C" {
 int dflash_store_open(const char* host, int port, int is_server, int64_t timeout_ms, void** out, int* bound_port,
                       char* err, size_t len) {
   return guard_store(err, len, [&] {
+    quiet_timeouts();
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<std::uint16_t>(port);
     opts.isServer = is_server != 0;

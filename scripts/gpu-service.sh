@@ -391,13 +391,15 @@ get /status >"$out/nccl-status.json"
 kill -0 $p0 2>/dev/null || { wait $p0; echo "rank 0 exited with $?" | tee "$out/nccl-rank0-exit"; }
 kill -9 $p0 $p1; wait 2>/dev/null
 grep -E "host (joined|left)|hosts changed|replicas|NCCL|failed" "$out/nccl-rank0.log" | tail -12
+grep -h "took the donor's state" "$out"/nccl-rank1*.log | tail -4
+grep -hc "skipped" "$out"/nccl-rank*.log
 tar -C "$out" -czf "$out/nccl.tgz" $(cd "$out" && ls nccl-* 2>/dev/null) && (cd "$out" && rm -f nccl-*)
 fi
 
 if has 12; then
 # The published recipe's shapes end to end (the second Performance issue): 4 x 3072 tokens, 512 anchors, one drafter
 # beside its target, with every row 3,072 tokens long and with chat lengths (data.path = "synthetic-chat").
-for data in synthetic synthetic-chat; do
+for data in ${RECIPE_DATA:-synthetic synthetic-chat}; do
   echo "== 12. serve-train, 4 x 3072, 512 anchors, data.path=$data"
   rm -rf runs/recipe
   ./.bin/dflash serve-train "${shapes[@]}" --set data.max_len=3072 --set objective.num_anchors=512 \

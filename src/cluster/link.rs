@@ -9,7 +9,8 @@
 //! ([`HostLink::ring_id`]); otherwise it crosses as f32 bytes through the store and every host sums the members'
 //! gradients in rank order (for CPU runs and tests). Either way every host applies the same sum bit for bit; with
 //! NCCL, only if every host's all-reduce completed ([`HostLink::settle_sum`]). The state a joiner takes is the
-//! donor's master weights, AdamW moments, update count, step and samples committed.
+//! donor's master weights, AdamW moments, update count, step and samples committed: with NCCL the weights and moments
+//! come by a broadcast from the donor's device ([`Handover`]), only their header through the store.
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,7 +26,7 @@ use super::quorum::{Admitted, Rank};
 use super::store::{Store, StoreError};
 use crate::data::loader::BatchId;
 use crate::train::collective::ObjectiveKnobs;
-use crate::train::nccl::NcclId;
+use crate::train::nccl::{NcclComm, NcclError, NcclId};
 use crate::train::objective::Metrics;
 use crate::train::step::UpdateSettings;
 
@@ -126,15 +127,86 @@ pub struct RunRound {
     pub serve: Vec<Admitted>,
 }
 
-/// A host's state, as a joiner takes it.
+/// A host's state, as a joiner takes it ([`HostState::fill`]).
+#[derive(Debug)]
 pub struct HostState {
     /// The first round it contributes to.
     pub step: u64,
     pub optimizer_steps: u64,
     pub samples_committed: u64,
-    /// Master weights and the two AdamW moments (CPU, f32).
-    pub tensors: [Tensor; 3],
+    data: StateData,
 }
+
+/// Master weights and the two AdamW moments, as they come.
+#[derive(Debug)]
+enum StateData {
+    /// Through the store (CPU, f32).
+    Bytes([Tensor; 3]),
+    /// By the donor's NCCL broadcast (the donor is rank 0 of communicator `id`).
+    Broadcast { id: NcclId, rank: usize, ranks: usize, elements: [usize; 3] },
+}
+
+impl HostState {
+    /// Copies the state into `into` (master weights and moments, flat f32 on this drafter's device); with the
+    /// donor's broadcast, joins its communicator and receives there.
+    pub fn fill(&self, into: [&Tensor; 3]) -> Result<(), LinkError> {
+        match &self.data {
+            StateData::Bytes(tensors) => {
+                for (dst, src) in into.into_iter().zip(tensors) {
+                    dst.shallow_clone().f_copy_(&src.f_view_as(dst)?)?;
+                }
+                Ok(())
+            }
+            StateData::Broadcast { id, rank, ranks, elements } => {
+                if into.iter().map(|t| t.numel()).ne(elements.iter().copied()) {
+                    let sizes = into.map(|t| t.numel());
+                    return Err(LinkError::Nccl(format!(
+                        "the donor broadcasts a state of {elements:?} elements, this drafter's is {sizes:?}"
+                    )));
+                }
+                let started = std::time::Instant::now();
+                broadcast_state(id, *rank, *ranks, into)
+                    .map_err(|e| LinkError::Nccl(format!("receiving the donor's state: {e}")))?;
+                let bytes: usize = into.iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
+                tracing::info!(
+                    seconds = started.elapsed().as_secs_f64(),
+                    gigabytes = bytes as f64 / 1e9,
+                    "took the donor's state by NCCL broadcast"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+/// How a donor hands its state to the hosts it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handover {
+    /// As f32 bytes through the store (CPU runs and tests).
+    Store,
+    /// By an NCCL broadcast from the donor's device (`drafters.collective = "nccl"`); the store carries only the
+    /// header and the communicator's identity, so rank 0's store never holds a state.
+    Nccl,
+}
+
+/// One side of a handover by NCCL broadcast (the donor is rank 0 of communicator `id`, `state` on this thread's
+/// device): broadcasts the state from the donor, then all-reduces one number, so that the donor learns every joiner
+/// has received all of it before anyone closes the communicator (gracefully: over the network transport, closing
+/// as soon as one's own part completes can cut a peer's receive off).
+fn broadcast_state(id: &NcclId, rank: usize, ranks: usize, state: [&Tensor; 3]) -> Result<(), NcclError> {
+    let device = state[0].device();
+    let mut comm = NcclComm::join(id, rank, ranks, device, HANDOVER_TIMEOUT)?;
+    for t in state {
+        comm.broadcast(t, 0, HANDOVER_TIMEOUT)?;
+    }
+    let received = Tensor::f_ones([1], (Kind::Float, device)).map_err(|e| NcclError::Failed(e.to_string()))?;
+    comm.all_reduce_sum(&received, &received, HANDOVER_TIMEOUT)?;
+    comm.finish(HANDOVER_TIMEOUT)
+}
+
+/// How long a donor and its joiners wait for each other's NCCL communicator and for each part of the broadcast:
+/// below the drafters' hang floor (30 s), so that a joiner that vanishes costs its donor less than a failure.
+const HANDOVER_TIMEOUT: Duration = Duration::from_secs(25);
 
 /// A member host of the run: its generation and the first round it takes part in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -157,6 +229,17 @@ struct StateHeader {
     optimizer_steps: u64,
     samples_committed: u64,
     elements: [usize; 3],
+    /// Where the state comes by the donor's NCCL broadcast instead of after the header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    broadcast: Option<BroadcastHeader>,
+}
+
+/// The donor's communicator for a broadcast of its state (the donor is rank 0).
+#[derive(Serialize, Deserialize)]
+struct BroadcastHeader {
+    id: Vec<u8>,
+    rank: usize,
+    ranks: usize,
 }
 
 /// Framing of a payload: its JSON header's length (8 bytes, little-endian), the header, then raw f32 data.
@@ -193,6 +276,29 @@ fn floats(data: &[u8], elements: usize, what: &'static str, rank: Rank) -> Resul
     }
     let values: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Ok(Tensor::from_slice(&values))
+}
+
+/// A donor's state after its header: the f32 data itself, or the communicator it broadcasts it in.
+fn state_data(h: &StateHeader, data: &[u8], rank: Rank) -> Result<StateData, LinkError> {
+    let malformed = |message: String| LinkError::Malformed { what: "state", rank, message };
+    let [a, b, c] = h.elements;
+    if let Some(cast) = &h.broadcast {
+        let id = NcclId::from_bytes(&cast.id)
+            .ok_or_else(|| malformed(format!("an NCCL identity of {} bytes", cast.id.len())))?;
+        if !data.is_empty() || cast.rank == 0 || cast.rank >= cast.ranks {
+            let message = format!("rank {} of {} with {} bytes of data", cast.rank, cast.ranks, data.len());
+            return Err(malformed(format!("a broadcast header as {message}")));
+        }
+        return Ok(StateData::Broadcast { id, rank: cast.rank, ranks: cast.ranks, elements: h.elements });
+    }
+    if data.len() != 4 * (a + b + c) {
+        return Err(malformed(format!("{} bytes for {} floats", data.len(), a + b + c)));
+    }
+    Ok(StateData::Bytes([
+        floats(&data[..4 * a], a, "state", rank)?,
+        floats(&data[4 * a..4 * (a + b)], b, "state", rank)?,
+        floats(&data[4 * (a + b)..], c, "state", rank)?,
+    ]))
 }
 
 /// A member's gradient in its contribution: `elements` floats when this host sums through the store, nothing when
@@ -350,22 +456,13 @@ impl HostLink {
             Entry::NoDonor => Err(LinkError::NoDonor),
             Entry::State(bytes) => {
                 let (h, data): (StateHeader, &[u8]) = unframe(&bytes, "state", rank)?;
-                let [a, b, c] = h.elements;
-                if data.len() != 4 * (a + b + c) {
-                    let message = format!("{} bytes for {} floats", data.len(), a + b + c);
-                    return Err(LinkError::Malformed { what: "state", rank, message });
-                }
-                let tensors = [
-                    floats(&data[..4 * a], a, "state", rank)?,
-                    floats(&data[4 * a..4 * (a + b)], b, "state", rank)?,
-                    floats(&data[4 * (a + b)..], c, "state", rank)?,
-                ];
+                let data = state_data(&h, data, rank)?;
                 *self.entered.lock().unwrap_or_else(|p| p.into_inner()) = Some((generation, h.step));
                 Ok(Entering::Joined(HostState {
                     step: h.step,
                     optimizer_steps: h.optimizer_steps,
                     samples_committed: h.samples_committed,
-                    tensors,
+                    data,
                 }))
             }
         }
@@ -380,6 +477,7 @@ impl HostLink {
         samples_committed: u64,
         optimizer_steps: u64,
         state: [&Tensor; 3],
+        handover: Handover,
     ) -> Result<(), LinkError> {
         *self.entered.lock().unwrap_or_else(|p| p.into_inner()) = Some((self.generation(), step));
         debug_assert!(self.rank() == 0 && !self.founded_once.load(Ordering::SeqCst), "only rank 0 founds, once");
@@ -389,7 +487,7 @@ impl HostLink {
         let me = HostMember { rank: 0, generation: self.generation(), from: step };
         let others = founders.iter().map(|a| HostMember { rank: a.rank, generation: a.generation, from: step });
         *self.members.lock().unwrap_or_else(|p| p.into_inner()) = std::iter::once(me).chain(others).collect();
-        self.serve(&founders, step, samples_committed, optimizer_steps, state)
+        self.serve(&founders, (step, samples_committed, optimizer_steps), state, handover)
     }
 
     /// Waits until every host announced itself or the rendezvous timeout passed; returns the others present.
@@ -438,27 +536,34 @@ impl HostLink {
         Ok(())
     }
 
-    /// Posts this host's state (at the boundary of round `step`) to each admitted host.
+    /// Hands this host's state (at the boundary of round `step`) to each admitted host, as `handover` says (by
+    /// NCCL: from this thread's device, where `state` lies).
     pub fn serve(
         &self,
         joiners: &[Admitted],
-        step: u64,
-        samples_committed: u64,
-        optimizer_steps: u64,
+        (step, samples_committed, optimizer_steps): (u64, u64, u64),
         state: [&Tensor; 3],
+        handover: Handover,
     ) -> Result<(), LinkError> {
         if joiners.is_empty() {
             return Ok(());
         }
         let elements = state.map(|t| t.numel());
-        let header = StateHeader { step, optimizer_steps, samples_committed, elements };
-        let bytes = frame(&header, &state)?;
+        let header = |broadcast| StateHeader { step, optimizer_steps, samples_committed, elements, broadcast };
+        if handover == Handover::Store {
+            let bytes = frame(&header(None), &state)?;
+            return self.with_store(|s| joiners.iter().try_for_each(|j| Ok(exchange::post_state(s, j, &bytes)?)));
+        }
+        let nccl = |e: NcclError| LinkError::Nccl(format!("broadcasting the state to {joiners:?}: {e}"));
+        let id = NcclId::new().map_err(nccl)?;
+        let ranks = joiners.len() + 1;
         self.with_store(|s| {
-            for j in joiners {
-                exchange::post_state(s, j, &bytes)?;
-            }
-            Ok(())
-        })
+            joiners.iter().enumerate().try_for_each(|(i, j)| {
+                let broadcast = BroadcastHeader { id: id.bytes().to_vec(), rank: i + 1, ranks };
+                Ok(exchange::post_state(s, j, &frame(&header(Some(broadcast)), &[])?)?)
+            })
+        })?;
+        broadcast_state(&id, 0, ranks, state).map_err(nccl)
     }
 
     /// Contributes this host's share to round `round` and waits for the run's round: the members' gradients summed
@@ -607,6 +712,60 @@ mod tests {
         for err in [gradient(&[], Some(2), 3).unwrap_err(), gradient(&floats, None, 3).unwrap_err()] {
             let err = err.to_string();
             assert!(err.contains("host 3") && err.contains("drafters.collective"), "{err}");
+        }
+    }
+
+    fn state_of(bytes: &[u8]) -> Result<HostState, LinkError> {
+        let (h, data): (StateHeader, &[u8]) = unframe(bytes, "state", 2)?;
+        let data = state_data(&h, data, 2)?;
+        Ok(HostState { step: h.step, optimizer_steps: h.optimizer_steps, samples_committed: h.samples_committed, data })
+    }
+
+    /// Through the store the state follows its header; by broadcast only the header and the donor's communicator
+    /// travel, each joiner with its own rank. Either way a joiner's buffers of another size are refused before
+    /// anything is copied or any communicator is joined.
+    #[test]
+    fn a_state_comes_after_its_header_or_by_the_donors_broadcast() {
+        let state = [Tensor::from_slice(&[1.0f32, 2.0]), Tensor::from_slice(&[3.0f32]), Tensor::from_slice(&[4.0f32])];
+        let header = |broadcast| StateHeader {
+            step: 7,
+            optimizer_steps: 5,
+            samples_committed: 28,
+            elements: [2, 1, 1],
+            broadcast,
+        };
+        let bytes = frame(&header(None), &[&state[0], &state[1], &state[2]]).unwrap();
+        let into = [
+            Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+            Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+        ];
+        let host = state_of(&bytes).unwrap();
+        assert_eq!((host.step, host.optimizer_steps, host.samples_committed), (7, 5, 28));
+        host.fill([&into[0], &into[1], &into[2]]).unwrap();
+        assert!(into.iter().zip(&state).all(|(a, b)| a.equal(b)));
+        assert!(state_of(&bytes[..bytes.len() - 4]).unwrap_err().to_string().contains("bytes for 4 floats"));
+
+        let id = NcclId::new().unwrap();
+        let cast = |rank, ranks| BroadcastHeader { id: id.bytes().to_vec(), rank, ranks };
+        let announced = frame(&header(Some(cast(2, 3))), &[]).unwrap();
+        let host = state_of(&announced).unwrap();
+        assert!(matches!(host.data, StateData::Broadcast { rank: 2, ranks: 3, elements: [2, 1, 1], id: i } if i == id));
+        let small = [Tensor::zeros([1], (Kind::Float, Device::Cpu)), into[1].shallow_clone(), into[2].shallow_clone()];
+        let err = host.fill([&small[0], &small[1], &small[2]]).unwrap_err().to_string();
+        assert!(err.contains("[2, 1, 1]") && err.contains("[1, 1, 1]"), "{err}");
+
+        // The donor is rank 0; data after a broadcast header, or an identity of another length, is malformed.
+        let mut bad_id = header(Some(cast(1, 2)));
+        bad_id.broadcast.as_mut().unwrap().id.pop();
+        for bad in [
+            frame(&header(Some(cast(0, 2))), &[]).unwrap(),
+            frame(&header(Some(cast(2, 2))), &[]).unwrap(),
+            frame(&header(Some(cast(1, 2))), &[&state[0], &state[1], &state[2]]).unwrap(),
+            frame(&bad_id, &[]).unwrap(),
+        ] {
+            let err = state_of(&bad).unwrap_err().to_string();
+            assert!(err.starts_with("malformed state from host 2"), "{err}");
         }
     }
 }

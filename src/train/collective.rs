@@ -26,7 +26,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use crate::cluster::link::{DrafterPart, Entering, HostLink, HostRecord, HostShare, RunRound};
+use crate::cluster::link::{DrafterPart, Entering, Handover, HostLink, HostRecord, HostShare, RunRound};
 use crate::cluster::quorum::{Admitted, Rank};
 use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
@@ -440,16 +440,13 @@ impl Collective {
                 let step = self.found(id, generation)?;
                 let samples = self.lock().samples_committed;
                 let tensors = [&state.master, &state.exp_avg, &state.exp_avg_sq];
-                link.founded(step, samples, optimizer_steps, tensors).map_err(hosts)?;
+                link.founded(step, samples, optimizer_steps, tensors, self.handover(state.master.device()))
+                    .map_err(hosts)?;
                 Ok(JoinInfo { step, optimizer_steps })
             }
             Entering::Joined(host) => {
                 let targets = [&state.master, &state.exp_avg, &state.exp_avg_sq];
-                for (dst, src) in targets.into_iter().zip(&host.tensors) {
-                    let src =
-                        src.f_view_as(dst).map_err(|e| CollectiveError::Hosts(format!("the donor's state: {e}")))?;
-                    dst.shallow_clone().f_copy_(&src).map_err(|e| DeviceErrorText(e.to_string()))?;
-                }
+                host.fill(targets).map_err(|e| CollectiveError::Hosts(format!("the donor's state: {e}")))?;
                 device::synchronize(state.master.device())?;
                 let mut s = self.lock();
                 s.rounds.found_at(id, generation, host.step)?;
@@ -459,6 +456,15 @@ impl Collective {
                 self.changed.notify_all();
                 Ok(JoinInfo { step: host.step, optimizer_steps: host.optimizer_steps })
             }
+        }
+    }
+
+    /// How this host hands its state (on `device`) to joining hosts: over NCCL where its drafters sum over NCCL
+    /// (on a CPU, where only tests sum "over NCCL" with stand-in all-reduces, through the store).
+    fn handover(&self, device: tch::Device) -> Handover {
+        match self.lock().sum {
+            GradientSum::Nccl if device.is_cuda() => Handover::Nccl,
+            _ => Handover::Store,
         }
     }
 
@@ -704,7 +710,10 @@ impl Collective {
             && !joiners.is_empty()
         {
             // A host that does not get the state times out and enters again: this member goes on either way.
-            if let Err(e) = link.serve(joiners, *step, *samples, optimizer_steps, [master, exp_avg, exp_avg_sq]) {
+            let state = [master, exp_avg, exp_avg_sq];
+            if let Err(e) =
+                link.serve(joiners, (*step, *samples, optimizer_steps), state, self.handover(master.device()))
+            {
                 tracing::warn!(?joiners, "handing the state to joining hosts failed: {e}");
             }
         }

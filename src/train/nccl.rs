@@ -34,6 +34,15 @@ unsafe extern "C" {
         err: *mut c_char,
         len: usize,
     ) -> c_int;
+    fn dflash_nccl_broadcast(
+        comm: *mut c_void,
+        tensor: *mut C_tensor,
+        root: c_int,
+        timeout_s: f64,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_nccl_finalize(comm: *mut c_void, timeout_s: f64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_nccl_abort(comm: *mut c_void);
 }
 
@@ -139,15 +148,7 @@ impl NcclComm {
     /// Sums `send` over the ranks into `recv` (pass the same tensor twice to sum in place), waiting at most `timeout`.
     /// After a timeout the communicator is unusable: drop it (that aborts it) and build a new one.
     pub fn all_reduce_sum(&mut self, send: &Tensor, recv: &Tensor, timeout: Duration) -> Result<(), NcclError> {
-        for t in [send, recv] {
-            if t.device() != self.device {
-                return Err(NcclError::Failed(format!(
-                    "a tensor on {:?} given to the communicator of {:?}",
-                    t.device(),
-                    self.device
-                )));
-            }
-        }
+        self.check_device(&[send, recv])?;
         shim_status("all-reduce", timeout, |e, n| unsafe {
             // SAFETY: live communicator and tensor handles; the shim validates shapes and devices.
             dflash_nccl_all_reduce_sum(
@@ -159,6 +160,45 @@ impl NcclComm {
                 n,
             )
         })
+    }
+
+    /// Copies rank `root`'s `tensor` into every other rank's `tensor`, waiting at most `timeout` (as
+    /// [`NcclComm::all_reduce_sum`]).
+    pub fn broadcast(&mut self, tensor: &Tensor, root: usize, timeout: Duration) -> Result<(), NcclError> {
+        self.check_device(&[tensor])?;
+        shim_status("broadcast", timeout, |e, n| unsafe {
+            // SAFETY: live communicator and tensor handle; the shim validates the layout and device.
+            dflash_nccl_broadcast(
+                self.raw,
+                tensor.as_ptr() as *mut C_tensor,
+                root as c_int,
+                timeout.as_secs_f64(),
+                e,
+                n,
+            )
+        })
+    }
+
+    /// Closes the communicator after what it has in flight, waiting at most `timeout` (then aborting it). Needed
+    /// where the other ranks still receive: over the network transport a rank's collective completes while its
+    /// proxy may still be sending, and an abort (what dropping does) would cut their receive off.
+    pub fn finish(self, timeout: Duration) -> Result<(), NcclError> {
+        let comm = std::mem::ManuallyDrop::new(self);
+        shim_status("finalize", timeout, |e, n| unsafe {
+            // SAFETY: a live communicator, released here exactly once (finalized and destroyed, or aborted).
+            dflash_nccl_finalize(comm.raw, timeout.as_secs_f64(), e, n)
+        })
+    }
+
+    fn check_device(&self, tensors: &[&Tensor]) -> Result<(), NcclError> {
+        match tensors.iter().find(|t| t.device() != self.device) {
+            Some(t) => Err(NcclError::Failed(format!(
+                "a tensor on {:?} given to the communicator of {:?}",
+                t.device(),
+                self.device
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -234,7 +274,9 @@ mod tests {
         let before = y.copy();
         one.all_reduce_sum(&y, &y, Duration::from_secs(30)).unwrap();
         assert!(y.equal(&before));
-        drop(one);
+        one.broadcast(&y, 0, Duration::from_secs(30)).unwrap();
+        assert!(y.equal(&before));
+        one.finish(Duration::from_secs(30)).unwrap();
 
         let started = Instant::now();
         let err = NcclComm::join(&NcclId::new().unwrap(), 0, 2, dev, Duration::from_secs(3)).unwrap_err();

@@ -139,15 +139,25 @@ impl Core {
         report
     }
 
-    /// Follower: rank 0's items for `step`.
+    /// Follower: rank 0's items for `step` (the shell passes only those for the generation this host is). While
+    /// the host enters the run they are all kept: its schedule moves to the step it enters at only once its founder
+    /// has the state, and rank 0 may feed that step first (it feeds an admitted host at once).
     pub(super) fn fed(&mut self, step: u64, items: Vec<(usize, Item)>) {
-        if step >= self.schedule.next_step() {
+        if self.entering_run() || step >= self.schedule.next_step() {
             self.hosts.fed.insert(step, items);
         }
     }
 
-    /// Follower: opens the steps rank 0 has fed, in order, for the live drafters.
+    /// Follower: whether this host is entering the run (its founder waits for a live host's state).
+    fn entering_run(&self) -> bool {
+        self.is_follower() && self.slots.iter().any(|s| s.role() == Some(Role::Founder))
+    }
+
+    /// Follower: opens the steps rank 0 has fed, in order, for the live drafters (none while entering the run).
     pub(super) fn open_fed_steps(&mut self) {
+        if self.entering_run() {
+            return;
+        }
         loop {
             let next = self.schedule.next_step();
             self.hosts.fed.retain(|&s, _| s >= next);
@@ -339,6 +349,10 @@ mod tests {
         let actions = c.handle(at(0.4), Event::Round(r));
         assert!(committed(&actions).is_empty(), "rank 0 keeps the ledger");
         assert!(c.checkpoint_now(at(0.5)).0.is_err());
+        for (step, ordinal) in [(8, 4), (9, 6)] {
+            let item = Item::Capture { batch: BatchId { epoch: 0, ordinal }, positions: vec![2, 3] };
+            assert_eq!(captured(&c.handle(at(0.5), Event::Fed { step, items: vec![(0, item)] })).len(), 1);
+        }
 
         let failure = Failure::panic("boom".into());
         let actions =
@@ -346,9 +360,18 @@ mod tests {
         let removed = c.handle(at(0.6), Event::MemberRemoved { remaining: vec![] });
         let actions: Vec<Action> = actions.into_iter().chain(removed).chain(c.handle(at(5.0), Event::Tick)).collect();
         assert!(
-            actions.iter().any(|a| matches!(a, Action::SpawnDrafter { start: Start::Found(None), .. })),
+            actions
+                .iter()
+                .any(|a| matches!(a, Action::SpawnDrafter { id: 0, generation: 2, start: Start::Found(None) })),
             "{actions:?}"
         );
+        // Admitted again at step 8 (steps 8 and 9 were open for generation 1): rank 0 feeds the new generation
+        // step 8 before its founder has the state, and the step is kept for it.
+        let batch = BatchId { epoch: 0, ordinal: 5 };
+        let item = Item::Capture { batch, positions: vec![0, 1] };
+        assert!(captured(&c.handle(at(5.1), Event::Fed { step: 8, items: vec![(0, item)] })).is_empty());
+        let actions = c.handle(at(5.2), Event::DrafterJoined { id: 0, generation: 2, step: 8 });
+        assert_eq!(captured(&actions), vec![batch], "{actions:?}");
         assert!(!actions.iter().any(|a| matches!(
             a,
             Action::FindCheckpoint(_)
