@@ -148,6 +148,20 @@ pub fn generations(store: &Store, hosts: usize) -> Result<Vec<u64>, ExchangeErro
     Ok((0..hosts).map(|r| store.add(&generation_key(r), 0).map(|g| g as u64)).collect::<Result<_, _>>()?)
 }
 
+/// A host's generation with one flag (`arrived`: its drafters sum over NCCL; `summed`: they did): the generation's 8
+/// bytes, little-endian, then 0 or 1.
+fn flagged(generation: u64, flag: bool) -> Vec<u8> {
+    let mut value = generation.to_le_bytes().to_vec();
+    value.push(u8::from(flag));
+    value
+}
+
+/// What [`flagged`] wrote; `None` for anything else.
+fn unflagged(value: &[u8]) -> Option<(u64, bool)> {
+    let generation = u64::from_le_bytes(value.get(..8)?.try_into().ok()?);
+    Some((generation, *value.get(8)? == 1))
+}
+
 /// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read; `settles`:
 /// its drafters sum over NCCL after the round closes and say whether they summed ([`post_summed`]).
 pub fn contribute(
@@ -159,9 +173,7 @@ pub fn contribute(
     payload: &[u8],
 ) -> Result<(), ExchangeError> {
     set_large(store, &from_key(round, rank), payload)?;
-    let mut arrived = generation.to_le_bytes().to_vec();
-    arrived.push(u8::from(settles));
-    Ok(store.set(&arrived_key(round, rank), &arrived)?)
+    Ok(store.set(&arrived_key(round, rank), &flagged(generation, settles))?)
 }
 
 /// Waits up to `timeout` for the decision on `round`.
@@ -189,9 +201,7 @@ pub fn ring(store: &Store, round: u64, timeout: Duration) -> Result<Vec<u8>, Exc
 
 /// Posts whether host `rank` (as `generation`) summed round `round` over NCCL (its drafters' all-reduce completed).
 pub fn post_summed(store: &Store, round: u64, rank: Rank, generation: u64, summed: bool) -> Result<(), ExchangeError> {
-    let mut value = generation.to_le_bytes().to_vec();
-    value.push(u8::from(summed));
-    store.set(&summed_key(round, rank), &value)?;
+    store.set(&summed_key(round, rank), &flagged(generation, summed))?;
     store.add(&summed_count_key(round), 1)?;
     Ok(())
 }
@@ -325,13 +335,11 @@ impl Coordinator {
         let round = self.quorum.round();
         for rank in self.quorum.members() {
             let key = arrived_key(round, rank);
-            if self.store.check(&key)? {
-                let value = self.store.get(&key, Duration::from_secs(1))?;
-                let generation = value.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-                if let Some(generation) = generation {
-                    self.quorum.arrive(round, rank, generation);
-                }
-                self.open_round_settles |= value.get(8) == Some(&1);
+            if self.store.check(&key)?
+                && let Some((generation, settles)) = unflagged(&self.store.get(&key, Duration::from_secs(1))?)
+            {
+                self.quorum.arrive(round, rank, generation);
+                self.open_round_settles |= settles;
             }
         }
         self.settle_sums(now)?;
@@ -373,12 +381,10 @@ impl Coordinator {
             let mut posted = BTreeMap::new();
             for &(rank, _) in members {
                 let key = summed_key(round, rank);
-                if self.store.check(&key)? {
-                    let value = self.store.get(&key, Duration::from_secs(1))?;
-                    let generation = value.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-                    if let (Some(generation), Some(&summed)) = (generation, value.get(8)) {
-                        posted.insert(rank, (generation, summed == 1));
-                    }
+                if self.store.check(&key)?
+                    && let Some(said) = unflagged(&self.store.get(&key, Duration::from_secs(1))?)
+                {
+                    posted.insert(rank, said);
                 }
             }
             if let Some(applies) = sum_outcome(members, &posted, &self.seen, now - closed_at, self.deadline_s) {
@@ -422,6 +428,15 @@ mod tests {
     use super::*;
 
     const WAIT: Duration = Duration::from_secs(20);
+
+    /// A generation and its flag read back as written; a value without the flag, or cut short, reads as nothing.
+    #[test]
+    fn a_flagged_generation_reads_back_and_nothing_else_does() {
+        assert_eq!(unflagged(&flagged(7, true)), Some((7, true)));
+        assert_eq!(unflagged(&flagged(u64::MAX, false)), Some((u64::MAX, false)));
+        assert_eq!(unflagged(&7u64.to_le_bytes()), None);
+        assert_eq!(unflagged(b"x"), None);
+    }
 
     /// A value larger than the server takes in one message (8 MiB) goes in pieces and comes back whole; deleting it
     /// removes the pieces.
