@@ -316,11 +316,15 @@ int dflash_nccl_finalize(void* handle, double timeout_s, char* err, size_t len) 
       return 2;
     }
     if (state != ncclSuccess) throw std::runtime_error("ncclCommFinalize: " + describe(state, c->comm));
-    check(nccl.destroy(c->comm), "ncclCommDestroy", c->comm);
+    auto destroyed = nccl.destroy(c->comm);
     delete c;
+    c = nullptr;  // destroyed (or not destroyable): never aborted after this
+    if (destroyed != ncclSuccess && destroyed != ncclInProgress) {
+      throw std::runtime_error(std::string("ncclCommDestroy: ") + nccl.error_string(destroyed));
+    }
     return 0;
   });
-  if (status != 0) dflash_nccl_abort(c);
+  if (c != nullptr) dflash_nccl_abort(c);
   return status;
 }
 
