@@ -6,9 +6,16 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <system_error>
 
 #include "shim_error.h"
 
@@ -51,6 +58,38 @@ void quiet_timeouts() {
   if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr && FLAGS_caffe2_log_level < 2) FLAGS_caffe2_log_level = 2;
 }
 
+// The store's listening socket, on IPv4 (every interface, `port`; 0: any free one). libtorch's own listens
+// dual-stack, where an IPv4 peer shows as `::ffff:a.b.c.d`, an address `/etc/hosts` never names: its server's
+// lookup of each connecting peer's name (on its one thread, at every accept) then always asks DNS, which stalls
+// the whole store for the resolver's timeout where DNS does not answer. On IPv4, `/etc/hosts` names the peers it
+// lists (loopback always). The store takes the socket over.
+int listen_ipv4(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::system_error(errno, std::generic_category(), "opening the store's socket");
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    int e = errno;
+    ::close(fd);
+    throw std::system_error(e, std::generic_category(), "listening on port " + std::to_string(port));
+  }
+  return fd;
+}
+
+// The port a listening socket is bound to.
+int port_of(int fd) {
+  sockaddr_in addr{};
+  socklen_t len = sizeof addr;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throw std::system_error(errno, std::generic_category(), "reading the store's port");
+  }
+  return ntohs(addr.sin_port);
+}
+
 }  // namespace
 
 extern "C" {
@@ -64,6 +103,11 @@ int dflash_store_open(const char* host, int port, int is_server, int64_t timeout
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<std::uint16_t>(port);
     opts.isServer = is_server != 0;
+    if (opts.isServer) {
+      int fd = listen_ipv4(port);
+      opts.masterListenFd = fd;
+      opts.port = static_cast<std::uint16_t>(port_of(fd));
+    }
     opts.waitWorkers = false;
     opts.timeout = std::chrono::milliseconds(timeout_ms);
     auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);

@@ -95,7 +95,8 @@ pub struct Store {
 unsafe impl Send for Store {}
 
 impl Store {
-    /// Serves a store on `port` (0: any free one, see [`Store::port`]) and connects to it.
+    /// Serves a store on `port` (0: any free one, see [`Store::port`]), on IPv4 (every interface: see
+    /// `csrc/store.cpp` for why not dual-stack), and connects to it.
     pub fn serve(port: u16, timeout: Duration) -> Result<Store, StoreError> {
         Self::open("127.0.0.1", port, true, timeout)
     }
