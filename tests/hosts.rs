@@ -4,6 +4,7 @@
 //! bit for bit, a killed host leaves the quorum and the others go on, the restarted host takes a live host's state
 //! and contributes again, samples count across hosts, and every host applies rank 0's hyperparameters.
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -55,9 +56,50 @@ struct Host {
     rank: usize,
     generation: u64,
     collective: Arc<Collective>,
+    _beats: Beats,
+}
+
+/// A host's beat (the service's feed reader beats on hosts other than rank 0), every second until the host is
+/// dropped ("killed").
+struct Beats {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Beats {
+    fn start(link: Arc<HostLink>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !stopped.load(Ordering::SeqCst) {
+                let _ = link.beat();
+                for _ in 0..20 {
+                    if stopped.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        });
+        Beats { stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for Beats {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 fn host(rank: usize, port: u16, sum: GradientSum, log: &Arc<Mutex<Log>>) -> Host {
+    host_with_deadline(rank, port, sum, Duration::from_millis(800), log)
+}
+
+/// A host whose rounds close at `deadline` at the latest.
+fn host_with_deadline(rank: usize, port: u16, sum: GradientSum, deadline: Duration, log: &Arc<Mutex<Log>>) -> Host {
     let placement = HostPlacement {
         hosts: 3,
         rank,
@@ -67,14 +109,15 @@ fn host(rank: usize, port: u16, sum: GradientSum, log: &Arc<Mutex<Log>>) -> Host
         serves_store: false,
         rendezvous_timeout: Duration::from_secs(20),
     };
-    let link = Arc::new(HostLink::open(&placement, Duration::from_millis(800)).unwrap());
+    let link = Arc::new(HostLink::open(&placement, deadline).unwrap());
     let log = log.clone();
     // Host 1 is configured with another learning rate: every host applies rank 0's, the lowest member's.
     let lr = if rank == 1 { 0.5 } else { 0.1 };
     let collective = Collective::new(0, 0, settings(lr), sum, move |r| {
         log.lock().unwrap().reports.push((rank, r));
     });
-    Host { rank, generation: 0, collective: Arc::new(collective.with_link(link)) }
+    let beats = Beats::start(link.clone());
+    Host { rank, generation: 0, collective: Arc::new(collective.with_link(link)), _beats: beats }
 }
 
 fn values(t: &Tensor) -> Vec<f32> {
@@ -170,6 +213,33 @@ fn member(h: &Host, id: usize, first: bool, fate: Fate, log: &Arc<Mutex<Log>>) -
 fn hosts_found_from_rank_0_sum_identically_and_a_killed_host_rejoins_from_a_live_one() {
     let back_at = three_hosts_one_killed(None, GradientSum::DeviceCopies).0;
     assert_eq!(back_at, 5, "admitted when round 4 closed");
+}
+
+/// A host that dies and stays down is found by its silence within seconds (`exchange::GONE_AFTER`), not at the
+/// rounds' deadline (two minutes here): the others go on without it.
+#[test]
+fn a_dead_host_is_found_by_its_silence_not_at_the_deadline() {
+    let server = Store::serve(0, Duration::from_secs(20)).unwrap();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let deadline = Duration::from_secs(120);
+    let mut hosts: Vec<Host> = (0..3)
+        .map(|r| host_with_deadline(r, server.port(), GradientSum::DeviceCopies, deadline, &log))
+        .map(|h| Host { generation: 1, ..h })
+        .collect();
+    let threads: Vec<_> = (0..2).map(|r| member(&hosts[r], 0, true, Fate::default(), &log)).collect();
+    member(&hosts[2], 0, true, Fate { dies_before: Some(3), ..Fate::default() }, &log).join().unwrap();
+    let died = std::time::Instant::now();
+    hosts.pop();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let waited = died.elapsed();
+    assert!(waited < Duration::from_secs(40), "the others finished {waited:?} after the death");
+    let log = log.lock().unwrap();
+    for step in 1..=LAST_STEP {
+        let members = log.states.keys().filter(|(.., s)| *s == step).count();
+        assert_eq!(members, if step <= 3 { 3 } else { 2 }, "members that applied step {step}");
+    }
 }
 
 /// Host 2 stays down until host 0 is past step 7: round 4 closes at its deadline without it, the others go on,

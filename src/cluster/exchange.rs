@@ -6,7 +6,8 @@
 //! [`sum_outcome`]). A host admitted at a round boundary finds what to start from under its own key: the state its
 //! donor posts, or, admitted as its own donor, word that no member had the run's state (the run must start again).
 //!
-//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/entry/{gen}`
+//! Keys, under `dflash/`: `host/{rank}/generation` (a counter each start increments), `host/{rank}/beat` (a counter
+//! its heartbeat adds to every second: a member silent for [`GONE_AFTER`] is gone), `host/{rank}/entry/{gen}`
 //! (what that generation starts from), `round/{r}/from/{rank}` (the contribution), `round/{r}/arrived/{rank}` (the
 //! contributor's generation, set after the contribution), `round/{r}/closed` (the decision, JSON),
 //! `round/{r}/summed/{rank}`, `round/{r}/summed` and `round/{r}/applied` (with NCCL: whether each member's drafters
@@ -14,17 +15,22 @@
 //! when round `r` has a new membership), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and
 //! `finished` (rank 0's exit status at the end of the run). Values larger than the store's server takes in one
 //! message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::quorum::{Admitted, Closed, Decision, HostQuorum, Rank, sum_outcome};
+use super::quorum::{Admitted, BeatWatch, Closed, Decision, HostQuorum, Rank, sum_outcome};
 use super::store::{Store, StoreError};
 
 /// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
 pub const KEEP_ROUNDS: u64 = 4;
+
+/// How often a host beats ([`beat`]), and how long a member may stay silent before the rendezvous host takes its
+/// process for gone and closes rounds without it (rather than at each round's deadline).
+pub const BEAT_EVERY: Duration = Duration::from_secs(1);
+pub const GONE_AFTER: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Error)]
 pub enum ExchangeError {
@@ -64,6 +70,9 @@ fn applied_key(round: u64) -> String {
 }
 fn ring_key(round: u64) -> String {
     format!("dflash/ring/{round}")
+}
+fn beat_key(rank: Rank) -> String {
+    format!("dflash/host/{rank}/beat")
 }
 fn feed_key(rank: Rank, generation: u64, step: u64) -> String {
     format!("dflash/feed/{rank}/{generation}/{step}")
@@ -160,6 +169,12 @@ fn flagged(generation: u64, flag: bool) -> Vec<u8> {
 fn unflagged(value: &[u8]) -> Option<(u64, bool)> {
     let generation = u64::from_le_bytes(value.get(..8)?.try_into().ok()?);
     Some((generation, *value.get(8)? == 1))
+}
+
+/// Host `rank` is alive (a counter its feed reader adds to every [`BEAT_EVERY`], whatever its drafters do).
+pub fn beat(store: &Store, rank: Rank) -> Result<(), ExchangeError> {
+    store.add(&beat_key(rank), 1)?;
+    Ok(())
 }
 
 /// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read; `settles`:
@@ -297,6 +312,11 @@ pub struct Coordinator {
     /// Whether a member of the open round said its drafters sum over NCCL (then the round waits to be settled).
     open_round_settles: bool,
     deadline_s: f64,
+    /// Whose beat stopped; when the beats were last read.
+    beats: BeatWatch,
+    beats_read_at: f64,
+    /// Members found gone by their silence, `(rank, generation)`: they will never say whether they summed.
+    gone: BTreeSet<(Rank, u64)>,
 }
 
 impl Coordinator {
@@ -315,6 +335,9 @@ impl Coordinator {
             unsettled: BTreeMap::new(),
             open_round_settles: false,
             deadline_s: deadline.as_secs_f64(),
+            beats: BeatWatch::default(),
+            beats_read_at: f64::NEG_INFINITY,
+            gone: BTreeSet::new(),
         })
     }
 
@@ -343,6 +366,7 @@ impl Coordinator {
             }
         }
         self.settle_sums(now)?;
+        self.read_beats(now)?;
         match self.quorum.poll(now) {
             Decision::Wait { .. } => Ok(None),
             Decision::Stalled { round } => Err(ExchangeError::Stalled { round }),
@@ -371,6 +395,30 @@ impl Coordinator {
         }
     }
 
+    /// Every [`BEAT_EVERY`] / 2: a member host other than this one (rank 0, which does not beat) whose beat has not
+    /// moved for [`GONE_AFTER`] is gone (its process died without a restart announcing it): the quorum closes
+    /// rounds without it from now on.
+    fn read_beats(&mut self, now: f64) -> Result<(), ExchangeError> {
+        if now - self.beats_read_at < BEAT_EVERY.as_secs_f64() / 2.0 {
+            return Ok(());
+        }
+        let others = self.quorum.members().into_iter().filter(|&r| r != 0);
+        let counts: Vec<(Rank, i64)> =
+            others.map(|rank| Ok((rank, self.store.add(&beat_key(rank), 0)?))).collect::<Result<_, ExchangeError>>()?;
+        // The time after the reads: a store that held them up shows as a gap, not as silence.
+        let now = self.started.elapsed().as_secs_f64();
+        self.beats_read_at = now;
+        let stall = 4.0 * BEAT_EVERY.as_secs_f64();
+        for rank in self.beats.read(now, &counts, GONE_AFTER.as_secs_f64(), stall) {
+            if let Some(generation) = self.quorum.generation(rank) {
+                tracing::warn!(host = rank, generation, "a host stopped beating: it leaves the run");
+                self.quorum.gone(rank, generation);
+                self.gone.insert((rank, generation));
+            }
+        }
+        Ok(())
+    }
+
     /// Decides the update of every closed round whose members said whether they summed (see [`sum_outcome`]).
     fn settle_sums(&mut self, now: f64) -> Result<(), ExchangeError> {
         let mut settled = Vec::new();
@@ -387,7 +435,8 @@ impl Coordinator {
                     posted.insert(rank, said);
                 }
             }
-            if let Some(applies) = sum_outcome(members, &posted, &self.seen, now - closed_at, self.deadline_s) {
+            let outcome = sum_outcome(members, &posted, &self.seen, &self.gone, now - closed_at, self.deadline_s);
+            if let Some(applies) = outcome {
                 if !applies {
                     tracing::warn!(
                         round,

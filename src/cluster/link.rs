@@ -663,6 +663,12 @@ impl HostLink {
         self.with_store(|s| Ok(exchange::post_feed(s, rank, generation, step, items)?))
     }
 
+    /// Says this host's process is alive (its feed reader calls this about every [`exchange::BEAT_EVERY`], through a
+    /// connection it already holds): rank 0 takes a member silent for [`exchange::GONE_AFTER`] for gone.
+    pub fn beat(&self) -> Result<(), LinkError> {
+        self.with_store(|s| Ok(exchange::beat(s, self.rank())?))
+    }
+
     /// What this host trains at `step`, waiting up to `timeout`; `None` when it has not been posted by then.
     pub fn wait_feed(&self, generation: u64, step: u64, timeout: Duration) -> Result<Option<Vec<u8>>, LinkError> {
         let rank = self.rank();

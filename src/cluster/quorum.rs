@@ -8,7 +8,7 @@
 //! (again) announces itself with a new generation: an older generation of it still in the membership is dropped at
 //! once (it was killed and restarted), and the new one is admitted at the next round boundary, its state copied
 //! from a donor (the lowest-ranked member of the round just closed, whose state is then the newest).
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A host's rank in the run.
 pub type Rank = usize;
@@ -63,6 +63,8 @@ pub struct HostQuorum {
     /// When the open round opened, and how long it may stay open.
     opened_at: f64,
     deadline_s: f64,
+    /// Members that stopped beating since the last round closed (the next decision lists them as dropped).
+    departed: Vec<Rank>,
 }
 
 impl HostQuorum {
@@ -75,6 +77,7 @@ impl HostQuorum {
             arrived: BTreeMap::new(),
             opened_at: now,
             deadline_s,
+            departed: Vec::new(),
         }
     }
 
@@ -105,6 +108,19 @@ impl HostQuorum {
         self.joining.insert(rank, generation);
     }
 
+    /// Host `rank` (as `generation`) stopped beating: its process is gone. It leaves the membership and the open
+    /// round now, as it would at the round's deadline, so the others need not wait for that.
+    pub fn gone(&mut self, rank: Rank, generation: u64) {
+        if self.members.get(&rank) == Some(&generation) {
+            self.members.remove(&rank);
+            self.arrived.remove(&rank);
+            self.departed.push(rank);
+        }
+        if self.joining.get(&rank) == Some(&generation) {
+            self.joining.remove(&rank);
+        }
+    }
+
     /// Host `rank` (as `generation`) contributed to round `round`. Contributions of non-members, of older
     /// generations or to other rounds do not count.
     pub fn arrive(&mut self, round: u64, rank: Rank, generation: u64) {
@@ -131,7 +147,9 @@ impl HostQuorum {
 
     fn close(&mut self, now: f64) -> Decision {
         let members: Vec<Rank> = self.arrived.keys().copied().collect();
-        let dropped: Vec<Rank> = self.members.keys().filter(|r| !self.arrived.contains_key(r)).copied().collect();
+        let mut dropped: Vec<Rank> = self.members.keys().filter(|r| !self.arrived.contains_key(r)).copied().collect();
+        dropped.append(&mut self.departed);
+        dropped.sort_unstable();
         let donor = members.first().copied();
         // No member left to copy from: the lowest joiner founds, the others copy from it.
         let donor = donor.or_else(|| self.joining.keys().next().copied());
@@ -151,16 +169,53 @@ impl HostQuorum {
     }
 }
 
+/// Which member hosts stopped beating, from the beat counters rank 0 reads now and then (each other host's feed
+/// reader adds to its counter every second). A member whose counter has not moved for `gone_after` seconds of
+/// watching is gone. Only silence the reader watched counts: after a gap between two readings longer than
+/// `stall_after` (the reader was held up, e.g. the store's server stalled, and the beats with it), every member's
+/// silence starts again.
+#[derive(Debug, Default)]
+pub struct BeatWatch {
+    /// Each member's counter as last read, and when it last moved.
+    beats: BTreeMap<Rank, (i64, f64)>,
+    read_at: Option<f64>,
+}
+
+impl BeatWatch {
+    /// The readings `counts` (member, counter) taken at `now`; returns the members silent for `gone_after` (they
+    /// are forgotten: a member read again later starts afresh). Members not read are forgotten.
+    pub fn read(&mut self, now: f64, counts: &[(Rank, i64)], gone_after: f64, stall_after: f64) -> Vec<Rank> {
+        let stalled = self.read_at.is_some_and(|t| now - t > stall_after);
+        self.read_at = Some(now);
+        self.beats.retain(|r, _| counts.iter().any(|(c, _)| c == r));
+        let mut gone = Vec::new();
+        for &(rank, count) in counts {
+            let (last, since) = self.beats.entry(rank).or_insert((count, now));
+            if *last != count || stalled {
+                (*last, *since) = (count, now);
+            } else if now - *since >= gone_after {
+                gone.push(rank);
+            }
+        }
+        for rank in &gone {
+            self.beats.remove(rank);
+        }
+        gone
+    }
+}
+
 /// Whether a closed round's update applies, when its member hosts sum over NCCL after it closed: every member says
 /// whether its drafters' all-reduce completed (`posted`: rank -> (generation, summed)). The update applies only if
 /// every member summed (`Some(true)`); it is skipped on every host (`Some(false)`) as soon as one did not, or one
-/// will never say: it restarted since (`generations`: each host's newest), or the deadline passed. A survivor whose
+/// will never say: it restarted since (`generations`: each host's newest), its process is gone (`gone`: members that
+/// stopped beating, `(rank, generation)`), or the deadline passed. A survivor whose
 /// all-reduce failed because a peer died then keeps its state, and so does every other host: they stay identical.
 /// `None`: wait (also while nobody posted: hosts that sum through the store never do).
 pub fn sum_outcome(
     members: &[(Rank, u64)],
     posted: &BTreeMap<Rank, (u64, bool)>,
     generations: &[u64],
+    gone: &BTreeSet<(Rank, u64)>,
     waited_s: f64,
     deadline_s: f64,
 ) -> Option<bool> {
@@ -174,10 +229,11 @@ pub fn sum_outcome(
     if members.iter().all(|m| said(m) == Some(true)) {
         return Some(true);
     }
-    let restarted = members.iter().any(|&(rank, generation)| {
-        said(&(rank, generation)).is_none() && generations.get(rank).is_some_and(|&g| g > generation)
+    let silent_for_good = members.iter().any(|&(rank, generation)| {
+        said(&(rank, generation)).is_none()
+            && (generations.get(rank).is_some_and(|&g| g > generation) || gone.contains(&(rank, generation)))
     });
-    (restarted || waited_s >= deadline_s).then_some(false)
+    (silent_for_good || waited_s >= deadline_s).then_some(false)
 }
 
 #[cfg(test)]
@@ -275,26 +331,79 @@ mod tests {
         assert_eq!((c.members, c.dropped, c.admitted), (vec![], vec![], vec![a(0, 2, 0), a(1, 2, 0)]));
     }
 
+    /// A member whose process is gone (it stopped beating) leaves the open round at once: the round closes with the
+    /// others without waiting for the deadline, and lists it as dropped; a stale generation's silence changes nothing.
+    #[test]
+    fn a_member_that_stopped_beating_leaves_the_round_at_once() {
+        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1), (2, 1)], 0.0, 120.0);
+        q.arrive(0, 0, 1);
+        q.arrive(0, 1, 1);
+        assert!(matches!(q.poll(1.0), Decision::Wait { .. }));
+        q.gone(2, 7);
+        assert!(matches!(q.poll(1.5), Decision::Wait { .. }), "another generation's silence");
+        q.gone(2, 1);
+        let c = closed(q.poll(2.0));
+        assert_eq!((c.members, c.dropped, c.next), (vec![0, 1], vec![2], vec![(0, 1), (1, 1)]));
+        // Restarted, it is admitted as usual.
+        q.announce(2, 2);
+        q.arrive(1, 0, 1);
+        q.arrive(1, 1, 1);
+        assert_eq!(closed(q.poll(3.0)).admitted, vec![a(2, 2, 0)]);
+    }
+
+    /// A member is gone once its counter stood still for the whole silence; a moving counter, or a gap in the
+    /// readings (the reader held up), starts the silence again.
+    #[test]
+    fn a_host_is_gone_after_a_silence_the_reader_watched() {
+        let mut w = BeatWatch::default();
+        let read = |w: &mut BeatWatch, now: f64, counts: &[(Rank, i64)]| w.read(now, counts, 10.0, 2.0);
+        assert!(read(&mut w, 0.0, &[(1, 5), (2, 7)]).is_empty());
+        for t in 1..10 {
+            assert!(read(&mut w, t as f64, &[(1, 5 + t), (2, 7)]).is_empty(), "at {t} s");
+        }
+        assert_eq!(read(&mut w, 10.0, &[(1, 15), (2, 7)]), vec![2], "host 2 silent for 10 s");
+        assert!(read(&mut w, 11.0, &[(1, 16), (2, 7)]).is_empty(), "forgotten once gone, then watched afresh");
+        // The reader was held up 12 s (a stalled store), then 9 s: neither host's silence counts across the gaps.
+        assert!(read(&mut w, 23.0, &[(1, 16), (2, 7)]).is_empty());
+        assert!(read(&mut w, 32.0, &[(1, 16), (2, 7)]).is_empty());
+        assert!(read(&mut w, 33.0, &[(1, 16), (2, 7)]).is_empty());
+        // Watched without a gap, a still counter is gone after exactly the silence.
+        let mut w = BeatWatch::default();
+        for t in 0..=10 {
+            assert_eq!(read(&mut w, t as f64, &[(1, 3)]).is_empty(), t < 10, "at {t} s");
+        }
+    }
+
     /// A round's update applies only when every member summed; one failure, a member restarted since, or the
     /// deadline skips it everywhere; nobody posting (the store sums) decides nothing.
     #[test]
     fn an_update_applies_only_when_every_member_summed() {
         let members = [(0, 1), (1, 1), (2, 3)];
         let gens = [1, 1, 3];
+        let none = BTreeSet::new();
         let posts = |p: &[(Rank, u64, bool)]| p.iter().map(|&(r, g, ok)| (r, (g, ok))).collect::<BTreeMap<_, _>>();
-        assert_eq!(sum_outcome(&members, &posts(&[]), &gens, 99.0, 10.0), None);
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, 1.0, 10.0), None);
+        assert_eq!(sum_outcome(&members, &posts(&[]), &gens, &none, 99.0, 10.0), None);
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, &none, 1.0, 10.0), None);
         assert_eq!(
-            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 3, true)]), &gens, 1.0, 10.0),
+            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 3, true)]), &gens, &none, 1.0, 10.0),
             Some(true)
         );
         // One member's all-reduce failed: skip at once, whoever else has not said yet.
-        assert_eq!(sum_outcome(&members, &posts(&[(1, 1, false)]), &gens, 0.0, 10.0), Some(false));
+        assert_eq!(sum_outcome(&members, &posts(&[(1, 1, false)]), &gens, &none, 0.0, 10.0), Some(false));
         // Host 2 restarted (generation 4): its old generation will never say.
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &[1, 1, 4], 1.0, 10.0), Some(false));
+        assert_eq!(
+            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &[1, 1, 4], &none, 1.0, 10.0),
+            Some(false)
+        );
         // A post of another generation is not the member's.
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 2, true)]), &gens, 1.0, 10.0), None);
+        assert_eq!(
+            sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true), (2, 2, true)]), &gens, &none, 1.0, 10.0),
+            None
+        );
+        // Host 2's process is gone (it stopped beating): it will never say either.
+        let gone = BTreeSet::from([(2, 3)]);
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, &gone, 1.0, 10.0), Some(false));
         // Silent past the deadline.
-        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, 10.0, 10.0), Some(false));
+        assert_eq!(sum_outcome(&members, &posts(&[(0, 1, true), (1, 1, true)]), &gens, &none, 10.0, 10.0), Some(false));
     }
 }

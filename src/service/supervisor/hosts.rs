@@ -1,14 +1,16 @@
 //! The shell's side of several hosts: the thread with which a host other than rank 0 reads what rank 0 assigns it
-//! (step by step, for the generation it entered the run as) and the run's end; on rank 0, the assignments posted
-//! for the others, the member hosts told to the core, and the end handed to the others at exit.
+//! (step by step, for the generation it entered the run as) and the run's end, and beats (rank 0 takes a host whose
+//! beat stops for gone); on rank 0, the assignments posted for the others, the member hosts told to the core, and
+//! the end handed to the others at exit.
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
 
 use super::schedule::Item;
 use crate::cluster::background::Background;
+use crate::cluster::exchange::BEAT_EVERY;
 use crate::cluster::link::HostLink;
 use crate::service::messages::SupervisorMsg;
 
@@ -22,7 +24,16 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
         // The generation read for and its next step.
         let mut at: Option<(u64, u64)> = None;
         let mut failures = 0;
+        let mut beaten: Option<Instant> = None;
         while !stopped.load(Ordering::SeqCst) {
+            // The heartbeat rides on this loop (which reads the store five times a second anyway): no thread or
+            // connection of its own. A failed beat is the next operation's to report.
+            if beaten.is_none_or(|t| t.elapsed() >= BEAT_EVERY) {
+                beaten = Some(Instant::now());
+                if let Err(e) = link.beat() {
+                    tracing::debug!("beat: {e}");
+                }
+            }
             match link.finished() {
                 Ok(Some(code)) => {
                     let _ = link.acknowledge_end();
