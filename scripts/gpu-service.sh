@@ -398,7 +398,8 @@ fi
 
 if has 12; then
 # The published recipe's shapes end to end (the second Performance issue): 4 x 3072 tokens, 512 anchors, one drafter
-# beside its target, with every row 3,072 tokens long and with chat lengths (data.path = "synthetic-chat").
+# beside its target, with every row 3,072 tokens long and with chat lengths (data.path = "synthetic-chat");
+# RECIPE_DATA picks one of them.
 for data in ${RECIPE_DATA:-synthetic synthetic-chat}; do
   echo "== 12. serve-train, 4 x 3072, 512 anchors, data.path=$data"
   rm -rf runs/recipe
