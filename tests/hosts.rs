@@ -4,10 +4,11 @@
 //! bit for bit, a killed host leaves the quorum and the others go on, the restarted host takes a live host's state
 //! and contributes again, samples count across hosts, and every host applies rank 0's hyperparameters.
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dflash::cluster::background::Background;
 use dflash::cluster::launch::HostPlacement;
 use dflash::cluster::link::HostLink;
 use dflash::cluster::store::Store;
@@ -56,42 +57,25 @@ struct Host {
     rank: usize,
     generation: u64,
     collective: Arc<Collective>,
-    _beats: Beats,
+    /// Its beat (the service's feed reader beats on hosts other than rank 0), every second until the host is
+    /// dropped ("killed").
+    _beats: Background,
 }
 
-/// A host's beat (the service's feed reader beats on hosts other than rank 0), every second until the host is
-/// dropped ("killed").
-struct Beats {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Beats {
-    fn start(link: Arc<HostLink>) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let thread = std::thread::spawn(move || {
-            while !stopped.load(Ordering::SeqCst) {
-                let _ = link.beat();
-                for _ in 0..20 {
-                    if stopped.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
+/// Beats for `link` every second until dropped.
+fn beats(link: Arc<HostLink>) -> Background {
+    Background::spawn("beats", move |stop| {
+        while !stop.load(Ordering::SeqCst) {
+            let _ = link.beat();
+            for _ in 0..20 {
+                if stop.load(Ordering::SeqCst) {
+                    return;
                 }
+                std::thread::sleep(Duration::from_millis(50));
             }
-        });
-        Beats { stop, thread: Some(thread) }
-    }
-}
-
-impl Drop for Beats {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
         }
-    }
+    })
+    .unwrap()
 }
 
 fn host(rank: usize, port: u16, sum: GradientSum, log: &Arc<Mutex<Log>>) -> Host {
@@ -116,7 +100,7 @@ fn host_with_deadline(rank: usize, port: u16, sum: GradientSum, deadline: Durati
     let collective = Collective::new(0, 0, settings(lr), sum, move |r| {
         log.lock().unwrap().reports.push((rank, r));
     });
-    let beats = Beats::start(link.clone());
+    let beats = beats(link.clone());
     Host { rank, generation: 0, collective: Arc::new(collective.with_link(link)), _beats: beats }
 }
 

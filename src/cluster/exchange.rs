@@ -312,9 +312,8 @@ pub struct Coordinator {
     /// Whether a member of the open round said its drafters sum over NCCL (then the round waits to be settled).
     open_round_settles: bool,
     deadline_s: f64,
-    /// Whose beat stopped; when the beats were last read.
+    /// Whose beat stopped.
     beats: BeatWatch,
-    beats_read_at: f64,
     /// Members found gone by their silence, `(rank, generation)`: they will never say whether they summed.
     gone: BTreeSet<(Rank, u64)>,
 }
@@ -336,7 +335,6 @@ impl Coordinator {
             open_round_settles: false,
             deadline_s: deadline.as_secs_f64(),
             beats: BeatWatch::default(),
-            beats_read_at: f64::NEG_INFINITY,
             gone: BTreeSet::new(),
         })
     }
@@ -399,7 +397,7 @@ impl Coordinator {
     /// moved for [`GONE_AFTER`] is gone (its process died without a restart announcing it): the quorum closes
     /// rounds without it from now on.
     fn read_beats(&mut self, now: f64) -> Result<(), ExchangeError> {
-        if now - self.beats_read_at < BEAT_EVERY.as_secs_f64() / 2.0 {
+        if self.beats.last_read().is_some_and(|t| now - t < BEAT_EVERY.as_secs_f64() / 2.0) {
             return Ok(());
         }
         let others = self.quorum.members().into_iter().filter(|&r| r != 0);
@@ -407,7 +405,6 @@ impl Coordinator {
             others.map(|rank| Ok((rank, self.store.add(&beat_key(rank), 0)?))).collect::<Result<_, ExchangeError>>()?;
         // The time after the reads: a store that held them up shows as a gap, not as silence.
         let now = self.started.elapsed().as_secs_f64();
-        self.beats_read_at = now;
         let stall = 4.0 * BEAT_EVERY.as_secs_f64();
         for rank in self.beats.read(now, &counts, GONE_AFTER.as_secs_f64(), stall) {
             if let Some(generation) = self.quorum.generation(rank) {

@@ -182,6 +182,11 @@ pub struct BeatWatch {
 }
 
 impl BeatWatch {
+    /// When the counters were last read.
+    pub fn last_read(&self) -> Option<f64> {
+        self.read_at
+    }
+
     /// The readings `counts` (member, counter) taken at `now`; returns the members silent for `gone_after` (they
     /// are forgotten: a member read again later starts afresh). Members not read are forgotten.
     pub fn read(&mut self, now: f64, counts: &[(Rank, i64)], gone_after: f64, stall_after: f64) -> Vec<Rank> {
