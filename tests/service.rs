@@ -393,8 +393,12 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     // An invalid file: refused, the run goes on with the old values, the gauge drops to 0.
     std::fs::write(&cfg, "[optim\nlr = 5e-4\n").unwrap();
     svc.signal("-HUP");
-    let text = svc.wait_metrics("a refused reload", |t| metric(t, "dflash_config_last_reload_successful") == Some(0.0));
-    assert_eq!(metric(&text, "dflash_config_reloads_total{result=\"failure\"}"), Some(1.0));
+    // One scrape is not a snapshot (the exporter reads counters, then gauges): wait for both series.
+    let failures = |t: &str| metric(t, "dflash_config_reloads_total{result=\"failure\"}");
+    let text = svc.wait_metrics("a refused reload", |t| {
+        metric(t, "dflash_config_last_reload_successful") == Some(0.0) && failures(t).is_some_and(|n| n >= 1.0)
+    });
+    assert_eq!(failures(&text), Some(1.0), "one refused reload counted once");
     let at = step(&svc.status());
     let s = svc.wait("training goes on", |s| step(s) >= at + 3);
     assert_eq!(s["config_version"], 2);
