@@ -13,7 +13,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # STAGES picks the parts to run (default: "1 2 3 4 5"; 6 and 8 need several GPUs; 7 is the correlated failure; 9 a
 # target spread over the GPUs; 10 two serve-train processes as two hosts on this machine, with a kill -9 and rejoin;
 # 11 the same over NCCL with one GPU per process, against one process with both GPUs (or both on one GPU); 12
-# serve-train at the published recipe's shapes, full-length rows and chat lengths).
+# serve-train at the published recipe's shapes, full-length rows and chat lengths; 13 rank 0 killed -9 under NCCL:
+# host 1 checkpoints its replica, and both resume from it).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -410,4 +411,49 @@ for data in ${RECIPE_DATA:-synthetic synthetic-chat}; do
   rate 10 40 | tee "$out/recipe-$data.json"
   kill -9 $pid; wait 2>/dev/null
 done
+fi
+
+if has 13; then
+# Rank 0 lost over NCCL: two processes as two hosts on one GPU (as stage 11) sharing checkpoint.dir, rank 0
+# checkpointing every 30 steps; rank 0 is killed -9 between checkpoints, host 1 checkpoints its replica into
+# checkpoint.dir/survivors/host-1 and exits 75, then both are started again with --resume auto and rank 0 resumes
+# from host 1's checkpoint.
+m=${HOST_MODEL:-qwen3-4b}
+echo "== 13. $m: rank 0 killed -9 under NCCL, host 1 checkpoints, both resume"
+export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+hs=(--set target.model=$m --set data.path=synthetic --set data.max_len=$seq --set data.batch_size=4
+  --set data.builtin_conversations=4096 --set objective.num_anchors=$anchors --set checkpoint.every_steps=30
+  --set log.every_steps=5 --set log.format=json --set draft_model.num_hidden_layers=1
+  --set drafters.collective=nccl --set drafters.collective_timeout_s=30 --set checkpoint.dir=runs/n3
+  --set cluster.hosts=2 --set cluster.master_addr=127.0.0.1 --set cluster.master_port=29523
+  --set cluster.round_timeout_s=60 --set target.device=cuda:0 --set 'drafters.devices=["cuda:0"]')
+rm -rf runs/n3
+for run in first resumed; do
+  resume=(); [ $run = resumed ] && resume=(--resume auto)
+  NCCL_HOSTID=host0 ./.bin/dflash serve-train "${hs[@]}" --set cluster.rank=0 "${resume[@]}" \
+    2>"$out/lost-$run-rank0.log" &
+  p0=$!
+  NCCL_HOSTID=host1 ./.bin/dflash serve-train "${hs[@]}" --set cluster.rank=1 --set control.listen=127.0.0.1:9411 \
+    "${resume[@]}" 2>"$out/lost-$run-rank1.log" &
+  p1=$!
+  if [ $run = first ]; then
+    wait_step 40
+    kill -9 $p0
+    date +%s.%N >"$out/lost-killed"
+    deadline=$((SECONDS + 120))
+    while kill -0 $p1 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.05; done
+    date +%s.%N >"$out/lost-rank1-exited"
+    kill -0 $p1 2>/dev/null && { echo "host 1 still running after 120 s"; kill -9 $p1; }
+    wait $p1; echo "host 1 exited with $?" | tee "$out/lost-rank1-exit"
+    ls runs/n3 runs/n3/survivors/host-1 | tee "$out/lost-folders.txt"
+  else
+    wait_step 1  # the control plane answers (with the resumed step)
+    get /status >"$out/lost-resumed-start.json"
+    wait_step $(($(step) + 10))
+    get /status >"$out/lost-resumed-status.json"
+    kill -9 $p0 $p1; wait 2>/dev/null
+  fi
+done
+grep -h "checkpoint written\|checkpointed this host\|rendezvous host is gone\|resuming" "$out"/lost-*.log | cut -c1-400
+tar -C "$out" -czf "$out/lost.tgz" $(cd "$out" && ls lost-* 2>/dev/null) && (cd "$out" && rm -f lost-*)
 fi

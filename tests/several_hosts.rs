@@ -93,10 +93,12 @@ fn three_hosts_train_one_run_and_a_killed_host_rejoins() {
     assert!(!checkpoints_written(&logs0).is_empty());
 }
 
-/// The rendezvous host is the run's single point: when rank 0 is killed the others exit with 75 (restart with
-/// `--resume auto`), and the run resumes from rank 0's newest checkpoint, here on two hosts instead of three.
+/// The rendezvous host is the run's single point: when rank 0 is killed the others checkpoint their replica (newer
+/// than rank 0's newest checkpoint) into folders of their own and exit with 75 (restart with `--resume auto`); rank 0
+/// resumes from the newest of them, here on two hosts instead of three, and the ledger still has every sample of
+/// both epochs once.
 #[test]
-fn losing_rank_0_ends_the_run_and_it_resumes_on_fewer_hosts() {
+fn losing_rank_0_leaves_the_others_checkpoints_and_the_run_resumes_from_the_newest_on_fewer_hosts() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 1);
     let start = |rank: usize, hosts: usize, port: &str, resume: bool| {
@@ -106,9 +108,9 @@ fn losing_rank_0_ends_the_run_and_it_resumes_on_fewer_hosts() {
             "cluster.master_addr=127.0.0.1".into(),
             format!("cluster.master_port={port}"),
             "cluster.round_timeout_s=8".into(),
-            "optim.epochs=2".into(),
+            "optim.epochs=3".into(),
             "supervision.step_timeout_s=30".into(),
-            "checkpoint.every_steps=5".into(),
+            "checkpoint.every_steps=12".into(),
         ];
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
         Service::start(&cfg, resume, &sets)
@@ -116,27 +118,46 @@ fn losing_rank_0_ends_the_run_and_it_resumes_on_fewer_hosts() {
     let port = free_port().to_string();
     let mut rank0 = start(0, 3, &port, false);
     let followers: Vec<Service> = (1..3).map(|r| start(r, 3, &port, false)).collect();
-    rank0.poll(
-        "a checkpoint past step 10",
-        |s| s.tail(200).join("\n"),
-        |logs| checkpoints_written(&logs.lines().map(String::from).collect::<Vec<_>>()).iter().any(|&s| s >= 10),
-    );
+    let lines = |logs: &String| logs.lines().map(String::from).collect::<Vec<_>>();
+    let logs = rank0.poll("a checkpoint", |s| s.tail(200).join("\n"), |l| !checkpoints_written(&lines(l)).is_empty());
+    // Killed a few steps past its first checkpoint (the next one is 12 steps later).
+    let first = checkpoints_written(&lines(&logs)).into_iter().min().unwrap();
+    rank0.wait("three steps past it", |s| step(s) >= first + 3);
     rank0.signal("-9");
-    let _ = rank0.exit_code();
-    for (rank, host) in followers.into_iter().enumerate() {
+    let (_, logs0) = rank0.exit_code();
+    let rank0_newest = checkpoints_written(&logs0).into_iter().max().unwrap();
+    let mut written = Vec::new();
+    for (rank, host) in (1..).zip(followers) {
         let (code, logs) = host.exit_code();
-        assert_eq!(code, 75, "host {}: {:#?}", rank + 1, &logs[logs.len().saturating_sub(20)..]);
-        assert!(logged(&logs, "the rendezvous host is gone"), "host {}", rank + 1);
+        let tail = &logs[logs.len().saturating_sub(20)..];
+        assert_eq!(code, 75, "host {rank}: {tail:#?}");
+        assert!(logged(&logs, "the rendezvous host is gone"), "host {rank}");
+        assert!(logged(&logs, "checkpointed this host's replica of the run"), "host {rank}: {tail:#?}");
+        let own = dir.path().join("ckpt").join("survivors").join(format!("host-{rank}"));
+        let steps: Vec<u64> = std::fs::read_dir(&own)
+            .unwrap()
+            .filter_map(|e| e.unwrap().file_name().to_string_lossy().strip_prefix("ckpt-")?.parse().ok())
+            .collect();
+        assert_eq!(steps.len(), 1, "host {rank}: {steps:?}");
+        written.push(steps[0]);
     }
+    let newest = written.iter().copied().max().unwrap();
+    assert!(
+        newest > rank0_newest,
+        "the others' replicas ({written:?}) are newer than rank 0's checkpoint {rank0_newest}"
+    );
+
     // Resumed on two hosts (a new store on a new port, as a restarted job gets).
     let port = free_port().to_string();
     let rank0 = start(0, 2, &port, true);
     let rank1 = start(1, 2, &port, true);
     let (code0, logs0) = rank0.exit_code();
     assert_eq!(code0, 0, "{:#?}", &logs0[logs0.len().saturating_sub(30)..]);
-    assert!(logged(&logs0, "resum"), "rank 0 resumed its checkpoint");
+    let resumed = logs0.iter().find(|l| l.contains("resuming the checkpoint another host wrote")).expect("resumed");
+    assert!(resumed.contains(&format!("\"step\":{newest}")), "{resumed}");
     let (code1, logs1) = rank1.exit_code();
     assert_eq!(code1, 0, "{:#?}", &logs1[logs1.len().saturating_sub(30)..]);
+    assert!(!dir.path().join("ckpt").join("survivors").exists(), "the others' folder is moved aside");
     let ids = train_ids(prepared());
-    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "both epochs, every sample once");
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 3, "three epochs, every sample once");
 }

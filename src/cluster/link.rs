@@ -59,6 +59,12 @@ impl LinkError {
     fn timed_out(&self) -> bool {
         matches!(self, LinkError::Exchange(ExchangeError::Store(StoreError::Timeout { .. })))
     }
+
+    /// The store's connection failed (the rendezvous host's process or its network is gone), as against a
+    /// deadline, a refusal, or something malformed.
+    pub fn unreachable(&self) -> bool {
+        matches!(self, LinkError::Exchange(ExchangeError::Store(StoreError::Failed { .. })))
+    }
 }
 
 impl From<StoreError> for LinkError {

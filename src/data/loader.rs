@@ -42,6 +42,38 @@ pub struct LoaderState {
     pub owed: Vec<BatchId>,
 }
 
+impl LoaderState {
+    /// The position after `committed` (the batches rounds since this position trained) and nothing else: owed
+    /// batches they trained are no longer owed; new batches handed out since (in order, up to the last one they
+    /// trained) and not trained are owed; new batches start after that last one. Batches handed out later and
+    /// not trained yet count as never handed out. How another host derives rank 0's position at a later step
+    /// boundary from an earlier one and the rounds it took part in.
+    pub fn advanced(&self, committed: &[BatchId], batches_per_epoch: usize) -> LoaderState {
+        let per_epoch = batches_per_epoch.max(1) as u64;
+        let after = |id: BatchId| match id.ordinal + 1 {
+            next if next >= per_epoch => BatchId { epoch: id.epoch + 1, ordinal: 0 },
+            next => BatchId { epoch: id.epoch, ordinal: next },
+        };
+        let mut first_new = BatchId { epoch: self.epoch, ordinal: self.next_ordinal };
+        if first_new.ordinal >= per_epoch {
+            first_new = BatchId { epoch: self.epoch + 1, ordinal: 0 };
+        }
+        let trained: BTreeSet<BatchId> = committed.iter().copied().collect();
+        let mut owed: Vec<BatchId> = self.owed.iter().copied().filter(|b| !trained.contains(b)).collect();
+        let Some(&last) = trained.range(first_new..).next_back() else {
+            return LoaderState { owed, ..self.clone() };
+        };
+        let mut id = first_new;
+        while id < last {
+            if !trained.contains(&id) {
+                owed.push(id);
+            }
+            id = after(id);
+        }
+        LoaderState { epoch: last.epoch, next_ordinal: last.ordinal + 1, owed }
+    }
+}
+
 pub struct Loader {
     lengths: Vec<usize>,
     settings: LoaderSettings,
@@ -144,6 +176,12 @@ impl Loader {
         Some(Batch { id, samples })
     }
 
+    /// The sample positions of batch `id` (any epoch's), as `next_batch` hands it out.
+    pub fn batch(&mut self, id: BatchId) -> Option<Batch> {
+        let samples = self.plan(id.epoch).get(id.ordinal as usize)?.clone();
+        Some(Batch { id, samples })
+    }
+
     /// The batch was trained: it is consumed.
     pub fn commit(&mut self, id: BatchId) {
         self.outstanding.remove(&id);
@@ -238,6 +276,61 @@ mod tests {
         assert_eq!(from_b, (0..30).map(|_| c.next_batch().unwrap()).collect::<Vec<_>>());
         let expected: Vec<Batch> = (0..29).map(|_| a.next_batch().unwrap()).collect();
         assert_eq!(&from_b[2..], &expected[1..], "after the owed batches the order continues unchanged");
+    }
+
+    /// A position advanced by the rounds since equals the loader's own position after them, whatever was owed,
+    /// handed out ahead, or trained across an epoch's end.
+    #[test]
+    fn a_position_advanced_by_the_rounds_since_is_the_loaders_own() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for _ in 0..200 {
+            let mut loader = Loader::new(lengths(21), settings(4));
+            let per_epoch = loader.batches_per_epoch();
+            let mut in_flight: Vec<BatchId> = Vec::new();
+            let mut since: Option<(LoaderState, Vec<BatchId>)> = None;
+            for round in 0..rng.random_range(1..30) {
+                while in_flight.len() < 4 {
+                    in_flight.push(loader.next_batch().unwrap().id);
+                }
+                let mut trained = Vec::new();
+                for _ in 0..rng.random_range(0..3) {
+                    let b = in_flight.remove(rng.random_range(0..in_flight.len()));
+                    if rng.random_bool(0.2) {
+                        loader.requeue(b);
+                    } else {
+                        loader.commit(b);
+                        trained.push(b);
+                    }
+                }
+                match &mut since {
+                    Some((_, all)) => all.extend(trained),
+                    None if round >= 2 => since = Some((loader.state(), vec![])),
+                    None => {}
+                }
+            }
+            let Some((earlier, trained)) = since else { continue };
+            let now = loader.state();
+            let derived = earlier.advanced(&trained, per_epoch);
+            // The same batches are owed or new; batches the loader handed out ahead count as new in the derived one.
+            let next = |s: &LoaderState| {
+                let mut l = Loader::restore(lengths(21), settings(4), s.clone());
+                let mut ids: Vec<BatchId> = (0..2 * per_epoch).map(|_| l.next_batch().unwrap().id).collect();
+                ids.sort_unstable();
+                ids
+            };
+            assert_eq!(next(&derived), next(&now), "from {earlier:?} after {trained:?}: {derived:?} vs {now:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_is_found_by_its_id() {
+        let mut a = Loader::new(lengths(30), settings(4));
+        let handed: Vec<Batch> = (0..12).map(|_| a.next_batch().unwrap()).collect();
+        let mut b = Loader::new(lengths(30), settings(4));
+        for h in &handed {
+            assert_eq!(b.batch(h.id).as_ref(), Some(h));
+        }
+        assert_eq!(b.batch(BatchId { epoch: 0, ordinal: 99 }), None);
     }
 
     #[test]

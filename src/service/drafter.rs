@@ -5,7 +5,7 @@
 //! runs inside `catch_unwind`; a panic or error is reported to the actor, which fails so the supervisor sees it.
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -293,6 +293,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         let result = match a.collective.contribute(a.id, a.generation, step, contribution, summing) {
             Ok(r) => r,
             Err(CollectiveError::Removed) => return Ok(()),
+            Err(CollectiveError::RendezvousGone(why)) => return keep_for_parting(&a, &trainer, step, why),
             Err(e) => return Err(torch(e)),
         };
         now_doing(&a, Activity::Summing, vec![]);
@@ -318,6 +319,9 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
                     match a.collective.summed(a.id, result.step, summed.is_ok()) {
                         Ok(applies) => applies,
                         Err(CollectiveError::Removed) => return Ok(()),
+                        Err(CollectiveError::RendezvousGone(why)) => {
+                            return keep_for_parting(&a, &trainer, step, why);
+                        }
                         Err(e) => return Err(torch(e)),
                     }
                 }
@@ -358,6 +362,30 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             serve(&a, &trainer)?;
         }
         now_doing(&a, Activity::WaitingForWork, vec![]);
+    }
+}
+
+/// How long a replica whose round lost the rendezvous host waits for the supervisor to ask for its state.
+const PARTING_WAIT: Duration = Duration::from_secs(60);
+
+/// The rendezvous host went away inside a round: its update was not applied, so the state is still the one of
+/// boundary `step`, possibly the run's newest. It is kept for the supervisor, which learns of the loss from its own
+/// reads of the store and checkpoints a replica on the way out: a snapshot is taken when asked, and the thread ends
+/// when stopped, or fails after [`PARTING_WAIT`] if the supervisor never asks.
+fn keep_for_parting(a: &DrafterSpawn, trainer: &Trainer, step: u64, why: String) -> Result<(), Failure> {
+    tracing::warn!(drafter = a.id, step, "the rendezvous host is gone ({why}): keeping this replica's state");
+    now_doing(a, Activity::WaitingForPeers, vec![]);
+    let until = Instant::now() + PARTING_WAIT;
+    loop {
+        match a.input.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            Ok(Work::Checkpoint { .. }) => send_snapshot(a, trainer, step)?,
+            Ok(Work::Stop) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Ok(Work::Features { .. }) => a.metrics.feature_queue.decrement(1.0),
+            Ok(Work::Empty | Work::ServeJoiners) => {}
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(torch(format!("across hosts, the rendezvous host is gone: {why}")));
+            }
+        }
     }
 }
 

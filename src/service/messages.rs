@@ -125,7 +125,7 @@ pub enum SupervisorMsg {
     Fed {
         generation: u64,
         step: u64,
-        items: Vec<(usize, crate::service::supervisor::protocol::RequestItem)>,
+        feed: crate::service::supervisor::protocol::Feed,
     },
     /// Several hosts, rank > 0: rank 0 ended the run.
     RunEnded {

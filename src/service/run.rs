@@ -22,7 +22,9 @@ use crate::data::dataset::Dataset;
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
-use crate::train::checkpoint::{TrainerState, newest_valid, remove_unfinished};
+use crate::train::checkpoint::{
+    TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root,
+};
 
 /// How to treat existing checkpoints.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,7 +65,25 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
     if !debris.is_empty() {
         tracing::info!(?debris, "removed the temporary folders of checkpoint writes that were killed");
     }
-    let scan = newest_valid(dir, &|_| true).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
+    let mut scan = newest_valid(dir, &|_| true).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
+    if *resume == Resume::No && scan.newest.is_none() && has_survivors(dir) {
+        bail!(
+            "checkpoint.dir {} holds checkpoints other hosts wrote when rank 0 was lost ({}): pass --resume auto to \
+             continue that run, or choose another checkpoint.dir",
+            dir.display(),
+            survivor_root(dir, 1).parent().unwrap_or(dir).display()
+        );
+    }
+    if *resume == Resume::Auto {
+        let adopted = adopt_survivors(dir, &mut scan).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
+        if let (Some(from), Some((_, state))) = (adopted, &scan.newest) {
+            tracing::warn!(
+                step = state.step,
+                from = %from.display(),
+                "resuming the checkpoint another host wrote when rank 0 was lost (newer than rank 0's own)"
+            );
+        }
+    }
     for (_, why) in &scan.rejected {
         tracing::warn!("checkpoint rejected: {why}");
     }
@@ -136,7 +156,15 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host and leaves
     // checkpoint.dir alone (it may be rank 0's, on a shared disk).
     let follower = placement.as_ref().is_some_and(|p| p.rank > 0);
-    let (resume, rejected) = if follower { (None, vec![]) } else { checkpoint_to_resume(&config, &resume)? };
+    let (resume, rejected) = match &placement {
+        Some(p) if follower => {
+            // Its own folder, for the checkpoint it takes if rank 0 is lost: a write killed before is removed.
+            let own = survivor_root(&config.checkpoint.dir, p.rank);
+            remove_unfinished(&own).with_context(|| format!("{}", own.display()))?;
+            (None, vec![])
+        }
+        _ => checkpoint_to_resume(&config, &resume)?,
+    };
     match (&config.draft_model.init, &resume) {
         (Some(dir), None) => {
             check_init(dir, &drafter_cfg)?;

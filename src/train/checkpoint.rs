@@ -59,6 +59,11 @@ pub struct TrainerState {
     pub lr: f64,
     /// The merged configuration the run used.
     pub config: serde_json::Value,
+    /// Written by a host other than rank 0 when rank 0 was lost: the batches each step from `recent_commits[0].0`
+    /// up to `step` committed, as that host derived them. Rank 0's ledger may not have reached them; resuming
+    /// writes them to it again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recent_commits: Vec<(u64, Vec<BatchId>)>,
 }
 
 impl TrainerState {
@@ -73,6 +78,7 @@ impl TrainerState {
             set_aside: vec![],
             lr: 0.0,
             config,
+            recent_commits: vec![],
         }
     }
 }
@@ -315,6 +321,71 @@ pub fn retire(root: &Path, from: u64, to: u64) -> Result<Vec<PathBuf>, Checkpoin
     Ok(moved)
 }
 
+/// Where the other hosts' checkpoints go under `checkpoint.dir` (each host has a folder of its own, so that no two
+/// write one path on a shared disk): written when rank 0 was lost, taken by rank 0's resume.
+const SURVIVORS_DIR: &str = "survivors";
+
+/// The folder host `rank` (not rank 0) checkpoints its replica into when rank 0 is lost.
+pub fn survivor_root(root: &Path, rank: usize) -> PathBuf {
+    root.join(SURVIVORS_DIR).join(format!("host-{rank}"))
+}
+
+/// Whether other hosts wrote checkpoints under `root` (rank 0 was lost; `--resume auto` takes them).
+pub fn has_survivors(root: &Path) -> bool {
+    std::fs::read_dir(root.join(SURVIVORS_DIR)).is_ok_and(|mut entries| entries.next().is_some())
+}
+
+/// Rank 0 resuming: when another host wrote a newer valid checkpoint than `own` (the newest of `root`) after
+/// rank 0 was lost, that one is moved into `root` and returned in its place. Either way the other hosts' folder
+/// is then moved aside (`retired-survivors-<unix seconds>`): once the run resumes, what they wrote is of steps it
+/// has, or of a run it no longer is. Checkpoints rejected on the way are added to `own.rejected`.
+pub fn adopt_survivors(root: &Path, own: &mut Scan) -> Result<Option<PathBuf>, CheckpointError> {
+    let survivors = root.join(SURVIVORS_DIR);
+    let hosts = match std::fs::read_dir(&survivors) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(&survivors)(e)),
+    };
+    let mut best: Option<(PathBuf, TrainerState)> = None;
+    for host in hosts {
+        let host = host.map_err(io(&survivors))?.path();
+        if !host.is_dir() {
+            continue;
+        }
+        let scan = newest_valid(&host, &|_| true)?;
+        own.rejected.extend(scan.rejected);
+        if let Some((path, state)) = scan.newest
+            && best.as_ref().is_none_or(|(_, b)| state.step > b.step)
+        {
+            best = Some((path, state));
+        }
+    }
+    let mut adopted = None;
+    if let Some((path, state)) = best
+        && own.newest.as_ref().is_none_or(|(_, o)| state.step > o.step)
+    {
+        let into = root.join(checkpoint_name(state.step));
+        if into.exists() {
+            // Rank 0's folder of that step did not verify: moved aside like any abandoned one.
+            retire(root, state.step, state.step)?;
+        }
+        std::fs::rename(&path, &into).map_err(io(&path))?;
+        adopted = Some(path);
+        own.newest = Some((into, state));
+    }
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let aside = (0..)
+        .map(|n| match n {
+            0 => root.join(format!("retired-{SURVIVORS_DIR}-{stamp}")),
+            n => root.join(format!("retired-{SURVIVORS_DIR}-{stamp}-{n}")),
+        })
+        .find(|p| !p.exists())
+        .unwrap_or_else(|| root.join(format!("retired-{SURVIVORS_DIR}")));
+    std::fs::rename(&survivors, &aside).map_err(io(&survivors))?;
+    sync_dir(root)?;
+    Ok(adopted)
+}
+
 /// Applies retention under `root`: folders whose step is in `invalid`, or without a manifest, are not valid.
 fn prune(root: &Path, keep: usize, invalid: &[u64]) -> Result<(), CheckpointError> {
     let found: Vec<(u64, bool)> = list_checkpoints(root)?
@@ -494,6 +565,41 @@ mod tests {
             newest_valid(&file, &|_| true).is_err(),
             "a folder that cannot be listed is an error, not 'no checkpoint'"
         );
+    }
+
+    /// Rank 0 resuming takes another host's checkpoint when it is newer than its own (moved in beside them), and
+    /// moves the other hosts' folder aside whichever it takes.
+    #[test]
+    fn rank_0_resuming_takes_another_hosts_newer_checkpoint_and_retires_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        write_checkpoint(root, &snapshot(10), &state(10), &|| {}, &|| true).unwrap();
+        for (rank, step) in [(1, 14), (2, 13)] {
+            let host = survivor_root(root, rank);
+            std::fs::create_dir_all(&host).unwrap();
+            write_checkpoint(&host, &snapshot(step), &state(step), &|| {}, &|| true).unwrap();
+        }
+        let mut scan = newest_valid(root, &|_| true).unwrap();
+        let adopted = adopt_survivors(root, &mut scan).unwrap();
+        assert_eq!(adopted, Some(survivor_root(root, 1).join(checkpoint_name(14))));
+        let (path, found) = scan.newest.unwrap();
+        assert_eq!((path, found.step), (root.join(checkpoint_name(14)), 14));
+        assert!(verify_checkpoint(&root.join(checkpoint_name(14))).is_ok());
+        assert!(!root.join(SURVIVORS_DIR).exists(), "the other hosts' folder is moved aside");
+        let names: Vec<String> =
+            std::fs::read_dir(root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(names.iter().any(|n| n.starts_with("retired-survivors-")), "{names:?}");
+
+        // Rank 0's own is newer: it stays the one; the others' older one is moved aside unused.
+        let host = survivor_root(root, 1);
+        std::fs::create_dir_all(&host).unwrap();
+        write_checkpoint(&host, &snapshot(12), &state(12), &|| {}, &|| true).unwrap();
+        let mut scan = newest_valid(root, &|_| true).unwrap();
+        assert_eq!(adopt_survivors(root, &mut scan).unwrap(), None);
+        assert_eq!(scan.newest.unwrap().1.step, 14);
+        assert!(!root.join(SURVIVORS_DIR).exists());
+        let mut scan = newest_valid(root, &|_| true).unwrap();
+        assert_eq!(adopt_survivors(root, &mut scan).unwrap(), None, "no other hosts' folder: nothing to do");
     }
 
     fn snapshot(step: u64) -> Snapshot {

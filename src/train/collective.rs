@@ -224,6 +224,20 @@ pub enum CollectiveError {
     Device(#[from] DeviceErrorText),
     #[error("across hosts: {0}")]
     Hosts(String),
+    /// The rendezvous host's store cannot be reached (its connection failed, not a deadline): the round's fate
+    /// will never be known, and the replica's state is still that of the round's start.
+    #[error("across hosts, the rendezvous host is gone: {0}")]
+    RendezvousGone(String),
+}
+
+impl From<crate::cluster::link::LinkError> for CollectiveError {
+    fn from(e: crate::cluster::link::LinkError) -> Self {
+        if e.unreachable() {
+            CollectiveError::RendezvousGone(e.to_string())
+        } else {
+            CollectiveError::Hosts(e.to_string())
+        }
+    }
 }
 
 impl From<RoundsError> for CollectiveError {
@@ -476,7 +490,7 @@ impl Collective {
             return Ok(ring);
         }
         let maker = hosts.first().map_or(link.rank(), |h| h.rank);
-        let id = link.ring_id(step, maker).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
+        let id = link.ring_id(step, maker)?;
         Ok(self.lock().new_ring(members, id))
     }
 
@@ -558,7 +572,7 @@ impl Collective {
                 settling.claimed = true;
                 let all = settling.completed;
                 drop(s);
-                let decision = link.settle_sum(step, all).map_err(|e| CollectiveError::Hosts(e.to_string()));
+                let decision = link.settle_sum(step, all).map_err(CollectiveError::from);
                 let mut s = self.lock();
                 let decision = s.failed_sums.settle(all, decision);
                 if let Some(settling) = s.settling.as_mut().filter(|st| st.step == step) {
@@ -842,7 +856,7 @@ fn exchange_share(
             })
             .collect(),
     };
-    let mut run = link.exchange(step, share).map_err(|e| CollectiveError::Hosts(e.to_string()))?;
+    let mut run = link.exchange(step, share)?;
     let grad = match (run.grad.take(), local) {
         (Some(sum), Some(local)) => Some(
             sum.f_view_as(local)

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
 
-use super::schedule::Item;
+use super::protocol::Feed;
 use crate::cluster::background::Background;
 use crate::cluster::exchange::BEAT_EVERY;
-use crate::cluster::link::HostLink;
+use crate::cluster::link::{HostLink, LinkError};
 use crate::service::messages::SupervisorMsg;
 
 /// Store operations failing in a row before the rendezvous host counts as gone.
@@ -41,7 +41,7 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                     return;
                 }
                 Ok(None) => {}
-                Err(e) if lost(&mut failures, e.to_string(), &supervisor) => return,
+                Err(e) if lost(&mut failures, &e, &supervisor) => return,
                 Err(_) => continue,
             }
             let Some((generation, from)) = link.entered() else {
@@ -56,28 +56,31 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                 Ok(Some(bytes)) => {
                     failures = 0;
                     at = Some((generation, step + 1));
-                    match serde_json::from_slice::<Vec<(usize, Item)>>(&bytes) {
-                        Ok(items) => {
-                            let _ = supervisor.send_message(SupervisorMsg::Fed { generation, step, items });
+                    match serde_json::from_slice::<Feed>(&bytes) {
+                        Ok(feed) => {
+                            let _ = supervisor.send_message(SupervisorMsg::Fed { generation, step, feed });
                         }
                         // Its drafters then train nothing that step; rank 0 hands the batches out again.
                         Err(e) => tracing::error!(step, "rank 0's assignment cannot be read: {e}"),
                     }
                 }
                 Ok(None) => failures = 0,
-                Err(e) if lost(&mut failures, e.to_string(), &supervisor) => return,
+                Err(e) if lost(&mut failures, &e, &supervisor) => return,
                 Err(_) => {}
             }
         }
     })
 }
 
-/// Counts a failed store operation; true (and the supervisor told) once the rendezvous host counts as gone.
-fn lost(failures: &mut u32, e: String, supervisor: &ActorRef<SupervisorMsg>) -> bool {
+/// Counts a failed store operation; true (and the supervisor told) once the rendezvous host counts as gone: at once
+/// when the connection failed (its process or network is gone: trying again would wait for connects that libtorch
+/// retries until their deadline, while this host's replicas wait to be checkpointed), else after [`LOST_AFTER`] in
+/// a row.
+fn lost(failures: &mut u32, e: &LinkError, supervisor: &ActorRef<SupervisorMsg>) -> bool {
     *failures += 1;
     tracing::warn!("reading from the rendezvous host: {e}");
-    if *failures >= LOST_AFTER {
-        let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(e));
+    if e.unreachable() || *failures >= LOST_AFTER {
+        let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(e.to_string()));
         return true;
     }
     std::thread::sleep(Duration::from_millis(200));
@@ -86,8 +89,8 @@ fn lost(failures: &mut u32, e: String, supervisor: &ActorRef<SupervisorMsg>) -> 
 
 /// Rank 0: posts what host `rank` (as `generation`) trains at `step`. A host that does not get it misses the
 /// round and rejoins; its batches go back to the loader.
-pub(super) fn post_feed(link: &HostLink, rank: usize, generation: u64, step: u64, items: &[(usize, Item)]) {
-    let posted = serde_json::to_vec(items)
+pub(super) fn post_feed(link: &HostLink, rank: usize, generation: u64, step: u64, feed: &Feed) {
+    let posted = serde_json::to_vec(feed)
         .map_err(|e| e.to_string())
         .and_then(|bytes| link.feed(rank, generation, step, &bytes).map_err(|e| e.to_string()));
     if let Err(e) = posted {

@@ -11,6 +11,7 @@ mod drafters;
 mod hosts;
 mod restarts;
 mod schedule;
+mod survivor;
 mod targets;
 pub mod watchdog;
 
@@ -28,7 +29,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, HostRole, Setup, step_settings};
-use self::protocol::{Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, Watched};
+use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
 use super::evaluator::{EvalSpec, Evaluator, eval_prompts};
@@ -47,7 +48,7 @@ use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
-use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid};
+use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid, survivor_root};
 use crate::train::collective::{Collective, GradientSum};
 use crate::train::decode_eval::DecodeSettings;
 use crate::train::objective::ObjectiveSettings;
@@ -178,7 +179,12 @@ impl Shell {
             _ => None,
         };
         let me = myself.clone();
-        let checkpointer = Checkpointer::start(a.config.checkpoint.dir.clone(), a.config.checkpoint.keep, move |r| {
+        // Another host checkpoints only when rank 0 is lost, into a folder of its own.
+        let root = match a.link.as_ref().filter(|_| follower) {
+            Some(link) => survivor_root(&a.config.checkpoint.dir, link.rank()),
+            None => a.config.checkpoint.dir.clone(),
+        };
+        let checkpointer = Checkpointer::start(root, a.config.checkpoint.keep, move |r| {
             let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
         });
         let drafters = a
@@ -394,9 +400,9 @@ impl Shell {
                 });
             }
             Action::Notice(notice) => self.notice(notice),
-            Action::Feed { rank, generation, step, items } => {
+            Action::Feed { rank, generation, step, items, position } => {
                 if let Some(link) = &self.a.link {
-                    hosts::post_feed(link, rank, generation, step, &items);
+                    hosts::post_feed(link, rank, generation, step, &Feed { items, position: Some(position) });
                 }
             }
             Action::Exit { code } => {
@@ -870,12 +876,12 @@ impl Actor for Supervisor {
                 }
                 Event::Shutdown
             }
-            SupervisorMsg::Fed { generation, step, items } => {
+            SupervisorMsg::Fed { generation, step, feed } => {
                 // An assignment for a generation this host no longer is goes nowhere.
                 if s.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
                     return Ok(());
                 }
-                Event::Fed { step, items }
+                Event::Fed { step, items: feed.items, position: feed.position }
             }
             SupervisorMsg::RunEnded { code } => Event::RunEnded { code },
             SupervisorMsg::RendezvousLost(why) => Event::RendezvousLost(why),

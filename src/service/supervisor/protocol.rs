@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use super::schedule::Item;
+use super::survivor::RunPosition;
 use crate::config::Config;
 use crate::data::loader::{Batch, BatchId};
 use crate::service::evaluator::Evaluated;
@@ -155,10 +156,12 @@ pub enum Event {
     Shutdown,
     /// Several hosts, rank 0: the run's member hosts changed.
     Hosts(Vec<crate::cluster::link::HostMember>),
-    /// Several hosts, other ranks: rank 0's items for a step, `(drafter, item)`.
+    /// Several hosts, other ranks: rank 0's items for a step, `(drafter, item)`, and where the run stood when it
+    /// posted them.
     Fed {
         step: u64,
         items: Vec<(usize, Item)>,
+        position: Option<Box<RunPosition>>,
     },
     /// Several hosts, other ranks: rank 0 ended the run with this status.
     RunEnded {
@@ -252,12 +255,14 @@ pub enum Action {
         from: PathBuf,
     },
     Notice(Notice),
-    /// Several hosts, rank 0: what host `rank` (as `generation`) trains at `step`, `(drafter, item)`.
+    /// Several hosts, rank 0: what host `rank` (as `generation`) trains at `step`, `(drafter, item)`, with where
+    /// the run stands (the host checkpoints from it if rank 0 is lost).
     Feed {
         rank: usize,
         generation: u64,
         step: u64,
         items: Vec<(usize, Item)>,
+        position: Box<RunPosition>,
     },
     /// The run is over: stop with this exit status.
     Exit {
@@ -267,3 +272,11 @@ pub enum Action {
 
 /// `Item` re-exported for the shell.
 pub type RequestItem = Item;
+
+/// What rank 0 posts another host for one step, as it crosses the store (JSON).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Feed {
+    /// `(drafter, item)`.
+    pub items: Vec<(usize, Item)>,
+    pub position: Option<Box<RunPosition>>,
+}

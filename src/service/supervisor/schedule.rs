@@ -208,6 +208,15 @@ impl Schedule {
         self.lengths.len()
     }
 
+    pub fn batches_per_epoch(&self) -> usize {
+        self.loader.batches_per_epoch()
+    }
+
+    /// Batch `id` with its sample positions, from the loader's plan (whoever handed it out).
+    pub fn batch(&mut self, id: BatchId) -> Option<Batch> {
+        self.loader.batch(id)
+    }
+
     pub fn loader_state(&self) -> LoaderState {
         self.loader.state()
     }

@@ -127,6 +127,7 @@ impl Core {
                  not complete); its samples stay committed"
             );
             self.skipped_steps += 1;
+            self.hosts.survivor.skipped(step.saturating_sub(1));
             self.out.push(Action::Notice(Notice::Skipped));
         }
         if let Some(d) = digest {

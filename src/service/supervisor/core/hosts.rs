@@ -5,8 +5,10 @@
 //! was assigned and did not contribute goes back to the loader). The other hosts (followers) train what rank 0
 //! feeds them, write neither ledger nor checkpoint, and take their state from a live host whenever their own
 //! collective is empty.
+use super::parting::Parting;
 use super::*;
 use crate::cluster::link::HostMember;
+use crate::service::supervisor::survivor::{RunPosition, Survivor};
 
 /// This process's part in a run of several hosts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +26,10 @@ pub(super) struct Hosts {
     remote: BTreeMap<usize, HostMember>,
     /// Follower: the items rank 0 assigned, by step, as `(drafter, item)`.
     fed: BTreeMap<u64, Vec<(usize, Item)>>,
+    /// Follower: where the run stands, to checkpoint it from here if rank 0 is lost.
+    pub(super) survivor: Survivor,
+    /// Follower: rank 0 is lost and this host's replica is being checkpointed.
+    pub(super) parting: Option<Parting>,
 }
 
 impl Hosts {
@@ -66,7 +72,21 @@ impl Core {
             feeds.entry((drafter / per_host, generation)).or_default().push((drafter % per_host, item));
         }
         for ((rank, generation), items) in feeds {
-            self.out.push(Action::Feed { rank, generation, step, items });
+            let position = Box::new(self.run_position());
+            self.out.push(Action::Feed { rank, generation, step, items, position });
+        }
+    }
+
+    /// Leader: where the run stands at the committed step boundary (a follower checkpoints from it if rank 0 is
+    /// lost).
+    fn run_position(&self) -> RunPosition {
+        RunPosition {
+            step: self.schedule.committed_step(),
+            samples_committed: self.schedule.samples_committed(),
+            skipped_steps: self.skipped_steps,
+            loader: self.schedule.loader_state(),
+            set_aside: self.schedule.set_aside().to_vec(),
+            lr: self.last_lr,
         }
     }
 
@@ -142,7 +162,10 @@ impl Core {
     /// Follower: rank 0's items for `step` (the shell passes only those for the generation this host is). While
     /// the host enters the run they are all kept: its schedule moves to the step it enters at only once its founder
     /// has the state, and rank 0 may feed that step first (it feeds an admitted host at once).
-    pub(super) fn fed(&mut self, step: u64, items: Vec<(usize, Item)>) {
+    pub(super) fn fed(&mut self, step: u64, items: Vec<(usize, Item)>, position: Option<Box<RunPosition>>) {
+        if let Some(position) = position {
+            self.hosts.survivor.position(*position);
+        }
         if self.entering_run() || step >= self.schedule.next_step() {
             self.hosts.fed.insert(step, items);
         }
@@ -199,6 +222,10 @@ mod tests {
     use crate::service::supervisor::protocol::Request;
 
     fn core(role: HostRole) -> Core {
+        resumed(role, None)
+    }
+
+    fn resumed(role: HostRole, resume: Option<(PathBuf, TrainerState)>) -> Core {
         let mut config = Config::builtin().unwrap();
         config.drafters.devices = vec![config.drafters.devices[0]];
         Core::new(Setup {
@@ -208,10 +235,14 @@ mod tests {
             feeds: vec![0],
             lengths: vec![8; 64],
             sample_ids: (0..64).map(SampleId::Number).collect(),
-            resume: None,
+            resume,
             rejected: vec![],
             role: Some(role),
         })
+    }
+
+    fn id(ordinal: u64) -> BatchId {
+        BatchId { epoch: 0, ordinal }
     }
 
     fn at(s: f64) -> Duration {
@@ -244,7 +275,7 @@ mod tests {
         actions
             .iter()
             .filter_map(|a| match a {
-                Action::Feed { rank, generation, step, items } => {
+                Action::Feed { rank, generation, step, items, .. } => {
                     Some((*rank, *generation, *step, items.iter().filter_map(|(_, i)| batch(i)).collect()))
                 }
                 _ => None,
@@ -317,6 +348,13 @@ mod tests {
         assert_eq!(committed(&actions), vec![local[0], remote[0]]);
         let opened = fed(&actions);
         assert_eq!(opened.len(), 1, "the next step opened feeds host 1 too: {opened:?}");
+        let position = actions.iter().find_map(|a| match a {
+            Action::Feed { position, .. } => Some(position.clone()),
+            _ => None,
+        });
+        let position = position.unwrap();
+        assert_eq!((position.step, position.samples_committed), (1, 8), "where the run stands comes with the feed");
+        assert!(remote[1..].iter().all(|b| position.loader.owed.contains(b)), "handed out, not committed: owed");
 
         // Host 1 leaves before round 1: what it was assigned goes back and is handed out again (here, to rank 0).
         c.handle(at(0.5), Event::Hosts(vec![member(0, 1, 0)]));
@@ -341,9 +379,9 @@ mod tests {
         c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
         let batch = BatchId { epoch: 0, ordinal: 3 };
         let item = Item::Capture { batch, positions: vec![0, 1] };
-        let actions = c.handle(at(0.3), Event::Fed { step: 6, items: vec![(0, item.clone())] });
+        let actions = c.handle(at(0.3), Event::Fed { step: 6, items: vec![(0, item.clone())], position: None });
         assert!(captured(&actions).is_empty(), "a step before it entered");
-        let actions = c.handle(at(0.3), Event::Fed { step: 7, items: vec![(0, item)] });
+        let actions = c.handle(at(0.3), Event::Fed { step: 7, items: vec![(0, item)], position: None });
         assert_eq!(captured(&actions), vec![batch]);
         let r = report(7, 1, vec![contributed(0, vec![batch])], vec![record(0, 1, vec![])]);
         let actions = c.handle(at(0.4), Event::Round(r));
@@ -351,7 +389,10 @@ mod tests {
         assert!(c.checkpoint_now(at(0.5)).0.is_err());
         for (step, ordinal) in [(8, 4), (9, 6)] {
             let item = Item::Capture { batch: BatchId { epoch: 0, ordinal }, positions: vec![2, 3] };
-            assert_eq!(captured(&c.handle(at(0.5), Event::Fed { step, items: vec![(0, item)] })).len(), 1);
+            assert_eq!(
+                captured(&c.handle(at(0.5), Event::Fed { step, items: vec![(0, item)], position: None })).len(),
+                1
+            );
         }
 
         let failure = Failure::panic("boom".into());
@@ -369,7 +410,9 @@ mod tests {
         // step 8 before its founder has the state, and the step is kept for it.
         let batch = BatchId { epoch: 0, ordinal: 5 };
         let item = Item::Capture { batch, positions: vec![0, 1] };
-        assert!(captured(&c.handle(at(5.1), Event::Fed { step: 8, items: vec![(0, item)] })).is_empty());
+        assert!(
+            captured(&c.handle(at(5.1), Event::Fed { step: 8, items: vec![(0, item)], position: None })).is_empty()
+        );
         let actions = c.handle(at(5.2), Event::DrafterJoined { id: 0, generation: 2, step: 8 });
         assert_eq!(captured(&actions), vec![batch], "{actions:?}");
         assert!(!actions.iter().any(|a| matches!(
@@ -380,5 +423,135 @@ mod tests {
                 | Action::WriteCheckpoint(_)
         )));
         assert_eq!(c.handle(at(6.0), Event::RunEnded { code: 0 }).last(), Some(&Action::Exit { code: 0 }));
+    }
+
+    /// Rank 0 lost: another host checkpoints its replica at the boundary it stands at, with the run's state there
+    /// derived from rank 0's last word and the round since, into its own folder, then exits for a restart.
+    #[test]
+    fn another_host_checkpoints_its_replica_when_rank_0_is_lost() {
+        let mut c = core(HostRole::Follower);
+        c.start(at(0.0));
+        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
+        let position = crate::service::supervisor::survivor::RunPosition {
+            step: 7,
+            samples_committed: 28,
+            skipped_steps: 1,
+            loader: crate::data::loader::LoaderState { epoch: 0, next_ordinal: 9, owed: vec![id(7), id(8)] },
+            set_aside: vec![],
+            lr: 1e-3,
+        };
+        let item = Item::Capture { batch: id(7), positions: vec![0, 1] };
+        let fed = Event::Fed { step: 7, items: vec![(0, item)], position: Some(Box::new(position)) };
+        assert_eq!(captured(&c.handle(at(0.3), fed)), vec![id(7)]);
+        let r = report(7, c.incarnation, vec![contributed(0, vec![id(7)])], vec![record(0, 1, vec![id(9)])]);
+        c.handle(at(0.4), Event::Round(r));
+
+        let actions = c.handle(at(1.0), Event::RendezvousLost("connection reset".into()));
+        assert_eq!(actions, vec![Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at: 0 } }]);
+        assert!(c.handle(at(1.1), Event::Tick).is_empty(), "nothing else goes on meanwhile");
+        let actions = c.handle(at(1.2), Event::Snapshot { id: 0, generation: 1, step: 8, optimizer_steps: 6 });
+        let [Action::WriteCheckpoint(job)] = &actions[..] else { panic!("{actions:?}") };
+        assert_eq!((job.donor, job.step, job.state.step, job.state.optimizer_steps), ((0, 1), 8, 8, 6));
+        let loader = &job.state.loader;
+        assert_eq!((loader.next_ordinal, &loader.owed), (10, &vec![id(8)]), "7 and 9 trained; 8 owed");
+        assert_eq!(job.state.samples_committed, 36);
+        assert_eq!(job.state.recent_commits, vec![(7, vec![id(7), id(9)])]);
+        let written = Event::CheckpointWritten { step: 8, incarnation: c.incarnation, result: Ok(("x".into(), 0.1)) };
+        assert_eq!(c.handle(at(1.5), written).last(), Some(&Action::Exit { code: EXIT_RESTART }));
+
+        // With no word from rank 0 yet there is nothing to checkpoint: the host exits at once.
+        let mut c = core(HostRole::Follower);
+        c.start(at(0.0));
+        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
+        let actions = c.handle(at(1.0), Event::RendezvousLost("connection reset".into()));
+        assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_RESTART }));
+    }
+
+    /// Rank 0 ending the run with an error (it may have had no replica left to checkpoint) is parted from the same
+    /// way, exiting with rank 0's status; a complete run's end is not.
+    #[test]
+    fn rank_0_ending_the_run_with_an_error_has_the_others_checkpoint_too() {
+        let started = || {
+            let mut c = core(HostRole::Follower);
+            c.start(at(0.0));
+            c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+            c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 3 });
+            let position = crate::service::supervisor::survivor::RunPosition {
+                step: 3,
+                samples_committed: 12,
+                skipped_steps: 0,
+                loader: crate::data::loader::LoaderState { epoch: 0, next_ordinal: 5, owed: vec![id(4)] },
+                set_aside: vec![],
+                lr: 1e-3,
+            };
+            c.handle(at(0.3), Event::Fed { step: 3, items: vec![], position: Some(Box::new(position)) });
+            c
+        };
+        let mut c = started();
+        let actions = c.handle(at(1.0), Event::RunEnded { code: EXIT_NO_PROGRESS });
+        assert_eq!(actions, vec![Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at: 0 } }]);
+        let actions = c.handle(at(1.1), Event::Snapshot { id: 0, generation: 1, step: 3, optimizer_steps: 3 });
+        assert!(matches!(&actions[..], [Action::WriteCheckpoint(job)] if job.state.loader.owed == vec![id(4)]));
+        let written = Event::CheckpointWritten { step: 3, incarnation: c.incarnation, result: Err("disk full".into()) };
+        assert_eq!(c.handle(at(1.2), written).last(), Some(&Action::Exit { code: EXIT_NO_PROGRESS }));
+
+        let mut c = started();
+        assert_eq!(c.handle(at(1.0), Event::RunEnded { code: EXIT_OK }).last(), Some(&Action::Exit { code: EXIT_OK }));
+    }
+
+    /// A replica whose snapshot never comes does not keep the host: it exits at `shutdown_timeout_s`.
+    #[test]
+    fn a_host_parting_without_a_snapshot_exits_at_the_deadline() {
+        let mut c = core(HostRole::Follower);
+        c.start(at(0.0));
+        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
+        let position = crate::service::supervisor::survivor::RunPosition {
+            step: 7,
+            samples_committed: 28,
+            skipped_steps: 0,
+            loader: crate::data::loader::LoaderState { epoch: 0, next_ordinal: 9, owed: vec![] },
+            set_aside: vec![],
+            lr: 1e-3,
+        };
+        c.handle(at(0.3), Event::Fed { step: 7, items: vec![], position: Some(Box::new(position)) });
+        c.handle(at(1.0), Event::RendezvousLost("connection reset".into()));
+        let timeout = c.supervision().shutdown_timeout_s;
+        assert!(c.handle(at(1.0 + timeout / 2.0), Event::Tick).is_empty());
+        // A snapshot of another thread is not the one asked for.
+        let actions =
+            c.handle(at(1.0 + timeout / 2.0), Event::Snapshot { id: 0, generation: 9, step: 7, optimizer_steps: 0 });
+        assert!(matches!(actions[..], [Action::DropSnapshots { .. }]), "{actions:?}");
+        let actions = c.handle(at(1.1 + timeout), Event::Tick);
+        assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_RESTART }));
+    }
+
+    /// Rank 0 resuming a checkpoint another host wrote puts the rounds that host derived back into the ledger (rank
+    /// 0's own may have stopped short of them): the steps from the first are undone, then written again.
+    #[test]
+    fn rank_0_resuming_another_hosts_checkpoint_writes_its_rounds_to_the_ledger() {
+        let loader = crate::data::loader::LoaderState { epoch: 0, next_ordinal: 6, owed: vec![] };
+        let mut state = TrainerState::new(7, loader, serde_json::Value::Null);
+        state.recent_commits = vec![(5, vec![id(2), id(3)]), (6, vec![id(4)])];
+        let mut c = resumed(HostRole::Leader, Some(("survivor".into(), state)));
+        c.start(at(0.0));
+        let actions = c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        let ledger: Vec<String> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Ledger(LedgerEntry::Rewind { step }) => Some(format!("rewind {step}")),
+                Action::Ledger(LedgerEntry::Commit { step, batch }) => Some(format!("{step}: {}", batch.id.ordinal)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ledger, ["rewind 5", "5: 2", "5: 3", "6: 4", "rewind 7"]);
+        let commit = actions.iter().find_map(|a| match a {
+            Action::Ledger(LedgerEntry::Commit { batch, .. }) => Some(batch.clone()),
+            _ => None,
+        });
+        assert_eq!(commit, c.schedule.batch(id(2)), "with the batch's samples");
+        assert_eq!(commit.unwrap().samples.len(), c.config.data.batch_size);
     }
 }

@@ -17,6 +17,7 @@ mod checkpoints;
 mod drafters;
 mod ending;
 mod hosts;
+mod parting;
 mod rewind;
 mod steps;
 mod targets;
@@ -321,6 +322,9 @@ impl Core {
                 self.step_done(id, generation, step, digest, applied, feature_wait_s)
             }
             Event::Round(report) => {
+                if self.is_follower() {
+                    self.hosts.survivor.round(&report);
+                }
                 let report = if self.is_leader() { self.with_remote(report) } else { report };
                 self.schedule.align_samples(&report);
                 for settled in self.schedule.take_report(report) {
@@ -328,18 +332,18 @@ impl Core {
                 }
             }
             Event::Hosts(members) => self.hosts_changed(members),
-            Event::Fed { step, items } => self.fed(step, items),
-            Event::RunEnded { code } => {
-                tracing::info!(code, "rank 0 ended the run");
-                self.exit_now(code);
+            Event::Fed { step, items, position } => self.fed(step, items, position),
+            Event::RunEnded { code: EXIT_OK } => {
+                tracing::info!(code = EXIT_OK, "rank 0 ended the run");
+                self.exit_now(EXIT_OK);
             }
-            Event::RendezvousLost(why) => {
-                tracing::error!(
-                    "the rendezvous host is gone ({why}): exiting; the run resumes from rank 0's newest \
-                    checkpoint once it is restarted"
-                );
-                self.exit_now(EXIT_RESTART);
+            // Rank 0 may have had no replica to checkpoint (it lost every drafter): this host's may be the newest.
+            Event::RunEnded { code } => self.part(format!("rank 0 ended the run with status {code}"), code),
+            Event::RendezvousLost(why) => self.part(format!("the rendezvous host is gone ({why})"), EXIT_RESTART),
+            Event::Snapshot { id, generation, step, optimizer_steps } if self.parting() => {
+                self.parting_snapshot(id, generation, step, optimizer_steps)
             }
+            Event::CheckpointWritten { step, result, .. } if self.parting() => self.parted(step, result),
             Event::Snapshot { id, generation, step, optimizer_steps } => {
                 match self.book.snapshot(id, generation, step, optimizer_steps, self.now) {
                     SnapshotOutcome::Unwanted if !self.book.holds(id, generation, step) => {
@@ -465,6 +469,9 @@ impl Core {
     fn advance(&mut self) {
         if self.exit.is_some() {
             return;
+        }
+        if self.parting() {
+            return self.check_parting();
         }
         self.check_deadlines();
         self.start_targets();

@@ -60,6 +60,17 @@ impl Core {
         // Checkpoints above the source belong to steps this run no longer has (or could not use): moved aside, so
         // that no later rewind or resume jumps onto them.
         self.out.push(Action::RetireCheckpoints { from: position + 1, to: u64::MAX });
+        if let Source::Checkpoint(_, state) = &source
+            && let Some(&(from, _)) = state.recent_commits.first()
+        {
+            // Written by another host when rank 0 was lost: rank 0's ledger may not have reached these steps.
+            self.out.push(Action::Ledger(LedgerEntry::Rewind { step: from }));
+            for (step, ids) in &state.recent_commits {
+                for batch in ids.iter().filter_map(|&id| self.schedule.batch(id)) {
+                    self.out.push(Action::Ledger(LedgerEntry::Commit { step: *step, batch }));
+                }
+            }
+        }
         self.out.push(Action::Ledger(LedgerEntry::Rewind { step: position }));
         let path = match source {
             Source::Checkpoint(path, state) => {
