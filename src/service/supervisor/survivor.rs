@@ -43,6 +43,8 @@ pub struct Survivor {
 impl Survivor {
     /// Positions kept (the newest): enough to reach back past rounds this host's replicas did not get to.
     const POSITIONS: usize = 8;
+    /// Rounds kept at most (while rank 0 posts no position: it has no live drafter, and ends the run soon).
+    const ROUNDS: usize = 4096;
 
     /// Rank 0's position at a step boundary (it comes with each assignment).
     pub fn position(&mut self, position: RunPosition) {
@@ -64,6 +66,9 @@ impl Survivor {
             + report.remote.iter().map(|h| h.samples()).sum::<u64>();
         let taken = RoundTaken { batches: local.chain(remote).collect(), samples, lr: report.lr };
         self.rounds.insert(report.step, taken);
+        while self.rounds.len() > Self::ROUNDS {
+            self.rounds.pop_first();
+        }
     }
 
     /// Round `round`'s update was skipped on every host (its samples stay committed).
