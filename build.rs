@@ -1,7 +1,7 @@
 //! Links the binary to libtorch so it runs without LD_LIBRARY_PATH and finds CUDA, and compiles the small C++ shim
 //! (`csrc/`) for what tch does not expose: binding a thread's device, allocator statistics, timing events, the
-//! fused AdamW kernel, autograd functions with a leaner backward, flash attention with sinks and windows, and the
-//! c10d TCPStore hosts rendezvous through.
+//! fused AdamW kernel, autograd functions with a leaner backward, flash attention with sinks and windows, CUDA graphs,
+//! and the c10d TCPStore hosts rendezvous through.
 use std::path::PathBuf;
 
 fn main() {
@@ -26,7 +26,8 @@ fn main() {
     }
 
     let root = lib.parent().expect("libtorch lib dir has a parent").to_path_buf();
-    cc::Build::new()
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
         .pic(true)
         .std("c++17")
@@ -37,9 +38,19 @@ fn main() {
         .file("csrc/accel.cpp")
         .file("csrc/attention.cpp")
         .file("csrc/autograd.cpp")
+        .file("csrc/graph.cpp")
         .file("csrc/nccl.cpp")
-        .file("csrc/store.cpp")
-        .compile("dflash_accel");
+        .file("csrc/store.cpp");
+    // CUDA graphs (`csrc/graph.cpp`) need libtorch's CUDA library and the CUDA runtime's headers: the wheel ships
+    // them beside it (nvidia/cu13/include), all but crt/, which scripts/setup.sh adds (nvidia-cuda-crt).
+    println!("cargo::rustc-check-cfg=cfg(dflash_cuda_graphs)");
+    let cuda_include = root.join("../nvidia/cu13/include");
+    if lib.join("libtorch_cuda.so").exists() && cuda_include.join("crt/host_config.h").exists() {
+        build.define("DFLASH_CUDA_GRAPHS", None).include(cuda_include);
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        println!("cargo:rustc-cfg=dflash_cuda_graphs");
+    }
+    build.compile("dflash_accel");
     println!("cargo:rerun-if-changed=csrc");
     println!("cargo:rerun-if-changed=build.rs");
 }

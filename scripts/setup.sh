@@ -45,6 +45,18 @@ fi
 
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 [ -f "$site/torch/lib/libtorch.so" ] || die "$site/torch/lib/libtorch.so is missing: remove $venv and run again"
+# The CUDA runtime headers the wheel ships lack crt/ (NVCC's), which libtorch's CUDA graph header needs: without
+# them dflash builds without CUDA graphs (decoding then launches every kernel). Under 1 MB, once per install.
+if [ -d "$site/nvidia/cu13/include" ] && [ ! -f "$site/nvidia/cu13/include/crt/host_config.h" ]; then
+  exec 9>"$cache/.lock"
+  flock 9
+  if [ ! -f "$site/nvidia/cu13/include/crt/host_config.h" ]; then
+    say "adding the CUDA headers CUDA graphs need (nvidia-cuda-crt 13.0.88, <1 MB)"
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir --disable-pip-version-check "nvidia-cuda-crt==13.0.88" \
+      || say "warning: pip could not install nvidia-cuda-crt: dflash builds without CUDA graphs"
+  fi
+  flock -u 9
+fi
 ln -sfn "$venv" "$root/.venv"
 ln -sfn "$site/torch" "$root/.libtorch"
 say "libtorch $TORCH_VERSION ready: .libtorch -> $site/torch"

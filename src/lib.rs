@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bounded_join;
 pub mod cluster;
 pub mod config;
+pub mod cuda_graph;
 pub mod data;
 pub mod device;
 pub mod model;

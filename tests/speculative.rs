@@ -2,10 +2,15 @@
 //! drafter's decoding pass equals its training forward, and speculative output equals plain greedy output token
 //! for token, with acceptance counts that a wrong cache crop or an off-by-one would change.
 use dflash::model::speculative::{DFlashProposer, Proposer, greedy, speculative};
-use dflash::model::{BlockAttention, Depth, Drafter, DrafterConfig, Init, ModelError, Preset, Target};
+use dflash::model::{BlockAttention, Decoder, Depth, Drafter, DrafterConfig, Init, ModelError, Preset, Target};
 use tch::{Device, Kind, Tensor};
 
 const BS: usize = 4;
+
+/// The target's steps for one generation (eager: these run on the CPU).
+fn decoder(t: &Target) -> Decoder<'_> {
+    Decoder::new(t, 128, &[]).unwrap()
+}
 
 fn target() -> Target {
     Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap()
@@ -75,10 +80,10 @@ fn speculative_output_equals_greedy_output() {
         [(1, 9), (2, 1), (3, 2), (5, 4), (7, 5), (17, 16), (30, 33), (40, 12)].into_iter().enumerate()
     {
         let p = prompt(prompt_len, i as i64);
-        let reference = greedy(&t, &p, max_new, &[]).unwrap();
+        let reference = greedy(&mut decoder(&t), &p, max_new, &[]).unwrap();
         assert_eq!(reference.tokens.len(), max_new);
         let mut proposer = DFlashProposer::new(&d, &t, 128).unwrap();
-        let out = speculative(&t, &mut proposer, BS, &p, max_new, &[]).unwrap();
+        let out = speculative(&mut decoder(&t), &mut proposer, BS, &p, max_new, &[]).unwrap();
         assert_eq!(out.tokens, reference.tokens, "prompt {prompt_len} tokens, {max_new} new");
         // The prefill makes the first token; every verify step keeps at least its bonus token.
         assert_eq!(out.accepted.iter().sum::<usize>() + 1, max_new);
@@ -91,7 +96,7 @@ fn a_stop_token_inside_a_block_ends_both_the_same_way() {
     let t = target();
     let d = drafter(5);
     let p = prompt(9, 4);
-    let free = greedy(&t, &p, 24, &[]).unwrap().tokens;
+    let free = greedy(&mut decoder(&t), &p, 24, &[]).unwrap().tokens;
     // Stop at a token first generated mid-way: generation must end right after its first occurrence.
     let (at, stop) = free
         .iter()
@@ -100,10 +105,10 @@ fn a_stop_token_inside_a_block_ends_both_the_same_way() {
         .find(|(i, tok)| !free[..*i].contains(tok))
         .map(|(i, t)| (i, *t))
         .expect("the tiny target generates a new token after the 6th");
-    let reference = greedy(&t, &p, 24, &[stop]).unwrap();
+    let reference = greedy(&mut decoder(&t), &p, 24, &[stop]).unwrap();
     assert_eq!(reference.tokens, free[..=at]);
     let mut proposer = DFlashProposer::new(&d, &t, 64).unwrap();
-    let out = speculative(&t, &mut proposer, BS, &p, 24, &[stop]).unwrap();
+    let out = speculative(&mut decoder(&t), &mut proposer, BS, &p, 24, &[stop]).unwrap();
     assert_eq!(out.tokens, reference.tokens);
 }
 
@@ -130,10 +135,10 @@ fn a_perfect_proposer_is_accepted_whole_and_a_random_drafter_hardly_at_all() {
     let p = prompt(11, 9);
     let max_new = 1 + 3 * BS + 2;
     let mut sequence = p.clone();
-    sequence.extend(greedy(&t, &p, max_new + BS, &[]).unwrap().tokens);
+    sequence.extend(greedy(&mut decoder(&t), &p, max_new + BS, &[]).unwrap().tokens);
     let width = (t.taps().len() * t.config().hidden_size) as i64;
     let mut oracle = Oracle { sequence, with_states: 0, width };
-    let out = speculative(&t, &mut oracle, BS, &p, max_new, &[]).unwrap();
+    let out = speculative(&mut decoder(&t), &mut oracle, BS, &p, max_new, &[]).unwrap();
     assert_eq!(out.accepted, [BS, BS, BS, 2], "every verify step but the last accepts the whole block");
 
     let d = drafter(7);
@@ -141,7 +146,7 @@ fn a_perfect_proposer_is_accepted_whole_and_a_random_drafter_hardly_at_all() {
     for salt in 0..6 {
         let p = prompt(12, 100 + salt);
         let mut proposer = DFlashProposer::new(&d, &t, 64).unwrap();
-        let out = speculative(&t, &mut proposer, BS, &p, 24, &[]).unwrap();
+        let out = speculative(&mut decoder(&t), &mut proposer, BS, &p, 24, &[]).unwrap();
         steps += out.accepted.len();
         kept += out.accepted.iter().sum::<usize>();
     }

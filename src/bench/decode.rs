@@ -13,11 +13,12 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::{BenchError, StepTimes};
+use crate::cuda_graph::CudaGraph;
 use crate::data::SampleId;
 use crate::data::prompts::Prompt;
 use crate::device::{self, device_name, kind_name};
 use crate::model::speculative::{DFlashProposer, Proposer};
-use crate::model::{Depth, Drafter, DrafterConfig, Init, Preset};
+use crate::model::{Decoder, Depth, Drafter, DrafterConfig, Init, Preset};
 use crate::profile::Recorder;
 use crate::train::decode_eval::{DecodeSettings, Divergence, evaluate_decoding};
 
@@ -56,12 +57,27 @@ pub struct DecodeBenchReport {
     /// Where speculative and greedy output first differ (bf16 near-ties), with the greedy step's top-2 logit gap.
     pub divergences: Vec<Divergence>,
     pub peak_mem_bytes: i64,
+    /// The same passes and generations with the target's steps replayed from CUDA graphs (a GPU and a dense
+    /// target on one device), in the same run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graphed: Option<GraphedReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_phases_ms: Phases,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub verify_phases_ms: Phases,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub draft_phases_ms: Phases,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GraphedReport {
+    pub step_ms_p50: f64,
+    pub verify_ms_p50: f64,
+    pub speculative_tokens_per_s: f64,
+    pub greedy_tokens_per_s: f64,
+    pub lossless: bool,
+    /// Largest difference between a verify pass's logits replayed and run eagerly, over the same context.
+    pub max_logit_diff: f64,
 }
 
 pub fn bench_decode(
@@ -111,12 +127,46 @@ pub fn bench_decode(
         Ok(())
     })?;
     drop(proposer);
-    drop(cache);
 
-    let settings = DecodeSettings { max_new_tokens: opts.steps, stop: Vec::new() };
+    let settings =
+        |max_new_tokens: usize, cuda_graphs: bool| DecodeSettings { max_new_tokens, stop: vec![], cuda_graphs };
     let prompts = [Prompt { id: SampleId::Number(0), input_ids: prompt }];
-    let _warm = evaluate_decoding(&target, &drafter, &prompts, &DecodeSettings { max_new_tokens: 2, stop: vec![] })?;
-    let generation = evaluate_decoding(&target, &drafter, &prompts, &settings)?;
+    let _warm = evaluate_decoding(&target, &drafter, &prompts, &settings(2, false))?;
+    let generation = evaluate_decoding(&target, &drafter, &prompts, &settings(opts.steps, false))?;
+
+    // The same, the target's steps replayed from CUDA graphs.
+    let mut graphed = None;
+    if CudaGraph::available(device) && target.graphable() {
+        let mut decoder = Decoder::new(&target, capacity, &[1, bs])?;
+        decoder.decode(&prompt_ids)?;
+        let replayed = decoder.decode(&block)?.logits;
+        let eager = target.decode(&block, &mut cache)?.logits;
+        cache.crop(opts.seq);
+        let max_logit_diff =
+            (replayed.f_to_kind(Kind::Float)? - eager.f_to_kind(Kind::Float)?).f_abs()?.f_max()?.f_double_value(&[])?;
+        decoder.crop(opts.seq);
+        let plain = DecodeBenchOptions { profile: false, ..opts.clone() };
+        let mut pass = |ids: &Tensor| -> Result<StepTimes, BenchError> {
+            let (times, _) = time_pass(device, &plain, || {
+                let _ = decoder.decode(ids)?;
+                decoder.crop(opts.seq);
+                Ok(())
+            })?;
+            Ok(times)
+        };
+        let (verify, step) = (pass(&block)?, pass(&token)?);
+        let _warm = evaluate_decoding(&target, &drafter, &prompts, &settings(2, true))?;
+        let generation = evaluate_decoding(&target, &drafter, &prompts, &settings(opts.steps, true))?;
+        graphed = Some(GraphedReport {
+            step_ms_p50: step.percentile(50.0),
+            verify_ms_p50: verify.percentile(50.0),
+            speculative_tokens_per_s: generation.speculative_tokens_per_s,
+            greedy_tokens_per_s: generation.greedy_tokens_per_s,
+            lossless: generation.lossless,
+            max_logit_diff,
+        });
+    }
+    drop(cache);
     let verify_ms = verify_times.percentile(50.0);
     let draft_ms = draft_times.percentile(50.0);
     Ok(DecodeBenchReport {
@@ -138,6 +188,7 @@ pub fn bench_decode(
         token_match_rate: generation.token_match_rate,
         divergences: generation.divergences,
         peak_mem_bytes: device::memory_stats(device)?.peak_allocated,
+        graphed,
         step_phases_ms,
         verify_phases_ms,
         draft_phases_ms,
@@ -166,10 +217,23 @@ fn time_pass(
 
 impl DecodeBenchReport {
     pub fn summary(&self) -> String {
+        let graphed = match &self.graphed {
+            Some(g) => format!(
+                "; from CUDA graphs: one-token step {:.2} ms, verify {:.2} ms, speculative {:.1} tokens/s, greedy \
+                 {:.1} tokens/s, lossless {}, logits within {:.3} of eager",
+                g.step_ms_p50,
+                g.verify_ms_p50,
+                g.speculative_tokens_per_s,
+                g.greedy_tokens_per_s,
+                g.lossless,
+                g.max_logit_diff
+            ),
+            None => String::new(),
+        };
         format!(
             "decode {} on {} ({}), batch 1, context {}, block {}: one-token step {:.2} ms, verify {:.2} ms ({:.1} steps/s), draft {:.2} ms \
              ({:.0} drafted tokens/s); generation: speculative {:.1} tokens/s, greedy {:.1} tokens/s, acceptance \
-             {:.2}, lossless {} (match rate {:.3}); peak memory {:.2} GB",
+             {:.2}, lossless {} (match rate {:.3}); peak memory {:.2} GB{graphed}",
             self.preset,
             self.device,
             self.dtype,

@@ -42,6 +42,10 @@ pub struct EvalArgs {
     /// --decode: do not stop at the target's eos_token_id.
     #[arg(long)]
     ignore_eos: bool,
+    /// --decode on a GPU: launch every kernel of the target's steps instead of replaying them from CUDA graphs
+    /// (same logits, slower; for comparison).
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// --decode: write each prompt's generated token ids and accepted counts per verify step as JSON lines here.
     #[arg(long, value_name = "PATH")]
     dump: Option<PathBuf>,
@@ -142,7 +146,7 @@ fn decode(args: &EvalArgs, source: &TargetSource, device: Device, kind: Kind) ->
         // Chat prompts need the target's tokenizer and template (read only if a conversation line is there).
         let prompts = read_prompts(prompts_path, target.config().vocab_size, &|| source.chat_assets(&kwargs))?;
         let stop = if args.ignore_eos { Vec::new() } else { target.config().eos_token_ids.clone() };
-        let settings = DecodeSettings { max_new_tokens: args.max_new_tokens, stop };
+        let settings = DecodeSettings { max_new_tokens: args.max_new_tokens, stop, cuda_graphs: !args.no_cuda_graphs };
         tracing::info!(prompts = prompts.len(), max_new_tokens = args.max_new_tokens, "decoding");
         Ok(evaluate_decoding(&target, &drafter, &prompts, &settings)?)
     })??;

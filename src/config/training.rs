@@ -415,6 +415,7 @@ pub(super) struct RawEval {
     prompts: String,
     num_prompts: i64,
     max_new_tokens: i64,
+    cuda_graphs: bool,
 }
 
 /// Where evaluation prompts come from.
@@ -434,6 +435,8 @@ pub struct EvalSettings {
     pub prompts: EvalPrompts,
     pub num_prompts: usize,
     pub max_new_tokens: usize,
+    /// On a GPU, the target's decoding steps replay from CUDA graphs.
+    pub cuda_graphs: bool,
 }
 
 impl RawEval {
@@ -448,6 +451,7 @@ impl RawEval {
             prompts,
             num_prompts: at_least("eval.num_prompts", self.num_prompts, 1)?,
             max_new_tokens: at_least("eval.max_new_tokens", self.max_new_tokens, 1)?,
+            cuda_graphs: self.cuda_graphs,
         })
     }
 }

@@ -5,8 +5,8 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
-use super::speculative::ids_tensor;
-use super::{ModelError, Target};
+use super::speculative::{begin_generation, ids_tensor};
+use super::{Decoder, ModelError, Target};
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,10 +28,11 @@ pub fn generate(
 ) -> Result<Vec<i64>, ModelError> {
     // Past the model's positions a generation ends where it is, as a length limit does.
     let max_new = max_new.min(target.config().max_position_embeddings.saturating_sub(prompt.len()));
-    if prompt.is_empty() {
+    if prompt.is_empty() || max_new == 0 {
         return Ok(Vec::new());
     }
-    cached_generation(target, prompt, max_new, stop, |last| match sampling {
+    let mut decoder = Decoder::new(target, (prompt.len() + max_new) as i64, &[])?;
+    cached_generation(&mut decoder, prompt, max_new, stop, |last| match sampling {
         Sampling::Greedy => Ok(last.f_argmax(0, false)?.f_int64_value(&[])?),
         Sampling::Temperature(t) => {
             let probs: Vec<f32> =
@@ -51,10 +52,11 @@ pub fn generate(
 }
 
 /// The loop every plain generation runs: prefills `prompt` (non-empty; with `max_new` new tokens it must fit the
-/// model's positions) once, then feeds back the token `pick` chooses from the last position's logits (`[vocab]`,
-/// f32), one cached step each, until `max_new` tokens or a token of `stop` (returned with the rest).
+/// model's positions and `decoder`'s cache) once, then feeds back the token `pick` chooses from the last position's
+/// logits (`[vocab]`, f32), one cached step each, until `max_new` tokens or a token of `stop` (returned with the
+/// rest).
 pub(crate) fn cached_generation(
-    target: &Target,
+    decoder: &mut Decoder,
     prompt: &[i64],
     max_new: usize,
     stop: &[i64],
@@ -64,15 +66,16 @@ pub(crate) fn cached_generation(
     if max_new == 0 {
         return Ok(out);
     }
-    let mut cache = target.new_cache((prompt.len() + max_new) as i64)?;
-    let mut logits = target.decode(&ids_tensor(target, prompt)?, &mut cache)?.logits;
+    begin_generation(decoder, prompt, max_new)?;
+    let target = decoder.target();
+    let mut logits = decoder.decode(&ids_tensor(target, prompt)?)?.logits;
     loop {
         let next = pick(&logits.get(0).get(-1).f_to_kind(Kind::Float)?)?;
         out.push(next);
         if out.len() == max_new || stop.contains(&next) {
             return Ok(out);
         }
-        logits = target.decode(&ids_tensor(target, &[next])?, &mut cache)?.logits;
+        logits = decoder.decode(&ids_tensor(target, &[next])?)?.logits;
     }
 }
 

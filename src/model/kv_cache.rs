@@ -77,6 +77,22 @@ impl KvCache {
         Ok((self.keys[layer].f_narrow(2, 0, self.len + t)?, self.values[layer].f_narrow(2, 0, self.len + t)?))
     }
 
+    /// Writes `keys`/`values` `[batch, kv_heads, T, head_dim]` of `layer` at `positions` (`[T]`, int64, on the
+    /// layer's device) and returns `layer`'s whole buffers: where the positions come from a device tensor, so that
+    /// nothing about the step depends on the host (a CUDA graph's step). The length moves on with
+    /// [`KvCache::advance`] as usual.
+    pub fn write_at(
+        &mut self,
+        layer: usize,
+        positions: &Tensor,
+        keys: &Tensor,
+        values: &Tensor,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let _ = self.keys[layer].f_index_copy_(2, positions, keys)?;
+        let _ = self.values[layer].f_index_copy_(2, positions, values)?;
+        Ok((self.keys[layer].shallow_clone(), self.values[layer].shallow_clone()))
+    }
+
     /// Views of the first `len` rows of `layer`'s buffers, held or not (`len` up to the capacity): for callers that
     /// mask the rows past [`KvCache::len`] themselves, to keep attention shapes from changing every step.
     pub fn prefix(&self, layer: usize, len: i64) -> Result<(Tensor, Tensor), ModelError> {
@@ -114,5 +130,9 @@ mod tests {
         assert_eq!(k, [1.0, 1.0, 5.0, 5.0, 5.0, 5.0]);
         assert_eq!(v, [2.0, 2.0, 6.0, 6.0, 6.0, 6.0]);
         assert!(c.write(0, &kv(0.0, 4), &kv(0.0, 4)).is_err(), "1 + 4 positions exceed the capacity of 4");
+
+        let (k, _) = c.write_at(1, &Tensor::from_slice(&[3i64, 1]), &kv(7.0, 2), &kv(8.0, 2)).unwrap();
+        let k: Vec<f32> = Vec::try_from(k.flatten(0, -1)).unwrap();
+        assert_eq!(k, [1.0, 1.0, 7.0, 7.0, 1.0, 1.0, 7.0, 7.0], "rows 1 and 3 written, the whole capacity returned");
     }
 }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 pub mod config;
+pub mod decoder;
 pub mod drafter;
 pub mod drafter_config;
 pub mod flat_params;
@@ -21,6 +22,7 @@ pub mod target;
 pub mod weights;
 
 pub use config::{Architecture, TargetConfig};
+pub use decoder::Decoder;
 pub use drafter::{BlockAttention, Drafter};
 pub use drafter_config::DrafterConfig;
 pub use init::Init;

@@ -13,7 +13,7 @@ use crate::profile::span;
 
 use super::drafter::DraftWeights;
 use super::generate::cached_generation;
-use super::{Drafter, KvCache, ModelError, Target};
+use super::{Decoder, Drafter, KvCache, ModelError, Target};
 
 /// Proposes the tokens of a block: the DFlash drafter, or a test double.
 pub trait Proposer {
@@ -79,25 +79,35 @@ fn argmax_rows(logits: &Tensor) -> Result<Vec<i64>, ModelError> {
     Ok(Vec::try_from(logits.f_argmax(-1, false)?.f_flatten(0, -1)?)?)
 }
 
-/// The cache capacity a generation needs (prompt and new tokens), after checking they fit the model.
-fn capacity(target: &Target, prompt: &[i64], max_new: usize) -> Result<i64, ModelError> {
+/// Checks a generation of `max_new` tokens after `prompt` fits the model and `decoder`'s cache, and empties the
+/// cache for it.
+pub(crate) fn begin_generation(decoder: &mut Decoder, prompt: &[i64], max_new: usize) -> Result<(), ModelError> {
     if prompt.is_empty() {
         return Err(ModelError::Batch("a prompt needs at least one token".into()));
     }
-    let limit = target.config().max_position_embeddings as i64;
-    if prompt.len() as i64 + max_new as i64 > limit {
+    let limit = decoder.target().config().max_position_embeddings as i64;
+    let needed = prompt.len() as i64 + max_new as i64;
+    if needed > limit {
         return Err(ModelError::Batch(format!(
             "a prompt of {} tokens plus {max_new} new ones exceeds max_position_embeddings {limit}",
             prompt.len()
         )));
     }
-    Ok((prompt.len() + max_new) as i64)
+    if needed > decoder.capacity() {
+        return Err(ModelError::Batch(format!(
+            "a prompt of {} tokens plus {max_new} new ones exceeds the decoder's {} positions",
+            prompt.len(),
+            decoder.capacity()
+        )));
+    }
+    decoder.crop(0);
+    Ok(())
 }
 
 /// Speculative greedy generation of up to `max_new` tokens after `prompt`, stopping after any token of `stop`,
-/// with blocks of `block_size` (the drafter's) proposed by `proposer`.
+/// with blocks of `block_size` (the drafter's) proposed by `proposer`, the target's steps run by `decoder`.
 pub fn speculative(
-    target: &Target,
+    decoder: &mut Decoder,
     proposer: &mut impl Proposer,
     block_size: usize,
     prompt: &[i64],
@@ -108,20 +118,21 @@ pub fn speculative(
     if max_new == 0 {
         return Ok(out);
     }
-    let mut cache = target.new_cache(capacity(target, prompt, max_new)?)?;
-    let prefill = target.decode(&ids_tensor(target, prompt)?, &mut cache)?;
+    begin_generation(decoder, prompt, max_new)?;
+    let target = decoder.target();
+    let prefill = decoder.decode(&ids_tensor(target, prompt)?)?;
     let first = argmax_rows(&prefill.logits.narrow(1, prompt.len() as i64 - 1, 1))?[0];
     out.tokens.push(first);
     let mut context = prefill.taps;
     while out.tokens.len() < max_new && !stop.contains(&first) {
         let last = *out.tokens.last().expect("one token at least");
-        let start = cache.len();
+        let start = decoder.len();
         // Drafted tokens past the limit could never be kept: verify only what can be.
         let count = (block_size - 1).min(max_new - out.tokens.len() - 1);
         let drafted = if count == 0 { Vec::new() } else { proposer.propose(&context, last, count)? };
         let mut block = vec![last];
         block.extend_from_slice(&drafted);
-        let verified = target.decode(&ids_tensor(target, &block)?, &mut cache)?;
+        let verified = decoder.decode(&ids_tensor(target, &block)?)?;
         let posterior = argmax_rows(&verified.logits)?;
         let agree = drafted.iter().zip(&posterior).take_while(|(d, p)| d == p).count();
         // Kept: the agreeing drafted tokens and the target's own next token, up to a stop token or the limit.
@@ -141,20 +152,21 @@ pub fn speculative(
             break;
         }
         // The cache keeps `last` and the accepted drafted tokens; the bonus token has no state yet.
-        cache.crop(start + agree as i64 + 1);
+        decoder.crop(start + agree as i64 + 1);
+        // A view of the step's output, read by the next proposal before the next step overwrites it.
         context = verified.taps.narrow(1, 0, agree as i64 + 1);
     }
     Ok(out)
 }
 
 /// Plain greedy generation with the target alone, one token per step: the reference for [`speculative`].
-pub fn greedy(target: &Target, prompt: &[i64], max_new: usize, stop: &[i64]) -> Result<GreedyOutput, ModelError> {
+pub fn greedy(decoder: &mut Decoder, prompt: &[i64], max_new: usize, stop: &[i64]) -> Result<GreedyOutput, ModelError> {
     if max_new == 0 {
         return Ok(GreedyOutput { tokens: Vec::new(), top2_gaps: Vec::new() });
     }
-    capacity(target, prompt, max_new)?;
+    begin_generation(decoder, prompt, max_new)?;
     let mut top2_gaps = Vec::new();
-    let tokens = cached_generation(target, prompt, max_new, stop, |last| {
+    let tokens = cached_generation(decoder, prompt, max_new, stop, |last| {
         let (top, index) = last.f_topk(2, 0, true, true)?;
         let top: Vec<f32> = Vec::try_from(top)?;
         top2_gaps.push(top[0] - top.get(1).copied().unwrap_or(f32::NEG_INFINITY));

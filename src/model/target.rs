@@ -75,6 +75,9 @@ enum Keys<'a> {
     /// The input continues a cached sequence: keys are the cache plus the new ones (written to `layer`'s slot);
     /// `bias` is the causal mask over the bucketed cache after a prefill, `None` for the prefill itself.
     Cached { cache: &'a mut KvCache, layer: usize, bias: Option<&'a Tensor> },
+    /// As `Cached`, with the new positions a device tensor: written by index, attention over the cache's whole
+    /// capacity with `bias` masking what is not held (a CUDA graph's step).
+    Indexed { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, bias: &'a Tensor },
 }
 
 /// What one decoding step computes for its new positions.
@@ -757,9 +760,9 @@ impl Target {
     /// block to verify): returns the logits `[1, T, vocab]` and the tapped states `[1, T, taps * hidden]` of the
     /// new positions, and holds their keys and values in `cache`. Needs [`Depth::Full`].
     pub fn decode(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Decoded, ModelError> {
-        let Some(norm) = &self.norm else {
+        if self.norm.is_none() {
             return Err(ModelError::NotFull);
-        };
+        }
         let t = input_ids.size()[1];
         self.check_batch(input_ids, &[t])?;
         cache.reserve(t)?;
@@ -769,9 +772,42 @@ impl Target {
                 self.cfg.max_position_embeddings
             )));
         }
+        self.decode_with(input_ids, cache, None)
+    }
+
+    /// [`Target::decode`] with nothing depending on the host between steps, so that a CUDA graph can capture it:
+    /// the new positions start at `start` (an int64 scalar on the target's device, the cache's length before the
+    /// step, written by the caller), the keys and values are written by index, and attention reads the cache's whole
+    /// capacity with a mask. The cache's length is the caller's to advance (by `T`, once per step run). Dense targets
+    /// on one device only ([`Target::graphable`]); the caller checks the step fits the cache and the model.
+    pub fn decode_at(&self, input_ids: &Tensor, start: &Tensor, cache: &mut KvCache) -> Result<Decoded, ModelError> {
+        if !self.graphable() {
+            return Err(ModelError::Batch(
+                "a decoding step at a device position needs a dense target on one device (no experts, no sinks)".into(),
+            ));
+        }
+        let t = input_ids.size()[1];
+        self.check_batch(input_ids, &[t])?;
+        self.decode_with(input_ids, cache, Some(start))
+    }
+
+    /// Whether [`Target::decode_at`] applies: a dense target (no experts: their routing sizes its kernels; no
+    /// attention sinks) held whole on one device.
+    pub fn graphable(&self) -> bool {
+        self.norm.is_some()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.sinks.is_none() && matches!(l.mlp, Mlp::Dense { .. }) && l.device == self.device)
+    }
+
+    fn decode_with(&self, input_ids: &Tensor, cache: &mut KvCache, at: Option<&Tensor>) -> Result<Decoded, ModelError> {
+        let Some(norm) = &self.norm else {
+            return Err(ModelError::NotFull);
+        };
         tch::no_grad(|| {
             let mut taps = Vec::with_capacity(self.taps.len());
-            let x = self.run_layers(input_ids, self.layers.len(), Some(cache), None, |layer, x| {
+            let x = self.run_layers_at(input_ids, self.layers.len(), Some(cache), at, None, |layer, x| {
                 if self.taps.contains(&layer) {
                     // A copy (the next layer updates x in place), on the first device.
                     taps.push(if x.device() == self.device { x.copy() } else { x.to_device(self.device) });
@@ -817,13 +853,41 @@ impl Target {
         &self,
         input_ids: &Tensor,
         count: usize,
+        cache: Option<&mut KvCache>,
+        routes: Option<&mut Vec<Tensor>>,
+        observe: impl FnMut(usize, &Tensor),
+    ) -> Result<Tensor, ModelError> {
+        self.run_layers_at(input_ids, count, cache, None, routes, observe)
+    }
+
+    /// [`Target::run_layers`]; with `at` (and a cache), the positions start at that device scalar and the cache
+    /// is written by index and read whole ([`Keys::Indexed`]), its length left to the caller.
+    fn run_layers_at(
+        &self,
+        input_ids: &Tensor,
+        count: usize,
         mut cache: Option<&mut KvCache>,
+        at: Option<&Tensor>,
         mut routes: Option<&mut Vec<Tensor>>,
         mut observe: impl FnMut(usize, &Tensor),
     ) -> Result<Tensor, ModelError> {
         let s = input_ids.size()[1];
         let start = cache.as_ref().map_or(0, |c| c.len());
-        let positions = Tensor::f_arange_start(start, start + s, (Kind::Int64, self.device))?;
+        let indexed = match (&cache, at) {
+            (Some(c), Some(at)) => {
+                let positions = Tensor::f_arange(s, (Kind::Int64, self.device))?.f_add(at)?;
+                let keys = Tensor::f_arange(c.capacity(), (Kind::Int64, self.device))?.unsqueeze(0);
+                let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
+                let bias = Tensor::f_zeros(hidden.size(), (self.kind, self.device))?
+                    .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
+                Some((positions, bias))
+            }
+            _ => None,
+        };
+        let positions = match &indexed {
+            Some((positions, _)) => positions.shallow_clone(),
+            None => Tensor::f_arange_start(start, start + s, (Kind::Int64, self.device))?,
+        };
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
         // [S, d] -> [1, S, 1, d]: broadcast over batch and heads in the [B, S, heads, d] layout.
         let (cos, sin) = (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2));
@@ -832,6 +896,7 @@ impl Target {
         // recurs from step to step (cuDNN plans an attention per shape, which costs far more than the attention
         // itself at batch 1).
         let bias = match &cache {
+            _ if indexed.is_some() => None,
             Some(_) if start > 0 => {
                 let keys = Tensor::f_arange(context_bucket(start + s), (Kind::Int64, self.device))?.unsqueeze(0);
                 let visible = keys.f_le_tensor(&positions.unsqueeze(1))?;
@@ -863,14 +928,15 @@ impl Target {
                 (x, cos, sin) = (to(&x)?, to(&cos)?, to(&sin)?);
                 bias = bias.as_ref().map(to).transpose()?;
             }
-            let attend = match cache.as_deref_mut() {
-                Some(c) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
-                None => Keys::Causal,
+            let attend = match (cache.as_deref_mut(), &indexed) {
+                (Some(c), Some((positions, bias))) => Keys::Indexed { cache: c, layer: i, positions, bias },
+                (Some(c), None) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
+                (None, _) => Keys::Causal,
             };
             x = self.layer_forward(layer, &x, &cos, &sin, attend, routes.as_deref_mut())?;
             observe(i, &x);
         }
-        if let Some(c) = cache {
+        if let Some(c) = cache.filter(|_| indexed.is_none()) {
             c.advance(s);
         }
         Ok(x)
@@ -930,11 +996,27 @@ impl Target {
                             let (k, v) = cache.prefix(index, context_bucket(start + s))?;
                             (k, v, start)
                         }
+                        Keys::Indexed { .. } => {
+                            return Err(ModelError::Batch("attention sinks at a device position".into()));
+                        }
                     };
                     sink_attention(&q, &k, &v, sinks, layer.window, start)?
                 }
                 (Keys::Causal, None) => {
                     Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
+                }
+                (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
+                    let (k, v) = cache.write_at(index, positions, &k, &v)?;
+                    Tensor::f_scaled_dot_product_attention(
+                        &q,
+                        &repeat_kv(&k, heads / kv_heads),
+                        &repeat_kv(&v, heads / kv_heads),
+                        Some(bias),
+                        0.0,
+                        false,
+                        None,
+                        false,
+                    )?
                 }
                 (Keys::Cached { cache, layer: index, bias }, None) => {
                     let (k, v) = cache.write(index, &k, &v)?;

@@ -13,7 +13,7 @@ use crate::data::SampleId;
 use crate::data::prompts::Prompt;
 use crate::device;
 use crate::model::speculative::{DFlashProposer, greedy, speculative};
-use crate::model::{Drafter, ModelError, Target};
+use crate::model::{Decoder, Drafter, ModelError, Target};
 
 /// How to decode.
 #[derive(Debug, Clone)]
@@ -21,6 +21,8 @@ pub struct DecodeSettings {
     pub max_new_tokens: usize,
     /// Generation stops after any of these (the target's EOS ids, or none with `--ignore-eos`).
     pub stop: Vec<i64>,
+    /// On a GPU, replay the target's steps from CUDA graphs where they apply ([`Decoder`]).
+    pub cuda_graphs: bool,
 }
 
 /// One prompt's first difference between speculative and greedy decoding.
@@ -91,18 +93,23 @@ pub fn evaluate_decoding(
         device::synchronize(target.device())?;
         Ok(start.elapsed().as_secs_f64())
     };
+    // One cache for every generation (and, on a GPU, the steps' CUDA graphs captured once).
+    let longest = prompts.iter().map(|p| p.input_ids.len()).max().unwrap_or(0);
+    let graphed: &[i64] = if settings.cuda_graphs { &[1, block_size as i64] } else { &[] };
+    let mut decoder = Decoder::new(target, (longest + max_new).max(1) as i64, graphed)?;
     let mut spec_outputs = Vec::with_capacity(prompts.len());
     let speculative_seconds = timed(&mut || {
         for p in prompts {
             let mut proposer = DFlashProposer::new(drafter, target, (p.input_ids.len() + max_new) as i64)?;
-            spec_outputs.push(speculative(target, &mut proposer, block_size, &p.input_ids, max_new, &settings.stop)?);
+            let out = speculative(&mut decoder, &mut proposer, block_size, &p.input_ids, max_new, &settings.stop)?;
+            spec_outputs.push(out);
         }
         Ok(())
     })?;
     let mut greedy_outputs = Vec::with_capacity(prompts.len());
     let greedy_seconds = timed(&mut || {
         for p in prompts {
-            greedy_outputs.push(greedy(target, &p.input_ids, max_new, &settings.stop)?);
+            greedy_outputs.push(greedy(&mut decoder, &p.input_ids, max_new, &settings.stop)?);
         }
         Ok(())
     })?;
