@@ -3,6 +3,7 @@
 // current stream, presetting a tensor's `.grad` (so gradients accumulate into a flat buffer) and the fused AdamW
 // kernel. Tensors cross the boundary as `at::Tensor*`, which is what tch's C API hands out.
 // Every function catches C++ exceptions and reports them as a message, never unwinding into Rust.
+#include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -57,8 +58,16 @@ int dflash_synchronize(int index, char* err, size_t len) {
 }
 
 // out: [allocated, peak allocated, reserved, free on device, total on device]
+// The accelerator's runtime and caching allocator start lazily, at the first tensor on the device: before that
+// the allocator refuses statistics ("Invalid device argument ... did you call init?"), as for a target loaded from
+// files on a fresh thread. Starting them here is what that first tensor would do.
+static void start_accelerator() {
+  at::globalContext().lazyInitDevice(at::accelerator::getAccelerator(true).value());
+}
+
 int dflash_memory_stats(int index, int64_t* out, char* err, size_t len) {
   return guard(1, err, len, [&] {
+    start_accelerator();
     auto idx = static_cast<c10::DeviceIndex>(index);
     auto stats = at::accelerator::getDeviceStats(idx);
     auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -74,6 +83,7 @@ int dflash_memory_stats(int index, int64_t* out, char* err, size_t len) {
 
 int dflash_reset_peak_memory(int index, char* err, size_t len) {
   return guard(1, err, len, [&] {
+    start_accelerator();
     at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(index));
     return 0;
   });
