@@ -1,9 +1,10 @@
 //! A host other than rank 0 when rank 0 is lost (or ends the run with an error). The run cannot go on without it
 //! (it served the store and kept the loader and the ledger), but this host's replicas hold the run's state,
-//! possibly newer than rank 0's newest checkpoint. So the host checkpoints one replica at the step boundary it stands at, with the trainer state
-//! derived from rank 0's last word and the rounds since ([`Survivor`](super::super::survivor::Survivor)), into a
-//! folder of its own (`checkpoint.dir/survivors/host-<rank>`, so that no two hosts write one path on a shared
-//! disk), then exits for a restart. Rank 0, resumed with `--resume auto`, takes the newest checkpoint of any host.
+//! possibly newer than rank 0's newest checkpoint. So the host checkpoints one replica at the step boundary it
+//! stands at, with the trainer state derived from rank 0's last word and the rounds since
+//! ([`Survivor`](super::super::survivor::Survivor)), into a folder of its own (`checkpoint.dir/survivors/host-<rank>`,
+//! so that no two hosts write one path on a shared disk), then exits for a restart. Rank 0, resumed with
+//! `--resume auto`, takes the newest checkpoint of any host.
 use super::*;
 
 /// A checkpoint being taken on the way out.
