@@ -23,7 +23,7 @@ use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
 use crate::train::checkpoint::{
-    TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root,
+    TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivors_dir,
 };
 
 /// How to treat existing checkpoints.
@@ -71,7 +71,7 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
             "checkpoint.dir {} holds checkpoints other hosts wrote when rank 0 was lost ({}): pass --resume auto to \
              continue that run, or choose another checkpoint.dir",
             dir.display(),
-            survivor_root(dir, 1).parent().unwrap_or(dir).display()
+            survivors_dir(dir).display()
         );
     }
     if *resume == Resume::Auto {
@@ -153,8 +153,8 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let placement =
         resolve(&config.cluster, |k| std::env::var(k).ok()).context("[cluster] and the launcher's environment")?;
-    // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host and leaves
-    // checkpoint.dir alone (it may be rank 0's, on a shared disk).
+    // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host, and writes
+    // (only when rank 0 is lost) into a folder of its own under checkpoint.dir, which may be rank 0's on a shared disk.
     let follower = placement.as_ref().is_some_and(|p| p.rank > 0);
     let (resume, rejected) = match &placement {
         Some(p) if follower => {

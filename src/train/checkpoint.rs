@@ -325,14 +325,19 @@ pub fn retire(root: &Path, from: u64, to: u64) -> Result<Vec<PathBuf>, Checkpoin
 /// write one path on a shared disk): written when rank 0 was lost, taken by rank 0's resume.
 const SURVIVORS_DIR: &str = "survivors";
 
+/// The folder of the other hosts' checkpoints under `root`.
+pub fn survivors_dir(root: &Path) -> PathBuf {
+    root.join(SURVIVORS_DIR)
+}
+
 /// The folder host `rank` (not rank 0) checkpoints its replica into when rank 0 is lost.
 pub fn survivor_root(root: &Path, rank: usize) -> PathBuf {
-    root.join(SURVIVORS_DIR).join(format!("host-{rank}"))
+    survivors_dir(root).join(format!("host-{rank}"))
 }
 
 /// Whether other hosts wrote checkpoints under `root` (rank 0 was lost; `--resume auto` takes them).
 pub fn has_survivors(root: &Path) -> bool {
-    std::fs::read_dir(root.join(SURVIVORS_DIR)).is_ok_and(|mut entries| entries.next().is_some())
+    std::fs::read_dir(survivors_dir(root)).is_ok_and(|mut entries| entries.next().is_some())
 }
 
 /// Rank 0 resuming: when another host wrote a newer valid checkpoint than `own` (the newest of `root`) after
@@ -340,7 +345,7 @@ pub fn has_survivors(root: &Path) -> bool {
 /// is then moved aside (`retired-survivors-<unix seconds>`): once the run resumes, what they wrote is of steps it
 /// has, or of a run it no longer is. Checkpoints rejected on the way are added to `own.rejected`.
 pub fn adopt_survivors(root: &Path, own: &mut Scan) -> Result<Option<PathBuf>, CheckpointError> {
-    let survivors = root.join(SURVIVORS_DIR);
+    let survivors = survivors_dir(root);
     let hosts = match std::fs::read_dir(&survivors) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
