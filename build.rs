@@ -45,6 +45,10 @@ fn main() {
     // them beside it (nvidia/cu13/include), all but crt/, which scripts/setup.sh adds (nvidia-cuda-crt).
     println!("cargo::rustc-check-cfg=cfg(dflash_cuda_graphs)");
     let cuda_include = root.join("../nvidia/cu13/include");
+    if cuda_include.is_dir() {
+        // Built again once setup adds crt/ to a build made without it.
+        println!("cargo:rerun-if-changed={}", cuda_include.display());
+    }
     if lib.join("libtorch_cuda.so").exists() && cuda_include.join("crt/host_config.h").exists() {
         build.define("DFLASH_CUDA_GRAPHS", None).include(cuda_include);
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
