@@ -98,30 +98,23 @@ impl CudaGraph {
         let graph = CudaGraph { raw, device };
         synchronize(device)?;
         graph.call(|g, e, n| unsafe { dflash_graph_enter(g, e, n) })?;
-        let captured = graph.warm_and_capture(warmup, &mut step);
-        let left = graph.call(|g, e, n| unsafe { dflash_graph_leave(g, e, n) });
-        let out = captured?;
-        left?;
-        synchronize(device)?;
-        Ok((graph, out))
-    }
-
-    fn warm_and_capture<T, E: std::fmt::Display>(
-        &self,
-        warmup: usize,
-        step: &mut impl FnMut() -> Result<T, E>,
-    ) -> Result<T, GraphError> {
+        // From here the thread launches on the graph's stream until `entered` is dropped, whatever `step` does
+        // (an error, or a panic unwinding through here): a capture begun is ended, the thread's stream restored.
+        let mut entered = Entered { graph: &graph, capturing: false };
         for _ in 0..warmup {
             step().map_err(|e| GraphError::Step(e.to_string()))?;
         }
-        synchronize(self.device)?;
-        self.call(|g, e, n| unsafe { dflash_graph_capture_begin(g, e, n) })?;
+        synchronize(device)?;
+        graph.call(|g, e, n| unsafe { dflash_graph_capture_begin(g, e, n) })?;
+        entered.capturing = true;
         let out = step();
-        // The capture ends whatever the step did (a failed step leaves an unusable graph, never a stream capturing).
-        let ended = self.call(|g, e, n| unsafe { dflash_graph_capture_end(g, e, n) });
+        entered.capturing = false;
+        let ended = graph.call(|g, e, n| unsafe { dflash_graph_capture_end(g, e, n) });
+        drop(entered);
         let out = out.map_err(|e| GraphError::Step(e.to_string()))?;
         ended?;
-        Ok(out)
+        synchronize(device)?;
+        Ok((graph, out))
     }
 
     /// Launches the captured kernels on the calling thread's current stream.
@@ -131,6 +124,23 @@ impl CudaGraph {
 
     fn call(&self, f: impl FnOnce(*mut c_void, *mut c_char, usize) -> c_int) -> Result<(), GraphError> {
         Ok(call_shim(self.device, |e, n| f(self.raw, e, n))?)
+    }
+}
+
+/// The calling thread on a graph's stream (and maybe capturing): see [`CudaGraph::capture`].
+struct Entered<'a> {
+    graph: &'a CudaGraph,
+    capturing: bool,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        if self.capturing {
+            let _ = self.graph.call(|g, e, n| unsafe { dflash_graph_capture_end(g, e, n) });
+        }
+        if let Err(e) = self.graph.call(|g, e, n| unsafe { dflash_graph_leave(g, e, n) }) {
+            tracing::error!("leaving a CUDA graph's stream: {e}");
+        }
     }
 }
 
