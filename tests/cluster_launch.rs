@@ -95,6 +95,8 @@ fn the_pytorchjob_manifest_carries_what_the_operator_and_dflash_need() {
     for role in ["Master", "Worker"] {
         let spec = &specs[role];
         assert_eq!(spec["restartPolicy"], "OnFailure", "{role}: a failed host restarts and rejoins");
+        let grace = spec["template"]["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        assert!(grace >= 300, "{role}: time to finish a checkpoint when the job is stopped (rank 0's, or this host's)");
         let containers = spec["template"]["spec"]["containers"].as_array().unwrap();
         assert_eq!(containers.len(), 1, "{role}: one process per pod");
         let c = &containers[0];

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
 use ractor::Actor;
@@ -23,7 +24,8 @@ use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
 use crate::train::checkpoint::{
-    TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivors_dir,
+    TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivor_writes,
+    survivors_dir,
 };
 
 /// How to treat existing checkpoints.
@@ -75,6 +77,7 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
         );
     }
     if *resume == Resume::Auto {
+        wait_for_survivor_writes(dir, Duration::from_secs_f64(config.supervision.shutdown_timeout_s));
         let adopted = adopt_survivors(dir, &mut scan).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
         if let (Some(from), Some((_, state))) = (adopted, &scan.newest) {
             tracing::warn!(
@@ -122,6 +125,30 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
         }
     };
     Ok((found, rejected))
+}
+
+/// Waits up to `limit` (the time the other hosts have for it) while another host is still writing the checkpoint
+/// it takes when rank 0 is lost: with every host restarted at once, rank 0 would otherwise resume past it.
+fn wait_for_survivor_writes(dir: &std::path::Path, limit: Duration) {
+    // A write whose files stood still this long was killed.
+    const QUIET: Duration = Duration::from_secs(30);
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        let writing = survivor_writes(dir, SystemTime::now(), QUIET);
+        if writing.is_empty() {
+            return;
+        }
+        if started.elapsed() >= limit {
+            tracing::warn!(?writing, "other hosts' checkpoints still being written: resuming without them");
+            return;
+        }
+        if !said {
+            tracing::info!(?writing, "another host is still writing its checkpoint: waiting for it");
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// Runs the service until it ends; returns its exit status. `layers` are where `config` came from: a reload rereads

@@ -340,6 +340,34 @@ pub fn has_survivors(root: &Path) -> bool {
     std::fs::read_dir(survivors_dir(root)).is_ok_and(|mut entries| entries.next().is_some())
 }
 
+/// Checkpoints other hosts are still writing under `root`: their temporary folders (`.ckpt-N.tmp`) with a file
+/// changed within `quiet` of `now` (an older one is a killed write's debris). Rank 0 resuming waits for them: a host
+/// checkpointing its replica when rank 0 was lost may still be at it when every host is restarted.
+pub fn survivor_writes(root: &Path, now: std::time::SystemTime, quiet: Duration) -> Vec<PathBuf> {
+    let Ok(hosts) = std::fs::read_dir(survivors_dir(root)) else { return vec![] };
+    let mut writing = Vec::new();
+    for host in hosts.flatten() {
+        let Ok(entries) = std::fs::read_dir(host.path()) else { continue };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".ckpt-") && name.ends_with(".tmp") && changed_since(&entry.path(), now, quiet) {
+                writing.push(entry.path());
+            }
+        }
+    }
+    writing
+}
+
+/// Whether a file under `path` (or `path` itself) changed within `quiet` of `now`.
+fn changed_since(path: &Path, now: std::time::SystemTime, quiet: Duration) -> bool {
+    let recent = |m: std::fs::Metadata| m.modified().is_ok_and(|t| now.duration_since(t).map_or(true, |d| d < quiet));
+    if std::fs::metadata(path).is_ok_and(recent) {
+        return true;
+    }
+    let Ok(entries) = std::fs::read_dir(path) else { return false };
+    entries.flatten().any(|e| changed_since(&e.path(), now, quiet))
+}
+
 /// Rank 0 resuming: when another host wrote a newer valid checkpoint than `own` (the newest of `root`) after
 /// rank 0 was lost, that one is moved into `root` and returned in its place. Either way the other hosts' folder
 /// is then moved aside (`retired-survivors-<unix seconds>`): once the run resumes, what they wrote is of steps it
@@ -605,6 +633,24 @@ mod tests {
         assert!(!root.join(SURVIVORS_DIR).exists());
         let mut scan = newest_valid(root, &|_| true).unwrap();
         assert_eq!(adopt_survivors(root, &mut scan).unwrap(), None, "no other hosts' folder: nothing to do");
+    }
+
+    /// A write in progress (a file changed recently) is waited for; a killed write's debris (nothing changed for
+    /// a while) and rank 0's own temporary folders are not.
+    #[test]
+    fn only_other_hosts_writes_still_changing_count_as_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let now = std::time::SystemTime::now();
+        let quiet = Duration::from_secs(30);
+        assert!(survivor_writes(root, now, quiet).is_empty(), "no other hosts' folder");
+        let writing = survivor_root(root, 1).join(".ckpt-000000007.tmp");
+        std::fs::create_dir_all(writing.join("drafter")).unwrap();
+        std::fs::write(writing.join("drafter/model.safetensors"), b"part").unwrap();
+        std::fs::create_dir_all(root.join(".ckpt-000000005.tmp")).unwrap();
+        assert_eq!(survivor_writes(root, now, quiet), vec![writing.clone()]);
+        let later = now + Duration::from_secs(120);
+        assert!(survivor_writes(root, later, quiet).is_empty(), "two minutes without a change: debris");
     }
 
     fn snapshot(step: u64) -> Snapshot {

@@ -450,6 +450,8 @@ mod tests {
         let actions = c.handle(at(1.0), Event::RendezvousLost("connection reset".into()));
         assert_eq!(actions, vec![Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at: 0 } }]);
         assert!(c.handle(at(1.1), Event::Tick).is_empty(), "nothing else goes on meanwhile");
+        // The orchestrator stopping every pod of the job (SIGTERM) does not cut the checkpoint short.
+        assert!(c.handle(at(1.1), Event::Shutdown).is_empty());
         let actions = c.handle(at(1.2), Event::Snapshot { id: 0, generation: 1, step: 8, optimizer_steps: 6 });
         let [Action::WriteCheckpoint(job)] = &actions[..] else { panic!("{actions:?}") };
         assert_eq!((job.donor, job.step, job.state.step, job.state.optimizer_steps), ((0, 1), 8, 8, 6));

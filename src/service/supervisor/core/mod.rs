@@ -377,6 +377,10 @@ impl Core {
                 self.config = *config;
                 self.config_version += 1;
             }
+            // Already ending, with this host's replica being checkpointed within its own deadline.
+            Event::Shutdown if self.parting() => {
+                tracing::warn!("stop requested: this host's checkpoint is being written")
+            }
             Event::Shutdown => self.begin_ending(EXIT_OK, false, "stop requested".into()),
         }
         self.advance();
