@@ -14,7 +14,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # target spread over the GPUs; 10 two serve-train processes as two hosts on this machine, with a kill -9 and rejoin;
 # 11 the same over NCCL with one GPU per process, against one process with both GPUs (or both on one GPU); 12
 # serve-train at the published recipe's shapes, full-length rows and chat lengths; 13 rank 0 killed -9 under NCCL:
-# host 1 checkpoints its replica, and both resume from it).
+# host 1 checkpoints its replica, and both resume from it; 14 the decoding evaluation's cost to training, with and
+# without CUDA graphs).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -456,4 +457,55 @@ for run in first resumed; do
 done
 grep -h "checkpoint written\|checkpointed this host\|rendezvous host is gone\|resuming" "$out"/lost-*.log | cut -c1-400
 tar -C "$out" -czf "$out/lost.tgz" $(cd "$out" && ls lost-* 2>/dev/null) && (cd "$out" && rm -f lost-*)
+fi
+
+if has 14; then
+# The in-training evaluation's cost to training, with the target's decoding steps replayed from CUDA graphs and
+# without (eval.cuda_graphs), in one lease: serve-train at stage 5's shapes with a one-layer drafter (its checkpoints
+# write in seconds), an evaluation of 4 prompts x 64 tokens every EVAL_EVERY (60) steps, far enough apart for steps
+# between them; per run, each evaluation's seconds and the mean step time while it ran against the mean step time
+# outside.
+python3 -c '
+import json, random
+random.seed(0)
+with open("/tmp/prompts.jsonl", "w") as f:
+    for i in range(4):
+        f.write(json.dumps({"input_ids": [random.randrange(10, 300) for _ in range(128)]}) + "\n")
+'
+for graphs in true false; do
+  echo "== 14. evaluation beside training, eval.cuda_graphs = $graphs"
+  rm -rf runs/evalcost
+  ./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" --set draft_model.num_hidden_layers=1 \
+    --set checkpoint.dir=runs/evalcost --set eval.every_steps=${EVAL_EVERY:-60} \
+    --set eval.prompts=/tmp/prompts.jsonl --set eval.num_prompts=4 --set eval.max_new_tokens=64 \
+    --set eval.cuda_graphs=$graphs --set log.every_steps=1 2>"$out/evalcost-$graphs.log" &
+  pid=$!
+  deadline=$((SECONDS + ${EVAL_WAIT_S:-240}))
+  until [ "$(grep -c 'evaluation: decoded' "$out/evalcost-$graphs.log")" -ge 3 ] || [ $SECONDS -ge $deadline ] \
+    || ! kill -0 $pid 2>/dev/null; do sleep 1; done
+  kill -9 $pid; wait 2>/dev/null
+  python3 - "$out/evalcost-$graphs.log" <<'PY' | tee "$out/evalcost-$graphs.json"
+import datetime, json, re, sys
+def when(v):
+    return datetime.datetime.fromisoformat(v["timestamp"].replace("Z", "+00:00")).timestamp()
+steps, evals = [], []
+for line in open(sys.argv[1]):
+    try:
+        v = json.loads(line)
+    except ValueError:
+        continue
+    m = v.get("fields", {}).get("message", "")
+    if re.match(r"step \d+ ", m):
+        steps.append(when(v))
+    elif m.startswith("evaluation: decoded"):
+        seconds = float(re.search(r"· ([0-9.]+) s ·", m).group(1))
+        evals.append((when(v) - seconds, when(v)))
+gaps = [(b, b - a) for a, b in zip(steps, steps[1:])]
+inside = [d for t, d in gaps if any(s <= t <= e for s, e in evals)]
+outside = [d for t, d in gaps if not any(s - 1 <= t <= e + 1 for s, e in evals)]
+mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None
+print(json.dumps({"evaluations_s": [round(e - s, 2) for s, e in evals], "step_s_during": mean(inside),
+                  "step_s_outside": mean(outside), "steps_during": len(inside), "steps_outside": len(outside)}))
+PY
+done
 fi
