@@ -22,6 +22,15 @@ struct DflashGraph {
   std::optional<c10::StreamGuard> on_stream;
   explicit DflashGraph(c10::cuda::CUDAStream s) : stream(s) {}
 };
+
+// Runs `body` on graph `g` under `guard`: 0, or 1 with the message.
+template <typename F>
+static int on_graph(void* g, char* err, size_t len, F&& body) {
+  return guard(1, err, len, [&] {
+    body(*static_cast<DflashGraph*>(g));
+    return 0;
+  });
+}
 #endif
 
 extern "C" {
@@ -44,40 +53,26 @@ int dflash_graph_new(int device, void** out, char* err, size_t len) {
 
 // Makes the graph's stream the calling thread's current one (warm-up and capture run there) until `leave`.
 int dflash_graph_enter(void* g, char* err, size_t len) {
-  return guard(1, err, len, [&] {
-    auto* graph = static_cast<DflashGraph*>(g);
-    graph->on_stream.emplace(graph->stream.unwrap());
-    return 0;
-  });
+  return on_graph(g, err, len, [](DflashGraph& graph) { graph.on_stream.emplace(graph.stream.unwrap()); });
 }
 
 int dflash_graph_leave(void* g, char* err, size_t len) {
-  return guard(1, err, len, [&] {
-    static_cast<DflashGraph*>(g)->on_stream.reset();
-    return 0;
-  });
+  return on_graph(g, err, len, [](DflashGraph& graph) { graph.on_stream.reset(); });
 }
 
 int dflash_graph_capture_begin(void* g, char* err, size_t len) {
-  return guard(1, err, len, [&] {
-    static_cast<DflashGraph*>(g)->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-    return 0;
+  return on_graph(g, err, len, [](DflashGraph& graph) {
+    graph.graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
   });
 }
 
 int dflash_graph_capture_end(void* g, char* err, size_t len) {
-  return guard(1, err, len, [&] {
-    static_cast<DflashGraph*>(g)->graph.capture_end();
-    return 0;
-  });
+  return on_graph(g, err, len, [](DflashGraph& graph) { graph.graph.capture_end(); });
 }
 
 // Replays on the calling thread's current stream.
 int dflash_graph_replay(void* g, char* err, size_t len) {
-  return guard(1, err, len, [&] {
-    static_cast<DflashGraph*>(g)->graph.replay();
-    return 0;
-  });
+  return on_graph(g, err, len, [](DflashGraph& graph) { graph.graph.replay(); });
 }
 
 void dflash_graph_free(void* g) {

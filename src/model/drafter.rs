@@ -21,6 +21,7 @@ use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
+use super::target::masked_attention;
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
 use crate::ops;
@@ -326,7 +327,6 @@ impl Drafter {
             let hidden_rows = keys_at.f_ge(start + n)?.f_logical_and(&keys_at.f_lt(padded)?)?;
             let bias = Tensor::f_zeros([1, 1, bs, padded + bs], (self.kind, self.device))?
                 .f_masked_fill(&hidden_rows, f64::NEG_INFINITY)?;
-            let rep = heads / kv_heads;
             let mut x = block_embeddings.shallow_clone();
             for (i, layer) in self.layers.iter().enumerate() {
                 let qkv_w = w(layer.qkv_proj);
@@ -348,11 +348,9 @@ impl Drafter {
                 let (k_ctx, v_ctx) = cache.prefix(i, padded)?;
                 drop(p);
                 let p = span("drafter.attention");
-                // The memory-efficient kernel takes the mask and wants the key/value heads expanded.
-                let keys = repeat_kv(&Tensor::f_cat(&[&k_ctx, &k_blk], 2)?, rep);
-                let values = repeat_kv(&Tensor::f_cat(&[&v_ctx, &v_blk.transpose(1, 2)], 2)?, rep);
-                let attn =
-                    Tensor::f_scaled_dot_product_attention(&q, &keys, &values, Some(&bias), 0.0, false, None, false)?;
+                let keys = Tensor::f_cat(&[&k_ctx, &k_blk], 2)?;
+                let values = Tensor::f_cat(&[&v_ctx, &v_blk.transpose(1, 2)], 2)?;
+                let attn = masked_attention(&q, &keys, &values, &bias)?;
                 drop(p);
                 let p = span("drafter.mlp");
                 let o = attn.transpose(1, 2).reshape([1, bs, heads * d]);

@@ -294,6 +294,22 @@ fn flash_applies(q: &Tensor) -> bool {
     q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
 }
 
+/// Attention of `q [B, H, T, d]` over `k`, `v` `[B, KV, K, d]` with an additive `bias` (broadcast to
+/// `[B, H, T, K]`): the memory-efficient kernel takes the mask and wants the key/value heads expanded.
+pub(crate) fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor, ModelError> {
+    let rep = q.size()[1] / k.size()[1];
+    Ok(Tensor::f_scaled_dot_product_attention(
+        q,
+        &repeat_kv(k, rep),
+        &repeat_kv(v, rep),
+        Some(bias),
+        0.0,
+        false,
+        None,
+        false,
+    )?)
+}
+
 /// GPT-OSS's attention: causal (within `window` positions, the query's own included, where the layer has one), with
 /// one sink logit per head that takes part in the softmax and contributes no value. `q [B, H, T, d]` holds positions
 /// `start..start + T`; `k`, `v` `[B, KV, K, d]` positions `0..K` (the whole sequence, or the cache's bucketed
@@ -1007,34 +1023,15 @@ impl Target {
                 }
                 (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
                     let (k, v) = cache.write_at(index, positions, &k, &v)?;
-                    Tensor::f_scaled_dot_product_attention(
-                        &q,
-                        &repeat_kv(&k, heads / kv_heads),
-                        &repeat_kv(&v, heads / kv_heads),
-                        Some(bias),
-                        0.0,
-                        false,
-                        None,
-                        false,
-                    )?
+                    masked_attention(&q, &k, &v, bias)?
                 }
                 (Keys::Cached { cache, layer: index, bias }, None) => {
                     let (k, v) = cache.write(index, &k, &v)?;
                     match bias {
-                        // After the prefill: the bucketed cache, masked. The memory-efficient kernel takes the mask
-                        // and wants the key/value heads expanded.
+                        // After the prefill: the bucketed cache, masked.
                         Some(bias) => {
                             let (k, v) = cache.prefix(index, bias.size()[1])?;
-                            Tensor::f_scaled_dot_product_attention(
-                                &q,
-                                &repeat_kv(&k, heads / kv_heads),
-                                &repeat_kv(&v, heads / kv_heads),
-                                Some(bias),
-                                0.0,
-                                false,
-                                None,
-                                false,
-                            )?
+                            masked_attention(&q, &k, &v, bias)?
                         }
                         // The prefill: causal over the prompt.
                         None => {

@@ -245,6 +245,30 @@ mod tests {
         BatchId { epoch: 0, ordinal }
     }
 
+    /// Another host whose only drafter entered the run at `step`.
+    fn follower_at(step: u64) -> Core {
+        let mut c = core(HostRole::Follower);
+        c.start(at(0.0));
+        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
+        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step });
+        c
+    }
+
+    /// Rank 0's word at boundary `step`: `samples` committed, `skipped` steps skipped, new batches from `next`,
+    /// `owed` owed.
+    fn position(step: u64, samples: u64, skipped: u64, next: u64, owed: Vec<BatchId>) -> Option<Box<RunPosition>> {
+        let loader = crate::data::loader::LoaderState { epoch: 0, next_ordinal: next, owed };
+        let position = RunPosition {
+            step,
+            samples_committed: samples,
+            skipped_steps: skipped,
+            loader,
+            set_aside: vec![],
+            lr: 1e-3,
+        };
+        Some(Box::new(position))
+    }
+
     fn at(s: f64) -> Duration {
         Duration::from_secs_f64(s)
     }
@@ -429,20 +453,9 @@ mod tests {
     /// derived from rank 0's last word and the round since, into its own folder, then exits for a restart.
     #[test]
     fn another_host_checkpoints_its_replica_when_rank_0_is_lost() {
-        let mut c = core(HostRole::Follower);
-        c.start(at(0.0));
-        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
-        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
-        let position = crate::service::supervisor::survivor::RunPosition {
-            step: 7,
-            samples_committed: 28,
-            skipped_steps: 1,
-            loader: crate::data::loader::LoaderState { epoch: 0, next_ordinal: 9, owed: vec![id(7), id(8)] },
-            set_aside: vec![],
-            lr: 1e-3,
-        };
+        let mut c = follower_at(7);
         let item = Item::Capture { batch: id(7), positions: vec![0, 1] };
-        let fed = Event::Fed { step: 7, items: vec![(0, item)], position: Some(Box::new(position)) };
+        let fed = Event::Fed { step: 7, items: vec![(0, item)], position: position(7, 28, 1, 9, vec![id(7), id(8)]) };
         assert_eq!(captured(&c.handle(at(0.3), fed)), vec![id(7)]);
         let r = report(7, c.incarnation, vec![contributed(0, vec![id(7)])], vec![record(0, 1, vec![id(9)])]);
         c.handle(at(0.4), Event::Round(r));
@@ -463,10 +476,7 @@ mod tests {
         assert_eq!(c.handle(at(1.5), written).last(), Some(&Action::Exit { code: EXIT_RESTART }));
 
         // With no word from rank 0 yet there is nothing to checkpoint: the host exits at once.
-        let mut c = core(HostRole::Follower);
-        c.start(at(0.0));
-        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
-        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
+        let mut c = follower_at(7);
         let actions = c.handle(at(1.0), Event::RendezvousLost("connection reset".into()));
         assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_RESTART }));
     }
@@ -476,19 +486,8 @@ mod tests {
     #[test]
     fn rank_0_ending_the_run_with_an_error_has_the_others_checkpoint_too() {
         let started = || {
-            let mut c = core(HostRole::Follower);
-            c.start(at(0.0));
-            c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
-            c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 3 });
-            let position = crate::service::supervisor::survivor::RunPosition {
-                step: 3,
-                samples_committed: 12,
-                skipped_steps: 0,
-                loader: crate::data::loader::LoaderState { epoch: 0, next_ordinal: 5, owed: vec![id(4)] },
-                set_aside: vec![],
-                lr: 1e-3,
-            };
-            c.handle(at(0.3), Event::Fed { step: 3, items: vec![], position: Some(Box::new(position)) });
+            let mut c = follower_at(3);
+            c.handle(at(0.3), Event::Fed { step: 3, items: vec![], position: position(3, 12, 0, 5, vec![id(4)]) });
             c
         };
         let mut c = started();
@@ -506,19 +505,8 @@ mod tests {
     /// A replica whose snapshot never comes does not keep the host: it exits at `shutdown_timeout_s`.
     #[test]
     fn a_host_parting_without_a_snapshot_exits_at_the_deadline() {
-        let mut c = core(HostRole::Follower);
-        c.start(at(0.0));
-        c.handle(at(0.1), Event::TargetReady { target: 0, generation: 1 });
-        c.handle(at(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 7 });
-        let position = crate::service::supervisor::survivor::RunPosition {
-            step: 7,
-            samples_committed: 28,
-            skipped_steps: 0,
-            loader: crate::data::loader::LoaderState { epoch: 0, next_ordinal: 9, owed: vec![] },
-            set_aside: vec![],
-            lr: 1e-3,
-        };
-        c.handle(at(0.3), Event::Fed { step: 7, items: vec![], position: Some(Box::new(position)) });
+        let mut c = follower_at(7);
+        c.handle(at(0.3), Event::Fed { step: 7, items: vec![], position: position(7, 28, 0, 9, vec![]) });
         c.handle(at(1.0), Event::RendezvousLost("connection reset".into()));
         let timeout = c.supervision().shutdown_timeout_s;
         assert!(c.handle(at(1.0 + timeout / 2.0), Event::Tick).is_empty());
