@@ -71,8 +71,9 @@ impl Core {
         for (drafter, generation, item) in items {
             feeds.entry((drafter / per_host, generation)).or_default().push((drafter % per_host, item));
         }
+        let position = self.run_position();
         for ((rank, generation), items) in feeds {
-            let position = Box::new(self.run_position());
+            let position = Box::new(position.clone());
             self.out.push(Action::Feed { rank, generation, step, items, position });
         }
     }
