@@ -472,19 +472,21 @@ with open("/tmp/prompts.jsonl", "w") as f:
     for i in range(4):
         f.write(json.dumps({"input_ids": [random.randrange(10, 300) for _ in range(128)]}) + "\n")
 '
-for graphs in true false; do
-  echo "== 14. evaluation beside training, eval.cuda_graphs = $graphs"
+# RUNS14 lists the runs as graphs:stream (the evaluator's stream priority, DFLASH_EVAL_STREAM).
+for run in ${RUNS14:-true:high false:high}; do
+  graphs=${run%%:*} priority=${run##*:}
+  echo "== 14. evaluation beside training, eval.cuda_graphs = $graphs, evaluator stream $priority"
   rm -rf runs/evalcost
-  ./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" --set draft_model.num_hidden_layers=1 \
-    --set checkpoint.dir=runs/evalcost --set eval.every_steps=${EVAL_EVERY:-60} \
+  DFLASH_EVAL_STREAM=$priority ./.bin/dflash serve-train "${shapes[@]}" --set "drafters.devices=[\"$dev\"]" \
+    --set draft_model.num_hidden_layers=1 --set checkpoint.dir=runs/evalcost --set eval.every_steps=${EVAL_EVERY:-60} \
     --set eval.prompts=/tmp/prompts.jsonl --set eval.num_prompts=4 --set eval.max_new_tokens=64 \
-    --set eval.cuda_graphs=$graphs --set log.every_steps=1 2>"$out/evalcost-$graphs.log" &
+    --set eval.cuda_graphs=$graphs --set log.every_steps=1 2>"$out/evalcost-$graphs-$priority.log" &
   pid=$!
   deadline=$((SECONDS + ${EVAL_WAIT_S:-240}))
-  until [ "$(grep -c 'evaluation: decoded' "$out/evalcost-$graphs.log")" -ge 3 ] || [ $SECONDS -ge $deadline ] \
+  until [ "$(grep -c 'evaluation: decoded' "$out/evalcost-$graphs-$priority.log")" -ge 3 ] || [ $SECONDS -ge $deadline ] \
     || ! kill -0 $pid 2>/dev/null; do sleep 1; done
   kill -9 $pid; wait 2>/dev/null
-  python3 - "$out/evalcost-$graphs.log" <<'PY' | tee "$out/evalcost-$graphs.json"
+  python3 - "$out/evalcost-$graphs-$priority.log" <<'PY' | tee "$out/evalcost-$graphs-$priority.json"
 import datetime, json, re, sys
 def when(v):
     return datetime.datetime.fromisoformat(v["timestamp"].replace("Z", "+00:00")).timestamp()

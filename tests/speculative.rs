@@ -72,17 +72,59 @@ fn the_drafting_pass_equals_the_training_forward() {
     assert!(max_diff(&drafted, &trained) < 1e-4, "{}", max_diff(&drafted, &trained));
 }
 
+/// The pass a CUDA graph captures (positions and the new context's length from device scalars, a whole block of
+/// context rows written, the rest of them garbage) drafts what the eager pass drafts, and leaves a cache from which
+/// an eager pass drafts the same again.
+#[test]
+fn the_drafting_pass_at_a_device_position_equals_the_eager_pass() {
+    let t = target();
+    let d = drafter(7);
+    let width = d.config().context_width() as i64;
+    let weights = d.decode_weights().unwrap();
+    let (mut eager, mut indexed) = (d.new_cache(40).unwrap(), d.new_cache(40).unwrap());
+    tch::manual_seed(1);
+    let states = Tensor::randn([1, 128, width], (Kind::Float, Device::Cpu));
+    let embeddings = t.embed(&Tensor::from_slice(&[42i64, 319, 319, 319]).view([1, BS as i64]));
+    let _ = d.draft(&weights, &states.narrow(1, 0, 9), &embeddings, &mut eager).unwrap();
+    let _ = d.draft(&weights, &states.narrow(1, 0, 9), &embeddings, &mut indexed).unwrap();
+    let (start, count) = (Tensor::zeros([], (Kind::Int64, Device::Cpu)), Tensor::zeros([], (Kind::Int64, Device::Cpu)));
+    let mut at = 9;
+    for n in [1i64, 4, 2, 3, 1, 4] {
+        let new = states.narrow(1, at, n);
+        // The rows past the new context hold whatever the previous pass left there.
+        let context = Tensor::randn([1, BS as i64, width], (Kind::Float, Device::Cpu)) * 10.0;
+        context.narrow(1, 0, n).copy_(&new);
+        let _ = start.shallow_clone().fill_(indexed.len());
+        let _ = count.shallow_clone().fill_(n);
+        let a = d.draft(&weights, &new, &embeddings, &mut eager).unwrap();
+        let b = d.draft_at(&weights, &context, &start, &count, &embeddings, &mut indexed).unwrap();
+        indexed.advance(n);
+        assert!(max_diff(&a, &b) < 1e-5, "{n} new context rows at {at}: {}", max_diff(&a, &b));
+        at += n;
+    }
+    assert_eq!(eager.len(), indexed.len());
+    let a = d.draft(&weights, &states.narrow(1, at, 2), &embeddings, &mut eager).unwrap();
+    let b = d.draft(&weights, &states.narrow(1, at, 2), &embeddings, &mut indexed).unwrap();
+    assert!(max_diff(&a, &b) < 1e-5, "an eager pass after device-position passes: {}", max_diff(&a, &b));
+    let mut full = d.new_cache(128).unwrap();
+    let _ = d.draft(&weights, &states.narrow(1, 0, 125), &embeddings, &mut full).unwrap();
+    let context = Tensor::zeros([1, BS as i64, width], (Kind::Float, Device::Cpu));
+    let refused = d.draft_at(&weights, &context, &start, &count, &embeddings, &mut full);
+    assert!(refused.is_err(), "125 of 128 positions held: a pass writing 8 more must be refused");
+}
+
 #[test]
 fn speculative_output_equals_greedy_output() {
     let t = target();
     let d = drafter(5);
+    // One proposer for every generation: each starts from nothing.
+    let mut proposer = DFlashProposer::new(&d, &t, 128, false).unwrap();
     for (i, (prompt_len, max_new)) in
         [(1, 9), (2, 1), (3, 2), (5, 4), (7, 5), (17, 16), (30, 33), (40, 12)].into_iter().enumerate()
     {
         let p = prompt(prompt_len, i as i64);
         let reference = greedy(&mut decoder(&t), &p, max_new, &[]).unwrap();
         assert_eq!(reference.tokens.len(), max_new);
-        let mut proposer = DFlashProposer::new(&d, &t, 128).unwrap();
         let out = speculative(&mut decoder(&t), &mut proposer, BS, &p, max_new, &[]).unwrap();
         assert_eq!(out.tokens, reference.tokens, "prompt {prompt_len} tokens, {max_new} new");
         // The prefill makes the first token; every verify step keeps at least its bonus token.
@@ -107,7 +149,7 @@ fn a_stop_token_inside_a_block_ends_both_the_same_way() {
         .expect("the tiny target generates a new token after the 6th");
     let reference = greedy(&mut decoder(&t), &p, 24, &[stop]).unwrap();
     assert_eq!(reference.tokens, free[..=at]);
-    let mut proposer = DFlashProposer::new(&d, &t, 64).unwrap();
+    let mut proposer = DFlashProposer::new(&d, &t, 64, false).unwrap();
     let out = speculative(&mut decoder(&t), &mut proposer, BS, &p, 24, &[stop]).unwrap();
     assert_eq!(out.tokens, reference.tokens);
 }
@@ -145,7 +187,7 @@ fn a_perfect_proposer_is_accepted_whole_and_a_random_drafter_hardly_at_all() {
     let (mut steps, mut kept) = (0, 0);
     for salt in 0..6 {
         let p = prompt(12, 100 + salt);
-        let mut proposer = DFlashProposer::new(&d, &t, 64).unwrap();
+        let mut proposer = DFlashProposer::new(&d, &t, 64, false).unwrap();
         let out = speculative(&mut decoder(&t), &mut proposer, BS, &p, 24, &[]).unwrap();
         steps += out.accepted.len();
         kept += out.accepted.iter().sum::<usize>();

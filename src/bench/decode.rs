@@ -4,6 +4,7 @@
 //!   cache cropped back after each, so every pass sees the same context;
 //! - draft: the drafter's pass (one new context token, then the block), reported as drafted tokens per second
 //!   (`bs - 1` per pass);
+//! - on a GPU, the same passes replayed from CUDA graphs, and the generations with graphs;
 //! - speculative and greedy generation of `steps` tokens after a random prompt, through
 //!   [`evaluate_decoding`](crate::train::decode_eval::evaluate_decoding). A random drafter is hardly ever accepted,
 //!   so this measures the loop's overhead, not a speed-up.
@@ -73,6 +74,11 @@ pub struct DecodeBenchReport {
 pub struct GraphedReport {
     pub step_ms_p50: f64,
     pub verify_ms_p50: f64,
+    /// The drafter's pass replayed from its graph.
+    pub draft_ms_p50: f64,
+    /// Share of the tokens of one drafting pass (the same inputs) that equal the eager pass's (the graph's attention
+    /// sums the softmax in another order: in bf16 a near-tie may go the other way).
+    pub drafted_match: f64,
     pub speculative_tokens_per_s: f64,
     pub greedy_tokens_per_s: f64,
     pub lossless: bool,
@@ -119,14 +125,21 @@ pub fn bench_decode(
     })?;
 
     // Draft passes: the prompt's context once, then one new context token per pass.
-    let mut proposer = DFlashProposer::new(&drafter, &target, capacity + (opts.warmup + opts.steps) as i64)?;
-    let _ = proposer.propose(&context.narrow(1, 0, opts.seq - 1), prompt[0], opts.block_size - 1)?;
     let one = context.narrow(1, opts.seq - 1, 1);
-    let (draft_times, draft_phases_ms) = time_pass(device, opts, || {
-        let _ = proposer.propose(&one, prompt[1], opts.block_size - 1)?;
-        Ok(())
-    })?;
-    drop(proposer);
+    let (first_token, second_token) = (prompt[0], prompt[1]);
+    let draft_pass =
+        |cuda_graphs: bool, opts: &DecodeBenchOptions| -> Result<(StepTimes, Phases, Vec<i64>), BenchError> {
+            let passes = (opts.warmup + opts.steps + 1) as i64;
+            let mut proposer = DFlashProposer::new(&drafter, &target, capacity + passes, cuda_graphs)?;
+            let _ = proposer.propose(&context.narrow(1, 0, opts.seq - 1), first_token, opts.block_size - 1)?;
+            let first = proposer.propose(&one, second_token, opts.block_size - 1)?;
+            let (times, phases) = time_pass(device, opts, || {
+                let _ = proposer.propose(&one, second_token, opts.block_size - 1)?;
+                Ok(())
+            })?;
+            Ok((times, phases, first))
+        };
+    let (draft_times, draft_phases_ms, eager_drafted) = draft_pass(false, opts)?;
 
     let settings =
         |max_new_tokens: usize, cuda_graphs: bool| DecodeSettings { max_new_tokens, stop: vec![], cuda_graphs };
@@ -155,11 +168,15 @@ pub fn bench_decode(
             Ok(times)
         };
         let (verify, step) = (pass(&block)?, pass(&token)?);
+        let (draft, _, drafted) = draft_pass(true, &plain)?;
+        let same = drafted.iter().zip(&eager_drafted).filter(|(a, b)| a == b).count();
         let _warm = evaluate_decoding(&target, &drafter, &prompts, &settings(2, true))?;
         let generation = evaluate_decoding(&target, &drafter, &prompts, &settings(opts.steps, true))?;
         graphed = Some(GraphedReport {
             step_ms_p50: step.percentile(50.0),
             verify_ms_p50: verify.percentile(50.0),
+            draft_ms_p50: draft.percentile(50.0),
+            drafted_match: same as f64 / drafted.len().max(1) as f64,
             speculative_tokens_per_s: generation.speculative_tokens_per_s,
             greedy_tokens_per_s: generation.greedy_tokens_per_s,
             lossless: generation.lossless,
@@ -219,10 +236,12 @@ impl DecodeBenchReport {
     pub fn summary(&self) -> String {
         let graphed = match &self.graphed {
             Some(g) => format!(
-                "; from CUDA graphs: one-token step {:.2} ms, verify {:.2} ms, speculative {:.1} tokens/s, greedy \
-                 {:.1} tokens/s, lossless {}, logits within {:.3} of eager",
+                "; from CUDA graphs: one-token step {:.2} ms, verify {:.2} ms, draft {:.2} ms (drafted tokens as eager: \
+                 {:.2}), speculative {:.1} tokens/s, greedy {:.1} tokens/s, lossless {}, logits within {:.3} of eager",
                 g.step_ms_p50,
                 g.verify_ms_p50,
+                g.draft_ms_p50,
+                g.drafted_match,
                 g.speculative_tokens_per_s,
                 g.greedy_tokens_per_s,
                 g.lossless,

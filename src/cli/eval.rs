@@ -42,8 +42,8 @@ pub struct EvalArgs {
     /// --decode: do not stop at the target's eos_token_id.
     #[arg(long)]
     ignore_eos: bool,
-    /// --decode on a GPU: launch every kernel of the target's steps instead of replaying them from CUDA graphs
-    /// (same logits, slower; for comparison).
+    /// --decode on a GPU: launch every kernel of the target's and the drafter's passes instead of replaying them
+    /// from CUDA graphs (same logits, slower; for comparison).
     #[arg(long)]
     no_cuda_graphs: bool,
     /// --decode: write each prompt's generated token ids and accepted counts per verify step as JSON lines here.

@@ -435,7 +435,8 @@ pub struct EvalSettings {
     pub prompts: EvalPrompts,
     pub num_prompts: usize,
     pub max_new_tokens: usize,
-    /// On a GPU, the target's decoding steps replay from CUDA graphs.
+    /// On a GPU, the target's decoding steps and the drafter's passes replay from CUDA graphs (shorter evaluations
+    /// that cost training more; see `config/default.toml`).
     pub cuda_graphs: bool,
 }
 

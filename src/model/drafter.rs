@@ -21,7 +21,7 @@ use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
-use super::target::masked_attention;
+use super::target::{grouped_bias, masked_attention};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
 use crate::ops;
@@ -303,30 +303,83 @@ impl Drafter {
         block_embeddings: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor, ModelError> {
+        cache.reserve(new_context.size()[1])?;
+        self.draft_with(w, new_context, block_embeddings, cache, None)
+    }
+
+    /// [`Drafter::draft`] with nothing depending on the host, so that a CUDA graph can capture it: the pass starts
+    /// at `start` (an int64 scalar on the drafter's device: the cache's length) and the first `count` (another) of
+    /// the `N` rows of `context [1, N, taps * hidden]` are the new context; the rest are ignored. Every row's keys
+    /// and values are written at `start..start + N`, then the block's over them at `start + count..`, and attention
+    /// reads the cache's whole capacity, masked past the block. The same result as `draft`, up to the order of the
+    /// softmax's sum. The cache's length is the caller's to advance (by `count`); its capacity must hold `start +
+    /// N + bs` positions (checked here against the current length, which the caller keeps at `start`).
+    pub fn draft_at(
+        &self,
+        w: &DraftWeights,
+        context: &Tensor,
+        start: &Tensor,
+        count: &Tensor,
+        block_embeddings: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        let needed = context.size()[1] + block_embeddings.size()[1];
+        if cache.len() + needed > cache.capacity() {
+            return Err(ModelError::Batch(format!(
+                "a drafting pass at a device position needs {needed} free positions; the cache holds {} of {}",
+                cache.len(),
+                cache.capacity()
+            )));
+        }
+        self.draft_with(w, context, block_embeddings, cache, Some((start, count)))
+    }
+
+    fn draft_with(
+        &self,
+        w: &DraftWeights,
+        new_context: &Tensor,
+        block_embeddings: &Tensor,
+        cache: &mut KvCache,
+        at: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor, ModelError> {
         let c = &self.cfg.decoder;
         let eps = c.rms_norm_eps;
         let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
         let (n, bs) = (new_context.size()[1], block_embeddings.size()[1]);
         let start = cache.len();
-        cache.reserve(n)?;
         let w = |group: usize| &w.0[group];
+        let on = (Kind::Int64, self.device);
         tch::no_grad(|| {
             let ctx = {
                 let _p = span("drafter.fc");
                 rms_norm(&new_context.f_linear(w(self.fc), None::<Tensor>)?, w(self.hidden_norm), eps)
             };
-            let rope = |from: i64, len: i64| -> Result<(Tensor, Tensor), ModelError> {
-                let positions = Tensor::f_arange_start(from, from + len, (Kind::Int64, self.device))?;
-                let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
-                Ok((cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2)))
+            let rope = |positions: &Tensor| -> (Tensor, Tensor) {
+                let (cos, sin) = self.rope.cos_sin(positions, self.kind);
+                (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2))
             };
-            let (cos_c, sin_c) = rope(start, n)?;
-            let (cos_b, sin_b) = rope(start + n, bs)?;
-            let padded = context_bucket(start + n);
-            let keys_at = Tensor::f_arange(padded + bs, (Kind::Int64, self.device))?;
-            let hidden_rows = keys_at.f_ge(start + n)?.f_logical_and(&keys_at.f_lt(padded)?)?;
-            let bias = Tensor::f_zeros([1, 1, bs, padded + bs], (self.kind, self.device))?
-                .f_masked_fill(&hidden_rows, f64::NEG_INFINITY)?;
+            // The context's and the block's positions, and which keys the block may not see: on the host, the rows
+            // of the bucketed context past it; at a device position, every key past the block.
+            let (context_at, block_at, hidden, padded) = match at {
+                None => {
+                    let padded = context_bucket(start + n);
+                    let keys_at = Tensor::f_arange(padded + bs, on)?;
+                    let hidden = keys_at.f_ge(start + n)?.f_logical_and(&keys_at.f_lt(padded)?)?;
+                    let context_at = Tensor::f_arange_start(start, start + n, on)?;
+                    (context_at, Tensor::f_arange_start(start + n, start + n + bs, on)?, hidden, padded)
+                }
+                Some((start, count)) => {
+                    let block_start = start.f_add(count)?;
+                    let hidden = Tensor::f_arange(cache.capacity(), on)?.f_ge_tensor(&block_start.f_add_scalar(bs)?)?;
+                    let context_at = Tensor::f_arange(n, on)?.f_add(start)?;
+                    (context_at, Tensor::f_arange(bs, on)?.f_add(&block_start)?, hidden, cache.capacity())
+                }
+            };
+            let (cos_c, sin_c) = rope(&context_at);
+            let (cos_b, sin_b) = rope(&block_at);
+            let bias = Tensor::f_zeros([bs, hidden.size()[0]], (self.kind, self.device))?
+                .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
+            let bias = grouped_bias(&bias, heads / kv_heads)?;
             let mut x = block_embeddings.shallow_clone();
             for (i, layer) in self.layers.iter().enumerate() {
                 let qkv_w = w(layer.qkv_proj);
@@ -338,18 +391,34 @@ impl Drafter {
                 let v_blk = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([1, bs, kv_heads, d]);
                 let q = norm_rope(&q, Some(q_norm), eps, &cos_b, &sin_b).transpose(1, 2);
                 let k_blk = norm_rope(&k_blk, Some(k_norm), eps, &cos_b, &sin_b).transpose(1, 2);
-                if n > 0 {
-                    let kv = ctx.f_linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>)?;
-                    let k = kv.narrow(-1, 0, kv_heads * d).view([1, n, kv_heads, d]);
-                    let v = kv.narrow(-1, kv_heads * d, kv_heads * d).view([1, n, kv_heads, d]);
-                    let k = norm_rope(&k, Some(k_norm), eps, &cos_c, &sin_c).transpose(1, 2);
-                    let _ = cache.write(i, &k, &v.transpose(1, 2))?;
-                }
-                let (k_ctx, v_ctx) = cache.prefix(i, padded)?;
+                let v_blk = v_blk.transpose(1, 2);
+                let context_kv = match n {
+                    0 => None,
+                    _ => {
+                        let kv = ctx.f_linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>)?;
+                        let k = kv.narrow(-1, 0, kv_heads * d).view([1, n, kv_heads, d]);
+                        let v = kv.narrow(-1, kv_heads * d, kv_heads * d).view([1, n, kv_heads, d]);
+                        Some((norm_rope(&k, Some(k_norm), eps, &cos_c, &sin_c).transpose(1, 2), v.transpose(1, 2)))
+                    }
+                };
+                let (keys, values) = match at {
+                    None => {
+                        if let Some((k, v)) = &context_kv {
+                            let _ = cache.write(i, k, v)?;
+                        }
+                        let (k_ctx, v_ctx) = cache.prefix(i, padded)?;
+                        (Tensor::f_cat(&[&k_ctx, &k_blk], 2)?, Tensor::f_cat(&[&v_ctx, &v_blk], 2)?)
+                    }
+                    // The block's keys go over the rows past the new context, which the next pass overwrites.
+                    Some(_) => {
+                        if let Some((k, v)) = &context_kv {
+                            let _ = cache.write_at(i, &context_at, k, v)?;
+                        }
+                        cache.write_at(i, &block_at, &k_blk, &v_blk)?
+                    }
+                };
                 drop(p);
                 let p = span("drafter.attention");
-                let keys = Tensor::f_cat(&[&k_ctx, &k_blk], 2)?;
-                let values = Tensor::f_cat(&[&v_ctx, &v_blk.transpose(1, 2)], 2)?;
                 let attn = masked_attention(&q, &keys, &values, &bias)?;
                 drop(p);
                 let p = span("drafter.mlp");
@@ -359,7 +428,9 @@ impl Drafter {
                 x = &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj));
                 drop(p);
             }
-            cache.advance(n);
+            if at.is_none() {
+                cache.advance(n);
+            }
             Ok(rms_norm(&x, w(self.norm), eps))
         })
     }

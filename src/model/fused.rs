@@ -1,5 +1,6 @@
 //! Elementwise work fused into single kernels on CUDA in bf16, where no autograd is recorded: for inference (target
-//! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass and the SwiGLU activation in one pass;
+//! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass, the SwiGLU activation in one pass, and
+//! batch-1 attention's masked softmax;
 //! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits (the loss is
 //! differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice.
 //! The kernels are compiled at run time by NVRTC (it ships with the torch wheel) and launched on libtorch's current
@@ -121,6 +122,55 @@ __device__ __forceinline__ void combine(float& m, float& s, int& i, float m2, fl
   }
 }
 
+// Attention probabilities at batch 1: the softmax of each row of `scale * scores + bias`, `scores` [rows, keys] f32
+// (q . k, unscaled) and the additive mask `bias` [bias_rows, keys] bf16 (row r takes bias row r % bias_rows), in f32
+// online, written rounded to bf16 for the product with v (masked keys weigh exactly 0). One block per row.
+extern "C" __global__ void masked_softmax(const float* __restrict__ scores, int keys, const bf16* __restrict__ bias,
+                                          int bias_rows, float scale, bf16* __restrict__ out) {
+  __shared__ float sm[32], ss[32];
+  long long row = blockIdx.x;
+  const float* x = scores + row * keys;
+  const bf16* b = bias + (row % bias_rows) * (long long)keys;
+  float m = NEG_INF, s = 0.f;
+  for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+    float z = x[j] * scale + from_bf16(b[j]);
+    if (z == NEG_INF) continue;
+    if (z > m) {
+      s = s * expf(m - z) + 1.f;
+      m = z;
+    } else {
+      s += expf(z - m);
+    }
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, unused = 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    combine(m, s, unused, m2, s2, 0);
+  }
+  if (lane == 0) { sm[warp] = m; ss[warp] = s; }
+  __syncthreads();
+  if (warp == 0) {
+    int warps = blockDim.x >> 5;
+    m = lane < warps ? sm[lane] : NEG_INF;
+    s = lane < warps ? ss[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      combine(m, s, unused, m2, s2, 0);
+    }
+    if (lane == 0) { sm[0] = m; ss[0] = s; }
+  }
+  __syncthreads();
+  float mx = sm[0], sum = ss[0];
+  bf16* y = out + row * keys;
+  for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+    float z = x[j] * scale + from_bf16(b[j]);
+    y[j] = to_bf16(z == NEG_INF || mx == NEG_INF ? 0.f : expf(z - mx) / sum);
+  }
+}
+
+
 // The softmax of each row of `logits` [rows, vocab] (vocab % 8 == 0; one block of 1024 threads per row) as the LM
 // head's loss needs it, in two passes where libtorch takes about seven. Pass 1: the largest logit, its first index
 // and the sum of exp(x - max), online in f32. Pass 2: p = exp(x - max) / sum rounded to bf16, and the mass of all but
@@ -230,6 +280,7 @@ struct Kernels {
     norm_rope: CudaFunction,
     silu_mul: CudaFunction,
     softmax_rows: CudaFunction,
+    masked_softmax: CudaFunction,
 }
 
 // SAFETY: the handles are plain driver handles, valid in any thread bound to the context (each launch binds it).
@@ -256,6 +307,7 @@ impl Kernels {
             norm_rope: function("norm_rope")?,
             silu_mul: function("silu_mul")?,
             softmax_rows: function("softmax_rows")?,
+            masked_softmax: function("masked_softmax")?,
             _module: module.clone(),
             context,
         })
@@ -413,6 +465,36 @@ pub fn norm_rope(x: &Tensor, weight: Option<&Tensor>, eps: f64, cos: &Tensor, ss
     let warps_per_block = 8i64;
     let grid = u32::try_from((rows + warps_per_block - 1) / warps_per_block).ok()?;
     k.launch(&k.norm_rope, x.device(), grid, 32 * warps_per_block as u32, &args)?;
+    Some(out)
+}
+
+/// Attention probabilities `softmax(scale * scores + bias)` over the last dimension of f32 `scores` `[.., rows, keys]`
+/// (contiguous), with the additive bf16 mask `bias` (contiguous, `[.., bias_rows, keys]`, its rows repeating over
+/// the scores' rows), accumulated in f32 and returned in bf16, in one pass where libtorch takes four.
+pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Option<Tensor> {
+    let keys = *scores.size().last()?;
+    let on_gpu = matches!(scores.device(), Device::Cuda(_)) && bias.device() == scores.device();
+    if !on_gpu || scores.kind() != Kind::Float || !applies(bias) || scores.requires_grad() {
+        return None;
+    }
+    if !scores.is_contiguous() || !bias.is_contiguous() || *bias.size().last()? != keys || keys == 0 {
+        return None;
+    }
+    let (rows, bias_rows) = (scores.numel() as i64 / keys, bias.numel() as i64 / keys);
+    if rows % bias_rows != 0 {
+        return None;
+    }
+    let k = kernels(scores.device())?;
+    let out = Tensor::empty(scores.size(), (Kind::BFloat16, scores.device()));
+    let args = [
+        Arg::tensor(scores),
+        Arg::I32(i32::try_from(keys).ok()?),
+        Arg::tensor(bias),
+        Arg::I32(i32::try_from(bias_rows).ok()?),
+        Arg::F32(scale as f32),
+        Arg::tensor(&out),
+    ];
+    k.launch(&k.masked_softmax, scores.device(), u32::try_from(rows).ok()?, 256, &args)?;
     Some(out)
 }
 

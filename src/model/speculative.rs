@@ -7,8 +7,9 @@
 //! longest prefix of drafted tokens equal to the target's own argmax is accepted, plus the target's next token
 //! (the bonus); the target's cache is cropped to the accepted tokens. [`greedy`] is the reference the result must
 //! equal: the target alone, one token per step.
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
+use crate::cuda_graph::CudaGraph;
 use crate::profile::span;
 
 use super::drafter::DraftWeights;
@@ -20,37 +21,146 @@ pub trait Proposer {
     /// Proposes `count` (at most block size - 1) tokens to follow `last`, given the target states `[1, n, taps * hidden]` of the `n` tokens
     /// accepted since the previous call (the prompt, at the first call); `last` itself has no state yet.
     fn propose(&mut self, new_context: &Tensor, last: i64, count: usize) -> Result<Vec<i64>, ModelError>;
+
+    /// Forgets the context: the next call starts a new generation.
+    fn restart(&mut self) {}
 }
 
 /// The DFlash drafter as a [`Proposer`]: its context cache, weights cast for decoding, and the target's frozen
-/// embedding and LM head.
+/// embedding and LM head. On a GPU, passes after the prompt's replay from a CUDA graph ([`DraftGraph`]).
 pub struct DFlashProposer<'a> {
     drafter: &'a Drafter,
     target: &'a Target,
     weights: DraftWeights,
     cache: KvCache,
+    /// Whether passes may replay from a graph (cleared when a capture fails).
+    graphs: bool,
+    graph: Option<DraftGraph>,
+}
+
+/// A drafting pass captured whole (embedding, drafter, LM head, argmax) at a device position
+/// ([`Drafter::draft_at`]), with the buffers each replay reads and writes.
+struct DraftGraph {
+    graph: CudaGraph,
+    /// `[1, bs, taps * hidden]`: the new context in its first rows.
+    context: Tensor,
+    start: Tensor,
+    count: Tensor,
+    /// `[1, bs]`: `[last accepted token, MASK...]`.
+    ids: Tensor,
+    /// `[1, bs - 1]`: the drafted tokens, written by each replay.
+    drafted: Tensor,
 }
 
 impl<'a> DFlashProposer<'a> {
-    /// A proposer for sequences of up to `capacity` tokens.
-    pub fn new(drafter: &'a Drafter, target: &'a Target, capacity: i64) -> Result<Self, ModelError> {
-        Ok(DFlashProposer { drafter, target, weights: drafter.decode_weights()?, cache: drafter.new_cache(capacity)? })
+    /// A proposer for sequences of up to `capacity` tokens; `cuda_graphs` lets its passes replay from a CUDA graph
+    /// where the drafter and the target share a CUDA device.
+    pub fn new(drafter: &'a Drafter, target: &'a Target, capacity: i64, cuda_graphs: bool) -> Result<Self, ModelError> {
+        let graphs = cuda_graphs && CudaGraph::available(drafter.device()) && drafter.device() == target.device();
+        // A pass at a device position writes a whole block of context rows, then the block, past the context.
+        let room = if graphs { 2 * drafter.config().block_size as i64 } else { 0 };
+        Ok(DFlashProposer {
+            drafter,
+            target,
+            weights: drafter.decode_weights()?,
+            cache: drafter.new_cache(capacity + room)?,
+            graphs,
+            graph: None,
+        })
     }
+
+    /// Whether a pass was replayed from a CUDA graph.
+    pub fn graphed(&self) -> bool {
+        self.graph.is_some()
+    }
+
+    /// The pass from its graph (captured at first use); `None` where none applies: the prompt's pass (its length
+    /// varies), or a pass that would not fit the cache.
+    fn replay(&mut self, new_context: &Tensor, last: i64) -> Result<Option<Vec<i64>>, ModelError> {
+        let bs = self.drafter.config().block_size as i64;
+        let n = new_context.size()[1];
+        if !self.graphs || self.cache.is_empty() || n > bs || self.cache.len() + 2 * bs > self.cache.capacity() {
+            return Ok(None);
+        }
+        let device = self.drafter.device();
+        let graph = match self.graph.take() {
+            Some(graph) => graph,
+            None => {
+                let (drafter, target, weights) = (self.drafter, self.target, &self.weights);
+                let width = new_context.size()[2];
+                let context = Tensor::f_zeros([1, bs, width], (drafter.kind(), device))?;
+                let (start, count) =
+                    (Tensor::f_zeros([], (Kind::Int64, device))?, Tensor::f_zeros([], (Kind::Int64, device))?);
+                let mask = drafter.config().mask_token_id;
+                let ids = Tensor::f_full([1, bs], mask, (Kind::Int64, device))?;
+                write_inputs(&context, &start, &count, &ids, new_context, self.cache.len(), last)?;
+                let cache = &mut self.cache;
+                let (graph, drafted) = CudaGraph::capture(device, 2, || -> Result<Tensor, ModelError> {
+                    let embeddings = target.embed(&ids);
+                    let hidden = drafter.draft_at(weights, &context, &start, &count, &embeddings, cache)?;
+                    let logits = hidden.f_narrow(1, 1, bs - 1)?.f_linear(target.lm_head(), None::<Tensor>)?;
+                    Ok(logits.f_argmax(-1, false)?)
+                })
+                .map_err(|e| ModelError::Torch(format!("capturing a drafting pass: {e}")))?;
+                DraftGraph { graph, context, start, count, ids, drafted }
+            }
+        };
+        let g = &graph;
+        write_inputs(&g.context, &g.start, &g.count, &g.ids, new_context, self.cache.len(), last)?;
+        g.graph.replay().map_err(|e| ModelError::Torch(e.to_string()))?;
+        self.cache.advance(n);
+        let drafted = Vec::try_from(g.drafted.f_flatten(0, -1)?)?;
+        self.graph = Some(graph);
+        Ok(Some(drafted))
+    }
+}
+
+/// Writes a graphed pass's inputs: the new context into the first rows of `context` (the rows after it are ignored),
+/// its length into `count`, where it starts into `start`, and `last` ahead of the mask tokens of `ids`.
+fn write_inputs(
+    context: &Tensor,
+    start: &Tensor,
+    count: &Tensor,
+    ids: &Tensor,
+    new_context: &Tensor,
+    at: i64,
+    last: i64,
+) -> Result<(), ModelError> {
+    let n = new_context.size()[1];
+    context.f_narrow(1, 0, n)?.f_copy_(new_context)?;
+    let _ = start.shallow_clone().f_fill_(at)?;
+    let _ = count.shallow_clone().f_fill_(n)?;
+    let _ = ids.f_narrow(1, 0, 1)?.f_fill_(last)?;
+    Ok(())
 }
 
 impl Proposer for DFlashProposer<'_> {
     fn propose(&mut self, new_context: &Tensor, last: i64, count: usize) -> Result<Vec<i64>, ModelError> {
         let cfg = self.drafter.config();
+        let slots = count.min(cfg.block_size - 1);
+        match self.replay(new_context, last) {
+            Ok(Some(drafted)) => return Ok(drafted[..slots].to_vec()),
+            Ok(None) => {}
+            Err(e) => {
+                // The cache's length has not moved: the eager pass below rewrites what the failed one wrote.
+                tracing::warn!("drafting without CUDA graphs from here: {e}");
+                (self.graphs, self.graph) = (false, None);
+            }
+        }
         let mut block = vec![cfg.mask_token_id; cfg.block_size];
         block[0] = last;
         let ids = Tensor::f_from_slice(&block)?.f_view([1, block.len() as i64])?.f_to(self.target.device())?;
         let embeddings = tch::no_grad(|| self.target.embed(&ids));
         let context = new_context.f_to_kind(self.drafter.kind())?;
         let hidden = self.drafter.draft(&self.weights, &context, &embeddings, &mut self.cache)?;
-        let slots = (count as i64).min(cfg.block_size as i64 - 1);
         let _p = span("drafter.lm_head");
-        let logits = tch::no_grad(|| hidden.narrow(1, 1, slots).f_linear(self.target.lm_head(), None::<Tensor>))?;
+        let logits =
+            tch::no_grad(|| hidden.narrow(1, 1, slots as i64).f_linear(self.target.lm_head(), None::<Tensor>))?;
         Ok(Vec::try_from(logits.f_argmax(-1, false)?.f_flatten(0, -1)?)?)
+    }
+
+    fn restart(&mut self) {
+        self.cache.crop(0);
     }
 }
 
@@ -119,6 +229,7 @@ pub fn speculative(
         return Ok(out);
     }
     begin_generation(decoder, prompt, max_new)?;
+    proposer.restart();
     let target = decoder.target();
     let prefill = decoder.decode(&ids_tensor(target, prompt)?)?;
     let first = argmax_rows(&prefill.logits.narrow(1, prompt.len() as i64 - 1, 1))?[0];
@@ -173,4 +284,44 @@ pub fn greedy(decoder: &mut Decoder, prompt: &[i64], max_new: usize, stop: &[i64
         Ok(index.f_int64_value(&[0])?)
     })?;
     Ok(GreedyOutput { tokens, top2_gaps })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Depth, DrafterConfig, Init, Preset};
+    use tch::Device;
+
+    /// On a GPU: passes replayed from the drafting graph draft what eager passes draft (f32, so the order of the
+    /// softmax's sum cannot flip a token), over generations that reuse the proposer and its graph.
+    #[test]
+    fn replayed_drafting_passes_draft_what_eager_passes_draft() {
+        let device = Device::Cuda(0);
+        if !tch::Cuda::is_available() || !CudaGraph::available(device) {
+            return;
+        }
+        crate::device::bind_thread(device).unwrap();
+        let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
+        let d =
+            Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 4), device, Kind::Float, Init::Portable(3)).unwrap();
+        let mut graphed = DFlashProposer::new(&d, &t, 64, true).unwrap();
+        let mut eager = DFlashProposer::new(&d, &t, 64, false).unwrap();
+        let width = d.config().context_width() as i64;
+        tch::manual_seed(2);
+        let states = Tensor::randn([1, 40, width], (Kind::Float, device));
+        for generation in 0..2 {
+            graphed.restart();
+            eager.restart();
+            let (mut at, mut last) = (0, 17);
+            for n in [5 + generation, 1, 4, 2, 3, 1] {
+                let new = states.narrow(1, at, n);
+                let a = eager.propose(&new, last, 3).unwrap();
+                let b = graphed.propose(&new, last, 3).unwrap();
+                assert_eq!(a, b, "generation {generation}, {n} new context rows");
+                last = a[0];
+                at += n;
+            }
+        }
+        assert!(graphed.graphed() && !eager.graphed());
+    }
 }

@@ -141,8 +141,12 @@ fn run(
     // Its own stream, of high priority: training launches on the device's default stream and keeps every SM busy,
     // while decoding reads a token every step; on the shared stream each read would wait for the training work
     // queued before it, and on a normal stream its small kernels would queue behind training's blocks.
-    let bound = crate::device::bind_thread(spec.device)
-        .and_then(|()| crate::device::use_own_stream(spec.device, crate::device::Priority::High));
+    let priority = match std::env::var("DFLASH_EVAL_STREAM").as_deref() {
+        Ok("normal") => crate::device::Priority::Normal,
+        _ => crate::device::Priority::High,
+    };
+    let bound =
+        crate::device::bind_thread(spec.device).and_then(|()| crate::device::use_own_stream(spec.device, priority));
     if let Err(e) = bound {
         tracing::error!("evaluator: cannot use {:?}: {e}", spec.device);
     }
