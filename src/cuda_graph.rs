@@ -151,6 +151,18 @@ impl Drop for CudaGraph {
     }
 }
 
+/// For GPU tests of graphed steps: the first GPU, bound to the calling thread, where this build can capture graphs
+/// there; `None` elsewhere (the test then passes without running).
+#[cfg(test)]
+pub(crate) fn graph_test_device() -> Option<Device> {
+    let device = Device::Cuda(0);
+    if !tch::Cuda::is_available() || !CudaGraph::available(device) {
+        return None;
+    }
+    crate::device::bind_thread(device).expect("binding cuda:0 to the test thread");
+    Some(device)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,11 +182,9 @@ mod tests {
     /// On a GPU: a replay recomputes the captured step from the inputs written in place since.
     #[test]
     fn a_replay_recomputes_from_inputs_written_in_place() {
-        let device = Device::Cuda(0);
-        if !tch::Cuda::is_available() || !CudaGraph::available(device) {
+        let Some(device) = graph_test_device() else {
             return;
-        }
-        crate::device::bind_thread(device).unwrap();
+        };
         let x = Tensor::zeros([4], (Kind::Float, device));
         let (graph, y) = CudaGraph::capture(device, 2, || Ok::<_, String>((&x * 2.0 + 1.0).exp2())).unwrap();
         for v in [1.0, 3.0] {

@@ -181,11 +181,9 @@ mod tests {
     /// speculative decoding does), one graph per token count.
     #[test]
     fn replayed_steps_decode_what_eager_steps_decode() {
-        let device = Device::Cuda(0);
-        if !tch::Cuda::is_available() || !CudaGraph::available(device) {
+        let Some(device) = crate::cuda_graph::graph_test_device() else {
             return;
-        }
-        crate::device::bind_thread(device).unwrap();
+        };
         let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
         let mut graphed = Decoder::new(&t, 64, &[1, 4]).unwrap();
         let mut eager = Decoder::new(&t, 64, &[]).unwrap();

@@ -290,17 +290,14 @@ pub fn greedy(decoder: &mut Decoder, prompt: &[i64], max_new: usize, stop: &[i64
 mod tests {
     use super::*;
     use crate::model::{Depth, DrafterConfig, Init, Preset};
-    use tch::Device;
 
     /// On a GPU: passes replayed from the drafting graph draft what eager passes draft (f32, so the order of the
     /// softmax's sum cannot flip a token), over generations that reuse the proposer and its graph.
     #[test]
     fn replayed_drafting_passes_draft_what_eager_passes_draft() {
-        let device = Device::Cuda(0);
-        if !tch::Cuda::is_available() || !CudaGraph::available(device) {
+        let Some(device) = crate::cuda_graph::graph_test_device() else {
             return;
-        }
-        crate::device::bind_thread(device).unwrap();
+        };
         let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
         let d =
             Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 4), device, Kind::Float, Init::Portable(3)).unwrap();

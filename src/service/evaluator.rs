@@ -141,6 +141,8 @@ fn run(
     // Its own stream, of high priority: training launches on the device's default stream and keeps every SM busy,
     // while decoding reads a token every step; on the shared stream each read would wait for the training work
     // queued before it, and on a normal stream its small kernels would queue behind training's blocks.
+    // `DFLASH_EVAL_STREAM=normal` takes a normal one instead, for comparing what the evaluation costs training
+    // (BENCHMARKS.md: high priority cost training least).
     let priority = match std::env::var("DFLASH_EVAL_STREAM").as_deref() {
         Ok("normal") => crate::device::Priority::Normal,
         _ => crate::device::Priority::High,
