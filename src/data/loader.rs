@@ -50,14 +50,12 @@ impl LoaderState {
     /// boundary from an earlier one and the rounds it took part in.
     pub fn advanced(&self, committed: &[BatchId], batches_per_epoch: usize) -> LoaderState {
         let per_epoch = batches_per_epoch.max(1) as u64;
-        let after = |id: BatchId| match id.ordinal + 1 {
-            next if next >= per_epoch => BatchId { epoch: id.epoch + 1, ordinal: 0 },
-            next => BatchId { epoch: id.epoch, ordinal: next },
+        // Ordinal `ordinal` of `epoch`, or the next epoch's first batch past the epoch's end.
+        let at = |epoch: u64, ordinal: u64| match ordinal >= per_epoch {
+            true => BatchId { epoch: epoch + 1, ordinal: 0 },
+            false => BatchId { epoch, ordinal },
         };
-        let mut first_new = BatchId { epoch: self.epoch, ordinal: self.next_ordinal };
-        if first_new.ordinal >= per_epoch {
-            first_new = BatchId { epoch: self.epoch + 1, ordinal: 0 };
-        }
+        let first_new = at(self.epoch, self.next_ordinal);
         let trained: BTreeSet<BatchId> = committed.iter().copied().collect();
         let mut owed: Vec<BatchId> = self.owed.iter().copied().filter(|b| !trained.contains(b)).collect();
         let Some(&last) = trained.range(first_new..).next_back() else {
@@ -68,7 +66,7 @@ impl LoaderState {
             if !trained.contains(&id) {
                 owed.push(id);
             }
-            id = after(id);
+            id = at(id.epoch, id.ordinal + 1);
         }
         LoaderState { epoch: last.epoch, next_ordinal: last.ordinal + 1, owed }
     }

@@ -1,8 +1,9 @@
 //! The target's batch-1 decoding steps for the generation loops (speculative and greedy decoding, `generate`): one
 //! cache reused across generations, and on a GPU the steps of the token counts asked for replayed from CUDA graphs
-//! ([`CudaGraph`], captured at first use), one launch where the step's kernels take some 600. The prefill (its length varies) runs eagerly,
-//! and so does every step where a graph does not apply (a token count not asked for, such as a generation's last
-//! shorter blocks; a target with experts or sinks, or spread over devices; a capture that failed).
+//! ([`CudaGraph`], captured at first use), one launch where the step's kernels take some 600. The prefill (its
+//! length varies) runs eagerly, and so does every step where a graph does not apply (a token count not asked for,
+//! such as a generation's last shorter blocks; a target with experts or sinks, or spread over devices; a capture
+//! that failed).
 use tch::{Kind, Tensor};
 
 use super::{Decoded, KvCache, ModelError, Target};

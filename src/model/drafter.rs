@@ -377,9 +377,7 @@ impl Drafter {
             };
             let (cos_c, sin_c) = rope(&context_at);
             let (cos_b, sin_b) = rope(&block_at);
-            let bias = Tensor::f_zeros([bs, hidden.size()[0]], (self.kind, self.device))?
-                .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
-            let bias = grouped_bias(&bias, heads / kv_heads)?;
+            let bias = grouped_bias(&hidden, bs, heads / kv_heads, self.kind)?;
             let mut x = block_embeddings.shallow_clone();
             for (i, layer) in self.layers.iter().enumerate() {
                 let qkv_w = w(layer.qkv_proj);

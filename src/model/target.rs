@@ -295,13 +295,14 @@ fn flash_applies(q: &Tensor) -> bool {
     q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
 }
 
-/// The additive mask `bias [T, K]` (or `[1, 1, T, K]`) of `T` queries laid out for [`masked_attention`] over a
-/// target or drafter with `group` query heads per key/value head: `[1, 1, group * T, K]`, the rows repeated once per
-/// query head of a group. Built once per step and shared by its layers.
-pub(crate) fn grouped_bias(bias: &Tensor, group: i64) -> Result<Tensor, ModelError> {
-    let size = bias.size();
-    let (t, keys) = (size[size.len() - 2], size[size.len() - 1]);
-    Ok(bias.f_reshape([t, keys])?.f_repeat([group, 1])?.f_view([1, 1, group * t, keys])?)
+/// The additive mask of `t` queries laid out for [`masked_attention`] over a target or drafter with `group` query
+/// heads per key/value head: `-inf` where `hidden` (`[t, K]`, or `[K]` for every query) is true, 0 elsewhere, in
+/// `kind`, as `[1, 1, group * t, K]`, the rows repeated once per query head of a group. Built once per step and
+/// shared by its layers.
+pub(crate) fn grouped_bias(hidden: &Tensor, t: i64, group: i64, kind: Kind) -> Result<Tensor, ModelError> {
+    let keys = hidden.size().last().copied().unwrap_or(0);
+    let bias = Tensor::f_zeros([t, keys], (kind, hidden.device()))?.f_masked_fill(hidden, f64::NEG_INFINITY)?;
+    Ok(bias.f_repeat([group, 1])?.f_view([1, 1, group * t, keys])?)
 }
 
 /// Batch-1 attention of `q [1, H, T, d]` over `k`, `v` `[1, KV, K, d]` with an additive mask from
@@ -928,9 +929,7 @@ impl Target {
                 let positions = Tensor::f_arange(s, (Kind::Int64, self.device))?.f_add(at)?;
                 let keys = Tensor::f_arange(c.capacity(), (Kind::Int64, self.device))?.unsqueeze(0);
                 let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
-                let bias = Tensor::f_zeros(hidden.size(), (self.kind, self.device))?
-                    .f_masked_fill(&hidden, f64::NEG_INFINITY)?;
-                Some((positions, grouped_bias(&bias, self.query_group())?))
+                Some((positions, grouped_bias(&hidden, s, self.query_group(), self.kind)?))
             }
             _ => None,
         };
@@ -949,10 +948,8 @@ impl Target {
             _ if indexed.is_some() => None,
             Some(_) if start > 0 => {
                 let keys = Tensor::f_arange(context_bucket(start + s), (Kind::Int64, self.device))?.unsqueeze(0);
-                let visible = keys.f_le_tensor(&positions.unsqueeze(1))?;
-                let bias = Tensor::f_zeros(visible.size(), (self.kind, self.device))?
-                    .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?;
-                Some(grouped_bias(&bias, self.query_group())?)
+                let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
+                Some(grouped_bias(&hidden, s, self.query_group(), self.kind)?)
             }
             _ => None,
         };
@@ -1226,8 +1223,8 @@ mod tests {
                 let scores = q.matmul(&repeat_kv(&k, heads / kv_heads).transpose(-1, -2)) / (d as f64).sqrt() + &bias;
                 let expected = scores.softmax(-1, Kind::Double).matmul(&repeat_kv(&v, heads / kv_heads));
                 let [q, k, v] = [&q, &k, &v].map(|x| x.to_kind(kind));
-                let got = masked_attention(&q, &k, &v, &grouped_bias(&bias.to_kind(kind), heads / kv_heads).unwrap())
-                    .unwrap();
+                let mask = grouped_bias(&visible.logical_not(), t, heads / kv_heads, kind).unwrap();
+                let got = masked_attention(&q, &k, &v, &mask).unwrap();
                 let err = (got.to_kind(Kind::Double) - &expected).abs().max().double_value(&[]);
                 assert!(err < tolerance, "{device:?} {kind:?}, {t} queries: off by {err}");
             }

@@ -212,6 +212,13 @@ pub struct RoundReport {
     pub remote: Vec<HostRecord>,
 }
 
+impl RoundReport {
+    /// The samples every host's contributions to the round trained.
+    pub fn samples(&self) -> u64 {
+        self.contributions.iter().map(|c| c.samples).sum::<u64>() + self.remote.iter().map(|h| h.samples()).sum::<u64>()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CollectiveError {
     #[error("this replica was removed from the collective")]

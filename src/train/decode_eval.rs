@@ -21,7 +21,7 @@ pub struct DecodeSettings {
     pub max_new_tokens: usize,
     /// Generation stops after any of these (the target's EOS ids, or none with `--ignore-eos`).
     pub stop: Vec<i64>,
-    /// On a GPU, replay the target's steps from CUDA graphs where they apply ([`Decoder`]).
+    /// On a GPU, replay the target's steps ([`Decoder`]) and the drafter's passes from CUDA graphs where they apply.
     pub cuda_graphs: bool,
 }
 
@@ -93,7 +93,7 @@ pub fn evaluate_decoding(
         device::synchronize(target.device())?;
         Ok(start.elapsed().as_secs_f64())
     };
-    // One cache each for every generation (and, on a GPU, the steps' CUDA graphs captured once).
+    // The target's and the drafter's caches serve every generation (and, on a GPU, their graphs, captured once).
     let longest = prompts.iter().map(|p| p.input_ids.len()).max().unwrap_or(0);
     let graphed: &[i64] = if settings.cuda_graphs { &[1, block_size as i64] } else { &[] };
     let capacity = (longest + max_new).max(1) as i64;

@@ -159,9 +159,7 @@ impl Schedule {
     /// A follower that entered the run mid-way: the run's samples committed before `report`'s round.
     pub fn align_samples(&mut self, report: &RoundReport) {
         if self.follower && self.samples_committed == 0 {
-            let local: u64 = report.contributions.iter().map(|c| c.samples).sum();
-            let remote: u64 = report.remote.iter().map(|h| h.samples()).sum();
-            self.samples_committed = report.samples_committed.saturating_sub(local + remote);
+            self.samples_committed = report.samples_committed.saturating_sub(report.samples());
         }
     }
 

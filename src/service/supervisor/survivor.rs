@@ -62,9 +62,7 @@ impl Survivor {
     pub fn round(&mut self, report: &RoundReport) {
         let local = report.contributions.iter().flat_map(|c| c.batches.iter().copied());
         let remote = report.remote.iter().flat_map(|h| h.contributions.iter().flat_map(|c| c.batches.iter().copied()));
-        let samples = report.contributions.iter().map(|c| c.samples).sum::<u64>()
-            + report.remote.iter().map(|h| h.samples()).sum::<u64>();
-        let taken = RoundTaken { batches: local.chain(remote).collect(), samples, lr: report.lr };
+        let taken = RoundTaken { batches: local.chain(remote).collect(), samples: report.samples(), lr: report.lr };
         self.rounds.insert(report.step, taken);
         while self.rounds.len() > Self::ROUNDS {
             self.rounds.pop_first();
