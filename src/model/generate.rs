@@ -5,6 +5,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
+use super::choice::greedy_tokens;
 use super::speculative::{begin_generation, ids_tensor};
 use super::{Decoder, ModelError, Target};
 
@@ -33,7 +34,7 @@ pub fn generate(
     }
     let mut decoder = Decoder::new(target, (prompt.len() + max_new) as i64, &[])?;
     cached_generation(&mut decoder, prompt, max_new, stop, |last| match sampling {
-        Sampling::Greedy => Ok(last.f_argmax(0, false)?.f_int64_value(&[])?),
+        Sampling::Greedy => Ok(greedy_tokens(last)?.f_int64_value(&[])?),
         Sampling::Temperature(t) => {
             let probs: Vec<f32> =
                 Vec::try_from(last.f_div_scalar(t)?.f_softmax(0, Kind::Float)?.f_to(tch::Device::Cpu)?)?;

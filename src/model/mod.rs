@@ -2,6 +2,7 @@
 //! safetensors I/O, and the built-in presets.
 use std::path::PathBuf;
 
+pub mod choice;
 pub mod config;
 pub mod decoder;
 pub mod drafter;

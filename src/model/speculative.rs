@@ -12,6 +12,7 @@ use tch::{Kind, Tensor};
 use crate::cuda_graph::CudaGraph;
 use crate::profile::span;
 
+use super::choice::{Choice, greedy_choice, greedy_token_ids, greedy_tokens};
 use super::drafter::DraftWeights;
 use super::generate::cached_generation;
 use super::{Decoder, Drafter, KvCache, ModelError, Target};
@@ -99,7 +100,7 @@ impl<'a> DFlashProposer<'a> {
                     let embeddings = target.embed(&ids);
                     let hidden = drafter.draft_at(weights, &context, &start, &count, &embeddings, cache)?;
                     let logits = hidden.f_narrow(1, 1, bs - 1)?.f_linear(target.lm_head(), None::<Tensor>)?;
-                    Ok(logits.f_argmax(-1, false)?)
+                    greedy_tokens(&logits)
                 })
                 .map_err(|e| ModelError::Torch(format!("capturing a drafting pass: {e}")))?;
                 DraftGraph { graph, context, start, count, ids, drafted }
@@ -156,7 +157,7 @@ impl Proposer for DFlashProposer<'_> {
         let _p = span("drafter.lm_head");
         let logits =
             tch::no_grad(|| hidden.narrow(1, 1, slots as i64).f_linear(self.target.lm_head(), None::<Tensor>))?;
-        Ok(Vec::try_from(logits.f_argmax(-1, false)?.f_flatten(0, -1)?)?)
+        greedy_token_ids(&logits)
     }
 
     fn restart(&mut self) {
@@ -177,16 +178,12 @@ pub struct SpecOutput {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GreedyOutput {
     pub tokens: Vec<i64>,
-    /// Top-1 minus top-2 logit (f32) at each generated position: how close each choice was to a tie.
-    pub top2_gaps: Vec<f32>,
+    /// The choice at each generated position: how close it was to a tie.
+    pub choices: Vec<Choice>,
 }
 
 pub(crate) fn ids_tensor(target: &Target, ids: &[i64]) -> Result<Tensor, ModelError> {
     Ok(Tensor::f_from_slice(ids)?.f_view([1, ids.len() as i64])?.f_to(target.device())?)
-}
-
-fn argmax_rows(logits: &Tensor) -> Result<Vec<i64>, ModelError> {
-    Ok(Vec::try_from(logits.f_argmax(-1, false)?.f_flatten(0, -1)?)?)
 }
 
 /// Checks a generation of `max_new` tokens after `prompt` fits the model and `decoder`'s cache, and empties the
@@ -232,7 +229,7 @@ pub fn speculative(
     proposer.restart();
     let target = decoder.target();
     let prefill = decoder.decode(&ids_tensor(target, prompt)?)?;
-    let first = argmax_rows(&prefill.logits.narrow(1, prompt.len() as i64 - 1, 1))?[0];
+    let first = greedy_token_ids(&prefill.logits.narrow(1, prompt.len() as i64 - 1, 1))?[0];
     out.tokens.push(first);
     let mut context = prefill.taps;
     while out.tokens.len() < max_new && !stop.contains(&first) {
@@ -244,7 +241,7 @@ pub fn speculative(
         let mut block = vec![last];
         block.extend_from_slice(&drafted);
         let verified = decoder.decode(&ids_tensor(target, &block)?)?;
-        let posterior = argmax_rows(&verified.logits)?;
+        let posterior = greedy_token_ids(&verified.logits)?;
         let agree = drafted.iter().zip(&posterior).take_while(|(d, p)| d == p).count();
         // Kept: the agreeing drafted tokens and the target's own next token, up to a stop token or the limit.
         let mut kept = 0;
@@ -273,17 +270,16 @@ pub fn speculative(
 /// Plain greedy generation with the target alone, one token per step: the reference for [`speculative`].
 pub fn greedy(decoder: &mut Decoder, prompt: &[i64], max_new: usize, stop: &[i64]) -> Result<GreedyOutput, ModelError> {
     if max_new == 0 {
-        return Ok(GreedyOutput { tokens: Vec::new(), top2_gaps: Vec::new() });
+        return Ok(GreedyOutput { tokens: Vec::new(), choices: Vec::new() });
     }
     begin_generation(decoder, prompt, max_new)?;
-    let mut top2_gaps = Vec::new();
+    let mut choices = Vec::new();
     let tokens = cached_generation(decoder, prompt, max_new, stop, |last| {
-        let (top, index) = last.f_topk(2, 0, true, true)?;
-        let top: Vec<f32> = Vec::try_from(top)?;
-        top2_gaps.push(top[0] - top.get(1).copied().unwrap_or(f32::NEG_INFINITY));
-        Ok(index.f_int64_value(&[0])?)
+        let choice = greedy_choice(last)?;
+        choices.push(choice);
+        Ok(choice.token)
     })?;
-    Ok(GreedyOutput { tokens, top2_gaps })
+    Ok(GreedyOutput { tokens, choices })
 }
 
 #[cfg(test)]

@@ -352,7 +352,8 @@ fn chunk_softmax(mut logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool) 
 /// [`ChunkSoftmax`] by libtorch operations: the softmax accumulated in f32 but stored in the logits' dtype (on a GPU,
 /// bf16), the only full pass besides the max, the sum and the scaling.
 fn chunk_softmax_plain(logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool) -> Result<ChunkSoftmax, ModelError> {
-    let (max_logit, argmax) = logits.f_max_dim(-1, false)?;
+    let argmax = crate::model::choice::greedy_tokens(&logits)?;
+    let max_logit = logits.f_gather(1, &argmax.unsqueeze(1), false)?.f_squeeze_dim(1)?;
     let lab1 = lab.unsqueeze(1);
     let label_logit = logits.f_gather(1, &lab1, false)?.f_squeeze_dim(1)?.f_to_kind(Kind::Float)?;
     let mut probs = logits.f_softmax(-1, logits.kind())?;
@@ -413,6 +414,8 @@ mod tests {
         let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;
         let labels = Tensor::randint(vocab, [rows], (Kind::Int64, dev));
         let _ = logits.get(0).index_fill_(0, &labels.get(0).unsqueeze(0), 40.0);
+        let _ = logits.get(1).index_fill_(0, &Tensor::from_slice(&[900i64, 3]).to(dev), 30.0);
+        let _ = logits.get(2).index_fill_(0, &Tensor::from_slice(&[5i64, 6, 999]).to(dev), 30.0);
         let logits = logits.to_kind(Kind::BFloat16);
         let w = Tensor::rand([rows], (Kind::Float, dev)) + 0.1;
         let fused_ran = crate::model::fused::softmax_rows(&mut logits.copy(), &labels, &w, false).is_some();
@@ -423,9 +426,9 @@ mod tests {
             let max_rel = |a: &Tensor, b: &Tensor| ((a - b).abs() / (b.abs() + 1e-30)).max().double_value(&[]);
             assert!(fused.max_logit.equal(&plain.max_logit));
             assert!(fused.label_logit.equal(&plain.label_logit));
-            // Equal maxima at two indices may resolve either way; the logits there are equal regardless.
-            let at = |i: &Tensor| logits.gather(1, &i.unsqueeze(1), false);
-            assert!(at(&fused.argmax).equal(&at(&plain.argmax)));
+            // Both choose by the one rule: the lowest id among equal maxima (rows 1 and 2 hold exact ties).
+            assert!(fused.argmax.equal(&plain.argmax));
+            assert_eq!(Vec::<i64>::try_from(plain.argmax.narrow(0, 1, 2)).unwrap(), [3, 5]);
             assert!(max_rel(&fused.p_max, &plain.p_max) <= 1.0 / 128.0);
             assert!(max_rel(&fused.rest, &plain.rest) <= 1e-3, "rest {}", max_rel(&fused.rest, &plain.rest));
             assert!(fused.rest.get(0).double_value(&[]) < 1e-6);
