@@ -216,10 +216,15 @@ impl TargetConfig {
         )
     }
 
-    /// Parses the text of a `config.json`; the error is a reason naming the key.
+    /// Parses the text of a `config.json`; the error is a reason naming the key. A key that is absent or null means
+    /// what the family's transformers config class makes of it ([`FamilyDefaults`]).
     pub fn from_json(text: &str) -> Result<Self, String> {
-        let hf: HfConfig = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let raw: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        // Some keys mean one thing when absent (the class default) and another when null.
+        let absent = |key: &str| raw.get(key).is_none();
+        let hf: HfConfig = serde_json::from_value(raw.clone()).map_err(|e| format!("not valid JSON: {e}"))?;
         let architecture = architecture_of(&hf)?;
+        let family = FamilyDefaults::of(architecture);
         let need = |v: Option<usize>, key: &str| v.ok_or_else(|| format!("missing key `{key}`"));
         let hidden_size = need(hf.hidden_size, "hidden_size")?;
         let num_attention_heads = need(hf.num_attention_heads, "num_attention_heads")?;
@@ -238,14 +243,14 @@ impl TargetConfig {
         if hf.use_sliding_window == Some(true) {
             return Err("`use_sliding_window` = true is not supported (published Qwen3 models have it false)".into());
         }
-        let max_position_embeddings = hf.max_position_embeddings.unwrap_or(32768);
-        let (rope_theta, rope_scaling) = rope_settings(&hf, max_position_embeddings)?;
+        let max_position_embeddings = hf.max_position_embeddings.unwrap_or(family.max_position_embeddings);
+        let (rope_theta, rope_scaling) = rope_settings(&hf, &family, max_position_embeddings)?;
         let num_hidden_layers = need(hf.num_hidden_layers, "num_hidden_layers")?;
         let intermediate_size = need(hf.intermediate_size, "intermediate_size")?;
         let (moe, gpt_oss) = match architecture {
             Architecture::Qwen3Moe => (Some(moe_settings(&hf)), None),
             Architecture::GptOss => {
-                let (moe, oss) = gpt_oss_settings(&hf, num_hidden_layers, intermediate_size)?;
+                let (moe, oss) = gpt_oss_settings(&hf, num_hidden_layers, intermediate_size, absent("sliding_window"))?;
                 (Some(moe), Some(oss))
             }
             _ => (None, None),
@@ -257,15 +262,25 @@ impl TargetConfig {
             intermediate_size,
             num_hidden_layers,
             num_attention_heads,
-            num_key_value_heads: hf.num_key_value_heads.unwrap_or(num_attention_heads),
-            head_dim: hf.head_dim.unwrap_or(hidden_size / num_attention_heads.max(1)),
-            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            num_key_value_heads: match (hf.num_key_value_heads, absent("num_key_value_heads")) {
+                (Some(n), _) => n,
+                (None, true) => family.num_key_value_heads.unwrap_or(num_attention_heads),
+                (None, false) => num_attention_heads,
+            },
+            head_dim: hf.head_dim.or(family.head_dim).unwrap_or(hidden_size / num_attention_heads.max(1)),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(family.rms_norm_eps),
             rope_theta,
             rope_scaling,
             max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
-            bos_token_id: token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?.first().copied(),
-            eos_token_ids: token_ids(hf.eos_token_id.as_ref(), "eos_token_id")?,
+            bos_token_id: match absent("bos_token_id") {
+                true => family.bos_token_id,
+                false => token_ids(hf.bos_token_id.as_ref(), "bos_token_id")?.first().copied(),
+            },
+            eos_token_ids: match absent("eos_token_id") {
+                true => family.eos_token_id.into_iter().collect(),
+                false => token_ids(hf.eos_token_id.as_ref(), "eos_token_id")?,
+            },
             pad_token_id: token_ids(hf.pad_token_id.as_ref(), "pad_token_id")?.first().copied(),
             moe,
             gpt_oss,
@@ -503,15 +518,73 @@ fn moe_settings(hf: &HfConfig) -> MoeConfig {
     }
 }
 
-/// Reads `rope_theta` and the scaling from either spelling; `rope_parameters` wins where both exist.
-fn rope_settings(hf: &HfConfig, max_position_embeddings: usize) -> Result<(f64, RopeScaling), String> {
+/// What transformers' config class of each family (5.17 to 5.23 agree) makes of a key that is absent, where dflash
+/// reads it: `tests/fixtures/hf-configs` holds folders those releases wrote and read
+/// (`scripts/config_defaults.py`).
+struct FamilyDefaults {
+    max_position_embeddings: usize,
+    rms_norm_eps: f64,
+    rope_theta: f64,
+    /// The positional scaling without `rope_parameters`/`rope_scaling` (or with them null).
+    rope: Option<Value>,
+    /// `None`: `hidden_size / num_attention_heads`.
+    head_dim: Option<usize>,
+    /// When the key is absent (`None`: `num_attention_heads`); null always means `num_attention_heads`.
+    num_key_value_heads: Option<usize>,
+    /// When the keys are absent (null means none).
+    bos_token_id: Option<i64>,
+    eos_token_id: Option<i64>,
+}
+
+impl FamilyDefaults {
+    fn of(architecture: Architecture) -> Self {
+        let base = FamilyDefaults {
+            max_position_embeddings: 32768,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope: None,
+            head_dim: None,
+            num_key_value_heads: None,
+            bos_token_id: None,
+            eos_token_id: None,
+        };
+        match architecture {
+            // LlamaConfig: 2048 positions, head_dim from the width, bos 1 and eos 2.
+            Architecture::Llama => {
+                FamilyDefaults { max_position_embeddings: 2048, bos_token_id: Some(1), eos_token_id: Some(2), ..base }
+            }
+            // Qwen3Config: head_dim 128 and 32 key/value heads whatever the width.
+            Architecture::Qwen3 => FamilyDefaults { head_dim: Some(128), num_key_value_heads: Some(32), ..base },
+            Architecture::Qwen3Moe => FamilyDefaults { num_key_value_heads: Some(4), ..base },
+            // GptOssConfig: YaRN (factor 32 over 4,096 positions, not truncated), theta 150,000.
+            Architecture::GptOss => FamilyDefaults {
+                max_position_embeddings: 131072,
+                rms_norm_eps: 1e-5,
+                rope_theta: 150000.0,
+                rope: Some(json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "original_max_position_embeddings": 4096, "truncate": false})),
+                head_dim: Some(64),
+                num_key_value_heads: Some(8),
+                ..base
+            },
+        }
+    }
+}
+
+/// Reads `rope_theta` and the scaling from either spelling (`rope_parameters` wins where both exist), or the
+/// family's default where neither is set.
+fn rope_settings(
+    hf: &HfConfig,
+    family: &FamilyDefaults,
+    max_position_embeddings: usize,
+) -> Result<(f64, RopeScaling), String> {
     let (params, key) = match (&hf.rope_parameters, &hf.rope_scaling) {
         (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
         (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
-        _ => (None, ""),
+        _ => (family.rope.as_ref(), "the family's default rope_parameters"),
     };
     let theta_in_params = params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64);
-    let theta = theta_in_params.or(hf.rope_theta).unwrap_or(10000.0);
+    let theta = theta_in_params.or(hf.rope_theta).unwrap_or(family.rope_theta);
     let Some(params) = params else {
         return Ok((theta, RopeScaling::None));
     };
@@ -565,8 +638,13 @@ fn rope_settings(hf: &HfConfig, max_position_embeddings: usize) -> Result<(f64, 
 }
 
 /// GPT-OSS's keys (transformers' `GptOssConfig` defaults where absent): its experts as a [`MoeConfig`] (every layer
-/// sparse) and the rest.
-fn gpt_oss_settings(hf: &HfConfig, layers: usize, width: usize) -> Result<(MoeConfig, GptOssConfig), String> {
+/// sparse) and the rest. `sliding_window` null (not absent) means no window: every layer attends to all positions.
+fn gpt_oss_settings(
+    hf: &HfConfig,
+    layers: usize,
+    width: usize,
+    window_absent: bool,
+) -> Result<(MoeConfig, GptOssConfig), String> {
     let moe = MoeConfig {
         num_experts: hf.num_local_experts.or(hf.num_experts).unwrap_or(128),
         num_experts_per_tok: hf.num_experts_per_tok.or(hf.experts_per_token).unwrap_or(4),
@@ -586,8 +664,13 @@ fn gpt_oss_settings(hf: &HfConfig, layers: usize, width: usize) -> Result<(MoeCo
             })
             .collect::<Result<_, _>>()?,
     };
+    let (sliding_window, sliding_layers) = match (hf.sliding_window, window_absent) {
+        (Some(window), _) => (window, sliding_layers),
+        (None, true) => (128, sliding_layers),
+        (None, false) => (128, vec![false; layers]),
+    };
     let oss = GptOssConfig {
-        sliding_window: hf.sliding_window.unwrap_or(128),
+        sliding_window,
         sliding_layers,
         swiglu_alpha: hf.swiglu_alpha.unwrap_or(1.702),
         swiglu_limit: hf.swiglu_limit.unwrap_or(7.0),

@@ -1,6 +1,8 @@
 //! The decoded acceptance length during training. A thread of its own takes the checkpoints the supervisor asks it
 //! to, decodes held-out prompts with each by real speculative decoding (checked against greedy decoding), beside
-//! training rather than in its way, and keeps the checkpoint with the best acceptance length as
+//! training rather than in its way, scores the same held-out rows teacher-forced (the number training's progress
+//! line shows for its batches: the two side by side show overfitting), and keeps the checkpoint with the best
+//! decoded acceptance length as
 //! `checkpoint.dir/best` (hard links of the checkpoint's files, so pruning old checkpoints never touches it). It
 //! loads the full target stack on its first job: a run with evaluation off never does.
 use std::path::{Path, PathBuf};
@@ -14,60 +16,95 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
+use crate::data::TokenRow;
 use crate::data::prepare::commit_folder;
 use crate::data::prompts::{Prompt, read_prompts};
 use crate::data::shards::PreparedSplit;
 use crate::model::{Depth, Drafter, Target};
 use crate::panic::catch_torch;
+use crate::train::ObjectiveSettings;
 use crate::train::checkpoint::DRAFTER_DIR;
 use crate::train::decode_eval::{DecodeSettings, evaluate_decoding};
+use crate::train::eval::evaluate_rows;
 
 /// The folder of the best checkpoint, in `checkpoint.dir`.
 pub const BEST_DIR: &str = "best";
 /// What the best checkpoint was measured at, in its folder.
 pub const EVAL_FILE: &str = "eval.json";
 
+/// What an evaluation decodes and scores.
+#[derive(Debug, Clone, Default)]
+pub struct EvalSet {
+    /// Decoded speculatively and greedily.
+    pub prompts: Vec<Prompt>,
+    /// Scored teacher-forced: held-out rows (the ones the prompts were cut from, with a held-out split), or none
+    /// where the data has no held-out split.
+    pub rows: Vec<TokenRow>,
+}
+
 /// The prompts `[eval]` names: the first `num_prompts` of the held-out split (each cut where the first assistant
-/// reply starts) or of a prompts file.
-pub fn eval_prompts(config: &Config, vocab_size: usize) -> Result<Vec<Prompt>> {
+/// reply starts) or of a prompts file; and as many held-out rows, where the data holds some out.
+pub fn eval_set(config: &Config, vocab_size: usize) -> Result<EvalSet> {
     let want = config.eval.num_prompts;
-    let prompts = match &config.eval.prompts {
+    let set = match &config.eval.prompts {
         EvalPrompts::File(path) => {
             let assets = || config.target.source.chat_assets(&Default::default());
-            let mut all = read_prompts(path, vocab_size, &assets)
+            let mut prompts = read_prompts(path, vocab_size, &assets)
                 .with_context(|| format!("eval.prompts = {}", path.display()))?;
-            all.truncate(want);
-            all
+            prompts.truncate(want);
+            // Held-out rows where the data has them; the prompts file decides what is decoded regardless.
+            let rows = holdout_split(config).map(|split| split_rows(&split, want)).unwrap_or_default();
+            EvalSet { prompts, rows }
         }
         EvalPrompts::Holdout => {
-            let dir = match &config.data.source {
-                DataSource::Prepared(dir) => dir.clone(),
-                DataSource::Builtin => super::builtin_data::builtin_dir(config).join("prepared"),
-                DataSource::TokenRows(file) => super::builtin_data::token_rows_dir(config, file),
-                DataSource::Synthetic(_) => bail!(
-                    "eval.prompts = \"holdout\": synthetic data has no held-out split; give a prompts file, or set \
-                     eval.every_steps = 0"
-                ),
-            };
-            let split = PreparedSplit::open(&dir, "holdout", false)
-                .with_context(|| format!("eval.prompts = \"holdout\" reads the holdout split of {}", dir.display()))?;
-            (0..split.len())
-                .filter_map(|i| {
-                    let s = split.get(i);
-                    let first = s.loss_mask.iter().position(|&m| m != 0)?;
-                    (first > 0).then(|| Prompt { id: s.id.clone(), input_ids: s.input_ids()[..first].to_vec() })
-                })
+            let split = holdout_split(config)?;
+            let rows: Vec<TokenRow> = split_rows(&split, usize::MAX)
+                .into_iter()
+                .filter(|r| r.loss_mask.iter().position(|&m| m != 0).is_some_and(|first| first > 0))
                 .take(want)
-                .collect()
+                .collect();
+            let prompts = rows
+                .iter()
+                .map(|r| {
+                    let first = r.loss_mask.iter().position(|&m| m != 0).unwrap_or(0);
+                    Prompt { id: r.id.clone(), input_ids: r.input_ids[..first].to_vec() }
+                })
+                .collect();
+            EvalSet { prompts, rows }
         }
     };
-    if prompts.is_empty() {
+    if set.prompts.is_empty() {
         bail!(
             "eval.prompts: no prompt to decode (prepare the data with --holdout 0.05, or set data.holdout = 0.05 for a \
              token-row file; or give a prompts file; or set eval.every_steps = 0)"
         );
     }
-    Ok(prompts)
+    Ok(set)
+}
+
+/// The held-out split of the configured data.
+fn holdout_split(config: &Config) -> Result<PreparedSplit> {
+    let dir = match &config.data.source {
+        DataSource::Prepared(dir) => dir.clone(),
+        DataSource::Builtin => super::builtin_data::builtin_dir(config).join("prepared"),
+        DataSource::TokenRows(file) => super::builtin_data::token_rows_dir(config, file),
+        DataSource::Synthetic(_) => bail!(
+            "eval.prompts = \"holdout\": synthetic data has no held-out split; give a prompts file, or set \
+             eval.every_steps = 0"
+        ),
+    };
+    PreparedSplit::open(&dir, "holdout", false)
+        .with_context(|| format!("eval.prompts = \"holdout\" reads the holdout split of {}", dir.display()))
+}
+
+/// The first `count` rows of `split`.
+fn split_rows(split: &PreparedSplit, count: usize) -> Vec<TokenRow> {
+    (0..split.len().min(count))
+        .map(|i| {
+            let s = split.get(i);
+            TokenRow { id: s.id.clone(), input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() }
+        })
+        .collect()
 }
 
 /// What the evaluation thread needs.
@@ -78,8 +115,10 @@ pub struct EvalSpec {
     /// More devices its target spreads its later layers over (`target.spread_to`).
     pub spread_to: Vec<Device>,
     pub kind: Kind,
-    pub prompts: Vec<Prompt>,
+    pub set: EvalSet,
     pub settings: DecodeSettings,
+    /// How held-out rows are scored teacher-forced (as training scores its batches).
+    pub objective: ObjectiveSettings,
     pub checkpoint_root: PathBuf,
 }
 
@@ -87,7 +126,14 @@ pub struct EvalSpec {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Evaluated {
     pub step: u64,
+    /// Real speculative decoding of the held-out prompts: tokens kept per target step (what inference sees).
     pub decode_acceptance_length: f64,
+    /// The same drafter teacher-forced on held-out rows (the measure training's progress line gives for its
+    /// batches); absent where the data holds no rows out.
+    #[serde(default)]
+    pub holdout_acceptance_length: Option<f64>,
+    #[serde(default)]
+    pub holdout_rows: usize,
     pub token_match_rate: f64,
     pub lossless: bool,
     pub prompts: usize,
@@ -186,9 +232,15 @@ fn evaluate(
         }
         let target = target.as_ref().expect("loaded above");
         let drafter = Drafter::load(&staged.join(DRAFTER_DIR), spec.device, spec.kind)?;
-        Ok::<_, anyhow::Error>(evaluate_decoding(target, &drafter, &spec.prompts, &spec.settings)?)
+        let decoded = evaluate_decoding(target, &drafter, &spec.set.prompts, &spec.settings)?;
+        let rows = &spec.set.rows;
+        let scored = match rows.is_empty() {
+            true => None,
+            false => Some(evaluate_rows(target, &drafter, &spec.objective, rows, HOLDOUT_BATCH)?),
+        };
+        Ok::<_, anyhow::Error>((decoded, scored))
     })();
-    let report = match result {
+    let (report, scored) = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&staged);
@@ -200,8 +252,8 @@ fn evaluate(
         tracing::warn!(
             step,
             prompts = %serde_json::to_string(&ids).unwrap_or_default(),
-            "evaluation: speculative decoding left greedy decoding's output on these prompts (in bf16, usually a \
-             near-tie of the top two logits; `dflash eval --decode --dump` shows where)"
+            "evaluation: speculative decoding left greedy decoding's output on these prompts: both choose tokens \
+             alike, so this is a bug (`dflash eval --decode --dump` shows where; please report it)"
         );
     }
     let acceptance = report.decode_acceptance_length;
@@ -209,6 +261,8 @@ fn evaluate(
     let evaluated = Evaluated {
         step,
         decode_acceptance_length: acceptance,
+        holdout_acceptance_length: scored.as_ref().map(|s| s.acceptance_length),
+        holdout_rows: spec.set.rows.len(),
         token_match_rate: report.token_match_rate,
         lossless: report.lossless,
         prompts: report.prompts,
@@ -225,6 +279,9 @@ fn evaluate(
     }
     Ok(evaluated)
 }
+
+/// Held-out rows per target pass when they are scored teacher-forced.
+const HOLDOUT_BATCH: usize = 4;
 
 /// The best acceptance length recorded in `root/best`, if any.
 fn read_best(root: &Path) -> Option<f64> {
@@ -285,15 +342,14 @@ mod tests {
         let file = dir.path().join("prompts.jsonl");
         std::fs::write(&file, "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [4]}\n{\"input_ids\": [5, 6]}\n").unwrap();
         let c = config(&[&format!("eval.prompts={}", file.display()), "eval.num_prompts=2"]);
-        let prompts = eval_prompts(&c, 320).unwrap();
-        assert_eq!(prompts.iter().map(|p| p.input_ids.clone()).collect::<Vec<_>>(), vec![vec![1, 2, 3], vec![4]]);
-        let err = format!("{:#}", eval_prompts(&config(&["data.path=synthetic"]), 320).unwrap_err());
+        let set = eval_set(&c, 320).unwrap();
+        assert_eq!(set.prompts.iter().map(|p| p.input_ids.clone()).collect::<Vec<_>>(), vec![vec![1, 2, 3], vec![4]]);
+        let err = format!("{:#}", eval_set(&config(&["data.path=synthetic"]), 320).unwrap_err());
         assert!(err.contains("synthetic") && err.contains("eval.every_steps = 0"), "{err}");
         let missing = dir.path().join("no-data");
-        let err =
-            format!("{:#}", eval_prompts(&config(&[&format!("data.path={}", missing.display())]), 320).unwrap_err());
+        let err = format!("{:#}", eval_set(&config(&[&format!("data.path={}", missing.display())]), 320).unwrap_err());
         assert!(err.contains("holdout") && err.contains("no-data"), "{err}");
-        let err = format!("{:#}", eval_prompts(&config(&["eval.prompts=/no/such.jsonl"]), 320).unwrap_err());
+        let err = format!("{:#}", eval_set(&config(&["eval.prompts=/no/such.jsonl"]), 320).unwrap_err());
         assert!(err.contains("/no/such.jsonl"), "{err}");
     }
 

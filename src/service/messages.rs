@@ -11,7 +11,6 @@ use super::failure::{Failure, FaultKind, FaultRefused};
 use super::reload::Accepted;
 use crate::config::Change;
 use crate::data::loader::BatchId;
-use crate::data::prompts::Prompt;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
 use crate::train::checkpoint::{Scan, Snapshot, Written};
@@ -45,10 +44,10 @@ pub struct Heads {
 /// Where a reload's answer goes (`POST /reload`; SIGHUP has none).
 pub type ReloadReply = RpcReplyPort<Result<Reloaded, String>>;
 
-/// A reread configuration that may replace the running one, and the evaluation prompts read for it.
+/// A reread configuration that may replace the running one, and the evaluation's prompts and rows read for it.
 pub struct Reread {
     pub accepted: Accepted,
-    pub prompts: Option<Vec<Prompt>>,
+    pub eval_set: Option<crate::service::evaluator::EvalSet>,
 }
 
 /// Messages of the supervisor actor.

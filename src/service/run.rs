@@ -12,7 +12,7 @@ use tch::{Device, Kind};
 
 use super::builtin_data::dataset;
 use super::drafter_init::check_init;
-use super::evaluator::eval_prompts;
+use super::evaluator::eval_set;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
 use super::supervisor::{Supervisor, SupervisorArgs};
@@ -206,8 +206,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     }
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
-    let eval_prompts =
-        (config.eval.every_steps > 0).then(|| eval_prompts(&config, target_cfg.vocab_size)).transpose()?;
+    let eval_set = (config.eval.every_steps > 0).then(|| eval_set(&config, target_cfg.vocab_size)).transpose()?;
     let prometheus = telemetry::install()?;
     let capture_devices = capture_devices(&config, (target_device, target_kind), &drafter_devices)?;
     let spread_to = spread_to(&config, capture_devices.len())?;
@@ -245,7 +244,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         drafter_identities,
         prometheus: Some(prometheus.clone()),
         vocab_size: target_cfg.vocab_size,
-        eval_prompts,
+        eval_set,
         eos_token_ids: target_cfg.eos_token_ids.clone(),
         link,
         config,

@@ -28,7 +28,8 @@ pub const SKIPPED_STEPS: &str = "dflash_skipped_steps_total";
 pub const LAST_STEP_TIMESTAMP: &str = "dflash_last_step_timestamp_seconds";
 pub const LOSS: &str = "dflash_loss";
 pub const ACCURACY: &str = "dflash_accuracy";
-pub const ACCEPTANCE_LENGTH: &str = "dflash_acceptance_length";
+pub const TRAIN_ACCEPTANCE_LENGTH: &str = "dflash_train_acceptance_length";
+pub const HOLDOUT_ACCEPTANCE_LENGTH: &str = "dflash_holdout_acceptance_length";
 pub const DECODE_ACCEPTANCE_LENGTH: &str = "dflash_decode_acceptance_length";
 pub const DECODE_ACCEPTANCE_LENGTH_BEST: &str = "dflash_decode_acceptance_length_best";
 pub const DECODE_TOKEN_MATCH: &str = "dflash_decode_token_match_ratio";
@@ -114,7 +115,16 @@ fn describe() {
     describe_gauge!(LAST_STEP_TIMESTAMP, Unit::Seconds, "Unix time of the last committed step.");
     describe_gauge!(LOSS, "Weighted cross-entropy of the last committed step (DFLASH.md's objective).");
     describe_gauge!(ACCURACY, "Top-1 accuracy of the drafted tokens of the last committed step.");
-    describe_gauge!(ACCEPTANCE_LENGTH, "Simulated (teacher-forced) acceptance length of the last committed step.");
+    describe_gauge!(
+        TRAIN_ACCEPTANCE_LENGTH,
+        "Teacher-forced acceptance length on the training batches of the last committed step (each block drafted \
+         from the target's states of the true prefix): the optimistic number, usually above the held-out and decoded ones."
+    );
+    describe_gauge!(
+        HOLDOUT_ACCEPTANCE_LENGTH,
+        "Teacher-forced acceptance length on held-out rows at the last evaluation: below the training batches' when \
+         the drafter overfits."
+    );
     describe_gauge!(
         DECODE_ACCEPTANCE_LENGTH,
         "Acceptance length measured by real speculative decoding of held-out prompts, at the last evaluation."
@@ -258,7 +268,8 @@ pub struct RunMetrics {
     pub last_step_timestamp: Gauge,
     pub loss: Gauge,
     pub accuracy: Gauge,
-    pub acceptance_length: Gauge,
+    pub train_acceptance_length: Gauge,
+    pub holdout_acceptance_length: Gauge,
     pub decode_acceptance_length: Gauge,
     pub decode_acceptance_length_best: Gauge,
     pub decode_token_match: Gauge,
@@ -298,7 +309,8 @@ impl RunMetrics {
             last_step_timestamp: gauge!(LAST_STEP_TIMESTAMP),
             loss: gauge!(LOSS),
             accuracy: gauge!(ACCURACY),
-            acceptance_length: gauge!(ACCEPTANCE_LENGTH),
+            train_acceptance_length: gauge!(TRAIN_ACCEPTANCE_LENGTH),
+            holdout_acceptance_length: gauge!(HOLDOUT_ACCEPTANCE_LENGTH),
             decode_acceptance_length: gauge!(DECODE_ACCEPTANCE_LENGTH),
             decode_acceptance_length_best: gauge!(DECODE_ACCEPTANCE_LENGTH_BEST),
             decode_token_match: gauge!(DECODE_TOKEN_MATCH),

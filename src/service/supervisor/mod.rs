@@ -32,7 +32,7 @@ pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, 
 use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
-use super::evaluator::{EvalSpec, Evaluator, eval_prompts};
+use super::evaluator::{EvalSet, EvalSpec, Evaluator, eval_set};
 use super::failure::{Failure, FaultKind, FaultRefused};
 use super::ledger::LedgerWriter;
 use super::messages::{DrafterState, Heads, ReloadReply, Reloaded, Reread, SupervisorMsg, ThreadMsg, Work};
@@ -43,7 +43,6 @@ use crate::cluster::link::{HostLink, HostMember};
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
 use crate::data::SampleId;
 use crate::data::dataset::Dataset;
-use crate::data::prompts::Prompt;
 use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
@@ -82,8 +81,9 @@ pub struct SupervisorArgs {
     /// The target's vocabulary and end-of-sequence ids (evaluation prompts and decoding).
     pub vocab_size: usize,
     pub eos_token_ids: Vec<i64>,
-    /// The evaluation prompts, read once when evaluation is on (their keys cannot change while running).
-    pub eval_prompts: Option<Vec<Prompt>>,
+    /// The evaluation's prompts and held-out rows, read once when evaluation is on (their keys cannot change while
+    /// running).
+    pub eval_set: Option<EvalSet>,
     /// Several hosts: this host's link to the others (`None`: one host).
     pub link: Option<Arc<HostLink>>,
 }
@@ -565,7 +565,7 @@ impl Shell {
                 if let Some([loss, accuracy, acceptance]) = loss {
                     m.loss.set(loss);
                     m.accuracy.set(accuracy);
-                    m.acceptance_length.set(acceptance);
+                    m.train_acceptance_length.set(acceptance);
                 }
             }
             Notice::Skipped => m.skipped_steps.increment(1),
@@ -611,23 +611,32 @@ impl Shell {
     }
 
     fn start_evaluator(&mut self) -> anyhow::Result<Evaluator> {
-        let prompts = match self.a.eval_prompts.take() {
-            Some(p) => p,
-            None => eval_prompts(self.core.config(), self.a.vocab_size)?,
+        let set = match self.a.eval_set.take() {
+            Some(set) => set,
+            None => eval_set(self.core.config(), self.a.vocab_size)?,
         };
         let (device, kind) = self.a.target_device;
+        // Held-out rows are scored as training scores its batches now (anchors and gamma are reloadable).
+        let current = &self.core.config().objective;
+        let block_size = self.a.drafter_config.block_size;
+        let objective = ObjectiveSettings {
+            num_anchors: current.num_anchors,
+            gamma: current.gamma.resolve(block_size)?,
+            ..self.a.objective.clone()
+        };
         let spec = EvalSpec {
             source: self.a.target_source.clone(),
             taps: self.a.taps.clone(),
             device,
             spread_to: self.a.spread_to.clone(),
             kind,
-            prompts,
+            set,
             settings: DecodeSettings {
                 max_new_tokens: self.a.config.eval.max_new_tokens,
                 stop: self.a.eos_token_ids.clone(),
                 cuda_graphs: self.a.config.eval.cuda_graphs,
             },
+            objective,
             checkpoint_root: self.a.config.checkpoint.dir.clone(),
         };
         let me = self.myself.clone();
@@ -641,6 +650,9 @@ impl Shell {
         m.evaluation(outcome.is_ok());
         if let Ok(e) = outcome {
             m.decode_acceptance_length.set(e.decode_acceptance_length);
+            if let Some(holdout) = e.holdout_acceptance_length {
+                m.holdout_acceptance_length.set(holdout);
+            }
             m.decode_acceptance_length_best.set(e.best);
             m.decode_token_match.set(e.token_match_rate);
             m.eval_duration.record(e.seconds);
@@ -654,7 +666,7 @@ impl Shell {
     /// comes back as [`SupervisorMsg::Reread`].
     fn reread(&self, reply: Option<ReloadReply>) {
         // Turning evaluation on reads its prompts now (kept for the evaluator), so a missing split refuses the reload.
-        let needs_prompts = self.evaluator.is_none() && self.a.eval_prompts.is_none();
+        let needs_prompts = self.evaluator.is_none() && self.a.eval_set.is_none();
         let vocab = self.a.vocab_size;
         let current = self.core.config().clone();
         let layers = self.a.layers.clone();
@@ -664,12 +676,12 @@ impl Shell {
             let mut prompts = None;
             let check = |c: &Config| {
                 if c.eval.every_steps > 0 && needs_prompts {
-                    prompts = Some(eval_prompts(c, vocab).map_err(|e| format!("{e:#}"))?);
+                    prompts = Some(eval_set(c, vocab).map_err(|e| format!("{e:#}"))?);
                 }
                 Ok(())
             };
             let reread = reread(&current, &layers, block_size, check);
-            let reread = reread.map(|accepted| accepted.map(|accepted| Reread { accepted, prompts }));
+            let reread = reread.map(|accepted| accepted.map(|accepted| Reread { accepted, eval_set: prompts }));
             let _ = me.send_message(SupervisorMsg::Reread { reread: Box::new(reread), reply });
         });
     }
@@ -694,7 +706,7 @@ impl Shell {
     }
 
     async fn apply_reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
-        let Some(Reread { accepted: Accepted { config: new, changes, gamma }, prompts }) = reread? else {
+        let Some(Reread { accepted: Accepted { config: new, changes, gamma }, eval_set: prompts }) = reread? else {
             return Ok(Reloaded {
                 config_version: self.core.config_version(),
                 applies_from_step: None,
@@ -702,7 +714,7 @@ impl Shell {
             });
         };
         if prompts.is_some() && self.evaluator.is_none() {
-            self.a.eval_prompts = prompts;
+            self.a.eval_set = prompts;
         }
         if changes.iter().any(|c| c.key == "log.level") {
             let level =

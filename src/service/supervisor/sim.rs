@@ -678,6 +678,8 @@ impl World {
                 let e = Evaluated {
                     step,
                     decode_acceptance_length: 1.5,
+                    holdout_acceptance_length: None,
+                    holdout_rows: 0,
                     token_match_rate: 1.0,
                     lossless: true,
                     prompts: 1,

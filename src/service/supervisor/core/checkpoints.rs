@@ -72,9 +72,13 @@ impl Core {
         self.evaluating = false;
         match outcome {
             Ok(e) => {
+                let holdout = match e.holdout_acceptance_length {
+                    Some(a) => format!(" · held-out acceptance (teacher-forced, {} rows) {a:.3}", e.holdout_rows),
+                    None => String::new(),
+                };
                 tracing::info!(
                     step = e.step,
-                    "evaluation: decoded acceptance {:.3} · token match {:.3} · {} prompts · {:.1} s · best {:.3}{}",
+                    "evaluation: decoded acceptance {:.3}{holdout} · token match {:.3} · {} prompts · {:.1} s · best {:.3}{}",
                     e.decode_acceptance_length,
                     e.token_match_rate,
                     e.prompts,

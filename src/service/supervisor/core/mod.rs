@@ -860,6 +860,8 @@ mod tests {
         let evaluated = Evaluated {
             step: 2,
             decode_acceptance_length: 2.5,
+            holdout_acceptance_length: None,
+            holdout_rows: 0,
             token_match_rate: 1.0,
             lossless: true,
             prompts: 8,

@@ -99,7 +99,7 @@ impl Core {
         let live = self.live_count();
         let w = &self.window;
         tracing::info!(
-            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · acceptance {:.2} · {:.1} samples/s · feature wait {:.1}% · \
+            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · train acceptance (teacher-forced) {:.2} · {:.1} samples/s · feature wait {:.1}% · \
              lr {:.2e} · drafters {}/{} live",
             self.schedule.committed_step(),
             self.schedule.epoch(),
