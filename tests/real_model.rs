@@ -52,7 +52,8 @@ fn prepared_rows_equal_apply_chat_template() {
     let tokenizer = TextTokenizer::from_dir(&dir).unwrap();
     for (i, row) in fixture()["chat_rows"].as_array().unwrap().iter().enumerate() {
         let line = json!({"messages": row["messages"]}).to_string();
-        let sample = build_sample(&template, &tokenizer, &Conversation::from_json_line(&line, i as u64).unwrap()).unwrap();
+        let sample =
+            build_sample(&template, &tokenizer, &Conversation::from_json_line(&line, i as u64).unwrap()).unwrap();
         let want: Vec<u32> = serde_json::from_value(row["input_ids"].clone()).unwrap();
         assert_eq!(sample.input_ids, want, "conversation {i}");
         // Supervised: each assistant answer with its <|im_end|> (id 2), nothing else.
@@ -71,7 +72,7 @@ fn prepared_rows_equal_apply_chat_template() {
 #[test]
 fn f32_greedy_decoding_equals_transformers_generate() {
     let f = fixture();
-    let target = Target::load(&model_dir(), &[], Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let target = Target::load(&model_dir(), &[1], Depth::Full, Device::Cpu, Kind::Float).unwrap();
     let stop = target.config().eos_token_ids.clone();
     let max_new = f["max_new_tokens"].as_u64().unwrap() as usize;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
