@@ -58,18 +58,17 @@ pub fn eval_set(config: &Config, vocab_size: usize) -> Result<EvalSet> {
         }
         EvalPrompts::Holdout => {
             let split = holdout_split(config)?;
-            let rows: Vec<TokenRow> = split_rows(&split, usize::MAX)
-                .into_iter()
-                .filter(|r| r.loss_mask.iter().position(|&m| m != 0).is_some_and(|first| first > 0))
-                .take(want)
-                .collect();
-            let prompts = rows
-                .iter()
-                .map(|r| {
-                    let first = r.loss_mask.iter().position(|&m| m != 0).unwrap_or(0);
-                    Prompt { id: r.id.clone(), input_ids: r.input_ids[..first].to_vec() }
+            // Rows with a prompt before their first answer, each cut there.
+            let (rows, prompts) = (0..split.len())
+                .filter_map(|i| {
+                    let s = split.get(i);
+                    let first = s.loss_mask.iter().position(|&m| m != 0).filter(|&first| first > 0)?;
+                    let row = TokenRow { id: s.id.clone(), input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() };
+                    let prompt = Prompt { id: s.id.clone(), input_ids: row.input_ids[..first].to_vec() };
+                    Some((row, prompt))
                 })
-                .collect();
+                .take(want)
+                .unzip();
             EvalSet { prompts, rows }
         }
     };
