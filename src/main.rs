@@ -161,13 +161,7 @@ fn serve_train(config: Config, layers: Layers, args: ServeTrainArgs) -> Result<E
         None => dflash::service::run::Resume::No,
     };
     let code = dflash::service::run::serve_train(config, layers, resume)?;
-    // Compute threads may still be inside libtorch (an abandoned hung thread always is); running the C++ static
-    // destructors under them can crash. Everything that matters is written and synced: leave without them.
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    // SAFETY: _exit ends the process at once; no Rust state is used afterwards.
-    unsafe { libc::_exit(code.clamp(0, 255)) }
+    dflash::service::run::leave(code)
 }
 
 fn main() -> ExitCode {

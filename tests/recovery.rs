@@ -69,7 +69,7 @@ fn correlated_failures_bring_every_drafter_back() {
     assert_eq!(s["batches_set_aside"], 0, "injected faults are not held against batches: {s:#}");
     svc.signal("-TERM");
     let (code, logs) = svc.exit_code();
-    assert_eq!(code, 0);
+    assert_eq!(code, STOPPED);
     assert!(logged(&logs, "no live replica: the run continues from step"), "a rewind happened");
     let ids = train_ids(prepared());
     assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids);
@@ -128,7 +128,7 @@ fn a_hang_is_found_within_the_measured_budget_and_its_peer_is_innocent() {
     assert_eq!(drafter(&s, 0)["restarts"], 0, "the peer waiting for it is innocent: {s:#}");
     svc.signal("-TERM");
     let (code, logs) = svc.exit_code();
-    assert_eq!(code, 0);
+    assert_eq!(code, STOPPED);
     let budget = logs
         .iter()
         .find_map(|l| {
@@ -152,7 +152,7 @@ fn corrupt_checkpoints_above_the_run_never_cost_it_its_valid_ones() {
     let mut first = Service::start(&cfg, false, &sets);
     first.wait("two checkpoints", |s| s["last_checkpoint"]["step"].as_u64().unwrap_or(0) >= 6);
     first.signal("-TERM");
-    assert_eq!(first.exit_code().0, 0);
+    assert_eq!(first.exit_code().0, STOPPED);
     let ckpt = dir.path().join("ckpt");
     let newest = newest_checkpoint(&ckpt);
     for step in [700u64, 800, 900] {
@@ -185,7 +185,7 @@ fn corrupt_checkpoints_above_the_run_never_cost_it_its_valid_ones() {
     let s = third.wait("resumed", |s| s["phase"] == "running");
     assert!(step(&s) >= written, "resumed from step {} although step {written} was written", step(&s));
     third.signal("-TERM");
-    assert_eq!(third.exit_code().0, 0);
+    assert_eq!(third.exit_code().0, STOPPED);
 }
 
 /// Under `optim.max_steps` the learning-rate schedule counts steps: a run resumed with fewer drafters than it
@@ -206,7 +206,7 @@ fn the_learning_rate_follows_the_steps_when_resumed_with_fewer_drafters() {
     first.wait("step 10", |s| step(s) >= 10);
     first.signal("-TERM");
     let (code, mut logs) = first.exit_code();
-    assert_eq!(code, 0);
+    assert_eq!(code, STOPPED);
     let mut fewer: Vec<&str> = sets.to_vec();
     fewer.push("drafters.devices=[\"cpu\"]");
     let (code, resumed) = Service::start(&cfg, true, &fewer).exit_code();
@@ -287,7 +287,7 @@ fn a_stalled_last_checkpoint_ends_in_status_75_after_the_shutdown_timeout() {
     let s = again.wait("resumed", |s| s["phase"] == "running");
     assert!(step(&s) >= valid, "resumed at step {} below the valid checkpoint of step {valid}", step(&s));
     again.signal("-TERM");
-    assert_eq!(again.exit_code().0, 0);
+    assert_eq!(again.exit_code().0, STOPPED);
 }
 
 /// The fault API says when it cannot do what it is asked: one pending fault per drafter (409 for a second), none

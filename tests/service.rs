@@ -29,7 +29,7 @@ fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
     first.wait("step 5", |s| step(s) >= 5);
     first.signal("-TERM");
     let (code, logs) = first.exit_code();
-    assert_eq!(code, 0, "SIGTERM ends the run cleanly");
+    assert_eq!(code, STOPPED, "SIGTERM checkpoints and asks to be restarted");
     let stopped_at = checkpoints_written(&logs);
     assert!(stopped_at.len() == 1 && stopped_at[0] < 14, "SIGTERM writes one checkpoint mid-run: {stopped_at:?}");
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
@@ -41,6 +41,24 @@ fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
         assert!(a == b, "{file} differs between the uninterrupted and the resumed run");
     }
     assert!(split.join("ckpt/final/model.safetensors").exists(), "the end exports the drafter");
+}
+
+/// A second signal while the first one's checkpoint is being written (stalled here) exits at once with its own
+/// status, without a crash (running C++ destructors under libtorch's threads segfaulted: status 139).
+#[test]
+fn a_second_signal_exits_at_once_with_its_status() {
+    for (first, second, code) in [("-TERM", "-INT", 130), ("-INT", "-TERM", 143)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut svc = Service::start(&config(dir.path(), 2), false, &["optim.epochs=4"]);
+        svc.wait("step 3", |s| step(s) >= 3);
+        svc.fault(0, "checkpoint_stall");
+        svc.signal(first);
+        svc.poll("the stalled checkpoint", |s| s.tail(50).join("\n"), |t| t.contains("stalled on purpose"));
+        svc.signal(second);
+        let (status, logs) = svc.exit_code();
+        assert_eq!(status, code, "{first} then {second}: {:#?}", &logs[logs.len().saturating_sub(8)..]);
+        assert!(logged(&logs, "second signal: exiting now"));
+    }
 }
 
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
@@ -143,7 +161,7 @@ fn chaos_failures_of_every_kind_lose_nothing_and_keep_replicas_identical() {
     assert_eq!(s["batches_set_aside"], 0);
     svc.signal("-TERM");
     let (code, _) = svc.exit_code();
-    assert_eq!(code, 0);
+    assert_eq!(code, STOPPED);
     let ids = train_ids(prepared());
     assert!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids) >= 2, "at least two whole epochs");
 }
@@ -359,7 +377,7 @@ fn a_real_prometheus_scrapes_every_dashboard_query_and_promtool_accepts_the_name
     assert!(best["decode_acceptance_length"].as_f64().unwrap() >= eval["best"].as_f64().unwrap() - 1e-12);
     assert!(dir.path().join("ckpt/best/drafter/model.safetensors").exists());
     svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, 0);
+    assert_eq!(svc.exit_code().0, STOPPED);
 }
 
 #[test]
@@ -435,7 +453,7 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     svc.wait("a checkpoint", |s| !s["last_checkpoint"].is_null());
     assert!(logged(&svc.tail(100_000), "\"level\":\"DEBUG\""), "log.level = debug took effect");
     svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, 0);
+    assert_eq!(svc.exit_code().0, STOPPED);
 }
 
 #[test]
@@ -583,7 +601,7 @@ fn a_requested_checkpoint_is_of_the_step_the_answer_names() {
     let (second, body) = svc.request("POST", "/checkpoint", None);
     assert_eq!((first, second), (202, 409), "{body}");
     svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, 0);
+    assert_eq!(svc.exit_code().0, STOPPED);
 }
 
 /// The shared data's train split written as token rows (`inspect --json`: ids as given, strings and integers).
@@ -613,7 +631,7 @@ fn a_token_row_file_trains_exactly_once_across_a_resume_and_keeps_its_holdout_ap
     first.wait("step 3", |s| step(s) >= 3);
     first.signal("-TERM");
     let (code, logs) = first.exit_code();
-    assert_eq!(code, 0);
+    assert_eq!(code, STOPPED);
     assert!(logged(&logs, "token rows checked and prepared"), "{logs:#?}");
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
     assert_eq!(code, 0);

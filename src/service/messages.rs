@@ -118,8 +118,8 @@ pub enum SupervisorMsg {
     /// The evaluation thread finished a job.
     Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),
-    /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 0.
-    Shutdown,
+    /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 143/130 (0 when the run is complete meanwhile).
+    Shutdown(crate::service::supervisor::core::StopSignal),
     /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.
     Fed {
         generation: u64,

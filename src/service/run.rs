@@ -15,7 +15,7 @@ use super::drafter_init::check_init;
 use super::evaluator::eval_set;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
-use super::supervisor::{Supervisor, SupervisorArgs};
+use super::supervisor::{StopSignal, Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
 use crate::cluster::link::HostLink;
 use crate::config::{Config, Layers, TargetSource, resume_changes};
@@ -261,35 +261,54 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, POST /checkpoint /reload");
         }
         watch_reload_signal(hangup, supervisor.clone());
-        let sup = supervisor.clone();
-        tokio::spawn(async move {
-            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!("cannot watch SIGTERM: {e}");
-                    return;
-                }
-            };
-            let mut signals = 0;
-            loop {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-                signals += 1;
-                if signals > 1 {
-                    tracing::warn!("second signal: exiting now");
-                    std::process::exit(130);
-                }
-                let _ = sup.send_message(SupervisorMsg::Shutdown);
-            }
-        });
+        watch_stop_signals(supervisor.clone());
         let _ = handle.await;
         Ok::<(), anyhow::Error>(())
     })?;
     let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// SIGTERM and SIGINT stop the run (a checkpoint, then exit 143 or 130); a second one exits at once with its own
+/// status.
+fn watch_stop_signals(supervisor: ractor::ActorRef<SupervisorMsg>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (term, int) = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(t), Ok(i)) => (t, i),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!("cannot watch SIGTERM and SIGINT: {e}");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        let (mut term, mut int) = (term, int);
+        let mut stopping = false;
+        loop {
+            let signal = tokio::select! {
+                _ = term.recv() => StopSignal::Terminate,
+                _ = int.recv() => StopSignal::Interrupt,
+            };
+            if stopping {
+                let code = signal.exit_code();
+                tracing::warn!("second signal: exiting now with status {code} (the newest valid checkpoint stays)");
+                leave(code);
+            }
+            stopping = true;
+            let _ = supervisor.send_message(SupervisorMsg::Shutdown(signal));
+        }
+    });
+}
+
+/// Ends the process with `code` at once. Compute threads may still be inside libtorch (an abandoned hung thread
+/// always is); running the C++ static destructors under them can crash (`std::process::exit` does: a segmentation
+/// fault, status 139). Everything that matters is written and synced, so leave without them.
+pub fn leave(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: _exit ends the process at once; no Rust state is used afterwards.
+    unsafe { libc::_exit(code.clamp(0, 255)) }
 }
 
 /// What identifies the training data across hosts: its samples' ids and token counts, hashed.

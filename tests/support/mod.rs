@@ -13,6 +13,9 @@ use serde_json::{Value, json};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_dflash");
 
+/// The status of a run SIGTERM stopped before completion, after its checkpoint: restartable, not success.
+pub const STOPPED: i32 = 143;
+
 /// Prepared sample data shared by the tests of this file (made once): the built-in sample conversations, every
 /// other one in ShareGPT form with a string id (as public chat sets give them), the rest with integer ids.
 pub fn prepared() -> &'static PathBuf {

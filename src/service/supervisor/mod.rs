@@ -28,7 +28,10 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
-pub use self::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, HostRole, Setup, step_settings};
+pub use self::core::{
+    Core, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, HostRole, Setup,
+    StopSignal, step_settings,
+};
 use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
@@ -883,11 +886,11 @@ impl Actor for Supervisor {
                 s.evaluated_metrics(&outcome);
                 Event::Evaluated(outcome)
             }
-            SupervisorMsg::Shutdown => {
+            SupervisorMsg::Shutdown(signal) => {
                 if !s.core.ending() {
                     tracing::info!("stop requested: checkpointing, then exiting (a second signal exits at once)");
                 }
-                Event::Shutdown
+                Event::Shutdown(signal)
             }
             SupervisorMsg::Fed { generation, step, feed } => {
                 // An assignment for a generation this host no longer is goes nowhere.

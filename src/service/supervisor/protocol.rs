@@ -153,7 +153,7 @@ pub enum Event {
     /// A reload was accepted: the new configuration.
     Reconfigured(Box<Config>),
     /// SIGTERM or SIGINT.
-    Shutdown,
+    Shutdown(super::core::StopSignal),
     /// Several hosts, rank 0: the run's member hosts changed.
     Hosts(Vec<crate::cluster::link::HostMember>),
     /// Several hosts, other ranks: rank 0's items for a step, `(drafter, item)`, and where the run stood when it

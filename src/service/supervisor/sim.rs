@@ -34,7 +34,10 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::core::{Core, EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, Setup, step_settings};
+use super::core::{
+    Core, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, Setup, StopSignal,
+    step_settings,
+};
 use super::protocol::{
     Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
 };
@@ -337,7 +340,8 @@ struct World {
     restarts_left: u32,
     exits: Vec<(i32, String)>,
     completed: bool,
-    shutdown_requested: bool,
+    /// The signal that asked this process to stop, if any.
+    shutdown_requested: Option<StopSignal>,
     write_failed: bool,
     target_failures: Vec<Duration>,
     /// The largest `min_live_drafters` and the smallest `max_restarts` of this process so far.
@@ -393,7 +397,7 @@ impl World {
             last_progress: Duration::ZERO,
             exits: vec![],
             completed: false,
-            shutdown_requested: false,
+            shutdown_requested: None,
             write_failed: false,
             target_failures: vec![],
             strictest: (0, usize::MAX),
@@ -714,12 +718,20 @@ impl World {
         let failed = status.drafters.iter().filter(|d| d.state.name() == "failed").count();
         let why = match code {
             EXIT_OK => {
-                let complete = self.pending_export_done();
-                if !complete && !self.shutdown_requested {
-                    return violation("exit 0 without completing the run or being asked to stop");
+                if !self.pending_export_done() {
+                    return violation("exit 0 without completing the run");
                 }
-                self.completed |= complete;
-                if complete { "complete" } else { "stopped" }
+                self.completed = true;
+                "complete"
+            }
+            EXIT_TERMINATED | EXIT_INTERRUPTED => {
+                if self.shutdown_requested.map(StopSignal::exit_code) != Some(code) {
+                    return violation(format!("exit {code} without that signal ({:?})", self.shutdown_requested));
+                }
+                if self.pending_export_done() {
+                    return violation(format!("exit {code} after completing the run"));
+                }
+                "stopped"
             }
             EXIT_NO_PROGRESS => {
                 // The restart window, counted back from when the ending began (at most shutdown_timeout_s ago).
@@ -747,7 +759,7 @@ impl World {
         };
         self.exits.push((code, why.to_string()));
         self.last_progress = self.now;
-        self.shutdown_requested = false;
+        self.shutdown_requested = None;
         self.write_failed = false;
         if !self.completed && self.restarts_left > 0 {
             self.restarts_left -= 1;
@@ -1262,8 +1274,10 @@ impl World {
             86..=89 => self.armed.kill_founder = true,
             90..=93 => {
                 if self.rng.random_bool(0.5) {
-                    self.shutdown_requested = true;
-                    return self.feed(Event::Shutdown);
+                    let signal = if self.rng.random_bool(0.5) { StopSignal::Terminate } else { StopSignal::Interrupt };
+                    // A second signal of another kind does not change the status the first one asked for.
+                    let signal = *self.shutdown_requested.get_or_insert(signal);
+                    return self.feed(Event::Shutdown(signal));
                 }
             }
             _ => {
@@ -1287,8 +1301,8 @@ impl World {
     fn step(&mut self, occ: Occ) -> Check {
         match occ {
             Occ::Deliver(event) => {
-                if let Event::Shutdown = *event {
-                    self.shutdown_requested = true;
+                if let Event::Shutdown(signal) = *event {
+                    self.shutdown_requested.get_or_insert(signal);
                 }
                 self.feed(*event)?
             }

@@ -4,7 +4,7 @@ use super::*;
 
 impl Core {
     /// The run is to end with `code` (an ending already under way keeps its own, unless this one is an error and
-    /// it was not).
+    /// it was not: a stop never turns a complete run's ending into a stop).
     pub(super) fn begin_ending(&mut self, code: i32, export: bool, reason: String) {
         if self.is_follower() {
             // Nothing to write here: rank 0 keeps the run's checkpoints; this host leaves the run.
@@ -12,7 +12,7 @@ impl Core {
             return self.exit_now(code);
         }
         if let Some(e) = &mut self.ending {
-            if code != EXIT_OK && e.code == EXIT_OK {
+            if is_error(code) && !is_error(e.code) {
                 tracing::error!("{reason}: ending with exit status {code}");
                 e.code = code;
                 e.export = false;
@@ -22,6 +22,10 @@ impl Core {
         }
         match code {
             EXIT_OK => tracing::info!(step = self.schedule.committed_step(), "{reason}: checkpointing, then exiting"),
+            code if is_stop(code) => tracing::info!(
+                step = self.schedule.committed_step(),
+                "{reason}: checkpointing, then exiting with status {code} (stopped before the run was complete)"
+            ),
             _ => tracing::error!(
                 step = self.schedule.committed_step(),
                 code,
@@ -60,7 +64,7 @@ impl Core {
             return self.finish(code, export);
         }
         if late {
-            let code = if code == EXIT_OK { EXIT_RESTART } else { code };
+            let code = if is_error(code) { code } else { EXIT_RESTART };
             tracing::error!(
                 seconds = self.supervision().shutdown_timeout_s,
                 "the last checkpoint did not finish within supervision.shutdown_timeout_s: exiting with status \
@@ -72,7 +76,7 @@ impl Core {
             return;
         }
         if self.book.failures > e.failures_before {
-            let code = if code == EXIT_OK { EXIT_ERROR } else { code };
+            let code = if is_error(code) { code } else { EXIT_ERROR };
             tracing::error!(
                 "the last checkpoint could not be written: exiting with status {code}; the newest valid one stays"
             );
@@ -85,8 +89,12 @@ impl Core {
         if self.request_checkpoint(if export { "final" } else { "ending" }).is_none() {
             // No live replica to checkpoint from.
             let code = if export { EXIT_RESTART } else { code };
-            if code != EXIT_OK {
+            if is_error(code) {
                 tracing::error!("no live replica to checkpoint from: exiting with status {code}");
+            } else if is_stop(code) {
+                tracing::warn!(
+                    "no live replica to checkpoint from: exiting with status {code}; the newest valid checkpoint stays"
+                );
             }
             self.finish(code, false);
         }

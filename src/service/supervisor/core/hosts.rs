@@ -465,7 +465,7 @@ mod tests {
         assert_eq!(actions, vec![Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at: 0 } }]);
         assert!(c.handle(at(1.1), Event::Tick).is_empty(), "nothing else goes on meanwhile");
         // The orchestrator stopping every pod of the job (SIGTERM) does not cut the checkpoint short.
-        assert!(c.handle(at(1.1), Event::Shutdown).is_empty());
+        assert!(c.handle(at(1.1), Event::Shutdown(StopSignal::Terminate)).is_empty());
         let actions = c.handle(at(1.2), Event::Snapshot { id: 0, generation: 1, step: 8, optimizer_steps: 6 });
         let [Action::WriteCheckpoint(job)] = &actions[..] else { panic!("{actions:?}") };
         assert_eq!((job.donor, job.step, job.state.step, job.state.optimizer_steps), ((0, 1), 8, 8, 6));
@@ -499,8 +499,11 @@ mod tests {
         let written = Event::CheckpointWritten { step: 3, incarnation: c.incarnation, result: Err("disk full".into()) };
         assert_eq!(c.handle(at(1.2), written).last(), Some(&Action::Exit { code: EXIT_NO_PROGRESS }));
 
-        let mut c = started();
-        assert_eq!(c.handle(at(1.0), Event::RunEnded { code: EXIT_OK }).last(), Some(&Action::Exit { code: EXIT_OK }));
+        // Complete, or stopped with its checkpoint (preemption): the others end with rank 0's status, restartable.
+        for code in [EXIT_OK, EXIT_TERMINATED, EXIT_INTERRUPTED] {
+            let mut c = started();
+            assert_eq!(c.handle(at(1.0), Event::RunEnded { code }).last(), Some(&Action::Exit { code }));
+        }
     }
 
     /// A replica whose snapshot never comes does not keep the host: it exits at `shutdown_timeout_s`.

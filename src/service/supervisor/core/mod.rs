@@ -46,16 +46,50 @@ use crate::train::collective::{Contributed, Hyper, ObjectiveKnobs, Progress, Rou
 use crate::train::objective::Metrics;
 use crate::train::optim::LrSchedule;
 
-/// The run is complete, or was stopped by a signal after its checkpoint.
+/// The run is complete (and only then: a stop before completion is not a success an orchestrator may stop at).
 pub const EXIT_OK: i32 = 0;
 /// An error: a checkpoint or export at the end of the run could not be written, or start-up failed.
 pub const EXIT_ERROR: i32 = 1;
 /// The run cannot go on: fewer than `supervision.min_live_drafters` drafters are left that are not failed for good,
 /// or a target copy failed past its restart limit. The newest valid checkpoint is kept; fix the cause, then resume.
 pub const EXIT_NO_PROGRESS: i32 = 3;
-/// Restart the service with `--resume auto`: an error poisoned a device, or the run's end could not checkpoint in
-/// time.
+/// Restart the service with `--resume auto`: an error poisoned a device, the run's end could not checkpoint in
+/// time, the data ledger cannot be written, or another process holds `checkpoint.dir`.
 pub const EXIT_RESTART: i32 = 75;
+/// Stopped by SIGINT before the run was complete, after its checkpoint (128 + 2, as a shell reports it).
+pub const EXIT_INTERRUPTED: i32 = 130;
+/// Stopped by SIGTERM before the run was complete, after its checkpoint (128 + 15): preemption. Kubeflow retries
+/// 128-255 and treats 1-127 as permanent; Kubernetes Jobs and systemd restart any status but 0.
+pub const EXIT_TERMINATED: i32 = 143;
+
+/// The signal that asks the run to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopSignal {
+    /// SIGTERM: an orchestrator stopping (or preempting) the process.
+    Terminate,
+    /// SIGINT: Ctrl-C.
+    Interrupt,
+}
+
+impl StopSignal {
+    /// The status a run stopped by this signal before completion exits with.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            StopSignal::Terminate => EXIT_TERMINATED,
+            StopSignal::Interrupt => EXIT_INTERRUPTED,
+        }
+    }
+}
+
+/// A stop before completion that went as asked (its checkpoint written): restartable, but not an error.
+pub fn is_stop(code: i32) -> bool {
+    code == EXIT_TERMINATED || code == EXIT_INTERRUPTED
+}
+
+/// A status that says something went wrong (a stop and completion do not).
+pub fn is_error(code: i32) -> bool {
+    code != EXIT_OK && !is_stop(code)
+}
 
 /// Everything a reload may change in the training step, from the configuration. The learning-rate schedule counts
 /// steps when `optim.max_steps` bounds the run (it spans `max_steps`), and committed samples otherwise (it spans
@@ -333,9 +367,10 @@ impl Core {
             }
             Event::Hosts(members) => self.hosts_changed(members),
             Event::Fed { step, items, position } => self.fed(step, items, position),
-            Event::RunEnded { code: EXIT_OK } => {
-                tracing::info!(code = EXIT_OK, "rank 0 ended the run");
-                self.exit_now(EXIT_OK);
+            // Complete, or stopped with its checkpoint written: this host ends with it (a stop is restartable).
+            Event::RunEnded { code } if !is_error(code) => {
+                tracing::info!(code, "rank 0 ended the run");
+                self.exit_now(code);
             }
             // Rank 0 may have had no replica to checkpoint (it lost every drafter): this host's may be the newest.
             Event::RunEnded { code } => self.part(format!("rank 0 ended the run with status {code}"), code),
@@ -378,10 +413,10 @@ impl Core {
                 self.config_version += 1;
             }
             // Already ending, with this host's replica being checkpointed within its own deadline.
-            Event::Shutdown if self.parting() => {
+            Event::Shutdown(_) if self.parting() => {
                 tracing::warn!("stop requested: this host's checkpoint is being written")
             }
-            Event::Shutdown => self.begin_ending(EXIT_OK, false, "stop requested".into()),
+            Event::Shutdown(signal) => self.begin_ending(signal.exit_code(), false, "stop requested".into()),
         }
         self.advance();
         std::mem::take(&mut self.out)
@@ -830,6 +865,49 @@ mod tests {
         let actions = c.handle(secs(0.7), Event::Snapshot { id: 0, generation: 1, step: 2, optimizer_steps: 2 });
         assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]), "{actions:?}");
         c
+    }
+
+    /// A stop before completion exits 143 (SIGTERM) or 130 (SIGINT) once its checkpoint is written, so that an
+    /// orchestrator restarts it; 75 when the checkpoint is not written within `shutdown_timeout_s`.
+    #[test]
+    fn a_stop_before_completion_exits_with_the_signals_status_after_its_checkpoint() {
+        for (signal, code) in [(StopSignal::Terminate, 143), (StopSignal::Interrupt, 130)] {
+            let mut c = running(1);
+            let actions = c.handle(secs(1.0), Event::Shutdown(signal));
+            let at = actions
+                .iter()
+                .find_map(|a| match a {
+                    Action::Tell { order: Order::Checkpoint { at }, .. } => Some(*at),
+                    _ => None,
+                })
+                .expect("a checkpoint is asked for");
+            for step in 0..at {
+                c.handle(secs(1.0), Event::Round(report(step, c.incarnation)));
+            }
+            c.handle(secs(1.1), Event::Snapshot { id: 0, generation: 1, step: at, optimizer_steps: at });
+            let written =
+                Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+            assert_eq!(c.handle(secs(1.2), written).last(), Some(&Action::Exit { code }));
+        }
+        let mut c = running(1);
+        c.handle(secs(1.0), Event::Shutdown(StopSignal::Terminate));
+        let timeout = c.supervision().shutdown_timeout_s;
+        assert!(!c.handle(secs(0.9 + timeout), Event::Tick).iter().any(|a| matches!(a, Action::Exit { .. })));
+        let actions = c.handle(secs(1.0 + timeout), Event::Tick);
+        assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_RESTART }), "to the second");
+    }
+
+    /// A signal while a complete run writes its final checkpoint does not make it a stop: it exports and exits 0.
+    #[test]
+    fn a_signal_during_the_final_checkpoint_still_exits_0() {
+        let mut c = writing_the_final_checkpoint(0);
+        c.handle(secs(0.75), Event::Shutdown(StopSignal::Terminate));
+        let written =
+            Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Ok(("ckpt-2".into(), 0.1)) };
+        let actions = c.handle(secs(0.8), written);
+        assert!(actions.iter().any(|a| matches!(a, Action::Export { .. })), "{actions:?}");
+        let actions = c.handle(secs(0.9), Event::Exported(Ok("final".into())));
+        assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_OK }));
     }
 
     /// A complete run whose final checkpoint cannot be written exits 1 and exports nothing (no `final/` from an
