@@ -61,6 +61,41 @@ fn a_second_signal_exits_at_once_with_its_status() {
     }
 }
 
+/// A second service on the same checkpoint folder (a replacement started while the old one still runs) does not
+/// train beside it: it waits up to checkpoint.lock_wait_s, then exits 75 naming the holder; one that waits longer
+/// takes the folder over once the holder is gone and resumes its checkpoint. The ledger holds each sample once.
+#[test]
+fn one_service_per_checkpoint_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let sets = ["optim.epochs=3"];
+    let mut first = Service::start(&cfg, false, &sets);
+    first.wait("step 2", |s| step(s) >= 2);
+    let second = Command::new(BIN)
+        .args(["--config", cfg.to_str().unwrap(), "serve-train", "--resume", "auto"])
+        .args(["--set", "optim.epochs=3", "--set", "checkpoint.lock_wait_s=1"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(75), "{said}");
+    let holder = format!("pid {} on host", first.child.id());
+    assert!(
+        said.contains("the checkpoint folder is in use by another dflash process") && said.contains(&holder),
+        "{said}"
+    );
+
+    let mut replacement = Service::start_waiting(&cfg, &["optim.epochs=3", "checkpoint.lock_wait_s=120"]);
+    replacement.poll("the replacement to wait", |s| s.tail(20).join("\n"), |t| t.contains(&holder));
+    first.signal("-TERM");
+    assert_eq!(first.exit_code().0, STOPPED);
+    let (code, logs) = replacement.exit_code();
+    assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(10)..]);
+    assert!(logged(&logs, "resuming"), "it took the folder over and resumed its checkpoint");
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 3);
+}
+
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
 fn assert_progress_lines(logs: &[String], steps: &[u64]) {

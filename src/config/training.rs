@@ -267,6 +267,8 @@ pub(super) struct RawCheckpoint {
     every_steps: i64,
     every_seconds: f64,
     keep: i64,
+    lock: bool,
+    lock_wait_s: f64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -277,6 +279,10 @@ pub struct CheckpointSettings {
     /// 0: not by time.
     pub every_seconds: f64,
     pub keep: usize,
+    /// Hold an OS lock on `dir` while running (one writer per folder).
+    pub lock: bool,
+    /// How long a process that finds `dir` locked waits before it exits 75.
+    pub lock_wait_s: f64,
 }
 
 impl RawCheckpoint {
@@ -295,6 +301,8 @@ impl RawCheckpoint {
                 "seconds >= 0 (0: off)",
             )?,
             keep: at_least("checkpoint.keep", self.keep, 2)?,
+            lock: self.lock,
+            lock_wait_s: finite_in("checkpoint.lock_wait_s", self.lock_wait_s, 0.0, 1e7, "seconds >= 0")?,
         })
     }
 }

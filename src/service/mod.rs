@@ -8,6 +8,7 @@ pub mod drafter;
 pub mod drafter_init;
 pub mod evaluator;
 pub mod failure;
+pub mod folder_lock;
 pub mod ledger;
 pub mod messages;
 pub mod placement;

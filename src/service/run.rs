@@ -13,9 +13,10 @@ use tch::{Device, Kind};
 use super::builtin_data::dataset;
 use super::drafter_init::check_init;
 use super::evaluator::eval_set;
+use super::folder_lock::{FolderLock, LockError, lock_file};
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
-use super::supervisor::{StopSignal, Supervisor, SupervisorArgs};
+use super::supervisor::{EXIT_RESTART, StopSignal, Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
 use crate::cluster::link::HostLink;
 use crate::config::{Config, Layers, TargetSource, resume_changes};
@@ -127,6 +128,26 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
     Ok((found, rejected))
 }
 
+/// Locks the folder this process writes checkpoints to, for the life of the process (`checkpoint.lock`).
+fn lock_folder(config: &Config, rank: Option<usize>) -> Result<Option<FolderLock>, LockError> {
+    let c = &config.checkpoint;
+    if !c.lock {
+        tracing::warn!(dir = %c.dir.display(), "checkpoint.lock = false: nothing stops a second process using the folder");
+        return Ok(None);
+    }
+    let wait = Duration::from_secs_f64(c.lock_wait_s);
+    let path = lock_file(&c.dir, rank);
+    let lock = FolderLock::acquire(&path, wait, |holder| {
+        tracing::warn!(
+            lock = %path.display(),
+            "the checkpoint folder is in use by another dflash process ({holder}): waiting up to {:.0} s \
+             (checkpoint.lock_wait_s) for it to end",
+            c.lock_wait_s
+        )
+    })?;
+    Ok(Some(lock))
+}
+
 /// Waits up to `limit` (the time the other hosts have for it) while another host is still writing the checkpoint
 /// it takes when rank 0 is lost: with every host restarted at once, rank 0 would otherwise resume past it.
 fn wait_for_survivor_writes(dir: &std::path::Path, limit: Duration) {
@@ -183,6 +204,15 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host, and writes
     // (only when rank 0 is lost) into a folder of its own under checkpoint.dir, which may be rank 0's on a shared disk.
     let follower = placement.as_ref().is_some_and(|p| p.rank > 0);
+    // Before anything in the folder is read or removed: one writer per folder.
+    let _lock = match lock_folder(&config, placement.as_ref().map(|p| p.rank)) {
+        Ok(lock) => lock,
+        Err(e @ LockError::Held { .. }) => {
+            tracing::error!("{e}; exiting with status {EXIT_RESTART} (restart me)");
+            return Ok(EXIT_RESTART);
+        }
+        Err(e) => return Err(e).context("checkpoint.lock"),
+    };
     let (resume, rejected) = match &placement {
         Some(p) if follower => {
             // Its own folder, for the checkpoint it takes if rank 0 is lost: a write killed before is removed.

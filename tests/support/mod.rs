@@ -138,6 +138,18 @@ pub struct Service {
 
 impl Service {
     pub fn start(config: &Path, resume: bool, sets: &[&str]) -> Self {
+        let mut service = Self::spawn(config, resume, sets);
+        service.addr = service.address();
+        service
+    }
+
+    /// With `--resume auto`, without waiting for the control plane (a service waiting for its checkpoint folder
+    /// serves none yet).
+    pub fn start_waiting(config: &Path, sets: &[&str]) -> Self {
+        Self::spawn(config, true, sets)
+    }
+
+    fn spawn(config: &Path, resume: bool, sets: &[&str]) -> Self {
         let mut cmd = Command::new(BIN);
         cmd.args(["--config", config.to_str().unwrap(), "serve-train"]);
         for s in sets {
@@ -155,22 +167,26 @@ impl Service {
                 sink.lock().unwrap().push(line);
             }
         });
+        Service { child, addr: SocketAddr::from(([127, 0, 0, 1], 0)), logs }
+    }
+
+    /// The control plane's address, once the service logged it.
+    fn address(&mut self) -> SocketAddr {
         let started = Instant::now();
-        let addr = loop {
-            let found = logs.lock().unwrap().iter().find_map(|l| {
+        loop {
+            let found = self.logs.lock().unwrap().iter().find_map(|l| {
                 let v: Value = serde_json::from_str(l).ok()?;
                 v["fields"]["address"].as_str()?.parse().ok()
             });
             if let Some(a) = found {
-                break a;
+                return a;
             }
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!("the service exited ({status}) before serving: {:#?}", logs.lock().unwrap());
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the service exited ({status}) before serving: {:#?}", self.logs.lock().unwrap());
             }
-            assert!(started.elapsed() < Duration::from_secs(120), "no control plane: {:#?}", logs.lock().unwrap());
+            assert!(started.elapsed() < Duration::from_secs(120), "no control plane: {:#?}", self.logs.lock().unwrap());
             std::thread::sleep(Duration::from_millis(50));
-        };
-        Service { child, addr, logs }
+        }
     }
 
     /// A request to the control plane; (status, JSON body or null).

@@ -1,0 +1,184 @@
+//! One writer per checkpoint folder. Two services on one `checkpoint.dir` (a replacement pod started while the old
+//! one is in its grace period) would both train and write the same checkpoint paths and ledger. The process that
+//! writes checkpoints holds an OS lock (`flock`) on a file in `checkpoint.dir` for its whole life: the kernel
+//! releases it when the process ends, however it ends (kill -9 included), so a stale lock is never guessed at. The
+//! holder's host, pid and start time are written inside the file, so a refused process can name it.
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// The lock file in `checkpoint.dir` of the process that writes into `folder`: rank 0's (or a single host's) for
+/// `checkpoint.dir` itself, another host's for its `survivors/host-<rank>` (kept beside, not inside, the survivors'
+/// folder, which rank 0 moves aside when it resumes).
+pub fn lock_file(checkpoint_dir: &Path, rank: Option<usize>) -> PathBuf {
+    match rank {
+        Some(rank) if rank > 0 => checkpoint_dir.join(format!(".dflash-host-{rank}.lock")),
+        _ => checkpoint_dir.join(".dflash.lock"),
+    }
+}
+
+/// Who holds a folder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Holder {
+    pub host: String,
+    pub pid: u32,
+    /// When it took the lock (RFC 3339, UTC).
+    pub since: String,
+}
+
+impl Holder {
+    fn this_process() -> Self {
+        Holder {
+            host: host_name(),
+            pid: std::process::id(),
+            since: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        }
+    }
+}
+
+impl std::fmt::Display for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} on host {} since {}", self.pid, self.host, self.since)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error(
+        "the checkpoint folder is in use by another dflash process ({holder}, holding {path}); waited {waited:.0} s \
+         for it (checkpoint.lock_wait_s). Stop that process, wait for it to end, or use another checkpoint.dir"
+    )]
+    Held { path: PathBuf, holder: String, waited: f64 },
+    #[error(
+        "cannot lock {path}: {source}. The filesystem does not support file locks: put checkpoint.dir on one that \
+         does, or set checkpoint.lock = false and make sure no two processes ever use the folder at once"
+    )]
+    Unsupported { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// A held lock on a folder; dropping it (or the process ending) releases it.
+#[derive(Debug)]
+pub struct FolderLock {
+    _file: File,
+}
+
+impl FolderLock {
+    /// Locks the file `path` (created with its folder if missing), waiting up to `wait` while another process holds
+    /// it; `waiting` is called once, with the holder, when it has to wait.
+    pub fn acquire(path: &Path, wait: Duration, mut waiting: impl FnMut(&str)) -> Result<Self, LockError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| LockError::Io { path, source }
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+        }
+        let path = path.to_path_buf();
+        let mut file =
+            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io(&path))?;
+        let started = Instant::now();
+        let mut said = false;
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) => {}
+                Err(TryLockError::Error(source)) if unsupported(&source) => {
+                    return Err(LockError::Unsupported { path, source });
+                }
+                Err(TryLockError::Error(source)) => return Err(LockError::Io { path, source }),
+            }
+            let holder = read_holder(&path);
+            if started.elapsed() >= wait {
+                let waited = started.elapsed().as_secs_f64();
+                return Err(LockError::Held { path, holder, waited });
+            }
+            if !said {
+                waiting(&holder);
+                said = true;
+            }
+            std::thread::sleep(Duration::from_millis(200).min(wait.saturating_sub(started.elapsed())));
+        }
+        let holder = serde_json::to_string(&Holder::this_process()).expect("json");
+        file.set_len(0)
+            .and_then(|()| file.rewind())
+            .and_then(|()| file.write_all(holder.as_bytes()))
+            .and_then(|()| file.sync_all())
+            .map_err(io(&path))?;
+        Ok(FolderLock { _file: file })
+    }
+}
+
+/// The holder named in a lock file, for a message.
+fn read_holder(path: &Path) -> String {
+    let mut text = String::new();
+    let read = File::open(path).and_then(|mut f| f.read_to_string(&mut text));
+    match (read, serde_json::from_str::<Holder>(&text)) {
+        (Ok(_), Ok(holder)) => holder.to_string(),
+        _ => format!("its holder did not say who it is in {}", path.display()),
+    }
+}
+
+/// Errors of a filesystem without locks (FUSE mounts, some network filesystems).
+fn unsupported(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::Unsupported
+        || matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS))
+}
+
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer it is given.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match ok {
+        true => String::from_utf8_lossy(&buf[..end]).into_owned(),
+        false => "unknown".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A second lock on a held folder (another open file: as another process) waits, then is refused naming the
+    /// holder; once the first is dropped it is taken at once.
+    #[test]
+    fn a_held_folder_is_refused_naming_its_holder_and_free_once_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = lock_file(&dir.path().join("ckpt"), None);
+        let first = FolderLock::acquire(&path, Duration::ZERO, |_| panic!("free")).unwrap();
+        let mut told = None;
+        let started = Instant::now();
+        let err =
+            FolderLock::acquire(&path, Duration::from_millis(600), |h| told = Some(h.to_string())).expect_err("held");
+        assert!(started.elapsed() >= Duration::from_millis(600), "waited the bound: {:?}", started.elapsed());
+        let message = err.to_string();
+        let me = format!("pid {} on host {}", std::process::id(), host_name());
+        assert!(matches!(err, LockError::Held { .. }) && message.contains(&me), "{message}");
+        assert!(told.is_some_and(|h| h.contains(&me)));
+        let other_host = lock_file(&dir.path().join("ckpt"), Some(1));
+        FolderLock::acquire(&other_host, Duration::ZERO, |_| panic!("another host's lock is its own")).unwrap();
+        drop(first);
+        FolderLock::acquire(&path, Duration::ZERO, |_| panic!("free")).unwrap();
+    }
+
+    /// A waiter gets the folder as soon as the holder lets it go, within its bound.
+    #[test]
+    fn a_waiter_takes_the_folder_when_the_holder_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = lock_file(dir.path(), None);
+        let first = FolderLock::acquire(&path, Duration::ZERO, |_| {}).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(first);
+        });
+        let started = Instant::now();
+        FolderLock::acquire(&path, Duration::from_secs(30), |_| {}).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        release.join().unwrap();
+    }
+}
