@@ -96,6 +96,38 @@ fn one_service_per_checkpoint_folder() {
     assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 3);
 }
 
+/// A data ledger that cannot be written (a full disk: /dev/full answers every write with ENOSPC) is never silent:
+/// the service is not ready, /status and the metrics say so at once, and `data.ledger_max_failures` failures in a
+/// row end the run with a checkpoint and status 75 rather than a complete run with no audit trail.
+#[test]
+fn a_ledger_that_cannot_be_written_is_loud_and_ends_the_run() {
+    if !Path::new("/dev/full").exists() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let mut svc =
+        Service::start(&cfg, false, &["optim.epochs=1000", "data.ledger=/dev/full", "data.ledger_max_failures=100000"]);
+    let s = svc.wait("a ledger failure", |s| s["ledger"]["failures"].as_u64().unwrap_or(0) >= 1);
+    assert!(s["ledger"]["last_error"].as_str().unwrap().contains("No space left on device"), "{s}");
+    let (code, body) = svc.request("GET", "/readyz", None);
+    assert!(code == 503 && body["problems"][0].as_str().unwrap().contains("data.ledger"), "{code} {body}");
+    let text = svc.metrics();
+    assert!(metric(&text, "dflash_ledger_write_failures_total").is_some_and(|n| n >= 1.0), "{text}");
+    assert_eq!(metric(&text, "dflash_ledger_failing"), Some(1.0));
+    svc.signal("-TERM");
+    assert_eq!(svc.exit_code().0, STOPPED);
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let svc =
+        Service::start(&cfg, false, &["optim.epochs=1000", "data.ledger=/dev/full", "data.ledger_max_failures=3"]);
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, 75, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
+    assert!(logged(&logs, "data.ledger failed 3 times in a row"));
+    assert_eq!(checkpoints_written(&logs).len(), 1, "it checkpointed before exiting");
+}
+
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
 fn assert_progress_lines(logs: &[String], steps: &[u64]) {

@@ -74,8 +74,8 @@ const TIMED_OUT: c_int = 2;
 
 #[derive(Debug, Error)]
 pub enum StoreError {
-    #[error("the store at {address}: {what} {key:?} timed out after {seconds:.1} s")]
-    Timeout { address: String, what: &'static str, key: String, seconds: f64 },
+    #[error("the store at {address}: {what} {key:?} timed out after {waited:.1} s (limit {limit:.1} s)")]
+    Timeout { address: String, what: &'static str, key: String, waited: f64, limit: f64 },
     #[error("the store at {address}: {what} {key:?}: {message}")]
     Failed { address: String, what: &'static str, key: String, message: String },
     #[error("store key {0:?} holds a NUL byte")]
@@ -266,13 +266,15 @@ fn shim(
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), StoreError> {
     let mut buf = [0 as c_char; 512];
+    let started = std::time::Instant::now();
     let status = f(buf.as_mut_ptr(), buf.len());
     if status == 0 {
         return Ok(());
     }
     let (address, key) = (address.to_string(), key.to_string());
     if status == TIMED_OUT {
-        return Err(StoreError::Timeout { address, what, key, seconds: timeout.as_secs_f64() });
+        let (waited, limit) = (started.elapsed().as_secs_f64(), timeout.as_secs_f64());
+        return Err(StoreError::Timeout { address, what, key, waited, limit });
     }
     // SAFETY: the shim NUL-terminates the buffer it was given.
     let message = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
@@ -320,8 +322,12 @@ mod tests {
         writer.join().unwrap();
         let started = std::time::Instant::now();
         let err = server.get("never", Duration::from_millis(300)).unwrap_err();
-        assert!(matches!(err, StoreError::Timeout { .. }), "{err}");
-        assert!(started.elapsed() < 5 * SECOND, "the deadline bounds the wait");
+        let elapsed = started.elapsed().as_secs_f64();
+        let StoreError::Timeout { waited, limit, .. } = err else { panic!("{err}") };
+        assert!(elapsed < 5.0, "the deadline bounds the wait");
+        // The message says the time actually waited, beside the limit.
+        assert!(waited <= elapsed && waited >= 0.25 && limit == 0.3, "waited {waited} of {limit} in {elapsed}");
+        let err = StoreError::Timeout { address: "a".into(), what: "reading", key: "never".into(), waited, limit };
         assert!(err.to_string().contains("\"never\""), "{err}");
         // The connection answers correctly after a read that timed out (hosts keep their connections across them),
         // even when the key it waited for comes later.

@@ -115,6 +115,7 @@ pub(super) struct RawData {
     builtin_max_new_tokens: i64,
     cache_dir: String,
     ledger: String,
+    ledger_max_failures: i64,
 }
 
 /// The lengths of synthetic rows.
@@ -156,6 +157,8 @@ pub struct DataSettings {
     pub cache_dir: PathBuf,
     /// Append every committed batch's sample ids here (JSON lines), as an audit trail; `None`: off.
     pub ledger: Option<PathBuf>,
+    /// Ledger writes failing this many times in a row end the run (checkpoint, exit 75).
+    pub ledger_max_failures: u32,
 }
 
 impl RawData {
@@ -186,6 +189,7 @@ impl RawData {
             builtin_max_new_tokens: at_least("data.builtin_max_new_tokens", self.builtin_max_new_tokens, 1)?,
             cache_dir: PathBuf::from(self.cache_dir),
             ledger: (!self.ledger.is_empty()).then(|| PathBuf::from(self.ledger)),
+            ledger_max_failures: at_least("data.ledger_max_failures", self.ledger_max_failures, 1)? as u32,
         })
     }
 }

@@ -54,13 +54,14 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// 200 while training can go on (running, not stopping, a drafter live); 503 with the phase otherwise.
+/// 200 while training can go on (running, not stopping, a drafter live, the ledger written, the checkpoint writer
+/// not stalled); 503 with the phase and the problems otherwise.
 async fn readyz(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
     match ask(&sup, SupervisorMsg::Status).await {
         Ok(s) if s.ready => (StatusCode::OK, "ready\n").into_response(),
         Ok(s) => {
             let live = s.drafters.iter().filter(|d| d.state == DrafterState::Live).count();
-            let body = json!({"ready": false, "phase": s.phase, "drafters_live": live});
+            let body = json!({"ready": false, "phase": s.phase, "drafters_live": live, "problems": s.problems});
             (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
         }
         Err(e) => unavailable(e),

@@ -1,11 +1,21 @@
-//! The data ledger's writer: one JSON line per committed batch (and per rewind), appended and flushed on a thread
-//! of its own, so a slow or stalled disk never holds up the supervisor (whose watchdog must keep running). Lines
-//! are written in the order they are given; dropping the writer waits a bounded time for the last ones.
+//! The data ledger's writer: one JSON line per committed batch (and per rewind), appended on a thread of its own, so
+//! a slow or stalled disk never holds up the supervisor (whose watchdog must keep running). Lines are written in the
+//! order they are given. A write that fails is never silent: the file is cut back to its last whole line, the line
+//! is kept and written again before the next one, and every attempt's outcome goes to `on_write`, which the
+//! supervisor turns into readiness, a metric and, after `data.ledger_max_failures` in a row, the run's end.
+use std::collections::VecDeque;
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+/// Opens `path` for appending (created if missing): at start, so that a ledger that cannot be opened stops the run
+/// before it trains.
+pub fn open_ledger(path: &Path) -> std::io::Result<File> {
+    std::fs::OpenOptions::new().create(true).append(true).open(path)
+}
 
 pub struct LedgerWriter {
     lines: Option<Sender<String>>,
@@ -14,22 +24,33 @@ pub struct LedgerWriter {
 }
 
 impl LedgerWriter {
-    /// How long dropping the writer waits for lines still queued.
-    const DROP_WAIT: Duration = Duration::from_secs(10);
+    /// How long [`LedgerWriter::finish`] waits by default (dropping the writer) for lines still queued.
+    pub const DROP_WAIT: Duration = Duration::from_secs(10);
 
-    /// Opens `path` for appending (created if missing).
-    pub fn open(path: &Path) -> std::io::Result<Self> {
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    /// Starts the writer on `file` (opened by [`open_ledger`]); `on_write` gets each attempt's outcome: `Ok` once
+    /// every line given so far is written, or why the attempt failed.
+    pub fn start(
+        file: File,
+        path: &Path,
+        on_write: impl Fn(Result<(), String>) + Send + 'static,
+    ) -> std::io::Result<Self> {
         let (lines, queued) = mpsc::channel::<String>();
         let (done, ended) = mpsc::channel::<()>();
         let path: PathBuf = path.to_path_buf();
         let thread = std::thread::Builder::new().name("ledger".into()).spawn(move || {
             let _done = done;
-            let mut w = std::io::BufWriter::new(file);
+            let mut ledger = Appender { file, pending: VecDeque::new() };
             for line in queued {
-                if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
-                    tracing::error!(path = %path.display(), "data.ledger: {e}");
-                }
+                ledger.pending.push_back(line);
+                let outcome = ledger.write_pending().map_err(|e| format!("{}: {e}", path.display()));
+                on_write(outcome);
+            }
+            if !ledger.pending.is_empty() {
+                tracing::error!(
+                    path = %path.display(),
+                    lines = ledger.pending.len(),
+                    "data.ledger: the last lines could not be written"
+                );
             }
         })?;
         Ok(LedgerWriter { lines: Some(lines), ended, thread: Some(thread) })
@@ -41,27 +62,74 @@ impl LedgerWriter {
             let _ = lines.send(line);
         }
     }
+
+    /// Stops taking lines and waits at most `wait` for those queued; false when the writer is left behind.
+    pub fn finish(&mut self, wait: Duration) -> bool {
+        self.lines.take();
+        let done = crate::bounded_join::join_within(&mut self.thread, &self.ended, wait);
+        if !done {
+            tracing::warn!("the data ledger's disk is not keeping up: its last lines are left behind");
+            self.thread.take();
+        }
+        done
+    }
 }
 
 impl Drop for LedgerWriter {
     fn drop(&mut self) {
-        self.lines.take();
-        if !crate::bounded_join::join_within(&mut self.thread, &self.ended, Self::DROP_WAIT) {
-            tracing::warn!("the data ledger's disk is not keeping up: its last lines are left behind");
+        if self.thread.is_some() {
+            self.finish(Self::DROP_WAIT);
         }
+    }
+}
+
+/// The file and the lines not written yet, oldest first.
+struct Appender {
+    file: File,
+    pending: VecDeque<String>,
+}
+
+impl Appender {
+    /// Writes the pending lines in order; on a failure the file is cut back to its length before the line that
+    /// failed (a partial line would corrupt the ledger) and that line stays pending.
+    fn write_pending(&mut self) -> std::io::Result<()> {
+        while let Some(line) = self.pending.front() {
+            let before = self.file.metadata().map(|m| m.len()).ok();
+            let written = self.file.write_all(format!("{line}\n").as_bytes()).and_then(|()| self.file.flush());
+            if let Err(e) = written {
+                if let Some(len) = before {
+                    // Best effort: a device (/dev/full) has no length to cut back to.
+                    let _ = self.file.set_len(len);
+                }
+                return Err(e);
+            }
+            self.pending.pop_front();
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
+
+    type Outcomes = Arc<Mutex<Vec<Result<(), String>>>>;
+
+    fn writer(path: &Path) -> (LedgerWriter, Outcomes) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        let file = open_ledger(path).unwrap();
+        let w = LedgerWriter::start(file, path, move |outcome| sink.lock().unwrap().push(outcome)).unwrap();
+        (w, seen)
+    }
 
     #[test]
     fn lines_are_appended_in_order_and_all_written_when_dropped() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.jsonl");
         std::fs::write(&path, "{\"before\": true}\n").unwrap();
-        let writer = LedgerWriter::open(&path).unwrap();
+        let (writer, seen) = writer(&path);
         for i in 0..500 {
             writer.append(format!("{{\"step\": {i}}}"));
         }
@@ -71,11 +139,48 @@ mod tests {
         assert_eq!(lines.len(), 501, "appended after what was there");
         assert_eq!(lines[0], "{\"before\": true}");
         assert!(lines[1..].iter().enumerate().all(|(i, l)| *l == format!("{{\"step\": {i}}}")));
+        assert!(seen.lock().unwrap().iter().all(Result::is_ok));
+    }
+
+    /// A full disk (`/dev/full` answers every write with ENOSPC) is reported for every line, not logged and lost.
+    #[test]
+    fn every_failed_write_is_reported() {
+        let path = Path::new("/dev/full");
+        if !path.exists() {
+            return;
+        }
+        let (mut writer, seen) = writer(path);
+        for i in 0..3 {
+            writer.append(format!("{{\"step\": {i}}}"));
+        }
+        assert!(writer.finish(Duration::from_secs(10)));
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 3);
+        assert!(seen.iter().all(|o| o.as_ref().is_err_and(|e| e.contains("/dev/full"))), "{seen:?}");
+    }
+
+    /// A line that failed is written again, before the next one, and nothing is duplicated.
+    #[test]
+    fn a_failed_line_is_written_again_in_order() {
+        if !Path::new("/dev/full").exists() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.jsonl");
+        let mut a = Appender { file: open_ledger(&path).unwrap(), pending: VecDeque::from(["{\"step\": 0}".into()]) };
+        a.write_pending().unwrap();
+        let good = std::mem::replace(&mut a.file, open_ledger(Path::new("/dev/full")).unwrap());
+        a.pending.extend(["{\"step\": 1}".to_string(), "{\"step\": 2}".to_string()]);
+        assert!(a.write_pending().is_err());
+        assert_eq!(a.pending.len(), 2, "nothing was taken as written");
+        a.file = good;
+        a.write_pending().unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\": 0}\n{\"step\": 1}\n{\"step\": 2}\n");
     }
 
     #[test]
     fn an_unwritable_path_is_an_error_at_open() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(LedgerWriter::open(&dir.path().join("missing").join("ledger.jsonl")).is_err());
+        assert!(open_ledger(&dir.path().join("missing").join("ledger.jsonl")).is_err());
     }
 }

@@ -118,6 +118,8 @@ pub enum SupervisorMsg {
     /// The evaluation thread finished a job.
     Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),
+    /// The ledger writer's outcome of one attempt.
+    LedgerWritten(Result<(), String>),
     /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 143/130 (0 when the run is complete meanwhile).
     Shutdown(crate::service::supervisor::core::StopSignal),
     /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.
@@ -164,6 +166,28 @@ impl DrafterState {
     }
 }
 
+/// The data ledger's writes (`data.ledger`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LedgerStatus {
+    /// Write attempts that failed in this process.
+    pub failures: u64,
+    /// Failed since the last write that succeeded (not ready while above 0).
+    pub failing_in_row: u32,
+    pub last_error: Option<String>,
+}
+
+/// The checkpoint writer.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct WriterStatus {
+    /// The step of the checkpoint being written, and for how long.
+    pub writing_step: Option<u64>,
+    pub busy_s: Option<f64>,
+    /// Busy past `supervision.shutdown_timeout_s` (not ready while so).
+    pub stalled: bool,
+    /// Checkpoints that fell due while another was in flight, in this process.
+    pub skipped: u64,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct DrafterStatus {
     pub id: usize,
@@ -204,8 +228,11 @@ pub struct Reloaded {
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub phase: String,
-    /// Training can go on: running, not stopping, at least one drafter live (`GET /readyz`).
+    /// Training can go on: running, not stopping, at least one drafter live, the ledger written, the checkpoint
+    /// writer not stalled (`GET /readyz`).
     pub ready: bool,
+    /// What is wrong now, in words (empty when nothing is).
+    pub problems: Vec<String>,
     pub step: u64,
     pub epoch: u64,
     pub samples_committed: u64,
@@ -219,6 +246,8 @@ pub struct Status {
     pub drafters: Vec<DrafterStatus>,
     pub targets: Vec<TargetStatus>,
     pub last_checkpoint: Option<CheckpointStatus>,
+    pub checkpoint_writer: WriterStatus,
+    pub ledger: LedgerStatus,
     pub last_evaluation: Option<Evaluated>,
     /// Several hosts: `"rank 0"` or `"follower"` (absent on one host).
     #[serde(skip_serializing_if = "Option::is_none")]

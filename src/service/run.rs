@@ -14,6 +14,7 @@ use super::builtin_data::dataset;
 use super::drafter_init::check_init;
 use super::evaluator::eval_set;
 use super::folder_lock::{FolderLock, LockError, lock_file};
+use super::ledger::open_ledger;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
 use super::supervisor::{EXIT_RESTART, StopSignal, Supervisor, SupervisorArgs};
@@ -255,6 +256,15 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         }
         None => None,
     };
+    // Rank 0 keeps the run's ledger: one that cannot be opened stops the run before it trains.
+    let ledger = match config.data.ledger.as_ref().filter(|_| !follower) {
+        Some(path) => Some((
+            open_ledger(path)
+                .with_context(|| format!("data.ledger = {}: cannot open it for appending", path.display()))?,
+            path.clone(),
+        )),
+        None => None,
+    };
     let exit_code = Arc::new(Mutex::new(None));
     let args = SupervisorArgs {
         taps: drafter_cfg.target_layer_ids.clone(),
@@ -277,6 +287,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         eval_set,
         eos_token_ids: target_cfg.eos_token_ids.clone(),
         link,
+        ledger,
         config,
     };
     runtime.block_on(async move {

@@ -56,6 +56,10 @@ pub const CHECKPOINT_DURATION: &str = "dflash_checkpoint_duration_seconds";
 pub const CHECKPOINT_LAST_SUCCESS: &str = "dflash_checkpoint_last_success_timestamp_seconds";
 pub const CHECKPOINT_LAST_STEP: &str = "dflash_checkpoint_last_step";
 pub const CHECKPOINTS: &str = "dflash_checkpoints_total";
+pub const CHECKPOINTS_SKIPPED: &str = "dflash_checkpoints_skipped_total";
+pub const CHECKPOINT_WRITER_STALLED: &str = "dflash_checkpoint_writer_stalled";
+pub const LEDGER_WRITE_FAILURES: &str = "dflash_ledger_write_failures_total";
+pub const LEDGER_FAILING: &str = "dflash_ledger_failing";
 pub const CONFIG_RELOAD_SUCCESSFUL: &str = "dflash_config_last_reload_successful";
 pub const CONFIG_RELOAD_SUCCESS_TIMESTAMP: &str = "dflash_config_last_reload_success_timestamp_seconds";
 pub const CONFIG_RELOADS: &str = "dflash_config_reloads_total";
@@ -171,6 +175,17 @@ fn describe() {
     describe_gauge!(CHECKPOINT_LAST_SUCCESS, Unit::Seconds, "Unix time of the last checkpoint written.");
     describe_gauge!(CHECKPOINT_LAST_STEP, Unit::Count, "Step of the last checkpoint written.");
     describe_counter!(CHECKPOINTS, Unit::Count, "Checkpoints, by result (success, failure).");
+    describe_counter!(
+        CHECKPOINTS_SKIPPED,
+        Unit::Count,
+        "Checkpoints that fell due (checkpoint.every_steps or every_seconds) while another was still in flight."
+    );
+    describe_gauge!(
+        CHECKPOINT_WRITER_STALLED,
+        "1 while the checkpoint writer has been writing one checkpoint for longer than supervision.shutdown_timeout_s, else 0."
+    );
+    describe_counter!(LEDGER_WRITE_FAILURES, Unit::Count, "Writes to data.ledger that failed (each is tried again).");
+    describe_gauge!(LEDGER_FAILING, "1 while the last write to data.ledger failed, else 0.");
     describe_gauge!(CONFIG_RELOAD_SUCCESSFUL, "1 if the last configuration reload succeeded, else 0.");
     describe_gauge!(CONFIG_RELOAD_SUCCESS_TIMESTAMP, Unit::Seconds, "Unix time of the last successful reload.");
     describe_counter!(CONFIG_RELOADS, Unit::Count, "Configuration reloads, by result (success, failure).");
@@ -281,6 +296,10 @@ pub struct RunMetrics {
     pub checkpoint_duration: Histogram,
     pub checkpoint_last_success: Gauge,
     pub checkpoint_last_step: Gauge,
+    pub checkpoints_skipped: Counter,
+    pub checkpoint_writer_stalled: Gauge,
+    pub ledger_write_failures: Counter,
+    pub ledger_failing: Gauge,
     pub reload_successful: Gauge,
     pub reload_success_timestamp: Gauge,
     pub config_version: Gauge,
@@ -322,6 +341,10 @@ impl RunMetrics {
             checkpoint_duration: histogram!(CHECKPOINT_DURATION),
             checkpoint_last_success: gauge!(CHECKPOINT_LAST_SUCCESS),
             checkpoint_last_step: gauge!(CHECKPOINT_LAST_STEP),
+            checkpoints_skipped: counter!(CHECKPOINTS_SKIPPED),
+            checkpoint_writer_stalled: gauge!(CHECKPOINT_WRITER_STALLED),
+            ledger_write_failures: counter!(LEDGER_WRITE_FAILURES),
+            ledger_failing: gauge!(LEDGER_FAILING),
             reload_successful: gauge!(CONFIG_RELOAD_SUCCESSFUL),
             reload_success_timestamp: gauge!(CONFIG_RELOAD_SUCCESS_TIMESTAMP),
             config_version: gauge!(CONFIG_VERSION),
@@ -329,9 +352,18 @@ impl RunMetrics {
         m.step.set(step as f64);
         m.committed_steps.absolute(step);
         m.committed_samples.absolute(samples);
-        for c in [&m.committed_tokens, &m.skipped_steps, &m.samples_requeued, &m.replica_divergences] {
+        for c in [
+            &m.committed_tokens,
+            &m.skipped_steps,
+            &m.samples_requeued,
+            &m.replica_divergences,
+            &m.checkpoints_skipped,
+            &m.ledger_write_failures,
+        ] {
             c.absolute(0);
         }
+        m.checkpoint_writer_stalled.set(0.0);
+        m.ledger_failing.set(0.0);
         // A fresh process runs the configuration it was started with: that counts as loaded.
         m.reload_successful.set(1.0);
         m.reload_success_timestamp.set(unix_now());
@@ -346,6 +378,13 @@ impl RunMetrics {
             self.checkpoint_last_success.set(unix_now());
             self.checkpoint_last_step.set(step as f64);
         }
+    }
+
+    pub fn ledger_write(&self, ok: bool) {
+        if !ok {
+            self.ledger_write_failures.increment(1);
+        }
+        self.ledger_failing.set(if ok { 0.0 } else { 1.0 });
     }
 
     pub fn reload(&self, ok: bool, version: u64) {

@@ -143,6 +143,35 @@ pub fn write_checkpoint(
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let written = write_files(&tmp, snapshot, state, after_first_file);
+    if written.is_err() {
+        // A failed write (a full disk) leaves no debris: gigabytes that would wait for the next start.
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written?;
+    if !still_wanted() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(CheckpointError::Invalid {
+            path: root.join(&name),
+            reason: "discarded: the run rewound to an earlier checkpoint while it was written".into(),
+        });
+    }
+    let dest = root.join(&name);
+    if dest.exists() {
+        std::fs::remove_dir_all(&dest).map_err(io(&dest))?;
+    }
+    std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
+    sync_dir(root)?;
+    Ok(dest)
+}
+
+/// Writes and syncs every file of a checkpoint into the temporary folder `tmp`, with its manifest.
+fn write_files(
+    tmp: &Path,
+    snapshot: &Snapshot,
+    state: &TrainerState,
+    after_first_file: &dyn Fn(),
+) -> Result<(), CheckpointError> {
     let step_tensor = Tensor::from_slice(&[snapshot.optimizer_steps as f32]).squeeze();
     save_optimizer_state(
         &tmp.join(OPTIMIZER_FILE),
@@ -174,21 +203,7 @@ pub fn write_checkpoint(
     std::fs::write(&manifest, serde_json::to_string_pretty(&entries).expect("json")).map_err(io(&manifest))?;
     std::fs::File::open(&manifest).and_then(|h| h.sync_all()).map_err(io(&manifest))?;
     sync_dir(&tmp.join(DRAFTER_DIR))?;
-    sync_dir(&tmp)?;
-    if !still_wanted() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(CheckpointError::Invalid {
-            path: root.join(&name),
-            reason: "discarded: the run rewound to an earlier checkpoint while it was written".into(),
-        });
-    }
-    let dest = root.join(&name);
-    if dest.exists() {
-        std::fs::remove_dir_all(&dest).map_err(io(&dest))?;
-    }
-    std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
-    sync_dir(root)?;
-    Ok(dest)
+    sync_dir(tmp)
 }
 
 /// Checks every file against the manifest; returns the trainer state.
@@ -554,13 +569,26 @@ impl Checkpointer {
     pub const DROP_WAIT: Duration = Duration::from_secs(10);
 }
 
-impl Drop for Checkpointer {
-    fn drop(&mut self) {
+impl Checkpointer {
+    /// Finishes the jobs queued, waiting at most `wait`; false when the writer is left behind (its temporary
+    /// folder is never taken for a checkpoint).
+    pub fn finish(&mut self, wait: Duration) -> bool {
         if let Some(jobs) = self.jobs.take() {
             let _ = jobs.send(Job::Stop);
         }
-        if !crate::bounded_join::join_within(&mut self.thread, &self.ended, Self::DROP_WAIT) {
+        let done = crate::bounded_join::join_within(&mut self.thread, &self.ended, wait);
+        if !done {
             tracing::warn!("the checkpoint writer is still busy (a stalled disk?): leaving it behind");
+            self.thread.take();
+        }
+        done
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            self.finish(Self::DROP_WAIT);
         }
     }
 }
@@ -718,6 +746,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let err = write_checkpoint(dir.path(), &snapshot(3), &state(3), &|| {}, &|| false).unwrap_err();
         assert!(err.to_string().contains("discarded"), "{err}");
+        assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing left behind");
+    }
+
+    /// A write that fails half way (here its drafter folder cannot be made, as on a full disk) removes its
+    /// temporary folder at once rather than leaving it for the next start.
+    #[test]
+    fn a_failed_write_leaves_no_temporary_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = dir.path().join(format!(".{}.tmp", checkpoint_name(3)));
+        let sabotage = || std::fs::write(tmp.join(DRAFTER_DIR), b"not a folder").unwrap();
+        let err = write_checkpoint(dir.path(), &snapshot(3), &state(3), &sabotage, &|| true).unwrap_err();
+        assert!(err.to_string().contains(DRAFTER_DIR), "{err}");
+        assert!(!tmp.exists(), "the temporary folder is removed");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "nothing left behind");
     }
 

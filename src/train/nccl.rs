@@ -55,8 +55,8 @@ pub enum NcclError {
     NotCuda(Device),
     #[error("rank {rank} of {nranks} does not exist")]
     BadRank { rank: usize, nranks: usize },
-    #[error("NCCL {what} timed out after {seconds:.1} s: {message}")]
-    Timeout { what: &'static str, seconds: f64, message: String },
+    #[error("NCCL {what} timed out after {waited:.1} s (limit {limit:.1} s): {message}")]
+    Timeout { what: &'static str, waited: f64, limit: f64, message: String },
     #[error("NCCL: {0}")]
     Failed(String),
 }
@@ -217,13 +217,14 @@ fn shim_status(
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), NcclError> {
     let mut status = 0;
+    let started = std::time::Instant::now();
     let result = call_shim(Device::Cpu, |e, n| {
         status = f(e, n);
         status
     });
     result.map_err(|e| match NcclError::from(e) {
         NcclError::Failed(message) if status == TIMED_OUT => {
-            NcclError::Timeout { what, seconds: timeout.as_secs_f64(), message }
+            NcclError::Timeout { what, waited: started.elapsed().as_secs_f64(), limit: timeout.as_secs_f64(), message }
         }
         other => other,
     })

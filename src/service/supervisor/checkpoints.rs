@@ -88,6 +88,19 @@ impl Book {
         self.flight.is_some()
     }
 
+    /// The step being written and since when, while the writer has it.
+    pub fn writing(&self) -> Option<(u64, Duration)> {
+        match self.flight {
+            Some(Flight::Write { step, since, .. }) => Some((step, since)),
+            _ => None,
+        }
+    }
+
+    /// A checkpoint due by time was skipped: the next is due a whole interval from now.
+    pub fn skipped(&mut self, now: Duration) {
+        self.last_request = now;
+    }
+
     pub fn newest(&self) -> Option<&Newest> {
         self.newest.as_ref()
     }

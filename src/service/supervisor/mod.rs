@@ -89,6 +89,8 @@ pub struct SupervisorArgs {
     pub eval_set: Option<EvalSet>,
     /// Several hosts: this host's link to the others (`None`: one host).
     pub link: Option<Arc<HostLink>>,
+    /// The data ledger (`data.ledger`, rank 0), opened at start.
+    pub ledger: Option<(std::fs::File, PathBuf)>,
 }
 
 /// The handles of one drafter slot.
@@ -227,8 +229,15 @@ impl Shell {
             }
         }
         // Rank 0 keeps the run's ledger.
-        let ledger = a.config.data.ledger.as_ref().filter(|_| !follower).and_then(|p| {
-            LedgerWriter::open(p).map_err(|e| tracing::error!(path = %p.display(), "cannot open data.ledger: {e}")).ok()
+        let mut a = a;
+        let ledger = a.ledger.take().and_then(|(file, path)| {
+            let me = myself.clone();
+            let on_write = move |outcome| {
+                let _ = me.send_message(SupervisorMsg::LedgerWritten(outcome));
+            };
+            LedgerWriter::start(file, &path, on_write)
+                .map_err(|e| tracing::error!(path = %path.display(), "cannot start the data.ledger writer: {e}"))
+                .ok()
         });
         Shell {
             core,
@@ -409,6 +418,12 @@ impl Shell {
                 }
             }
             Action::Exit { code } => {
+                // The writers' queued work gets what is left of the ending's deadline, not more.
+                let wait = self.core.time_left_to_exit(Checkpointer::DROP_WAIT);
+                self.checkpointer.finish(wait);
+                if let Some(ledger) = &mut self.ledger {
+                    ledger.finish(wait);
+                }
                 if let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) {
                     // The others end with the run; waits a little for them to have seen it.
                     let others = link.members().iter().filter(|m| m.rank != 0).count();
@@ -576,6 +591,9 @@ impl Shell {
             Notice::Restarted { id } => DrafterMetrics::restarted(id),
             Notice::ReplicasDiverged => m.replica_divergences.increment(1),
             Notice::CheckpointOutcome(written) => m.checkpoint(written),
+            Notice::LedgerWrite { ok } => m.ledger_write(ok),
+            Notice::WriterStalled(stalled) => m.checkpoint_writer_stalled.set(if stalled { 1.0 } else { 0.0 }),
+            Notice::CheckpointSkipped => m.checkpoints_skipped.increment(1),
         }
     }
 
@@ -900,6 +918,7 @@ impl Actor for Supervisor {
                 Event::Fed { step, items: feed.items, position: feed.position }
             }
             SupervisorMsg::RunEnded { code } => Event::RunEnded { code },
+            SupervisorMsg::LedgerWritten(outcome) => Event::LedgerWritten(outcome),
             SupervisorMsg::RendezvousLost(why) => Event::RendezvousLost(why),
         };
         s.feed(event).await;

@@ -150,6 +150,8 @@ pub enum Event {
     CheckpointFound(Result<Found, String>),
     Evaluated(Result<Evaluated, String>),
     Exported(Result<PathBuf, String>),
+    /// The ledger writer's outcome of one attempt: every line so far written, or why not.
+    LedgerWritten(Result<(), String>),
     /// A reload was accepted: the new configuration.
     Reconfigured(Box<Config>),
     /// SIGTERM or SIGINT.
@@ -190,6 +192,14 @@ pub enum Notice {
     },
     ReplicasDiverged,
     CheckpointOutcome(Option<(u64, f64)>),
+    /// A ledger write failed, or succeeded after failures.
+    LedgerWrite {
+        ok: bool,
+    },
+    /// The checkpoint writer was found busy past its deadline (true), or answered after that (false).
+    WriterStalled(bool),
+    /// A checkpoint fell due while another was in flight.
+    CheckpointSkipped,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -28,6 +28,7 @@ impl Core {
     }
 
     pub(super) fn checkpoint_written(&mut self, step: u64, incarnation: u64, result: Result<(PathBuf, f64), String>) {
+        self.writer_answered();
         if incarnation != self.incarnation {
             // A write the run stopped waiting for when it rewound (the writer normally discards those).
             if result.is_ok() {
@@ -93,11 +94,18 @@ impl Core {
     }
 
     pub(super) fn periodic_checkpoint(&mut self) {
-        if self.phase != Phase::Running || self.ending.is_some() || self.book.in_flight() {
+        if self.phase != Phase::Running || self.ending.is_some() || self.is_follower() {
             return;
         }
         let every = self.config.checkpoint.every_seconds;
         let timed = every > 0.0 && self.book.since_request(self.now).as_secs_f64() >= every;
+        if self.book.in_flight() {
+            if timed {
+                self.book.skipped(self.now);
+                self.checkpoint_skipped("periodic (time)");
+            }
+            return;
+        }
         if timed || self.checkpoint_owed {
             self.request_checkpoint(if timed { "periodic (time)" } else { "owed" });
         }

@@ -16,6 +16,7 @@
 mod checkpoints;
 mod drafters;
 mod ending;
+mod health;
 mod hosts;
 mod parting;
 mod rewind;
@@ -40,7 +41,7 @@ use crate::data::SampleId;
 use crate::data::loader::{BatchId, LoaderSettings};
 use crate::service::evaluator::Evaluated;
 use crate::service::failure::{Failure, FailureKind};
-use crate::service::messages::{CheckpointStatus, DrafterStatus, Status, TargetStatus};
+use crate::service::messages::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
 use crate::train::checkpoint::TrainerState;
 use crate::train::collective::{Contributed, Hyper, ObjectiveKnobs, Progress, RoundReport, StepSettings};
 use crate::train::objective::Metrics;
@@ -258,6 +259,7 @@ pub struct Core {
     now: Duration,
     out: Vec<Action>,
     hosts: Hosts,
+    health: health::Health,
 }
 
 impl Core {
@@ -310,6 +312,7 @@ impl Core {
             now: Duration::ZERO,
             out: vec![],
             hosts: Hosts::new(setup.role),
+            health: health::Health::default(),
             config: setup.config,
         };
         // Status shows where the run starts before the first founder loads it.
@@ -394,6 +397,7 @@ impl Core {
             }
             Event::CheckpointFound(result) => self.checkpoint_found(result),
             Event::Evaluated(outcome) => self.evaluated(outcome),
+            Event::LedgerWritten(outcome) => self.ledger_written(outcome),
             Event::Exported(result) if self.ending.as_ref().is_some_and(|e| e.exporting) => {
                 let code = match result {
                     Ok(path) => {
@@ -424,9 +428,20 @@ impl Core {
 
     // ------------------------------------------------------------------ queries
 
-    /// Ready to train: running, not ending, at least one drafter live (`/readyz`).
+    /// Ready to train: running, not ending, at least one drafter live, nothing failing silently (`/readyz`).
     pub fn ready(&self) -> bool {
-        self.phase == Phase::Running && self.ending.is_none() && self.exit.is_none() && self.live().next().is_some()
+        self.phase == Phase::Running
+            && self.ending.is_none()
+            && self.exit.is_none()
+            && self.live().next().is_some()
+            && self.healthy()
+    }
+
+    /// How long the exit may wait for the writers' queued work: what is left of the ending's deadline (at most
+    /// `cap`).
+    pub fn time_left_to_exit(&self, cap: Duration) -> Duration {
+        let deadline = self.ending.as_ref().map(|e| e.deadline).or(self.hosts.parting.map(|p| p.deadline()));
+        deadline.map_or(cap, |d| d.saturating_sub(self.now).min(cap))
     }
 
     pub fn ending(&self) -> bool {
@@ -513,6 +528,7 @@ impl Core {
             return self.check_parting();
         }
         self.check_deadlines();
+        self.check_writer();
         self.start_targets();
         self.start_drafters();
         if self.phase == Phase::StartingDrafters && self.slots.iter().all(|s| s.is_live() || s.is_failed()) {
@@ -908,6 +924,77 @@ mod tests {
         assert!(actions.iter().any(|a| matches!(a, Action::Export { .. })), "{actions:?}");
         let actions = c.handle(secs(0.9), Event::Exported(Ok("final".into())));
         assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_OK }));
+    }
+
+    /// A ledger write that fails makes the service not ready at once, a write that succeeds ready again; after
+    /// `data.ledger_max_failures` failures in a row the run checkpoints and exits 75.
+    #[test]
+    fn a_failing_ledger_is_not_ready_and_ends_the_run_after_failures_in_a_row() {
+        let mut c = running(1);
+        c.config.data.ledger_max_failures = 3;
+        let failed = || Event::LedgerWritten(Err("ledger.jsonl: No space left on device".into()));
+        let actions = c.handle(secs(1.0), failed());
+        assert!(actions.contains(&Action::Notice(Notice::LedgerWrite { ok: false })));
+        assert!(!c.ready(), "not ready after one failure");
+        let status = c.status();
+        assert!(status.problems[0].contains("No space left"), "{:?}", status.problems);
+        assert_eq!((status.ledger.failures, status.ledger.failing_in_row), (1, 1));
+        c.handle(secs(1.1), failed());
+        c.handle(secs(1.2), Event::LedgerWritten(Ok(())));
+        assert!(c.ready() && c.status().problems.is_empty(), "the lines that failed were written after all");
+        c.handle(secs(1.3), failed());
+        c.handle(secs(1.4), failed());
+        assert!(!c.ending());
+        let actions = c.handle(secs(1.5), failed());
+        assert!(c.ending(), "three in a row");
+        let at = actions
+            .iter()
+            .find_map(|a| match a {
+                Action::Tell { order: Order::Checkpoint { at }, .. } => Some(*at),
+                _ => None,
+            })
+            .expect("it checkpoints first");
+        for step in 0..at {
+            c.handle(secs(1.5), Event::Round(report(step, c.incarnation)));
+        }
+        c.handle(secs(1.6), Event::Snapshot { id: 0, generation: 1, step: at, optimizer_steps: at });
+        let written =
+            Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+        assert_eq!(c.handle(secs(1.7), written).last(), Some(&Action::Exit { code: EXIT_RESTART }));
+        assert_eq!(c.status().ledger.failures, 5);
+    }
+
+    /// A checkpoint write busy past `shutdown_timeout_s` is reported (not ready, a notice, the status), each
+    /// checkpoint falling due meanwhile is counted as skipped, and its answer clears it.
+    #[test]
+    fn a_stalled_checkpoint_writer_is_reported_and_skipped_checkpoints_counted() {
+        let mut c = running(1);
+        c.config.supervision.shutdown_timeout_s = 10.0;
+        let (answer, _) = c.checkpoint_now(secs(1.0));
+        let at = answer.unwrap();
+        for step in 0..at {
+            c.handle(secs(1.0), Event::Round(report(step, c.incarnation)));
+        }
+        let actions = c.handle(secs(1.1), Event::Snapshot { id: 0, generation: 1, step: at, optimizer_steps: at });
+        assert!(matches!(actions[..], [Action::WriteCheckpoint(_)]), "{actions:?}");
+        assert!(c.handle(secs(11.0), Event::Tick).is_empty() && c.ready(), "within the deadline");
+        let actions = c.handle(secs(11.1), Event::Tick);
+        assert!(actions.contains(&Action::Notice(Notice::WriterStalled(true))), "{actions:?}");
+        let status = c.status();
+        assert!(!status.ready && status.checkpoint_writer.stalled, "{:?}", status.checkpoint_writer);
+        assert_eq!(status.checkpoint_writer.writing_step, Some(at));
+        assert!(status.problems[0].contains(&format!("the checkpoint of step {at}")), "{:?}", status.problems);
+        c.config.checkpoint.every_steps = 1;
+        for step in at..at + 3 {
+            let actions = c.handle(secs(12.0), Event::Round(report(step, c.incarnation)));
+            assert!(actions.contains(&Action::Notice(Notice::CheckpointSkipped)), "step {step}: {actions:?}");
+        }
+        assert_eq!(c.status().checkpoint_writer.skipped, 3);
+        let written =
+            Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 20.0)) };
+        let actions = c.handle(secs(21.0), written);
+        assert!(actions.contains(&Action::Notice(Notice::WriterStalled(false))), "{actions:?}");
+        assert!(c.ready() && !c.status().checkpoint_writer.stalled);
     }
 
     /// A complete run whose final checkpoint cannot be written exits 1 and exports nothing (no `final/` from an

@@ -17,6 +17,12 @@ pub(super) struct Parting {
     code: i32,
 }
 
+impl Parting {
+    pub(super) fn deadline(&self) -> Duration {
+        self.deadline
+    }
+}
+
 impl Core {
     /// The run ends here without rank 0 (`why`: the rendezvous host is gone, or rank 0 ended it with an error):
     /// checkpoint a live replica if there is one and rank 0 said where the run stands, then exit with `code`.

@@ -74,8 +74,13 @@ impl Core {
             self.log_progress();
         }
         let every = self.config.checkpoint.every_steps;
-        if every > 0 && step.is_multiple_of(every) {
-            self.request_checkpoint("periodic");
+        if every > 0 && step.is_multiple_of(every) && !self.is_follower() {
+            match self.book.in_flight() {
+                true => self.checkpoint_skipped("periodic"),
+                false => {
+                    self.request_checkpoint("periodic");
+                }
+            }
         }
         let every = self.config.eval.every_steps;
         if every > 0 && step.is_multiple_of(every) && self.eval_due.is_none() && !self.is_follower() {
@@ -127,6 +132,7 @@ impl Core {
         Status {
             phase,
             ready: self.ready(),
+            problems: self.problems(),
             step: self.schedule.committed_step(),
             epoch: self.schedule.epoch(),
             samples_committed: self.schedule.samples_committed(),
@@ -163,6 +169,8 @@ impl Core {
                 path: n.path.display().to_string(),
                 age_s: self.now.saturating_sub(n.at).as_secs_f64(),
             }),
+            checkpoint_writer: self.writer_status(),
+            ledger: self.ledger_status(),
             last_evaluation: self.last_evaluation.clone(),
             host_role: self.hosts.role.map(|r| match r {
                 HostRole::Leader => "rank 0",
