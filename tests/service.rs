@@ -128,6 +128,52 @@ fn a_ledger_that_cannot_be_written_is_loud_and_ends_the_run() {
     assert_eq!(checkpoints_written(&logs).len(), 1, "it checkpointed before exiting");
 }
 
+/// The POST endpoints change the run: on a listener other machines reach they answer 401 without a token, and
+/// with one set (DFLASH_CONTROL_TOKEN) only a request that carries it is served; the read-only endpoints may be
+/// served alone on an address of their own, which takes no POST at all.
+#[test]
+fn the_control_plane_asks_for_a_token_off_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let exposed = ["optim.epochs=1000", "control.listen=0.0.0.0:0"];
+    let mut svc = Service::start(&cfg, false, &exposed);
+    svc.wait("running", |s| s["phase"] == "running");
+    let (code, body) = svc.request("POST", "/checkpoint", None);
+    assert!(code == 401 && body["error"].as_str().unwrap().contains("DFLASH_CONTROL_TOKEN"), "{code} {body}");
+    assert_eq!(svc.request("POST", "/reload", None).0, 401);
+    assert_eq!(svc.request("GET", "/status", None).0, 200, "reading needs no token");
+    assert!(logged(&svc.tail(200), "is not a loopback address and no token is set"));
+    svc.signal("-TERM");
+    assert_eq!(svc.exit_code().0, STOPPED);
+
+    let sets = [exposed[0], exposed[1], "control.read_only_listen=127.0.0.1:0"];
+    let mut svc = Service::start_with_env(&cfg, true, &sets, &[("DFLASH_CONTROL_TOKEN", "s3cret")]);
+    svc.wait("running", |s| s["phase"] == "running");
+    let post = |headers: &str| http_with(svc.addr, "POST", "/checkpoint", "", headers).unwrap().0;
+    assert_eq!(post(""), 401);
+    assert_eq!(post("Authorization: Bearer wrong\r\n"), 401);
+    assert_eq!(post("Authorization: Bearer s3cret\r\n"), 202);
+    let read_only = svc.address("read_only_address");
+    assert_eq!(http(read_only, "GET", "/metrics", "").unwrap().0, 200);
+    assert_eq!(http(read_only, "GET", "/readyz", "").unwrap().0, 200);
+    let refused = http_with(read_only, "POST", "/checkpoint", "", "Authorization: Bearer s3cret\r\n").unwrap().0;
+    assert!(refused == 404 || refused == 405, "no POST on the read-only address: {refused}");
+    let status = svc.http("GET", "/status", "").1;
+    assert!(!status.contains("s3cret"), "the token is never shown");
+    svc.signal("-TERM");
+    let (code, logs) = svc.exit_code();
+    assert_eq!(code, STOPPED);
+    assert!(!logs.iter().any(|l| l.contains("s3cret")), "the token is never logged");
+    let state = std::fs::read_dir(dir.path().join("ckpt"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("ckpt-"));
+    for ckpt in state {
+        let text = std::fs::read_to_string(ckpt.path().join("trainer_state.json")).unwrap();
+        assert!(!text.contains("s3cret"), "nor written into a checkpoint");
+    }
+}
+
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
 fn assert_progress_lines(logs: &[String], steps: &[u64]) {

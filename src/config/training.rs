@@ -398,6 +398,8 @@ impl RawSupervision {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawControl {
     listen: String,
+    read_only_listen: String,
+    token_file: String,
     fault_injection: bool,
 }
 
@@ -405,18 +407,28 @@ pub(super) struct RawControl {
 pub struct ControlSettings {
     /// `None`: no control plane.
     pub listen: Option<SocketAddr>,
+    /// Where the read-only endpoints are also served alone (`None`: nowhere else).
+    pub read_only_listen: Option<SocketAddr>,
+    /// A file holding the bearer token of the `POST` endpoints (`DFLASH_CONTROL_TOKEN` wins).
+    pub token_file: Option<PathBuf>,
     pub fault_injection: bool,
 }
 
 impl RawControl {
     pub(super) fn validate(self) -> Result<ControlSettings, ConfigError> {
-        let listen = match self.listen.as_str() {
-            "" | "off" => None,
-            addr => Some(addr.parse().map_err(|_| {
-                invalid("control.listen", format!("{addr:?}"), "an address like \"127.0.0.1:9410\", or \"off\"")
-            })?),
+        let address = |key: &str, value: &str| match value {
+            "" | "off" => Ok(None),
+            addr => addr
+                .parse()
+                .map(Some)
+                .map_err(|_| invalid(key, format!("{addr:?}"), "an address like \"127.0.0.1:9410\", or \"off\"")),
         };
-        Ok(ControlSettings { listen, fault_injection: self.fault_injection })
+        Ok(ControlSettings {
+            listen: address("control.listen", &self.listen)?,
+            read_only_listen: address("control.read_only_listen", &self.read_only_listen)?,
+            token_file: (!self.token_file.is_empty()).then(|| PathBuf::from(self.token_file)),
+            fault_injection: self.fault_injection,
+        })
     }
 }
 

@@ -2,10 +2,18 @@
 //! (liveness: the process answers), `GET /readyz` (readiness: training, with a live drafter), `GET /status`,
 //! `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as SIGHUP does),
 //! and with `control.fault_injection = true`, `POST /drafters/{id}/fault` and `POST /targets/{id}/fault`.
+//!
+//! The read-only endpoints may also be served alone on an address of their own (`control.read_only_listen`, for
+//! Prometheus in a cluster). The `POST` endpoints change the run, so they take a bearer token: always when one is
+//! set (`DFLASH_CONTROL_TOKEN`, or the file `control.token_file`; never a configuration value, since the
+//! configuration is copied into every checkpoint and reload diff), and on a listener that is not loopback they answer
+//! 401 without one.
 use std::net::SocketAddr;
+use std::sync::Arc;
 
-use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -139,26 +147,144 @@ async fn target_fault(
     }
 }
 
-/// Serves the control plane on `addr` until the process ends.
-pub async fn serve(
-    addr: SocketAddr,
-    supervisor: ActorRef<SupervisorMsg>,
-    prometheus: PrometheusHandle,
-) -> std::io::Result<SocketAddr> {
+/// The environment variable holding the control plane's bearer token.
+pub const TOKEN_ENV: &str = "DFLASH_CONTROL_TOKEN";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("{TOKEN_ENV} is set but empty: set it to the token, or unset it")]
+    EmptyEnv,
+    #[error("control.token_file = {path}: {source}")]
+    Unreadable { path: std::path::PathBuf, source: std::io::Error },
+    #[error("control.token_file = {path} is empty: write the token into it")]
+    EmptyFile { path: std::path::PathBuf },
+}
+
+/// The bearer token of the `POST` endpoints: `DFLASH_CONTROL_TOKEN` (read through `env`), else the content of
+/// `control.token_file`, trimmed; `None` when neither is set.
+pub fn token(
+    settings: &crate::config::ControlSettings,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<Arc<str>>, TokenError> {
+    if let Some(value) = env(TOKEN_ENV) {
+        return match value.trim() {
+            "" => Err(TokenError::EmptyEnv),
+            token => Ok(Some(Arc::from(token))),
+        };
+    }
+    let Some(path) = &settings.token_file else { return Ok(None) };
+    let text = std::fs::read_to_string(path).map_err(|source| TokenError::Unreadable { path: path.clone(), source })?;
+    match text.trim() {
+        "" => Err(TokenError::EmptyFile { path: path.clone() }),
+        token => Ok(Some(Arc::from(token))),
+    }
+}
+
+/// Who may use the `POST` endpoints of a listener.
+#[derive(Debug, Clone)]
+pub struct Access {
+    /// The bearer token, when one is set.
+    pub token: Option<Arc<str>>,
+    /// The listener is on a loopback address (only this machine reaches it).
+    pub loopback: bool,
+}
+
+/// Why a request to a `POST` endpoint is refused.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refused {
+    /// A token is set and the request did not carry it.
+    WrongToken,
+    /// No token is set, and the listener is reachable from other machines.
+    NoTokenSet,
+}
+
+impl Refused {
+    fn message(&self) -> &'static str {
+        match self {
+            Refused::WrongToken => {
+                "this endpoint needs the header \"Authorization: Bearer <token>\" with the token \
+                                    set in DFLASH_CONTROL_TOKEN or control.token_file"
+            }
+            Refused::NoTokenSet => {
+                "control.listen is not a loopback address, so POST endpoints need a token: set \
+                                    DFLASH_CONTROL_TOKEN (or control.token_file) and send \"Authorization: Bearer \
+                                    <token>\"; or listen on 127.0.0.1 and serve /metrics on control.read_only_listen"
+            }
+        }
+    }
+}
+
+/// Whether a request with this `Authorization` header may use a `POST` endpoint.
+pub fn authorize(access: &Access, authorization: Option<&str>) -> Result<(), Refused> {
+    use subtle::ConstantTimeEq;
+    match &access.token {
+        Some(token) => {
+            let given = authorization.and_then(|h| h.strip_prefix("Bearer ")).unwrap_or("").trim();
+            // Compared in constant time: how long a wrong guess took says nothing about the token.
+            match bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+                true => Ok(()),
+                false => Err(Refused::WrongToken),
+            }
+        }
+        None if access.loopback => Ok(()),
+        None => Err(Refused::NoTokenSet),
+    }
+}
+
+async fn require_token(State(access): State<Access>, headers: HeaderMap, request: Request, next: Next) -> Response {
+    let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    match authorize(&access, authorization) {
+        Ok(()) => next.run(request).await,
+        Err(refused) => {
+            let body = Json(json!({"error": refused.message()}));
+            (StatusCode::UNAUTHORIZED, [(header::WWW_AUTHENTICATE, "Bearer")], body).into_response()
+        }
+    }
+}
+
+/// The read-only endpoints.
+fn read_only(supervisor: ActorRef<SupervisorMsg>, prometheus: PrometheusHandle) -> Router {
     let metrics = move || {
         let text = prometheus.render();
         async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text) }
     };
-    let app = Router::new()
+    Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
+        .with_state(supervisor)
+}
+
+/// Serves the whole control plane on `addr` until the process ends; `token`: the bearer token of the `POST`
+/// endpoints, if one is set.
+pub async fn serve(
+    addr: SocketAddr,
+    supervisor: ActorRef<SupervisorMsg>,
+    prometheus: PrometheusHandle,
+    token: Option<Arc<str>>,
+) -> std::io::Result<SocketAddr> {
+    let access = Access { token, loopback: addr.ip().is_loopback() };
+    let mutating = Router::new()
         .route("/checkpoint", post(checkpoint))
         .route("/reload", post(reload))
         .route("/drafters/{id}/fault", post(fault))
         .route("/targets/{id}/fault", post(target_fault))
-        .with_state(supervisor);
+        .route_layer(middleware::from_fn_with_state(access, require_token))
+        .with_state(supervisor.clone());
+    listen(addr, read_only(supervisor, prometheus).merge(mutating)).await
+}
+
+/// Serves only the read-only endpoints on `addr` (`control.read_only_listen`).
+pub async fn serve_read_only(
+    addr: SocketAddr,
+    supervisor: ActorRef<SupervisorMsg>,
+    prometheus: PrometheusHandle,
+) -> std::io::Result<SocketAddr> {
+    listen(addr, read_only(supervisor, prometheus)).await
+}
+
+async fn listen(addr: SocketAddr, app: Router) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
@@ -167,4 +293,54 @@ pub async fn serve(
         }
     });
     Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn access(token: Option<&str>, loopback: bool) -> Access {
+        Access { token: token.map(Arc::from), loopback }
+    }
+
+    /// A set token is always required; without one, loopback listeners are open and others refuse every request.
+    #[test]
+    fn post_endpoints_need_the_token_off_loopback_and_whenever_one_is_set() {
+        let open = access(None, true);
+        assert_eq!(authorize(&open, None), Ok(()));
+        let exposed = access(None, false);
+        assert_eq!(authorize(&exposed, None), Err(Refused::NoTokenSet));
+        assert_eq!(authorize(&exposed, Some("Bearer anything")), Err(Refused::NoTokenSet));
+        for loopback in [true, false] {
+            let guarded = access(Some("s3cret"), loopback);
+            assert_eq!(authorize(&guarded, Some("Bearer s3cret")), Ok(()));
+            assert_eq!(authorize(&guarded, None), Err(Refused::WrongToken));
+            assert_eq!(authorize(&guarded, Some("Bearer s3cre")), Err(Refused::WrongToken));
+            assert_eq!(authorize(&guarded, Some("Bearer s3cret2")), Err(Refused::WrongToken));
+            assert_eq!(authorize(&guarded, Some("s3cret")), Err(Refused::WrongToken), "the scheme is required");
+            assert_eq!(authorize(&guarded, Some("Bearer ")), Err(Refused::WrongToken));
+        }
+    }
+
+    /// The environment wins over the file; blank values are errors, not "no token".
+    #[test]
+    fn the_token_comes_from_the_environment_or_else_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let mut settings = crate::config::Config::builtin().unwrap().control;
+        let none = |_: &str| None;
+        assert_eq!(token(&settings, none).unwrap(), None);
+        settings.token_file = Some(file.clone());
+        assert_eq!(token(&settings, none).unwrap().as_deref(), Some("from-file"));
+        let env = |k: &str| (k == TOKEN_ENV).then(|| " from-env ".to_string());
+        assert_eq!(token(&settings, env).unwrap().as_deref(), Some("from-env"));
+        let blank = |_: &str| Some(String::new());
+        assert!(matches!(token(&settings, blank), Err(TokenError::EmptyEnv)));
+        std::fs::write(&file, " \n").unwrap();
+        assert!(matches!(token(&settings, none), Err(TokenError::EmptyFile { .. })));
+        settings.token_file = Some(dir.path().join("missing"));
+        let err = token(&settings, none).unwrap_err().to_string();
+        assert!(err.contains("control.token_file") && err.contains("missing"), "{err}");
+    }
 }

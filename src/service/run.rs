@@ -238,6 +238,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
     let eval_set = (config.eval.every_steps > 0).then(|| eval_set(&config, target_cfg.vocab_size)).transpose()?;
+    let token = super::control::token(&config.control, |k| std::env::var(k).ok())?;
     let prometheus = telemetry::install()?;
     let capture_devices = capture_devices(&config, (target_device, target_kind), &drafter_devices)?;
     let spread_to = spread_to(&config, capture_devices.len())?;
@@ -291,15 +292,34 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         config,
     };
     runtime.block_on(async move {
-        let listen = args.config.control.listen;
+        let (listen, read_only_listen) = (args.config.control.listen, args.config.control.read_only_listen);
         let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
             .await
             .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
+        let cannot = |key: &str, addr| format!("{key} = {addr}: cannot listen (in use? set another address or \"off\")");
+        if let Some(addr) = read_only_listen {
+            let bound = super::control::serve_read_only(addr, supervisor.clone(), prometheus.clone())
+                .await
+                .with_context(|| cannot("control.read_only_listen", addr))?;
+            tracing::info!(read_only_address = %bound, "control plane, read-only: GET /healthz /readyz /status /metrics");
+        }
         if let Some(addr) = listen {
-            let bound = super::control::serve(addr, supervisor.clone(), prometheus).await.with_context(|| {
-                format!("control.listen = {addr}: cannot listen (in use? set another address or \"off\")")
-            })?;
-            tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, POST /checkpoint /reload");
+            let guarded = token.is_some();
+            let bound = super::control::serve(addr, supervisor.clone(), prometheus, token)
+                .await
+                .with_context(|| cannot("control.listen", addr))?;
+            let posts = match (guarded, addr.ip().is_loopback()) {
+                (true, _) => "POST /checkpoint /reload (with the bearer token)",
+                (false, true) => "POST /checkpoint /reload",
+                (false, false) => {
+                    tracing::warn!(
+                        "control.listen = {addr} is not a loopback address and no token is set: POST endpoints answer \
+                         401. Set DFLASH_CONTROL_TOKEN (or control.token_file) to use them from other machines"
+                    );
+                    "POST endpoints refused (no token set)"
+                }
+            };
+            tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, {posts}");
         }
         watch_reload_signal(hangup, supervisor.clone());
         watch_stop_signals(supervisor.clone());

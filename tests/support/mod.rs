@@ -138,19 +138,25 @@ pub struct Service {
 
 impl Service {
     pub fn start(config: &Path, resume: bool, sets: &[&str]) -> Self {
-        let mut service = Self::spawn(config, resume, sets);
-        service.addr = service.address();
+        Self::start_with_env(config, resume, sets, &[])
+    }
+
+    /// With these environment variables set.
+    pub fn start_with_env(config: &Path, resume: bool, sets: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut service = Self::spawn(config, resume, sets, env);
+        service.addr = service.address("address");
         service
     }
 
     /// With `--resume auto`, without waiting for the control plane (a service waiting for its checkpoint folder
     /// serves none yet).
     pub fn start_waiting(config: &Path, sets: &[&str]) -> Self {
-        Self::spawn(config, true, sets)
+        Self::spawn(config, true, sets, &[])
     }
 
-    fn spawn(config: &Path, resume: bool, sets: &[&str]) -> Self {
+    fn spawn(config: &Path, resume: bool, sets: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(BIN);
+        cmd.envs(env.iter().copied());
         cmd.args(["--config", config.to_str().unwrap(), "serve-train"]);
         for s in sets {
             cmd.args(["--set", s]);
@@ -170,13 +176,13 @@ impl Service {
         Service { child, addr: SocketAddr::from(([127, 0, 0, 1], 0)), logs }
     }
 
-    /// The control plane's address, once the service logged it.
-    fn address(&mut self) -> SocketAddr {
+    /// The address the service logged in the field `field` (`address`: the control plane's), once it did.
+    pub fn address(&mut self, field: &str) -> SocketAddr {
         let started = Instant::now();
         loop {
             let found = self.logs.lock().unwrap().iter().find_map(|l| {
                 let v: Value = serde_json::from_str(l).ok()?;
-                v["fields"]["address"].as_str()?.parse().ok()
+                v["fields"][field].as_str()?.parse().ok()
             });
             if let Some(a) = found {
                 return a;
@@ -382,10 +388,21 @@ impl Service {
 /// A plain HTTP/1.1 request with a JSON body (may be empty); (status, body). Both servers here answer with a
 /// Content-Length, never chunked.
 pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+    http_with(addr, method, path, body, "")
+}
+
+/// [`http`] with extra header lines (`"Name: value\r\n"` each).
+pub fn http_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &str,
+) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect(addr)?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )?;
     let mut text = String::new();
