@@ -15,8 +15,9 @@ const AFTER_HELP: &str = "\
 Configuration layers, each overriding the one before: the built-in defaults (config/default.toml lists and
 explains every key), --config FILE, DFLASH__SECTION__KEY environment variables, then --set section.key=value.
 
-Exit status: 0 success, 1 error, 2 bad command line, 3 serve-train cannot go on (no drafter, or too few, left;
-a target copy past its restart limit), 75 serve-train asks to be restarted with --resume auto.
+Exit status: 0 success (serve-train: the run is complete), 1 error, 2 bad command line, 3 serve-train cannot go on
+(no drafter, or too few, left; a target copy past its restart limit), 75 serve-train asks to be restarted with
+--resume auto, 130 / 143 serve-train stopped by SIGINT / SIGTERM before completion (after its checkpoint).
 Logs go to stderr (RUST_LOG or log.level filter them); results go to stdout.";
 
 #[derive(Parser)]
@@ -50,17 +51,23 @@ enum Command {
         its live peers' state while the others keep training; no sample or optimizer state is lost. Checkpoints go \
         to checkpoint.dir (atomic, verified, the newest kept); at the end the drafter is exported to \
         checkpoint.dir/final in the published format.\n\n\
-        The control plane on control.listen serves GET /healthz, /status and /metrics (Prometheus), POST \
-        /checkpoint and /reload (and POST /drafters/{id}/fault and /targets/{id}/fault with control.fault_injection). SIGHUP or POST /reload \
+        The control plane on control.listen serves GET /healthz, /readyz, /status and /metrics (Prometheus; also alone \
+        on control.read_only_listen), POST /checkpoint and /reload (and POST /drafters/{id}/fault and \
+        /targets/{id}/fault with control.fault_injection); POST takes \"Authorization: Bearer <token>\" whenever \
+        DFLASH_CONTROL_TOKEN or control.token_file sets one, and answers 401 without one off loopback. SIGHUP or POST /reload \
         rereads the configuration: learning rate and schedule, num_anchors, gamma, intervals and log level change at \
         the same step on every drafter; other changes are refused and the run goes on. With eval.every_steps, the \
         acceptance length is measured by real speculative decoding of held-out prompts on a thread beside training, \
         and the best checkpoint is kept as checkpoint.dir/best. SIGTERM or Ctrl-C finishes the current steps, \
-        checkpoints and exits 0; a second signal exits at once. Exit 3: the run cannot go on (fewer than \
+        checkpoints and exits 143 or 130 (a stop before completion: restart with --resume auto to continue; 0 is \
+        for a complete run only); a second signal exits at once with its status. One process per checkpoint.dir: \
+        another waits up to checkpoint.lock_wait_s for its lock, then exits 75. Exit 3: the run cannot go on (fewer than \
         supervision.min_live_drafters drafters left that are not failed, or a target copy past its restart limit). \
-        Exit 75 asks an outside supervisor to restart with --resume auto (an error poisoned a device, or the end's \
-        checkpoint did not finish within supervision.shutdown_timeout_s, or, with several hosts, the rendezvous \
-        host is gone). GET /readyz answers 503 while no drafter is live.\n\n\
+        Exit 75 asks an outside supervisor to restart with --resume auto (an error poisoned a device, the end's \
+        checkpoint did not finish within supervision.shutdown_timeout_s, data.ledger failed \
+        data.ledger_max_failures times in a row, checkpoint.dir is held by another process, or, with several hosts, \
+        the rendezvous host is gone). GET /readyz answers 503 while no drafter is live, a data.ledger write fails \
+        or a checkpoint write has stalled.\n\n\
         Several hosts: run one serve-train per host with the same configuration and data; the host's place comes \
         from the launcher's environment (MASTER_ADDR, MASTER_PORT, NODE_RANK or RANK, NNODES or WORLD_SIZE) or \
         [cluster]. Rank 0 serves the rendezvous store, assigns every host's batches and keeps ledger and \

@@ -34,13 +34,17 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
     let dir = tempfile::tempdir().unwrap();
     let bin = dir.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
-    // Stand-ins: scontrol expands the node list, srun runs the task here, dflash reports what it was given.
-    write_executable(&bin.join("scontrol"), "#!/bin/sh\nprintf 'gpu017\\ngpu018\\n'\n");
+    // Stand-ins: scontrol expands the node list (and says when the job is requeued), srun runs the task here,
+    // dflash reports what it was given and exits with $STANDIN_STATUS.
+    write_executable(
+        &bin.join("scontrol"),
+        "#!/bin/sh\nif [ \"$1\" = requeue ]; then echo REQUEUED=$2; exit 0; fi\nprintf 'gpu017\\ngpu018\\n'\n",
+    );
     write_executable(&bin.join("srun"), "#!/bin/sh\nwhile [ \"${1#--}\" != \"$1\" ]; do shift; done\nexec \"$@\"\n");
     write_executable(
         &bin.join("dflash"),
         "#!/bin/sh\nfor v in MASTER_ADDR MASTER_PORT NODE_RANK NNODES RANK WORLD_SIZE; do eval \"echo $v=\\${$v}\"; done\n\
-         echo ARGS=\"$*\"\n",
+         echo ARGS=\"$*\"\nexit ${STANDIN_STATUS:-0}\n",
     );
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     for node in 0..2 {
@@ -67,6 +71,25 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
             resolve(&ClusterSettings::default(), |k| env.get(k).cloned()).unwrap().expect("a run of two hosts");
         assert_eq!((placed.hosts, placed.rank, placed.master_addr.as_str()), (2, node, "gpu017"));
         assert_eq!(placed.serves_store, node == 0, "the first node serves the store");
+        assert!(!env.contains_key("REQUEUED"), "a complete run is not requeued");
+    }
+    // A run stopped before completion (SIGTERM: 143), or asking for a restart (75), is requeued; an error is not.
+    for (status, requeued) in [(143, true), (130, true), (75, true), (1, false), (3, false)] {
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .env_clear()
+            .env("PATH", &path)
+            .env("SLURM_JOB_NODELIST", "gpu[017-018]")
+            .env("SLURM_NNODES", "2")
+            .env("SLURM_NODEID", "0")
+            .env("SLURM_JOB_ID", "4242")
+            .env("STANDIN_STATUS", status.to_string())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(status), "the script ends with dflash's status: {stdout}");
+        assert_eq!(stdout.contains("REQUEUED=4242"), requeued, "status {status}: {stdout}");
     }
 }
 

@@ -27,22 +27,23 @@ impl LedgerWriter {
     /// How long [`LedgerWriter::finish`] waits by default (dropping the writer) for lines still queued.
     pub const DROP_WAIT: Duration = Duration::from_secs(10);
 
-    /// Starts the writer on `file` (opened by [`open_ledger`]); `on_write` gets each attempt's outcome: `Ok` once
-    /// every line given so far is written, or why the attempt failed.
+    /// Starts the writer on `file` (opened by [`open_ledger`]); `on_write` gets each attempt's outcome: the number
+    /// of lines written so far (every line given until then), or why the attempt failed.
     pub fn start(
         file: File,
         path: &Path,
-        on_write: impl Fn(Result<(), String>) + Send + 'static,
+        on_write: impl Fn(Result<u64, String>) + Send + 'static,
     ) -> std::io::Result<Self> {
         let (lines, queued) = mpsc::channel::<String>();
         let (done, ended) = mpsc::channel::<()>();
         let path: PathBuf = path.to_path_buf();
         let thread = std::thread::Builder::new().name("ledger".into()).spawn(move || {
             let _done = done;
-            let mut ledger = Appender { file, pending: VecDeque::new() };
+            let mut ledger = Appender { file, pending: VecDeque::new(), written: 0 };
             for line in queued {
                 ledger.pending.push_back(line);
-                let outcome = ledger.write_pending().map_err(|e| format!("{}: {e}", path.display()));
+                let outcome =
+                    ledger.write_pending().map(|()| ledger.written).map_err(|e| format!("{}: {e}", path.display()));
                 on_write(outcome);
             }
             if !ledger.pending.is_empty() {
@@ -83,10 +84,11 @@ impl Drop for LedgerWriter {
     }
 }
 
-/// The file and the lines not written yet, oldest first.
+/// The file, the lines not written yet (oldest first), and how many were written.
 struct Appender {
     file: File,
     pending: VecDeque<String>,
+    written: u64,
 }
 
 impl Appender {
@@ -104,6 +106,7 @@ impl Appender {
                 return Err(e);
             }
             self.pending.pop_front();
+            self.written += 1;
         }
         Ok(())
     }
@@ -114,7 +117,7 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    type Outcomes = Arc<Mutex<Vec<Result<(), String>>>>;
+    type Outcomes = Arc<Mutex<Vec<Result<u64, String>>>>;
 
     fn writer(path: &Path) -> (LedgerWriter, Outcomes) {
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -139,7 +142,8 @@ mod tests {
         assert_eq!(lines.len(), 501, "appended after what was there");
         assert_eq!(lines[0], "{\"before\": true}");
         assert!(lines[1..].iter().enumerate().all(|(i, l)| *l == format!("{{\"step\": {i}}}")));
-        assert!(seen.lock().unwrap().iter().all(Result::is_ok));
+        let seen = seen.lock().unwrap();
+        assert!(seen.iter().enumerate().all(|(i, o)| *o == Ok(i as u64 + 1)), "each line confirmed by its number");
     }
 
     /// A full disk (`/dev/full` answers every write with ENOSPC) is reported for every line, not logged and lost.
@@ -167,7 +171,8 @@ mod tests {
         }
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.jsonl");
-        let mut a = Appender { file: open_ledger(&path).unwrap(), pending: VecDeque::from(["{\"step\": 0}".into()]) };
+        let pending = VecDeque::from(["{\"step\": 0}".to_string()]);
+        let mut a = Appender { file: open_ledger(&path).unwrap(), pending, written: 0 };
         a.write_pending().unwrap();
         let good = std::mem::replace(&mut a.file, open_ledger(Path::new("/dev/full")).unwrap());
         a.pending.extend(["{\"step\": 1}".to_string(), "{\"step\": 2}".to_string()]);
@@ -175,6 +180,7 @@ mod tests {
         assert_eq!(a.pending.len(), 2, "nothing was taken as written");
         a.file = good;
         a.write_pending().unwrap();
+        assert_eq!(a.written, 3);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\": 0}\n{\"step\": 1}\n{\"step\": 2}\n");
     }
 

@@ -119,7 +119,7 @@ pub enum SupervisorMsg {
     Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),
     /// The ledger writer's outcome of one attempt.
-    LedgerWritten(Result<(), String>),
+    LedgerWritten(Result<u64, String>),
     /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 143/130 (0 when the run is complete meanwhile).
     Shutdown(crate::service::supervisor::core::StopSignal),
     /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.

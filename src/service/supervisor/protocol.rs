@@ -151,7 +151,7 @@ pub enum Event {
     Evaluated(Result<Evaluated, String>),
     Exported(Result<PathBuf, String>),
     /// The ledger writer's outcome of one attempt: every line so far written, or why not.
-    LedgerWritten(Result<(), String>),
+    LedgerWritten(Result<u64, String>),
     /// A reload was accepted: the new configuration.
     Reconfigured(Box<Config>),
     /// SIGTERM or SIGINT.

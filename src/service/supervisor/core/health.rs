@@ -1,13 +1,20 @@
 //! What must never fail silently: the data ledger's writes and the checkpoint writer. A ledger write that fails
 //! makes the service not ready at once and is counted; `data.ledger_max_failures` of them in a row end the run with a
-//! checkpoint and status 75 (an audit trail that cannot be kept is not a run to go on with). A checkpoint write busy
+//! checkpoint and status 75 (an audit trail that cannot be kept is not a run to go on with). The lines not yet
+//! confirmed written go into the checkpoint (`recent_commits`), and resuming it writes them again, so the ledger
+//! of a run that stopped for its disk is complete once the disk has room. A checkpoint write busy
 //! for longer than `supervision.shutdown_timeout_s` (the time an ending has for one) is reported in the log, the
 //! status and a metric, and makes the service not ready until it ends; every checkpoint that falls due while one is
 //! in flight is counted as skipped, with a log line.
+use std::collections::VecDeque;
+
 use super::*;
 
 #[derive(Debug, Default)]
 pub(super) struct Health {
+    /// Ledger lines given to the writer so far, and those not yet confirmed written, numbered, in order.
+    ledger_given: u64,
+    unwritten: VecDeque<(u64, LedgerEntry)>,
     ledger_in_row: u32,
     ledger_failures: u64,
     ledger_error: Option<String>,
@@ -17,11 +24,27 @@ pub(super) struct Health {
 }
 
 impl Core {
-    /// The ledger writer's outcome of one attempt.
-    pub(super) fn ledger_written(&mut self, outcome: Result<(), String>) {
+    /// Hands a line to the ledger writer (rank 0 keeps the ledger), keeping it until it is confirmed written when
+    /// `data.ledger` is set.
+    pub(super) fn ledger(&mut self, entry: LedgerEntry) {
+        if self.is_follower() {
+            return;
+        }
+        if self.config.data.ledger.is_some() {
+            self.health.ledger_given += 1;
+            self.health.unwritten.push_back((self.health.ledger_given, entry.clone()));
+        }
+        self.out.push(Action::Ledger(entry));
+    }
+
+    /// The ledger writer's outcome of one attempt: the number of lines written so far, or why it failed.
+    pub(super) fn ledger_written(&mut self, outcome: Result<u64, String>) {
         let h = &mut self.health;
         match outcome {
-            Ok(()) => {
+            Ok(written) => {
+                while h.unwritten.front().is_some_and(|(n, _)| *n <= written) {
+                    h.unwritten.pop_front();
+                }
                 if h.ledger_in_row > 0 {
                     tracing::warn!(
                         failed = h.ledger_in_row,
@@ -49,6 +72,36 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// The committed batches of the lines not confirmed written, by step, for the checkpoint's `recent_commits`
+    /// (resuming it writes them again). It starts at the earliest step any of those lines touched (with no batches
+    /// when that was a rewind), since resuming first undoes the ledger from there.
+    pub(super) fn unwritten_commits(&self) -> Vec<(u64, Vec<BatchId>)> {
+        let mut commits: Vec<(u64, Vec<BatchId>)> = Vec::new();
+        let mut from: Option<u64> = None;
+        for (_, entry) in &self.health.unwritten {
+            let step = match entry {
+                LedgerEntry::Commit { step, batch } => {
+                    match commits.last_mut() {
+                        Some((s, ids)) if s == step => ids.push(batch.id),
+                        _ => commits.push((*step, vec![batch.id])),
+                    }
+                    *step
+                }
+                LedgerEntry::Rewind { step } => {
+                    commits.retain(|(s, _)| s < step);
+                    *step
+                }
+            };
+            from = Some(from.map_or(step, |f| f.min(step)));
+        }
+        if let Some(from) = from
+            && commits.first().is_none_or(|(s, _)| *s > from)
+        {
+            commits.insert(0, (from, vec![]));
+        }
+        commits
     }
 
     /// A checkpoint write busy past its deadline is reported once.
@@ -80,15 +133,16 @@ impl Core {
     /// A checkpoint that fell due (`why`) while another is in flight.
     pub(super) fn checkpoint_skipped(&mut self, why: &str) {
         self.health.checkpoints_skipped += 1;
-        let (step, busy) = match (self.book.writing(), self.book.in_flight()) {
-            (Some((step, since)), _) => {
-                (step.to_string(), format!("being written for {:.0} s", (self.now - since).as_secs_f64()))
+        let busy = match self.book.writing() {
+            Some((step, since)) => {
+                let seconds = self.now.saturating_sub(since).as_secs_f64();
+                format!("the checkpoint of step {step} is still being written ({seconds:.0} s so far)")
             }
-            (None, _) => ("?".into(), "waiting for its snapshot".into()),
+            None => "the checkpoint asked for before still waits for its snapshot".to_string(),
         };
         tracing::warn!(
             skipped = self.health.checkpoints_skipped,
-            "{why} checkpoint at step {} skipped: the checkpoint of step {step} is still {busy}",
+            "{why} checkpoint at step {} skipped: {busy}",
             self.schedule.committed_step()
         );
         self.out.push(Action::Notice(Notice::CheckpointSkipped));
@@ -130,5 +184,62 @@ impl Core {
             stalled: self.health.stalled_write.is_some(),
             skipped: self.health.checkpoints_skipped,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::loader::Batch;
+
+    fn core(ledger: bool) -> Core {
+        let mut config = Config::builtin().unwrap();
+        config.data.ledger = ledger.then(|| PathBuf::from("ledger.jsonl"));
+        Core::new(Setup {
+            config,
+            drafter_devices: vec!["cpu".into()],
+            target_devices: vec!["cpu".into()],
+            feeds: vec![0],
+            lengths: vec![8; 16],
+            sample_ids: (0..16).map(crate::data::SampleId::Number).collect(),
+            resume: None,
+            rejected: vec![],
+            role: None,
+        })
+    }
+
+    fn commit(c: &mut Core, step: u64, ordinal: u64) {
+        let batch = Batch { id: BatchId { epoch: 0, ordinal }, samples: vec![ordinal as usize] };
+        c.ledger(LedgerEntry::Commit { step, batch });
+    }
+
+    fn id(ordinal: u64) -> BatchId {
+        BatchId { epoch: 0, ordinal }
+    }
+
+    /// Lines the writer has not confirmed go into the checkpoint, from the earliest step they touched (a rewind's
+    /// step included); confirmed ones do not; nothing is kept without a ledger.
+    #[test]
+    fn lines_not_confirmed_written_go_into_the_checkpoint() {
+        let mut c = core(true);
+        commit(&mut c, 0, 0);
+        commit(&mut c, 1, 1);
+        c.ledger_written(Ok(1));
+        assert_eq!(c.boundary_state().recent_commits, vec![(1, vec![id(1)])], "line 1 (step 0) is written");
+        commit(&mut c, 1, 2);
+        c.ledger_written(Err("disk full".into()));
+        commit(&mut c, 2, 3);
+        assert_eq!(c.boundary_state().recent_commits, vec![(1, vec![id(1), id(2)]), (2, vec![id(3)])]);
+        c.ledger(LedgerEntry::Rewind { step: 0 });
+        commit(&mut c, 0, 4);
+        assert_eq!(c.boundary_state().recent_commits, vec![(0, vec![id(4)])], "the rewind undid steps 1 and 2");
+        c.ledger(LedgerEntry::Rewind { step: 0 });
+        assert_eq!(c.boundary_state().recent_commits, vec![(0, vec![])], "resuming must undo from step 0");
+        c.ledger_written(Ok(7));
+        assert!(c.boundary_state().recent_commits.is_empty(), "every line written");
+
+        let mut c = core(false);
+        commit(&mut c, 0, 0);
+        assert!(c.boundary_state().recent_commits.is_empty() && c.health.unwritten.is_empty());
     }
 }

@@ -940,7 +940,7 @@ mod tests {
         assert!(status.problems[0].contains("No space left"), "{:?}", status.problems);
         assert_eq!((status.ledger.failures, status.ledger.failing_in_row), (1, 1));
         c.handle(secs(1.1), failed());
-        c.handle(secs(1.2), Event::LedgerWritten(Ok(())));
+        c.handle(secs(1.2), Event::LedgerWritten(Ok(0)));
         assert!(c.ready() && c.status().problems.is_empty(), "the lines that failed were written after all");
         c.handle(secs(1.3), failed());
         c.handle(secs(1.4), failed());

@@ -1,6 +1,7 @@
 //! Founding the collective again: the state a founder starts from (the resumed checkpoint, then the newest valid
 //! checkpoint of this run, found by a scan that passes over bad and abandoned ones), and the run put back at it.
 use super::*;
+use crate::data::loader::Batch;
 
 impl Core {
     /// Founds the empty collective with drafter `id`, once the state to found it from is known (the resumed
@@ -63,15 +64,18 @@ impl Core {
         if let Source::Checkpoint(_, state) = &source
             && let Some(&(from, _)) = state.recent_commits.first()
         {
-            // Written by another host when rank 0 was lost: rank 0's ledger may not have reached these steps.
-            self.out.push(Action::Ledger(LedgerEntry::Rewind { step: from }));
+            // Written by another host when rank 0 was lost, or by rank 0 while its ledger failed: the ledger may not
+            // have reached these steps.
+            self.ledger(LedgerEntry::Rewind { step: from });
+            let mut commits: Vec<(u64, Batch)> = Vec::new();
             for (step, ids) in &state.recent_commits {
-                for batch in ids.iter().filter_map(|&id| self.schedule.batch(id)) {
-                    self.out.push(Action::Ledger(LedgerEntry::Commit { step: *step, batch }));
-                }
+                commits.extend(ids.iter().filter_map(|&id| self.schedule.batch(id)).map(|b| (*step, b)));
+            }
+            for (step, batch) in commits {
+                self.ledger(LedgerEntry::Commit { step, batch });
             }
         }
-        self.out.push(Action::Ledger(LedgerEntry::Rewind { step: position }));
+        self.ledger(LedgerEntry::Rewind { step: position });
         let path = match source {
             Source::Checkpoint(path, state) => {
                 self.founding_from = Some(state.step);
@@ -163,6 +167,7 @@ impl Core {
         state.skipped_steps = self.skipped_steps;
         state.set_aside = self.schedule.set_aside().to_vec();
         state.lr = self.last_lr;
+        state.recent_commits = self.unwritten_commits();
         state
     }
 }

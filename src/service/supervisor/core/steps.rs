@@ -34,10 +34,8 @@ impl Core {
         }
         self.last_commit = Some(self.now);
         self.progress_at = self.now;
-        if !self.is_follower() {
-            for batch in settled.committed {
-                self.out.push(Action::Ledger(LedgerEntry::Commit { step: settled.step, batch }));
-            }
+        for batch in settled.committed {
+            self.ledger(LedgerEntry::Commit { step: settled.step, batch });
         }
         if settled.requeued_samples > 0 {
             self.samples_requeued += settled.requeued_samples;
