@@ -47,8 +47,9 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
          echo ARGS=\"$*\"\nexit ${STANDIN_STATUS:-0}\n",
     );
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    for node in 0..2 {
-        let out = std::process::Command::new("bash")
+    // The script as Slurm runs it on `node`, with the stand-in dflash ending with `status`.
+    let run = |node: usize, status: i32| {
+        std::process::Command::new("bash")
             .arg("-c")
             .arg(&script)
             .env_clear()
@@ -56,8 +57,13 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
             .env("SLURM_JOB_NODELIST", "gpu[017-018]")
             .env("SLURM_NNODES", "2")
             .env("SLURM_NODEID", node.to_string())
+            .env("SLURM_JOB_ID", "4242")
+            .env("STANDIN_STATUS", status.to_string())
             .output()
-            .unwrap();
+            .unwrap()
+    };
+    for node in 0..2 {
+        let out = run(node, 0);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
         let env: HashMap<String, String> = stdout
@@ -75,18 +81,7 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
     }
     // A run stopped before completion (SIGTERM: 143), or asking for a restart (75), is requeued; an error is not.
     for (status, requeued) in [(143, true), (130, true), (75, true), (1, false), (3, false)] {
-        let out = std::process::Command::new("bash")
-            .arg("-c")
-            .arg(&script)
-            .env_clear()
-            .env("PATH", &path)
-            .env("SLURM_JOB_NODELIST", "gpu[017-018]")
-            .env("SLURM_NNODES", "2")
-            .env("SLURM_NODEID", "0")
-            .env("SLURM_JOB_ID", "4242")
-            .env("STANDIN_STATUS", status.to_string())
-            .output()
-            .unwrap();
+        let out = run(0, status);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(status), "the script ends with dflash's status: {stdout}");
         assert_eq!(stdout.contains("REQUEUED=4242"), requeued, "status {status}: {stdout}");

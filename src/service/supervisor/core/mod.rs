@@ -883,6 +883,24 @@ mod tests {
         c
     }
 
+    /// Carries out the checkpoint `actions` asked drafter 0 for: the rounds up to its step, the snapshot, the write
+    /// (at `at` seconds); what the written checkpoint leads to.
+    fn write_the_checkpoint_asked_for(c: &mut Core, actions: &[Action], at: f64) -> Vec<Action> {
+        let step = actions
+            .iter()
+            .find_map(|a| match a {
+                Action::Tell { id: 0, order: Order::Checkpoint { at }, .. } => Some(*at),
+                _ => None,
+            })
+            .expect("a checkpoint is asked for");
+        for s in 0..step {
+            c.handle(secs(at), Event::Round(report(s, c.incarnation)));
+        }
+        c.handle(secs(at), Event::Snapshot { id: 0, generation: 1, step, optimizer_steps: step });
+        let written = Event::CheckpointWritten { step, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+        c.handle(secs(at + 0.1), written)
+    }
+
     /// A stop before completion exits 143 (SIGTERM) or 130 (SIGINT) once its checkpoint is written, so that an
     /// orchestrator restarts it; 75 when the checkpoint is not written within `shutdown_timeout_s`.
     #[test]
@@ -890,20 +908,7 @@ mod tests {
         for (signal, code) in [(StopSignal::Terminate, 143), (StopSignal::Interrupt, 130)] {
             let mut c = running(1);
             let actions = c.handle(secs(1.0), Event::Shutdown(signal));
-            let at = actions
-                .iter()
-                .find_map(|a| match a {
-                    Action::Tell { order: Order::Checkpoint { at }, .. } => Some(*at),
-                    _ => None,
-                })
-                .expect("a checkpoint is asked for");
-            for step in 0..at {
-                c.handle(secs(1.0), Event::Round(report(step, c.incarnation)));
-            }
-            c.handle(secs(1.1), Event::Snapshot { id: 0, generation: 1, step: at, optimizer_steps: at });
-            let written =
-                Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
-            assert_eq!(c.handle(secs(1.2), written).last(), Some(&Action::Exit { code }));
+            assert_eq!(write_the_checkpoint_asked_for(&mut c, &actions, 1.1).last(), Some(&Action::Exit { code }));
         }
         let mut c = running(1);
         c.handle(secs(1.0), Event::Shutdown(StopSignal::Terminate));
@@ -947,20 +952,8 @@ mod tests {
         assert!(!c.ending());
         let actions = c.handle(secs(1.5), failed());
         assert!(c.ending(), "three in a row");
-        let at = actions
-            .iter()
-            .find_map(|a| match a {
-                Action::Tell { order: Order::Checkpoint { at }, .. } => Some(*at),
-                _ => None,
-            })
-            .expect("it checkpoints first");
-        for step in 0..at {
-            c.handle(secs(1.5), Event::Round(report(step, c.incarnation)));
-        }
-        c.handle(secs(1.6), Event::Snapshot { id: 0, generation: 1, step: at, optimizer_steps: at });
-        let written =
-            Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
-        assert_eq!(c.handle(secs(1.7), written).last(), Some(&Action::Exit { code: EXIT_RESTART }));
+        let last = write_the_checkpoint_asked_for(&mut c, &actions, 1.6);
+        assert_eq!(last.last(), Some(&Action::Exit { code: EXIT_RESTART }), "after its checkpoint");
         assert_eq!(c.status().ledger.failures, 5);
     }
 
