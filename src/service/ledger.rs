@@ -1,13 +1,14 @@
 //! The data ledger's writer: one JSON line per committed batch (and per rewind), appended on a thread of its own, so
 //! a slow or stalled disk never holds up the supervisor (whose watchdog must keep running). Lines are written in the
 //! order they are given. A write that fails is never silent: the file is cut back to its last whole line, the line
-//! is kept and written again before the next one, and every attempt's outcome goes to `on_write`, which the
-//! supervisor turns into readiness, a metric and, after `data.ledger_max_failures` in a row, the run's end.
+//! is kept and written again before the next one (and every second while no new line comes), and every attempt's
+//! outcome goes to `on_write`, which the supervisor turns into readiness, a metric and, after
+//! `data.ledger_max_failures` in a row, the run's end.
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -26,6 +27,8 @@ pub struct LedgerWriter {
 impl LedgerWriter {
     /// How long [`LedgerWriter::finish`] waits by default (dropping the writer) for lines still queued.
     pub const DROP_WAIT: Duration = Duration::from_secs(10);
+    /// How often lines that failed are tried again while no new line comes.
+    const RETRY: Duration = Duration::from_secs(1);
 
     /// Starts the writer on `file` (opened by [`open_ledger`]); `on_write` gets each attempt's outcome: the number
     /// of lines written so far (every line given until then), or why the attempt failed.
@@ -40,8 +43,13 @@ impl LedgerWriter {
         let thread = std::thread::Builder::new().name("ledger".into()).spawn(move || {
             let _done = done;
             let mut ledger = Appender { file, pending: VecDeque::new(), written: 0 };
-            for line in queued {
-                ledger.pending.push_back(line);
+            loop {
+                match queued.recv_timeout(Self::RETRY) {
+                    Ok(line) => ledger.pending.push_back(line),
+                    Err(RecvTimeoutError::Timeout) if ledger.pending.is_empty() => continue,
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
                 let outcome =
                     ledger.write_pending().map(|()| ledger.written).map_err(|e| format!("{}: {e}", path.display()));
                 on_write(outcome);

@@ -89,6 +89,7 @@ struct Params {
     fault_every_s: f64,
     /// Restarts of the whole process (`--resume auto`) the operator allows.
     process_restarts: u32,
+    ledger_max_failures: u32,
 }
 
 impl Params {
@@ -116,6 +117,7 @@ impl Params {
             hang_floor_s: [1.0, 30.0][rng.random_range(0..2)],
             fault_every_s: [1.0, 3.0, 10.0, 30.0][rng.random_range(0..4)],
             process_restarts: rng.random_range(0..=3),
+            ledger_max_failures: rng.random_range(1..=6),
         }
     }
 
@@ -147,6 +149,8 @@ impl Params {
         c.checkpoint.every_seconds = self.every_seconds;
         c.eval.every_steps = 0;
         c.log.every_steps = 10;
+        c.data.ledger = Some(PathBuf::from("ledger.jsonl"));
+        c.data.ledger_max_failures = self.ledger_max_failures;
         c
     }
 
@@ -279,17 +283,37 @@ struct OnDisk {
 #[derive(Debug)]
 enum Occ {
     Deliver(Box<Event>),
-    Built { id: usize, generation: u64 },
-    Wake { id: usize, generation: u64 },
-    Computed { id: usize, generation: u64 },
-    Served { claim: Claim, optimizer_steps: u64 },
-    TargetBuilt { target: usize, generation: u64 },
-    TargetDone { target: usize, generation: u64 },
+    Built {
+        id: usize,
+        generation: u64,
+    },
+    Wake {
+        id: usize,
+        generation: u64,
+    },
+    Computed {
+        id: usize,
+        generation: u64,
+    },
+    Served {
+        claim: Claim,
+        optimizer_steps: u64,
+    },
+    TargetBuilt {
+        target: usize,
+        generation: u64,
+    },
+    TargetDone {
+        target: usize,
+        generation: u64,
+    },
     Scan(ScanFilter),
     WriteDone,
     Tick,
     Fault,
     Restart,
+    /// The ledger's disk has room again.
+    LedgerFreed,
 }
 
 /// Faults armed for the next time their occasion comes.
@@ -332,7 +356,14 @@ struct World {
     writes: VecDeque<DiskJob>,
     writing: bool,
     snapshots: HashMap<(usize, u64, u64), Replica>,
+    /// The ledger file as written: what each line says, rewinds applied.
     ledger: Vec<(u64, u64, Vec<usize>)>,
+    /// The ledger's disk is full; the lines this process's writer holds, not yet written; lines it wrote; the
+    /// order of its reports.
+    ledger_full: bool,
+    ledger_pending: VecDeque<LedgerEntry>,
+    ledger_lines: u64,
+    ledger_clock: Duration,
     batches: HashMap<BatchId, Vec<usize>>,
     poison: HashSet<BatchId>,
     armed: Armed,
@@ -391,6 +422,10 @@ impl World {
             writing: false,
             snapshots: HashMap::new(),
             ledger: vec![],
+            ledger_full: false,
+            ledger_pending: VecDeque::new(),
+            ledger_lines: 0,
+            ledger_clock: Duration::ZERO,
             batches: HashMap::new(),
             poison: HashSet::new(),
             armed: Armed::default(),
@@ -492,6 +527,10 @@ impl World {
             .collect();
         self.writes.clear();
         self.writing = false;
+        // The lines the last process's writer still held died with it.
+        self.ledger_pending.clear();
+        self.ledger_lines = 0;
+        self.ledger_clock = self.now;
         self.snapshots.clear();
         self.armed = Armed::default();
         self.last_progress = self.now;
@@ -693,10 +732,10 @@ impl World {
                 };
                 self.after(ms(100), Occ::Deliver(Box::new(Event::Evaluated(Ok(e)))));
             }
-            Action::Ledger(LedgerEntry::Commit { step, batch }) => {
-                self.ledger.push((step, batch.id.epoch, batch.samples));
+            Action::Ledger(entry) => {
+                self.ledger_pending.push_back(entry);
+                self.write_ledger();
             }
-            Action::Ledger(LedgerEntry::Rewind { step }) => self.ledger.retain(|(s, ..)| *s < step),
             Action::Export { from } => {
                 self.after(ms(50), Occ::Deliver(Box::new(Event::Exported(Ok(from)))));
             }
@@ -1191,6 +1230,27 @@ impl World {
         Ok(())
     }
 
+    /// The ledger writer's attempt: every pending line written (in order), or none while the disk is full; the
+    /// outcome goes to the core in the writer's order.
+    fn write_ledger(&mut self) {
+        if self.ledger_pending.is_empty() {
+            return;
+        }
+        let outcome = if self.ledger_full {
+            Err("No space left on device".to_string())
+        } else {
+            while let Some(entry) = self.ledger_pending.pop_front() {
+                match entry {
+                    LedgerEntry::Commit { step, batch } => self.ledger.push((step, batch.id.epoch, batch.samples)),
+                    LedgerEntry::Rewind { step } => self.ledger.retain(|(s, ..)| *s < step),
+                }
+                self.ledger_lines += 1;
+            }
+            Ok(self.ledger_lines)
+        };
+        self.ledger_clock = self.send_from(self.ledger_clock, Event::LedgerWritten(outcome));
+    }
+
     fn scanned(&mut self, filter: ScanFilter) -> Check {
         let event = if std::mem::take(&mut self.armed.fail_scan) {
             Event::CheckpointFound(Err("Input/output error".into()))
@@ -1280,6 +1340,14 @@ impl World {
                     return self.feed(Event::Shutdown(signal));
                 }
             }
+            94..=95 => {
+                // The ledger's disk fills up, for a while (longer than data.ledger_max_failures at times).
+                if !self.ledger_full {
+                    self.ledger_full = true;
+                    let free_in = self.jitter(300, 6000);
+                    self.after(free_in, Occ::LedgerFreed);
+                }
+            }
             _ => {
                 let mut config = self.core.config().clone();
                 config.checkpoint.every_steps = [0, 2, 5][self.rng.random_range(0..3)];
@@ -1324,6 +1392,8 @@ impl World {
             Occ::WriteDone => self.write_done()?,
             Occ::Tick => {
                 self.after(ms(200), Occ::Tick);
+                // The writer tries the lines that failed again (every second in the service).
+                self.write_ledger();
                 let watched = self.watched();
                 self.feed(Event::Watch(watched))?;
             }
@@ -1334,6 +1404,7 @@ impl World {
                 self.fault()?;
             }
             Occ::Restart => self.start_process()?,
+            Occ::LedgerFreed => self.ledger_full = false,
         }
         Ok(())
     }
@@ -1345,7 +1416,7 @@ impl World {
         while let Some(Reverse((when, seq))) = self.queue.pop() {
             let Some((process, occ)) = self.pending.remove(&seq) else { continue };
             // Whatever the last process left scheduled died with it; faults and restarts outlive it.
-            let everlasting = matches!(occ, Occ::Fault | Occ::Restart);
+            let everlasting = matches!(occ, Occ::Fault | Occ::Restart | Occ::LedgerFreed);
             if process != self.process && !everlasting {
                 continue;
             }

@@ -61,6 +61,17 @@ impl Core {
             if export && !late && self.final_evaluation_pending() {
                 return;
             }
+            if export && self.ledger_unconfirmed() {
+                // Complete means the audit trail too: its last lines, once written, or a restart that writes them.
+                if !late {
+                    return;
+                }
+                tracing::error!(
+                    "the data ledger's last lines were not written within supervision.shutdown_timeout_s: exiting \
+                     with status {EXIT_RESTART}; resuming writes them (the final checkpoint holds them)"
+                );
+                return self.finish(EXIT_RESTART, false);
+            }
             return self.finish(code, export);
         }
         if late {

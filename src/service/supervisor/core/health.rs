@@ -148,6 +148,11 @@ impl Core {
         self.out.push(Action::Notice(Notice::CheckpointSkipped));
     }
 
+    /// Ledger lines given to the writer and not confirmed written yet (with `data.ledger` set).
+    pub(super) fn ledger_unconfirmed(&self) -> bool {
+        !self.health.unwritten.is_empty()
+    }
+
     /// No ledger write failing, no checkpoint write stalled.
     pub(super) fn healthy(&self) -> bool {
         self.health.ledger_in_row == 0 && self.health.stalled_write.is_none()
