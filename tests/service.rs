@@ -178,6 +178,24 @@ fn the_control_plane_asks_for_a_token_off_loopback() {
     }
 }
 
+/// `optim.max_steps` ends the run at exactly that step, looping over the data as many times as it takes (here 37
+/// steps make an epoch, `optim.epochs = 1`), and `checkpoint.every_steps` checkpoints the steps it names, not the
+/// first boundary after the steps in flight.
+#[test]
+fn max_steps_ends_the_run_there_and_checkpoints_are_of_the_steps_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["optim.epochs=1", "optim.max_steps=45", "checkpoint.every_steps=10", "checkpoint.keep=10"];
+    let (code, logs) = Service::start(&config(dir.path(), 2), false, &sets).exit_code();
+    assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
+    assert_eq!(checkpoints_written(&logs), vec![10, 20, 30, 40, 45], "the periodic ones, then the final one");
+    let epochs: std::collections::BTreeSet<u64> = std::fs::read_to_string(dir.path().join("ledger.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok()?["epoch"].as_u64())
+        .collect();
+    assert_eq!(epochs.into_iter().collect::<Vec<_>>(), vec![0, 1], "into a second epoch to reach step 45");
+}
+
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
 fn assert_progress_lines(logs: &[String], steps: &[u64]) {

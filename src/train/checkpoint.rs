@@ -59,8 +59,9 @@ pub struct TrainerState {
     pub lr: f64,
     /// The merged configuration the run used.
     pub config: serde_json::Value,
-    /// Written by a host other than rank 0 when rank 0 was lost: the batches each step from `recent_commits[0].0`
-    /// up to `step` committed, as that host derived them. Rank 0's ledger may not have reached them; resuming
+    /// The batches each step from `recent_commits[0].0` up to `step` committed that the data ledger may not hold:
+    /// written by a host other than rank 0 when rank 0 was lost (as that host derived them), or by rank 0 for the
+    /// ledger lines its writer had not confirmed (a full disk). Resuming undoes the ledger from the first step and
     /// writes them to it again.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recent_commits: Vec<(u64, Vec<BatchId>)>,

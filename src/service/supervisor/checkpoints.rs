@@ -88,6 +88,15 @@ impl Book {
         self.flight.is_some()
     }
 
+    /// Whether the checkpoint in flight is of boundary `step`.
+    pub fn requested_at(&self, step: u64) -> bool {
+        match self.flight {
+            Some(Flight::Snapshot { at, .. }) => at == step,
+            Some(Flight::Pairing { step: s, .. } | Flight::Write { step: s, .. }) => s == step,
+            None => false,
+        }
+    }
+
     /// The step being written and since when, while the writer has it.
     pub fn writing(&self) -> Option<(u64, Duration)> {
         match self.flight {

@@ -224,19 +224,21 @@ impl Schedule {
         self.assigned.len()
     }
 
-    /// Whether more steps may be assigned (`optim.max_steps` not reached, epochs left).
+    /// Whether more steps may be assigned: epochs left, or under `optim.max_steps` steps left (the epochs then loop
+    /// as many times as the steps need, and `optim.epochs` plays no part).
     pub fn data_left(&self) -> bool {
         if self.follower {
             return true;
         }
-        if self.max_steps > 0 && self.next_step >= self.max_steps {
-            return false;
+        match self.max_steps {
+            0 => self.batches_left(),
+            max => self.next_step < max && self.batches_left(),
         }
-        self.batches_left()
     }
 
+    /// Batches are left in the run's epochs (any number of them under `optim.max_steps`).
     fn batches_left(&self) -> bool {
-        self.loader.next_epoch().is_some_and(|e| e < self.epochs)
+        self.loader.next_epoch().is_some_and(|e| self.max_steps > 0 || e < self.epochs)
     }
 
     /// The run's data is trained: nothing in flight and nothing left to assign.
@@ -433,6 +435,23 @@ mod tests {
             samples_committed: samples,
             remote: vec![],
         }
+    }
+
+    /// `optim.max_steps` ends the run at that step exactly, however many epochs that takes (here 8 samples in
+    /// batches of 2 over 1 epoch would be 4 steps).
+    #[test]
+    fn max_steps_wins_over_the_epochs() {
+        let settings = LoaderSettings { batch_size: 2, seed: 1, bucket_batches: 2 };
+        let mut s = Schedule::new(vec![10; 8], settings, 1, 1, 10);
+        for expected in 0..10 {
+            let (step, items) = s.open_step(&[(0, 1)]).expect("a step under max_steps");
+            assert_eq!(step, expected);
+            let b = batches(&items, 0);
+            s.take_report(report(step, 0, &[(0, b)], 2 * (step + 1)));
+        }
+        assert!(s.open_step(&[(0, 1)]).is_none() && s.finished(), "ends at max_steps");
+        assert_eq!(s.committed_step(), 10);
+        assert!(s.epoch() >= 2, "the epochs looped: epoch {}", s.epoch());
     }
 
     #[test]

@@ -901,6 +901,35 @@ mod tests {
         c.handle(secs(at + 0.1), written)
     }
 
+    /// `checkpoint.every_steps = 4` checkpoints boundary 4 itself, whatever is in flight when it falls due, and the
+    /// evaluation due there takes that same checkpoint (no second one).
+    #[test]
+    fn a_periodic_checkpoint_is_of_the_boundary_its_setting_names() {
+        let mut s = setup(1);
+        (s.config.checkpoint.every_steps, s.config.eval.every_steps, s.config.supervision.prefetch_steps) = (4, 4, 3);
+        let mut c = Core::new(s);
+        c.start(secs(0.0));
+        c.handle(secs(0.1), Event::TargetReady { target: 0, generation: 1 });
+        let mut actions = c.handle(secs(0.2), Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        for step in 0..4 {
+            actions.extend(c.handle(secs(0.3 + 0.1 * step as f64), Event::Round(report(step, c.incarnation))));
+        }
+        let asked: Vec<u64> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Tell { order: Order::Checkpoint { at }, .. } => Some(*at),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(asked, vec![4], "{actions:?}");
+        assert_eq!(c.eval_due, Some(4));
+        c.handle(secs(1.0), Event::Snapshot { id: 0, generation: 1, step: 4, optimizer_steps: 4 });
+        let written =
+            Event::CheckpointWritten { step: 4, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+        let actions = c.handle(secs(1.1), written);
+        assert!(actions.iter().any(|a| matches!(a, Action::Evaluate { step: 4, .. })), "{actions:?}");
+    }
+
     /// A stop before completion exits 143 (SIGTERM) or 130 (SIGINT) once its checkpoint is written, so that an
     /// orchestrator restarts it; 75 when the checkpoint is not written within `shutdown_timeout_s`.
     #[test]

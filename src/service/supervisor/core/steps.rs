@@ -24,6 +24,30 @@ impl Core {
                 self.send(drafter, generation, item);
             }
             self.feed_remote(step, remote);
+            self.due_at_boundary(step + 1);
+        }
+    }
+
+    /// Periodic checkpoints and evaluations fall due at the step boundaries their settings name. They are asked
+    /// for when the step that ends there is handed out, so that the checkpoint is of that very boundary
+    /// (`checkpoint.every_steps = 200` writes `ckpt-000000200`, not the first boundary after the steps in flight).
+    fn due_at_boundary(&mut self, boundary: u64) {
+        let every = self.config.checkpoint.every_steps;
+        if every > 0 && boundary.is_multiple_of(every) {
+            match self.book.in_flight() {
+                true => self.checkpoint_skipped("periodic"),
+                false => {
+                    self.request_checkpoint("periodic");
+                }
+            }
+        }
+        let every = self.config.eval.every_steps;
+        if every > 0 && boundary.is_multiple_of(every) && self.eval_due.is_none() {
+            // One due evaluation at a time: a slow checkpoint or evaluation makes later ones wait, not pile up.
+            self.eval_due = Some(boundary);
+            if !self.book.requested_at(boundary) && self.request_checkpoint("evaluation").is_none() {
+                self.checkpoint_owed = true;
+            }
         }
     }
 
@@ -70,23 +94,6 @@ impl Core {
         }
         if self.config.log.every_steps > 0 && step.is_multiple_of(self.config.log.every_steps) {
             self.log_progress();
-        }
-        let every = self.config.checkpoint.every_steps;
-        if every > 0 && step.is_multiple_of(every) && !self.is_follower() {
-            match self.book.in_flight() {
-                true => self.checkpoint_skipped("periodic"),
-                false => {
-                    self.request_checkpoint("periodic");
-                }
-            }
-        }
-        let every = self.config.eval.every_steps;
-        if every > 0 && step.is_multiple_of(every) && self.eval_due.is_none() && !self.is_follower() {
-            // One due evaluation at a time: a slow checkpoint or evaluation makes later ones wait, not pile up.
-            self.eval_due = Some(step);
-            if self.request_checkpoint("evaluation").is_none() {
-                self.checkpoint_owed = true;
-            }
         }
     }
 
