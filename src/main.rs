@@ -100,7 +100,7 @@ enum Command {
         interrupted run continues where it stopped, and conversations that failed are retried by the next run.\n\n\
         Examples:\n  dflash regenerate --endpoint http://localhost:8000/v1 --model Qwen/Qwen3-8B --input chats.jsonl \
         --out regen.jsonl --template-kwargs '{\"enable_thinking\": false}'\n  \
-        dflash regenerate --local --model tiny --input sample.jsonl --out regen.jsonl --max-tokens 64")]
+        dflash regenerate --local --model tiny-tasks --input sample.jsonl --out regen.jsonl --max-tokens 64")]
     Regenerate(cli::regenerate::RegenerateArgs),
     /// Score a drafter: simulated acceptance on token rows, or measured acceptance by real decoding (--decode)
     #[command(long_about = "Score a drafter on token rows at every valid anchor (no sampling, so the result is \

@@ -157,7 +157,9 @@ fn local_regeneration_with_the_tiny_target() {
             .unwrap()
     };
     let o = run();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{said}");
+    assert!(said.contains("tiny has random weights") && said.contains("tiny-tasks"), "a warning: {said}");
     let written = read_out(&out);
     assert_eq!(written.len(), 2);
     for c in written.values() {

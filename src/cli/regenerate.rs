@@ -93,6 +93,11 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
         None => {
             let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
             let source = TargetSource::from_arg(&args.model);
+            if let TargetSource::Preset(p) = &source
+                && let Some(warning) = p.random_weights_warning()
+            {
+                tracing::warn!("--model {warning}");
+            }
             let assets = ModelAssets::resolve(&args.model, &kwargs)?;
             // Any layer id works as a tap here; decoding runs the whole stack.
             let target = source.build_target(&[0], Depth::Full, device, kind)?;

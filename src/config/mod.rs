@@ -129,6 +129,33 @@ pub enum TargetSource {
     Folder(PathBuf),
 }
 
+/// Why `value` names no model dflash can open: neither a preset nor an existing folder. A Hugging Face Hub id gets
+/// the command that downloads it (dflash reads local folders only); `None` when it is fine.
+pub fn no_such_model(value: &str) -> Option<String> {
+    if value.parse::<Preset>().is_ok() || Path::new(value).is_dir() {
+        return None;
+    }
+    let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+    let hub_like = {
+        let mut parts = value.split('/');
+        let (owner, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let word = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+        parts.next().is_none() && word(owner) && word(name) && !owner.starts_with('.')
+    };
+    Some(if hub_like {
+        let name = value.rsplit('/').next().unwrap_or(value);
+        format!(
+            "looks like a Hugging Face Hub id, and dflash reads local folders only: download it first \
+             (`hf download {value} --local-dir models/{name}`, or `huggingface-cli download` with the same \
+             arguments), then give the folder, e.g. models/{name}"
+        )
+    } else if Path::new(value).exists() {
+        "a file, not a model folder (the folder holding config.json, tokenizer.json and the weights)".to_string()
+    } else {
+        format!("no such folder (nor a preset: {})", presets.join(", "))
+    })
+}
+
 impl TargetSource {
     /// A command-line `--target`/`--model` value: a preset name, else a model folder.
     pub fn from_arg(value: &str) -> Self {
@@ -548,21 +575,10 @@ pub fn lookup<'a>(tree: &'a serde_json::Value, key: &str) -> Option<&'a serde_js
 
 impl RawTarget {
     fn validate(self) -> Result<TargetSettings, ConfigError> {
-        let source = match self.model.parse::<Preset>() {
-            Ok(p) => TargetSource::Preset(p),
-            Err(_) if Path::new(&self.model).is_dir() => TargetSource::Folder(PathBuf::from(&self.model)),
-            Err(_) => {
-                let names: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
-                return Err(invalid(
-                    "target.model",
-                    format!("{:?}", self.model),
-                    format!(
-                        "not a preset ({}) and no such folder; give a HuggingFace model folder or a preset",
-                        names.join(", ")
-                    ),
-                ));
-            }
-        };
+        if let Some(why) = no_such_model(&self.model) {
+            return Err(invalid("target.model", format!("{:?}", self.model), why));
+        }
+        let source = TargetSource::from_arg(&self.model);
         let device = self
             .device
             .parse()
@@ -803,6 +819,21 @@ mod tests {
         std::fs::write(&file, "[target\n").unwrap();
         let err = Config::load(&Layers { file: Some(file.clone()), ..Layers::default() }).unwrap_err().to_string();
         assert!(err.contains("bad.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_model_that_is_not_there_is_named_as_such_and_a_hub_id_gets_the_download_command() {
+        assert_eq!(no_such_model("tiny-tasks"), None);
+        assert_eq!(no_such_model(env!("CARGO_MANIFEST_DIR")), None, "an existing folder");
+        let hub = no_such_model("Qwen/Qwen3-8B").unwrap();
+        assert!(hub.contains("Hub id") && hub.contains("hf download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"), "{hub}");
+        let missing = no_such_model("/models/Qwen3-8B").unwrap();
+        assert!(missing.starts_with("no such folder") && missing.contains("tiny-tasks"), "{missing}");
+        assert!(no_such_model("./models/x").unwrap().starts_with("no such folder"), "a relative path is a path");
+        let file = no_such_model(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+        assert!(file.starts_with("a file, not a model folder"), "{file}");
+        let err = with_set(&["target.model=Qwen/Qwen3-8B"]).unwrap_err().to_string();
+        assert!(err.contains("target.model") && err.contains("hf download"), "{err}");
     }
 
     #[test]

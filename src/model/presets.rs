@@ -105,6 +105,23 @@ impl Preset {
     ];
 
     /// The presets of the `tiny` vocabulary and its built-in byte-level tokenizer.
+    /// Whether its weights were trained (built into the binary); the others are random, for shapes and benchmarks:
+    /// what they write is noise.
+    pub fn is_trained(self) -> bool {
+        self.spec().weights.is_some()
+    }
+
+    /// The warning for a preset with random weights used where its outputs matter (training, regeneration).
+    pub fn random_weights_warning(self) -> Option<String> {
+        (!self.is_trained()).then(|| {
+            format!(
+                "{} has random weights (a shape for benchmarks): what it writes is noise, and a drafter trained on it \
+                 learns nothing useful. Use tiny-tasks (trained, built in) or a model folder",
+                self.name()
+            )
+        })
+    }
+
     pub fn is_tiny(self) -> bool {
         matches!(self, Preset::Tiny | Preset::TinyTasks | Preset::TinyMoe | Preset::TinyGptOss)
     }
@@ -357,6 +374,16 @@ impl<'de> Deserialize<'de> for Preset {
 mod tests {
     use super::*;
     use crate::model::target::validate_taps;
+
+    /// Only tiny-tasks has trained weights; every other preset warns where its outputs would matter.
+    #[test]
+    fn presets_with_random_weights_say_so() {
+        assert_eq!(Preset::TinyTasks.random_weights_warning(), None);
+        for p in Preset::ALL.iter().filter(|p| **p != Preset::TinyTasks) {
+            let warning = p.random_weights_warning().expect("random weights");
+            assert!(warning.starts_with(p.name()) && warning.contains("tiny-tasks"), "{warning}");
+        }
+    }
 
     #[test]
     fn presets_are_valid_and_named() {

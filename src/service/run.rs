@@ -197,6 +197,11 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         })
         .collect::<Result<_>>()?;
     let (target_cfg, drafter_cfg) = drafter_config(&config)?;
+    if let TargetSource::Preset(p) = &config.target.source
+        && let Some(warning) = p.random_weights_warning()
+    {
+        tracing::warn!("target.model = {warning}");
+    }
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
     let objective =
         ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
