@@ -196,6 +196,29 @@ fn max_steps_ends_the_run_there_and_checkpoints_are_of_the_steps_asked_for() {
     assert_eq!(epochs.into_iter().collect::<Vec<_>>(), vec![0, 1], "into a second epoch to reach step 45");
 }
 
+/// The control port is bound before any long work: a second service on a port in use says so at once, not after
+/// answering the built-in conversations (minutes on a CPU).
+#[test]
+fn a_control_port_in_use_is_found_before_any_long_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let started = Instant::now();
+    let o = Command::new(BIN)
+        .args(["--config", config(dir.path(), 1).to_str().unwrap(), "serve-train"])
+        .args(["--set", "data.path=builtin", "--set", "target.model=tiny-tasks"])
+        .args(["--set", &format!("data.cache_dir={}", dir.path().join("cache").display())])
+        .args(["--set", &format!("control.listen=127.0.0.1:{port}")])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains(&format!("control.listen = 127.0.0.1:{port}: cannot listen")), "{said}");
+    assert!(started.elapsed() < Duration::from_secs(20), "found at once: {:?}", started.elapsed());
+    assert!(!dir.path().join("cache").exists(), "before the built-in data is made");
+}
+
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
 fn assert_progress_lines(logs: &[String], steps: &[u64]) {
@@ -525,6 +548,7 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     let lr_of = |text: &str, id: usize| metric(text, &format!("dflash_learning_rate{{drafter=\"{id}\"}}"));
     let mut svc = Service::start(&cfg, false, &sets);
     svc.wait_metrics("the first updates", |t| (0..2).all(|i| lr_of(t, i) == Some(2e-3)));
+    assert_eq!(svc.status()["pid"].as_u64(), Some(svc.child.id() as u64), "the pid to signal, in /status");
 
     // A burst of signals with a new learning rate: one reload, applied at one step on both drafters.
     std::fs::write(&cfg, original.replace("lr = 2e-3", "lr = 1e-3")).unwrap();

@@ -826,7 +826,10 @@ mod tests {
         assert_eq!(no_such_model("tiny-tasks"), None);
         assert_eq!(no_such_model(env!("CARGO_MANIFEST_DIR")), None, "an existing folder");
         let hub = no_such_model("Qwen/Qwen3-8B").unwrap();
-        assert!(hub.contains("Hub id") && hub.contains("hf download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"), "{hub}");
+        assert!(
+            hub.contains("Hub id") && hub.contains("hf download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"),
+            "{hub}"
+        );
         let missing = no_such_model("/models/Qwen3-8B").unwrap();
         assert!(missing.starts_with("no such folder") && missing.contains("tiny-tasks"), "{missing}");
         assert!(no_such_model("./models/x").unwrap().starts_with("no such folder"), "a relative path is a path");

@@ -256,15 +256,22 @@ fn read_only(supervisor: ActorRef<SupervisorMsg>, prometheus: PrometheusHandle) 
         .with_state(supervisor)
 }
 
-/// Serves the whole control plane on `addr` until the process ends; `token`: the bearer token of the `POST`
-/// endpoints, if one is set.
+/// Binds a control-plane address: at start, before any long work, so that an address in use is found at once.
+pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Serves the whole control plane on `listener` (from [`bind`]) until the process ends; `token`: the bearer token
+/// of the `POST` endpoints, if one is set.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: std::net::TcpListener,
     supervisor: ActorRef<SupervisorMsg>,
     prometheus: PrometheusHandle,
     token: Option<Arc<str>>,
 ) -> std::io::Result<SocketAddr> {
-    let access = Access { token, loopback: addr.ip().is_loopback() };
+    let access = Access { token, loopback: listener.local_addr()?.ip().is_loopback() };
     let mutating = Router::new()
         .route("/checkpoint", post(checkpoint))
         .route("/reload", post(reload))
@@ -272,20 +279,20 @@ pub async fn serve(
         .route("/targets/{id}/fault", post(target_fault))
         .route_layer(middleware::from_fn_with_state(access, require_token))
         .with_state(supervisor.clone());
-    listen(addr, read_only(supervisor, prometheus).merge(mutating)).await
+    listen(listener, read_only(supervisor, prometheus).merge(mutating))
 }
 
-/// Serves only the read-only endpoints on `addr` (`control.read_only_listen`).
+/// Serves only the read-only endpoints on `listener` (`control.read_only_listen`).
 pub async fn serve_read_only(
-    addr: SocketAddr,
+    listener: std::net::TcpListener,
     supervisor: ActorRef<SupervisorMsg>,
     prometheus: PrometheusHandle,
 ) -> std::io::Result<SocketAddr> {
-    listen(addr, read_only(supervisor, prometheus)).await
+    listen(listener, read_only(supervisor, prometheus))
 }
 
-async fn listen(addr: SocketAddr, app: Router) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+fn listen(listener: std::net::TcpListener, app: Router) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {

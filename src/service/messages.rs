@@ -228,6 +228,8 @@ pub struct Reloaded {
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
     pub phase: String,
+    /// The service's process id (to signal it: `kill -HUP <pid>` rereads the configuration).
+    pub pid: u32,
     /// Training can go on: running, not stopping, at least one drafter live, the ledger written, the checkpoint
     /// writer not stalled (`GET /readyz`).
     pub ready: bool,

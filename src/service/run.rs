@@ -219,6 +219,15 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         }
         Err(e) => return Err(e).context("checkpoint.lock"),
     };
+    // Before any long work (built-in data, loading): an address in use is found at once.
+    let cannot = |key: &str, addr| format!("{key} = {addr}: cannot listen (in use? set another address or \"off\")");
+    let control = &config.control;
+    let listener = control.listen.map(|a| super::control::bind(a).with_context(|| cannot("control.listen", a)));
+    let listener = listener.transpose()?;
+    let read_only = control
+        .read_only_listen
+        .map(|a| super::control::bind(a).with_context(|| cannot("control.read_only_listen", a)));
+    let read_only = read_only.transpose()?;
     let (resume, rejected) = match &placement {
         Some(p) if follower => {
             // Its own folder, for the checkpoint it takes if rank 0 is lost: a write killed before is removed.
@@ -297,28 +306,26 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         config,
     };
     runtime.block_on(async move {
-        let (listen, read_only_listen) = (args.config.control.listen, args.config.control.read_only_listen);
         let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
             .await
             .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
-        let cannot = |key: &str, addr| format!("{key} = {addr}: cannot listen (in use? set another address or \"off\")");
-        if let Some(addr) = read_only_listen {
-            let bound = super::control::serve_read_only(addr, supervisor.clone(), prometheus.clone())
+        if let Some(listener) = read_only {
+            let bound = super::control::serve_read_only(listener, supervisor.clone(), prometheus.clone())
                 .await
-                .with_context(|| cannot("control.read_only_listen", addr))?;
+                .context("control.read_only_listen")?;
             tracing::info!(read_only_address = %bound, "control plane, read-only: GET /healthz /readyz /status /metrics");
         }
-        if let Some(addr) = listen {
+        if let Some(listener) = listener {
             let guarded = token.is_some();
-            let bound = super::control::serve(addr, supervisor.clone(), prometheus, token)
+            let bound = super::control::serve(listener, supervisor.clone(), prometheus, token)
                 .await
-                .with_context(|| cannot("control.listen", addr))?;
-            let posts = match (guarded, addr.ip().is_loopback()) {
+                .context("control.listen")?;
+            let posts = match (guarded, bound.ip().is_loopback()) {
                 (true, _) => "POST /checkpoint /reload (with the bearer token)",
                 (false, true) => "POST /checkpoint /reload",
                 (false, false) => {
                     tracing::warn!(
-                        "control.listen = {addr} is not a loopback address and no token is set: POST endpoints answer \
+                        "control.listen = {bound} is not a loopback address and no token is set: POST endpoints answer \
                          401. Set DFLASH_CONTROL_TOKEN (or control.token_file) to use them from other machines"
                     );
                     "POST endpoints refused (no token set)"

@@ -38,7 +38,7 @@ use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
 use super::evaluator::{EvalSet, EvalSpec, Evaluator, eval_set};
 use super::failure::{Failure, FaultKind, FaultRefused};
 use super::ledger::LedgerWriter;
-use super::messages::{DrafterState, Heads, ReloadReply, Reloaded, Reread, SupervisorMsg, ThreadMsg, Work};
+use super::messages::{DrafterState, Heads, ReloadReply, Reloaded, Reread, Status, SupervisorMsg, ThreadMsg, Work};
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
@@ -886,7 +886,8 @@ impl Actor for Supervisor {
                 return Ok(());
             }
             SupervisorMsg::Status(reply) => {
-                let _ = reply.send(s.core.status());
+                let status = Status { pid: std::process::id(), ..s.core.status() };
+                let _ = reply.send(status);
                 return Ok(());
             }
             SupervisorMsg::Reload(reply) => {

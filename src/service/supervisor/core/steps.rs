@@ -136,6 +136,8 @@ impl Core {
         };
         Status {
             phase,
+            // The shell fills it in (the core sees no process).
+            pid: 0,
             ready: self.ready(),
             problems: self.problems(),
             step: self.schedule.committed_step(),
