@@ -26,6 +26,12 @@ fn main() {
     }
 
     let root = lib.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    // The libtorch version, for `dflash --version` (the wheel's torch/version.py).
+    let version = std::fs::read_to_string(root.join("version.py")).ok().and_then(|text| {
+        let line = text.lines().find(|l| l.starts_with("__version__"))?;
+        Some(line.split(['\'', '"']).nth(1)?.to_string())
+    });
+    println!("cargo:rustc-env=DFLASH_LIBTORCH_VERSION={}", version.as_deref().unwrap_or("(version unknown)"));
     let mut build = cc::Build::new();
     build
         .cpp(true)

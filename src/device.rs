@@ -383,6 +383,25 @@ impl Drop for TimingEvent {
     }
 }
 
+/// What `dflash --version` says beyond the version: the libtorch this build links, whether CUDA and NVRTC (the fused
+/// kernels' compiler) are found here.
+pub fn build_and_machine() -> String {
+    let cuda = match tch::Cuda::is_available() {
+        true => format!("{} device(s)", tch::Cuda::device_count()),
+        false => "not available (CPU only)".to_string(),
+    };
+    // SAFETY: only asks the dynamic loader whether the library can be opened.
+    let nvrtc = match unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        true => "found",
+        false => "not found (the fused GPU kernels fall back to plain libtorch)",
+    };
+    format!(
+        "{}\nlibtorch {} (the one this build links)\nCUDA: {cuda}\nNVRTC: {nvrtc}",
+        env!("CARGO_PKG_VERSION"),
+        env!("DFLASH_LIBTORCH_VERSION")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

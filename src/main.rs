@@ -11,13 +11,15 @@ use clap::{Args, Parser, Subcommand};
 use dflash::config::{Config, ConfigError, Layers};
 use dflash::panic::{is_torch_error, payload_message};
 
-const AFTER_HELP: &str = "\
-Configuration layers, each overriding the one before: the built-in defaults (config/default.toml lists and
-explains every key), --config FILE, DFLASH__SECTION__KEY environment variables, then --set section.key=value.
+// One line per paragraph: clap wraps them to the terminal's width.
+const AFTER_HELP: &str = "Configuration layers, each overriding the one before: the built-in defaults \
+(config/default.toml lists and explains every key), --config FILE, DFLASH__SECTION__KEY environment variables, then \
+--set section.key=value.
 
-Exit status: 0 success (serve-train: the run is complete), 1 error, 2 bad command line, 3 serve-train cannot go on
-(no drafter, or too few, left; a target copy past its restart limit), 75 serve-train asks to be restarted with
+Exit status: 0 success (serve-train: the run is complete), 1 error, 2 bad command line, 3 serve-train cannot go on \
+(no drafter, or too few, left; a target copy past its restart limit), 75 serve-train asks to be restarted with \
 --resume auto, 130 / 143 serve-train stopped by SIGINT / SIGTERM before completion (after its checkpoint).
+
 Logs go to stderr (RUST_LOG or log.level filter them); results go to stdout.";
 
 #[derive(Parser)]
@@ -112,7 +114,7 @@ enum Command {
         plus its own next token) and by the target's plain greedy decoding, and the report gives the measured \
         acceptance length (tokens kept per verify step), whether the two outputs are identical (lossless), and \
         tokens/s of both.\n\n\
-        Examples:\n  dflash eval --target /models/Qwen3-8B --drafter runs/ckpt-1000/drafter --data heldout.jsonl --json\n  \
+        Examples:\n  dflash eval --target /models/Qwen3-8B --drafter runs/checkpoints/ckpt-000001000/drafter --data heldout.jsonl --json\n  \
         dflash eval --decode --target /models/Qwen3-8B --drafter drafters/qwen3-8b-b16 --prompts prompts.jsonl \
         --max-new-tokens 256 --json")]
     Eval(cli::eval::EvalArgs),
@@ -171,8 +173,40 @@ fn serve_train(config: Config, layers: Layers, args: ServeTrainArgs) -> Result<E
     dflash::service::run::leave(code)
 }
 
+/// Adds a subcommand suggestion clap's spelling distance misses: one whose name holds the word typed, or is held in
+/// it (`train` -> `serve-train`, `evaluate` -> `eval`).
+fn suggest_subcommand(mut e: clap::Error) -> clap::Error {
+    use clap::CommandFactory;
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::InvalidSubcommand || e.get(ContextKind::SuggestedSubcommand).is_some() {
+        return e;
+    }
+    let Some(ContextValue::String(typed)) = e.get(ContextKind::InvalidSubcommand) else { return e };
+    let typed = typed.to_lowercase();
+    let names: Vec<String> = Cli::command()
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .filter(|n| n.contains(&typed) || typed.contains(n.as_str()))
+        .collect();
+    if !names.is_empty() {
+        e.insert(ContextKind::SuggestedSubcommand, ContextValue::Strings(names));
+    }
+    e
+}
+
+/// The command line; `--version` also says which libtorch this build links and what it finds here (CUDA, NVRTC).
+fn parse() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let mut command = Cli::command();
+    if std::env::args().any(|a| a == "--version") {
+        command = command.long_version(&*Box::leak(dflash::device::build_and_machine().into_boxed_str()));
+    }
+    let matches = command.try_get_matches().unwrap_or_else(|e| suggest_subcommand(e).exit());
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse();
     match run(cli) {
         Ok(code) => code,
         Err(e) => {

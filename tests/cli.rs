@@ -31,6 +31,28 @@ fn every_subcommand_explains_itself() {
     assert!(bench.contains("FLOPs counted") && bench.contains("--peak-tflops"), "{bench}");
 }
 
+/// `--version` says which libtorch the build links and what it finds on this machine; `-V` stays one line.
+#[test]
+fn the_version_says_libtorch_cuda_and_nvrtc() {
+    let long = text(&dflash(&["--version"]).stdout);
+    let lines: Vec<&str> = long.lines().collect();
+    assert!(lines[0].starts_with("dflash 0."), "{long}");
+    assert!(lines[1].starts_with("libtorch 2.11.0"), "{long}");
+    assert!(lines[2].starts_with("CUDA: ") && lines[3].starts_with("NVRTC: "), "{long}");
+    assert_eq!(text(&dflash(&["-V"]).stdout).lines().count(), 1);
+}
+
+/// A subcommand a newcomer guesses is answered with the one meant, even where spelling distance misses it.
+#[test]
+fn a_guessed_subcommand_gets_the_one_meant() {
+    for (typed, meant) in [("train", "serve-train"), ("evaluate", "eval"), ("exprot", "export")] {
+        let o = dflash(&[typed]);
+        assert_eq!(o.status.code(), Some(2), "a bad command line");
+        let said = text(&o.stderr);
+        assert!(said.contains(&format!("a similar subcommand exists: '{meant}'")), "{typed}: {said}");
+    }
+}
+
 #[test]
 fn configuration_errors_name_the_key() {
     let out = dflash(&["--set", "target.device=gpu", "bench", "--what", "target"]);

@@ -1,11 +1,17 @@
 //! Structured logs on stderr (`tracing`), text or JSON, filtered by `log.level` unless `RUST_LOG` is set; the
 //! filter can be swapped while running (a reloaded `log.level`). Text is coloured only on a terminal: logs sent to a
-//! file, a pipe, journald or `docker logs` stay plain, and `NO_COLOR` turns colours off everywhere.
+//! file, a pipe, journald or `docker logs` stay plain, and `NO_COLOR` turns colours off everywhere. Text lines are
+//! short (time, level, message, fields); the module path and the actor's span come with them only at a debug level
+//! or with `RUST_LOG` (JSON logs always carry both).
 use std::ffi::OsStr;
 use std::io::IsTerminal;
 use std::sync::OnceLock;
 
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Registry, fmt, reload};
 
@@ -37,7 +43,12 @@ pub fn init(settings: &LogSettings) -> Result<(), LoggingError> {
     let installed = match settings.format {
         LogFormat::Text => {
             let ansi = colour(std::io::stderr().is_terminal(), std::env::var_os("NO_COLOR").as_deref());
-            registry.with(fmt::layer().with_ansi(ansi).with_writer(std::io::stderr)).try_init()
+            let layer = fmt::layer().with_ansi(ansi).with_writer(std::io::stderr);
+            let verbose = pinned || ["debug", "trace"].iter().any(|l| settings.level.to_lowercase().contains(l));
+            match verbose {
+                true => registry.with(layer).try_init(),
+                false => registry.with(layer.event_format(Short { ansi })).try_init(),
+            }
         }
         LogFormat::Json => registry.with(fmt::layer().json().with_writer(std::io::stderr)).try_init(),
     };
@@ -45,6 +56,35 @@ pub fn init(settings: &LogSettings) -> Result<(), LoggingError> {
     let _ = FILTER.set(handle);
     let _ = PINNED_BY_ENV.set(pinned);
     Ok(())
+}
+
+/// A text line without the module path and span scope: `2026-12-02T03:30:00.123Z  INFO step 10 · epoch 0 · ...`.
+struct Short {
+    ansi: bool,
+}
+
+impl<S, N> FormatEvent<S, N> for Short
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut writer: Writer<'_>, event: &Event<'_>) -> std::fmt::Result {
+        let time = chrono::Utc::now().format("%Y-%m-%dT%H:%M:%S%.3fZ");
+        let level = *event.metadata().level();
+        let colour = match level {
+            Level::ERROR => "31",
+            Level::WARN => "33",
+            Level::INFO => "32",
+            Level::DEBUG => "34",
+            Level::TRACE => "35",
+        };
+        match self.ansi {
+            true => write!(writer, "{time} \x1b[{colour}m{level:>5}\x1b[0m ")?,
+            false => write!(writer, "{time} {level:>5} ")?,
+        }
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
 }
 
 /// Whether text logs are coloured: on a terminal, unless `NO_COLOR` is set to anything but the empty string
@@ -83,6 +123,34 @@ pub fn set_level(level: &str) -> Result<LevelChange, LoggingError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A short line keeps the message and its fields, without the module path or the span it was logged in.
+    #[test]
+    fn short_text_lines_leave_out_the_module_and_the_span() {
+        #[derive(Clone, Default)]
+        struct Buffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let sink = buffer.clone();
+        let layer = fmt::layer().with_ansi(false).with_writer(move || sink.clone()).event_format(Short { ansi: false });
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("Actor", id = "0.0", name = "supervisor");
+            let _entered = span.enter();
+            tracing::info!(step = 10, "step 10 · epoch 0");
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        assert!(text.trim_end().ends_with(" INFO step 10 · epoch 0 step=10"), "{text}");
+        assert!(!text.contains("Actor") && !text.contains("dflash::"), "{text}");
+    }
 
     #[test]
     fn colours_only_on_a_terminal_and_never_with_no_color() {
