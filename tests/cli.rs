@@ -97,12 +97,18 @@ fn bench_runs_the_tiny_target_and_prints_json() {
     assert!(report["tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
+/// A model folder's taps follow z-lab's rule unless given (the tiny target's 8 layers and 5 draft layers: [1, 2, 3,
+/// 4, 5], so capture runs 6 layers); a folder without a config.json says so.
 #[test]
-fn a_model_folder_without_taps_is_refused_with_the_fix() {
+fn a_model_folder_taps_by_the_rule_and_an_empty_one_names_what_is_missing() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dflash(&["bench", "--what", "target", "--model", dir.path().to_str().unwrap(), "--device", "cpu"]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("--taps"), "{}", text(&out.stderr));
+    let model = dir.path().join("tiny");
+    tiny_target_folder(&model);
+    let args = ["bench", "--what", "target", "--model", model.to_str().unwrap(), "--device", "cpu"];
+    let out = dflash(&[&args[..], &["--batch", "1", "--seq", "16", "--steps", "1", "--json"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_str(text(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(report["layers_run"], 6, "taps [1, 2, 3, 4, 5]: {report}");
     let out = dflash(&[
         "bench",
         "--what",

@@ -219,6 +219,40 @@ fn a_control_port_in_use_is_found_before_any_long_work() {
     assert!(!dir.path().join("cache").exists(), "before the built-in data is made");
 }
 
+/// With a model folder and no `target_layer_ids`, the taps follow z-lab's rule (8 target layers, 2 draft layers:
+/// [1, 5]); the log says so, and the resolved ids are kept in the checkpoint's configuration and the export, so a
+/// resume reads the same ones.
+#[test]
+fn a_model_folders_taps_are_resolved_once_and_kept() {
+    use dflash::model::{Depth, Preset};
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny");
+    Preset::Tiny
+        .spec()
+        .build_target(Depth::Full, tch::Device::Cpu, tch::Kind::Float)
+        .unwrap()
+        .save_hf(&model, usize::MAX)
+        .unwrap();
+    let target = format!("target.model={}", model.display());
+    let sets =
+        [target.as_str(), "draft_model.mask_token_id=319", "draft_model.num_hidden_layers=2", "optim.max_steps=6"];
+    let cfg = config(dir.path(), 1);
+    let (code, logs) = Service::start(&cfg, false, &sets).exit_code();
+    assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
+    assert!(logged(&logs, "draft_model.target_layer_ids = auto: [1, 5]"), "{:#?}", &logs[..logs.len().min(20)]);
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("ckpt/ckpt-000000006/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["config"]["draft_model"]["target_layer_ids"], json!([1, 5]), "resolved in the checkpoint");
+    let exported: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("ckpt/final/config.json")).unwrap()).unwrap();
+    assert_eq!(exported["dflash_config"]["target_layer_ids"], json!([1, 5]));
+    let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
+    assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
+    assert!(logged(&logs, "resuming"), "the resolved ids do not count as a changed setting");
+}
+
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
 fn assert_progress_lines(logs: &[String], steps: &[u64]) {

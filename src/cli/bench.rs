@@ -41,7 +41,8 @@ pub struct BenchArgs {
     /// A HuggingFace model folder to load instead of a preset (--what target only).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// Tapped layer ids, comma separated (default: draft_model.target_layer_ids, else the preset's).
+    /// Tapped layer ids, comma separated (default: draft_model.target_layer_ids, else the preset's, or z-lab's rule
+    /// for a model folder).
     #[arg(long, value_delimiter = ',', value_name = "IDS")]
     taps: Option<Vec<usize>>,
     /// cpu, cuda:N or auto (default: target.device).
@@ -219,9 +220,18 @@ fn resolve_taps(config: &Config, args: &BenchArgs, source: &TargetSource) -> Res
     Ok(match (&args.taps, source) {
         (Some(t), _) => t.clone(),
         (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => p.spec().taps,
-        (None, TargetSource::Folder(_)) if config.draft_model.target_layer_ids.is_none() => {
-            bail!("--taps is required with --model (or set draft_model.target_layer_ids), e.g. --taps 1,9,17,25,33")
+        // The bench's own target (--model) with the configuration's taps setting (by default: z-lab's rule).
+        (None, TargetSource::Preset(p)) => config.target_layer_ids(p.spec().target.num_hidden_layers)?,
+        (None, TargetSource::Folder(dir)) => {
+            let layers = folder_depth(dir)?;
+            let mut c = config.clone();
+            c.target.source = source.clone();
+            c.target_layer_ids(layers)?
         }
-        (None, _) => config.target_layer_ids()?,
     })
+}
+
+/// How deep the target in model folder `dir` is.
+fn folder_depth(dir: &std::path::Path) -> Result<usize> {
+    Ok(dflash::model::TargetConfig::from_dir(dir)?.num_hidden_layers)
 }

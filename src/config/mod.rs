@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 use crate::data::prepare::ModelAssets;
 use crate::device::{DeviceSpec, DtypeSpec};
-use crate::model::drafter_config::default_gamma;
+use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
 use crate::model::presets::PresetSpec;
 use crate::model::{Depth, ModelError, Preset, Target};
 use tch::{Device, Kind};
@@ -89,9 +89,17 @@ struct RawDraftModel {
     num_hidden_layers: i64,
     block_size: i64,
     intermediate_size: Option<i64>,
-    target_layer_ids: Option<Vec<i64>>,
+    target_layer_ids: Option<RawTaps>,
     mask_token_id: Option<i64>,
     init: Option<String>,
+}
+
+/// `target_layer_ids` is a list of ids, or the word `auto`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawTaps {
+    Ids(Vec<i64>),
+    Word(String),
 }
 
 #[derive(Debug, Deserialize)]
@@ -240,11 +248,19 @@ pub struct DraftModelSettings {
     pub block_size: usize,
     /// `None`: the target's.
     pub intermediate_size: Option<usize>,
-    /// Explicit ids, or `None` for the preset's.
-    pub target_layer_ids: Option<Vec<usize>>,
+    /// Explicit ids, `auto`, or `None`: the preset's, or `auto` for a model folder.
+    pub target_layer_ids: Option<Taps>,
     pub mask_token_id: Option<i64>,
     /// A published drafter folder whose weights a new run starts from (`None`: random weights).
     pub init: Option<PathBuf>,
+}
+
+/// The target layers the drafter reads.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Taps {
+    /// z-lab's rule for the target's depth and the drafter's ([`auto_target_layer_ids`]).
+    Auto,
+    Ids(Vec<usize>),
 }
 
 /// The decay of the loss weights over block slots.
@@ -397,20 +413,42 @@ impl Config {
         Self::load(&Layers::default())
     }
 
-    /// The tapped layer ids: the explicit ones, else the preset's.
-    pub fn target_layer_ids(&self) -> Result<Vec<usize>, ConfigError> {
+    /// Writes the taps `auto` resolved to into the settings and the merged tree (which every checkpoint keeps).
+    pub fn resolve_taps(&mut self, taps: &[usize]) {
+        self.draft_model.target_layer_ids = Some(Taps::Ids(taps.to_vec()));
+        if let Some(section) = self.merged.get_mut("draft_model").and_then(|s| s.as_object_mut()) {
+            section.insert("target_layer_ids".into(), serde_json::json!(taps));
+        }
+    }
+
+    /// Whether the tapped layers follow the rule (`auto`, or unset with a model folder) rather than the preset's or
+    /// the ids written out.
+    pub fn taps_are_auto(&self) -> bool {
         match (&self.draft_model.target_layer_ids, &self.target.source) {
-            (Some(ids), _) => Ok(ids.clone()),
+            (Some(Taps::Auto), _) | (None, TargetSource::Folder(_)) => true,
+            (Some(Taps::Ids(_)), _) | (None, TargetSource::Preset(_)) => false,
+        }
+    }
+
+    /// The tapped layer ids for a target `num_target_layers` deep: the explicit ones, the preset's, or z-lab's rule
+    /// (`auto`, the default with a model folder).
+    pub fn target_layer_ids(&self, num_target_layers: usize) -> Result<Vec<usize>, ConfigError> {
+        match (&self.draft_model.target_layer_ids, &self.target.source) {
+            (Some(Taps::Ids(ids)), _) => Ok(ids.clone()),
             (None, TargetSource::Preset(p)) => Ok(p.spec().taps),
-            (None, TargetSource::Folder(dir)) => Err(invalid(
-                "draft_model.target_layer_ids",
-                "(unset)",
-                format!(
-                    "required with target.model = {:?}: write the ids out, e.g. [1, 9, 17, 25, 33] for a \
-                     36-layer target and 5 drafter layers, [1, 8, 15, 22, 29] for 32 layers",
-                    dir.display().to_string()
-                ),
-            )),
+            (Some(Taps::Auto), _) | (None, TargetSource::Folder(_)) => {
+                let draft = self.draft_model.num_hidden_layers;
+                auto_target_layer_ids(num_target_layers, draft).ok_or_else(|| {
+                    invalid(
+                        "draft_model.target_layer_ids",
+                        "\"auto\"",
+                        format!(
+                            "a {num_target_layers}-layer target is too shallow for {draft} evenly spaced taps: write \
+                             the ids out (increasing, each below {num_target_layers})"
+                        ),
+                    )
+                })
+            }
         }
     }
 }
@@ -625,7 +663,15 @@ impl RawDraftModel {
         let key = "draft_model.target_layer_ids";
         let target_layer_ids = match self.target_layer_ids {
             None => None,
-            Some(ids) => {
+            Some(RawTaps::Word(w)) if w == "auto" => Some(Taps::Auto),
+            Some(RawTaps::Word(w)) => {
+                return Err(invalid(
+                    key,
+                    format!("{w:?}"),
+                    "a list of layer ids, e.g. [1, 9, 17, 25, 33], or \"auto\"",
+                ));
+            }
+            Some(RawTaps::Ids(ids)) => {
                 if ids.is_empty() {
                     return Err(invalid(key, "[]", "needs at least one layer id"));
                 }
@@ -635,7 +681,7 @@ impl RawDraftModel {
                 if ids.windows(2).any(|w| w[0] >= w[1]) {
                     return Err(invalid(key, format!("{ids:?}"), "layer ids must be strictly increasing"));
                 }
-                Some(ids.into_iter().map(|i| i as usize).collect())
+                Some(Taps::Ids(ids.into_iter().map(|i| i as usize).collect()))
             }
         };
         if let Some(m) = self.mask_token_id.filter(|&m| m < 0) {
@@ -709,7 +755,7 @@ mod tests {
         let c = Config::builtin().unwrap();
         assert_eq!(c.target.source, TargetSource::Preset(Preset::TinyTasks));
         assert_eq!(c.target.device, DeviceSpec::Auto);
-        assert_eq!(c.target_layer_ids().unwrap(), vec![1, 3, 5]);
+        assert_eq!(c.target_layer_ids(8).unwrap(), vec![1, 3, 5]);
     }
 
     #[test]
@@ -732,7 +778,7 @@ mod tests {
         layers.set = vec!["target.dtype=bf16".into(), "draft_model.target_layer_ids=[0, 2]".into()];
         let c = Config::load(&layers).unwrap();
         assert_eq!(c.target.dtype, DtypeSpec::Bf16); // --set over env
-        assert_eq!(c.target_layer_ids().unwrap(), vec![0, 2]);
+        assert_eq!(c.target_layer_ids(8).unwrap(), vec![0, 2]);
     }
 
     #[test]
@@ -899,12 +945,25 @@ mod tests {
         assert_eq!(c.objective.gamma.resolve(16).unwrap(), None);
     }
 
+    /// With a model folder the taps follow z-lab's rule unless written out; `auto` asks for it with a preset too;
+    /// a target too shallow for the rule says what to write instead.
     #[test]
-    fn a_model_folder_needs_explicit_layer_ids() {
+    fn a_model_folder_taps_by_the_rule_unless_the_ids_are_written_out() {
         let dir = tempfile::tempdir().unwrap();
-        let c = with_set(&[&format!("target.model={}", dir.path().display())]).unwrap();
+        let folder = format!("target.model={}", dir.path().display());
+        let c = with_set(&[&folder]).unwrap();
         assert_eq!(c.target.source, TargetSource::Folder(dir.path().to_path_buf()));
-        let err = c.target_layer_ids().unwrap_err().to_string();
-        assert!(err.contains("draft_model.target_layer_ids") && err.contains("[1, 9, 17, 25, 33]"), "{err}");
+        assert!(c.taps_are_auto());
+        assert_eq!(c.target_layer_ids(36).unwrap(), vec![1, 9, 17, 25, 33]);
+        let c = with_set(&[&folder, "draft_model.target_layer_ids=[2, 4]"]).unwrap();
+        assert!(!c.taps_are_auto());
+        assert_eq!(c.target_layer_ids(36).unwrap(), vec![2, 4]);
+        let c = with_set(&["draft_model.target_layer_ids=\"auto\"", "draft_model.num_hidden_layers=5"]).unwrap();
+        assert!(c.taps_are_auto());
+        assert_eq!(c.target_layer_ids(32).unwrap(), vec![1, 8, 15, 22, 29]);
+        let err = c.target_layer_ids(6).unwrap_err().to_string();
+        assert!(err.contains("too shallow") && err.contains("write the ids out"), "{err}");
+        let err = with_set(&["draft_model.target_layer_ids=\"some\""]).unwrap_err().to_string();
+        assert!(err.contains("\"auto\""), "{err}");
     }
 }

@@ -168,8 +168,43 @@ pub fn default_gamma(block_size: usize) -> Option<f64> {
     }
 }
 
+/// z-lab's rule for the tapped target layers (`build_target_layer_ids` in their `dflash` package, which SGLang and
+/// SpecForge copy): one draft layer taps layer L // 2; more tap as many layers, evenly spaced from layer 1 to layer
+/// L - 3, each rounded as Python's `round` does (half to even). 36 layers and 5 draft layers: [1, 9, 17, 25, 33]; 32:
+/// [1, 8, 15, 22, 29]. `None` when the target is too shallow for distinct taps.
+pub fn auto_target_layer_ids(num_target_layers: usize, num_draft_layers: usize) -> Option<Vec<usize>> {
+    if num_draft_layers == 1 {
+        return Some(vec![num_target_layers / 2]);
+    }
+    let (start, end) = (1.0, num_target_layers as f64 - 3.0);
+    let span = end - start;
+    let ids: Vec<usize> = (0..num_draft_layers)
+        .map(|i| (start + i as f64 * span / (num_draft_layers - 1) as f64).round_ties_even())
+        .map(|x| x.max(0.0) as usize)
+        .collect();
+    let increasing = ids.windows(2).all(|w| w[0] < w[1]) && ids.last().is_some_and(|&l| l < num_target_layers);
+    (span > 0.0 && increasing).then_some(ids)
+}
+
 #[cfg(test)]
 mod tests {
+    use super::auto_target_layer_ids as auto;
+
+    /// The published drafters' taps, SGLang's and SpecForge's copies of the rule, and Python's half-to-even
+    /// rounding (11 layers, 3 draft layers: 4.5 rounds to 4).
+    #[test]
+    fn auto_taps_follow_z_labs_rule() {
+        assert_eq!(auto(36, 5), Some(vec![1, 9, 17, 25, 33]));
+        assert_eq!(auto(32, 5), Some(vec![1, 8, 15, 22, 29]));
+        assert_eq!(auto(28, 4), Some(vec![1, 9, 17, 25]));
+        assert_eq!(auto(11, 3), Some(vec![1, 4, 8]));
+        assert_eq!(auto(13, 3), Some(vec![1, 6, 10]), "5.5 rounds to the even 6");
+        assert_eq!(auto(8, 1), Some(vec![4]));
+        assert_eq!(auto(8, 5), Some(vec![1, 2, 3, 4, 5]));
+        assert_eq!(auto(6, 5), None, "too shallow for five distinct taps");
+        assert_eq!(auto(4, 2), None);
+    }
+
     use super::*;
 
     #[test]

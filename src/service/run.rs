@@ -39,13 +39,21 @@ pub enum Resume {
     Auto,
 }
 
-/// The drafter's configuration from `[draft_model]` and the target.
+/// The drafter's configuration from `[draft_model]` and the target. Taps by the rule (`auto`, the default with a
+/// model folder) are the published drafter's with `draft_model.init`.
 pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> {
     let target = match &config.target.source {
         TargetSource::Preset(p) => p.spec().target,
         TargetSource::Folder(dir) => TargetConfig::from_dir(dir)?,
     };
-    let taps = config.target_layer_ids()?;
+    let taps = match (&config.draft_model.init, config.taps_are_auto()) {
+        (Some(dir), true) => {
+            DrafterConfig::from_dir(dir)
+                .with_context(|| format!("draft_model.init = {}", dir.display()))?
+                .target_layer_ids
+        }
+        _ => config.target_layer_ids(target.num_hidden_layers)?,
+    };
     let mask = match (&config.target.source, config.draft_model.mask_token_id) {
         (_, Some(m)) => m,
         (TargetSource::Preset(p), None) => p.spec().mask_token_id,
@@ -197,6 +205,20 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         })
         .collect::<Result<_>>()?;
     let (target_cfg, drafter_cfg) = drafter_config(&config)?;
+    let mut config = config;
+    if config.taps_are_auto() {
+        let taps = &drafter_cfg.target_layer_ids;
+        let why = match &config.draft_model.init {
+            Some(dir) => format!("the published drafter's, {}", dir.display()),
+            None => format!(
+                "z-lab's rule for {} target layers and {} draft layers",
+                target_cfg.num_hidden_layers, config.draft_model.num_hidden_layers
+            ),
+        };
+        tracing::info!("draft_model.target_layer_ids = auto: {taps:?} ({why})");
+        // Stored resolved in every checkpoint's configuration: a resume (or a later rule) never changes the taps.
+        config.resolve_taps(taps);
+    }
     if let TargetSource::Preset(p) = &config.target.source
         && let Some(warning) = p.random_weights_warning()
     {
@@ -417,4 +439,36 @@ fn watch_reload_signal(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Drafter, Init, Preset};
+
+    /// `auto` taps with `draft_model.init` are the published drafter's, not the rule's (which would give [4] for the
+    /// tiny target's 8 layers and one draft layer).
+    #[test]
+    fn auto_taps_with_a_published_drafter_are_its_taps() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = Preset::Tiny.spec();
+        let published = DrafterConfig::for_target(&spec.target, 1, None, 4, vec![1, 3, 5], spec.mask_token_id).unwrap();
+        Drafter::new(published, Device::Cpu, Kind::Float, Init::Portable(1))
+            .unwrap()
+            .save(dir.path(), Kind::Float)
+            .unwrap();
+        let layers = |set: Vec<String>| Layers { set, ..Layers::default() };
+        let base = vec![
+            "target.model=tiny".to_string(),
+            "draft_model.num_hidden_layers=1".into(),
+            "draft_model.block_size=4".into(),
+            "draft_model.target_layer_ids=\"auto\"".into(),
+        ];
+        let rule = Config::load(&layers(base.clone())).unwrap();
+        assert_eq!(drafter_config(&rule).unwrap().1.target_layer_ids, vec![4]);
+        let mut with_init = base;
+        with_init.push(format!("draft_model.init={}", dir.path().display()));
+        let config = Config::load(&layers(with_init)).unwrap();
+        assert_eq!(drafter_config(&config).unwrap().1.target_layer_ids, vec![1, 3, 5]);
+    }
 }
