@@ -149,6 +149,9 @@ enum Command {
         dflash bench --what target --preset gpt-oss-20b --device cuda:0 --batch 16 --seq 2048 --steps 5 --json\n  \
         dflash bench --what drafter --preset qwen3-8b --device cuda:0 --batch 4 --seq 768 --anchors 256 --json")]
     Bench(cli::bench::BenchArgs),
+    /// The configuration a command would run with (each key with where it came from), or the defaults explained
+    #[command(subcommand)]
+    Config(cli::config::ConfigCommand),
 }
 
 #[derive(Args)]
@@ -234,6 +237,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::SampleData(args) => cli::data::run_sample_data(args),
         Command::Regenerate(args) => cli::regenerate::run(&config, args),
         Command::Export(args) => cli::export::run(args),
+        Command::Config(command) => cli::config::run(&config, &layers, command).map(|()| ExitCode::SUCCESS),
     }
 }
 

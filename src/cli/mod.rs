@@ -1,5 +1,6 @@
 //! The subcommands' arguments and output; each calls into the library.
 pub mod bench;
+pub mod config;
 pub mod data;
 pub mod eval;
 pub mod export;

@@ -363,6 +363,24 @@ impl Layers {
     pub fn from_process(file: Option<PathBuf>, set: Vec<String>) -> Self {
         Layers { file, env: std::env::vars().collect(), set }
     }
+
+    /// Which layer set `section.key` last: `--set`, an environment variable, the file, or the built-in default.
+    pub fn origin(&self, key: &str) -> String {
+        let set = self.set.iter().rev().find(|item| item.split_once('=').is_some_and(|(k, _)| k.trim() == key));
+        if set.is_some() {
+            return "--set".into();
+        }
+        let env = format!("{ENV_PREFIX}{}", key.to_uppercase().replace('.', "__"));
+        if self.env.iter().any(|(name, _)| *name == env) {
+            return format!("environment {env}");
+        }
+        let in_file = self.file.as_ref().and_then(|path| {
+            let tree: toml::Table = std::fs::read_to_string(path).ok()?.parse().ok()?;
+            let (section, name) = key.split_once('.')?;
+            tree.get(section)?.as_table()?.get(name).map(|_| path.display().to_string())
+        });
+        in_file.unwrap_or_else(|| "default".into())
+    }
 }
 
 impl Config {
@@ -374,7 +392,8 @@ impl Config {
             if !path.is_file() {
                 return Err(ConfigError::Load {
                     source_name: path.display().to_string(),
-                    message: "no such file; pass --config with a TOML file (see config/default.toml)".into(),
+                    message: "no such file; pass --config with a TOML file (`dflash config defaults` prints every key)"
+                        .into(),
                 });
             }
             builder = builder.add_source(File::from(path.as_path()).format(FileFormat::Toml));
@@ -460,7 +479,7 @@ fn load_error(source_name: &str, e: config::ConfigError) -> ConfigError {
 /// serde says "unknown field `x`, expected one of ..."; say which section it was in when config names it.
 fn explain_serde_error(message: &str) -> String {
     if message.contains("unknown field") {
-        format!("{message} (a misspelt key? every key is listed in config/default.toml)")
+        format!("{message} (a misspelt key? `dflash config defaults` prints every key, explained)")
     } else {
         message.to_string()
     }
@@ -791,7 +810,7 @@ mod tests {
     #[test]
     fn unknown_keys_are_named() {
         let err = with_set(&["target.devise=cpu"]).unwrap_err().to_string();
-        assert!(err.contains("devise") && err.contains("default.toml"), "{err}");
+        assert!(err.contains("devise") && err.contains("dflash config defaults"), "{err}");
         let err = with_set(&["optimm.lr=1"]).unwrap_err().to_string();
         assert!(err.contains("optimm"), "{err}");
         let err =
