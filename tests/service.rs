@@ -219,11 +219,12 @@ fn a_control_port_in_use_is_found_before_any_long_work() {
     assert!(!dir.path().join("cache").exists(), "before the built-in data is made");
 }
 
-/// With a model folder and no `target_layer_ids`, the taps follow z-lab's rule (8 target layers, 2 draft layers:
-/// [1, 5]); the log says so, and the resolved ids are kept in the checkpoint's configuration and the export, so a
-/// resume reads the same ones.
+/// With a model folder and neither `target_layer_ids` nor `mask_token_id`, the taps follow z-lab's rule (8 target
+/// layers, 2 draft layers: [1, 5]) and the MASK token is the first embedding row the tokenizer leaves unused; the
+/// log says so, and both are kept resolved in the checkpoint's configuration and the export, so a resume reads the
+/// same ones.
 #[test]
-fn a_model_folders_taps_are_resolved_once_and_kept() {
+fn a_model_folders_taps_and_mask_are_resolved_once_and_kept() {
     use dflash::model::{Depth, Preset};
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny");
@@ -233,9 +234,9 @@ fn a_model_folders_taps_are_resolved_once_and_kept() {
         .unwrap()
         .save_hf(&model, usize::MAX)
         .unwrap();
+    dflash::data::builtin::write_tiny_tokenizer(&model).unwrap();
     let target = format!("target.model={}", model.display());
-    let sets =
-        [target.as_str(), "draft_model.mask_token_id=319", "draft_model.num_hidden_layers=2", "optim.max_steps=6"];
+    let sets = [target.as_str(), "draft_model.num_hidden_layers=2", "optim.max_steps=6"];
     let cfg = config(dir.path(), 1);
     let (code, logs) = Service::start(&cfg, false, &sets).exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
@@ -245,9 +246,13 @@ fn a_model_folders_taps_are_resolved_once_and_kept() {
     )
     .unwrap();
     assert_eq!(state["config"]["draft_model"]["target_layer_ids"], json!([1, 5]), "resolved in the checkpoint");
+    let mask = state["config"]["draft_model"]["mask_token_id"].as_i64().expect("the MASK token, resolved");
+    assert!(logged(&logs, &format!("draft_model.mask_token_id = auto: {mask} (the first embedding row no token uses")));
+    assert!((256..320).contains(&mask), "past the byte tokens, inside the 320 rows: {mask}");
     let exported: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("ckpt/final/config.json")).unwrap()).unwrap();
     assert_eq!(exported["dflash_config"]["target_layer_ids"], json!([1, 5]));
+    assert_eq!(exported["dflash_config"]["mask_token_id"], json!(mask));
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
     assert!(logged(&logs, "resuming"), "the resolved ids do not count as a changed setting");

@@ -90,8 +90,16 @@ struct RawDraftModel {
     block_size: i64,
     intermediate_size: Option<i64>,
     target_layer_ids: Option<RawTaps>,
-    mask_token_id: Option<i64>,
+    mask_token_id: Option<RawMask>,
     init: Option<String>,
+}
+
+/// `mask_token_id` is a token id, or the word `auto`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawMask {
+    Id(i64),
+    Word(String),
 }
 
 /// `target_layer_ids` is a list of ids, or the word `auto`.
@@ -250,6 +258,8 @@ pub struct DraftModelSettings {
     pub intermediate_size: Option<usize>,
     /// Explicit ids, `auto`, or `None`: the preset's, or `auto` for a model folder.
     pub target_layer_ids: Option<Taps>,
+    /// `None` (`auto`, or unset): the preset's, or for a model folder the rule of
+    /// [`TextTokenizer::unused_mask_token`](crate::data::tokenize::TextTokenizer::unused_mask_token).
     pub mask_token_id: Option<i64>,
     /// A published drafter folder whose weights a new run starts from (`None`: random weights).
     pub init: Option<PathBuf>,
@@ -432,12 +442,29 @@ impl Config {
         Self::load(&Layers::default())
     }
 
-    /// Writes the taps `auto` resolved to into the settings and the merged tree (which every checkpoint keeps).
-    pub fn resolve_taps(&mut self, taps: &[usize]) {
-        self.draft_model.target_layer_ids = Some(Taps::Ids(taps.to_vec()));
-        if let Some(section) = self.merged.get_mut("draft_model").and_then(|s| s.as_object_mut()) {
-            section.insert("target_layer_ids".into(), serde_json::json!(taps));
+    /// Writes what `auto` resolved to (the taps, the MASK token) into the settings and the merged tree, which
+    /// every checkpoint keeps; settings that were not `auto` are left as they are.
+    pub fn resolve_auto(&mut self, taps: &[usize], mask_token_id: i64) {
+        let (taps_auto, mask_auto) = (self.taps_are_auto(), self.mask_is_auto());
+        if taps_auto {
+            self.draft_model.target_layer_ids = Some(Taps::Ids(taps.to_vec()));
         }
+        if mask_auto {
+            self.draft_model.mask_token_id = Some(mask_token_id);
+        }
+        if let Some(section) = self.merged.get_mut("draft_model").and_then(|s| s.as_object_mut()) {
+            if taps_auto {
+                section.insert("target_layer_ids".into(), serde_json::json!(taps));
+            }
+            if mask_auto {
+                section.insert("mask_token_id".into(), serde_json::json!(mask_token_id));
+            }
+        }
+    }
+
+    /// Whether the MASK token follows the rule (`auto`, or unset, with a model folder).
+    pub fn mask_is_auto(&self) -> bool {
+        self.draft_model.mask_token_id.is_none() && matches!(self.target.source, TargetSource::Folder(_))
     }
 
     /// Whether the tapped layers follow the rule (`auto`, or unset with a model folder) rather than the preset's or
@@ -703,15 +730,23 @@ impl RawDraftModel {
                 Some(Taps::Ids(ids.into_iter().map(|i| i as usize).collect()))
             }
         };
-        if let Some(m) = self.mask_token_id.filter(|&m| m < 0) {
-            return Err(invalid("draft_model.mask_token_id", m, "a token id is >= 0"));
-        }
+        let mask_token_id = match self.mask_token_id {
+            None => None,
+            Some(RawMask::Word(w)) if w == "auto" => None,
+            Some(RawMask::Word(w)) => {
+                return Err(invalid("draft_model.mask_token_id", format!("{w:?}"), "a token id, or \"auto\""));
+            }
+            Some(RawMask::Id(m)) if m < 0 => {
+                return Err(invalid("draft_model.mask_token_id", m, "a token id is >= 0"));
+            }
+            Some(RawMask::Id(m)) => Some(m),
+        };
         Ok(DraftModelSettings {
             num_hidden_layers: self.num_hidden_layers as usize,
             block_size: self.block_size as usize,
             intermediate_size: self.intermediate_size.map(|i| i as usize),
             target_layer_ids,
-            mask_token_id: self.mask_token_id,
+            mask_token_id,
             init: self.init.filter(|p| !p.is_empty()).map(PathBuf::from),
         })
     }

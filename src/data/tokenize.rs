@@ -53,6 +53,37 @@ impl TextTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// The MASK token `draft_model.mask_token_id = "auto"` picks for a target of `vocab_size` embedding rows, and the
+    /// rule that picked it: the first row no token uses (Qwen3: 151669), else the lowest-id reserved special token
+    /// (Llama-3: `<|reserved_special_token_0|>`, 128002; GPT-OSS: `<|reserved_200000|>`). Either is a row no text
+    /// ever produces. Neither: an error listing the special tokens, to choose one the data never contains.
+    pub fn unused_mask_token(&self, vocab_size: usize) -> Result<(u32, String), String> {
+        let rows_used = self.inner.get_vocab(true).values().copied().max().map_or(0, |m| m + 1);
+        if (rows_used as usize) < vocab_size {
+            return Ok((
+                rows_used,
+                format!("the first embedding row no token uses ({vocab_size} rows, tokens 0..{rows_used})"),
+            ));
+        }
+        let mut specials: Vec<(u32, String)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        specials.sort();
+        if let Some((id, content)) = specials.iter().find(|(_, c)| c.to_lowercase().contains("reserved")) {
+            return Ok((*id, format!("the first reserved special token, {content}")));
+        }
+        let listed: Vec<String> = specials.iter().take(20).map(|(id, c)| format!("{id} {c}")).collect();
+        Err(format!(
+            "the tokenizer uses all {vocab_size} embedding rows and has no reserved special token: set \
+             draft_model.mask_token_id to a token the data never contains (special tokens: {})",
+            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+        ))
+    }
 }
 
 /// 1 for every token whose text starts inside one of `spans` (byte ranges), else 0.
@@ -110,6 +141,22 @@ pub fn byte_level_tokenizer(merges: &[(&str, &str)], special: &[&str]) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first unused embedding row when there is one, else the lowest reserved special token, else an error that
+    /// lists the special tokens.
+    #[test]
+    fn the_mask_token_is_an_unused_row_or_a_reserved_special_token() {
+        let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &["<|im_end|>", "<think>"]).unwrap());
+        assert_eq!(t.unused_mask_token(300).unwrap().0, 258, "256 bytes and two specials use rows 0..258");
+        let specials = ["<|begin|>", "<|end|>", "<|reserved_special_token_1|>", "<|reserved_special_token_0|>"];
+        let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &specials).unwrap());
+        let (id, why) = t.unused_mask_token(260).unwrap();
+        assert_eq!(id, 258, "the lowest-id reserved one, whatever its name's number: {why}");
+        assert!(why.contains("reserved_special_token_1"), "{why}");
+        let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &["<|begin|>", "<|end|>"]).unwrap());
+        let err = t.unused_mask_token(258).unwrap_err();
+        assert!(err.contains("draft_model.mask_token_id") && err.contains("256 <|begin|>"), "{err}");
+    }
 
     #[test]
     fn byte_level_ids_are_bytes_and_specials_follow() {

@@ -2,7 +2,7 @@
 //! checkpoint against the configuration, starts the supervisor, the control plane and the signal handlers, and
 //! returns the exit status the supervisor chose.
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -22,6 +22,7 @@ use crate::cluster::launch::resolve;
 use crate::cluster::link::HostLink;
 use crate::config::{Config, Layers, TargetSource, resume_changes};
 use crate::data::dataset::Dataset;
+use crate::data::tokenize::TextTokenizer;
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::ObjectiveSettings;
@@ -39,26 +40,56 @@ pub enum Resume {
     Auto,
 }
 
-/// The drafter's configuration from `[draft_model]` and the target. Taps by the rule (`auto`, the default with a
-/// model folder) are the published drafter's with `draft_model.init`.
+/// The drafter's configuration from `[draft_model]` and the target. What `auto` leaves to a rule (the default with a
+/// model folder) is resolved here and logged: the taps by z-lab's rule, the MASK token by the tokenizer's unused
+/// rows or reserved tokens; with `draft_model.init`, both are the published drafter's.
 pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> {
     let target = match &config.target.source {
         TargetSource::Preset(p) => p.spec().target,
         TargetSource::Folder(dir) => TargetConfig::from_dir(dir)?,
     };
-    let taps = match (&config.draft_model.init, config.taps_are_auto()) {
-        (Some(dir), true) => {
-            DrafterConfig::from_dir(dir)
-                .with_context(|| format!("draft_model.init = {}", dir.display()))?
-                .target_layer_ids
+    let published = match &config.draft_model.init {
+        Some(dir) if config.taps_are_auto() || config.mask_is_auto() => {
+            Some(DrafterConfig::from_dir(dir).with_context(|| format!("draft_model.init = {}", dir.display()))?)
         }
+        _ => None,
+    };
+    let from_init = |dir: &Option<PathBuf>| {
+        format!("the published drafter's, {}", dir.as_deref().unwrap_or(Path::new("")).display())
+    };
+    let taps = match (&published, config.taps_are_auto()) {
+        (Some(p), true) => p.target_layer_ids.clone(),
         _ => config.target_layer_ids(target.num_hidden_layers)?,
     };
-    let mask = match (&config.target.source, config.draft_model.mask_token_id) {
-        (_, Some(m)) => m,
-        (TargetSource::Preset(p), None) => p.spec().mask_token_id,
-        (TargetSource::Folder(_), None) => {
-            bail!("draft_model.mask_token_id is required with a model folder (Qwen3: 151669), a token no text uses")
+    if config.taps_are_auto() {
+        let why = match &published {
+            Some(_) => from_init(&config.draft_model.init),
+            None => format!(
+                "z-lab's rule for {} target layers and {} draft layers",
+                target.num_hidden_layers, config.draft_model.num_hidden_layers
+            ),
+        };
+        tracing::info!("draft_model.target_layer_ids = auto: {taps:?} ({why})");
+    }
+    let mask = match (&config.target.source, config.draft_model.mask_token_id, &published) {
+        (_, Some(m), _) => m,
+        (TargetSource::Preset(p), None, _) => p.spec().mask_token_id,
+        (TargetSource::Folder(_), None, Some(p)) => {
+            tracing::info!(
+                "draft_model.mask_token_id = auto: {} ({})",
+                p.mask_token_id,
+                from_init(&config.draft_model.init)
+            );
+            p.mask_token_id
+        }
+        (TargetSource::Folder(dir), None, None) => {
+            let tokenizer =
+                TextTokenizer::from_dir(dir).map_err(|e| anyhow::anyhow!("draft_model.mask_token_id = auto: {e}"))?;
+            let (id, why) = tokenizer
+                .unused_mask_token(target.vocab_size)
+                .map_err(|e| anyhow::anyhow!("draft_model.mask_token_id = auto: {e}"))?;
+            tracing::info!("draft_model.mask_token_id = auto: {id} ({why})");
+            id as i64
         }
     };
     let dm = &config.draft_model;
@@ -205,20 +236,10 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         })
         .collect::<Result<_>>()?;
     let (target_cfg, drafter_cfg) = drafter_config(&config)?;
+    // What `auto` resolved to is stored in every checkpoint's configuration: a resume (or a later rule) never changes
+    // the taps or the MASK token.
     let mut config = config;
-    if config.taps_are_auto() {
-        let taps = &drafter_cfg.target_layer_ids;
-        let why = match &config.draft_model.init {
-            Some(dir) => format!("the published drafter's, {}", dir.display()),
-            None => format!(
-                "z-lab's rule for {} target layers and {} draft layers",
-                target_cfg.num_hidden_layers, config.draft_model.num_hidden_layers
-            ),
-        };
-        tracing::info!("draft_model.target_layer_ids = auto: {taps:?} ({why})");
-        // Stored resolved in every checkpoint's configuration: a resume (or a later rule) never changes the taps.
-        config.resolve_taps(taps);
-    }
+    config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
     if let TargetSource::Preset(p) = &config.target.source
         && let Some(warning) = p.random_weights_warning()
     {
