@@ -54,6 +54,7 @@ pub struct DrafterBenchReport {
     pub dtype: &'static str,
     pub batch: i64,
     pub seq: i64,
+    /// Anchors per sample the step drew: `--anchors`, or fewer when a row has fewer valid positions.
     pub anchors: usize,
     pub block_size: usize,
     pub lm_head_chunk_rows: i64,
@@ -219,7 +220,9 @@ pub fn bench_drafter(
         None
     };
     let step_ms_p50 = times.percentile(50.0);
-    let flops_per_sample = drafter_flops_per_sample(&cfg, opts.seq, opts.anchors);
+    // FLOPs of the blocks the step drew: no more than the row has valid anchors (every position but the last here).
+    let anchors = opts.anchors.min(crate::train::objective::valid_anchors(&masks[0]).len());
+    let flops_per_sample = drafter_flops_per_sample(&cfg, opts.seq, anchors);
     let samples_per_s = opts.batch as f64 / (step_ms_p50 * 1e-3);
     let tflops = flops_per_sample * samples_per_s / 1e12;
     Ok(DrafterBenchReport {
@@ -229,7 +232,7 @@ pub fn bench_drafter(
         dtype: kind_name(kind),
         batch: opts.batch,
         seq: opts.seq,
-        anchors: opts.anchors,
+        anchors,
         block_size: opts.block_size,
         lm_head_chunk_rows,
         attention_group_blocks,
@@ -314,6 +317,30 @@ mod tests {
         for phase in ["drafter.attention", "drafter.backward", "lm_head.loss", "optimizer"] {
             assert!(phases.contains_key(phase), "{phase} missing from {phases:?}");
         }
+    }
+
+    /// More anchors than a row has are not counted: 16 tokens give 15 valid anchors.
+    #[test]
+    fn flops_count_the_anchors_that_fit() {
+        let opts = DrafterBenchOptions {
+            batch: 1,
+            seq: 16,
+            anchors: 1000,
+            block_size: 4,
+            steps: 1,
+            warmup: 0,
+            profile: false,
+            capture: false,
+            pipeline: false,
+            peak_tflops: 1.0,
+            lm_head_chunk_rows: None,
+            attention_group_blocks: None,
+        };
+        let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
+        assert_eq!(r.anchors, 15);
+        let cfg = DrafterConfig::for_preset(Preset::Tiny, 4);
+        let expected = drafter_flops_per_sample(&cfg, 16, 15) * r.samples_per_s / 1e12;
+        assert!((r.tflops - expected).abs() <= 1e-9 * expected.max(1e-12), "{} vs {expected}", r.tflops);
     }
 
     #[test]
