@@ -4,6 +4,7 @@
 //! and idempotent, so later runs start at once).
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use rand::SeedableRng;
@@ -55,6 +56,41 @@ impl Responder for LocalResponder {
         }
         let tokens: Vec<u32> = out.iter().map(|&t| t as u32).collect();
         Ok((self.assets.tokenizer.decode(&tokens)?, None))
+    }
+}
+
+/// Says how far a long answering run is (minutes on a CPU, before training starts): a line every `every` with the
+/// answers so far.
+struct Progress<R> {
+    inner: R,
+    conversations: usize,
+    answered: usize,
+    started: Instant,
+    last: Instant,
+    every: Duration,
+}
+
+impl<R> Progress<R> {
+    fn new(inner: R, conversations: usize, every: Duration) -> Self {
+        let now = Instant::now();
+        Progress { inner, conversations, answered: 0, started: now, last: now, every }
+    }
+}
+
+impl<R: Responder> Responder for Progress<R> {
+    fn respond(&mut self, messages: &[Value], tools: Option<&Value>) -> Result<Reply, String> {
+        let reply = self.inner.respond(messages, tools);
+        self.answered += 1;
+        if self.last.elapsed() >= self.every {
+            self.last = Instant::now();
+            tracing::info!(
+                "built-in data: {} answers so far for {} conversations ({:.0} s)",
+                self.answered,
+                self.conversations,
+                self.started.elapsed().as_secs_f64()
+            );
+        }
+        reply
     }
 }
 
@@ -179,13 +215,14 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             "built-in data: the target answers the sample conversations (once)"
         );
         let target = config.target.source.build_target(&[0], Depth::Full, device, kind)?;
-        let mut responder = LocalResponder::new(
+        let local = LocalResponder::new(
             target,
             ModelAssets::resolve(&model, &Map::new())?,
             d.builtin_max_new_tokens,
             Sampling::Greedy,
             0,
         );
+        let mut responder = Progress::new(local, d.builtin_conversations, Duration::from_secs(10));
         let opts = RegenerateOptions {
             input: conversations.clone(),
             out: regenerated.clone(),
@@ -215,4 +252,27 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
     };
     prepare(&assets, &opts)?;
     Ok(PreparedSplit::open(Path::new(&prepared), "train", false)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Echo;
+    impl Responder for Echo {
+        fn respond(&mut self, messages: &[Value], _: Option<&Value>) -> Result<Reply, String> {
+            Ok((format!("{} messages", messages.len()), None))
+        }
+    }
+
+    /// The progress wrapper passes every reply through and counts the answers it reports.
+    #[test]
+    fn progress_passes_replies_through_and_counts_them() {
+        let mut p = Progress::new(Echo, 2, Duration::ZERO);
+        for n in 1..=3 {
+            let reply = p.respond(&vec![Value::Null; n], None).unwrap();
+            assert_eq!(reply.0, format!("{n} messages"));
+        }
+        assert_eq!(p.answered, 3);
+    }
 }
