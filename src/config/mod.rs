@@ -452,13 +452,35 @@ impl Config {
         if mask_auto {
             self.draft_model.mask_token_id = Some(mask_token_id);
         }
+        if taps_auto {
+            self.set_resolved("target_layer_ids", serde_json::json!(taps));
+        }
+        if mask_auto {
+            self.set_resolved("mask_token_id", serde_json::json!(mask_token_id));
+        }
+    }
+
+    /// Resuming: settings left to `auto` take what the checkpoint's run resolved them to (kept in its configuration),
+    /// so a later rule never changes a run's taps or MASK token.
+    pub fn adopt_resolved(&mut self, checkpoint: &serde_json::Value) {
+        let resolved = |key: &str| lookup(checkpoint, &format!("draft_model.{key}")).cloned();
+        let taps = resolved("target_layer_ids")
+            .and_then(|v| serde_json::from_value::<Vec<usize>>(v).ok())
+            .filter(|_| self.taps_are_auto());
+        let mask = resolved("mask_token_id").and_then(|v| v.as_i64()).filter(|_| self.mask_is_auto());
+        if let Some(taps) = taps {
+            self.set_resolved("target_layer_ids", serde_json::json!(taps));
+            self.draft_model.target_layer_ids = Some(Taps::Ids(taps));
+        }
+        if let Some(mask) = mask {
+            self.set_resolved("mask_token_id", serde_json::json!(mask));
+            self.draft_model.mask_token_id = Some(mask);
+        }
+    }
+
+    fn set_resolved(&mut self, key: &str, value: serde_json::Value) {
         if let Some(section) = self.merged.get_mut("draft_model").and_then(|s| s.as_object_mut()) {
-            if taps_auto {
-                section.insert("target_layer_ids".into(), serde_json::json!(taps));
-            }
-            if mask_auto {
-                section.insert("mask_token_id".into(), serde_json::json!(mask_token_id));
-            }
+            section.insert(key.into(), value);
         }
     }
 
@@ -937,6 +959,23 @@ mod tests {
         assert!(file.starts_with("a file, not a model folder"), "{file}");
         let err = with_set(&["target.model=Qwen/Qwen3-8B"]).unwrap_err().to_string();
         assert!(err.contains("target.model") && err.contains("hf download"), "{err}");
+    }
+
+    /// Resuming, `auto` takes what the checkpoint's run resolved (a newer rule never changes a run's taps or MASK);
+    /// ids written out stay as written (and a difference is then refused by the resume check).
+    #[test]
+    fn a_resume_adopts_what_auto_resolved_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = format!("target.model={}", dir.path().display());
+        let checkpoint = serde_json::json!({"draft_model": {"target_layer_ids": [2, 4], "mask_token_id": 7}});
+        let mut c = with_set(&[&folder]).unwrap();
+        c.adopt_resolved(&checkpoint);
+        assert_eq!(c.target_layer_ids(36).unwrap(), vec![2, 4]);
+        assert_eq!(c.draft_model.mask_token_id, Some(7));
+        assert_eq!(lookup(&c.merged, "draft_model.target_layer_ids"), Some(&serde_json::json!([2, 4])));
+        let mut c = with_set(&[&folder, "draft_model.target_layer_ids=[1, 3]", "draft_model.mask_token_id=9"]).unwrap();
+        c.adopt_resolved(&checkpoint);
+        assert_eq!((c.target_layer_ids(36).unwrap(), c.draft_model.mask_token_id), (vec![1, 3], Some(9)));
     }
 
     #[test]

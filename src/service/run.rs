@@ -102,7 +102,8 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
 /// The checkpoint to resume (if any), and the steps of the checkpoint folders rejected on the way.
 type ResumePoint = (Option<(PathBuf, TrainerState)>, Vec<u64>);
 
-fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint> {
+/// The checkpoint to resume; settings left to `auto` take the values the checkpoint's run resolved them to.
+fn checkpoint_to_resume(config: &mut Config, resume: &Resume) -> Result<ResumePoint> {
     let dir = &config.checkpoint.dir;
     let debris = remove_unfinished(dir).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
     if !debris.is_empty() {
@@ -147,6 +148,7 @@ fn checkpoint_to_resume(config: &Config, resume: &Resume) -> Result<ResumePoint>
             None
         }
         (Resume::Auto, Some((path, state))) => {
+            config.adopt_resolved(&state.config);
             let (fixed, others) = resume_changes(&state.config, &config.merged);
             if !fixed.is_empty() {
                 let changed: Vec<&str> = fixed.iter().map(|c| c.key.as_str()).collect();
@@ -235,19 +237,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             Ok((device, config.target.dtype.resolve(device)))
         })
         .collect::<Result<_>>()?;
-    let (target_cfg, drafter_cfg) = drafter_config(&config)?;
-    // What `auto` resolved to is stored in every checkpoint's configuration: a resume (or a later rule) never changes
-    // the taps or the MASK token.
     let mut config = config;
-    config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
-    if let TargetSource::Preset(p) = &config.target.source
-        && let Some(warning) = p.random_weights_warning()
-    {
-        tracing::warn!("target.model = {warning}");
-    }
-    let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
-    let objective =
-        ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
     let placement =
         resolve(&config.cluster, |k| std::env::var(k).ok()).context("[cluster] and the launcher's environment")?;
     // Rank 0 resumes the run and keeps its checkpoints; another host takes its state from a live host, and writes
@@ -278,8 +268,22 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             remove_unfinished(&own).with_context(|| format!("{}", own.display()))?;
             (None, vec![])
         }
-        _ => checkpoint_to_resume(&config, &resume)?,
+        _ => checkpoint_to_resume(&mut config, &resume)?,
     };
+    // After the checkpoint is found: a resume keeps the taps and MASK token `auto` resolved to when the run began.
+    let (target_cfg, drafter_cfg) = drafter_config(&config)?;
+    // What `auto` resolved to is stored in every checkpoint's configuration: a resume (or a later rule) never changes
+    // the taps or the MASK token.
+    config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
+    if let TargetSource::Preset(p) = &config.target.source
+        && let Some(warning) = p.random_weights_warning()
+    {
+        tracing::warn!("target.model = {warning}");
+    }
+    let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
+    let objective =
+        ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
+
     match (&config.draft_model.init, &resume) {
         (Some(dir), None) => {
             check_init(dir, &drafter_cfg)?;
