@@ -2,23 +2,14 @@
 //! environment and stand-ins for `scontrol`, `srun` and `dflash`, gives each host the environment dflash resolves
 //! to its place in the run; the Kubeflow PyTorchJob manifest parses and carries what the training operator and
 //! dflash need.
+mod support;
+
 use std::collections::HashMap;
 use std::path::Path;
 
 use dflash::cluster::launch::{ClusterSettings, resolve};
 use serde_json::Value;
-
-/// The README's fenced block of `lang` that contains `marker`.
-fn readme_block(lang: &str, marker: &str) -> String {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
-    let fence = format!("```{lang}\n");
-    readme
-        .split(&fence)
-        .skip(1)
-        .map(|rest| rest.split("\n```").next().unwrap().to_string())
-        .find(|block| block.contains(marker))
-        .unwrap_or_else(|| panic!("no ```{lang} block with {marker:?} in README.md"))
-}
+use support::readme_block;
 
 fn write_executable(path: &Path, body: &str) {
     std::fs::write(path, body).unwrap();

@@ -1,20 +1,11 @@
 //! README's "Train a drafter for your model" as written: both `run.toml` files load (`dflash config show`), and
 //! every `dflash` command of the recipe parses, flags and values (run with `--help` appended: clap refuses an unknown
 //! flag or a bad value before it reaches the help). The commands themselves need an 8B model and a GPU.
-use std::path::Path;
+mod support;
+
 use std::process::Command;
 
-/// The README's fenced block of `lang` that contains `marker`.
-fn readme_block(lang: &str, marker: &str) -> String {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
-    let fence = format!("```{lang}\n");
-    readme
-        .split(&fence)
-        .skip(1)
-        .map(|rest| rest.split("\n```").next().unwrap().to_string())
-        .find(|block| block.contains(marker))
-        .unwrap_or_else(|| panic!("no ```{lang} block with {marker:?} in README.md"))
-}
+use support::readme_block;
 
 #[test]
 fn both_run_tomls_load_as_written() {

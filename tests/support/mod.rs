@@ -16,6 +16,18 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_dflash");
 /// The status of a run SIGTERM stopped before completion, after its checkpoint: restartable, not success.
 pub const STOPPED: i32 = 143;
 
+/// The README's fenced block of `lang` that contains `marker`.
+pub fn readme_block(lang: &str, marker: &str) -> String {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let fence = format!("```{lang}\n");
+    readme
+        .split(&fence)
+        .skip(1)
+        .map(|rest| rest.split("\n```").next().unwrap().to_string())
+        .find(|block| block.contains(marker))
+        .unwrap_or_else(|| panic!("no ```{lang} block with {marker:?} in README.md"))
+}
+
 /// Prepared sample data shared by the tests of this file (made once): the built-in sample conversations, every
 /// other one in ShareGPT form with a string id (as public chat sets give them), the rest with integer ids.
 pub fn prepared() -> &'static PathBuf {
