@@ -5,10 +5,11 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// Waits at most `wait` for the thread behind `ended` to end, then joins it; false when it is still running (it is
-/// left behind).
+/// Waits at most `wait` for the thread behind `ended` to end, then joins it; false when it is still running: its
+/// handle is then dropped (the thread is left behind, and `thread` is `None` either way).
 pub fn join_within(thread: &mut Option<JoinHandle<()>>, ended: &Receiver<()>, wait: Duration) -> bool {
     if let Err(RecvTimeoutError::Timeout) = ended.recv_timeout(wait) {
+        thread.take();
         return false;
     }
     if let Some(t) = thread.take() {

@@ -217,21 +217,13 @@ fn print_summary(json: bool, summary: &str) {
 }
 
 fn resolve_taps(config: &Config, args: &BenchArgs, source: &TargetSource) -> Result<Vec<usize>> {
-    Ok(match (&args.taps, source) {
-        (Some(t), _) => t.clone(),
-        (None, TargetSource::Preset(p)) if config.draft_model.target_layer_ids.is_none() => p.spec().taps,
-        // The bench's own target (--model) with the configuration's taps setting (by default: z-lab's rule).
-        (None, TargetSource::Preset(p)) => config.target_layer_ids(p.spec().target.num_hidden_layers)?,
-        (None, TargetSource::Folder(dir)) => {
-            let layers = folder_depth(dir)?;
-            let mut c = config.clone();
-            c.target.source = source.clone();
-            c.target_layer_ids(layers)?
-        }
-    })
-}
-
-/// How deep the target in model folder `dir` is.
-fn folder_depth(dir: &std::path::Path) -> Result<usize> {
-    Ok(dflash::model::TargetConfig::from_dir(dir)?.num_hidden_layers)
+    if let Some(taps) = &args.taps {
+        return Ok(taps.clone());
+    }
+    // The bench's own target (--model, --preset) with the configuration's taps setting (a folder: z-lab's rule).
+    let depth = match source {
+        TargetSource::Preset(p) => p.spec().target.num_hidden_layers,
+        TargetSource::Folder(dir) => dflash::model::TargetConfig::from_dir(dir)?.num_hidden_layers,
+    };
+    Ok(config.target_layer_ids_of(source, depth)?)
 }

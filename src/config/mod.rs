@@ -501,7 +501,16 @@ impl Config {
     /// The tapped layer ids for a target `num_target_layers` deep: the explicit ones, the preset's, or z-lab's rule
     /// (`auto`, the default with a model folder).
     pub fn target_layer_ids(&self, num_target_layers: usize) -> Result<Vec<usize>, ConfigError> {
-        match (&self.draft_model.target_layer_ids, &self.target.source) {
+        self.target_layer_ids_of(&self.target.source, num_target_layers)
+    }
+
+    /// [`Config::target_layer_ids`] for another target than `target.model` (`bench --model`).
+    pub fn target_layer_ids_of(
+        &self,
+        source: &TargetSource,
+        num_target_layers: usize,
+    ) -> Result<Vec<usize>, ConfigError> {
+        match (&self.draft_model.target_layer_ids, source) {
             (Some(Taps::Ids(ids)), _) => Ok(ids.clone()),
             (None, TargetSource::Preset(p)) => Ok(p.spec().taps),
             (Some(Taps::Auto), _) | (None, TargetSource::Folder(_)) => {

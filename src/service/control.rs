@@ -263,9 +263,9 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     Ok(listener)
 }
 
-/// Serves the whole control plane on `listener` (from [`bind`]) until the process ends; `token`: the bearer token
-/// of the `POST` endpoints, if one is set.
-pub async fn serve(
+/// Serves the whole control plane on `listener` (from [`bind`]) until the process ends (a task on the current tokio
+/// runtime); `token`: the bearer token of the `POST` endpoints, if one is set.
+pub fn serve(
     listener: std::net::TcpListener,
     supervisor: ActorRef<SupervisorMsg>,
     prometheus: PrometheusHandle,
@@ -283,7 +283,7 @@ pub async fn serve(
 }
 
 /// Serves only the read-only endpoints on `listener` (`control.read_only_listen`).
-pub async fn serve_read_only(
+pub fn serve_read_only(
     listener: std::net::TcpListener,
     supervisor: ActorRef<SupervisorMsg>,
     prometheus: PrometheusHandle,

@@ -78,7 +78,6 @@ impl LedgerWriter {
         let done = crate::bounded_join::join_within(&mut self.thread, &self.ended, wait);
         if !done {
             tracing::warn!("the data ledger's disk is not keeping up: its last lines are left behind");
-            self.thread.take();
         }
         done
     }

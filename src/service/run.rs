@@ -2,7 +2,7 @@
 //! checkpoint against the configuration, starts the supervisor, the control plane and the signal handlers, and
 //! returns the exit status the supervisor chose.
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -48,22 +48,21 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
         TargetSource::Preset(p) => p.spec().target,
         TargetSource::Folder(dir) => TargetConfig::from_dir(dir)?,
     };
+    // The published drafter (`draft_model.init`) when `auto` takes its values, and how the log names it.
     let published = match &config.draft_model.init {
-        Some(dir) if config.taps_are_auto() || config.mask_is_auto() => {
-            Some(DrafterConfig::from_dir(dir).with_context(|| format!("draft_model.init = {}", dir.display()))?)
-        }
+        Some(dir) if config.taps_are_auto() || config.mask_is_auto() => Some((
+            DrafterConfig::from_dir(dir).with_context(|| format!("draft_model.init = {}", dir.display()))?,
+            format!("the published drafter's, {}", dir.display()),
+        )),
         _ => None,
     };
-    let from_init = |dir: &Option<PathBuf>| {
-        format!("the published drafter's, {}", dir.as_deref().unwrap_or(Path::new("")).display())
-    };
     let taps = match (&published, config.taps_are_auto()) {
-        (Some(p), true) => p.target_layer_ids.clone(),
+        (Some((p, _)), true) => p.target_layer_ids.clone(),
         _ => config.target_layer_ids(target.num_hidden_layers)?,
     };
     if config.taps_are_auto() {
         let why = match &published {
-            Some(_) => from_init(&config.draft_model.init),
+            Some((_, from)) => from.clone(),
             None => format!(
                 "z-lab's rule for {} target layers and {} draft layers",
                 target.num_hidden_layers, config.draft_model.num_hidden_layers
@@ -74,12 +73,8 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
     let mask = match (&config.target.source, config.draft_model.mask_token_id, &published) {
         (_, Some(m), _) => m,
         (TargetSource::Preset(p), None, _) => p.spec().mask_token_id,
-        (TargetSource::Folder(_), None, Some(p)) => {
-            tracing::info!(
-                "draft_model.mask_token_id = auto: {} ({})",
-                p.mask_token_id,
-                from_init(&config.draft_model.init)
-            );
+        (TargetSource::Folder(_), None, Some((p, from))) => {
+            tracing::info!("draft_model.mask_token_id = auto: {} ({from})", p.mask_token_id);
             p.mask_token_id
         }
         (TargetSource::Folder(dir), None, None) => {
@@ -358,14 +353,12 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
         if let Some(listener) = read_only {
             let bound = super::control::serve_read_only(listener, supervisor.clone(), prometheus.clone())
-                .await
                 .context("control.read_only_listen")?;
             tracing::info!(read_only_address = %bound, "control plane, read-only: GET /healthz /readyz /status /metrics");
         }
         if let Some(listener) = listener {
             let guarded = token.is_some();
             let bound = super::control::serve(listener, supervisor.clone(), prometheus, token)
-                .await
                 .context("control.listen")?;
             let posts = match (guarded, bound.ip().is_loopback()) {
                 (true, _) => "POST /checkpoint /reload (with the bearer token)",

@@ -580,7 +580,6 @@ impl Checkpointer {
         let done = crate::bounded_join::join_within(&mut self.thread, &self.ended, wait);
         if !done {
             tracing::warn!("the checkpoint writer is still busy (a stalled disk?): leaving it behind");
-            self.thread.take();
         }
         done
     }

@@ -198,19 +198,9 @@ mod tests {
     use crate::data::loader::Batch;
 
     fn core(ledger: bool) -> Core {
-        let mut config = Config::builtin().unwrap();
-        config.data.ledger = ledger.then(|| PathBuf::from("ledger.jsonl"));
-        Core::new(Setup {
-            config,
-            drafter_devices: vec!["cpu".into()],
-            target_devices: vec!["cpu".into()],
-            feeds: vec![0],
-            lengths: vec![8; 16],
-            sample_ids: (0..16).map(crate::data::SampleId::Number).collect(),
-            resume: None,
-            rejected: vec![],
-            role: None,
-        })
+        let mut setup = super::super::tests::setup(1);
+        setup.config.data.ledger = ledger.then(|| PathBuf::from("ledger.jsonl"));
+        Core::new(setup)
     }
 
     fn commit(c: &mut Core, step: u64, ordinal: u64) {

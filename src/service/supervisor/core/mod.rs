@@ -597,7 +597,7 @@ mod tests {
     use crate::service::messages::DrafterState;
     use crate::service::supervisor::watchdog::Activity;
 
-    fn setup(drafters: usize) -> Setup {
+    pub(super) fn setup(drafters: usize) -> Setup {
         let mut config = Config::builtin().unwrap();
         config.drafters.devices = vec![config.drafters.devices[0]; drafters];
         config.supervision.backoff_initial_ms = 100;
