@@ -3,8 +3,10 @@
 #   make test   checks formatting and lints, and runs the whole test suite
 SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
+# The commit `dflash --version` names (only the binary's own crate is rebuilt when it changes).
+export DFLASH_COMMIT := $(shell git describe --always --dirty --abbrev=12 2>/dev/null)
 
-.PHONY: setup run test build check-exports
+.PHONY: setup run test build check-exports check-readme
 
 setup:
 	@scripts/setup.sh
@@ -31,6 +33,11 @@ test:
 	cargo test
 
 # The drafter exports against the reference Python packages (speculators 0.9.0, z-lab's dflash 0.1.0); needs the
-# network once for them. Not part of `make test` (CI has no Python packages); see README, "Serving the drafter".
+# network once for them. Not part of `make test` (CI has no Python packages); see docs/serving.md.
 check-exports: setup
 	@scripts/check-exports.sh
+
+# Every command block of README.md and docs/ marked CPU-runnable, run as written, twice (about 10 minutes on 2
+# cores; not part of `make test`, which would then outgrow CI's budget; its last run is in BENCHMARKS.md).
+check-readme: build
+	scripts/check-readme.sh

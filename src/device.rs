@@ -383,9 +383,9 @@ impl Drop for TimingEvent {
     }
 }
 
-/// What `dflash --version` says beyond the version: the libtorch this build links, whether CUDA and NVRTC (the fused
-/// kernels' compiler) are found here.
-pub fn build_and_machine() -> String {
+/// What `dflash --version` says beyond the version: the commit (the binary's, where known), the libtorch this build
+/// links, whether CUDA and NVRTC (the fused kernels' compiler) are found here.
+pub fn build_and_machine(commit: Option<&str>) -> String {
     let cuda = match tch::Cuda::is_available() {
         true => format!("{} device(s)", tch::Cuda::device_count()),
         false => "not available (CPU only)".to_string(),
@@ -395,8 +395,9 @@ pub fn build_and_machine() -> String {
         true => "found",
         false => "not found (the fused GPU kernels fall back to plain libtorch)",
     };
+    let commit = commit.unwrap_or("unknown (built without make, which passes it in as DFLASH_COMMIT)");
     format!(
-        "{}\nlibtorch {} (the one this build links)\nCUDA: {cuda}\nNVRTC: {nvrtc}",
+        "{}\ncommit {commit}\nlibtorch {} (the one this build links)\nCUDA: {cuda}\nNVRTC: {nvrtc}",
         env!("CARGO_PKG_VERSION"),
         env!("DFLASH_LIBTORCH_VERSION")
     )

@@ -197,12 +197,18 @@ fn suggest_subcommand(mut e: clap::Error) -> clap::Error {
     e
 }
 
-/// The command line; `--version` also says which libtorch this build links and what it finds here (CUDA, NVRTC).
+/// The commit this binary was built from: the Makefile passes `git describe` in (read here, in the binary's crate, so
+/// a new commit rebuilds only this file, not the library).
+const COMMIT: Option<&str> = option_env!("DFLASH_COMMIT");
+
+/// The command line; `--version` also says which commit and libtorch this build has and what it finds here (CUDA,
+/// NVRTC).
 fn parse() -> Cli {
     use clap::{CommandFactory, FromArgMatches};
     let mut command = Cli::command();
     if std::env::args().any(|a| a == "--version") {
-        command = command.long_version(&*Box::leak(dflash::device::build_and_machine().into_boxed_str()));
+        let text = dflash::device::build_and_machine(COMMIT.filter(|c| !c.is_empty()));
+        command = command.long_version(&*Box::leak(text.into_boxed_str()));
     }
     let matches = command.try_get_matches().unwrap_or_else(|e| suggest_subcommand(e).exit());
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())

@@ -31,14 +31,19 @@ fn every_subcommand_explains_itself() {
     assert!(bench.contains("FLOPs counted") && bench.contains("--peak-tflops"), "{bench}");
 }
 
-/// `--version` says which libtorch the build links and what it finds on this machine; `-V` stays one line.
+/// `--version` says which commit and libtorch the build has and what it finds on this machine; `-V` stays one line.
 #[test]
-fn the_version_says_libtorch_cuda_and_nvrtc() {
+fn the_version_says_commit_libtorch_cuda_and_nvrtc() {
     let long = text(&dflash(&["--version"]).stdout);
     let lines: Vec<&str> = long.lines().collect();
     assert!(lines[0].starts_with("dflash 0."), "{long}");
-    assert!(lines[1].starts_with("libtorch 2.11.0"), "{long}");
-    assert!(lines[2].starts_with("CUDA: ") && lines[3].starts_with("NVRTC: "), "{long}");
+    // `make test` passes the commit in (to the binary and to this test alike); plain `cargo test` does not.
+    match option_env!("DFLASH_COMMIT").filter(|c| !c.is_empty()) {
+        Some(commit) => assert_eq!(lines[1], format!("commit {commit}"), "{long}"),
+        None => assert!(lines[1].starts_with("commit unknown (built without make"), "{long}"),
+    }
+    assert!(lines[2].starts_with("libtorch 2.11.0"), "{long}");
+    assert!(lines[3].starts_with("CUDA: ") && lines[4].starts_with("NVRTC: "), "{long}");
     assert_eq!(text(&dflash(&["-V"]).stdout).lines().count(), 1);
 }
 
@@ -310,7 +315,7 @@ fn eval_decode_is_lossless_on_mixture_of_experts_targets() {
 }
 
 /// `export --preset tiny-tasks` writes the built-in target as a HuggingFace folder: the weights byte for byte as built
-/// in (the checksum the README states), a config and tokenizer that load back into the same model.
+/// in (the checksum docs/targets.md states), a config and tokenizer that load back into the same model.
 #[test]
 fn a_preset_exports_as_a_model_folder_that_loads_back_as_the_preset() {
     use dflash::model::presets::TINY_TASKS_SHA256;

@@ -1,4 +1,4 @@
-//! The launch recipes README gives for several hosts work as written: the Slurm script, run with Slurm's
+//! The launch recipes docs/several-gpus-and-hosts.md gives work as written: the Slurm script, run with Slurm's
 //! environment and stand-ins for `scontrol`, `srun` and `dflash`, gives each host the environment dflash resolves
 //! to its place in the run; the Kubeflow PyTorchJob manifest parses and carries what the training operator and
 //! dflash need.
@@ -9,7 +9,7 @@ use std::path::Path;
 
 use dflash::cluster::launch::{ClusterSettings, resolve};
 use serde_json::Value;
-use support::readme_block;
+use support::doc_block;
 
 fn write_executable(path: &Path, body: &str) {
     std::fs::write(path, body).unwrap();
@@ -20,7 +20,7 @@ fn write_executable(path: &Path, body: &str) {
 
 #[test]
 fn the_slurm_script_gives_each_node_its_place_in_the_run() {
-    let script = readme_block("bash", "#SBATCH");
+    let script = doc_block("docs/several-gpus-and-hosts.md", "bash", "#SBATCH");
     assert!(script.contains("#SBATCH --ntasks-per-node=1"), "one task (process) per node:\n{script}");
     let dir = tempfile::tempdir().unwrap();
     let bin = dir.path().join("bin");
@@ -81,7 +81,7 @@ fn the_slurm_script_gives_each_node_its_place_in_the_run() {
 
 #[test]
 fn the_pytorchjob_manifest_carries_what_the_operator_and_dflash_need() {
-    let manifest = readme_block("yaml", "PyTorchJob");
+    let manifest = doc_block("docs/several-gpus-and-hosts.md", "yaml", "PyTorchJob");
     // PyYAML (Debian's python3-yaml) turns it into JSON.
     let python = ["/usr/bin/python3", "python3"]
         .into_iter()

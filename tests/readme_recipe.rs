@@ -1,11 +1,12 @@
-//! README's "Train a drafter for your model" as written: both `run.toml` files load (`dflash config show`), and
-//! every `dflash` command of the recipe parses, flags and values (run with `--help` appended: clap refuses an unknown
-//! flag or a bad value before it reaches the help). The commands themselves need an 8B model and a GPU.
+//! The documentation's commands as written: README's "Train a drafter for your model" `run.toml` files load
+//! (`dflash config show`), and every `dflash` command of every shell block in README.md and docs/ parses, flags and
+//! values (run with `--help` appended: clap refuses an unknown flag or a bad value before it reaches the help). Most
+//! of them need an 8B model and a GPU; `scripts/check-readme.sh` runs the blocks marked CPU-runnable.
 mod support;
 
 use std::process::Command;
 
-use support::readme_block;
+use support::doc_block;
 
 #[test]
 fn both_run_tomls_load_as_written() {
@@ -13,7 +14,7 @@ fn both_run_tomls_load_as_written() {
     {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("models/Qwen3-8B")).unwrap();
-        std::fs::write(dir.path().join("run.toml"), readme_block("toml", marker)).unwrap();
+        std::fs::write(dir.path().join("run.toml"), doc_block("README.md", "toml", marker)).unwrap();
         let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
             .args(["--config", "run.toml", "config", "show"])
             .current_dir(dir.path())
@@ -28,14 +29,26 @@ fn both_run_tomls_load_as_written() {
 }
 
 #[test]
-fn every_dflash_command_of_the_recipe_parses() {
-    let block = readme_block("bash", "# 1. The target");
-    let joined = block.replace("\\\n", " ");
-    let commands: Vec<&str> = joined.lines().map(str::trim).filter(|l| l.starts_with("dflash ")).collect();
-    assert!(commands.len() >= 7, "{commands:#?}");
+fn every_dflash_command_of_the_docs_parses() {
+    let mut commands = Vec::new();
+    for page in support::doc_pages() {
+        for block in support::doc_blocks(&page, "bash") {
+            let joined = block.replace("\\\n", " ");
+            commands.extend(
+                joined
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| l.starts_with("dflash "))
+                    .map(|l| (page.clone(), l.to_string())),
+            );
+        }
+    }
+    // The recipe alone has 9; the quick start, data, evaluation and serving pages add theirs.
+    assert!(commands.len() >= 25, "{commands:#?}");
+    assert!(commands.iter().any(|(_, c)| c.starts_with("dflash regenerate --endpoint")), "{commands:#?}");
     let dir = tempfile::tempdir().unwrap();
-    for command in commands {
-        // `dflash` as a shell function that asks for the help after the recipe's arguments.
+    for (page, command) in commands {
+        // `dflash` as a shell function that asks for the help after the documented arguments.
         let script = format!("dflash() {{ \"$BIN\" \"$@\" --help > /dev/null; }}\n{command}");
         let o = Command::new("bash")
             .args(["-c", &script])
@@ -43,6 +56,6 @@ fn every_dflash_command_of_the_recipe_parses() {
             .current_dir(dir.path())
             .output()
             .unwrap();
-        assert!(o.status.success(), "{command}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{page}: {command}: {}", String::from_utf8_lossy(&o.stderr));
     }
 }

@@ -37,7 +37,7 @@ pub struct ExportArgs {
     checkpoint: Option<PathBuf>,
     /// A built-in target instead: tiny-tasks, tiny, tiny-moe or tiny-gpt-oss (Qwen3-MoE and GPT-OSS folders), written as a HuggingFace model folder (config.json,
     /// model.safetensors, tokenizer.json, tokenizer_config.json with the chat template). tiny-tasks' weights are
-    /// written as built in, so model.safetensors has the SHA-256 the README states.
+    /// written as built in, so model.safetensors has the SHA-256 docs/targets.md states.
     #[arg(long, value_name = "PRESET")]
     preset: Option<Preset>,
     /// Where to write the folder (config.json + model.safetensors, and the tokenizer for a preset).
@@ -46,7 +46,7 @@ pub struct ExportArgs {
     /// The drafter's weights' dtype: bf16 as published, or f32 (the master weights as trained).
     #[arg(long, value_enum, default_value = "bf16")]
     dtype: ExportDtype,
-    /// zlab, or speculators (tapped layer i is written as i + 1, speculators' convention; see README).
+    /// zlab, or speculators (tapped layer i is written as i + 1, speculators' convention; see docs/serving.md).
     #[arg(long, value_enum, default_value = "zlab")]
     format: ExportFormat,
     /// speculators: the target the drafter serves beside, a model folder or a hub id (Qwen/Qwen3-8B), written into

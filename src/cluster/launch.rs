@@ -1,9 +1,10 @@
 //! Which host this process is in a run of several, from the `[cluster]` keys or, where they are left unset, the
 //! environment the cluster's launcher sets for PyTorch jobs: torchrun (`MASTER_ADDR`, `MASTER_PORT`, `RANK`,
 //! `GROUP_RANK`, `WORLD_SIZE`, `GROUP_WORLD_SIZE`, `LOCAL_WORLD_SIZE`), Kubeflow's PyTorchJob (`MASTER_ADDR`,
-//! `MASTER_PORT`, `RANK`, `WORLD_SIZE`), or a Slurm script exporting `NODE_RANK` and `NNODES` (README). dflash runs
-//! one process per host, driving every GPU of it, so the host's rank is the node rank: with one process per node
-//! torchrun's `RANK` equals its `GROUP_RANK` and `WORLD_SIZE` the number of nodes.
+//! `MASTER_PORT`, `RANK`, `WORLD_SIZE`), or a Slurm script exporting `NODE_RANK` and `NNODES`
+//! (docs/several-gpus-and-hosts.md). dflash runs one process per host, driving every GPU of it, so the host's rank
+//! is the node rank: with one process per node torchrun's `RANK` equals its `GROUP_RANK` and `WORLD_SIZE` the
+//! number of nodes.
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -122,7 +123,7 @@ pub enum LaunchError {
     NoRank { hosts: usize },
     #[error(
         "a run of {hosts} hosts needs the rendezvous host's address: set MASTER_ADDR (torchrun, PyTorchJob and the \
-         README's Slurm script do) or cluster.master_addr"
+         Slurm script in docs/several-gpus-and-hosts.md do) or cluster.master_addr"
     )]
     NoMaster { hosts: usize },
 }
@@ -274,7 +275,8 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((p.hosts, p.rank, p.master_port), (4, 2, DEFAULT_MASTER_PORT));
-        // The README's Slurm script: NODE_RANK and NNODES from SLURM_NODEID and SLURM_NNODES.
+        // The Slurm script of docs/several-gpus-and-hosts.md: NODE_RANK and NNODES from SLURM_NODEID and
+        // SLURM_NNODES.
         let vars = [("MASTER_ADDR", "gpu017"), ("MASTER_PORT", "29500"), ("NODE_RANK", "0"), ("NNODES", "2")];
         let p = resolve(&unset(), env(&vars)).unwrap().unwrap();
         assert_eq!((p.hosts, p.rank, p.serves_store), (2, 0, true));
