@@ -94,13 +94,15 @@ enum Command {
     Inspect(cli::data::InspectArgs),
     /// Write the built-in sample conversations (for the tiny preset and trying things out)
     SampleData(cli::data::SampleDataArgs),
-    /// Rewrite every assistant turn with the target's own response (an OpenAI-compatible server, or --local)
-    #[command(long_about = "Rewrite every assistant turn of a chat dataset with the target's own response, turn by \
-        turn, so the drafter learns what the target itself writes. Responses come from an OpenAI-compatible \
-        chat-completions server (vLLM, SGLang) with bounded concurrency and retries, or from the built-in target \
-        with --local. The output is appended one conversation at a time, each line carrying its input id: an \
-        interrupted run continues where it stopped, and conversations that failed are retried by the next run.\n\n\
-        Examples:\n  dflash regenerate --endpoint http://localhost:8000/v1 --model Qwen/Qwen3-8B --input chats.jsonl \
+    /// The target's own replies: every assistant turn rewritten, and prompts without answers answered
+    #[command(long_about = "Give a chat dataset the target's own replies, turn by turn, so the drafter learns what \
+        the target itself writes: every assistant turn after the first user turn is rewritten, and a conversation \
+        that ends with a user or tool turn (a prompt alone) gets the reply it asks for. Replies come from an \
+        OpenAI-compatible chat-completions server (vLLM, SGLang, llama.cpp), checked once before the run, with \
+        bounded concurrency and retries, or from the built-in target with --local. The output is appended one \
+        conversation at a time, each line carrying its input id: an interrupted run continues where it stopped, and \
+        conversations that failed are retried by the next run.\n\n\
+        Examples:\n  dflash regenerate --endpoint http://localhost:8000/v1 --model models/Qwen3-8B --input chats.jsonl \
         --out regen.jsonl --template-kwargs '{\"enable_thinking\": false}'\n  \
         dflash regenerate --local --model tiny-tasks --input sample.jsonl --out regen.jsonl --max-tokens 64")]
     Regenerate(cli::regenerate::RegenerateArgs),

@@ -9,7 +9,7 @@ use clap::Args;
 
 use dflash::config::{Config, TargetSource};
 use dflash::data::prepare::ModelAssets;
-use dflash::data::regenerate::{Endpoint, RegenerateOptions, regenerate_endpoint, regenerate_with};
+use dflash::data::regenerate::{Endpoint, RegenerateOptions, ShowProgress, regenerate_endpoint, regenerate_with};
 use dflash::device::{DeviceSpec, DtypeSpec};
 use dflash::model::Depth;
 use dflash::model::generate::Sampling;
@@ -44,13 +44,18 @@ pub struct RegenerateArgs {
     /// Bearer token for the server (default: $OPENAI_API_KEY).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Most tokens per response.
+    /// Most tokens per response (a reply cut here is counted in the summary).
     #[arg(long, default_value_t = 2048)]
     max_tokens: u32,
+    /// Replies run to --max-tokens, past the end of turn: fixed-length answers, for benchmarks (sent to servers as
+    /// vLLM's and SGLang's ignore_eos).
+    #[arg(long)]
+    ignore_eos: bool,
     /// 0 for greedy decoding.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
-    /// Seed of sampled decoding (--local).
+    /// Seed of sampled replies, mixed with each conversation's id and turn: a reply is the same whatever ran beside
+    /// it (sent to servers as `seed`).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Variables for the chat template, as a JSON object (sent as chat_template_kwargs to servers).
@@ -74,8 +79,13 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
         out: args.out.clone(),
         max_tokens: args.max_tokens,
         temperature: args.temperature,
+        seed: args.seed,
+        ignore_eos: args.ignore_eos,
         template_kwargs: kwargs.clone(),
-        progress: std::io::stderr().is_terminal(),
+        progress: match std::io::stderr().is_terminal() {
+            true => ShowProgress::Bar,
+            false => ShowProgress::Lines(Duration::from_secs(10)),
+        },
     };
     let report = match &args.endpoint {
         Some(url) => {
@@ -103,12 +113,13 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
             let target = source.build_target(&[0], Depth::Full, device, kind)?;
             let sampling =
                 if args.temperature == 0.0 { Sampling::Greedy } else { Sampling::Temperature(args.temperature) };
-            let mut responder = LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.seed);
+            let mut responder =
+                LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.ignore_eos);
             dflash::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??
         }
     };
     println!("{}", report.summary());
-    if report.failed > 0 {
+    if report.incomplete() {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)

@@ -1,15 +1,19 @@
-//! `dflash regenerate`: replaces every assistant turn with the target's own response, turn by turn (each turn sees
-//! the regenerated turns before it), from an OpenAI-compatible chat-completions server (vLLM, SGLang) with bounded
-//! concurrency and retries, or from the built-in target (`--local`).
+//! `dflash regenerate`: gives every conversation the target's own replies, turn by turn (each reply sees the
+//! regenerated turns before it): every assistant turn after the first user turn is replaced, and a conversation that
+//! ends with a user (or tool) turn, a prompt, gets the reply it asks for. The replies come from an OpenAI-compatible
+//! chat-completions server (vLLM, SGLang, llama.cpp), checked once before the run, with bounded concurrency and
+//! retries, or from the built-in target (`--local`). Sampled replies are seeded per conversation id and turn, so an
+//! answer never depends on what else ran beside it.
 //!
 //! Resumable: output lines are appended and flushed one conversation at a time, each carrying its input id; a rerun
 //! skips ids already written (a torn last line from an interrupted run is dropped first). Conversations that fail
 //! after all retries are not written, so a rerun retries them.
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde::Serialize;
@@ -25,8 +29,22 @@ pub struct RegenerateOptions {
     pub out: PathBuf,
     pub max_tokens: u32,
     pub temperature: f64,
+    /// Draws sampled replies, with each conversation's id and the turn (unused when greedy).
+    pub seed: u64,
+    /// Replies run to `max_tokens`, past the end of turn (fixed-length answers, for benchmarks).
+    pub ignore_eos: bool,
     pub template_kwargs: Map<String, Value>,
-    pub progress: bool,
+    pub progress: ShowProgress,
+}
+
+/// How a run says how far it is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ShowProgress {
+    /// A bar with conversations/s, tokens/s and the time left (a terminal).
+    Bar,
+    /// A log line this often (a pipe or file, the built-in data before training).
+    Lines(Duration),
+    Off,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -34,21 +52,72 @@ pub struct RegenerateReport {
     pub conversations: u64,
     /// Already in the output from an earlier run.
     pub already_done: u64,
+    /// Written now.
     pub regenerated: u64,
+    /// Of those, conversations that ended with a prompt and got the reply it asks for.
+    pub answered: u64,
+    /// Replies written now, and those cut at the token limit rather than ended by the model.
+    pub replies: u64,
+    pub truncated: u64,
+    /// Tokens of the replies written now (where the source counts them).
+    pub tokens: u64,
+    /// Nothing to answer, by reason (not written).
+    pub skipped: BTreeMap<String, u64>,
     /// Failed after all retries (not written; a rerun retries them).
     pub failed: u64,
+    /// Not tried because the server had stopped answering (not written; a rerun does them).
+    pub not_tried: u64,
     /// Input lines that are not conversations (skipped).
     pub bad_lines: u64,
     pub examples: Vec<String>,
 }
 
-/// An assistant reply: its content and, when the model reasons separately, the reasoning.
-pub type Reply = (String, Option<String>);
+/// An assistant reply: its content, the reasoning when the model reasons separately, its length in tokens where the
+/// source says, and whether it stopped at the token limit rather than at its end of turn.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reply {
+    pub content: String,
+    pub reasoning: Option<String>,
+    pub tokens: Option<u64>,
+    pub truncated: bool,
+}
 
 /// A source of assistant responses.
 pub trait Responder {
-    /// The assistant's reply to `messages`.
-    fn respond(&mut self, messages: &[Value], tools: Option<&Value>) -> Result<Reply, String>;
+    /// The assistant's reply to `messages`; `seed` draws its sampled tokens.
+    fn respond(&mut self, messages: &[Value], tools: Option<&Value>, seed: u64) -> Result<Reply, String>;
+}
+
+/// What regeneration does with one conversation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// Replace these assistant turns in order, then (`answer_last`) reply to the final user or tool turn.
+    Answer { replace: Vec<usize>, answer_last: bool },
+    /// Nothing to reply to: why.
+    Skip(&'static str),
+}
+
+/// Which turns of `conv` get the target's reply: each assistant turn after the first user turn (earlier ones, a
+/// greeting before anyone spoke, stay as given), and a reply after a final user or tool turn.
+pub fn plan(conv: &Conversation) -> Plan {
+    let role = |i: usize| conv.messages[i]["role"].as_str().unwrap_or("");
+    let Some(first_user) = (0..conv.messages.len()).find(|&i| role(i) == "user") else {
+        return Plan::Skip("no user turn to reply to");
+    };
+    let replace: Vec<usize> = conv.assistant_turns().into_iter().filter(|&i| i > first_user).collect();
+    let answer_last = matches!(role(conv.messages.len() - 1), "user" | "tool");
+    Plan::Answer { replace, answer_last }
+}
+
+/// The seed of the reply at message `turn` of conversation `id`: the same for every run, batch and concurrency.
+pub fn reply_seed(seed: u64, id: &SampleId, turn: usize) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(seed.to_le_bytes());
+    h.update(id.key().to_le_bytes());
+    h.update((turn as u64).to_le_bytes());
+    let digest = h.finalize();
+    u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"))
 }
 
 /// Reads the ids already written to `out`, dropping a torn last line left by an interrupted run.
@@ -118,11 +187,11 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
 }
 
 /// Puts a reply into an assistant message (the tool calls of the old reply go with it).
-fn apply_reply(message: &mut Value, content: String, reasoning: Option<String>) {
+fn apply_reply(message: &mut Value, reply: &Reply) {
     let msg = message.as_object_mut().expect("messages are objects");
-    msg.insert("content".into(), json!(content));
+    msg.insert("content".into(), json!(reply.content));
     msg.remove("tool_calls");
-    match reasoning {
+    match &reply.reasoning {
         Some(r) => msg.insert("reasoning_content".into(), json!(r)),
         None => msg.remove("reasoning_content"),
     };
@@ -137,17 +206,37 @@ fn output_line(conv: &Conversation, messages: Vec<Value>) -> Value {
     out
 }
 
-/// Replaces each assistant turn of `conv` in order, each reply seeing the regenerated turns before it.
-fn regenerate_one(
+/// A conversation with the target's replies, and what they were.
+struct Regenerated {
+    line: Value,
+    answered: bool,
+    replies: Vec<Reply>,
+}
+
+/// The turns `plan` names: each `respond(messages before it, seed)` in order, each reply seeing the ones before.
+async fn regenerate_one<F, Fut>(
     conv: &Conversation,
-    respond: &mut dyn FnMut(&[Value]) -> Result<Reply, String>,
-) -> Result<Value, String> {
+    seed: u64,
+    replace: &[usize],
+    answer_last: bool,
+    mut respond: F,
+) -> Result<Regenerated, String>
+where
+    F: FnMut(Vec<Value>, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Reply, String>>,
+{
     let mut messages = conv.messages.clone();
-    for i in conv.assistant_turns() {
-        let (content, reasoning) = respond(&messages[..i])?;
-        apply_reply(&mut messages[i], content, reasoning);
+    if answer_last {
+        messages.push(json!({"role": "assistant", "content": ""}));
     }
-    Ok(output_line(conv, messages))
+    let turns = replace.iter().copied().chain(answer_last.then_some(messages.len() - 1));
+    let mut replies = Vec::new();
+    for i in turns {
+        let reply = respond(messages[..i].to_vec(), reply_seed(seed, &conv.id, i)).await?;
+        apply_reply(&mut messages[i], &reply);
+        replies.push(reply);
+    }
+    Ok(Regenerated { line: output_line(conv, messages), answered: answer_last, replies })
 }
 
 /// Appends finished conversations to the output, one flushed line each.
@@ -175,18 +264,66 @@ impl OutputLines {
     }
 }
 
-fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
+/// How far the run is: conversations and tokens per second and the time left, as a bar or as log lines.
+struct Meter {
+    show: ShowProgress,
+    bar: indicatif::ProgressBar,
+    total: u64,
+    done: u64,
+    tokens: u64,
+    started: Instant,
+    last_line: Instant,
+}
+
+impl Meter {
+    fn new(show: ShowProgress, total: u64) -> Self {
+        let bar = match show {
+            ShowProgress::Bar => {
+                let bar = indicatif::ProgressBar::new(total);
+                bar.set_style(
+                    indicatif::ProgressStyle::with_template(
+                        "{spinner} answering [{elapsed_precise}] {wide_bar} {pos}/{len} conversations, {per_sec}, \
+                         {msg} (eta {eta})",
+                    )
+                    .expect("valid template"),
+                );
+                bar
+            }
+            _ => indicatif::ProgressBar::hidden(),
+        };
+        let now = Instant::now();
+        Meter { show, bar, total, done: 0, tokens: 0, started: now, last_line: now }
     }
-    let bar = indicatif::ProgressBar::new(len);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} regenerating [{elapsed_precise}] {wide_bar} {pos}/{len} conversations (eta {eta})",
-        )
-        .expect("valid template"),
-    );
-    bar
+
+    /// One conversation more is settled, with `tokens` generated for it.
+    fn add(&mut self, tokens: u64) {
+        self.done += 1;
+        self.tokens += tokens;
+        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
+        let tokens_per_s = self.tokens as f64 / seconds;
+        match self.show {
+            ShowProgress::Bar => {
+                self.bar.set_message(format!("{tokens_per_s:.0} tokens/s"));
+                self.bar.inc(1);
+            }
+            ShowProgress::Lines(every) if self.last_line.elapsed() >= every => {
+                self.last_line = Instant::now();
+                let rate = self.done as f64 / seconds;
+                let left = (self.total - self.done.min(self.total)) as f64 / rate.max(1e-9);
+                tracing::info!(
+                    "answering: {}/{} conversations, {rate:.1}/s, {tokens_per_s:.0} tokens/s, about {:.0} s left",
+                    self.done,
+                    self.total,
+                    left
+                );
+            }
+            _ => {}
+        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 fn record_failure(report: &mut RegenerateReport, id: &SampleId, e: &str) {
@@ -196,24 +333,54 @@ fn record_failure(report: &mut RegenerateReport, id: &SampleId, e: &str) {
     }
 }
 
+impl RegenerateReport {
+    /// Counts a conversation written.
+    fn record(&mut self, done: &Regenerated) {
+        self.regenerated += 1;
+        self.answered += done.answered as u64;
+        self.replies += done.replies.len() as u64;
+        self.truncated += done.replies.iter().filter(|r| r.truncated).count() as u64;
+        self.tokens += done.replies.iter().filter_map(|r| r.tokens).sum::<u64>();
+    }
+
+    fn skip(&mut self, why: &str) {
+        *self.skipped.entry(why.to_string()).or_default() += 1;
+    }
+}
+
 /// Regenerates with an in-process responder (the built-in target), one conversation at a time.
 pub fn regenerate_with(opts: &RegenerateOptions, responder: &mut dyn Responder) -> Result<RegenerateReport, DataError> {
     let (todo, mut report) = pending(opts)?;
     let mut out = OutputLines::open(&opts.out)?;
-    let bar = progress_bar(opts.progress, todo.len() as u64);
+    let mut meter = Meter::new(opts.progress, todo.len() as u64);
     for conv in &todo {
+        let (replace, answer_last) = match plan(conv) {
+            Plan::Answer { replace, answer_last } => (replace, answer_last),
+            Plan::Skip(why) => {
+                report.skip(why);
+                meter.add(0);
+                continue;
+            }
+        };
         let tools = conv.tools.clone();
-        let result = regenerate_one(conv, &mut |m| responder.respond(m, tools.as_ref()));
+        let respond = |messages: Vec<Value>, seed| {
+            let reply = responder.respond(&messages, tools.as_ref(), seed);
+            std::future::ready(reply)
+        };
+        // The responder answers at once: the future is ready when polled.
+        let result = futures::executor::block_on(regenerate_one(conv, opts.seed, &replace, answer_last, respond));
+        let mut tokens = 0;
         match result {
-            Ok(line) => {
-                out.write(&line)?;
-                report.regenerated += 1;
+            Ok(done) => {
+                out.write(&done.line)?;
+                report.record(&done);
+                tokens = done.replies.iter().filter_map(|r| r.tokens).sum();
             }
             Err(e) => record_failure(&mut report, &conv.id, &e),
         }
-        bar.inc(1);
+        meter.add(tokens);
     }
-    bar.finish_and_clear();
+    meter.finish();
     Ok(report)
 }
 
@@ -231,44 +398,143 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    fn completions_url(&self) -> String {
+    fn base(&self) -> &str {
         let base = self.url.trim_end_matches('/');
-        if base.ends_with("/chat/completions") { base.to_string() } else { format!("{base}/chat/completions") }
+        base.strip_suffix("/chat/completions").unwrap_or(base)
     }
+    fn completions_url(&self) -> String {
+        format!("{}/chat/completions", self.base())
+    }
+    fn models_url(&self) -> String {
+        format!("{}/models", self.base())
+    }
+    fn request(&self, builder: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => builder.bearer_auth(key),
+            None => builder,
+        }
+    }
+}
+
+/// An error with every cause under it ("error sending request: client error (Connect): tcp connect error:
+/// Connection refused (os error 111)"), not only the top one.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// What the server's model list says about `--model`.
+#[derive(Debug, PartialEq)]
+enum ModelsVerdict {
+    Serves,
+    /// No usable list (a server without `GET /models`): one tiny completion decides instead.
+    Unknown,
+    Refused(String),
+}
+
+/// Reads the answer to `GET /models` (status and body) for `model`.
+fn models_verdict(status: u16, body: &str, model: &str) -> ModelsVerdict {
+    match status {
+        200 => {}
+        401 | 403 => {
+            return ModelsVerdict::Refused(format!(
+                "HTTP {status}: the server wants an API key (--api-key or $OPENAI_API_KEY) or refused the one given"
+            ));
+        }
+        _ => return ModelsVerdict::Unknown,
+    }
+    let ids: Vec<String> = serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| {
+            v["data"].as_array().map(|d| d.iter().filter_map(|m| m["id"].as_str().map(String::from)).collect())
+        })
+        .unwrap_or_default();
+    if ids.is_empty() || ids.iter().any(|id| id == model) {
+        return if ids.is_empty() { ModelsVerdict::Unknown } else { ModelsVerdict::Serves };
+    }
+    ModelsVerdict::Refused(format!("it serves {}, not {model:?}: pass --model {}", ids.join(", "), ids[0]))
+}
+
+/// Asks the server once, before any conversation, whether it answers and serves `--model`: a dead server, a wrong
+/// URL, a missing key or another model is one clear error at once, not minutes of retries.
+pub async fn check_endpoint(client: &reqwest::Client, endpoint: &Endpoint) -> Result<(), String> {
+    let here = endpoint.base();
+    let ask = endpoint.request(client.get(endpoint.models_url())).timeout(Duration::from_secs(30));
+    let response = ask.send().await.map_err(|e| {
+        format!(
+            "no server answers at {here}: {}. Start it first (vllm serve MODEL --port 8000, or SGLang's or \
+             llama.cpp's server) or correct --endpoint",
+            with_causes(&e)
+        )
+    })?;
+    let status = response.status().as_u16();
+    let body = response.text().await.unwrap_or_default();
+    match models_verdict(status, &body, &endpoint.model) {
+        ModelsVerdict::Serves => Ok(()),
+        ModelsVerdict::Refused(why) => Err(format!("the server at {here} cannot be used: {why}")),
+        ModelsVerdict::Unknown => {
+            let body =
+                json!({"model": endpoint.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1});
+            complete(client, endpoint, &body)
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("the server at {here} did not answer a one-token request: {e}"))
+        }
+    }
+}
+
+/// Whether a failed request means the server is not there (rather than a request it refused).
+fn unreachable(e: &reqwest::Error) -> bool {
+    e.is_connect() || e.is_timeout()
+}
+
+/// Why a request failed, and whether the server was unreachable.
+struct Failure {
+    text: String,
+    unreachable: bool,
 }
 
 /// One chat completion with retries: connection errors, 429 and 5xx are retried with backoff.
 async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, String> {
+    complete_or_why(client, endpoint, body).await.map_err(|f| f.text)
+}
+
+async fn complete_or_why(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, Failure> {
     let mut delay = Duration::from_millis(200);
-    let mut last = String::new();
+    let mut last = Failure { text: String::new(), unreachable: false };
     for attempt in 0..=endpoint.retries {
         if attempt > 0 {
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_secs(10));
         }
-        let mut request = client.post(endpoint.completions_url()).json(body).timeout(endpoint.timeout);
-        if let Some(key) = &endpoint.api_key {
-            request = request.bearer_auth(key);
-        }
+        let request = endpoint.request(client.post(endpoint.completions_url()).json(body).timeout(endpoint.timeout));
         let response = match request.send().await {
             Ok(r) => r,
             Err(e) => {
-                last = format!("request failed: {e}");
+                last = Failure { text: format!("request failed: {}", with_causes(&e)), unreachable: unreachable(&e) };
                 continue;
             }
         };
         let status = response.status();
         if status.is_success() {
-            let v: Value = response.json().await.map_err(|e| format!("response is not JSON: {e}"))?;
-            let message = &v["choices"][0]["message"];
-            let content = message["content"]
-                .as_str()
-                .ok_or_else(|| format!("response has no choices[0].message.content: {v}"))?;
-            let reasoning = message["reasoning_content"].as_str().map(str::to_string);
-            return Ok((content.to_string(), reasoning));
+            let bad = |text: String| Failure { text, unreachable: false };
+            let v: Value = response.json().await.map_err(|e| bad(format!("response is not JSON: {e}")))?;
+            return reply_of(&v).map_err(bad);
         }
         let text = response.text().await.unwrap_or_default();
-        last = format!("HTTP {status}: {}", text.chars().take(200).collect::<String>());
+        last = Failure {
+            text: format!("HTTP {status}: {}", text.chars().take(200).collect::<String>()),
+            unreachable: false,
+        };
         if !(status.is_server_error() || status.as_u16() == 429) {
             break; // the request itself is wrong; retrying will not help
         }
@@ -276,60 +542,115 @@ async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -
     Err(last)
 }
 
-/// Regenerates through `endpoint`, `endpoint.concurrency` conversations at a time.
+/// The reply in a chat-completions response: the first choice's message, its finish reason (`length`: cut at
+/// `max_tokens`) and the completion's token count where the server reports usage.
+fn reply_of(v: &Value) -> Result<Reply, String> {
+    let choice = &v["choices"][0];
+    let message = &choice["message"];
+    let content =
+        message["content"].as_str().ok_or_else(|| format!("response has no choices[0].message.content: {v}"))?;
+    Ok(Reply {
+        content: content.to_string(),
+        reasoning: message["reasoning_content"].as_str().or(message["reasoning"].as_str()).map(str::to_string),
+        tokens: v["usage"]["completion_tokens"].as_u64(),
+        truncated: choice["finish_reason"] == "length",
+    })
+}
+
+/// Conversations whose every request found the server unreachable, in a row, after which the run stops starting
+/// new ones (a server that died mid-run): the rest are left for a rerun rather than each failing after its retries.
+const UNREACHABLE_IN_A_ROW: u64 = 8;
+
+/// Regenerates through `endpoint`, `endpoint.concurrency` conversations at a time, after checking it answers.
 pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) -> Result<RegenerateReport, DataError> {
     let (todo, report) = pending(opts)?;
     let client = reqwest::Client::new();
+    if !todo.is_empty() {
+        check_endpoint(&client, endpoint)
+            .await
+            .map_err(|reason| DataError::File { path: opts.input.clone(), reason })?;
+    }
     let out = Arc::new(Mutex::new(OutputLines::open(&opts.out)?));
     let report = Arc::new(Mutex::new(report));
-    let bar = progress_bar(opts.progress, todo.len() as u64);
+    let meter = Arc::new(Mutex::new(Meter::new(opts.progress, todo.len() as u64)));
+    let (unreachable_in_a_row, gone) = (AtomicU64::new(0), AtomicBool::new(false));
     let results = futures::stream::iter(todo.into_iter().map(|conv| {
-        let (client, endpoint, out, report, bar) = (&client, endpoint, out.clone(), report.clone(), bar.clone());
+        let (client, out, report, meter) = (&client, out.clone(), report.clone(), meter.clone());
+        let (unreachable_in_a_row, gone) = (&unreachable_in_a_row, &gone);
         async move {
-            let mut messages = conv.messages.clone();
-            let mut failure = None;
-            for i in conv.assistant_turns() {
+            let (replace, answer_last) = match plan(&conv) {
+                Plan::Answer { replace, answer_last } => (replace, answer_last),
+                Plan::Skip(why) => {
+                    report.lock().expect("report lock").skip(why);
+                    meter.lock().expect("meter lock").add(0);
+                    return Ok(());
+                }
+            };
+            if gone.load(Ordering::Relaxed) {
+                report.lock().expect("report lock").not_tried += 1;
+                return Ok(());
+            }
+            let request = |messages: Vec<Value>, seed: u64| {
                 let mut body = json!({
                     "model": endpoint.model,
-                    "messages": &messages[..i],
+                    "messages": messages,
                     "max_tokens": opts.max_tokens,
                     "temperature": opts.temperature,
                 });
+                if opts.temperature > 0.0 {
+                    body["seed"] = json!(seed >> 1); // servers take a signed 64-bit seed
+                }
+                if opts.ignore_eos {
+                    body["ignore_eos"] = json!(true);
+                }
                 if let Some(tools) = &conv.tools {
                     body["tools"] = tools.clone();
                 }
                 if !opts.template_kwargs.is_empty() {
                     body["chat_template_kwargs"] = Value::Object(opts.template_kwargs.clone());
                 }
-                match complete(client, endpoint, &body).await {
-                    Ok((content, reasoning)) => apply_reply(&mut messages[i], content, reasoning),
-                    Err(e) => {
-                        failure = Some(e);
-                        break;
-                    }
+                body
+            };
+            let unreachable = std::cell::Cell::new(false);
+            let result = regenerate_one(&conv, opts.seed, &replace, answer_last, |messages, seed| {
+                let (body, unreachable) = (request(messages, seed), &unreachable);
+                async move {
+                    complete_or_why(client, endpoint, &body).await.map_err(|f| {
+                        unreachable.set(f.unreachable);
+                        f.text
+                    })
                 }
-            }
-            let written = match failure {
-                Some(e) => {
+            })
+            .await;
+            let mut tokens = 0;
+            let written = match result {
+                Err(e) => {
+                    if unreachable.get()
+                        && unreachable_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= UNREACHABLE_IN_A_ROW
+                    {
+                        gone.store(true, Ordering::Relaxed);
+                    }
                     record_failure(&mut report.lock().expect("report lock"), &conv.id, &e);
                     Ok(())
                 }
-                None => {
-                    let w = out.lock().expect("output lock").write(&output_line(&conv, messages));
+                Ok(done) => {
+                    unreachable_in_a_row.store(0, Ordering::Relaxed);
+                    tokens = done.replies.iter().filter_map(|r| r.tokens).sum();
+                    let w = out.lock().expect("output lock").write(&done.line);
                     if w.is_ok() {
-                        report.lock().expect("report lock").regenerated += 1;
+                        report.lock().expect("report lock").record(&done);
                     }
                     w
                 }
             };
-            bar.inc(1);
+            meter.lock().expect("meter lock").add(tokens);
             written
         }
     }))
     .buffer_unordered(endpoint.concurrency.max(1))
     .collect::<Vec<_>>()
     .await;
-    bar.finish_and_clear();
+    meter.lock().expect("meter lock").finish();
     results.into_iter().collect::<Result<Vec<()>, DataError>>()?;
     let report = report.lock().expect("report lock").clone();
     Ok(report)
@@ -338,15 +659,152 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
 impl RegenerateReport {
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "{} conversations: {} regenerated now, {} already done, {} failed, {} bad lines",
-            self.conversations, self.regenerated, self.already_done, self.failed, self.bad_lines
+            "{} conversations: {} regenerated now ({} answered from a final prompt), {} already done, {} skipped, {} \
+             failed, {} bad lines; {} replies, {} cut at --max-tokens",
+            self.conversations,
+            self.regenerated,
+            self.answered,
+            self.already_done,
+            self.skipped.values().sum::<u64>(),
+            self.failed,
+            self.bad_lines,
+            self.replies,
+            self.truncated
         );
+        for (why, n) in &self.skipped {
+            s.push_str(&format!("\n  skipped {n}: {why}"));
+        }
         for e in &self.examples {
             s.push_str(&format!("\n  {e}"));
         }
-        if self.failed > 0 {
+        if self.truncated > 0 {
+            s.push_str(
+                "\n  replies cut at --max-tokens train the drafter on unfinished answers: raise it to keep them whole",
+            );
+        }
+        if self.not_tried > 0 {
+            s.push_str(&format!(
+                "\n  the server stopped answering ({UNREACHABLE_IN_A_ROW} conversations in a row could not reach it): {} \
+                 conversations not tried; run the same command again once it is back",
+                self.not_tried
+            ));
+        } else if self.failed > 0 {
             s.push_str("\n  run the same command again to retry the failed conversations");
         }
         s
+    }
+
+    /// Whether anything is left for a rerun.
+    pub fn incomplete(&self) -> bool {
+        self.failed > 0 || self.not_tried > 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conversation(roles: &[&str]) -> Conversation {
+        let messages: Vec<Value> = roles.iter().map(|r| json!({"role": r, "content": format!("{r} says")})).collect();
+        Conversation::from_json_line(&json!({"id": 7, "messages": messages}).to_string(), 0).unwrap()
+    }
+
+    #[test]
+    fn the_plan_replies_to_prompts_and_replaces_answers_after_the_first_user_turn() {
+        let answer = |replace: &[usize], answer_last| Plan::Answer { replace: replace.to_vec(), answer_last };
+        // A prompt alone, with or without a system turn: the reply it asks for.
+        assert_eq!(plan(&conversation(&["user"])), answer(&[], true));
+        assert_eq!(plan(&conversation(&["system", "user"])), answer(&[], true));
+        // A whole chat: every answer replaced; a chat ending with a question also gets its reply.
+        assert_eq!(plan(&conversation(&["system", "user", "assistant", "user", "assistant"])), answer(&[2, 4], false));
+        assert_eq!(plan(&conversation(&["user", "assistant", "user"])), answer(&[1], true));
+        // A tool result asks for the assistant's next turn.
+        assert_eq!(plan(&conversation(&["user", "assistant", "tool"])), answer(&[1], true));
+        // A greeting before anyone spoke stays as given.
+        assert_eq!(plan(&conversation(&["assistant", "user", "assistant"])), answer(&[2], false));
+        // Nothing to reply to.
+        assert_eq!(plan(&conversation(&["system", "assistant"])), Plan::Skip("no user turn to reply to"));
+    }
+
+    #[test]
+    fn reply_seeds_depend_on_the_seed_the_id_and_the_turn_only() {
+        let (a, b) = (SampleId::parse("conv-1"), SampleId::parse("conv-2"));
+        assert_eq!(reply_seed(0, &a, 1), reply_seed(0, &a, 1));
+        let seeds = [reply_seed(0, &a, 1), reply_seed(0, &a, 3), reply_seed(0, &b, 1), reply_seed(1, &a, 1)];
+        let distinct: HashSet<u64> = seeds.iter().copied().collect();
+        assert_eq!(distinct.len(), 4, "{seeds:?}");
+        // An integer id and its text are one id, so one seed.
+        assert_eq!(
+            reply_seed(5, &SampleId::parse("17"), 2),
+            reply_seed(5, &SampleId::from_json(Some(&json!(17)), 0).unwrap(), 2)
+        );
+    }
+
+    #[test]
+    fn the_model_list_decides_whether_the_server_can_be_used() {
+        let list = r#"{"object": "list", "data": [{"id": "models/Qwen3-8B"}, {"id": "other"}]}"#;
+        assert_eq!(models_verdict(200, list, "models/Qwen3-8B"), ModelsVerdict::Serves);
+        let ModelsVerdict::Refused(why) = models_verdict(200, list, "Qwen/Qwen3-8B") else { panic!() };
+        assert!(why.contains("models/Qwen3-8B, other") && why.contains("--model models/Qwen3-8B"), "{why}");
+        let ModelsVerdict::Refused(why) = models_verdict(401, "", "m") else { panic!() };
+        assert!(why.contains("--api-key"), "{why}");
+        // No list to go by (no such route, or not the OpenAI shape): one tiny request decides.
+        assert_eq!(models_verdict(404, "not found", "m"), ModelsVerdict::Unknown);
+        assert_eq!(models_verdict(200, "{}", "m"), ModelsVerdict::Unknown);
+    }
+
+    #[test]
+    fn a_reply_says_whether_it_was_cut_and_how_long_it_is() {
+        let full = json!({"choices": [{"message": {"content": "hi", "reasoning_content": "think"}, "finish_reason": "stop"}],
+                          "usage": {"completion_tokens": 3}});
+        let r = reply_of(&full).unwrap();
+        assert_eq!(
+            (r.content.as_str(), r.reasoning.as_deref(), r.tokens, r.truncated),
+            ("hi", Some("think"), Some(3), false)
+        );
+        let cut = json!({"choices": [{"message": {"content": "h"}, "finish_reason": "length"}]});
+        let r = reply_of(&cut).unwrap();
+        assert_eq!((r.tokens, r.truncated), (None, true));
+        assert!(reply_of(&json!({"error": "x"})).unwrap_err().contains("no choices[0].message.content"));
+    }
+
+    #[test]
+    fn a_refused_connection_names_its_cause() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        // A port nothing listens on: bound, then closed.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let endpoint = Endpoint {
+            url: format!("http://127.0.0.1:{port}/v1"),
+            model: "m".into(),
+            api_key: None,
+            concurrency: 1,
+            retries: 5,
+            timeout: Duration::from_secs(5),
+        };
+        let started = Instant::now();
+        let err = runtime.block_on(check_endpoint(&reqwest::Client::new(), &endpoint)).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "at once, without retries");
+        assert!(err.contains(&format!("no server answers at http://127.0.0.1:{port}/v1")), "{err}");
+        assert!(err.to_lowercase().contains("connection refused"), "the cause under the request error: {err}");
+    }
+
+    #[test]
+    fn the_summary_names_skips_cuts_and_what_a_rerun_does() {
+        let mut report = RegenerateReport {
+            conversations: 5,
+            regenerated: 3,
+            answered: 2,
+            replies: 4,
+            truncated: 1,
+            ..Default::default()
+        };
+        report.skip("no user turn to reply to");
+        report.not_tried = 1;
+        let text = report.summary();
+        assert!(text.contains("3 regenerated now (2 answered from a final prompt)"), "{text}");
+        assert!(text.contains("skipped 1: no user turn to reply to"), "{text}");
+        assert!(text.contains("1 cut at --max-tokens") && text.contains("raise it"), "{text}");
+        assert!(text.contains("the server stopped answering") && text.contains("once it is back"), "{text}");
+        assert!(report.incomplete());
     }
 }

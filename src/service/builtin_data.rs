@@ -4,7 +4,7 @@
 //! and idempotent, so later runs start at once).
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use rand::SeedableRng;
@@ -16,7 +16,7 @@ use crate::config::{Config, DataSource, TargetSource};
 use crate::data::builtin::sample_conversations;
 use crate::data::dataset::{Dataset, SyntheticData};
 use crate::data::prepare::{Lines, ModelAssets, PrepareOptions, PrepareOutcome, prepare, prepare_lines};
-use crate::data::regenerate::{RegenerateOptions, Reply, Responder, regenerate_with};
+use crate::data::regenerate::{RegenerateOptions, Reply, Responder, ShowProgress, regenerate_with};
 use crate::data::shards::{PreparedSplit, hex};
 use crate::model::generate::{Sampling, generate};
 use crate::model::{Depth, Target, TargetConfig};
@@ -26,71 +26,47 @@ use sha2::{Digest, Sha256};
 pub struct LocalResponder {
     pub target: Target,
     pub assets: ModelAssets,
+    /// Where a reply ends (none with `ignore_eos`: it runs to `max_tokens`).
     pub stop: Vec<i64>,
     pub max_tokens: usize,
     pub sampling: Sampling,
-    pub rng: ChaCha8Rng,
 }
 
 impl LocalResponder {
-    /// Stops at the target's EOS ids and the template's end-of-turn tokens.
-    pub fn new(target: Target, assets: ModelAssets, max_tokens: usize, sampling: Sampling, seed: u64) -> Self {
+    /// Stops at the target's EOS ids and the template's end-of-turn tokens, unless `ignore_eos`.
+    pub fn new(target: Target, assets: ModelAssets, max_tokens: usize, sampling: Sampling, ignore_eos: bool) -> Self {
         let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
         for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
             if let Some(id) = assets.tokenizer.token_id(marker) {
                 stop.push(id as i64);
             }
         }
-        LocalResponder { target, assets, stop, max_tokens, sampling, rng: ChaCha8Rng::seed_from_u64(seed) }
+        if ignore_eos {
+            stop.clear();
+        }
+        LocalResponder { target, assets, stop, max_tokens, sampling }
     }
 }
 
 impl Responder for LocalResponder {
-    fn respond(&mut self, messages: &[Value], tools: Option<&Value>) -> Result<Reply, String> {
+    fn respond(&mut self, messages: &[Value], tools: Option<&Value>, seed: u64) -> Result<Reply, String> {
         let prompt = self.assets.template.render(messages, tools, true).map_err(|e| e.to_string())?;
         let ids: Vec<i64> = self.assets.tokenizer.encode(&prompt)?.ids.iter().map(|&t| t as i64).collect();
-        let mut out = generate(&self.target, &ids, self.max_tokens, &self.stop, self.sampling, &mut self.rng)
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut out = generate(&self.target, &ids, self.max_tokens, &self.stop, self.sampling, &mut rng)
             .map_err(|e| e.to_string())?;
-        if out.last().is_some_and(|t| self.stop.contains(t)) {
+        let tokens = out.len() as u64;
+        let ended = out.last().is_some_and(|t| self.stop.contains(t));
+        if ended {
             out.pop();
         }
-        let tokens: Vec<u32> = out.iter().map(|&t| t as u32).collect();
-        Ok((self.assets.tokenizer.decode(&tokens)?, None))
-    }
-}
-
-/// Says how far a long answering run is (minutes on a CPU, before training starts): a line every `every` with the
-/// answers so far.
-struct Progress<R> {
-    inner: R,
-    conversations: usize,
-    answered: usize,
-    started: Instant,
-    last: Instant,
-    every: Duration,
-}
-
-impl<R> Progress<R> {
-    fn new(inner: R, conversations: usize, every: Duration) -> Self {
-        let now = Instant::now();
-        Progress { inner, conversations, answered: 0, started: now, last: now, every }
-    }
-}
-
-impl<R: Responder> Responder for Progress<R> {
-    fn respond(&mut self, messages: &[Value], tools: Option<&Value>) -> Result<Reply, String> {
-        let reply = self.inner.respond(messages, tools);
-        self.answered += 1;
-        if self.last.elapsed() >= self.every {
-            self.last = Instant::now();
-            tracing::info!(
-                "built-in data: {} answers so far for {} conversations ({:.0} s)",
-                self.answered,
-                self.conversations,
-                self.started.elapsed().as_secs_f64()
-            );
-        }
-        reply
+        let text: Vec<u32> = out.iter().map(|&t| t as u32).collect();
+        Ok(Reply {
+            content: self.assets.tokenizer.decode(&text)?,
+            reasoning: None,
+            tokens: Some(tokens),
+            truncated: !ended,
+        })
     }
 }
 
@@ -215,21 +191,22 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             "built-in data: the target answers the sample conversations (once)"
         );
         let target = config.target.source.build_target(&[0], Depth::Full, device, kind)?;
-        let local = LocalResponder::new(
+        let mut responder = LocalResponder::new(
             target,
             ModelAssets::resolve(&model, &Map::new())?,
             d.builtin_max_new_tokens,
             Sampling::Greedy,
-            0,
+            false,
         );
-        let mut responder = Progress::new(local, d.builtin_conversations, Duration::from_secs(10));
         let opts = RegenerateOptions {
             input: conversations.clone(),
             out: regenerated.clone(),
             max_tokens: d.builtin_max_new_tokens as u32,
             temperature: 0.0,
+            seed: 0,
+            ignore_eos: false,
             template_kwargs: Map::new(),
-            progress: false,
+            progress: ShowProgress::Lines(Duration::from_secs(10)),
         };
         let report = crate::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??;
         if report.failed > 0 {
@@ -252,27 +229,4 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
     };
     prepare(&assets, &opts)?;
     Ok(PreparedSplit::open(Path::new(&prepared), "train", false)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    struct Echo;
-    impl Responder for Echo {
-        fn respond(&mut self, messages: &[Value], _: Option<&Value>) -> Result<Reply, String> {
-            Ok((format!("{} messages", messages.len()), None))
-        }
-    }
-
-    /// The progress wrapper passes every reply through and counts the answers it reports.
-    #[test]
-    fn progress_passes_replies_through_and_counts_them() {
-        let mut p = Progress::new(Echo, 2, Duration::ZERO);
-        for n in 1..=3 {
-            let reply = p.respond(&vec![Value::Null; n], None).unwrap();
-            assert_eq!(reply.0, format!("{n} messages"));
-        }
-        assert_eq!(p.answered, 3);
-    }
 }
