@@ -615,10 +615,12 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             let result = regenerate_one(&conv, opts.seed, &replace, answer_last, |messages, seed| {
                 let (body, unreachable) = (request(messages, seed), &unreachable);
                 async move {
-                    complete_or_why(client, endpoint, &body).await.map_err(|f| {
+                    let reply = complete_or_why(client, endpoint, &body).await.map_err(|f| {
                         unreachable.set(f.unreachable);
                         f.text
-                    })
+                    });
+                    // Run to the limit on purpose: not cut short.
+                    reply.map(|r| Reply { truncated: r.truncated && !opts.ignore_eos, ..r })
                 }
             })
             .await;

@@ -56,6 +56,7 @@ impl Responder for LocalResponder {
         let mut out = generate(&self.target, &ids, self.max_tokens, &self.stop, self.sampling, &mut rng)
             .map_err(|e| e.to_string())?;
         let tokens = out.len() as u64;
+        // Cut at the limit, unless it runs there on purpose (no stop tokens: --ignore-eos).
         let ended = out.last().is_some_and(|t| self.stop.contains(t));
         if ended {
             out.pop();
@@ -65,7 +66,7 @@ impl Responder for LocalResponder {
             content: self.assets.tokenizer.decode(&text)?,
             reasoning: None,
             tokens: Some(tokens),
-            truncated: !ended,
+            truncated: !ended && !self.stop.is_empty(),
         })
     }
 }
