@@ -213,6 +213,13 @@ struct Regenerated {
     replies: Vec<Reply>,
 }
 
+impl Regenerated {
+    /// The replies' tokens, where the source counts them.
+    fn tokens(&self) -> u64 {
+        self.replies.iter().filter_map(|r| r.tokens).sum()
+    }
+}
+
 /// The turns `plan` names: each `respond(messages before it, seed)` in order, each reply seeing the ones before.
 async fn regenerate_one<F, Fut>(
     conv: &Conversation,
@@ -340,7 +347,7 @@ impl RegenerateReport {
         self.answered += done.answered as u64;
         self.replies += done.replies.len() as u64;
         self.truncated += done.replies.iter().filter(|r| r.truncated).count() as u64;
-        self.tokens += done.replies.iter().filter_map(|r| r.tokens).sum::<u64>();
+        self.tokens += done.tokens();
     }
 
     fn skip(&mut self, why: &str) {
@@ -374,7 +381,7 @@ pub fn regenerate_with(opts: &RegenerateOptions, responder: &mut dyn Responder) 
             Ok(done) => {
                 out.write(&done.line)?;
                 report.record(&done);
-                tokens = done.replies.iter().filter_map(|r| r.tokens).sum();
+                tokens = done.tokens();
             }
             Err(e) => record_failure(&mut report, &conv.id, &e),
         }
@@ -458,8 +465,11 @@ fn models_verdict(status: u16, body: &str, model: &str) -> ModelsVerdict {
             v["data"].as_array().map(|d| d.iter().filter_map(|m| m["id"].as_str().map(String::from)).collect())
         })
         .unwrap_or_default();
-    if ids.is_empty() || ids.iter().any(|id| id == model) {
-        return if ids.is_empty() { ModelsVerdict::Unknown } else { ModelsVerdict::Serves };
+    if ids.is_empty() {
+        return ModelsVerdict::Unknown;
+    }
+    if ids.iter().any(|id| id == model) {
+        return ModelsVerdict::Serves;
     }
     ModelsVerdict::Refused(format!("it serves {}, not {model:?}: pass --model {}", ids.join(", "), ids[0]))
 }
@@ -487,7 +497,7 @@ pub async fn check_endpoint(client: &reqwest::Client, endpoint: &Endpoint) -> Re
             complete(client, endpoint, &body)
                 .await
                 .map(|_| ())
-                .map_err(|e| format!("the server at {here} did not answer a one-token request: {e}"))
+                .map_err(|f| format!("the server at {here} did not answer a one-token request: {}", f.text))
         }
     }
 }
@@ -504,11 +514,7 @@ struct Failure {
 }
 
 /// One chat completion with retries: connection errors, 429 and 5xx are retried with backoff.
-async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, String> {
-    complete_or_why(client, endpoint, body).await.map_err(|f| f.text)
-}
-
-async fn complete_or_why(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, Failure> {
+async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, Failure> {
     let mut delay = Duration::from_millis(200);
     let mut last = Failure { text: String::new(), unreachable: false };
     for attempt in 0..=endpoint.retries {
@@ -615,7 +621,7 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             let result = regenerate_one(&conv, opts.seed, &replace, answer_last, |messages, seed| {
                 let (body, unreachable) = (request(messages, seed), &unreachable);
                 async move {
-                    let reply = complete_or_why(client, endpoint, &body).await.map_err(|f| {
+                    let reply = complete(client, endpoint, &body).await.map_err(|f| {
                         unreachable.set(f.unreachable);
                         f.text
                     });
@@ -637,7 +643,7 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
                 }
                 Ok(done) => {
                     unreachable_in_a_row.store(0, Ordering::Relaxed);
-                    tokens = done.replies.iter().filter_map(|r| r.tokens).sum();
+                    tokens = done.tokens();
                     let w = out.lock().expect("output lock").write(&done.line);
                     if w.is_ok() {
                         report.lock().expect("report lock").record(&done);
