@@ -6,7 +6,7 @@ export PATH := $(HOME)/.cargo/bin:$(PATH)
 # The commit `dflash --version` names (only the binary's own crate is rebuilt when it changes).
 export DFLASH_COMMIT := $(shell git describe --always --dirty --abbrev=12 2>/dev/null)
 
-.PHONY: setup run test build check-exports check-readme
+.PHONY: setup run test build check-exports check-readme gpu-bin
 
 setup:
 	@scripts/setup.sh
@@ -41,3 +41,13 @@ check-exports: setup
 # cores; not part of `make test`, which would then outgrow CI's budget; its last run is in BENCHMARKS.md).
 check-readme: build
 	scripts/check-readme.sh
+
+# The binaries the GPU scripts carry (scripts/gpu-generate.sh): dflash and the library's tests, release, stripped and
+# xz-compressed into .gpu-bin/ (a device call carries at most 64 MiB).
+gpu-bin: build
+	mkdir -p .gpu-bin
+	strip -o .gpu-bin/dflash target/release/dflash
+	strip -o .gpu-bin/test-lib $$(cargo test --release --lib --no-run --message-format=json | python3 -c \
+		'import json, sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable")][-1])')
+	xz -f -T2 .gpu-bin/dflash .gpu-bin/test-lib
+	ls -la .gpu-bin

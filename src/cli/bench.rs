@@ -6,8 +6,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 
 use dflash::bench::{
-    DecodeBenchOptions, DrafterBenchOptions, LaunchBenchOptions, TargetBenchOptions, bench_decode, bench_drafter,
-    bench_launch, bench_target,
+    DecodeBenchOptions, DrafterBenchOptions, GenerateBenchOptions, LaunchBenchOptions, TargetBenchOptions,
+    bench_decode, bench_drafter, bench_generate, bench_launch, bench_target,
 };
 use dflash::config::{Config, TargetSource};
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
@@ -26,6 +26,9 @@ pub enum BenchWhat {
     Decode,
     /// Kernel-launch rate of one process with 1, 2, 4, 8 compute threads (see --threads)
     Launch,
+    /// Batched generation (regenerate --local's engine): --prompts random prompts of --seq tokens, each answered
+    /// with --max-new tokens (no stop token), --batch at once
+    Generate,
 }
 
 #[derive(Args)]
@@ -38,7 +41,7 @@ pub struct BenchArgs {
     /// (default: target.model when it is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for tiny).
     #[arg(long, conflicts_with = "model")]
     preset: Option<Preset>,
-    /// A HuggingFace model folder to load instead of a preset (--what target only).
+    /// A HuggingFace model folder to load instead of a preset (--what target and generate).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
     /// Tapped layer ids, comma separated (default: draft_model.target_layer_ids, else the preset's, or z-lab's rule
@@ -51,10 +54,11 @@ pub struct BenchArgs {
     /// auto, bf16 or f32 (default: target.dtype).
     #[arg(long)]
     dtype: Option<DtypeSpec>,
-    /// Sequences per step (default: 16 for target, 4 for drafter).
+    /// Sequences per step (default: 16 for target, 4 for drafter, 256 for generate).
     #[arg(long)]
     batch: Option<i64>,
-    /// Tokens per sequence (default: 2048 for target, 768 for drafter, 512 prompt tokens for decode).
+    /// Tokens per sequence (default: 2048 for target, 768 for drafter, 512 prompt tokens for decode, 64 for
+    /// generate).
     #[arg(long)]
     seq: Option<i64>,
     /// Drafter: anchors (blocks) per sequence.
@@ -76,6 +80,19 @@ pub struct BenchArgs {
     /// Drafter: also time the preset target's capture of the same batch (reported as capture_ms_p50).
     #[arg(long)]
     capture: bool,
+    /// Generate: prompts answered (default: 4 x --batch).
+    #[arg(long)]
+    prompts: Option<usize>,
+    /// Generate: new tokens per prompt.
+    #[arg(long, default_value_t = 256)]
+    max_new: usize,
+    /// Generate: step eagerly, without CUDA graphs.
+    #[arg(long)]
+    no_cuda_graphs: bool,
+    /// Generate: decode the first N prompts again one at a time and compare (bf16 differences are reported with
+    /// their top-2 logit gap).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    check: usize,
     /// Launch: the thread counts to measure, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_name = "N,...")]
     threads: Vec<usize>,
@@ -185,6 +202,24 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(%preset, device = %device_name(device), "building the target and the drafter");
                 Ok(bench_decode(preset, device, kind, &opts)?)
+            })??;
+            print_summary(args.json, &report.summary());
+            (serde_json::to_value(&report)?, None)
+        }
+        BenchWhat::Generate => {
+            let batch = args.batch.unwrap_or(256).max(1) as usize;
+            let opts = GenerateBenchOptions {
+                batch,
+                prompts: args.prompts.unwrap_or(4 * batch),
+                prompt_len: args.seq.unwrap_or(64).max(1) as usize,
+                max_new: args.max_new,
+                cuda_graphs: !args.no_cuda_graphs,
+                check: args.check,
+            };
+            let report = catch_torch(|| -> Result<_> {
+                tracing::info!(target = %source, device = %device_name(device), "building the target");
+                let target = source.build_target(&[0], Depth::Full, device, kind)?;
+                Ok(bench_generate(&target, &source.to_string(), &opts)?)
             })??;
             print_summary(args.json, &report.summary());
             (serde_json::to_value(&report)?, None)

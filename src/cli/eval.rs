@@ -22,7 +22,8 @@ pub struct EvalArgs {
     /// The target: a HuggingFace model folder or a preset name (default: target.model).
     #[arg(long, value_name = "DIR|PRESET")]
     target: Option<String>,
-    /// The drafter folder (published DFlash format: config.json + model.safetensors).
+    /// The drafter folder (published DFlash format: config.json + model.safetensors), or a checkpoint folder
+    /// (runs/.../best, runs/.../ckpt-000001000: the drafter it holds).
     #[arg(long, value_name = "DIR")]
     drafter: PathBuf,
     /// Token rows as JSON lines: {"id"?: int, "input_ids": [...], "loss_mask": [0|1...]}.
@@ -73,7 +74,12 @@ pub struct EvalArgs {
     json: bool,
 }
 
-pub fn run(config: &Config, args: EvalArgs) -> Result<ExitCode> {
+pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
+    // A checkpoint folder holds its drafter in `drafter/`.
+    let held = args.drafter.join("drafter");
+    if !args.drafter.join("config.json").exists() && held.join("config.json").exists() {
+        args.drafter = held;
+    }
     let source = args.target.as_deref().map_or_else(|| config.target.source.clone(), TargetSource::from_arg);
     let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
     if args.decode {

@@ -9,11 +9,11 @@ use clap::Args;
 
 use dflash::config::{Config, TargetSource};
 use dflash::data::prepare::ModelAssets;
-use dflash::data::regenerate::{Endpoint, RegenerateOptions, ShowProgress, regenerate_endpoint, regenerate_with};
+use dflash::data::regenerate::{Endpoint, RegenerateOptions, ShowProgress, regenerate_endpoint};
 use dflash::device::{DeviceSpec, DtypeSpec};
 use dflash::model::Depth;
 use dflash::model::generate::Sampling;
-use dflash::service::builtin_data::LocalResponder;
+use dflash::service::builtin_data::{LocalResponder, default_batch};
 
 #[derive(Args)]
 pub struct RegenerateArgs {
@@ -35,6 +35,10 @@ pub struct RegenerateArgs {
     /// Conversations in flight at once (--endpoint).
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// --local: conversations the target answers at once (default: 256 on a GPU, 32 on a CPU; more is faster until
+    /// the KV cache, batch x the longest prompt and reply, fills the device).
+    #[arg(long)]
+    batch: Option<usize>,
     /// Retries per request after the first, with exponential backoff (--endpoint).
     #[arg(long, default_value_t = 5)]
     retries: u32,
@@ -113,9 +117,10 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
             let target = source.build_target(&[0], Depth::Full, device, kind)?;
             let sampling =
                 if args.temperature == 0.0 { Sampling::Greedy } else { Sampling::Temperature(args.temperature) };
-            let mut responder =
-                LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.ignore_eos);
-            dflash::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??
+            let batch = args.batch.unwrap_or(default_batch(device)).max(1);
+            let responder =
+                LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.ignore_eos, batch);
+            dflash::panic::catch_torch(|| responder.regenerate(&opts))??
         }
     };
     println!("{}", report.summary());

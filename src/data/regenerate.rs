@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -69,6 +69,8 @@ pub struct RegenerateReport {
     pub not_tried: u64,
     /// Input lines that are not conversations (skipped).
     pub bad_lines: u64,
+    /// How long the answering took.
+    pub seconds: f64,
     pub examples: Vec<String>,
 }
 
@@ -80,12 +82,6 @@ pub struct Reply {
     pub reasoning: Option<String>,
     pub tokens: Option<u64>,
     pub truncated: bool,
-}
-
-/// A source of assistant responses.
-pub trait Responder {
-    /// The assistant's reply to `messages`; `seed` draws its sampled tokens.
-    fn respond(&mut self, messages: &[Value], tools: Option<&Value>, seed: u64) -> Result<Reply, String>;
 }
 
 /// What regeneration does with one conversation.
@@ -226,11 +222,11 @@ async fn regenerate_one<F, Fut>(
     seed: u64,
     replace: &[usize],
     answer_last: bool,
-    mut respond: F,
-) -> Result<Regenerated, String>
+    respond: &F,
+) -> Result<Regenerated, Failure>
 where
-    F: FnMut(Vec<Value>, u64) -> Fut,
-    Fut: std::future::Future<Output = Result<Reply, String>>,
+    F: Fn(&Conversation, Vec<Value>, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Reply, Failure>>,
 {
     let mut messages = conv.messages.clone();
     if answer_last {
@@ -239,7 +235,7 @@ where
     let turns = replace.iter().copied().chain(answer_last.then_some(messages.len() - 1));
     let mut replies = Vec::new();
     for i in turns {
-        let reply = respond(messages[..i].to_vec(), reply_seed(seed, &conv.id, i)).await?;
+        let reply = respond(conv, messages[..i].to_vec(), reply_seed(seed, &conv.id, i)).await?;
         apply_reply(&mut messages[i], &reply);
         replies.push(reply);
     }
@@ -355,40 +351,20 @@ impl RegenerateReport {
     }
 }
 
-/// Regenerates with an in-process responder (the built-in target), one conversation at a time.
-pub fn regenerate_with(opts: &RegenerateOptions, responder: &mut dyn Responder) -> Result<RegenerateReport, DataError> {
-    let (todo, mut report) = pending(opts)?;
-    let mut out = OutputLines::open(&opts.out)?;
-    let mut meter = Meter::new(opts.progress, todo.len() as u64);
-    for conv in &todo {
-        let (replace, answer_last) = match plan(conv) {
-            Plan::Answer { replace, answer_last } => (replace, answer_last),
-            Plan::Skip(why) => {
-                report.skip(why);
-                meter.add(0);
-                continue;
-            }
-        };
-        let tools = conv.tools.clone();
-        let respond = |messages: Vec<Value>, seed| {
-            let reply = responder.respond(&messages, tools.as_ref(), seed);
-            std::future::ready(reply)
-        };
-        // The responder answers at once: the future is ready when polled.
-        let result = futures::executor::block_on(regenerate_one(conv, opts.seed, &replace, answer_last, respond));
-        let mut tokens = 0;
-        match result {
-            Ok(done) => {
-                out.write(&done.line)?;
-                report.record(&done);
-                tokens = done.tokens();
-            }
-            Err(e) => record_failure(&mut report, &conv.id, &e),
-        }
-        meter.add(tokens);
-    }
-    meter.finish();
-    Ok(report)
+/// Regenerates with replies from `respond`, `concurrency` conversations in flight at once, on the calling thread: for
+/// an in-process model that answers many at once (`regenerate --local`, the built-in data), whose futures need no
+/// async runtime.
+pub fn regenerate_concurrently<F, Fut>(
+    opts: &RegenerateOptions,
+    concurrency: usize,
+    respond: F,
+) -> Result<RegenerateReport, DataError>
+where
+    F: Fn(&Conversation, Vec<Value>, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Reply, Failure>>,
+{
+    let (todo, report) = pending(opts)?;
+    futures::executor::block_on(drive(opts, todo, report, concurrency, respond))
 }
 
 /// An OpenAI-compatible chat-completions server.
@@ -507,10 +483,18 @@ fn unreachable(e: &reqwest::Error) -> bool {
     e.is_connect() || e.is_timeout()
 }
 
-/// Why a request failed, and whether the server was unreachable.
-struct Failure {
-    text: String,
-    unreachable: bool,
+/// Why a reply failed, and whether its source was unreachable (a server gone: see [`UNREACHABLE_IN_A_ROW`]).
+#[derive(Debug)]
+pub struct Failure {
+    pub text: String,
+    pub unreachable: bool,
+}
+
+impl Failure {
+    /// A failure of the request itself.
+    pub fn new(text: impl Into<String>) -> Self {
+        Failure { text: text.into(), unreachable: false }
+    }
 }
 
 /// One chat completion with retries: connection errors, 429 and 5xx are retried with backoff.
@@ -576,12 +560,56 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             .await
             .map_err(|reason| DataError::File { path: opts.input.clone(), reason })?;
     }
-    let out = Arc::new(Mutex::new(OutputLines::open(&opts.out)?));
-    let report = Arc::new(Mutex::new(report));
-    let meter = Arc::new(Mutex::new(Meter::new(opts.progress, todo.len() as u64)));
+    let respond = |conv: &Conversation, messages: Vec<Value>, seed: u64| {
+        let mut body = json!({
+            "model": endpoint.model,
+            "messages": messages,
+            "max_tokens": opts.max_tokens,
+            "temperature": opts.temperature,
+        });
+        if opts.temperature > 0.0 {
+            body["seed"] = json!(seed >> 1); // servers take a signed 64-bit seed
+        }
+        if opts.ignore_eos {
+            body["ignore_eos"] = json!(true);
+        }
+        if let Some(tools) = &conv.tools {
+            body["tools"] = tools.clone();
+        }
+        if !opts.template_kwargs.is_empty() {
+            body["chat_template_kwargs"] = Value::Object(opts.template_kwargs.clone());
+        }
+        let client = &client;
+        async move {
+            let reply = complete(client, endpoint, &body).await?;
+            // Run to the limit on purpose: not cut short.
+            Ok(Reply { truncated: reply.truncated && !opts.ignore_eos, ..reply })
+        }
+    };
+    drive(opts, todo, report, endpoint.concurrency, respond).await
+}
+
+/// Regenerates `todo` through `respond`, `concurrency` conversations at a time: each conversation's plan, its
+/// replies in order, its line written once all came, the report and the progress; after
+/// [`UNREACHABLE_IN_A_ROW`] conversations found the source unreachable in a row, the rest are left for a rerun.
+async fn drive<F, Fut>(
+    opts: &RegenerateOptions,
+    todo: Vec<Conversation>,
+    report: RegenerateReport,
+    concurrency: usize,
+    respond: F,
+) -> Result<RegenerateReport, DataError>
+where
+    F: Fn(&Conversation, Vec<Value>, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Reply, Failure>>,
+{
+    let out = Mutex::new(OutputLines::open(&opts.out)?);
+    let report = Mutex::new(report);
+    let meter = Mutex::new(Meter::new(opts.progress, todo.len() as u64));
     let (unreachable_in_a_row, gone) = (AtomicU64::new(0), AtomicBool::new(false));
+    let respond = &respond;
     let results = futures::stream::iter(todo.into_iter().map(|conv| {
-        let (client, out, report, meter) = (&client, out.clone(), report.clone(), meter.clone());
+        let (out, report, meter) = (&out, &report, &meter);
         let (unreachable_in_a_row, gone) = (&unreachable_in_a_row, &gone);
         async move {
             let (replace, answer_last) = match plan(&conv) {
@@ -596,49 +624,16 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
                 report.lock().expect("report lock").not_tried += 1;
                 return Ok(());
             }
-            let request = |messages: Vec<Value>, seed: u64| {
-                let mut body = json!({
-                    "model": endpoint.model,
-                    "messages": messages,
-                    "max_tokens": opts.max_tokens,
-                    "temperature": opts.temperature,
-                });
-                if opts.temperature > 0.0 {
-                    body["seed"] = json!(seed >> 1); // servers take a signed 64-bit seed
-                }
-                if opts.ignore_eos {
-                    body["ignore_eos"] = json!(true);
-                }
-                if let Some(tools) = &conv.tools {
-                    body["tools"] = tools.clone();
-                }
-                if !opts.template_kwargs.is_empty() {
-                    body["chat_template_kwargs"] = Value::Object(opts.template_kwargs.clone());
-                }
-                body
-            };
-            let unreachable = std::cell::Cell::new(false);
-            let result = regenerate_one(&conv, opts.seed, &replace, answer_last, |messages, seed| {
-                let (body, unreachable) = (request(messages, seed), &unreachable);
-                async move {
-                    let reply = complete(client, endpoint, &body).await.map_err(|f| {
-                        unreachable.set(f.unreachable);
-                        f.text
-                    });
-                    // Run to the limit on purpose: not cut short.
-                    reply.map(|r| Reply { truncated: r.truncated && !opts.ignore_eos, ..r })
-                }
-            })
-            .await;
+            let result = regenerate_one(&conv, opts.seed, &replace, answer_last, respond).await;
             let mut tokens = 0;
             let written = match result {
-                Err(e) => {
-                    if unreachable.get()
+                Err(failure) => {
+                    if failure.unreachable
                         && unreachable_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= UNREACHABLE_IN_A_ROW
                     {
                         gone.store(true, Ordering::Relaxed);
                     }
-                    record_failure(&mut report.lock().expect("report lock"), &conv.id, &e);
+                    record_failure(&mut report.lock().expect("report lock"), &conv.id, &failure.text);
                     Ok(())
                 }
                 Ok(done) => {
@@ -655,12 +650,14 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             written
         }
     }))
-    .buffer_unordered(endpoint.concurrency.max(1))
+    .buffer_unordered(concurrency.max(1))
     .collect::<Vec<_>>()
     .await;
-    meter.lock().expect("meter lock").finish();
+    let meter = meter.into_inner().expect("meter lock");
+    meter.finish();
     results.into_iter().collect::<Result<Vec<()>, DataError>>()?;
-    let report = report.lock().expect("report lock").clone();
+    let mut report = report.into_inner().expect("report lock");
+    report.seconds = meter.started.elapsed().as_secs_f64();
     Ok(report)
 }
 
@@ -679,6 +676,10 @@ impl RegenerateReport {
             self.replies,
             self.truncated
         );
+        if self.tokens > 0 {
+            let rate = self.tokens as f64 / self.seconds.max(1e-9);
+            s.push_str(&format!("; {} tokens in {:.1} s ({rate:.0} tokens/s)", self.tokens, self.seconds));
+        }
         for (why, n) in &self.skipped {
             s.push_str(&format!("\n  skipped {n}: {why}"));
         }

@@ -1,31 +1,23 @@
 //! Plain autoregressive generation with the target, greedy or sampled: what `regenerate --local` uses to write the
 //! target's own responses (and the built-in data's answers). The prompt is prefilled once; each new token is one
 //! cached step.
-use rand::Rng;
-use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
 use super::choice::greedy_tokens;
+pub use super::sampling::Sampling;
+use super::sampling::pick_tokens;
 use super::speculative::{begin_generation, ids_tensor};
 use super::{Decoder, ModelError, Target};
 
-/// How the next token is chosen.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Sampling {
-    Greedy,
-    /// Softmax at this temperature (> 0).
-    Temperature(f64),
-}
-
 /// Generates up to `max_new` tokens after `prompt`, stopping after any token of `stop` (which is returned with the
-/// rest). `rng` draws sampled tokens.
+/// rest). Sampled tokens are drawn with `seed` ([`pick_tokens`]): the batched generator draws the same.
 pub fn generate(
     target: &Target,
     prompt: &[i64],
     max_new: usize,
     stop: &[i64],
     sampling: Sampling,
-    rng: &mut ChaCha8Rng,
+    seed: u64,
 ) -> Result<Vec<i64>, ModelError> {
     // Past the model's positions a generation ends where it is, as a length limit does.
     let max_new = max_new.min(target.config().max_position_embeddings.saturating_sub(prompt.len()));
@@ -33,21 +25,15 @@ pub fn generate(
         return Ok(Vec::new());
     }
     let mut decoder = Decoder::new(target, (prompt.len() + max_new) as i64, &[])?;
-    cached_generation(&mut decoder, prompt, max_new, stop, |last| match sampling {
-        Sampling::Greedy => Ok(greedy_tokens(last)?.f_int64_value(&[])?),
-        Sampling::Temperature(t) => {
-            let probs: Vec<f32> =
-                Vec::try_from(last.f_div_scalar(t)?.f_softmax(0, Kind::Float)?.f_to(tch::Device::Cpu)?)?;
-            let mut draw: f32 = rng.random();
-            let mut pick = probs.len() - 1;
-            for (i, p) in probs.iter().enumerate() {
-                if draw < *p {
-                    pick = i;
-                    break;
-                }
-                draw -= p;
-            }
-            Ok(pick as i64)
+    let device = target.device();
+    let seeds = Tensor::f_from_slice(&[seed as i64])?.f_to(device)?;
+    let mut step = 0i64;
+    cached_generation(&mut decoder, prompt, max_new, stop, |last| {
+        let steps = Tensor::f_from_slice(&[step])?.f_to(device)?;
+        step += 1;
+        match sampling {
+            Sampling::Greedy => Ok(greedy_tokens(last)?.f_int64_value(&[])?),
+            _ => Ok(pick_tokens(&last.f_unsqueeze(0)?, sampling, &seeds, &steps)?.f_int64_value(&[0])?),
         }
     })
 }
@@ -84,15 +70,13 @@ pub(crate) fn cached_generation(
 mod tests {
     use super::*;
     use crate::model::{Depth, Preset};
-    use rand::SeedableRng;
     use tch::Device;
 
     #[test]
     fn greedy_is_deterministic_and_matches_the_logits() {
         let t = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let a = generate(&t, &[257, 117, 10], 6, &[], Sampling::Greedy, &mut rng).unwrap();
-        let b = generate(&t, &[257, 117, 10], 6, &[], Sampling::Greedy, &mut rng).unwrap();
+        let a = generate(&t, &[257, 117, 10], 6, &[], Sampling::Greedy, 0).unwrap();
+        let b = generate(&t, &[257, 117, 10], 6, &[], Sampling::Greedy, 0).unwrap();
         assert_eq!(a, b);
         assert_eq!(a.len(), 6);
         // The first token is the argmax of the prompt's last logits.
@@ -110,17 +94,11 @@ mod tests {
         // At the model's positions a generation ends where it is.
         let limit = t.config().max_position_embeddings;
         let long: Vec<i64> = (0..limit as i64 - 2).map(|i| 10 + i % 50).collect();
-        assert_eq!(generate(&t, &long, 6, &[], Sampling::Greedy, &mut rng).unwrap().len(), 2);
+        assert_eq!(generate(&t, &long, 6, &[], Sampling::Greedy, 0).unwrap().len(), 2);
         // Stopping: with the first token as a stop token, generation ends there.
-        let stopped = generate(&t, &[257, 117, 10], 6, &[first], Sampling::Greedy, &mut rng).unwrap();
+        let stopped = generate(&t, &[257, 117, 10], 6, &[first], Sampling::Greedy, 0).unwrap();
         assert_eq!(stopped, vec![first]);
-        let sampled =
-            generate(&t, &[257, 117, 10], 6, &[], Sampling::Temperature(1.0), &mut ChaCha8Rng::seed_from_u64(1))
-                .unwrap();
-        assert_eq!(
-            sampled,
-            generate(&t, &[257, 117, 10], 6, &[], Sampling::Temperature(1.0), &mut ChaCha8Rng::seed_from_u64(1))
-                .unwrap()
-        );
+        let sampled = generate(&t, &[257, 117, 10], 6, &[], Sampling::Temperature(1.0), 1).unwrap();
+        assert_eq!(sampled, generate(&t, &[257, 117, 10], 6, &[], Sampling::Temperature(1.0), 1).unwrap());
     }
 }

@@ -93,6 +93,55 @@ impl KvCache {
         Ok((self.keys[layer].shallow_clone(), self.values[layer].shallow_clone()))
     }
 
+    /// Writes a prefill's `keys`/`values` `[N, kv_heads, P, head_dim]` of `layer` at positions `0..P` of the batch
+    /// rows `rows` (`[N]`, int64, on the layer's device): the first positions of new sequences in a cache whose rows
+    /// hold sequences of their own lengths (batched generation, which keeps those lengths itself).
+    pub fn fill_rows(&mut self, layer: usize, rows: &Tensor, keys: &Tensor, values: &Tensor) -> Result<(), ModelError> {
+        let p = keys.size()[2];
+        if p > self.capacity {
+            return Err(ModelError::Batch(format!(
+                "a prompt of {p} positions exceeds the KV cache's {}",
+                self.capacity
+            )));
+        }
+        let _ = self.keys[layer].f_narrow(2, 0, p)?.f_index_copy_(0, rows, keys)?;
+        let _ = self.values[layer].f_narrow(2, 0, p)?.f_index_copy_(0, rows, values)?;
+        Ok(())
+    }
+
+    /// Writes one new position for each of the first `B` rows, `keys`/`values` `[B, kv_heads, 1, head_dim]` of `layer`
+    /// at row `b`'s position `positions[b]` (`[B]`, int64, on the layer's device), and returns views of positions
+    /// `0..len` of those rows (the caller masks what each row does not hold). Nothing depends on the host: a CUDA
+    /// graph may capture it.
+    pub fn write_rows(
+        &mut self,
+        layer: usize,
+        positions: &Tensor,
+        keys: &Tensor,
+        values: &Tensor,
+        len: i64,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let size = keys.size();
+        let slots = positions.f_view([size[0], 1, 1, 1])?.f_expand(&size, false)?;
+        let _ = self.keys[layer].f_scatter_(2, &slots, keys)?;
+        let _ = self.values[layer].f_scatter_(2, &slots, values)?;
+        let (k, v) = self.prefix(layer, len)?;
+        Ok((k.f_narrow(0, 0, size[0])?, v.f_narrow(0, 0, size[0])?))
+    }
+
+    /// Copies what `other` (a cache of the same rows and layers, no larger) holds into this one's first positions.
+    pub fn copy_from(&self, other: &KvCache) -> Result<(), ModelError> {
+        for (mine, theirs) in self.keys.iter().chain(&self.values).zip(other.keys.iter().chain(&other.values)) {
+            mine.f_narrow(2, 0, other.capacity)?.f_copy_(theirs)?;
+        }
+        Ok(())
+    }
+
+    /// The batch rows the cache holds.
+    pub fn rows(&self) -> i64 {
+        self.keys.first().map_or(0, |k| k.size()[0])
+    }
+
     /// Views of the first `len` rows of `layer`'s buffers, held or not (`len` up to the capacity): for callers that
     /// mask the rows past [`KvCache::len`] themselves, to keep attention shapes from changing every step.
     pub fn prefix(&self, layer: usize, len: i64) -> Result<(Tensor, Tensor), ModelError> {
@@ -134,5 +183,35 @@ mod tests {
         let (k, _) = c.write_at(1, &Tensor::from_slice(&[3i64, 1]), &kv(7.0, 2), &kv(8.0, 2)).unwrap();
         let k: Vec<f32> = Vec::try_from(k.flatten(0, -1)).unwrap();
         assert_eq!(k, [1.0, 1.0, 7.0, 7.0, 1.0, 1.0, 7.0, 7.0], "rows 1 and 3 written, the whole capacity returned");
+    }
+
+    /// Batch rows written at positions of their own: a prefill fills rows from position 0, a step writes each row at
+    /// its own position, and nothing else moves.
+    #[test]
+    fn rows_are_written_at_positions_of_their_own() {
+        let mut c = KvCache::new(1, 3, 1, 1, 4, Kind::Float, Device::Cpu).unwrap();
+        let prompt = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 1, 2, 1]);
+        c.fill_rows(0, &Tensor::from_slice(&[2i64, 0]), &prompt, &(&prompt * 10.0)).unwrap();
+        let step = Tensor::from_slice(&[5.0f32, 6.0, 7.0]).view([3, 1, 1, 1]);
+        let (k, v) = c.write_rows(0, &Tensor::from_slice(&[2i64, 0, 3]), &step, &(&step * 10.0), 4).unwrap();
+        let k: Vec<f32> = Vec::try_from(k.flatten(0, -1)).unwrap();
+        assert_eq!(k, [3.0, 4.0, 5.0, 0.0, 6.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 7.0]);
+        let v: Vec<f32> = Vec::try_from(v.flatten(0, -1)).unwrap();
+        assert_eq!(v[..4], [30.0, 40.0, 50.0, 0.0]);
+        // The first rows only: the third is left alone and not returned.
+        let (k, _) =
+            c.write_rows(0, &Tensor::from_slice(&[1i64, 1]), &step.narrow(0, 0, 2), &step.narrow(0, 0, 2), 2).unwrap();
+        assert_eq!(k.size(), [2, 1, 2, 1]);
+        let k: Vec<f32> = Vec::try_from(k.flatten(0, -1)).unwrap();
+        assert_eq!(k, [3.0, 5.0, 6.0, 6.0]);
+        assert!(
+            c.fill_rows(
+                0,
+                &Tensor::from_slice(&[0i64]),
+                &Tensor::zeros([1, 1, 5, 1], (Kind::Float, Device::Cpu)),
+                &Tensor::zeros([1, 1, 5, 1], (Kind::Float, Device::Cpu))
+            )
+            .is_err()
+        );
     }
 }

@@ -2,6 +2,8 @@
 //! safetensors I/O, and the built-in presets.
 use std::path::PathBuf;
 
+pub mod batch_schedule;
+pub mod batched;
 pub mod choice;
 pub mod config;
 pub mod decoder;
@@ -15,6 +17,7 @@ pub mod kv_cache;
 pub mod layers;
 pub mod moe;
 pub mod presets;
+pub mod sampling;
 pub mod shared;
 pub mod speculative;
 pub mod speculators;

@@ -79,6 +79,25 @@ enum Keys<'a> {
     /// As `Cached`, with the new positions a device tensor: written by index, attention over the cache's whole
     /// capacity with `bias` ([`grouped_bias`]) masking what is not held (a CUDA graph's step).
     Indexed { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, bias: &'a Tensor },
+    /// New sequences (right-padded rows), attended as `Causal`; their keys and values are also written to the cache
+    /// rows `rows` from position 0 (batched generation's prefill, [`Target::prefill_rows`]).
+    Fill { cache: &'a mut KvCache, layer: usize, rows: &'a Tensor },
+    /// One new token per cache row at that row's own position (`positions [B]`), written there; attention over each
+    /// row's first `len` positions, `bias` hiding those the row does not hold (batched generation's step,
+    /// [`Target::step_rows`]).
+    Rows { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, len: i64, bias: &'a Tensor },
+}
+
+/// Where the tokens of a pass go, beside the whole-sequence pass that has no cache.
+enum Placement<'a> {
+    /// After the cached sequence (from the cache's length).
+    Append,
+    /// From a device scalar ([`Keys::Indexed`]).
+    At(&'a Tensor),
+    /// New sequences into these cache rows ([`Keys::Fill`]).
+    Fill(&'a Tensor),
+    /// One token per cache row at these positions, attention over `len` positions ([`Keys::Rows`]).
+    Rows { positions: &'a Tensor, len: i64 },
 }
 
 /// What one decoding step computes for its new positions.
@@ -342,8 +361,8 @@ fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Option<
 
 /// GPT-OSS's attention: causal (within `window` positions, the query's own included, where the layer has one), with
 /// one sink logit per head that takes part in the softmax and contributes no value. `q [B, H, T, d]` holds positions
-/// `start..start + T`; `k`, `v` `[B, KV, K, d]` positions `0..K` (the whole sequence, or the cache's bucketed
-/// prefix, whose unwritten tail the causal mask hides). The sink is an extra key of zeros (score 0) whose mask entry is
+/// `query_positions` (`[B, T]`, or `[1, T]` for every row); `k`, `v` `[B, KV, K, d]` positions `0..K` (the whole
+/// sequence, or the cache's bucketed prefix, whose unwritten tail the causal mask hides). The sink is an extra key of zeros (score 0) whose mask entry is
 /// the sink, with a zero value; the memory-efficient kernel takes the mask and wants the key/value heads expanded.
 fn sink_attention(
     q: &Tensor,
@@ -351,9 +370,10 @@ fn sink_attention(
     v: &Tensor,
     sinks: &Tensor,
     window: Option<i64>,
-    start: i64,
+    query_positions: &Tensor,
 ) -> Result<Tensor, ModelError> {
     let (heads, t, keys) = (q.size()[1], q.size()[2], k.size()[2]);
+    let rows = query_positions.size()[0];
     let group = heads / k.size()[1];
     let extend = |x: &Tensor| -> Result<Tensor, ModelError> {
         let x = repeat_kv(x, group);
@@ -362,16 +382,16 @@ fn sink_attention(
     };
     let (k, v) = (extend(k)?, extend(v)?);
     let device = q.device();
-    let query_positions = Tensor::f_arange_start(start, start + t, (Kind::Int64, device))?.unsqueeze(1);
-    let key_positions = Tensor::f_arange(keys, (Kind::Int64, device))?.unsqueeze(0);
+    let query_positions = query_positions.f_unsqueeze(2)?;
+    let key_positions = Tensor::f_arange(keys, (Kind::Int64, device))?.view([1, 1, keys]);
     let mut visible = key_positions.f_le_tensor(&query_positions)?;
     if let Some(w) = window {
         visible = visible.f_logical_and(&(&query_positions - &key_positions).f_lt(w)?)?;
     }
-    let mask =
-        Tensor::f_zeros([t, keys], (q.kind(), device))?.f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?;
-    let sink = sinks.to_kind(q.kind()).view([1, heads, 1, 1]).expand([1, heads, t, 1], false);
-    let mask = Tensor::f_cat(&[&mask.view([1, 1, t, keys]).expand([1, heads, t, keys], false), &sink], 3)?;
+    let mask = Tensor::f_zeros([rows, t, keys], (q.kind(), device))?
+        .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?;
+    let sink = sinks.to_kind(q.kind()).view([1, heads, 1, 1]).expand([rows, heads, t, 1], false);
+    let mask = Tensor::f_cat(&[&mask.view([rows, 1, t, keys]).expand([rows, heads, t, keys], false), &sink], 3)?;
     Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, Some(&mask), 0.0, false, None, false)?)
 }
 
@@ -837,6 +857,63 @@ impl Target {
         self.decode_with(input_ids, cache, Some(start))
     }
 
+    /// A cache for batched generation: `rows` sequences of up to `capacity` positions each, every row its own
+    /// length ([`Target::prefill_rows`], [`Target::step_rows`]; the caller keeps the lengths).
+    pub fn new_rows_cache(&self, rows: i64, capacity: i64) -> Result<KvCache, ModelError> {
+        let c = &self.cfg;
+        let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
+        KvCache::on_devices(&self.layer_devices(), rows, kv_heads, d, capacity, self.kind)
+    }
+
+    /// Batched generation's prefill: runs the right-padded prompts `input_ids [N, P]` (`lengths` tokens each) as new
+    /// sequences, writes their keys and values to the cache rows `rows` (`[N]`, int64, on the target's device) from
+    /// position 0, and returns the logits of each prompt's last token, `[N, vocab]`. Needs [`Depth::Full`].
+    pub fn prefill_rows(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+        rows: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        let Some(norm) = &self.norm else {
+            return Err(ModelError::NotFull);
+        };
+        let (n, _) = self.check_batch(input_ids, lengths)?;
+        tch::no_grad(|| {
+            let count = self.layers.len();
+            let x = self.run_layers_at(input_ids, count, Some(cache), Placement::Fill(rows), None, |_, _| {})?;
+            let x = x.f_to_device(self.device)?;
+            let last = Tensor::f_from_slice(lengths)?.f_to(self.device)?.f_sub_scalar(1)?;
+            let x = x.f_index(&[Some(Tensor::f_arange(n, (Kind::Int64, self.device))?), Some(last)])?;
+            Ok(rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?)
+        })
+    }
+
+    /// Batched generation's step: one token for each row of `cache` (`input_ids [B, 1]`), at the row's own position
+    /// (`positions [B]`, int64, on the target's device; past what [`Target::prefill_rows`] and earlier steps wrote
+    /// there). Attention reads each row's first `len` positions (more than any row's position), masked per row.
+    /// Returns the logits `[B, vocab]`. Nothing depends on the host: on one device a CUDA graph may capture it.
+    pub fn step_rows(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        len: i64,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        let Some(norm) = &self.norm else {
+            return Err(ModelError::NotFull);
+        };
+        let b = input_ids.size()[0];
+        self.check_batch(input_ids, &vec![1; b as usize])?;
+        tch::no_grad(|| {
+            let count = self.layers.len();
+            let placement = Placement::Rows { positions, len };
+            let x = self.run_layers_at(input_ids, count, Some(cache), placement, None, |_, _| {})?;
+            let x = x.f_to_device(self.device)?.f_squeeze_dim(1)?;
+            Ok(rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?)
+        })
+    }
+
     /// Whether [`Target::decode_at`] applies: a dense target (no experts: their routing sizes its kernels; no
     /// attention sinks) held whole on one device.
     pub fn graphable(&self) -> bool {
@@ -853,7 +930,8 @@ impl Target {
         };
         tch::no_grad(|| {
             let mut taps = Vec::with_capacity(self.taps.len());
-            let x = self.run_layers_at(input_ids, self.layers.len(), Some(cache), at, None, |layer, x| {
+            let placement = at.map_or(Placement::Append, Placement::At);
+            let x = self.run_layers_at(input_ids, self.layers.len(), Some(cache), placement, None, |layer, x| {
                 if self.taps.contains(&layer) {
                     // A copy (the next layer updates x in place), on the first device.
                     taps.push(if x.device() == self.device { x.copy() } else { x.to_device(self.device) });
@@ -908,49 +986,68 @@ impl Target {
         routes: Option<&mut Vec<Tensor>>,
         observe: impl FnMut(usize, &Tensor),
     ) -> Result<Tensor, ModelError> {
-        self.run_layers_at(input_ids, count, cache, None, routes, observe)
+        self.run_layers_at(input_ids, count, cache, Placement::Append, routes, observe)
     }
 
-    /// [`Target::run_layers`]; with `at` (and a cache), the positions start at that device scalar and the cache
-    /// is written by index and read whole ([`Keys::Indexed`]), its length left to the caller.
+    /// [`Target::run_layers`] with the tokens placed as `placement` says (with a cache; `Append` without one is the
+    /// whole-sequence pass). Only `Append` moves the cache's length on: the other placements leave it to the caller.
     fn run_layers_at(
         &self,
         input_ids: &Tensor,
         count: usize,
         mut cache: Option<&mut KvCache>,
-        at: Option<&Tensor>,
+        placement: Placement<'_>,
         mut routes: Option<&mut Vec<Tensor>>,
         mut observe: impl FnMut(usize, &Tensor),
     ) -> Result<Tensor, ModelError> {
         let s = input_ids.size()[1];
-        let start = cache.as_ref().map_or(0, |c| c.len());
-        let indexed = match (&cache, at) {
-            (Some(c), Some(at)) => {
-                let positions = Tensor::f_arange(s, (Kind::Int64, self.device))?.f_add(at)?;
-                let keys = Tensor::f_arange(c.capacity(), (Kind::Int64, self.device))?.unsqueeze(0);
-                let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
-                Some((positions, grouped_bias(&hidden, s, self.query_group(), self.kind)?))
-            }
-            _ => None,
+        let start = match (&cache, &placement) {
+            (Some(c), Placement::Append) => c.len(),
+            _ => 0,
         };
-        let positions = match &indexed {
-            Some((positions, _)) => positions.shallow_clone(),
-            None => Tensor::f_arange_start(start, start + s, (Kind::Int64, self.device))?,
+        let device = self.device;
+        // The new positions (`[S]`, or `[B, 1]` for one token per row at its own position), and the mask of the
+        // steps that read cached keys.
+        let (positions, mut bias) = match (&cache, &placement) {
+            (Some(c), Placement::At(at)) => {
+                let positions = Tensor::f_arange(s, (Kind::Int64, device))?.f_add(at)?;
+                let keys = Tensor::f_arange(c.capacity(), (Kind::Int64, device))?.unsqueeze(0);
+                let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
+                let bias = grouped_bias(&hidden, s, self.query_group(), self.kind)?;
+                (positions, Some(bias))
+            }
+            (Some(_), Placement::Rows { positions, len }) => {
+                let positions = positions.f_unsqueeze(1)?;
+                let hidden = Tensor::f_arange(*len, (Kind::Int64, device))?.unsqueeze(0).f_gt_tensor(&positions)?;
+                let rows = hidden.size()[0];
+                let bias = Tensor::f_zeros([rows, *len], (self.kind, device))?
+                    .f_masked_fill(&hidden, f64::NEG_INFINITY)?
+                    .f_view([rows, 1, 1, *len])?
+                    .f_expand([rows, 1, self.query_group(), *len], false)?
+                    .f_contiguous()?;
+                (positions, Some(bias))
+            }
+            // A verify step (several new tokens after cached ones) needs an explicit causal mask over [cache ; new].
+            // After a prefill, attention reads the cache in whole buckets with a causal mask over them, so its shape
+            // recurs from step to step (cuDNN plans an attention per shape, which costs far more than the attention
+            // itself at batch 1).
+            (Some(_), Placement::Append) if start > 0 => {
+                let positions = Tensor::f_arange_start(start, start + s, (Kind::Int64, device))?;
+                let keys = Tensor::f_arange(context_bucket(start + s), (Kind::Int64, device))?.unsqueeze(0);
+                let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
+                let bias = grouped_bias(&hidden, s, self.query_group(), self.kind)?;
+                (positions, Some(bias))
+            }
+            _ => (Tensor::f_arange_start(start, start + s, (Kind::Int64, device))?, None),
         };
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
-        // [S, d] -> [1, S, 1, d]: broadcast over batch and heads in the [B, S, heads, d] layout.
-        let (cos, sin) = (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2));
-        // A verify step (several new tokens after cached ones) needs an explicit causal mask over [cache ; new].
-        // After a prefill, attention reads the cache in whole buckets with a causal mask over them, so its shape
-        // recurs from step to step (cuDNN plans an attention per shape, which costs far more than the attention
-        // itself at batch 1).
-        let bias = match &cache {
-            _ if indexed.is_some() => None,
-            Some(_) if start > 0 => {
-                let keys = Tensor::f_arange(context_bucket(start + s), (Kind::Int64, self.device))?.unsqueeze(0);
-                let hidden = keys.f_gt_tensor(&positions.unsqueeze(1))?;
-                Some(grouped_bias(&hidden, s, self.query_group(), self.kind)?)
-            }
+        // -> [1 or B, S, 1, d]: broadcast over batch and heads in the [B, S, heads, d] layout.
+        let unsqueeze = |t: Tensor| if t.dim() == 2 { t.unsqueeze(0).unsqueeze(2) } else { t.unsqueeze(2) };
+        let (mut cos, mut sin) = (unsqueeze(cos), unsqueeze(sin));
+        // Where rows are written: the rows of new sequences, or the positions of each row's token.
+        let mut row_index = match &placement {
+            Placement::Fill(rows) => Some(rows.shallow_clone()),
+            Placement::Rows { positions, .. } => Some(positions.shallow_clone()),
             _ => None,
         };
         let mut x = {
@@ -958,7 +1055,6 @@ impl Target {
             self.embed(input_ids)
         };
         // On a spread target the hidden state and the per-step factors follow the layers from device to device.
-        let (mut cos, mut sin, mut bias) = (cos, sin, bias);
         let mut part = None;
         for (i, layer) in self.layers[..count].iter().enumerate() {
             if part != Some(layer.part) {
@@ -973,16 +1069,30 @@ impl Target {
                 let to = |t: &Tensor| t.f_to_device(layer.device);
                 (x, cos, sin) = (to(&x)?, to(&cos)?, to(&sin)?);
                 bias = bias.as_ref().map(to).transpose()?;
+                row_index = row_index.as_ref().map(to).transpose()?;
             }
-            let attend = match (cache.as_deref_mut(), &indexed) {
-                (Some(c), Some((positions, bias))) => Keys::Indexed { cache: c, layer: i, positions, bias },
-                (Some(c), None) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
+            let attend = match (cache.as_deref_mut(), &placement) {
                 (None, _) => Keys::Causal,
+                (Some(c), Placement::Append) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
+                (Some(c), Placement::At(_)) => {
+                    let bias = bias.as_ref().expect("a mask for indexed steps");
+                    Keys::Indexed { cache: c, layer: i, positions: &positions, bias }
+                }
+                (Some(c), Placement::Fill(_)) => {
+                    Keys::Fill { cache: c, layer: i, rows: row_index.as_ref().expect("rows to fill") }
+                }
+                (Some(c), Placement::Rows { len, .. }) => Keys::Rows {
+                    cache: c,
+                    layer: i,
+                    positions: row_index.as_ref().expect("row positions"),
+                    len: *len,
+                    bias: bias.as_ref().expect("a mask for row steps"),
+                },
             };
             x = self.layer_forward(layer, &x, &cos, &sin, attend, routes.as_deref_mut())?;
             observe(i, &x);
         }
-        if let Some(c) = cache.filter(|_| indexed.is_none()) {
+        if let (Some(c), Placement::Append) = (cache, &placement) {
             c.advance(s);
         }
         Ok(x)
@@ -1020,6 +1130,14 @@ impl Target {
             )
         };
         let v = v.transpose(1, 2);
+        // A prefill into cache rows attends as the whole-sequence pass does.
+        let keys = match keys {
+            Keys::Fill { cache, layer: index, rows } => {
+                cache.fill_rows(index, rows, &k, &v)?;
+                Keys::Causal
+            }
+            keys => keys,
+        };
         let attn = {
             let _p = span("target.attention");
             let gqa = kv_heads != heads;
@@ -1034,25 +1152,37 @@ impl Target {
                 )?
                 .transpose(1, 2),
                 (keys, Some(sinks)) => {
-                    let (k, v, start) = match keys {
-                        Keys::Causal => (k, v, 0),
+                    let positions = |start: i64| -> Result<Tensor, ModelError> {
+                        Ok(Tensor::f_arange_start(start, start + s, (Kind::Int64, q.device()))?.f_unsqueeze(0)?)
+                    };
+                    let (k, v, positions) = match keys {
+                        Keys::Causal => (k, v, positions(0)?),
                         Keys::Cached { cache, layer: index, .. } => {
                             let start = cache.len();
                             let _written = cache.write(index, &k, &v)?;
                             let (k, v) = cache.prefix(index, context_bucket(start + s))?;
-                            (k, v, start)
+                            (k, v, positions(start)?)
                         }
-                        Keys::Indexed { .. } => {
+                        Keys::Rows { cache, layer: index, positions, len, .. } => {
+                            let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
+                            (k, v, positions.f_unsqueeze(1)?)
+                        }
+                        Keys::Indexed { .. } | Keys::Fill { .. } => {
                             return Err(ModelError::Batch("attention sinks at a device position".into()));
                         }
                     };
-                    sink_attention(&q, &k, &v, sinks, layer.window, start)?
+                    sink_attention(&q, &k, &v, sinks, layer.window, &positions)?
                 }
-                (Keys::Causal, None) => {
+                // (A prefill into rows was written above and attends as the whole sequence.)
+                (Keys::Causal | Keys::Fill { .. }, None) => {
                     Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
                 }
                 (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
                     let (k, v) = cache.write_at(index, positions, &k, &v)?;
+                    masked_attention(&q, &k, &v, bias)?
+                }
+                (Keys::Rows { cache, layer: index, positions, len, bias }, None) => {
+                    let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
                     masked_attention(&q, &k, &v, bias)?
                 }
                 (Keys::Cached { cache, layer: index, bias }, None) => {
@@ -1281,7 +1411,8 @@ mod tests {
         let v = Tensor::randn([b, kv, t, d], (Kind::Float, dev));
         let sinks = Tensor::randn([heads], (Kind::Float, dev)) * 2.0;
         for window in [None, Some(128), Some(3)] {
-            let want = sink_attention(&q, &k, &v, &sinks, window, 0).unwrap();
+            let positions = Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(0);
+            let want = sink_attention(&q, &k, &v, &sinks, window, &positions).unwrap();
             let bf = |x: &Tensor| x.to_kind(Kind::BFloat16).transpose(1, 2);
             let got = crate::ops::sink_flash_attention(&bf(&q), &bf(&k), &bf(&v), &sinks, window).unwrap();
             let got = got.transpose(1, 2).to_kind(Kind::Float);

@@ -7,8 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use serde_json::{Map, Value};
 use tch::{Device, Kind};
 
@@ -16,25 +14,40 @@ use crate::config::{Config, DataSource, TargetSource};
 use crate::data::builtin::sample_conversations;
 use crate::data::dataset::{Dataset, SyntheticData};
 use crate::data::prepare::{Lines, ModelAssets, PrepareOptions, PrepareOutcome, prepare, prepare_lines};
-use crate::data::regenerate::{RegenerateOptions, Reply, Responder, ShowProgress, regenerate_with};
+use crate::data::regenerate::{
+    Failure, RegenerateOptions, RegenerateReport, Reply, ShowProgress, regenerate_concurrently,
+};
 use crate::data::shards::{PreparedSplit, hex};
-use crate::model::generate::{Sampling, generate};
+use crate::model::batched::{Answer, BatchGenerator, BatchSettings, Request};
+use crate::model::sampling::Sampling;
 use crate::model::{Depth, Target, TargetConfig};
 use sha2::{Digest, Sha256};
 
-/// The target answering as the chat template prompts it (`regenerate --local`, built-in data).
+/// The target answering as the chat template prompts it (`regenerate --local`, built-in data), many conversations at
+/// once ([`BatchGenerator`]).
 pub struct LocalResponder {
     pub target: Target,
     pub assets: ModelAssets,
-    /// Where a reply ends (none with `ignore_eos`: it runs to `max_tokens`).
-    pub stop: Vec<i64>,
-    pub max_tokens: usize,
-    pub sampling: Sampling,
+    pub settings: BatchSettings,
+}
+
+/// Conversations answered at once by default: enough rows to keep a GPU's matrix products busy; on a CPU, enough to
+/// share each weight read among several rows without padding much.
+pub fn default_batch(device: Device) -> usize {
+    if device.is_cuda() { 256 } else { 32 }
 }
 
 impl LocalResponder {
-    /// Stops at the target's EOS ids and the template's end-of-turn tokens, unless `ignore_eos`.
-    pub fn new(target: Target, assets: ModelAssets, max_tokens: usize, sampling: Sampling, ignore_eos: bool) -> Self {
+    /// Replies stop at the target's EOS ids and the template's end-of-turn tokens, unless `ignore_eos`; `batch`
+    /// conversations are answered at once.
+    pub fn new(
+        target: Target,
+        assets: ModelAssets,
+        max_tokens: usize,
+        sampling: Sampling,
+        ignore_eos: bool,
+        batch: usize,
+    ) -> Self {
         let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
         for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
             if let Some(id) = assets.tokenizer.token_id(marker) {
@@ -44,31 +57,75 @@ impl LocalResponder {
         if ignore_eos {
             stop.clear();
         }
-        LocalResponder { target, assets, stop, max_tokens, sampling }
+        let settings = BatchSettings { batch, max_new: max_tokens, stop, sampling, cuda_graphs: true };
+        LocalResponder { target, assets, settings }
+    }
+
+    /// Regenerates `opts`: the target generates on the calling thread (its device's), while another thread renders
+    /// the prompts, keeps twice the batch of conversations in flight and writes the answers.
+    pub fn regenerate(&self, opts: &RegenerateOptions) -> Result<RegenerateReport> {
+        let (requests, received) = std::sync::mpsc::channel::<Request>();
+        let mut generator = BatchGenerator::new(&self.target, self.settings.clone())?;
+        let concurrency = 2 * self.settings.batch;
+        // The driver's share: the tokenizer and template, and where replies stop (the target stays here).
+        let (assets, stop) = (&self.assets, &self.settings.stop);
+        std::thread::scope(|scope| {
+            let driver = scope.spawn(move || {
+                regenerate_concurrently(opts, concurrency, |conv, messages, seed| {
+                    let request = request(assets, &messages, conv.tools.as_ref(), seed);
+                    let sent = request.and_then(|(request, answer)| {
+                        requests.send(request).map_err(|_| Failure::new("the generator has stopped"))?;
+                        Ok(answer)
+                    });
+                    async move {
+                        let tokens = match sent?.await {
+                            Ok(answer) => answer.map_err(Failure::new)?,
+                            Err(_) => return Err(Failure::new("the generator stopped before answering")),
+                        };
+                        reply(assets, stop, tokens)
+                    }
+                })
+            });
+            let served = generator.serve(&received);
+            // Requests sent from here on fail at once, and those not taken are answered as dropped.
+            drop(received);
+            let report = match driver.join() {
+                Ok(report) => report?,
+                Err(panic) => std::panic::resume_unwind(panic),
+            };
+            served.context("generating the replies")?;
+            Ok(report)
+        })
     }
 }
 
-impl Responder for LocalResponder {
-    fn respond(&mut self, messages: &[Value], tools: Option<&Value>, seed: u64) -> Result<Reply, String> {
-        let prompt = self.assets.template.render(messages, tools, true).map_err(|e| e.to_string())?;
-        let ids: Vec<i64> = self.assets.tokenizer.encode(&prompt)?.ids.iter().map(|&t| t as i64).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut out = generate(&self.target, &ids, self.max_tokens, &self.stop, self.sampling, &mut rng)
-            .map_err(|e| e.to_string())?;
-        let tokens = out.len() as u64;
-        // Cut at the limit, unless it runs there on purpose (no stop tokens: --ignore-eos).
-        let ended = out.last().is_some_and(|t| self.stop.contains(t));
-        if ended {
-            out.pop();
-        }
-        let text: Vec<u32> = out.iter().map(|&t| t as u32).collect();
-        Ok(Reply {
-            content: self.assets.tokenizer.decode(&text)?,
-            reasoning: None,
-            tokens: Some(tokens),
-            truncated: !ended && !self.stop.is_empty(),
-        })
+/// The generation request of a reply to `messages`, and where its tokens arrive.
+fn request(
+    assets: &ModelAssets,
+    messages: &[Value],
+    tools: Option<&Value>,
+    seed: u64,
+) -> Result<(Request, Answer), Failure> {
+    let prompt = assets.template.render(messages, tools, true).map_err(|e| Failure::new(e.to_string()))?;
+    let encoded = assets.tokenizer.encode(&prompt).map_err(Failure::new)?;
+    Ok(Request::new(encoded.ids.iter().map(|&t| t as i64).collect(), seed))
+}
+
+/// The reply of generated `tokens`: cut at the limit unless it ended at a token of `stop`, or runs there on purpose
+/// (no stop tokens: --ignore-eos).
+fn reply(assets: &ModelAssets, stop: &[i64], mut tokens: Vec<i64>) -> Result<Reply, Failure> {
+    let count = tokens.len() as u64;
+    let ended = tokens.last().is_some_and(|t| stop.contains(t));
+    if ended {
+        tokens.pop();
     }
+    let text: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+    Ok(Reply {
+        content: assets.tokenizer.decode(&text).map_err(Failure::new)?,
+        reasoning: None,
+        tokens: Some(count),
+        truncated: !ended && !stop.is_empty(),
+    })
 }
 
 /// The training samples the configuration names, checked against the target: every token id in its vocabulary,
@@ -192,12 +249,13 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             "built-in data: the target answers the sample conversations (once)"
         );
         let target = config.target.source.build_target(&[0], Depth::Full, device, kind)?;
-        let mut responder = LocalResponder::new(
+        let responder = LocalResponder::new(
             target,
             ModelAssets::resolve(&model, &Map::new())?,
             d.builtin_max_new_tokens,
             Sampling::Greedy,
             false,
+            default_batch(device),
         );
         let opts = RegenerateOptions {
             input: conversations.clone(),
@@ -209,7 +267,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             template_kwargs: Map::new(),
             progress: ShowProgress::Lines(Duration::from_secs(10)),
         };
-        let report = crate::panic::catch_torch(|| regenerate_with(&opts, &mut responder))??;
+        let report = crate::panic::catch_torch(|| responder.regenerate(&opts))??;
         if report.failed > 0 {
             bail!("built-in data: {} conversations could not be regenerated", report.failed);
         }

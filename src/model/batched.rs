@@ -1,0 +1,424 @@
+//! Batched generation with the target (`regenerate --local`, the built-in data): many sequences decoded at once over
+//! one KV cache of `batch` rows, each row at a length of its own. A row whose sequence ends (a stop token, its token
+//! limit) is refilled from the queue (continuous batching); new sequences are prefilled together, right-padded,
+//! shortest first; each step feeds every generating row one token and reads each row's keys up to a bucketed length,
+//! masked per row, and on a GPU replays from a CUDA graph captured per step shape. The decisions live in
+//! [`Schedule`]; this module runs them on tensors.
+//!
+//! Tokens are chosen as [`super::generate::generate`] chooses them, one sequence at a time ([`pick_tokens`]): greedy
+//! output equals it in f32 and sampled output depends on each sequence's seed alone. In bf16 a batch's make-up may
+//! round a logit differently, which flips a token only at a near-tie.
+use std::sync::mpsc::Receiver;
+
+use futures::channel::oneshot;
+use tch::{Kind, Tensor};
+
+use super::batch_schedule::{Done, Job, Prefill, Schedule};
+use super::drafter::{CONTEXT_BUCKET, context_bucket};
+use super::sampling::{Sampling, pick_tokens};
+use super::{KvCache, ModelError, Target};
+use crate::cuda_graph::CudaGraph;
+
+/// Most padded prompt tokens one prefill runs (bounds its activations).
+const PREFILL_TOKENS: usize = 16_384;
+
+/// How a batched generation runs.
+#[derive(Debug, Clone)]
+pub struct BatchSettings {
+    /// Sequences decoded at once (cache rows).
+    pub batch: usize,
+    /// Most tokens a sequence adds (fewer where the model's positions end).
+    pub max_new: usize,
+    /// Tokens that end a sequence (returned with it).
+    pub stop: Vec<i64>,
+    pub sampling: Sampling,
+    /// Replay the steps from CUDA graphs where they apply (a dense target on one GPU).
+    pub cuda_graphs: bool,
+}
+
+/// A sequence to generate, and where its new tokens go.
+pub struct Request {
+    pub prompt: Vec<i64>,
+    /// Draws its sampled tokens ([`pick_tokens`]).
+    pub seed: u64,
+    pub reply: ReplyTo,
+}
+
+/// Where a request's new tokens go, or why there are none.
+pub type ReplyTo = oneshot::Sender<Result<Vec<i64>, String>>;
+
+/// Where a request's new tokens arrive.
+pub type Answer = oneshot::Receiver<Result<Vec<i64>, String>>;
+
+impl Request {
+    /// A request for `prompt`'s continuation, and where it arrives.
+    pub fn new(prompt: Vec<i64>, seed: u64) -> (Request, Answer) {
+        let (reply, answer) = oneshot::channel();
+        (Request { prompt, seed, reply }, answer)
+    }
+}
+
+/// A step shape's captured graph: its inputs, written before each replay, and where it writes the chosen tokens.
+struct Captured {
+    rows: usize,
+    keys: i64,
+    graph: CudaGraph,
+    inputs: StepTensors,
+    picked: Tensor,
+}
+
+/// One step's inputs on the device.
+struct StepTensors {
+    ids: Tensor,
+    positions: Tensor,
+    seeds: Tensor,
+    steps: Tensor,
+}
+
+/// See the module documentation.
+pub struct BatchGenerator<'a> {
+    target: &'a Target,
+    settings: BatchSettings,
+    cache: Option<KvCache>,
+    graphs: Vec<Captured>,
+    graphs_apply: bool,
+}
+
+impl<'a> BatchGenerator<'a> {
+    pub fn new(target: &'a Target, settings: BatchSettings) -> Result<Self, ModelError> {
+        if target.config().max_position_embeddings == 0 {
+            return Err(ModelError::Batch("the target has no positions to generate at".into()));
+        }
+        let graphs_apply = settings.cuda_graphs && CudaGraph::available(target.device()) && target.graphable();
+        let settings = BatchSettings { batch: settings.batch.max(1), ..settings };
+        Ok(BatchGenerator { target, settings, cache: None, graphs: Vec::new(), graphs_apply })
+    }
+
+    /// Whether steps replay from CUDA graphs.
+    pub fn graphed(&self) -> bool {
+        self.graphs_apply
+    }
+
+    /// Generates for every request received until the senders are gone, answering each as its sequence ends.
+    /// On a failure every request held is answered with it, and it is returned.
+    pub fn serve(&mut self, requests: &Receiver<Request>) -> Result<(), ModelError> {
+        let s = &self.settings;
+        let mut schedule: Schedule<ReplyTo> = Schedule::new(s.batch, s.stop.clone(), PREFILL_TOKENS, CONTEXT_BUCKET);
+        let result = self.run(&mut schedule, requests);
+        if let Err(e) = &result {
+            for reply in schedule.drain() {
+                let _ = reply.send(Err(e.to_string()));
+            }
+        }
+        result
+    }
+
+    /// Generates for each prompt (seeded by its index): the new tokens of each, in order. For tests and benchmarks.
+    pub fn generate_all(&mut self, prompts: &[Vec<i64>]) -> Result<Vec<Vec<i64>>, ModelError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut answers = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let (request, answer) = Request::new(prompt.clone(), i as u64);
+            let _ = tx.send(request);
+            answers.push(answer);
+        }
+        drop(tx);
+        self.serve(&rx)?;
+        answers
+            .into_iter()
+            .map(|a| match futures::executor::block_on(a) {
+                Ok(Ok(tokens)) => Ok(tokens),
+                Ok(Err(e)) => Err(ModelError::Batch(e)),
+                Err(_) => Err(ModelError::Batch("a request was dropped unanswered".into())),
+            })
+            .collect()
+    }
+
+    fn run(&mut self, schedule: &mut Schedule<ReplyTo>, requests: &Receiver<Request>) -> Result<(), ModelError> {
+        let positions = self.target.config().max_position_embeddings;
+        let mut open = true;
+        loop {
+            // Wait for work when there is none; take whatever else is waiting.
+            if schedule.idle() {
+                match requests.recv() {
+                    Ok(request) => self.submit(schedule, request, positions),
+                    Err(_) => return Ok(()),
+                }
+            }
+            while open {
+                match requests.try_recv() {
+                    Ok(request) => self.submit(schedule, request, positions),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => open = false,
+                }
+            }
+            for prefill in schedule.admit() {
+                // The prompt, and the position its first step writes.
+                self.ensure_capacity(prefill.width() as i64 + 1)?;
+                let first = self.prefill(&prefill)?;
+                answer(schedule.started(&prefill, &first));
+            }
+            if let Some(input) = schedule.step_input() {
+                self.ensure_capacity(input.keys)?;
+                let tokens = self.step(&input)?;
+                answer(schedule.stepped(&tokens));
+            } else if !open && schedule.idle() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn submit(&self, schedule: &mut Schedule<ReplyTo>, request: Request, positions: usize) {
+        // Past the model's positions a sequence ends where it is, as a length limit does.
+        let limit = self.settings.max_new.min(positions.saturating_sub(request.prompt.len()));
+        let job = Job { limit, prompt: request.prompt, seed: request.seed, tag: request.reply };
+        if let Some(done) = schedule.submit(job) {
+            answer(vec![done]);
+        }
+    }
+
+    /// Makes the cache hold `positions` per row. It grows as the sequences do (to twice its size at least, so it
+    /// seldom grows), keeping what the rows hold; graphs captured over the old one are dropped.
+    fn ensure_capacity(&mut self, positions: i64) -> Result<(), ModelError> {
+        let have = self.cache.as_ref().map_or(0, KvCache::capacity);
+        if positions <= have {
+            return Ok(());
+        }
+        let most = context_bucket(self.target.config().max_position_embeddings as i64);
+        let capacity = context_bucket(positions).max((2 * have).min(most));
+        let rows = self.settings.batch as i64;
+        let grown = self.target.new_rows_cache(rows, capacity).map_err(|e| {
+            ModelError::Batch(format!(
+                "a KV cache of {rows} rows x {capacity} positions: {e}; answer fewer conversations at once (--batch)"
+            ))
+        })?;
+        if let Some(old) = &self.cache {
+            grown.copy_from(old)?;
+        }
+        self.cache = Some(grown);
+        self.graphs.clear();
+        Ok(())
+    }
+
+    /// Runs `prefill`: the first token of each of its sequences.
+    fn prefill(&mut self, prefill: &Prefill) -> Result<Vec<i64>, ModelError> {
+        let device = self.target.device();
+        let width = prefill.width();
+        let lengths: Vec<i64> = prefill.prompts.iter().map(|p| p.len() as i64).collect();
+        let padded: Vec<i64> = prefill
+            .prompts
+            .iter()
+            .flat_map(|p| p.iter().copied().chain(std::iter::repeat_n(0, width - p.len())))
+            .collect();
+        let ids = Tensor::f_from_slice(&padded)?.f_view([prefill.rows.len() as i64, width as i64])?.f_to(device)?;
+        let rows: Vec<i64> = prefill.rows.iter().map(|&r| r as i64).collect();
+        let rows = Tensor::f_from_slice(&rows)?.f_to(device)?;
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a prefill".into()))?;
+        let logits = self.target.prefill_rows(&ids, &lengths, &rows, cache)?;
+        let seeds = seed_tensor(&prefill.seeds)?.f_to(device)?;
+        let steps = Tensor::f_zeros([prefill.rows.len() as i64], (Kind::Int64, device))?;
+        Ok(Vec::try_from(pick_tokens(&logits, self.settings.sampling, &seeds, &steps)?.f_to(tch::Device::Cpu)?)?)
+    }
+
+    /// Runs one step: the token each row of `input` draws.
+    fn step(&mut self, input: &super::batch_schedule::StepInput) -> Result<Vec<i64>, ModelError> {
+        let device = self.target.device();
+        let host = StepTensors {
+            ids: Tensor::f_from_slice(&input.tokens)?.f_view([input.rows as i64, 1])?,
+            positions: Tensor::f_from_slice(&input.positions)?,
+            seeds: seed_tensor(&input.seeds)?,
+            steps: Tensor::f_from_slice(&input.steps)?,
+        };
+        let sampling = self.settings.sampling;
+        let target = self.target;
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a step".into()))?;
+        let run = |t: &StepTensors, cache: &mut KvCache| -> Result<Tensor, ModelError> {
+            let logits = target.step_rows(&t.ids, &t.positions, input.keys, cache)?;
+            pick_tokens(&logits, sampling, &t.seeds, &t.steps)
+        };
+        let picked = if self.graphs_apply {
+            match graphed_step(&mut self.graphs, target, cache, input, &host, run) {
+                Ok(picked) => picked,
+                Err(e) => {
+                    tracing::warn!("generating without CUDA graphs from here: {e}");
+                    self.graphs_apply = false;
+                    self.graphs.clear();
+                    run(&host.to(device)?, cache)?
+                }
+            }
+        } else {
+            run(&host.to(device)?, cache)?
+        };
+        Ok(Vec::try_from(picked.f_to(tch::Device::Cpu)?)?)
+    }
+}
+
+/// The step of `input`'s shape from its graph (captured at first use): its inputs written, replayed.
+fn graphed_step(
+    graphs: &mut Vec<Captured>,
+    target: &Target,
+    cache: &mut KvCache,
+    input: &super::batch_schedule::StepInput,
+    host: &StepTensors,
+    run: impl Fn(&StepTensors, &mut KvCache) -> Result<Tensor, ModelError>,
+) -> Result<Tensor, ModelError> {
+    let index = match graphs.iter().position(|g| g.rows == input.rows && g.keys == input.keys) {
+        Some(i) => i,
+        None => {
+            let inputs = host.to(target.device())?;
+            let (graph, picked) = CudaGraph::capture(target.device(), 2, || run(&inputs, cache))
+                .map_err(|e| ModelError::Torch(format!("capturing a step of {} rows: {e}", input.rows)))?;
+            graphs.push(Captured { rows: input.rows, keys: input.keys, graph, inputs, picked });
+            graphs.len() - 1
+        }
+    };
+    let g = &graphs[index];
+    g.inputs.copy_from(host)?;
+    g.graph.replay().map_err(|e| ModelError::Torch(e.to_string()))?;
+    Ok(g.picked.shallow_clone())
+}
+
+impl StepTensors {
+    fn to(&self, device: tch::Device) -> Result<StepTensors, ModelError> {
+        Ok(StepTensors {
+            ids: self.ids.f_to(device)?,
+            positions: self.positions.f_to(device)?,
+            seeds: self.seeds.f_to(device)?,
+            steps: self.steps.f_to(device)?,
+        })
+    }
+
+    fn copy_from(&self, host: &StepTensors) -> Result<(), ModelError> {
+        self.ids.shallow_clone().f_copy_(&host.ids)?;
+        self.positions.shallow_clone().f_copy_(&host.positions)?;
+        self.seeds.shallow_clone().f_copy_(&host.seeds)?;
+        self.steps.shallow_clone().f_copy_(&host.steps)?;
+        Ok(())
+    }
+}
+
+/// Seeds as int64 bit patterns (the device hash wraps as `u64` does).
+fn seed_tensor(seeds: &[u64]) -> Result<Tensor, ModelError> {
+    let bits: Vec<i64> = seeds.iter().map(|&s| s as i64).collect();
+    Ok(Tensor::f_from_slice(&bits)?)
+}
+
+/// Sends each finished sequence's tokens (a requester that stopped waiting has nothing to receive).
+fn answer(done: Vec<Done<ReplyTo>>) {
+    for d in done {
+        let _ = d.tag.send(Ok(d.tokens));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::generate::generate;
+    use crate::model::presets::tiny;
+    use crate::model::{Depth, Preset};
+    use tch::Device;
+
+    fn settings(batch: usize, max_new: usize, stop: Vec<i64>, sampling: Sampling) -> BatchSettings {
+        BatchSettings { batch, max_new, stop, sampling, cuda_graphs: true }
+    }
+
+    /// Prompts of many lengths, some of the built-in task model's chat prompts among them.
+    fn prompts() -> Vec<Vec<i64>> {
+        let assets = crate::data::prepare::ModelAssets::tiny(&Default::default());
+        let chat = |text: &str| -> Vec<i64> {
+            let messages = [serde_json::json!({"role": "user", "content": text})];
+            let prompt = assets.template.render(&messages, None, true).unwrap();
+            assets.tokenizer.encode(&prompt).unwrap().ids.iter().map(|&t| t as i64).collect()
+        };
+        let mut prompts = vec![chat("Count from 17 to 33."), chat("Count from 3 to 9."), chat("Reverse: abc")];
+        prompts.extend((1..8).map(|n| (0..3 * n).map(|i| 20 + (i * 7 + n) % 200).collect::<Vec<i64>>()));
+        prompts.push(chat("Count from 90 to 95."));
+        prompts
+    }
+
+    /// Batched output equals one-at-a-time generation (f32) for every sequence, greedy and sampled, whatever the
+    /// batch: rows ending at a stop token or their limit are refilled while others run, on the dense targets, with
+    /// experts, and with attention sinks and sliding windows.
+    #[test]
+    fn batched_generation_equals_one_sequence_at_a_time() {
+        let prompts = prompts();
+        let stop = vec![tiny::IM_END];
+        for preset in [Preset::TinyTasks, Preset::Tiny, Preset::TinyMoe, Preset::TinyGptOss] {
+            let target = preset.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+            for sampling in [Sampling::Greedy, Sampling::Temperature(0.9)] {
+                let alone: Vec<Vec<i64>> = (prompts.iter().enumerate())
+                    .map(|(i, p)| generate(&target, p, 24, &stop, sampling, i as u64).unwrap())
+                    .collect();
+                if preset == Preset::TinyTasks && sampling == Sampling::Greedy {
+                    assert!(alone.iter().any(|a| a.len() < 24), "some end at their stop token");
+                }
+                let batches: &[usize] = if preset == Preset::TinyTasks { &[1, 3, 8] } else { &[3] };
+                for &batch in batches {
+                    let mut g = BatchGenerator::new(&target, settings(batch, 24, stop.clone(), sampling)).unwrap();
+                    let together = g.generate_all(&prompts).unwrap();
+                    assert_eq!(together, alone, "{preset:?}, {sampling:?}, batch {batch}");
+                }
+            }
+        }
+    }
+
+    /// A sequence's follow-up that arrives while others run, longer than the cache held: the cache grows, keeping
+    /// what the running rows hold; at the model's positions a sequence ends where it is; an empty prompt gets nothing.
+    #[test]
+    fn later_longer_requests_grow_the_cache_and_positions_end_sequences() {
+        let target = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+        let limit = target.config().max_position_embeddings;
+        let short: Vec<i64> = vec![30, 31, 32];
+        let long: Vec<i64> = (0..300).map(|i| 10 + i % 90).collect();
+        let edge: Vec<i64> = (0..limit as i64 - 3).map(|i| 10 + i % 50).collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ask = |tx: &std::sync::mpsc::Sender<Request>, prompt: &Vec<i64>, seed: u64| {
+            let (request, answer) = Request::new(prompt.clone(), seed);
+            tx.send(request).unwrap();
+            answer
+        };
+        let first = ask(&tx, &short, 0);
+        let empty = ask(&tx, &vec![], 1);
+        let mut g = BatchGenerator::new(&target, settings(4, 40, vec![], Sampling::Greedy)).unwrap();
+        let (short, long, edge) = (&short, &long, &edge);
+        let follow_up = std::thread::scope(|scope| {
+            let asker = scope.spawn(move || {
+                let answer = futures::executor::block_on(first).unwrap().unwrap();
+                let mut second = short.clone();
+                second.extend(&answer);
+                second.extend(long);
+                let at_edge = ask(&tx, edge, 3);
+                let follow = ask(&tx, &second, 2);
+                drop(tx);
+                let get =
+                    |a: oneshot::Receiver<Result<Vec<i64>, String>>| futures::executor::block_on(a).unwrap().unwrap();
+                (answer, second, get(follow), get(at_edge))
+            });
+            g.serve(&rx).unwrap();
+            asker.join().unwrap()
+        });
+        let (answer, second, follow, at_edge) = follow_up;
+        assert_eq!(futures::executor::block_on(empty).unwrap().unwrap(), Vec::<i64>::new());
+        assert_eq!(answer, generate(&target, short, 40, &[], Sampling::Greedy, 0).unwrap());
+        assert_eq!(follow, generate(&target, &second, 40, &[], Sampling::Greedy, 2).unwrap());
+        assert_eq!(at_edge.len(), 3, "the model's positions end it");
+        assert_eq!(at_edge, generate(&target, edge, 40, &[], Sampling::Greedy, 3).unwrap());
+    }
+
+    /// On a GPU: steps replayed from CUDA graphs generate what eager steps generate (f32).
+    #[test]
+    fn replayed_steps_generate_what_eager_steps_generate() {
+        let Some(device) = crate::cuda_graph::graph_test_device() else {
+            return;
+        };
+        let target = Preset::TinyTasks.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
+        let prompts = prompts();
+        let run = |graphs: bool| {
+            let s = BatchSettings { cuda_graphs: graphs, ..settings(4, 30, vec![tiny::IM_END], Sampling::Greedy) };
+            let mut g = BatchGenerator::new(&target, s).unwrap();
+            assert_eq!(g.graphed(), graphs);
+            g.generate_all(&prompts).unwrap()
+        };
+        assert_eq!(run(true), run(false));
+    }
+}
