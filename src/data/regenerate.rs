@@ -561,11 +561,16 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             .map_err(|reason| DataError::File { path: opts.input.clone(), reason })?;
     }
     let respond = |conv: &Conversation, messages: Vec<Value>, seed: u64| {
+        // No repetition penalty: the target's own distribution, as dflash decodes and vLLM serves it by default
+        // (llama-cpp-python's server applies 1.1 unless told, which changes even greedy answers). vLLM and SGLang
+        // read `repetition_penalty`, llama.cpp `repeat_penalty`; each ignores the other's.
         let mut body = json!({
             "model": endpoint.model,
             "messages": messages,
             "max_tokens": opts.max_tokens,
             "temperature": opts.temperature,
+            "repetition_penalty": 1.0,
+            "repeat_penalty": 1.0,
         });
         if opts.temperature > 0.0 {
             body["seed"] = json!(seed >> 1); // servers take a signed 64-bit seed
