@@ -161,3 +161,46 @@ fn losing_rank_0_leaves_the_others_checkpoints_and_the_run_resumes_from_the_newe
     let ids = train_ids(prepared());
     assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 3, "three epochs, every sample once");
 }
+
+/// A follower pointed at a port where something else listens (it accepts and never answers) gives up within its
+/// rendezvous deadline, naming the address, in a few lines (libtorch's C++ stack is not among them).
+#[test]
+fn a_follower_pointed_at_something_that_is_not_a_store_gives_up_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let held: Vec<_> = listener.incoming().take(64).collect();
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+        drop(held);
+    });
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .arg("serve-train")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--set", "cluster.hosts=2", "--set", "cluster.rank=1", "--set", "cluster.master_addr=127.0.0.1"])
+        .args(["--set", &format!("cluster.master_port={port}"), "--set", "cluster.rendezvous_timeout_s=3"])
+        .args(["--set", "control.listen=off"])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = started + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the follower still waits after 60 s with a 3 s rendezvous deadline");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(took < std::time::Duration::from_secs(20), "gave up after {took:?}");
+    assert!(stderr.contains(&format!("127.0.0.1:{port}")) && stderr.contains("c10d store"), "{stderr}");
+    assert!(!stderr.contains("Exception raised from"), "libtorch's C++ stack in the error: {stderr}");
+}

@@ -37,7 +37,7 @@ pub struct RegenerateArgs {
     concurrency: usize,
     /// --local: conversations the target answers at once (default: 256 on a GPU, 32 on a CPU; more is faster until
     /// the KV cache, batch x the longest prompt and reply, fills the device).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "endpoint")]
     batch: Option<usize>,
     /// Retries per request after the first, with exponential backoff (--endpoint).
     #[arg(long, default_value_t = 5)]

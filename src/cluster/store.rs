@@ -72,12 +72,20 @@ unsafe extern "C" {
 /// The shim's status for "the deadline passed".
 const TIMED_OUT: c_int = 2;
 
+/// How long past its deadline a connection may take before its peer is judged not a store ([`Store::connect`]).
+pub const NOT_A_STORE_GRACE: Duration = Duration::from_secs(2);
+
 #[derive(Debug, Error)]
 pub enum StoreError {
     #[error("the store at {address}: {what} {key:?} timed out after {waited:.1} s (limit {limit:.1} s)")]
     Timeout { address: String, what: &'static str, key: String, waited: f64, limit: f64 },
     #[error("the store at {address}: {what} {key:?}: {message}")]
     Failed { address: String, what: &'static str, key: String, message: String },
+    #[error(
+        "{address} accepts connections but did not answer as a c10d store within {waited:.1} s: is it the rendezvous \
+         host's store (cluster.master_addr and cluster.master_port)?"
+    )]
+    NotAStore { address: String, waited: f64 },
     #[error("store key {0:?} holds a NUL byte")]
     BadKey(String),
 }
@@ -101,9 +109,31 @@ impl Store {
         Self::open("127.0.0.1", port, true, timeout)
     }
 
-    /// Connects to the store served at `host:port`, retrying until `timeout` (the server may start later).
+    /// Connects to the store served at `host:port`, retrying until `timeout` (the server may start later). A peer
+    /// that accepts the connection but never answers as a store (another service on that port) blocks libtorch's
+    /// client without a deadline: the connection is made on a thread of its own, abandoned (left blocked, its store
+    /// closed should it ever connect) when it has not finished [`NOT_A_STORE_GRACE`] past `timeout`.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Store, StoreError> {
-        Self::open(host, port, false, timeout)
+        let (tx, rx) = std::sync::mpsc::channel();
+        let owned_host = host.to_string();
+        std::thread::Builder::new()
+            .name("store-connect".into())
+            .spawn(move || {
+                let result = Self::open(&owned_host, port, false, timeout);
+                // Given up on: the connection is closed by dropping it.
+                let _ = tx.send(result);
+            })
+            .map_err(|e| StoreError::Failed {
+                address: format!("{host}:{port}"),
+                what: "connecting to",
+                key: String::new(),
+                message: format!("starting a thread: {e}"),
+            })?;
+        let waited = timeout + NOT_A_STORE_GRACE;
+        match rx.recv_timeout(waited) {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::NotAStore { address: format!("{host}:{port}"), waited: waited.as_secs_f64() }),
+        }
     }
 
     fn open(host: &str, port: u16, is_server: bool, timeout: Duration) -> Result<Store, StoreError> {
@@ -343,5 +373,28 @@ mod tests {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let err = Store::connect("127.0.0.1", port, Duration::from_millis(500)).err().expect("nobody serves it");
         assert!(err.to_string().contains(&format!("127.0.0.1:{port}")), "{err}");
+    }
+
+    /// A port where something listens that is not a store (accepts, never answers): the connection fails within its
+    /// deadline, named as such, rather than waiting forever.
+    #[test]
+    fn a_peer_that_is_not_a_store_is_named_within_the_deadline() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _silent = std::thread::spawn(move || {
+            let held: Vec<_> = listener.incoming().take(64).collect();
+            std::thread::sleep(Duration::from_secs(3600));
+            drop(held);
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let result = Store::connect("127.0.0.1", port, Duration::from_secs(2)).err().map(|e| e.to_string());
+            let _ = tx.send((result, started.elapsed()));
+        });
+        let (err, took) = rx.recv_timeout(Duration::from_secs(30)).expect("connecting still waits after 30 s");
+        let err = err.expect("a silent peer is no store");
+        assert!(took < Duration::from_secs(8), "failed after {took:?}, the deadline is 2 s");
+        assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("did not answer as a c10d store"), "{err}");
     }
 }
