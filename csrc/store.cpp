@@ -3,6 +3,7 @@
 // process holds a client. Stores cross the boundary as `c10::intrusive_ptr<c10d::Store>*`; values are byte strings,
 // returned in buffers the caller frees with `dflash_store_free_bytes`. A deadline that passes returns 2 (c10d's
 // DistStoreError: a wait or get that timed out); any other failure 1, with the message in `err`.
+#include <optional>
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -96,10 +97,27 @@ extern "C" {
 
 // Serves the store on `port` (0: any free port) when `is_server`, else connects to host:port, retrying until
 // `timeout_ms`, which also bounds every later operation unless it gives its own. `bound_port` receives the port.
+// While a client connects, c10d logs each failed attempt at ERROR with libtorch's whole C++ stack (some 25 lines)
+// before throwing the error this shim returns in one line. Unless the user chose a level (TORCH_CPP_LOG_LEVEL, the
+// switch to see them), those lines are kept out: the log shows fatal messages only until the connection is made or
+// has failed.
+struct QuietConnect {
+  int saved = FLAGS_caffe2_log_level;
+  bool active = std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr;
+  QuietConnect() {
+    if (active) FLAGS_caffe2_log_level = 3;
+  }
+  ~QuietConnect() {
+    if (active) FLAGS_caffe2_log_level = saved;
+  }
+};
+
 int dflash_store_open(const char* host, int port, int is_server, int64_t timeout_ms, void** out, int* bound_port,
                       char* err, size_t len) {
   return guard_store(err, len, [&] {
     quiet_timeouts();
+    std::optional<QuietConnect> quiet;
+    if (is_server == 0) quiet.emplace();
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<std::uint16_t>(port);
     opts.isServer = is_server != 0;

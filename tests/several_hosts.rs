@@ -204,3 +204,27 @@ fn a_follower_pointed_at_something_that_is_not_a_store_gives_up_in_time() {
     assert!(stderr.contains(&format!("127.0.0.1:{port}")) && stderr.contains("c10d store"), "{stderr}");
     assert!(!stderr.contains("Exception raised from"), "libtorch's C++ stack in the error: {stderr}");
 }
+
+/// A follower whose rendezvous host is not there (nothing listens) gives up at its deadline with one line naming
+/// the address: libtorch's log of each failed attempt, with its C++ stack, is kept out unless TORCH_CPP_LOG_LEVEL asks.
+#[test]
+fn a_missing_rendezvous_host_is_one_line_not_a_cpp_stack() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let port = free_port();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .arg("serve-train")
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--set", "cluster.hosts=2", "--set", "cluster.rank=1", "--set", "cluster.master_addr=127.0.0.1"])
+        .args(["--set", &format!("cluster.master_port={port}"), "--set", "cluster.rendezvous_timeout_s=2"])
+        .args(["--set", "control.listen=off"])
+        .env_remove("RUST_LOG")
+        .env_remove("TORCH_CPP_LOG_LEVEL")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
+    assert!(!stderr.contains("Exception raised from") && !stderr.contains("frame #"), "{stderr}");
+}
