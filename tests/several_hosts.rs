@@ -228,3 +228,55 @@ fn a_missing_rendezvous_host_is_one_line_not_a_cpp_stack() {
     assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
     assert!(!stderr.contains("Exception raised from") && !stderr.contains("frame #"), "{stderr}");
 }
+
+/// A follower whose drafter is not rank 0's (2 layers against 1) is refused when it joins, naming the key and both
+/// values, instead of restarting on a reshape error; one whose learning rate differs joins, saying rank 0's applies.
+#[test]
+fn a_follower_with_another_drafter_is_refused_at_join() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let port = free_port().to_string();
+    let sets = |rank: usize| -> Vec<String> {
+        vec![
+            "cluster.hosts=2".into(),
+            format!("cluster.rank={rank}"),
+            "cluster.master_addr=127.0.0.1".into(),
+            format!("cluster.master_port={port}"),
+            "cluster.rendezvous_timeout_s=60".into(),
+        ]
+    };
+    let rank0_sets = sets(0);
+    let rank0 = Service::start(&cfg, false, &rank0_sets.iter().map(String::as_str).collect::<Vec<_>>());
+    let follower = |extra: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"));
+        c.arg("serve-train").arg("--config").arg(&cfg).env_remove("RUST_LOG");
+        for s in sets(1).iter().map(String::as_str).chain(extra.iter().copied()) {
+            c.args(["--set", s]);
+        }
+        c.args(["--set", "control.listen=off"]);
+        c
+    };
+    let started = std::time::Instant::now();
+    let out = follower(&["draft_model.num_hidden_layers=2"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "refused after {:?}", started.elapsed());
+    assert!(stderr.contains("draft_model.num_hidden_layers = 2 here, 1 on rank 0"), "{stderr}");
+    assert!(!stderr.contains("restart"), "refused, not restarted: {stderr}");
+    // A different lr joins (rank 0's applies, said once); stopped once it has said so.
+    let mut joins = follower(&["optim.lr=5e-3"]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut said = String::new();
+    let reader = std::io::BufReader::new(joins.stderr.take().unwrap());
+    for line in std::io::BufRead::lines(reader) {
+        let line = line.unwrap();
+        said.push_str(&line);
+        said.push('\n');
+        if line.contains("optim.lr") || said.lines().count() > 400 {
+            break;
+        }
+    }
+    joins.kill().unwrap();
+    let _ = joins.wait();
+    drop(rank0);
+    assert!(said.contains("optim.lr = 0.005 here: rank 0's 0.002 applies to the whole run"), "{said}");
+}

@@ -24,6 +24,7 @@ use super::exchange::{self, Coordinator, Entry, ExchangeError};
 use super::launch::HostPlacement;
 use super::quorum::{Admitted, Rank};
 use super::store::{Store, StoreError};
+use crate::config::{Change, join_differences};
 use crate::data::loader::BatchId;
 use crate::train::collective::ObjectiveKnobs;
 use crate::train::nccl::{NcclComm, NcclError, NcclId};
@@ -47,6 +48,11 @@ pub enum LinkError {
          (data.* keys and files), since rank 0 assigns batches by position"
     )]
     DataDiffers { mine: String, theirs: String },
+    #[error(
+        "this host's settings differ from rank 0's in keys every host of a run must share: {0}; start every host \
+         with the same configuration for them"
+    )]
+    SettingsDiffer(String),
     #[error(
         "no live host had the run's state when this host was admitted (every host lost it at once, or rank 0 does not \
          take part): restart every host with --resume auto"
@@ -436,16 +442,48 @@ impl HostLink {
     /// Checks that this host reads the same training data as rank 0 (`fingerprint`: what identifies it), which
     /// posts its own; waits up to the rendezvous timeout for it.
     pub fn agree_on_data(&self, fingerprint: &str) -> Result<(), LinkError> {
-        const KEY: &str = "dflash/data";
-        if self.rank() == 0 {
-            return self.with_store(|s| Ok(s.set(KEY, fingerprint.as_bytes())?));
-        }
-        let theirs = self.with_store(|s| Ok(s.get(KEY, self.placement.rendezvous_timeout)?))?;
-        let theirs = String::from_utf8_lossy(&theirs).into_owned();
+        let Some(theirs) = self.rank0_posts("dflash/data", fingerprint)? else {
+            return Ok(());
+        };
         if theirs != fingerprint {
             return Err(LinkError::DataDiffers { mine: fingerprint.into(), theirs });
         }
         Ok(())
+    }
+
+    /// Checks this host's settings against rank 0's, which posts its own (`settings`: [`crate::config::join_settings`] of each): a
+    /// key every host must share that differs refuses this host, naming each with both values. Returns the reloadable
+    /// keys whose value rank 0's replaces here.
+    pub fn agree_on_settings(&self, settings: &serde_json::Value) -> Result<Vec<Change>, LinkError> {
+        let Some(theirs) = self.rank0_posts("dflash/settings", &settings.to_string())? else {
+            return Ok(Vec::new());
+        };
+        let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| LinkError::Malformed {
+            what: "settings",
+            rank: 0,
+            message: e.to_string(),
+        })?;
+        let (refused, overridden) = join_differences(settings, &theirs);
+        if !refused.is_empty() {
+            let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("unset".to_string(), |v| v.to_string());
+            let listed: Vec<String> = refused
+                .iter()
+                .map(|c| format!("{} = {} here, {} on rank 0", c.key, show(&c.new), show(&c.old)))
+                .collect();
+            return Err(LinkError::SettingsDiffer(listed.join("; ")));
+        }
+        Ok(overridden)
+    }
+
+    /// Rank 0 posts `mine` under `key` (`None`); another host reads what rank 0 posted, waiting up to the rendezvous
+    /// timeout for it.
+    fn rank0_posts(&self, key: &str, mine: &str) -> Result<Option<String>, LinkError> {
+        if self.rank() == 0 {
+            self.with_store(|s| Ok(s.set(key, mine.as_bytes())?))?;
+            return Ok(None);
+        }
+        let theirs = self.with_store(|s| Ok(s.get(key, self.placement.rendezvous_timeout)?))?;
+        Ok(Some(String::from_utf8_lossy(&theirs).into_owned()))
     }
 
     /// Enters the run as a new generation: rank 0 founds it the first time; every other entry waits to be admitted

@@ -611,6 +611,50 @@ pub const NON_RELOADABLE: [&str; 10] = [
     "objective.seed",
 ];
 
+/// Keys every host of a run must share, checked when a host joins ([`join_differences`]): those a run cannot change
+/// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
+/// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), and how the
+/// drafters sum their gradients.
+pub const SHARED_BY_HOSTS: [&str; 9] = [
+    "draft_model.num_hidden_layers",
+    "draft_model.block_size",
+    "draft_model.intermediate_size",
+    "draft_model.target_layer_ids",
+    "draft_model.mask_token_id",
+    "data.holdout",
+    "data.batch_size",
+    "objective.seed",
+    "drafters.collective",
+];
+
+/// What a host compares with rank 0's when it joins: its values of [`SHARED_BY_HOSTS`] and [`RELOADABLE`] from its
+/// merged tree, and `target` (what its target is, not where) as `target.model`; a flat object of dotted keys.
+pub fn join_settings(tree: &serde_json::Value, target: &str) -> serde_json::Value {
+    let mut flat = serde_json::Map::new();
+    for key in SHARED_BY_HOSTS.iter().chain(RELOADABLE.iter()) {
+        if let Some(v) = lookup(tree, key) {
+            flat.insert((*key).to_string(), v.clone());
+        }
+    }
+    flat.insert("target.model".into(), serde_json::json!(target));
+    serde_json::Value::Object(flat)
+}
+
+/// A joining host's [`join_settings`] (`mine`) against rank 0's: the keys every host must share that differ (the
+/// host is refused), and the reloadable ones whose value rank 0's replaces here (said once). Each change goes from
+/// rank 0's value (`old`) to this host's (`new`).
+pub fn join_differences(mine: &serde_json::Value, rank0: &serde_json::Value) -> (Vec<Change>, Vec<Change>) {
+    let mut keys: Vec<&String> = mine.as_object().into_iter().flatten().map(|(k, _)| k).collect();
+    keys.extend(rank0.as_object().into_iter().flatten().map(|(k, _)| k));
+    keys.sort();
+    keys.dedup();
+    let changes = keys.into_iter().filter_map(|key| {
+        let (old, new) = (rank0.get(key), mine.get(key));
+        (old != new).then(|| Change { key: key.clone(), old: old.cloned(), new: new.cloned() })
+    });
+    changes.partition(|c| c.key == "target.model" || SHARED_BY_HOSTS.contains(&c.key.as_str()))
+}
+
 /// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
 /// to any other key is refused while running.
 pub const RELOADABLE: [&str; 25] = [
@@ -1033,6 +1077,29 @@ mod tests {
             assert!(lookup(&a.merged, k).is_some(), "{k} is not a key of config/default.toml");
             assert!(!NON_RELOADABLE.contains(&k), "{k} is both reloadable and not");
         }
+    }
+
+    /// A joining host is refused for a shared key that differs (the drafter's depth, the target's shape, how
+    /// gradients are summed), never for a path or a reloadable key (rank 0's lr replaces its own, said once).
+    #[test]
+    fn a_joining_host_is_refused_for_shared_keys_only() {
+        let base = Config::builtin().unwrap().merged;
+        let mut other = base.clone();
+        other["draft_model"]["num_hidden_layers"] = serde_json::json!(2);
+        other["drafters"]["collective"] = serde_json::json!("nccl");
+        other["optim"]["lr"] = serde_json::json!(1e-3);
+        other["data"]["path"] = serde_json::json!("/elsewhere/data");
+        let rank0 = join_settings(&base, "qwen3 36 layers");
+        let (refused, overridden) = join_differences(&join_settings(&other, "qwen3 28 layers"), &rank0);
+        let keys = |c: &[Change]| c.iter().map(|c| c.key.clone()).collect::<Vec<_>>();
+        assert_eq!(keys(&refused), ["draft_model.num_hidden_layers", "drafters.collective", "target.model"]);
+        assert_eq!(refused[0].new, Some(serde_json::json!(2)));
+        assert_eq!(keys(&overridden), ["optim.lr"]);
+        let same = join_differences(&rank0, &rank0);
+        assert!(same.0.is_empty() && same.1.is_empty());
+        assert!(
+            NON_RELOADABLE.iter().all(|k| SHARED_BY_HOSTS.contains(k) || *k == "target.model" || *k == "data.path")
+        );
     }
 
     #[test]

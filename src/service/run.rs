@@ -309,6 +309,17 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
                 "one host of several");
             let link = HostLink::open(p, config.cluster.round_timeout).context("joining the run's hosts")?;
             link.agree_on_data(&data_fingerprint(data.as_ref())).context("checking the training data across hosts")?;
+            let target = format!(
+                "{:?}, {} layers, hidden {}, vocabulary {}",
+                target_cfg.architecture, target_cfg.num_hidden_layers, target_cfg.hidden_size, target_cfg.vocab_size
+            );
+            let overridden = link
+                .agree_on_settings(&crate::config::join_settings(&config.merged, &target))
+                .context("checking the settings across hosts")?;
+            for c in overridden {
+                let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("unset".into(), |v| v.to_string());
+                tracing::warn!("{} = {} here: rank 0's {} applies to the whole run", c.key, show(&c.new), show(&c.old));
+            }
             Some(Arc::new(link))
         }
         None => None,
