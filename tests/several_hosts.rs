@@ -176,14 +176,7 @@ fn a_follower_pointed_at_something_that_is_not_a_store_gives_up_in_time() {
         drop(held);
     });
     let started = std::time::Instant::now();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .arg("serve-train")
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--set", "cluster.hosts=2", "--set", "cluster.rank=1", "--set", "cluster.master_addr=127.0.0.1"])
-        .args(["--set", &format!("cluster.master_port={port}"), "--set", "cluster.rendezvous_timeout_s=3"])
-        .args(["--set", "control.listen=off"])
-        .env_remove("RUST_LOG")
+    let mut child = follower(&cfg, port, 3)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -212,17 +205,7 @@ fn a_missing_rendezvous_host_is_one_line_not_a_cpp_stack() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 1);
     let port = free_port();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .arg("serve-train")
-        .arg("--config")
-        .arg(&cfg)
-        .args(["--set", "cluster.hosts=2", "--set", "cluster.rank=1", "--set", "cluster.master_addr=127.0.0.1"])
-        .args(["--set", &format!("cluster.master_port={port}"), "--set", "cluster.rendezvous_timeout_s=2"])
-        .args(["--set", "control.listen=off"])
-        .env_remove("RUST_LOG")
-        .env_remove("TORCH_CPP_LOG_LEVEL")
-        .output()
-        .unwrap();
+    let out = follower(&cfg, port, 2).env_remove("TORCH_CPP_LOG_LEVEL").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
@@ -235,36 +218,29 @@ fn a_missing_rendezvous_host_is_one_line_not_a_cpp_stack() {
 fn a_follower_with_another_drafter_is_refused_at_join() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 1);
-    let port = free_port().to_string();
-    let sets = |rank: usize| -> Vec<String> {
-        vec![
-            "cluster.hosts=2".into(),
-            format!("cluster.rank={rank}"),
-            "cluster.master_addr=127.0.0.1".into(),
-            format!("cluster.master_port={port}"),
-            "cluster.rendezvous_timeout_s=60".into(),
-        ]
-    };
-    let rank0_sets = sets(0);
+    let port = free_port();
+    let rank0_sets = [
+        "cluster.hosts=2".to_string(),
+        "cluster.rank=0".into(),
+        "cluster.master_addr=127.0.0.1".into(),
+        format!("cluster.master_port={port}"),
+        "cluster.rendezvous_timeout_s=60".into(),
+    ];
     let rank0 = Service::start(&cfg, false, &rank0_sets.iter().map(String::as_str).collect::<Vec<_>>());
-    let follower = |extra: &[&str]| {
-        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"));
-        c.arg("serve-train").arg("--config").arg(&cfg).env_remove("RUST_LOG");
-        for s in sets(1).iter().map(String::as_str).chain(extra.iter().copied()) {
-            c.args(["--set", s]);
-        }
-        c.args(["--set", "control.listen=off"]);
+    let joining = |set: &str| {
+        let mut c = follower(&cfg, port, 60);
+        c.args(["--set", set]);
         c
     };
     let started = std::time::Instant::now();
-    let out = follower(&["draft_model.num_hidden_layers=2"]).output().unwrap();
+    let out = joining("draft_model.num_hidden_layers=2").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(started.elapsed() < std::time::Duration::from_secs(60), "refused after {:?}", started.elapsed());
     assert!(stderr.contains("draft_model.num_hidden_layers = 2 here, 1 on rank 0"), "{stderr}");
     assert!(!stderr.contains("restart"), "refused, not restarted: {stderr}");
     // A different lr joins (rank 0's applies, said once); stopped once it has said so.
-    let mut joins = follower(&["optim.lr=5e-3"]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut joins = joining("optim.lr=5e-3").stderr(std::process::Stdio::piped()).spawn().unwrap();
     let mut said = String::new();
     let reader = std::io::BufReader::new(joins.stderr.take().unwrap());
     for line in std::io::BufRead::lines(reader) {
@@ -279,4 +255,21 @@ fn a_follower_with_another_drafter_is_refused_at_join() {
     let _ = joins.wait();
     drop(rank0);
     assert!(said.contains("optim.lr = 0.005 here: rank 0's 0.002 applies to the whole run"), "{said}");
+}
+
+/// `serve-train` as host 1 of 2 whose rank 0 serves its store at `127.0.0.1:port`, waiting `rendezvous_s` for it.
+fn follower(cfg: &std::path::Path, port: u16, rendezvous_s: u64) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"));
+    c.arg("serve-train").arg("--config").arg(cfg).env_remove("RUST_LOG");
+    for set in [
+        "cluster.hosts=2".to_string(),
+        "cluster.rank=1".into(),
+        "cluster.master_addr=127.0.0.1".into(),
+        format!("cluster.master_port={port}"),
+        format!("cluster.rendezvous_timeout_s={rendezvous_s}"),
+        "control.listen=off".into(),
+    ] {
+        c.args(["--set", &set]);
+    }
+    c
 }
