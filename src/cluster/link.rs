@@ -465,7 +465,7 @@ impl HostLink {
         })?;
         let (refused, overridden) = join_differences(settings, &theirs);
         if !refused.is_empty() {
-            let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("unset".to_string(), |v| v.to_string());
+            let show = Change::shown;
             let listed: Vec<String> = refused
                 .iter()
                 .map(|c| format!("{} = {} here, {} on rank 0", c.key, show(&c.new), show(&c.old)))

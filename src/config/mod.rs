@@ -693,6 +693,13 @@ pub struct Change {
     pub new: Option<serde_json::Value>,
 }
 
+impl Change {
+    /// A value of a change as logs and errors show it: its JSON, or `(unset)`.
+    pub fn shown(v: &Option<serde_json::Value>) -> String {
+        v.as_ref().map_or("(unset)".to_string(), |v| v.to_string())
+    }
+}
+
 /// Every dotted `section.key` of a merged configuration tree.
 fn leaf_keys(tree: &serde_json::Value) -> Vec<String> {
     let sections = tree.as_object().into_iter().flatten();

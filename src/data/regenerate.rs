@@ -500,7 +500,7 @@ impl Failure {
 /// One chat completion with retries: connection errors, 429 and 5xx are retried with backoff.
 async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -> Result<Reply, Failure> {
     let mut delay = Duration::from_millis(200);
-    let mut last = Failure { text: String::new(), unreachable: false };
+    let mut last = Failure::new("");
     for attempt in 0..=endpoint.retries {
         if attempt > 0 {
             tokio::time::sleep(delay).await;
@@ -516,15 +516,12 @@ async fn complete(client: &reqwest::Client, endpoint: &Endpoint, body: &Value) -
         };
         let status = response.status();
         if status.is_success() {
-            let bad = |text: String| Failure { text, unreachable: false };
+            let bad = Failure::new;
             let v: Value = response.json().await.map_err(|e| bad(format!("response is not JSON: {e}")))?;
             return reply_of(&v).map_err(bad);
         }
         let text = response.text().await.unwrap_or_default();
-        last = Failure {
-            text: format!("HTTP {status}: {}", text.chars().take(200).collect::<String>()),
-            unreachable: false,
-        };
+        last = Failure::new(format!("HTTP {status}: {}", text.chars().take(200).collect::<String>()));
         if !(status.is_server_error() || status.as_u16() == 429) {
             break; // the request itself is wrong; retrying will not help
         }

@@ -137,11 +137,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// The batch rows the cache holds.
-    pub fn rows(&self) -> i64 {
-        self.keys.first().map_or(0, |k| k.size()[0])
-    }
-
     /// Views of the first `len` rows of `layer`'s buffers, held or not (`len` up to the capacity): for callers that
     /// mask the rows past [`KvCache::len`] themselves, to keep attention shapes from changing every step.
     pub fn prefix(&self, layer: usize, len: i64) -> Result<(Tensor, Tensor), ModelError> {

@@ -798,9 +798,7 @@ impl Target {
     /// A cache for [`Target::decode`] holding up to `capacity` positions of one sequence (rounded up to a
     /// multiple of [`CONTEXT_BUCKET`](super::drafter::CONTEXT_BUCKET), as attention reads it in buckets).
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
-        let c = &self.cfg;
-        let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
-        KvCache::on_devices(&self.layer_devices(), 1, kv_heads, d, context_bucket(capacity), self.kind)
+        self.new_rows_cache(1, context_bucket(capacity))
     }
 
     /// Where the layers run, for logs: `cuda:0 layers 0-16, cuda:1 layers 17-33`.

@@ -317,7 +317,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
                 .agree_on_settings(&crate::config::join_settings(&config.merged, &target))
                 .context("checking the settings across hosts")?;
             for c in overridden {
-                let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("unset".into(), |v| v.to_string());
+                let show = crate::config::Change::shown;
                 tracing::warn!("{} = {} here: rank 0's {} applies to the whole run", c.key, show(&c.new), show(&c.old));
             }
             Some(Arc::new(link))

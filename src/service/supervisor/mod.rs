@@ -749,7 +749,7 @@ impl Shell {
         self.a.objective.gamma = gamma;
         self.feed(Event::Reconfigured(Box::new(new))).await;
         let version = self.core.config_version();
-        let show = |v: &Option<serde_json::Value>| v.as_ref().map_or("(unset)".to_string(), |v| v.to_string());
+        let show = crate::config::Change::shown;
         for c in &changes {
             tracing::info!(key = %c.key, old = %show(&c.old), new = %show(&c.new), "configuration: {} {} -> {}", c.key, show(&c.old), show(&c.new));
         }
