@@ -92,6 +92,7 @@ fn host_with_deadline(rank: usize, port: u16, sum: GradientSum, deadline: Durati
         // The test serves the store itself, as torchrun's agent does.
         serves_store: false,
         rendezvous_timeout: Duration::from_secs(20),
+        leader_timeout: Duration::from_secs(60),
     };
     let link = Arc::new(HostLink::open(&placement, deadline).unwrap());
     let log = log.clone();
@@ -380,6 +381,7 @@ fn a_host_with_other_data_is_refused() {
             master_port: server.port(),
             serves_store: false,
             rendezvous_timeout: Duration::from_secs(20),
+            leader_timeout: Duration::from_secs(60),
         };
         HostLink::open(&placement, Duration::from_secs(5)).unwrap()
     };

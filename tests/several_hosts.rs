@@ -162,6 +162,133 @@ fn losing_rank_0_leaves_the_others_checkpoints_and_the_run_resumes_from_the_newe
     assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 3, "three epochs, every sample once");
 }
 
+/// Two hosts whose rounds tolerate a long wait: hang budget 4 s (`step_timeout_s`), rounds closing after 60 s,
+/// rank 0 lost after `leader_s` of silence.
+fn pair(cfg: &std::path::Path, port: u16, leader_s: u64, epochs: u64) -> (Service, Service) {
+    let start = |rank: usize| {
+        let sets = [
+            "cluster.hosts=2".to_string(),
+            format!("cluster.rank={rank}"),
+            "cluster.master_addr=127.0.0.1".into(),
+            format!("cluster.master_port={port}"),
+            "cluster.round_timeout_s=60".into(),
+            format!("cluster.leader_timeout_s={leader_s}"),
+            format!("optim.epochs={epochs}"),
+            "supervision.step_timeout_s=4".into(),
+            "checkpoint.every_steps=10".into(),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        Service::start(cfg, false, &sets)
+    };
+    (start(0), start(1))
+}
+
+/// Rank 0 stopped (SIGSTOP) for 8 s, twice the hang budget but under `cluster.leader_timeout_s`: nobody is failed
+/// for it (rank 0's drafters were computing or waiting while it did not run; the follower's waited for rank 0), the
+/// run goes on and completes on both hosts, and every sample of both epochs is committed once.
+#[test]
+fn a_frozen_rank_0_costs_time_not_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let (mut rank0, rank1) = pair(&cfg, free_port(), 30, 2);
+    let before = step(&rank0.wait("the run to pass step 4", |s| step(s) >= 4));
+    rank0.signal("-STOP");
+    std::thread::sleep(std::time::Duration::from_secs(8));
+    rank0.signal("-CONT");
+    rank0.wait("the run to step on", |s| step(s) >= before + 4);
+    let (code0, logs0) = rank0.exit_code();
+    let (code1, logs1) = rank1.exit_code();
+    for (rank, code, logs) in [(0, code0, &logs0), (1, code1, &logs1)] {
+        let tail = &logs[logs.len().saturating_sub(30)..];
+        assert_eq!(code, 0, "host {rank}: {tail:#?}");
+        let failed: Vec<&String> = logs.iter().filter(|l| l.contains("drafter failed")).collect();
+        assert!(failed.is_empty(), "host {rank}: {failed:#?}");
+    }
+    assert!(logged(&logs0, "this process did not run for"), "rank 0 knows it was stopped");
+    assert!(!logged(&logs1, "rank 0 is lost"));
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "both epochs, every sample once");
+}
+
+/// Rank 0 silent past `cluster.leader_timeout_s` (4 s): the follower takes it for lost, checkpoints its replica
+/// (kept intact: its drafters were not failed for waiting) under `survivors/` and exits 75, as when rank 0 is killed;
+/// rank 0, continued, finishes the run alone with every sample once.
+#[test]
+fn a_rank_0_silent_past_the_leader_timeout_leaves_the_follower_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let (mut rank0, rank1) = pair(&cfg, free_port(), 4, 2);
+    rank0.wait("the run to pass step 4", |s| step(s) >= 4);
+    rank0.signal("-STOP");
+    let (code1, logs1) = rank1.exit_code();
+    rank0.signal("-CONT");
+    let tail = &logs1[logs1.len().saturating_sub(30)..];
+    assert_eq!(code1, 75, "{tail:#?}");
+    assert!(logged(&logs1, "rank 0 is lost: no answer for"), "{tail:#?}");
+    assert!(logged(&logs1, "checkpointed this host's replica of the run"), "{tail:#?}");
+    let failed: Vec<&String> = logs1.iter().filter(|l| l.contains("drafter failed")).collect();
+    assert!(failed.is_empty(), "its replica was kept intact: {failed:#?}");
+    let own = dir.path().join("ckpt").join("survivors").join("host-1");
+    assert_eq!(std::fs::read_dir(&own).map(|d| d.count()).unwrap_or(0), 1, "{own:?}");
+    let (code0, logs0) = rank0.exit_code();
+    assert_eq!(code0, 0, "{:#?}", &logs0[logs0.len().saturating_sub(30)..]);
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "both epochs, every sample once");
+}
+
+/// A follower stopped for 13 s, past the silence of its beat that makes rank 0 drop it (10 s): rank 0 trains on
+/// without it; when it continues it learns from rank 0's membership that it was dropped, is not ready meanwhile (its
+/// /status says why), enters the run anew as its second generation, and the run completes with every sample once.
+#[test]
+fn a_follower_dropped_while_stopped_is_not_ready_until_it_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let (mut rank0, mut rank1) = pair(&cfg, free_port(), 30, 4);
+    rank0.wait("the run to pass step 4", |s| step(s) >= 4);
+    rank1.signal("-STOP");
+    std::thread::sleep(std::time::Duration::from_secs(13));
+    rank1.signal("-CONT");
+    let out = rank1.wait("the follower to say it is out of the run", |s| s["ready"] == false);
+    let problems = out["problems"].to_string();
+    assert!(problems.contains("rank 0 dropped this host"), "{out:#}");
+    rank1.wait("the follower to be back in the run", |s| s["ready"] == true);
+    let (code0, logs0) = rank0.exit_code();
+    let (code1, logs1) = rank1.exit_code();
+    assert_eq!(code0, 0, "{:#?}", &logs0[logs0.len().saturating_sub(30)..]);
+    assert_eq!(code1, 0, "{:#?}", &logs1[logs1.len().saturating_sub(30)..]);
+    let rejoined = logs0.iter().any(|l| l.contains("host joined the run") && l.contains("\"generation\":2"));
+    assert!(rejoined, "rank 0 took it back as its second generation");
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 4, "every epoch, every sample once");
+}
+
+/// A host waiting for the others serves its control plane meanwhile: /healthz answers, /readyz is 503 and /status
+/// says the phase (`rendezvous`) and what it waits for.
+#[test]
+fn a_host_waiting_for_the_others_answers_its_control_plane() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 1);
+    let port = free_port();
+    let sets = [
+        "cluster.hosts=2".to_string(),
+        "cluster.rank=1".into(),
+        "cluster.master_addr=127.0.0.1".into(),
+        format!("cluster.master_port={port}"),
+        "cluster.rendezvous_timeout_s=60".into(),
+    ];
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let waiting = Service::start(&cfg, false, &sets);
+    assert_eq!(waiting.http("GET", "/healthz", "").0, 200);
+    let (code, ready) = waiting.request("GET", "/readyz", None);
+    assert_eq!((code, &ready["phase"]), (503, &serde_json::json!("rendezvous")), "{ready}");
+    let status = waiting.status();
+    assert_eq!((&status["phase"], &status["ready"]), (&serde_json::json!("rendezvous"), &serde_json::json!(false)));
+    let problems = status["problems"].to_string();
+    assert!(problems.contains(&format!("waiting for rank 0's store at 127.0.0.1:{port}")), "{status:#}");
+    let (code, refused) = waiting.request("POST", "/checkpoint", None);
+    assert_eq!(code, 503, "{refused}");
+}
+
 /// A follower pointed at a port where something else listens (it accepts and never answers) gives up within its
 /// rendezvous deadline, naming the address, in a few lines (libtorch's C++ stack is not among them).
 #[test]

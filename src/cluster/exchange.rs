@@ -13,7 +13,8 @@
 //! `round/{r}/summed/{rank}`, `round/{r}/summed` and `round/{r}/applied` (with NCCL: whether each member's drafters
 //! summed round `r`, how many said, and whether its update applies), `ring/{r}` (the NCCL communicator's identity,
 //! when round `r` has a new membership), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and
-//! `finished` (rank 0's exit status at the end of the run). Values larger than the store's server takes in one
+//! `finished` (rank 0's exit status at the end of the run), `members` (the last round closed and the next one's
+//! members, with their generations: how a host learns it was dropped). Values larger than the store's server takes in one
 //! message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -78,6 +79,7 @@ fn feed_key(rank: Rank, generation: u64, step: u64) -> String {
     format!("dflash/feed/{rank}/{generation}/{step}")
 }
 const FINISHED: &str = "dflash/finished";
+const MEMBERS: &str = "dflash/members";
 const FINISHED_ACKS: &str = "dflash/finished/acks";
 
 #[derive(Serialize, Deserialize)]
@@ -287,6 +289,27 @@ pub fn finished(store: &Store) -> Result<Option<i32>, ExchangeError> {
         .ok_or_else(|| ExchangeError::Malformed { what: FINISHED.into(), message: format!("{} bytes", bytes.len()) })
 }
 
+/// The last round closed and the next round's members `(rank, generation)`.
+pub type Membership = (u64, Vec<(Rank, u64)>);
+
+/// The membership rank 0 posted at the last round it closed, once it closed one.
+pub fn members(store: &Store) -> Result<Option<Membership>, ExchangeError> {
+    if !store.check(MEMBERS)? {
+        return Ok(None);
+    }
+    let bytes = store.get(MEMBERS, Duration::from_secs(1))?;
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| ExchangeError::Malformed { what: MEMBERS.into(), message: e.to_string() })
+}
+
+/// Whether host `rank`, which entered the run as `generation` from round `from`, is still a member, by the
+/// membership `members` rank 0 posted; `None` when that membership is older than the host's entry.
+pub fn still_member(rank: Rank, (generation, from): (u64, u64), members: &Membership) -> Option<bool> {
+    let (closed, next) = members;
+    (closed + 1 >= from).then(|| next.contains(&(rank, generation)))
+}
+
 /// Another host saw the run's end.
 pub fn acknowledge_finished(store: &Store) -> Result<(), ExchangeError> {
     store.add(FINISHED_ACKS, 1)?;
@@ -377,6 +400,8 @@ impl Coordinator {
                 };
                 let bytes = serde_json::to_vec(&record).expect("plain data serialises");
                 self.store.set(&closed_key(closed.round), &bytes)?;
+                let members = serde_json::to_vec(&(closed.round, &closed.next)).expect("plain data serialises");
+                self.store.set(MEMBERS, &members)?;
                 for a in closed.admitted.iter().filter(|a| a.donor == a.rank) {
                     post_no_donor(&self.store, a)?;
                 }
@@ -474,6 +499,22 @@ mod tests {
     use super::*;
 
     const WAIT: Duration = Duration::from_secs(20);
+
+    /// A host is still a member while rank 0's last membership lists its generation; a membership from before the
+    /// round it entered at says nothing.
+    #[test]
+    fn a_host_left_out_of_the_posted_membership_is_no_longer_a_member() {
+        let members = (9, vec![(0, 1), (1, 2)]);
+        assert_eq!(still_member(1, (2, 5), &members), Some(true));
+        assert_eq!(still_member(2, (1, 3), &members), Some(false), "dropped");
+        assert_eq!(still_member(1, (1, 3), &members), Some(false), "an older generation of it");
+        assert_eq!(still_member(2, (3, 11), &members), None, "it enters at round 11: rank 0 has not closed round 10");
+        assert_eq!(
+            still_member(2, (3, 10), &members),
+            Some(false),
+            "entering at round 10, it must be among its members"
+        );
+    }
 
     /// A generation and its flag read back as written; a value without the flag, or cut short, reads as nothing.
     #[test]

@@ -21,6 +21,7 @@ pub(crate) struct RawCluster {
     master_port: i64,
     rendezvous_timeout_s: f64,
     round_timeout_s: f64,
+    leader_timeout_s: f64,
 }
 
 /// The `[cluster]` keys that were set; the rest come from the environment ([`resolve`]).
@@ -34,6 +35,8 @@ pub struct ClusterSettings {
     pub rendezvous_timeout: Duration,
     /// How long a round waits for a host's contribution before it closes without that host.
     pub round_timeout: Duration,
+    /// How long rank 0 may stay silent before another host takes it for lost.
+    pub leader_timeout: Duration,
 }
 
 /// Nothing set: everything from the environment, the rendezvous waited for as long as `config/default.toml` says.
@@ -46,6 +49,7 @@ impl Default for ClusterSettings {
             master_port: None,
             rendezvous_timeout: Duration::from_secs(300),
             round_timeout: Duration::from_secs(120),
+            leader_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -73,6 +77,9 @@ impl RawCluster {
         if !(self.round_timeout_s > 0.0 && self.round_timeout_s.is_finite()) {
             return Err(invalid("cluster.round_timeout_s", self.round_timeout_s, "seconds > 0"));
         }
+        if !(self.leader_timeout_s > 0.0 && self.leader_timeout_s.is_finite()) {
+            return Err(invalid("cluster.leader_timeout_s", self.leader_timeout_s, "seconds > 0"));
+        }
         Ok(ClusterSettings {
             hosts,
             rank,
@@ -80,6 +87,7 @@ impl RawCluster {
             master_port,
             rendezvous_timeout: Duration::from_secs_f64(self.rendezvous_timeout_s),
             round_timeout: Duration::from_secs_f64(self.round_timeout_s),
+            leader_timeout: Duration::from_secs_f64(self.leader_timeout_s),
         })
     }
 }
@@ -99,6 +107,8 @@ pub struct HostPlacement {
     /// (torchrun sets `TORCHELASTIC_USE_AGENT_STORE=True`).
     pub serves_store: bool,
     pub rendezvous_timeout: Duration,
+    /// How long rank 0 may stay silent before this host takes it for lost (`cluster.leader_timeout_s`).
+    pub leader_timeout: Duration,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -190,6 +200,7 @@ pub fn resolve(
         master_port,
         serves_store: rank.0 == 0 && !agent_store,
         rendezvous_timeout: settings.rendezvous_timeout,
+        leader_timeout: settings.leader_timeout,
     }))
 }
 

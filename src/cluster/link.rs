@@ -11,9 +11,10 @@
 //! NCCL, only if every host's all-reduce completed ([`HostLink::settle_sum`]). The state a joiner takes is the
 //! donor's master weights, AdamW moments, update count, step and samples committed: with NCCL the weights and moments
 //! come by a broadcast from the donor's device ([`Handover`]), only their header through the store.
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -37,6 +38,9 @@ pub enum LinkError {
     Exchange(#[from] ExchangeError),
     #[error("the rendezvous host's coordinator stopped: {0}")]
     CoordinatorStopped(String),
+    /// Rank 0 stopped answering for `cluster.leader_timeout_s` (this host's feed reader judged it).
+    #[error("rank 0 is lost: {0}")]
+    LeaderLost(String),
     #[error("tensor: {0}")]
     Tensor(String),
     #[error("NCCL: {0}")]
@@ -62,14 +66,14 @@ pub enum LinkError {
 
 impl LinkError {
     /// A store read whose deadline passed (nothing against the connection or the peer).
-    fn timed_out(&self) -> bool {
+    pub fn timed_out(&self) -> bool {
         matches!(self, LinkError::Exchange(ExchangeError::Store(StoreError::Timeout { .. })))
     }
 
     /// The store's connection failed (the rendezvous host's process or its network is gone), as against a
     /// deadline, a refusal, or something malformed.
     pub fn unreachable(&self) -> bool {
-        matches!(self, LinkError::Exchange(ExchangeError::Store(StoreError::Failed { .. })))
+        matches!(self, LinkError::Exchange(ExchangeError::Store(StoreError::Failed { .. })) | LinkError::LeaderLost(_))
     }
 }
 
@@ -333,8 +337,8 @@ fn gradient(data: &[u8], elements: Option<usize>, rank: Rank) -> Result<Option<T
     }
 }
 
-/// The deadline of a store operation without one of its own, and of opening another connection once connected: a
-/// rendezvous host that does not answer within it is gone.
+/// The deadline of a store operation without one of its own, and of opening another connection once connected. (A
+/// stopped rank 0 blocks libtorch's store operations past any deadline: [`HostLink::silence`] judges it instead.)
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The coordinator's thread (rank 0), stopped when the link is dropped.
@@ -361,6 +365,17 @@ pub struct HostLink {
     members: Mutex<Vec<HostMember>>,
     /// The generation this host entered the run as, and the first round it takes part in.
     entered: Mutex<Option<(u64, u64)>>,
+    /// Why rank 0 counts as lost, once it does ([`HostLink::leader_lost`]).
+    leader_lost: Mutex<Option<String>>,
+    /// Store operations under way (by number, since when) and when one last came back: rank 0's silence.
+    operations: Mutex<Operations>,
+}
+
+#[derive(Default)]
+struct Operations {
+    next: u64,
+    under_way: BTreeMap<u64, Instant>,
+    answered: Option<Instant>,
 }
 
 impl HostLink {
@@ -382,6 +397,8 @@ impl HostLink {
             coordinator: Mutex::new(None),
             members: Mutex::new(Vec::new()),
             entered: Mutex::new(None),
+            leader_lost: Mutex::new(None),
+            operations: Mutex::new(Operations::default()),
         })
     }
 
@@ -403,6 +420,36 @@ impl HostLink {
         *self.entered.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// How long rank 0 may stay silent before this host takes it for lost (`cluster.leader_timeout_s`).
+    pub fn leader_timeout(&self) -> Duration {
+        self.placement.leader_timeout
+    }
+
+    /// Rank 0 counts as lost (`why`): every later store operation fails with [`LinkError::LeaderLost`], and the
+    /// connections to the store are shut down, so that operations blocked on a rank 0 that does not answer (libtorch's
+    /// store has no deadline for a server that accepts and never replies) fail now, as they would had it died.
+    /// Returns whether this call was the first to say so.
+    pub fn leader_lost(&self, why: String) -> bool {
+        {
+            let mut lost = self.leader_lost.lock().unwrap_or_else(|p| p.into_inner());
+            if lost.is_some() {
+                return false;
+            }
+            *lost = Some(why);
+        }
+        let severed = sever_connections(&self.placement.master_addr, self.placement.master_port);
+        tracing::debug!(severed, "connections to the rendezvous host shut down");
+        true
+    }
+
+    /// How long rank 0 has kept a store operation waiting: the time since an operation last came back, while one is
+    /// under way (`None` while none is: nothing is asked of rank 0).
+    pub fn silence(&self) -> Option<Duration> {
+        let ops = self.operations.lock().unwrap_or_else(|p| p.into_inner());
+        let oldest = ops.under_way.values().min()?;
+        Some(ops.answered.map_or(*oldest, |a| a.max(*oldest)).elapsed())
+    }
+
     /// The run's member hosts, as this host last learnt them.
     pub fn members(&self) -> Vec<HostMember> {
         self.members.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -414,8 +461,29 @@ impl HostLink {
         2 * self.deadline + Duration::from_secs(10)
     }
 
-    /// Runs `f` with a connection of its own.
+    /// Runs `f` with a connection of its own (refused once rank 0 counts as lost), keeping count of the
+    /// operations waiting for rank 0.
     fn with_store<T>(&self, f: impl FnOnce(&Store) -> Result<T, LinkError>) -> Result<T, LinkError> {
+        if let Some(why) = self.leader_lost.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(LinkError::LeaderLost(why));
+        }
+        let number = {
+            let mut ops = self.operations.lock().unwrap_or_else(|p| p.into_inner());
+            ops.next += 1;
+            let number = ops.next;
+            ops.under_way.insert(number, Instant::now());
+            number
+        };
+        let out = self.on_connection(f);
+        let mut ops = self.operations.lock().unwrap_or_else(|p| p.into_inner());
+        ops.under_way.remove(&number);
+        if !matches!(&out, Err(e) if e.unreachable()) {
+            ops.answered = Some(Instant::now());
+        }
+        out
+    }
+
+    fn on_connection<T>(&self, f: impl FnOnce(&Store) -> Result<T, LinkError>) -> Result<T, LinkError> {
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let store = match spare {
             Some(s) => s,
@@ -743,9 +811,58 @@ impl HostLink {
     }
 
     /// The run's exit status, once rank 0 ended it.
+    /// Whether this host is still a member of the run, by the membership rank 0 posted at its last round (`None`:
+    /// not entered yet, or nothing posted since it entered).
+    pub fn still_member(&self) -> Result<Option<bool>, LinkError> {
+        let Some(entered) = self.entered() else { return Ok(None) };
+        let members = self.with_store(|s| Ok(exchange::members(s)?))?;
+        Ok(members.and_then(|m| exchange::still_member(self.rank(), entered, &m)))
+    }
+
     pub fn finished(&self) -> Result<Option<i32>, LinkError> {
         self.with_store(|s| Ok(exchange::finished(s)?))
     }
+}
+
+/// Shuts down this process's TCP connections to `addr:port` (the store's): operations blocked on them fail at once.
+/// Returns how many it shut down.
+fn sever_connections(addr: &str, port: u16) -> usize {
+    use std::net::ToSocketAddrs;
+    let peers: Vec<std::net::IpAddr> =
+        (addr, port).to_socket_addrs().map(|a| a.map(|a| a.ip()).collect()).unwrap_or_default();
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else { return 0 };
+    let mut severed = 0;
+    for fd in fds.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()) {
+        let mut peer: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        // SAFETY: `peer` is a writable sockaddr_storage of `len` bytes; a descriptor that is not a connected socket
+        // makes getpeername fail, and it is then left alone.
+        if unsafe { libc::getpeername(fd, (&raw mut peer).cast(), &mut len) } != 0 {
+            continue;
+        }
+        let (ip, peer_port) = match i32::from(peer.ss_family) {
+            libc::AF_INET => {
+                // SAFETY: the family says the storage holds a sockaddr_in.
+                let a = unsafe { *(&raw const peer).cast::<libc::sockaddr_in>() };
+                (std::net::IpAddr::from(u32::from_be(a.sin_addr.s_addr).to_be_bytes()), u16::from_be(a.sin_port))
+            }
+            libc::AF_INET6 => {
+                // SAFETY: the family says the storage holds a sockaddr_in6.
+                let a = unsafe { *(&raw const peer).cast::<libc::sockaddr_in6>() };
+                let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+                (ip.to_ipv4_mapped().map_or(std::net::IpAddr::V6(ip), std::net::IpAddr::V4), u16::from_be(a.sin6_port))
+            }
+            _ => continue,
+        };
+        if peer_port == port && peers.contains(&ip) {
+            // SAFETY: shutting down a connected socket this process owns; the descriptor stays open (libtorch's
+            // store object closes it), its blocked reads return.
+            if unsafe { libc::shutdown(fd, libc::SHUT_RDWR) } == 0 {
+                severed += 1;
+            }
+        }
+    }
+    severed
 }
 
 #[cfg(test)]

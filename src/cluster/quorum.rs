@@ -209,6 +209,44 @@ impl BeatWatch {
     }
 }
 
+/// How a host other than rank 0 judges rank 0 from its own store operations (the store is served by rank 0's
+/// process). A rank 0 that does not answer (stopped, swapping, its network down) is lost once it has been silent for
+/// `timeout_s`; below that the host waits, and its drafters keep their places. (A connection that fails says the
+/// process is gone: the caller takes it for lost at once.) Only silence the watcher saw counts: after a gap between
+/// two looks longer than `stall_after_s` (this process did not run) the silence starts again.
+#[derive(Debug, Clone)]
+pub struct LeaderWatch {
+    timeout_s: f64,
+    stall_after_s: f64,
+    heard_at: Option<f64>,
+    looked_at: Option<f64>,
+}
+
+/// How a store operation went, for [`LeaderWatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    Answered,
+    /// It has waited too long for an answer.
+    TimedOut,
+}
+
+impl LeaderWatch {
+    pub fn new(timeout_s: f64, stall_after_s: f64) -> Self {
+        LeaderWatch { timeout_s, stall_after_s, heard_at: None, looked_at: None }
+    }
+
+    /// An operation's `reply` at `now`; rank 0's silence in seconds when it counts as lost.
+    pub fn observe(&mut self, now: f64, reply: Reply) -> Option<f64> {
+        let stalled = self.looked_at.is_some_and(|t| now - t > self.stall_after_s);
+        self.looked_at = Some(now);
+        if reply == Reply::Answered || stalled || self.heard_at.is_none() {
+            self.heard_at = Some(now);
+        }
+        let silent = now - self.heard_at.unwrap_or(now);
+        (reply == Reply::TimedOut && silent >= self.timeout_s).then_some(silent)
+    }
+}
+
 /// Whether a closed round's update applies, when its member hosts sum over NCCL after it closed: every member says
 /// whether its drafters' all-reduce completed (`posted`: rank -> (generation, summed)). The update applies only if
 /// every member summed (`Some(true)`); it is skipped on every host (`Some(false)`) as soon as one did not, or one
@@ -377,6 +415,31 @@ mod tests {
         for t in 0..=10 {
             assert_eq!(read(&mut w, t as f64, &[(1, 3)]).is_empty(), t < 10, "at {t} s");
         }
+    }
+
+    /// Rank 0 is lost once silent for the timeout; an answer ends a silence, and a gap in the looking (this process
+    /// did not run) starts it again.
+    #[test]
+    fn rank_0_is_lost_after_a_silence_the_watcher_saw_or_a_failed_connection() {
+        let mut w = LeaderWatch::new(60.0, 15.0);
+        assert_eq!(w.observe(0.0, Reply::Answered), None);
+        for t in 1..60 {
+            assert_eq!(w.observe(t as f64, Reply::TimedOut), None, "silent for {t} s");
+        }
+        assert_eq!(w.observe(60.0, Reply::TimedOut), Some(60.0));
+        let mut w = LeaderWatch::new(60.0, 15.0);
+        w.observe(0.0, Reply::Answered);
+        assert_eq!(w.observe(35.0, Reply::TimedOut), None, "a gap in the looking: the silence starts now");
+        for t in [45.0, 55.0, 65.0, 75.0, 85.0, 94.0] {
+            assert_eq!(w.observe(t, Reply::TimedOut), None, "silent since 35 s, at {t} s");
+        }
+        assert_eq!(w.observe(95.0, Reply::TimedOut), Some(60.0));
+        let mut w = LeaderWatch::new(60.0, 15.0);
+        w.observe(0.0, Reply::Answered);
+        assert_eq!(w.observe(10.0, Reply::TimedOut), None);
+        assert_eq!(w.observe(11.0, Reply::Answered), None, "it answered: the silence ends");
+        assert_eq!(w.observe(20.0, Reply::TimedOut), None);
+        assert_eq!(w.observe(71.0, Reply::TimedOut), None, "a gap in the looking: the silence starts again");
     }
 
     /// A round's update applies only when every member summed; one failure, a member restarted since, or the

@@ -8,8 +8,11 @@
 //! set (`DFLASH_CONTROL_TOKEN`, or the file `control.token_file`; never a configuration value, since the
 //! configuration is copied into every checkpoint and reload diff), and on a listener that is not loopback they answer
 //! 401 without one.
+//!
+//! The control plane is served before the supervisor exists, while a host of several waits for the others: `/healthz`
+//! answers, `/status` and `/readyz` say the phase (`rendezvous`) and what it waits for ([`Supervised`]).
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -24,7 +27,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::failure::{FaultKind, FaultRefused};
-use super::messages::{DrafterState, SupervisorMsg};
+use super::messages::{DrafterState, Status, SupervisorMsg};
 
 const TIMEOUT_MS: u64 = 5000;
 
@@ -40,23 +43,62 @@ struct TargetFaultRequest {
     part: usize,
 }
 
-/// Asks the supervisor and waits (bounded) for its answer.
-async fn ask<T: Send + 'static>(
-    sup: &ActorRef<SupervisorMsg>,
-    build: impl FnOnce(RpcReplyPort<T>) -> SupervisorMsg,
-) -> Result<T, String> {
-    match sup.call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS))).await {
-        Ok(CallResult::Success(v)) => Ok(v),
-        Ok(CallResult::Timeout) => Err("timed out".into()),
-        Ok(CallResult::SenderError) => Err("no reply".into()),
-        Err(e) => Err(e.to_string()),
+/// What the control plane asks: the supervisor once it runs; before that, the phase the process is in and what it
+/// waits for.
+pub struct Supervised {
+    supervisor: OnceLock<ActorRef<SupervisorMsg>>,
+    before: Mutex<(String, String)>,
+}
+
+impl Supervised {
+    /// Before the supervisor: in `phase`, waiting for `what`.
+    pub fn before(phase: &str, what: String) -> Arc<Self> {
+        Arc::new(Supervised { supervisor: OnceLock::new(), before: Mutex::new((phase.into(), what)) })
+    }
+
+    /// The supervisor runs: every request goes to it from now on.
+    pub fn started(&self, supervisor: ActorRef<SupervisorMsg>) {
+        let _ = self.supervisor.set(supervisor);
+    }
+
+    fn phase(&self) -> (String, String) {
+        self.before.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
-fn unavailable(e: impl std::fmt::Display) -> Response {
-    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"error": format!("the supervisor did not answer: {e}")})))
-        .into_response()
+/// Why the supervisor gave no answer.
+enum Unanswered {
+    /// It does not run yet: (phase, what the process waits for).
+    NotYet(String, String),
+    Failed(String),
 }
+
+/// Asks the supervisor and waits (bounded) for its answer.
+async fn ask<T: Send + 'static>(
+    sup: &Supervised,
+    build: impl FnOnce(RpcReplyPort<T>) -> SupervisorMsg,
+) -> Result<T, Unanswered> {
+    let Some(sup) = sup.supervisor.get() else {
+        let (phase, what) = sup.phase();
+        return Err(Unanswered::NotYet(phase, what));
+    };
+    match sup.call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS))).await {
+        Ok(CallResult::Success(v)) => Ok(v),
+        Ok(CallResult::Timeout) => Err(Unanswered::Failed("timed out".into())),
+        Ok(CallResult::SenderError) => Err(Unanswered::Failed("no reply".into())),
+        Err(e) => Err(Unanswered::Failed(e.to_string())),
+    }
+}
+
+fn unavailable(e: Unanswered) -> Response {
+    let error = match e {
+        Unanswered::NotYet(phase, what) => format!("not training yet ({phase}): {what}"),
+        Unanswered::Failed(e) => format!("the supervisor did not answer: {e}"),
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": error }))).into_response()
+}
+
+type Sup = State<Arc<Supervised>>;
 
 async fn healthz() -> &'static str {
     "ok\n"
@@ -64,7 +106,7 @@ async fn healthz() -> &'static str {
 
 /// 200 while training can go on (running, not stopping, a drafter live, the ledger written, the checkpoint writer
 /// not stalled); 503 with the phase and the problems otherwise.
-async fn readyz(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+async fn readyz(State(sup): Sup) -> Response {
     match ask(&sup, SupervisorMsg::Status).await {
         Ok(s) if s.ready => (StatusCode::OK, "ready\n").into_response(),
         Ok(s) => {
@@ -72,18 +114,26 @@ async fn readyz(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
             let body = json!({"ready": false, "phase": s.phase, "drafters_live": live, "problems": s.problems});
             (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
         }
+        Err(Unanswered::NotYet(phase, what)) => {
+            let body = json!({"ready": false, "phase": phase, "drafters_live": 0, "problems": [what]});
+            (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+        }
         Err(e) => unavailable(e),
     }
 }
 
-async fn status(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+async fn status(State(sup): Sup) -> Response {
     match ask(&sup, SupervisorMsg::Status).await {
         Ok(s) => Json(s).into_response(),
+        Err(Unanswered::NotYet(phase, what)) => {
+            let status = Status { phase, pid: std::process::id(), problems: vec![what], ..Status::default() };
+            Json(status).into_response()
+        }
         Err(e) => unavailable(e),
     }
 }
 
-async fn checkpoint(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+async fn checkpoint(State(sup): Sup) -> Response {
     match ask(&sup, SupervisorMsg::CheckpointNow).await {
         Ok(Ok(step)) => (StatusCode::ACCEPTED, Json(json!({"requested": true, "step": step}))).into_response(),
         Ok(Err(e)) => (StatusCode::CONFLICT, Json(json!({"error": e}))).into_response(),
@@ -91,7 +141,7 @@ async fn checkpoint(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
     }
 }
 
-async fn reload(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
+async fn reload(State(sup): Sup) -> Response {
     match ask(&sup, |reply| SupervisorMsg::Reload(Some(reply))).await {
         Ok(Ok(r)) => Json(r).into_response(),
         Ok(Err(e)) => (StatusCode::UNPROCESSABLE_ENTITY, Json(json!({"error": e}))).into_response(),
@@ -99,11 +149,7 @@ async fn reload(State(sup): State<ActorRef<SupervisorMsg>>) -> Response {
     }
 }
 
-async fn fault(
-    State(sup): State<ActorRef<SupervisorMsg>>,
-    Path(id): Path<usize>,
-    Json(req): Json<FaultRequest>,
-) -> Response {
+async fn fault(State(sup): Sup, Path(id): Path<usize>, Json(req): Json<FaultRequest>) -> Response {
     match ask(&sup, |reply| SupervisorMsg::Fault { id, kind: req.kind, reply }).await {
         Ok(Ok(())) => Json(json!({"injected": req.kind, "drafter": id})).into_response(),
         Ok(Err(refused)) => refused_response(refused),
@@ -124,11 +170,7 @@ fn refused_response(refused: FaultRefused) -> Response {
 
 /// `POST /targets/{id}/fault`, optionally with `{"part": N}`: target copy `id` panics at its next capture, where the
 /// hidden state enters part N (default 0) of a spread target.
-async fn target_fault(
-    State(sup): State<ActorRef<SupervisorMsg>>,
-    Path(id): Path<usize>,
-    body: axum::body::Bytes,
-) -> Response {
+async fn target_fault(State(sup): Sup, Path(id): Path<usize>, body: axum::body::Bytes) -> Response {
     // An empty body (curl -X POST) is part 0.
     let part = match body.iter().all(u8::is_ascii_whitespace) {
         true => 0,
@@ -243,7 +285,7 @@ async fn require_token(State(access): State<Access>, headers: HeaderMap, request
 }
 
 /// The read-only endpoints.
-fn read_only(supervisor: ActorRef<SupervisorMsg>, prometheus: PrometheusHandle) -> Router {
+fn read_only(supervisor: Arc<Supervised>, prometheus: PrometheusHandle) -> Router {
     let metrics = move || {
         let text = prometheus.render();
         async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text) }
@@ -267,7 +309,7 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 /// runtime); `token`: the bearer token of the `POST` endpoints, if one is set.
 pub fn serve(
     listener: std::net::TcpListener,
-    supervisor: ActorRef<SupervisorMsg>,
+    supervisor: Arc<Supervised>,
     prometheus: PrometheusHandle,
     token: Option<Arc<str>>,
 ) -> std::io::Result<SocketAddr> {
@@ -285,7 +327,7 @@ pub fn serve(
 /// Serves only the read-only endpoints on `listener` (`control.read_only_listen`).
 pub fn serve_read_only(
     listener: std::net::TcpListener,
-    supervisor: ActorRef<SupervisorMsg>,
+    supervisor: Arc<Supervised>,
     prometheus: PrometheusHandle,
 ) -> std::io::Result<SocketAddr> {
     listen(listener, read_only(supervisor, prometheus))

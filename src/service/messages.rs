@@ -134,6 +134,10 @@ pub enum SupervisorMsg {
     },
     /// Several hosts, rank > 0: the rendezvous host cannot be reached.
     RendezvousLost(String),
+    /// Several hosts, rank > 0: rank 0's membership no longer lists this host as `generation`.
+    LeftRun {
+        generation: u64,
+    },
 }
 
 /// A compute thread's end, reported to its actor: a failure makes the actor fail, a return makes it stop, so the
@@ -167,7 +171,7 @@ impl DrafterState {
 }
 
 /// The data ledger's writes (`data.ledger`).
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct LedgerStatus {
     /// Write attempts that failed in this process.
     pub failures: u64,
@@ -177,7 +181,7 @@ pub struct LedgerStatus {
 }
 
 /// The checkpoint writer.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct WriterStatus {
     /// The step of the checkpoint being written, and for how long.
     pub writing_step: Option<u64>,
@@ -224,8 +228,8 @@ pub struct Reloaded {
     pub changes: Vec<Change>,
 }
 
-/// `GET /status`.
-#[derive(Debug, Clone, Serialize)]
+/// `GET /status` (before the supervisor runs: the phase, the pid and what it waits for, the rest empty).
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Status {
     pub phase: String,
     /// The service's process id (to signal it: `kill -HUP <pid>` rereads the configuration).

@@ -11,6 +11,7 @@ use ractor::Actor;
 use tch::{Device, Kind};
 
 use super::builtin_data::dataset;
+use super::control::Supervised;
 use super::drafter_init::check_init;
 use super::evaluator::eval_set;
 use super::folder_lock::{FolderLock, LockError, lock_file};
@@ -303,6 +304,21 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let mut identity = |d: Device| identities.entry(d).or_insert_with(|| GpuIdentity::of(d)).clone();
     let capture_identities = capture_devices.iter().map(|(d, _)| identity(*d)).collect();
     let drafter_identities = drafter_devices.iter().map(|(d, _)| identity(*d)).collect();
+    // Served now: a host of several waits for the others next, and answers meanwhile.
+    let waiting_for = match &placement {
+        Some(p) => format!(
+            "waiting for rank 0's store at {}:{} and the other hosts (cluster.rendezvous_timeout_s = {})",
+            p.master_addr,
+            p.master_port,
+            p.rendezvous_timeout.as_secs_f64()
+        ),
+        None => "starting".into(),
+    };
+    let supervised = Supervised::before(if placement.is_some() { "rendezvous" } else { "starting" }, waiting_for);
+    {
+        let _in_runtime = runtime.enter();
+        serve_control(read_only, listener, &supervised, &prometheus, token)?;
+    }
     let link = match &placement {
         Some(p) => {
             tracing::info!(rank = p.rank, hosts = p.hosts, rendezvous = %format!("{}:{}", p.master_addr, p.master_port),
@@ -362,28 +378,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         let (supervisor, handle) = Actor::spawn(Some("supervisor".into()), Supervisor, args)
             .await
             .map_err(|e| anyhow::anyhow!("starting the supervisor: {e}"))?;
-        if let Some(listener) = read_only {
-            let bound = super::control::serve_read_only(listener, supervisor.clone(), prometheus.clone())
-                .context("control.read_only_listen")?;
-            tracing::info!(read_only_address = %bound, "control plane, read-only: GET /healthz /readyz /status /metrics");
-        }
-        if let Some(listener) = listener {
-            let guarded = token.is_some();
-            let bound = super::control::serve(listener, supervisor.clone(), prometheus, token)
-                .context("control.listen")?;
-            let posts = match (guarded, bound.ip().is_loopback()) {
-                (true, _) => "POST /checkpoint /reload (with the bearer token)",
-                (false, true) => "POST /checkpoint /reload",
-                (false, false) => {
-                    tracing::warn!(
-                        "control.listen = {bound} is not a loopback address and no token is set: POST endpoints answer \
-                         401. Set DFLASH_CONTROL_TOKEN (or control.token_file) to use them from other machines"
-                    );
-                    "POST endpoints refused (no token set)"
-                }
-            };
-            tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, {posts}");
-        }
+        supervised.started(supervisor.clone());
         watch_reload_signal(hangup, supervisor.clone());
         watch_stop_signals(supervisor.clone());
         let _ = handle.await;
@@ -392,6 +387,40 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// Serves the control plane (`control.listen`) and its read-only part (`control.read_only_listen`) on the listeners
+/// bound at start, each a task on the current runtime.
+fn serve_control(
+    read_only: Option<std::net::TcpListener>,
+    listener: Option<std::net::TcpListener>,
+    supervised: &Arc<Supervised>,
+    prometheus: &metrics_exporter_prometheus::PrometheusHandle,
+    token: Option<Arc<str>>,
+) -> anyhow::Result<()> {
+    if let Some(listener) = read_only {
+        let bound = super::control::serve_read_only(listener, supervised.clone(), prometheus.clone())
+            .context("control.read_only_listen")?;
+        tracing::info!(read_only_address = %bound, "control plane, read-only: GET /healthz /readyz /status /metrics");
+    }
+    if let Some(listener) = listener {
+        let guarded = token.is_some();
+        let bound =
+            super::control::serve(listener, supervised.clone(), prometheus.clone(), token).context("control.listen")?;
+        let posts = match (guarded, bound.ip().is_loopback()) {
+            (true, _) => "POST /checkpoint /reload (with the bearer token)",
+            (false, true) => "POST /checkpoint /reload",
+            (false, false) => {
+                tracing::warn!(
+                    "control.listen = {bound} is not a loopback address and no token is set: POST endpoints answer \
+                     401. Set DFLASH_CONTROL_TOKEN (or control.token_file) to use them from other machines"
+                );
+                "POST endpoints refused (no token set)"
+            }
+        };
+        tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, {posts}");
+    }
+    Ok(())
 }
 
 /// SIGTERM and SIGINT stop the run (a checkpoint, then exit 143 or 130); a second one exits at once with its own

@@ -12,10 +12,8 @@ use super::protocol::Feed;
 use crate::cluster::background::Background;
 use crate::cluster::exchange::BEAT_EVERY;
 use crate::cluster::link::{HostLink, LinkError};
+use crate::cluster::quorum::{LeaderWatch, Reply};
 use crate::service::messages::SupervisorMsg;
-
-/// Store operations failing in a row before the rendezvous host counts as gone.
-const LOST_AFTER: u32 = 3;
 
 /// Starts the thread that reads this host's assignments and the run's end, telling `supervisor` `Fed`,
 /// `RunEnded` and `RendezvousLost`, until it is dropped, the run ended, or the rendezvous host is gone.
@@ -23,15 +21,42 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
     Background::spawn("feed-reader", move |stopped| {
         // The generation read for and its next step.
         let mut at: Option<(u64, u64)> = None;
-        let mut failures = 0;
         let mut beaten: Option<Instant> = None;
+        // Whether to stop after an operation failed: rank 0's connection failed (its process is gone, or the leader
+        // watch took it for lost and shut the connections down).
+        let gone = |e: &LinkError| {
+            if e.unreachable() {
+                if link.leader_lost(e.to_string()) {
+                    let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(e.to_string()));
+                }
+                return true;
+            }
+            tracing::warn!("reading from the rendezvous host: {e}");
+            std::thread::sleep(Duration::from_millis(200));
+            false
+        };
+        // The generation rank 0's membership was last found to leave out.
+        let mut left_out = None;
         while !stopped.load(Ordering::SeqCst) {
-            // The heartbeat rides on this loop (which reads the store five times a second anyway): no thread or
-            // connection of its own. A failed beat is the next operation's to report.
+            // The heartbeat and the membership check ride on this loop (which reads the store five times a second
+            // anyway): no thread or connection of their own.
             if beaten.is_none_or(|t| t.elapsed() >= BEAT_EVERY) {
                 beaten = Some(Instant::now());
-                if let Err(e) = link.beat() {
-                    tracing::debug!("beat: {e}");
+                if let Err(e) = link.beat()
+                    && gone(&e)
+                {
+                    return;
+                }
+                match link.still_member() {
+                    Ok(Some(false)) => {
+                        let generation = link.generation();
+                        if left_out.replace(generation) != Some(generation) {
+                            let _ = supervisor.send_message(SupervisorMsg::LeftRun { generation });
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) if gone(&e) => return,
+                    Err(_) => {}
                 }
             }
             match link.finished() {
@@ -41,7 +66,7 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                     return;
                 }
                 Ok(None) => {}
-                Err(e) if lost(&mut failures, &e, &supervisor) => return,
+                Err(e) if gone(&e) => return,
                 Err(_) => continue,
             }
             let Some((generation, from)) = link.entered() else {
@@ -54,7 +79,6 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
             };
             match link.wait_feed(generation, step, Duration::from_millis(200)) {
                 Ok(Some(bytes)) => {
-                    failures = 0;
                     at = Some((generation, step + 1));
                     match serde_json::from_slice::<Feed>(&bytes) {
                         Ok(feed) => {
@@ -64,27 +88,42 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                         Err(e) => tracing::error!(step, "rank 0's assignment cannot be read: {e}"),
                     }
                 }
-                Ok(None) => failures = 0,
-                Err(e) if lost(&mut failures, &e, &supervisor) => return,
+                Ok(None) => {}
+                Err(e) if gone(&e) => return,
                 Err(_) => {}
             }
         }
     })
 }
 
-/// Counts a failed store operation; true (and the supervisor told) once the rendezvous host counts as gone: at once
-/// when the connection failed (its process or network is gone: trying again would wait for connects that libtorch
-/// retries until their deadline, while this host's replicas wait to be checkpointed), else after [`LOST_AFTER`] in
-/// a row.
-fn lost(failures: &mut u32, e: &LinkError, supervisor: &ActorRef<SupervisorMsg>) -> bool {
-    *failures += 1;
-    tracing::warn!("reading from the rendezvous host: {e}");
-    if e.unreachable() || *failures >= LOST_AFTER {
-        let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(e.to_string()));
-        return true;
-    }
-    std::thread::sleep(Duration::from_millis(200));
-    false
+/// Starts the thread that judges rank 0's silence ([`LeaderWatch`]) from the store operations this host waits on
+/// (the feed reader's beat and reads ask something of rank 0 several times a second): once rank 0 has kept them
+/// waiting for `cluster.leader_timeout_s`, it is taken for lost as if its process had died. The store's operations
+/// cannot judge it themselves: against a process that is stopped they block past every deadline.
+pub(super) fn watch_leader(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg>) -> std::io::Result<Background> {
+    Background::spawn("leader-watch", move |stopped| {
+        const LOOK_EVERY: Duration = Duration::from_millis(250);
+        // A look later than this after the last one is this process not running: the silence starts again.
+        const STALL_AFTER_S: f64 = 2.0;
+        let timeout = link.leader_timeout();
+        let mut watch = LeaderWatch::new(timeout.as_secs_f64(), STALL_AFTER_S);
+        let started = Instant::now();
+        while !stopped.load(Ordering::SeqCst) {
+            std::thread::sleep(LOOK_EVERY);
+            // An operation is slow now and then; only one waiting over a second counts as silence.
+            let reply = match link.silence() {
+                Some(silent) if silent > Duration::from_secs(1) => Reply::TimedOut,
+                _ => Reply::Answered,
+            };
+            if let Some(silent) = watch.observe(started.elapsed().as_secs_f64(), reply) {
+                let why = format!("no answer for {silent:.1} s (cluster.leader_timeout_s = {})", timeout.as_secs_f64());
+                if link.leader_lost(why.clone()) {
+                    let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(format!("rank 0 is lost: {why}")));
+                }
+                return;
+            }
+        }
+    })
 }
 
 /// Rank 0: posts what host `rank` (as `generation`) trains at `step`. A host that does not get it misses the

@@ -33,6 +33,7 @@ pub use self::core::{
     StopSignal, step_settings,
 };
 use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
+use self::watchdog::TickGaps;
 use super::compute_thread::{ComputeActor, ThreadFailure};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
 use super::evaluator::{EvalSet, EvalSpec, Evaluator, eval_set};
@@ -136,12 +137,14 @@ pub struct Shell {
     /// A reading of the memory statistics is under way.
     reading_memory: Arc<AtomicBool>,
     last_telemetry: Instant,
+    /// Gaps in the ticks: time this process did not run.
+    gaps: TickGaps,
     evaluator: Option<Evaluator>,
     samples_per_epoch: u64,
     /// Several hosts, rank 0: the member hosts last told to the core.
     hosts_told: Vec<HostMember>,
-    /// Several hosts, rank > 0: reads rank 0's assignments.
-    _feed_reader: Option<crate::cluster::background::Background>,
+    /// Another host: the threads that read rank 0's assignments and watch its silence (dropped last).
+    _feed_reader: Option<[crate::cluster::background::Background; 2]>,
 }
 
 impl Shell {
@@ -178,9 +181,11 @@ impl Shell {
             None => collective,
         });
         let feed_reader = match &a.link {
-            Some(link) if follower => hosts::read_feeds(link.clone(), myself.clone())
-                .map_err(|e| tracing::error!("cannot start the thread that reads rank 0's assignments: {e}"))
-                .ok(),
+            Some(link) if follower => {
+                let started = hosts::read_feeds(link.clone(), myself.clone())
+                    .and_then(|reader| Ok([reader, hosts::watch_leader(link.clone(), myself.clone())?]));
+                started.map_err(|e| tracing::error!("cannot start the threads that follow rank 0: {e}")).ok()
+            }
             _ => None,
         };
         let me = myself.clone();
@@ -255,6 +260,7 @@ impl Shell {
             memory,
             reading_memory: Arc::new(AtomicBool::new(false)),
             last_telemetry: Instant::now(),
+            gaps: TickGaps::default(),
             evaluator: None,
             samples_per_epoch,
             hosts_told: Vec::new(),
@@ -830,7 +836,7 @@ impl Actor for Supervisor {
         let mut shell = Shell::new(args, myself.clone());
         let actions = shell.core.start(shell.now());
         shell.perform(actions).await;
-        myself.send_interval(Duration::from_millis(200), || SupervisorMsg::Tick);
+        myself.send_interval(TickGaps::TICK, || SupervisorMsg::Tick);
         Ok(shell)
     }
 
@@ -840,6 +846,9 @@ impl Actor for Supervisor {
         msg: SupervisorMsg,
         s: &mut Shell,
     ) -> Result<(), ActorProcessingErr> {
+        if let Some(for_) = s.gaps.observe(s.now(), matches!(msg, SupervisorMsg::Tick)) {
+            s.feed(Event::Stopped { for_ }).await;
+        }
         let event = match msg {
             SupervisorMsg::TargetReady { target, generation, heads } => {
                 s.heads.get_or_insert(heads);
@@ -921,6 +930,13 @@ impl Actor for Supervisor {
             SupervisorMsg::RunEnded { code } => Event::RunEnded { code },
             SupervisorMsg::LedgerWritten(outcome) => Event::LedgerWritten(outcome),
             SupervisorMsg::RendezvousLost(why) => Event::RendezvousLost(why),
+            SupervisorMsg::LeftRun { generation } => {
+                // Word about a generation this host no longer is comes too late.
+                if s.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
+                    return Ok(());
+                }
+                Event::LeftRun
+            }
         };
         s.feed(event).await;
         s.tell_hosts().await;

@@ -73,6 +73,11 @@ pub struct Watched {
 pub enum Event {
     /// Time passed (the shell ticks a few times a second).
     Tick,
+    /// The process did not run for `for_`, up to now (its tick came that late: see
+    /// [`TickGaps`](super::watchdog::TickGaps)).
+    Stopped {
+        for_: std::time::Duration,
+    },
     /// What each running drafter thread is doing, for the watchdog (the shell sends it with its ticks).
     Watch(Vec<Watched>),
     TargetReady {
@@ -171,6 +176,9 @@ pub enum Event {
     },
     /// Several hosts, other ranks: the rendezvous host cannot be reached.
     RendezvousLost(String),
+    /// Several hosts, other ranks: rank 0 dropped this host from the run (it missed a round's deadline, or its beat
+    /// stopped: it was stopped or cut off for a while).
+    LeftRun,
 }
 
 /// What the shell reports to metrics and logs (the core decides nothing more by them).

@@ -5,7 +5,7 @@
 //! copies (found by the watchdog), slow steps flagged as hangs, poisoned devices, target failures and batches that
 //! crash the target, failed and corrupted checkpoints,
 //! unreadable checkpoint folders, SIGTERM at any point followed by `--resume auto` (sometimes with another number of
-//! drafters), reloads. Messages from one sender arrive in order; messages from different senders interleave at
+//! drafters), reloads, the whole process stopped for a while (SIGSTOP, a swapping host). Messages from one sender arrive in order; messages from different senders interleave at
 //! random, as they do between ractor's message queue and its supervision events.
 //!
 //! Checked after every event, or at the end of a run:
@@ -42,6 +42,7 @@ use super::protocol::{
     Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
 };
 use super::schedule::Item;
+use super::watchdog::TickGaps;
 use crate::config::Config;
 use crate::data::SampleId;
 use crate::data::loader::BatchId;
@@ -311,6 +312,8 @@ enum Occ {
     WriteDone,
     Tick,
     Fault,
+    /// The process stops (SIGSTOP) for this long.
+    Freeze(Duration),
     Restart,
     /// The ledger's disk has room again.
     LedgerFreed,
@@ -382,6 +385,11 @@ struct World {
     events: u64,
     /// Hung target copies the watchdog found.
     hung_targets_found: u64,
+    /// The shell's tick-gap finder (a new one each process).
+    gaps: TickGaps,
+    /// A stop of the process to schedule at start `(after, for)`, and the committed step it came at.
+    planned_freeze: Option<(Duration, Duration)>,
+    froze_at_step: Option<u64>,
 }
 
 type Check = Result<(), String>;
@@ -394,6 +402,10 @@ impl World {
     fn new(seed: u64, full_trace: bool) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let p = Params::draw(&mut rng);
+        Self::with(seed, p, rng, full_trace)
+    }
+
+    fn with(seed: u64, p: Params, rng: ChaCha8Rng, full_trace: bool) -> Self {
         let config = p.config();
         let core = Core::new(setup(&p, config.clone(), None, vec![]));
         World {
@@ -440,6 +452,9 @@ impl World {
             full_trace,
             events: 0,
             hung_targets_found: 0,
+            gaps: TickGaps::default(),
+            planned_freeze: None,
+            froze_at_step: None,
         }
     }
 
@@ -511,6 +526,7 @@ impl World {
         ));
         self.strictest = (config.supervision.min_live_drafters, config.supervision.max_restarts);
         self.core = Core::new(setup(&self.p, config.clone(), resume, rejected));
+        self.gaps = TickGaps::default();
         self.hyper = step_settings(&config, self.p.samples as u64, None).hyper;
         self.rounds = Rounds::new(step);
         self.samples_committed = samples;
@@ -557,6 +573,13 @@ impl World {
     // ------------------------------------------------------------------ the core's actions
 
     fn feed(&mut self, event: Event) -> Check {
+        // The shell finds the time the process did not run before it hands on any message.
+        if let Some(for_) = self.gaps.observe(self.now, matches!(event, Event::Watch(_))) {
+            self.events += 1;
+            self.note(format!("-> stopped for {:.1} s", for_.as_secs_f64()));
+            let actions = self.core.handle(self.now, Event::Stopped { for_ });
+            self.apply(actions)?;
+        }
         self.events += 1;
         self.note(format!("-> {}", short(&format!("{event:?}"))));
         let actions = self.core.handle(self.now, event);
@@ -1348,6 +1371,10 @@ impl World {
                     self.after(free_in, Occ::LedgerFreed);
                 }
             }
+            96 => {
+                let for_ = self.jitter(3_000, 60_000);
+                self.after(Duration::ZERO, Occ::Freeze(for_));
+            }
             _ => {
                 let mut config = self.core.config().clone();
                 config.checkpoint.every_steps = [0, 2, 5][self.rng.random_range(0..3)];
@@ -1362,6 +1389,27 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// The process stops for `for_` (SIGSTOP, a swapping host), every thread with it: whatever the process had
+    /// scheduled happens that much later, and so does the world's next fault.
+    fn freeze(&mut self, for_: Duration) {
+        self.note(format!("fault: the process stops for {:.1} s", for_.as_secs_f64()));
+        self.froze_at_step.get_or_insert(self.core.status().step);
+        let now = self.now;
+        let later = |t: Duration| if t > now { t + for_ } else { t };
+        self.queue =
+            std::mem::take(&mut self.queue).into_iter().map(|Reverse((t, seq))| Reverse((t + for_, seq))).collect();
+        for t in self.threads.values_mut() {
+            t.clock = later(t.clock);
+        }
+        for t in &mut self.targets {
+            t.clock = later(t.clock);
+        }
+        self.collective_clock = later(self.collective_clock);
+        self.ledger_clock = later(self.ledger_clock);
+        // Nothing was committed while nobody ran: the stall check measures from when the process continues.
+        self.last_progress += for_;
     }
 
     // ------------------------------------------------------------------ the loop
@@ -1403,6 +1451,7 @@ impl World {
                 self.after(next, Occ::Fault);
                 self.fault()?;
             }
+            Occ::Freeze(for_) => self.freeze(for_),
             Occ::Restart => self.start_process()?,
             Occ::LedgerFreed => self.ledger_full = false,
         }
@@ -1413,6 +1462,9 @@ impl World {
         self.start_process()?;
         let first = Duration::from_secs_f64(self.p.fault_every_s);
         self.after(first, Occ::Fault);
+        if let Some((after, for_)) = self.planned_freeze {
+            self.after(after, Occ::Freeze(for_));
+        }
         while let Some(Reverse((when, seq))) = self.queue.pop() {
             let Some((process, occ)) = self.pending.remove(&seq) else { continue };
             // Whatever the last process left scheduled died with it; faults and restarts outlive it.
@@ -1586,6 +1638,33 @@ fn sim_replay() {
     let Some(seed) = std::env::var("DFLASH_SIM_SEED").ok().and_then(|s| s.parse().ok()) else { return };
     if let Err(report) = simulate(seed, true) {
         panic!("{report}");
+    }
+}
+
+/// A process stopped for longer than every deadline (SIGSTOP, a swapping host, a paused VM) goes on as if nothing
+/// happened: the time it did not run is charged to nobody, so no drafter or target copy is failed for it, and the run
+/// completes.
+#[test]
+fn sim_a_stopped_process_fails_nobody() {
+    for seed in 0..8 {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let p = Params { fault_every_s: 1e9, hang_floor_s: 1.0, max_steps: 0, ..Params::draw(&mut rng) };
+        let mut world = World::with(seed, p, rng, false);
+        world.planned_freeze = Some((Duration::from_secs(2), Duration::from_secs(40)));
+        if let Err(e) = world.run() {
+            panic!("{}", world.report(&e));
+        }
+        let status = world.core.status();
+        let froze_at = world.froze_at_step.expect("the process was stopped");
+        assert!(
+            froze_at > 0 && status.step > froze_at,
+            "stopped while training: at step {froze_at} of {}",
+            status.step
+        );
+        assert_eq!(world.exits.iter().map(|e| e.0).collect::<Vec<_>>(), [EXIT_OK], "seed {seed}");
+        let restarts: Vec<u64> = status.drafters.iter().map(|d| d.restarts).collect();
+        assert!(restarts.iter().all(|&r| r == 0), "seed {seed}: drafter restarts {restarts:?}");
+        assert!(status.targets.iter().all(|t| t.restarts == 0), "seed {seed}: {:?}", status.targets);
     }
 }
 

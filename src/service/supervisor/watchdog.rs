@@ -7,7 +7,12 @@
 //! snapshot) for longer than the budget is hung. When no round was committed within the budget while steps are in
 //! flight, the blame goes, in order, to: a target copy holding a capture request that long; a drafter waiting for
 //! work that long (its items never came); else the round itself is stuck, and every drafter waiting in it fails.
-//! While a target copy restarts nobody waiting is blamed: its start has its own deadline.
+//! While a target copy restarts nobody waiting is blamed: its start has its own deadline. Across hosts, nobody is
+//! blamed for waiting on another host: a round waits for the others' contributions, which rank 0's quorum judges
+//! (their beats, `cluster.round_timeout_s`), and another host's drafters wait for rank 0's assignments too, whose
+//! silence `cluster.leader_timeout_s` judges.
+//!
+//! Time the process did not run (SIGSTOP, a host swapping, a VM paused) is charged to nobody ([`StoppedTime`]).
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -87,6 +92,8 @@ pub struct Look<'a> {
     /// Whether a target copy is restarting: the drafters it feeds wait for it (its start has its own deadline), so
     /// waiting is no one's fault.
     pub target_restarting: bool,
+    /// The waits that are for other hosts (judged elsewhere, not here).
+    pub elsewhere: &'a [Activity],
     pub drafters: &'a [DrafterSeen],
     pub targets: &'a [TargetSeen],
 }
@@ -113,7 +120,9 @@ pub fn find_stuck(look: &Look) -> Vec<Stuck> {
     if !targets.is_empty() || look.target_restarting {
         return targets;
     }
-    for waiting in [Activity::WaitingForWork, Activity::WaitingForPeers] {
+    for waiting in
+        [Activity::WaitingForWork, Activity::WaitingForPeers].into_iter().filter(|w| !look.elsewhere.contains(w))
+    {
         let stuck: Vec<Stuck> =
             look.drafters.iter().filter(|d| d.activity == waiting && over(d.for_)).map(drafter).collect();
         if !stuck.is_empty() {
@@ -121,6 +130,70 @@ pub fn find_stuck(look: &Look) -> Vec<Stuck> {
         }
     }
     vec![]
+}
+
+/// Time this process did not run, learnt from its own periodic tick arriving late: a monotonic clock keeps counting
+/// while a process is stopped (SIGSTOP, a swapping host, a paused VM), so without this a drafter computing when the
+/// process stopped would be failed as hung when it continues, and so would everything waiting. CPU-time clocks would
+/// not do: a drafter waiting for its GPU uses none. The shell finds the gaps ([`TickGaps`]) and tells the core
+/// ([`Event::Stopped`](super::protocol::Event::Stopped)); the watchdog's clock ([`StoppedTime::clock`]) is the
+/// monotonic one less the gaps, and a time measured on the monotonic clock is discounted by the gaps within it
+/// ([`StoppedTime::discount`]).
+#[derive(Debug, Clone, Default)]
+pub struct StoppedTime {
+    /// Each gap as (monotonic time it ended, time not run), oldest first.
+    gaps: VecDeque<(Duration, Duration)>,
+    total: Duration,
+}
+
+impl StoppedTime {
+    /// Gaps remembered for discounting (older ones are folded into the clock only).
+    const KEPT: usize = 64;
+
+    /// The process did not run for `for_` up to monotonic time `end`.
+    pub fn stopped(&mut self, end: Duration, for_: Duration) {
+        if self.gaps.len() == Self::KEPT {
+            self.gaps.pop_front();
+        }
+        self.gaps.push_back((end, for_));
+        self.total += for_;
+    }
+
+    /// The watchdog's clock at monotonic time `now`.
+    pub fn clock(&self, now: Duration) -> Duration {
+        now.saturating_sub(self.total)
+    }
+
+    /// `for_`, measured on the monotonic clock up to `now`, less the gaps within it.
+    pub fn discount(&self, now: Duration, for_: Duration) -> Duration {
+        let began = now.saturating_sub(for_);
+        let stopped: Duration =
+            self.gaps.iter().filter(|(end, _)| *end > began).map(|&(end, gap)| gap.min(end - began)).sum();
+        for_.saturating_sub(stopped)
+    }
+}
+
+/// The shell's side of [`StoppedTime`]: a message handled later than [`GAP`](Self::GAP) after the last tick (the
+/// shell ticks five times a second) ends a gap in which the process did not run. Any message counts, as the first one
+/// handled after the process continues need not be the tick.
+#[derive(Debug, Clone, Default)]
+pub struct TickGaps {
+    last_tick: Option<Duration>,
+}
+
+impl TickGaps {
+    pub const GAP: Duration = Duration::from_secs(2);
+    /// The shell's tick period: the part of a gap that is ordinary waiting.
+    pub const TICK: Duration = Duration::from_millis(200);
+
+    /// A message at monotonic time `now` (`tick`: the periodic one); the time not run before it, if any.
+    pub fn observe(&mut self, now: Duration, tick: bool) -> Option<Duration> {
+        let gap = self.last_tick.map(|last| now.saturating_sub(last)).filter(|&since| since > Self::GAP);
+        if tick || gap.is_some() || self.last_tick.is_none() {
+            self.last_tick = Some(now);
+        }
+        gap.map(|since| since - Self::TICK)
+    }
 }
 
 /// The recent times between committed rounds, for the hang budget.
@@ -184,6 +257,7 @@ mod tests {
             since_commit: secs(since_commit),
             steps_in_flight: true,
             target_restarting: false,
+            elsewhere: &[],
             drafters,
             targets,
         }
@@ -239,6 +313,60 @@ mod tests {
         // A target copy restarting (loading a large model takes minutes): waiting for it is nobody's fault.
         let restarting = Look { target_restarting: true, ..look(20, &drafters, &[]) };
         assert!(find_stuck(&restarting).is_empty());
+    }
+
+    /// Waits for other hosts are not blamed, however long: on rank 0 the round's (the other hosts' contributions),
+    /// on another host also its work (rank 0's assignments). Its own waits, a busy drafter and a stuck target copy
+    /// are.
+    #[test]
+    fn waiting_for_another_host_is_not_failed() {
+        let drafters = [seen(0, Activity::WaitingForPeers, 40), seen(1, Activity::WaitingForPeers, 40)];
+        let leader = Look { elsewhere: &[Activity::WaitingForPeers], ..look(40, &drafters, &[]) };
+        assert!(find_stuck(&leader).is_empty());
+        let drafters = [seen(0, Activity::WaitingForPeers, 40), seen(1, Activity::WaitingForWork, 40)];
+        assert_eq!(ids(&find_stuck(&Look { drafters: &drafters, ..leader })), ["drafter 1"], "its own target's work");
+        let both = [Activity::WaitingForPeers, Activity::WaitingForWork];
+        let follower = Look { elsewhere: &both, ..look(40, &drafters, &[]) };
+        assert!(find_stuck(&follower).is_empty());
+        let drafters = [seen(0, Activity::Computing, 40), seen(1, Activity::WaitingForPeers, 40)];
+        assert_eq!(ids(&find_stuck(&Look { drafters: &drafters, ..follower.clone() })), ["drafter 0"]);
+        let targets = [TargetSeen { id: 0, generation: 1, holding_for: secs(40) }];
+        assert_eq!(ids(&find_stuck(&Look { targets: &targets, ..follower })), ["target 0"]);
+    }
+
+    /// A tick (or any message) later than the gap after the last tick ends a gap; ordinary ticks, messages between
+    /// them and a delay within scheduling do not.
+    #[test]
+    fn a_late_message_ends_a_gap_in_the_ticks() {
+        let ms = Duration::from_millis;
+        let mut g = TickGaps::default();
+        for i in 0..10 {
+            assert_eq!(g.observe(ms(200 * i), true), None);
+        }
+        assert_eq!(g.observe(ms(1_900), false), None, "a message between ticks");
+        assert_eq!(g.observe(ms(3_700), true), None, "1.9 s late: within scheduling");
+        // Stopped from 3.7 s to 38.7 s: the first message after it (not the tick) ends the gap, and the late tick
+        // that follows is not a second one.
+        assert_eq!(g.observe(ms(38_700), false), Some(ms(34_800)));
+        assert_eq!(g.observe(ms(38_800), true), None);
+    }
+
+    /// The watchdog's clock skips the time not run, and a time measured across a gap is discounted by the part of it
+    /// within the time measured.
+    #[test]
+    fn time_the_process_was_stopped_is_charged_to_nobody() {
+        let ms = Duration::from_millis;
+        let mut t = StoppedTime::default();
+        assert_eq!(t.clock(ms(1_900)), ms(1_900));
+        t.stopped(ms(36_800), ms(34_800));
+        assert_eq!(t.clock(ms(36_900)), ms(2_100));
+        // Computing since 1.5 s: 35.4 s on the monotonic clock, 0.6 s of it run.
+        assert_eq!(t.discount(ms(36_900), ms(35_400)), ms(600));
+        // Begun after the gap, or 30 s before it: the gap counts only where it lies within.
+        assert_eq!(t.discount(ms(40_000), ms(3_000)), ms(3_000));
+        assert_eq!(t.discount(ms(40_000), ms(70_000)), ms(70_000 - 34_800));
+        t.stopped(ms(50_000), ms(5_000));
+        assert_eq!(t.discount(ms(50_100), ms(13_000)), ms(8_000), "only the second gap lies within");
     }
 
     #[test]

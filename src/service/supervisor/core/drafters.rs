@@ -28,6 +28,8 @@ impl Core {
         slot.life = Life::Live;
         slot.step = step;
         self.progress_at = self.now;
+        // A follower dropped from the run is back in it once a drafter of its is live again.
+        self.hosts.left = None;
         if !self.members.contains(&(id, generation)) {
             self.members.push((id, generation));
             self.members.sort_unstable();

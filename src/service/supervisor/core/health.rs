@@ -170,6 +170,7 @@ impl Core {
             let busy = self.now.saturating_sub(since).as_secs_f64();
             problems.push(format!("the checkpoint of step {step} has been being written for {busy:.0} s"));
         }
+        problems.extend(self.left_problem());
         problems
     }
 

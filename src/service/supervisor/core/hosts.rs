@@ -30,6 +30,9 @@ pub(super) struct Hosts {
     pub(super) survivor: Survivor,
     /// Follower: rank 0 is lost and this host's replica is being checkpointed.
     pub(super) parting: Option<Parting>,
+    /// Follower: rank 0 dropped this host from the run (when, on the watchdog's clock); its drafters start again and
+    /// enter anew. Not ready meanwhile.
+    pub(super) left: Option<Duration>,
 }
 
 impl Hosts {
@@ -45,6 +48,33 @@ impl Core {
 
     pub(super) fn is_leader(&self) -> bool {
         self.hosts.role == Some(HostRole::Leader)
+    }
+
+    /// Follower: rank 0's membership no longer lists this host (rank 0 dropped it: it missed a round's deadline, or
+    /// its beat stopped while it was stopped or cut off). Its drafters would wait for assignments that never come:
+    /// they are failed, so that they start again and the host enters the run anew; it is not ready until one of them
+    /// is live again.
+    pub(super) fn left_run(&mut self) {
+        if !self.is_follower() || self.hosts.left.is_some() {
+            return;
+        }
+        tracing::warn!("rank 0 dropped this host from the run: its drafters start again and enter it anew");
+        self.hosts.left = Some(self.now);
+        let live: Vec<(usize, u64)> = self.live().map(|s| (s.id, s.generation)).collect();
+        for (id, generation) in live {
+            let failure =
+                Failure { kind: FailureKind::Stalled, message: "rank 0 dropped this host from the run".into() };
+            self.drafter_failed(id, generation, failure, &[], false);
+        }
+    }
+
+    /// Follower: why it is not in the run, while it is not.
+    pub(super) fn left_problem(&self) -> Option<String> {
+        let since = self.now.saturating_sub(self.hosts.left?).as_secs_f64();
+        Some(format!(
+            "not in the run: rank 0 dropped this host {since:.0} s ago (it missed a round's deadline, or its beat \
+             stopped); its drafters are entering it anew"
+        ))
     }
 
     /// Leader: the other member hosts (for the status).
@@ -389,6 +419,55 @@ mod tests {
         assert!(actions.contains(&Action::Notice(Notice::Requeued { samples: 4 })), "{actions:?}");
         assert!(fed(&actions).is_empty(), "nothing more for a host that left");
         assert_eq!(captured(&actions), vec![remote[1]], "the batch host 1 did not train is handed out first");
+    }
+
+    /// A follower that rank 0 dropped (it was stopped past its beat's silence) is not ready and says why; its
+    /// drafters, which would wait for assignments that never come, start again; it is ready once one is live again.
+    /// Rank 0 ignores the word.
+    #[test]
+    fn a_follower_dropped_from_the_run_is_not_ready_until_it_is_back() {
+        let mut c = follower_at(0);
+        assert!(c.ready());
+        let actions = c.handle(at(20.0), Event::LeftRun);
+        assert!(actions.contains(&Action::Abandon { id: 0, generation: 1 }), "{actions:?}");
+        let status = c.status();
+        assert!(!status.ready && status.problems.iter().any(|p| p.contains("rank 0 dropped this host")), "{status:?}");
+        c.handle(at(20.0), Event::MemberRemoved { remaining: vec![] });
+        let actions = c.handle(at(25.0), Event::Tick);
+        assert!(actions.iter().any(|a| matches!(a, Action::SpawnDrafter { id: 0, generation: 2, .. })), "{actions:?}");
+        c.handle(at(25.1), Event::DrafterReady { id: 0, generation: 2 });
+        c.handle(at(25.2), Event::DrafterJoined { id: 0, generation: 2, step: 30 });
+        assert!(c.ready() && c.status().problems.is_empty(), "{:?}", c.status());
+
+        let mut leader = core(HostRole::Leader);
+        leader.start(at(0.0));
+        assert!(leader.handle(at(1.0), Event::LeftRun).is_empty());
+    }
+
+    /// A follower's drafter waiting for rank 0 (its round's decision, its next assignment) is not failed for it,
+    /// however long rank 0 is silent: `cluster.leader_timeout_s` judges rank 0 (the shell's feed reader). A drafter
+    /// of its own that hangs is still failed.
+    #[test]
+    fn a_follower_waiting_for_rank_0_is_not_failed_for_waiting() {
+        use crate::service::supervisor::watchdog::{Activity, DrafterSeen};
+        let mut c = follower_at(0);
+        c.config.supervision.step_timeout_s = 10.0;
+        let watched = |activity, for_| {
+            let seen = DrafterSeen { id: 0, generation: 1, activity, for_: at(for_) };
+            Event::Watch(vec![Watched { seen, running: vec![], injected: false }])
+        };
+        let item = Item::Capture { batch: id(3), positions: vec![0, 1] };
+        for action in c.handle(at(0.3), Event::Fed { step: 0, items: vec![(0, item)], position: None }) {
+            if let Action::TargetRequest { target, generation, request } = action {
+                c.handle(at(0.4), Event::Delivered { target, generation, seq: request.seq });
+            }
+        }
+        for activity in [Activity::WaitingForPeers, Activity::WaitingForWork] {
+            let actions = c.handle(at(60.0), watched(activity, 59.0));
+            assert!(!actions.iter().any(|a| matches!(a, Action::Abandon { .. })), "{activity:?}: {actions:?}");
+        }
+        let actions = c.handle(at(61.0), watched(Activity::Computing, 11.0));
+        assert!(actions.contains(&Action::Abandon { id: 0, generation: 1 }), "{actions:?}");
     }
 
     /// Another host trains what rank 0 feeds it from the step it entered at, writes no ledger and no checkpoint,

@@ -35,7 +35,7 @@ use super::drafters::{Fate, Life, Role, Slot};
 use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, Request, Start, Watched, WriteJob};
 use super::schedule::{Item, Position, Schedule, Settled};
 use super::targets::TargetCopy;
-use super::watchdog::StepTimes;
+use super::watchdog::{StepTimes, StoppedTime};
 use crate::config::Config;
 use crate::data::SampleId;
 use crate::data::loader::{BatchId, LoaderSettings};
@@ -256,7 +256,11 @@ pub struct Core {
     last_commit: Option<Duration>,
     /// The last sign of progress: a committed round, a drafter joining, training beginning.
     progress_at: Duration,
+    /// The watchdog's clock: the monotonic one less the time this process did not run.
     now: Duration,
+    /// The monotonic time of the event being handled, and the gaps in it.
+    monotonic: Duration,
+    stopped: StoppedTime,
     out: Vec<Action>,
     hosts: Hosts,
     health: health::Health,
@@ -310,6 +314,8 @@ impl Core {
             last_commit: None,
             progress_at: Duration::ZERO,
             now: Duration::ZERO,
+            monotonic: Duration::ZERO,
+            stopped: StoppedTime::default(),
             out: vec![],
             hosts: Hosts::new(setup.role),
             health: health::Health::default(),
@@ -323,20 +329,35 @@ impl Core {
 
     /// The first actions (start the first target copy).
     pub fn start(&mut self, now: Duration) -> Vec<Action> {
-        self.now = now;
-        self.window.started = now;
+        self.set_clock(now);
+        self.window.started = self.now;
         self.advance();
         std::mem::take(&mut self.out)
     }
 
-    /// Takes one event at `now` (never earlier than the last); returns what to do.
+    /// Moves the clocks to monotonic time `now`, skipping time not run.
+    fn set_clock(&mut self, now: Duration) {
+        self.monotonic = self.monotonic.max(now);
+        self.now = self.now.max(self.stopped.clock(self.monotonic));
+    }
+
+    /// Takes one event at monotonic time `now` (never earlier than the last); returns what to do.
     pub fn handle(&mut self, now: Duration, event: Event) -> Vec<Action> {
-        self.now = self.now.max(now);
+        if let Event::Stopped { for_ } = event {
+            // Before the clock moves: the watchdog's clock skips the gap.
+            self.stopped.stopped(now.max(self.monotonic), for_);
+            tracing::warn!(
+                "this process did not run for {:.1} s (stopped, or its host stalled): that time is charged to nobody",
+                for_.as_secs_f64()
+            );
+        }
+        self.set_clock(now);
         if self.exit.is_some() {
             return vec![];
         }
         match event {
             Event::Tick => {}
+            Event::Stopped { .. } => {}
             Event::Watch(drafters) => self.watch(drafters),
             Event::TargetReady { target, generation } => self.target_ready(target, generation),
             Event::TargetFailed { target, generation, failure } => self.target_failed(target, generation, failure),
@@ -378,6 +399,7 @@ impl Core {
             // Rank 0 may have had no replica to checkpoint (it lost every drafter): this host's may be the newest.
             Event::RunEnded { code } => self.part(format!("rank 0 ended the run with status {code}"), code),
             Event::RendezvousLost(why) => self.part(format!("the rendezvous host is gone ({why})"), EXIT_RESTART),
+            Event::LeftRun => self.left_run(),
             Event::Snapshot { id, generation, step, optimizer_steps } if self.parting() => {
                 self.parting_snapshot(id, generation, step, optimizer_steps)
             }
@@ -435,6 +457,7 @@ impl Core {
             && self.exit.is_none()
             && self.live().next().is_some()
             && self.healthy()
+            && self.hosts.left.is_none()
     }
 
     /// How long the exit may wait for the writers' queued work: what is left of the ending's deadline (at most
@@ -477,7 +500,7 @@ impl Core {
 
     /// Asks for a checkpoint (`POST /checkpoint`); the step it will be of: the first step not handed out yet.
     pub fn checkpoint_now(&mut self, now: Duration) -> (Result<u64, String>, Vec<Action>) {
-        self.now = self.now.max(now);
+        self.set_clock(now);
         let answer = if self.exit.is_some() || self.ending.is_some() {
             Err("the service is stopping".to_string())
         } else if self.is_follower() {

@@ -16,6 +16,10 @@ impl Core {
         let watched: Vec<Watched> = watched
             .into_iter()
             .filter(|w| self.slots.get(w.seen.id).is_some_and(|s| s.is_live() && s.current(w.seen.generation)))
+            .map(|mut w| {
+                w.seen.for_ = self.stopped.discount(self.monotonic, w.seen.for_);
+                w
+            })
             .collect();
         let drafters: Vec<DrafterSeen> = watched.iter().map(|w| w.seen.clone()).collect();
         let now = self.now;
@@ -32,6 +36,11 @@ impl Core {
             since_commit: now.saturating_sub(self.progress_at),
             steps_in_flight: self.schedule.in_flight() > 0,
             target_restarting: self.targets.iter().any(|t| !t.is_ready()),
+            elsewhere: match self.hosts.role {
+                None => &[],
+                Some(HostRole::Leader) => &[Activity::WaitingForPeers],
+                Some(HostRole::Follower) => &[Activity::WaitingForPeers, Activity::WaitingForWork],
+            },
             drafters: &drafters,
             targets: &targets,
         };
