@@ -377,10 +377,14 @@ def main():
     ARGS.bin = os.path.abspath(ARGS.bin)
     os.makedirs(ARGS.work, exist_ok=True)
     prepare_data()
-    cases = [two_services_on_one_folder, preemption_one_host, preemption_three_hosts, second_signal,
-             ledger_on_a_full_disk, stalled_checkpoint_writer, control_token]
+    run_cases([two_services_on_one_folder, preemption_one_host, preemption_three_hosts, second_signal,
+               ledger_on_a_full_disk, stalled_checkpoint_writer, control_token], ARGS.cases)
+
+
+def run_cases(cases, only):
+    """Runs `cases` (those named in `only`, when it names any) and exits with the number of checks that failed."""
     for case in cases:
-        if ARGS.cases and case.__name__ not in ARGS.cases:
+        if only and case.__name__ not in only:
             continue
         try:
             case()

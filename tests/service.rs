@@ -187,7 +187,12 @@ fn max_steps_ends_the_run_there_and_checkpoints_are_of_the_steps_asked_for() {
     let sets = ["optim.epochs=1", "optim.max_steps=45", "checkpoint.every_steps=10", "checkpoint.keep=10"];
     let (code, logs) = Service::start(&config(dir.path(), 2), false, &sets).exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
-    assert_eq!(checkpoints_written(&logs), vec![10, 20, 30, 40, 45], "the periodic ones, then the final one");
+    // The periodic ones, then the final one; a periodic one that falls due while the one before is still being
+    // written (a slow disk, a loaded machine) is skipped, and says so.
+    let written = checkpoints_written(&logs);
+    let skipped = logs.iter().filter(|l| l.contains("periodic checkpoint at step")).count();
+    assert!(written.iter().all(|s| [10, 20, 30, 40, 45].contains(s)) && written.last() == Some(&45), "{written:?}");
+    assert_eq!(written.len() + skipped, 5, "written {written:?}, {skipped} skipped");
     let epochs: std::collections::BTreeSet<u64> = std::fs::read_to_string(dir.path().join("ledger.jsonl"))
         .unwrap()
         .lines()
