@@ -444,6 +444,129 @@ mod tests {
         assert!(leader.handle(at(1.0), Event::LeftRun).is_empty());
     }
 
+    /// Seeded schedules of what a follower lives through, driving the core: steps trained as fed, rank 0 silent
+    /// for up to two minutes (its drafter waiting for its round or its work), this process stopped for up to two
+    /// minutes (its drafter computing across the gap), rank 0 dropping this host (it restarts its drafter and comes
+    /// back), and at the end rank 0 lost. Checked: no wait for rank 0 and no stop fails the drafter; a dropped host
+    /// is not ready until its drafter is live again; rank 0 lost, the host checkpoints its replica and exits 75.
+    #[test]
+    fn sim_a_follower_rides_out_silences_stops_and_drops() {
+        use rand::{Rng, SeedableRng};
+
+        use crate::service::supervisor::watchdog::{Activity, DrafterSeen};
+        let abandons = |actions: &[Action]| {
+            actions.iter().any(|a| matches!(a, Action::Abandon { .. } | Action::AbandonTarget { .. }))
+        };
+        'seeds: for seed in 0..64 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let mut c = follower_at(0);
+            // A hang budget of 10 s (unmeasured: rank 0 commits the rounds): every silence and stop is longer.
+            c.config.supervision.step_timeout_s = 10.0;
+            let (mut t, mut step, mut generation) = (0.3, 0, 1);
+            let watch = |generation, activity, for_: f64| {
+                let seen = DrafterSeen { id: 0, generation, activity, for_: at(for_) };
+                Event::Watch(vec![Watched { seen, running: vec![], injected: false }])
+            };
+            // The drafter's step: fed and captured, then (after `wait` s: rank 0 silent, the drafter waiting for its
+            // round) the round and the update applied. Returns the actions of the time in between.
+            let train = |c: &mut Core, t: &mut f64, step: &mut u64, generation: u64, wait: Option<f64>| {
+                let item = Item::Capture { batch: id(*step), positions: vec![0, 1] };
+                let position = position(*step, 4 * *step, 0, *step + 1, vec![]);
+                for action in c.handle(at(*t), Event::Fed { step: *step, items: vec![(0, item)], position }) {
+                    if let Action::TargetRequest { target, generation, request } = action {
+                        c.handle(at(*t), Event::Delivered { target, generation, seq: request.seq });
+                    }
+                }
+                let waited = match wait {
+                    Some(silent) => {
+                        *t += silent;
+                        c.handle(at(*t), watch(generation, Activity::WaitingForPeers, silent))
+                    }
+                    None => vec![],
+                };
+                let mine = Contributed { generation, ..contributed(0, vec![id(*step)]) };
+                let r = report(*step, c.incarnation, vec![mine], vec![record(0, 1, vec![])]);
+                c.handle(at(*t + 0.05), Event::Round(r));
+                let done = Event::StepDone {
+                    id: 0,
+                    generation,
+                    step: *step + 1,
+                    digest: None,
+                    applied: true,
+                    feature_wait_s: 0.0,
+                };
+                c.handle(at(*t + 0.06), done);
+                (*t, *step) = (*t + 0.1, *step + 1);
+                waited
+            };
+            for _ in 0..40 {
+                match rng.random_range(0..10) {
+                    0..=5 => {
+                        train(&mut c, &mut t, &mut step, generation, None);
+                    }
+                    6 | 7 => {
+                        let silent = rng.random_range(15.0..120.0);
+                        let actions = train(&mut c, &mut t, &mut step, generation, Some(silent));
+                        assert!(!abandons(&actions), "seed {seed}: waited {silent:.0} s for rank 0: {actions:?}");
+                    }
+                    8 => {
+                        let stopped = rng.random_range(15.0..120.0);
+                        c.handle(at(t + stopped), Event::Stopped { for_: at(stopped) });
+                        let actions = c.handle(at(t + stopped + 0.2), watch(generation, Activity::Computing, stopped));
+                        assert!(!abandons(&actions), "seed {seed}: stopped {stopped:.0} s: {actions:?}");
+                        t += stopped + 0.2;
+                    }
+                    _ => {
+                        let actions = c.handle(at(t), Event::LeftRun);
+                        assert!(actions.contains(&Action::Abandon { id: 0, generation }), "seed {seed}: {actions:?}");
+                        if actions.contains(&Action::Exit { code: EXIT_NO_PROGRESS }) {
+                            // Dropped more often than `max_restarts` allows within its window: a flapping host ends.
+                            let restarts = c.status().drafters[0].restarts;
+                            assert!(restarts >= c.supervision().max_restarts as u64, "seed {seed}: {restarts}");
+                            continue 'seeds;
+                        }
+                        c.handle(at(t), Event::MemberRemoved { remaining: vec![] });
+                        assert!(!c.ready(), "seed {seed}: dropped, yet ready");
+                        t += 10.0;
+                        let actions = c.handle(at(t), Event::Tick);
+                        let Some(Action::SpawnDrafter { generation: g, .. }) =
+                            actions.iter().find(|a| matches!(a, Action::SpawnDrafter { .. }))
+                        else {
+                            panic!("seed {seed}: no restart: {actions:?}")
+                        };
+                        generation = *g;
+                        assert!(!c.ready(), "seed {seed}: restarting, yet ready");
+                        c.handle(at(t + 0.1), Event::DrafterReady { id: 0, generation });
+                        c.handle(at(t + 0.2), Event::DrafterJoined { id: 0, generation, step });
+                        assert!(c.ready(), "seed {seed}: back, yet not ready: {:?}", c.status().problems);
+                        t += 0.3;
+                    }
+                }
+            }
+            let actions = c.handle(at(t), Event::RendezvousLost("no answer for 60.0 s".into()));
+            if step == 0 {
+                assert_eq!(actions.last(), Some(&Action::Exit { code: EXIT_RESTART }), "seed {seed}: nothing to keep");
+                continue;
+            }
+            assert!(
+                actions.contains(&Action::Tell { id: 0, generation, order: Order::Checkpoint { at: 0 } }),
+                "seed {seed}: {actions:?}"
+            );
+            let snapshot = Event::Snapshot { id: 0, generation, step, optimizer_steps: step };
+            let actions = c.handle(at(t + 0.1), snapshot);
+            assert!(
+                matches!(&actions[..], [Action::WriteCheckpoint(job)] if job.step == step),
+                "seed {seed}: {actions:?}"
+            );
+            let written = Event::CheckpointWritten { step, incarnation: c.incarnation, result: Ok(("x".into(), 0.1)) };
+            assert_eq!(
+                c.handle(at(t + 0.2), written).last(),
+                Some(&Action::Exit { code: EXIT_RESTART }),
+                "seed {seed}"
+            );
+        }
+    }
+
     /// A follower's drafter waiting for rank 0 (its round's decision, its next assignment) is not failed for it,
     /// however long rank 0 is silent: `cluster.leader_timeout_s` judges rank 0 (the shell's feed reader). A drafter
     /// of its own that hangs is still failed.
