@@ -38,7 +38,7 @@ pub enum LinkError {
     Exchange(#[from] ExchangeError),
     #[error("the rendezvous host's coordinator stopped: {0}")]
     CoordinatorStopped(String),
-    /// Rank 0 stopped answering for `cluster.leader_timeout_s` (this host's feed reader judged it).
+    /// Rank 0 counts as lost: silent for `cluster.leader_timeout_s`, or its store's connection failed.
     #[error("rank 0 is lost: {0}")]
     LeaderLost(String),
     #[error("tensor: {0}")]
@@ -810,7 +810,6 @@ impl HostLink {
         self.with_store(|s| Ok(exchange::acknowledge_finished(s)?))
     }
 
-    /// The run's exit status, once rank 0 ended it.
     /// Whether this host is still a member of the run, by the membership rank 0 posted at its last round (`None`:
     /// not entered yet, or nothing posted since it entered).
     pub fn still_member(&self) -> Result<Option<bool>, LinkError> {
@@ -819,6 +818,7 @@ impl HostLink {
         Ok(members.and_then(|m| exchange::still_member(self.rank(), entered, &m)))
     }
 
+    /// The run's exit status, once rank 0 ended it.
     pub fn finished(&self) -> Result<Option<i32>, LinkError> {
         self.with_store(|s| Ok(exchange::finished(s)?))
     }
@@ -833,6 +833,7 @@ fn sever_connections(addr: &str, port: u16) -> usize {
     let Ok(fds) = std::fs::read_dir("/proc/self/fd") else { return 0 };
     let mut severed = 0;
     for fd in fds.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()) {
+        // SAFETY: sockaddr_storage is plain old data, valid when all zero.
         let mut peer: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
         let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
         // SAFETY: `peer` is a writable sockaddr_storage of `len` bytes; a descriptor that is not a connected socket
