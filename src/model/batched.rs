@@ -13,8 +13,8 @@ use std::sync::mpsc::Receiver;
 use futures::channel::oneshot;
 use tch::{Kind, Tensor};
 
+use super::attention::{CONTEXT_BUCKET, context_bucket};
 use super::batch_schedule::{Done, Job, Prefill, Schedule};
-use super::drafter::{CONTEXT_BUCKET, context_bucket};
 use super::sampling::{Sampling, pick_tokens};
 use super::{KvCache, ModelError, Target};
 use crate::cuda_graph::CudaGraph;

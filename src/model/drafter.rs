@@ -8,32 +8,25 @@
 //! its own block, nothing else. [`BlockAttention`] runs it in groups of consecutive blocks: since anchors are sorted,
 //! a group only needs the context prefix up to its largest anchor and its own block keys, so the dense attention of
 //! each group is several times smaller than one dense `[N*bs, S + N*bs]` attention, with identical results (masked
-//! keys weigh exactly zero). Context lengths are rounded up to multiples of [`CONTEXT_BUCKET`] (the context is
-//! zero-padded to match) so that the few distinct attention shapes recur from step to step: cuDNN builds an
-//! execution plan per shape, and a new shape every call costs more than the attention itself.
+//! keys weigh exactly zero). Context lengths are rounded up to multiples of
+//! [`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET) (the context is zero-padded to match) so that the few
+//! distinct attention shapes recur from step to step: cuDNN builds an execution plan per shape, and a new shape every
+//! call costs more than the attention itself.
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
+use super::attention::{context_bucket, grouped_bias, masked_attention, repeat_kv};
 use super::drafter_config::DrafterConfig;
 use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
-use super::target::{grouped_bias, masked_attention};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
 use crate::ops;
 use crate::profile::span;
-
-/// Context lengths seen by attention are multiples of this (see the module docs).
-pub const CONTEXT_BUCKET: i64 = 128;
-
-/// `n` rounded up to a multiple of [`CONTEXT_BUCKET`].
-pub fn context_bucket(n: i64) -> i64 {
-    (n + CONTEXT_BUCKET - 1) / CONTEXT_BUCKET * CONTEXT_BUCKET
-}
 
 /// Group indices of one layer in the flat layout.
 #[derive(Debug, Clone, Copy)]
@@ -281,7 +274,8 @@ impl Drafter {
     }
 
     /// A cache of projected context keys and values for up to `capacity` positions of one sequence (rounded up
-    /// to a multiple of [`CONTEXT_BUCKET`]: attention reads the context in whole buckets, see [`Drafter::draft`]).
+    /// to a multiple of [`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET): attention reads the context in whole
+    /// buckets, see [`Drafter::draft`]).
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
         let c = &self.cfg.decoder;
         let (kv_heads, d) = (c.num_key_value_heads as i64, c.head_dim as i64);
@@ -293,9 +287,10 @@ impl Drafter {
     /// [1, bs, hidden]` (the target's embedding of `[last accepted token, MASK...]`) at the positions right after
     /// the context. Block queries see every context key and every key of the block, as in training (context
     /// `p < anchor`, bidirectional block); the block's own keys are not kept. Returns the final-normed hidden
-    /// states `[1, bs, hidden]`. The context is attended in whole [`CONTEXT_BUCKET`]s, the rows past it masked, so
-    /// the attention shape recurs from step to step (cuDNN plans an attention per shape, which costs far more than
-    /// the attention itself at batch 1).
+    /// states `[1, bs, hidden]`. The context is attended in whole buckets
+    /// ([`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET)), the rows past it masked, so the attention shape recurs
+    /// from step to step (cuDNN plans an attention per shape, which costs far more than the attention itself at
+    /// batch 1).
     pub fn draft(
         &self,
         w: &DraftWeights,
@@ -454,16 +449,6 @@ pub fn save_drafter_folder(
     let path = dir.join("config.json");
     std::fs::write(&path, &json).map_err(|err| ModelError::Io { path: path.clone(), err })?;
     std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(|err| ModelError::Io { path, err })
-}
-
-/// `[B, kv_heads, L, d]` -> `[B, kv_heads * rep, L, d]`, each key/value head serving `rep` query heads (the
-/// memory-efficient attention kernel, which takes a mask, wants them expanded).
-pub(crate) fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
-    if rep == 1 {
-        return t.shallow_clone();
-    }
-    let s = t.size();
-    t.unsqueeze(2).expand([s[0], s[1], rep, s[2], s[3]], false).reshape([s[0], s[1] * rep, s[2], s[3]])
 }
 
 /// One group of consecutive blocks attended together.

@@ -2,6 +2,7 @@
 //! safetensors I/O, and the built-in presets.
 use std::path::PathBuf;
 
+pub mod attention;
 pub mod batch_schedule;
 pub mod batched;
 pub mod choice;

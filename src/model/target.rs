@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
+use super::attention::{context_bucket, flash_applies, grouped_bias, masked_attention, sink_attention};
 use super::config::TargetConfig;
-use super::drafter::{context_bucket, repeat_kv};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, norm_rope, rms_norm, swiglu_activation};
@@ -307,93 +307,6 @@ fn check_fit(
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless the fused paths are
-/// switched off ([`super::fused::switched_off`]) for comparisons, leaving the masked one below.
-fn flash_applies(q: &Tensor) -> bool {
-    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
-}
-
-/// The additive mask of `t` queries laid out for [`masked_attention`] over a target or drafter with `group` query
-/// heads per key/value head: `-inf` where `hidden` (`[t, K]`, or `[K]` for every query) is true, 0 elsewhere, in
-/// `kind`, as `[1, 1, group * t, K]`, the rows repeated once per query head of a group. Built once per step and
-/// shared by its layers.
-pub(crate) fn grouped_bias(hidden: &Tensor, t: i64, group: i64, kind: Kind) -> Result<Tensor, ModelError> {
-    let keys = hidden.size().last().copied().unwrap_or(0);
-    let bias = Tensor::f_zeros([t, keys], (kind, hidden.device()))?.f_masked_fill(hidden, f64::NEG_INFINITY)?;
-    Ok(bias.f_repeat([group, 1])?.f_view([1, 1, group * t, keys])?)
-}
-
-/// Batch-1 attention of `q [1, H, T, d]` over `k`, `v` `[1, KV, K, d]` with an additive mask from
-/// [`grouped_bias`]. The `H / KV` query heads that share a key/value head attend as `H / KV * T` rows of that head,
-/// so the keys and values are read as they are, never expanded to every query head (the memory-efficient kernel,
-/// the one that takes a mask, has no GQA). On a GPU in bf16 it runs as two batched products around one fused
-/// softmax ([`split_attention`]); elsewhere as one masked attention call.
-pub(crate) fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor, ModelError> {
-    let [b, heads, t, d] = q.size()[..] else {
-        return Err(ModelError::Batch(format!("attention queries must be [batch, heads, T, d], got {:?}", q.size())));
-    };
-    let kv_heads = k.size()[1];
-    let folded = q.f_reshape([b, kv_heads, heads / kv_heads * t, d])?;
-    let rows = match split_attention(&folded, k, v, bias) {
-        Some(rows) => rows,
-        None => Tensor::f_scaled_dot_product_attention(&folded, k, v, Some(bias), 0.0, false, None, false)?,
-    };
-    Ok(rows.f_reshape([b, heads, t, d])?)
-}
-
-/// `softmax(q kᵀ / √d + bias) v` for one sequence in three kernels: the scores in f32 from one batched product,
-/// the fused masked softmax ([`super::fused::masked_softmax`]; probabilities rounded to bf16, as the fused attention
-/// kernels round them before the product with v), and the product with v. At batch 1 the memory-efficient kernel
-/// runs one block per key/value head and query tile, 8 blocks on a GPU of 132 units: 18 µs a layer at 640 keys and
-/// 48 µs at 2,176 (H200), where this takes about 12 and 13. `None` where it does not apply (not one sequence, not
-/// CUDA bf16, fused kernels off), for the caller's masked attention call.
-fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Option<Tensor> {
-    if q.size()[0] != 1 || q.kind() != Kind::BFloat16 || !flash_applies(q) {
-        return None;
-    }
-    let d = *q.size().last()?;
-    let scores =
-        q.f_select(0, 0).ok()?.f_bmm_dtype(&k.f_select(0, 0).ok()?.f_transpose(1, 2).ok()?, Kind::Float).ok()?;
-    let probs = super::fused::masked_softmax(&scores, bias, 1.0 / (d as f64).sqrt())?;
-    probs.f_bmm(&v.f_select(0, 0).ok()?).ok()?.f_unsqueeze(0).ok()
-}
-
-/// GPT-OSS's attention: causal (within `window` positions, the query's own included, where the layer has one), with
-/// one sink logit per head that takes part in the softmax and contributes no value. `q [B, H, T, d]` holds positions
-/// `query_positions` (`[B, T]`, or `[1, T]` for every row); `k`, `v` `[B, KV, K, d]` positions `0..K` (the whole
-/// sequence, or the cache's bucketed prefix, whose unwritten tail the causal mask hides). The sink is an extra key of zeros (score 0) whose mask entry is
-/// the sink, with a zero value; the memory-efficient kernel takes the mask and wants the key/value heads expanded.
-fn sink_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    sinks: &Tensor,
-    window: Option<i64>,
-    query_positions: &Tensor,
-) -> Result<Tensor, ModelError> {
-    let (heads, t, keys) = (q.size()[1], q.size()[2], k.size()[2]);
-    let rows = query_positions.size()[0];
-    let group = heads / k.size()[1];
-    let extend = |x: &Tensor| -> Result<Tensor, ModelError> {
-        let x = repeat_kv(x, group);
-        let zero = x.f_narrow(2, 0, 1)?.f_zeros_like()?;
-        Ok(Tensor::f_cat(&[&x, &zero], 2)?)
-    };
-    let (k, v) = (extend(k)?, extend(v)?);
-    let device = q.device();
-    let query_positions = query_positions.f_unsqueeze(2)?;
-    let key_positions = Tensor::f_arange(keys, (Kind::Int64, device))?.view([1, 1, keys]);
-    let mut visible = key_positions.f_le_tensor(&query_positions)?;
-    if let Some(w) = window {
-        visible = visible.f_logical_and(&(&query_positions - &key_positions).f_lt(w)?)?;
-    }
-    let mask = Tensor::f_zeros([rows, t, keys], (q.kind(), device))?
-        .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?;
-    let sink = sinks.to_kind(q.kind()).view([1, heads, 1, 1]).expand([rows, heads, t, 1], false);
-    let mask = Tensor::f_cat(&[&mask.view([rows, 1, t, keys]).expand([rows, heads, t, keys], false), &sink], 3)?;
-    Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, Some(&mask), 0.0, false, None, false)?)
-}
 
 impl Target {
     /// Loads a HuggingFace model folder (`config.json` + safetensors) onto `device` as `kind`.
@@ -796,7 +709,7 @@ impl Target {
     }
 
     /// A cache for [`Target::decode`] holding up to `capacity` positions of one sequence (rounded up to a
-    /// multiple of [`CONTEXT_BUCKET`](super::drafter::CONTEXT_BUCKET), as attention reads it in buckets).
+    /// multiple of [`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET), as attention reads it in buckets).
     pub fn new_cache(&self, capacity: i64) -> Result<KvCache, ModelError> {
         self.new_rows_cache(1, context_bucket(capacity))
     }
@@ -1323,42 +1236,6 @@ impl Target {
 mod tests {
     use super::*;
 
-    /// Batch-1 attention with the query heads folded onto their key/value head equals attention with the keys and
-    /// values expanded to every query head, written out in f64: on the CPU (the masked attention call) and on a GPU
-    /// in bf16 (the split products around the fused softmax, within the bf16 rounding of q, k, v and the output),
-    /// for one query and for a block, over keys partly masked.
-    #[test]
-    fn folded_batch_one_attention_equals_expanded_attention() {
-        let mut devices = vec![(Device::Cpu, Kind::Float, 1e-5)];
-        if tch::Cuda::is_available() {
-            crate::device::bind_thread(Device::Cuda(0)).unwrap();
-            devices.push((Device::Cuda(0), Kind::BFloat16, 5e-2));
-        }
-        let (heads, kv_heads, d, keys) = (8, 2, 64, 384);
-        for (device, kind, tolerance) in devices {
-            for t in [1i64, 16] {
-                tch::manual_seed(t);
-                let q = Tensor::randn([1, heads, t, d], (Kind::Double, device)) * 2.0;
-                let k = Tensor::randn([1, kv_heads, keys, d], (Kind::Double, device));
-                let v = Tensor::randn([1, kv_heads, keys, d], (Kind::Double, device));
-                // Query i sees keys up to 300 + i: the rows past them hold garbage that must weigh nothing.
-                let visible = Tensor::arange(keys, (Kind::Int64, device))
-                    .unsqueeze(0)
-                    .le_tensor(&Tensor::arange_start(300, 300 + t, (Kind::Int64, device)).unsqueeze(1));
-                let k = k.masked_fill(&visible.logical_not().all_dim(0, false).view([1, 1, keys, 1]), 1e4);
-                let bias = Tensor::zeros([t, keys], (Kind::Double, device))
-                    .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-                let scores = q.matmul(&repeat_kv(&k, heads / kv_heads).transpose(-1, -2)) / (d as f64).sqrt() + &bias;
-                let expected = scores.softmax(-1, Kind::Double).matmul(&repeat_kv(&v, heads / kv_heads));
-                let [q, k, v] = [&q, &k, &v].map(|x| x.to_kind(kind));
-                let mask = grouped_bias(&visible.logical_not(), t, heads / kv_heads, kind).unwrap();
-                let got = masked_attention(&q, &k, &v, &mask).unwrap();
-                let err = (got.to_kind(Kind::Double) - &expected).abs().max().double_value(&[]);
-                assert!(err < tolerance, "{device:?} {kind:?}, {t} queries: off by {err}");
-            }
-        }
-    }
-
     /// Qwen3-8B over two GPUs: the first also holds the embedding and the (untied) LM head, 2.5 GB in bf16, worth
     /// about six and a half layers of 0.39 GB, so the even split of 15.6 GB gives it 13 of the 34 layers capture runs
     /// and the second 21; with a tied head (one table) 15 and 19.
@@ -1391,31 +1268,5 @@ mod tests {
         check_fit(&per_layer, first, &parts, &[a, b], &[ten, ten]).unwrap();
         let err = check_fit(&per_layer, first, &parts, &[a, a], &[ten, ten]).unwrap_err().to_string();
         assert!(err.contains("cuda:0"), "{err}");
-    }
-
-    /// The flash path (bf16, window and sink folded in through the log-sum-exp) against the masked path in f32, on
-    /// random inputs with grouped-query heads: the same attention within bf16 rounding.
-    #[test]
-    fn on_a_gpu_sink_flash_attention_matches_the_masked_path() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no GPU here");
-            return;
-        }
-        let dev = Device::Cuda(0);
-        tch::manual_seed(5);
-        let (b, t, heads, kv, d) = (2, 300, 8, 2, 64);
-        let q = Tensor::randn([b, heads, t, d], (Kind::Float, dev));
-        let k = Tensor::randn([b, kv, t, d], (Kind::Float, dev));
-        let v = Tensor::randn([b, kv, t, d], (Kind::Float, dev));
-        let sinks = Tensor::randn([heads], (Kind::Float, dev)) * 2.0;
-        for window in [None, Some(128), Some(3)] {
-            let positions = Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(0);
-            let want = sink_attention(&q, &k, &v, &sinks, window, &positions).unwrap();
-            let bf = |x: &Tensor| x.to_kind(Kind::BFloat16).transpose(1, 2);
-            let got = crate::ops::sink_flash_attention(&bf(&q), &bf(&k), &bf(&v), &sinks, window).unwrap();
-            let got = got.transpose(1, 2).to_kind(Kind::Float);
-            let err = (&got - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
-            assert!(err < 2e-2, "window {window:?}: relative error {err}");
-        }
     }
 }
