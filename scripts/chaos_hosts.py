@@ -155,8 +155,9 @@ def main():
     base.ARGS = args
     os.makedirs(args.work, exist_ok=True)
     base.prepare_data()
-    base.run_cases([rank0_stopped_under_the_leader_timeout, rank0_stopped_past_the_leader_timeout,
-                    follower_stopped_past_its_beat, follower_on_a_wrong_port, follower_with_another_drafter], args.cases)
+    cases = [rank0_stopped_under_the_leader_timeout, rank0_stopped_past_the_leader_timeout,
+             follower_stopped_past_its_beat, follower_on_a_wrong_port, follower_with_another_drafter]
+    base.run_cases(cases, args.cases)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
 //! summed round `r`, how many said, and whether its update applies), `ring/{r}` (the NCCL communicator's identity,
 //! when round `r` has a new membership), `feed/{rank}/{gen}/{step}` (what rank 0 assigns a host at a step) and
 //! `finished` (rank 0's exit status at the end of the run), `members` (the last round closed and the next one's
-//! members, with their generations: how a host learns it was dropped). Values larger than the store's server takes in one
-//! message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
+//! members, with their generations: how a host learns it was dropped). Values larger than the store's server takes
+//! in one message go in pieces ([`set_large`]). Rounds older than [`KEEP_ROUNDS`] are deleted.
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 

@@ -5,7 +5,8 @@ use tch::{Kind, Tensor};
 
 use super::ModelError;
 
-/// Context lengths seen by attention are multiples of this (see [`super::drafter`]'s module docs: cuDNN plans per shape).
+/// Context lengths seen by attention are multiples of this, so that attention shapes recur (cuDNN plans per shape;
+/// see [`super::drafter`]'s module docs).
 pub const CONTEXT_BUCKET: i64 = 128;
 
 /// `n` rounded up to a multiple of [`CONTEXT_BUCKET`].

@@ -12,7 +12,7 @@
 //! The control plane is served before the supervisor exists, while a host of several waits for the others: `/healthz`
 //! answers, `/status` and `/readyz` say the phase (`rendezvous`) and what it waits for ([`Supervised`]).
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -47,22 +47,19 @@ struct TargetFaultRequest {
 /// waits for.
 pub struct Supervised {
     supervisor: OnceLock<ActorRef<SupervisorMsg>>,
-    before: Mutex<(String, String)>,
+    phase: String,
+    waiting_for: String,
 }
 
 impl Supervised {
-    /// Before the supervisor: in `phase`, waiting for `what`.
-    pub fn before(phase: &str, what: String) -> Arc<Self> {
-        Arc::new(Supervised { supervisor: OnceLock::new(), before: Mutex::new((phase.into(), what)) })
+    /// Before the supervisor: in `phase`, waiting for `waiting_for`.
+    pub fn before(phase: &str, waiting_for: String) -> Arc<Self> {
+        Arc::new(Supervised { supervisor: OnceLock::new(), phase: phase.into(), waiting_for })
     }
 
     /// The supervisor runs: every request goes to it from now on.
     pub fn started(&self, supervisor: ActorRef<SupervisorMsg>) {
         let _ = self.supervisor.set(supervisor);
-    }
-
-    fn phase(&self) -> (String, String) {
-        self.before.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -79,8 +76,7 @@ async fn ask<T: Send + 'static>(
     build: impl FnOnce(RpcReplyPort<T>) -> SupervisorMsg,
 ) -> Result<T, Unanswered> {
     let Some(sup) = sup.supervisor.get() else {
-        let (phase, what) = sup.phase();
-        return Err(Unanswered::NotYet(phase, what));
+        return Err(Unanswered::NotYet(sup.phase.clone(), sup.waiting_for.clone()));
     };
     match sup.call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS))).await {
         Ok(CallResult::Success(v)) => Ok(v),
@@ -100,6 +96,17 @@ fn unavailable(e: Unanswered) -> Response {
 
 type Sup = State<Arc<Supervised>>;
 
+/// The supervisor's status; before it runs, the phase, the pid and what the process waits for (the rest empty), so
+/// that `/status` and `/readyz` read the same either way.
+async fn status_of(sup: &Supervised) -> Result<Status, Unanswered> {
+    match ask(sup, SupervisorMsg::Status).await {
+        Err(Unanswered::NotYet(phase, what)) => {
+            Ok(Status { phase, pid: std::process::id(), problems: vec![what], ..Status::default() })
+        }
+        answer => answer,
+    }
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -107,15 +114,11 @@ async fn healthz() -> &'static str {
 /// 200 while training can go on (running, not stopping, a drafter live, the ledger written, the checkpoint writer
 /// not stalled); 503 with the phase and the problems otherwise.
 async fn readyz(State(sup): Sup) -> Response {
-    match ask(&sup, SupervisorMsg::Status).await {
+    match status_of(&sup).await {
         Ok(s) if s.ready => (StatusCode::OK, "ready\n").into_response(),
         Ok(s) => {
             let live = s.drafters.iter().filter(|d| d.state == DrafterState::Live).count();
             let body = json!({"ready": false, "phase": s.phase, "drafters_live": live, "problems": s.problems});
-            (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
-        }
-        Err(Unanswered::NotYet(phase, what)) => {
-            let body = json!({"ready": false, "phase": phase, "drafters_live": 0, "problems": [what]});
             (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
         }
         Err(e) => unavailable(e),
@@ -123,12 +126,8 @@ async fn readyz(State(sup): Sup) -> Response {
 }
 
 async fn status(State(sup): Sup) -> Response {
-    match ask(&sup, SupervisorMsg::Status).await {
+    match status_of(&sup).await {
         Ok(s) => Json(s).into_response(),
-        Err(Unanswered::NotYet(phase, what)) => {
-            let status = Status { phase, pid: std::process::id(), problems: vec![what], ..Status::default() };
-            Json(status).into_response()
-        }
         Err(e) => unavailable(e),
     }
 }

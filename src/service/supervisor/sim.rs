@@ -5,8 +5,9 @@
 //! copies (found by the watchdog), slow steps flagged as hangs, poisoned devices, target failures and batches that
 //! crash the target, failed and corrupted checkpoints,
 //! unreadable checkpoint folders, SIGTERM at any point followed by `--resume auto` (sometimes with another number of
-//! drafters), reloads, the whole process stopped for a while (SIGSTOP, a swapping host). Messages from one sender arrive in order; messages from different senders interleave at
-//! random, as they do between ractor's message queue and its supervision events.
+//! drafters), reloads, the whole process stopped for a while (SIGSTOP, a swapping host). Messages from one sender
+//! arrive in order; messages from different senders interleave at random, as they do between ractor's message queue
+//! and its supervision events.
 //!
 //! Checked after every event, or at the end of a run:
 //! - the run commits a step within a bounded simulated time, or ends with a documented exit code (never a silent

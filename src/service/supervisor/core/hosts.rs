@@ -445,7 +445,7 @@ mod tests {
     }
 
     /// Seeded schedules of what a follower lives through, driving the core: steps trained as fed, rank 0 silent
-    /// for up to two minutes (its drafter waiting for its round or its work), this process stopped for up to two
+    /// for up to two minutes (its drafter fed and waiting for its round), this process stopped for up to two
     /// minutes (its drafter computing across the gap), rank 0 dropping this host (it restarts its drafter and comes
     /// back), and at the end rank 0 lost. Checked: no wait for rank 0 and no stop fails the drafter; a dropped host
     /// is not ready until its drafter is live again; rank 0 lost, the host checkpoints its replica and exits 75.
