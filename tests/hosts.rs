@@ -10,15 +10,13 @@ use std::time::Duration;
 
 use dflash::cluster::background::Background;
 use dflash::cluster::launch::HostPlacement;
-use dflash::cluster::link::HostLink;
 use dflash::cluster::store::Store;
 use dflash::data::loader::BatchId;
-use dflash::train::collective::{
-    Collective, CollectiveError, Contribution, GradientSum, Hyper, JoinBuffers, ObjectiveKnobs, Progress, RoundReport,
-    StepSettings,
-};
-use dflash::train::objective::Metrics;
-use dflash::train::optim::{LrSchedule, ScheduleKind};
+use dflash::train::collective::{Collective, CollectiveError, Contribution, GradientSum, JoinBuffers, RoundReport};
+use dflash::train::link::HostLink;
+use dflash::train::objective::{Metrics, ObjectiveKnobs};
+use dflash::train::optim::{Hyper, LrSchedule, Progress, ScheduleKind};
+use dflash::train::step::StepSettings;
 use tch::Tensor;
 
 const LAST_STEP: u64 = 12;

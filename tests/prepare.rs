@@ -8,9 +8,9 @@ use std::process::Command;
 use dflash::data::SampleId;
 use dflash::data::builtin::{sample_conversations, write_tiny_tokenizer};
 use dflash::data::chat::Conversation;
-use dflash::data::prepare::{Manifest, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::prepare::{ModelAssets, PrepareOptions, PrepareOutcome, prepare};
 use dflash::data::sample::build_sample;
-use dflash::data::shards::PreparedSplit;
+use dflash::data::shards::{Manifest, PreparedSplit};
 use dflash::data::token_rows::read_token_rows;
 use serde_json::{Map, json};
 

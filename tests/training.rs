@@ -248,10 +248,10 @@ fn accumulating_micro_batches_equals_one_batch() {
 
 #[test]
 fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
-    use dflash::train::collective::{
-        Collective, Contribution, GradientSum, Hyper, ObjectiveKnobs, Progress, StepSettings,
-    };
-    use dflash::train::optim::{LrSchedule, ScheduleKind};
+    use dflash::train::collective::{Collective, Contribution, GradientSum};
+    use dflash::train::objective::ObjectiveKnobs;
+    use dflash::train::optim::{Hyper, LrSchedule, Progress, ScheduleKind};
+    use dflash::train::step::StepSettings;
     use std::sync::Arc;
     let t = target();
     let data = dataset(4, 30);

@@ -4,11 +4,7 @@
 //! `--what pipeline` puts the capture into every step: the preset's target (random weights) captures the batch's
 //! features, then the drafter trains on them, on one device with no actors: the yardstick for `serve-train`.
 //!
-//! FLOPs per sample, the cost model of DFLASH.md as the peer counts it (dense attention as if every score were
-//! computed), with `Q = N*bs` block positions and `K = S + Q` keys:
-//! `fc = S * taps * H * H`, `layer = Q*H*(heads*hd) + K*H*(2*kv_heads*hd) + Q*(heads*hd)*H + 3*Q*H*I`,
-//! `attn = 2 * Q * K * hd * heads`; FLOPs = `2 * (3 * (fc + L*layer) + 3 * L * attn + 2 * Q * H * V)`: trained
-//! products count forward plus two backward products, the frozen LM head forward plus the input gradient.
+//! FLOPs per sample are [`DrafterConfig::training_flops_per_sample`]'s, the peer's cost model.
 use std::collections::BTreeMap;
 
 use rand::{Rng, SeedableRng};
@@ -88,20 +84,6 @@ enum Features {
     Captured(Box<crate::model::Target>),
     /// The same random features every step.
     Fixed(Tensor),
-}
-
-/// FLOPs of one sample's training step under the cost model in the module docs.
-pub fn drafter_flops_per_sample(cfg: &DrafterConfig, seq: i64, anchors: usize) -> f64 {
-    let c = &cfg.decoder;
-    let f = |x: usize| x as f64;
-    let (h, i, hd, v) = (f(c.hidden_size), f(c.intermediate_size), f(c.head_dim), f(c.vocab_size));
-    let (heads, kv, layers) = (f(c.num_attention_heads), f(c.num_key_value_heads), f(c.num_hidden_layers));
-    let q = f(anchors * cfg.block_size);
-    let k = seq as f64 + q;
-    let fc = seq as f64 * f(cfg.target_layer_ids.len()) * h * h;
-    let layer = q * h * heads * hd + k * h * 2.0 * kv * hd + q * heads * hd * h + 3.0 * q * h * i;
-    let attn = 2.0 * q * k * hd * heads;
-    2.0 * (3.0 * (fc + layers * layer) + 3.0 * layers * attn + 2.0 * q * h * v)
 }
 
 /// Times training steps of `preset`'s drafter on `device` (bf16 compute on a GPU, f32 on the CPU).
@@ -222,7 +204,7 @@ pub fn bench_drafter(
     let step_ms_p50 = times.percentile(50.0);
     // FLOPs of the blocks the step drew: no more than the row has valid anchors (every position but the last here).
     let anchors = opts.anchors.min(crate::train::objective::valid_anchors(&masks[0]).len());
-    let flops_per_sample = drafter_flops_per_sample(&cfg, opts.seq, anchors);
+    let flops_per_sample = cfg.training_flops_per_sample(opts.seq, anchors);
     let samples_per_s = opts.batch as f64 / (step_ms_p50 * 1e-3);
     let tflops = flops_per_sample * samples_per_s / 1e12;
     Ok(DrafterBenchReport {
@@ -289,7 +271,7 @@ mod tests {
     fn flops_match_the_peer_at_qwen3_8b_shapes() {
         // DFLASH.md / the issue: a step at 768 tokens, 256 anchors is 39.4 TFLOP per sample.
         let cfg = DrafterConfig::for_preset(Preset::Qwen3_8b, 16);
-        let f = drafter_flops_per_sample(&cfg, 768, 256);
+        let f = cfg.training_flops_per_sample(768, 256);
         assert!((f / 1e12 - 39.4).abs() < 0.05, "{}", f / 1e12);
     }
 
@@ -339,7 +321,7 @@ mod tests {
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.anchors, 15);
         let cfg = DrafterConfig::for_preset(Preset::Tiny, 4);
-        let expected = drafter_flops_per_sample(&cfg, 16, 15) * r.samples_per_s / 1e12;
+        let expected = cfg.training_flops_per_sample(16, 15) * r.samples_per_s / 1e12;
         assert!((r.tflops - expected).abs() <= 1e-9 * expected.max(1e-12), "{} vs {expected}", r.tflops);
     }
 

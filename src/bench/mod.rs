@@ -8,7 +8,7 @@ pub mod launch;
 pub mod target;
 
 pub use decode::{DecodeBenchOptions, DecodeBenchReport, bench_decode};
-pub use drafter::{DrafterBenchOptions, DrafterBenchReport, bench_drafter, drafter_flops_per_sample};
+pub use drafter::{DrafterBenchOptions, DrafterBenchReport, bench_drafter};
 pub use generate::{GenerateBenchOptions, GenerateBenchReport, bench_generate};
 pub use launch::{LaunchBenchOptions, LaunchBenchReport, bench_launch};
 pub use target::{TargetBenchOptions, TargetBenchReport, bench_target, target_flops};

@@ -10,8 +10,8 @@ use serde_json::{Map, Value};
 
 use dflash::data::SampleId;
 use dflash::data::builtin::sample_conversations;
-use dflash::data::prepare::{Manifest, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
-use dflash::data::shards::PreparedSplit;
+use dflash::data::prepare::{ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::shards::{Manifest, PreparedSplit};
 
 /// Parses `--template-kwargs` (a JSON object).
 pub fn template_kwargs(raw: Option<&str>) -> Result<Map<String, Value>> {

@@ -8,21 +8,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use serde::Deserialize;
 use thiserror::Error;
-
-/// The `[cluster]` section as written: 0, -1 and "" leave a key to the environment.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct RawCluster {
-    hosts: i64,
-    rank: i64,
-    master_addr: String,
-    master_port: i64,
-    rendezvous_timeout_s: f64,
-    round_timeout_s: f64,
-    leader_timeout_s: f64,
-}
 
 /// The `[cluster]` keys that were set; the rest come from the environment ([`resolve`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -51,44 +37,6 @@ impl Default for ClusterSettings {
             round_timeout: Duration::from_secs(120),
             leader_timeout: Duration::from_secs(60),
         }
-    }
-}
-
-impl RawCluster {
-    pub(crate) fn validate(self) -> Result<ClusterSettings, crate::config::ConfigError> {
-        use crate::config::invalid;
-        let hosts = match self.hosts {
-            0 => None,
-            n if n > 0 => Some(n as usize),
-            n => return Err(invalid("cluster.hosts", n, "a number of hosts >= 1, or 0 for the environment's")),
-        };
-        let rank = match self.rank {
-            -1 => None,
-            n if n >= 0 => Some(n as usize),
-            n => return Err(invalid("cluster.rank", n, "this host's rank (0-based), or -1 for the environment's")),
-        };
-        let master_port = match self.master_port {
-            0 => None,
-            p => Some(u16::try_from(p).map_err(|_| invalid("cluster.master_port", p, "a TCP port, or 0"))?),
-        };
-        if !(self.rendezvous_timeout_s > 0.0 && self.rendezvous_timeout_s.is_finite()) {
-            return Err(invalid("cluster.rendezvous_timeout_s", self.rendezvous_timeout_s, "seconds > 0"));
-        }
-        if !(self.round_timeout_s > 0.0 && self.round_timeout_s.is_finite()) {
-            return Err(invalid("cluster.round_timeout_s", self.round_timeout_s, "seconds > 0"));
-        }
-        if !(self.leader_timeout_s > 0.0 && self.leader_timeout_s.is_finite()) {
-            return Err(invalid("cluster.leader_timeout_s", self.leader_timeout_s, "seconds > 0"));
-        }
-        Ok(ClusterSettings {
-            hosts,
-            rank,
-            master_addr: Some(self.master_addr).filter(|a| !a.is_empty()),
-            master_port,
-            rendezvous_timeout: Duration::from_secs_f64(self.rendezvous_timeout_s),
-            round_timeout: Duration::from_secs_f64(self.round_timeout_s),
-            leader_timeout: Duration::from_secs_f64(self.leader_timeout_s),
-        })
     }
 }
 

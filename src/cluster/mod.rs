@@ -5,6 +5,5 @@
 pub mod background;
 pub mod exchange;
 pub mod launch;
-pub mod link;
 pub mod quorum;
 pub mod store;

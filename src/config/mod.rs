@@ -6,13 +6,13 @@
 //! Override values are read as TOML values where they parse as one (`3e-4`, `true`, `["cuda:0", "cuda:1"]`) and as
 //! plain strings otherwise (`cuda:0`, `tiny`).
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 mod training;
 
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
-    EvalSettings, OptimSettings, SupervisionSettings, SyntheticLengths,
+    EvalSettings, OptimSettings, SupervisionSettings,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -21,7 +21,7 @@ use serde::Deserialize;
 use crate::data::prepare::ModelAssets;
 use crate::device::{DeviceSpec, DtypeSpec};
 use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
-use crate::model::presets::PresetSpec;
+use crate::model::presets::{PresetSpec, no_such_model};
 use crate::model::{Depth, ModelError, Preset, Target};
 use tch::{Device, Kind};
 
@@ -60,7 +60,7 @@ struct RawConfig {
     supervision: training::RawSupervision,
     eval: training::RawEval,
     control: training::RawControl,
-    cluster: crate::cluster::launch::RawCluster,
+    cluster: training::RawCluster,
     log: RawLog,
 }
 
@@ -143,33 +143,6 @@ pub enum TargetSource {
     Preset(Preset),
     /// A HuggingFace model folder.
     Folder(PathBuf),
-}
-
-/// Why `value` names no model dflash can open: neither a preset nor an existing folder. A Hugging Face Hub id gets
-/// the command that downloads it (dflash reads local folders only); `None` when it is fine.
-pub fn no_such_model(value: &str) -> Option<String> {
-    if value.parse::<Preset>().is_ok() || Path::new(value).is_dir() {
-        return None;
-    }
-    let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
-    let hub_like = {
-        let mut parts = value.split('/');
-        let (owner, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-        let word = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
-        parts.next().is_none() && word(owner) && word(name) && !owner.starts_with('.')
-    };
-    Some(if hub_like {
-        let name = value.rsplit('/').next().unwrap_or(value);
-        format!(
-            "looks like a Hugging Face Hub id, and dflash reads local folders only: download it first \
-             (`hf download {value} --local-dir models/{name}`, or `huggingface-cli download` with the same \
-             arguments), then give the folder, e.g. models/{name}"
-        )
-    } else if Path::new(value).exists() {
-        "a file, not a model folder (the folder holding config.json, tokenizer.json and the weights)".to_string()
-    } else {
-        format!("no such folder (nor a preset: {})", presets.join(", "))
-    })
 }
 
 impl TargetSource {
@@ -640,6 +613,27 @@ pub fn join_settings(tree: &serde_json::Value, target: &str) -> serde_json::Valu
     serde_json::Value::Object(flat)
 }
 
+/// A joining host's [`join_settings`] (`mine`) against rank 0's: an error naming each key every host must share
+/// that differs, with both values; else the reloadable keys whose value rank 0's replaces here.
+pub fn agree_with_rank0(mine: &serde_json::Value, rank0: &serde_json::Value) -> Result<Vec<Change>, SettingsDiffer> {
+    let (refused, overridden) = join_differences(mine, rank0);
+    if refused.is_empty() {
+        return Ok(overridden);
+    }
+    let show = Change::shown;
+    let listed: Vec<String> =
+        refused.iter().map(|c| format!("{} = {} here, {} on rank 0", c.key, show(&c.new), show(&c.old))).collect();
+    Err(SettingsDiffer(listed.join("; ")))
+}
+
+/// Keys every host of a run must share that differ from rank 0's, each with both values.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this host's settings differ from rank 0's in keys every host of a run must share: {0}; start every host with \
+     the same configuration for them"
+)]
+pub struct SettingsDiffer(String);
+
 /// A joining host's [`join_settings`] (`mine`) against rank 0's: the keys every host must share that differ (the
 /// host is refused), and the reloadable ones whose value rank 0's replaces here (said once). Each change goes from
 /// rank 0's value (`old`) to this host's (`new`).
@@ -881,6 +875,7 @@ impl RawLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::dataset::SyntheticLengths;
 
     fn with_set(items: &[&str]) -> Result<Config, ConfigError> {
         Config::load(&Layers { set: items.iter().map(|s| s.to_string()).collect(), ..Layers::default() })
@@ -1004,19 +999,7 @@ mod tests {
     }
 
     #[test]
-    fn a_model_that_is_not_there_is_named_as_such_and_a_hub_id_gets_the_download_command() {
-        assert_eq!(no_such_model("tiny-tasks"), None);
-        assert_eq!(no_such_model(env!("CARGO_MANIFEST_DIR")), None, "an existing folder");
-        let hub = no_such_model("Qwen/Qwen3-8B").unwrap();
-        assert!(
-            hub.contains("Hub id") && hub.contains("hf download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"),
-            "{hub}"
-        );
-        let missing = no_such_model("/models/Qwen3-8B").unwrap();
-        assert!(missing.starts_with("no such folder") && missing.contains("tiny-tasks"), "{missing}");
-        assert!(no_such_model("./models/x").unwrap().starts_with("no such folder"), "a relative path is a path");
-        let file = no_such_model(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
-        assert!(file.starts_with("a file, not a model folder"), "{file}");
+    fn a_target_model_that_is_not_there_is_refused_with_the_download_command() {
         let err = with_set(&["target.model=Qwen/Qwen3-8B"]).unwrap_err().to_string();
         assert!(err.contains("target.model") && err.contains("hf download"), "{err}");
     }

@@ -8,6 +8,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
+use crate::cluster::launch::ClusterSettings;
+use crate::data::dataset::SyntheticLengths;
 use crate::device::DeviceSpec;
 use crate::train::ScheduleKind;
 
@@ -116,16 +118,6 @@ pub(super) struct RawData {
     cache_dir: String,
     ledger: String,
     ledger_max_failures: i64,
-}
-
-/// The lengths of synthetic rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SyntheticLengths {
-    /// Every row `data.max_len` tokens, all supervised.
-    Full,
-    /// Lengths drawn like regenerated chat data's (most under 1,500 tokens, a tail cut at `data.max_len`), the
-    /// first quarter of each row (the prompt) unsupervised.
-    Chat,
 }
 
 /// Where training samples come from.
@@ -477,6 +469,56 @@ impl RawEval {
             num_prompts: at_least("eval.num_prompts", self.num_prompts, 1)?,
             max_new_tokens: at_least("eval.max_new_tokens", self.max_new_tokens, 1)?,
             cuda_graphs: self.cuda_graphs,
+        })
+    }
+}
+
+/// The `[cluster]` section as written: 0, -1 and "" leave a key to the environment.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawCluster {
+    hosts: i64,
+    rank: i64,
+    master_addr: String,
+    master_port: i64,
+    rendezvous_timeout_s: f64,
+    round_timeout_s: f64,
+    leader_timeout_s: f64,
+}
+
+impl RawCluster {
+    pub(crate) fn validate(self) -> Result<ClusterSettings, ConfigError> {
+        let hosts = match self.hosts {
+            0 => None,
+            n if n > 0 => Some(n as usize),
+            n => return Err(invalid("cluster.hosts", n, "a number of hosts >= 1, or 0 for the environment's")),
+        };
+        let rank = match self.rank {
+            -1 => None,
+            n if n >= 0 => Some(n as usize),
+            n => return Err(invalid("cluster.rank", n, "this host's rank (0-based), or -1 for the environment's")),
+        };
+        let master_port = match self.master_port {
+            0 => None,
+            p => Some(u16::try_from(p).map_err(|_| invalid("cluster.master_port", p, "a TCP port, or 0"))?),
+        };
+        if !(self.rendezvous_timeout_s > 0.0 && self.rendezvous_timeout_s.is_finite()) {
+            return Err(invalid("cluster.rendezvous_timeout_s", self.rendezvous_timeout_s, "seconds > 0"));
+        }
+        if !(self.round_timeout_s > 0.0 && self.round_timeout_s.is_finite()) {
+            return Err(invalid("cluster.round_timeout_s", self.round_timeout_s, "seconds > 0"));
+        }
+        if !(self.leader_timeout_s > 0.0 && self.leader_timeout_s.is_finite()) {
+            return Err(invalid("cluster.leader_timeout_s", self.leader_timeout_s, "seconds > 0"));
+        }
+        Ok(ClusterSettings {
+            hosts,
+            rank,
+            master_addr: Some(self.master_addr).filter(|a| !a.is_empty()),
+            master_port,
+            rendezvous_timeout: Duration::from_secs_f64(self.rendezvous_timeout_s),
+            round_timeout: Duration::from_secs_f64(self.round_timeout_s),
+            leader_timeout: Duration::from_secs_f64(self.leader_timeout_s),
         })
     }
 }

@@ -63,7 +63,7 @@ impl ModelAssets {
         if model.parse::<crate::model::Preset>().is_ok_and(|p| p.is_tiny()) {
             return Ok(Self::tiny(template_kwargs));
         }
-        if let Some(reason) = crate::config::no_such_model(model) {
+        if let Some(reason) = crate::model::presets::no_such_model(model) {
             return Err(DataError::File { path: model.into(), reason });
         }
         Self::from_dir(Path::new(model), template_kwargs)

@@ -6,7 +6,6 @@ use rand_chacha::ChaCha8Rng;
 use super::SampleId;
 use super::shards::PreparedSplit;
 use super::token_rows::TokenRow;
-use crate::config::SyntheticLengths;
 
 pub trait Dataset: Send + Sync {
     fn len(&self) -> usize;
@@ -35,6 +34,16 @@ impl Dataset for PreparedSplit {
     fn id(&self, position: usize) -> SampleId {
         PreparedSplit::id(self, position).clone()
     }
+}
+
+/// The lengths of synthetic rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyntheticLengths {
+    /// Every row `data.max_len` tokens, all supervised.
+    Full,
+    /// Lengths drawn like regenerated chat data's (most under 1,500 tokens, a tail cut at `data.max_len`), the
+    /// first quarter of each row (the prompt) unsupervised.
+    Chat,
 }
 
 /// `count` rows of random tokens below `vocab` (minus a margin for special tokens): each `max_len` long and all

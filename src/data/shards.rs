@@ -5,12 +5,14 @@
 //! and SHA-256. A folder without a manifest is not a finished output.
 //!
 //! Format 1 (before string ids) had no `.ids` file: its ids are the integer keys. It is still read.
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::sample::Sample;
@@ -213,7 +215,7 @@ impl PreparedSplit {
     /// Opens `split` of the prepared folder `dir`, checking each file's size against the manifest (`verify`: and
     /// its SHA-256).
     pub fn open(dir: &Path, split: &str, verify: bool) -> Result<Self, DataError> {
-        let manifest = super::prepare::Manifest::read(dir)?;
+        let manifest = Manifest::read(dir)?;
         let entry = manifest.splits.get(split).ok_or_else(|| DataError::File {
             path: dir.join("manifest.json"),
             reason: format!("no split {split:?} (the folder has {:?})", manifest.splits.keys().collect::<Vec<_>>()),
@@ -362,4 +364,98 @@ fn read_ids(path: &Path, text: &[u8], index: &[(u64, u64, u64)]) -> Result<Vec<S
 /// The path of the manifest of a prepared folder.
 pub fn manifest_path(dir: &Path) -> PathBuf {
     dir.join("manifest.json")
+}
+
+/// What a run did, kept in the manifest and printed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrepareReport {
+    pub lines: u64,
+    pub kept_train: u64,
+    pub kept_holdout: u64,
+    /// Samples dropped, by reason.
+    pub dropped: BTreeMap<String, u64>,
+    /// Lines that could not be used, by kind of problem.
+    pub bad_lines: BTreeMap<String, u64>,
+    /// The first few bad lines, `file:line: problem`.
+    pub examples: Vec<String>,
+    pub truncated: u64,
+    pub tokens: u64,
+    pub supervised_tokens: u64,
+    pub seconds: f64,
+    pub conversations_per_s: f64,
+    pub tokens_per_s: f64,
+    /// Thread-seconds spent rendering templates and locating assistant spans, and tokenizing: where the work is.
+    pub render_thread_s: f64,
+    pub tokenize_thread_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InputEntry {
+    pub path: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// `manifest.json` of a prepared folder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub fingerprint: String,
+    /// The model whose tokenizer and template were used.
+    pub model: String,
+    pub settings: Value,
+    pub inputs: Vec<InputEntry>,
+    pub splits: BTreeMap<String, SplitEntry>,
+    pub report: PrepareReport,
+}
+
+impl Manifest {
+    pub fn read(dir: &Path) -> Result<Self, DataError> {
+        let path = manifest_path(dir);
+        let text = std::fs::read_to_string(&path).map_err(|_| DataError::File {
+            path: dir.to_path_buf(),
+            reason: "no manifest.json: not a prepared folder (or an unfinished one); run `dflash prepare`".into(),
+        })?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| DataError::File { path: path.clone(), reason: format!("not a dflash manifest: {e}") })?;
+        if m.format != FORMAT && m.format != FORMAT_1 {
+            return Err(DataError::File {
+                path,
+                reason: format!(
+                    "format {:?}; this build reads {FORMAT:?} and {FORMAT_1:?}: prepare the data again",
+                    m.format
+                ),
+            });
+        }
+        Ok(m)
+    }
+}
+
+impl PrepareReport {
+    /// A few lines for people.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{} conversations: {} kept for training, {} held out; {} tokens ({} supervised), {} truncated; \
+             {:.1} s ({:.0} conversations/s, {:.0} tokens/s)",
+            self.lines,
+            self.kept_train,
+            self.kept_holdout,
+            self.tokens,
+            self.supervised_tokens,
+            self.truncated,
+            self.seconds,
+            self.conversations_per_s,
+            self.tokens_per_s
+        );
+        for (reason, n) in &self.dropped {
+            s.push_str(&format!("\n  dropped {n}: {reason}"));
+        }
+        for (kind, n) in &self.bad_lines {
+            s.push_str(&format!("\n  skipped {n} bad lines: {kind}"));
+        }
+        for e in &self.examples {
+            s.push_str(&format!("\n    {e}"));
+        }
+        s
+    }
 }

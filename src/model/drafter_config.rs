@@ -24,6 +24,24 @@ pub struct DrafterConfig {
 }
 
 impl DrafterConfig {
+    /// FLOPs of one sample's training step at `seq` tokens and `anchors` blocks: the cost model of DFLASH.md as the
+    /// PyTorch peer counts it (dense attention as if every score were computed), with `Q = N*bs` block positions and
+    /// `K = S + Q` keys: `fc = S * taps * H * H`, `layer = Q*H*(heads*hd) + K*H*(2*kv_heads*hd) + Q*(heads*hd)*H +
+    /// 3*Q*H*I`, `attn = 2 * Q * K * hd * heads`; FLOPs = `2 * (3 * (fc + L*layer) + 3 * L * attn + 2 * Q * H * V)`:
+    /// trained products count forward plus two backward products, the frozen LM head forward plus the input gradient.
+    pub fn training_flops_per_sample(&self, seq: i64, anchors: usize) -> f64 {
+        let c = &self.decoder;
+        let f = |x: usize| x as f64;
+        let (h, i, hd, v) = (f(c.hidden_size), f(c.intermediate_size), f(c.head_dim), f(c.vocab_size));
+        let (heads, kv, layers) = (f(c.num_attention_heads), f(c.num_key_value_heads), f(c.num_hidden_layers));
+        let q = f(anchors * self.block_size);
+        let k = seq as f64 + q;
+        let fc = seq as f64 * f(self.target_layer_ids.len()) * h * h;
+        let layer = q * h * heads * hd + k * h * 2.0 * kv * hd + q * heads * hd * h + 3.0 * q * h * i;
+        let attn = 2.0 * q * k * hd * heads;
+        2.0 * (3.0 * (fc + layers * layer) + 3.0 * layers * attn + 2.0 * q * h * v)
+    }
+
     /// A drafter for `target`: same hidden size, heads, RoPE and vocabulary, `num_layers` layers.
     pub fn for_target(
         target: &TargetConfig,

@@ -6,7 +6,6 @@ use tch::{Kind, Tensor};
 use super::choice::greedy_tokens;
 pub use super::sampling::Sampling;
 use super::sampling::pick_tokens;
-use super::speculative::{begin_generation, ids_tensor};
 use super::{Decoder, ModelError, Target};
 
 /// Generates up to `max_new` tokens after `prompt`, stopping after any token of `stop` (which is returned with the
@@ -64,6 +63,35 @@ pub(crate) fn cached_generation(
         }
         logits = decoder.decode(&ids_tensor(target, &[next])?)?.logits;
     }
+}
+
+pub(crate) fn ids_tensor(target: &Target, ids: &[i64]) -> Result<Tensor, ModelError> {
+    Ok(Tensor::f_from_slice(ids)?.f_view([1, ids.len() as i64])?.f_to(target.device())?)
+}
+
+/// Checks a generation of `max_new` tokens after `prompt` fits the model and `decoder`'s cache, and empties the
+/// cache for it.
+pub(crate) fn begin_generation(decoder: &mut Decoder, prompt: &[i64], max_new: usize) -> Result<(), ModelError> {
+    if prompt.is_empty() {
+        return Err(ModelError::Batch("a prompt needs at least one token".into()));
+    }
+    let limit = decoder.target().config().max_position_embeddings as i64;
+    let needed = prompt.len() as i64 + max_new as i64;
+    if needed > limit {
+        return Err(ModelError::Batch(format!(
+            "a prompt of {} tokens plus {max_new} new ones exceeds max_position_embeddings {limit}",
+            prompt.len()
+        )));
+    }
+    if needed > decoder.capacity() {
+        return Err(ModelError::Batch(format!(
+            "a prompt of {} tokens plus {max_new} new ones exceeds the decoder's {} positions",
+            prompt.len(),
+            decoder.capacity()
+        )));
+    }
+    decoder.crop(0);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! weights, for benchmarks. A preset also fixes what
 //! later components share with it: the tapped layer ids (written out, never re-derived) and the MASK token id.
 use std::fmt;
+use std::path::Path;
 use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer};
@@ -370,6 +371,33 @@ impl<'de> Deserialize<'de> for Preset {
     }
 }
 
+/// Why `value` names no model dflash can open: neither a preset nor an existing folder. A Hugging Face Hub id gets
+/// the command that downloads it (dflash reads local folders only); `None` when it is fine.
+pub fn no_such_model(value: &str) -> Option<String> {
+    if value.parse::<Preset>().is_ok() || Path::new(value).is_dir() {
+        return None;
+    }
+    let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+    let hub_like = {
+        let mut parts = value.split('/');
+        let (owner, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let word = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c));
+        parts.next().is_none() && word(owner) && word(name) && !owner.starts_with('.')
+    };
+    Some(if hub_like {
+        let name = value.rsplit('/').next().unwrap_or(value);
+        format!(
+            "looks like a Hugging Face Hub id, and dflash reads local folders only: download it first \
+             (`hf download {value} --local-dir models/{name}`, or `huggingface-cli download` with the same \
+             arguments), then give the folder, e.g. models/{name}"
+        )
+    } else if Path::new(value).exists() {
+        "a file, not a model folder (the folder holding config.json, tokenizer.json and the weights)".to_string()
+    } else {
+        format!("no such folder (nor a preset: {})", presets.join(", "))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -425,5 +453,21 @@ mod tests {
         let random = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
         let noise = crate::model::generate::generate(&random, &ids, 40, &[tiny::IM_END], sampling, 0).unwrap();
         assert_ne!(noise, out);
+    }
+
+    #[test]
+    fn a_model_that_is_not_there_is_named_as_such_and_a_hub_id_gets_the_download_command() {
+        assert_eq!(no_such_model("tiny-tasks"), None);
+        assert_eq!(no_such_model(env!("CARGO_MANIFEST_DIR")), None, "an existing folder");
+        let hub = no_such_model("Qwen/Qwen3-8B").unwrap();
+        assert!(
+            hub.contains("Hub id") && hub.contains("hf download Qwen/Qwen3-8B --local-dir models/Qwen3-8B"),
+            "{hub}"
+        );
+        let missing = no_such_model("/models/Qwen3-8B").unwrap();
+        assert!(missing.starts_with("no such folder") && missing.contains("tiny-tasks"), "{missing}");
+        assert!(no_such_model("./models/x").unwrap().starts_with("no such folder"), "a relative path is a path");
+        let file = no_such_model(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+        assert!(file.starts_with("a file, not a model folder"), "{file}");
     }
 }

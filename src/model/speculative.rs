@@ -14,7 +14,7 @@ use crate::profile::span;
 
 use super::choice::{Choice, greedy_choice, greedy_token_ids, greedy_tokens};
 use super::drafter::DraftWeights;
-use super::generate::cached_generation;
+use super::generate::{begin_generation, cached_generation, ids_tensor};
 use super::{Decoder, Drafter, KvCache, ModelError, Target};
 
 /// Proposes the tokens of a block: the DFlash drafter, or a test double.
@@ -180,35 +180,6 @@ pub struct GreedyOutput {
     pub tokens: Vec<i64>,
     /// The choice at each generated position: how close it was to a tie.
     pub choices: Vec<Choice>,
-}
-
-pub(crate) fn ids_tensor(target: &Target, ids: &[i64]) -> Result<Tensor, ModelError> {
-    Ok(Tensor::f_from_slice(ids)?.f_view([1, ids.len() as i64])?.f_to(target.device())?)
-}
-
-/// Checks a generation of `max_new` tokens after `prompt` fits the model and `decoder`'s cache, and empties the
-/// cache for it.
-pub(crate) fn begin_generation(decoder: &mut Decoder, prompt: &[i64], max_new: usize) -> Result<(), ModelError> {
-    if prompt.is_empty() {
-        return Err(ModelError::Batch("a prompt needs at least one token".into()));
-    }
-    let limit = decoder.target().config().max_position_embeddings as i64;
-    let needed = prompt.len() as i64 + max_new as i64;
-    if needed > limit {
-        return Err(ModelError::Batch(format!(
-            "a prompt of {} tokens plus {max_new} new ones exceeds max_position_embeddings {limit}",
-            prompt.len()
-        )));
-    }
-    if needed > decoder.capacity() {
-        return Err(ModelError::Batch(format!(
-            "a prompt of {} tokens plus {max_new} new ones exceeds the decoder's {} positions",
-            prompt.len(),
-            decoder.capacity()
-        )));
-    }
-    decoder.crop(0);
-    Ok(())
 }
 
 /// Speculative greedy generation of up to `max_new` tokens after `prompt`, stopping after any token of `stop`,

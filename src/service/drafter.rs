@@ -22,8 +22,9 @@ use crate::device;
 use crate::model::{Drafter, DrafterConfig, Init};
 use crate::telemetry::DrafterMetrics;
 use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
-use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, ObjectiveKnobs, Ring, Summing};
+use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, Ring, Summing};
 use crate::train::nccl::{NcclComm, NcclError};
+use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::step::UpdateReport;
 use crate::train::{AdamW, FeatureBatch, Trainer};
@@ -277,7 +278,7 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
             samples += features.input_ids.len() as u64;
             let seq = features.input_ids.iter().map(Vec::len).max().unwrap_or(0) as i64;
             flops += features.input_ids.len() as f64
-                * crate::bench::drafter_flops_per_sample(&a.config, seq, trainer.objective.num_anchors);
+                * a.config.training_flops_per_sample(seq, trainer.objective.num_anchors);
         }
         // Waiting for the peers is not computing: a hung peer must not make this one look hung.
         now_doing(&a, Activity::WaitingForPeers, vec![]);

@@ -121,7 +121,7 @@ pub enum SupervisorMsg {
     /// The ledger writer's outcome of one attempt.
     LedgerWritten(Result<u64, String>),
     /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 143/130 (0 when the run is complete meanwhile).
-    Shutdown(crate::service::supervisor::core::StopSignal),
+    Shutdown(super::exit::StopSignal),
     /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.
     Fed {
         generation: u64,
@@ -260,5 +260,5 @@ pub struct Status {
     pub host_role: Option<&'static str>,
     /// Several hosts, rank 0: the other member hosts, each with its generation and first round.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub other_hosts: Vec<crate::cluster::link::HostMember>,
+    pub other_hosts: Vec<crate::train::link::HostMember>,
 }

@@ -7,6 +7,7 @@ pub mod control;
 pub mod drafter;
 pub mod drafter_init;
 pub mod evaluator;
+pub mod exit;
 pub mod failure;
 pub mod folder_lock;
 pub mod ledger;

@@ -14,13 +14,13 @@ use super::builtin_data::dataset;
 use super::control::Supervised;
 use super::drafter_init::check_init;
 use super::evaluator::eval_set;
+use super::exit::{EXIT_RESTART, StopSignal};
 use super::folder_lock::{FolderLock, LockError, lock_file};
 use super::ledger::open_ledger;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
-use super::supervisor::{EXIT_RESTART, StopSignal, Supervisor, SupervisorArgs};
+use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
-use crate::cluster::link::HostLink;
 use crate::config::{Config, Layers, TargetSource, resume_changes};
 use crate::data::dataset::Dataset;
 use crate::data::tokenize::TextTokenizer;
@@ -31,6 +31,7 @@ use crate::train::checkpoint::{
     TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivor_writes,
     survivors_dir,
 };
+use crate::train::link::HostLink;
 
 /// How to treat existing checkpoints.
 #[derive(Debug, Clone, PartialEq)]
@@ -329,9 +330,14 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
                 "{:?}, {} layers, hidden {}, vocabulary {}",
                 target_cfg.architecture, target_cfg.num_hidden_layers, target_cfg.hidden_size, target_cfg.vocab_size
             );
-            let overridden = link
-                .agree_on_settings(&crate::config::join_settings(&config.merged, &target))
-                .context("checking the settings across hosts")?;
+            let mine = crate::config::join_settings(&config.merged, &target);
+            let rank0 = link.rank0_settings(&mine).context("checking the settings across hosts")?;
+            let overridden = match rank0 {
+                Some(rank0) => {
+                    crate::config::agree_with_rank0(&mine, &rank0).context("checking the settings across hosts")?
+                }
+                None => Vec::new(),
+            };
             for c in overridden {
                 let show = crate::config::Change::shown;
                 tracing::warn!("{} = {} here: rank 0's {} applies to the whole run", c.key, show(&c.new), show(&c.old));

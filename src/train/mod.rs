@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod decode_eval;
 pub mod eval;
+pub mod link;
 pub mod nccl;
 pub mod objective;
 pub mod optim;
@@ -11,5 +12,5 @@ pub mod rounds;
 pub mod step;
 
 pub use objective::{Metrics, ObjectiveSettings};
-pub use optim::{AdamW, LrSchedule, ScheduleKind};
-pub use step::{FeatureBatch, Trainer, UpdateReport, UpdateSettings};
+pub use optim::{AdamW, LrSchedule, ScheduleKind, UpdateSettings};
+pub use step::{FeatureBatch, Trainer, UpdateReport};

@@ -396,6 +396,13 @@ fn acceptance(correct: &Tensor, weights: &Tensor, plan: &BlockPlan) -> Result<(f
     Ok((accepted, kept as f64))
 }
 
+/// The objective's settings a reload may change; each drafter's forward reads them.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ObjectiveKnobs {
+    pub num_anchors: usize,
+    pub gamma: Option<f64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

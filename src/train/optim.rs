@@ -158,6 +158,59 @@ pub fn clip_factor(norm: f64, max_norm: Option<f64>) -> f64 {
     }
 }
 
+/// The hyperparameters of one update (applied by step number, so every replica applies the same).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct UpdateSettings {
+    pub adamw: AdamwStep,
+    /// Clip the global gradient norm to this; `None`: no clipping.
+    pub grad_clip: Option<f64>,
+}
+
+/// What the learning-rate schedule counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Committed samples (a run bounded by epochs): the rate does not depend on how many drafters are live.
+    Samples,
+    /// Committed steps (a run bounded by `optim.max_steps`).
+    Steps,
+}
+
+/// Hyperparameters of the update, by progress through the run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hyper {
+    /// Learning rate by progress (`total_steps` and `warmup_steps` count what `progress` counts).
+    pub schedule: LrSchedule,
+    pub progress: Progress,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub grad_clip: Option<f64>,
+}
+
+impl Hyper {
+    /// The learning rate of step `step`, taken after `samples_committed` samples.
+    pub fn lr_at(&self, step: u64, samples_committed: u64) -> f64 {
+        self.schedule.lr_at(match self.progress {
+            Progress::Samples => samples_committed,
+            Progress::Steps => step,
+        })
+    }
+
+    pub(crate) fn update(&self, step: u64, samples_committed: u64) -> UpdateSettings {
+        UpdateSettings {
+            adamw: AdamwStep {
+                lr: self.lr_at(step, samples_committed),
+                beta1: self.beta1,
+                beta2: self.beta2,
+                weight_decay: self.weight_decay,
+                eps: self.eps,
+            },
+            grad_clip: self.grad_clip,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

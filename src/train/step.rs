@@ -8,12 +8,12 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{Drafter, ModelError, Target};
-use crate::ops::AdamwStep;
 use crate::profile::span;
+use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
     BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
 };
-use crate::train::optim::{AdamW, clip_factor};
+use crate::train::optim::{AdamW, Hyper, UpdateSettings, clip_factor};
 
 /// A batch of conversations with the target's tapped states: what the target hands a drafter.
 pub struct FeatureBatch {
@@ -64,12 +64,11 @@ impl FeatureBatch {
     }
 }
 
-/// The hyperparameters of one update (applied by step number, so every replica applies the same).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct UpdateSettings {
-    pub adamw: AdamwStep,
-    /// Clip the global gradient norm to this; `None`: no clipping.
-    pub grad_clip: Option<f64>,
+/// Everything a reload may change in the training step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepSettings {
+    pub hyper: Hyper,
+    pub objective: ObjectiveKnobs,
 }
 
 /// What an update did.

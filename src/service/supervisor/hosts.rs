@@ -11,9 +11,9 @@ use ractor::ActorRef;
 use super::protocol::Feed;
 use crate::cluster::background::Background;
 use crate::cluster::exchange::BEAT_EVERY;
-use crate::cluster::link::{HostLink, LinkError};
 use crate::cluster::quorum::{LeaderWatch, Reply};
 use crate::service::messages::SupervisorMsg;
+use crate::train::link::{HostLink, LinkError};
 
 /// Starts the thread that reads this host's assignments and the run's end, telling `supervisor` `Fed`,
 /// `RunEnded` and `RendezvousLost`, until it is dropped, the run ended, or the rendezvous host is gone.

@@ -28,10 +28,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
-pub use self::core::{
-    Core, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, HostRole, Setup,
-    StopSignal, step_settings,
-};
+pub use self::core::{Core, HostRole, Setup, step_settings};
 use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
 use self::watchdog::TickGaps;
 use super::compute_thread::{ComputeActor, ThreadFailure};
@@ -43,7 +40,6 @@ use super::messages::{DrafterState, Heads, ReloadReply, Reloaded, Reread, Status
 use super::placement::assign_targets;
 use super::reload::{Accepted, reread};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
-use crate::cluster::link::{HostLink, HostMember};
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
 use crate::data::SampleId;
 use crate::data::dataset::Dataset;
@@ -54,6 +50,7 @@ use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, Ta
 use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid, survivor_root};
 use crate::train::collective::{Collective, GradientSum};
 use crate::train::decode_eval::DecodeSettings;
+use crate::train::link::{HostLink, HostMember};
 use crate::train::objective::ObjectiveSettings;
 
 pub struct SupervisorArgs {

@@ -160,9 +160,9 @@ pub enum Event {
     /// A reload was accepted: the new configuration.
     Reconfigured(Box<Config>),
     /// SIGTERM or SIGINT.
-    Shutdown(super::core::StopSignal),
+    Shutdown(crate::service::exit::StopSignal),
     /// Several hosts, rank 0: the run's member hosts changed.
-    Hosts(Vec<crate::cluster::link::HostMember>),
+    Hosts(Vec<crate::train::link::HostMember>),
     /// Several hosts, other ranks: rank 0's items for a step, `(drafter, item)`, and where the run stood when it
     /// posted them.
     Fed {

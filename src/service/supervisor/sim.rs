@@ -35,10 +35,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::core::{
-    Core, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, Setup, StopSignal,
-    step_settings,
-};
+use super::core::{Core, Setup, step_settings};
 use super::protocol::{
     Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
 };
@@ -48,10 +45,14 @@ use crate::config::Config;
 use crate::data::SampleId;
 use crate::data::loader::BatchId;
 use crate::service::evaluator::Evaluated;
+use crate::service::exit::{
+    EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, StopSignal,
+};
 use crate::service::failure::{Failure, FailureKind};
 use crate::train::checkpoint::{TrainerState, to_delete};
-use crate::train::collective::{Contributed, Hyper, RoundReport};
+use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
+use crate::train::optim::Hyper;
 use crate::train::optim::{LrSchedule, ScheduleKind};
 use crate::train::rounds::{Claim, JoinPoll, Rounds};
 

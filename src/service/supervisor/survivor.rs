@@ -116,8 +116,8 @@ impl Survivor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::link::{DrafterPart, HostRecord};
     use crate::train::collective::Contributed;
+    use crate::train::link::{DrafterPart, HostRecord};
     use crate::train::objective::Metrics;
 
     fn id(epoch: u64, ordinal: u64) -> BatchId {
@@ -146,11 +146,11 @@ mod tests {
             digest: None,
         };
         let settings = (
-            crate::train::step::UpdateSettings {
+            crate::train::optim::UpdateSettings {
                 adamw: crate::ops::AdamwStep { lr, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
                 grad_clip: None,
             },
-            crate::train::collective::ObjectiveKnobs { num_anchors: 4, gamma: None },
+            crate::train::objective::ObjectiveKnobs { num_anchors: 4, gamma: None },
         );
         RoundReport {
             step,

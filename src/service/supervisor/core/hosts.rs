@@ -7,8 +7,8 @@
 //! collective is empty.
 use super::parting::Parting;
 use super::*;
-use crate::cluster::link::HostMember;
 use crate::service::supervisor::survivor::{RunPosition, Survivor};
+use crate::train::link::HostMember;
 
 /// This process's part in a run of several hosts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,8 +249,9 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::link::{DrafterPart, HostRecord};
+    use crate::service::exit::{EXIT_INTERRUPTED, EXIT_TERMINATED, StopSignal};
     use crate::service::supervisor::protocol::Request;
+    use crate::train::link::{DrafterPart, HostRecord};
 
     fn core(role: HostRole) -> Core {
         resumed(role, None)
@@ -367,7 +368,7 @@ mod tests {
 
     fn record(rank: usize, generation: u64, batches: Vec<BatchId>) -> HostRecord {
         let settings = (
-            crate::train::step::UpdateSettings {
+            crate::train::optim::UpdateSettings {
                 adamw: crate::ops::AdamwStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
                 grad_clip: None,
             },

@@ -40,52 +40,16 @@ use crate::config::Config;
 use crate::data::SampleId;
 use crate::data::loader::{BatchId, LoaderSettings};
 use crate::service::evaluator::Evaluated;
+use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, is_stop};
 use crate::service::failure::{Failure, FailureKind};
 use crate::service::messages::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
 use crate::train::checkpoint::TrainerState;
-use crate::train::collective::{Contributed, Hyper, ObjectiveKnobs, Progress, RoundReport, StepSettings};
+use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
+use crate::train::objective::ObjectiveKnobs;
 use crate::train::optim::LrSchedule;
-
-/// The run is complete (and only then: a stop before completion is not a success an orchestrator may stop at).
-pub const EXIT_OK: i32 = 0;
-/// An error: a checkpoint or export at the end of the run could not be written, or start-up failed.
-pub const EXIT_ERROR: i32 = 1;
-/// The run cannot go on: fewer than `supervision.min_live_drafters` drafters are left that are not failed for good,
-/// or a target copy failed past its restart limit. The newest valid checkpoint is kept; fix the cause, then resume.
-pub const EXIT_NO_PROGRESS: i32 = 3;
-/// Restart the service with `--resume auto`: an error poisoned a device, the run's end could not checkpoint in
-/// time, the data ledger cannot be written, or another process holds `checkpoint.dir`.
-pub const EXIT_RESTART: i32 = 75;
-/// Stopped by SIGINT before the run was complete, after its checkpoint (128 + 2, as a shell reports it).
-pub const EXIT_INTERRUPTED: i32 = 130;
-/// Stopped by SIGTERM before the run was complete, after its checkpoint (128 + 15): preemption. Kubeflow retries
-/// 128-255 and treats 1-127 as permanent; Kubernetes Jobs and systemd restart any status but 0.
-pub const EXIT_TERMINATED: i32 = 143;
-
-/// The signal that asks the run to stop.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopSignal {
-    /// SIGTERM: an orchestrator stopping (or preempting) the process.
-    Terminate,
-    /// SIGINT: Ctrl-C.
-    Interrupt,
-}
-
-impl StopSignal {
-    /// The status a run stopped by this signal before completion exits with.
-    pub fn exit_code(self) -> i32 {
-        match self {
-            StopSignal::Terminate => EXIT_TERMINATED,
-            StopSignal::Interrupt => EXIT_INTERRUPTED,
-        }
-    }
-}
-
-/// A stop before completion that went as asked (its checkpoint written): restartable, but not an error.
-pub fn is_stop(code: i32) -> bool {
-    code == EXIT_TERMINATED || code == EXIT_INTERRUPTED
-}
+use crate::train::optim::{Hyper, Progress};
+use crate::train::step::StepSettings;
 
 /// A status that says something went wrong (a stop and completion do not).
 pub fn is_error(code: i32) -> bool {
@@ -617,6 +581,7 @@ fn because(what: &str, failure: &Failure) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::service::exit::StopSignal;
     use crate::service::messages::DrafterState;
     use crate::service::supervisor::watchdog::Activity;
 

@@ -21,23 +21,33 @@
 //! the round's membership and replaced whenever it changes. Across hosts with NCCL, the ring holds every drafter of
 //! every member host of the run's round (only the round's record crosses the store); without NCCL, the host's
 //! device-copy sum crosses the store as its share.
+//!
+//! The round's bookkeeping, sum and result are in `round`, the NCCL communicators in `ring`, a host's share of the
+//! run's round and the settling of a sum across hosts in `hosts`; this module holds the state and the calls a
+//! drafter's thread makes.
+mod hosts;
+mod ring;
+mod round;
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use crate::cluster::link::{DrafterPart, Entering, Handover, HostLink, HostRecord, HostShare, RunRound};
-use crate::cluster::quorum::{Admitted, Rank};
+use self::hosts::{FailedSums, Settling, across_hosts};
+pub use self::ring::{GradientSum, Ring, RingMember};
+use self::ring::{Rings, ring_members};
+use self::round::{finish, plan, sum_gradients};
+use crate::cluster::quorum::Admitted;
 use crate::data::loader::BatchId;
 use crate::device::{self, DeviceError};
 use crate::model::shared::SharedTensor;
-use crate::ops::AdamwStep;
-use crate::train::nccl::NcclId;
-use crate::train::objective::Metrics;
-use crate::train::optim::LrSchedule;
-use crate::train::rounds::{Completed, JoinPoll, Rounds, RoundsError};
+use crate::train::link::{Entering, Handover, HostLink, HostRecord};
+use crate::train::objective::{Metrics, ObjectiveKnobs};
+use crate::train::optim::UpdateSettings;
 pub use crate::train::rounds::{JoinInfo, MemberId, Removal};
-use crate::train::step::UpdateSettings;
+use crate::train::rounds::{JoinPoll, Rounds, RoundsError};
+use crate::train::step::StepSettings;
 
 /// What a member brings to a round.
 pub struct Contribution {
@@ -53,65 +63,6 @@ pub struct Contribution {
     pub digest: Option<[i64; 3]>,
 }
 
-/// What the learning-rate schedule counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
-    /// Committed samples (a run bounded by epochs): the rate does not depend on how many drafters are live.
-    Samples,
-    /// Committed steps (a run bounded by `optim.max_steps`).
-    Steps,
-}
-
-/// Hyperparameters of the update, by progress through the run.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Hyper {
-    /// Learning rate by progress (`total_steps` and `warmup_steps` count what `progress` counts).
-    pub schedule: LrSchedule,
-    pub progress: Progress,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    pub grad_clip: Option<f64>,
-}
-
-impl Hyper {
-    /// The learning rate of step `step`, taken after `samples_committed` samples.
-    pub fn lr_at(&self, step: u64, samples_committed: u64) -> f64 {
-        self.schedule.lr_at(match self.progress {
-            Progress::Samples => samples_committed,
-            Progress::Steps => step,
-        })
-    }
-
-    fn update(&self, step: u64, samples_committed: u64) -> UpdateSettings {
-        UpdateSettings {
-            adamw: AdamwStep {
-                lr: self.lr_at(step, samples_committed),
-                beta1: self.beta1,
-                beta2: self.beta2,
-                weight_decay: self.weight_decay,
-                eps: self.eps,
-            },
-            grad_clip: self.grad_clip,
-        }
-    }
-}
-
-/// The objective's settings a reload may change; each drafter's forward reads them.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ObjectiveKnobs {
-    pub num_anchors: usize,
-    pub gamma: Option<f64>,
-}
-
-/// Everything a reload may change in the training step.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepSettings {
-    pub hyper: Hyper,
-    pub objective: ObjectiveKnobs,
-}
-
 /// What the member completing a round is doing, for the watchdog.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Summing {
@@ -119,59 +70,6 @@ pub enum Summing {
     Local,
     /// Waiting for the other hosts' (a slow host is not this member hanging).
     AcrossHosts,
-}
-
-/// How a round's gradients are summed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GradientSum {
-    /// The member completing the round adds the others' gradients by device-to-device copies.
-    DeviceCopies,
-    /// The contributors all-reduce over NCCL, in the round's [`Ring`].
-    Nccl,
-}
-
-/// One rank of a [`Ring`]: a drafter of a host, as the generations they contributed as (within one host, host 0 of
-/// generation 0).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RingMember {
-    pub host: Rank,
-    pub host_generation: u64,
-    pub member: MemberId,
-    pub generation: u64,
-}
-
-/// The NCCL communicator a round's contributors sum in: one per membership, numbered in order; rank `r` is
-/// `members[r]`. A new membership (a member removed, joined or restarted, on any host) gets a new one, and the old
-/// one is aborted. Across hosts every drafter of every member host is a rank.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Ring {
-    pub epoch: u64,
-    /// This host (its members find their rank among `members` by it).
-    pub host: Rank,
-    pub members: Vec<RingMember>,
-    pub id: NcclId,
-}
-
-impl Ring {
-    pub fn rank_of(&self, member: MemberId) -> Option<usize> {
-        self.members.iter().position(|m| m.host == self.host && m.member == member)
-    }
-}
-
-/// The ranks of a round across hosts: each member host's drafters, in rank order then in member order (what every
-/// host reads alike from the round's records).
-fn ring_members(hosts: &[HostRecord]) -> Vec<RingMember> {
-    hosts
-        .iter()
-        .flat_map(|h| {
-            h.contributions.iter().map(|c| RingMember {
-                host: h.rank,
-                host_generation: h.generation,
-                member: c.drafter,
-                generation: c.generation,
-            })
-        })
-        .collect()
 }
 
 /// A completed round, as every member applies it.
@@ -237,8 +135,8 @@ pub enum CollectiveError {
     RendezvousGone(String),
 }
 
-impl From<crate::cluster::link::LinkError> for CollectiveError {
-    fn from(e: crate::cluster::link::LinkError) -> Self {
+impl From<crate::train::link::LinkError> for CollectiveError {
+    fn from(e: crate::train::link::LinkError) -> Self {
         if e.unreachable() {
             CollectiveError::RendezvousGone(e.to_string())
         } else {
@@ -294,57 +192,6 @@ struct Published {
     outcome: Result<Arc<RoundResult>, CollectiveError>,
 }
 
-/// A round summed over NCCL across hosts, while its local contributors say whether their all-reduce completed.
-struct Settling {
-    step: u64,
-    /// Contributors yet to say.
-    waiting: Vec<MemberId>,
-    /// Whether every contributor that said completed.
-    completed: bool,
-    /// Whether a contributor is telling the run.
-    claimed: bool,
-    /// Whether the update applies on every host (or why that could not be learnt).
-    decision: Option<Result<bool, CollectiveError>>,
-}
-
-impl Settling {
-    fn new(step: u64, contributors: Vec<MemberId>) -> Self {
-        Settling { step, waiting: contributors, completed: true, claimed: false, decision: None }
-    }
-
-    /// Member `id` says (once) whether its all-reduce completed.
-    fn said(&mut self, id: MemberId, completed: bool) {
-        if let Some(i) = self.waiting.iter().position(|&m| m == id) {
-            self.waiting.remove(i);
-            self.completed &= completed;
-        }
-    }
-}
-
-/// Rounds in a row whose all-reduce failed on this host: one is a peer dying inside it (the round is skipped and
-/// the run goes on); at [`FailedSums::LIMIT`] in a row the host's drafters fail and restart (a faulty host leaves and
-/// rejoins) rather than have every host skip round after round.
-#[derive(Debug, Default)]
-struct FailedSums(u32);
-
-impl FailedSums {
-    const LIMIT: u32 = 2;
-
-    /// This host's outcome of a round (`completed`: every local all-reduce completed) and the run's `decision`,
-    /// as this host's drafters take it.
-    fn settle(&mut self, completed: bool, decision: Result<bool, CollectiveError>) -> Result<bool, CollectiveError> {
-        self.0 = if completed { 0 } else { self.0 + 1 };
-        match decision {
-            Ok(_) if self.0 >= Self::LIMIT => Err(CollectiveError::Hosts(format!(
-                "the all-reduce failed on this host in {} rounds in a row: its drafters restart (a network fault on \
-                 this host?)",
-                self.0
-            ))),
-            other => other,
-        }
-    }
-}
-
 struct State {
     rounds: Rounds<Contribution, JoinBuffers>,
     results: VecDeque<Published>,
@@ -353,11 +200,7 @@ struct State {
     /// Settings of a reload and the first step they apply to.
     pending: Option<(u64, StepSettings)>,
     sum: GradientSum,
-    ring: Option<Arc<Ring>>,
-    /// A round's sum in `ring` did not complete on every host: the next round needs a new communicator.
-    ring_stale: bool,
-    /// This host's rank across hosts (0 within one).
-    host: Rank,
+    rings: Rings,
     settling: Option<Settling>,
     failed_sums: FailedSums,
     /// Hosts admitted at this boundary that take their state from this host.
@@ -365,20 +208,6 @@ struct State {
 }
 
 impl State {
-    /// The ring, while its membership is `members` (and no sum in it was abandoned).
-    fn current_ring(&self, members: &[RingMember]) -> Option<Arc<Ring>> {
-        self.ring.clone().filter(|r| r.members == members && !self.ring_stale)
-    }
-
-    /// The next ring, numbered after the last (its members abort their old communicators when they see it).
-    fn new_ring(&mut self, members: Vec<RingMember>, id: NcclId) -> Arc<Ring> {
-        let epoch = self.ring.as_ref().map_or(0, |r| r.epoch + 1);
-        let ring = Arc::new(Ring { epoch, host: self.host, members, id });
-        self.ring = Some(ring.clone());
-        self.ring_stale = false;
-        ring
-    }
-
     fn settings_at(&self, step: u64) -> StepSettings {
         match self.pending {
             Some((from, next)) if from <= step => next,
@@ -412,9 +241,7 @@ impl Collective {
                 settings,
                 pending: None,
                 sum,
-                ring: None,
-                ring_stale: false,
-                host: 0,
+                rings: Rings::default(),
                 settling: None,
                 failed_sums: FailedSums::default(),
                 remote_joiners: Vec::new(),
@@ -427,7 +254,7 @@ impl Collective {
 
     /// Makes this collective one host's part of a run across hosts.
     pub fn with_link(mut self, link: Arc<HostLink>) -> Self {
-        self.lock().host = link.rank();
+        self.lock().rings.host = link.rank();
         self.link = Some(link);
         self
     }
@@ -455,7 +282,7 @@ impl Collective {
         let Some(link) = &self.link else {
             return Ok(JoinInfo { step: self.found(id, generation)?, optimizer_steps });
         };
-        let hosts = |e: crate::cluster::link::LinkError| CollectiveError::Hosts(e.to_string());
+        let hosts = |e: crate::train::link::LinkError| CollectiveError::Hosts(e.to_string());
         match link.enter().map_err(hosts)? {
             Entering::Found => {
                 let step = self.found(id, generation)?;
@@ -493,12 +320,12 @@ impl Collective {
     /// holds, else a new one whose identity the round's lowest-ranked member host makes and the others read.
     fn run_ring(&self, link: &HostLink, step: u64, hosts: &[HostRecord]) -> Result<Arc<Ring>, CollectiveError> {
         let members = ring_members(hosts);
-        if let Some(ring) = self.lock().current_ring(&members) {
+        if let Some(ring) = self.lock().rings.current(&members) {
             return Ok(ring);
         }
         let maker = hosts.first().map_or(link.rank(), |h| h.rank);
         let id = link.ring_id(step, maker)?;
-        Ok(self.lock().new_ring(members, id))
+        Ok(self.lock().rings.next(members, id))
     }
 
     /// Moves an empty collective to `step` after `samples_committed` samples (a run rewound to a checkpoint);
@@ -586,7 +413,7 @@ impl Collective {
                     settling.decision = Some(decision.clone());
                 }
                 if decision != Ok(true) {
-                    s.ring_stale = true;
+                    s.rings.abandon();
                 }
                 drop(s);
                 self.changed.notify_all();
@@ -762,188 +589,11 @@ impl Collective {
     }
 }
 
-/// A completed round's bookkeeping, done under the lock before its gradients are summed.
-struct Plan {
-    sum: GradientSum,
-    ring: Option<Arc<Ring>>,
-    update: UpdateSettings,
-    next_objective: ObjectiveKnobs,
-    samples_committed: u64,
-    ring_error: Option<CollectiveError>,
-    /// The run's loss weight, across hosts (`None`: this host's contributions').
-    total_weight: Option<f64>,
-    /// Across hosts: the other members' records.
-    remote: Vec<HostRecord>,
-}
-
-/// Advances the settings, the progress and (within one host) the ring for a completed round. Across hosts the
-/// ring waits for the run's round ([`Collective::run_ring`]).
-fn plan(s: &mut State, done: &Completed<Contribution>, across_hosts: bool) -> Plan {
-    let step = done.step;
-    if s.pending.is_some_and(|(from, _)| from <= step) {
-        s.settings = s.settings_at(step);
-        s.pending = None;
-    }
-    let mut ring_error = None;
-    let ring = match s.sum {
-        GradientSum::Nccl if !across_hosts => {
-            let members: Vec<RingMember> = done
-                .contributions
-                .iter()
-                .map(|&(member, generation, _)| RingMember { host: 0, host_generation: 0, member, generation })
-                .collect();
-            match s.current_ring(&members) {
-                Some(ring) => Some(ring),
-                None => match NcclId::new() {
-                    Ok(id) => Some(s.new_ring(members, id)),
-                    Err(e) => {
-                        ring_error = Some(DeviceErrorText(e.to_string()).into());
-                        None
-                    }
-                },
-            }
-        }
-        _ => None,
-    };
-    let update = s.settings.hyper.update(step, s.samples_committed);
-    let next_objective = s.settings_at(step + 1).objective;
-    s.samples_committed += done.contributions.iter().map(|(.., c)| c.samples).sum::<u64>();
-    Plan {
-        sum: s.sum,
-        ring,
-        update,
-        next_objective,
-        samples_committed: s.samples_committed,
-        ring_error,
-        total_weight: None,
-        remote: vec![],
-    }
-}
-
-/// This host's summed round (`summed`) as its share of the run's round: the run's gradient (on the local sum's
-/// device and dtype) and the round as every host sees it.
-fn across_hosts(
-    link: &HostLink,
-    step: u64,
-    plan: &Plan,
-    done: &Completed<Contribution>,
-    summed: Result<Option<Tensor>, CollectiveError>,
-) -> (Result<Option<Tensor>, CollectiveError>, Option<RunRound>) {
-    let local = match summed {
-        Ok(local) => local,
-        Err(e) => return (Err(e), None),
-    };
-    match exchange_share(link, step, plan, done, local.as_ref()) {
-        Ok((grad, run)) => (Ok(grad), Some(run)),
-        Err(e) => (Err(e), None),
-    }
-}
-
-fn exchange_share(
-    link: &HostLink,
-    step: u64,
-    plan: &Plan,
-    done: &Completed<Contribution>,
-    local: Option<&Tensor>,
-) -> Result<(Option<Tensor>, RunRound), CollectiveError> {
-    let share = HostShare {
-        grad: local,
-        settings: (plan.update, plan.next_objective),
-        weight: done.contributions.iter().map(|(.., c)| c.weight).sum(),
-        contributions: done
-            .contributions
-            .iter()
-            .map(|(m, g, c)| DrafterPart {
-                drafter: *m,
-                generation: *g,
-                batches: c.batches.clone(),
-                samples: c.samples,
-                metrics: c.metrics,
-                digest: c.digest,
-            })
-            .collect(),
-    };
-    let mut run = link.exchange(step, share)?;
-    let grad = match (run.grad.take(), local) {
-        (Some(sum), Some(local)) => Some(
-            sum.f_view_as(local)
-                .and_then(|g| g.f_to(local.device()))
-                .and_then(|g| g.f_to_kind(local.kind()))
-                .map_err(|e| DeviceErrorText(e.to_string()))?,
-        ),
-        _ => None,
-    };
-    Ok((grad, run))
-}
-
-/// The contributions' gradients summed in member order (device copies), or `None` when NCCL sums them.
-fn sum_gradients(
-    sum: GradientSum,
-    contributions: &[(MemberId, u64, Contribution)],
-) -> Result<Option<Tensor>, CollectiveError> {
-    if sum == GradientSum::Nccl {
-        return Ok(None);
-    }
-    let mut total: Option<Tensor> = None;
-    for (_, _, c) in contributions {
-        total = Some(match total {
-            None if contributions.len() == 1 => c.grad.shallow_clone(),
-            None => c.grad.f_detach_copy().map_err(|e| DeviceErrorText(e.to_string()))?,
-            Some(mut acc) => {
-                let part = c.grad.f_to_device(acc.device()).map_err(|e| DeviceErrorText(e.to_string()))?;
-                let _ = acc.f_add_(&part).map_err(|e| DeviceErrorText(e.to_string()))?;
-                acc
-            }
-        });
-    }
-    Ok(total)
-}
-
-/// The round's result (or its failure) and its report.
-fn finish(
-    plan: Plan,
-    done: Completed<Contribution>,
-    summed: Result<Option<Tensor>, CollectiveError>,
-) -> (Result<Arc<RoundResult>, CollectiveError>, RoundReport) {
-    let Completed { step, incarnation, contributions } = done;
-    let total_weight = plan.total_weight.unwrap_or_else(|| contributions.iter().map(|(.., c)| c.weight).sum());
-    let report = RoundReport {
-        step,
-        incarnation,
-        contributions: contributions
-            .iter()
-            .map(|(m, g, c)| Contributed {
-                member: *m,
-                generation: *g,
-                batches: c.batches.clone(),
-                metrics: c.metrics,
-                samples: c.samples,
-            })
-            .collect(),
-        total_weight,
-        lr: plan.update.adamw.lr,
-        samples_committed: plan.samples_committed,
-        remote: plan.remote,
-    };
-    let outcome = match (plan.ring_error, summed) {
-        (Some(e), _) | (None, Err(e)) => Err(e),
-        (None, Ok(grad)) => Ok(Arc::new(RoundResult {
-            step,
-            grad: grad.map(SharedTensor::new),
-            ring: plan.ring,
-            total_weight,
-            update: plan.update,
-            next_objective: plan.next_objective,
-            contributors: contributions.iter().map(|(m, ..)| *m).collect(),
-        })),
-    };
-    (outcome, report)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::train::optim::ScheduleKind;
+    use crate::train::optim::{Hyper, LrSchedule, Progress};
     use std::sync::mpsc;
     use tch::{Device, Kind};
 

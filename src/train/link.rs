@@ -20,17 +20,15 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
 
-use super::background::Background;
-use super::exchange::{self, Coordinator, Entry, ExchangeError};
-use super::launch::HostPlacement;
-use super::quorum::{Admitted, Rank};
-use super::store::{Store, StoreError};
-use crate::config::{Change, join_differences};
+use crate::cluster::background::Background;
+use crate::cluster::exchange::{self, Coordinator, Entry, ExchangeError};
+use crate::cluster::launch::HostPlacement;
+use crate::cluster::quorum::{Admitted, Rank};
+use crate::cluster::store::{Store, StoreError};
 use crate::data::loader::BatchId;
-use crate::train::collective::ObjectiveKnobs;
 use crate::train::nccl::{NcclComm, NcclError, NcclId};
-use crate::train::objective::Metrics;
-use crate::train::step::UpdateSettings;
+use crate::train::objective::{Metrics, ObjectiveKnobs};
+use crate::train::optim::UpdateSettings;
 
 #[derive(Debug, Error)]
 pub enum LinkError {
@@ -52,11 +50,6 @@ pub enum LinkError {
          (data.* keys and files), since rank 0 assigns batches by position"
     )]
     DataDiffers { mine: String, theirs: String },
-    #[error(
-        "this host's settings differ from rank 0's in keys every host of a run must share: {0}; start every host \
-         with the same configuration for them"
-    )]
-    SettingsDiffer(String),
     #[error(
         "no live host had the run's state when this host was admitted (every host lost it at once, or rank 0 does not \
          take part): restart every host with --resume auto"
@@ -519,28 +512,18 @@ impl HostLink {
         Ok(())
     }
 
-    /// Checks this host's settings against rank 0's, which posts its own (`settings`: [`crate::config::join_settings`] of each): a
-    /// key every host must share that differs refuses this host, naming each with both values. Returns the reloadable
-    /// keys whose value rank 0's replaces here.
-    pub fn agree_on_settings(&self, settings: &serde_json::Value) -> Result<Vec<Change>, LinkError> {
+    /// Rank 0's settings (`settings`: [`crate::config::join_settings`] of each host), which rank 0 posts from its
+    /// own: `None` on rank 0. What differs is for the caller to judge.
+    pub fn rank0_settings(&self, settings: &serde_json::Value) -> Result<Option<serde_json::Value>, LinkError> {
         let Some(theirs) = self.rank0_posts("dflash/settings", &settings.to_string())? else {
-            return Ok(Vec::new());
+            return Ok(None);
         };
-        let theirs: serde_json::Value = serde_json::from_str(&theirs).map_err(|e| LinkError::Malformed {
+        let theirs = serde_json::from_str(&theirs).map_err(|e| LinkError::Malformed {
             what: "settings",
             rank: 0,
             message: e.to_string(),
         })?;
-        let (refused, overridden) = join_differences(settings, &theirs);
-        if !refused.is_empty() {
-            let show = Change::shown;
-            let listed: Vec<String> = refused
-                .iter()
-                .map(|c| format!("{} = {} here, {} on rank 0", c.key, show(&c.new), show(&c.old)))
-                .collect();
-            return Err(LinkError::SettingsDiffer(listed.join("; ")));
-        }
-        Ok(overridden)
+        Ok(Some(theirs))
     }
 
     /// Rank 0 posts `mine` under `key` (`None`); another host reads what rank 0 posted, waiting up to the rendezvous
