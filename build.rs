@@ -49,7 +49,6 @@ fn main() {
         .file("csrc/store.cpp");
     // CUDA graphs (`csrc/graph.cpp`) need libtorch's CUDA library and the CUDA runtime's headers: the wheel ships
     // them beside it (nvidia/cu13/include), all but crt/, which scripts/setup.sh adds (nvidia-cuda-crt).
-    println!("cargo::rustc-check-cfg=cfg(dflash_cuda_graphs)");
     let cuda_include = root.join("../nvidia/cu13/include");
     if cuda_include.is_dir() {
         // Built again once setup adds crt/ to a build made without it.
@@ -58,7 +57,6 @@ fn main() {
     if lib.join("libtorch_cuda.so").exists() && cuda_include.join("crt/host_config.h").exists() {
         build.define("DFLASH_CUDA_GRAPHS", None).include(cuda_include);
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
-        println!("cargo:rustc-cfg=dflash_cuda_graphs");
     }
     build.compile("dflash_accel");
     println!("cargo:rerun-if-changed=csrc");

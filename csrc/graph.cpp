@@ -1,6 +1,7 @@
 // CUDA graphs, which tch does not expose: a fixed sequence of kernels captured once and replayed with one launch.
 // Batch-1 decoding launches some 600 small kernels a step, and launching them costs more than running them.
-// Compiled only against a libtorch with CUDA (build.rs); `dflash_graph_available` answers 0 in a build without.
+// Needs a libtorch with CUDA (build.rs); in a build without, `dflash_graph_available` answers 0 and every other
+// function fails with a message saying so.
 // The graph is captured on a stream of its own from libtorch's pool (capture refuses the default stream), in
 // thread-local mode (other threads of the process keep allocating and launching meanwhile), into the graph's own
 // memory pool; tensors allocated during the capture and still held afterwards are where every replay writes.
@@ -81,5 +82,17 @@ void dflash_graph_free(void* g) {
   } catch (...) {
   }
 }
+#else
+static int absent(char* err, size_t len) {
+  write_error("CUDA graphs are not in this build (its libtorch has no CUDA)", err, len);
+  return 1;
+}
+int dflash_graph_new(int, void**, char* err, size_t len) { return absent(err, len); }
+int dflash_graph_enter(void*, char* err, size_t len) { return absent(err, len); }
+int dflash_graph_leave(void*, char* err, size_t len) { return absent(err, len); }
+int dflash_graph_capture_begin(void*, char* err, size_t len) { return absent(err, len); }
+int dflash_graph_capture_end(void*, char* err, size_t len) { return absent(err, len); }
+int dflash_graph_replay(void*, char* err, size_t len) { return absent(err, len); }
+void dflash_graph_free(void*) {}
 #endif
 }

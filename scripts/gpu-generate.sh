@@ -34,7 +34,7 @@ d=$bin/dflash
 # The GPU tests of batched generation, in the call that carries the test binary.
 if [ -e .gpu-bin/test-lib.xz ]; then
   echo "== GPU tests" | tee -a "$out/commands.txt"
-  "$bin/test-lib" --test-threads 1 batched sampling kv_cache cuda_graph decoder choice 2>&1 \
+  "$bin/test-lib" --test-threads 1 --include-ignored batched sampling kv_cache ffi::graph decoder choice 2>&1 \
     | grep -E "^test |test result|panicked" | tee "$out/gpu-tests.txt"
 fi
 log() { echo "== $*" | tee -a "$out/commands.txt"; }

@@ -56,7 +56,7 @@ train)
   export DFLASH_REAL_MODEL=$work/model DFLASH_REAL_DRAFTER=$work/ckpt/final
   for t in .bin/test-*; do
     echo "== $t"
-    "$t" --test-threads 1 --nocapture choice objective decode_eval cuda_graph decoder speculative 2>&1 \
+    "$t" --test-threads 1 --include-ignored --nocapture choice objective decode_eval ffi::graph decoder speculative 2>&1 \
       | grep -E "^test |test result|Some\(|None \(|panicked" | tee -a "$out/gpu-tests.txt"
   done
   ;;

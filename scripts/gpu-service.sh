@@ -100,24 +100,8 @@ pid=$!
 wait_step 25
 date +%s.%N >"$out/fault-sent"
 post /drafters/1/fault '{"kind": "panic"}'
-python3 - "$out" <<'EOF'
-import json, sys, time, urllib.request
-out = sys.argv[1]
-t0 = float(open(f"{out}/fault-sent").read())
-seen, samples = [], []
-while True:
-    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
-    now = time.time()
-    states = [d["state"] for d in s["drafters"]]
-    samples.append((now - t0, s["step"], s["samples_committed"], states))
-    if len(seen) == 0 or seen[-1][1] != states:
-        seen.append((now - t0, states))
-    if len(seen) > 1 and states == ["live", "live"] and now - t0 > 1 or now - t0 > 300:
-        break
-    time.sleep(0.05)
-json.dump({"transitions": seen, "samples": samples}, open(f"{out}/fault-timeline.json", "w"))
-print(seen)
-EOF
+scripts/status_timeline.py --since "$out/fault-sent" --out "$out/fault-timeline.json" \
+  --key "[d['state'] for d in s['drafters']]" --until "changes > 1 and all(d['state'] == 'live' for d in s['drafters']) and t > 1"
 wait_step $(($(step) + 15))
 kill -9 $pid; wait 2>/dev/null
 fi
@@ -194,23 +178,8 @@ wait_step 25
 date +%s.%N >"$out/both-sent"
 post /drafters/0/fault '{"kind": "panic"}'
 post /drafters/1/fault '{"kind": "panic"}'
-python3 - "$out" <<'EOF'
-import json, sys, time, urllib.request
-out = sys.argv[1]
-t0 = float(open(f"{out}/both-sent").read())
-seen = []
-while True:
-    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
-    now = time.time()
-    states = [d["state"] for d in s["drafters"]]
-    if not seen or seen[-1][1] != states or seen[-1][2] != s["phase"]:
-        seen.append((round(now - t0, 3), states, s["phase"], s["step"]))
-    if len(seen) > 1 and states == ["live", "live"] and s["step"] > 5 or now - t0 > 300:
-        break
-    time.sleep(0.05)
-json.dump({"transitions": seen}, open(f"{out}/both-timeline.json", "w"))
-print(seen)
-EOF
+scripts/status_timeline.py --since "$out/both-sent" --out "$out/both-timeline.json" \
+  --key "[[d['state'] for d in s['drafters']], s['phase']]" --until "changes > 1 and all(d['state'] == 'live' for d in s['drafters']) and s['step'] > 5"
 wait_step $(($(step) + 10))
 kill -9 $pid; wait 2>/dev/null
 grep -E "rewind|continues from|drafter live" "$out/serve-both.log" | tail -8
@@ -230,23 +199,9 @@ pid=$!
 wait_step 40
 date +%s.%N >"$out/hang-sent"
 post /drafters/1/fault '{"kind": "hang"}'
-python3 - "$out" <<'EOF'
-import json, sys, time, urllib.request
-out = sys.argv[1]
-t0 = float(open(f"{out}/hang-sent").read())
-seen = []
-while True:
-    s = json.loads(urllib.request.urlopen("http://127.0.0.1:9410/status").read())
-    now = time.time()
-    states = [(d["state"], d["restarts"]) for d in s["drafters"]]
-    if not seen or seen[-1][1] != states:
-        seen.append((round(now - t0, 3), states, s["step"]))
-    if s["drafters"][1]["restarts"] >= 1 and all(d["state"] == "live" for d in s["drafters"]) or now - t0 > 400:
-        break
-    time.sleep(0.05)
-json.dump({"transitions": seen}, open(f"{out}/hang-timeline.json", "w"))
-print(seen)
-EOF
+scripts/status_timeline.py --since "$out/hang-sent" --out "$out/hang-timeline.json" --limit 400 \
+  --key "[[d['state'], d['restarts']] for d in s['drafters']]" \
+  --until "s['drafters'][1]['restarts'] >= 1 and all(d['state'] == 'live' for d in s['drafters'])"
 wait_step $(($(step) + 10))
 kill -9 $pid; wait 2>/dev/null
 grep -E "drafter failed|hang budget|drafter live" "$out/serve-hang.log" | tail -6

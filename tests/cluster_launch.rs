@@ -2,14 +2,14 @@
 //! environment and stand-ins for `scontrol`, `srun` and `dflash`, gives each host the environment dflash resolves
 //! to its place in the run; the Kubeflow PyTorchJob manifest parses and carries what the training operator and
 //! dflash need.
-mod support;
+mod doc_blocks;
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use dflash::cluster::launch::{ClusterSettings, resolve};
+use doc_blocks::doc_block;
 use serde_json::Value;
-use support::doc_block;
 
 fn write_executable(path: &Path, body: &str) {
     std::fs::write(path, body).unwrap();

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use dflash::cluster::background::Background;
 use dflash::cluster::launch::HostPlacement;
-use dflash::cluster::store::Store;
 use dflash::data::loader::BatchId;
+use dflash::ffi::store::Store;
 use dflash::train::collective::{Collective, CollectiveError, Contribution, GradientSum, JoinBuffers, RoundReport};
 use dflash::train::link::HostLink;
 use dflash::train::objective::{Metrics, ObjectiveKnobs};

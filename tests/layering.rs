@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 /// says what the layer is for.
 const LAYERS: &[&[&str]] = &[
     // What everything shares: the library root, the C++ boundary, devices, panics, joins, profiling.
-    &["lib", "device", "ops", "cuda_graph", "panic", "bounded_join", "profile"],
+    &["lib", "ffi", "device", "panic", "bounded_join", "profile"],
     // Tensors on a device: the target families, the drafter, decoding.
     &["model"],
     // Tokens on disk: chat templates, tokenization, prepared shards, the loader.

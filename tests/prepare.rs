@@ -1,6 +1,6 @@
 //! `prepare` and `inspect` through their public interfaces: output format and contents, idempotence, every kind of
 //! bad input, strict mode, and interrupted runs.
-mod support;
+mod service_process;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -266,7 +266,7 @@ fn sharegpt_lines(n: usize) -> Vec<String> {
     sample_conversations(n, 5)
         .iter()
         .enumerate()
-        .map(|(i, c)| support::sharegpt(c, json!(format!("QWJhYvA_{i}"))).to_string())
+        .map(|(i, c)| service_process::sharegpt(c, json!(format!("QWJhYvA_{i}"))).to_string())
         .collect()
 }
 

@@ -2,11 +2,11 @@
 //! (`dflash config show`), and every `dflash` command of every shell block in README.md and docs/ parses, flags and
 //! values (run with `--help` appended: clap refuses an unknown flag or a bad value before it reaches the help). Most
 //! of them need an 8B model and a GPU; `scripts/check-readme.sh` runs the blocks marked CPU-runnable.
-mod support;
+mod doc_blocks;
 
 use std::process::Command;
 
-use support::doc_block;
+use doc_blocks::doc_block;
 
 #[test]
 fn both_run_tomls_load_as_written() {
@@ -64,8 +64,8 @@ fn every_shipped_config_loads() {
 #[test]
 fn every_dflash_command_of_the_docs_parses() {
     let mut commands = Vec::new();
-    for page in support::doc_pages() {
-        for block in support::doc_blocks(&page, "bash") {
+    for page in doc_blocks::doc_pages() {
+        for block in doc_blocks::doc_blocks(&page, "bash") {
             let joined = block.replace("\\\n", " ");
             commands.extend(
                 joined

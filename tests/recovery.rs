@@ -2,13 +2,13 @@
 //! `/status`, `/readyz`, exit codes, logs, the data ledger and the checkpoint folder. Each test reproduces a defect
 //! of the supervisor before it became a state machine (`src/service/supervisor/core/`; its simulation covers
 //! thousands of schedules, these check the real process end to end).
-mod support;
+mod service_process;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::*;
+use service_process::*;
 
 /// Waits until every drafter is live and the step passed `after`; the bound is generous (CI machines are slow).
 fn all_live_past(svc: &mut Service, drafters: usize, after: u64) -> Value {
@@ -67,9 +67,7 @@ fn correlated_failures_bring_every_drafter_back() {
         svc.wait("replicas compared since", |s| s["replicas_checked_step"].as_u64().is_some_and(|c| c > step(&back)));
     assert_eq!(s["replicas_diverged"], 0, "replicas must stay bitwise identical: {s:#}");
     assert_eq!(s["batches_set_aside"], 0, "injected faults are not held against batches: {s:#}");
-    svc.signal("-TERM");
-    let (code, logs) = svc.exit_code();
-    assert_eq!(code, STOPPED);
+    let logs = svc.stop();
     assert!(logged(&logs, "no live replica: the run continues from step"), "a rewind happened");
     let ids = train_ids(prepared());
     assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids);
@@ -126,9 +124,7 @@ fn a_hang_is_found_within_the_measured_budget_and_its_peer_is_innocent() {
     all_live_past(&mut svc, 2, step(&s));
     let s = svc.status();
     assert_eq!(drafter(&s, 0)["restarts"], 0, "the peer waiting for it is innocent: {s:#}");
-    svc.signal("-TERM");
-    let (code, logs) = svc.exit_code();
-    assert_eq!(code, STOPPED);
+    let logs = svc.stop();
     let budget = logs
         .iter()
         .find_map(|l| {
@@ -151,8 +147,7 @@ fn corrupt_checkpoints_above_the_run_never_cost_it_its_valid_ones() {
     let sets = ["optim.epochs=1000", "checkpoint.every_steps=3", "checkpoint.keep=2"];
     let mut first = Service::start(&cfg, false, &sets);
     first.wait("two checkpoints", |s| s["last_checkpoint"]["step"].as_u64().unwrap_or(0) >= 6);
-    first.signal("-TERM");
-    assert_eq!(first.exit_code().0, STOPPED);
+    first.stop();
     let ckpt = dir.path().join("ckpt");
     let newest = newest_checkpoint(&ckpt);
     for step in [700u64, 800, 900] {
@@ -181,11 +176,7 @@ fn corrupt_checkpoints_above_the_run_never_cost_it_its_valid_ones() {
         .count();
     assert_eq!(retired, 3, "the corrupt checkpoints are moved aside, kept for a look");
 
-    let mut third = Service::start(&cfg, true, &sets);
-    let s = third.wait("resumed", |s| s["phase"] == "running");
-    assert!(step(&s) >= written, "resumed from step {} although step {written} was written", step(&s));
-    third.signal("-TERM");
-    assert_eq!(third.exit_code().0, STOPPED);
+    Service::resumes_from(&cfg, &sets, written);
 }
 
 /// Under `optim.max_steps` the learning-rate schedule counts steps: a run resumed with fewer drafters than it
@@ -295,11 +286,7 @@ fn a_stalled_last_checkpoint_ends_in_status_75_after_the_shutdown_timeout() {
     assert!(stopped.elapsed() < Duration::from_secs(5), "{:?}", stopped.elapsed());
     assert!(logged(&logs, "did not finish within supervision.shutdown_timeout_s"));
     assert!(logged(&logs, "checkpoint at step") && logged(&logs, "skipped: the checkpoint of step"));
-    let mut again = Service::start(&cfg, true, &sets);
-    let s = again.wait("resumed", |s| s["phase"] == "running");
-    assert!(step(&s) >= valid, "resumed at step {} below the valid checkpoint of step {valid}", step(&s));
-    again.signal("-TERM");
-    assert_eq!(again.exit_code().0, STOPPED);
+    Service::resumes_from(&cfg, &sets, valid);
 }
 
 /// The fault API says when it cannot do what it is asked: one pending fault per drafter (409 for a second), none

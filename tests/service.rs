@@ -1,6 +1,6 @@
 //! `serve-train` as operators run it: a real process, its control plane, signals, checkpoints, metrics scraped by a
 //! real Prometheus, and live reloads. Tiny shapes, several drafters sharing the CPU.
-mod support;
+mod service_process;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::*;
+use service_process::*;
 
 #[test]
 fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
@@ -87,8 +87,7 @@ fn one_service_per_checkpoint_folder() {
 
     let mut replacement = Service::start_waiting(&cfg, &["optim.epochs=3", "checkpoint.lock_wait_s=120"]);
     replacement.poll("the replacement to wait", |s| s.tail(20).join("\n"), |t| t.contains(&holder));
-    first.signal("-TERM");
-    assert_eq!(first.exit_code().0, STOPPED);
+    first.stop();
     let (code, logs) = replacement.exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(10)..]);
     assert!(logged(&logs, "resuming"), "it took the folder over and resumed its checkpoint");
@@ -116,8 +115,7 @@ fn a_ledger_that_cannot_be_written_is_loud_and_ends_the_run() {
     let text = svc.metrics();
     assert!(metric(&text, "dflash_ledger_write_failures_total").is_some_and(|n| n >= 1.0), "{text}");
     assert_eq!(metric(&text, "dflash_ledger_failing"), Some(1.0));
-    svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, STOPPED);
+    svc.stop();
 
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 2);
@@ -147,8 +145,7 @@ fn the_control_plane_asks_for_a_token_off_loopback() {
     assert_eq!(svc.request("POST", "/reload", None).0, 401);
     assert_eq!(svc.request("GET", "/status", None).0, 200, "reading needs no token");
     assert!(logged(&svc.tail(200), "is not a loopback address and no token is set"));
-    svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, STOPPED);
+    svc.stop();
 
     let sets = [exposed[0], exposed[1], "control.read_only_listen=127.0.0.1:0"];
     let mut svc = Service::start_with_env(&cfg, true, &sets, &[("DFLASH_CONTROL_TOKEN", "s3cret")]);
@@ -164,9 +161,7 @@ fn the_control_plane_asks_for_a_token_off_loopback() {
     assert!(refused == 404 || refused == 405, "no POST on the read-only address: {refused}");
     let status = svc.http("GET", "/status", "").1;
     assert!(!status.contains("s3cret"), "the token is never shown");
-    svc.signal("-TERM");
-    let (code, logs) = svc.exit_code();
-    assert_eq!(code, STOPPED);
+    let logs = svc.stop();
     assert!(!logs.iter().any(|l| l.contains("s3cret")), "the token is never logged");
     let state = std::fs::read_dir(dir.path().join("ckpt"))
         .unwrap()
@@ -361,9 +356,7 @@ fn chaos_failures_of_every_kind_lose_nothing_and_keep_replicas_identical() {
     assert_eq!(s["replicas_diverged"], 0, "replicas must stay bitwise identical: {s:#}");
     assert!(s["replicas_checked_step"].as_u64().unwrap() > rejoined_at, "{s:#}");
     assert_eq!(s["batches_set_aside"], 0);
-    svc.signal("-TERM");
-    let (code, _) = svc.exit_code();
-    assert_eq!(code, STOPPED);
+    let _ = svc.stop();
     let ids = train_ids(prepared());
     assert!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids) >= 2, "at least two whole epochs");
 }
@@ -578,8 +571,7 @@ fn a_real_prometheus_scrapes_every_dashboard_query_and_promtool_accepts_the_name
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("ckpt/best/eval.json")).unwrap()).unwrap();
     assert!(best["decode_acceptance_length"].as_f64().unwrap() >= eval["best"].as_f64().unwrap() - 1e-12);
     assert!(dir.path().join("ckpt/best/drafter/model.safetensors").exists());
-    svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, STOPPED);
+    svc.stop();
 }
 
 #[test]
@@ -655,8 +647,7 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     assert!(code == 202 || code == 409);
     svc.wait("a checkpoint", |s| !s["last_checkpoint"].is_null());
     assert!(logged(&svc.tail(100_000), "\"level\":\"DEBUG\""), "log.level = debug took effect");
-    svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, STOPPED);
+    svc.stop();
 }
 
 #[test]
@@ -803,8 +794,7 @@ fn a_requested_checkpoint_is_of_the_step_the_answer_names() {
     let (first, _) = svc.request("POST", "/checkpoint", None);
     let (second, body) = svc.request("POST", "/checkpoint", None);
     assert_eq!((first, second), (202, 409), "{body}");
-    svc.signal("-TERM");
-    assert_eq!(svc.exit_code().0, STOPPED);
+    svc.stop();
 }
 
 /// The shared data's train split written as token rows (`inspect --json`: ids as given, strings and integers).
@@ -832,9 +822,7 @@ fn a_token_row_file_trains_exactly_once_across_a_resume_and_keeps_its_holdout_ap
     let cfg = config(dir.path(), 2);
     let mut first = Service::start(&cfg, false, &sets);
     first.wait("step 3", |s| step(s) >= 3);
-    first.signal("-TERM");
-    let (code, logs) = first.exit_code();
-    assert_eq!(code, STOPPED);
+    let logs = first.stop();
     assert!(logged(&logs, "token rows checked and prepared"), "{logs:#?}");
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
     assert_eq!(code, 0);

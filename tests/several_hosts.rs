@@ -3,11 +3,11 @@
 //! again: the others keep stepping, it rejoins from a live host, every sample of both epochs is committed exactly
 //! once, rank 0's replica check (which covers every host's drafters) never finds them apart, and all three processes
 //! end with the run.
-mod support;
+mod service_process;
 
 use std::net::TcpListener;
 
-use support::*;
+use service_process::*;
 
 const HOSTS: usize = 3;
 

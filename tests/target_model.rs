@@ -1,11 +1,11 @@
 //! The target model through its public interface: hidden-state capture, logits and (for a mixture of experts) the
 //! experts each token is routed to, against an independent naive decoder (padded batches included), loading HuggingFace folders (single file and sharded), and every bad-input
 //! case producing an error that names the file or key.
-mod common;
+mod reference_models;
 
-use common::*;
 use dflash::model::config::{GptOssConfig, RopeScaling};
 use dflash::model::{Architecture, Depth, Init, ModelError, PartFault, Preset, Target, TargetConfig};
+use reference_models::*;
 use tch::{Device, Kind, Tensor};
 
 const TAPS: [usize; 2] = [0, 2];
@@ -327,11 +327,9 @@ fn taps_outside_the_model_are_named() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn on_a_gpu_capture_and_logits_match_the_cpu() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no GPU here");
-        return;
-    }
+    dflash::device::gpu_for_tests();
     for arch in [Architecture::Qwen3, Architecture::Llama] {
         let cfg = small_config(arch, false, llama3_scaling());
         let dir = tempfile::tempdir().unwrap();
@@ -359,11 +357,9 @@ fn on_a_gpu_capture_and_logits_match_the_cpu() {
 /// nearly all choices agree and the states agree on average (within 3%: GPT-OSS routes on raw logits, two of six
 /// experts, so a bf16 flip moves more).
 #[test]
+#[ignore = "needs a GPU"]
 fn on_a_gpu_moe_capture_matches_the_cpu() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no GPU here");
-        return;
-    }
+    dflash::device::gpu_for_tests();
     for cfg in [small_moe_config(), small_gpt_oss_config()] {
         moe_on_the_gpu_matches_the_cpu(&cfg);
     }
@@ -437,11 +433,9 @@ fn a_fault_armed_for_one_part_strikes_that_part_once() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn on_a_gpu_a_target_spread_over_gpu_and_cpu_matches() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no GPU here");
-        return;
-    }
+    dflash::device::gpu_for_tests();
     for cfg in [small_config(Architecture::Llama, false, llama3_scaling()), small_moe_config(), small_gpt_oss_config()]
     {
         spread_matches(&cfg, &[Device::Cuda(0), Device::Cpu], 1e-4);

@@ -1,12 +1,12 @@
 //! Training through public interfaces on the tiny preset: where gradients go, the published file format, bitwise
 //! save/load and resume, chunked evaluation, and a drafter that actually learns.
-mod common;
+mod reference_models;
 
 use std::collections::BTreeMap;
 
+use dflash::ffi::accel::AdamwStep;
 use dflash::model::presets::tiny;
 use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target};
-use dflash::ops::AdamwStep;
 use dflash::train::objective::ObjectiveSettings;
 use dflash::train::{AdamW, FeatureBatch, Trainer, UpdateSettings};
 use tch::{Device, Kind, Tensor};

@@ -14,10 +14,10 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::{BenchError, StepTimes};
-use crate::cuda_graph::CudaGraph;
 use crate::data::SampleId;
 use crate::data::prompts::Prompt;
 use crate::device::{self, device_name, kind_name};
+use crate::ffi::graph::CudaGraph;
 use crate::model::speculative::{DFlashProposer, Proposer};
 use crate::model::{Decoder, Depth, Drafter, DrafterConfig, Init, Preset};
 use crate::profile::Recorder;

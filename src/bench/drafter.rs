@@ -14,9 +14,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::{BenchError, StepTimes, check_counts};
 use crate::device::{self, device_name, kind_name};
+use crate::ffi::accel::AdamwStep;
 use crate::model::drafter_config::default_gamma;
 use crate::model::{Depth, Drafter, DrafterConfig, Init, ModelError, Preset};
-use crate::ops::AdamwStep;
 use crate::profile::Recorder;
 use crate::train::objective::{ObjectiveSettings, default_group_blocks};
 use crate::train::{FeatureBatch, Trainer, UpdateSettings};

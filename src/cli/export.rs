@@ -139,10 +139,15 @@ fn export_preset(preset: Preset, out: &std::path::Path) -> Result<()> {
     }
     let spec = preset.spec();
     let target = spec.build_target(Depth::Full, Device::Cpu, Kind::Float)?;
-    target.save_hf(out, usize::MAX).with_context(|| format!("--out {}", out.display()))?;
-    if let Some(bytes) = spec.weights {
-        let path = out.join("model.safetensors");
-        std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    match spec.weights {
+        // The trained weights built into the binary, as they are.
+        Some(bytes) => {
+            let path = out.join("model.safetensors");
+            std::fs::create_dir_all(out).with_context(|| format!("--out {}", out.display()))?;
+            std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))?;
+            target.save_hf_config(out).with_context(|| format!("--out {}", out.display()))?;
+        }
+        None => target.save_hf(out, usize::MAX).with_context(|| format!("--out {}", out.display()))?,
     }
     write_tiny_tokenizer(out).with_context(|| format!("--out {}", out.display()))?;
     Ok(())

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::quorum::{Admitted, BeatWatch, Closed, Decision, HostQuorum, Rank, sum_outcome};
-use super::store::{Store, StoreError};
+use crate::ffi::store::{Store, StoreError};
 
 /// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
 pub const KEEP_ROUNDS: u64 = 4;

@@ -6,4 +6,3 @@ pub mod background;
 pub mod exchange;
 pub mod launch;
 pub mod quorum;
-pub mod store;

@@ -24,7 +24,7 @@ pub(crate) fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
     t.unsqueeze(2).expand([s[0], s[1], rep, s[2], s[3]], false).reshape([s[0], s[1] * rep, s[2], s[3]])
 }
 
-/// Whether [`crate::ops::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless the fused paths are
+/// Whether [`crate::ffi::attention::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless the fused paths are
 /// switched off ([`super::fused::switched_off`]) for comparisons, leaving the masked one below.
 pub(super) fn flash_applies(q: &Tensor) -> bool {
     q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
@@ -156,12 +156,9 @@ mod tests {
     /// The flash path (bf16, window and sink folded in through the log-sum-exp) against the masked path in f32, on
     /// random inputs with grouped-query heads: the same attention within bf16 rounding.
     #[test]
+    #[ignore = "needs a GPU"]
     fn on_a_gpu_sink_flash_attention_matches_the_masked_path() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no GPU here");
-            return;
-        }
-        let dev = Device::Cuda(0);
+        let dev = crate::device::gpu_for_tests();
         tch::manual_seed(5);
         let (b, t, heads, kv, d) = (2, 300, 8, 2, 64);
         let q = Tensor::randn([b, heads, t, d], (Kind::Float, dev));
@@ -172,7 +169,7 @@ mod tests {
             let positions = Tensor::arange(t, (Kind::Int64, dev)).unsqueeze(0);
             let want = sink_attention(&q, &k, &v, &sinks, window, &positions).unwrap();
             let bf = |x: &Tensor| x.to_kind(Kind::BFloat16).transpose(1, 2);
-            let got = crate::ops::sink_flash_attention(&bf(&q), &bf(&k), &bf(&v), &sinks, window).unwrap();
+            let got = crate::ffi::attention::sink_flash_attention(&bf(&q), &bf(&k), &bf(&v), &sinks, window).unwrap();
             let got = got.transpose(1, 2).to_kind(Kind::Float);
             let err = (&got - &want).abs().max().double_value(&[]) / want.abs().max().double_value(&[]);
             assert!(err < 2e-2, "window {window:?}: relative error {err}");

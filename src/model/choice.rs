@@ -72,13 +72,11 @@ mod tests {
         ties_resolve_to_the_lowest_id_on(Device::Cpu);
     }
 
-    /// On a GPU (skipped without one): the same rule, on CUDA's reduction kernels.
+    /// On a GPU: the same rule, on CUDA's reduction kernels.
     #[test]
+    #[ignore = "needs a GPU"]
     fn on_a_gpu_exact_ties_resolve_to_the_lowest_id() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no GPU here");
-            return;
-        }
+        crate::device::gpu_for_tests();
         ties_resolve_to_the_lowest_id_on(Device::Cuda(0));
     }
 

@@ -7,7 +7,7 @@
 use tch::{Kind, Tensor};
 
 use super::{Decoded, KvCache, ModelError, Target};
-use crate::cuda_graph::CudaGraph;
+use crate::ffi::graph::CudaGraph;
 
 /// See the module documentation.
 pub struct Decoder<'a> {
@@ -212,10 +212,9 @@ mod tests {
     /// On a GPU: replayed steps compute what eager steps compute (blocks of two token counts, cropped back as
     /// speculative decoding does), one graph per token count.
     #[test]
+    #[ignore = "needs a GPU"]
     fn replayed_steps_decode_what_eager_steps_decode() {
-        let Some(device) = crate::cuda_graph::graph_test_device() else {
-            return;
-        };
+        let device = crate::ffi::graph::graph_gpu_for_tests();
         let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
         let mut graphed = Decoder::new(&t, 64, &[1, 4]).unwrap();
         let mut eager = Decoder::new(&t, 64, &[]).unwrap();

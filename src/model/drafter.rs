@@ -25,7 +25,7 @@ use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
-use crate::ops;
+use crate::ffi::autograd;
 use crate::profile::span;
 
 /// Group indices of one layer in the flat layout.
@@ -179,7 +179,7 @@ impl Drafter {
         if leaf.kind() == self.kind {
             return leaf.shallow_clone();
         }
-        ops::weight_cast(leaf, self.kind).unwrap_or_else(|e| panic!("casting drafter weights: {e}"))
+        autograd::weight_cast(leaf, self.kind).unwrap_or_else(|e| panic!("casting drafter weights: {e}"))
     }
 
     /// Runs the drafter: `target_hidden [B, S, n*H]` (the tapped states), `block_embeddings [B, Q, H]` (the
@@ -256,7 +256,8 @@ impl Drafter {
                 let _p = span("drafter.mlp");
                 let h = rms_norm(&x, &self.weight(layer.post_attention_layernorm), eps);
                 let gu = h.linear(&self.weight(layer.gate_up_proj), None::<Tensor>);
-                &x + ops::swiglu_down(&gu, &self.weight(layer.down_proj)).unwrap_or_else(|e| panic!("drafter MLP: {e}"))
+                &x + autograd::swiglu_down(&gu, &self.weight(layer.down_proj))
+                    .unwrap_or_else(|e| panic!("drafter MLP: {e}"))
             };
         }
         rms_norm(&x, &self.weight(self.norm), eps)

@@ -11,7 +11,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
-use crate::ops::set_grad;
+use crate::ffi::accel::set_grad;
 
 /// Offsets are rounded up to this many elements (512 bytes in fp32), so every view is well aligned.
 const ALIGN: i64 = 128;

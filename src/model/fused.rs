@@ -293,6 +293,7 @@ impl Kernels {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err("the CUDA driver library (libcuda.so.1) was not found".into());
         }
+        // SAFETY: as above.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return Err(
                 "NVRTC (libnvrtc.so.13) was not found: add the torch wheel's nvidia/cu13/lib to the library path"
@@ -552,12 +553,9 @@ mod tests {
     /// On a GPU: the fused kernels run (the test fails if they cannot be built) and agree with the plain libtorch
     /// expressions within one bf16 rounding.
     #[test]
+    #[ignore = "needs a GPU"]
     fn on_a_gpu_fused_kernels_match_plain_libtorch() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no GPU here");
-            return;
-        }
-        let dev = Device::Cuda(0);
+        let dev = crate::device::gpu_for_tests();
         let bf = (Kind::BFloat16, dev);
         // SwiGLU activation: odd row count, several blocks.
         let gu = (Tensor::randn([3, 37, 2 * 200], (Kind::Float, dev)) * 4.0).to_kind(Kind::BFloat16);

@@ -4,7 +4,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::RopeScaling;
 use super::fused;
-use crate::ops;
+use crate::ffi::autograd;
 
 /// RMSNorm over the last dimension: `weight * (x / sqrt(mean(x^2) + eps))`, accumulated in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
@@ -19,10 +19,10 @@ pub fn swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Tensor {
 }
 
 /// `silu(gate) * up` of a stacked projection `[..., 2I]` (gate first): one fused kernel for inference on CUDA,
-/// otherwise one autograd node that saves only the projection ([`ops::swiglu_activation`]).
+/// otherwise one autograd node that saves only the projection ([`autograd::swiglu_activation`]).
 pub fn swiglu_activation(gate_up: &Tensor) -> Tensor {
     fused::silu_mul(gate_up)
-        .unwrap_or_else(|| ops::swiglu_activation(gate_up).unwrap_or_else(|e| panic!("swiglu activation: {e}")))
+        .unwrap_or_else(|| autograd::swiglu_activation(gate_up).unwrap_or_else(|e| panic!("swiglu activation: {e}")))
 }
 
 /// Per-head RMSNorm (where the model has one) then RoPE of `x` `[B, S, heads, d]`, with the factors of
@@ -117,9 +117,9 @@ impl Rope {
 /// HF's `x * cos + rotate_half(x) * sin` (`rotate_half([a, b]) = [-b, a]` over the last dimension), with `cos` and
 /// the signed `sin` of [`Rope::cos_sin`] (broadcast to `x`'s shape): the halves swapped (one copy), then one
 /// multiply and one fused multiply-add, where the plain form takes five kernels. One autograd node keeping only the
-/// factors for the backward ([`ops::rope`]).
+/// factors for the backward ([`autograd::rope`]).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
-    ops::rope(x, cos, signed_sin).unwrap_or_else(|e| panic!("rope: {e}"))
+    autograd::rope(x, cos, signed_sin).unwrap_or_else(|e| panic!("rope: {e}"))
 }
 
 #[cfg(test)]
@@ -175,7 +175,7 @@ mod tests {
         // Factors that would broadcast x up to a larger shape are refused (the backward could not reduce them).
         let (cos, ssin) = rope.cos_sin(&Tensor::from_slice(&[1i64, 2]).view([2, 1]), Kind::Float);
         let small = Tensor::ones([1, 8], (Kind::Float, Device::Cpu));
-        let err = crate::ops::rope(&small, &cos, &ssin).unwrap_err().to_string();
+        let err = crate::ffi::autograd::rope(&small, &cos, &ssin).unwrap_err().to_string();
         assert!(err.contains("do not broadcast"), "{err}");
     }
 
@@ -186,7 +186,7 @@ mod tests {
             let r = Tensor::randn([3, 4, 6], (Kind::Double, Device::Cpu)).to_kind(kind);
             let plain = |gu: &Tensor| gu.narrow(-1, 0, 6).silu() * gu.narrow(-1, 6, 6);
             let (y0, g0) = value_and_grad(&gu, &r, plain);
-            let (y1, g1) = value_and_grad(&gu, &r, |gu| crate::ops::swiglu_activation(gu).unwrap());
+            let (y1, g1) = value_and_grad(&gu, &r, |gu| crate::ffi::autograd::swiglu_activation(gu).unwrap());
             assert!(y0.equal(&y1), "{kind:?} forward differs");
             assert!(g0.equal(&g1), "{kind:?} gradient differs: {}", (&g0 - &g1).abs().max());
         }

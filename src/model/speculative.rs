@@ -9,7 +9,7 @@
 //! equal: the target alone, one token per step.
 use tch::{Kind, Tensor};
 
-use crate::cuda_graph::CudaGraph;
+use crate::ffi::graph::CudaGraph;
 use crate::profile::span;
 
 use super::choice::{Choice, greedy_choice, greedy_token_ids, greedy_tokens};
@@ -261,10 +261,9 @@ mod tests {
     /// On a GPU: passes replayed from the drafting graph draft what eager passes draft (f32, so the order of the
     /// softmax's sum cannot flip a token), over generations that reuse the proposer and its graph.
     #[test]
+    #[ignore = "needs a GPU"]
     fn replayed_drafting_passes_draft_what_eager_passes_draft() {
-        let Some(device) = crate::cuda_graph::graph_test_device() else {
-            return;
-        };
+        let device = crate::ffi::graph::graph_gpu_for_tests();
         let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
         let d =
             Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 4), device, Kind::Float, Init::Portable(3)).unwrap();

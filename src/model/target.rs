@@ -100,6 +100,108 @@ enum Placement<'a> {
     Rows { positions: &'a Tensor, len: i64 },
 }
 
+/// A source of named HF tensors (`model.layers.3.self_attn.q_proj.weight`, ...), each on the device it is asked for.
+type Fetch<'a> = dyn FnMut(&str) -> Result<Tensor, ModelError> + 'a;
+
+impl DecoderLayer {
+    /// Layer `l` of `cfg` from the tensors `get` returns, on `device` (part `part` of a spread target).
+    fn build(cfg: &TargetConfig, l: usize, device: Device, part: usize, get: &mut Fetch) -> Result<Self, ModelError> {
+        let mut get = |suffix: &str| get(&format!("model.layers.{l}.{suffix}"));
+        let qkv_proj = Tensor::f_cat(
+            &[get("self_attn.q_proj.weight")?, get("self_attn.k_proj.weight")?, get("self_attn.v_proj.weight")?],
+            0,
+        )?;
+        let mlp = Mlp::build(cfg, l, &mut get)?;
+        let (q_norm, k_norm) = match cfg.architecture.has_qk_norm() {
+            true => (Some(get("self_attn.q_norm.weight")?), Some(get("self_attn.k_norm.weight")?)),
+            false => (None, None),
+        };
+        let (qkv_bias, o_bias, sinks, window) = match &cfg.gpt_oss {
+            Some(oss) => (
+                Some(Tensor::f_cat(
+                    &[get("self_attn.q_proj.bias")?, get("self_attn.k_proj.bias")?, get("self_attn.v_proj.bias")?],
+                    0,
+                )?),
+                Some(get("self_attn.o_proj.bias")?),
+                Some(get("self_attn.sinks")?),
+                oss.sliding_layers[l].then_some(oss.sliding_window as i64),
+            ),
+            None => (None, None, None, None),
+        };
+        Ok(DecoderLayer {
+            input_layernorm: get("input_layernorm.weight")?,
+            post_attention_layernorm: get("post_attention_layernorm.weight")?,
+            qkv_proj,
+            o_proj: get("self_attn.o_proj.weight")?,
+            q_norm,
+            k_norm,
+            qkv_bias,
+            o_bias,
+            sinks,
+            window,
+            mlp,
+            device,
+            part,
+        })
+    }
+}
+
+impl Mlp {
+    /// Layer `l`'s MLP: dense, Qwen3-MoE's experts or GPT-OSS's; `get` takes names within the layer.
+    fn build(cfg: &TargetConfig, l: usize, get: &mut Fetch) -> Result<Self, ModelError> {
+        let Some(moe) = cfg.moe.as_ref().filter(|m| m.is_sparse(l)) else {
+            return Ok(Mlp::Dense {
+                gate_up_proj: Tensor::f_cat(&[get("mlp.gate_proj.weight")?, get("mlp.up_proj.weight")?], 0)?,
+                down_proj: get("mlp.down_proj.weight")?,
+            });
+        };
+        if let Some(oss) = &cfg.gpt_oss {
+            let mut pair =
+                |name: &str, bias: &str| -> Result<(Tensor, Tensor), ModelError> { Ok((get(name)?, get(bias)?)) };
+            return Ok(Mlp::Sparse(SparseMlp::gpt_oss(
+                pair("mlp.router.weight", "mlp.router.bias")?,
+                pair("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias")?,
+                pair("mlp.experts.down_proj", "mlp.experts.down_proj_bias")?,
+                moe.num_experts_per_tok,
+                oss.swiglu_alpha,
+                oss.swiglu_limit,
+            )));
+        }
+        let mut gate_up = Vec::with_capacity(moe.num_experts);
+        let mut down = Vec::with_capacity(moe.num_experts);
+        for e in 0..moe.num_experts {
+            let mut expert = |suffix: &str| get(&format!("mlp.experts.{e}.{suffix}"));
+            gate_up.push(Tensor::f_cat(&[expert("gate_proj.weight")?, expert("up_proj.weight")?], 0)?);
+            down.push(expert("down_proj.weight")?);
+        }
+        Ok(Mlp::Sparse(SparseMlp::qwen3(
+            get("mlp.gate.weight")?,
+            Tensor::f_stack(&gate_up, 0)?,
+            Tensor::f_stack(&down, 0)?,
+            moe.num_experts_per_tok,
+            moe.norm_topk_prob,
+        )))
+    }
+
+    /// Adds this MLP's output for the normed rows `h` (`[N, H]`) to the residual rows `x` in place; a sparse MLP
+    /// appends its chosen experts to `routes`.
+    fn add_to(&self, x: &Tensor, h: &Tensor, routes: Option<&mut Vec<Tensor>>) -> Result<(), ModelError> {
+        match self {
+            Mlp::Dense { gate_up_proj, down_proj } => {
+                let act = swiglu_activation(&h.linear(gate_up_proj, None::<Tensor>));
+                let _ = x.shallow_clone().f_addmm_(&act, &down_proj.tr())?;
+            }
+            Mlp::Sparse(sparse) => {
+                if let Some(routes) = routes {
+                    routes.push(sparse.route(h)?.0);
+                }
+                sparse.add_to(x, h)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What one decoding step computes for its new positions.
 pub struct Decoded {
     /// `[1, T, vocab]`
@@ -447,93 +549,8 @@ impl Target {
         let embed_tokens = get("model.embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(num_layers);
         for (l, &part) in layer_parts.iter().enumerate() {
-            let layer_device = devices[part];
-            on.set(layer_device);
-            let p = format!("model.layers.{l}");
-            let w = |suffix: &str| format!("{p}.{suffix}");
-            let qkv_proj = Tensor::f_cat(
-                &[
-                    get(&w("self_attn.q_proj.weight"))?,
-                    get(&w("self_attn.k_proj.weight"))?,
-                    get(&w("self_attn.v_proj.weight"))?,
-                ],
-                0,
-            )?;
-            let mlp = match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
-                Some(m) if cfg.gpt_oss.is_some() => {
-                    let oss = cfg.gpt_oss.as_ref().expect("checked");
-                    let mut pair = |name: &str, bias: &str| -> Result<(Tensor, Tensor), ModelError> {
-                        Ok((get(&w(name))?, get(&w(bias))?))
-                    };
-                    Mlp::Sparse(SparseMlp::gpt_oss(
-                        pair("mlp.router.weight", "mlp.router.bias")?,
-                        pair("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias")?,
-                        pair("mlp.experts.down_proj", "mlp.experts.down_proj_bias")?,
-                        m.num_experts_per_tok,
-                        oss.swiglu_alpha,
-                        oss.swiglu_limit,
-                    ))
-                }
-                Some(m) => {
-                    let mut gate_up = Vec::with_capacity(m.num_experts);
-                    let mut down = Vec::with_capacity(m.num_experts);
-                    for e in 0..m.num_experts {
-                        let x = |suffix: &str| w(&format!("mlp.experts.{e}.{suffix}"));
-                        gate_up.push(Tensor::f_cat(&[get(&x("gate_proj.weight"))?, get(&x("up_proj.weight"))?], 0)?);
-                        down.push(get(&x("down_proj.weight"))?);
-                    }
-                    Mlp::Sparse(SparseMlp::qwen3(
-                        get(&w("mlp.gate.weight"))?,
-                        Tensor::f_stack(&gate_up, 0)?,
-                        Tensor::f_stack(&down, 0)?,
-                        m.num_experts_per_tok,
-                        m.norm_topk_prob,
-                    ))
-                }
-                None => Mlp::Dense {
-                    gate_up_proj: Tensor::f_cat(
-                        &[get(&w("mlp.gate_proj.weight"))?, get(&w("mlp.up_proj.weight"))?],
-                        0,
-                    )?,
-                    down_proj: get(&w("mlp.down_proj.weight"))?,
-                },
-            };
-            let (q_norm, k_norm) = if cfg.architecture.has_qk_norm() {
-                (Some(get(&w("self_attn.q_norm.weight"))?), Some(get(&w("self_attn.k_norm.weight"))?))
-            } else {
-                (None, None)
-            };
-            let (qkv_bias, o_bias, sinks, window) = match &cfg.gpt_oss {
-                Some(oss) => (
-                    Some(Tensor::f_cat(
-                        &[
-                            get(&w("self_attn.q_proj.bias"))?,
-                            get(&w("self_attn.k_proj.bias"))?,
-                            get(&w("self_attn.v_proj.bias"))?,
-                        ],
-                        0,
-                    )?),
-                    Some(get(&w("self_attn.o_proj.bias"))?),
-                    Some(get(&w("self_attn.sinks"))?),
-                    oss.sliding_layers[l].then_some(oss.sliding_window as i64),
-                ),
-                None => (None, None, None, None),
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: get(&w("input_layernorm.weight"))?,
-                post_attention_layernorm: get(&w("post_attention_layernorm.weight"))?,
-                qkv_proj,
-                o_proj: get(&w("self_attn.o_proj.weight"))?,
-                q_norm,
-                k_norm,
-                qkv_bias,
-                o_bias,
-                sinks,
-                window,
-                mlp,
-                device: layer_device,
-                part,
-            });
+            on.set(devices[part]);
+            layers.push(DecoderLayer::build(&cfg, l, devices[part], part, &mut get)?);
         }
         on.set(device);
         let (norm, lm_head) = match depth {
@@ -1051,66 +1068,7 @@ impl Target {
         };
         let attn = {
             let _p = span("target.attention");
-            let gqa = kv_heads != heads;
-            match (keys, &layer.sinks) {
-                // The whole sequence on a GPU in bf16: flash attention with the window, the sink folded in after.
-                (Keys::Causal, Some(sinks)) if flash_applies(&q) => crate::ops::sink_flash_attention(
-                    &q.transpose(1, 2),
-                    &k.transpose(1, 2),
-                    &v.transpose(1, 2),
-                    sinks,
-                    layer.window,
-                )?
-                .transpose(1, 2),
-                (keys, Some(sinks)) => {
-                    let positions = |start: i64| -> Result<Tensor, ModelError> {
-                        Ok(Tensor::f_arange_start(start, start + s, (Kind::Int64, q.device()))?.f_unsqueeze(0)?)
-                    };
-                    let (k, v, positions) = match keys {
-                        Keys::Causal => (k, v, positions(0)?),
-                        Keys::Cached { cache, layer: index, .. } => {
-                            let start = cache.len();
-                            let _written = cache.write(index, &k, &v)?;
-                            let (k, v) = cache.prefix(index, context_bucket(start + s))?;
-                            (k, v, positions(start)?)
-                        }
-                        Keys::Rows { cache, layer: index, positions, len, .. } => {
-                            let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
-                            (k, v, positions.f_unsqueeze(1)?)
-                        }
-                        Keys::Indexed { .. } | Keys::Fill { .. } => {
-                            return Err(ModelError::Batch("attention sinks at a device position".into()));
-                        }
-                    };
-                    sink_attention(&q, &k, &v, sinks, layer.window, &positions)?
-                }
-                // (A prefill into rows was written above and attends as the whole sequence.)
-                (Keys::Causal | Keys::Fill { .. }, None) => {
-                    Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
-                }
-                (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
-                    let (k, v) = cache.write_at(index, positions, &k, &v)?;
-                    masked_attention(&q, &k, &v, bias)?
-                }
-                (Keys::Rows { cache, layer: index, positions, len, bias }, None) => {
-                    let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
-                    masked_attention(&q, &k, &v, bias)?
-                }
-                (Keys::Cached { cache, layer: index, bias }, None) => {
-                    let (k, v) = cache.write(index, &k, &v)?;
-                    match bias {
-                        // After the prefill: the bucketed cache, masked.
-                        Some(bias) => {
-                            let (k, v) = cache.prefix(index, bias.size()[3])?;
-                            masked_attention(&q, &k, &v, bias)?
-                        }
-                        // The prefill: causal over the prompt.
-                        None => {
-                            Tensor::f_scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
-                        }
-                    }
-                }
-            }
+            attention(layer, &q, k, v, keys)?
         };
         // The residual stream is updated in place (no autograd here): the GEMMs add their product to it (beta = 1),
         // where `x + product` would read both and write a third tensor.
@@ -1128,19 +1086,7 @@ impl Target {
             rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps)
         };
         let _p = span("target.mlp");
-        let (mut x_rows, h_rows) = (x.view([b * s, hidden]), h.view([b * s, hidden]));
-        match &layer.mlp {
-            Mlp::Dense { gate_up_proj, down_proj } => {
-                let act = swiglu_activation(&h_rows.linear(gate_up_proj, None::<Tensor>));
-                let _ = x_rows.f_addmm_(&act, &down_proj.tr())?;
-            }
-            Mlp::Sparse(sparse) => {
-                if let Some(routes) = routes {
-                    routes.push(sparse.route(&h_rows)?.0);
-                }
-                sparse.add_to(&x_rows, &h_rows)?;
-            }
-        }
+        layer.mlp.add_to(&x.view([b * s, hidden]), &h.view([b * s, hidden]), routes)?;
         Ok(x.shallow_clone())
     }
 
@@ -1226,10 +1172,79 @@ impl Target {
             .map(|(name, t)| Ok((name, HostTensor::from_tensor(&t)?)))
             .collect::<Result<Vec<_>, ModelError>>()?;
         write_sharded(dir, host, max_shard_bytes)?;
-        let config = serde_json::to_string_pretty(&c.to_hf_json(kind_name(self.kind))).expect("json");
+        self.save_hf_config(dir)
+    }
+
+    /// The HuggingFace `config.json` of this model, into the existing folder `dir`.
+    pub fn save_hf_config(&self, dir: &Path) -> Result<(), ModelError> {
+        let config = serde_json::to_string_pretty(&self.cfg.to_hf_json(kind_name(self.kind))).expect("json");
         let path = dir.join("config.json");
         std::fs::write(&path, config).map_err(|err| ModelError::Io { path, err })
     }
+}
+
+/// One layer's attention of the queries `q` (`[B, heads, S, d]`) over the new keys and values `k`, `v` and, as
+/// `keys` says, the cached ones (which get the new ones written): `[B, heads, S, d]`.
+fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<'_>) -> Result<Tensor, ModelError> {
+    let s = q.size()[2];
+    let gqa = k.size()[1] != q.size()[1];
+    Ok(match (keys, &layer.sinks) {
+        // The whole sequence on a GPU in bf16: flash attention with the window, the sink folded in after.
+        (Keys::Causal, Some(sinks)) if flash_applies(q) => crate::ffi::attention::sink_flash_attention(
+            &q.transpose(1, 2),
+            &k.transpose(1, 2),
+            &v.transpose(1, 2),
+            sinks,
+            layer.window,
+        )?
+        .transpose(1, 2),
+        (keys, Some(sinks)) => {
+            let positions = |start: i64| -> Result<Tensor, ModelError> {
+                Ok(Tensor::f_arange_start(start, start + s, (Kind::Int64, q.device()))?.f_unsqueeze(0)?)
+            };
+            let (k, v, positions) = match keys {
+                Keys::Causal => (k, v, positions(0)?),
+                Keys::Cached { cache, layer: index, .. } => {
+                    let start = cache.len();
+                    let _written = cache.write(index, &k, &v)?;
+                    let (k, v) = cache.prefix(index, context_bucket(start + s))?;
+                    (k, v, positions(start)?)
+                }
+                Keys::Rows { cache, layer: index, positions, len, .. } => {
+                    let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
+                    (k, v, positions.f_unsqueeze(1)?)
+                }
+                Keys::Indexed { .. } | Keys::Fill { .. } => {
+                    return Err(ModelError::Batch("attention sinks at a device position".into()));
+                }
+            };
+            sink_attention(q, &k, &v, sinks, layer.window, &positions)?
+        }
+        // (A prefill into rows was written above and attends as the whole sequence.)
+        (Keys::Causal | Keys::Fill { .. }, None) => {
+            Tensor::f_scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
+        }
+        (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
+            let (k, v) = cache.write_at(index, positions, &k, &v)?;
+            masked_attention(q, &k, &v, bias)?
+        }
+        (Keys::Rows { cache, layer: index, positions, len, bias }, None) => {
+            let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
+            masked_attention(q, &k, &v, bias)?
+        }
+        (Keys::Cached { cache, layer: index, bias }, None) => {
+            let (k, v) = cache.write(index, &k, &v)?;
+            match bias {
+                // After the prefill: the bucketed cache, masked.
+                Some(bias) => {
+                    let (k, v) = cache.prefix(index, bias.size()[3])?;
+                    masked_attention(q, &k, &v, bias)?
+                }
+                // The prefill: causal over the prompt.
+                None => Tensor::f_scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?,
+            }
+        }
+    })
 }
 
 #[cfg(test)]

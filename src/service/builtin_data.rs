@@ -240,7 +240,8 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         std::fs::write(&tmp, text)?;
         std::fs::rename(&tmp, &conversations)?;
     }
-    let assets = ModelAssets::resolve(&model, &Map::new())?;
+    // The tokenizer and template, read once: the responder borrows them for the regeneration, then prepare does.
+    let mut assets = ModelAssets::resolve(&model, &Map::new())?;
     let regenerated = answered.join("regenerated.jsonl");
     let done_marker = answered.join(".regenerated.done");
     if !done_marker.exists() {
@@ -251,7 +252,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         let target = config.target.source.build_target(&[0], Depth::Full, device, kind)?;
         let responder = LocalResponder::new(
             target,
-            ModelAssets::resolve(&model, &Map::new())?,
+            assets,
             d.builtin_max_new_tokens,
             Sampling::Greedy,
             false,
@@ -268,6 +269,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             progress: ShowProgress::Lines(Duration::from_secs(10)),
         };
         let report = crate::panic::catch_torch(|| responder.regenerate(&opts))??;
+        assets = responder.assets;
         if report.failed > 0 {
             bail!("built-in data: {} conversations could not be regenerated", report.failed);
         }

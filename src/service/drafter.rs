@@ -19,11 +19,11 @@ pub use super::supervisor::protocol::Start;
 use super::supervisor::watchdog::Activity;
 use crate::data::loader::BatchId;
 use crate::device;
+use crate::ffi::nccl::{NcclComm, NcclError};
 use crate::model::{Drafter, DrafterConfig, Init};
 use crate::telemetry::DrafterMetrics;
 use crate::train::checkpoint::{DRAFTER_DIR, OPTIMIZER_FILE, Snapshot};
-use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, Ring, Summing};
-use crate::train::nccl::{NcclComm, NcclError};
+use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBuffers, Ring, RoundResult, Summing};
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::step::UpdateReport;
@@ -150,7 +150,88 @@ fn state_tensors(trainer: &Trainer) -> [&Tensor; 3] {
 
 /// The compute thread. `Ok(())` means it was told to stop or was removed.
 fn run(a: DrafterSpawn) -> Result<(), Failure> {
+    let ended = take_place(&a).and_then(|(mut trainer, mut step)| {
+        let mut round = RoundState::default();
+        loop {
+            step = train_step(&a, &mut trainer, step, &mut round)?;
+        }
+    });
+    match ended {
+        Err(End::Failed(failure)) => Err(failure),
+        Ok(()) | Err(End::Asked) => Ok(()),
+    }
+}
+
+/// Why a drafter's thread ends: it was asked to (stopped, removed from the collective, or its state kept for the
+/// run's parting), or it failed.
+enum End {
+    Asked,
+    Failed(Failure),
+}
+
+impl From<Failure> for End {
+    fn from(failure: Failure) -> Self {
+        End::Failed(failure)
+    }
+}
+
+impl End {
+    /// A thread that ends after `last` (its parting kept, or not).
+    fn after(last: Result<(), Failure>) -> Self {
+        last.map_or_else(End::Failed, |()| End::Asked)
+    }
+}
+
+/// What a drafter's loop carries from one step to the next.
+#[derive(Default)]
+struct RoundState {
+    /// NCCL: this drafter's membership of the current ring's communicator (aborted when replaced or dropped).
+    communicator: Option<(u64, NcclComm)>,
+    /// A checkpoint asked for at a later step boundary than this one.
+    snapshot_at: Option<u64>,
+    /// The state's checksums at the boundary they were taken at: they go with that step's contribution too.
+    boundary_digest: Option<(u64, [i64; 3])>,
+}
+
+/// Builds the drafter and its trainer, reports Ready and takes its place in the collective (founding it, entering
+/// the run across hosts, or joining with a live member's state). Returns the trainer and its first step.
+fn take_place(a: &DrafterSpawn) -> Result<(Trainer, u64), End> {
     device::bind_thread(a.device).map_err(torch)?;
+    let mut trainer = build_trainer(a)?;
+    warm_up(&mut trainer)?;
+    if let Start::Join = a.start {
+        // Registered before Ready, so the donor the supervisor asks finds the request. Refused when the supervisor
+        // gave up on this thread while it was starting: it stops quietly.
+        if a.collective.request_join(a.id, a.generation, join_buffers(&trainer)).is_err() {
+            return Err(End::Asked);
+        }
+    }
+    let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady { id: a.id, generation: a.generation });
+    let joined = match a.start {
+        // Across hosts this enters the run: founding it, or taking a live host's state.
+        Start::Found(_) => a.collective.enter(a.id, a.generation, &join_buffers(&trainer), trainer.optimizer.steps()),
+        Start::Join => a.collective.wait_joined(a.id, a.generation),
+    };
+    let step = match joined {
+        Ok(info) => {
+            trainer.optimizer.set_steps(info.optimizer_steps).map_err(torch)?;
+            info.step
+        }
+        // The supervisor gave up on this thread (it was removed): it was asked to stop.
+        Err(CollectiveError::Removed) => return Err(End::Asked),
+        Err(e @ CollectiveError::Hosts(_)) => return Err(torch(e).into()),
+        // A founder that finds members is a supervisor bug: fail loudly rather than train beside them.
+        Err(e) => return Err(Failure::panic(format!("drafter {} could not take its place: {e}", a.id)).into()),
+    };
+    set_objective(&mut trainer, a.collective.objective_at(step));
+    now_doing(a, Activity::WaitingForWork, vec![]);
+    let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
+    Ok((trainer, step))
+}
+
+/// The trainer of this start: a checkpoint's drafter and optimizer, a published drafter's weights, fresh weights
+/// from the seed, or zeros a live member's state will fill.
+fn build_trainer(a: &DrafterSpawn) -> Result<Trainer, Failure> {
     // A checkpoint that cannot be loaded is reported as such: the supervisor then founds from an older one.
     let unloadable = |e: crate::model::ModelError| match (torch(&e), &a.start) {
         (f, Start::Found(Some(ckpt))) if f.kind == FailureKind::Torch => {
@@ -179,190 +260,183 @@ fn run(a: DrafterSpawn) -> Result<(), Failure> {
         trainer.optimizer =
             AdamW::load(ckpt, OPTIMIZER_FILE, trainer.drafter.params().layout(), a.device).map_err(unloadable)?;
     }
-    warm_up(&mut trainer)?;
-    if let Start::Join = a.start {
-        // Registered before Ready, so the donor the supervisor asks finds the request. Refused when the supervisor
-        // gave up on this thread while it was starting: it stops quietly.
-        let [master, m, v] = state_tensors(&trainer).map(Tensor::shallow_clone);
-        let buffers = JoinBuffers { master, exp_avg: m, exp_avg_sq: v };
-        if a.collective.request_join(a.id, a.generation, buffers).is_err() {
-            return Ok(());
+    Ok(trainer)
+}
+
+/// Handles on the trainer's state (master weights and AdamW moments): where a joiner's state is copied to, or what
+/// a founder hands to hosts that join.
+fn join_buffers(trainer: &Trainer) -> JoinBuffers {
+    let [master, exp_avg, exp_avg_sq] = state_tensors(trainer).map(Tensor::shallow_clone);
+    JoinBuffers { master, exp_avg, exp_avg_sq }
+}
+
+/// One training step: its micro-batches, forward and backward, the round, the update. Returns the next step.
+fn train_step(a: &DrafterSpawn, trainer: &mut Trainer, step: u64, round: &mut RoundState) -> Result<u64, End> {
+    if round.snapshot_at.is_some_and(|at| at <= step) {
+        round.snapshot_at = None;
+        send_snapshot(a, trainer, step)?;
+    }
+    let (items, feature_wait_s) = take_work(a, trainer, step, &mut round.snapshot_at)?;
+    let started = Instant::now();
+    let batches: Vec<BatchId> = items.iter().map(|(b, _)| *b).collect();
+    now_doing(a, Activity::Computing, batches.clone());
+    inject_fault(a)?;
+    let mut metrics = Metrics::default();
+    let mut samples = 0;
+    let mut flops = 0.0;
+    for (_, features) in &items {
+        metrics.add(&trainer.accumulate(features).map_err(torch)?);
+        samples += features.input_ids.len() as u64;
+        let seq = features.input_ids.iter().map(Vec::len).max().unwrap_or(0) as i64;
+        flops +=
+            features.input_ids.len() as f64 * a.config.training_flops_per_sample(seq, trainer.objective.num_anchors);
+    }
+    // Waiting for the peers is not computing: a hung peer must not make this one look hung.
+    now_doing(a, Activity::WaitingForPeers, vec![]);
+    let own = trainer.drafter.params().grad.shallow_clone();
+    let digest = round.boundary_digest.filter(|(at, _)| *at == step).map(|(_, d)| d);
+    let contribution =
+        Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics, digest };
+    let in_round = Instant::now();
+    let summing = |s: Summing| {
+        let activity = if s == Summing::Local { Activity::Summing } else { Activity::WaitingForPeers };
+        now_doing(a, activity, vec![]);
+    };
+    let result = a
+        .collective
+        .contribute(a.id, a.generation, step, contribution, summing)
+        .map_err(|e| collective_end(a, trainer, step, e))?;
+    now_doing(a, Activity::Summing, vec![]);
+    let applies = take_sum(a, trainer, &mut round.communicator, &result, &own, step)?;
+    a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
+    now_doing(a, Activity::Applying, vec![]);
+    let report = if applies {
+        trainer.apply(result.total_weight, &result.update).map_err(torch)?
+    } else {
+        trainer.drafter.params_mut().zero_grad();
+        UpdateReport { grad_norm: f64::NAN, applied: false, lr: result.update.adamw.lr }
+    };
+    set_objective(trainer, result.next_objective);
+    let step = result.step + 1;
+    let seconds = started.elapsed().as_secs_f64();
+    a.metrics.step_duration.record(seconds);
+    a.metrics.feature_wait.set(feature_wait_s / (feature_wait_s + seconds).max(1e-9));
+    a.metrics.learning_rate.set(report.lr);
+    a.metrics.grad_norm.set(report.grad_norm);
+    a.metrics.mfu.set(flops / seconds.max(1e-9) / (a.peak_tflops * 1e12));
+    let digest = match a.check_every > 0 && step.is_multiple_of(a.check_every) {
+        true => Some(checksums(state_tensors(trainer)).map_err(torch)?),
+        false => None,
+    };
+    round.boundary_digest = digest.map(|d| (step, d));
+    let done = SupervisorMsg::StepDone { id: a.id, generation: a.generation, step, report, digest, feature_wait_s };
+    let _ = a.supervisor.send_message(done);
+    if a.collective.has_joiners() {
+        serve(a, trainer)?;
+    }
+    now_doing(a, Activity::WaitingForWork, vec![]);
+    Ok(step)
+}
+
+/// One micro-batch of a step, as its compute thread receives it.
+type Micro = (BatchId, Box<FeatureBatch>);
+
+/// The micro-batches of step `step` (an empty one counts as taken) and the seconds spent waiting for them, serving
+/// what else arrives meanwhile: joiners, checkpoints (now, or at `snapshot_at`).
+fn take_work(
+    a: &DrafterSpawn,
+    trainer: &Trainer,
+    step: u64,
+    snapshot_at: &mut Option<u64>,
+) -> Result<(Vec<Micro>, f64), End> {
+    let mut items = Vec::new();
+    let mut taken = 0;
+    let mut waited_s = 0.0;
+    while taken < a.accumulation {
+        let waiting = Instant::now();
+        let work = a.input.recv();
+        waited_s += waiting.elapsed().as_secs_f64();
+        match work {
+            Ok(Work::Features { batch, features }) => {
+                a.metrics.feature_queue.decrement(1.0);
+                items.push((batch, features));
+                taken += 1;
+            }
+            Ok(Work::Empty) => taken += 1,
+            Ok(Work::ServeJoiners) => serve(a, trainer)?,
+            Ok(Work::Checkpoint { at }) if at <= step => send_snapshot(a, trainer, step)?,
+            Ok(Work::Checkpoint { at }) => *snapshot_at = Some(at),
+            Ok(Work::Stop) | Err(_) => return Err(End::Asked),
         }
     }
-    let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady { id: a.id, generation: a.generation });
-    let joined = match a.start {
-        // Across hosts this enters the run: founding it, or taking a live host's state.
-        Start::Found(_) => {
-            let [master, m, v] = state_tensors(&trainer).map(Tensor::shallow_clone);
-            let own = JoinBuffers { master, exp_avg: m, exp_avg_sq: v };
-            let entered = a.collective.enter(a.id, a.generation, &own, trainer.optimizer.steps());
-            entered.map(|info| (info.step, Some(info.optimizer_steps)))
-        }
-        Start::Join => a.collective.wait_joined(a.id, a.generation).map(|info| (info.step, Some(info.optimizer_steps))),
+    Ok((items, waited_s))
+}
+
+/// A fault injected through the control plane, if one is armed: a panic, an error, or a hang until abandoned.
+fn inject_fault(a: &DrafterSpawn) -> Result<(), End> {
+    let Some(fault) = a.shared.fault.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+        return Ok(());
     };
-    let mut step = match joined {
-        Ok((step, steps)) => {
-            if let Some(n) = steps {
-                trainer.optimizer.set_steps(n).map_err(torch)?;
+    a.shared.injected.store(a.generation, Ordering::SeqCst);
+    match fault {
+        FaultKind::Panic => panic!("injected panic (fault injection) in drafter {}", a.id),
+        FaultKind::Error => Err(End::Failed(Failure {
+            kind: FailureKind::Injected,
+            message: format!("injected error (fault injection) in drafter {}", a.id),
+        })),
+        FaultKind::Hang => loop {
+            std::thread::sleep(Duration::from_millis(20));
+            if a.shared.abandoned.load(Ordering::SeqCst) >= a.generation {
+                return Err(End::Asked);
             }
-            step
+        },
+        // Applied by the supervisor to the checkpointer directly.
+        FaultKind::CheckpointStall => Ok(()),
+    }
+}
+
+/// How the thread ends when the collective refuses it: removed (asked to stop), the rendezvous host gone (its state
+/// kept for the run's parting), or failed.
+fn collective_end(a: &DrafterSpawn, trainer: &Trainer, step: u64, e: CollectiveError) -> End {
+    match e {
+        CollectiveError::Removed => End::Asked,
+        CollectiveError::RendezvousGone(why) => End::after(keep_for_parting(a, trainer, step, why)),
+        e => End::Failed(torch(e)),
+    }
+}
+
+/// Puts the round's summed gradient into this drafter's (`own`): copied from the member that summed, or
+/// all-reduced over NCCL. Returns whether the update applies (across hosts, only if every host's sum completed).
+fn take_sum(
+    a: &DrafterSpawn,
+    trainer: &Trainer,
+    communicator: &mut Option<(u64, NcclComm)>,
+    result: &RoundResult,
+    own: &Tensor,
+    step: u64,
+) -> Result<bool, End> {
+    match (&result.grad, &result.ring) {
+        (Some(sum), _) => {
+            sum.copy_into(&mut own.shallow_clone()).map_err(torch)?;
+            Ok(true)
         }
-        // The supervisor gave up on this thread (it was removed): it was asked to stop.
-        Err(CollectiveError::Removed) => return Ok(()),
-        Err(e @ CollectiveError::Hosts(_)) => return Err(torch(e)),
-        // A founder that finds members is a supervisor bug: fail loudly rather than train beside them.
-        Err(e) => return Err(Failure::panic(format!("drafter {} could not take its place: {e}", a.id))),
-    };
-    set_objective(&mut trainer, a.collective.objective_at(step));
-    now_doing(&a, Activity::WaitingForWork, vec![]);
-    let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
-    // NCCL: this drafter's membership of the current ring's communicator (aborted when replaced or dropped).
-    let mut communicator: Option<(u64, NcclComm)> = None;
-    // A checkpoint asked for at a later step boundary than this one.
-    let mut snapshot_at: Option<u64> = None;
-    // The state's checksums at the boundary they were taken at: they go with that step's contribution too.
-    let mut boundary_digest: Option<(u64, [i64; 3])> = None;
-    loop {
-        if snapshot_at.is_some_and(|at| at <= step) {
-            snapshot_at = None;
-            send_snapshot(&a, &trainer, step)?;
-        }
-        let mut items: Vec<(BatchId, Box<FeatureBatch>)> = Vec::new();
-        let mut taken = 0;
-        let mut feature_wait_s = 0.0;
-        while taken < a.accumulation {
-            let waiting = Instant::now();
-            let work = a.input.recv();
-            feature_wait_s += waiting.elapsed().as_secs_f64();
-            match work {
-                Ok(Work::Features { batch, features }) => {
-                    a.metrics.feature_queue.decrement(1.0);
-                    items.push((batch, features));
-                    taken += 1;
-                }
-                Ok(Work::Empty) => taken += 1,
-                Ok(Work::ServeJoiners) => serve(&a, &trainer)?,
-                Ok(Work::Checkpoint { at }) if at <= step => send_snapshot(&a, &trainer, step)?,
-                Ok(Work::Checkpoint { at }) => snapshot_at = Some(at),
-                Ok(Work::Stop) | Err(_) => return Ok(()),
+        (None, Some(ring)) => {
+            let summed = nccl_sum(communicator, ring, a.id, a.device, a.collective_timeout, own)
+                .map_err(|e| format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members));
+            if !a.collective.settles_across_hosts() {
+                summed.map_err(torch)?;
+                return Ok(true);
             }
-        }
-        let started = Instant::now();
-        let batches: Vec<BatchId> = items.iter().map(|(b, _)| *b).collect();
-        now_doing(&a, Activity::Computing, batches.clone());
-        if let Some(fault) = a.shared.fault.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            a.shared.injected.store(a.generation, Ordering::SeqCst);
-            match fault {
-                FaultKind::Panic => panic!("injected panic (fault injection) in drafter {}", a.id),
-                FaultKind::Error => {
-                    return Err(Failure {
-                        kind: FailureKind::Injected,
-                        message: format!("injected error (fault injection) in drafter {}", a.id),
-                    });
-                }
-                FaultKind::Hang => loop {
-                    std::thread::sleep(Duration::from_millis(20));
-                    if a.shared.abandoned.load(Ordering::SeqCst) >= a.generation {
-                        return Ok(());
-                    }
-                },
-                // Applied by the supervisor to the checkpointer directly.
-                FaultKind::CheckpointStall => {}
+            // Across hosts a failed all-reduce (a host died inside it) is the run's to decide: every host then skips
+            // the round's update, and this drafter keeps its state.
+            if let Err(e) = &summed {
+                tracing::warn!(drafter = a.id, step = result.step, "{e}");
             }
+            // Waiting for the other hosts' word, not computing.
+            now_doing(a, Activity::WaitingForPeers, vec![]);
+            a.collective.summed(a.id, result.step, summed.is_ok()).map_err(|e| collective_end(a, trainer, step, e))
         }
-        let mut metrics = Metrics::default();
-        let mut samples = 0;
-        let mut flops = 0.0;
-        for (_, features) in &items {
-            metrics.add(&trainer.accumulate(features).map_err(torch)?);
-            samples += features.input_ids.len() as u64;
-            let seq = features.input_ids.iter().map(Vec::len).max().unwrap_or(0) as i64;
-            flops += features.input_ids.len() as f64
-                * a.config.training_flops_per_sample(seq, trainer.objective.num_anchors);
-        }
-        // Waiting for the peers is not computing: a hung peer must not make this one look hung.
-        now_doing(&a, Activity::WaitingForPeers, vec![]);
-        let own = trainer.drafter.params().grad.shallow_clone();
-        let digest = boundary_digest.filter(|(at, _)| *at == step).map(|(_, d)| d);
-        let contribution =
-            Contribution { grad: own.shallow_clone(), weight: metrics.weight, samples, batches, metrics, digest };
-        let in_round = Instant::now();
-        let summing = |s: Summing| {
-            let activity = if s == Summing::Local { Activity::Summing } else { Activity::WaitingForPeers };
-            now_doing(&a, activity, vec![]);
-        };
-        let result = match a.collective.contribute(a.id, a.generation, step, contribution, summing) {
-            Ok(r) => r,
-            Err(CollectiveError::Removed) => return Ok(()),
-            Err(CollectiveError::RendezvousGone(why)) => return keep_for_parting(&a, &trainer, step, why),
-            Err(e) => return Err(torch(e)),
-        };
-        now_doing(&a, Activity::Summing, vec![]);
-        let applies = match (&result.grad, &result.ring) {
-            (Some(sum), _) => {
-                sum.copy_into(&mut own.shallow_clone()).map_err(torch)?;
-                true
-            }
-            (None, Some(ring)) => {
-                let summed = nccl_sum(&mut communicator, ring, a.id, a.device, a.collective_timeout, &own)
-                    .map_err(|e| format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members));
-                if !a.collective.settles_across_hosts() {
-                    summed.map_err(torch)?;
-                    true
-                } else {
-                    // Across hosts a failed all-reduce (a host died inside it) is the run's to decide: every host
-                    // then skips the round's update, and this drafter keeps its state.
-                    if let Err(e) = &summed {
-                        tracing::warn!(drafter = a.id, step = result.step, "{e}");
-                    }
-                    // Waiting for the other hosts' word, not computing.
-                    now_doing(&a, Activity::WaitingForPeers, vec![]);
-                    match a.collective.summed(a.id, result.step, summed.is_ok()) {
-                        Ok(applies) => applies,
-                        Err(CollectiveError::Removed) => return Ok(()),
-                        Err(CollectiveError::RendezvousGone(why)) => {
-                            return keep_for_parting(&a, &trainer, step, why);
-                        }
-                        Err(e) => return Err(torch(e)),
-                    }
-                }
-            }
-            (None, None) => return Err(torch("a round completed without a gradient sum")),
-        };
-        a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
-        now_doing(&a, Activity::Applying, vec![]);
-        let report = if applies {
-            trainer.apply(result.total_weight, &result.update).map_err(torch)?
-        } else {
-            trainer.drafter.params_mut().zero_grad();
-            UpdateReport { grad_norm: f64::NAN, applied: false, lr: result.update.adamw.lr }
-        };
-        set_objective(&mut trainer, result.next_objective);
-        step = result.step + 1;
-        let seconds = started.elapsed().as_secs_f64();
-        a.metrics.step_duration.record(seconds);
-        a.metrics.feature_wait.set(feature_wait_s / (feature_wait_s + seconds).max(1e-9));
-        a.metrics.learning_rate.set(report.lr);
-        a.metrics.grad_norm.set(report.grad_norm);
-        a.metrics.mfu.set(flops / seconds.max(1e-9) / (a.peak_tflops * 1e12));
-        let digest = if a.check_every > 0 && step.is_multiple_of(a.check_every) {
-            Some(checksums(state_tensors(&trainer)).map_err(torch)?)
-        } else {
-            None
-        };
-        boundary_digest = digest.map(|d| (step, d));
-        let _ = a.supervisor.send_message(SupervisorMsg::StepDone {
-            id: a.id,
-            generation: a.generation,
-            step,
-            report,
-            digest,
-            feature_wait_s,
-        });
-        if a.collective.has_joiners() {
-            serve(&a, &trainer)?;
-        }
-        now_doing(&a, Activity::WaitingForWork, vec![]);
+        (None, None) => Err(torch("a round completed without a gradient sum").into()),
     }
 }
 

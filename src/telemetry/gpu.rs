@@ -44,6 +44,7 @@ fn pci_bus_id(ordinal: usize) -> Result<String, String> {
     if f.is_null() {
         return Err("the CUDA runtime is not loaded".into());
     }
+    // SAFETY: a non-null address of that function (above): a pointer-sized value reinterpreted as its type.
     let f: PciBusIdFn = unsafe { std::mem::transmute::<*mut libc::c_void, PciBusIdFn>(f) };
     let mut buf = [0 as c_char; 64];
     // SAFETY: the buffer is as long as the length passed.

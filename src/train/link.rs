@@ -24,9 +24,9 @@ use crate::cluster::background::Background;
 use crate::cluster::exchange::{self, Coordinator, Entry, ExchangeError};
 use crate::cluster::launch::HostPlacement;
 use crate::cluster::quorum::{Admitted, Rank};
-use crate::cluster::store::{Store, StoreError};
 use crate::data::loader::BatchId;
-use crate::train::nccl::{NcclComm, NcclError, NcclId};
+use crate::ffi::nccl::{NcclComm, NcclError, NcclId};
+use crate::ffi::store::{Store, StoreError};
 use crate::train::objective::{Metrics, ObjectiveKnobs};
 use crate::train::optim::UpdateSettings;
 

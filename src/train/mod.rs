@@ -5,7 +5,6 @@ pub mod collective;
 pub mod decode_eval;
 pub mod eval;
 pub mod link;
-pub mod nccl;
 pub mod objective;
 pub mod optim;
 pub mod rounds;

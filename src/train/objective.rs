@@ -410,12 +410,9 @@ mod tests {
     /// On a GPU: the fused softmax kernels run (the test fails if they cannot be built) and give what the libtorch
     /// operations give, within one bf16 rounding; without a gradient the logits are left alone.
     #[test]
+    #[ignore = "needs a GPU"]
     fn on_a_gpu_the_fused_chunk_softmax_matches_libtorch() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no GPU here");
-            return;
-        }
-        let dev = Device::Cuda(0);
+        let dev = crate::device::gpu_for_tests();
         let (rows, vocab) = (37, 1000);
         // Row 0 is confident in its label (rest near 0, the log1p branch); the others are spread out.
         let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;

@@ -6,10 +6,10 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::ffi::accel::{AdamwStep, fused_adamw};
 use crate::model::ModelError;
 use crate::model::flat_params::{FlatLayout, FlatParams};
 use crate::model::weights::{HostTensor, WeightFiles, write_safetensors};
-use crate::ops::{AdamwStep, fused_adamw};
 
 /// AdamW state.
 pub struct AdamW {

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use crate::cluster::quorum::Rank;
+use crate::ffi::nccl::NcclId;
 use crate::train::link::HostRecord;
-use crate::train::nccl::NcclId;
 use crate::train::rounds::MemberId;
 
 /// How a round's gradients are summed.

@@ -6,9 +6,9 @@ use tch::Tensor;
 
 use super::ring::{GradientSum, Ring, RingMember};
 use super::{CollectiveError, Contributed, Contribution, DeviceErrorText, RoundReport, RoundResult, State};
+use crate::ffi::nccl::NcclId;
 use crate::model::shared::SharedTensor;
 use crate::train::link::HostRecord;
-use crate::train::nccl::NcclId;
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::optim::UpdateSettings;
 use crate::train::rounds::{Completed, MemberId};

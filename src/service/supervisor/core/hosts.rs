@@ -369,7 +369,13 @@ mod tests {
     fn record(rank: usize, generation: u64, batches: Vec<BatchId>) -> HostRecord {
         let settings = (
             crate::train::optim::UpdateSettings {
-                adamw: crate::ops::AdamwStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+                adamw: crate::ffi::accel::AdamwStep {
+                    lr: 1e-3,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    weight_decay: 0.0,
+                    eps: 1e-8,
+                },
                 grad_clip: None,
             },
             ObjectiveKnobs { num_anchors: 4, gamma: None },

@@ -1,4 +1,4 @@
-//! NCCL communicators, the engine for a collective across GPUs and hosts (`csrc/nccl.cpp`, through the NCCL that
+//! `csrc/nccl.cpp`: NCCL communicators, the engine for a collective across GPUs and hosts (through the NCCL that
 //! libtorch_cuda loads). Communicators are non-blocking: joining and every all-reduce wait with a deadline, so a peer
 //! that never arrives, or dies mid-collective, surfaces as [`NcclError::Timeout`] instead of a hung thread, and the
 //! communicator is aborted when dropped. A survivor then builds a new communicator for the new membership (a new
@@ -11,7 +11,7 @@ use tch::{Device, Tensor};
 use thiserror::Error;
 use torch_sys::C_tensor;
 
-use crate::device::{DeviceError, call_shim};
+use super::{Failed, TIMED_OUT, call};
 
 unsafe extern "C" {
     fn dflash_nccl_version(out: *mut c_int, err: *mut c_char, len: usize) -> c_int;
@@ -46,9 +46,6 @@ unsafe extern "C" {
     fn dflash_nccl_abort(comm: *mut c_void);
 }
 
-/// The shim's status for "the deadline passed".
-const TIMED_OUT: c_int = 2;
-
 #[derive(Debug, Error)]
 pub enum NcclError {
     #[error("NCCL needs CUDA devices; {0:?} is not one")]
@@ -61,12 +58,9 @@ pub enum NcclError {
     Failed(String),
 }
 
-impl From<DeviceError> for NcclError {
-    fn from(e: DeviceError) -> Self {
-        NcclError::Failed(match e {
-            DeviceError::Runtime { message, .. } => message,
-            other => other.to_string(),
-        })
+impl From<Failed> for NcclError {
+    fn from(failed: Failed) -> Self {
+        NcclError::Failed(failed.message)
     }
 }
 
@@ -74,7 +68,7 @@ impl From<DeviceError> for NcclError {
 pub fn version() -> Result<i32, NcclError> {
     let mut v = 0;
     // SAFETY: plain C call with valid out-pointer and buffer.
-    call_shim(Device::Cpu, |e, n| unsafe { dflash_nccl_version(&mut v, e, n) })?;
+    call(|e, n| unsafe { dflash_nccl_version(&mut v, e, n) })?;
     Ok(v)
 }
 
@@ -102,7 +96,7 @@ impl NcclId {
     pub fn new() -> Result<Self, NcclError> {
         let mut id = [0u8; 128];
         // SAFETY: the shim writes exactly 128 bytes.
-        call_shim(Device::Cpu, |e, n| unsafe { dflash_nccl_unique_id(id.as_mut_ptr() as *mut c_char, e, n) })?;
+        call(|e, n| unsafe { dflash_nccl_unique_id(id.as_mut_ptr() as *mut c_char, e, n) })?;
         Ok(NcclId(id))
     }
 }
@@ -216,17 +210,15 @@ fn shim_status(
     timeout: Duration,
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), NcclError> {
-    let mut status = 0;
     let started = std::time::Instant::now();
-    let result = call_shim(Device::Cpu, |e, n| {
-        status = f(e, n);
-        status
-    });
-    result.map_err(|e| match NcclError::from(e) {
-        NcclError::Failed(message) if status == TIMED_OUT => {
-            NcclError::Timeout { what, waited: started.elapsed().as_secs_f64(), limit: timeout.as_secs_f64(), message }
-        }
-        other => other,
+    call(f).map_err(|failed| match failed.status {
+        TIMED_OUT => NcclError::Timeout {
+            what,
+            waited: started.elapsed().as_secs_f64(),
+            limit: timeout.as_secs_f64(),
+            message: failed.message,
+        },
+        _ => failed.into(),
     })
 }
 
@@ -260,12 +252,9 @@ mod tests {
     /// On a GPU: a one-rank communicator sums (an identity) on its own stream, in place and out of place; a
     /// communicator whose other rank never arrives times out and is aborted promptly; a new one works afterwards.
     #[test]
+    #[ignore = "needs a GPU"]
     fn on_a_gpu_a_missing_rank_times_out_and_a_rebuilt_communicator_works() {
-        if !tch::Cuda::is_available() {
-            eprintln!("skipped: no GPU here");
-            return;
-        }
-        let dev = Device::Cuda(0);
+        let dev = crate::device::gpu_for_tests();
         let mut one = NcclComm::join(&NcclId::new().unwrap(), 0, 1, dev, Duration::from_secs(30)).unwrap();
         let x = Tensor::arange(1000, (Kind::Float, dev)) * 0.5;
         let sum = Tensor::zeros([1000], (Kind::Float, dev));
@@ -293,11 +282,9 @@ mod tests {
     /// when rank 1 abandons the communicator mid-run, rank 0's next all-reduce ends in a timeout rather than a hang,
     /// its abort returns promptly, and a communicator rebuilt by both works.
     #[test]
+    #[ignore = "needs two GPUs"]
     fn on_two_gpus_a_vanished_peer_times_out_and_the_survivors_rebuild() {
-        if tch::Cuda::device_count() < 2 {
-            eprintln!("skipped: fewer than two GPUs here");
-            return;
-        }
+        assert!(tch::Cuda::device_count() >= 2, "this test needs two GPUs");
         use std::sync::{Arc, Barrier};
         let long = Duration::from_secs(60);
         let ids = [NcclId::new().unwrap(), NcclId::new().unwrap()];

@@ -1,11 +1,13 @@
-//! A connection to c10d's TCPStore (`csrc/store.cpp`): a key-value store with blocking reads, served by one process
+//! `csrc/store.cpp`: a connection to c10d's TCPStore, a key-value store with blocking reads, served by one process
 //! (the rendezvous host) and reached by every host over TCP. Values are bytes; every wait has a deadline, and a
 //! passed deadline is its own error ([`StoreError::Timeout`]) so that a missing peer is a decision, not a hang.
 //! A connection serialises its operations: give each thread its own ([`Store::try_clone`]).
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_char, c_int, c_void};
 use std::time::Duration;
 
 use thiserror::Error;
+
+use super::{TIMED_OUT, call};
 
 unsafe extern "C" {
     fn dflash_store_open(
@@ -68,9 +70,6 @@ unsafe extern "C" {
     ) -> c_int;
     fn dflash_store_delete(store: *mut c_void, key: *const c_char, err: *mut c_char, len: usize) -> c_int;
 }
-
-/// The shim's status for "the deadline passed".
-const TIMED_OUT: c_int = 2;
 
 /// How long past its deadline a connection may take before its peer is judged not a store ([`Store::connect`]).
 pub const NOT_A_STORE_GRACE: Duration = Duration::from_secs(2);
@@ -295,20 +294,17 @@ fn shim(
     timeout: Duration,
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), StoreError> {
-    let mut buf = [0 as c_char; 512];
     let started = std::time::Instant::now();
-    let status = f(buf.as_mut_ptr(), buf.len());
-    if status == 0 {
-        return Ok(());
-    }
-    let (address, key) = (address.to_string(), key.to_string());
-    if status == TIMED_OUT {
-        let (waited, limit) = (started.elapsed().as_secs_f64(), timeout.as_secs_f64());
-        return Err(StoreError::Timeout { address, what, key, waited, limit });
-    }
-    // SAFETY: the shim NUL-terminates the buffer it was given.
-    let message = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
-    Err(StoreError::Failed { address, what, key, message })
+    call(f).map_err(|failed| {
+        let (address, key) = (address.to_string(), key.to_string());
+        match failed.status {
+            TIMED_OUT => {
+                let (waited, limit) = (started.elapsed().as_secs_f64(), timeout.as_secs_f64());
+                StoreError::Timeout { address, what, key, waited, limit }
+            }
+            _ => StoreError::Failed { address, what, key, message: failed.message },
+        }
+    })
 }
 
 #[cfg(test)]

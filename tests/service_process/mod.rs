@@ -16,35 +16,6 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_dflash");
 /// The status of a run SIGTERM stopped before completion, after its checkpoint: restartable, not success.
 pub const STOPPED: i32 = 143;
 
-/// README.md and every page under docs/, as paths relative to the repository.
-pub fn doc_pages() -> Vec<String> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut pages: Vec<String> = std::fs::read_dir(root.join("docs"))
-        .unwrap()
-        .map(|e| format!("docs/{}", e.unwrap().file_name().to_string_lossy()))
-        .filter(|p| p.ends_with(".md"))
-        .collect();
-    pages.sort();
-    pages.insert(0, "README.md".to_string());
-    pages
-}
-
-/// Every fenced block of `lang` in `page`.
-pub fn doc_blocks(page: &str, lang: &str) -> Vec<String> {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(page)).unwrap();
-    let fence = format!("```{lang}\n");
-    text.split(&fence).skip(1).map(|rest| rest.split("\n```").next().unwrap().to_string()).collect()
-}
-
-/// The fenced block of `lang` that contains `marker` in `page`, a Markdown file of the repository (`README.md`,
-/// `docs/operations.md`).
-pub fn doc_block(page: &str, lang: &str, marker: &str) -> String {
-    doc_blocks(page, lang)
-        .into_iter()
-        .find(|block| block.contains(marker))
-        .unwrap_or_else(|| panic!("no ```{lang} block with {marker:?} in {page}"))
-}
-
 /// Prepared sample data shared by the tests of this file (made once): the built-in sample conversations, every
 /// other one in ShareGPT form with a string id (as public chat sets give them), the rest with integer ids.
 pub fn prepared() -> &'static PathBuf {
@@ -305,6 +276,25 @@ impl Service {
     pub fn tail(&self, n: usize) -> Vec<String> {
         let logs = self.logs.lock().unwrap();
         logs[logs.len().saturating_sub(n)..].to_vec()
+    }
+}
+
+impl Service {
+    /// SIGTERM: the run checkpoints and stops before completion ([`STOPPED`]). Returns its logs.
+    pub fn stop(self) -> Vec<String> {
+        self.signal("-TERM");
+        let (code, logs) = self.exit_code();
+        assert_eq!(code, STOPPED, "{:#?}", &logs[logs.len().saturating_sub(10)..]);
+        logs
+    }
+
+    /// `--resume auto` of the run `config` and `sets` describe: it runs again from step `at` (a checkpoint known to
+    /// be written) or later, then stops on SIGTERM.
+    pub fn resumes_from(config: &Path, sets: &[&str], at: u64) {
+        let mut again = Service::start(config, true, sets);
+        let s = again.wait("resumed", |s| s["phase"] == "running");
+        assert!(step(&s) >= at, "resumed at step {} below the checkpoint of step {at}", step(&s));
+        again.stop();
     }
 }
 

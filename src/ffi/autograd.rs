@@ -1,30 +1,15 @@
-//! libtorch operations tch does not bind, called through the C++ shim (`csrc/`): presetting a tensor's `.grad`, the
-//! fused AdamW kernel, flash attention with GPT-OSS's sinks and sliding windows, and autograd functions (RoPE, the SwiGLU activation and MLP tail, the master weights' cast)
-//! that save less for the backward pass or accumulate gradients in fewer passes.
+//! `csrc/autograd.cpp`: autograd functions that save less for the backward pass, or accumulate gradients in fewer
+//! passes, than the plain expressions: RoPE, the SwiGLU activation and MLP tail, the master weights' cast.
 use std::ffi::{c_char, c_int};
 
 use tch::{Kind, Tensor};
 use torch_sys::C_tensor;
 
-use crate::device::{DeviceError, call_shim, shim_tensor};
+use super::accel::tensor_on_device;
+use super::raw;
+use crate::device::DeviceError;
 
 unsafe extern "C" {
-    fn dflash_set_grad(param: *mut C_tensor, grad: *mut C_tensor, err: *mut c_char, len: usize) -> c_int;
-    fn dflash_fused_adamw(
-        param: *mut C_tensor,
-        grad: *mut C_tensor,
-        exp_avg: *mut C_tensor,
-        exp_avg_sq: *mut C_tensor,
-        step: *mut C_tensor,
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        weight_decay: f64,
-        eps: f64,
-        grad_scale: *mut C_tensor,
-        err: *mut c_char,
-        len: usize,
-    ) -> c_int;
     fn dflash_rope(
         x: *mut C_tensor,
         cos: *mut C_tensor,
@@ -35,105 +20,27 @@ unsafe extern "C" {
     fn dflash_swiglu_activation(gate_up: *mut C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
     fn dflash_swiglu_down(gate_up: *mut C_tensor, down: *mut C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
     fn dflash_weight_cast(leaf: *mut C_tensor, kind: c_int, err: *mut c_char, len: usize) -> *mut C_tensor;
-    fn dflash_sink_flash_attention(
-        q: *mut C_tensor,
-        k: *mut C_tensor,
-        v: *mut C_tensor,
-        sinks: *mut C_tensor,
-        window: i64,
-        err: *mut c_char,
-        len: usize,
-    ) -> *mut C_tensor;
-}
-
-fn raw(t: &Tensor) -> *mut C_tensor {
-    t.as_ptr() as *mut C_tensor
-}
-
-/// Makes `grad` the `.grad` of `param`: backward passes then accumulate into `grad` in place.
-pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), DeviceError> {
-    // SAFETY: both pointers are live at::Tensor handles owned by tch.
-    call_shim(param.device(), |e, n| unsafe { dflash_set_grad(raw(param), raw(grad), e, n) })
-}
-
-/// AdamW hyperparameters of one step.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct AdamwStep {
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub weight_decay: f64,
-    pub eps: f64,
-}
-
-/// One fused AdamW update of the flat buffers (`_fused_adamw_`). `step` (float32, one element, on the
-/// parameters' device) must already count this step; gradients are divided by `grad_scale` inside the kernel.
-pub fn fused_adamw(
-    param: &Tensor,
-    grad: &Tensor,
-    exp_avg: &Tensor,
-    exp_avg_sq: &Tensor,
-    step: &Tensor,
-    hp: AdamwStep,
-    grad_scale: Option<&Tensor>,
-) -> Result<(), DeviceError> {
-    let scale = grad_scale.map_or(std::ptr::null_mut(), raw);
-    // SAFETY: live tensor handles; a null grad_scale means none.
-    call_shim(param.device(), |e, n| unsafe {
-        dflash_fused_adamw(
-            raw(param),
-            raw(grad),
-            raw(exp_avg),
-            raw(exp_avg_sq),
-            raw(step),
-            hp.lr,
-            hp.beta1,
-            hp.beta2,
-            hp.weight_decay,
-            hp.eps,
-            scale,
-            e,
-            n,
-        )
-    })
 }
 
 /// `x * cos + swap_halves(x) * ssin` (HF's rotate-half RoPE with `ssin = [-sin, sin]`) as one autograd node that
 /// saves only the factors: the backward is the inverse rotation of the incoming gradient.
 pub fn rope(x: &Tensor, cos: &Tensor, ssin: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
-    shim_tensor(x.device(), |e, n| unsafe { dflash_rope(raw(x), raw(cos), raw(ssin), e, n) })
+    tensor_on_device(x.device(), |e, n| unsafe { dflash_rope(raw(x), raw(cos), raw(ssin), e, n) })
 }
 
 /// `silu(gate) * up` of a stacked projection `[..., 2I]` (gate first) as one autograd node that saves only the
 /// projection and recomputes `silu(gate)` in the backward.
 pub fn swiglu_activation(gate_up: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: a live tensor handle; the shim returns a new tensor or null.
-    shim_tensor(gate_up.device(), |e, n| unsafe { dflash_swiglu_activation(raw(gate_up), e, n) })
-}
-
-/// GPT-OSS's causal attention with one sink logit per head (`sinks [H]`) through libtorch's flash-attention kernel
-/// (CUDA, bf16/f16): `q [B, T, H, d]`, `k` and `v` `[B, T, KV, d]` (last dimension contiguous); with `window`, each
-/// query sees itself and the `window - 1` positions before it. Returns `[B, T, H, d]`.
-pub fn sink_flash_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    sinks: &Tensor,
-    window: Option<i64>,
-) -> Result<Tensor, DeviceError> {
-    let window = window.unwrap_or(0);
-    // SAFETY: live tensor handles; the shim returns a new tensor or null.
-    shim_tensor(q.device(), |e, n| unsafe {
-        dflash_sink_flash_attention(raw(q), raw(k), raw(v), raw(sinks), window, e, n)
-    })
+    tensor_on_device(gate_up.device(), |e, n| unsafe { dflash_swiglu_activation(raw(gate_up), e, n) })
 }
 
 /// `down(silu(gate) * up)` for a stacked projection `[..., 2I]` and `down` `[H, I]`, as one autograd node that
 /// saves only the projection (the activation is recomputed for the down weight's gradient).
 pub fn swiglu_down(gate_up: &Tensor, down: &Tensor) -> Result<Tensor, DeviceError> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
-    shim_tensor(gate_up.device(), |e, n| unsafe { dflash_swiglu_down(raw(gate_up), raw(down), e, n) })
+    tensor_on_device(gate_up.device(), |e, n| unsafe { dflash_swiglu_down(raw(gate_up), raw(down), e, n) })
 }
 
 /// `leaf` cast to `kind`, for a leaf whose `.grad` is preset ([`set_grad`]): the backward adds the gradient into
@@ -153,12 +60,13 @@ pub fn weight_cast(leaf: &Tensor, kind: Kind) -> Result<Tensor, DeviceError> {
         }
     };
     // SAFETY: a live tensor handle; the shim returns a new tensor or null.
-    shim_tensor(leaf.device(), |e, n| unsafe { dflash_weight_cast(raw(leaf), code, e, n) })
+    tensor_on_device(leaf.device(), |e, n| unsafe { dflash_weight_cast(raw(leaf), code, e, n) })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ffi::accel::set_grad;
     use tch::Device;
 
     fn randn(shape: &[i64], kind: Kind) -> Tensor {

@@ -1,0 +1,298 @@
+//! `csrc/accel.cpp`: what a compute thread needs of its device that tch does not bind: binding the thread to it,
+//! streams, synchronizing, the caching allocator's statistics, timing events, pinned host memory, presetting a
+//! tensor's `.grad` and the fused AdamW kernel. [`crate::device`] offers the device services under their own names.
+use std::ffi::{c_char, c_int, c_void};
+
+use serde::Serialize;
+use tch::{Device, Tensor};
+use torch_sys::C_tensor;
+
+use super::{call, call_for_tensor, raw};
+use crate::device::DeviceError;
+
+/// [`call`] on `device`: a failure is a [`DeviceError::Runtime`] there.
+pub(crate) fn on_device(device: Device, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), DeviceError> {
+    call(f).map_err(|failed| DeviceError::Runtime { device, message: failed.message })
+}
+
+/// [`call_for_tensor`] on `device`.
+pub(crate) fn tensor_on_device(
+    device: Device,
+    f: impl FnOnce(*mut c_char, usize) -> *mut C_tensor,
+) -> Result<Tensor, DeviceError> {
+    call_for_tensor(f).map_err(|failed| DeviceError::Runtime { device, message: failed.message })
+}
+
+unsafe extern "C" {
+    fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
+    fn dflash_current_stream(index: c_int, out: *mut *mut c_void, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_use_pool_stream(index: c_int, high_priority: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_memory_stats(index: c_int, out: *mut i64, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_reset_peak_memory(index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_event_new(index: c_int, err: *mut c_char, len: usize) -> *mut c_void;
+    fn dflash_event_record(event: *mut c_void, index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_event_query(event: *mut c_void, done: *mut c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_event_elapsed_ms(
+        start: *mut c_void,
+        end: *mut c_void,
+        ms: *mut f64,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_event_free(event: *mut c_void);
+    fn dflash_set_grad(param: *mut C_tensor, grad: *mut C_tensor, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_fused_adamw(
+        param: *mut C_tensor,
+        grad: *mut C_tensor,
+        exp_avg: *mut C_tensor,
+        exp_avg_sq: *mut C_tensor,
+        step: *mut C_tensor,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        grad_scale: *mut C_tensor,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_empty_pinned_like(like: *const c_void, err: *mut c_char, len: usize) -> *mut c_void;
+}
+
+/// A copy of GPU tensor `t` in page-locked host memory (a CPU tensor is copied as it is). Device-to-host copies into
+/// pinned memory run at bus speed; a pageable destination is staged through small buffers, about 10x slower.
+pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
+    if t.device() == Device::Cpu {
+        return Ok(t.copy());
+    }
+    // SAFETY: `t` is a live tensor (tch hands out at::Tensor*); the shim returns a new tensor or null.
+    let mut host = tensor_on_device(t.device(), |e, n| unsafe {
+        dflash_empty_pinned_like(t.as_ptr() as *const c_void, e, n) as *mut C_tensor
+    })?;
+    host.f_copy_(t).map_err(|e| DeviceError::Runtime { device: t.device(), message: e.to_string() })?;
+    Ok(host)
+}
+
+fn cuda_index(device: Device) -> Option<c_int> {
+    match device {
+        Device::Cuda(i) => Some(i as c_int),
+        _ => None,
+    }
+}
+
+/// Makes `device` the calling thread's current device (a no-op for the CPU), then checks libtorch agrees. Call it
+/// first in a compute thread.
+pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
+    let Some(i) = cuda_index(device) else {
+        return Ok(());
+    };
+    // SAFETY: plain C calls with valid buffers.
+    on_device(device, |e, n| unsafe { dflash_set_device(i, e, n) })?;
+    let mut current = -1;
+    on_device(device, |e, n| {
+        // SAFETY: a plain C call with a valid buffer; it answers the index, or -1 with a message.
+        current = unsafe { dflash_current_device(e, n) };
+        c_int::from(current < 0)
+    })?;
+    if current != i {
+        return Err(DeviceError::Runtime {
+            device,
+            message: format!("the thread was bound to cuda:{i} but its current device is cuda:{current}"),
+        });
+    }
+    Ok(())
+}
+
+/// The native handle (a `cudaStream_t`) of the calling thread's current stream on CUDA `device`, for kernels
+/// launched outside libtorch that must stay ordered with its work; None for other devices.
+pub fn current_stream_handle(device: Device) -> Result<Option<*mut c_void>, DeviceError> {
+    let Some(i) = cuda_index(device) else {
+        return Ok(None);
+    };
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: plain C call with valid out-pointer and buffer.
+    on_device(device, |e, n| unsafe { dflash_current_stream(i, &mut handle, e, n) })?;
+    Ok(Some(handle))
+}
+
+/// Moves the calling thread's launches on `device` from the default stream (shared by every thread) onto a stream of
+/// its own from libtorch's pool (a no-op for the CPU). Work on other streams is not ordered with it: only for
+/// threads that share no tensors, as the launch benchmark's. `Priority::High`: the GPU dispatches its blocks before
+/// pending ones of normal streams (latency-bound work beside a saturating one).
+pub fn use_own_stream(device: Device, priority: Priority) -> Result<(), DeviceError> {
+    let high = c_int::from(priority == Priority::High);
+    match cuda_index(device) {
+        // SAFETY: plain C call with a valid buffer.
+        Some(i) => on_device(device, |e, n| unsafe { dflash_use_pool_stream(i, high, e, n) }),
+        None => Ok(()),
+    }
+}
+
+/// A stream's scheduling priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    Normal,
+    High,
+}
+
+/// Waits for all work queued on `device` (a no-op for the CPU).
+pub fn synchronize(device: Device) -> Result<(), DeviceError> {
+    match cuda_index(device) {
+        // SAFETY: plain C call with a valid buffer.
+        Some(i) => on_device(device, |e, n| unsafe { dflash_synchronize(i, e, n) }),
+        None => Ok(()),
+    }
+}
+
+/// The caching allocator's view of one GPU's memory, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryStats {
+    pub allocated: i64,
+    pub peak_allocated: i64,
+    pub reserved: i64,
+    pub device_free: i64,
+    pub device_total: i64,
+}
+
+/// Memory statistics of `device`; all zero on the CPU, where libtorch keeps none.
+pub fn memory_stats(device: Device) -> Result<MemoryStats, DeviceError> {
+    let Some(i) = cuda_index(device) else {
+        return Ok(MemoryStats::default());
+    };
+    let mut out = [0i64; 5];
+    // SAFETY: `out` has the five slots the shim writes.
+    on_device(device, |e, n| unsafe { dflash_memory_stats(i, out.as_mut_ptr(), e, n) })?;
+    Ok(MemoryStats {
+        allocated: out[0],
+        peak_allocated: out[1],
+        reserved: out[2],
+        device_free: out[3],
+        device_total: out[4],
+    })
+}
+
+/// Starts a new peak-memory window on `device`.
+pub fn reset_peak_memory(device: Device) -> Result<(), DeviceError> {
+    match cuda_index(device) {
+        // SAFETY: plain C call with a valid buffer.
+        Some(i) => on_device(device, |e, n| unsafe { dflash_reset_peak_memory(i, e, n) }),
+        None => Ok(()),
+    }
+}
+
+/// A timing event recorded on a GPU's current stream (CUDA's `cudaEvent_t` with timing enabled).
+pub struct TimingEvent {
+    raw: *mut c_void,
+    device: Device,
+    index: c_int,
+}
+
+// SAFETY: a c10::Event may be used from any thread; we never share one between threads at the same time.
+unsafe impl Send for TimingEvent {}
+
+impl TimingEvent {
+    /// A new event for GPU `device`; `None` for the CPU, which has no device events.
+    pub fn new(device: Device) -> Result<Option<Self>, DeviceError> {
+        let Some(index) = cuda_index(device) else {
+            return Ok(None);
+        };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: plain C call with a valid buffer; a null result comes with a message.
+        on_device(device, |e, n| {
+            raw = unsafe { dflash_event_new(index, e, n) };
+            c_int::from(raw.is_null())
+        })?;
+        Ok(Some(TimingEvent { raw, device, index }))
+    }
+
+    /// Records the event at the current point of the calling thread's current stream.
+    pub fn record(&self) -> Result<(), DeviceError> {
+        // SAFETY: `raw` is a live event created for this device.
+        on_device(self.device, |e, n| unsafe { dflash_event_record(self.raw, self.index, e, n) })
+    }
+
+    /// Whether the work before the event's record point has completed (never blocks).
+    pub fn is_done(&self) -> Result<bool, DeviceError> {
+        let mut done: c_int = 0;
+        // SAFETY: `raw` is a live event.
+        on_device(self.device, |e, n| unsafe { dflash_event_query(self.raw, &mut done, e, n) })?;
+        Ok(done != 0)
+    }
+
+    /// Milliseconds between `self` and a later `end`; both must have completed.
+    pub fn elapsed_ms(&self, end: &TimingEvent) -> Result<f64, DeviceError> {
+        let mut ms = 0.0;
+        // SAFETY: both events are live.
+        on_device(self.device, |e, n| unsafe { dflash_event_elapsed_ms(self.raw, end.raw, &mut ms, e, n) })?;
+        Ok(ms)
+    }
+}
+
+impl Drop for TimingEvent {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from dflash_event_new and is freed once.
+        unsafe { dflash_event_free(self.raw) }
+    }
+}
+
+/// Makes `grad` the `.grad` of `param`: backward passes then accumulate into `grad` in place.
+pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), DeviceError> {
+    // SAFETY: both pointers are live at::Tensor handles owned by tch.
+    on_device(param.device(), |e, n| unsafe { dflash_set_grad(raw(param), raw(grad), e, n) })
+}
+
+/// AdamW hyperparameters of one step.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AdamwStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// One fused AdamW update of the flat buffers (`_fused_adamw_`). `step` (float32, one element, on the
+/// parameters' device) must already count this step; gradients are divided by `grad_scale` inside the kernel.
+pub fn fused_adamw(
+    param: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    step: &Tensor,
+    hp: AdamwStep,
+    grad_scale: Option<&Tensor>,
+) -> Result<(), DeviceError> {
+    let scale = grad_scale.map_or(std::ptr::null_mut(), raw);
+    // SAFETY: live tensor handles; a null grad_scale means none.
+    on_device(param.device(), |e, n| unsafe {
+        dflash_fused_adamw(
+            raw(param),
+            raw(grad),
+            raw(exp_avg),
+            raw(exp_avg_sq),
+            raw(step),
+            hp.lr,
+            hp.beta1,
+            hp.beta2,
+            hp.weight_decay,
+            hp.eps,
+            scale,
+            e,
+            n,
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_memory_services_are_no_ops() {
+        bind_thread(Device::Cpu).unwrap();
+        synchronize(Device::Cpu).unwrap();
+        assert_eq!(memory_stats(Device::Cpu).unwrap(), MemoryStats::default());
+    }
+}

@@ -1,0 +1,39 @@
+//! `csrc/attention.cpp`: libtorch's flash-attention kernel with GPT-OSS's sinks and sliding windows, which
+//! libtorch's Python-facing functions do not offer.
+use std::ffi::c_char;
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use super::accel::tensor_on_device;
+use super::raw;
+use crate::device::DeviceError;
+
+unsafe extern "C" {
+    fn dflash_sink_flash_attention(
+        q: *mut C_tensor,
+        k: *mut C_tensor,
+        v: *mut C_tensor,
+        sinks: *mut C_tensor,
+        window: i64,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut C_tensor;
+}
+
+/// GPT-OSS's causal attention with one sink logit per head (`sinks [H]`) through libtorch's flash-attention kernel
+/// (CUDA, bf16/f16): `q [B, T, H, d]`, `k` and `v` `[B, T, KV, d]` (last dimension contiguous); with `window`, each
+/// query sees itself and the `window - 1` positions before it. Returns `[B, T, H, d]`.
+pub fn sink_flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: &Tensor,
+    window: Option<i64>,
+) -> Result<Tensor, DeviceError> {
+    let window = window.unwrap_or(0);
+    // SAFETY: live tensor handles; the shim returns a new tensor or null.
+    tensor_on_device(q.device(), |e, n| unsafe {
+        dflash_sink_flash_attention(raw(q), raw(k), raw(v), raw(sinks), window, e, n)
+    })
+}
