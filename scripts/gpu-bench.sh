@@ -11,9 +11,11 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# The GPU tests are #[ignore = "needs a GPU"] (or "needs two GPUs") elsewhere: here they run with the rest.
+# The GPU tests are #[ignore = "needs a GPU"] (or two GPUs, or the real model too) elsewhere: here they run with the rest.
 gpu_tests=(--include-ignored)
 [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && gpu_tests+=(--skip on_two_gpus)
+# The GPU test on the real model runs in scripts/gpu-real-model.sh, which brings the model.
+[ -z "${DFLASH_REAL_MODEL:-}" ] && gpu_tests+=(--skip on_a_gpu_in_bf16_decoding)
 for t in .bin/test-*; do
   [ -x "$t" ] && { echo "== $t"; "$t" --test-threads 1 "${gpu_tests[@]}" 2>&1 | grep -E "^test |test result" | grep -vE "\.\.\. ok$"; }
 done

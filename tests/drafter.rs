@@ -43,18 +43,15 @@ struct Case {
 }
 
 fn case(seq: usize, seed: i64) -> Case {
-    tch::manual_seed(seed);
     let cfg = drafter_cfg();
     let width = cfg.context_width() as i64;
-    Case {
-        features: Tensor::randn([1, seq as i64, width], (Kind::Float, Device::Cpu)),
-        embed: Tensor::randn(
-            [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64],
-            (Kind::Float, Device::Cpu),
-        ),
-        ids: token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0),
-        mask: vec![1; seq],
-    }
+    let (features, embed) = seeded(seed, || {
+        let features = Tensor::randn([1, seq as i64, width], (Kind::Float, Device::Cpu));
+        let shape = [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64];
+        (features, Tensor::randn(shape, (Kind::Float, Device::Cpu)))
+    });
+    let ids = token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0);
+    Case { features, embed, ids, mask: vec![1; seq] }
 }
 
 fn settings() -> ObjectiveSettings {
@@ -153,7 +150,8 @@ fn a_block_never_sees_context_at_or_after_its_anchor() {
     let before = run(&d, &c, &anchors, 1);
     // Perturb the target states at positions 8.. (the anchor of block 1 and everything after it).
     let mut tail = c.features.narrow(1, 8, 12);
-    let _ = tail.f_add_(&Tensor::randn([1, 12, tail.size()[2]], (Kind::Float, Device::Cpu))).unwrap();
+    let noise = seeded(4, || Tensor::randn([1, 12, tail.size()[2]], (Kind::Float, Device::Cpu)));
+    let _ = tail.f_add_(&noise).unwrap();
     let after = run(&d, &c, &anchors, 1);
     assert!(block(&before, 0).equal(&block(&after, 0)), "block 0 (anchor 3) must not see positions >= 8");
     assert!(block(&before, 1).equal(&block(&after, 1)), "block 1 (anchor 8): strict < anchor");

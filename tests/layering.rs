@@ -5,7 +5,8 @@
 //! The test reads the sources, not the compiled crate: every `crate::`, `super::`, `self::` and `dflash::` path
 //! (in `use` lines and inline), and the module names a `use` line or a `mod` declaration brings into scope, are
 //! resolved to the file that defines the item, following `pub use` re-exports through `mod.rs` files. `mod`
-//! declarations and re-exports themselves are not imports.
+//! declarations and re-exports themselves are not imports, nor is what a unit test (`#[cfg(test)]`) uses, nor a
+//! file's use of the `mod.rs` files it sits in (a folder's front door, which its files implement parts of).
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -19,7 +20,7 @@ const LAYERS: &[&[&str]] = &[
     &["model"],
     // Tokens on disk: chat templates, tokenization, prepared shards, the loader.
     &["data"],
-    // Hosts finding each other: launch placement, the store, rendezvous and membership.
+    // Hosts finding each other: launch placement, the store's protocol, rendezvous and membership.
     &["cluster"],
     // Optimisation: the objective, AdamW, checkpoints, rounds of gradients across devices and hosts.
     &["train"],

@@ -201,6 +201,37 @@ pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Close
     Ok(Closed { round, members: r.members, dropped: r.dropped, admitted: r.admitted, next: r.next })
 }
 
+/// How often a member waiting for a round to close looks whether rank 0 still counts it ([`wait_closed_as`]).
+const MEMBERSHIP_LOOK: Duration = Duration::from_secs(1);
+
+/// [`wait_closed`] for host `rank`, which entered the run as `entered` (generation, first round): gives up at once
+/// (`Dropped`) when the membership rank 0 posts no longer lists it. A host stopped while rank 0 closed more than
+/// [`KEEP_ROUNDS`] rounds would otherwise wait out `timeout` for a round whose keys are deleted, and miss the run.
+pub fn wait_closed_as(
+    store: &Store,
+    round: u64,
+    rank: Rank,
+    entered: Option<(u64, u64)>,
+    timeout: Duration,
+) -> Result<Closed, ExchangeError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match wait_closed(store, round, left.min(MEMBERSHIP_LOOK)) {
+            Err(ExchangeError::Store(StoreError::Timeout { .. })) if left > MEMBERSHIP_LOOK => {
+                let dropped = match (entered, members(store)?) {
+                    (Some(entered), Some(members)) => still_member(rank, entered, &members) == Some(false),
+                    _ => false,
+                };
+                if dropped {
+                    return Err(ExchangeError::Dropped { rank, round });
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
 /// The payload member `rank` posted to `round` (after the round closed with it as a member).
 pub fn payload(store: &Store, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
     get_large(store, &from_key(round, rank), timeout)
@@ -499,6 +530,19 @@ mod tests {
     use super::*;
 
     const WAIT: Duration = Duration::from_secs(20);
+
+    /// A host waiting for a round that rank 0 closed without it, and whose keys are gone, learns it was dropped from
+    /// the posted membership instead of waiting out the round's deadline; a member keeps waiting.
+    #[test]
+    fn a_dropped_host_waiting_for_a_deleted_round_is_told_so() {
+        let server = Store::serve(0, WAIT).unwrap();
+        let store = Store::connect("127.0.0.1", server.port(), WAIT).unwrap();
+        store.set(MEMBERS, &serde_json::to_vec(&(9u64, vec![(0usize, 1u64), (2, 1)])).unwrap()).unwrap();
+        let dropped = wait_closed_as(&store, 4, 1, Some((1, 2)), Duration::from_secs(120)).unwrap_err();
+        assert!(matches!(dropped, ExchangeError::Dropped { rank: 1, round: 4 }), "{dropped}");
+        let still = wait_closed_as(&store, 4, 2, Some((1, 2)), Duration::from_secs(3)).unwrap_err();
+        assert!(matches!(still, ExchangeError::Store(StoreError::Timeout { .. })), "{still}");
+    }
 
     /// A host is still a member while rank 0's last membership lists its generation; a membership from before the
     /// round it entered at says nothing.

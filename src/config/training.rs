@@ -1,6 +1,7 @@
 //! The configuration of a training run: drafter devices, data, optimizer and run length, checkpoints,
-//! supervision and the control plane. Raw (serde) sections and their validated forms; every error names the key,
-//! the value and what is allowed.
+//! supervision, the control plane and the hosts of the run. Raw (serde) sections and their validated forms (the
+//! cluster's is `cluster::launch::ClusterSettings`, which the cluster owns); every error names the key, the value and
+//! what is allowed.
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -1,5 +1,6 @@
 //! How a run ends: the exit statuses `serve-train` reports to its orchestrator, and the signals that stop it.
 //! Every part of the service reads them (the supervisor decides them, the actors' messages carry the signal).
+
 /// The run is complete (and only then: a stop before completion is not a success an orchestrator may stop at).
 pub const EXIT_OK: i32 = 0;
 /// An error: a checkpoint or export at the end of the run could not be written, or start-up failed.

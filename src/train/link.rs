@@ -677,7 +677,7 @@ impl HostLink {
         let wait = self.wait();
         self.with_store(|s| {
             exchange::contribute(s, round, rank, generation, share.grad.is_none(), &bytes)?;
-            let closed = exchange::wait_closed(s, round, wait)?;
+            let closed = exchange::wait_closed_as(s, round, rank, self.entered(), wait)?;
             if !closed.members.contains(&rank) {
                 return Err(ExchangeError::Dropped { rank, round }.into());
             }

@@ -94,69 +94,80 @@ pub fn llama3_scaling() -> RopeScaling {
     }
 }
 
+/// Runs `draw` with libtorch's global generator seeded with `seed`, while no other caller of this function draws.
+/// A test binary's tests run on parallel threads and share that generator: unguarded, their draws interleave and a
+/// seed gives different weights from run to run (a routing margin chosen for a seed then fails now and then).
+pub fn seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
+    static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _only_this_test = GENERATOR.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(seed);
+    draw()
+}
+
 /// Random weights under HuggingFace names. Matrices are large enough (std 0.15) that attention is far from
 /// uniform, and norm weights are not all ones, so skipping any piece changes the output.
 pub fn random_weights(cfg: &TargetConfig, seed: i64) -> Weights {
-    tch::manual_seed(seed);
-    let (h, i, d) = (cfg.hidden_size as i64, cfg.intermediate_size as i64, cfg.head_dim as i64);
-    let (q, kv) = (cfg.num_attention_heads as i64 * d, cfg.num_key_value_heads as i64 * d);
-    let v = cfg.vocab_size as i64;
-    let mat = |r: i64, c: i64| Tensor::randn([r, c], (Kind::Float, Device::Cpu)) * 0.15;
-    let norm = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1 + 1.0;
-    let mut w = Weights::new();
-    w.insert("model.embed_tokens.weight".into(), Tensor::randn([v, h], (Kind::Float, Device::Cpu)));
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        w.insert(format!("{p}.input_layernorm.weight"), norm(h));
-        w.insert(format!("{p}.post_attention_layernorm.weight"), norm(h));
-        w.insert(format!("{p}.self_attn.q_proj.weight"), mat(q, h));
-        w.insert(format!("{p}.self_attn.k_proj.weight"), mat(kv, h));
-        w.insert(format!("{p}.self_attn.v_proj.weight"), mat(kv, h));
-        w.insert(format!("{p}.self_attn.o_proj.weight"), mat(h, q));
-        if cfg.gpt_oss.is_some() {
-            let vec = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.3;
-            w.insert(format!("{p}.self_attn.q_proj.bias"), vec(q));
-            w.insert(format!("{p}.self_attn.k_proj.bias"), vec(kv));
-            w.insert(format!("{p}.self_attn.v_proj.bias"), vec(kv));
-            w.insert(format!("{p}.self_attn.o_proj.bias"), vec(h));
-            w.insert(format!("{p}.self_attn.sinks"), vec(cfg.num_attention_heads as i64) * 3.0);
-            let m = cfg.moe.as_ref().unwrap();
-            let (e, iw) = (m.num_experts as i64, m.moe_intermediate_size as i64);
-            let stack = |r: i64, c: i64| Tensor::stack(&(0..e).map(|_| mat(r, c)).collect::<Vec<_>>(), 0);
-            w.insert(format!("{p}.mlp.router.weight"), mat(e, h));
-            w.insert(format!("{p}.mlp.router.bias"), vec(e));
-            w.insert(format!("{p}.mlp.experts.gate_up_proj"), stack(h, 2 * iw));
-            w.insert(format!("{p}.mlp.experts.gate_up_proj_bias"), vec(e * 2 * iw).view([e, 2 * iw]));
-            w.insert(format!("{p}.mlp.experts.down_proj"), stack(iw, h));
-            w.insert(format!("{p}.mlp.experts.down_proj_bias"), vec(e * h).view([e, h]));
-        }
-        if cfg.architecture.has_qk_norm() {
-            w.insert(format!("{p}.self_attn.q_norm.weight"), norm(d));
-            w.insert(format!("{p}.self_attn.k_norm.weight"), norm(d));
-        }
-        match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
-            Some(_) if cfg.gpt_oss.is_some() => {}
-            Some(m) => {
-                let mi = m.moe_intermediate_size as i64;
-                w.insert(format!("{p}.mlp.gate.weight"), mat(m.num_experts as i64, h));
-                for e in 0..m.num_experts {
-                    w.insert(format!("{p}.mlp.experts.{e}.gate_proj.weight"), mat(mi, h));
-                    w.insert(format!("{p}.mlp.experts.{e}.up_proj.weight"), mat(mi, h));
-                    w.insert(format!("{p}.mlp.experts.{e}.down_proj.weight"), mat(h, mi));
+    seeded(seed, || {
+        let (h, i, d) = (cfg.hidden_size as i64, cfg.intermediate_size as i64, cfg.head_dim as i64);
+        let (q, kv) = (cfg.num_attention_heads as i64 * d, cfg.num_key_value_heads as i64 * d);
+        let v = cfg.vocab_size as i64;
+        let mat = |r: i64, c: i64| Tensor::randn([r, c], (Kind::Float, Device::Cpu)) * 0.15;
+        let norm = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1 + 1.0;
+        let mut w = Weights::new();
+        w.insert("model.embed_tokens.weight".into(), Tensor::randn([v, h], (Kind::Float, Device::Cpu)));
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            w.insert(format!("{p}.input_layernorm.weight"), norm(h));
+            w.insert(format!("{p}.post_attention_layernorm.weight"), norm(h));
+            w.insert(format!("{p}.self_attn.q_proj.weight"), mat(q, h));
+            w.insert(format!("{p}.self_attn.k_proj.weight"), mat(kv, h));
+            w.insert(format!("{p}.self_attn.v_proj.weight"), mat(kv, h));
+            w.insert(format!("{p}.self_attn.o_proj.weight"), mat(h, q));
+            if cfg.gpt_oss.is_some() {
+                let vec = |n: i64| Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.3;
+                w.insert(format!("{p}.self_attn.q_proj.bias"), vec(q));
+                w.insert(format!("{p}.self_attn.k_proj.bias"), vec(kv));
+                w.insert(format!("{p}.self_attn.v_proj.bias"), vec(kv));
+                w.insert(format!("{p}.self_attn.o_proj.bias"), vec(h));
+                w.insert(format!("{p}.self_attn.sinks"), vec(cfg.num_attention_heads as i64) * 3.0);
+                let m = cfg.moe.as_ref().unwrap();
+                let (e, iw) = (m.num_experts as i64, m.moe_intermediate_size as i64);
+                let stack = |r: i64, c: i64| Tensor::stack(&(0..e).map(|_| mat(r, c)).collect::<Vec<_>>(), 0);
+                w.insert(format!("{p}.mlp.router.weight"), mat(e, h));
+                w.insert(format!("{p}.mlp.router.bias"), vec(e));
+                w.insert(format!("{p}.mlp.experts.gate_up_proj"), stack(h, 2 * iw));
+                w.insert(format!("{p}.mlp.experts.gate_up_proj_bias"), vec(e * 2 * iw).view([e, 2 * iw]));
+                w.insert(format!("{p}.mlp.experts.down_proj"), stack(iw, h));
+                w.insert(format!("{p}.mlp.experts.down_proj_bias"), vec(e * h).view([e, h]));
+            }
+            if cfg.architecture.has_qk_norm() {
+                w.insert(format!("{p}.self_attn.q_norm.weight"), norm(d));
+                w.insert(format!("{p}.self_attn.k_norm.weight"), norm(d));
+            }
+            match cfg.moe.as_ref().filter(|m| m.is_sparse(l)) {
+                Some(_) if cfg.gpt_oss.is_some() => {}
+                Some(m) => {
+                    let mi = m.moe_intermediate_size as i64;
+                    w.insert(format!("{p}.mlp.gate.weight"), mat(m.num_experts as i64, h));
+                    for e in 0..m.num_experts {
+                        w.insert(format!("{p}.mlp.experts.{e}.gate_proj.weight"), mat(mi, h));
+                        w.insert(format!("{p}.mlp.experts.{e}.up_proj.weight"), mat(mi, h));
+                        w.insert(format!("{p}.mlp.experts.{e}.down_proj.weight"), mat(h, mi));
+                    }
+                }
+                None => {
+                    w.insert(format!("{p}.mlp.gate_proj.weight"), mat(i, h));
+                    w.insert(format!("{p}.mlp.up_proj.weight"), mat(i, h));
+                    w.insert(format!("{p}.mlp.down_proj.weight"), mat(h, i));
                 }
             }
-            None => {
-                w.insert(format!("{p}.mlp.gate_proj.weight"), mat(i, h));
-                w.insert(format!("{p}.mlp.up_proj.weight"), mat(i, h));
-                w.insert(format!("{p}.mlp.down_proj.weight"), mat(h, i));
-            }
         }
-    }
-    w.insert("model.norm.weight".into(), norm(h));
-    if !cfg.tie_word_embeddings {
-        w.insert("lm_head.weight".into(), mat(v, h));
-    }
-    w
+        w.insert("model.norm.weight".into(), norm(h));
+        if !cfg.tie_word_embeddings {
+            w.insert("lm_head.weight".into(), mat(v, h));
+        }
+        w
+    })
 }
 
 /// Writes `weights` and `cfg` as a HuggingFace folder; shards when they exceed `max_shard_bytes`.
