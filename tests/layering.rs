@@ -7,9 +7,13 @@
 //! resolved to the file that defines the item, following `pub use` re-exports through `mod.rs` files. `mod`
 //! declarations and re-exports themselves are not imports, nor is what a unit test (`#[cfg(test)]`) uses, nor a
 //! file's use of the `mod.rs` files it sits in (a folder's front door, which its files implement parts of).
+mod source_tree;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
+
+use source_tree::{rust_files, src};
 
 /// The top-level modules from the bottom up: a module may import its own layer and the layers under it. Each line
 /// says what the layer is for.
@@ -373,30 +377,20 @@ fn is_public(before: &[Token]) -> bool {
 
 /// Every `.rs` file of `src/`, with its module path; the binary's files under `<bin>`.
 fn source_files(src: &Path) -> Vec<SourceFile> {
-    let mut files = Vec::new();
-    let mut stack = vec![src.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in fs::read_dir(&dir).expect("src is readable") {
-            let path = entry.expect("src is readable").path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let relative = path.strip_prefix(src).expect("under src");
-                let mut module: Vec<String> = relative.iter().map(|s| s.to_string_lossy().into_owned()).collect();
-                let last = module.pop().expect("a file name");
-                let stem = last.trim_end_matches(".rs").to_string();
-                if stem != "mod" && stem != "lib" && stem != "main" {
-                    module.push(stem.clone());
-                }
-                if stem == "main" || module.first().is_some_and(|m| m == "cli") {
-                    module.insert(0, "<bin>".into());
-                }
-                files.push(SourceFile { path, module });
-            }
+    let module_of = |path: &Path| {
+        let relative = path.strip_prefix(src).expect("under src");
+        let mut module: Vec<String> = relative.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+        let last = module.pop().expect("a file name");
+        let stem = last.trim_end_matches(".rs").to_string();
+        if stem != "mod" && stem != "lib" && stem != "main" {
+            module.push(stem.clone());
         }
-    }
-    files.sort_by(|a, b| a.path.cmp(&b.path));
-    files
+        if stem == "main" || module.first().is_some_and(|m| m == "cli") {
+            module.insert(0, "<bin>".into());
+        }
+        module
+    };
+    rust_files(src).into_iter().map(|path| SourceFile { module: module_of(&path), path }).collect()
 }
 
 impl SourceFile {
@@ -554,10 +548,6 @@ fn strongly_connected(n: usize, edges: &BTreeMap<usize, BTreeMap<usize, String>>
         }
     }
     s.out
-}
-
-fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
 }
 
 #[test]

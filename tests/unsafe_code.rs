@@ -2,22 +2,14 @@
 //! boundary (`src/ffi/`), and every `unsafe` block, impl and function says why it is sound: a `// SAFETY:` comment
 //! on the lines just before it, on its line or first inside its block; an `unsafe fn` a `# Safety` section in its
 //! doc comment.
+mod source_tree;
+
 use std::fs;
-use std::path::{Path, PathBuf};
+
+use source_tree::{rust_files, src};
 
 /// Lines above an `unsafe` a SAFETY comment may sit on (a statement split over a few lines).
 const LINES_ABOVE: usize = 3;
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in fs::read_dir(dir).expect("src is readable") {
-        let path = entry.expect("src is readable").path();
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
-}
 
 /// The code of a line: what comes before a `//` comment, without string literals (good enough for this source).
 fn code(line: &str) -> String {
@@ -108,14 +100,9 @@ fn foreign_blocks(text: &str) -> Vec<String> {
         .collect()
 }
 
-fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
-}
-
 #[test]
 fn every_unsafe_says_why_it_is_sound() {
-    let mut files = Vec::new();
-    rust_files(&src(), &mut files);
+    let files = rust_files(&src());
     let mut report = Vec::new();
     for file in files {
         let text = fs::read_to_string(&file).expect("a readable source file");
@@ -132,8 +119,7 @@ fn every_unsafe_says_why_it_is_sound() {
 
 #[test]
 fn only_the_cpp_boundary_declares_c_functions() {
-    let mut files = Vec::new();
-    rust_files(&src(), &mut files);
+    let files = rust_files(&src());
     let boundary = src().join("ffi");
     let mut report = Vec::new();
     for file in files.iter().filter(|f| !f.starts_with(&boundary)) {

@@ -13,30 +13,36 @@ pub mod nccl;
 pub mod store;
 
 use std::ffi::{CStr, c_char, c_int};
+use std::time::Instant;
 
 use tch::Tensor;
 use torch_sys::C_tensor;
 
 /// The status a shim function with a deadline returns when it passed (`csrc/nccl.cpp`, `csrc/store.cpp`).
-pub(crate) const TIMED_OUT: c_int = 2;
+const TIMED_OUT: c_int = 2;
 
 /// The size of the error buffer: longer messages are cut (the shim always ends them with a NUL).
 const ERROR_BUFFER: usize = 512;
 
-/// A shim call that failed: its status (1, or [`TIMED_OUT`]) and what it wrote.
+/// A shim call that failed: what it wrote, and for a function with a deadline that passed ([`TIMED_OUT`]), the
+/// seconds the call waited.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Failed {
-    pub status: c_int,
     pub message: String,
+    pub deadline_passed_after: Option<f64>,
 }
 
 /// Calls a shim function with an error buffer: done when it returns 0, else [`Failed`] with the message it wrote.
 pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), Failed> {
     let mut buffer = [0u8; ERROR_BUFFER];
+    let started = Instant::now();
     let status = f(buffer.as_mut_ptr().cast(), buffer.len());
     match status {
         0 => Ok(()),
-        status => Err(Failed { status, message: message(&buffer) }),
+        status => Err(Failed {
+            message: message(&buffer),
+            deadline_passed_after: (status == TIMED_OUT).then(|| started.elapsed().as_secs_f64()),
+        }),
     }
 }
 
@@ -82,8 +88,12 @@ mod tests {
     fn a_failed_call_carries_its_status_and_the_message_up_to_its_nul() {
         assert_eq!(call(|_, _| 0), Ok(()));
         let failed = call(write(b"CUDA error: out of memory\0junk")).unwrap_err();
-        assert_eq!(failed, Failed { status: 1, message: "CUDA error: out of memory".into() });
-        assert_eq!(call(|_, _| TIMED_OUT).unwrap_err().status, TIMED_OUT);
+        assert_eq!(failed, Failed { message: "CUDA error: out of memory".into(), deadline_passed_after: None });
+        let late = call(|_, _| {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            TIMED_OUT
+        });
+        assert!(late.unwrap_err().deadline_passed_after.is_some_and(|s| s >= 0.02), "the seconds it waited");
         // A message that filled the buffer without its NUL is still read, cut at the buffer's end.
         let long = vec![b'x'; ERROR_BUFFER + 10];
         assert_eq!(call(write(&long)).unwrap_err().message.len(), ERROR_BUFFER);

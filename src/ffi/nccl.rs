@@ -11,7 +11,7 @@ use tch::{Device, Tensor};
 use thiserror::Error;
 use torch_sys::C_tensor;
 
-use super::{Failed, TIMED_OUT, call};
+use super::{Failed, call};
 
 unsafe extern "C" {
     fn dflash_nccl_version(out: *mut c_int, err: *mut c_char, len: usize) -> c_int;
@@ -210,15 +210,9 @@ fn shim_status(
     timeout: Duration,
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), NcclError> {
-    let started = std::time::Instant::now();
-    call(f).map_err(|failed| match failed.status {
-        TIMED_OUT => NcclError::Timeout {
-            what,
-            waited: started.elapsed().as_secs_f64(),
-            limit: timeout.as_secs_f64(),
-            message: failed.message,
-        },
-        _ => failed.into(),
+    call(f).map_err(|failed| match failed.deadline_passed_after {
+        Some(waited) => NcclError::Timeout { what, waited, limit: timeout.as_secs_f64(), message: failed.message },
+        None => failed.into(),
     })
 }
 

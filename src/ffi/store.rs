@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use super::{TIMED_OUT, call};
+use super::call;
 
 unsafe extern "C" {
     fn dflash_store_open(
@@ -294,15 +294,11 @@ fn shim(
     timeout: Duration,
     f: impl FnOnce(*mut c_char, usize) -> c_int,
 ) -> Result<(), StoreError> {
-    let started = std::time::Instant::now();
     call(f).map_err(|failed| {
         let (address, key) = (address.to_string(), key.to_string());
-        match failed.status {
-            TIMED_OUT => {
-                let (waited, limit) = (started.elapsed().as_secs_f64(), timeout.as_secs_f64());
-                StoreError::Timeout { address, what, key, waited, limit }
-            }
-            _ => StoreError::Failed { address, what, key, message: failed.message },
+        match failed.deadline_passed_after {
+            Some(waited) => StoreError::Timeout { address, what, key, waited, limit: timeout.as_secs_f64() },
+            None => StoreError::Failed { address, what, key, message: failed.message },
         }
     })
 }
