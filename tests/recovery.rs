@@ -107,7 +107,8 @@ fn a_run_with_no_drafter_left_ends_with_status_3_and_readyz_tells_probes() {
 
 /// The hang budget is measured from the run: a drafter hung in its step is found within `hang_factor` x the recent
 /// p99 round time (floored at `hang_floor_s`), not after `step_timeout_s` (here 300 s, beyond this test's patience);
-/// its peer, waiting for it, is not blamed.
+/// its peer, waiting for it, is not blamed. The floor is 5 s, not 1 s: this binary's tests run side by side on a
+/// 2-core CI machine, where a starved step of the peer's once took more than 1 s and was taken for a hang.
 #[test]
 fn a_hang_is_found_within_the_measured_budget_and_its_peer_is_innocent() {
     let dir = tempfile::tempdir().unwrap();
@@ -115,7 +116,7 @@ fn a_hang_is_found_within_the_measured_budget_and_its_peer_is_innocent() {
         "optim.epochs=1000",
         "supervision.step_timeout_s=300",
         "supervision.hang_factor=10",
-        "supervision.hang_floor_s=1",
+        "supervision.hang_floor_s=5",
     ];
     let mut svc = Service::start(&config(dir.path(), 2), false, &sets);
     let s = svc.wait("rounds measured", |s| step(s) >= 30);
