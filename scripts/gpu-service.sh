@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # 11 the same over NCCL with one GPU per process, against one process with both GPUs (or both on one GPU); 12
 # serve-train at the published recipe's shapes, full-length rows and chat lengths; 13 rank 0 killed -9 under NCCL:
 # host 1 checkpoints its replica, and both resume from it; 14 the decoding evaluation's cost to training, with and
-# without CUDA graphs).
+# without CUDA graphs); 15 rank 0 stopped (SIGSTOP) under NCCL, several times: the other host waits, nothing fails).
 stages=" ${STAGES:-1 2 3 4 5} "
 has() { [[ $stages == *" $1 "* ]]; }
 # MODEL, DEVICE, SEQ and ANCHORS change the shapes (a dry run on a laptop: MODEL=tiny DEVICE=cpu SEQ=64 ANCHORS=8).
@@ -465,4 +465,72 @@ print(json.dumps({"evaluations_s": [round(e - s, 2) for s, e in evals], "step_s_
                   "step_s_outside": mean(outside), "steps_during": len(inside), "steps_outside": len(outside)}))
 PY
 done
+fi
+
+if has 15; then
+# Rank 0 stopped (SIGSTOP) for STOP_S (40) s, STOPS (3) times, over NCCL: two processes as two hosts on one GPU (as
+# stage 13), the defaults otherwise (hang floor 30 s, cluster.leader_timeout_s 60, drafters.collective_timeout_s
+# 120). Over sockets the all-reduce is most of a step, so a stop lands inside it most times: host 1's drafter then
+# waits in the all-reduce for rank 0, and must not be failed as hung. STOP_BINS: the builds to compare.
+m=${HOST_MODEL:-qwen3-4b}
+export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+hs=(--set target.model=$m --set data.path=synthetic --set data.max_len=$seq --set data.batch_size=4
+  --set data.builtin_conversations=4096 --set objective.num_anchors=$anchors --set checkpoint.every_steps=0
+  --set log.every_steps=5 --set log.format=json --set draft_model.num_hidden_layers=1
+  --set drafters.collective=nccl --set cluster.hosts=2 --set cluster.master_addr=127.0.0.1
+  --set cluster.master_port=29533 --set target.device=cuda:0 --set 'drafters.devices=["cuda:0"]')
+for bin in ${STOP_BINS:-./.bin/dflash}; do
+  tag=$(basename "$bin")
+  echo "== 15. $m: rank 0 stopped ${STOP_S:-40} s ${STOPS:-3} times under NCCL ($tag)"
+  rm -rf runs/s0 runs/s1
+  NCCL_HOSTID=host0 "$bin" serve-train "${hs[@]}" --set cluster.rank=0 --set checkpoint.dir=runs/s0 \
+    2>"$out/stopped-$tag-rank0.log" &
+  p0=$!
+  NCCL_HOSTID=host1 "$bin" serve-train "${hs[@]}" --set cluster.rank=1 --set checkpoint.dir=runs/s1 \
+    --set control.listen=127.0.0.1:9411 2>"$out/stopped-$tag-rank1.log" &
+  p1=$!
+  wait_step 30
+  for n in $(seq "${STOPS:-3}"); do
+    at=$(step)
+    kill -STOP $p0
+    sleep 2
+    # Where host 1's drafter waits: inside the all-reduce its thread polls NCCL (CPU time, a sleeping wchan);
+    # waiting for rank 0 through the store it blocks on a socket (next to no CPU time).
+    python3 - $p1 <<'PY'
+import glob, sys, time
+def ticks():
+    out = {}
+    for t in glob.glob(f"/proc/{sys.argv[1]}/task/*"):
+        try:
+            name = open(f"{t}/comm").read().strip()
+            fields = open(f"{t}/stat").read().rsplit(")", 1)[1].split()
+            out[t] = (name, int(fields[11]) + int(fields[12]), open(f"{t}/wchan").read().strip())
+        except OSError:
+            pass
+    return out
+a = ticks(); time.sleep(1); b = ticks()
+for t, (name, cpu, wchan) in b.items():
+    if name.startswith("drafter") and t in a:
+        print(f"  host 1's {name} while rank 0 is stopped: {cpu - a[t][1]} CPU ticks in 1 s, wchan {wchan}")
+PY
+    sleep $((${STOP_S:-40} - 3))
+    kill -CONT $p0
+    wait_step $((at + 15))
+    echo "stop $n at step $at: rank 0 at step $(step) after it"
+  done
+  for r in 0 1; do
+    python3 -c "import sys,urllib.request;print(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+      "http://127.0.0.1:941$r/status" >"$out/stopped-$tag-rank$r-status.json" 2>/dev/null
+  done
+  kill -9 $p0 $p1; wait 2>/dev/null
+  for r in 0 1; do
+    python3 -c "import json,sys;s=json.load(open(sys.argv[1]));print('rank', sys.argv[2], 'step', s['step'],
+      'skipped_steps', s.get('skipped_steps'), 'restarts', [d['restarts'] for d in s['drafters']])" \
+      "$out/stopped-$tag-rank$r-status.json" $r || echo "rank $r: no status"
+    echo "rank $r: drafter failures logged: $(grep -c 'drafter failed' "$out/stopped-$tag-rank$r.log")"
+    grep -h 'drafter failed\|host left\|dropped\|stopped beating\|did not run' "$out/stopped-$tag-rank$r.log" \
+      | cut -c1-300 | head -6
+  done
+done
+tar -C "$out" -czf "$out/stopped.tgz" $(cd "$out" && ls stopped-* 2>/dev/null) && (cd "$out" && rm -f stopped-*)
 fi

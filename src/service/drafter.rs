@@ -421,6 +421,11 @@ fn take_sum(
             Ok(true)
         }
         (None, Some(ring)) => {
+            if a.collective.settles_across_hosts() {
+                // One communicator over every host's drafters: the join and the all-reduce wait for the other hosts
+                // (one stopped or swapping is not this drafter hanging); `drafters.collective_timeout_s` bounds them.
+                now_doing(a, Activity::WaitingForPeers, vec![]);
+            }
             let summed = nccl_sum(communicator, ring, a.id, a.device, a.collective_timeout, own)
                 .map_err(|e| format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members));
             if !a.collective.settles_across_hosts() {

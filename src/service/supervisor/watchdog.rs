@@ -9,8 +9,9 @@
 //! work that long (its items never came); else the round itself is stuck, and every drafter waiting in it fails.
 //! While a target copy restarts nobody waiting is blamed: its start has its own deadline. Across hosts, nobody is
 //! blamed for waiting on another host: a round waits for the others' contributions, which rank 0's quorum judges
-//! (their beats, `cluster.round_timeout_s`), and another host's drafters wait for rank 0's assignments too, whose
-//! silence `cluster.leader_timeout_s` judges.
+//! (their beats, `cluster.round_timeout_s`), another host's drafters wait for rank 0's assignments too, whose
+//! silence `cluster.leader_timeout_s` judges, and an NCCL all-reduce over every host's drafters waits for all of
+//! them, which `drafters.collective_timeout_s` bounds (its drafters report it as waiting for their peers).
 //!
 //! Time the process did not run (SIGSTOP, a host swapping, a VM paused) is charged to nobody ([`StoppedTime`]).
 use std::collections::VecDeque;
