@@ -161,10 +161,12 @@ fn corrupt_checkpoints_above_the_run_never_cost_it_its_valid_ones() {
         std::fs::write(&weights, bytes).unwrap();
     }
 
-    // The step it resumes from, read from the folder: the first /status may be the placeholder served before the
-    // supervisor starts (step 0), which would let the wait below end before the run wrote anything.
     let resumed: u64 = newest.file_name().unwrap().to_string_lossy().trim_start_matches("ckpt-").parse().unwrap();
     let mut second = Service::start(&cfg, true, &sets);
+    // From its first answer (before its supervisor runs, too) /status says the step the run resumes, not step 0.
+    let first_answer = second.status();
+    assert!(step(&first_answer) >= resumed, "{first_answer:#}");
+    assert!(first_answer["last_checkpoint"]["step"].as_u64().is_some_and(|c| c >= resumed), "{first_answer:#}");
     // New checkpoints are written after the corrupt ones are moved aside (one writer, one queue).
     let s =
         second.wait("two new checkpoints", |s| s["last_checkpoint"]["step"].as_u64().is_some_and(|c| c >= resumed + 6));

@@ -43,18 +43,17 @@ struct TargetFaultRequest {
     part: usize,
 }
 
-/// What the control plane asks: the supervisor once it runs; before that, the phase the process is in and what it
-/// waits for.
+/// What the control plane asks: the supervisor once it runs; before that, a status saying the phase the process is
+/// in, what it waits for and where the run stands ([`Status::before_start`]).
 pub struct Supervised {
     supervisor: OnceLock<ActorRef<SupervisorMsg>>,
-    phase: String,
-    waiting_for: String,
+    before: Status,
 }
 
 impl Supervised {
-    /// Before the supervisor: in `phase`, waiting for `waiting_for`.
-    pub fn before(phase: &str, waiting_for: String) -> Arc<Self> {
-        Arc::new(Supervised { supervisor: OnceLock::new(), phase: phase.into(), waiting_for })
+    /// Before the supervisor: `/status` answers `before`.
+    pub fn before(before: Status) -> Arc<Self> {
+        Arc::new(Supervised { supervisor: OnceLock::new(), before })
     }
 
     /// The supervisor runs: every request goes to it from now on.
@@ -65,8 +64,8 @@ impl Supervised {
 
 /// Why the supervisor gave no answer.
 enum Unanswered {
-    /// It does not run yet: (phase, what the process waits for).
-    NotYet(String, String),
+    /// It does not run yet: what `/status` says meanwhile.
+    NotYet(Box<Status>),
     Failed(String),
 }
 
@@ -76,7 +75,7 @@ async fn ask<T: Send + 'static>(
     build: impl FnOnce(RpcReplyPort<T>) -> SupervisorMsg,
 ) -> Result<T, Unanswered> {
     let Some(sup) = sup.supervisor.get() else {
-        return Err(Unanswered::NotYet(sup.phase.clone(), sup.waiting_for.clone()));
+        return Err(Unanswered::NotYet(Box::new(sup.before.clone())));
     };
     match sup.call(build, Some(std::time::Duration::from_millis(TIMEOUT_MS))).await {
         Ok(CallResult::Success(v)) => Ok(v),
@@ -88,7 +87,7 @@ async fn ask<T: Send + 'static>(
 
 fn unavailable(e: Unanswered) -> Response {
     let error = match e {
-        Unanswered::NotYet(phase, what) => format!("not training yet ({phase}): {what}"),
+        Unanswered::NotYet(s) => format!("not training yet ({}): {}", s.phase, s.problems.join("; ")),
         Unanswered::Failed(e) => format!("the supervisor did not answer: {e}"),
     };
     (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": error }))).into_response()
@@ -96,13 +95,11 @@ fn unavailable(e: Unanswered) -> Response {
 
 type Sup = State<Arc<Supervised>>;
 
-/// The supervisor's status; before it runs, the phase, the pid and what the process waits for (the rest empty), so
-/// that `/status` and `/readyz` read the same either way.
+/// The supervisor's status; before it runs, [`Status::before_start`]'s with the pid, so that `/status` and `/readyz`
+/// read the same either way.
 async fn status_of(sup: &Supervised) -> Result<Status, Unanswered> {
     match ask(sup, SupervisorMsg::Status).await {
-        Err(Unanswered::NotYet(phase, what)) => {
-            Ok(Status { phase, pid: std::process::id(), problems: vec![what], ..Status::default() })
-        }
+        Err(Unanswered::NotYet(before)) => Ok(Status { pid: std::process::id(), ..*before }),
         answer => answer,
     }
 }
@@ -368,6 +365,27 @@ mod tests {
             assert_eq!(authorize(&guarded, Some("s3cret")), Err(Refused::WrongToken), "the scheme is required");
             assert_eq!(authorize(&guarded, Some("Bearer ")), Err(Refused::WrongToken));
         }
+    }
+
+    /// Before the supervisor runs, `/status` says where a resumed run stands (the step and checkpoint it resumes,
+    /// as the supervisor will), not step 0, and what the process waits for; a new run says step 0 and no checkpoint.
+    #[test]
+    fn before_the_supervisor_status_says_where_a_resumed_run_stands() {
+        let loader = crate::data::loader::LoaderState { epoch: 2, next_ordinal: 5, owed: vec![] };
+        let mut state = crate::train::checkpoint::TrainerState::new(12, loader, json!({}));
+        state.samples_committed = 96;
+        let checkpoint = std::path::Path::new("/ckpt/ckpt-000000012");
+        let sup = Supervised::before(Status::before_start("starting", "starting".into(), Some((checkpoint, &state))));
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let Ok(s) = runtime.block_on(status_of(&sup)) else { panic!("no answer before the supervisor runs") };
+        assert_eq!((s.phase.as_str(), s.step, s.epoch, s.samples_committed, s.ready), ("starting", 12, 2, 96, false));
+        assert_eq!(s.pid, std::process::id());
+        let c = s.last_checkpoint.expect("the checkpoint it resumes");
+        assert_eq!((c.step, c.path.as_str()), (12, "/ckpt/ckpt-000000012"));
+
+        let fresh = Status::before_start("rendezvous", "waiting for rank 0's store".into(), None);
+        assert_eq!((fresh.step, fresh.last_checkpoint.is_none()), (0, true));
+        assert_eq!(fresh.problems, ["waiting for rank 0's store"]);
     }
 
     /// The environment wins over the file; blank values are errors, not "no token".

@@ -421,14 +421,15 @@ fn take_sum(
             Ok(true)
         }
         (None, Some(ring)) => {
-            if a.collective.settles_across_hosts() {
+            let across_hosts = a.collective.settles_across_hosts();
+            if across_hosts {
                 // One communicator over every host's drafters: the join and the all-reduce wait for the other hosts
                 // (one stopped or swapping is not this drafter hanging); `drafters.collective_timeout_s` bounds them.
                 now_doing(a, Activity::WaitingForPeers, vec![]);
             }
             let summed = nccl_sum(communicator, ring, a.id, a.device, a.collective_timeout, own)
                 .map_err(|e| format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members));
-            if !a.collective.settles_across_hosts() {
+            if !across_hosts {
                 summed.map_err(torch)?;
                 return Ok(true);
             }
@@ -437,8 +438,7 @@ fn take_sum(
             if let Err(e) = &summed {
                 tracing::warn!(drafter = a.id, step = result.step, "{e}");
             }
-            // Waiting for the other hosts' word, not computing.
-            now_doing(a, Activity::WaitingForPeers, vec![]);
+            // Then waiting (still) for the other hosts' word.
             a.collective.summed(a.id, result.step, summed.is_ok()).map_err(|e| collective_end(a, trainer, step, e))
         }
         (None, None) => Err(torch("a round completed without a gradient sum").into()),

@@ -1,6 +1,6 @@
 //! The messages between the supervisor, the target and drafter actors and their compute threads, and the status
 //! the control plane reports.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ractor::RpcReplyPort;
@@ -13,7 +13,7 @@ use crate::config::Change;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
-use crate::train::checkpoint::{Scan, Snapshot, Written};
+use crate::train::checkpoint::{Scan, Snapshot, TrainerState, Written};
 use crate::train::collective::RoundReport;
 use crate::train::step::UpdateReport;
 
@@ -228,7 +228,7 @@ pub struct Reloaded {
     pub changes: Vec<Change>,
 }
 
-/// `GET /status` (before the supervisor runs: the phase, the pid and what it waits for, the rest empty).
+/// `GET /status` (before the supervisor runs: [`Status::before_start`]).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Status {
     pub phase: String,
@@ -261,4 +261,23 @@ pub struct Status {
     /// Several hosts, rank 0: the other member hosts, each with its generation and first round.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub other_hosts: Vec<crate::train::link::HostMember>,
+}
+
+impl Status {
+    /// What `/status` says before the supervisor runs: the `phase`, what the process waits for, and where the run
+    /// stands: the checkpoint it resumes (`resume`), as the supervisor says from its first answer on. Without this a
+    /// resumed run said step 0 until its supervisor ran (for minutes while several hosts meet).
+    pub fn before_start(phase: &str, waiting_for: String, resume: Option<(&Path, &TrainerState)>) -> Status {
+        let mut status = Status { phase: phase.into(), problems: vec![waiting_for], ..Status::default() };
+        if let Some((path, state)) = resume {
+            status.step = state.step;
+            status.epoch = state.loader.epoch;
+            status.samples_committed = state.samples_committed;
+            status.skipped_steps = state.skipped_steps;
+            status.batches_set_aside = state.set_aside.len() as u64;
+            status.last_checkpoint =
+                Some(CheckpointStatus { step: state.step, path: path.display().to_string(), age_s: 0.0 });
+        }
+        status
+    }
 }

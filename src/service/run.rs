@@ -17,7 +17,7 @@ use super::evaluator::eval_set;
 use super::exit::{EXIT_RESTART, StopSignal};
 use super::folder_lock::{FolderLock, LockError, lock_file};
 use super::ledger::open_ledger;
-use super::messages::SupervisorMsg;
+use super::messages::{Status, SupervisorMsg};
 use super::placement::{capture_devices, spread_to};
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
@@ -315,7 +315,9 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         ),
         None => "starting".into(),
     };
-    let supervised = Supervised::before(if placement.is_some() { "rendezvous" } else { "starting" }, waiting_for);
+    let phase = if placement.is_some() { "rendezvous" } else { "starting" };
+    let resumed = resume.as_ref().map(|(path, state)| (path.as_path(), state));
+    let supervised = Supervised::before(Status::before_start(phase, waiting_for, resumed));
     {
         let _in_runtime = runtime.enter();
         serve_control(read_only, listener, &supervised, &prometheus, token)?;
