@@ -58,7 +58,7 @@ unsafe extern "C" {
         err: *mut c_char,
         len: usize,
     ) -> c_int;
-    fn dflash_empty_pinned_like(like: *const c_void, err: *mut c_char, len: usize) -> *mut c_void;
+    fn dflash_empty_pinned_like(like: *const C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
 }
 
 /// A copy of GPU tensor `t` in page-locked host memory (a CPU tensor is copied as it is). Device-to-host copies into
@@ -68,9 +68,7 @@ pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
         return Ok(t.copy());
     }
     // SAFETY: `t` is a live tensor (tch hands out at::Tensor*); the shim returns a new tensor or null.
-    let mut host = tensor_on_device(t.device(), |e, n| unsafe {
-        dflash_empty_pinned_like(t.as_ptr() as *const c_void, e, n) as *mut C_tensor
-    })?;
+    let mut host = tensor_on_device(t.device(), |e, n| unsafe { dflash_empty_pinned_like(raw(t), e, n) })?;
     host.f_copy_(t).map_err(|e| DeviceError::Runtime { device: t.device(), message: e.to_string() })?;
     Ok(host)
 }

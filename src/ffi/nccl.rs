@@ -11,7 +11,7 @@ use tch::{Device, Tensor};
 use thiserror::Error;
 use torch_sys::C_tensor;
 
-use super::{Failed, call};
+use super::{Failed, call, raw};
 
 unsafe extern "C" {
     fn dflash_nccl_version(out: *mut c_int, err: *mut c_char, len: usize) -> c_int;
@@ -145,14 +145,7 @@ impl NcclComm {
         self.check_device(&[send, recv])?;
         shim_status("all-reduce", timeout, |e, n| unsafe {
             // SAFETY: live communicator and tensor handles; the shim validates shapes and devices.
-            dflash_nccl_all_reduce_sum(
-                self.raw,
-                send.as_ptr(),
-                recv.as_ptr() as *mut C_tensor,
-                timeout.as_secs_f64(),
-                e,
-                n,
-            )
+            dflash_nccl_all_reduce_sum(self.raw, send.as_ptr(), raw(recv), timeout.as_secs_f64(), e, n)
         })
     }
 
@@ -162,14 +155,7 @@ impl NcclComm {
         self.check_device(&[tensor])?;
         shim_status("broadcast", timeout, |e, n| unsafe {
             // SAFETY: live communicator and tensor handle; the shim validates the layout and device.
-            dflash_nccl_broadcast(
-                self.raw,
-                tensor.as_ptr() as *mut C_tensor,
-                root as c_int,
-                timeout.as_secs_f64(),
-                e,
-                n,
-            )
+            dflash_nccl_broadcast(self.raw, raw(tensor), root as c_int, timeout.as_secs_f64(), e, n)
         })
     }
 

@@ -306,7 +306,6 @@ fn train_step(a: &DrafterSpawn, trainer: &mut Trainer, step: u64, round: &mut Ro
         .collective
         .contribute(a.id, a.generation, step, contribution, summing)
         .map_err(|e| collective_end(a, trainer, step, e))?;
-    now_doing(a, Activity::Summing, vec![]);
     let applies = take_sum(a, trainer, &mut round.communicator, &result, &own, step)?;
     a.metrics.collective_duration.record(in_round.elapsed().as_secs_f64());
     now_doing(a, Activity::Applying, vec![]);
@@ -417,16 +416,17 @@ fn take_sum(
 ) -> Result<bool, End> {
     match (&result.grad, &result.ring) {
         (Some(sum), _) => {
+            now_doing(a, Activity::Summing, vec![]);
             sum.copy_into(&mut own.shallow_clone()).map_err(torch)?;
             Ok(true)
         }
         (None, Some(ring)) => {
             let across_hosts = a.collective.settles_across_hosts();
-            if across_hosts {
-                // One communicator over every host's drafters: the join and the all-reduce wait for the other hosts
-                // (one stopped or swapping is not this drafter hanging); `drafters.collective_timeout_s` bounds them.
-                now_doing(a, Activity::WaitingForPeers, vec![]);
-            }
+            // Across hosts one communicator spans every host's drafters: the join and the all-reduce wait for the
+            // other hosts (one stopped or swapping is not this drafter hanging); `drafters.collective_timeout_s`
+            // bounds them.
+            let activity = if across_hosts { Activity::WaitingForPeers } else { Activity::Summing };
+            now_doing(a, activity, vec![]);
             let summed = nccl_sum(communicator, ring, a.id, a.device, a.collective_timeout, own)
                 .map_err(|e| format!("summing gradients over NCCL (ring {}, {:?}): {e}", ring.epoch, ring.members));
             if !across_hosts {
