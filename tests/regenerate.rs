@@ -145,6 +145,14 @@ async fn regenerates_turn_by_turn_with_retries_and_resumes() {
     let written = read_out(&out);
     assert_eq!(written.len(), 10);
     assert_eq!(written["conv-103"]["messages"][2]["content"], "reply to poison after 0 turns");
+    // The retried conversation was answered last, but the file lists the input's order (prepare's sample order,
+    // and so the training order, follows it).
+    let ids: Vec<String> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, (100..110).map(|i| format!("conv-{i}")).collect::<Vec<_>>());
 }
 
 /// A server that answers every request at once (no 503s), lists `test-model` at `GET /v1/models`, says a reply

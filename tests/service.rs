@@ -196,6 +196,73 @@ fn max_steps_ends_the_run_there_and_checkpoints_are_of_the_steps_asked_for() {
     assert_eq!(epochs.into_iter().collect::<Vec<_>>(), vec![0, 1], "into a second epoch to reach step 45");
 }
 
+/// The built-in demo, `make run`'s recipe (the tiny-tasks target answering the built-in conversations, two drafters
+/// on the CPU summing in process, held-out prompts decoded during training), run twice at once, each from nothing:
+/// the same answers byte for byte, the same loss, accuracy and learning rate at every step to the last bit, the same
+/// weights and the same end line. It failed when the answers were written in the order they finished, which thread
+/// timing decides, and the training order followed the file.
+#[test]
+fn the_built_in_demo_gives_the_same_result_bit_for_bit_on_every_run() {
+    let base = tempfile::tempdir().unwrap();
+    let recipe = concat!(env!("CARGO_MANIFEST_DIR"), "/config/make-run.toml");
+    let runs: Vec<(PathBuf, std::process::Child)> = ["first", "second"]
+        .iter()
+        .map(|name| {
+            let dir = base.path().join(name);
+            let mut cmd = Command::new(BIN);
+            cmd.args(["--config", recipe, "serve-train"]);
+            for set in [
+                format!("data.cache_dir={}", dir.join("data").display()),
+                format!("checkpoint.dir={}", dir.join("ckpt").display()),
+                "data.builtin_conversations=96".into(),
+                "optim.max_steps=24".into(),
+                "eval.every_steps=12".into(),
+                "eval.max_new_tokens=32".into(),
+                "control.listen=off".into(),
+                "log.format=json".into(),
+                "log.level=info,dflash::steps=debug".into(),
+            ] {
+                cmd.args(["--set", &set]);
+            }
+            let child = cmd.env_remove("RUST_LOG").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+            (dir, child)
+        })
+        .collect();
+    let mut results = Vec::new();
+    for (dir, child) in runs {
+        let o = child.wait_with_output().unwrap();
+        let logs: Vec<Value> =
+            String::from_utf8_lossy(&o.stderr).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        assert!(o.status.success(), "{}: {:#?}", dir.display(), &logs[logs.len().saturating_sub(8)..]);
+        let steps: Vec<Value> = logs
+            .iter()
+            .filter(|l| l["target"] == "dflash::steps")
+            .map(|l| {
+                let f = &l["fields"];
+                json!([f["step"], f["loss"], f["accuracy"], f["acceptance"], f["lr"], f["samples"], f["tokens"]])
+            })
+            .collect();
+        let end = logs
+            .iter()
+            .filter_map(|l| l["fields"]["message"].as_str())
+            .find(|m| m.starts_with("decoded acceptance 1.00 ->"))
+            .map(String::from);
+        let read = |path: &str| std::fs::read(dir.join(path)).unwrap();
+        let answers = read("data/tiny-tasks/regenerated.jsonl");
+        let weights = read("ckpt/final/model.safetensors");
+        let optimizer = read("ckpt/ckpt-000000024/optimizer.safetensors");
+        results.push((steps, end, answers, weights, optimizer));
+    }
+    let (first, second) = (&results[0], &results[1]);
+    assert_eq!(first.0.len(), 24, "a line for each step: {:#?}", first.0);
+    assert!(first.0.iter().all(|s| s[1].as_f64().is_some_and(|l| l > 0.0)), "{:#?}", first.0);
+    assert!(first.2 == second.2, "the built-in answers differ between the runs");
+    assert_eq!(first.0, second.0, "the steps' numbers differ between the runs");
+    assert!(first.3 == second.3 && first.4 == second.4, "the weights or the optimizer states differ");
+    assert!(first.1.is_some(), "the run ends with the decoded acceptance");
+    assert_eq!(first.1, second.1);
+}
+
 /// The control port is bound before any long work: a second service on a port in use says so at once, not after
 /// answering the built-in conversations (minutes on a CPU).
 #[test]

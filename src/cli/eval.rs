@@ -1,4 +1,4 @@
-//! `dflash eval`: scores a drafter on token rows at every valid anchor (loss, accuracy, simulated acceptance
+//! `dflash eval`: scores a drafter on token rows at every valid anchor (loss, accuracy, teacher-forced acceptance
 //! length), or with `--decode` runs real speculative decoding on prompts against the target's greedy decoding.
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -104,7 +104,7 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} samples, {} tokens, {} blocks: loss {:.4}, accuracy {:.4}, acceptance length {:.3} (block size {})",
+            "{} samples, {} tokens, {} blocks: loss {:.4}, accuracy {:.4}, teacher-forced acceptance length {:.3} (block size {})",
             report.samples,
             report.tokens,
             report.blocks,

@@ -8,6 +8,10 @@
 //! Resumable: output lines are appended and flushed one conversation at a time, each carrying its input id; a rerun
 //! skips ids already written (a torn last line from an interrupted run is dropped first). Conversations that fail
 //! after all retries are not written, so a rerun retries them.
+//!
+//! Replies finish in whatever order the source returns them, so when a run ends the output is rewritten in the
+//! input's order ([`in_input_order`]): the same input gives the same file, whatever the timing, and `prepare` (whose
+//! sample positions, and so the training order, follow the file) the same data.
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -146,9 +150,10 @@ fn resume_point(out: &Path) -> Result<HashSet<SampleId>, DataError> {
     Ok(done)
 }
 
-/// The conversations of `input` still to do, and the report so far.
-fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateReport), DataError> {
+/// The conversations of `input` still to do, the report so far, and the ids of every conversation in input order.
+fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateReport, Vec<SampleId>), DataError> {
     let done = resume_point(&opts.out)?;
+    let mut order = Vec::new();
     let file = std::fs::File::open(&opts.input).map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
     let mut report = RegenerateReport::default();
     let mut todo = Vec::new();
@@ -165,6 +170,7 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
         match parsed {
             Ok(conv) => {
                 report.conversations += 1;
+                order.push(conv.id.clone());
                 if done.contains(&conv.id) {
                     report.already_done += 1;
                 } else {
@@ -179,7 +185,60 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
             }
         }
     }
-    Ok((todo, report))
+    Ok((todo, report, order))
+}
+
+/// Rewrites `out` with its lines in the order of `order` (the input's ids); lines of ids not in it follow, in the
+/// order found. The lines are copied as they are, by their place in the file (only ids and offsets are held in
+/// memory), into a temporary file that replaces `out` once complete: an interrupted rewrite leaves `out` as it was.
+/// A file already in order is left alone.
+fn in_input_order(out: &Path, order: &[SampleId]) -> Result<(), DataError> {
+    use std::os::unix::fs::FileExt;
+    let io = |path: &Path, err| DataError::Io { path: path.to_path_buf(), err };
+    let file = match std::fs::File::open(out) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(out, e)),
+    };
+    // Each line's id, where it starts and its length (newline included).
+    let mut lines: Vec<(Option<SampleId>, u64, usize)> = Vec::new();
+    let (mut reader, mut offset, mut text) = (std::io::BufReader::new(&file), 0u64, String::new());
+    loop {
+        text.clear();
+        let n = reader.read_line(&mut text).map_err(|e| io(out, e))?;
+        if n == 0 {
+            break;
+        }
+        let id = serde_json::from_str::<Value>(text.trim_end())
+            .ok()
+            .and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
+        lines.push((id, offset, n));
+        offset += n as u64;
+    }
+    let rank: std::collections::HashMap<&SampleId, usize> = order.iter().enumerate().map(|(i, id)| (id, i)).collect();
+    let place = |line: &(Option<SampleId>, u64, usize)| line.0.as_ref().and_then(|id| rank.get(id).copied());
+    let mut sorted: Vec<usize> = (0..lines.len()).collect();
+    // Stable: lines of unknown ids keep their order after the others.
+    sorted.sort_by_key(|&i| place(&lines[i]).unwrap_or(usize::MAX));
+    if sorted.iter().enumerate().all(|(at, &i)| at == i) {
+        return Ok(());
+    }
+    let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = out.with_file_name(format!(".{name}.ordering"));
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?);
+    let mut buf = Vec::new();
+    for &i in &sorted {
+        let (_, at, len) = lines[i];
+        buf.resize(len, 0);
+        file.read_exact_at(&mut buf, at).map_err(|e| io(out, e))?;
+        if !buf.ends_with(b"\n") {
+            buf.push(b'\n');
+        }
+        w.write_all(&buf).map_err(|e| io(&tmp, e))?;
+    }
+    let written = w.into_inner().map_err(|e| io(&tmp, e.into_error()))?;
+    written.sync_all().map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, out).map_err(|e| io(out, e))
 }
 
 /// Puts a reply into an assistant message (the tool calls of the old reply go with it).
@@ -363,8 +422,8 @@ where
     F: Fn(&Conversation, Vec<Value>, u64) -> Fut,
     Fut: std::future::Future<Output = Result<Reply, Failure>>,
 {
-    let (todo, report) = pending(opts)?;
-    futures::executor::block_on(drive(opts, todo, report, concurrency, respond))
+    let (todo, report, order) = pending(opts)?;
+    futures::executor::block_on(drive(opts, todo, report, &order, concurrency, respond))
 }
 
 /// An OpenAI-compatible chat-completions server.
@@ -550,7 +609,7 @@ const UNREACHABLE_IN_A_ROW: u64 = 8;
 
 /// Regenerates through `endpoint`, `endpoint.concurrency` conversations at a time, after checking it answers.
 pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) -> Result<RegenerateReport, DataError> {
-    let (todo, report) = pending(opts)?;
+    let (todo, report, order) = pending(opts)?;
     let client = reqwest::Client::new();
     if !todo.is_empty() {
         check_endpoint(&client, endpoint)
@@ -588,16 +647,18 @@ pub async fn regenerate_endpoint(opts: &RegenerateOptions, endpoint: &Endpoint) 
             Ok(Reply { truncated: reply.truncated && !opts.ignore_eos, ..reply })
         }
     };
-    drive(opts, todo, report, endpoint.concurrency, respond).await
+    drive(opts, todo, report, &order, endpoint.concurrency, respond).await
 }
 
 /// Regenerates `todo` through `respond`, `concurrency` conversations at a time: each conversation's plan, its
 /// replies in order, its line written once all came, the report and the progress; after
-/// [`UNREACHABLE_IN_A_ROW`] conversations found the source unreachable in a row, the rest are left for a rerun.
+/// [`UNREACHABLE_IN_A_ROW`] conversations found the source unreachable in a row, the rest are left for a rerun; at the
+/// end the output in `order`, the input's.
 async fn drive<F, Fut>(
     opts: &RegenerateOptions,
     todo: Vec<Conversation>,
     report: RegenerateReport,
+    order: &[SampleId],
     concurrency: usize,
     respond: F,
 ) -> Result<RegenerateReport, DataError>
@@ -658,6 +719,8 @@ where
     let meter = meter.into_inner().expect("meter lock");
     meter.finish();
     results.into_iter().collect::<Result<Vec<()>, DataError>>()?;
+    drop(out);
+    in_input_order(&opts.out, order)?;
     let mut report = report.into_inner().expect("report lock");
     report.seconds = meter.started.elapsed().as_secs_f64();
     Ok(report)
@@ -817,5 +880,28 @@ mod tests {
         assert!(text.contains("1 cut at --max-tokens") && text.contains("raise it"), "{text}");
         assert!(text.contains("the server stopped answering") && text.contains("once it is back"), "{text}");
         assert!(report.incomplete());
+    }
+
+    #[test]
+    fn the_output_is_put_in_the_input_order_lines_unknown_to_it_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let line = |id: Value| format!("{}\n", json!({"id": id, "messages": [{"role": "user", "content": "é"}]}));
+        // Finished in another order than the input's, with a line of an id the input no longer has, and a last line
+        // without its newline.
+        let written = [line(json!("b")), line(json!(7)), line(json!("gone")), line(json!("a"))].concat();
+        std::fs::write(&out, written.trim_end()).unwrap();
+        let order = [SampleId::parse("a"), SampleId::Number(7), SampleId::parse("b"), SampleId::parse("never")];
+        in_input_order(&out, &order).unwrap();
+        let expected = [line(json!("a")), line(json!(7)), line(json!("b")), line(json!("gone"))].concat();
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), expected);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+        // In order already: not rewritten.
+        let before = std::fs::metadata(&out).unwrap().modified().unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        in_input_order(&out, &order).unwrap();
+        assert_eq!(std::fs::metadata(&out).unwrap().modified().unwrap(), before);
+        // No output yet: nothing to do.
+        in_input_order(&dir.path().join("none.jsonl"), &order).unwrap();
     }
 }

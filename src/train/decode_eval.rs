@@ -1,6 +1,6 @@
 //! The measured acceptance length: real speculative decoding of prompts with the drafter, checked token for token
-//! against the target's plain greedy decoding in the same run. This is what inference will see; the simulated
-//! acceptance length of teacher-forced evaluation is only its proxy.
+//! against the target's plain greedy decoding in the same run. This is what inference will see; the teacher-forced
+//! acceptance length (each block drafted from the true tokens before it) is only its proxy.
 //!
 //! Both decodings choose tokens by one rule ([`crate::model::choice`]: the lowest id among equal logits), so exact
 //! ties (common in bf16) cannot make them differ, and a dense target decodes losslessly in bf16 as in f32: any

@@ -3,7 +3,7 @@
 //! keyed by (seed, epoch, sample id), sorted), block inputs (`[x_a, MASK x (bs-1)]`), absolute positions (`a + k`),
 //! same-position labels (slot k predicts `x[a + k]`), decayed weights (`exp(-(k-1)/gamma)`, slot 0 never counts),
 //! the LM head and cross-entropy in chunks that also produce the gradient (so `[N*bs, V]` logits never exist at
-//! once and nothing is recomputed), and the metrics: weighted loss, accuracy and simulated acceptance length.
+//! once and nothing is recomputed), and the metrics: weighted loss, accuracy and teacher-forced acceptance length.
 //!
 //! Everything that depends only on the tokens is planned on the host ([`BlockPlan`]); the attention pattern is built
 //! from the plan by [`BlockAttention`](crate::model::BlockAttention).
@@ -218,7 +218,7 @@ pub struct Metrics {
     pub correct: f64,
     /// Positions with `w > 0`.
     pub predicted: f64,
-    /// Sum over kept blocks of the simulated acceptance length.
+    /// Sum over kept blocks of the teacher-forced acceptance length.
     pub accepted: f64,
     /// Kept blocks.
     pub blocks: f64,
@@ -376,7 +376,7 @@ fn chunk_softmax_plain(logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool
     Ok(ChunkSoftmax { max_logit: max_logit.f_to_kind(Kind::Float)?, argmax, label_logit, p_max, rest, grad })
 }
 
-/// Sum of simulated acceptance lengths over kept blocks, and their count: per block, 1 + the number of leading
+/// Sum of teacher-forced acceptance lengths over kept blocks, and their count: per block, 1 + the number of leading
 /// slots k = 1, 2, ... whose argmax equals the label, stopping at the first miss or the first slot without a valid
 /// label (`w = 0`).
 fn acceptance(correct: &Tensor, weights: &Tensor, plan: &BlockPlan) -> Result<(f64, f64), ModelError> {

@@ -83,6 +83,19 @@ impl Core {
         self.window.samples += settled.samples;
         let m = &settled.metrics;
         let loss = (m.weight > 0.0).then(|| [m.loss(), m.accuracy(), m.acceptance_length()]);
+        // Every step's numbers, exact (JSON logs print the shortest decimal that reads back as the same f64): what
+        // two runs of the same seed are compared by (`log.level = "info,dflash::steps=debug"`).
+        tracing::debug!(
+            target: "dflash::steps",
+            step,
+            loss = m.loss(),
+            accuracy = m.accuracy(),
+            acceptance = m.acceptance_length(),
+            lr = settled.lr,
+            samples = settled.samples,
+            tokens = settled.tokens,
+            "step committed"
+        );
         self.out.push(Action::Notice(Notice::Committed {
             step,
             samples: settled.samples,
