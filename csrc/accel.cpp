@@ -15,6 +15,14 @@
 
 extern "C" {
 
+// Process-wide: libtorch's deterministic algorithms (an operation without a deterministic kernel raises).
+int dflash_set_deterministic(int on, char* err, size_t len) {
+  return guard(1, err, len, [&] {
+    at::globalContext().setDeterministicAlgorithms(on != 0, false);
+    return 0;
+  });
+}
+
 int dflash_set_device(int index, char* err, size_t len) {
   return guard(1, err, len, [&] {
     at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(index));

@@ -165,6 +165,17 @@ pub fn kind_name(kind: Kind) -> &'static str {
     }
 }
 
+/// Makes the GPUs' training deterministic (`drafters.deterministic`): libtorch's deterministic algorithms, and
+/// cuBLAS with a fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, which cuBLAS reads when its first handle is made, unless
+/// already set). Call it before any other thread runs and before any GPU work.
+pub fn deterministic_gpus() -> Result<(), String> {
+    if std::env::var_os("CUBLAS_WORKSPACE_CONFIG").is_none() {
+        // SAFETY: called at start, while the process has one thread (nothing reads the environment concurrently).
+        unsafe { std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8") };
+    }
+    crate::ffi::accel::set_deterministic(true)
+}
+
 /// The first GPU, bound to the calling thread, for tests that need one: they are `#[ignore = "needs a GPU"]`, and
 /// `--include-ignored` runs them where there is one (scripts/gpu-bench.sh). Panics where there is none, so that a GPU
 /// test asked for fails rather than passes without running.

@@ -236,6 +236,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
     let config = Config::load(&layers)?;
     dflash::telemetry::logging::init(&config.log)?;
     install_panic_hook();
+    if config.drafters.deterministic {
+        dflash::device::deterministic_gpus().map_err(|e| anyhow::anyhow!("drafters.deterministic = true: {e}"))?;
+    }
     match cli.command {
         Command::Bench(args) => cli::bench::run(&config, args),
         Command::Eval(args) => cli::eval::run(&config, args),

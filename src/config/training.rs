@@ -35,6 +35,7 @@ pub(super) struct RawDrafters {
     peak_tflops: f64,
     collective: String,
     collective_timeout_s: f64,
+    deterministic: bool,
 }
 
 /// One drafter per entry; entries may name the same device.
@@ -46,6 +47,8 @@ pub struct DraftersSettings {
     pub collective: CollectiveKind,
     /// NCCL: the deadline of joining a communicator and of one all-reduce.
     pub collective_timeout: Duration,
+    /// libtorch's deterministic algorithms on GPUs (the same run twice gives the same bits, a little slower).
+    pub deterministic: bool,
 }
 
 /// How the drafters sum their gradients.
@@ -81,7 +84,13 @@ impl RawDrafters {
             check_one_rank_per_gpu(&devices)?;
         }
         let timeout = finite_in("drafters.collective_timeout_s", self.collective_timeout_s, 0.1, 86400.0, "seconds")?;
-        Ok(DraftersSettings { devices, peak_tflops, collective, collective_timeout: Duration::from_secs_f64(timeout) })
+        Ok(DraftersSettings {
+            devices,
+            peak_tflops,
+            collective,
+            collective_timeout: Duration::from_secs_f64(timeout),
+            deterministic: self.deterministic,
+        })
     }
 }
 

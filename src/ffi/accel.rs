@@ -24,6 +24,7 @@ pub(crate) fn tensor_on_device(
 }
 
 unsafe extern "C" {
+    fn dflash_set_deterministic(on: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
@@ -71,6 +72,12 @@ pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
     let mut host = tensor_on_device(t.device(), |e, n| unsafe { dflash_empty_pinned_like(raw(t), e, n) })?;
     host.f_copy_(t).map_err(|e| DeviceError::Runtime { device: t.device(), message: e.to_string() })?;
     Ok(host)
+}
+
+/// libtorch's deterministic algorithms on or off, for the whole process.
+pub fn set_deterministic(on: bool) -> Result<(), String> {
+    // SAFETY: the shim takes plain values and reports failures into `e`.
+    call(|e, n| unsafe { dflash_set_deterministic(on as c_int, e, n) }).map_err(|failed| failed.message)
 }
 
 fn cuda_index(device: Device) -> Option<c_int> {
