@@ -11,10 +11,21 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use service_process::*;
 
+/// With the paper's slot weights and with D-PACE's (which follow the drafter's own confidence, and train another
+/// drafter from the same start).
 #[test]
 fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
+    let decay = stop_and_resume(&[]);
+    let dpace = stop_and_resume(&["objective.weights=dpace", "objective.dpace_alpha=0.3"]);
+    assert!(decay != dpace, "objective.weights = dpace trained the same drafter as the decay");
+}
+
+/// Runs 14 steps whole and stopped at step 5 or later then resumed; both end with the same drafter and optimizer
+/// state, whose drafter bytes it returns.
+fn stop_and_resume(more: &[&str]) -> Vec<u8> {
     let base = tempfile::tempdir().unwrap();
-    let sets = ["optim.max_steps=14", "optim.schedule=cosine", "optim.warmup_ratio=0.1"];
+    let mut sets = vec!["optim.max_steps=14", "optim.schedule=cosine", "optim.warmup_ratio=0.1"];
+    sets.extend_from_slice(more);
     let whole = base.path().join("whole");
     let split = base.path().join("split");
     for d in [&whole, &split] {
@@ -41,6 +52,7 @@ fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
         assert!(a == b, "{file} differs between the uninterrupted and the resumed run");
     }
     assert!(split.join("ckpt/final/model.safetensors").exists(), "the end exports the drafter");
+    std::fs::read(whole.join("ckpt/ckpt-000000014/drafter/model.safetensors")).unwrap()
 }
 
 /// A second signal while the first one's checkpoint is being written (stalled here) exits at once with its own

@@ -40,6 +40,8 @@ pub struct DrafterBenchOptions {
     pub lm_head_chunk_rows: Option<i64>,
     /// Blocks per attention group; None: the trainer's default.
     pub attention_group_blocks: Option<usize>,
+    /// D-PACE's alpha (`objective.weights = "dpace"`); None: the decay.
+    pub dpace_alpha: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -103,7 +105,10 @@ pub fn bench_drafter(
         )));
     }
     let gamma = default_gamma(opts.block_size);
-    let mut objective = ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id);
+    let mut objective = ObjectiveSettings {
+        dpace_alpha: opts.dpace_alpha,
+        ..ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id)
+    };
     if let Some(rows) = opts.lm_head_chunk_rows {
         if rows < 1 {
             return Err(BenchError::Settings(format!("--lm-head-chunk-rows must be at least 1, got {rows}")));
@@ -290,6 +295,7 @@ mod tests {
             peak_tflops: 1.0,
             lm_head_chunk_rows: None,
             attention_group_blocks: None,
+            dpace_alpha: None,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert!(r.samples_per_s > 0.0 && r.loss.is_finite() && r.loss > 0.0);
@@ -317,6 +323,7 @@ mod tests {
             peak_tflops: 1.0,
             lm_head_chunk_rows: None,
             attention_group_blocks: None,
+            dpace_alpha: None,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.anchors, 15);
@@ -340,6 +347,7 @@ mod tests {
             peak_tflops: 1.0,
             lm_head_chunk_rows: None,
             attention_group_blocks: None,
+            dpace_alpha: None,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.what, "pipeline");

@@ -180,6 +180,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 peak_tflops: args.peak_tflops,
                 lm_head_chunk_rows: args.lm_head_chunk_rows,
                 attention_group_blocks: args.attention_group_blocks,
+                dpace_alpha: config.objective.dpace_alpha(),
             };
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(%preset, device = %device_name(device), "building the drafter");

@@ -90,12 +90,15 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let dc = drafter.config().clone();
         let gamma = args.gamma.unwrap_or(config.objective.gamma).resolve(dc.block_size)?;
-        let objective = ObjectiveSettings::new(
-            args.num_anchors.unwrap_or(config.objective.num_anchors),
-            dc.block_size,
-            gamma,
-            dc.mask_token_id,
-        );
+        let objective = ObjectiveSettings {
+            dpace_alpha: config.objective.dpace_alpha(),
+            ..ObjectiveSettings::new(
+                args.num_anchors.unwrap_or(config.objective.num_anchors),
+                dc.block_size,
+                gamma,
+                dc.mask_token_id,
+            )
+        };
         let target = load_target(&source, &args.drafter, &drafter, Depth::ToLastTap, device, kind)?;
         let rows = read_token_rows(data, target.config().vocab_size)?;
         Ok(evaluate_rows(&target, &drafter, &objective, &rows, args.batch)?)

@@ -115,6 +115,8 @@ enum RawTaps {
 struct RawObjective {
     num_anchors: i64,
     gamma: RawGamma,
+    weights: String,
+    dpace_alpha: f64,
     seed: i64,
 }
 
@@ -291,8 +293,30 @@ impl std::str::FromStr for Gamma {
 pub struct ObjectiveConfig {
     pub num_anchors: usize,
     pub gamma: Gamma,
+    /// How block slots are weighted in the loss.
+    pub weights: SlotWeights,
     /// Keys anchor sampling (with epoch and sample id) and the drafter's initial weights.
     pub seed: u64,
+}
+
+impl ObjectiveConfig {
+    /// D-PACE's alpha when the slots are weighted by it.
+    pub fn dpace_alpha(&self) -> Option<f64> {
+        match self.weights {
+            SlotWeights::Decay => None,
+            SlotWeights::Dpace { alpha } => Some(alpha),
+        }
+    }
+}
+
+/// `objective.weights`: how the loss weighs the slots of a block.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SlotWeights {
+    /// `exp(-(k-1)/gamma)` (the paper's; `objective.gamma`).
+    Decay,
+    /// D-PACE with this `objective.dpace_alpha`: each slot weighed by the chance that the draft is accepted up to it,
+    /// from the drafter's own confidence (detached), normalised by the supervised slots.
+    Dpace { alpha: f64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -588,7 +612,7 @@ pub const NON_RELOADABLE: [&str; 10] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), and how the
 /// drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 9] = [
+pub const SHARED_BY_HOSTS: [&str; 11] = [
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -597,6 +621,8 @@ pub const SHARED_BY_HOSTS: [&str; 9] = [
     "data.holdout",
     "data.batch_size",
     "objective.seed",
+    "objective.weights",
+    "objective.dpace_alpha",
     "drafters.collective",
 ];
 
@@ -843,7 +869,16 @@ impl RawObjective {
         let parsed = gamma
             .parse()
             .map_err(|_| invalid("objective.gamma", format!("{gamma:?}"), "a positive number, \"auto\" or \"none\""))?;
-        Ok(ObjectiveConfig { num_anchors: self.num_anchors as usize, gamma: parsed, seed: self.seed as u64 })
+        let alpha = self.dpace_alpha;
+        if !(alpha.is_finite() && alpha > 0.0 && alpha <= 1.0) {
+            return Err(invalid("objective.dpace_alpha", alpha, "in (0, 1] (0.5 is speculators' default)"));
+        }
+        let weights = match self.weights.as_str() {
+            "decay" => SlotWeights::Decay,
+            "dpace" => SlotWeights::Dpace { alpha },
+            other => return Err(invalid("objective.weights", format!("{other:?}"), "\"decay\" or \"dpace\"")),
+        };
+        Ok(ObjectiveConfig { num_anchors: self.num_anchors as usize, gamma: parsed, weights, seed: self.seed as u64 })
     }
 }
 
@@ -946,6 +981,9 @@ mod tests {
             ("objective.num_anchors=0", &["objective.num_anchors", "0"]),
             ("objective.gamma=-1", &["objective.gamma", "-1"]),
             ("objective.gamma=soon", &["objective.gamma", "soon", "auto"]),
+            ("objective.weights=kl", &["objective.weights", "kl", "dpace"]),
+            ("objective.dpace_alpha=0", &["objective.dpace_alpha", "(0, 1]"]),
+            ("objective.dpace_alpha=1.5", &["objective.dpace_alpha", "1.5"]),
             ("objective.seed=-3", &["objective.seed", "-3"]),
             ("draft_model.block_size=1", &["draft_model.block_size", "1"]),
             ("drafters.devices=[]", &["drafters.devices", "at least one"]),

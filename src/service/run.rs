@@ -278,8 +278,10 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
         tracing::warn!("target.model = {warning}");
     }
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
-    let objective =
-        ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id);
+    let objective = ObjectiveSettings {
+        dpace_alpha: config.objective.dpace_alpha(),
+        ..ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id)
+    };
 
     match (&config.draft_model.init, &resume) {
         (Some(dir), None) => {

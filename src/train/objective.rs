@@ -1,9 +1,10 @@
 //! The DFlash training objective, rule by rule as DFLASH.md states it:
 //! anchors (distinct positions `a` with `loss_mask[a] = loss_mask[a+1] = 1`, drawn fresh per step from a Rust RNG
 //! keyed by (seed, epoch, sample id), sorted), block inputs (`[x_a, MASK x (bs-1)]`), absolute positions (`a + k`),
-//! same-position labels (slot k predicts `x[a + k]`), decayed weights (`exp(-(k-1)/gamma)`, slot 0 never counts),
-//! the LM head and cross-entropy in chunks that also produce the gradient (so `[N*bs, V]` logits never exist at
-//! once and nothing is recomputed), and the metrics: weighted loss, accuracy and teacher-forced acceptance length.
+//! same-position labels (slot k predicts `x[a + k]`), decayed weights (`exp(-(k-1)/gamma)`, slot 0 never counts) or
+//! D-PACE's weights (from the drafter's own confidence in each block, [`dpace_weights`]), the LM head and
+//! cross-entropy in chunks that also produce the gradient (so `[N*bs, V]` logits never exist at once and nothing is
+//! recomputed), and the metrics: weighted loss, accuracy and teacher-forced acceptance length.
 //!
 //! Everything that depends only on the tokens is planned on the host ([`BlockPlan`]); the attention pattern is built
 //! from the plan by [`BlockAttention`](crate::model::BlockAttention).
@@ -22,8 +23,11 @@ pub struct ObjectiveSettings {
     /// Blocks per sequence per step (training), and per forward pass (evaluation).
     pub num_anchors: usize,
     pub block_size: usize,
-    /// Decay of the slot weights; `None`: no decay.
+    /// Decay of the slot weights; `None`: no decay. Unused with D-PACE.
     pub gamma: Option<f64>,
+    /// D-PACE's smoothing alpha: the slot weights follow the drafter's confidence ([`dpace_weights`]) instead of the
+    /// decay. `None`: the decay.
+    pub dpace_alpha: Option<f64>,
     pub mask_token_id: i64,
     /// Blocks per attention group (see `BlockAttention`); results do not depend on it, only speed and memory.
     /// `None`: the device's measured best, [`default_group_blocks`].
@@ -39,6 +43,7 @@ impl ObjectiveSettings {
             num_anchors,
             block_size,
             gamma,
+            dpace_alpha: None,
             mask_token_id,
             attention_group_blocks: None,
             lm_head_chunk_rows: 2048,
@@ -115,8 +120,11 @@ pub struct BlockPlan {
     pub positions: Vec<i64>,
     /// `[B * N * bs]`: `input_ids[a + k]` (same position: slot 0 is the anchor itself); 0 where there is none.
     pub labels: Vec<i64>,
-    /// `[B * N * bs]`: `keep * [a + k < len] * [k > 0] * loss_mask[a + k] * decay(k)`.
+    /// `[B * N * bs]`: `keep * [a + k < len] * [k > 0] * loss_mask[a + k] * decay(k)`; with D-PACE without the decay
+    /// (the mask `m`), the weights following from the drafter's confidence when the loss is computed.
     pub weights: Vec<f32>,
+    /// D-PACE's alpha, or `None` (the decay is in `weights`).
+    pub dpace_alpha: Option<f64>,
 }
 
 impl BlockPlan {
@@ -136,7 +144,10 @@ impl BlockPlan {
             positions: vec![0; slots],
             labels: vec![0; slots],
             weights: vec![0.0; slots],
+            dpace_alpha: s.dpace_alpha,
         };
+        // D-PACE weighs slots when the loss is known; here only whether they count.
+        let gamma = if s.dpace_alpha.is_some() { None } else { s.gamma };
         for (b, (row, row_anchors)) in rows.iter().zip(anchors).enumerate() {
             let len = row.input_ids.len();
             for j in 0..blocks {
@@ -158,7 +169,7 @@ impl BlockPlan {
                     if p < len {
                         plan.labels[base + k] = row.input_ids[p];
                         if row.loss_mask[p] != 0 {
-                            plan.weights[base + k] = slot_weight(k, s.gamma);
+                            plan.weights[base + k] = slot_weight(k, gamma);
                         }
                     }
                 }
@@ -260,6 +271,11 @@ pub struct HeadOutput {
 /// label's log-probability comes from `log1p(-(1 - p))` where p > 0.5 and from the label's logit, the largest logit
 /// and the largest probability elsewhere, each to that dtype's relative precision. Also fills the accuracy and
 /// acceptance sums, for blocks of `block_size` rows whose kept flags are `keep`.
+///
+/// With D-PACE (`plan.dpace_alpha`) `weights` is the mask `m`; each chunk holds whole blocks, and once its
+/// cross-entropies are known the slot weights are [`dpace_weights`] (detached): the loss sums `w * CE`, the gradient
+/// is `(softmax - onehot) * w` times the head, and the reported weight (the normaliser) is `sum(m)`, as speculators
+/// normalises (it adds 1e-5 per batch where dflash adds 1e-6 to the run's sum).
 pub fn lm_head_loss(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -279,9 +295,12 @@ pub fn lm_head_loss(
     let correct_sel = Tensor::f_zeros([n], (Kind::Bool, device))?;
     let mut sel_grad = if want_grad { Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?) } else { None };
     let mut loss_sum = Tensor::f_zeros([], (Kind::Double, device))?;
-    let mut start = 0;
-    while start < n {
-        let len = chunk_rows.min(n - start);
+    let chunks = match plan.dpace_alpha {
+        None => (0..n).step_by(chunk_rows.max(1) as usize).map(|start| (start, chunk_rows.min(n - start))).collect(),
+        // D-PACE weighs a slot by the losses of the slots after it: each chunk holds whole blocks.
+        Some(_) => whole_block_chunks(&Vec::<i64>::try_from(&selected)?, plan.block_size as i64, chunk_rows),
+    };
+    for (start, len) in chunks {
         let idx = selected.narrow(0, start, len);
         let lab = sel_labels.narrow(0, start, len);
         let w = sel_weights.narrow(0, start, len);
@@ -294,12 +313,19 @@ pub fn lm_head_loss(
         // p_max >= 1/V never underflows however unlikely the label.
         let far = (soft.label_logit - soft.max_logit) + soft.p_max.f_log()?;
         let label_lp = (-&soft.rest).f_log1p()?.f_where_self(&soft.rest.f_lt(0.5)?, &far)?;
-        loss_sum -= (label_lp * &w).f_sum(Kind::Double)?;
+        // With D-PACE the plan's weights are the mask (1), and the weights come from the losses now.
+        let dpace = match plan.dpace_alpha {
+            Some(alpha) => Some(dpace_weights(&label_lp.f_neg()?, &idx, plan.block_size as i64, alpha)?),
+            None => None,
+        };
+        loss_sum -= (&label_lp * dpace.as_ref().unwrap_or(&w)).f_sum(Kind::Double)?;
         if let (Some(grad), Some(d_logits)) = (sel_grad.as_mut(), soft.grad) {
-            let g = d_logits.f_matmul(lm_head)?;
+            let mut g = d_logits.f_matmul(lm_head)?;
+            if let Some(wd) = &dpace {
+                g = g.f_mul(&wd.f_unsqueeze(1)?)?;
+            }
             grad.narrow(0, start, len).f_copy_(&g)?;
         }
-        start += len;
     }
     let correct_flags =
         Tensor::f_zeros([rows], (Kind::Bool, device))?.f_index_put_(&[Some(&selected)], &correct_sel, false)?;
@@ -317,6 +343,58 @@ pub fn lm_head_loss(
         None => None,
     };
     Ok(HeadOutput { metrics, grad })
+}
+
+/// Chunks `(start, len)` of the selected rows `selected` (ascending row indices; block `row / block_size`) of at
+/// most `chunk_rows` rows, each ending where a block ends (a block longer than `chunk_rows` is one chunk).
+fn whole_block_chunks(selected: &[i64], block_size: i64, chunk_rows: i64) -> Vec<(i64, i64)> {
+    let n = selected.len();
+    let block = |i: usize| selected[i] / block_size;
+    let mut chunks = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let mut end = (start + chunk_rows.max(1) as usize).min(n);
+        while end < n && end > start && block(end) == block(end - 1) {
+            end -= 1;
+        }
+        if end == start {
+            // One block alone is longer than a chunk: take it whole.
+            end = start + 1;
+            while end < n && block(end) == block(start) {
+                end += 1;
+            }
+        }
+        chunks.push((start as i64, (end - start) as i64));
+        start = end;
+    }
+    chunks
+}
+
+/// D-PACE's slot weights (speculators 0.9.0, `losses/utils.py: dpace_loss_decay`) for the selected rows `rows`
+/// (ascending row indices, whole blocks of `block_size` slots, the supervised slots `m_k = 1`) with cross-entropies
+/// `ce`, without gradient: `q_k = exp(-CE_k)`, `s_k = (1 - alpha) q_k + alpha` where `m_k` (else 1),
+/// `P_k = prod_{i <= k} s_i`, `w_k = m_k sum_{j >= k} m_j P_j`. In f32, `[rows]`.
+pub fn dpace_weights(ce: &Tensor, rows: &Tensor, block_size: i64, alpha: f64) -> Result<Tensor, ModelError> {
+    let device = ce.device();
+    let len = rows.size()[0];
+    if len == 0 {
+        return Ok(Tensor::f_zeros([0], (Kind::Float, device))?);
+    }
+    let block = rows.f_floor_divide_scalar(block_size)?;
+    let local = &block - block.f_min()?;
+    let slot = rows.f_remainder(block_size)?;
+    let blocks = local.f_max()?.f_int64_value(&[])? + 1;
+    let at = [Some(local), Some(slot)];
+    let dense = |fill: f64, values: &Tensor| -> Result<Tensor, ModelError> {
+        Ok(Tensor::f_full([blocks, block_size], fill, (Kind::Float, device))?.f_index_put_(&at, values, false)?)
+    };
+    let q = ce.f_to_kind(Kind::Float)?.f_neg()?.f_exp()?;
+    let m = dense(0.0, &Tensor::f_ones([len], (Kind::Float, device))?)?;
+    // Unsupervised slots keep the product as it is (s = 1).
+    let smooth = dense(1.0, &(q * (1.0 - alpha) + alpha))?;
+    let prefix = smooth.f_cumprod(1, Kind::Float)?;
+    let suffix = (prefix * &m).f_flip([1])?.f_cumsum(1, Kind::Float)?.f_flip([1])?;
+    Ok((suffix * m).f_index(&at)?)
 }
 
 /// What the loss needs of the softmax of one chunk of logits `[len, V]`: per row (f32) the largest logit, its index,
@@ -501,5 +579,82 @@ mod tests {
         assert_eq!(plan.kept_blocks(), 4);
         assert_eq!(&plan.block_ids[8..], &[99, 99, 99, 99]);
         assert!(plan.weights[8..].iter().all(|&w| w == 0.0));
+    }
+
+    /// D-PACE as speculators 0.9.0 computes it (`scripts/make_objective_fixtures.py`): the slot weights, the loss and
+    /// its gradient, for three alphas, with the LM head in chunks of 7 rows (two blocks a chunk: the chunking keeps
+    /// blocks whole) over "hidden states" that are the logits themselves (an identity head).
+    #[test]
+    fn dpace_matches_speculators() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dpace-speculators-0.9.0.json");
+        let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let floats = |v: &serde_json::Value| -> Vec<f32> {
+            v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+        };
+        let (bs, vocab) = (fixture["block_size"].as_u64().unwrap() as usize, fixture["vocab"].as_i64().unwrap());
+        let labels: Vec<i64> = fixture["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
+        let mask = floats(&fixture["mask"]);
+        let rows = labels.len();
+        let blocks = rows / bs;
+        let logits = Tensor::from_slice(&floats(&fixture["logits"])).view([rows as i64, vocab]);
+        let keep: Vec<bool> = (0..blocks).map(|b| mask[b * bs..(b + 1) * bs].iter().any(|&m| m > 0.0)).collect();
+        let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 * b.abs().max(1.0);
+        for case in fixture["cases"].as_array().unwrap() {
+            let alpha = case["alpha"].as_f64().unwrap();
+            let plan = BlockPlan {
+                batch: 1,
+                blocks,
+                block_size: bs,
+                seq_len: rows,
+                anchors: (0..blocks as i64).map(|b| b * bs as i64).collect(),
+                keep: keep.clone(),
+                block_ids: vec![0; rows],
+                positions: (0..rows as i64).collect(),
+                labels: labels.clone(),
+                weights: mask.clone(),
+                dpace_alpha: Some(alpha),
+            };
+            let (lab, w) = (Tensor::from_slice(&labels), Tensor::from_slice(&mask));
+            let out = lm_head_loss(&logits, &Tensor::eye(vocab, (Kind::Float, Device::Cpu)), &lab, &w, &plan, 7, true)
+                .unwrap();
+            let m = out.metrics;
+            assert_eq!(m.weight, mask.iter().sum::<f32>() as f64, "the normaliser is the supervised slots");
+            let norm = m.weight + 1e-5;
+            let loss = case["loss"].as_f64().unwrap();
+            assert!(
+                close(m.weighted_loss / norm, loss),
+                "alpha {alpha}: loss {} against {loss}",
+                m.weighted_loss / norm
+            );
+            let grad = Vec::<f32>::try_from(out.grad.unwrap().view([-1]) / norm).unwrap();
+            for (i, (g, e)) in grad.iter().zip(floats(&case["grad"])).enumerate() {
+                assert!(close(*g as f64, e as f64), "alpha {alpha}: gradient {i}: {g} against {e}");
+            }
+            // The weights alone, from the same cross-entropies.
+            let selected: Vec<i64> = (0..rows as i64).filter(|&r| mask[r as usize] > 0.0).collect();
+            let sel = Tensor::from_slice(&selected);
+            let ce = logits
+                .log_softmax(-1, Kind::Float)
+                .gather(1, &lab.unsqueeze(1), false)
+                .squeeze_dim(1)
+                .neg()
+                .index_select(0, &sel);
+            let weights = Vec::<f32>::try_from(dpace_weights(&ce, &sel, bs as i64, alpha).unwrap()).unwrap();
+            let expected = floats(&case["weights"]);
+            for (w, &r) in weights.iter().zip(&selected) {
+                assert!(close(*w as f64, expected[r as usize] as f64), "alpha {alpha}: weight of row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_end_where_blocks_end() {
+        // Blocks of 4: rows 1-3 (block 0), 5-7 (1), 9 (2), 13-15 (3).
+        let selected = [1, 2, 3, 5, 6, 7, 9, 13, 14, 15];
+        assert_eq!(whole_block_chunks(&selected, 4, 7), vec![(0, 7), (7, 3)]);
+        assert_eq!(whole_block_chunks(&selected, 4, 5), vec![(0, 3), (3, 4), (7, 3)]);
+        // A chunk shorter than a block takes the block whole.
+        assert_eq!(whole_block_chunks(&selected, 4, 2), vec![(0, 3), (3, 3), (6, 1), (7, 3)]);
+        assert!(whole_block_chunks(&[], 4, 2).is_empty());
     }
 }
