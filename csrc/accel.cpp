@@ -1,15 +1,19 @@
 // What tch does not expose, through libtorch's device-agnostic API (no CUDA headers needed): binding the calling
 // thread to a device, synchronizing it, the caching allocator's statistics, timing events recorded on the thread's
-// current stream, presetting a tensor's `.grad` (so gradients accumulate into a flat buffer) and the fused AdamW
-// kernel. Tensors cross the boundary as `at::Tensor*`, which is what tch's C API hands out.
+// current stream, presetting a tensor's `.grad` (so gradients accumulate into a flat buffer), the fused AdamW
+// kernel and Muon's update. Tensors cross the boundary as `at::Tensor*`, which is what tch's C API hands out.
 // Every function catches C++ exceptions and reports them as a message, never unwinding into Rust.
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/Event.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <vector>
 
 #include "shim_error.h"
 
@@ -148,16 +152,52 @@ int dflash_set_grad(at::Tensor* param, at::Tensor* grad, char* err, size_t len) 
   });
 }
 
-// One AdamW step (decoupled weight decay) over one flat parameter buffer; `step` (float32, same device) must
-// already count this step. Gradients are divided by `grad_scale` (nullable) inside the kernel.
-int dflash_fused_adamw(at::Tensor* param, at::Tensor* grad, at::Tensor* exp_avg, at::Tensor* exp_avg_sq,
-                       at::Tensor* step, double lr, double beta1, double beta2, double weight_decay, double eps,
-                       at::Tensor* grad_scale, char* err, size_t len) {
+// One AdamW step (decoupled weight decay) over `count` parameter tensors (the flat buffer, or views of it) with their
+// gradients and moments; `step` (float32, same device) must already count this step and serves every tensor.
+// Gradients are divided by `grad_scale` (nullable) inside the kernel.
+int dflash_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs,
+                       size_t count, at::Tensor* step, double lr, double beta1, double beta2, double weight_decay,
+                       double eps, at::Tensor* grad_scale, char* err, size_t len) {
   return guard(1, err, len, [&] {
     std::optional<at::Tensor> scale;
     if (grad_scale != nullptr) scale = *grad_scale;
-    at::_fused_adamw_({*param}, {*grad}, {*exp_avg}, {*exp_avg_sq}, {}, {*step}, lr, beta1, beta2, weight_decay,
-                      eps, /*amsgrad=*/false, /*maximize=*/false, scale, std::nullopt);
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (size_t i = 0; i < count; ++i) {
+      p.push_back(*params[i]);
+      g.push_back(*grads[i]);
+      m.push_back(*exp_avgs[i]);
+      v.push_back(*exp_avg_sqs[i]);
+      steps.push_back(*step);
+    }
+    at::_fused_adamw_(p, g, m, v, {}, steps, lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
+                      /*maximize=*/false, scale, std::nullopt);
+    return 0;
+  });
+}
+
+// One Muon step of one 2-D parameter, as torch.optim.Muon 2.11 writes it (`_single_tensor_muon` with Nesterov and
+// `_zeropower_via_newtonschulz`), op for op: the gradient is `grad / grad_divisor`, `buf` its momentum buffer;
+// `adjusted_lr` is the learning rate scaled for the parameter's shape, weight decay uses the unadjusted one.
+int dflash_muon_step(at::Tensor* param, at::Tensor* grad, at::Tensor* buf, double grad_divisor, double lr,
+                     double adjusted_lr, double weight_decay, double momentum, double a, double b, double c,
+                     int ns_steps, double eps, char* err, size_t len) {
+  return guard(1, err, len, [&] {
+    c10::NoGradGuard no_grad;
+    at::Tensor g = grad->div(grad_divisor);
+    buf->lerp_(g, 1 - momentum);
+    at::Tensor update = g.lerp(*buf, momentum);
+    at::Tensor x = update.to(at::kBFloat16);
+    const bool tall = update.size(0) > update.size(1);
+    if (tall) x = x.t();
+    x.div_(x.norm().clamp_min(eps));
+    for (int i = 0; i < ns_steps; ++i) {
+      at::Tensor gram = at::matmul(x, x.t());
+      at::Tensor gram_update = at::addmm(gram, gram, gram, /*beta=*/b, /*alpha=*/c);
+      x = at::addmm(x, gram_update, x, /*beta=*/a);
+    }
+    if (tall) x = x.t();
+    param->mul_(1 - lr * weight_decay);
+    param->add_(x, -adjusted_lr);
     return 0;
   });
 }

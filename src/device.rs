@@ -11,8 +11,8 @@ use tch::{Device, Kind};
 
 /// The device services of the C++ boundary, by the names a compute thread calls them.
 pub use crate::ffi::accel::{
-    MemoryStats, Priority, TimingEvent, bind_thread, current_stream_handle, memory_stats, reset_peak_memory,
-    synchronize, to_pinned_host, use_own_stream,
+    MemoryStats, Priority, TimingEvent, bind_thread, current_stream_handle, deterministic_gpus, memory_stats,
+    reset_peak_memory, synchronize, to_pinned_host, use_own_stream,
 };
 
 /// Errors about devices and numeric types, each naming what was asked for and what to do.
@@ -163,17 +163,6 @@ pub fn kind_name(kind: Kind) -> &'static str {
         Kind::Double => "float64",
         _ => "other",
     }
-}
-
-/// Makes the GPUs' training deterministic (`drafters.deterministic`): libtorch's deterministic algorithms, and
-/// cuBLAS with a fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, which cuBLAS reads when its first handle is made, unless
-/// already set). Call it before any other thread runs and before any GPU work.
-pub fn deterministic_gpus() -> Result<(), String> {
-    if std::env::var_os("CUBLAS_WORKSPACE_CONFIG").is_none() {
-        // SAFETY: called at start, while the process has one thread (nothing reads the environment concurrently).
-        unsafe { std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8") };
-    }
-    crate::ffi::accel::set_deterministic(true)
 }
 
 /// The first GPU, bound to the calling thread, for tests that need one: they are `#[ignore = "needs a GPU"]`, and

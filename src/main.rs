@@ -57,7 +57,7 @@ enum Command {
         on control.read_only_listen), POST /checkpoint and /reload (and POST /drafters/{id}/fault and \
         /targets/{id}/fault with control.fault_injection); POST takes \"Authorization: Bearer <token>\" whenever \
         DFLASH_CONTROL_TOKEN or control.token_file sets one, and answers 401 without one off loopback. SIGHUP or POST /reload \
-        rereads the configuration: learning rate and schedule, num_anchors, gamma, intervals and log level change at \
+        rereads the configuration: learning rates (AdamW's, Muon's) and schedule, num_anchors, gamma, intervals and log level change at \
         the same step on every drafter; other changes are refused and the run goes on. With eval.every_steps, the \
         acceptance length is measured by real speculative decoding of held-out prompts on a thread beside training, \
         and the best checkpoint is kept as checkpoint.dir/best. SIGTERM or Ctrl-C finishes the current steps, \

@@ -30,6 +30,7 @@ fn settings(lr: f64) -> StepSettings {
         eps: 1e-8,
         weight_decay: 0.0,
         grad_clip: None,
+        muon: None,
     };
     StepSettings { hyper, objective: ObjectiveKnobs { num_anchors: 4, gamma: None } }
 }

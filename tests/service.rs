@@ -11,13 +11,16 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use service_process::*;
 
-/// With the paper's slot weights and with D-PACE's (which follow the drafter's own confidence, and train another
-/// drafter from the same start).
+/// With the paper's recipe, with D-PACE's slot weights (which follow the drafter's own confidence) and with Muon
+/// (whose momentum buffers are saved where AdamW's first moments are): each resumes exactly, and each trains another
+/// drafter from the same start.
 #[test]
 fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
-    let decay = stop_and_resume(&[]);
+    let paper = stop_and_resume(&[]);
     let dpace = stop_and_resume(&["objective.weights=dpace", "objective.dpace_alpha=0.3"]);
-    assert!(decay != dpace, "objective.weights = dpace trained the same drafter as the decay");
+    let muon = stop_and_resume(&["optim.optimizer=muon", "optim.muon_lr=0.01"]);
+    assert!(paper != dpace, "objective.weights = dpace trained the same drafter as the decay");
+    assert!(paper != muon && dpace != muon, "optim.optimizer = muon trained the same drafter as AdamW");
 }
 
 /// Runs 14 steps whole and stopped at step 5 or later then resumed; both end with the same drafter and optimizer

@@ -4,11 +4,11 @@ mod reference_models;
 
 use std::collections::BTreeMap;
 
-use dflash::ffi::accel::AdamwStep;
+use dflash::ffi::accel::{AdamwStep, MuonStep};
 use dflash::model::presets::tiny;
 use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target};
 use dflash::train::objective::ObjectiveSettings;
-use dflash::train::{AdamW, FeatureBatch, Trainer, UpdateSettings};
+use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer, UpdateSettings};
 use tch::{Device, Kind, Tensor};
 
 const BS: usize = 4;
@@ -33,6 +33,7 @@ fn update(lr: f64) -> UpdateSettings {
     UpdateSettings {
         adamw: AdamwStep { lr, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8 },
         grad_clip: Some(1.0),
+        muon: None,
     }
 }
 
@@ -158,7 +159,9 @@ fn save_load_is_bitwise_and_resuming_continues_identically() {
 
     let mut b = trainer(&t, 6, 5);
     b.drafter = Drafter::load(dir.path(), Device::Cpu, Kind::Float).unwrap();
-    b.optimizer = AdamW::load(dir.path(), "optimizer.safetensors", b.drafter.params().layout(), Device::Cpu).unwrap();
+    let layout = b.drafter.params().layout();
+    b.optimizer =
+        Optimizer::load(dir.path(), "optimizer.safetensors", layout, Device::Cpu, OptimizerKind::AdamW).unwrap();
     let (sa, sb) = (snapshot(&a), snapshot(&b));
     assert!(sa.0.equal(&sb.0) && sa.1.equal(&sb.1) && sa.2.equal(&sb.2), "save -> load is not bitwise");
     assert_eq!(b.optimizer.steps(), 3);
@@ -205,12 +208,26 @@ fn a_tiny_drafter_overfits_a_tiny_dataset_with_dpace() {
     overfits(&t, trainer_with(&t, objective, 7));
 }
 
-fn overfits(t: &Target, mut tr: Trainer) {
+/// With Muon for the weight matrices (speculators' defaults but a higher rate for 150 steps) and AdamW for the norms.
+#[test]
+fn a_tiny_drafter_overfits_a_tiny_dataset_with_muon() {
+    let t = target();
+    let mut tr = trainer(&t, 12, 7);
+    tr.optimizer = Optimizer::new(tr.drafter.params(), OptimizerKind::Muon).unwrap();
+    let muon = MuonStep { lr: 0.02, momentum: 0.95, weight_decay: 0.1, ns_steps: 5 };
+    overfits_with(&t, tr, &UpdateSettings { muon: Some(muon), ..update(5e-3) });
+}
+
+fn overfits(t: &Target, tr: Trainer) {
+    overfits_with(t, tr, &update(5e-3))
+}
+
+fn overfits_with(t: &Target, mut tr: Trainer, settings: &UpdateSettings) {
     let data = dataset(6, 32);
     let eval = batch(t, &data, 0, 0);
     let before = tr.evaluate(&eval).unwrap();
     for step in 0..150u64 {
-        tr.train_step(&[batch(t, &data, 0, step)], &update(5e-3)).unwrap();
+        tr.train_step(&[batch(t, &data, 0, step)], settings).unwrap();
     }
     let after = tr.evaluate(&eval).unwrap();
     assert!(after.loss() < 0.3 * before.loss(), "loss {} -> {}", before.loss(), after.loss());
@@ -284,6 +301,7 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
         eps: 1e-8,
         weight_decay: 0.01,
         grad_clip: Some(1.0),
+        muon: None,
     };
     let mut one = trainer(&t, 6, 12);
     let mut halves = [trainer(&t, 6, 12), trainer(&t, 6, 12)];

@@ -14,12 +14,12 @@ use tch::{Device, Kind, Tensor};
 
 use super::{BenchError, StepTimes, check_counts};
 use crate::device::{self, device_name, kind_name};
-use crate::ffi::accel::AdamwStep;
+use crate::ffi::accel::{AdamwStep, MuonStep};
 use crate::model::drafter_config::default_gamma;
 use crate::model::{Depth, Drafter, DrafterConfig, Init, ModelError, Preset};
 use crate::profile::Recorder;
 use crate::train::objective::{ObjectiveSettings, default_group_blocks};
-use crate::train::{FeatureBatch, Trainer, UpdateSettings};
+use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer, UpdateSettings};
 
 #[derive(Debug, Clone)]
 pub struct DrafterBenchOptions {
@@ -42,6 +42,8 @@ pub struct DrafterBenchOptions {
     pub attention_group_blocks: Option<usize>,
     /// D-PACE's alpha (`objective.weights = "dpace"`); None: the decay.
     pub dpace_alpha: Option<f64>,
+    /// `optim.optimizer`.
+    pub optimizer: OptimizerKind,
 }
 
 #[derive(Debug, Serialize)]
@@ -141,6 +143,7 @@ pub fn bench_drafter(
     let embed = random(&[v, h], 0.02)?;
     let lm_head = random(&[v, h], 0.02)?;
     let mut trainer = Trainer::new(drafter, embed, lm_head, objective, 0)?;
+    trainer.optimizer = Optimizer::new(trainer.drafter.params(), opts.optimizer)?;
     let features = match target {
         Some(target) => Features::Captured(Box::new(target)),
         None => Features::Fixed(random(&[opts.batch, opts.seq, width], 0.5)?),
@@ -151,6 +154,12 @@ pub fn bench_drafter(
     let masks = vec![vec![1u8; opts.seq as usize]; opts.batch as usize];
     let update = UpdateSettings {
         adamw: AdamwStep { lr: 6e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+        muon: (opts.optimizer == OptimizerKind::Muon).then_some(MuonStep {
+            lr: 1e-3,
+            momentum: 0.95,
+            weight_decay: 0.1,
+            ns_steps: 5,
+        }),
         grad_clip: Some(1.0),
     };
     let mut epoch = 0u64;
@@ -296,6 +305,7 @@ mod tests {
             lm_head_chunk_rows: None,
             attention_group_blocks: None,
             dpace_alpha: None,
+            optimizer: OptimizerKind::AdamW,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert!(r.samples_per_s > 0.0 && r.loss.is_finite() && r.loss > 0.0);
@@ -324,6 +334,7 @@ mod tests {
             lm_head_chunk_rows: None,
             attention_group_blocks: None,
             dpace_alpha: None,
+            optimizer: OptimizerKind::AdamW,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.anchors, 15);
@@ -348,6 +359,7 @@ mod tests {
             lm_head_chunk_rows: None,
             attention_group_blocks: None,
             dpace_alpha: None,
+            optimizer: OptimizerKind::AdamW,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.what, "pipeline");

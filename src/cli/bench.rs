@@ -181,6 +181,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 lm_head_chunk_rows: args.lm_head_chunk_rows,
                 attention_group_blocks: args.attention_group_blocks,
                 dpace_alpha: config.objective.dpace_alpha(),
+                optimizer: config.optim.optimizer,
             };
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(%preset, device = %device_name(device), "building the drafter");

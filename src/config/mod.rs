@@ -595,8 +595,9 @@ impl RawConfig {
 }
 
 /// Keys a running service cannot change: resuming with a different value is refused.
-pub const NON_RELOADABLE: [&str; 10] = [
+pub const NON_RELOADABLE: [&str; 11] = [
     "target.model",
+    "optim.optimizer",
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -610,9 +611,9 @@ pub const NON_RELOADABLE: [&str; 10] = [
 
 /// Keys every host of a run must share, checked when a host joins ([`join_differences`]): those a run cannot change
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
-/// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), and how the
-/// drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 11] = [
+/// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
+/// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
+pub const SHARED_BY_HOSTS: [&str; 15] = [
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -623,6 +624,10 @@ pub const SHARED_BY_HOSTS: [&str; 11] = [
     "objective.seed",
     "objective.weights",
     "objective.dpace_alpha",
+    "optim.optimizer",
+    "optim.muon_momentum",
+    "optim.muon_weight_decay",
+    "optim.muon_ns_steps",
     "drafters.collective",
 ];
 
@@ -677,8 +682,9 @@ pub fn join_differences(mine: &serde_json::Value, rank0: &serde_json::Value) -> 
 
 /// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
 /// to any other key is refused while running.
-pub const RELOADABLE: [&str; 25] = [
+pub const RELOADABLE: [&str; 26] = [
     "optim.lr",
+    "optim.muon_lr",
     "optim.betas",
     "optim.eps",
     "optim.weight_decay",
@@ -985,6 +991,9 @@ mod tests {
             ("objective.dpace_alpha=0", &["objective.dpace_alpha", "(0, 1]"]),
             ("objective.dpace_alpha=1.5", &["objective.dpace_alpha", "1.5"]),
             ("objective.seed=-3", &["objective.seed", "-3"]),
+            ("optim.optimizer=sgd", &["optim.optimizer", "sgd", "muon"]),
+            ("optim.muon_ns_steps=0", &["optim.muon_ns_steps", "1..=99"]),
+            ("optim.muon_momentum=1", &["optim.muon_momentum", "[0, 1)"]),
             ("draft_model.block_size=1", &["draft_model.block_size", "1"]),
             ("drafters.devices=[]", &["drafters.devices", "at least one"]),
             ("drafters.devices=[\"cpu\", \"gpu\"]", &["drafters.devices", "gpu", "cuda:N"]),

@@ -12,7 +12,8 @@ use super::{ConfigError, invalid};
 use crate::cluster::launch::ClusterSettings;
 use crate::data::dataset::SyntheticLengths;
 use crate::device::DeviceSpec;
-use crate::train::ScheduleKind;
+use crate::train::optim::MuonHyper;
+use crate::train::{OptimizerKind, ScheduleKind};
 
 fn at_least(key: &str, value: i64, min: i64) -> Result<usize, ConfigError> {
     if value < min {
@@ -210,6 +211,11 @@ pub(super) struct RawOptim {
     accumulation: i64,
     epochs: i64,
     max_steps: i64,
+    optimizer: String,
+    muon_lr: f64,
+    muon_momentum: f64,
+    muon_weight_decay: f64,
+    muon_ns_steps: i64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -230,6 +236,9 @@ pub struct OptimSettings {
     pub epochs: u64,
     /// 0: no limit besides `epochs`.
     pub max_steps: u64,
+    pub optimizer: OptimizerKind,
+    /// Muon's hyperparameters (used with `optimizer = Muon`).
+    pub muon: MuonHyper,
 }
 
 impl RawOptim {
@@ -262,6 +271,20 @@ impl RawOptim {
             accumulation: at_least("optim.accumulation", self.accumulation, 1)?,
             epochs: at_least("optim.epochs", self.epochs, 1)? as u64,
             max_steps: at_least("optim.max_steps", self.max_steps, 0)? as u64,
+            optimizer: match self.optimizer.as_str() {
+                "adamw" => OptimizerKind::AdamW,
+                "muon" => OptimizerKind::Muon,
+                other => return Err(invalid("optim.optimizer", format!("{other:?}"), "\"adamw\" or \"muon\"")),
+            },
+            muon: MuonHyper {
+                lr: finite_in("optim.muon_lr", self.muon_lr, 0.0, 1.0, "a learning rate in [0, 1]")?,
+                momentum: finite_in("optim.muon_momentum", self.muon_momentum, 0.0, 0.999999, "in [0, 1)")?,
+                weight_decay: finite_in("optim.muon_weight_decay", self.muon_weight_decay, 0.0, 1.0, "in [0, 1]")?,
+                ns_steps: match self.muon_ns_steps {
+                    n @ 1..=99 => n as u32,
+                    n => return Err(invalid("optim.muon_ns_steps", n, "Newton-Schulz steps in 1..=99 (5 is Muon's)")),
+                },
+            },
         })
     }
 }

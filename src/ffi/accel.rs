@@ -45,10 +45,11 @@ unsafe extern "C" {
     fn dflash_event_free(event: *mut c_void);
     fn dflash_set_grad(param: *mut C_tensor, grad: *mut C_tensor, err: *mut c_char, len: usize) -> c_int;
     fn dflash_fused_adamw(
-        param: *mut C_tensor,
-        grad: *mut C_tensor,
-        exp_avg: *mut C_tensor,
-        exp_avg_sq: *mut C_tensor,
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        count: usize,
         step: *mut C_tensor,
         lr: f64,
         beta1: f64,
@@ -60,6 +61,23 @@ unsafe extern "C" {
         len: usize,
     ) -> c_int;
     fn dflash_empty_pinned_like(like: *const C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
+    fn dflash_muon_step(
+        param: *mut C_tensor,
+        grad: *mut C_tensor,
+        buf: *mut C_tensor,
+        grad_divisor: f64,
+        lr: f64,
+        adjusted_lr: f64,
+        weight_decay: f64,
+        momentum: f64,
+        a: f64,
+        b: f64,
+        c: f64,
+        ns_steps: c_int,
+        eps: f64,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
 }
 
 /// A copy of GPU tensor `t` in page-locked host memory (a CPU tensor is copied as it is). Device-to-host copies into
@@ -74,10 +92,16 @@ pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
     Ok(host)
 }
 
-/// libtorch's deterministic algorithms on or off, for the whole process.
-pub fn set_deterministic(on: bool) -> Result<(), String> {
-    // SAFETY: the shim takes plain values and reports failures into `e`.
-    call(|e, n| unsafe { dflash_set_deterministic(on as c_int, e, n) }).map_err(|failed| failed.message)
+/// Makes the GPUs' training deterministic (`drafters.deterministic`): libtorch's deterministic algorithms, for the
+/// whole process, and cuBLAS with a fixed workspace (`CUBLAS_WORKSPACE_CONFIG`, which cuBLAS reads when its first
+/// handle is made, unless already set). Call it before any other thread runs and before any GPU work.
+pub fn deterministic_gpus() -> Result<(), String> {
+    if std::env::var_os("CUBLAS_WORKSPACE_CONFIG").is_none() {
+        // SAFETY: called at start, while the process has one thread (nothing reads the environment concurrently).
+        unsafe { std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8") };
+    }
+    // SAFETY: the shim takes a plain value and reports failures into `e`.
+    call(|e, n| unsafe { dflash_set_deterministic(1, e, n) }).map_err(|failed| failed.message)
 }
 
 fn cuda_index(device: Device) -> Option<c_int> {
@@ -258,25 +282,45 @@ pub struct AdamwStep {
     pub eps: f64,
 }
 
-/// One fused AdamW update of the flat buffers (`_fused_adamw_`). `step` (float32, one element, on the
-/// parameters' device) must already count this step; gradients are divided by `grad_scale` inside the kernel.
+/// The tensors one AdamW update applies to: parameters, their gradients and both moments, one entry each (the flat
+/// buffers, or views of them).
+pub struct AdamwTensors<'a> {
+    pub params: &'a [Tensor],
+    pub grads: &'a [Tensor],
+    pub exp_avgs: &'a [Tensor],
+    pub exp_avg_sqs: &'a [Tensor],
+}
+
+/// One fused AdamW update (`_fused_adamw_`) of `t`. `step` (float32, one element, on the parameters' device) must
+/// already count this step; gradients are divided by `grad_scale` inside the kernel.
 pub fn fused_adamw(
-    param: &Tensor,
-    grad: &Tensor,
-    exp_avg: &Tensor,
-    exp_avg_sq: &Tensor,
+    t: AdamwTensors,
     step: &Tensor,
     hp: AdamwStep,
     grad_scale: Option<&Tensor>,
 ) -> Result<(), DeviceError> {
+    let count = t.params.len();
+    let lists = [t.params, t.grads, t.exp_avgs, t.exp_avg_sqs];
+    if count == 0 {
+        return Ok(());
+    }
+    if lists.iter().any(|l| l.len() != count) {
+        let lengths: Vec<usize> = lists.iter().map(|l| l.len()).collect();
+        return Err(DeviceError::Runtime {
+            device: step.device(),
+            message: format!("AdamW lists of lengths {lengths:?}"),
+        });
+    }
+    let [p, g, m, v] = lists.map(|l| l.iter().map(raw).collect::<Vec<_>>());
     let scale = grad_scale.map_or(std::ptr::null_mut(), raw);
-    // SAFETY: live tensor handles; a null grad_scale means none.
-    on_device(param.device(), |e, n| unsafe {
+    // SAFETY: four arrays of `count` live tensor handles, kept alive by `t` for the call; a null grad_scale means none.
+    on_device(step.device(), |e, n| unsafe {
         dflash_fused_adamw(
-            raw(param),
-            raw(grad),
-            raw(exp_avg),
-            raw(exp_avg_sq),
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            count,
             raw(step),
             hp.lr,
             hp.beta1,
@@ -284,6 +328,53 @@ pub fn fused_adamw(
             hp.weight_decay,
             hp.eps,
             scale,
+            e,
+            n,
+        )
+    })
+}
+
+/// Muon's hyperparameters of one step (torch.optim.Muon's names).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MuonStep {
+    pub lr: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub ns_steps: u32,
+}
+
+/// Newton-Schulz coefficients and the normalisation's floor, torch.optim.Muon's defaults.
+pub const MUON_NS_COEFFICIENTS: (f64, f64, f64) = (3.4445, -4.775, 2.0315);
+pub const MUON_EPS: f64 = 1e-7;
+
+/// One Muon update of the 2-D parameter `param` from `grad / grad_divisor`, with momentum buffer `buf`, as
+/// torch.optim.Muon 2.11 computes it (Nesterov, Newton-Schulz in bf16, decoupled weight decay at `hp.lr`), stepping by
+/// `adjusted_lr` (the rate scaled for its shape).
+pub fn muon_step(
+    param: &Tensor,
+    grad: &Tensor,
+    buf: &Tensor,
+    grad_divisor: f64,
+    hp: MuonStep,
+    adjusted_lr: f64,
+) -> Result<(), DeviceError> {
+    let (a, b, c) = MUON_NS_COEFFICIENTS;
+    // SAFETY: live tensor handles; the shim takes plain values otherwise.
+    on_device(param.device(), |e, n| unsafe {
+        dflash_muon_step(
+            raw(param),
+            raw(grad),
+            raw(buf),
+            grad_divisor,
+            hp.lr,
+            adjusted_lr,
+            hp.weight_decay,
+            hp.momentum,
+            a,
+            b,
+            c,
+            hp.ns_steps as c_int,
+            MUON_EPS,
             e,
             n,
         )

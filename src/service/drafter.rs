@@ -27,7 +27,7 @@ use crate::train::collective::{Collective, CollectiveError, Contribution, JoinBu
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{Metrics, ObjectiveSettings};
 use crate::train::step::UpdateReport;
-use crate::train::{AdamW, FeatureBatch, Trainer};
+use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer};
 
 /// What one drafter shares with the supervisor across its restarts.
 #[derive(Default)]
@@ -72,6 +72,7 @@ pub struct DrafterSpawn {
     pub kind: Kind,
     pub config: DrafterConfig,
     pub objective: ObjectiveSettings,
+    pub optimizer: OptimizerKind,
     pub seed: u64,
     /// A new run's starting weights (`draft_model.init`, checked at start); `None`: random from `seed`.
     pub init: Option<PathBuf>,
@@ -256,10 +257,13 @@ fn build_trainer(a: &DrafterSpawn) -> Result<Trainer, Failure> {
         .map(|h| unsafe { h.alias() }.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)));
     let (embed, lm_head) = (embed.map_err(torch)?, lm_head.map_err(torch)?);
     let mut trainer = Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
-    if let Start::Found(Some(ckpt)) = &a.start {
-        trainer.optimizer =
-            AdamW::load(ckpt, OPTIMIZER_FILE, trainer.drafter.params().layout(), a.device).map_err(unloadable)?;
-    }
+    let layout = trainer.drafter.params().layout();
+    trainer.optimizer = match &a.start {
+        Start::Found(Some(ckpt)) => {
+            Optimizer::load(ckpt, OPTIMIZER_FILE, layout, a.device, a.optimizer).map_err(unloadable)?
+        }
+        _ => Optimizer::new(trainer.drafter.params(), a.optimizer).map_err(torch)?,
+    };
     Ok(trainer)
 }
 
@@ -479,6 +483,7 @@ fn send_snapshot(a: &DrafterSpawn, trainer: &Trainer, step: u64) -> Result<(), F
         trainer.drafter.params().layout(),
         state_tensors(trainer),
         trainer.optimizer.steps(),
+        trainer.optimizer.muon_names(),
     )
     .map_err(torch)?;
     let message = SupervisorMsg::Snapshot { id: a.id, generation: a.generation, snapshot: Box::new(snapshot) };

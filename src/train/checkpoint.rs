@@ -4,6 +4,7 @@
 //! checkpoint exists completely or not at all. Loading verifies the manifest and falls back to the previous valid
 //! checkpoint. A background writer takes snapshots (host copies) so training threads never wait on disks; retention
 //! keeps the newest K.
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{
@@ -93,6 +94,8 @@ pub struct Snapshot {
     pub exp_avg: Tensor,
     pub exp_avg_sq: Tensor,
     pub optimizer_steps: u64,
+    /// With Muon: the parameters whose first-moment slot holds Muon's momentum buffer.
+    pub muon: Option<BTreeSet<String>>,
 }
 
 impl Snapshot {
@@ -103,6 +106,7 @@ impl Snapshot {
         layout: &FlatLayout,
         [master, exp_avg, exp_avg_sq]: [&Tensor; 3],
         optimizer_steps: u64,
+        muon: Option<&BTreeSet<String>>,
     ) -> Result<Self, ModelError> {
         // A fresh host tensor (so training cannot change it later), page-locked for a device's: the copy is the
         // training thread's pause, and pinned memory makes it run at bus speed.
@@ -115,6 +119,7 @@ impl Snapshot {
             exp_avg: host(exp_avg)?,
             exp_avg_sq: host(exp_avg_sq)?,
             optimizer_steps,
+            muon: muon.cloned(),
         })
     }
 }
@@ -180,6 +185,7 @@ fn write_files(
         &snapshot.exp_avg,
         &snapshot.exp_avg_sq,
         &step_tensor,
+        snapshot.muon.as_ref(),
     )?;
     after_first_file();
     save_drafter_folder(&tmp.join(DRAFTER_DIR), &snapshot.config, &snapshot.layout, &snapshot.master, Kind::Float)?;
@@ -597,7 +603,7 @@ impl Drop for Checkpointer {
 mod tests {
     use super::*;
     use crate::model::{Drafter, Init, Preset};
-    use crate::train::AdamW;
+    use crate::train::optim::{Optimizer, OptimizerKind};
     use tch::Device;
 
     #[test]
@@ -685,9 +691,9 @@ mod tests {
         let d =
             Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 4), Device::Cpu, Kind::Float, Init::Portable(step))
                 .unwrap();
-        let opt = AdamW::new(d.params()).unwrap();
+        let opt = Optimizer::new(d.params(), OptimizerKind::AdamW).unwrap();
         let [m, v, _] = opt.state_tensors();
-        Snapshot::take(step, d.config(), d.params().layout(), [&d.params().master, m, v], 3).unwrap()
+        Snapshot::take(step, d.config(), d.params().layout(), [&d.params().master, m, v], 3, None).unwrap()
     }
 
     fn state(step: u64) -> TrainerState {
@@ -721,7 +727,8 @@ mod tests {
         let path = write_checkpoint(dir.path(), &snap, &state(7), &|| {}, &|| true).unwrap();
         let d = Drafter::load(&path.join(DRAFTER_DIR), Device::Cpu, Kind::Float).unwrap();
         assert!(d.params().master.equal(&snap.master));
-        let opt = AdamW::load(&path, OPTIMIZER_FILE, d.params().layout(), Device::Cpu).unwrap();
+        let opt =
+            Optimizer::load(&path, OPTIMIZER_FILE, d.params().layout(), Device::Cpu, OptimizerKind::AdamW).unwrap();
         assert_eq!(opt.steps(), 3);
         assert!(opt.moments().0.equal(&snap.exp_avg));
         assert_eq!(verify_checkpoint(&path).unwrap(), state(7));

@@ -1,5 +1,5 @@
-//! Training: the DFlash objective, AdamW with saveable state and its schedule, and the training step. Knows nothing
-//! of actors, so it is tested and benchmarked on its own.
+//! Training: the DFlash objective, the optimizer (AdamW, or Muon and AdamW) with saveable state and its schedule, and
+//! the training step. Knows nothing of actors, so it is tested and benchmarked on its own.
 pub mod checkpoint;
 pub mod collective;
 pub mod decode_eval;
@@ -11,5 +11,5 @@ pub mod rounds;
 pub mod step;
 
 pub use objective::{Metrics, ObjectiveSettings};
-pub use optim::{AdamW, LrSchedule, ScheduleKind, UpdateSettings};
+pub use optim::{LrSchedule, Optimizer, OptimizerKind, ScheduleKind, UpdateSettings};
 pub use step::{FeatureBatch, Trainer, UpdateReport};

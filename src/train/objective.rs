@@ -581,7 +581,7 @@ mod tests {
         assert!(plan.weights[8..].iter().all(|&w| w == 0.0));
     }
 
-    /// D-PACE as speculators 0.9.0 computes it (`scripts/make_objective_fixtures.py`): the slot weights, the loss and
+    /// D-PACE as speculators 0.9.0 computes it (`scripts/make_recipe_fixtures.py`): the slot weights, the loss and
     /// its gradient, for three alphas, with the LM head in chunks of 7 rows (two blocks a chunk: the chunking keeps
     /// blocks whole) over "hidden states" that are the logits themselves (an identity head).
     #[test]

@@ -13,7 +13,7 @@ use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
     BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
 };
-use crate::train::optim::{AdamW, Hyper, UpdateSettings, clip_factor};
+use crate::train::optim::{Hyper, Optimizer, OptimizerKind, UpdateSettings, clip_factor};
 
 /// A batch of conversations with the target's tapped states: what the target hands a drafter.
 pub struct FeatureBatch {
@@ -99,7 +99,7 @@ impl From<tch::TchError> for TrainError {
 /// A drafter with its optimizer and the target's frozen embedding and LM head.
 pub struct Trainer {
     pub drafter: Drafter,
-    pub optimizer: AdamW,
+    pub optimizer: Optimizer,
     embed: Tensor,
     lm_head: Tensor,
     pub objective: ObjectiveSettings,
@@ -116,7 +116,7 @@ impl Trainer {
         objective: ObjectiveSettings,
         seed: u64,
     ) -> Result<Self, ModelError> {
-        let optimizer = AdamW::new(drafter.params())?;
+        let optimizer = Optimizer::new(drafter.params(), OptimizerKind::AdamW)?;
         Ok(Trainer { drafter, optimizer, embed: embed.detach(), lm_head: lm_head.detach(), objective, seed })
     }
 
@@ -140,7 +140,7 @@ impl Trainer {
         evaluate_batch(&self.drafter, &self.heads(), &self.objective, batch)
     }
 
-    /// Divides the accumulated gradient by `total_weight`, clips it, and applies AdamW unless its norm is not
+    /// Divides the accumulated gradient by `total_weight`, clips it, and applies the optimizer unless its norm is not
     /// finite; the gradient is zeroed either way.
     pub fn apply(&mut self, total_weight: f64, settings: &UpdateSettings) -> Result<UpdateReport, TrainError> {
         let _p = span("optimizer");
@@ -150,7 +150,7 @@ impl Trainer {
         let applied = grad_norm.is_finite();
         if applied {
             let clip = clip_factor(grad_norm, settings.grad_clip);
-            self.optimizer.update(params, settings.adamw, divisor / clip)?;
+            self.optimizer.update(params, settings, divisor / clip)?;
         }
         self.drafter.params_mut().zero_grad();
         Ok(UpdateReport { grad_norm, applied, lr: settings.adamw.lr })

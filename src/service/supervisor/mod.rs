@@ -488,6 +488,7 @@ impl Shell {
             kind: h.kind,
             config: self.a.drafter_config.clone(),
             objective: self.a.objective.clone(),
+            optimizer: c.optim.optimizer,
             seed: c.objective.seed,
             init: c.draft_model.init.clone(),
             accumulation: c.optim.accumulation,

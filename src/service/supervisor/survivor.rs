@@ -148,6 +148,7 @@ mod tests {
         let settings = (
             crate::train::optim::UpdateSettings {
                 adamw: crate::ffi::accel::AdamwStep { lr, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
+                muon: None,
                 grad_clip: None,
             },
             crate::train::objective::ObjectiveKnobs { num_anchors: 4, gamma: None },

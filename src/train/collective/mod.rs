@@ -616,6 +616,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.0,
             grad_clip: None,
+            muon: None,
         }
     }
 

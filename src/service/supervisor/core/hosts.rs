@@ -376,6 +376,7 @@ mod tests {
                     weight_decay: 0.0,
                     eps: 1e-8,
                 },
+                muon: None,
                 grad_clip: None,
             },
             ObjectiveKnobs { num_anchors: 4, gamma: None },

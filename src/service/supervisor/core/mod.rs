@@ -48,7 +48,7 @@ use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::optim::LrSchedule;
-use crate::train::optim::{Hyper, Progress};
+use crate::train::optim::{Hyper, OptimizerKind, Progress};
 use crate::train::step::StepSettings;
 
 /// A status that says something went wrong (a stop and completion do not).
@@ -81,6 +81,7 @@ pub fn step_settings(cfg: &Config, samples_per_epoch: u64, gamma: Option<f64>) -
             eps: o.eps,
             weight_decay: o.weight_decay,
             grad_clip: o.grad_clip,
+            muon: (o.optimizer == OptimizerKind::Muon).then_some(o.muon),
         },
         objective: ObjectiveKnobs { num_anchors: cfg.objective.num_anchors, gamma },
     }

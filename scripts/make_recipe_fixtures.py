@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Writes tests/fixtures/dpace-speculators-0.9.0.json: D-PACE slot weights, loss and gradient as speculators 0.9.0
-computes them (`speculators/losses/utils.py`: `dpace_loss_decay` through `loss_function`, with `losses/eager.py`'s
-`ce_loss`), for the exactness test in src/train/objective.rs (CI runs no Python: the fixture is committed).
+"""Writes the fixtures of the recipe's exactness tests (CI runs no Python: they are committed):
+- tests/fixtures/dpace-speculators-0.9.0.json: D-PACE slot weights, loss and gradient as speculators 0.9.0 computes
+  them (`speculators/losses/utils.py`: `dpace_loss_decay` through `loss_function`, with `losses/eager.py`'s
+  `ce_loss`), for src/train/objective.rs;
+- tests/fixtures/muon-torch-2.11.json: three steps of torch.optim.Muon (match_rms_adamw, as speculators builds it)
+  over three matrices and of torch.optim.AdamW over a vector, for src/train/optim.rs.
 
 Usage (torch from the environment scripts/setup.sh made; speculators' wheel is read, not installed, since importing
 the package pulls in transformers and more):
     pip download --no-deps speculators==0.9.0 -d /tmp/speculators
-    .venv/bin/python scripts/make_objective_fixtures.py /tmp/speculators/speculators-0.9.0-py3-none-any.whl
+    .venv/bin/python scripts/make_recipe_fixtures.py /tmp/speculators/speculators-0.9.0-py3-none-any.whl
 """
 import importlib.util
 import json
@@ -40,7 +43,7 @@ def load_losses(wheel):
     return modules["eager"], modules["utils"]
 
 
-def main(wheel):
+def dpace_fixture(wheel):
     eager, utils = load_losses(wheel)
     torch.manual_seed(0)
     block_size, blocks, vocab = 4, 6, 13
@@ -80,7 +83,7 @@ def main(wheel):
         )
     out = {
         "source": "speculators 0.9.0 losses/utils.py dpace_loss_decay + loss_function, losses/eager.py ce_loss; "
-        f"torch {torch.__version__}; scripts/make_objective_fixtures.py",
+        f"torch {torch.__version__}; scripts/make_recipe_fixtures.py",
         "block_size": block_size,
         "vocab": vocab,
         "labels": labels.tolist(),
@@ -88,10 +91,54 @@ def main(wheel):
         "logits": logits.reshape(-1).tolist(),
         "cases": cases,
     }
-    path = Path(__file__).resolve().parent.parent / "tests/fixtures/dpace-speculators-0.9.0.json"
+    write("dpace-speculators-0.9.0.json", out)
+
+
+def muon_fixture():
+    """Parameters by published name: a tall, a wide and a square matrix (Muon; the wide one is stacked with the square
+    one in dflash's flat layout) and a norm vector (AdamW), with three gradients each."""
+    torch.manual_seed(1)
+    shapes = {
+        "layers.0.mlp.down_proj.weight": (6, 4),
+        "layers.0.self_attn.q_proj.weight": (3, 5),
+        "layers.0.self_attn.k_proj.weight": (5, 5),
+        "norm.weight": (4,),
+    }
+    params = {n: torch.nn.Parameter(torch.randn(s)) for n, s in shapes.items()}
+    initial = {n: p.detach().clone() for n, p in params.items()}
+    muon_hp = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "ns_steps": 5}
+    adamw_hp = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    muon = torch.optim.Muon(
+        [p for n, p in params.items() if p.ndim == 2], adjust_lr_fn="match_rms_adamw", **muon_hp
+    )
+    adamw = torch.optim.AdamW([p for p in params.values() if p.ndim == 1], **adamw_hp)
+    grads, after = [], []
+    for _ in range(3):
+        step = {n: torch.randn(s) for n, s in shapes.items()}
+        for n, p in params.items():
+            p.grad = step[n].clone()
+        muon.step()
+        adamw.step()
+        grads.append({n: g.reshape(-1).tolist() for n, g in step.items()})
+        after.append({n: p.detach().reshape(-1).tolist() for n, p in params.items()})
+    out = {
+        "source": f"torch.optim.Muon and AdamW, torch {torch.__version__}; scripts/make_recipe_fixtures.py",
+        "shapes": {n: list(s) for n, s in shapes.items()},
+        "muon": muon_hp,
+        "adamw": {**adamw_hp, "betas": list(adamw_hp["betas"])},
+        "initial": {n: p.reshape(-1).tolist() for n, p in initial.items()},
+        "grads": grads,
+        "after": after,
+    }
+    write("muon-torch-2.11.json", out)
+
+
+def write(name, out):
+    path = Path(__file__).resolve().parent.parent / "tests/fixtures" / name
     path.write_text(json.dumps(out) + "\n")
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    dpace_fixture(sys.argv[1])
+    muon_fixture()
