@@ -16,7 +16,7 @@ build: setup
 
 run: build
 	@echo "[run] dflash serve-train on the built-in default: the tiny-tasks target (trained, built in), 2 drafters, the built-in"
-	@echo "[run] sample data, CPU unless a GPU is present; with config/make-run.toml (the tiny drafter's recipe: batch 2, lr 3e-3,"
+	@echo "[run] sample data, CPU unless a GPU is present; with config/make-run.toml (the tiny drafter's recipe: batch 2, Muon and AdamW at 3e-3,"
 	@echo "[run] 6 epochs, decoded acceptance on the held-out prompts every 300 steps and at the end); a fresh run in runs/make-run"
 	@echo "[run] (metrics: curl localhost:9410/metrics; Ctrl-C checkpoints and stops)"
 	rm -rf runs/make-run
