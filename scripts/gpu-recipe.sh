@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (BENCHMARKS.md, "The recipe on the real model"): README's SmolLM2-135M-Instruct recipe
+# (config/smollm2-135m.toml: 2,160 prompts answered by the model, 800 steps) trained once per recipe variant and
+# seed, several runs at once on the one GPU, each drafter then decoded on the 64 unseen-topic prompts (bf16, 256 new
+# tokens, graphs). Calls made back to back while the machine stays up; everything lives in /tmp/dflash-recipe.
+# A call carries at most 64 MiB: the GGUF crosses in two parts (.gpu/gguf.part-00 and -01, `split -b 50000000 -d`),
+# the binary xz-compressed (.gpu-bin/dflash.xz, `make gpu-bin`), gguf's wheel in .whl/.
+#   part                 the first GGUF part and the binary
+#   data                 the second part; the model converted; prompts; answers (regenerate --local); prepare
+#   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
+# Results go to $OUT (or ./gpu-out).
+set -uo pipefail
+out=${OUT:-gpu-out}
+work=/tmp/dflash-recipe
+mkdir -p "$out" "$work/bin"
+torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+gguf_sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+weights_sha=a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd
+if [ -e .gpu-bin/dflash.xz ]; then
+  python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" .gpu-bin/dflash.xz "$work/bin/dflash"
+  chmod +x "$work/bin/dflash"
+fi
+d=$work/bin/dflash
+# The --set overrides of each variant (the paper's recipe is config/smollm2-135m.toml as it is).
+variant() {
+  case "$1" in
+  paper) ;;
+  dpace) echo "--set objective.weights=dpace" ;;
+  muon) echo "--set optim.optimizer=muon" ;;
+  muon3) echo "--set optim.optimizer=muon --set optim.muon_lr=3e-3" ;;
+  dpace-muon) echo "--set objective.weights=dpace --set optim.optimizer=muon" ;;
+  dpace-muon3) echo "--set objective.weights=dpace --set optim.optimizer=muon --set optim.muon_lr=3e-3" ;;
+  *) echo "unknown variant $1" >&2; exit 2 ;;
+  esac
+}
+case "${1:-}" in
+part)
+  cp .gpu/gguf.part-00 "$work/" && ls -la "$work" "$work/bin"
+  ;;
+data)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  cp .gpu/gguf.part-01 "$work/"
+  cat "$work"/gguf.part-* >"$work/model.gguf"
+  echo "$gguf_sha  $work/model.gguf" | sha256sum --check || exit 1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 scripts/real_model.py convert "$work/model.gguf" "$work/model" 2>&1 | tail -3
+  echo "$weights_sha  $work/model/model.safetensors" | sha256sum --check || exit 1
+  python3 scripts/real_model.py prompts "$work/prompts.jsonl" bench
+  python3 scripts/real_model.py prompts "$work/heldout-all.jsonl" heldout
+  awk 'NR % 3 == 1' "$work/heldout-all.jsonl" >"$work/heldout.jsonl"
+  "$d" regenerate --local --model "$work/model" --input "$work/prompts.jsonl" --out "$work/answers.jsonl" \
+    --max-tokens 256 2>&1 | grep -E "conversations:" | tee "$out/regenerate.txt"
+  "$d" prepare --model "$work/model" --input "$work/answers.jsonl" --out "$work/data" --max-len 512 \
+    --holdout 0.05 2>&1 | tail -4 | tee "$out/prepare.txt"
+  sha256sum "$work/answers.jsonl" | tee -a "$out/prepare.txt"
+  ;;
+runs)
+  seed=$2
+  shift 2
+  start=$SECONDS
+  for v in "$@"; do
+    r=$work/runs/$v-s$seed
+    rm -rf "$r" && mkdir -p "$r"
+    # shellcheck disable=SC2046
+    "$d" serve-train --config config/smollm2-135m.toml --set "target.model=$work/model" --set "data.path=$work/data" \
+      --set "data.ledger=$r/ledger.jsonl" --set "checkpoint.dir=$r" --set control.listen=off \
+      --set "objective.seed=$seed" $(variant "$v") >"$r/train.log" 2>&1 &
+  done
+  wait
+  echo "seed $seed: ${*} trained at once in $((SECONDS - start)) s" | tee -a "$out/runs.txt"
+  for v in "$@"; do
+    r=$work/runs/$v-s$seed
+    echo "== $v seed $seed" >>"$out/runs.txt"
+    grep -E "evaluation|run complete|step (100|400|800) " "$r/train.log" | cut -c1-300 >>"$out/runs.txt"
+    "$d" eval --decode --target "$work/model" --drafter "$r/final" --prompts "$work/heldout.jsonl" \
+      --max-new-tokens 256 --json 2>>"$out/eval.stderr" | sed "s/^/{\"variant\":\"$v\",\"seed\":$seed,\"eval\":/; s/\$/}/" \
+      | tee -a "$out/eval.jsonl"
+  done
+  ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT..." >&2; exit 2 ;;
+esac
