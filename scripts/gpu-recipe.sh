@@ -23,15 +23,18 @@ if [ -e .gpu-bin/dflash.xz ]; then
   chmod +x "$work/bin/dflash"
 fi
 d=$work/bin/dflash
-# The --set overrides of each variant (the paper's recipe is config/smollm2-135m.toml as it is).
+# The --set overrides of each variant, each naming its slot weights and optimizer (config/smollm2-135m.toml itself
+# is D-PACE and Muon, the measured best).
 variant() {
+  local paper="--set objective.weights=decay" dpace="--set objective.weights=dpace"
+  local adamw="--set optim.optimizer=adamw" muon="--set optim.optimizer=muon"
   case "$1" in
-  paper) ;;
-  dpace) echo "--set objective.weights=dpace" ;;
-  muon) echo "--set optim.optimizer=muon" ;;
-  muon3) echo "--set optim.optimizer=muon --set optim.muon_lr=3e-3" ;;
-  dpace-muon) echo "--set objective.weights=dpace --set optim.optimizer=muon" ;;
-  dpace-muon3) echo "--set objective.weights=dpace --set optim.optimizer=muon --set optim.muon_lr=3e-3" ;;
+  paper) echo "$paper $adamw" ;;
+  dpace) echo "$dpace $adamw" ;;
+  muon) echo "$paper $muon" ;;
+  muon3) echo "$paper $muon --set optim.muon_lr=3e-3" ;;
+  dpace-muon) echo "$dpace $muon" ;;
+  dpace-muon3) echo "$dpace $muon --set optim.muon_lr=3e-3" ;;
   *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }

@@ -13,19 +13,29 @@ use service_process::*;
 
 /// With the paper's recipe, with D-PACE's slot weights (which follow the drafter's own confidence) and with Muon
 /// (whose momentum buffers are saved where AdamW's first moments are): each resumes exactly, and each trains another
-/// drafter from the same start.
+/// drafter from the same start. The paper's run resumes without naming its slot weights, as a run begun before
+/// D-PACE became the default does: it keeps the decay it began with.
 #[test]
 fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
-    let paper = stop_and_resume(&[]);
-    let dpace = stop_and_resume(&["objective.weights=dpace", "objective.dpace_alpha=0.3"]);
-    let muon = stop_and_resume(&["optim.optimizer=muon", "optim.muon_lr=0.01"]);
+    let paper = stop_and_resume(&["objective.weights=decay"], Resumed::LeavesWeightsToTheDefault);
+    let dpace = stop_and_resume(&["objective.dpace_alpha=0.3"], Resumed::AsBegun);
+    let muon = stop_and_resume(&["optim.optimizer=muon", "optim.muon_lr=0.01"], Resumed::AsBegun);
     assert!(paper != dpace, "objective.weights = dpace trained the same drafter as the decay");
     assert!(paper != muon && dpace != muon, "optim.optimizer = muon trained the same drafter as AdamW");
 }
 
+/// How the resumed run of [`stop_and_resume`] is configured.
+#[derive(PartialEq)]
+enum Resumed {
+    /// With the same settings.
+    AsBegun,
+    /// Without its `objective.weights`, whose default has changed since the run began.
+    LeavesWeightsToTheDefault,
+}
+
 /// Runs 14 steps whole and stopped at step 5 or later then resumed; both end with the same drafter and optimizer
 /// state, whose drafter bytes it returns.
-fn stop_and_resume(more: &[&str]) -> Vec<u8> {
+fn stop_and_resume(more: &[&str], resumed: Resumed) -> Vec<u8> {
     let base = tempfile::tempdir().unwrap();
     let mut sets = vec!["optim.max_steps=14", "optim.schedule=cosine", "optim.warmup_ratio=0.1"];
     sets.extend_from_slice(more);
@@ -46,6 +56,9 @@ fn stop_and_resume(more: &[&str]) -> Vec<u8> {
     assert_eq!(code, STOPPED, "SIGTERM checkpoints and asks to be restarted");
     let stopped_at = checkpoints_written(&logs);
     assert!(stopped_at.len() == 1 && stopped_at[0] < 14, "SIGTERM writes one checkpoint mid-run: {stopped_at:?}");
+    if resumed == Resumed::LeavesWeightsToTheDefault {
+        sets.retain(|s| !s.starts_with("objective.weights"));
+    }
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
     assert_eq!(code, 0);
     assert!(logged(&logs, "resuming"));
@@ -53,6 +66,11 @@ fn stop_and_resume(more: &[&str]) -> Vec<u8> {
         let a = std::fs::read(whole.join("ckpt/ckpt-000000014").join(file)).unwrap();
         let b = std::fs::read(split.join("ckpt/ckpt-000000014").join(file)).unwrap();
         assert!(a == b, "{file} differs between the uninterrupted and the resumed run");
+    }
+    if resumed == Resumed::LeavesWeightsToTheDefault {
+        let kept =
+            |l: &&String| l.contains("objective.weights") && l.contains("decay") && l.contains("as the run began");
+        assert!(logs.iter().any(|l| kept(&l)), "the resume says it keeps the run's slot weights: {logs:#?}");
     }
     assert!(split.join("ckpt/final/model.safetensors").exists(), "the end exports the drafter");
     std::fs::read(whole.join("ckpt/ckpt-000000014/drafter/model.safetensors")).unwrap()

@@ -96,7 +96,8 @@ fn three_hosts_train_one_run_and_a_killed_host_rejoins() {
 /// The rendezvous host is the run's single point: when rank 0 is killed the others checkpoint their replica (newer
 /// than rank 0's newest checkpoint) into folders of their own and exit with 75 (restart with `--resume auto`); rank 0
 /// resumes from the newest of them, here on two hosts instead of three, and the ledger still has every sample of
-/// both epochs once.
+/// both epochs once. The run began with the paper's slot weights, as runs did before D-PACE became the default, and
+/// the hosts resume without naming them: rank 0 keeps them from its checkpoint, the other host from rank 0.
 #[test]
 fn losing_rank_0_leaves_the_others_checkpoints_and_the_run_resumes_from_the_newest_on_fewer_hosts() {
     let dir = tempfile::tempdir().unwrap();
@@ -112,7 +113,10 @@ fn losing_rank_0_leaves_the_others_checkpoints_and_the_run_resumes_from_the_newe
             "supervision.step_timeout_s=30".into(),
             "checkpoint.every_steps=12".into(),
         ];
-        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let mut sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        if !resume {
+            sets.push("objective.weights=decay");
+        }
         Service::start(&cfg, resume, &sets)
     };
     let port = free_port().to_string();
@@ -157,6 +161,9 @@ fn losing_rank_0_leaves_the_others_checkpoints_and_the_run_resumes_from_the_newe
     assert!(resumed.contains(&format!("\"step\":{newest}")), "{resumed}");
     let (code1, logs1) = rank1.exit_code();
     assert_eq!(code1, 0, "{:#?}", &logs1[logs1.len().saturating_sub(30)..]);
+    let kept = |logs: &[String], why: &str| logs.iter().any(|l| l.contains("objective.weights") && l.contains(why));
+    assert!(kept(&logs0, "as the run began with it"), "rank 0 keeps the run's slot weights");
+    assert!(kept(&logs1, "as rank 0 runs it"), "host 1 takes rank 0's slot weights");
     assert!(!dir.path().join("ckpt").join("survivors").exists(), "the others' folder is moved aside");
     let ids = train_ids(prepared());
     assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 3, "three epochs, every sample once");

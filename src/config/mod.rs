@@ -8,8 +8,10 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+mod earlier_defaults;
 mod training;
 
+pub use earlier_defaults::{as_overrides, as_trained, first_defaults, kept_from_run};
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
     EvalSettings, OptimSettings, SupervisionSettings,
@@ -752,7 +754,8 @@ pub fn diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
 
 /// The changes from `old` (a checkpoint's configuration) to `new`, split into those resuming must refuse and the
 /// rest. Refused: keys of [`NON_RELOADABLE`] that differ, except a key the checkpoint's build did not have yet
-/// (absent from `old`) whose new value is the built-in default: the run meant that value all along.
+/// (absent from `old`) whose new value is the built-in default: the run meant that value all along (true of a key
+/// whose default never changed; read `old` with [`as_trained`] for those that did).
 pub fn resume_changes(old: &serde_json::Value, new: &serde_json::Value) -> (Vec<Change>, Vec<Change>) {
     let defaults = Config::builtin().map(|c| c.merged).unwrap_or_default();
     let newer_at_default =

@@ -21,7 +21,7 @@ use super::messages::{Status, SupervisorMsg};
 use super::placement::{capture_devices, spread_to};
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
-use crate::config::{Config, Layers, TargetSource, resume_changes};
+use crate::config::{Config, Layers, TargetSource, as_overrides, as_trained, kept_from_run, lookup, resume_changes};
 use crate::data::dataset::Dataset;
 use crate::data::tokenize::TextTokenizer;
 use crate::model::{DrafterConfig, TargetConfig};
@@ -99,8 +99,10 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
 /// The checkpoint to resume (if any), and the steps of the checkpoint folders rejected on the way.
 type ResumePoint = (Option<(PathBuf, TrainerState)>, Vec<u64>);
 
-/// The checkpoint to resume; settings left to `auto` take the values the checkpoint's run resolved them to.
-fn checkpoint_to_resume(config: &mut Config, resume: &Resume) -> Result<ResumePoint> {
+/// The checkpoint to resume; settings left to `auto` take the values the checkpoint's run resolved them to, and keys
+/// whose default changed since the run began keep the run's value unless set (`layers`, which a reload rereads,
+/// then carry it).
+fn checkpoint_to_resume(config: &mut Config, layers: &mut Layers, resume: &Resume) -> Result<ResumePoint> {
     let dir = &config.checkpoint.dir;
     let debris = remove_unfinished(dir).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
     if !debris.is_empty() {
@@ -145,8 +147,10 @@ fn checkpoint_to_resume(config: &mut Config, resume: &Resume) -> Result<ResumePo
             None
         }
         (Resume::Auto, Some((path, state))) => {
+            let trained = as_trained(&state.config);
+            keep_the_runs_recipe(config, layers, |key| lookup(&trained, key).cloned(), "the run began with it")?;
             config.adopt_resolved(&state.config);
-            let (fixed, others) = resume_changes(&state.config, &config.merged);
+            let (fixed, others) = resume_changes(&trained, &config.merged);
             if !fixed.is_empty() {
                 let changed: Vec<&str> = fixed.iter().map(|c| c.key.as_str()).collect();
                 bail!(
@@ -165,6 +169,27 @@ fn checkpoint_to_resume(config: &mut Config, resume: &Resume) -> Result<ResumePo
         }
     };
     Ok((found, rejected))
+}
+
+/// Gives each key whose built-in default changed since the run began, and that this process leaves to the default,
+/// the run's value (`run` reads the run's configuration; `why` ends the log line): in `layers`, so that a reload keeps
+/// it, and in `config`, reloaded from them (what `auto` resolved is then resolved again).
+fn keep_the_runs_recipe(
+    config: &mut Config,
+    layers: &mut Layers,
+    run: impl Fn(&str) -> Option<serde_json::Value>,
+    why: &str,
+) -> Result<()> {
+    let kept = kept_from_run(run, |key| lookup(&config.merged, key).cloned(), |key| layers.origin(key) != "default");
+    for (key, value) in &kept {
+        let today = lookup(&config.merged, key).map_or("(unset)".into(), |v| v.to_string());
+        tracing::info!("{key} = {value}, as {why} (today's default is {today}; set the key to change it)");
+    }
+    if !kept.is_empty() {
+        layers.set.extend(as_overrides(&kept));
+        *config = Config::load(layers).context("the run's settings")?;
+    }
+    Ok(())
 }
 
 /// Locks the folder this process writes checkpoints to, for the life of the process (`checkpoint.lock`).
@@ -213,7 +238,7 @@ fn wait_for_survivor_writes(dir: &std::path::Path, limit: Duration) {
 
 /// Runs the service until it ends; returns its exit status. `layers` are where `config` came from: a reload rereads
 /// them.
-pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32> {
+pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result<i32> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -265,7 +290,7 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             remove_unfinished(&own).with_context(|| format!("{}", own.display()))?;
             (None, vec![])
         }
-        _ => checkpoint_to_resume(&mut config, &resume)?,
+        _ => checkpoint_to_resume(&mut config, &mut layers, &resume)?,
     };
     // After the checkpoint is found: a resume keeps the taps and MASK token `auto` resolved to when the run began.
     let (target_cfg, drafter_cfg) = drafter_config(&config)?;
@@ -277,11 +302,6 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
     {
         tracing::warn!("target.model = {warning}");
     }
-    let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
-    let objective = ObjectiveSettings {
-        dpace_alpha: config.objective.dpace_alpha(),
-        ..ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id)
-    };
 
     match (&config.draft_model.init, &resume) {
         (Some(dir), None) => {
@@ -338,6 +358,10 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             let rank0 = link.rank0_settings(&mine).context("checking the settings across hosts")?;
             let overridden = match rank0 {
                 Some(rank0) => {
+                    // A resumed run keeps its recipe on rank 0: a host that leaves a changed default unset follows.
+                    keep_the_runs_recipe(&mut config, &mut layers, |key| rank0.get(key).cloned(), "rank 0 runs it")?;
+                    config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
+                    let mine = crate::config::join_settings(&config.merged, &target);
                     crate::config::agree_with_rank0(&mine, &rank0).context("checking the settings across hosts")?
                 }
                 None => Vec::new(),
@@ -349,6 +373,12 @@ pub fn serve_train(config: Config, layers: Layers, resume: Resume) -> Result<i32
             Some(Arc::new(link))
         }
         None => None,
+    };
+    // After the hosts agree: a host may have taken rank 0's recipe.
+    let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
+    let objective = ObjectiveSettings {
+        dpace_alpha: config.objective.dpace_alpha(),
+        ..ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id)
     };
     // Rank 0 keeps the run's ledger: one that cannot be opened stops the run before it trains.
     let ledger = match config.data.ledger.as_ref().filter(|_| !follower) {
