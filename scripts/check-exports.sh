@@ -3,9 +3,11 @@
 #   - speculators 0.9.0: dflash's --format speculators equals what its own DFlashConverter makes of dflash's
 #     --format zlab (config.json and every tensor), and loads with its DFlashDraftModel;
 #   - z-lab's model definition (PyPI `dflash` 0.1.0, z-lab's own package): the zlab export loads, and its forward
-#     on the tiny target's tapped states equals dflash's (tests/exports.rs, run here on the fresh output).
+#     on the tiny target's tapped states equals dflash's (tests/exports.rs, run here on the fresh output), for the
+#     paper's layers and for a drafter with a sliding-window layer (z-lab's model applies the window and causality
+#     its config.json says, as vLLM and SGLang do).
 # Needs network once: the packages go into a per-user venv (~5 GB with the torch they pin). Pass --write-fixture to
-# refresh tests/fixtures/zlab-forward (what CI compares against without Python).
+# refresh tests/fixtures/zlab-forward and zlab-forward-sliding (what CI compares against without Python).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache="${DFLASH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
@@ -34,9 +36,17 @@ say "a tiny drafter: 2 steps of serve-train on the tiny-tasks target (synthetic 
   --set control.listen=off --set log.level=warn
 "$bin" export --checkpoint "$work/ckpt" --format zlab --out "$work/zlab" >/dev/null
 "$bin" export --checkpoint "$work/ckpt" --format speculators --verifier "$work/target" --out "$work/speculators" >/dev/null
+say "a drafter whose first layer slides (a window of 8, causal) and whose second attends fully, trained as well"
+"$bin" serve-train --set target.model=tiny-tasks --set target.device=cpu --set 'drafters.devices=["cpu"]' \
+  --set data.path=synthetic --set data.builtin_conversations=8 --set data.max_len=64 --set data.batch_size=2 \
+  --set draft_model.num_hidden_layers=2 --set 'draft_model.layer_types=["sliding_attention", "full_attention"]' \
+  --set draft_model.sliding_window=8 --set optim.max_steps=2 --set checkpoint.dir="$work/ckpt-sliding" \
+  --set control.listen=off --set log.level=warn
+"$bin" export --checkpoint "$work/ckpt-sliding" --format zlab --out "$work/zlab-sliding" >/dev/null
 fixture=()
-if [ "${1:-}" = "--write-fixture" ]; then fixture=(--write-fixture "$root/tests/fixtures/zlab-forward"); fi
+if [ "${1:-}" = "--write-fixture" ]; then fixture=(--write-fixture "$root/tests/fixtures"); fi
 "$venv/bin/python" "$root/scripts/check_exports.py" "$work" "${fixture[@]}" 2> >(grep -v -e '| INFO' -e '| DEBUG' -e 'Loading weights' >&2)
-say "dflash's forward against z-lab's, on this run's drafter"
-DFLASH_ZLAB_FORWARD="$work/zlab-forward" cargo test --quiet --test exports
+say "dflash's forward against z-lab's, on this run's drafters"
+DFLASH_ZLAB_FORWARD="$work/zlab-forward" DFLASH_ZLAB_FORWARD_SLIDING="$work/zlab-forward-sliding" \
+  cargo test --quiet --test exports
 say "all checks passed"

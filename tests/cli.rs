@@ -348,6 +348,60 @@ fn a_preset_exports_as_a_model_folder_that_loads_back_as_the_preset() {
     assert!(text(&neither.stderr).contains("--checkpoint"), "{}", text(&neither.stderr));
 }
 
+/// A run whose first layer slides (causal, as the engines assume) and whose second attends fully exports the layers
+/// as vLLM and SGLang read them; a new run from that drafter with other layers is refused naming the keys; the
+/// speculators layout, which carries one causality for every layer, refuses it and names the other layout.
+#[test]
+fn sliding_window_layers_train_export_and_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |p: &str| dir.path().join(p).to_str().unwrap().to_string();
+    let train = |ckpt: &str, layers: &str, init: Option<&str>| {
+        let (ckpt, layers) = (format!("checkpoint.dir={ckpt}"), format!("draft_model.layer_types={layers}"));
+        let mut args = vec!["serve-train", "--set", "target.model=tiny-tasks", "--set", "target.device=cpu"];
+        for set in [
+            "drafters.devices=[\"cpu\"]",
+            "data.path=synthetic",
+            "data.builtin_conversations=8",
+            "data.max_len=64",
+            "data.batch_size=2",
+            "draft_model.num_hidden_layers=2",
+            "draft_model.sliding_window=16",
+            "optim.max_steps=2",
+            "control.listen=off",
+            &ckpt,
+            &layers,
+        ] {
+            args.extend(["--set", set]);
+        }
+        let init = init.map(|i| format!("draft_model.init={i}"));
+        if let Some(init) = &init {
+            args.extend(["--set", init]);
+        }
+        dflash(&args)
+    };
+    let out = train(&path("a"), "[\"sliding_attention\", \"full_attention\"]", None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/final/config.json")).unwrap()).unwrap();
+    assert_eq!(config["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]), "{config}");
+    assert_eq!(config["sliding_window"], 16);
+    assert_eq!(config["use_sliding_window"], true, "transformers drops the window without it");
+    assert!(config.get("is_causal").is_none(), "causal where it slides is the engines' default: {config}");
+
+    let out = train(&path("b"), "\"full_attention\"", Some(&path("a/final")));
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("attention:") && err.contains("layer_types") && err.contains("sliding_window = 16"), "{err}");
+
+    let target = path("target");
+    assert!(dflash(&["export", "--preset", "tiny-tasks", "--out", &target]).status.success());
+    let (ckpt, out_dir) = (path("a"), path("speculators"));
+    let args = ["export", "--checkpoint", &ckpt, "--format", "speculators", "--verifier", &target, "--out", &out_dir];
+    let out = dflash(&args);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("--format zlab"), "{}", text(&out.stderr));
+}
+
 /// Logs written to a pipe (a file, journald, `docker logs`) carry no colour codes.
 #[test]
 fn logs_to_a_pipe_are_plain_text() {

@@ -1,11 +1,12 @@
-//! The drafter and its objective through public interfaces: equality with a naive per-block re-implementation,
-//! the attention rules observed by behaviour, weights and padding, where gradients go, and group-size invariance.
+//! The drafter and its objective through public interfaces: equality with a naive per-block re-implementation (with
+//! sliding windows and causal blocks as vLLM and SGLang run them), the attention rules observed by behaviour,
+//! weights and padding, where gradients go, and group-size invariance.
 mod reference_models;
 
 use std::collections::BTreeMap;
 
 use dflash::model::config::RopeScaling;
-use dflash::model::{Architecture, Drafter, DrafterConfig, Init, TargetConfig};
+use dflash::model::{Architecture, Drafter, DrafterConfig, Init, LayerAttention, TargetConfig};
 use dflash::train::objective::{BlockPlan, ObjectiveSettings, PlanTensors, Row, lm_head_loss};
 use reference_models::*;
 use tch::{Device, Kind, Tensor};
@@ -23,7 +24,13 @@ fn drafter_cfg() -> DrafterConfig {
 
 /// A drafter with larger-than-default random weights so every rule shows in the output.
 fn drafter(seed: u64) -> Drafter {
-    let d = Drafter::new(drafter_cfg(), Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
+    drafter_with(seed, vec![LayerAttention::default(); 2])
+}
+
+/// [`drafter`] with each layer's window and causality as given.
+fn drafter_with(seed: u64, layers: Vec<LayerAttention>) -> Drafter {
+    let cfg = drafter_cfg().with_layer_attention(layers).unwrap();
+    let d = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
     tch::no_grad(|| {
         let _ = d.params().master.shallow_clone().f_mul_scalar_(5.0).unwrap();
     });
@@ -99,6 +106,17 @@ fn naive_block(w: &BTreeMap<String, Tensor>, cfg: &DrafterConfig, c: &Case, anch
             let keys = Tensor::cat(&[kc, kb], 0);
             let values = Tensor::cat(&[v_ctx.narrow(1, kvh * d, d), v_blk.narrow(1, kvh * d, d)], 0);
             let scores = qh.matmul(&keys.tr()) / (d as f64).sqrt();
+            // The layer's window and causality as the engines apply them: a query at q sees a key at k iff
+            // q - k < window, and k <= q (causal) or k - q < window (not).
+            let layer = cfg.layer_attention[l];
+            for (i, &q) in block_pos.iter().enumerate() {
+                for (j, &k) in ctx_pos.iter().chain(&block_pos).enumerate() {
+                    let outside = layer.window.is_some_and(|w| q - k >= w || (!layer.causal && k - q >= w));
+                    if outside || (layer.causal && k > q) {
+                        let _ = scores.get(i as i64).get(j as i64).fill_(f64::NEG_INFINITY);
+                    }
+                }
+            }
             let e = (&scores - scores.amax(&[1i64][..], true)).exp();
             let probs = &e / e.sum_dim_intlist(1, true, Kind::Double);
             heads.push(probs.matmul(&values));
@@ -112,29 +130,45 @@ fn naive_block(w: &BTreeMap<String, Tensor>, cfg: &DrafterConfig, c: &Case, anch
     rms(&x, &w["norm.weight"], eps)
 }
 
+/// The paper's layers, and layers that slide (a window of 5 that cuts the context, one of 3 under the block size
+/// both ways) or keep the block causal.
+fn layer_kinds() -> Vec<Vec<LayerAttention>> {
+    let slide = |w: i64, causal: bool| LayerAttention { window: Some(w), causal };
+    vec![
+        vec![LayerAttention::default(); 2],
+        vec![slide(5, true), LayerAttention::default()],
+        vec![slide(3, false); 2],
+        vec![LayerAttention { window: None, causal: true }; 2],
+    ]
+}
+
 #[test]
 fn the_drafter_equals_a_naive_per_block_implementation() {
-    let d = drafter(1);
     let c = case(24, 1);
     let anchors = [0, 3, 9, 10, 20];
-    let mine = run(&d, &c, &anchors, 2);
-    let w = weights_by_name(&d);
-    for (j, &a) in anchors.iter().enumerate() {
-        let reference = naive_block(&w, d.config(), &c, a);
-        let err = rel_err(&mine.narrow(0, (j * BS) as i64, BS as i64), &reference);
-        assert!(err < 1e-5, "block {j} (anchor {a}): relative error {err}");
+    for layers in layer_kinds() {
+        let d = drafter_with(1, layers.clone());
+        let mine = run(&d, &c, &anchors, 2);
+        let w = weights_by_name(&d);
+        for (j, &a) in anchors.iter().enumerate() {
+            let reference = naive_block(&w, d.config(), &c, a);
+            let err = rel_err(&mine.narrow(0, (j * BS) as i64, BS as i64), &reference);
+            assert!(err < 1e-5, "{layers:?}, block {j} (anchor {a}): relative error {err}");
+        }
     }
 }
 
 #[test]
 fn attention_groups_do_not_change_the_result() {
-    let d = drafter(2);
     let c = case(40, 2);
     let anchors = [1, 5, 6, 14, 22, 23, 30, 37];
-    let one = run(&d, &c, &anchors, 64);
-    for g in [1, 3, 5] {
-        let err = rel_err(&run(&d, &c, &anchors, g), &one.to_kind(Kind::Double));
-        assert!(err < 1e-5, "group size {g}: relative error {err}");
+    for layers in layer_kinds() {
+        let d = drafter_with(2, layers.clone());
+        let one = run(&d, &c, &anchors, 64);
+        for g in [1, 3, 5] {
+            let err = rel_err(&run(&d, &c, &anchors, g), &one.to_kind(Kind::Double));
+            assert!(err < 1e-5, "{layers:?}, group size {g}: relative error {err}");
+        }
     }
 }
 

@@ -2,7 +2,9 @@
 //! z-lab's layout (`dflash export --format zlab`) and what z-lab's `DFlashDraftModel.forward` (PyPI `dflash`
 //! 0.1.0) computed from it on the tiny-tasks target's tapped states (HF transformers); `scripts/check-exports.sh`
 //! made it and checks a fresh one (`DFLASH_ZLAB_FORWARD` names its folder). dflash loads the same folder and
-//! drafts the same block: an anchor after the whole context, seeing all of it and its own block.
+//! drafts the same block: an anchor after the whole context, seeing all of it and its own block. The second fixture
+//! (`zlab-forward-sliding/`, `DFLASH_ZLAB_FORWARD_SLIDING`) is a drafter whose first layer slides over a window of 8
+//! of the 24 context positions, causal, as z-lab's model, vLLM and SGLang read its config.json.
 use std::path::PathBuf;
 
 use dflash::model::Drafter;
@@ -11,9 +13,22 @@ use tch::{Device, Kind, Tensor};
 
 #[test]
 fn the_zlab_export_drafts_as_z_labs_model_definition_does() {
-    let dir = std::env::var_os("DFLASH_ZLAB_FORWARD")
+    drafts_as_z_lab("DFLASH_ZLAB_FORWARD", "zlab-forward");
+}
+
+#[test]
+fn a_sliding_window_drafter_drafts_as_z_labs_model_definition_does() {
+    let cfg = drafts_as_z_lab("DFLASH_ZLAB_FORWARD_SLIDING", "zlab-forward-sliding");
+    let slide = dflash::model::LayerAttention { window: Some(8), causal: true };
+    assert_eq!(cfg.layer_attention, vec![slide, Default::default()], "the layers as the fixture has them");
+}
+
+/// Compares dflash's forward with z-lab's on the fixture in `env`'s folder (or `tests/fixtures/<fixture>`); returns
+/// the drafter's configuration.
+fn drafts_as_z_lab(env: &str, fixture: &str) -> dflash::model::DrafterConfig {
+    let dir = std::env::var_os(env)
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/zlab-forward"));
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(fixture));
     let drafter = Drafter::load(&dir.join("drafter"), Device::Cpu, Kind::Float).unwrap();
     let io: std::collections::HashMap<String, Tensor> =
         Tensor::read_safetensors(dir.join("forward.safetensors")).unwrap().into_iter().collect();
@@ -33,5 +48,6 @@ fn the_zlab_export_drafts_as_z_labs_model_definition_does() {
     let ours = tch::no_grad(|| drafter.forward(&features, noise, &t.positions, &t.attention));
     let err = (&ours - expected).abs().max().double_value(&[]);
     let scale = expected.abs().max().double_value(&[]);
-    assert!(err <= 1e-4 * scale.max(1.0), "max |dflash - z-lab| = {err:e} (outputs up to {scale:.3})");
+    assert!(err <= 1e-4 * scale.max(1.0), "{fixture}: max |dflash - z-lab| = {err:e} (outputs up to {scale:.3})");
+    cfg.clone()
 }

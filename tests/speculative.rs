@@ -2,7 +2,9 @@
 //! drafter's decoding pass equals its training forward, and speculative output equals plain greedy output token
 //! for token, with acceptance counts that a wrong cache crop or an off-by-one would change.
 use dflash::model::speculative::{DFlashProposer, Proposer, greedy, speculative};
-use dflash::model::{BlockAttention, Decoder, Depth, Drafter, DrafterConfig, Init, ModelError, Preset, Target};
+use dflash::model::{
+    BlockAttention, Decoder, Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset, Target,
+};
 use tch::{Device, Kind, Tensor};
 
 const BS: usize = 4;
@@ -51,10 +53,35 @@ fn cached_decoding_equals_the_whole_sequence_at_once() {
     assert!(max_diff(&step.logits, &logits.narrow(1, 15, 8)) < 1e-4);
 }
 
+/// Draft layers with sliding windows and causal blocks, as vLLM and SGLang run them: a window of 5 that cuts the
+/// context, one of 3 (under the block size) both ways, and a causal full layer.
+fn restricted_layers() -> Vec<Vec<LayerAttention>> {
+    let slide = |w: i64, causal: bool| LayerAttention { window: Some(w), causal };
+    vec![
+        vec![slide(5, true), LayerAttention::default()],
+        vec![slide(3, false), slide(3, false)],
+        vec![LayerAttention { window: None, causal: true }; 2],
+    ]
+}
+
+fn drafter_with(seed: u64, layers: Vec<LayerAttention>) -> Drafter {
+    let cfg = DrafterConfig::for_preset(Preset::Tiny, BS).with_layer_attention(layers).unwrap();
+    Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap()
+}
+
 #[test]
 fn the_drafting_pass_equals_the_training_forward() {
+    let plain = drafting_pass_against_training(drafter(3));
+    for layers in restricted_layers() {
+        let restricted = drafting_pass_against_training(drafter_with(3, layers.clone()));
+        assert!(max_diff(&plain, &restricted) > 1e-3, "{layers:?} changes nothing");
+    }
+}
+
+/// Drafts one block after a context that arrives in two parts and compares it with the training forward of the
+/// same block; returns the drafted states.
+fn drafting_pass_against_training(d: Drafter) -> Tensor {
     let t = target();
-    let d = drafter(3);
     let (anchor, width) = (13i64, d.config().context_width() as i64);
     tch::manual_seed(0);
     let hidden = Tensor::randn([1, anchor + BS as i64, width], (Kind::Float, Device::Cpu));
@@ -69,7 +96,8 @@ fn the_drafting_pass_equals_the_training_forward() {
     let _ = d.draft(&weights, &hidden.narrow(1, 0, 6), &embeddings, &mut cache).unwrap();
     let drafted = d.draft(&weights, &hidden.narrow(1, 6, anchor - 6), &embeddings, &mut cache).unwrap();
     assert_eq!(cache.len(), anchor);
-    assert!(max_diff(&drafted, &trained) < 1e-4, "{}", max_diff(&drafted, &trained));
+    assert!(max_diff(&drafted, &trained) < 1e-4, "{:?}: {}", d.config().layer_attention, max_diff(&drafted, &trained));
+    drafted
 }
 
 /// The pass a CUDA graph captures (positions and the new context's length from device scalars, a whole block of
@@ -77,8 +105,14 @@ fn the_drafting_pass_equals_the_training_forward() {
 /// an eager pass drafts the same again.
 #[test]
 fn the_drafting_pass_at_a_device_position_equals_the_eager_pass() {
+    drafting_at_a_device_position(drafter(7));
+    for layers in restricted_layers() {
+        drafting_at_a_device_position(drafter_with(7, layers));
+    }
+}
+
+fn drafting_at_a_device_position(d: Drafter) {
     let t = target();
-    let d = drafter(7);
     let width = d.config().context_width() as i64;
     let weights = d.decode_weights().unwrap();
     let (mut eager, mut indexed) = (d.new_cache(40).unwrap(), d.new_cache(40).unwrap());

@@ -16,7 +16,7 @@ use super::{BenchError, StepTimes, check_counts};
 use crate::device::{self, device_name, kind_name};
 use crate::ffi::accel::{AdamwStep, MuonStep};
 use crate::model::drafter_config::default_gamma;
-use crate::model::{Depth, Drafter, DrafterConfig, Init, ModelError, Preset};
+use crate::model::{Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset};
 use crate::profile::Recorder;
 use crate::train::objective::{ObjectiveSettings, default_group_blocks};
 use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer, UpdateSettings};
@@ -44,6 +44,9 @@ pub struct DrafterBenchOptions {
     pub dpace_alpha: Option<f64>,
     /// `optim.optimizer`.
     pub optimizer: OptimizerKind,
+    /// Each layer's window and causality (`draft_model.layer_types`, ...); the preset's drafter keeps full attention
+    /// when none restricts it.
+    pub layer_attention: Vec<LayerAttention>,
 }
 
 #[derive(Debug, Serialize)]
@@ -98,7 +101,12 @@ pub fn bench_drafter(
     opts: &DrafterBenchOptions,
 ) -> Result<DrafterBenchReport, BenchError> {
     check_counts(opts.batch, opts.seq, opts.steps)?;
-    let cfg = DrafterConfig::for_preset(preset, opts.block_size);
+    let mut cfg = DrafterConfig::for_preset(preset, opts.block_size);
+    if opts.layer_attention.iter().any(|l| l.restricts()) {
+        cfg = cfg
+            .with_layer_attention(opts.layer_attention.clone())
+            .map_err(|e| BenchError::Settings(format!("[draft_model] layer_types for the preset's drafter: {e}")))?;
+    }
     let spec = preset.spec();
     if opts.seq as usize > cfg.decoder.max_position_embeddings {
         return Err(BenchError::Settings(format!(
@@ -306,6 +314,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            layer_attention: vec![],
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert!(r.samples_per_s > 0.0 && r.loss.is_finite() && r.loss > 0.0);
@@ -335,6 +344,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            layer_attention: vec![],
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.anchors, 15);
@@ -360,6 +370,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            layer_attention: vec![],
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.what, "pipeline");

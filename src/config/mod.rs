@@ -22,6 +22,7 @@ use serde::Deserialize;
 
 use crate::data::prepare::ModelAssets;
 use crate::device::{DeviceSpec, DtypeSpec};
+use crate::model::LayerAttention;
 use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
 use crate::model::presets::{PresetSpec, no_such_model};
 use crate::model::{Depth, ModelError, Preset, Target};
@@ -94,6 +95,25 @@ struct RawDraftModel {
     target_layer_ids: Option<RawTaps>,
     mask_token_id: Option<RawMask>,
     init: Option<String>,
+    layer_types: RawLayerTypes,
+    sliding_window: i64,
+    block_causal: RawCausal,
+}
+
+/// `layer_types`: one type for every layer, or a list with one per layer.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawLayerTypes {
+    Every(String),
+    Each(Vec<String>),
+}
+
+/// `block_causal`: `auto`, or true or false for every layer.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawCausal {
+    Every(bool),
+    Word(String),
 }
 
 /// `mask_token_id` is a token id, or the word `auto`.
@@ -240,6 +260,8 @@ pub struct DraftModelSettings {
     pub mask_token_id: Option<i64>,
     /// A published drafter folder whose weights a new run starts from (`None`: random weights).
     pub init: Option<PathBuf>,
+    /// Each layer's sliding window and causality (`layer_types`, `sliding_window`, `block_causal`).
+    pub layer_attention: Vec<LayerAttention>,
 }
 
 /// The target layers the drafter reads.
@@ -597,12 +619,15 @@ impl RawConfig {
 }
 
 /// Keys a running service cannot change: resuming with a different value is refused.
-pub const NON_RELOADABLE: [&str; 11] = [
+pub const NON_RELOADABLE: [&str; 14] = [
     "target.model",
     "optim.optimizer",
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
+    "draft_model.layer_types",
+    "draft_model.sliding_window",
+    "draft_model.block_causal",
     "draft_model.target_layer_ids",
     "draft_model.mask_token_id",
     "data.path",
@@ -615,10 +640,13 @@ pub const NON_RELOADABLE: [&str; 11] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
 /// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 15] = [
+pub const SHARED_BY_HOSTS: [&str; 18] = [
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
+    "draft_model.layer_types",
+    "draft_model.sliding_window",
+    "draft_model.block_causal",
     "draft_model.target_layer_ids",
     "draft_model.mask_token_id",
     "data.holdout",
@@ -807,10 +835,54 @@ impl RawTarget {
 }
 
 impl RawDraftModel {
+    /// Each layer's attention from `layer_types`, `sliding_window` and `block_causal`, checked as the engines read
+    /// them ([`crate::model::drafter_config::write_layer_attention`] writes them back).
+    fn layer_attention(&self) -> Result<Vec<LayerAttention>, ConfigError> {
+        let layers = self.num_hidden_layers.max(0) as usize;
+        let key = "draft_model.layer_types";
+        let allowed = "\"full_attention\", \"sliding_attention\", or a list with one of them per layer";
+        let sliding = |t: &str| match t {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => Err(invalid(key, format!("{other:?}"), allowed)),
+        };
+        let types: Vec<bool> = match &self.layer_types {
+            RawLayerTypes::Every(t) => vec![sliding(t)?; layers],
+            RawLayerTypes::Each(list) if list.len() == layers => {
+                list.iter().map(|t| sliding(t)).collect::<Result<_, _>>()?
+            }
+            RawLayerTypes::Each(list) => {
+                return Err(invalid(
+                    key,
+                    format!("{list:?}"),
+                    format!("one entry per layer: draft_model.num_hidden_layers is {layers}"),
+                ));
+            }
+        };
+        if self.sliding_window < 1 {
+            return Err(invalid("draft_model.sliding_window", self.sliding_window, "a positive number of positions"));
+        }
+        let causal = match &self.block_causal {
+            RawCausal::Every(c) => Some(*c),
+            RawCausal::Word(w) if w == "auto" => None,
+            RawCausal::Word(w) => {
+                return Err(invalid("draft_model.block_causal", format!("{w:?}"), "\"auto\", true or false"));
+            }
+        };
+        Ok(types
+            .into_iter()
+            .map(|sliding| LayerAttention {
+                window: sliding.then_some(self.sliding_window),
+                causal: causal.unwrap_or(sliding),
+            })
+            .collect())
+    }
+
     fn validate(self) -> Result<DraftModelSettings, ConfigError> {
         if self.num_hidden_layers < 1 {
             return Err(invalid("draft_model.num_hidden_layers", self.num_hidden_layers, "at least 1 layer"));
         }
+        let layer_attention = self.layer_attention()?;
         if self.block_size < 2 {
             return Err(invalid("draft_model.block_size", self.block_size, "at least 2 (16 is the paper's)"));
         }
@@ -853,6 +925,7 @@ impl RawDraftModel {
             Some(RawMask::Id(m)) => Some(m),
         };
         Ok(DraftModelSettings {
+            layer_attention,
             num_hidden_layers: self.num_hidden_layers as usize,
             block_size: self.block_size as usize,
             intermediate_size: self.intermediate_size.map(|i| i as usize),

@@ -1,6 +1,7 @@
-//! The attention functions the target and the drafter share (and what comes next: sliding windows, packing, DFlash
-//! 2, a flash-class kernel): batch-1 attention with grouped query heads over an additive mask, its mask, GPT-OSS's
-//! attention with sinks, the key/value head expansion, and the bucketing of context lengths.
+//! The attention functions the target and the drafter share (and what comes next: packing, DFlash 2, a flash-class
+//! kernel): batch-1 attention with grouped query heads over an additive mask, its mask, a draft layer's sliding
+//! window and causality, GPT-OSS's attention with sinks, the key/value head expansion, and the bucketing of context
+//! lengths.
 use tch::{Kind, Tensor};
 
 use super::ModelError;
@@ -111,11 +112,90 @@ pub(super) fn sink_attention(
     Ok(Tensor::f_scaled_dot_product_attention(q, &k, &v, Some(&mask), 0.0, false, None, false)?)
 }
 
+/// How one draft layer restricts DFlash's rule (a block's queries see the context before its anchor and their own
+/// block), as vLLM and SGLang run draft layers: a sliding window of `window` positions counted back from each query,
+/// the query's own position included (flash attention's left window `window - 1`; non-causal layers look as far
+/// ahead), and causality inside the block. The default, full attention and a bidirectional block, is the paper's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct LayerAttention {
+    pub window: Option<i64>,
+    pub causal: bool,
+}
+
+impl std::fmt::Display for LayerAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.window {
+            Some(w) => write!(f, "a window of {w}")?,
+            None => write!(f, "full attention")?,
+        }
+        write!(f, ", {}", if self.causal { "causal" } else { "bidirectional block" })
+    }
+}
+
+impl LayerAttention {
+    /// Whether this layer restricts the rule at all.
+    pub fn restricts(&self) -> bool {
+        self.window.is_some() || self.causal
+    }
+
+    /// Where this layer hides a key at absolute position `key_at` from a query at `query_at` (tensors of int64
+    /// positions that broadcast to the result's shape); `None` when it hides nothing.
+    pub fn hides(&self, query_at: &Tensor, key_at: &Tensor) -> Result<Option<Tensor>, ModelError> {
+        let ahead = key_at.f_sub(query_at)?;
+        let mut hidden: Option<Tensor> = None;
+        let mut add = |h: Tensor| -> Result<(), ModelError> {
+            hidden = Some(match hidden.take() {
+                Some(prev) => prev.f_logical_or(&h)?,
+                None => h,
+            });
+            Ok(())
+        };
+        if self.causal {
+            add(ahead.f_gt(0)?)?;
+        }
+        if let Some(w) = self.window {
+            add(ahead.f_le(-w)?)?;
+            if !self.causal {
+                add(ahead.f_ge(w)?)?;
+            }
+        }
+        Ok(hidden)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use tch::Device;
 
     use super::*;
+
+    /// A draft layer hides what vLLM's flash attention hides (`flash_attn.py`: a sliding window `w` is the window
+    /// `(w - 1, 0)`, made `(w - 1, w - 1)` for a non-causal layer by `_maybe_symmetrize_window`) and SGLang's
+    /// (`window_left = sliding_window - 1`, causal in sliding layers): a query at position q sees a key at k iff
+    /// `q - k <= w - 1`, and `k <= q` (causal) or `k - q <= w - 1` (not); a full layer, every key (causal: `k <= q`).
+    #[test]
+    fn a_layer_hides_what_the_engines_windows_hide() {
+        let positions = Tensor::arange(12, (Kind::Int64, Device::Cpu));
+        let (queries, keys) = (positions.view([12, 1]), positions.view([1, 12]));
+        for window in [None, Some(1), Some(3), Some(16)] {
+            for causal in [false, true] {
+                let layer = LayerAttention { window, causal };
+                let hidden = layer.hides(&queries, &keys).unwrap();
+                assert_eq!(hidden.is_none(), !layer.restricts(), "{layer:?}");
+                for (q, k) in (0..12i64).flat_map(|q| (0..12i64).map(move |k| (q, k))) {
+                    let (left, right) = match (window, causal) {
+                        (Some(w), true) => (w - 1, 0),
+                        (Some(w), false) => (w - 1, w - 1),
+                        (None, true) => (i64::MAX, 0),
+                        (None, false) => (i64::MAX, i64::MAX),
+                    };
+                    let engines_hide = q - k > left || k - q > right;
+                    let ours = hidden.as_ref().is_some_and(|h| h.int64_value(&[q, k]) != 0);
+                    assert_eq!(ours, engines_hide, "{layer:?}: query at {q}, key at {k}");
+                }
+            }
+        }
+    }
 
     /// Batch-1 attention with the query heads folded onto their key/value head equals attention with the keys and
     /// values expanded to every query head, written out in f64: on the CPU (the masked attention call) and on a GPU

@@ -17,7 +17,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
-use super::attention::{context_bucket, grouped_bias, masked_attention, repeat_kv};
+use super::attention::{LayerAttention, context_bucket, grouped_bias, masked_attention, repeat_kv};
 use super::drafter_config::DrafterConfig;
 use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
@@ -212,8 +212,13 @@ impl Drafter {
             let (cb, sb) = self.rope.cos_sin(positions, self.kind);
             (cc.unsqueeze(0).unsqueeze(2), sc.unsqueeze(0).unsqueeze(2), cb.unsqueeze(2), sb.unsqueeze(2))
         };
+        let restricted = {
+            let _p = span("drafter.attention");
+            self.restricted_patterns(attention).unwrap_or_else(|e| panic!("drafter attention pattern: {e}"))
+        };
         let mut x = block_embeddings.shallow_clone();
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let attention = restricted[i].as_ref().unwrap_or(attention);
             let qkv_w = self.weight(layer.qkv_proj);
             let (q_norm, k_norm) = (self.weight(layer.q_norm), self.weight(layer.k_norm));
             let (qkv, kv_ctx) = {
@@ -264,6 +269,21 @@ impl Drafter {
     }
 }
 
+impl Drafter {
+    /// Each layer's pattern where its [`LayerAttention`] restricts `base` (`None`: the base itself), built once per
+    /// distinct kind of layer.
+    fn restricted_patterns(&self, base: &BlockAttention) -> Result<Vec<Option<BlockAttention>>, ModelError> {
+        let mut built: Vec<(LayerAttention, BlockAttention)> = Vec::new();
+        for layer in self.cfg.layer_attention.iter().filter(|l| l.restricts()) {
+            if !built.iter().any(|(kind, _)| kind == layer) {
+                built.push((*layer, base.restricted(layer)?));
+            }
+        }
+        let of = |layer: &LayerAttention| built.iter().find(|(kind, _)| kind == layer).map(|(_, p)| p.shallow_clone());
+        Ok(self.cfg.layer_attention.iter().map(of).collect())
+    }
+}
+
 /// The drafter's weights cast once to the compute dtype, for decoding (training casts the fp32 masters every step,
 /// which decoding at batch 1 cannot afford).
 pub struct DraftWeights(Vec<Tensor>);
@@ -287,7 +307,7 @@ impl Drafter {
     /// taps * hidden]` (positions `cache.len()..`) to the context cache, then runs the block `block_embeddings
     /// [1, bs, hidden]` (the target's embedding of `[last accepted token, MASK...]`) at the positions right after
     /// the context. Block queries see every context key and every key of the block, as in training (context
-    /// `p < anchor`, bidirectional block); the block's own keys are not kept. Returns the final-normed hidden
+    /// `p < anchor`, bidirectional block, each layer's window and causality: [`LayerAttention`]); the block's own keys are not kept. Returns the final-normed hidden
     /// states `[1, bs, hidden]`. The context is attended in whole buckets
     /// ([`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET)), the rows past it masked, so the attention shape recurs
     /// from step to step (cuDNN plans an attention per shape, which costs far more than the attention itself at
@@ -356,26 +376,46 @@ impl Drafter {
             };
             // The context's and the block's positions, and which keys the block may not see: on the host, the rows
             // of the bucketed context past it; at a device position, every key past the block.
-            let (context_at, block_at, hidden, padded) = match at {
+            let (context_at, block_at, hidden, padded, keys_at) = match at {
                 None => {
                     let padded = context_bucket(start + n);
-                    let keys_at = Tensor::f_arange(padded + bs, on)?;
-                    let hidden = keys_at.f_ge(start + n)?.f_logical_and(&keys_at.f_lt(padded)?)?;
+                    let rows = Tensor::f_arange(padded + bs, on)?;
+                    let hidden = rows.f_ge(start + n)?.f_logical_and(&rows.f_lt(padded)?)?;
                     let context_at = Tensor::f_arange_start(start, start + n, on)?;
-                    (context_at, Tensor::f_arange_start(start + n, start + n + bs, on)?, hidden, padded)
+                    let block_at = Tensor::f_arange_start(start + n, start + n + bs, on)?;
+                    let keys_at = Tensor::f_cat(&[Tensor::f_arange(padded, on)?, block_at.shallow_clone()], 0)?;
+                    (context_at, block_at, hidden, padded, keys_at)
                 }
                 Some((start, count)) => {
                     let block_start = start.f_add(count)?;
-                    let hidden = Tensor::f_arange(cache.capacity(), on)?.f_ge_tensor(&block_start.f_add_scalar(bs)?)?;
+                    let keys_at = Tensor::f_arange(cache.capacity(), on)?;
+                    let hidden = keys_at.f_ge_tensor(&block_start.f_add_scalar(bs)?)?;
                     let context_at = Tensor::f_arange(n, on)?.f_add(start)?;
-                    (context_at, Tensor::f_arange(bs, on)?.f_add(&block_start)?, hidden, cache.capacity())
+                    (context_at, Tensor::f_arange(bs, on)?.f_add(&block_start)?, hidden, cache.capacity(), keys_at)
                 }
             };
             let (cos_c, sin_c) = rope(&context_at);
             let (cos_b, sin_b) = rope(&block_at);
-            let bias = grouped_bias(&hidden, bs, heads / kv_heads, self.kind)?;
+            let group = heads / kv_heads;
+            let bias = grouped_bias(&hidden, bs, group, self.kind)?;
+            // Layers with a sliding window or a causal block hide more, per query.
+            let mut restricted: Vec<(LayerAttention, Tensor)> = Vec::new();
+            for kind in self.cfg.layer_attention.iter().filter(|l| l.restricts()) {
+                if restricted.iter().all(|(k, _)| k != kind) {
+                    let more = kind.hides(&block_at.f_unsqueeze(1)?, &keys_at.f_unsqueeze(0)?)?;
+                    let hidden = match more {
+                        Some(more) => more.f_logical_or(&hidden.f_unsqueeze(0)?)?,
+                        None => hidden.shallow_clone(),
+                    };
+                    restricted.push((*kind, grouped_bias(&hidden, bs, group, self.kind)?));
+                }
+            }
             let mut x = block_embeddings.shallow_clone();
             for (i, layer) in self.layers.iter().enumerate() {
+                let bias = match restricted.iter().find(|(k, _)| *k == self.cfg.layer_attention[i]) {
+                    Some((_, b)) => b,
+                    None => &bias,
+                };
                 let qkv_w = w(layer.qkv_proj);
                 let (q_norm, k_norm) = (w(layer.q_norm), w(layer.k_norm));
                 let p = span("drafter.qkv_proj");
@@ -413,7 +453,7 @@ impl Drafter {
                 };
                 drop(p);
                 let p = span("drafter.attention");
-                let attn = masked_attention(&q, &keys, &values, &bias)?;
+                let attn = masked_attention(&q, &keys, &values, bias)?;
                 drop(p);
                 let p = span("drafter.mlp");
                 let o = attn.transpose(1, 2).reshape([1, bs, heads * d]);
@@ -461,6 +501,8 @@ struct AttentionGroup {
     context_len: i64,
     /// `[B, 1, query_len, context_len + query_len]`: 0 where visible, -inf elsewhere.
     bias: Tensor,
+    /// `[B, query_len]`: each query's absolute position (its anchor plus its slot).
+    query_at: Tensor,
 }
 
 /// The DFlash training attention pattern for one batch of blocks, ready to run.
@@ -506,8 +548,38 @@ impl BlockAttention {
             let bias = Tensor::f_zeros(visible.size(), (kind, device))?
                 .f_masked_fill(&visible.logical_not(), f64::NEG_INFINITY)?
                 .unsqueeze(1);
-            groups.push(AttentionGroup { query_start: j0 as i64 * bs, query_len: q_len, context_len, bias });
+            let slot = Tensor::f_arange(q_len, (Kind::Int64, device))?.f_remainder(bs)?;
+            let query_at = anchor_q.f_add(&slot)?;
+            groups.push(AttentionGroup { query_start: j0 as i64 * bs, query_len: q_len, context_len, bias, query_at });
         }
+        Ok(BlockAttention { groups })
+    }
+
+    /// The pattern of a draft layer that restricts the rule further ([`LayerAttention`]: a sliding window, a causal
+    /// block), from this one.
+    pub fn restricted(&self, layer: &LayerAttention) -> Result<BlockAttention, ModelError> {
+        let groups = self
+            .groups
+            .iter()
+            .map(|g| {
+                // Keys in the order the bias has them: the context prefix, then the group's block keys.
+                let rows = g.query_at.size()[0];
+                let context = Tensor::f_arange(g.context_len, (Kind::Int64, g.query_at.device()))?
+                    .f_expand([rows, 1, g.context_len], false)?;
+                let keys_at = Tensor::f_cat(&[context, g.query_at.f_unsqueeze(1)?], 2)?;
+                let bias = match layer.hides(&g.query_at.f_unsqueeze(2)?, &keys_at)? {
+                    Some(hidden) => g.bias.f_masked_fill(&hidden.f_unsqueeze(1)?, f64::NEG_INFINITY)?,
+                    None => g.bias.shallow_clone(),
+                };
+                Ok(AttentionGroup {
+                    query_start: g.query_start,
+                    query_len: g.query_len,
+                    context_len: g.context_len,
+                    bias,
+                    query_at: g.query_at.shallow_clone(),
+                })
+            })
+            .collect::<Result<_, ModelError>>()?;
         Ok(BlockAttention { groups })
     }
 
@@ -537,6 +609,21 @@ impl BlockAttention {
             return outs.into_iter().next().expect("one group");
         }
         Tensor::cat(&outs, 2)
+    }
+
+    fn shallow_clone(&self) -> BlockAttention {
+        let groups = self
+            .groups
+            .iter()
+            .map(|g| AttentionGroup {
+                query_start: g.query_start,
+                query_len: g.query_len,
+                context_len: g.context_len,
+                bias: g.bias.shallow_clone(),
+                query_at: g.query_at.shallow_clone(),
+            })
+            .collect();
+        BlockAttention { groups }
     }
 
     /// Number of groups (one dense attention call each).

@@ -1,10 +1,13 @@
 //! The drafter's shape and its DFlash settings, read from and written to the published drafters' `config.json`:
 //! a Qwen3 config with `architectures: ["DFlashDraftModel"]`, plus `block_size`, `num_target_layers` and
 //! `dflash_config {mask_token_id, target_layer_ids}` (read from the top level too, as the reference loader does).
+//! Each layer's attention (sliding window, causal block) is read as transformers then vLLM resolve it, and written
+//! with the keys vLLM and SGLang both need ([`layer_attention_from_json`]).
 use std::path::Path;
 
 use serde_json::{Value, json};
 
+use super::attention::LayerAttention;
 use super::config::{Architecture, RopeScaling, TargetConfig, read_config_json};
 use super::target::validate_taps;
 use super::{ModelError, Preset};
@@ -21,6 +24,8 @@ pub struct DrafterConfig {
     /// Target layers whose outputs feed `fc`, in order.
     pub target_layer_ids: Vec<usize>,
     pub num_target_layers: usize,
+    /// Each layer's window and causality (default: full attention, a bidirectional block).
+    pub layer_attention: Vec<LayerAttention>,
 }
 
 impl DrafterConfig {
@@ -66,7 +71,15 @@ impl DrafterConfig {
             mask_token_id,
             target_layer_ids,
             num_target_layers: target.num_hidden_layers,
+            layer_attention: vec![LayerAttention::default(); num_layers],
         };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The same drafter with each layer's attention as given.
+    pub fn with_layer_attention(self, layer_attention: Vec<LayerAttention>) -> Result<Self, String> {
+        let cfg = DrafterConfig { layer_attention, ..self };
         cfg.validate()?;
         Ok(cfg)
     }
@@ -90,7 +103,9 @@ impl DrafterConfig {
                 self.mask_token_id, self.decoder.vocab_size
             ));
         }
-        validate_taps(&self.target_layer_ids, self.num_target_layers).map_err(|e| format!("`target_layer_ids`: {e}"))
+        validate_taps(&self.target_layer_ids, self.num_target_layers)
+            .map_err(|e| format!("`target_layer_ids`: {e}"))?;
+        validate_layer_attention(&self.layer_attention, self.decoder.num_hidden_layers)
     }
 
     /// Reads and validates `dir/config.json`.
@@ -99,7 +114,7 @@ impl DrafterConfig {
     }
 
     pub fn from_json(text: &str) -> Result<Self, String> {
-        let mut v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let arch = v.get("architectures").cloned();
         if arch != Some(json!(["DFlashDraftModel"])) {
             return Err(format!(
@@ -107,9 +122,11 @@ impl DrafterConfig {
                 arch.map_or("missing".to_string(), |a| a.to_string())
             ));
         }
-        // The decoder part is a Qwen3 config; read it with the target's reader.
-        v["architectures"] = json!(["Qwen3ForCausalLM"]);
-        let decoder = TargetConfig::from_json(&v.to_string())?;
+        // The decoder part is a Qwen3 config; read it with the target's reader (the layers' windows apart).
+        let mut qwen3 = v.clone();
+        qwen3["architectures"] = json!(["Qwen3ForCausalLM"]);
+        qwen3["use_sliding_window"] = json!(false);
+        let decoder = TargetConfig::from_json(&qwen3.to_string())?;
         let dflash = v.get("dflash_config").cloned().unwrap_or(json!({}));
         let field = |name: &str| dflash.get(name).or_else(|| v.get(name)).cloned();
         let int = |name: &str| -> Result<Option<i64>, String> {
@@ -132,12 +149,14 @@ impl DrafterConfig {
             Some(n) => n as usize,
             None => target_layer_ids.last().map_or(0, |l| l + 1),
         };
+        let layer_attention = layer_attention_from_json(&v, decoder.num_hidden_layers)?;
         let cfg = DrafterConfig {
             decoder,
             block_size: usize::try_from(block_size).map_err(|_| "`block_size` must be positive")?,
             mask_token_id,
             target_layer_ids,
             num_target_layers,
+            layer_attention,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -152,10 +171,8 @@ impl DrafterConfig {
         v["dtype"] = json!(torch_dtype);
         v["attention_dropout"] = json!(0.0);
         v["initializer_range"] = json!(0.02);
-        v["layer_types"] = json!(vec!["full_attention"; layers]);
+        write_layer_attention(&mut v, &self.layer_attention);
         v["max_window_layers"] = json!(layers);
-        v["use_sliding_window"] = json!(false);
-        v["sliding_window"] = Value::Null;
         v["use_cache"] = json!(true);
         if self.decoder.rope_scaling == RopeScaling::None {
             v["rope_scaling"] = Value::Null;
@@ -173,6 +190,117 @@ impl DrafterConfig {
     pub fn context_width(&self) -> usize {
         self.target_layer_ids.len() * self.decoder.hidden_size
     }
+}
+
+const SLIDING: &str = "sliding_attention";
+const FULL: &str = "full_attention";
+
+/// Each draft layer's attention from a drafter's `config.json` `v`, as vLLM (`qwen3_dflash.py`,
+/// `_resolve_layer_attention`) resolves it from the config transformers makes of the file (`Qwen3Config`: without
+/// `use_sliding_window: true` the window is null; without `layer_types`, layers from `max_window_layers` (28) on
+/// slide when there is a window). A layer slides where `layer_types` says so, or everywhere with
+/// `dflash_config.use_swa` when no layer does; its window is `dflash_config.swa_window_size`, else `sliding_window`;
+/// it is causal per `is_causal`, else `dflash_config.causal`, else where `layer_types` says it slides. SGLang reads
+/// the same from `layer_types`, `sliding_window` and `is_causal`, which [`write_layer_attention`] writes.
+pub fn layer_attention_from_json(v: &Value, layers: usize) -> Result<Vec<LayerAttention>, String> {
+    let dflash = v.get("dflash_config").cloned().unwrap_or(json!({}));
+    let flag = |x: Option<&Value>, name: &str| -> Result<Option<bool>, String> {
+        match x {
+            None | Some(Value::Null) => Ok(None),
+            Some(b) => b.as_bool().map(Some).ok_or_else(|| format!("`{name}` must be true or false")),
+        }
+    };
+    let positive = |x: Option<&Value>, name: &str| -> Result<Option<i64>, String> {
+        match x {
+            None | Some(Value::Null) => Ok(None),
+            Some(n) => {
+                n.as_i64().filter(|n| *n > 0).map(Some).ok_or_else(|| format!("`{name}` must be a positive integer"))
+            }
+        }
+    };
+    let use_sliding_window = flag(v.get("use_sliding_window"), "use_sliding_window")?.unwrap_or(false);
+    // Qwen3Config's default window is 4096, kept only with use_sliding_window.
+    let sliding_window = match v.get("sliding_window") {
+        None => Some(4096),
+        some => positive(some, "sliding_window")?,
+    }
+    .filter(|_| use_sliding_window);
+    let layer_types: Vec<bool> = match v.get("layer_types") {
+        None | Some(Value::Null) => {
+            let from = positive(v.get("max_window_layers"), "max_window_layers")?.unwrap_or(28) as usize;
+            (0..layers).map(|i| sliding_window.is_some() && i >= from).collect()
+        }
+        Some(Value::Array(types)) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some(SLIDING) => Ok(true),
+                Some(FULL) => Ok(false),
+                _ => Err(format!("`layer_types` entries must be \"{SLIDING}\" or \"{FULL}\", not {t}")),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(format!("`layer_types` must be a list, not {other}")),
+    };
+    if layer_types.len() != layers {
+        return Err(format!("`layer_types` has {} entries for {layers} layers", layer_types.len()));
+    }
+    let use_swa = flag(dflash.get("use_swa"), "dflash_config.use_swa")?.unwrap_or(false);
+    let any_sliding = layer_types.iter().any(|s| *s);
+    let window = positive(dflash.get("swa_window_size"), "dflash_config.swa_window_size")?.or(sliding_window);
+    let causal = flag(v.get("is_causal"), "is_causal")?.or(flag(dflash.get("causal"), "dflash_config.causal")?);
+    layer_types
+        .iter()
+        .map(|&typed_sliding| {
+            let sliding = if use_swa && !any_sliding { true } else { typed_sliding };
+            let window = match (sliding, window) {
+                (false, _) => None,
+                (true, Some(w)) => Some(w),
+                (true, None) => {
+                    return Err("sliding-window layers need a window: `sliding_window` with `use_sliding_window: \
+                                true` (transformers drops it otherwise), or `dflash_config.swa_window_size`"
+                        .to_string());
+                }
+            };
+            Ok(LayerAttention { window, causal: causal.unwrap_or(typed_sliding) })
+        })
+        .collect()
+}
+
+/// Writes each layer's attention into a drafter's `config.json` `v` with the keys both engines read: `layer_types`,
+/// `sliding_window` and `use_sliding_window` (without which transformers drops the window), and `is_causal` where
+/// the layers' causality is not the engines' default (causal exactly where a layer slides).
+pub fn write_layer_attention(v: &mut Value, layers: &[LayerAttention]) {
+    let types: Vec<&str> = layers.iter().map(|l| if l.window.is_some() { SLIDING } else { FULL }).collect();
+    v["layer_types"] = json!(types);
+    let window = layers.iter().find_map(|l| l.window);
+    v["use_sliding_window"] = json!(window.is_some());
+    v["sliding_window"] = json!(window);
+    let by_default = layers.iter().all(|l| l.causal == l.window.is_some());
+    if let (false, Some(first)) = (by_default, layers.first()) {
+        v["is_causal"] = json!(first.causal);
+    } else if let Some(map) = v.as_object_mut() {
+        map.remove("is_causal");
+    }
+}
+
+/// What the engines can serve: one layer per entry, one window for every sliding layer, and causality either the
+/// engines' default (causal exactly where a layer slides) or the same for every layer (`is_causal`).
+fn validate_layer_attention(layers: &[LayerAttention], num_layers: usize) -> Result<(), String> {
+    if layers.len() != num_layers {
+        return Err(format!("the attention of {} layers given for {num_layers} layers", layers.len()));
+    }
+    let mut windows: Vec<i64> = layers.iter().filter_map(|l| l.window).collect();
+    windows.dedup();
+    if windows.len() > 1 || windows.first().is_some_and(|w| *w < 1) {
+        return Err(format!("sliding-window layers must share one positive window, not {windows:?}"));
+    }
+    let by_default = layers.iter().all(|l| l.causal == l.window.is_some());
+    let uniform = layers.windows(2).all(|w| w[0].causal == w[1].causal);
+    if !by_default && !uniform {
+        return Err("layers must be causal exactly where they slide, or all causal, or none: vLLM and SGLang \
+                    read no other causality"
+            .into());
+    }
+    Ok(())
 }
 
 /// The decay of the loss weights over block slots that DFLASH.md gives per block size (7 for 16, 5 for 10, 4 for
@@ -258,6 +386,77 @@ mod tests {
         let mut json = cfg.to_json("float32");
         json["block_size"] = json!(1);
         assert!(DrafterConfig::from_json(&json.to_string()).unwrap_err().contains("block_size"));
+    }
+
+    /// Each layer's attention as vLLM 0.34's `_resolve_layer_attention` resolves it from what transformers 5.25's
+    /// `Qwen3Config` makes of the file, one published layout per case (the cases its docstring names among them).
+    #[test]
+    fn layer_attention_is_read_as_transformers_then_vllm_read_it() {
+        let full = LayerAttention::default();
+        let slide = |w: i64, causal: bool| LayerAttention { window: Some(w), causal };
+        let read = |extra: Value| {
+            let mut v = DrafterConfig::for_preset(Preset::Tiny, 4).to_json("float32");
+            for key in ["layer_types", "use_sliding_window", "sliding_window", "max_window_layers"] {
+                v.as_object_mut().unwrap().remove(key);
+            }
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            layer_attention_from_json(&v, 2)
+        };
+        let types = |t: [&str; 2]| json!(t);
+        // Nothing said: full attention, a bidirectional block (z-lab's Qwen3 drafters).
+        assert_eq!(read(json!({})).unwrap(), vec![full, full]);
+        // Mixed layer types (z-lab's gemma-4 drafter): causal only where a layer slides.
+        let mixed = json!({"layer_types": types([SLIDING, FULL]), "use_sliding_window": true, "sliding_window": 2048});
+        assert_eq!(read(mixed.clone()).unwrap(), vec![slide(2048, true), full]);
+        // is_causal wins, then dflash_config.causal.
+        let mut explicit = mixed.clone();
+        explicit["is_causal"] = json!(false);
+        explicit["dflash_config"] = json!({"mask_token_id": 1, "target_layer_ids": [1], "causal": true});
+        assert_eq!(read(explicit.clone()).unwrap(), vec![slide(2048, false), full]);
+        explicit.as_object_mut().unwrap().remove("is_causal");
+        assert_eq!(read(explicit).unwrap(), vec![slide(2048, true), LayerAttention { window: None, causal: true }]);
+        // dflash_config.use_swa with no sliding layer type (MiMo's drafter): every layer slides, non-causal, its
+        // window from swa_window_size.
+        let swa = json!({"dflash_config": {"mask_token_id": 1, "target_layer_ids": [1], "use_swa": true,
+            "swa_window_size": 512}});
+        assert_eq!(read(swa).unwrap(), vec![slide(512, false), slide(512, false)]);
+        // Without use_sliding_window transformers drops the window: a sliding layer then has none, as vLLM says.
+        let dropped = json!({"layer_types": types([SLIDING, SLIDING]), "sliding_window": 2048});
+        assert!(read(dropped).unwrap_err().contains("use_sliding_window"));
+        // No layer_types: layers from max_window_layers on slide when there is a window (Qwen3Config's rule).
+        let derived = json!({"use_sliding_window": true, "sliding_window": 64, "max_window_layers": 1});
+        assert_eq!(read(derived).unwrap(), vec![full, slide(64, true)]);
+        assert!(read(json!({"layer_types": [SLIDING]})).unwrap_err().contains("1 entries for 2 layers"));
+        assert!(read(json!({"layer_types": ["local"]})).unwrap_err().contains("layer_types"));
+    }
+
+    /// What a run trains is what the export says: every servable combination round-trips through `config.json`;
+    /// what the engines cannot read is refused.
+    #[test]
+    fn layer_attention_round_trips_and_unservable_ones_are_refused() {
+        let full = LayerAttention::default();
+        let slide = |w: i64, causal: bool| LayerAttention { window: Some(w), causal };
+        let tiny = DrafterConfig::for_preset(Preset::Tiny, 4);
+        let causal_full = LayerAttention { window: None, causal: true };
+        for layers in [
+            vec![full, full],
+            vec![slide(8, true), full],
+            vec![slide(8, true), slide(8, true)],
+            vec![slide(8, false), slide(8, false)],
+            vec![slide(8, false), full],
+            vec![slide(8, true), causal_full],
+            vec![causal_full, causal_full],
+        ] {
+            let cfg = tiny.clone().with_layer_attention(layers.clone()).unwrap();
+            let json = cfg.to_json("float32");
+            assert_eq!(DrafterConfig::from_json(&json.to_string()).unwrap(), cfg, "{layers:?}: {json}");
+        }
+        let refused = |layers: Vec<LayerAttention>| tiny.clone().with_layer_attention(layers).unwrap_err();
+        assert!(refused(vec![slide(8, true), slide(4, true)]).contains("one positive window"));
+        assert!(refused(vec![slide(8, false), causal_full]).contains("causal exactly where they slide"));
+        assert!(refused(vec![full]).contains("1 layers given for 2"));
     }
 
     #[test]

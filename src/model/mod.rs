@@ -26,6 +26,7 @@ pub mod split;
 pub mod target;
 pub mod weights;
 
+pub use attention::LayerAttention;
 pub use config::{Architecture, TargetConfig};
 pub use decoder::Decoder;
 pub use drafter::{BlockAttention, Drafter};

@@ -8,6 +8,11 @@
 //!   which is `hidden_states[i + 1]` (index 0 is the embedding output); speculators names that `i + 1`. The
 //!   verifier's last layer is always fed to the drafter implicitly and is left out of the list, so a drafter that
 //!   taps it cannot be written in this format (the converter would drop its columns of `fc`).
+//! - Causality: vLLM (0.34, `speculators/algos.py`) reads one causality for every layer from this format,
+//!   `dflash_config.causal = not sliding_window_non_causal`, unless `transformer_layer_config.is_causal` says
+//!   otherwise; speculators trains full-attention layers bidirectional whatever the flag. The converter's default
+//!   (`false`) therefore has vLLM run the paper's bidirectional blocks causally. This writes both keys from the
+//!   drafter's layers, which must all be causal (then all sliding) or none; other drafters go out as z-lab's layout.
 //! - `model.safetensors`: the drafter's own tensors under the published names (`fc`, `hidden_norm`, `layers.*`,
 //!   `norm`). Version 0.9.0 saves neither the embedding, the LM head nor the verifier's norm: it loads them from
 //!   the verifier when the model is built.
@@ -44,7 +49,9 @@ pub fn aux_hidden_state_layer_ids(cfg: &DrafterConfig, verifier_layers: usize) -
 /// The `config.json` of the speculators format for a drafter of `cfg`, its weights in `torch_dtype`.
 pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) -> Result<Value, String> {
     let aux = aux_hidden_state_layer_ids(cfg, verifier.num_hidden_layers)?;
+    let causal = one_causality(cfg)?;
     let mut layer = cfg.to_json(torch_dtype);
+    layer["is_causal"] = json!(causal);
     let obj = layer.as_object_mut().expect("the drafter's config is an object");
     for key in ["architectures", "block_size", "dflash_config", "num_target_layers", "torch_dtype"] {
         obj.remove(key);
@@ -62,7 +69,7 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
         "dtype": torch_dtype,
         "mask_token_id": cfg.mask_token_id,
         "sample_from_anchor": false,
-        "sliding_window_non_causal": false,
+        "sliding_window_non_causal": !causal,
         "speculators_config": {
             "algorithm": "dflash",
             "default_proposal_method": "greedy",
@@ -82,6 +89,21 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
     }))
 }
 
+/// The one causality of every layer that this format can carry (see the module doc).
+fn one_causality(cfg: &DrafterConfig) -> Result<bool, String> {
+    let layers = &cfg.layer_attention;
+    let causal = layers.first().is_some_and(|l| l.causal);
+    if layers.iter().any(|l| l.causal != causal) || (causal && layers.iter().any(|l| l.window.is_none())) {
+        let each: Vec<String> = layers.iter().enumerate().map(|(i, l)| format!("layer {i}: {l}")).collect();
+        return Err(format!(
+            "the speculators format carries one causality for every layer (vLLM reads it so) and bidirectional \
+             full-attention layers (speculators trains them so), and this drafter has {}: export --format zlab",
+            each.join("; ")
+        ));
+    }
+    Ok(causal)
+}
+
 /// transformers 5's `rope_parameters`: the scaling's fields with its `rope_type`, and `rope_theta`.
 fn rope_parameters(scaling: &RopeScaling, theta: Value) -> Value {
     let mut v = scaling.to_json().unwrap_or_else(|| json!({"rope_type": "default"}));
@@ -92,7 +114,7 @@ fn rope_parameters(scaling: &RopeScaling, theta: Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Preset;
+    use crate::model::{LayerAttention, Preset};
 
     fn tiny_tasks_drafter() -> DrafterConfig {
         let spec = Preset::TinyTasks.spec();
@@ -110,6 +132,10 @@ mod tests {
         for key in ["auto_map", "transformers_version"] {
             expected.as_object_mut().unwrap().remove(key);
         }
+        // Where ours differs on purpose: the converter's `sliding_window_non_causal = false` has vLLM run these
+        // bidirectional blocks causally (the module doc); ours says they are not.
+        expected["sliding_window_non_causal"] = json!(true);
+        expected["transformer_layer_config"]["is_causal"] = json!(false);
         let verifier = Verifier {
             name_or_path: "VERIFIER".into(),
             architectures: vec!["Qwen3ForCausalLM".into()],
@@ -117,6 +143,33 @@ mod tests {
         };
         let ours = config_json(&tiny_tasks_drafter(), &verifier, "bfloat16").unwrap();
         assert_eq!(ours, expected, "ours:\n{ours:#}\nthe converter's:\n{expected:#}");
+    }
+
+    /// vLLM's reading of the format (`update_dflash`, then `_dflash_layer_causal`: `is_causal`, else
+    /// `dflash_config.causal = not sliding_window_non_causal`) gives each layer the causality it was trained with;
+    /// a drafter with mixed causality is refused, naming the other layout.
+    #[test]
+    fn vllm_reads_each_layers_causality_as_trained() {
+        let verifier =
+            Verifier { name_or_path: "V".into(), architectures: vec!["Qwen3ForCausalLM".into()], num_hidden_layers: 8 };
+        let vllm_causal = |v: &Value| {
+            v["transformer_layer_config"]["is_causal"]
+                .as_bool()
+                .unwrap_or(!v["sliding_window_non_causal"].as_bool().unwrap_or(true))
+        };
+        let slide = |causal: bool| LayerAttention { window: Some(64), causal };
+        for layers in [vec![LayerAttention::default(); 5], vec![slide(true); 5], vec![slide(false); 5]] {
+            let cfg = tiny_tasks_drafter().with_layer_attention(layers.clone()).unwrap();
+            let v = config_json(&cfg, &verifier, "bfloat16").unwrap();
+            assert!(layers.iter().all(|l| l.causal == vllm_causal(&v)), "{layers:?}: {v:#}");
+            assert_eq!(
+                v["transformer_layer_config"]["layer_types"][0] == "sliding_attention",
+                layers[0].window.is_some()
+            );
+        }
+        let mixed = vec![slide(true), slide(true), LayerAttention::default(), slide(true), slide(true)];
+        let e = config_json(&tiny_tasks_drafter().with_layer_attention(mixed).unwrap(), &verifier, "bfloat16");
+        assert!(e.unwrap_err().contains("--format zlab"));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
+use crate::model::drafter_config::write_layer_attention;
 use crate::model::weights::WeightFiles;
 use crate::model::{Drafter, DrafterConfig};
 
@@ -71,6 +72,22 @@ pub fn mismatches(configured: &DrafterConfig, found: &DrafterConfig) -> Vec<Stri
         configured.mask_token_id.to_string(),
         found.mask_token_id.to_string(),
     );
+    if configured.layer_attention != found.layer_attention {
+        let shown = |d: &DrafterConfig| {
+            let mut v = serde_json::json!({});
+            write_layer_attention(&mut v, &d.layer_attention);
+            let causal = v.get("is_causal").map_or("\"auto\"".to_string(), |c| c.to_string());
+            format!(
+                "layer_types = {}, sliding_window = {}, block_causal = {causal}",
+                v["layer_types"], v["sliding_window"]
+            )
+        };
+        out.push(format!(
+            "attention: this run has {}, the drafter {}: set those draft_model keys as the drafter has them",
+            shown(configured),
+            shown(found)
+        ));
+    }
     let mut target = |what: &str, ours: String, theirs: String| {
         if ours != theirs {
             out.push(format!(

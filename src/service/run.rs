@@ -92,6 +92,7 @@ pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> 
     let dm = &config.draft_model;
     let drafter =
         DrafterConfig::for_target(&target, dm.num_hidden_layers, dm.intermediate_size, dm.block_size, taps, mask)
+            .and_then(|d| d.with_layer_attention(dm.layer_attention.clone()))
             .map_err(|e| anyhow::anyhow!("[draft_model]: {e}"))?;
     Ok((target, drafter))
 }
