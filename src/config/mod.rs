@@ -865,6 +865,7 @@ impl RawDraftModel {
         let causal = match &self.block_causal {
             RawCausal::Every(c) => Some(*c),
             RawCausal::Word(w) if w == "auto" => None,
+            RawCausal::Word(w) if w == "true" || w == "false" => Some(w == "true"),
             RawCausal::Word(w) => {
                 return Err(invalid("draft_model.block_causal", format!("{w:?}"), "\"auto\", true or false"));
             }
@@ -1071,6 +1072,10 @@ mod tests {
             ("optim.muon_ns_steps=0", &["optim.muon_ns_steps", "1..=99"]),
             ("optim.muon_momentum=1", &["optim.muon_momentum", "[0, 1)"]),
             ("draft_model.block_size=1", &["draft_model.block_size", "1"]),
+            ("draft_model.layer_types=\"local\"", &["draft_model.layer_types", "local", "sliding_attention"]),
+            ("draft_model.layer_types=[\"full_attention\"]", &["draft_model.layer_types", "num_hidden_layers is 5"]),
+            ("draft_model.sliding_window=0", &["draft_model.sliding_window", "0", "positive"]),
+            ("draft_model.block_causal=maybe", &["draft_model.block_causal", "maybe", "auto"]),
             ("drafters.devices=[]", &["drafters.devices", "at least one"]),
             ("drafters.devices=[\"cpu\", \"gpu\"]", &["drafters.devices", "gpu", "cuda:N"]),
             ("data.batch_size=0", &["data.batch_size", "0"]),

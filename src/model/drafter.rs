@@ -307,11 +307,11 @@ impl Drafter {
     /// taps * hidden]` (positions `cache.len()..`) to the context cache, then runs the block `block_embeddings
     /// [1, bs, hidden]` (the target's embedding of `[last accepted token, MASK...]`) at the positions right after
     /// the context. Block queries see every context key and every key of the block, as in training (context
-    /// `p < anchor`, bidirectional block, each layer's window and causality: [`LayerAttention`]); the block's own keys are not kept. Returns the final-normed hidden
-    /// states `[1, bs, hidden]`. The context is attended in whole buckets
-    /// ([`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET)), the rows past it masked, so the attention shape recurs
-    /// from step to step (cuDNN plans an attention per shape, which costs far more than the attention itself at
-    /// batch 1).
+    /// `p < anchor`, bidirectional block, each layer's window and causality: [`LayerAttention`]); the block's own
+    /// keys are not kept. Returns the final-normed hidden states `[1, bs, hidden]`. The context is attended in whole
+    /// buckets ([`CONTEXT_BUCKET`](super::attention::CONTEXT_BUCKET)), the rows past it masked, so the attention
+    /// shape recurs from step to step (cuDNN plans an attention per shape, which costs far more than the attention
+    /// itself at batch 1).
     pub fn draft(
         &self,
         w: &DraftWeights,

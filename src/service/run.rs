@@ -149,7 +149,8 @@ fn checkpoint_to_resume(config: &mut Config, layers: &mut Layers, resume: &Resum
         }
         (Resume::Auto, Some((path, state))) => {
             let trained = as_trained(&state.config);
-            keep_the_runs_recipe(config, layers, |key| lookup(&trained, key).cloned(), "the run began with it")?;
+            let _ =
+                keep_the_runs_recipe(config, layers, |key| lookup(&trained, key).cloned(), "the run began with it")?;
             config.adopt_resolved(&state.config);
             let (fixed, others) = resume_changes(&trained, &config.merged);
             if !fixed.is_empty() {
@@ -174,13 +175,14 @@ fn checkpoint_to_resume(config: &mut Config, layers: &mut Layers, resume: &Resum
 
 /// Gives each key whose built-in default changed since the run began, and that this process leaves to the default,
 /// the run's value (`run` reads the run's configuration; `why` ends the log line): in `layers`, so that a reload keeps
-/// it, and in `config`, reloaded from them (what `auto` resolved is then resolved again).
+/// it, and in `config`, reloaded from them (what `auto` resolved must then be resolved again). Whether it changed
+/// anything.
 fn keep_the_runs_recipe(
     config: &mut Config,
     layers: &mut Layers,
     run: impl Fn(&str) -> Option<serde_json::Value>,
     why: &str,
-) -> Result<()> {
+) -> Result<bool> {
     let kept = kept_from_run(run, |key| lookup(&config.merged, key).cloned(), |key| layers.origin(key) != "default");
     for (key, value) in &kept {
         let today = lookup(&config.merged, key).map_or("(unset)".into(), |v| v.to_string());
@@ -190,7 +192,7 @@ fn keep_the_runs_recipe(
         layers.set.extend(as_overrides(&kept));
         *config = Config::load(layers).context("the run's settings")?;
     }
-    Ok(())
+    Ok(!kept.is_empty())
 }
 
 /// Locks the folder this process writes checkpoints to, for the life of the process (`checkpoint.lock`).
@@ -294,7 +296,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         _ => checkpoint_to_resume(&mut config, &mut layers, &resume)?,
     };
     // After the checkpoint is found: a resume keeps the taps and MASK token `auto` resolved to when the run began.
-    let (target_cfg, drafter_cfg) = drafter_config(&config)?;
+    let (target_cfg, mut drafter_cfg) = drafter_config(&config)?;
     // What `auto` resolved to is stored in every checkpoint's configuration: a resume (or a later rule) never changes
     // the taps or the MASK token.
     config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
@@ -360,8 +362,11 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
             let overridden = match rank0 {
                 Some(rank0) => {
                     // A resumed run keeps its recipe on rank 0: a host that leaves a changed default unset follows.
-                    keep_the_runs_recipe(&mut config, &mut layers, |key| rank0.get(key).cloned(), "rank 0 runs it")?;
-                    config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
+                    if keep_the_runs_recipe(&mut config, &mut layers, |key| rank0.get(key).cloned(), "rank 0 runs it")?
+                    {
+                        drafter_cfg = drafter_config(&config)?.1;
+                        config.resolve_auto(&drafter_cfg.target_layer_ids, drafter_cfg.mask_token_id);
+                    }
                     let mine = crate::config::join_settings(&config.merged, &target);
                     crate::config::agree_with_rank0(&mine, &rank0).context("checking the settings across hosts")?
                 }
