@@ -23,7 +23,10 @@ pub fn reread(
     block_size: usize,
     check: impl FnOnce(&Config) -> Result<(), String>,
 ) -> Result<Option<Accepted>, String> {
-    let config = Config::load(layers).map_err(|e| format!("{e}{KEPT}"))?;
+    let mut config = Config::load(layers).map_err(|e| format!("{e}{KEPT}"))?;
+    // Keys left to `auto` (the taps, the MASK token) keep what the running configuration resolved them to: the
+    // comparison is of resolved values, not of the word `auto` against the ids it became.
+    config.adopt_resolved(&current.merged);
     let changes = diff(&current.merged, &config.merged);
     let fixed: Vec<&str> = changes.iter().map(|c| c.key.as_str()).filter(|k| !RELOADABLE.contains(k)).collect();
     if !fixed.is_empty() {
@@ -86,5 +89,29 @@ mod tests {
         assert!(err.contains("block size 12"), "{err}");
         let err = reread(&current, &lr, 16, |_| Err("no prompts".into())).err().unwrap();
         assert!(err.starts_with("no prompts"), "{err}");
+    }
+
+    /// With a model folder the taps and the MASK token default to `auto`, which the running configuration holds
+    /// resolved: a reload that changes only the learning rate is accepted (it was refused as a change of the taps).
+    #[test]
+    fn keys_left_to_auto_compare_as_resolved() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tempfile::tempdir().unwrap();
+        let base = format!("[target]\nmodel = {:?}\n[optim]\nlr = 2e-3\n", model.path().display().to_string());
+        let mut current = Config::load(&layers(dir.path(), &base)).unwrap();
+        assert!(current.taps_are_auto() && current.mask_is_auto());
+        current.resolve_auto(&[1, 9, 17], 151669);
+        let ok = |_: &Config| Ok(());
+
+        let lr = layers(dir.path(), &base.replace("2e-3", "1e-3"));
+        let accepted = reread(&current, &lr, 16, ok).unwrap().unwrap();
+        let keys: Vec<&str> = accepted.changes.iter().map(|c| c.key.as_str()).collect();
+        assert_eq!(keys, ["optim.lr"]);
+        assert!(reread(&current, &layers(dir.path(), &base), 16, ok).unwrap().is_none(), "nothing changed");
+
+        // Taps written out that differ from the resolved ones are a change, and refused.
+        let taps = layers(dir.path(), &format!("{base}[draft_model]\ntarget_layer_ids = [1, 2, 3]\n"));
+        let err = reread(&current, &taps, 16, ok).err().unwrap();
+        assert!(err.contains("draft_model.target_layer_ids"), "{err}");
     }
 }
