@@ -400,6 +400,25 @@ fn sliding_window_layers_train_export_and_read_back() {
     let out = dflash(&args);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("--format zlab"), "{}", text(&out.stderr));
+
+    // Every layer sliding and causal is what the speculators layout carries: said in both places vLLM reads, and
+    // the verifier given as a relative folder is written as an absolute path (vLLM reads it from elsewhere).
+    let out = train(&path("c"), "\"sliding_attention\"", None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["export", "--checkpoint", "c", "--format", "speculators", "--verifier", "target", "--out", "spec"])
+        .current_dir(dir.path())
+        .env("DFLASH__LOG__LEVEL", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("spec/config.json")).unwrap()).unwrap();
+    assert_eq!(config["sliding_window_non_causal"], false);
+    assert_eq!(config["transformer_layer_config"]["is_causal"], true);
+    assert_eq!(config["transformer_layer_config"]["sliding_window"], 16);
+    let verifier = config["speculators_config"]["verifier"]["name_or_path"].as_str().unwrap();
+    assert_eq!(std::path::Path::new(verifier), std::fs::canonicalize(dir.path().join("target")).unwrap());
 }
 
 /// Logs written to a pipe (a file, journald, `docker logs`) carry no colour codes.

@@ -101,8 +101,8 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The target a speculators export names: `--verifier`, else the run's target folder. A local folder's
-/// `config.json` gives its architecture and depth (and must have the drafter's hidden size); for a hub id they are
+/// The target a speculators export names: `--verifier`, else the run's target folder (a folder by its absolute
+/// path). A local folder's `config.json` gives its architecture and depth (and must have the drafter's hidden size); for a hub id they are
 /// the run's target's.
 fn verifier(given: Option<&str>, state: &TrainerState, hidden_size: usize) -> Result<Verifier> {
     let trained = state.config.pointer("/target/model").and_then(|m| m.as_str()).unwrap_or_default().to_string();
@@ -122,8 +122,15 @@ fn verifier(given: Option<&str>, state: &TrainerState, hidden_size: usize) -> Re
     if target.hidden_size != hidden_size {
         bail!("--verifier {name}: hidden size {}, the drafter's is {hidden_size}: another model", target.hidden_size);
     }
+    // A local folder is named by its absolute path: the export is read from elsewhere (vLLM's working directory).
+    let name_or_path = match Path::new(&name).is_dir() {
+        true => {
+            std::fs::canonicalize(&name).with_context(|| format!("--verifier {name}"))?.to_string_lossy().into_owned()
+        }
+        false => name,
+    };
     Ok(Verifier {
-        name_or_path: name,
+        name_or_path,
         architectures: vec![target.architecture.hf_class().to_string()],
         num_hidden_layers: target.num_hidden_layers,
     })
