@@ -388,6 +388,16 @@ fn sliding_window_layers_train_export_and_read_back() {
     assert_eq!(config["use_sliding_window"], true, "transformers drops the window without it");
     assert!(config.get("is_causal").is_none(), "causal where it slides is the engines' default: {config}");
 
+    // The run's folder decodes as its newest checkpoint's drafter, every token the target's own.
+    std::fs::write(dir.path().join("prompts.jsonl"), "{\"input_ids\": [257, 117, 10, 40, 41, 42, 43, 44]}\n").unwrap();
+    let (run, prompts) = (path("a"), path("prompts.jsonl"));
+    let decode = ["eval", "--decode", "--target", "tiny-tasks", "--drafter", &run, "--prompts", &prompts];
+    let out = dflash(&[&decode[..], &["--max-new-tokens", "24", "--device", "cpu", "--json"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["lossless"], true, "{report}");
+    assert!(text(&out.stderr).contains("newest valid checkpoint, step 2"), "{}", text(&out.stderr));
+
     let out = train(&path("b"), "\"full_attention\"", Some(&path("a/final")));
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);

@@ -13,6 +13,7 @@ use dflash::device::{DeviceSpec, DtypeSpec, device_name};
 use dflash::model::{Depth, Drafter, Target};
 use dflash::panic::catch_torch;
 use dflash::train::ObjectiveSettings;
+use dflash::train::checkpoint::{DRAFTER_DIR, newest_valid};
 use dflash::train::decode_eval::{DecodeSettings, evaluate_decoding};
 use dflash::train::eval::evaluate_rows;
 use tch::{Device, Kind};
@@ -22,8 +23,9 @@ pub struct EvalArgs {
     /// The target: a HuggingFace model folder or a preset name (default: target.model).
     #[arg(long, value_name = "DIR|PRESET")]
     target: Option<String>,
-    /// The drafter folder (published DFlash format: config.json + model.safetensors), or a checkpoint folder
-    /// (runs/.../best, runs/.../ckpt-000001000: the drafter it holds).
+    /// The drafter folder (published DFlash format: config.json + model.safetensors), a checkpoint folder
+    /// (runs/.../best, runs/.../ckpt-000001000: the drafter it holds), or a run's checkpoint.dir (its newest valid
+    /// checkpoint's drafter, as `export --checkpoint` takes it).
     #[arg(long, value_name = "DIR")]
     drafter: PathBuf,
     /// Token rows as JSON lines: {"id"?: int, "input_ids": [...], "loss_mask": [0|1...]}.
@@ -74,12 +76,28 @@ pub struct EvalArgs {
     json: bool,
 }
 
-pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
-    // A checkpoint folder holds its drafter in `drafter/`.
-    let held = args.drafter.join("drafter");
-    if !args.drafter.join("config.json").exists() && held.join("config.json").exists() {
-        args.drafter = held;
+/// The drafter folder `path` names: a drafter folder as it is, a checkpoint's `drafter/`, or for a run's checkpoint
+/// folder its newest valid checkpoint's, as `export --checkpoint` takes it. Anything else is left as given, for
+/// loading to say what is missing.
+fn drafter_folder(path: PathBuf) -> PathBuf {
+    let held = path.join(DRAFTER_DIR);
+    if path.join("config.json").exists() || !path.is_dir() {
+        return path;
     }
+    if held.join("config.json").exists() {
+        return held;
+    }
+    match newest_valid(&path, &|_| true).ok().and_then(|scan| scan.newest) {
+        Some((checkpoint, state)) => {
+            eprintln!("{}: the drafter of its newest valid checkpoint, step {}", path.display(), state.step);
+            checkpoint.join(DRAFTER_DIR)
+        }
+        None => path,
+    }
+}
+
+pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
+    args.drafter = drafter_folder(args.drafter);
     let source = args.target.as_deref().map_or_else(|| config.target.source.clone(), TargetSource::from_arg);
     let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
     if args.decode {
