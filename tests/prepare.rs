@@ -236,7 +236,7 @@ fn the_cli_prepares_inspects_and_feeds_eval() {
     assert_eq!(rows.len() as u64, report["report"]["kept_train"].as_u64().unwrap());
     let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--limit", "2"]);
     assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 2);
-    // Prompts only: each row cut before its last reply, ending in the assistant's header, for eval --decode.
+    // Prompts only: each row cut before its first reply (as the in-training evaluation cuts), for eval --decode.
     let o = dflash(&["inspect", out.to_str().unwrap(), "--json", "--prompts"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let prompts: Vec<serde_json::Value> =
@@ -245,9 +245,8 @@ fn the_cli_prepares_inspects_and_feeds_eval() {
     for (prompt, row) in prompts.iter().zip(&rows) {
         let ids: Vec<i64> = serde_json::from_value(prompt["input_ids"].clone()).unwrap();
         assert!(ids.len() < row.input_ids.len() && row.input_ids.starts_with(&ids), "a prefix of the row");
-        assert_eq!(row.loss_mask[ids.len()], 1, "the cut is where the last reply begins");
-        assert_eq!(row.loss_mask[ids.len() - 1], 0);
-        assert!(row.loss_mask[ids.len()..].iter().skip_while(|&&m| m == 1).all(|&m| m == 0), "only the last reply");
+        assert_eq!(row.loss_mask[ids.len()], 1, "the cut is where the first reply begins");
+        assert!(row.loss_mask[..ids.len()].iter().all(|&m| m == 0), "no supervised token before it");
         assert!(prompt.get("loss_mask").is_none());
     }
     let o = dflash(&["inspect", out.to_str().unwrap(), "--prompts"]);

@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 use dflash::data::SampleId;
 use dflash::data::builtin::sample_conversations;
 use dflash::data::prepare::{ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::prompts::prompt_end;
 use dflash::data::shards::{Manifest, PreparedSplit};
 
 /// Parses `--template-kwargs` (a JSON object).
@@ -117,9 +118,10 @@ pub struct InspectArgs {
     /// Print `{"id", "input_ids", "loss_mask"}` lines (the input `dflash eval --data` reads) instead of text.
     #[arg(long)]
     json: bool,
-    /// With --json: each sample's prompt only, `{"id", "input_ids"}` cut before its last reply (the last run of
-    /// supervised tokens): what `eval --decode --prompts` decodes from, so that the target answers anew rather than
-    /// continuing past its own answer. Samples without a reply are left out.
+    /// With --json: each sample's prompt only, `{"id", "input_ids"}` cut before its first reply (its first
+    /// supervised token), as the in-training evaluation cuts held-out rows: what `eval --decode --prompts` decodes
+    /// from, so that the target answers anew rather than continuing past its own answer. Samples without a prompt
+    /// before a reply are left out.
     #[arg(long, requires = "json")]
     prompts: bool,
     /// Decode with this model's tokenizer (default: the one the folder was prepared with).
@@ -128,14 +130,6 @@ pub struct InspectArgs {
     /// Check every file's checksum first.
     #[arg(long)]
     verify: bool,
-}
-
-/// Where a sample's last reply begins: the start of its last run of supervised tokens (`None`: no reply, or one
-/// that begins the sample and so has no prompt).
-fn last_reply_start(loss_mask: &[u8]) -> Option<usize> {
-    let end = loss_mask.iter().rposition(|&m| m == 1)?;
-    let start = loss_mask[..end].iter().rposition(|&m| m != 1).map_or(0, |i| i + 1);
-    (start > 0).then_some(start)
 }
 
 /// How many samples `inspect` shows: `--limit`, else a few to read or, as JSON (an evaluation set), the whole split.
@@ -156,7 +150,7 @@ pub fn run_inspect(args: InspectArgs) -> Result<ExitCode> {
     if args.json {
         for &i in &positions {
             let s = split.get(i);
-            let line = match (args.prompts, last_reply_start(s.loss_mask)) {
+            let line = match (args.prompts, prompt_end(s.loss_mask)) {
                 (false, _) => serde_json::json!({"id": s.id, "input_ids": s.input_ids(), "loss_mask": s.loss_mask}),
                 (true, Some(cut)) => serde_json::json!({"id": s.id, "input_ids": &s.input_ids()[..cut]}),
                 (true, None) => continue,
@@ -212,17 +206,4 @@ pub fn run_sample_data(args: SampleDataArgs) -> Result<ExitCode> {
     std::fs::write(&args.out, text).with_context(|| format!("writing {}", args.out.display()))?;
     println!("wrote {} conversations to {}", args.count, args.out.display());
     Ok(ExitCode::SUCCESS)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::last_reply_start;
-
-    #[test]
-    fn a_prompt_ends_where_the_last_reply_begins() {
-        assert_eq!(last_reply_start(&[0, 0, 1, 1, 0, 0, 0, 1, 1, 1]), Some(7), "the last of two turns");
-        assert_eq!(last_reply_start(&[0, 0, 1, 1, 0]), Some(2), "unsupervised tokens after the reply");
-        assert_eq!(last_reply_start(&[0, 0, 0]), None, "no reply");
-        assert_eq!(last_reply_start(&[1, 1, 0]), None, "a reply with no prompt before it");
-    }
 }

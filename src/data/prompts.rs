@@ -88,6 +88,13 @@ fn parse_prompt<'a>(
     Ok(Prompt { id, input_ids })
 }
 
+/// Where a prepared row's prompt ends: its first supervised token, where its first reply begins (`None`: no reply,
+/// or one that begins the row and so has no prompt). The in-training evaluation and `inspect --prompts` cut held-out
+/// rows here, so that the target answers anew rather than continuing past its own answer.
+pub fn prompt_end(loss_mask: &[u8]) -> Option<usize> {
+    loss_mask.iter().position(|&m| m != 0).filter(|&first| first > 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +141,13 @@ mod tests {
         assert!(read("\n", false).unwrap_err().to_string().contains("no prompts"));
         let e = read("{\"id\": \"a\", \"input_ids\": [1]}\n{\"id\": \"a\", \"input_ids\": [2]}\n", false).unwrap_err();
         assert!(e.to_string().contains(":2:") && e.to_string().contains("already used at line 1"), "{e}");
+    }
+
+    #[test]
+    fn a_prompt_ends_where_the_first_reply_begins() {
+        assert_eq!(prompt_end(&[0, 0, 1, 1, 0, 0, 0, 1, 1, 1]), Some(2), "the first of two turns");
+        assert_eq!(prompt_end(&[0, 0, 0, 0, 1]), Some(4));
+        assert_eq!(prompt_end(&[0, 0, 0]), None, "no reply");
+        assert_eq!(prompt_end(&[1, 1, 0]), None, "a reply with no prompt before it");
     }
 }

@@ -18,7 +18,7 @@ use tch::{Device, Kind};
 use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
 use crate::data::TokenRow;
 use crate::data::prepare::commit_folder;
-use crate::data::prompts::{Prompt, read_prompts};
+use crate::data::prompts::{Prompt, prompt_end, read_prompts};
 use crate::data::shards::PreparedSplit;
 use crate::model::{Depth, Drafter, Target};
 use crate::panic::catch_torch;
@@ -62,7 +62,7 @@ pub fn eval_set(config: &Config, vocab_size: usize) -> Result<EvalSet> {
             let (rows, prompts) = (0..split.len())
                 .filter_map(|i| {
                     let s = split.get(i);
-                    let first = s.loss_mask.iter().position(|&m| m != 0).filter(|&first| first > 0)?;
+                    let first = prompt_end(s.loss_mask)?;
                     let row = TokenRow { id: s.id.clone(), input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() };
                     let prompt = Prompt { id: s.id.clone(), input_ids: row.input_ids[..first].to_vec() };
                     Some((row, prompt))
