@@ -25,8 +25,9 @@ fn trainer(target: &Target, num_anchors: usize, seed: u64) -> Trainer {
 fn trainer_with(target: &Target, objective: ObjectiveSettings, seed: u64) -> Trainer {
     let cfg = DrafterConfig::for_preset(Preset::Tiny, BS);
     let drafter = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
-    Trainer::new(drafter, target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone(), objective, seed)
-        .unwrap()
+    let optimizer = Optimizer::new(drafter.params(), OptimizerKind::AdamW).unwrap();
+    let (embed, lm_head) = (target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone());
+    Trainer::new(drafter, optimizer, embed, lm_head, objective, seed)
 }
 
 fn update(lr: f64) -> UpdateSettings {

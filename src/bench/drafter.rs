@@ -150,8 +150,8 @@ pub fn bench_drafter(
     };
     let embed = random(&[v, h], 0.02)?;
     let lm_head = random(&[v, h], 0.02)?;
-    let mut trainer = Trainer::new(drafter, embed, lm_head, objective, 0)?;
-    trainer.optimizer = Optimizer::new(trainer.drafter.params(), opts.optimizer)?;
+    let optimizer = Optimizer::new(drafter.params(), opts.optimizer)?;
+    let mut trainer = Trainer::new(drafter, optimizer, embed, lm_head, objective, 0);
     let features = match target {
         Some(target) => Features::Captured(Box::new(target)),
         None => Features::Fixed(random(&[opts.batch, opts.seq, width], 0.5)?),

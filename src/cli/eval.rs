@@ -13,7 +13,7 @@ use dflash::device::{DeviceSpec, DtypeSpec, device_name};
 use dflash::model::{Depth, Drafter, Target};
 use dflash::panic::catch_torch;
 use dflash::train::ObjectiveSettings;
-use dflash::train::checkpoint::{DRAFTER_DIR, newest_valid};
+use dflash::train::checkpoint::DRAFTER_DIR;
 use dflash::train::decode_eval::{DecodeSettings, evaluate_decoding};
 use dflash::train::eval::evaluate_rows;
 use tch::{Device, Kind};
@@ -87,12 +87,12 @@ fn drafter_folder(path: PathBuf) -> PathBuf {
     if held.join("config.json").exists() {
         return held;
     }
-    match newest_valid(&path, &|_| true).ok().and_then(|scan| scan.newest) {
-        Some((checkpoint, state)) => {
+    match super::export::newest_checkpoint(&path) {
+        Ok((checkpoint, state)) => {
             eprintln!("{}: the drafter of its newest valid checkpoint, step {}", path.display(), state.step);
             checkpoint.join(DRAFTER_DIR)
         }
-        None => path,
+        Err(_) => path,
     }
 }
 

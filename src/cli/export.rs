@@ -69,11 +69,7 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
         let state = verify_checkpoint(&checkpoint)?;
         (checkpoint.clone(), state)
     } else {
-        let scan = newest_valid(&checkpoint, &|_| true)?;
-        for (_, why) in scan.rejected {
-            eprintln!("skipping an invalid checkpoint: {why}");
-        }
-        scan.newest.with_context(|| format!("{}: no valid checkpoint here", checkpoint.display()))?
+        newest_checkpoint(&checkpoint)?
     };
     let kind = match args.dtype {
         ExportDtype::Bf16 => Kind::BFloat16,
@@ -99,6 +95,15 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
     }
     println!("exported {} to {}", ckpt.display(), args.out.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// The newest valid checkpoint in a run's `checkpoint.dir` (the invalid ones passed over are said on stderr).
+pub(super) fn newest_checkpoint(dir: &Path) -> Result<(PathBuf, TrainerState)> {
+    let scan = newest_valid(dir, &|_| true)?;
+    for (_, why) in scan.rejected {
+        eprintln!("skipping an invalid checkpoint: {why}");
+    }
+    scan.newest.with_context(|| format!("{}: no valid checkpoint here", dir.display()))
 }
 
 /// The target a speculators export names: `--verifier`, else the run's target folder (a folder by its absolute

@@ -212,13 +212,16 @@ impl Drafter {
             let (cb, sb) = self.rope.cos_sin(positions, self.kind);
             (cc.unsqueeze(0).unsqueeze(2), sc.unsqueeze(0).unsqueeze(2), cb.unsqueeze(2), sb.unsqueeze(2))
         };
-        let restricted = {
+        // One pattern per kind of layer that restricts the rule (a window, a causal block); the others use `attention`.
+        let restricted: Vec<(LayerAttention, BlockAttention)> = {
             let _p = span("drafter.attention");
-            self.restricted_patterns(attention).unwrap_or_else(|e| panic!("drafter attention pattern: {e}"))
+            let built = self.cfg.restricting_kinds().into_iter().map(|kind| Ok((kind, attention.restricted(&kind)?)));
+            built.collect::<Result<_, ModelError>>().unwrap_or_else(|e| panic!("drafter attention pattern: {e}"))
         };
         let mut x = block_embeddings.shallow_clone();
         for (i, layer) in self.layers.iter().enumerate() {
-            let attention = restricted[i].as_ref().unwrap_or(attention);
+            let kind = self.cfg.layer_attention[i];
+            let attention = restricted.iter().find(|(k, _)| *k == kind).map_or(attention, |(_, p)| p);
             let qkv_w = self.weight(layer.qkv_proj);
             let (q_norm, k_norm) = (self.weight(layer.q_norm), self.weight(layer.k_norm));
             let (qkv, kv_ctx) = {
@@ -266,21 +269,6 @@ impl Drafter {
             };
         }
         rms_norm(&x, &self.weight(self.norm), eps)
-    }
-}
-
-impl Drafter {
-    /// Each layer's pattern where its [`LayerAttention`] restricts `base` (`None`: the base itself), built once per
-    /// distinct kind of layer.
-    fn restricted_patterns(&self, base: &BlockAttention) -> Result<Vec<Option<BlockAttention>>, ModelError> {
-        let mut built: Vec<(LayerAttention, BlockAttention)> = Vec::new();
-        for layer in self.cfg.layer_attention.iter().filter(|l| l.restricts()) {
-            if !built.iter().any(|(kind, _)| kind == layer) {
-                built.push((*layer, base.restricted(layer)?));
-            }
-        }
-        let of = |layer: &LayerAttention| built.iter().find(|(kind, _)| kind == layer).map(|(_, p)| p.shallow_clone());
-        Ok(self.cfg.layer_attention.iter().map(of).collect())
     }
 }
 
@@ -400,15 +388,12 @@ impl Drafter {
             let bias = grouped_bias(&hidden, bs, group, self.kind)?;
             // Layers with a sliding window or a causal block hide more, per query.
             let mut restricted: Vec<(LayerAttention, Tensor)> = Vec::new();
-            for kind in self.cfg.layer_attention.iter().filter(|l| l.restricts()) {
-                if restricted.iter().all(|(k, _)| k != kind) {
-                    let more = kind.hides(&block_at.f_unsqueeze(1)?, &keys_at.f_unsqueeze(0)?)?;
-                    let hidden = match more {
-                        Some(more) => more.f_logical_or(&hidden.f_unsqueeze(0)?)?,
-                        None => hidden.shallow_clone(),
-                    };
-                    restricted.push((*kind, grouped_bias(&hidden, bs, group, self.kind)?));
-                }
+            for kind in self.cfg.restricting_kinds() {
+                let hidden = match kind.hides(&block_at.f_unsqueeze(1)?, &keys_at.f_unsqueeze(0)?)? {
+                    Some(more) => more.f_logical_or(&hidden.f_unsqueeze(0)?)?,
+                    None => hidden.shallow_clone(),
+                };
+                restricted.push((kind, grouped_bias(&hidden, bs, group, self.kind)?));
             }
             let mut x = block_embeddings.shallow_clone();
             for (i, layer) in self.layers.iter().enumerate() {
@@ -609,21 +594,6 @@ impl BlockAttention {
             return outs.into_iter().next().expect("one group");
         }
         Tensor::cat(&outs, 2)
-    }
-
-    fn shallow_clone(&self) -> BlockAttention {
-        let groups = self
-            .groups
-            .iter()
-            .map(|g| AttentionGroup {
-                query_start: g.query_start,
-                query_len: g.query_len,
-                context_len: g.context_len,
-                bias: g.bias.shallow_clone(),
-                query_at: g.query_at.shallow_clone(),
-            })
-            .collect();
-        BlockAttention { groups }
     }
 
     /// Number of groups (one dense attention call each).

@@ -186,6 +186,18 @@ impl DrafterConfig {
         v
     }
 
+    /// The distinct kinds of layer that restrict DFlash's rule (a window, a causal block), in layer order: one attention
+    /// pattern serves every layer of a kind.
+    pub fn restricting_kinds(&self) -> Vec<LayerAttention> {
+        let mut kinds: Vec<LayerAttention> = Vec::new();
+        for layer in self.layer_attention.iter().filter(|l| l.restricts()) {
+            if !kinds.contains(layer) {
+                kinds.push(*layer);
+            }
+        }
+        kinds
+    }
+
     /// Width of the concatenated target features `fc` reads.
     pub fn context_width(&self) -> usize {
         self.target_layer_ids.len() * self.decoder.hidden_size

@@ -256,15 +256,14 @@ fn build_trainer(a: &DrafterSpawn) -> Result<Trainer, Failure> {
     let [embed, lm_head] = [&a.heads.embed, &a.heads.lm_head]
         .map(|h| unsafe { h.alias() }.f_to_device(a.device).and_then(|t| t.f_to_kind(a.kind)));
     let (embed, lm_head) = (embed.map_err(torch)?, lm_head.map_err(torch)?);
-    let mut trainer = Trainer::new(drafter, embed, lm_head, a.objective.clone(), a.seed).map_err(torch)?;
-    let layout = trainer.drafter.params().layout();
-    trainer.optimizer = match &a.start {
+    let optimizer = match &a.start {
         Start::Found(Some(ckpt)) => {
+            let layout = drafter.params().layout();
             Optimizer::load(ckpt, OPTIMIZER_FILE, layout, a.device, a.optimizer).map_err(unloadable)?
         }
-        _ => Optimizer::new(trainer.drafter.params(), a.optimizer).map_err(torch)?,
+        _ => Optimizer::new(drafter.params(), a.optimizer).map_err(torch)?,
     };
-    Ok(trainer)
+    Ok(Trainer::new(drafter, optimizer, embed, lm_head, a.objective.clone(), a.seed))
 }
 
 /// Handles on the trainer's state (master weights and AdamW moments): where a joiner's state is copied to, or what

@@ -13,7 +13,7 @@ use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
     BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
 };
-use crate::train::optim::{Hyper, Optimizer, OptimizerKind, UpdateSettings, clip_factor};
+use crate::train::optim::{Hyper, Optimizer, UpdateSettings, clip_factor};
 
 /// A batch of conversations with the target's tapped states: what the target hands a drafter.
 pub struct FeatureBatch {
@@ -108,16 +108,17 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// `embed` and `lm_head` (`[V, H]`, frozen) come from the target, on the drafter's device in its dtype.
+    /// `optimizer` is the state of `drafter`'s parameters (fresh, or loaded from a checkpoint); `embed` and `lm_head`
+    /// (`[V, H]`, frozen) come from the target, on the drafter's device in its dtype.
     pub fn new(
         drafter: Drafter,
+        optimizer: Optimizer,
         embed: Tensor,
         lm_head: Tensor,
         objective: ObjectiveSettings,
         seed: u64,
-    ) -> Result<Self, ModelError> {
-        let optimizer = Optimizer::new(drafter.params(), OptimizerKind::AdamW)?;
-        Ok(Trainer { drafter, optimizer, embed: embed.detach(), lm_head: lm_head.detach(), objective, seed })
+    ) -> Trainer {
+        Trainer { drafter, optimizer, embed: embed.detach(), lm_head: lm_head.detach(), objective, seed }
     }
 
     /// Forward and backward of one micro-batch at freshly sampled anchors; returns its metric sums.
