@@ -8,6 +8,7 @@
 #   part                 the first GGUF part and the binary
 #   data                 the second part; the model converted; prompts; answers (regenerate --local); prepare
 #   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
+#   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
 # Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -35,6 +36,9 @@ variant() {
   muon3) echo "$paper $muon --set optim.muon_lr=3e-3" ;;
   dpace-muon) echo "$dpace $muon" ;;
   dpace-muon3) echo "$dpace $muon --set optim.muon_lr=3e-3" ;;
+  argmax) echo "$dpace $muon --set objective.target=argmax" ;;
+  kl) echo "$dpace $muon --set objective.target=argmax --set objective.loss=kl" ;;
+  swa) echo "$dpace $muon --set draft_model.layer_types=sliding_attention" ;;
   *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
@@ -82,5 +86,26 @@ runs)
       | tee -a "$out/eval.jsonl"
   done
   ;;
-*) echo "usage: $0 part | data | runs SEED VARIANT..." >&2; exit 2 ;;
+bench)
+  # The drafter's step at the qwen3-8b shapes (random weights) by objective and attention, then the pipeline (the
+  # target's capture included) with the data's tokens and with the target's argmax.
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  b() { echo "== $*" >>"$out/bench.stderr"; "$d" bench --what "$@" --preset qwen3-8b --device cuda:0 --json \
+    2>>"$out/bench.stderr" | tee -a "$out/bench.jsonl"; }
+  for shape in "--batch 4 --seq 768 --anchors 256" "--batch 4 --seq 3072 --anchors 512"; do
+    for objective in "" "--set objective.target=argmax" "--set objective.target=argmax --set objective.loss=kl" \
+      "--set draft_model.layer_types=sliding_attention" \
+      "--set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=512"; do
+      echo "{\"shape\": \"$shape\", \"set\": \"$objective\"}" >>"$out/bench.jsonl"
+      # shellcheck disable=SC2086
+      b drafter $shape --steps 6 --profile $objective
+    done
+  done
+  for objective in "" "--set objective.target=argmax"; do
+    echo "{\"shape\": \"pipeline 4x768/256\", \"set\": \"$objective\"}" >>"$out/bench.jsonl"
+    # shellcheck disable=SC2086
+    b pipeline --batch 4 --seq 768 --anchors 256 --steps 6 $objective
+  done
+  ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT... | bench" >&2; exit 2 ;;
 esac

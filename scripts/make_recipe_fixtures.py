@@ -3,6 +3,9 @@
 - tests/fixtures/dpace-speculators-0.9.0.json: D-PACE slot weights, loss and gradient as speculators 0.9.0 computes
   them (`speculators/losses/utils.py`: `dpace_loss_decay` through `loss_function`, with `losses/eager.py`'s
   `ce_loss`), for src/train/objective.rs;
+- tests/fixtures/teacher-speculators-0.9.0.json: the loss and gradient against the target's predictions, its argmax
+  (`losses/eager.py: ce_loss`) and its distribution (`kl_div_loss`), with D-PACE and with the decay
+  (`dflash_loss_decay`), for src/train/objective.rs;
 - tests/fixtures/muon-torch-2.11.json: three steps of torch.optim.Muon (match_rms_adamw, as speculators builds it)
   over three matrices and of torch.optim.AdamW over a vector, for src/train/optim.rs.
 
@@ -94,6 +97,48 @@ def dpace_fixture(wheel):
     write("dpace-speculators-0.9.0.json", out)
 
 
+def teacher_fixture(wheel):
+    """Draft and target logits of the same rows; the target's argmax mostly differs from any data label."""
+    eager, utils = load_losses(wheel)
+    torch.manual_seed(2)
+    block_size, blocks, vocab = 4, 6, 13
+    rows = block_size * blocks
+    mask = torch.ones(rows)
+    mask[::block_size] = 0
+    mask[block_size + 2] = 0
+    mask[3 * block_size + 3] = 0
+    mask[5 * block_size :] = 0
+    logits = torch.randn(rows, vocab) * 2.0
+    targets = torch.randn(rows, vocab) * 3.0
+    # A slot sure of the target's choice, one sure of another token, and a target sure of its choice.
+    logits[1, targets[1].argmax()] += 9.0
+    logits[6, (targets[6].argmax() + 1) % vocab] += 9.0
+    targets[9, 4] += 12.0
+    pos_idx = (torch.arange(rows) % block_size).unsqueeze(0)
+    cases = []
+    for loss_name, loss_fn in (("ce", eager.ce_loss), ("kl", eager.kl_div_loss)):
+        for weights, decay in (
+            ("dpace", partial(utils.dpace_loss_decay, loss_mask=mask.unsqueeze(0), block_size=block_size, dpace_alpha=0.5)),
+            ("decay", partial(utils.dflash_loss_decay, gamma=2.0)),
+        ):
+            x = logits.clone().unsqueeze(0).requires_grad_(True)
+            loss = utils.loss_function(x, targets.unsqueeze(0), mask.unsqueeze(0), pos_idx, loss_fn, decay)
+            loss.backward()
+            cases.append({"loss_fn": loss_name, "weights": weights, "loss": loss.item(), "grad": x.grad.reshape(-1).tolist()})
+    out = {
+        "source": "speculators 0.9.0 losses/utils.py loss_function with dpace_loss_decay (alpha 0.5) or "
+        f"dflash_loss_decay (gamma 2), losses/eager.py ce_loss and kl_div_loss; torch {torch.__version__}; "
+        "scripts/make_recipe_fixtures.py",
+        "block_size": block_size,
+        "vocab": vocab,
+        "mask": mask.tolist(),
+        "logits": logits.reshape(-1).tolist(),
+        "targets": targets.reshape(-1).tolist(),
+        "cases": cases,
+    }
+    write("teacher-speculators-0.9.0.json", out)
+
+
 def muon_fixture():
     """Parameters by published name: a tall, a wide and a square matrix (Muon; the wide one is stacked with the square
     one in dflash's flat layout) and a norm vector (AdamW), with three gradients each."""
@@ -141,4 +186,5 @@ def write(name, out):
 
 if __name__ == "__main__":
     dpace_fixture(sys.argv[1])
+    teacher_fixture(sys.argv[1])
     muon_fixture()

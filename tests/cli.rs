@@ -431,6 +431,68 @@ fn sliding_window_layers_train_export_and_read_back() {
     assert_eq!(std::path::Path::new(verifier), std::fs::canonicalize(dir.path().join("target")).unwrap());
 }
 
+/// A run that learns the target's distribution (the target running its whole stack) trains and evaluates its drafter
+/// by decoding on the way; `eval` scores a drafter against the target's choices; KL with the data as its target is
+/// refused naming both keys.
+#[test]
+fn learning_the_targets_distribution_trains_and_evaluates() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run").to_str().unwrap().to_string();
+    let ckpt = format!("checkpoint.dir={run}");
+    let prompts_file = dir.path().join("prompts.jsonl");
+    std::fs::write(&prompts_file, "{\"input_ids\": [257, 117, 10, 40, 41, 42, 43, 44]}\n").unwrap();
+    let prompts = format!("eval.prompts={}", prompts_file.to_str().unwrap());
+    let mut args = vec!["serve-train", "--set", "target.model=tiny-tasks", "--set", "target.device=cpu"];
+    for set in [
+        "drafters.devices=[\"cpu\"]",
+        "data.path=synthetic",
+        "data.builtin_conversations=32",
+        "data.max_len=64",
+        "data.batch_size=2",
+        "draft_model.num_hidden_layers=1",
+        "optim.max_steps=2",
+        "eval.every_steps=2",
+        "eval.max_new_tokens=8",
+        "control.listen=off",
+        "objective.target=argmax",
+        "objective.loss=kl",
+        &ckpt,
+        &prompts,
+    ] {
+        args.extend(["--set", set]);
+    }
+    let out = dflash(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.path().join("run/best").is_dir(), "the decoded evaluation kept its best checkpoint");
+
+    let data = dir.path().join("rows.jsonl");
+    let ids: Vec<i64> = (0..40).map(|t| (t * 3 + 7) % 200).collect();
+    let mask: Vec<u8> = (0..40).map(|t| u8::from(t >= 3)).collect();
+    std::fs::write(&data, format!("{}\n", serde_json::json!({"input_ids": ids, "loss_mask": mask}))).unwrap();
+    let data = data.to_str().unwrap();
+    let eval = |sets: &[&str]| {
+        let mut args = vec!["eval", "--target", "tiny-tasks", "--drafter", &run, "--data", data, "--json"];
+        args.extend(["--device", "cpu"]);
+        for set in sets {
+            args.extend(["--set", set]);
+        }
+        let out = dflash(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let on_data = eval(&[]);
+    let on_target = eval(&["objective.target=argmax", "objective.loss=kl"]);
+    assert_eq!(on_data["blocks"], on_target["blocks"], "the same blocks: {on_data} {on_target}");
+    let (ce, kl) = (on_data["loss"].as_f64().unwrap(), on_target["loss"].as_f64().unwrap());
+    assert!(kl.is_finite() && kl >= 0.0 && kl != ce, "KL {kl} against the data's CE {ce}");
+    assert_ne!(on_data["accuracy"], on_target["accuracy"], "counted against the target's choices: {on_target}");
+
+    let refused = dflash(&["serve-train", "--set", "objective.loss=kl", "--set", "control.listen=off"]);
+    assert_eq!(refused.status.code(), Some(1));
+    let err = text(&refused.stderr);
+    assert!(err.contains("objective.loss") && err.contains("objective.target = \"argmax\""), "{err}");
+}
+
 /// Logs written to a pipe (a file, journald, `docker logs`) carry no colour codes.
 #[test]
 fn logs_to_a_pipe_are_plain_text() {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use dflash::model::config::RopeScaling;
 use dflash::model::{Architecture, Drafter, DrafterConfig, Init, LayerAttention, TargetConfig};
-use dflash::train::objective::{BlockPlan, ObjectiveSettings, PlanTensors, Row, lm_head_loss};
+use dflash::train::objective::{BlockPlan, ObjectiveSettings, PlanTensors, Row, SlotTargets, lm_head_loss};
 use reference_models::*;
 use tch::{Device, Kind, Tensor};
 
@@ -233,7 +233,8 @@ fn slot_zero_and_padding_blocks_carry_no_loss_and_no_gradient() {
     let emb = Tensor::embedding(&c.embed, &t.block_ids, -1, false, false).set_requires_grad(true);
     let h = d.forward(&features, &emb, &t.positions, &t.attention);
     let flat = h.view([-1, h.size()[2]]);
-    let out = lm_head_loss(&flat.detach(), &c.embed, &t.labels, &t.weights, &plan, 5, true).unwrap();
+    let out =
+        lm_head_loss(&flat.detach(), &c.embed, &SlotTargets::labels(&t.labels, &t.weights), &plan, 5, true).unwrap();
     assert!(out.metrics.weighted_loss.is_finite() && out.metrics.weight > 0.0);
     assert_eq!(out.metrics.blocks, 4.0);
     let grad = out.grad.unwrap();
@@ -271,7 +272,7 @@ fn head_case() -> HeadCase {
 #[test]
 fn the_head_loss_equals_cross_entropy_written_out() {
     let HeadCase { c, anchors, plan, t, h } = head_case();
-    let out = lm_head_loss(&h, &c.embed, &t.labels, &t.weights, &plan, 3, false).unwrap();
+    let out = lm_head_loss(&h, &c.embed, &SlotTargets::labels(&t.labels, &t.weights), &plan, 3, false).unwrap();
     // Written out: logits, log-softmax, weighted sum; acceptance per block from the argmax.
     let logits = h.to_kind(Kind::Double).matmul(&c.embed.to_kind(Kind::Double).tr());
     let lsm = logits.log_softmax(-1, Kind::Double);
@@ -323,8 +324,15 @@ fn the_head_gradient_is_the_loss_gradient_even_where_the_drafter_is_sure() {
     for (device, kind, tolerance) in cases {
         let (x, head) = (h.to_kind(kind), c.embed.to_kind(kind));
         let (labels, weights) = (t.labels.to_device(device), t.weights.to_device(device));
-        let out =
-            lm_head_loss(&x.to_device(device), &head.to_device(device), &labels, &weights, &plan, 5, true).unwrap();
+        let out = lm_head_loss(
+            &x.to_device(device),
+            &head.to_device(device),
+            &SlotTargets::labels(&labels, &weights),
+            &plan,
+            5,
+            true,
+        )
+        .unwrap();
         let grad = out.grad.unwrap().to_device(Device::Cpu).to_kind(Kind::Double);
         // The reference: autograd of sum(w * CE) in f64, from the same (rounded) inputs.
         let xr = x.to_kind(Kind::Double).set_requires_grad(true);
@@ -361,10 +369,16 @@ fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
     let plan = BlockPlan::new(&rows, std::slice::from_ref(&anchors), 64, &s);
     let reference = run(&cpu, &c, &anchors, 4).to_kind(Kind::Double);
     let t_cpu = PlanTensors::new(&plan, &s, Kind::Float, Device::Cpu).unwrap();
-    let ref_loss =
-        lm_head_loss(&reference.to_kind(Kind::Float), &c.embed, &t_cpu.labels, &t_cpu.weights, &plan, 8, false)
-            .unwrap()
-            .metrics;
+    let ref_loss = lm_head_loss(
+        &reference.to_kind(Kind::Float),
+        &c.embed,
+        &SlotTargets::labels(&t_cpu.labels, &t_cpu.weights),
+        &plan,
+        8,
+        false,
+    )
+    .unwrap()
+    .metrics;
     let dir = tempfile::tempdir().unwrap();
     cpu.save(dir.path(), Kind::Float).unwrap();
     for (kind, tolerance) in [(Kind::Float, 1e-4), (Kind::BFloat16, 5e-2)] {
@@ -378,7 +392,7 @@ fn on_a_gpu_the_drafter_and_its_loss_match_the_cpu() {
         let err = rel_err(&h.to_device(Device::Cpu), &reference);
         eprintln!("{kind:?}: forward relative error {err}");
         assert!(err < tolerance, "{kind:?} forward: relative error {err}");
-        let m = lm_head_loss(&h, &embed, &t.labels, &t.weights, &plan, 8, false).unwrap().metrics;
+        let m = lm_head_loss(&h, &embed, &SlotTargets::labels(&t.labels, &t.weights), &plan, 8, false).unwrap().metrics;
         let err = (m.weighted_loss - ref_loss.weighted_loss).abs() / ref_loss.weighted_loss;
         assert!(err < tolerance, "{kind:?} loss: relative error {err}");
     }

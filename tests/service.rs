@@ -11,17 +11,19 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use service_process::*;
 
-/// With the paper's recipe, with D-PACE's slot weights (which follow the drafter's own confidence) and with Muon
-/// (whose momentum buffers are saved where AdamW's first moments are): each resumes exactly, and each trains another
-/// drafter from the same start. The paper's run resumes without naming its slot weights, as a run begun before
+/// With the paper's recipe, with D-PACE's slot weights (which follow the drafter's own confidence), with Muon
+/// (whose momentum buffers are saved where AdamW's first moments are) and learning the target's distribution (KL,
+/// the target running its whole stack): each resumes exactly, and each trains another drafter from the same start. The paper's run resumes without naming its slot weights, as a run begun before
 /// D-PACE became the default does: it keeps the decay it began with.
 #[test]
 fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
     let paper = stop_and_resume(&["objective.weights=decay"], Resumed::LeavesWeightsToTheDefault);
     let dpace = stop_and_resume(&["objective.dpace_alpha=0.3"], Resumed::AsBegun);
     let muon = stop_and_resume(&["optim.optimizer=muon", "optim.muon_lr=0.01"], Resumed::AsBegun);
+    let kl = stop_and_resume(&["objective.target=argmax", "objective.loss=kl"], Resumed::AsBegun);
     assert!(paper != dpace, "objective.weights = dpace trained the same drafter as the decay");
     assert!(paper != muon && dpace != muon, "optim.optimizer = muon trained the same drafter as AdamW");
+    assert!(kl != dpace, "objective.loss = kl trained the same drafter as the cross-entropy of the data");
 }
 
 /// How the resumed run of [`stop_and_resume`] is configured.

@@ -8,7 +8,7 @@ use dflash::ffi::accel::{AdamwStep, MuonStep};
 use dflash::model::presets::tiny;
 use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target};
 use dflash::train::objective::ObjectiveSettings;
-use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer, UpdateSettings};
+use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
 use tch::{Device, Kind, Tensor};
 
 const BS: usize = 4;
@@ -59,8 +59,8 @@ fn batch(target: &Target, rows: &[(Vec<i64>, Vec<u8>)], first_id: u64, epoch: u6
         epoch,
         rows.iter().map(|r| r.0.clone()).collect(),
         rows.iter().map(|r| r.1.clone()).collect(),
-        Device::Cpu,
-        Kind::Float,
+        (Device::Cpu, Kind::Float),
+        false,
     )
     .unwrap()
 }
@@ -219,16 +219,34 @@ fn a_tiny_drafter_overfits_a_tiny_dataset_with_muon() {
     overfits_with(&t, tr, &UpdateSettings { muon: Some(muon), ..update(5e-3) });
 }
 
+/// Learning the trained tiny-tasks target's own choices (its argmax) and its whole distribution (KL): its choices on
+/// the counting rows follow their context, so both losses fall and the drafts agree with the target; accuracy and
+/// acceptance count the target's argmax.
+#[test]
+fn a_tiny_drafter_learns_the_targets_argmax_and_its_distribution() {
+    let t = Preset::TinyTasks.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    for teacher in [Teacher::Argmax, Teacher::Distribution] {
+        let objective = ObjectiveSettings { teacher, ..ObjectiveSettings::new(12, BS, Some(2.0), tiny::MASK) };
+        overfits(&t, trainer_with(&t, objective, 7));
+    }
+}
+
 fn overfits(t: &Target, tr: Trainer) {
     overfits_with(t, tr, &update(5e-3))
 }
 
 fn overfits_with(t: &Target, mut tr: Trainer, settings: &UpdateSettings) {
     let data = dataset(6, 32);
-    let eval = batch(t, &data, 0, 0);
+    let with_last = tr.objective.teacher.needs_target_predictions();
+    let batch = |rows: &[(Vec<i64>, Vec<u8>)], first_id: u64, epoch: u64| {
+        let ids = (first_id..first_id + rows.len() as u64).collect();
+        let (input_ids, masks) = rows.iter().cloned().unzip();
+        FeatureBatch::capture(t, ids, epoch, input_ids, masks, (Device::Cpu, Kind::Float), with_last).unwrap()
+    };
+    let eval = batch(&data, 0, 0);
     let before = tr.evaluate(&eval).unwrap();
     for step in 0..150u64 {
-        tr.train_step(&[batch(t, &data, 0, step)], settings).unwrap();
+        tr.train_step(&[batch(&data, 0, step)], settings).unwrap();
     }
     let after = tr.evaluate(&eval).unwrap();
     assert!(after.loss() < 0.3 * before.loss(), "loss {} -> {}", before.loss(), after.loss());

@@ -19,7 +19,7 @@ use crate::model::drafter_config::default_gamma;
 use crate::model::{Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset};
 use crate::profile::Recorder;
 use crate::train::objective::{ObjectiveSettings, default_group_blocks};
-use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer, UpdateSettings};
+use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
 
 #[derive(Debug, Clone)]
 pub struct DrafterBenchOptions {
@@ -44,6 +44,9 @@ pub struct DrafterBenchOptions {
     pub dpace_alpha: Option<f64>,
     /// `optim.optimizer`.
     pub optimizer: OptimizerKind,
+    /// What the slots learn (`objective.target`, `objective.loss`): learning the target's predictions adds its
+    /// last states to the features and its LM head to the loss.
+    pub teacher: Teacher,
     /// Each layer's window and causality (`draft_model.layer_types`, ...); the preset's drafter keeps full attention
     /// when none restricts it.
     pub layer_attention: Vec<LayerAttention>,
@@ -89,8 +92,8 @@ pub struct DrafterBenchReport {
 enum Features {
     /// Captured by the target each step (`pipeline`).
     Captured(Box<crate::model::Target>),
-    /// The same random features every step.
-    Fixed(Tensor),
+    /// The same random features (and last states, where the objective reads them) every step.
+    Fixed(Tensor, Option<Tensor>),
 }
 
 /// Times training steps of `preset`'s drafter on `device` (bf16 compute on a GPU, f32 on the CPU).
@@ -117,6 +120,7 @@ pub fn bench_drafter(
     let gamma = default_gamma(opts.block_size);
     let mut objective = ObjectiveSettings {
         dpace_alpha: opts.dpace_alpha,
+        teacher: opts.teacher,
         ..ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id)
     };
     if let Some(rows) = opts.lm_head_chunk_rows {
@@ -140,7 +144,9 @@ pub fn bench_drafter(
         Init::Device(_) => Init::Device(0),
     };
     // The target first, as serve-train builds it, so memory is laid out the same way.
-    let target = if opts.pipeline { Some(spec.build_target(Depth::ToLastTap, device, kind)?) } else { None };
+    let with_last = opts.teacher.needs_target_predictions();
+    let depth = if with_last { Depth::Full } else { Depth::ToLastTap };
+    let target = if opts.pipeline { Some(spec.build_target(depth, device, kind)?) } else { None };
     let drafter = Drafter::new(cfg.clone(), device, kind, init)?;
     let drafter_params = drafter.params().layout().num_params();
     // Frozen embedding, LM head and target features: random, as the peer makes them.
@@ -154,7 +160,10 @@ pub fn bench_drafter(
     let mut trainer = Trainer::new(drafter, optimizer, embed, lm_head, objective, 0);
     let features = match target {
         Some(target) => Features::Captured(Box::new(target)),
-        None => Features::Fixed(random(&[opts.batch, opts.seq, width], 0.5)?),
+        None => Features::Fixed(
+            random(&[opts.batch, opts.seq, width], 0.5)?,
+            if with_last { Some(random(&[opts.batch, opts.seq, h], 1.0)?) } else { None },
+        ),
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let rows: Vec<Vec<i64>> =
@@ -176,14 +185,16 @@ pub fn bench_drafter(
         let sample_ids = (0..opts.batch as u64).collect();
         let batch = match &features {
             Features::Captured(target) => {
-                FeatureBatch::capture(target, sample_ids, epoch, rows.clone(), masks.clone(), device, kind)?
+                let (ids, mask) = (rows.clone(), masks.clone());
+                FeatureBatch::capture(target, sample_ids, epoch, ids, mask, (device, kind), with_last)?
             }
-            Features::Fixed(hidden) => FeatureBatch {
+            Features::Fixed(hidden, last) => FeatureBatch {
                 sample_ids,
                 epoch,
                 input_ids: rows.clone(),
                 loss_mask: masks.clone(),
                 target_hidden: hidden.shallow_clone(),
+                target_last: last.as_ref().map(Tensor::shallow_clone),
             },
         };
         epoch += 1; // fresh anchors every step
@@ -209,7 +220,7 @@ pub fn bench_drafter(
     let capture_ms_p50 = if opts.capture {
         let target = match features {
             Features::Captured(target) => *target,
-            Features::Fixed(_) => spec.build_target(Depth::ToLastTap, device, kind)?,
+            Features::Fixed(..) => spec.build_target(Depth::ToLastTap, device, kind)?,
         };
         let flat: Vec<i64> = rows.concat();
         let ids = Tensor::f_from_slice(&flat)?.f_view([opts.batch, opts.seq])?.f_to(device)?;
@@ -314,6 +325,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            teacher: Teacher::Data,
             layer_attention: vec![],
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
@@ -344,6 +356,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            teacher: Teacher::Data,
             layer_attention: vec![],
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
@@ -370,6 +383,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            teacher: Teacher::Data,
             layer_attention: vec![],
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();

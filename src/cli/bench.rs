@@ -182,6 +182,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 attention_group_blocks: args.attention_group_blocks,
                 dpace_alpha: config.objective.dpace_alpha(),
                 optimizer: config.optim.optimizer,
+                teacher: config.objective.teacher,
                 layer_attention: config.draft_model.layer_attention.clone(),
             };
             let report = catch_torch(|| -> Result<_> {

@@ -110,6 +110,7 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
         let gamma = args.gamma.unwrap_or(config.objective.gamma).resolve(dc.block_size)?;
         let objective = ObjectiveSettings {
             dpace_alpha: config.objective.dpace_alpha(),
+            teacher: config.objective.teacher,
             ..ObjectiveSettings::new(
                 args.num_anchors.unwrap_or(config.objective.num_anchors),
                 dc.block_size,
@@ -117,7 +118,8 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
                 dc.mask_token_id,
             )
         };
-        let target = load_target(&source, &args.drafter, &drafter, Depth::ToLastTap, device, kind)?;
+        let depth = if objective.teacher.needs_target_predictions() { Depth::Full } else { Depth::ToLastTap };
+        let target = load_target(&source, &args.drafter, &drafter, depth, device, kind)?;
         let rows = read_token_rows(data, target.config().vocab_size)?;
         Ok(evaluate_rows(&target, &drafter, &objective, &rows, args.batch)?)
     })??;

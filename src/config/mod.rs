@@ -26,6 +26,7 @@ use crate::model::LayerAttention;
 use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
 use crate::model::presets::{PresetSpec, no_such_model};
 use crate::model::{Depth, ModelError, Preset, Target};
+use crate::train::Teacher;
 use tch::{Device, Kind};
 
 /// The built-in defaults, the lowest layer; every key users can set is here, with its documentation.
@@ -139,6 +140,8 @@ struct RawObjective {
     gamma: RawGamma,
     weights: String,
     dpace_alpha: f64,
+    target: String,
+    loss: String,
     seed: i64,
 }
 
@@ -319,6 +322,8 @@ pub struct ObjectiveConfig {
     pub gamma: Gamma,
     /// How block slots are weighted in the loss.
     pub weights: SlotWeights,
+    /// What a slot learns to predict (`objective.target` with `objective.loss`).
+    pub teacher: Teacher,
     /// Keys anchor sampling (with epoch and sample id) and the drafter's initial weights.
     pub seed: u64,
 }
@@ -640,7 +645,7 @@ pub const NON_RELOADABLE: [&str; 14] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
 /// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 18] = [
+pub const SHARED_BY_HOSTS: [&str; 20] = [
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -654,6 +659,8 @@ pub const SHARED_BY_HOSTS: [&str; 18] = [
     "objective.seed",
     "objective.weights",
     "objective.dpace_alpha",
+    "objective.target",
+    "objective.loss",
     "optim.optimizer",
     "optim.muon_momentum",
     "optim.muon_weight_decay",
@@ -961,7 +968,31 @@ impl RawObjective {
             "dpace" => SlotWeights::Dpace { alpha },
             other => return Err(invalid("objective.weights", format!("{other:?}"), "\"decay\" or \"dpace\"")),
         };
-        Ok(ObjectiveConfig { num_anchors: self.num_anchors as usize, gamma: parsed, weights, seed: self.seed as u64 })
+        let teacher = match (self.target.as_str(), self.loss.as_str()) {
+            ("data", "ce") => Teacher::Data,
+            ("argmax", "ce") => Teacher::Argmax,
+            ("argmax", "kl") => Teacher::Distribution,
+            ("data", "kl") => {
+                return Err(invalid(
+                    "objective.loss",
+                    "\"kl\" with objective.target = \"data\"",
+                    "KL learns the target's whole next-token distribution, which the data does not have: set \
+                     objective.target = \"argmax\" with it (accuracy and acceptance then count the target's choice), \
+                     or keep loss = \"ce\" to learn the data's tokens",
+                ));
+            }
+            ("data" | "argmax", other) => {
+                return Err(invalid("objective.loss", format!("{other:?}"), "\"ce\" or \"kl\""));
+            }
+            (other, _) => return Err(invalid("objective.target", format!("{other:?}"), "\"data\" or \"argmax\"")),
+        };
+        Ok(ObjectiveConfig {
+            num_anchors: self.num_anchors as usize,
+            gamma: parsed,
+            weights,
+            teacher,
+            seed: self.seed as u64,
+        })
     }
 }
 
@@ -1067,6 +1098,9 @@ mod tests {
             ("objective.weights=kl", &["objective.weights", "kl", "dpace"]),
             ("objective.dpace_alpha=0", &["objective.dpace_alpha", "(0, 1]"]),
             ("objective.dpace_alpha=1.5", &["objective.dpace_alpha", "1.5"]),
+            ("objective.target=logits", &["objective.target", "logits", "argmax"]),
+            ("objective.loss=tv", &["objective.loss", "tv", "kl"]),
+            ("objective.loss=kl", &["objective.loss", "objective.target = \"argmax\""]),
             ("objective.seed=-3", &["objective.seed", "-3"]),
             ("optim.optimizer=sgd", &["optim.optimizer", "sgd", "muon"]),
             ("optim.muon_ns_steps=0", &["optim.muon_ns_steps", "1..=99"]),

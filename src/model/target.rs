@@ -625,10 +625,37 @@ impl Target {
     /// would make the first device wait for the later parts (a cross-device copy orders both devices' streams) and
     /// the micro-batches would take turns.
     pub fn capture(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor, ModelError> {
+        Ok(self.capture_states(input_ids, lengths, false)?.0)
+    }
+
+    /// [`Target::capture`], and also the last layer's output after the final norm, `[B, S, hidden]` on the first
+    /// device (zero at padded positions): what the LM head turns into the target's next-token logits, for an objective
+    /// that learns from the target's predictions. Needs [`Depth::Full`].
+    pub fn capture_with_last(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor), ModelError> {
+        let (taps, last) = self.capture_states(input_ids, lengths, true)?;
+        Ok((taps, last.ok_or(ModelError::NotFull)?))
+    }
+
+    fn capture_states(
+        &self,
+        input_ids: &Tensor,
+        lengths: &[i64],
+        with_last: bool,
+    ) -> Result<(Tensor, Option<Tensor>), ModelError> {
         let (b, s) = self.check_batch(input_ids, lengths)?;
+        let norm = match (with_last, &self.norm) {
+            (false, _) => None,
+            (true, Some(norm)) => Some(norm),
+            (true, None) => return Err(ModelError::NotFull),
+        };
         let h = self.cfg.hidden_size as i64;
         let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
+        let last_out = match norm {
+            Some(_) => Some(Tensor::f_empty([b, s, h], (self.kind, self.device))?),
+            None => None,
+        };
         let last_tap = self.taps[self.taps.len() - 1];
+        let layers_run = if with_last { self.layers.len() } else { last_tap + 1 };
         // The slot of each tap: in `out`, or a [B, S, hidden] buffer on its layer's device.
         let staged = (self.taps.iter())
             .map(|&layer| match self.layers[layer].device {
@@ -643,7 +670,7 @@ impl Target {
                 let count = rows.min(b - first);
                 let ids = input_ids.f_narrow(0, first, count)?;
                 let mut next_tap = 0;
-                let _last = self.run_layers(&ids, last_tap + 1, None, None, |layer, x| {
+                let last = self.run_layers(&ids, layers_run, None, None, |layer, x| {
                     if self.taps.get(next_tap) == Some(&layer) {
                         let _p = span("target.copy_taps");
                         let slot = match &staged[next_tap] {
@@ -654,6 +681,10 @@ impl Target {
                         next_tap += 1;
                     }
                 })?;
+                if let (Some(norm), Some(last_out)) = (norm, &last_out) {
+                    let normed = rms_norm(&last.f_to_device(self.device)?, norm, self.cfg.rms_norm_eps);
+                    last_out.f_narrow(0, first, count)?.f_copy_(&normed)?;
+                }
             }
             for (t, buffer) in staged.iter().enumerate() {
                 if let Some(buffer) = buffer {
@@ -663,7 +694,10 @@ impl Target {
             Ok(())
         })?;
         self.zero_padding(&out, lengths)?;
-        Ok(out)
+        if let Some(last) = &last_out {
+            self.zero_padding(last, lengths)?;
+        }
+        Ok((out, last_out))
     }
 
     /// Sets how many micro-batches a capture of a spread target is cut into (at most one per row; 0 restores

@@ -112,6 +112,16 @@ fn warm_up(trainer: &mut Trainer) -> Result<(), Failure> {
             (trainer.drafter.kind(), trainer.drafter.device()),
         )
         .map_err(torch)?,
+        target_last: match trainer.objective.teacher.needs_target_predictions() {
+            true => Some(
+                Tensor::f_zeros(
+                    [1, len as i64, d.decoder.hidden_size as i64],
+                    (trainer.drafter.kind(), trainer.drafter.device()),
+                )
+                .map_err(torch)?,
+            ),
+            false => None,
+        },
     };
     trainer.accumulate(&batch).map_err(torch)?;
     trainer.drafter.params_mut().zero_grad();

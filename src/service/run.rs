@@ -384,6 +384,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
     let objective = ObjectiveSettings {
         dpace_alpha: config.objective.dpace_alpha(),
+        teacher: config.objective.teacher,
         ..ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id)
     };
     // Rank 0 keeps the run's ledger: one that cannot be opened stops the run before it trains.

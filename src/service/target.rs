@@ -104,6 +104,9 @@ pub struct TargetSpawn {
     pub spread_to: Vec<Device>,
     pub micro_batches: usize,
     pub kind: Kind,
+    /// Also capture the normed last states (the whole stack runs): the objective learns from the target's
+    /// predictions.
+    pub last_states: bool,
     pub dataset: Arc<dyn Dataset>,
     pub routes: Arc<Routes>,
     pub supervisor: ActorRef<SupervisorMsg>,
@@ -123,7 +126,8 @@ pub fn thread(args: TargetSpawn) -> ThreadBody {
 fn run(a: TargetSpawn) -> Result<(), Failure> {
     device::bind_thread(a.device).map_err(torch)?;
     let devices: Vec<Device> = std::iter::once(a.device).chain(a.spread_to.iter().copied()).collect();
-    let mut target = a.source.build_target_spread(&a.taps, Depth::ToLastTap, &devices, a.kind).map_err(torch)?;
+    let depth = if a.last_states { Depth::Full } else { Depth::ToLastTap };
+    let mut target = a.source.build_target_spread(&a.taps, depth, &devices, a.kind).map_err(torch)?;
     target.set_micro_batches(a.micro_batches);
     target.watch_faults(a.fault.clone());
     tracing::info!(id = a.id, model = %target.config().summary(), layers = %target.placement(), "target loaded");
@@ -150,8 +154,8 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                         batch.epoch,
                         rows.iter().map(|r| r.input_ids.clone()).collect(),
                         rows.iter().map(|r| r.loss_mask.clone()).collect(),
-                        device,
-                        kind,
+                        (device, kind),
+                        a.last_states,
                     )
                     .map_err(torch)?;
                     timings.end(started).map_err(torch)?;

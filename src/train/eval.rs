@@ -45,8 +45,8 @@ pub fn evaluate_rows(
             0,
             chunk.iter().map(|r| r.input_ids.clone()).collect(),
             chunk.iter().map(|r| r.loss_mask.clone()).collect(),
-            drafter.device(),
-            drafter.kind(),
+            (drafter.device(), drafter.kind()),
+            objective.teacher.needs_target_predictions(),
         )?;
         total.add(&evaluate_batch(drafter, &heads, objective, &batch)?);
     }

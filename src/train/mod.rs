@@ -10,6 +10,6 @@ pub mod optim;
 pub mod rounds;
 pub mod step;
 
-pub use objective::{Metrics, ObjectiveSettings};
+pub use objective::{Metrics, ObjectiveSettings, Teacher};
 pub use optim::{LrSchedule, Optimizer, OptimizerKind, ScheduleKind, UpdateSettings};
 pub use step::{FeatureBatch, Trainer, UpdateReport};

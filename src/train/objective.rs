@@ -34,6 +34,31 @@ pub struct ObjectiveSettings {
     pub attention_group_blocks: Option<usize>,
     /// Rows of the LM head + cross-entropy computed at once.
     pub lm_head_chunk_rows: i64,
+    /// What a slot learns to predict.
+    pub teacher: Teacher,
+}
+
+/// What a block slot learns to predict (`objective.target` with `objective.loss`). Slot k of a block at anchor `a`
+/// sits at position `p = a + k`; the target's prediction for it is its next-token distribution after position
+/// `p - 1` (the LM head over its normed last state there), as speculators 0.9.0 takes it (`verifier_lm_head` at
+/// `anchored_block_indices - 1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Teacher {
+    /// Cross-entropy against the data's token `x[p]` (the paper's).
+    #[default]
+    Data,
+    /// Cross-entropy against the target's own choice, the argmax of its logits (speculators' `ce`).
+    Argmax,
+    /// `KL(target || drafter)` over the whole vocabulary (speculators' `kl_div`); accuracy and acceptance count the
+    /// target's argmax.
+    Distribution,
+}
+
+impl Teacher {
+    /// Whether batches must carry the target's last states ([`Target::capture_with_last`](crate::model::Target)).
+    pub fn needs_target_predictions(self) -> bool {
+        self != Teacher::Data
+    }
 }
 
 impl ObjectiveSettings {
@@ -47,6 +72,7 @@ impl ObjectiveSettings {
             mask_token_id,
             attention_group_blocks: None,
             lm_head_chunk_rows: 2048,
+            teacher: Teacher::Data,
         }
     }
 }
@@ -264,23 +290,50 @@ pub struct HeadOutput {
     pub grad: Option<Tensor>,
 }
 
-/// LM head and weighted cross-entropy over `hidden [rows, H]` (detached), in chunks of `chunk_rows` rows with
-/// `w > 0` (only those are computed at all). Each chunk's logits `[chunk, V]` give the loss, the argmax, and
-/// (with `want_grad`) the gradient of `sum(w * CE)` with respect to the hidden states, `(softmax - onehot) * w`
-/// times the head, so the logits are never recomputed. The softmax is stored in the hidden states' dtype; the
-/// label's log-probability comes from `log1p(-(1 - p))` where p > 0.5 and from the label's logit, the largest logit
-/// and the largest probability elsewhere, each to that dtype's relative precision. Also fills the accuracy and
-/// acceptance sums, for blocks of `block_size` rows whose kept flags are `keep`.
+/// What the slots are scored against.
+pub struct SlotTargets<'a> {
+    /// `[rows]`: the data's token at each slot, or the target's argmax there ([`Teacher`]).
+    pub labels: &'a Tensor,
+    /// `[rows]` f32: the plan's weights ([`BlockPlan::weights`]).
+    pub weights: &'a Tensor,
+    /// To learn the target's distribution ([`Teacher::Distribution`]): its states and the one each slot reads.
+    pub distribution: Option<TargetStates<'a>>,
+}
+
+impl<'a> SlotTargets<'a> {
+    /// Slots scored by the cross-entropy of `labels`.
+    pub fn labels(labels: &'a Tensor, weights: &'a Tensor) -> Self {
+        SlotTargets { labels, weights, distribution: None }
+    }
+}
+
+/// The target's normed last states `[positions, H]` (on the drafter's device, in its dtype) and, per slot `[rows]`,
+/// the index of the state whose logits predict it.
+pub struct TargetStates<'a> {
+    pub states: &'a Tensor,
+    pub rows: &'a Tensor,
+}
+
+/// LM head and weighted loss over `hidden [rows, H]` (detached), in chunks of `chunk_rows` rows with `w > 0` (only
+/// those are computed at all). Each chunk's logits `[chunk, V]` give the loss, the argmax, and (with `want_grad`) the
+/// gradient of `sum(w * loss)` with respect to the hidden states, the logits' gradient times the head, so the logits
+/// are never recomputed. Also fills the accuracy and acceptance sums (against the labels), for blocks of
+/// `block_size` rows whose kept flags are `keep`.
 ///
-/// With D-PACE (`plan.dpace_alpha`) `weights` is the mask `m`; each chunk holds whole blocks, and once its
-/// cross-entropies are known the slot weights are [`dpace_weights`] (detached): the loss sums `w * CE`, the gradient
-/// is `(softmax - onehot) * w` times the head, and the reported weight (the normaliser) is `sum(m)`, as speculators
+/// The loss is the label's cross-entropy, `(softmax - onehot) * w` its logits' gradient: the softmax is stored in
+/// the hidden states' dtype; the label's log-probability comes from `log1p(-(1 - p))` where p > 0.5 and from the
+/// label's logit, the largest logit and the largest probability elsewhere, each to that dtype's relative precision.
+/// With `slots.distribution` it is `KL(target || drafter)` instead ([`chunk_kl`]), the target's logits computed
+/// chunk by chunk beside the drafter's.
+///
+/// With D-PACE (`plan.dpace_alpha`) `weights` is the mask `m`; each chunk holds whole blocks, and once its losses
+/// are known the slot weights are [`dpace_weights`] (detached): the loss sums `w * loss`, the gradient is the logits'
+/// gradient times `w` times the head, and the reported weight (the normaliser) is `sum(m)`, as speculators
 /// normalises (it adds 1e-5 per batch where dflash adds 1e-6 to the run's sum).
 pub fn lm_head_loss(
     hidden: &Tensor,
     lm_head: &Tensor,
-    labels: &Tensor,
-    weights: &Tensor,
+    slots: &SlotTargets,
     plan: &BlockPlan,
     chunk_rows: i64,
     want_grad: bool,
@@ -288,9 +341,10 @@ pub fn lm_head_loss(
     let _p = span("lm_head.loss");
     let device = hidden.device();
     let (rows, h) = (hidden.size()[0], hidden.size()[1]);
+    let weights = slots.weights;
     let selected = weights.f_gt(0.0)?.f_nonzero()?.f_squeeze_dim(1)?;
     let n = selected.size()[0];
-    let sel_labels = labels.f_index_select(0, &selected)?;
+    let sel_labels = slots.labels.f_index_select(0, &selected)?;
     let sel_weights = weights.f_index_select(0, &selected)?;
     let correct_sel = Tensor::f_zeros([n], (Kind::Bool, device))?;
     let mut sel_grad = if want_grad { Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?) } else { None };
@@ -306,20 +360,22 @@ pub fn lm_head_loss(
         let w = sel_weights.narrow(0, start, len);
         let x = hidden.f_index_select(0, &idx)?;
         let logits = x.f_linear(lm_head, None::<Tensor>)?;
-        let soft = chunk_softmax(logits, &lab, &w, want_grad)?;
+        let scored = match &slots.distribution {
+            None => chunk_cross_entropy(logits, &lab, &w, want_grad)?,
+            Some(target) => {
+                let states = target.states.f_index_select(0, &target.rows.f_index_select(0, &idx)?)?;
+                chunk_kl(logits, states.f_linear(lm_head, None::<Tensor>)?, &w, want_grad)?
+            }
+        };
         let mut hit = correct_sel.narrow(0, start, len);
-        hit.f_copy_(&soft.argmax.f_eq_tensor(&lab)?)?;
-        // log p = log1p(-(1 - p)) where the label is likely; elsewhere (label logit - max logit) + log p_max, as
-        // p_max >= 1/V never underflows however unlikely the label.
-        let far = (soft.label_logit - soft.max_logit) + soft.p_max.f_log()?;
-        let label_lp = (-&soft.rest).f_log1p()?.f_where_self(&soft.rest.f_lt(0.5)?, &far)?;
+        hit.f_copy_(&scored.argmax.f_eq_tensor(&lab)?)?;
         // With D-PACE the plan's weights are the mask (1), and the weights come from the losses now.
         let dpace = match plan.dpace_alpha {
-            Some(alpha) => Some(dpace_weights(&label_lp.f_neg()?, &idx, plan.block_size as i64, alpha)?),
+            Some(alpha) => Some(dpace_weights(&scored.loss, &idx, plan.block_size as i64, alpha)?),
             None => None,
         };
-        loss_sum -= (&label_lp * dpace.as_ref().unwrap_or(&w)).f_sum(Kind::Double)?;
-        if let (Some(grad), Some(d_logits)) = (sel_grad.as_mut(), soft.grad) {
+        loss_sum += (&scored.loss * dpace.as_ref().unwrap_or(&w)).f_sum(Kind::Double)?;
+        if let (Some(grad), Some(d_logits)) = (sel_grad.as_mut(), scored.grad) {
             let mut g = d_logits.f_matmul(lm_head)?;
             if let Some(wd) = &dpace {
                 g = g.f_mul(&wd.f_unsqueeze(1)?)?;
@@ -343,6 +399,46 @@ pub fn lm_head_loss(
         None => None,
     };
     Ok(HeadOutput { metrics, grad })
+}
+
+/// One chunk scored: per row the loss (f32) and the drafter's argmax; with `want_grad`, the gradient of
+/// `sum(w * loss)` with respect to the logits, in their dtype.
+struct ScoredChunk {
+    loss: Tensor,
+    argmax: Tensor,
+    grad: Option<Tensor>,
+}
+
+/// The label's cross-entropy from [`chunk_softmax`].
+fn chunk_cross_entropy(logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool) -> Result<ScoredChunk, ModelError> {
+    let soft = chunk_softmax(logits, lab, w, want_grad)?;
+    // log p = log1p(-(1 - p)) where the label is likely; elsewhere (label logit - max logit) + log p_max, as
+    // p_max >= 1/V never underflows however unlikely the label.
+    let far = (soft.label_logit - soft.max_logit) + soft.p_max.f_log()?;
+    let label_lp = (-&soft.rest).f_log1p()?.f_where_self(&soft.rest.f_lt(0.5)?, &far)?;
+    Ok(ScoredChunk { loss: label_lp.f_neg()?, argmax: soft.argmax, grad: soft.grad })
+}
+
+/// `KL(p || q)` per row from the target's distribution `p = softmax(target_logits)` to the drafter's
+/// `q = softmax(logits)`, as speculators 0.9.0's `kl_div_loss` computes it (both log-softmaxes in f32,
+/// `xlogy(p, p) - p log q` summed over the vocabulary); its logits' gradient is `(q - p) * w`. Holds a few
+/// `[rows, V]` f32 buffers at once, where the cross-entropy holds one in the logits' dtype.
+fn chunk_kl(logits: Tensor, target_logits: Tensor, w: &Tensor, want_grad: bool) -> Result<ScoredChunk, ModelError> {
+    let argmax = crate::model::choice::greedy_tokens(&logits)?;
+    let kind = logits.kind();
+    let log_q = logits.f_log_softmax(-1, Kind::Float)?;
+    drop(logits);
+    let p = target_logits.f_softmax(-1, Kind::Float)?;
+    drop(target_logits);
+    let loss = (p.f_xlogy(&p)? - &p * &log_q).f_sum_dim_intlist(-1, false, Kind::Float)?;
+    let grad = if want_grad {
+        let mut q = log_q;
+        let _ = q.f_exp_()?.f_sub_(&p)?.f_mul_(&w.unsqueeze(1))?;
+        Some(q.f_to_kind(kind)?)
+    } else {
+        None
+    };
+    Ok(ScoredChunk { loss, argmax, grad })
 }
 
 /// Chunks `(start, len)` of the selected rows `selected` (ascending row indices; block `row / block_size`) of at
@@ -615,8 +711,9 @@ mod tests {
                 dpace_alpha: Some(alpha),
             };
             let (lab, w) = (Tensor::from_slice(&labels), Tensor::from_slice(&mask));
-            let out = lm_head_loss(&logits, &Tensor::eye(vocab, (Kind::Float, Device::Cpu)), &lab, &w, &plan, 7, true)
-                .unwrap();
+            let slots = SlotTargets::labels(&lab, &w);
+            let out =
+                lm_head_loss(&logits, &Tensor::eye(vocab, (Kind::Float, Device::Cpu)), &slots, &plan, 7, true).unwrap();
             let m = out.metrics;
             assert_eq!(m.weight, mask.iter().sum::<f32>() as f64, "the normaliser is the supervised slots");
             let norm = m.weight + 1e-5;
@@ -645,6 +742,59 @@ mod tests {
                 assert!(close(*w as f64, expected[r as usize] as f64), "alpha {alpha}: weight of row {r}");
             }
         }
+    }
+
+    /// Learning the target's predictions as speculators 0.9.0 computes it (`scripts/make_recipe_fixtures.py`): the
+    /// cross-entropy against the target's argmax and the KL from its distribution, each with D-PACE (alpha 0.5) and
+    /// with the decay (gamma 2), loss and gradient; identity heads over "hidden states" that are the logits, each
+    /// slot reading its own row of the target's. speculators normalises the decay by the supervised slots where
+    /// dflash normalises by the summed weights: the sums are compared, each divided by the fixture's normaliser.
+    #[test]
+    fn targets_from_the_target_match_speculators() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/teacher-speculators-0.9.0.json");
+        let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let floats = |v: &serde_json::Value| -> Vec<f32> {
+            v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+        };
+        let (bs, vocab) = (fixture["block_size"].as_u64().unwrap() as usize, fixture["vocab"].as_i64().unwrap());
+        let mask = floats(&fixture["mask"]);
+        let rows = mask.len();
+        let blocks = rows / bs;
+        let logits = Tensor::from_slice(&floats(&fixture["logits"])).view([rows as i64, vocab]);
+        let targets = Tensor::from_slice(&floats(&fixture["targets"])).view([rows as i64, vocab]);
+        let head = Tensor::eye(vocab, (Kind::Float, Device::Cpu));
+        let labels = targets.argmax(-1, false);
+        let own_rows = Tensor::arange(rows as i64, (Kind::Int64, Device::Cpu));
+        let supervised = mask.iter().sum::<f32>() as f64 + 1e-5;
+        let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 * b.abs().max(1.0);
+        let mut seen = vec![];
+        for case in fixture["cases"].as_array().unwrap() {
+            let (loss_fn, weighing) = (case["loss_fn"].as_str().unwrap(), case["weights"].as_str().unwrap());
+            let dpace = weighing == "dpace";
+            let s = ObjectiveSettings { dpace_alpha: dpace.then_some(0.5), ..settings(bs, Some(2.0)) };
+            // The plan of blocks at 0, bs, 2 bs, ... over a row whose loss mask is the fixture's aligned mask (slot 0
+            // of each block is an anchor: weight 0 either way).
+            let ids = vec![0i64; rows];
+            let row_mask: Vec<u8> = mask.iter().map(|&m| m as u8).collect();
+            let anchors: Vec<usize> = (0..blocks).map(|b| b * bs).collect();
+            let plan = BlockPlan::new(&[Row { input_ids: &ids, loss_mask: &row_mask }], &[anchors], rows, &s);
+            let w = Tensor::from_slice(&plan.weights);
+            let distribution = (loss_fn == "kl").then_some(TargetStates { states: &targets, rows: &own_rows });
+            let slots = SlotTargets { labels: &labels, weights: &w, distribution };
+            let out = lm_head_loss(&logits, &head, &slots, &plan, 7, true).unwrap();
+            let loss = out.metrics.weighted_loss / supervised;
+            let expected = case["loss"].as_f64().unwrap();
+            assert!(close(loss, expected), "{loss_fn} {weighing}: loss {loss} against {expected}");
+            let grad = Vec::<f32>::try_from(out.grad.unwrap().view([-1]) / supervised).unwrap();
+            for (i, (g, e)) in grad.iter().zip(floats(&case["grad"])).enumerate() {
+                assert!(close(*g as f64, e as f64), "{loss_fn} {weighing}: gradient {i}: {g} against {e}");
+            }
+            // Accuracy counts the target's argmax whatever the loss.
+            let agree = logits.argmax(-1, false).eq_tensor(&labels).to_kind(Kind::Float) * Tensor::from_slice(&mask);
+            assert_eq!(out.metrics.correct, agree.sum(Kind::Double).double_value(&[]), "{loss_fn} {weighing}");
+            seen.push(format!("{loss_fn} {weighing}"));
+        }
+        assert_eq!(seen, ["ce dpace", "ce decay", "kl dpace", "kl decay"]);
     }
 
     #[test]

@@ -11,7 +11,8 @@ use crate::model::{Drafter, ModelError, Target};
 use crate::profile::span;
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
-    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
+    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, SlotTargets, TargetStates, Teacher, anchor_rng,
+    lm_head_loss, sample_anchors, valid_anchors,
 };
 use crate::train::optim::{Hyper, Optimizer, UpdateSettings, clip_factor};
 
@@ -25,19 +26,24 @@ pub struct FeatureBatch {
     pub loss_mask: Vec<Vec<u8>>,
     /// `[B, S, n*H]` on the drafter's device, in its compute dtype; `S` is the longest row.
     pub target_hidden: Tensor,
+    /// `[B, S, H]`, like `target_hidden`: the target's last states after its final norm, whose LM head gives its
+    /// next-token predictions; present where the objective learns from them ([`Teacher::needs_target_predictions`]).
+    pub target_last: Option<Tensor>,
 }
 
 impl FeatureBatch {
-    /// Runs `target` on right-padded rows and keeps the tapped states, cast to `kind` on `device` (the drafter's).
+    /// Runs `target` on right-padded rows and keeps the tapped states (and, `with_last`, the normed last states:
+    /// needs a [`Depth::Full`](crate::model::Depth) target), cast to `to`'s dtype on its device (the drafter's).
     pub fn capture(
         target: &Target,
         sample_ids: Vec<u64>,
         epoch: u64,
         input_ids: Vec<Vec<i64>>,
         loss_mask: Vec<Vec<u8>>,
-        device: Device,
-        kind: Kind,
+        to: (Device, Kind),
+        with_last: bool,
     ) -> Result<Self, TrainError> {
+        let (device, kind) = to;
         let longest = input_ids.iter().map(Vec::len).max().unwrap_or(0);
         if longest == 0 {
             return Err(TrainError::Batch("a batch needs at least one non-empty row".into()));
@@ -52,8 +58,14 @@ impl FeatureBatch {
         let ids =
             Tensor::f_from_slice(&flat)?.f_view([input_ids.len() as i64, longest as i64])?.f_to(target.device())?;
         let _p = span("target.capture");
-        let target_hidden = target.capture(&ids, &lengths)?.f_to_device(device)?.f_to_kind(kind)?;
-        Ok(FeatureBatch { sample_ids, epoch, input_ids, loss_mask, target_hidden })
+        let moved = |t: Tensor| -> Result<Tensor, TrainError> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
+        let (target_hidden, target_last) = if with_last {
+            let (taps, last) = target.capture_with_last(&ids, &lengths)?;
+            (moved(taps)?, Some(moved(last)?))
+        } else {
+            (moved(target.capture(&ids, &lengths)?)?, None)
+        };
+        Ok(FeatureBatch { sample_ids, epoch, input_ids, loss_mask, target_hidden, target_last })
     }
 
     fn rows(&self) -> Vec<Row<'_>> {
@@ -123,7 +135,7 @@ impl Trainer {
 
     /// Forward and backward of one micro-batch at freshly sampled anchors; returns its metric sums.
     pub fn accumulate(&mut self, batch: &FeatureBatch) -> Result<Metrics, TrainError> {
-        check(&self.drafter, batch)?;
+        check(&self.drafter, &self.objective, batch)?;
         let anchors: Vec<Vec<usize>> = batch
             .loss_mask
             .iter()
@@ -190,7 +202,7 @@ pub fn evaluate_batch(
     objective: &ObjectiveSettings,
     batch: &FeatureBatch,
 ) -> Result<Metrics, TrainError> {
-    check(drafter, batch)?;
+    check(drafter, objective, batch)?;
     let all: Vec<Vec<usize>> = batch.loss_mask.iter().map(|m| valid_anchors(m)).collect();
     let per_pass = objective.num_anchors.max(1);
     let passes = all.iter().map(|a| a.len().div_ceil(per_pass)).max().unwrap_or(0);
@@ -203,7 +215,7 @@ pub fn evaluate_batch(
     Ok(total)
 }
 
-fn check(drafter: &Drafter, batch: &FeatureBatch) -> Result<(), TrainError> {
+fn check(drafter: &Drafter, objective: &ObjectiveSettings, batch: &FeatureBatch) -> Result<(), TrainError> {
     let n = batch.input_ids.len();
     let size = batch.target_hidden.size();
     let width = drafter.config().context_width() as i64;
@@ -224,6 +236,20 @@ fn check(drafter: &Drafter, batch: &FeatureBatch) -> Result<(), TrainError> {
             "target_hidden is {size:?}; expected [{n}, >= {longest}, {width}] (rows, tokens, taps * hidden)"
         ));
     }
+    let hidden = drafter.config().decoder.hidden_size as i64;
+    match (&batch.target_last, objective.teacher.needs_target_predictions()) {
+        (None, true) => {
+            return bad(format!(
+                "the objective learns from the target's predictions ({:?}) but the batch carries none of its last \
+                 states",
+                objective.teacher
+            ));
+        }
+        (Some(last), _) if last.size() != [size[0], size[1], hidden] => {
+            return bad(format!("target_last is {:?}; expected [{n}, {}, {hidden}]", last.size(), size[1]));
+        }
+        _ => {}
+    }
     Ok(())
 }
 
@@ -243,22 +269,167 @@ fn run_blocks(
         return Ok(Metrics::default());
     }
     let t = PlanTensors::new(&plan, objective, drafter.kind(), drafter.device())?;
+    let chunk = objective.lm_head_chunk_rows;
+    let teacher = TeacherTargets::new(objective.teacher, batch, heads.lm_head, &t, chunk)?;
+    let slots = SlotTargets {
+        labels: teacher.as_ref().map_or(&t.labels, |s| &s.labels),
+        weights: &t.weights,
+        distribution: teacher.as_ref().and_then(TeacherTargets::distribution),
+    };
     let forward = || {
         let emb = Tensor::embedding(heads.embed, &t.block_ids, -1, false, false);
         let h = drafter.forward(&batch.target_hidden, &emb, &t.positions, &t.attention);
         let flat = h.view([-1, h.size()[2]]);
         (h, flat)
     };
-    let chunk = objective.lm_head_chunk_rows;
     if !train {
         let (_, flat) = tch::no_grad(forward);
-        let out = lm_head_loss(&flat, heads.lm_head, &t.labels, &t.weights, &plan, chunk, false)?;
+        let out = lm_head_loss(&flat, heads.lm_head, &slots, &plan, chunk, false)?;
         return Ok(out.metrics);
     }
     let (h, flat) = forward();
-    let out = tch::no_grad(|| lm_head_loss(&flat.detach(), heads.lm_head, &t.labels, &t.weights, &plan, chunk, true))?;
+    let out = tch::no_grad(|| lm_head_loss(&flat.detach(), heads.lm_head, &slots, &plan, chunk, true))?;
     let grad = out.grad.expect("requested").view_as(&h);
     let _p = span("drafter.backward");
     (h * grad).f_sum(Kind::Float)?.f_backward()?;
     Ok(out.metrics)
+}
+
+/// The slots' targets where the objective learns from the target's predictions: the target's argmax after the
+/// position before each slot as its label and, for KL, the normed last states with the one each slot reads.
+struct TeacherTargets {
+    labels: Tensor,
+    /// `[B * S, H]` and `[B * N * bs]`, with [`Teacher::Distribution`].
+    states: Option<(Tensor, Tensor)>,
+}
+
+impl TeacherTargets {
+    /// `None` where the slots learn the data's tokens.
+    fn new(
+        teacher: Teacher,
+        batch: &FeatureBatch,
+        lm_head: &Tensor,
+        plan: &PlanTensors,
+        chunk_rows: i64,
+    ) -> Result<Option<Self>, TrainError> {
+        let (Some(last), true) = (&batch.target_last, teacher.needs_target_predictions()) else {
+            return Ok(None);
+        };
+        let _p = span("target.predictions");
+        let (b, s) = (last.size()[0], last.size()[1]);
+        let states = last.f_reshape([b * s, -1])?;
+        // Slot at position p reads the state at p - 1 of its row (slot 0 and slots past the row weigh nothing: any
+        // index in the row serves them).
+        let rows = (plan.positions.f_sub_scalar(1)?.f_clamp(0, s - 1)?
+            + Tensor::f_arange(b, (Kind::Int64, last.device()))?.f_mul_scalar(s)?.f_unsqueeze(1)?)
+        .f_reshape([-1])?;
+        let labels = tch::no_grad(|| target_argmax(&states, lm_head, chunk_rows))?.f_index_select(0, &rows)?;
+        let states = (teacher == Teacher::Distribution).then_some((states, rows));
+        Ok(Some(TeacherTargets { labels, states }))
+    }
+
+    fn distribution(&self) -> Option<TargetStates<'_>> {
+        self.states.as_ref().map(|(states, rows)| TargetStates { states, rows })
+    }
+}
+
+/// The target's next-token choice after each of `states [positions, H]`: the argmax of its LM head, `chunk_rows`
+/// positions at a time.
+fn target_argmax(states: &Tensor, lm_head: &Tensor, chunk_rows: i64) -> Result<Tensor, TrainError> {
+    let n = states.size()[0];
+    let step = chunk_rows.max(1);
+    let chunks = (0..n)
+        .step_by(step as usize)
+        .map(|start| {
+            crate::model::choice::greedy_tokens(
+                &states.f_narrow(0, start, step.min(n - start))?.f_linear(lm_head, None::<Tensor>)?,
+            )
+        })
+        .collect::<Result<Vec<Tensor>, ModelError>>()?;
+    Ok(Tensor::f_cat(&chunks, 0)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::presets::tiny;
+    use crate::model::{Depth, Preset};
+
+    /// A slot at position `p` learns what the target predicts after `p - 1`: the argmax of its logits there, as
+    /// `Target::logits` computes them over the whole row; and the states the KL reads are the ones whose LM head
+    /// gives those logits.
+    #[test]
+    fn target_predictions_come_from_the_position_before_each_slot() {
+        let target = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+        let rows: Vec<Vec<i64>> = vec![(0..19).map(|t| (t * 7 + 3) % 200).collect(), (0..12).collect()];
+        let masks: Vec<Vec<u8>> = rows.iter().map(|r| (0..r.len()).map(|t| u8::from(t >= 2)).collect()).collect();
+        let batch =
+            FeatureBatch::capture(&target, vec![0, 1], 0, rows.clone(), masks, (Device::Cpu, Kind::Float), true)
+                .unwrap();
+        let alone = target.capture(&Tensor::from_slice(&rows[0]).view([1, 19]), &[19]).unwrap();
+        assert!(batch.target_hidden.get(0).allclose(&alone.get(0), 1e-5, 1e-5, false), "the taps are unchanged");
+        let objective = ObjectiveSettings { teacher: Teacher::Distribution, ..ObjectiveSettings::new(8, 4, None, 9) };
+        let anchors = vec![vec![2, 5, 15, 17], vec![3, 9, 10]];
+        let plan = BlockPlan::new(&batch.rows(), &anchors, batch.seq_len(), &objective);
+        let t = PlanTensors::new(&plan, &objective, Kind::Float, Device::Cpu).unwrap();
+        let teacher = TeacherTargets::new(objective.teacher, &batch, target.lm_head(), &t, 5).unwrap().unwrap();
+        let labels = Vec::<i64>::try_from(&teacher.labels).unwrap();
+        let (states, state_rows) = teacher.states.as_ref().unwrap();
+        let state_rows = Vec::<i64>::try_from(state_rows).unwrap();
+        let seq = batch.seq_len() as i64;
+        let mut checked = 0;
+        for (b, row) in rows.iter().enumerate() {
+            let logits = target.logits(&Tensor::from_slice(row).view([1, -1]), &[row.len() as i64]).unwrap().get(0);
+            for slot in 0..plan.blocks * plan.block_size {
+                let at = b * plan.blocks * plan.block_size + slot;
+                if plan.weights[at] == 0.0 {
+                    continue;
+                }
+                let p = plan.positions[at];
+                let expected = logits.get(p - 1).argmax(-1, false).int64_value(&[]);
+                assert_eq!(labels[at], expected, "row {b}, slot {slot} at position {p}");
+                let state = states.get(state_rows[at]);
+                let from_state = state.unsqueeze(0).linear(target.lm_head(), None::<Tensor>).get(0);
+                assert!(from_state.allclose(&logits.get(p - 1), 1e-4, 1e-4, false), "row {b}, position {p}");
+                assert_eq!(state_rows[at], b as i64 * seq + p - 1);
+                checked += 1;
+            }
+        }
+        assert!(checked >= 15, "{checked} slots checked");
+        // A random target's choices are not the data's tokens: the labels are the target's.
+        assert_ne!(labels, plan.labels);
+    }
+
+    /// An objective that learns from the target refuses a batch without the target's last states.
+    #[test]
+    fn a_batch_without_the_targets_states_is_refused_where_they_are_needed() {
+        let target = Preset::Tiny.spec().build_target(Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap();
+        let cfg = crate::model::DrafterConfig::for_preset(Preset::Tiny, 4);
+        let drafter = Drafter::new(cfg, Device::Cpu, Kind::Float, crate::model::Init::Portable(0)).unwrap();
+        let optimizer = Optimizer::new(drafter.params(), crate::train::OptimizerKind::AdamW).unwrap();
+        let objective =
+            ObjectiveSettings { teacher: Teacher::Argmax, ..ObjectiveSettings::new(4, 4, None, tiny::MASK) };
+        let (embed, head) = (target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone());
+        let mut trainer = Trainer::new(drafter, optimizer, embed, head, objective, 0);
+        let row: Vec<i64> = (0..12).collect();
+        let batch =
+            FeatureBatch::capture(&target, vec![0], 0, vec![row], vec![vec![1; 12]], (Device::Cpu, Kind::Float), false)
+                .unwrap();
+        let err = trainer.accumulate(&batch).expect_err("refused").to_string();
+        assert!(err.contains("target's predictions") && err.contains("Argmax"), "{err}");
+        // And a target built only to its last tap cannot give them.
+        let err = FeatureBatch::capture(
+            &target,
+            vec![0],
+            0,
+            vec![vec![1; 4]],
+            vec![vec![1; 4]],
+            (Device::Cpu, Kind::Float),
+            true,
+        )
+        .err()
+        .expect("refused")
+        .to_string();
+        assert!(!err.is_empty());
+    }
 }

@@ -453,6 +453,7 @@ impl Shell {
             spread_to: self.a.spread_to.clone(),
             micro_batches: self.a.config.target.micro_batches,
             kind: t.kind,
+            last_states: self.a.objective.teacher.needs_target_predictions(),
             dataset: self.a.dataset.clone(),
             routes: self.routes.clone(),
             supervisor: self.myself.clone(),
