@@ -288,14 +288,15 @@ fn local_regeneration_with_the_tiny_target() {
     let mut text = std::fs::read_to_string(&inp).unwrap();
     text.push_str(&format!("{}\n", json!({"id": "prompt", "messages": [{"role": "user", "content": "count to 3"}]})));
     std::fs::write(&inp, text).unwrap();
-    let run = || {
+    let run_with = |max_tokens: &str| {
         std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
-            .args(["regenerate", "--local", "--model", "tiny", "--device", "cpu", "--max-tokens", "8"])
+            .args(["regenerate", "--local", "--model", "tiny", "--device", "cpu", "--max-tokens", max_tokens])
             .args(["--input", inp.to_str().unwrap(), "--out", out.to_str().unwrap()])
             .env("DFLASH__LOG__LEVEL", "warn")
             .output()
             .unwrap()
     };
+    let run = || run_with("8");
     let o = run();
     let said = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{said}");
@@ -315,4 +316,28 @@ fn local_regeneration_with_the_tiny_target() {
     let o = run();
     assert!(String::from_utf8_lossy(&o.stdout).contains("3 already done"));
     assert_eq!(std::fs::read_to_string(&out).unwrap(), first, "greedy and resumed: nothing changes");
+
+    // The random target rambles: every reply was cut at 8 tokens, and the lines say so. A rerun with a higher limit
+    // does them again, in the input's order; one with the same limit leaves them.
+    let cut: Vec<&Value> = written.values().map(|c| &c["cut_at_max_tokens"]).collect();
+    assert!(cut.iter().all(|&c| c == &json!(8)), "{cut:?}");
+    let o = run_with("12");
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(said.contains("3 regenerated now (1 answered from a final prompt, 3 redone"), "{said}");
+    let longer = read_out(&out);
+    assert_eq!(longer.len(), 3, "each conversation once");
+    for (id, c) in &longer {
+        assert_eq!(c["cut_at_max_tokens"], json!(12), "{id}");
+        let replies = |c: &Value| -> usize {
+            let messages = c["messages"].as_array().unwrap().iter();
+            messages.filter(|m| m["role"] == "assistant").map(|m| m["content"].as_str().unwrap().len()).sum()
+        };
+        assert!(replies(c) > replies(&written[id]), "{id}: the replies grew");
+    }
+    let ids = |text: &str| text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()["id"].clone()).collect();
+    let (order_before, order_after): (Vec<Value>, Vec<Value>) =
+        (ids(&first), ids(&std::fs::read_to_string(&out).unwrap()));
+    assert_eq!(order_before, order_after, "the input's order");
+    let o = run_with("12");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("3 already done"));
 }

@@ -7,12 +7,13 @@
 //!
 //! Resumable: output lines are appended and flushed one conversation at a time, each carrying its input id; a rerun
 //! skips ids already written (a torn last line from an interrupted run is dropped first). Conversations that fail
-//! after all retries are not written, so a rerun retries them.
+//! after all retries are not written, so a rerun retries them. A line whose reply was cut at the token limit says at
+//! which (`cut_at_max_tokens`), and a rerun with a higher `--max-tokens` does it again.
 //!
 //! Replies finish in whatever order the source returns them, so when a run ends the output is rewritten in the
 //! input's order ([`in_input_order`]): the same input gives the same file, whatever the timing, and `prepare` (whose
 //! sample positions, and so the training order, follow the file) the same data.
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -56,6 +57,8 @@ pub struct RegenerateReport {
     pub conversations: u64,
     /// Already in the output from an earlier run.
     pub already_done: u64,
+    /// In the output with a reply cut at a lower `--max-tokens` than this run's: done again.
+    pub redone: u64,
     /// Written now.
     pub regenerated: u64,
     /// Of those, conversations that ended with a prompt and got the reply it asks for.
@@ -120,10 +123,14 @@ pub fn reply_seed(seed: u64, id: &SampleId, turn: usize) -> u64 {
     u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"))
 }
 
-/// Reads the ids already written to `out`, dropping a torn last line left by an interrupted run.
-fn resume_point(out: &Path) -> Result<HashSet<SampleId>, DataError> {
+/// The key of an output line whose reply was cut at the token limit: the limit.
+const CUT_AT: &str = "cut_at_max_tokens";
+
+/// Reads the ids already written to `out`, each with the token limit a reply of it was cut at (if one was), dropping a
+/// torn last line left by an interrupted run.
+fn resume_point(out: &Path) -> Result<HashMap<SampleId, Option<u64>>, DataError> {
     let io = |err| DataError::Io { path: out.to_path_buf(), err };
-    let mut done = HashSet::new();
+    let mut done = HashMap::new();
     if !out.exists() {
         return Ok(done);
     }
@@ -131,12 +138,11 @@ fn resume_point(out: &Path) -> Result<HashSet<SampleId>, DataError> {
     let mut good_len = 0;
     for line in text.split_inclusive('\n') {
         let complete = line.ends_with('\n');
-        let id = serde_json::from_str::<Value>(line.trim_end())
-            .ok()
-            .and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
+        let parsed = serde_json::from_str::<Value>(line.trim_end()).ok();
+        let id = parsed.as_ref().and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
         match (complete, id) {
             (true, Some(id)) => {
-                done.insert(id);
+                done.insert(id, parsed.as_ref().and_then(|v| v.get(CUT_AT)).and_then(Value::as_u64));
                 good_len += line.len();
             }
             _ => break,
@@ -153,6 +159,14 @@ fn resume_point(out: &Path) -> Result<HashSet<SampleId>, DataError> {
 /// The conversations of `input` still to do, the report so far, and the ids of every conversation in input order.
 fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateReport, Vec<SampleId>), DataError> {
     let done = resume_point(&opts.out)?;
+    // Lines cut at a lower limit than this run's are done again: their old lines go first.
+    let redo: HashSet<&SampleId> = (done.iter())
+        .filter(|(_, cut_at)| cut_at.is_some_and(|limit| limit < u64::from(opts.max_tokens)))
+        .map(|(id, _)| id)
+        .collect();
+    if !redo.is_empty() {
+        without_lines(&opts.out, &redo)?;
+    }
     let mut order = Vec::new();
     let file = std::fs::File::open(&opts.input).map_err(|err| DataError::Io { path: opts.input.clone(), err })?;
     let mut report = RegenerateReport::default();
@@ -171,7 +185,10 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
             Ok(conv) => {
                 report.conversations += 1;
                 order.push(conv.id.clone());
-                if done.contains(&conv.id) {
+                if redo.contains(&conv.id) {
+                    report.redone += 1;
+                    todo.push(conv);
+                } else if done.contains_key(&conv.id) {
                     report.already_done += 1;
                 } else {
                     todo.push(conv);
@@ -186,6 +203,23 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
         }
     }
     Ok((todo, report, order))
+}
+
+/// Rewrites `out` without the lines of the ids in `drop`, through a temporary file that replaces it once complete.
+fn without_lines(out: &Path, drop: &HashSet<&SampleId>) -> Result<(), DataError> {
+    let io = |path: &Path, err| DataError::Io { path: path.to_path_buf(), err };
+    let text = std::fs::read_to_string(out).map_err(|e| io(out, e))?;
+    let kept: String = (text.split_inclusive('\n'))
+        .filter(|line| {
+            let id = serde_json::from_str::<Value>(line.trim_end())
+                .ok()
+                .and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
+            !id.is_some_and(|id| drop.contains(&id))
+        })
+        .collect();
+    let tmp = out.with_extension("redo.tmp");
+    std::fs::write(&tmp, kept).map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, out).map_err(|e| io(out, e))
 }
 
 /// Rewrites `out` with its lines in the order of `order` (the input's ids); lines of ids not in it follow, in the
@@ -699,9 +733,12 @@ where
                     record_failure(&mut report.lock().expect("report lock"), &conv.id, &failure.text);
                     Ok(())
                 }
-                Ok(done) => {
+                Ok(mut done) => {
                     unreachable_in_a_row.store(0, Ordering::Relaxed);
                     tokens = done.tokens();
+                    if done.replies.iter().any(|r| r.truncated) {
+                        done.line[CUT_AT] = json!(opts.max_tokens);
+                    }
                     let w = out.lock().expect("output lock").write(&done.line);
                     if w.is_ok() {
                         report.lock().expect("report lock").record(&done);
@@ -729,11 +766,15 @@ where
 impl RegenerateReport {
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "{} conversations: {} regenerated now ({} answered from a final prompt), {} already done, {} skipped, {} \
+            "{} conversations: {} regenerated now ({} answered from a final prompt{}), {} already done, {} skipped, {} \
              failed, {} bad lines; {} replies, {} cut at --max-tokens",
             self.conversations,
             self.regenerated,
             self.answered,
+            match self.redone {
+                0 => String::new(),
+                n => format!(", {n} redone: cut at a lower --max-tokens before"),
+            },
             self.already_done,
             self.skipped.values().sum::<u64>(),
             self.failed,
@@ -753,7 +794,8 @@ impl RegenerateReport {
         }
         if self.truncated > 0 {
             s.push_str(
-                "\n  replies cut at --max-tokens train the drafter on unfinished answers: raise it to keep them whole",
+                "\n  replies cut at --max-tokens train the drafter on unfinished answers: run the same command with a \
+                 higher --max-tokens to redo them whole",
             );
         }
         if self.not_tried > 0 {
@@ -877,7 +919,7 @@ mod tests {
         let text = report.summary();
         assert!(text.contains("3 regenerated now (2 answered from a final prompt)"), "{text}");
         assert!(text.contains("skipped 1: no user turn to reply to"), "{text}");
-        assert!(text.contains("1 cut at --max-tokens") && text.contains("raise it"), "{text}");
+        assert!(text.contains("1 cut at --max-tokens") && text.contains("higher --max-tokens to redo"), "{text}");
         assert!(text.contains("the server stopped answering") && text.contains("once it is back"), "{text}");
         assert!(report.incomplete());
     }
