@@ -66,6 +66,11 @@ fn configuration_errors_name_the_key() {
     assert!(err.contains("target.device") && err.contains("gpu"), "{err}");
     let out = dflash(&["--set", "target.devcie=cpu", "bench", "--what", "target"]);
     assert!(text(&out.stderr).contains("devcie"));
+    // A count is a whole number: 4.5 rows a batch is refused, not rounded.
+    let out = dflash(&["--set", "data.batch_size=4.5", "serve-train"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("data.batch_size") && err.contains("4.5"), "{err}");
     // A malformed override is a bad command line: exit 2, as for any other (README, --help).
     let out = dflash(&["--set", "noequals", "serve-train"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
@@ -491,6 +496,45 @@ fn learning_the_targets_distribution_trains_and_evaluates() {
     assert_eq!(refused.status.code(), Some(1));
     let err = text(&refused.stderr);
     assert!(err.contains("objective.loss") && err.contains("objective.target = \"argmax\""), "{err}");
+}
+
+/// A mistyped folder under a local `models/` is named as a missing folder with what is there (not taken for a Hub id);
+/// `prepare` keeping no sample leaves no folder behind; a model folder without its tokenizer_config.json says which
+/// file it needs.
+#[test]
+fn model_folders_that_cannot_work_say_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let export = ["export", "--preset", "tiny-tasks", "--out", "models/TinyTasks"];
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(args)
+            .current_dir(dir.path())
+            .env("DFLASH__LOG__LEVEL", "warn")
+            .output()
+            .unwrap()
+    };
+    assert!(run(&export).status.success());
+    let chat = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#;
+    std::fs::write(dir.path().join("chats.jsonl"), format!("{chat}\n")).unwrap();
+    let prepare =
+        |model: &str| run(&["prepare", "--model", model, "--input", "chats.jsonl", "--out", "d", "--max-len", "64"]);
+    let out = prepare("models/TinyTask");
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("no such folder") && err.contains("TinyTasks") && !err.contains("Hub"), "{err}");
+    // Too short to train on: nothing is kept, no folder is left, and a rerun says the same (not "up to date").
+    for _ in 0..2 {
+        let out = prepare("models/TinyTasks");
+        assert_eq!(out.status.code(), Some(1));
+        let (said, err) = (text(&out.stdout), text(&out.stderr));
+        assert!(said.contains("dropped 1") && err.contains("no sample was kept"), "{said}{err}");
+        assert!(!dir.path().join("d").exists());
+    }
+    std::fs::remove_file(dir.path().join("models/TinyTasks/tokenizer_config.json")).unwrap();
+    let out = prepare("models/TinyTasks");
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("tokenizer_config.json: not found") && !err.contains("os error"), "{err}");
 }
 
 /// Logs written to a pipe (a file, journald, `docker logs`) carry no colour codes.

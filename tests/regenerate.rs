@@ -340,4 +340,11 @@ fn local_regeneration_with_the_tiny_target() {
     assert_eq!(order_before, order_after, "the input's order");
     let o = run_with("12");
     assert!(String::from_utf8_lossy(&o.stdout).contains("3 already done"));
+
+    // An empty input is an error naming it, not a silent run over nothing.
+    std::fs::write(&inp, "\n").unwrap();
+    let o = run();
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(said.contains("in.jsonl") && said.contains("no conversations"), "{said}");
 }

@@ -89,15 +89,24 @@ pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
         PrepareOutcome::UpToDate(m) => (m, false),
         PrepareOutcome::Written(m) => (m, true),
     };
+    if manifest.report.kept_train + manifest.report.kept_holdout == 0 {
+        // Nothing to train on: no folder is left behind that a rerun would take as done.
+        if args.json {
+            println!("{}", serde_json::json!({"written": false, "out": args.out, "report": manifest.report}));
+        } else {
+            println!("{}", manifest.report.summary());
+        }
+        let written = args.out.join("manifest.json");
+        std::fs::remove_file(&written).with_context(|| format!("removing {}", written.display()))?;
+        let _ = std::fs::remove_dir(&args.out); // only if nothing else is there
+        bail!("no sample was kept, so nothing was written to {}; see the report above", args.out.display());
+    }
     if args.json {
         println!("{}", serde_json::json!({"written": fresh, "out": args.out, "report": manifest.report}));
     } else if fresh {
         println!("{}\nwrote {}", manifest.report.summary(), args.out.display());
     } else {
         println!("{} is up to date with these inputs and settings; nothing to do", args.out.display());
-    }
-    if manifest.report.kept_train + manifest.report.kept_holdout == 0 {
-        bail!("no sample was kept; see the report above");
     }
     Ok(ExitCode::SUCCESS)
 }

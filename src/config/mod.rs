@@ -453,12 +453,12 @@ impl Config {
         }
         let merged = builder.build().map_err(|e| load_error(&origin, e))?;
         let tree: serde_json::Value = merged
-            .clone()
             .try_deserialize()
             .map_err(|e| ConfigError::Load { source_name: "configuration".into(), message: e.to_string() })?;
-        let raw: RawConfig = merged.try_deserialize().map_err(|e| ConfigError::Load {
+        // Read from the merged tree strictly (4.5 is not a batch size), naming the key of a bad value.
+        let raw: RawConfig = serde_path_to_error::deserialize(&tree).map_err(|e| ConfigError::Load {
             source_name: "configuration".into(),
-            message: explain_serde_error(&e.to_string()),
+            message: explain_serde_error(&format!("{}: {}", e.path(), e.inner())),
         })?;
         raw.validate(tree)
     }
@@ -1101,6 +1101,8 @@ mod tests {
             ("objective.target=logits", &["objective.target", "logits", "argmax"]),
             ("objective.loss=tv", &["objective.loss", "tv", "kl"]),
             ("objective.loss=kl", &["objective.loss", "objective.target = \"argmax\""]),
+            ("data.batch_size=4.5", &["data.batch_size", "4.5", "expected i64"]),
+            ("optim.max_steps=\"ten\"", &["optim.max_steps", "ten"]),
             ("objective.seed=-3", &["objective.seed", "-3"]),
             ("optim.optimizer=sgd", &["optim.optimizer", "sgd", "muon"]),
             ("optim.muon_ns_steps=0", &["optim.muon_ns_steps", "1..=99"]),

@@ -155,7 +155,14 @@ impl ChatTemplate {
     /// or `dir/chat_template.jinja`), with `kwargs` passed to the template as variables.
     pub fn from_dir(dir: &Path, kwargs: &Map<String, Value>) -> Result<Self, String> {
         let path = dir.join("tokenizer_config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => format!(
+                "{}: not found; the model folder needs its tokenizer_config.json (the chat template and special \
+                 tokens, beside tokenizer.json in the model's repository)",
+                path.display()
+            ),
+            _ => format!("{}: {e}", path.display()),
+        })?;
         let config: Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
         let template = match config.get("chat_template") {

@@ -202,6 +202,14 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
             }
         }
     }
+    if report.conversations == 0 && report.bad_lines == 0 {
+        return Err(DataError::File {
+            path: opts.input.clone(),
+            reason: "no conversations: expected JSON lines of chats (OpenAI `messages` or ShareGPT `conversations`), \
+                     one a line"
+                .into(),
+        });
+    }
     Ok((todo, report, order))
 }
 

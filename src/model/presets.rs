@@ -378,6 +378,26 @@ pub fn no_such_model(value: &str) -> Option<String> {
         return None;
     }
     let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
+    // `models/Qwen3-8B` where `models/` is a local folder is a path with a typo, not a Hub id: say what is there.
+    let parent = Path::new(value).parent().filter(|p| !p.as_os_str().is_empty() && p.is_dir());
+    if let Some(parent) = parent {
+        let mut there: Vec<String> = std::fs::read_dir(parent)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        there.sort();
+        let listed = match there.len() {
+            0 => "no folders".to_string(),
+            n if n > 12 => format!("{} and {} more", there[..12].join(", "), n - 12),
+            _ => there.join(", "),
+        };
+        return Some(format!("no such folder ({} holds {listed})", parent.display()));
+    }
     let hub_like = {
         let mut parts = value.split('/');
         let (owner, name) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
