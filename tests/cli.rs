@@ -491,6 +491,11 @@ fn learning_the_targets_distribution_trains_and_evaluates() {
     let (ce, kl) = (on_data["loss"].as_f64().unwrap(), on_target["loss"].as_f64().unwrap());
     assert!(kl.is_finite() && kl >= 0.0 && kl != ce, "KL {kl} against the data's CE {ce}");
     assert_ne!(on_data["accuracy"], on_target["accuracy"], "counted against the target's choices: {on_target}");
+    // Without --target, eval says which target it scores against.
+    let out =
+        dflash(&["eval", "--drafter", &run, "--data", data, "--device", "cpu", "--set", "target.model=tiny-tasks"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("target: tiny-tasks (target.model"), "{}", text(&out.stderr));
 
     let refused = dflash(&["serve-train", "--set", "objective.loss=kl", "--set", "control.listen=off"]);
     assert_eq!(refused.status.code(), Some(1));
@@ -535,6 +540,41 @@ fn model_folders_that_cannot_work_say_why() {
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
     assert!(err.contains("tokenizer_config.json: not found") && !err.contains("os error"), "{err}");
+}
+
+/// `data.max_len` does not cut rows that were prepared already: a run that sets it is told so, and trains.
+#[test]
+fn max_len_set_for_token_rows_is_said_to_be_unused() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = dir.path().join("rows.jsonl");
+    let row = |i: i64| {
+        let ids: Vec<i64> = (0..40).map(|t| (t * 5 + i * 11) % 200).collect();
+        serde_json::json!({"id": i, "input_ids": ids, "loss_mask": vec![1; 40]}).to_string()
+    };
+    std::fs::write(&rows, (0..4).map(|i| row(i) + "\n").collect::<String>()).unwrap();
+    let (path, ckpt) =
+        (format!("data.path={}", rows.display()), format!("checkpoint.dir={}", dir.path().join("c").display()));
+    let cache = format!("data.cache_dir={}", dir.path().join("cache").display());
+    let mut args = vec!["serve-train"];
+    for set in [
+        "target.model=tiny-tasks",
+        "target.device=cpu",
+        "drafters.devices=[\"cpu\"]",
+        "data.batch_size=2",
+        "data.max_len=32",
+        "draft_model.num_hidden_layers=1",
+        "optim.max_steps=1",
+        "control.listen=off",
+        &path,
+        &ckpt,
+        &cache,
+    ] {
+        args.extend(["--set", set]);
+    }
+    let out = dflash(&args);
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("data.max_len = 32 is not used with token rows"), "{err}");
 }
 
 /// Logs written to a pipe (a file, journald, `docker logs`) carry no colour codes.

@@ -99,6 +99,9 @@ fn drafter_folder(path: PathBuf) -> PathBuf {
 pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
     args.drafter = drafter_folder(args.drafter);
     let source = args.target.as_deref().map_or_else(|| config.target.source.clone(), TargetSource::from_arg);
+    if args.target.is_none() {
+        eprintln!("target: {source} (target.model; --target names another)");
+    }
     let (device, kind) = super::compute_device(config, args.device, args.dtype)?;
     if args.decode {
         return decode(&args, &source, device, kind);

@@ -157,6 +157,14 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
     if data.is_empty() {
         bail!("data.path: the training split holds no sample");
     }
+    let default_max_len = Config::builtin().map(|c| c.data.max_len).ok();
+    if matches!(d.source, DataSource::Prepared(_) | DataSource::TokenRows(_)) && Some(d.max_len) != default_max_len {
+        tracing::warn!(
+            "data.max_len = {} is not used with token rows: they train as prepared (`dflash prepare --max-len` cut \
+             them); prepare them again to change their length",
+            d.max_len
+        );
+    }
     Ok(data)
 }
 
