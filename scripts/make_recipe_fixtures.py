@@ -46,19 +46,24 @@ def load_losses(wheel):
     return modules["eager"], modules["utils"]
 
 
+def aligned_mask(block_size):
+    """The aligned mask of six blocks as speculators builds it: slot 0 (the anchor) never counts; a gap inside block 1,
+    the end of the row inside block 3, block 5 a padding block."""
+    mask = torch.ones(6 * block_size)
+    mask[::block_size] = 0
+    mask[block_size + 2] = 0
+    mask[3 * block_size + 3] = 0
+    mask[5 * block_size :] = 0
+    return mask
+
+
 def dpace_fixture(wheel):
     eager, utils = load_losses(wheel)
     torch.manual_seed(0)
     block_size, blocks, vocab = 4, 6, 13
     rows = block_size * blocks
     labels = torch.randint(vocab, (rows,))
-    # The aligned mask as speculators builds it: slot 0 (the anchor) never counts; a gap inside block 1, the end of
-    # the row inside block 3, block 5 a padding block.
-    mask = torch.ones(rows)
-    mask[::block_size] = 0
-    mask[block_size + 2] = 0
-    mask[3 * block_size + 3] = 0
-    mask[5 * block_size :] = 0
+    mask = aligned_mask(block_size)
     # Draft logits of every confidence: some slots sure of their label, some sure of another token, most spread out.
     logits = torch.randn(rows, vocab) * 2.0
     logits[1, labels[1]] += 9.0
@@ -103,11 +108,7 @@ def teacher_fixture(wheel):
     torch.manual_seed(2)
     block_size, blocks, vocab = 4, 6, 13
     rows = block_size * blocks
-    mask = torch.ones(rows)
-    mask[::block_size] = 0
-    mask[block_size + 2] = 0
-    mask[3 * block_size + 3] = 0
-    mask[5 * block_size :] = 0
+    mask = aligned_mask(block_size)
     logits = torch.randn(rows, vocab) * 2.0
     targets = torch.randn(rows, vocab) * 3.0
     # A slot sure of the target's choice, one sure of another token, and a target sure of its choice.
