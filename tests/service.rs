@@ -752,6 +752,28 @@ fn sighup_changes_the_learning_rate_at_one_step_on_every_drafter_and_refuses_wha
     svc.stop();
 }
 
+/// With a model folder the taps and the MASK token default to `auto` and resolve at start; a reload that changes only
+/// the learning rate compares them as resolved, and applies (it was refused, naming the taps, issue 51).
+#[test]
+fn a_reload_with_the_taps_left_to_auto_applies() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let export = Command::new(BIN).args(["export", "--preset", "tiny-tasks", "--out"]).arg(&model).output().unwrap();
+    assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
+    let cfg = config(dir.path(), 1);
+    let original =
+        std::fs::read_to_string(&cfg).unwrap().replace("model = \"tiny\"", &format!("model = {:?}", model.display()));
+    std::fs::write(&cfg, &original).unwrap();
+    let mut svc = Service::start(&cfg, false, &["optim.epochs=1000"]);
+    svc.wait("step 2", |s| step(s) >= 2);
+    std::fs::write(&cfg, original.replace("lr = 2e-3", "lr = 1e-3")).unwrap();
+    let (code, body) = svc.request("POST", "/reload", None);
+    assert_eq!(code, 200, "{body}");
+    let keys: Vec<&str> = body["changes"].as_array().unwrap().iter().filter_map(|c| c["key"].as_str()).collect();
+    assert_eq!(keys, ["optim.lr"], "{body}");
+    svc.stop();
+}
+
 #[test]
 fn two_target_copies_each_feed_their_drafter_and_every_sample_is_trained_once() {
     let dir = tempfile::tempdir().unwrap();
