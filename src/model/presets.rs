@@ -379,7 +379,8 @@ pub fn no_such_model(value: &str) -> Option<String> {
     }
     let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
     // `models/Qwen3-8B` where `models/` is a local folder is a path with a typo, not a Hub id: say what is there.
-    let parent = Path::new(value).parent().filter(|p| !p.as_os_str().is_empty() && p.is_dir());
+    let parent =
+        Path::new(value).parent().filter(|p| !p.as_os_str().is_empty() && p.is_dir() && !Path::new(value).exists());
     if let Some(parent) = parent {
         let mut there: Vec<String> = std::fs::read_dir(parent)
             .map(|entries| {
@@ -487,6 +488,11 @@ mod tests {
         let missing = no_such_model("/models/Qwen3-8B").unwrap();
         assert!(missing.starts_with("no such folder") && missing.contains("tiny-tasks"), "{missing}");
         assert!(no_such_model("./models/x").unwrap().starts_with("no such folder"), "a relative path is a path");
+        // Under a folder that is there, a missing one is a typo: what the folder holds is named.
+        let models = tempfile::tempdir().unwrap();
+        std::fs::create_dir(models.path().join("Qwen3-8B")).unwrap();
+        let typo = no_such_model(models.path().join("Qwen3-8b").to_str().unwrap()).unwrap();
+        assert!(typo.starts_with("no such folder") && typo.ends_with("holds Qwen3-8B)"), "{typo}");
         let file = no_such_model(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
         assert!(file.starts_with("a file, not a model folder"), "{file}");
     }
