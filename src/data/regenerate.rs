@@ -126,6 +126,13 @@ pub fn reply_seed(seed: u64, id: &SampleId, turn: usize) -> u64 {
 /// The key of an output line whose reply was cut at the token limit: the limit.
 const CUT_AT: &str = "cut_at_max_tokens";
 
+/// An output line, parsed, with the id it carries; `None` for a line that is not one (torn, or not JSON).
+fn written_line(line: &str) -> Option<(SampleId, Value)> {
+    let v: Value = serde_json::from_str(line.trim_end()).ok()?;
+    let id = SampleId::from_json(Some(v.get("id")?), 0).ok()?;
+    Some((id, v))
+}
+
 /// Reads the ids already written to `out`, each with the token limit a reply of it was cut at (if one was), dropping a
 /// torn last line left by an interrupted run.
 fn resume_point(out: &Path) -> Result<HashMap<SampleId, Option<u64>>, DataError> {
@@ -138,11 +145,9 @@ fn resume_point(out: &Path) -> Result<HashMap<SampleId, Option<u64>>, DataError>
     let mut good_len = 0;
     for line in text.split_inclusive('\n') {
         let complete = line.ends_with('\n');
-        let parsed = serde_json::from_str::<Value>(line.trim_end()).ok();
-        let id = parsed.as_ref().and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
-        match (complete, id) {
-            (true, Some(id)) => {
-                done.insert(id, parsed.as_ref().and_then(|v| v.get(CUT_AT)).and_then(Value::as_u64));
+        match (complete, written_line(line)) {
+            (true, Some((id, v))) => {
+                done.insert(id, v.get(CUT_AT).and_then(Value::as_u64));
                 good_len += line.len();
             }
             _ => break,
@@ -218,12 +223,7 @@ fn without_lines(out: &Path, drop: &HashSet<&SampleId>) -> Result<(), DataError>
     let io = |path: &Path, err| DataError::Io { path: path.to_path_buf(), err };
     let text = std::fs::read_to_string(out).map_err(|e| io(out, e))?;
     let kept: String = (text.split_inclusive('\n'))
-        .filter(|line| {
-            let id = serde_json::from_str::<Value>(line.trim_end())
-                .ok()
-                .and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
-            !id.is_some_and(|id| drop.contains(&id))
-        })
+        .filter(|line| !written_line(line).is_some_and(|(id, _)| drop.contains(&id)))
         .collect();
     let tmp = out.with_extension("redo.tmp");
     std::fs::write(&tmp, kept).map_err(|e| io(&tmp, e))?;
@@ -251,10 +251,7 @@ fn in_input_order(out: &Path, order: &[SampleId]) -> Result<(), DataError> {
         if n == 0 {
             break;
         }
-        let id = serde_json::from_str::<Value>(text.trim_end())
-            .ok()
-            .and_then(|v| v.get("id").and_then(|id| SampleId::from_json(Some(id), 0).ok()));
-        lines.push((id, offset, n));
+        lines.push((written_line(&text).map(|(id, _)| id), offset, n));
         offset += n as u64;
     }
     let rank: std::collections::HashMap<&SampleId, usize> = order.iter().enumerate().map(|(i, id)| (id, i)).collect();

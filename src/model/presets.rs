@@ -374,13 +374,13 @@ impl<'de> Deserialize<'de> for Preset {
 /// Why `value` names no model dflash can open: neither a preset nor an existing folder. A Hugging Face Hub id gets
 /// the command that downloads it (dflash reads local folders only); `None` when it is fine.
 pub fn no_such_model(value: &str) -> Option<String> {
-    if value.parse::<Preset>().is_ok() || Path::new(value).is_dir() {
+    let path = Path::new(value);
+    if value.parse::<Preset>().is_ok() || path.is_dir() {
         return None;
     }
     let presets: Vec<_> = Preset::ALL.iter().map(|p| p.name()).collect();
     // `models/Qwen3-8B` where `models/` is a local folder is a path with a typo, not a Hub id: say what is there.
-    let parent =
-        Path::new(value).parent().filter(|p| !p.as_os_str().is_empty() && p.is_dir() && !Path::new(value).exists());
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty() && p.is_dir() && !path.exists());
     if let Some(parent) = parent {
         let mut there: Vec<String> = std::fs::read_dir(parent)
             .map(|entries| {
@@ -412,7 +412,7 @@ pub fn no_such_model(value: &str) -> Option<String> {
              (`hf download {value} --local-dir models/{name}`, or `huggingface-cli download` with the same \
              arguments), then give the folder, e.g. models/{name}"
         )
-    } else if Path::new(value).exists() {
+    } else if path.exists() {
         "a file, not a model folder (the folder holding config.json, tokenizer.json and the weights)".to_string()
     } else {
         format!("no such folder (nor a preset: {})", presets.join(", "))

@@ -643,17 +643,14 @@ impl Target {
         with_last: bool,
     ) -> Result<(Tensor, Option<Tensor>), ModelError> {
         let (b, s) = self.check_batch(input_ids, lengths)?;
-        let norm = match (with_last, &self.norm) {
+        let h = self.cfg.hidden_size as i64;
+        // With the last states: the final norm, and where its output goes.
+        let last = match (with_last, &self.norm) {
             (false, _) => None,
-            (true, Some(norm)) => Some(norm),
+            (true, Some(norm)) => Some((norm, Tensor::f_empty([b, s, h], (self.kind, self.device))?)),
             (true, None) => return Err(ModelError::NotFull),
         };
-        let h = self.cfg.hidden_size as i64;
         let out = Tensor::f_empty([b, s, self.taps.len() as i64 * h], (self.kind, self.device))?;
-        let last_out = match norm {
-            Some(_) => Some(Tensor::f_empty([b, s, h], (self.kind, self.device))?),
-            None => None,
-        };
         let last_tap = self.taps[self.taps.len() - 1];
         let layers_run = if with_last { self.layers.len() } else { last_tap + 1 };
         // The slot of each tap: in `out`, or a [B, S, hidden] buffer on its layer's device.
@@ -670,7 +667,7 @@ impl Target {
                 let count = rows.min(b - first);
                 let ids = input_ids.f_narrow(0, first, count)?;
                 let mut next_tap = 0;
-                let last = self.run_layers(&ids, layers_run, None, None, |layer, x| {
+                let output = self.run_layers(&ids, layers_run, None, None, |layer, x| {
                     if self.taps.get(next_tap) == Some(&layer) {
                         let _p = span("target.copy_taps");
                         let slot = match &staged[next_tap] {
@@ -681,9 +678,9 @@ impl Target {
                         next_tap += 1;
                     }
                 })?;
-                if let (Some(norm), Some(last_out)) = (norm, &last_out) {
-                    let normed = rms_norm(&last.f_to_device(self.device)?, norm, self.cfg.rms_norm_eps);
-                    last_out.f_narrow(0, first, count)?.f_copy_(&normed)?;
+                if let Some((norm, last)) = &last {
+                    let normed = rms_norm(&output.f_to_device(self.device)?, norm, self.cfg.rms_norm_eps);
+                    last.f_narrow(0, first, count)?.f_copy_(&normed)?;
                 }
             }
             for (t, buffer) in staged.iter().enumerate() {
@@ -694,10 +691,11 @@ impl Target {
             Ok(())
         })?;
         self.zero_padding(&out, lengths)?;
-        if let Some(last) = &last_out {
+        let last = last.map(|(_, last)| last);
+        if let Some(last) = &last {
             self.zero_padding(last, lengths)?;
         }
-        Ok((out, last_out))
+        Ok((out, last))
     }
 
     /// Sets how many micro-batches a capture of a spread target is cut into (at most one per row; 0 restores

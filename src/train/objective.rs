@@ -677,16 +677,27 @@ mod tests {
         assert!(plan.weights[8..].iter().all(|&w| w == 0.0));
     }
 
+    /// A fixture `scripts/make_recipe_fixtures.py` wrote into tests/fixtures/.
+    fn fixture(name: &str) -> serde_json::Value {
+        let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    fn floats(v: &serde_json::Value) -> Vec<f32> {
+        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    }
+
+    /// Equal within 2e-6, relative to values above 1.
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 2e-6 * b.abs().max(1.0)
+    }
+
     /// D-PACE as speculators 0.9.0 computes it (`scripts/make_recipe_fixtures.py`): the slot weights, the loss and
     /// its gradient, for three alphas, with the LM head in chunks of 7 rows (two blocks a chunk: the chunking keeps
     /// blocks whole) over "hidden states" that are the logits themselves (an identity head).
     #[test]
     fn dpace_matches_speculators() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dpace-speculators-0.9.0.json");
-        let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let floats = |v: &serde_json::Value| -> Vec<f32> {
-            v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-        };
+        let fixture = fixture("dpace-speculators-0.9.0.json");
         let (bs, vocab) = (fixture["block_size"].as_u64().unwrap() as usize, fixture["vocab"].as_i64().unwrap());
         let labels: Vec<i64> = fixture["labels"].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
         let mask = floats(&fixture["mask"]);
@@ -694,7 +705,6 @@ mod tests {
         let blocks = rows / bs;
         let logits = Tensor::from_slice(&floats(&fixture["logits"])).view([rows as i64, vocab]);
         let keep: Vec<bool> = (0..blocks).map(|b| mask[b * bs..(b + 1) * bs].iter().any(|&m| m > 0.0)).collect();
-        let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 * b.abs().max(1.0);
         for case in fixture["cases"].as_array().unwrap() {
             let alpha = case["alpha"].as_f64().unwrap();
             let plan = BlockPlan {
@@ -751,11 +761,7 @@ mod tests {
     /// dflash normalises by the summed weights: the sums are compared, each divided by the fixture's normaliser.
     #[test]
     fn targets_from_the_target_match_speculators() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/teacher-speculators-0.9.0.json");
-        let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let floats = |v: &serde_json::Value| -> Vec<f32> {
-            v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-        };
+        let fixture = fixture("teacher-speculators-0.9.0.json");
         let (bs, vocab) = (fixture["block_size"].as_u64().unwrap() as usize, fixture["vocab"].as_i64().unwrap());
         let mask = floats(&fixture["mask"]);
         let rows = mask.len();
@@ -766,7 +772,6 @@ mod tests {
         let labels = targets.argmax(-1, false);
         let own_rows = Tensor::arange(rows as i64, (Kind::Int64, Device::Cpu));
         let supervised = mask.iter().sum::<f32>() as f64 + 1e-5;
-        let close = |a: f64, b: f64| (a - b).abs() <= 2e-6 * b.abs().max(1.0);
         let mut seen = vec![];
         for case in fixture["cases"].as_array().unwrap() {
             let (loss_fn, weighing) = (case["loss_fn"].as_str().unwrap(), case["weights"].as_str().unwrap());
