@@ -12,7 +12,6 @@ use dflash::data::read_token_rows;
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
 use dflash::model::{Depth, Drafter, Target};
 use dflash::panic::catch_torch;
-use dflash::train::ObjectiveSettings;
 use dflash::train::checkpoint::DRAFTER_DIR;
 use dflash::train::decode_eval::{DecodeSettings, evaluate_decoding};
 use dflash::train::eval::evaluate_rows;
@@ -111,16 +110,8 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let dc = drafter.config().clone();
         let gamma = args.gamma.unwrap_or(config.objective.gamma).resolve(dc.block_size)?;
-        let objective = ObjectiveSettings {
-            dpace_alpha: config.objective.dpace_alpha(),
-            teacher: config.objective.teacher,
-            ..ObjectiveSettings::new(
-                args.num_anchors.unwrap_or(config.objective.num_anchors),
-                dc.block_size,
-                gamma,
-                dc.mask_token_id,
-            )
-        };
+        let num_anchors = args.num_anchors.unwrap_or(config.objective.num_anchors);
+        let objective = config.objective.settings(num_anchors, dc.block_size, gamma, dc.mask_token_id);
         let depth = if objective.teacher.needs_target_predictions() { Depth::Full } else { Depth::ToLastTap };
         let target = load_target(&source, &args.drafter, &drafter, depth, device, kind)?;
         let rows = read_token_rows(data, target.config().vocab_size)?;

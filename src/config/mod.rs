@@ -26,7 +26,7 @@ use crate::model::LayerAttention;
 use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
 use crate::model::presets::{PresetSpec, no_such_model};
 use crate::model::{Depth, ModelError, Preset, Target};
-use crate::train::Teacher;
+use crate::train::{ObjectiveSettings, Teacher};
 use tch::{Device, Kind};
 
 /// The built-in defaults, the lowest layer; every key users can set is here, with its documentation.
@@ -334,6 +334,23 @@ impl ObjectiveConfig {
         match self.weights {
             SlotWeights::Decay => None,
             SlotWeights::Dpace { alpha } => Some(alpha),
+        }
+    }
+
+    /// The objective's settings for a drafter of `block_size` with `mask_token_id`: this section's recipe (slot
+    /// weights, what the slots learn) with `num_anchors` blocks a row and the decay `gamma`, which the caller resolves
+    /// (a reload or `eval`'s flags may change them).
+    pub fn settings(
+        &self,
+        num_anchors: usize,
+        block_size: usize,
+        gamma: Option<f64>,
+        mask_token_id: i64,
+    ) -> ObjectiveSettings {
+        ObjectiveSettings {
+            dpace_alpha: self.dpace_alpha(),
+            teacher: self.teacher,
+            ..ObjectiveSettings::new(num_anchors, block_size, gamma, mask_token_id)
         }
     }
 }

@@ -26,7 +26,6 @@ use crate::data::dataset::Dataset;
 use crate::data::tokenize::TextTokenizer;
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
-use crate::train::ObjectiveSettings;
 use crate::train::checkpoint::{
     TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivor_writes,
     survivors_dir,
@@ -382,11 +381,12 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     };
     // After the hosts agree: a host may have taken rank 0's recipe.
     let gamma = config.objective.gamma.resolve(drafter_cfg.block_size)?;
-    let objective = ObjectiveSettings {
-        dpace_alpha: config.objective.dpace_alpha(),
-        teacher: config.objective.teacher,
-        ..ObjectiveSettings::new(config.objective.num_anchors, drafter_cfg.block_size, gamma, drafter_cfg.mask_token_id)
-    };
+    let objective = config.objective.settings(
+        config.objective.num_anchors,
+        drafter_cfg.block_size,
+        gamma,
+        drafter_cfg.mask_token_id,
+    );
     // Rank 0 keeps the run's ledger: one that cannot be opened stops the run before it trains.
     let ledger = match config.data.ledger.as_ref().filter(|_| !follower) {
         Some(path) => Some((
