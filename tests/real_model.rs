@@ -24,6 +24,21 @@ fn model_dir() -> PathBuf {
     dir
 }
 
+/// `config show` says what `auto` resolves to for the folder before anything is prepared: z-lab's taps for 30 layers,
+/// and (every embedding row used, no reserved token) the end-of-sequence token as the MASK, as speculators falls back.
+#[test]
+fn config_show_resolves_auto_for_the_folder() {
+    let model = model_dir();
+    let set = format!("target.model={}", model.display());
+    let out = run(&["--set", &set, "config", "show"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("# draft_model.target_layer_ids = [1, 8, 14, 20, 27]  (z-lab's rule for 30"), "{text}");
+    assert!(text.contains("# draft_model.mask_token_id = 1  (the tokenizer's end-of-sequence token"), "{text}");
+    let out = run(&["--set", &set, "--set", "draft_model.mask_token_id=16", "config", "show"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("# draft_model.mask_token_id ="), "a MASK written out is not resolved: {text}");
+}
+
 fn fixture() -> Value {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/real-model/transformers.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -94,7 +109,7 @@ fn losses(log: &str) -> Vec<f64> {
 }
 
 /// The loop on the real model, on the CPU in f32: prepare, a short serve-train (30 steps, a 1-layer drafter at block
-/// size 8) whose loss falls, then `eval --decode` of the fixture's prompts with the exported drafter: lossless.
+/// size 8, the MASK token left to `auto`) whose loss falls, then `eval --decode` of the fixture's prompts with the exported drafter: lossless.
 #[test]
 fn a_short_serve_train_lowers_the_loss_and_its_drafter_decodes_losslessly() {
     let model = model_dir();
@@ -116,7 +131,6 @@ fn a_short_serve_train_lowers_the_loss_and_its_drafter_decodes_losslessly() {
         "draft_model.num_hidden_layers=1".into(),
         "draft_model.block_size=8".into(),
         "draft_model.target_layer_ids=[1, 8, 15]".into(),
-        "draft_model.mask_token_id=16".into(),
         format!("data.path={}", p(&prepared)),
         "data.batch_size=2".into(),
         "objective.num_anchors=16".into(),
@@ -134,6 +148,9 @@ fn a_short_serve_train_lowers_the_loss_and_its_drafter_decodes_losslessly() {
     }
     let out = run(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    // SmolLM2 uses every embedding row and reserves no token: `auto` reuses the end-of-sequence token, as speculators.
+    let mask = "draft_model.mask_token_id = auto: 1 (the tokenizer's end-of-sequence token <|im_start|>";
+    assert!(log.contains(mask), "{log}");
     let losses = losses(&log);
     assert!(losses.len() >= 4, "progress lines: {log}");
     let (first, last) = (losses[0], losses[losses.len() - 1]);

@@ -3,7 +3,8 @@
 use anyhow::Result;
 use clap::Subcommand;
 
-use dflash::config::{Config, DEFAULT_TOML, Layers};
+use dflash::config::{Config, DEFAULT_TOML, Layers, TargetSource};
+use dflash::service::drafter_shape::shape;
 
 #[derive(Subcommand)]
 pub enum ConfigCommand {
@@ -16,7 +17,7 @@ pub enum ConfigCommand {
 pub fn run(config: &Config, layers: &Layers, command: ConfigCommand) -> Result<()> {
     match command {
         ConfigCommand::Defaults => print!("{DEFAULT_TOML}"),
-        ConfigCommand::Show => print!("{}", show(config, layers)),
+        ConfigCommand::Show => print!("{}{}", show(config, layers), resolved_auto(config)),
     }
     Ok(())
 }
@@ -40,6 +41,35 @@ fn show(config: &Config, layers: &Layers) -> String {
             out.push_str(&format!("{line:<48} # {}\n", layers.origin(&format!("{section}.{key}"))));
         }
         out.push('\n');
+    }
+    out
+}
+
+/// What the keys left to `auto` (the taps and the MASK token, with a model folder) resolve to and by which rule, as
+/// comments: what serve-train will use, seen before any data is prepared. A folder that cannot be read yet says why.
+fn resolved_auto(config: &Config) -> String {
+    let (taps, mask) = (config.taps_are_auto(), config.mask_is_auto());
+    if !taps && !mask {
+        return String::new();
+    }
+    let target = match &config.target.source {
+        TargetSource::Folder(dir) => dir.display().to_string(),
+        TargetSource::Preset(p) => p.to_string(),
+    };
+    let mut out = format!("# What `auto` resolves to for {target}:\n");
+    match shape(config) {
+        Ok(s) => {
+            let lines = [
+                ("target_layer_ids", format!("{:?}", s.drafter.target_layer_ids), s.taps_rule),
+                ("mask_token_id", s.drafter.mask_token_id.to_string(), s.mask_rule),
+            ];
+            for (key, value, rule) in lines {
+                if let Some(rule) = rule {
+                    out.push_str(&format!("# draft_model.{key} = {value}  ({rule})\n"));
+                }
+            }
+        }
+        Err(e) => out.push_str(&format!("#   not resolved yet: {e:#}\n")),
     }
     out
 }

@@ -55,10 +55,26 @@ impl TextTokenizer {
     }
 
     /// The MASK token `draft_model.mask_token_id = "auto"` picks for a target of `vocab_size` embedding rows, and the
-    /// rule that picked it: the first row no token uses (Qwen3: 151669), else the lowest-id reserved special token
-    /// (Llama-3: `<|reserved_special_token_0|>`, 128002; GPT-OSS: `<|reserved_200000|>`). Either is a row no text
-    /// ever produces. Neither: an error listing the special tokens, to choose one the data never contains.
-    pub fn unused_mask_token(&self, vocab_size: usize) -> Result<(u32, String), String> {
+    /// rule that picked it, given the special tokens the folder declares (`declared_special_tokens`). In order:
+    /// - the tokenizer's own `mask_token`, as speculators takes it;
+    /// - the first row no token uses (Qwen3: 151669; speculators adds `<|MASK|>` there);
+    /// - the lowest-id reserved special token (Llama-3: `<|reserved_special_token_0|>`, 128002, z-lab's choice for
+    ///   Llama-3.1; GPT-OSS: `<|reserved_200000|>`);
+    /// - the pad, end-of-sequence or unknown token, speculators' fallback when every row is used: the MASK then shares
+    ///   its embedding with a token the data holds, which training learns around (SmolLM2).
+    ///
+    /// Neither: an error listing the special tokens, to choose one the data never contains.
+    pub fn unused_mask_token(&self, vocab_size: usize, declared: &[(String, String)]) -> Result<(u32, String), String> {
+        let id_of = |role: &str| {
+            declared
+                .iter()
+                .find(|(r, _)| r == role)
+                .and_then(|(_, content)| Some((self.token_id(content)?, content)))
+                .filter(|(id, _)| (*id as usize) < vocab_size)
+        };
+        if let Some((id, content)) = id_of("mask_token") {
+            return Ok((id, format!("the tokenizer's mask token, {content}")));
+        }
         let rows_used = self.inner.get_vocab(true).values().copied().max().map_or(0, |m| m + 1);
         if (rows_used as usize) < vocab_size {
             return Ok((
@@ -77,13 +93,52 @@ impl TextTokenizer {
         if let Some((id, content)) = specials.iter().find(|(_, c)| c.to_lowercase().contains("reserved")) {
             return Ok((*id, format!("the first reserved special token, {content}")));
         }
+        for (role, name) in [("pad_token", "pad"), ("eos_token", "end-of-sequence"), ("unk_token", "unknown")] {
+            if let Some((id, content)) = id_of(role) {
+                return Ok((
+                    id,
+                    format!(
+                        "the tokenizer's {name} token {content}: every embedding row is used and no special token \
+                         is reserved, so the MASK reuses it as speculators does (set draft_model.mask_token_id to a \
+                         token your chats never contain to choose another)"
+                    ),
+                ));
+            }
+        }
         let listed: Vec<String> = specials.iter().take(20).map(|(id, c)| format!("{id} {c}")).collect();
         Err(format!(
-            "the tokenizer uses all {vocab_size} embedding rows and has no reserved special token: set \
-             draft_model.mask_token_id to a token the data never contains (special tokens: {})",
+            "the tokenizer uses all {vocab_size} embedding rows and declares no mask, pad, end-of-sequence or unknown \
+             token, nor a reserved special token: set draft_model.mask_token_id to a token the data never contains \
+             (special tokens: {})",
             if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
         ))
     }
+}
+
+/// The special tokens a model folder declares by role (`mask_token`, `pad_token`, `eos_token`, `unk_token`, ...):
+/// `tokenizer_config.json`'s, overridden by `special_tokens_map.json`'s as transformers 4 reads them (a string, or an
+/// object with its `content`). Neither file: none.
+pub fn declared_special_tokens(dir: &Path) -> Result<Vec<(String, String)>, String> {
+    let mut declared: Vec<(String, String)> = Vec::new();
+    for file in ["tokenizer_config.json", "special_tokens_map.json"] {
+        let path = dir.join(file);
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
+        for role in ["mask_token", "pad_token", "eos_token", "unk_token"] {
+            let content = match json.get(role) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Object(o)) => match o.get("content").and_then(|c| c.as_str()) {
+                    Some(c) => c.to_string(),
+                    None => continue,
+                },
+                _ => continue,
+            };
+            declared.retain(|(r, _)| r != role);
+            declared.push((role.to_string(), content));
+        }
+    }
+    Ok(declared)
 }
 
 /// 1 for every token whose text starts inside one of `spans` (byte ranges), else 0.
@@ -142,20 +197,51 @@ pub fn byte_level_tokenizer(merges: &[(&str, &str)], special: &[&str]) -> Result
 mod tests {
     use super::*;
 
-    /// The first unused embedding row when there is one, else the lowest reserved special token, else an error that
-    /// lists the special tokens.
+    /// The tokenizer's mask token first, then the first unused embedding row, the lowest reserved special token, the
+    /// pad, end-of-sequence or unknown token; else an error that lists the special tokens.
     #[test]
-    fn the_mask_token_is_an_unused_row_or_a_reserved_special_token() {
+    fn the_mask_token_follows_the_rule_in_order() {
+        let none: Vec<(String, String)> = vec![];
+        let declare = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs.iter().map(|(r, c)| (r.to_string(), c.to_string())).collect()
+        };
         let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &["<|im_end|>", "<think>"]).unwrap());
-        assert_eq!(t.unused_mask_token(300).unwrap().0, 258, "256 bytes and two specials use rows 0..258");
+        assert_eq!(t.unused_mask_token(300, &none).unwrap().0, 258, "256 bytes and two specials use rows 0..258");
+        let (id, why) = t.unused_mask_token(300, &declare(&[("mask_token", "<think>")])).unwrap();
+        assert_eq!((id, why.contains("mask token")), (257, true), "the tokenizer's own mask token first: {why}");
         let specials = ["<|begin|>", "<|end|>", "<|reserved_special_token_1|>", "<|reserved_special_token_0|>"];
         let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &specials).unwrap());
-        let (id, why) = t.unused_mask_token(260).unwrap();
-        assert_eq!(id, 258, "the lowest-id reserved one, whatever its name's number: {why}");
+        let (id, why) = t.unused_mask_token(260, &declare(&[("pad_token", "<|end|>")])).unwrap();
+        assert_eq!(id, 258, "the lowest-id reserved one, whatever its name's number, before the pad: {why}");
         assert!(why.contains("reserved_special_token_1"), "{why}");
         let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &["<|begin|>", "<|end|>"]).unwrap());
-        let err = t.unused_mask_token(258).unwrap_err();
+        let (id, why) = t.unused_mask_token(258, &declare(&[("eos_token", "<|end|>"), ("unk_token", "x")])).unwrap();
+        assert_eq!(id, 257, "no free row, no reserved token: the end-of-sequence token, as speculators: {why}");
+        assert!(why.contains("end-of-sequence token <|end|>"), "{why}");
+        let (id, _) =
+            t.unused_mask_token(258, &declare(&[("unk_token", "<|begin|>"), ("pad_token", "<|end|>")])).unwrap();
+        assert_eq!(id, 257, "pad before unknown, whatever the order they are declared in");
+        let err = t.unused_mask_token(258, &declare(&[("pad_token", "<|not-a-token|>")])).unwrap_err();
         assert!(err.contains("draft_model.mask_token_id") && err.contains("256 <|begin|>"), "{err}");
+    }
+
+    /// transformers 4 reads both files, the special tokens map over the tokenizer's configuration; the object form
+    /// gives its content.
+    #[test]
+    fn declared_special_tokens_read_both_files() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(declared_special_tokens(dir.path()).unwrap().is_empty(), "neither file: none");
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"eos_token": "<|end|>", "pad_token": null, "unk_token": {"content": "<unk>", "special": true}}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("special_tokens_map.json"), r#"{"eos_token": "<|eot|>"}"#).unwrap();
+        let mut got = declared_special_tokens(dir.path()).unwrap();
+        got.sort();
+        assert_eq!(got, vec![("eos_token".into(), "<|eot|>".into()), ("unk_token".into(), "<unk>".into())]);
+        std::fs::write(dir.path().join("special_tokens_map.json"), "{").unwrap();
+        assert!(declared_special_tokens(dir.path()).unwrap_err().contains("special_tokens_map.json"));
     }
 
     #[test]

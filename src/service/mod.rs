@@ -6,6 +6,7 @@ pub mod compute_thread;
 pub mod control;
 pub mod drafter;
 pub mod drafter_init;
+pub mod drafter_shape;
 pub mod evaluator;
 pub mod exit;
 pub mod failure;

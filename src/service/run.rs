@@ -13,6 +13,7 @@ use tch::{Device, Kind};
 use super::builtin_data::dataset;
 use super::control::Supervised;
 use super::drafter_init::check_init;
+use super::drafter_shape::drafter_config;
 use super::evaluator::eval_set;
 use super::exit::{EXIT_RESTART, StopSignal};
 use super::folder_lock::{FolderLock, LockError, lock_file};
@@ -23,8 +24,6 @@ use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
 use crate::config::{Config, Layers, TargetSource, as_overrides, as_trained, kept_from_run, lookup, resume_changes};
 use crate::data::dataset::Dataset;
-use crate::data::tokenize::TextTokenizer;
-use crate::model::{DrafterConfig, TargetConfig};
 use crate::telemetry::{self, GpuIdentity};
 use crate::train::checkpoint::{
     TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivor_writes,
@@ -39,61 +38,6 @@ pub enum Resume {
     No,
     /// Continue the newest valid checkpoint in `checkpoint.dir` (or start if there is none).
     Auto,
-}
-
-/// The drafter's configuration from `[draft_model]` and the target. What `auto` leaves to a rule (the default with a
-/// model folder) is resolved here and logged: the taps by z-lab's rule, the MASK token by the tokenizer's unused
-/// rows or reserved tokens; with `draft_model.init`, both are the published drafter's.
-pub fn drafter_config(config: &Config) -> Result<(TargetConfig, DrafterConfig)> {
-    let target = match &config.target.source {
-        TargetSource::Preset(p) => p.spec().target,
-        TargetSource::Folder(dir) => TargetConfig::from_dir(dir)?,
-    };
-    // The published drafter (`draft_model.init`) when `auto` takes its values, and how the log names it.
-    let published = match &config.draft_model.init {
-        Some(dir) if config.taps_are_auto() || config.mask_is_auto() => Some((
-            DrafterConfig::from_dir(dir).with_context(|| format!("draft_model.init = {}", dir.display()))?,
-            format!("the published drafter's, {}", dir.display()),
-        )),
-        _ => None,
-    };
-    let taps = match (&published, config.taps_are_auto()) {
-        (Some((p, _)), true) => p.target_layer_ids.clone(),
-        _ => config.target_layer_ids(target.num_hidden_layers)?,
-    };
-    if config.taps_are_auto() {
-        let why = match &published {
-            Some((_, from)) => from.clone(),
-            None => format!(
-                "z-lab's rule for {} target layers and {} draft layers",
-                target.num_hidden_layers, config.draft_model.num_hidden_layers
-            ),
-        };
-        tracing::info!("draft_model.target_layer_ids = auto: {taps:?} ({why})");
-    }
-    let mask = match (&config.target.source, config.draft_model.mask_token_id, &published) {
-        (_, Some(m), _) => m,
-        (TargetSource::Preset(p), None, _) => p.spec().mask_token_id,
-        (TargetSource::Folder(_), None, Some((p, from))) => {
-            tracing::info!("draft_model.mask_token_id = auto: {} ({from})", p.mask_token_id);
-            p.mask_token_id
-        }
-        (TargetSource::Folder(dir), None, None) => {
-            let tokenizer =
-                TextTokenizer::from_dir(dir).map_err(|e| anyhow::anyhow!("draft_model.mask_token_id = auto: {e}"))?;
-            let (id, why) = tokenizer
-                .unused_mask_token(target.vocab_size)
-                .map_err(|e| anyhow::anyhow!("draft_model.mask_token_id = auto: {e}"))?;
-            tracing::info!("draft_model.mask_token_id = auto: {id} ({why})");
-            id as i64
-        }
-    };
-    let dm = &config.draft_model;
-    let drafter =
-        DrafterConfig::for_target(&target, dm.num_hidden_layers, dm.intermediate_size, dm.block_size, taps, mask)
-            .and_then(|d| d.with_layer_attention(dm.layer_attention.clone()))
-            .map_err(|e| anyhow::anyhow!("[draft_model]: {e}"))?;
-    Ok((target, drafter))
 }
 
 /// The checkpoint to resume (if any), and the steps of the checkpoint folders rejected on the way.
@@ -544,36 +488,4 @@ fn watch_reload_signal(
             }
         }
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::{Drafter, Init, Preset};
-
-    /// `auto` taps with `draft_model.init` are the published drafter's, not the rule's (which would give [4] for the
-    /// tiny target's 8 layers and one draft layer).
-    #[test]
-    fn auto_taps_with_a_published_drafter_are_its_taps() {
-        let dir = tempfile::tempdir().unwrap();
-        let spec = Preset::Tiny.spec();
-        let published = DrafterConfig::for_target(&spec.target, 1, None, 4, vec![1, 3, 5], spec.mask_token_id).unwrap();
-        Drafter::new(published, Device::Cpu, Kind::Float, Init::Portable(1))
-            .unwrap()
-            .save(dir.path(), Kind::Float)
-            .unwrap();
-        let layers = |set: Vec<String>| Layers { set, ..Layers::default() };
-        let base = vec![
-            "target.model=tiny".to_string(),
-            "draft_model.num_hidden_layers=1".into(),
-            "draft_model.block_size=4".into(),
-            "draft_model.target_layer_ids=\"auto\"".into(),
-        ];
-        let rule = Config::load(&layers(base.clone())).unwrap();
-        assert_eq!(drafter_config(&rule).unwrap().1.target_layer_ids, vec![4]);
-        let mut with_init = base;
-        with_init.push(format!("draft_model.init={}", dir.path().display()));
-        let config = Config::load(&layers(with_init)).unwrap();
-        assert_eq!(drafter_config(&config).unwrap().1.target_layer_ids, vec![1, 3, 5]);
-    }
 }
