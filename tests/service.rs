@@ -48,11 +48,19 @@ fn stop_and_resume(more: &[&str], resumed: Resumed) -> Vec<u8> {
     }
     let (code, logs) = Service::start(&config(&whole, 2), false, &sets).exit_code();
     assert_eq!(code, 0);
-    assert_progress_lines(&logs, &[5, 10]);
+    assert_progress_lines(&logs, &[5, 10], 14);
 
     let cfg = config(&split, 2);
     let mut first = Service::start(&cfg, false, &sets);
-    first.wait("step 5", |s| step(s) >= 5);
+    let s = first.wait("step 5", |s| step(s) >= 5);
+    // Where the run stands, in /status and the metrics: the step it ends at, the part done, the time left.
+    let p = &s["progress"];
+    assert_eq!((p["total_steps"].as_u64(), p["total_steps_estimated"].as_bool()), (Some(14), Some(false)), "{s}");
+    assert!((p["fraction"].as_f64().unwrap() - step(&s) as f64 / 14.0).abs() < 1e-9, "{s}");
+    assert!(p["eta_seconds"].as_f64().is_some_and(|e| e > 0.0), "{s}");
+    let metrics = first.metrics();
+    assert_eq!(metric(&metrics, "dflash_run_total_steps"), Some(14.0), "{metrics}");
+    assert!(metric(&metrics, "dflash_run_time_left_seconds").is_some_and(|e| e > 0.0), "{metrics}");
     first.signal("-TERM");
     let (code, logs) = first.exit_code();
     assert_eq!(code, STOPPED, "SIGTERM checkpoints and asks to be restarted");
@@ -362,7 +370,7 @@ fn a_model_folders_taps_and_mask_are_resolved_once_and_kept() {
 
 /// The run logged a progress line at exactly these steps (log.every_steps = 5), each with every field an operator
 /// reads, with sane values.
-fn assert_progress_lines(logs: &[String], steps: &[u64]) {
+fn assert_progress_lines(logs: &[String], steps: &[u64], total: u64) {
     let lines: Vec<String> = logs
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -371,7 +379,12 @@ fn assert_progress_lines(logs: &[String], steps: &[u64]) {
         .collect();
     let at: Vec<u64> = lines.iter().map(|m| m[5..].split(' ').next().unwrap().parse().unwrap()).collect();
     assert_eq!(at, steps, "{lines:#?}");
-    for line in &lines {
+    for (line, at) in lines.iter().zip(at) {
+        // The step, the step the run ends at and the part done; then the time left at the recent rate.
+        let percent = (100.0 * at as f64 / total as f64).round();
+        assert!(line.starts_with(&format!("step {at} of {total} ({percent:.0}%) · ")), "{line}");
+        let left = line.split(" · ").nth(1).unwrap();
+        assert!(left.ends_with(" left") && left.starts_with(|c: char| c.is_ascii_digit()), "{line}");
         // "step 10 · epoch 0 · loss 5.2 · accuracy 0.1 · acceptance 1.1 · 13.1 samples/s · feature wait 0.0% · ..."
         let fields: Vec<&str> = line.split(" · ").collect();
         let value = |name: &str| -> f64 {

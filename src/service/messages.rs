@@ -9,6 +9,7 @@ use serde::Serialize;
 use super::evaluator::Evaluated;
 use super::failure::{Failure, FaultKind, FaultRefused};
 use super::reload::Accepted;
+use super::supervisor::run_progress::Estimate;
 use crate::config::Change;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
@@ -240,6 +241,8 @@ pub struct Status {
     /// What is wrong now, in words (empty when nothing is).
     pub problems: Vec<String>,
     pub step: u64,
+    /// How far the run is, the step it ends at and the time left at the recent rate.
+    pub progress: Estimate,
     pub epoch: u64,
     pub samples_committed: u64,
     pub samples_requeued: u64,

@@ -26,6 +26,9 @@ pub const COMMITTED_SAMPLES: &str = "dflash_committed_samples_total";
 pub const COMMITTED_TOKENS: &str = "dflash_committed_tokens_total";
 pub const SKIPPED_STEPS: &str = "dflash_skipped_steps_total";
 pub const LAST_STEP_TIMESTAMP: &str = "dflash_last_step_timestamp_seconds";
+pub const RUN_PROGRESS: &str = "dflash_run_progress_ratio";
+pub const RUN_TOTAL_STEPS: &str = "dflash_run_total_steps";
+pub const RUN_TIME_LEFT: &str = "dflash_run_time_left_seconds";
 pub const LOSS: &str = "dflash_loss";
 pub const ACCURACY: &str = "dflash_accuracy";
 pub const TRAIN_ACCEPTANCE_LENGTH: &str = "dflash_train_acceptance_length";
@@ -117,6 +120,16 @@ fn describe() {
         "Steps whose update was skipped on every replica (a non-finite gradient norm, or a sum across hosts that did not complete)."
     );
     describe_gauge!(LAST_STEP_TIMESTAMP, Unit::Seconds, "Unix time of the last committed step.");
+    describe_gauge!(
+        RUN_PROGRESS,
+        "Part of the run done, 0 to 1 (steps of optim.max_steps, else samples of the epochs)."
+    );
+    describe_gauge!(
+        RUN_TOTAL_STEPS,
+        Unit::Count,
+        "The step the run ends at: optim.max_steps, else estimated from the recent samples per step."
+    );
+    describe_gauge!(RUN_TIME_LEFT, Unit::Seconds, "Seconds until the run ends, at the last ten minutes' rate.");
     describe_gauge!(LOSS, "Weighted cross-entropy of the last committed step (DFLASH.md's objective).");
     describe_gauge!(ACCURACY, "Top-1 accuracy of the drafted tokens of the last committed step.");
     describe_gauge!(
@@ -281,6 +294,9 @@ pub struct RunMetrics {
     pub committed_tokens: Counter,
     pub skipped_steps: Counter,
     pub last_step_timestamp: Gauge,
+    pub run_progress: Gauge,
+    pub run_total_steps: Gauge,
+    pub run_time_left: Gauge,
     pub loss: Gauge,
     pub accuracy: Gauge,
     pub train_acceptance_length: Gauge,
@@ -326,6 +342,9 @@ impl RunMetrics {
             committed_tokens: counter!(COMMITTED_TOKENS),
             skipped_steps: counter!(SKIPPED_STEPS),
             last_step_timestamp: gauge!(LAST_STEP_TIMESTAMP),
+            run_progress: gauge!(RUN_PROGRESS),
+            run_total_steps: gauge!(RUN_TOTAL_STEPS),
+            run_time_left: gauge!(RUN_TIME_LEFT),
             loss: gauge!(LOSS),
             accuracy: gauge!(ACCURACY),
             train_acceptance_length: gauge!(TRAIN_ACCEPTANCE_LENGTH),

@@ -10,6 +10,7 @@ mod checkpoints;
 mod drafters;
 mod hosts;
 mod restarts;
+pub mod run_progress;
 mod schedule;
 mod survivor;
 mod targets;
@@ -579,7 +580,14 @@ impl Shell {
     fn notice(&self, notice: Notice) {
         let m = &self.run_metrics;
         match notice {
-            Notice::Committed { step, samples, tokens, loss } => {
+            Notice::Committed { step, samples, tokens, loss, estimate } => {
+                m.run_progress.set(estimate.fraction);
+                if let Some(total) = estimate.total_steps {
+                    m.run_total_steps.set(total as f64);
+                }
+                if let Some(left) = estimate.eta_seconds {
+                    m.run_time_left.set(left);
+                }
                 m.committed_samples.increment(samples);
                 m.committed_tokens.increment(tokens);
                 m.committed_steps.increment(1);

@@ -4,6 +4,7 @@
 //! with `CheckpointWritten`, `Export` with `Exported`.
 use std::path::PathBuf;
 
+use super::run_progress::Estimate;
 use super::schedule::Item;
 use super::survivor::RunPosition;
 use crate::config::Config;
@@ -189,6 +190,8 @@ pub enum Notice {
         samples: u64,
         tokens: u64,
         loss: Option<[f64; 3]>,
+        /// Where the run stands against its end after this step.
+        estimate: Estimate,
     },
     /// A step's update was skipped on every replica.
     Skipped,

@@ -43,6 +43,7 @@ use crate::service::evaluator::Evaluated;
 use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, is_stop};
 use crate::service::failure::{Failure, FailureKind};
 use crate::service::messages::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
+use crate::service::supervisor::run_progress::{Bound, Estimate, RunProgress};
 use crate::train::checkpoint::TrainerState;
 use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
@@ -218,6 +219,8 @@ pub struct Core {
     last_evaluation: Option<Evaluated>,
     /// Times between committed rounds, for the hang budget.
     step_times: StepTimes,
+    /// The recent commits, for where the run stands against its end.
+    run_progress: RunProgress,
     last_commit: Option<Duration>,
     /// The last sign of progress: a committed round, a drafter joining, training beginning.
     progress_at: Duration,
@@ -276,6 +279,7 @@ impl Core {
             evaluating: false,
             last_evaluation: None,
             step_times: StepTimes::default(),
+            run_progress: RunProgress::default(),
             last_commit: None,
             progress_at: Duration::ZERO,
             now: Duration::ZERO,

@@ -96,11 +96,13 @@ impl Core {
             tokens = settled.tokens,
             "step committed"
         );
+        self.run_progress.commit(self.now, step, self.schedule.samples_committed());
         self.out.push(Action::Notice(Notice::Committed {
             step,
             samples: settled.samples,
             tokens: settled.tokens,
             loss,
+            estimate: self.estimate(),
         }));
         if let Some(job) = self.book.boundary(step, self.boundary_state(), self.now) {
             self.write(job);
@@ -122,9 +124,10 @@ impl Core {
         let live = self.live_count();
         let w = &self.window;
         tracing::info!(
-            "step {} · epoch {} · loss {:.4} · accuracy {:.3} · train acceptance (teacher-forced) {:.2} · {:.1} samples/s · feature wait {:.1}% · \
+            "step {}{} · epoch {} · loss {:.4} · accuracy {:.3} · train acceptance (teacher-forced) {:.2} · {:.1} samples/s · feature wait {:.1}% · \
              lr {:.2e} · drafters {}/{} live",
             self.schedule.committed_step(),
+            self.estimate().describe(),
             self.schedule.epoch(),
             w.metrics.loss(),
             w.metrics.accuracy(),
@@ -136,6 +139,17 @@ impl Core {
             self.slots.len()
         );
         self.window = Window { metrics: Metrics::default(), samples: 0, feature_wait_s: 0.0, started: self.now };
+    }
+
+    /// Where the run stands against its end: `optim.max_steps`, else the epochs' samples (read from the
+    /// configuration in effect, so a reload that changes either moves the end).
+    pub fn estimate(&self) -> Estimate {
+        let o = &self.config.optim;
+        let bound = match o.max_steps {
+            0 => Bound::Samples(self.schedule.samples_per_epoch() as u64 * o.epochs),
+            steps => Bound::Steps(steps),
+        };
+        self.run_progress.estimate(bound, self.schedule.committed_step(), self.schedule.samples_committed())
     }
 
     pub fn status(&self) -> Status {
@@ -154,6 +168,7 @@ impl Core {
             ready: self.ready(),
             problems: self.problems(),
             step: self.schedule.committed_step(),
+            progress: self.estimate(),
             epoch: self.schedule.epoch(),
             samples_committed: self.schedule.samples_committed(),
             samples_requeued: self.samples_requeued,
