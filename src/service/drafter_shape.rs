@@ -38,10 +38,11 @@ pub fn shape(config: &Config) -> Result<Shape> {
     };
     let taps_rule = config.taps_are_auto().then(|| match &published {
         Some((_, from)) => from.clone(),
-        None => format!(
-            "z-lab's rule for {} target layers and {} draft layers",
-            target.num_hidden_layers, config.draft_model.num_hidden_layers
-        ),
+        None => {
+            let layers = config.draft_model.num_hidden_layers;
+            let plural = if layers == 1 { "" } else { "s" };
+            format!("z-lab's rule for {} target layers and {layers} draft layer{plural}", target.num_hidden_layers)
+        }
     });
     let (mask, mask_rule) = match (&config.target.source, config.draft_model.mask_token_id, &published) {
         (_, Some(m), _) => (m, None),
