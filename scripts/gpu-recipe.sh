@@ -39,6 +39,9 @@ variant() {
   argmax) echo "$dpace $muon --set objective.target=argmax" ;;
   kl) echo "$dpace $muon --set objective.target=argmax --set objective.loss=kl" ;;
   swa) echo "$dpace $muon --set draft_model.layer_types=sliding_attention" ;;
+  swa128) echo "$dpace $muon --set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=128" ;;
+  all) echo "$dpace $muon --set objective.target=argmax --set objective.loss=kl --set draft_model.layer_types=sliding_attention" ;;
+  all128) echo "$(variant all) --set draft_model.sliding_window=128" ;;
   *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
@@ -67,6 +70,7 @@ runs)
   seed=$2
   shift 2
   start=$SECONDS
+  pids=()
   for v in "$@"; do
     r=$work/runs/$v-s$seed
     rm -rf "$r" && mkdir -p "$r"
@@ -74,13 +78,19 @@ runs)
     "$d" serve-train --config config/smollm2-135m.toml --set "target.model=$work/model" --set "data.path=$work/data" \
       --set "data.ledger=$r/ledger.jsonl" --set "checkpoint.dir=$r" --set control.listen=off \
       --set "objective.seed=$seed" $(variant "$v") >"$r/train.log" 2>&1 &
+    pids+=("$!")
   done
-  wait
-  echo "seed $seed: ${*} trained at once in $((SECONDS - start)) s" | tee -a "$out/runs.txt"
+  codes=()
+  for p in "${pids[@]}"; do
+    code=0
+    wait "$p" || code=$?
+    codes+=("$code")
+  done
+  echo "seed $seed: ${*} trained at once in $((SECONDS - start)) s; exit codes ${codes[*]}" | tee -a "$out/runs.txt"
   for v in "$@"; do
     r=$work/runs/$v-s$seed
     echo "== $v seed $seed" >>"$out/runs.txt"
-    grep -E "evaluation|run complete|step (100|400|800) " "$r/train.log" | cut -c1-300 >>"$out/runs.txt"
+    grep -E "evaluation|run complete|step (100|400|800) |ERROR|CUDA error" "$r/train.log" | cut -c1-300 >>"$out/runs.txt"
     "$d" eval --decode --target "$work/model" --drafter "$r/final" --prompts "$work/heldout.jsonl" \
       --max-new-tokens 256 --json 2>>"$out/eval.stderr" | sed "s/^/{\"variant\":\"$v\",\"seed\":$seed,\"eval\":/; s/\$/}/" \
       | tee -a "$out/eval.jsonl"
