@@ -186,6 +186,51 @@ fn the_tiny_preset_is_the_same_model_every_time() {
     assert!(first != 0.0 && first.abs() < 0.2);
 }
 
+/// Packed rows: each conversation's tapped and last states are those it has alone in a row (its positions from 0, its
+/// tokens seeing only its own), for Qwen3 and for Llama-3's scaled rope; padding after the conversations is zero.
+/// A target with attention sinks refuses them.
+#[test]
+fn packed_conversations_capture_what_each_captures_alone() {
+    for cfg in [
+        small_config(Architecture::Qwen3, false, RopeScaling::None),
+        small_config(Architecture::Llama, true, llama3_scaling()),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        write_folder(dir.path(), &cfg, &random_weights(&cfg, 7), usize::MAX);
+        let t = Target::load(dir.path(), &TAPS, Depth::Full, Device::Cpu, Kind::Float).unwrap();
+        let convs = token_rows(cfg.vocab_size as i64, &[9, 1, 14, 6], 3);
+        // Row 0: conversations 0, 1 and 2, then padding; row 1: conversation 3 alone, padded to the same length.
+        let rows = [[convs[0].clone(), convs[1].clone(), convs[2].clone()].concat(), convs[3].clone()];
+        let (ids, _) = pad_batch(&rows);
+        let (taps, last) = t.capture_packed(&ids, &[vec![9, 1, 14], vec![6]], true).unwrap();
+        let last = last.unwrap();
+        let mut at = [(0i64, 0i64), (0, 9), (0, 10), (1, 0)].into_iter();
+        for conv in [&convs[0], &convs[1], &convs[2], &convs[3]] {
+            let (row, start) = at.next().unwrap();
+            let len = conv.len() as i64;
+            let (alone_ids, lengths) = pad_batch(std::slice::from_ref(conv));
+            let (alone, alone_last) = t.capture_with_last(&alone_ids, &lengths).unwrap();
+            let packed = taps.get(row).narrow(0, start, len);
+            assert!(
+                rel_err(&packed, &alone.get(0).to_kind(Kind::Double)) < 1e-5,
+                "{:?}: taps of row {row} at {start}",
+                cfg.architecture
+            );
+            let packed_last = last.get(row).narrow(0, start, len);
+            assert!(
+                rel_err(&packed_last, &alone_last.get(0).to_kind(Kind::Double)) < 1e-5,
+                "last states of row {row} at {start}"
+            );
+        }
+        assert_eq!(taps.get(1).narrow(0, 6, 18).abs().max().double_value(&[]), 0.0, "padding is zero");
+    }
+    let spec = Preset::TinyGptOss.spec();
+    let sinks = spec.build_target(Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap();
+    let ids = Tensor::zeros([1, 4], (Kind::Int64, Device::Cpu));
+    let err = sinks.capture_packed(&ids, &[vec![2, 2]], false).unwrap_err().to_string();
+    assert!(err.contains("sinks"), "{err}");
+}
+
 #[test]
 fn capture_rejects_bad_batches() {
     let cfg = small_config(Architecture::Qwen3, false, RopeScaling::None);

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
-use super::attention::{context_bucket, flash_applies, grouped_bias, masked_attention, sink_attention};
+use super::attention::{context_bucket, flash_applies, grouped_bias, masked_attention, repeat_kv, sink_attention};
 use super::config::TargetConfig;
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
@@ -86,6 +86,9 @@ enum Keys<'a> {
     /// row's first `len` positions, `bias` hiding those the row does not hold (batched generation's step,
     /// [`Target::step_rows`]).
     Rows { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, len: i64, bias: &'a Tensor },
+    /// The input is whole rows of several conversations each (packed): attention with `bias` `[B, 1, S, S]`, causal
+    /// within each conversation and nothing across ([`Target::capture_packed`]).
+    Packed { bias: &'a Tensor },
 }
 
 /// Where the tokens of a pass go, beside the whole-sequence pass that has no cache.
@@ -98,6 +101,9 @@ enum Placement<'a> {
     Fill(&'a Tensor),
     /// One token per cache row at these positions, attention over `len` positions ([`Keys::Rows`]).
     Rows { positions: &'a Tensor, len: i64 },
+    /// Packed rows without a cache: each token at `positions [B, S]` (its place in its conversation), attention as
+    /// `bias` says ([`Keys::Packed`]).
+    Packed { positions: &'a Tensor, bias: &'a Tensor },
 }
 
 /// A source of named HF tensors (`model.layers.3.self_attn.q_proj.weight`, ...), each on the device it is asked for.
@@ -625,14 +631,31 @@ impl Target {
     /// would make the first device wait for the later parts (a cross-device copy orders both devices' streams) and
     /// the micro-batches would take turns.
     pub fn capture(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<Tensor, ModelError> {
-        Ok(self.capture_states(input_ids, lengths, false)?.0)
+        Ok(self.capture_states(input_ids, lengths, None, false)?.0)
+    }
+
+    /// [`Target::capture`] (and, `with_last`, [`Target::capture_with_last`]'s last states) of packed rows: row `r`
+    /// of `input_ids [B, S]` holds conversations of the lengths `conversations[r]`, one after the other, then padding.
+    /// Each conversation's positions start at 0 and its tokens attend to its own earlier tokens only, so its states
+    /// are those it would have alone in a row. Dense targets (no attention sinks or windows).
+    pub fn capture_packed(
+        &self,
+        input_ids: &Tensor,
+        conversations: &[Vec<i64>],
+        with_last: bool,
+    ) -> Result<(Tensor, Option<Tensor>), ModelError> {
+        let lengths: Vec<i64> = conversations.iter().map(|c| c.iter().sum()).collect();
+        if conversations.iter().flatten().any(|&l| l < 1) {
+            return Err(ModelError::Batch(format!("packed conversations {conversations:?} must each hold a token")));
+        }
+        self.capture_states(input_ids, &lengths, Some(conversations), with_last)
     }
 
     /// [`Target::capture`], and also the last layer's output after the final norm, `[B, S, hidden]` on the first
     /// device (zero at padded positions): what the LM head turns into the target's next-token logits, for an objective
     /// that learns from the target's predictions. Needs [`Depth::Full`].
     pub fn capture_with_last(&self, input_ids: &Tensor, lengths: &[i64]) -> Result<(Tensor, Tensor), ModelError> {
-        let (taps, last) = self.capture_states(input_ids, lengths, true)?;
+        let (taps, last) = self.capture_states(input_ids, lengths, None, true)?;
         Ok((taps, last.ok_or(ModelError::NotFull)?))
     }
 
@@ -640,9 +663,11 @@ impl Target {
         &self,
         input_ids: &Tensor,
         lengths: &[i64],
+        packed: Option<&[Vec<i64>]>,
         with_last: bool,
     ) -> Result<(Tensor, Option<Tensor>), ModelError> {
         let (b, s) = self.check_batch(input_ids, lengths)?;
+        let packing = packed.map(|rows| packed_attention(rows, s, self.kind, self.device)).transpose()?;
         let h = self.cfg.hidden_size as i64;
         // With the last states: the final norm, and where its output goes.
         let last = match (with_last, &self.norm) {
@@ -667,7 +692,17 @@ impl Target {
                 let count = rows.min(b - first);
                 let ids = input_ids.f_narrow(0, first, count)?;
                 let mut next_tap = 0;
-                let output = self.run_layers(&ids, layers_run, None, None, |layer, x| {
+                let packed = match &packing {
+                    Some((positions, bias)) => {
+                        Some((positions.f_narrow(0, first, count)?, bias.f_narrow(0, first, count)?))
+                    }
+                    None => None,
+                };
+                let placement = match &packed {
+                    Some((positions, bias)) => Placement::Packed { positions, bias },
+                    None => Placement::Append,
+                };
+                let output = self.run_layers_at(&ids, layers_run, None, placement, None, |layer, x| {
                     if self.taps.get(next_tap) == Some(&layer) {
                         let _p = span("target.copy_taps");
                         let slot = match &staged[next_tap] {
@@ -998,6 +1033,7 @@ impl Target {
                 let bias = grouped_bias(&hidden, s, self.query_group(), self.kind)?;
                 (positions, Some(bias))
             }
+            (None, Placement::Packed { positions, bias }) => (positions.shallow_clone(), Some(bias.shallow_clone())),
             _ => (Tensor::f_arange_start(start, start + s, (Kind::Int64, device))?, None),
         };
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
@@ -1032,6 +1068,7 @@ impl Target {
                 row_index = row_index.as_ref().map(to).transpose()?;
             }
             let attend = match (cache.as_deref_mut(), &placement) {
+                (None, Placement::Packed { .. }) => Keys::Packed { bias: bias.as_ref().expect("a packed mask") },
                 (None, _) => Keys::Causal,
                 (Some(c), Placement::Append) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
                 (Some(c), Placement::At(_)) => {
@@ -1040,6 +1077,9 @@ impl Target {
                 }
                 (Some(c), Placement::Fill(_)) => {
                     Keys::Fill { cache: c, layer: i, rows: row_index.as_ref().expect("rows to fill") }
+                }
+                (Some(_), Placement::Packed { .. }) => {
+                    return Err(ModelError::Batch("packed rows are a whole-sequence pass, without a cache".into()));
                 }
                 (Some(c), Placement::Rows { len, .. }) => Keys::Rows {
                     cache: c,
@@ -1215,6 +1255,33 @@ impl Target {
     }
 }
 
+/// The positions `[B, S]` and the attention bias `[B, 1, S, S]` of packed rows ([`Target::capture_packed`]): each
+/// conversation's positions from 0, each token seeing its own conversation's tokens up to itself; the padding after
+/// a row's conversations is one more (ignored) conversation, so that no query sees nothing.
+fn packed_attention(rows: &[Vec<i64>], s: i64, kind: Kind, device: Device) -> Result<(Tensor, Tensor), ModelError> {
+    let (mut positions, mut segments) = (Vec::with_capacity(rows.len() * s as usize), Vec::new());
+    for row in rows {
+        let start = positions.len();
+        for (segment, &len) in row.iter().enumerate() {
+            positions.extend(0..len);
+            segments.extend(std::iter::repeat_n(segment as i64, len as usize));
+        }
+        let used = (positions.len() - start) as i64;
+        positions.extend(0..s - used);
+        segments.extend(std::iter::repeat_n(row.len() as i64, (s - used) as usize));
+    }
+    let b = rows.len() as i64;
+    let positions = Tensor::f_from_slice(&positions)?.f_view([b, s])?.f_to(device)?;
+    let segments = Tensor::f_from_slice(&segments)?.f_view([b, s])?.f_to(device)?;
+    let same = segments.f_unsqueeze(2)?.f_eq_tensor(&segments.f_unsqueeze(1)?)?;
+    let index = Tensor::f_arange(s, (Kind::Int64, device))?;
+    let causal = index.f_unsqueeze(0)?.f_le_tensor(&index.f_unsqueeze(1)?)?;
+    let visible = same.f_logical_and(&causal.f_unsqueeze(0)?)?;
+    let bias =
+        Tensor::f_zeros([b, s, s], (kind, device))?.f_masked_fill(&visible.f_logical_not()?, f64::NEG_INFINITY)?;
+    Ok((positions, bias.f_unsqueeze(1)?))
+}
+
 /// One layer's attention of the queries `q` (`[B, heads, S, d]`) over the new keys and values `k`, `v` and, as
 /// `keys` says, the cached ones (which get the new ones written): `[B, heads, S, d]`.
 fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<'_>) -> Result<Tensor, ModelError> {
@@ -1249,12 +1316,21 @@ fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<
                 Keys::Indexed { .. } | Keys::Fill { .. } => {
                     return Err(ModelError::Batch("attention sinks at a device position".into()));
                 }
+                Keys::Packed { .. } => {
+                    return Err(ModelError::Batch("packed rows need a target without attention sinks".into()));
+                }
             };
             sink_attention(q, &k, &v, sinks, layer.window, &positions)?
         }
         // (A prefill into rows was written above and attends as the whole sequence.)
         (Keys::Causal | Keys::Fill { .. }, None) => {
             Tensor::f_scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
+        }
+        (Keys::Packed { bias }, None) => {
+            // Every query head's keys written out: the masked kernels take no grouped heads.
+            let rep = q.size()[1] / k.size()[1];
+            let (k, v) = (repeat_kv(&k, rep), repeat_kv(&v, rep));
+            Tensor::f_scaled_dot_product_attention(q, &k, &v, Some(bias), 0.0, false, None, false)?
         }
         (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
             let (k, v) = cache.write_at(index, positions, &k, &v)?;
