@@ -88,7 +88,8 @@ fn drafting_pass_against_training(d: Drafter) -> Tensor {
     let block_ids = Tensor::from_slice(&[42i64, 319, 319, 319]).view([1, BS as i64]);
     let embeddings = t.embed(&block_ids);
     let positions = Tensor::arange_start(anchor, anchor + BS as i64, (Kind::Int64, Device::Cpu)).view([1, -1]);
-    let attention = BlockAttention::new(&[anchor], 1, BS, anchor + BS as i64, 16, Kind::Float, Device::Cpu).unwrap();
+    let attention =
+        BlockAttention::new(&[anchor], None, 1, BS, anchor + BS as i64, 16, Kind::Float, Device::Cpu).unwrap();
     let trained = tch::no_grad(|| d.forward(&hidden, &embeddings, &positions, &attention));
     // The context arrives in two parts, as it does over decoding steps; the first pass drafts another block.
     let weights = d.decode_weights().unwrap();

@@ -379,3 +379,67 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
     // three steps can move a weight.
     assert!(diff < 1e-2 * 3.0 * 2e-3, "two drafters with b and one with 2b differ by {diff}");
 }
+
+/// Packed rows (`data.pack`) train each conversation as it trains alone: the same anchors (drawn per conversation),
+/// the same blocks, the context of its own conversation only, no label from the next one. Each conversation's loss,
+/// packed beside others whose tokens are not supervised, equals its loss alone; a packed batch's loss sums and
+/// gradient equal the sums of its conversations alone, within f32 rounding; evaluation too. With the paper's decayed
+/// weights and with D-PACE's.
+#[test]
+fn packed_rows_train_each_conversation_as_it_trains_alone() {
+    let t = target();
+    let lengths = [30usize, 17, 24];
+    let data: Vec<(Vec<i64>, Vec<u8>)> = dataset(3, 30)
+        .into_iter()
+        .zip(lengths)
+        .map(|((ids, mask), len)| (ids[..len].to_vec(), mask[..len].to_vec()))
+        .collect();
+    let alone = |tr: &mut Trainer, i: usize| {
+        let m = tr.accumulate(&batch(&t, &data[i..i + 1], i as u64, 3)).unwrap();
+        let g = tr.drafter.params().grad.copy();
+        tr.drafter.params_mut().zero_grad();
+        (m, g)
+    };
+    // Rows [0, 1] and [2]; `supervised` says whose tokens count.
+    let packed = |supervised: &[bool]| {
+        let mask = |i: usize| if supervised[i] { data[i].1.clone() } else { vec![0; lengths[i]] };
+        FeatureBatch::capture_packed(
+            &t,
+            vec![0, 1, 2],
+            3,
+            vec![[data[0].0.clone(), data[1].0.clone()].concat(), data[2].0.clone()],
+            vec![[mask(0), mask(1)].concat(), mask(2)],
+            Some(vec![vec![lengths[0], lengths[1]], vec![lengths[2]]]),
+            (Device::Cpu, Kind::Float),
+            false,
+        )
+        .unwrap()
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * b.abs().max(1e-3);
+    for dpace in [None, Some(0.5)] {
+        let objective =
+            ObjectiveSettings { dpace_alpha: dpace, ..ObjectiveSettings::new(6, BS, Some(2.0), tiny::MASK) };
+        let mut tr = trainer_with(&t, objective, 4);
+        let singles: Vec<_> = (0..3).map(|i| alone(&mut tr, i)).collect();
+        for (i, (m, _)) in singles.iter().enumerate() {
+            let only = tr.accumulate(&packed(&[i == 0, i == 1, i == 2])).unwrap();
+            tr.drafter.params_mut().zero_grad();
+            assert!(m.blocks > 0.0 && only.blocks == m.blocks, "conversation {i}: {only:?} against {m:?}");
+            assert!(close(only.weighted_loss, m.weighted_loss) && only.weight == m.weight, "{i}: {only:?} {m:?}");
+            assert_eq!((only.correct, only.accepted), (m.correct, m.accepted), "conversation {i}");
+        }
+        let all = tr.accumulate(&packed(&[true, true, true])).unwrap();
+        let grad = tr.drafter.params().grad.copy();
+        tr.drafter.params_mut().zero_grad();
+        let sum = |f: fn(&dflash::train::objective::Metrics) -> f64| singles.iter().map(|(m, _)| f(m)).sum::<f64>();
+        assert!(close(all.weighted_loss, sum(|m| m.weighted_loss)), "{all:?}");
+        assert_eq!((all.weight, all.blocks), (sum(|m| m.weight), sum(|m| m.blocks)));
+        let expected = singles.iter().fold(Tensor::zeros_like(&grad), |acc, (_, g)| acc + g);
+        let err = (&grad - &expected).abs().max().double_value(&[]) / expected.abs().max().double_value(&[]);
+        assert!(err < 1e-4, "dpace {dpace:?}: the packed gradient is off by {err} (relative)");
+        let evaluated = tr.evaluate(&packed(&[true, true, true])).unwrap();
+        let each: f64 =
+            (0..3).map(|i| tr.evaluate(&batch(&t, &data[i..i + 1], i as u64, 3)).unwrap().weighted_loss).sum();
+        assert!(close(evaluated.weighted_loss, each), "evaluation: {} against {each}", evaluated.weighted_loss);
+    }
+}

@@ -193,6 +193,7 @@ pub fn bench_drafter(
                 epoch,
                 input_ids: rows.clone(),
                 loss_mask: masks.clone(),
+                conversations: None,
                 target_hidden: hidden.shallow_clone(),
                 target_last: last.as_ref().map(Tensor::shallow_clone),
             },

@@ -498,8 +498,12 @@ pub struct BlockAttention {
 impl BlockAttention {
     /// Builds the pattern for `anchors` (`[B * N]`, row-major, ascending in each row; padding blocks carry anchor
     /// 0 and see only themselves), in groups of at most `group_blocks` blocks, over a context of `seq_len` tokens.
+    /// With `context_starts` (`[B * N]`, packed rows), a block sees the context from its conversation's first token
+    /// to its anchor; without, from the row's start.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         anchors: &[i64],
+        context_starts: Option<&[i64]>,
         batch: usize,
         block_size: usize,
         seq_len: i64,
@@ -520,9 +524,13 @@ impl BlockAttention {
             let q_len = nb as i64 * bs;
             let anchor_q =
                 anchors_dev.narrow(1, j0 as i64, nb as i64).f_repeat_interleave_self_int(bs, Some(1), None)?;
-            let ctx_ok = Tensor::f_arange(context_len, (Kind::Int64, device))?
-                .view([1, 1, context_len])
-                .f_lt_tensor(&anchor_q.unsqueeze(-1))?;
+            let context = Tensor::f_arange(context_len, (Kind::Int64, device))?.view([1, 1, context_len]);
+            let mut ctx_ok = context.f_lt_tensor(&anchor_q.unsqueeze(-1))?;
+            if let Some(starts) = context_starts {
+                let starts = Tensor::f_from_slice(starts)?.f_view([batch as i64, n as i64])?.f_to(device)?;
+                let start_q = starts.narrow(1, j0 as i64, nb as i64).f_repeat_interleave_self_int(bs, Some(1), None)?;
+                ctx_ok = ctx_ok.f_logical_and(&context.f_ge_tensor(&start_q.unsqueeze(-1))?)?;
+            }
             let block_of = Tensor::f_arange(q_len, (Kind::Int64, device))?.f_floor_divide_scalar(bs)?;
             let same_block = block_of
                 .unsqueeze(1)

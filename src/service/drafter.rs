@@ -107,6 +107,7 @@ fn warm_up(trainer: &mut Trainer) -> Result<(), Failure> {
         epoch: 0,
         input_ids: vec![vec![0; len]],
         loss_mask: vec![vec![1; len]],
+        conversations: None,
         target_hidden: Tensor::f_zeros(
             [1, len as i64, d.context_width() as i64],
             (trainer.drafter.kind(), trainer.drafter.device()),

@@ -151,11 +151,28 @@ pub struct BlockPlan {
     pub weights: Vec<f32>,
     /// D-PACE's alpha, or `None` (the decay is in `weights`).
     pub dpace_alpha: Option<f64>,
+    /// `[B * N]`, packed rows only: where the conversation of each block starts in its row (the first context
+    /// position it may see). `None`: every row is one conversation.
+    pub context_starts: Option<Vec<i64>>,
 }
 
 impl BlockPlan {
     /// Plans blocks at the given anchors (ascending, valid) of each row.
     pub fn new(rows: &[Row], anchors: &[Vec<usize>], seq_len: usize, s: &ObjectiveSettings) -> Self {
+        Self::packed(rows, anchors, None, seq_len, s)
+    }
+
+    /// [`BlockPlan::new`] for rows of several conversations each (`conversations`: per row, their lengths in order,
+    /// summing to the row's length; `None`: one per row). A block belongs to the conversation of its anchor: it sees
+    /// that conversation's context only, and its slots past the conversation's end weigh nothing and read no label,
+    /// as past the end of a row of its own, so a conversation's blocks are the same packed or not.
+    pub fn packed(
+        rows: &[Row],
+        anchors: &[Vec<usize>],
+        conversations: Option<&[Vec<usize>]>,
+        seq_len: usize,
+        s: &ObjectiveSettings,
+    ) -> Self {
         let (batch, bs) = (rows.len(), s.block_size);
         let blocks = anchors.iter().map(Vec::len).max().unwrap_or(0);
         let slots = batch * blocks * bs;
@@ -171,11 +188,17 @@ impl BlockPlan {
             labels: vec![0; slots],
             weights: vec![0.0; slots],
             dpace_alpha: s.dpace_alpha,
+            context_starts: conversations.map(|_| vec![0; batch * blocks]),
         };
         // D-PACE weighs slots when the loss is known; here only whether they count.
         let gamma = if s.dpace_alpha.is_some() { None } else { s.gamma };
         for (b, (row, row_anchors)) in rows.iter().zip(anchors).enumerate() {
-            let len = row.input_ids.len();
+            // Where each conversation of the row starts, and the row's end.
+            let mut bounds = vec![0];
+            for &len in conversations.and_then(|c| c.get(b)).into_iter().flatten() {
+                bounds.push(bounds[bounds.len() - 1] + len);
+            }
+            bounds.push(row.input_ids.len());
             for j in 0..blocks {
                 let block = b * blocks + j;
                 let base = block * bs;
@@ -186,6 +209,12 @@ impl BlockPlan {
                     }
                     continue;
                 };
+                // The anchor's conversation: from the last bound at or before it to the next one.
+                let next = bounds.partition_point(|&start| start <= a);
+                let (start, len) = (bounds[next - 1], bounds[next.min(bounds.len() - 1)]);
+                if let Some(starts) = plan.context_starts.as_mut() {
+                    starts[block] = start as i64;
+                }
                 plan.anchors[block] = a as i64;
                 plan.keep[block] = true;
                 plan.block_ids[base] = row.input_ids[a];
@@ -233,6 +262,7 @@ impl PlanTensors {
             weights: Tensor::f_from_slice(&plan.weights)?.f_to(device)?,
             attention: BlockAttention::new(
                 &plan.anchors,
+                plan.context_starts.as_deref(),
                 plan.batch,
                 plan.block_size,
                 plan.seq_len as i64,
@@ -719,6 +749,7 @@ mod tests {
                 labels: labels.clone(),
                 weights: mask.clone(),
                 dpace_alpha: Some(alpha),
+                context_starts: None,
             };
             let (lab, w) = (Tensor::from_slice(&labels), Tensor::from_slice(&mask));
             let slots = SlotTargets::labels(&lab, &w);

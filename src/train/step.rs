@@ -18,12 +18,14 @@ use crate::train::optim::{Hyper, Optimizer, UpdateSettings, clip_factor};
 
 /// A batch of conversations with the target's tapped states: what the target hands a drafter.
 pub struct FeatureBatch {
-    /// Stable ids of the samples (they key the anchor RNG).
+    /// Stable ids of the samples (they key the anchor RNG), one per conversation in row order.
     pub sample_ids: Vec<u64>,
     pub epoch: u64,
     /// Unpadded rows.
     pub input_ids: Vec<Vec<i64>>,
     pub loss_mask: Vec<Vec<u8>>,
+    /// Packed rows (`data.pack`): the lengths of each row's conversations, in order. `None`: one per row.
+    pub conversations: Option<Vec<Vec<usize>>>,
     /// `[B, S, n*H]` on the drafter's device, in its compute dtype; `S` is the longest row.
     pub target_hidden: Tensor,
     /// `[B, S, H]`, like `target_hidden`: the target's last states after its final norm, whose LM head gives its
@@ -43,6 +45,22 @@ impl FeatureBatch {
         to: (Device, Kind),
         with_last: bool,
     ) -> Result<Self, TrainError> {
+        Self::capture_packed(target, sample_ids, epoch, input_ids, loss_mask, None, to, with_last)
+    }
+
+    /// [`FeatureBatch::capture`] of rows that hold several conversations each (`conversations`: their lengths per
+    /// row), captured as [`Target::capture_packed`] does: each conversation as if alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn capture_packed(
+        target: &Target,
+        sample_ids: Vec<u64>,
+        epoch: u64,
+        input_ids: Vec<Vec<i64>>,
+        loss_mask: Vec<Vec<u8>>,
+        conversations: Option<Vec<Vec<usize>>>,
+        to: (Device, Kind),
+        with_last: bool,
+    ) -> Result<Self, TrainError> {
         let (device, kind) = to;
         let longest = input_ids.iter().map(Vec::len).max().unwrap_or(0);
         if longest == 0 {
@@ -59,13 +77,50 @@ impl FeatureBatch {
             Tensor::f_from_slice(&flat)?.f_view([input_ids.len() as i64, longest as i64])?.f_to(target.device())?;
         let _p = span("target.capture");
         let moved = |t: Tensor| -> Result<Tensor, TrainError> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
-        let (target_hidden, target_last) = if with_last {
-            let (taps, last) = target.capture_with_last(&ids, &lengths)?;
-            (moved(taps)?, Some(moved(last)?))
-        } else {
-            (moved(target.capture(&ids, &lengths)?)?, None)
+        let (taps, last) = match &conversations {
+            Some(rows) => {
+                let rows: Vec<Vec<i64>> = rows.iter().map(|r| r.iter().map(|&l| l as i64).collect()).collect();
+                target.capture_packed(&ids, &rows, with_last)?
+            }
+            None if with_last => {
+                let (taps, last) = target.capture_with_last(&ids, &lengths)?;
+                (taps, Some(last))
+            }
+            None => (target.capture(&ids, &lengths)?, None),
         };
-        Ok(FeatureBatch { sample_ids, epoch, input_ids, loss_mask, target_hidden, target_last })
+        let (target_hidden, target_last) = (moved(taps)?, last.map(moved).transpose()?);
+        Ok(FeatureBatch { sample_ids, epoch, input_ids, loss_mask, conversations, target_hidden, target_last })
+    }
+
+    /// Each conversation: its row, where it starts in the row, its length and its sample id, in row order.
+    fn conversations(&self) -> Vec<(usize, usize, usize, u64)> {
+        let mut out = Vec::with_capacity(self.sample_ids.len());
+        for (row, ids) in self.input_ids.iter().enumerate() {
+            let lengths = match &self.conversations {
+                Some(c) => c[row].clone(),
+                None => vec![ids.len()],
+            };
+            let mut start = 0;
+            for len in lengths {
+                out.push((row, start, len, 0));
+                start += len;
+            }
+        }
+        for (c, &id) in out.iter_mut().zip(&self.sample_ids) {
+            c.3 = id;
+        }
+        out
+    }
+
+    /// Per row, the anchors `pick` chooses in each of its conversations (given the conversation's loss mask and
+    /// sample id), in row positions.
+    fn anchors(&self, mut pick: impl FnMut(&[u8], u64) -> Vec<usize>) -> Vec<Vec<usize>> {
+        let mut anchors = vec![Vec::new(); self.input_ids.len()];
+        for (row, start, len, id) in self.conversations() {
+            let mask = &self.loss_mask[row][start..start + len];
+            anchors[row].extend(pick(mask, id).into_iter().map(|a| a + start));
+        }
+        anchors
     }
 
     fn rows(&self) -> Vec<Row<'_>> {
@@ -136,15 +191,10 @@ impl Trainer {
     /// Forward and backward of one micro-batch at freshly sampled anchors; returns its metric sums.
     pub fn accumulate(&mut self, batch: &FeatureBatch) -> Result<Metrics, TrainError> {
         check(&self.drafter, &self.objective, batch)?;
-        let anchors: Vec<Vec<usize>> = batch
-            .loss_mask
-            .iter()
-            .zip(&batch.sample_ids)
-            .map(|(mask, &id)| {
-                let mut rng = anchor_rng(self.seed, batch.epoch, id);
-                sample_anchors(&valid_anchors(mask), self.objective.num_anchors, &mut rng)
-            })
-            .collect();
+        let anchors = batch.anchors(|mask, id| {
+            let mut rng = anchor_rng(self.seed, batch.epoch, id);
+            sample_anchors(&valid_anchors(mask), self.objective.num_anchors, &mut rng)
+        });
         run_blocks(&self.drafter, &self.heads(), &self.objective, batch, &anchors, true)
     }
 
@@ -203,7 +253,7 @@ pub fn evaluate_batch(
     batch: &FeatureBatch,
 ) -> Result<Metrics, TrainError> {
     check(drafter, objective, batch)?;
-    let all: Vec<Vec<usize>> = batch.loss_mask.iter().map(|m| valid_anchors(m)).collect();
+    let all = batch.anchors(|mask, _| valid_anchors(mask));
     let per_pass = objective.num_anchors.max(1);
     let passes = all.iter().map(|a| a.len().div_ceil(per_pass)).max().unwrap_or(0);
     let mut total = Metrics::default();
@@ -221,12 +271,19 @@ fn check(drafter: &Drafter, objective: &ObjectiveSettings, batch: &FeatureBatch)
     let width = drafter.config().context_width() as i64;
     let longest = batch.input_ids.iter().map(Vec::len).max().unwrap_or(0);
     let bad = |m: String| Err(TrainError::Batch(m));
-    if n == 0 || batch.loss_mask.len() != n || batch.sample_ids.len() != n {
+    let conversations = batch.conversations.as_ref().map_or(n, |c| c.iter().map(Vec::len).sum());
+    if n == 0 || batch.loss_mask.len() != n || batch.sample_ids.len() != conversations {
         return bad(format!(
-            "{n} rows, {} loss masks, {} sample ids: need the same non-zero count",
+            "{n} rows, {} loss masks, {} sample ids for {conversations} conversations: need as many loss masks as \
+             rows and a sample id per conversation",
             batch.loss_mask.len(),
             batch.sample_ids.len()
         ));
+    }
+    if let Some(c) = &batch.conversations
+        && let Some(i) = (0..n).find(|&i| c.get(i).is_none_or(|l| l.iter().sum::<usize>() != batch.input_ids[i].len()))
+    {
+        return bad(format!("row {i}: its conversations' lengths do not add up to the row's"));
     }
     if let Some(i) = (0..n).find(|&i| batch.input_ids[i].len() != batch.loss_mask[i].len()) {
         return bad(format!("row {i}: input_ids and loss_mask differ in length"));
@@ -264,7 +321,7 @@ fn run_blocks(
     train: bool,
 ) -> Result<Metrics, TrainError> {
     let rows = batch.rows();
-    let plan = BlockPlan::new(&rows, anchors, batch.seq_len(), objective);
+    let plan = BlockPlan::packed(&rows, anchors, batch.conversations.as_deref(), batch.seq_len(), objective);
     if plan.kept_blocks() == 0 {
         return Ok(Metrics::default());
     }
