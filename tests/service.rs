@@ -12,8 +12,8 @@ use serde_json::{Value, json};
 use service_process::*;
 
 /// With the paper's recipe, with D-PACE's slot weights (which follow the drafter's own confidence), with Muon
-/// (whose momentum buffers are saved where AdamW's first moments are) and learning the target's distribution (KL,
-/// the target running its whole stack): each resumes exactly, and each trains another drafter from the same start. The paper's run resumes without naming its slot weights, as a run begun before
+/// (whose momentum buffers are saved where AdamW's first moments are), learning the target's distribution (KL,
+/// the target running its whole stack) and packed rows: each resumes exactly, and each trains another drafter from the same start. The paper's run resumes without naming its slot weights, as a run begun before
 /// D-PACE became the default does: it keeps the decay it began with.
 #[test]
 fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
@@ -21,6 +21,8 @@ fn stopping_and_resuming_ends_where_an_uninterrupted_run_ends() {
     let dpace = stop_and_resume(&["objective.dpace_alpha=0.3"], Resumed::AsBegun);
     let muon = stop_and_resume(&["optim.optimizer=muon", "optim.muon_lr=0.01"], Resumed::AsBegun);
     let kl = stop_and_resume(&["objective.target=argmax", "objective.loss=kl"], Resumed::AsBegun);
+    let packed = stop_and_resume(&["data.pack=true", "data.pack_len=384"], Resumed::AsBegun);
+    assert!(packed != dpace, "data.pack = true trained the same drafter as one conversation per row");
     assert!(paper != dpace, "objective.weights = dpace trained the same drafter as the decay");
     assert!(paper != muon && dpace != muon, "optim.optimizer = muon trained the same drafter as AdamW");
     assert!(kl != dpace, "objective.loss = kl trained the same drafter as the cross-entropy of the data");
@@ -945,6 +947,38 @@ fn token_row_file(dir: &Path) -> PathBuf {
 
 /// `data.path` naming a token-row file: its rows are checked and prepared once, `data.holdout` of them kept apart
 /// by id, and the rest trained exactly once per epoch across a stop and a resume, with the ids as given.
+/// Packed rows (`data.pack`): two epochs train every sample exactly once each across a stop and a resume, in fewer
+/// steps than one conversation per row takes; rows too short for the longest sample are refused at start, naming
+/// the key and the sample.
+#[test]
+fn packed_rows_train_every_sample_once_in_fewer_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), 2);
+    let sets = ["data.pack=true", "data.pack_len=384", "optim.epochs=2"];
+    let mut first = Service::start(&cfg, false, &sets);
+    first.wait("step 3", |s| step(s) >= 3);
+    let _ = first.stop();
+    let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
+    assert_eq!(code, 0, "{logs:#?}");
+    let ids = train_ids(prepared());
+    assert_eq!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids), 2, "two whole epochs");
+    let ledger = std::fs::read_to_string(dir.path().join("ledger.jsonl")).unwrap();
+    let steps = ledger.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()?["step"].as_u64()).max().unwrap();
+    // Unpacked, an epoch of batches of 2 conversations on 2 drafters takes ids / 4 steps; packed, at most half.
+    let unpacked = 2 * (ids.len() as u64).div_ceil(4);
+    assert!(2 * (steps + 1) <= unpacked, "{} packed steps, {unpacked} unpacked, for {} samples", steps + 1, ids.len());
+    let o = std::process::Command::new(service_process::BIN)
+        .args(["--config", cfg.to_str().unwrap(), "serve-train"])
+        .args(["--set", "data.pack=true", "--set", "data.pack_len=16", "--set", "control.listen=off", "--set"])
+        .arg(format!("checkpoint.dir={}", dir.path().join("refused").display()))
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("data.pack_len = 16") && err.contains("set data.pack_len to at least"), "{err}");
+}
+
 #[test]
 fn a_token_row_file_trains_exactly_once_across_a_resume_and_keeps_its_holdout_apart() {
     let dir = tempfile::tempdir().unwrap();

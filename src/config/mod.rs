@@ -641,7 +641,7 @@ impl RawConfig {
 }
 
 /// Keys a running service cannot change: resuming with a different value is refused.
-pub const NON_RELOADABLE: [&str; 14] = [
+pub const NON_RELOADABLE: [&str; 16] = [
     "target.model",
     "optim.optimizer",
     "draft_model.num_hidden_layers",
@@ -655,6 +655,8 @@ pub const NON_RELOADABLE: [&str; 14] = [
     "data.path",
     "data.holdout",
     "data.batch_size",
+    "data.pack",
+    "data.pack_len",
     "objective.seed",
 ];
 
@@ -662,7 +664,7 @@ pub const NON_RELOADABLE: [&str; 14] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
 /// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 20] = [
+pub const SHARED_BY_HOSTS: [&str; 22] = [
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -673,6 +675,8 @@ pub const SHARED_BY_HOSTS: [&str; 20] = [
     "draft_model.mask_token_id",
     "data.holdout",
     "data.batch_size",
+    "data.pack",
+    "data.pack_len",
     "objective.seed",
     "objective.weights",
     "objective.dpace_alpha",

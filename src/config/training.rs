@@ -123,6 +123,8 @@ pub(super) struct RawData {
     path: String,
     holdout: f64,
     batch_size: i64,
+    pack: bool,
+    pack_len: i64,
     max_len: i64,
     builtin_conversations: i64,
     builtin_max_new_tokens: i64,
@@ -151,8 +153,10 @@ pub struct DataSettings {
     pub source: DataSource,
     /// Token-row files: the fraction of rows kept apart as the holdout split (by a hash of the id).
     pub holdout: f64,
-    /// Sequences per drafter per micro-batch.
+    /// Sequences per drafter per micro-batch (rows, when packed).
     pub batch_size: usize,
+    /// Several conversations per row, up to this many tokens (`data.pack`, `data.pack_len`); `None`: one per row.
+    pub pack: Option<usize>,
     /// Built-in data: conversations are truncated to this many tokens.
     pub max_len: usize,
     pub builtin_conversations: usize,
@@ -187,6 +191,10 @@ impl RawData {
             source,
             holdout: self.holdout,
             batch_size: at_least("data.batch_size", self.batch_size, 1)?,
+            pack: match self.pack {
+                true => Some(at_least("data.pack_len", self.pack_len, 2)?),
+                false => None,
+            },
             max_len: at_least("data.max_len", self.max_len, 2)?,
             builtin_conversations: at_least("data.builtin_conversations", self.builtin_conversations, 1)?,
             builtin_max_new_tokens: at_least("data.builtin_max_new_tokens", self.builtin_max_new_tokens, 1)?,

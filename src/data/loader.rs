@@ -17,6 +17,8 @@ pub struct LoaderSettings {
     pub seed: u64,
     /// Samples are sorted by length within windows of this many batches.
     pub bucket_batches: usize,
+    /// `data.pack`: rows of several conversations, up to this many tokens each; `batch_size` then counts rows.
+    pub pack: Option<usize>,
 }
 
 /// A batch: the epoch it belongs to and its place in that epoch's order.
@@ -74,6 +76,8 @@ impl LoaderState {
 
 pub struct Loader {
     lengths: Vec<usize>,
+    /// What a batch is made of: one sample each, or (packed) the samples of one row.
+    units: Vec<Vec<usize>>,
     settings: LoaderSettings,
     epoch: u64,
     next_ordinal: u64,
@@ -95,8 +99,13 @@ impl Loader {
             bucket_batches: settings.bucket_batches.max(1),
             ..settings
         };
+        let units = match settings.pack {
+            Some(capacity) => crate::data::packing::first_fit_decreasing(&lengths, capacity),
+            None => (0..lengths.len()).map(|i| vec![i]).collect(),
+        };
         Loader {
             lengths,
+            units,
             settings,
             epoch: state.epoch,
             next_ordinal: state.next_ordinal,
@@ -107,7 +116,7 @@ impl Loader {
     }
 
     pub fn batches_per_epoch(&self) -> usize {
-        self.lengths.len().div_ceil(self.settings.batch_size)
+        self.units.len().div_ceil(self.settings.batch_size)
     }
 
     /// The epoch new batches come from.
@@ -134,16 +143,17 @@ impl Loader {
 
     /// The order of one epoch: deterministic from the seed and the epoch.
     fn plan(&mut self, epoch: u64) -> &Vec<Vec<usize>> {
-        let (lengths, s) = (&self.lengths, self.settings);
+        let (lengths, units, s) = (&self.lengths, &self.units, self.settings);
         self.plans.entry(epoch).or_insert_with(|| {
             let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            let mut order: Vec<usize> = (0..lengths.len()).collect();
+            let tokens = |u: usize| -> usize { units[u].iter().map(|&i| lengths[i]).sum() };
+            let mut order: Vec<usize> = (0..units.len()).collect();
             order.shuffle(&mut rng);
             let mut batches: Vec<Vec<usize>> = Vec::new();
             for window in order.chunks(s.batch_size * s.bucket_batches) {
                 let mut window = window.to_vec();
-                window.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
-                batches.extend(window.chunks(s.batch_size).map(<[usize]>::to_vec));
+                window.sort_by_key(|&u| std::cmp::Reverse(tokens(u)));
+                batches.extend(window.chunks(s.batch_size).map(|b| b.iter().flat_map(|&u| units[u].clone()).collect()));
             }
             batches.shuffle(&mut rng);
             batches
@@ -206,7 +216,7 @@ mod tests {
     use rand::Rng;
 
     fn settings(batch: usize) -> LoaderSettings {
-        LoaderSettings { batch_size: batch, seed: 7, bucket_batches: 4 }
+        LoaderSettings { batch_size: batch, seed: 7, bucket_batches: 4, pack: None }
     }
 
     fn lengths(n: usize) -> Vec<usize> {
@@ -247,6 +257,34 @@ mod tests {
             samples.sort_unstable();
             assert_eq!(samples, (0..103).collect::<Vec<_>>(), "epoch {e}");
         }
+    }
+
+    /// Packed, a batch is `batch_size` rows of conversations up to the capacity each; every sample once per epoch,
+    /// and as many batches in every epoch.
+    #[test]
+    fn packed_batches_are_rows_of_conversations_every_sample_once() {
+        let lengths = lengths(103);
+        let mut loader = Loader::new(lengths.clone(), LoaderSettings { pack: Some(400), ..settings(2) });
+        let per_epoch = loader.batches_per_epoch();
+        assert!(per_epoch < 103 / 2, "{per_epoch} packed batches of 2 rows for 103 samples");
+        for epoch in 0..3 {
+            let mut seen = Vec::new();
+            for _ in 0..per_epoch {
+                let b = loader.next_batch().unwrap();
+                assert_eq!(b.id.epoch, epoch);
+                let rows = crate::data::packing::first_fit_decreasing(
+                    &b.samples.iter().map(|&i| lengths[i]).collect::<Vec<_>>(),
+                    400,
+                );
+                assert!(rows.len() <= 3, "a batch of two rows packs into at most a few: {rows:?}");
+                loader.commit(b.id);
+                seen.extend(b.samples);
+            }
+            seen.sort_unstable();
+            assert_eq!(seen, (0..103).collect::<Vec<_>>(), "epoch {epoch}");
+        }
+        let unpacked = Loader::new(lengths.clone(), settings(2));
+        assert_eq!(unpacked.batches_per_epoch(), 52, "unpacked: a sample per row");
     }
 
     #[test]

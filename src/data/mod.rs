@@ -4,6 +4,7 @@ pub mod builtin;
 pub mod chat;
 pub mod dataset;
 pub mod loader;
+pub mod packing;
 pub mod prepare;
 pub mod prompts;
 pub mod regenerate;

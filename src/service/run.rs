@@ -262,6 +262,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         (None, _) => {}
     }
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
+    check_packing(&config, &target_cfg, data.as_ref())?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
     let eval_set = (config.eval.every_steps > 0).then(|| eval_set(&config, target_cfg.vocab_size)).transpose()?;
     let token = super::control::token(&config.control, |k| std::env::var(k).ok())?;
@@ -453,6 +454,30 @@ pub fn leave(code: i32) -> ! {
     let _ = std::io::stderr().flush();
     // SAFETY: _exit ends the process at once; no Rust state is used afterwards.
     unsafe { libc::_exit(code.clamp(0, 255)) }
+}
+
+/// `data.pack` needs a dense target (attention sinks take no packed mask) and rows long enough for every
+/// conversation: both found at start, naming the key.
+fn check_packing(config: &Config, target: &crate::model::TargetConfig, data: &dyn Dataset) -> Result<()> {
+    let Some(pack_len) = config.data.pack else { return Ok(()) };
+    if target.gpt_oss.is_some() {
+        bail!(
+            "data.pack = true: {:?} targets are not packed (their attention sinks take no packed mask); set \
+             data.pack = false",
+            target.architecture
+        );
+    }
+    let lengths = data.lengths();
+    if let Some((p, &longest)) = lengths.iter().enumerate().max_by_key(|(_, l)| **l)
+        && longest > pack_len
+    {
+        bail!(
+            "data.pack_len = {pack_len}: sample {} has {longest} tokens, more than a packed row holds; set \
+             data.pack_len to at least {longest}",
+            data.id(p)
+        );
+    }
+    Ok(())
 }
 
 /// What identifies the training data across hosts: its samples' ids and token counts, hashed.

@@ -17,6 +17,7 @@ use super::messages::{Heads, SupervisorMsg, Work};
 use crate::config::TargetSource;
 use crate::data::dataset::Dataset;
 use crate::data::loader::BatchId;
+use crate::data::packing::first_fit_decreasing;
 use crate::device;
 use crate::model::shared::SharedTensor;
 use crate::model::{Depth, PartFault};
@@ -107,6 +108,8 @@ pub struct TargetSpawn {
     /// Also capture the normed last states (the whole stack runs): the objective learns from the target's
     /// predictions.
     pub last_states: bool,
+    /// `data.pack`: the batch's conversations packed into rows of at most this many tokens.
+    pub pack: Option<usize>,
     pub dataset: Arc<dyn Dataset>,
     pub routes: Arc<Routes>,
     pub supervisor: ActorRef<SupervisorMsg>,
@@ -147,13 +150,33 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
             Some((batch, positions)) => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let started = timings.start().map_err(torch)?;
-                    let rows: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
-                    let features = FeatureBatch::capture(
+                    let samples: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
+                    // Rows of samples: one each, or (packed) first fit longest first.
+                    let rows: Vec<Vec<usize>> = match a.pack {
+                        Some(capacity) => {
+                            let lengths: Vec<usize> = samples.iter().map(|r| r.input_ids.len()).collect();
+                            first_fit_decreasing(&lengths, capacity)
+                        }
+                        None => (0..samples.len()).map(|i| vec![i]).collect(),
+                    };
+                    let input_ids = rows
+                        .iter()
+                        .map(|row| row.iter().flat_map(|&i| samples[i].input_ids.clone()).collect())
+                        .collect();
+                    let loss_mask = rows
+                        .iter()
+                        .map(|row| row.iter().flat_map(|&i| samples[i].loss_mask.clone()).collect())
+                        .collect();
+                    let conversations = a.pack.map(|_| {
+                        rows.iter().map(|row| row.iter().map(|&i| samples[i].input_ids.len()).collect()).collect()
+                    });
+                    let features = FeatureBatch::capture_packed(
                         &target,
-                        rows.iter().map(|r| r.id.key()).collect(),
+                        rows.iter().flatten().map(|&i| samples[i].id.key()).collect(),
                         batch.epoch,
-                        rows.iter().map(|r| r.input_ids.clone()).collect(),
-                        rows.iter().map(|r| r.loss_mask.clone()).collect(),
+                        input_ids,
+                        loss_mask,
+                        conversations,
                         (device, kind),
                         a.last_states,
                     )

@@ -455,6 +455,7 @@ impl Shell {
             micro_batches: self.a.config.target.micro_batches,
             kind: t.kind,
             last_states: self.a.objective.teacher.needs_target_predictions(),
+            pack: self.a.config.data.pack,
             dataset: self.a.dataset.clone(),
             routes: self.routes.clone(),
             supervisor: self.myself.clone(),

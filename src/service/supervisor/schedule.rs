@@ -401,7 +401,7 @@ mod tests {
     use crate::train::collective::Contributed;
 
     fn schedule(samples: usize, accumulation: usize) -> Schedule {
-        let settings = LoaderSettings { batch_size: 2, seed: 1, bucket_batches: 2 };
+        let settings = LoaderSettings { batch_size: 2, seed: 1, bucket_batches: 2, pack: None };
         Schedule::new(vec![10; samples], settings, accumulation, 1, 0)
     }
 
@@ -441,7 +441,7 @@ mod tests {
     /// batches of 2 over 1 epoch would be 4 steps).
     #[test]
     fn max_steps_wins_over_the_epochs() {
-        let settings = LoaderSettings { batch_size: 2, seed: 1, bucket_batches: 2 };
+        let settings = LoaderSettings { batch_size: 2, seed: 1, bucket_batches: 2, pack: None };
         let mut s = Schedule::new(vec![10; 8], settings, 1, 1, 10);
         for expected in 0..10 {
             let (step, items) = s.open_step(&[(0, 1)]).expect("a step under max_steps");

@@ -237,7 +237,12 @@ pub struct Core {
 impl Core {
     pub fn new(setup: Setup) -> Self {
         let c = &setup.config;
-        let settings = LoaderSettings { batch_size: c.data.batch_size, seed: c.objective.seed, bucket_batches: 16 };
+        let settings = LoaderSettings {
+            batch_size: c.data.batch_size,
+            seed: c.objective.seed,
+            bucket_batches: 16,
+            pack: c.data.pack,
+        };
         let mut schedule =
             Schedule::new(setup.lengths, settings, c.optim.accumulation, c.optim.epochs, c.optim.max_steps);
         if setup.role == Some(HostRole::Follower) {
