@@ -956,7 +956,10 @@ fn packed_rows_train_every_sample_once_in_fewer_steps() {
     let cfg = config(dir.path(), 2);
     let sets = ["data.pack=true", "data.pack_len=384", "optim.epochs=2"];
     let mut first = Service::start(&cfg, false, &sets);
-    first.wait("step 3", |s| step(s) >= 3);
+    let s = first.wait("step 3", |s| step(s) >= 3);
+    // Samples count conversations, not rows (the learning rate's schedule and the time left follow them).
+    let committed = s["samples_committed"].as_u64().unwrap();
+    assert!(committed > 2 * 2 * step(&s), "{committed} samples in {} steps of 2 packed rows on 2 drafters", step(&s));
     let _ = first.stop();
     let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
     assert_eq!(code, 0, "{logs:#?}");

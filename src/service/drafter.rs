@@ -300,10 +300,19 @@ fn train_step(a: &DrafterSpawn, trainer: &mut Trainer, step: u64, round: &mut Ro
     let mut flops = 0.0;
     for (_, features) in &items {
         metrics.add(&trainer.accumulate(features).map_err(torch)?);
-        samples += features.input_ids.len() as u64;
-        let seq = features.input_ids.iter().map(Vec::len).max().unwrap_or(0) as i64;
-        flops +=
-            features.input_ids.len() as f64 * a.config.training_flops_per_sample(seq, trainer.objective.num_anchors);
+        // Conversations, not rows: a packed row holds several.
+        samples += features.sample_ids.len() as u64;
+        let anchors = trainer.objective.num_anchors;
+        flops += match &features.conversations {
+            // Each conversation's own work (its length, its anchors), whatever row it shares.
+            Some(rows) => {
+                rows.iter().flatten().map(|&len| a.config.training_flops_per_sample(len as i64, anchors)).sum()
+            }
+            None => {
+                let seq = features.input_ids.iter().map(Vec::len).max().unwrap_or(0) as i64;
+                features.input_ids.len() as f64 * a.config.training_flops_per_sample(seq, anchors)
+            }
+        };
     }
     // Waiting for the peers is not computing: a hung peer must not make this one look hung.
     now_doing(a, Activity::WaitingForPeers, vec![]);
