@@ -1,5 +1,6 @@
 //! The exactly-once loader: per epoch, a seeded shuffle of the samples, cut into length-bucketed batches (samples of
-//! similar length together, to pad little; one conversation per row, never packed), in a shuffled batch order. A
+//! similar length together, to pad little; with `data.pack`, rows of several samples packed once for the whole run
+//! take the samples' place), in a shuffled batch order. A
 //! ledger records what was handed out and what was committed: a batch whose drafter failed is requeued and handed
 //! out again before new ones, so across epochs every sample is trained exactly once per epoch, and the position
 //! (epoch, next batch, batches owed) saves into a checkpoint and restores the same order.

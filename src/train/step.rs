@@ -94,20 +94,19 @@ impl FeatureBatch {
 
     /// Each conversation: its row, where it starts in the row, its length and its sample id, in row order.
     fn conversations(&self) -> Vec<(usize, usize, usize, u64)> {
+        let mut ids = self.sample_ids.iter().copied();
         let mut out = Vec::with_capacity(self.sample_ids.len());
-        for (row, ids) in self.input_ids.iter().enumerate() {
+        for (row, tokens) in self.input_ids.iter().enumerate() {
             let lengths = match &self.conversations {
                 Some(c) => c[row].clone(),
-                None => vec![ids.len()],
+                None => vec![tokens.len()],
             };
             let mut start = 0;
             for len in lengths {
-                out.push((row, start, len, 0));
+                // `check` made sure there is an id per conversation.
+                out.push((row, start, len, ids.next().unwrap_or_default()));
                 start += len;
             }
-        }
-        for (c, &id) in out.iter_mut().zip(&self.sample_ids) {
-            c.3 = id;
         }
         out
     }
