@@ -9,6 +9,7 @@
 #   data                 the second part; the model converted; prompts; answers (regenerate --local); prepare
 #   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
+#   pack                 the drafter's step and the pipeline at the qwen3-8b shapes, packed and not (only `part`)
 # Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -42,6 +43,8 @@ variant() {
   swa128) echo "$dpace $muon --set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=128" ;;
   all) echo "$dpace $muon --set objective.target=argmax --set objective.loss=kl --set draft_model.layer_types=sliding_attention" ;;
   all128) echo "$(variant all) --set draft_model.sliding_window=128" ;;
+  # Packed rows of 1024 tokens, 4 a batch: about the tokens of 16 conversations of this data (258 on average).
+  kl-pack) echo "$(variant kl) --set data.pack=true --set data.pack_len=1024 --set data.batch_size=4" ;;
   *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
@@ -117,5 +120,17 @@ bench)
     b pipeline --batch 4 --seq 768 --anchors 256 --steps 6 $objective
   done
   ;;
-*) echo "usage: $0 part | data | runs SEED VARIANT... | bench" >&2; exit 2 ;;
+pack)
+  # Packing at the qwen3-8b shapes: 4 conversations of 768 tokens as 4 rows, and packed into one row of 3072; the
+  # drafter's step alone and the pipeline (the target's capture of packed rows included).
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  b() { echo "== $*" >>"$out/bench.stderr"; "$d" bench --what "$@" --preset qwen3-8b --device cuda:0 --json \
+    2>>"$out/bench.stderr" | tee -a "$out/bench.jsonl"; }
+  for what in drafter pipeline; do
+    for pack in 1 4; do
+      b "$what" --batch 4 --seq 768 --anchors 256 --steps 6 --profile --pack "$pack"
+    done
+  done
+  ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | pack" >&2; exit 2 ;;
 esac

@@ -50,6 +50,9 @@ pub struct DrafterBenchOptions {
     /// Each layer's window and causality (`draft_model.layer_types`, ...); the preset's drafter keeps full attention
     /// when none restricts it.
     pub layer_attention: Vec<LayerAttention>,
+    /// Conversations per row (`data.pack`): the batch's `batch` conversations of `seq` tokens packed `pack` to a
+    /// row of `pack * seq` tokens; 1: a row each.
+    pub pack: i64,
 }
 
 #[derive(Debug, Serialize)]
@@ -60,6 +63,8 @@ pub struct DrafterBenchReport {
     pub dtype: &'static str,
     pub batch: i64,
     pub seq: i64,
+    /// Conversations per row (1: not packed).
+    pub pack: i64,
     /// Anchors per sample the step drew: `--anchors`, or fewer when a row has fewer valid positions.
     pub anchors: usize,
     pub block_size: usize,
@@ -104,6 +109,15 @@ pub fn bench_drafter(
     opts: &DrafterBenchOptions,
 ) -> Result<DrafterBenchReport, BenchError> {
     check_counts(opts.batch, opts.seq, opts.steps)?;
+    if opts.pack < 1 || opts.batch % opts.pack != 0 {
+        return Err(BenchError::Settings(format!(
+            "--pack {}: conversations per row must be at least 1 and divide --batch {}",
+            opts.pack, opts.batch
+        )));
+    }
+    // The rows the step trains: `batch / pack` of `pack * seq` tokens.
+    let (rows_n, row_len) = (opts.batch / opts.pack, opts.seq * opts.pack);
+    let conversations = (opts.pack > 1).then(|| vec![vec![opts.seq as usize; opts.pack as usize]; rows_n as usize]);
     let mut cfg = DrafterConfig::for_preset(preset, opts.block_size);
     if opts.layer_attention.iter().any(|l| l.restricts()) {
         cfg = cfg
@@ -161,14 +175,13 @@ pub fn bench_drafter(
     let features = match target {
         Some(target) => Features::Captured(Box::new(target)),
         None => Features::Fixed(
-            random(&[opts.batch, opts.seq, width], 0.5)?,
-            if with_last { Some(random(&[opts.batch, opts.seq, h], 1.0)?) } else { None },
+            random(&[rows_n, row_len, width], 0.5)?,
+            if with_last { Some(random(&[rows_n, row_len, h], 1.0)?) } else { None },
         ),
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let rows: Vec<Vec<i64>> =
-        (0..opts.batch).map(|_| (0..opts.seq).map(|_| rng.random_range(0..v - 2)).collect()).collect();
-    let masks = vec![vec![1u8; opts.seq as usize]; opts.batch as usize];
+    let rows: Vec<Vec<i64>> = (0..rows_n).map(|_| (0..row_len).map(|_| rng.random_range(0..v - 2)).collect()).collect();
+    let masks = vec![vec![1u8; row_len as usize]; rows_n as usize];
     let update = UpdateSettings {
         adamw: AdamwStep { lr: 6e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
         muon: (opts.optimizer == OptimizerKind::Muon).then_some(MuonStep {
@@ -185,15 +198,15 @@ pub fn bench_drafter(
         let sample_ids = (0..opts.batch as u64).collect();
         let batch = match &features {
             Features::Captured(target) => {
-                let (ids, mask) = (rows.clone(), masks.clone());
-                FeatureBatch::capture(target, sample_ids, epoch, ids, mask, (device, kind), with_last)?
+                let (ids, mask, conv) = (rows.clone(), masks.clone(), conversations.clone());
+                FeatureBatch::capture_packed(target, sample_ids, epoch, ids, mask, conv, (device, kind), with_last)?
             }
             Features::Fixed(hidden, last) => FeatureBatch {
                 sample_ids,
                 epoch,
                 input_ids: rows.clone(),
                 loss_mask: masks.clone(),
-                conversations: None,
+                conversations: conversations.clone(),
                 target_hidden: hidden.shallow_clone(),
                 target_last: last.as_ref().map(Tensor::shallow_clone),
             },
@@ -224,10 +237,15 @@ pub fn bench_drafter(
             Features::Fixed(..) => spec.build_target(Depth::ToLastTap, device, kind)?,
         };
         let flat: Vec<i64> = rows.concat();
-        let ids = Tensor::f_from_slice(&flat)?.f_view([opts.batch, opts.seq])?.f_to(device)?;
-        let lengths = vec![opts.seq; opts.batch as usize];
+        let ids = Tensor::f_from_slice(&flat)?.f_view([rows_n, row_len])?.f_to(device)?;
+        let lengths = vec![row_len; rows_n as usize];
+        let packed: Option<Vec<Vec<i64>>> =
+            conversations.as_ref().map(|rows| rows.iter().map(|r| r.iter().map(|&l| l as i64).collect()).collect());
         let capture = || -> Result<(), BenchError> {
-            let _states = target.capture(&ids, &lengths)?;
+            match &packed {
+                Some(rows) => drop(target.capture_packed(&ids, rows, false)?),
+                None => drop(target.capture(&ids, &lengths)?),
+            }
             Ok(())
         };
         capture()?;
@@ -237,7 +255,7 @@ pub fn bench_drafter(
     };
     let step_ms_p50 = times.percentile(50.0);
     // FLOPs of the blocks the step drew: no more than the row has valid anchors (every position but the last here).
-    let anchors = opts.anchors.min(crate::train::objective::valid_anchors(&masks[0]).len());
+    let anchors = opts.anchors.min(opts.seq.max(1) as usize - 1);
     let flops_per_sample = cfg.training_flops_per_sample(opts.seq, anchors);
     let samples_per_s = opts.batch as f64 / (step_ms_p50 * 1e-3);
     let tflops = flops_per_sample * samples_per_s / 1e12;
@@ -248,6 +266,7 @@ pub fn bench_drafter(
         dtype: kind_name(kind),
         batch: opts.batch,
         seq: opts.seq,
+        pack: opts.pack,
         anchors,
         block_size: opts.block_size,
         lm_head_chunk_rows,
@@ -328,6 +347,7 @@ mod tests {
             optimizer: OptimizerKind::AdamW,
             teacher: Teacher::Data,
             layer_attention: vec![],
+            pack: 1,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert!(r.samples_per_s > 0.0 && r.loss.is_finite() && r.loss > 0.0);
@@ -359,6 +379,7 @@ mod tests {
             optimizer: OptimizerKind::AdamW,
             teacher: Teacher::Data,
             layer_attention: vec![],
+            pack: 1,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.anchors, 15);
@@ -386,11 +407,20 @@ mod tests {
             optimizer: OptimizerKind::AdamW,
             teacher: Teacher::Data,
             layer_attention: vec![],
+            pack: 1,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.what, "pipeline");
         assert!(r.loss.is_finite() && r.loss > 0.0);
         let phases = r.phases_ms.unwrap();
         assert!(phases.contains_key("target.capture"), "the capture is not in the step: {phases:?}");
+        // Packed: the two conversations share a row, captured and trained as alone; a pack that does not divide
+        // the batch is refused.
+        let packed =
+            bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &DrafterBenchOptions { pack: 2, ..opts.clone() });
+        let packed = packed.unwrap();
+        assert!(packed.pack == 2 && packed.loss.is_finite() && packed.loss > 0.0 && packed.anchors == 4);
+        let odd = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &DrafterBenchOptions { pack: 3, ..opts });
+        assert!(odd.unwrap_err().to_string().contains("--pack 3"));
     }
 }

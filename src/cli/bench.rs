@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// Drafter: anchors (blocks) per sequence.
     #[arg(long, default_value_t = 256)]
     anchors: usize,
+    /// Drafter and pipeline: conversations packed per row (`data.pack`): the --batch conversations of --seq tokens
+    /// go N to a row of N x --seq tokens, each trained as alone; 1: a row each.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pack: i64,
     /// Drafter: block size.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -184,6 +188,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 optimizer: config.optim.optimizer,
                 teacher: config.objective.teacher,
                 layer_attention: config.draft_model.layer_attention.clone(),
+                pack: args.pack,
             };
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(%preset, device = %device_name(device), "building the drafter");
