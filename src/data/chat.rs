@@ -20,6 +20,7 @@ use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value, json};
 
 use super::SampleId;
+use super::tokenize::special_token;
 
 /// Strings that end an assistant turn, in the order they are tried.
 const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>"];
@@ -183,12 +184,7 @@ impl ChatTemplate {
         };
         let mut specials = Map::new();
         for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
-            let value = match config.get(key) {
-                Some(Value::String(s)) => json!(s),
-                Some(Value::Object(o)) => o.get("content").cloned().unwrap_or(Value::Null),
-                _ => Value::Null,
-            };
-            specials.insert(key.into(), value);
+            specials.insert(key.into(), special_token(&config, key).map_or(Value::Null, Value::String));
         }
         Self::new(&template, specials, kwargs).map_err(|e| format!("{}: {e}", path.display()))
     }

@@ -126,19 +126,22 @@ pub fn declared_special_tokens(dir: &Path) -> Result<Vec<(String, String)>, Stri
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", path.display()))?;
         for role in ["mask_token", "pad_token", "eos_token", "unk_token"] {
-            let content = match json.get(role) {
-                Some(serde_json::Value::String(s)) => s.clone(),
-                Some(serde_json::Value::Object(o)) => match o.get("content").and_then(|c| c.as_str()) {
-                    Some(c) => c.to_string(),
-                    None => continue,
-                },
-                _ => continue,
-            };
+            let Some(content) = special_token(&json, role) else { continue };
             declared.retain(|(r, _)| r != role);
             declared.push((role.to_string(), content));
         }
     }
     Ok(declared)
+}
+
+/// The special token a tokenizer configuration declares for `role` (`eos_token`, ...): a string, or an object with
+/// its `content`, as transformers writes either; `None` when absent or null.
+pub fn special_token(config: &serde_json::Value, role: &str) -> Option<String> {
+    match config.get(role)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
 }
 
 /// 1 for every token whose text starts inside one of `spans` (byte ranges), else 0.

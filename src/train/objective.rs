@@ -211,7 +211,7 @@ impl BlockPlan {
                 };
                 // The anchor's conversation: from the last bound at or before it to the next one.
                 let next = bounds.partition_point(|&start| start <= a);
-                let (start, len) = (bounds[next - 1], bounds[next.min(bounds.len() - 1)]);
+                let (start, end) = (bounds[next - 1], bounds[next.min(bounds.len() - 1)]);
                 if let Some(starts) = plan.context_starts.as_mut() {
                     starts[block] = start as i64;
                 }
@@ -221,7 +221,7 @@ impl BlockPlan {
                 for k in 0..bs {
                     let p = a + k;
                     plan.positions[base + k] = p as i64;
-                    if p < len {
+                    if p < end {
                         plan.labels[base + k] = row.input_ids[p];
                         if row.loss_mask[p] != 0 {
                             plan.weights[base + k] = slot_weight(k, gamma);
