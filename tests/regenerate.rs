@@ -166,13 +166,21 @@ struct Answering {
 }
 
 async fn answer(State(s): State<Arc<Mutex<Answering>>>, Json(body): Json<Value>) -> Json<Value> {
-    let mut s = s.lock().unwrap();
-    s.requests.push(body.clone());
-    s.replies += 1;
-    if s.replies == s.die_after
-        && let Some(kill) = s.kill.take()
-    {
-        kill.send(()).unwrap();
+    let dead = {
+        let mut s = s.lock().unwrap();
+        s.requests.push(body.clone());
+        s.replies += 1;
+        if s.replies == s.die_after
+            && let Some(kill) = s.kill.take()
+        {
+            kill.send(()).unwrap();
+        }
+        s.replies > s.die_after
+    };
+    if dead {
+        // A dead server answers nothing: the request waits until the runtime goes (the connection then drops),
+        // however long the server's thread takes to be scheduled and shut it down.
+        std::future::pending::<()>().await;
     }
     let last = body["messages"].as_array().unwrap().last().unwrap()["content"].as_str().unwrap().to_string();
     let finish = if last.contains("long") { "length" } else { "stop" };
