@@ -2,7 +2,7 @@
 //! kernel): batch-1 attention with grouped query heads over an additive mask, its mask, a draft layer's sliding
 //! window and causality, GPT-OSS's attention with sinks, the key/value head expansion, and the bucketing of context
 //! lengths.
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 
@@ -28,7 +28,12 @@ pub(crate) fn repeat_kv(t: &Tensor, rep: i64) -> Tensor {
 /// Whether [`crate::ffi::attention::sink_flash_attention`] takes `q`: on CUDA in bf16 or f16, unless the fused paths are
 /// switched off ([`super::fused::switched_off`]) for comparisons, leaving the masked one below.
 pub(super) fn flash_applies(q: &Tensor) -> bool {
-    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
+    flash_runs_on(q.device(), q.kind())
+}
+
+/// [`flash_applies`] for tensors on `device` in `kind`.
+pub(super) fn flash_runs_on(device: Device, kind: Kind) -> bool {
+    device.is_cuda() && matches!(kind, Kind::BFloat16 | Kind::Half) && !super::fused::switched_off()
 }
 
 /// The additive mask of `t` queries laid out for [`masked_attention`] over a target or drafter with `group` query

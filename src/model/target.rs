@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
-use super::attention::{context_bucket, flash_applies, grouped_bias, masked_attention, repeat_kv, sink_attention};
+use super::attention::{
+    context_bucket, flash_applies, flash_runs_on, grouped_bias, masked_attention, repeat_kv, sink_attention,
+};
 use super::config::TargetConfig;
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
@@ -86,9 +88,31 @@ enum Keys<'a> {
     /// row's first `len` positions, `bias` hiding those the row does not hold (batched generation's step,
     /// [`Target::step_rows`]).
     Rows { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, len: i64, bias: &'a Tensor },
-    /// The input is whole rows of several conversations each (packed): attention with `bias` `[B, 1, S, S]`, causal
-    /// within each conversation and nothing across ([`Target::capture_packed`]).
-    Packed { bias: &'a Tensor },
+    /// The input is whole rows of several conversations each (packed): attention causal within each conversation
+    /// and nothing across, as `mask` says ([`Target::capture_packed`]).
+    Packed { mask: &'a PackedMask },
+}
+
+/// How the tokens of packed rows are kept to their own conversation ([`Keys::Packed`]).
+enum PackedMask {
+    /// An additive bias `[B, 1, S, S]`: 0 where a token sees a key, -inf elsewhere (any device and dtype; every key
+    /// of the row computed, then masked).
+    Bias(Tensor),
+    /// The rows' conversations (and each row's padding) as the variable-length sequences of libtorch's flash
+    /// attention (CUDA, bf16/f16), which computes no key outside a query's own sequence: their cumulative lengths over
+    /// the rows laid end to end, `[n + 1]` int32, and the longest.
+    Segments { cu_seqlens: Tensor, longest: i64 },
+}
+
+impl PackedMask {
+    fn to_device(&self, device: Device) -> Result<PackedMask, ModelError> {
+        Ok(match self {
+            PackedMask::Bias(bias) => PackedMask::Bias(bias.f_to_device(device)?),
+            PackedMask::Segments { cu_seqlens, longest } => {
+                PackedMask::Segments { cu_seqlens: cu_seqlens.f_to_device(device)?, longest: *longest }
+            }
+        })
+    }
 }
 
 /// Where the tokens of a pass go, beside the whole-sequence pass that has no cache.
@@ -102,8 +126,8 @@ enum Placement<'a> {
     /// One token per cache row at these positions, attention over `len` positions ([`Keys::Rows`]).
     Rows { positions: &'a Tensor, len: i64 },
     /// Packed rows without a cache: each token at `positions [B, S]` (its place in its conversation), attention as
-    /// `bias` says ([`Keys::Packed`]).
-    Packed { positions: &'a Tensor, bias: &'a Tensor },
+    /// `mask` says ([`Keys::Packed`]).
+    Packed { positions: &'a Tensor, mask: &'a PackedMask },
 }
 
 /// A source of named HF tensors (`model.layers.3.self_attn.q_proj.weight`, ...), each on the device it is asked for.
@@ -667,7 +691,9 @@ impl Target {
         with_last: bool,
     ) -> Result<(Tensor, Option<Tensor>), ModelError> {
         let (b, s) = self.check_batch(input_ids, lengths)?;
-        let packing = packed.map(|rows| packed_attention(rows, s, self.kind, self.device)).transpose()?;
+        // Flash attention over each conversation where it runs (packed rows' only attention that skips the keys of
+        // other conversations), else the whole row masked.
+        let segments = flash_runs_on(self.device, self.kind) && self.cfg.head_dim <= 256;
         let h = self.cfg.hidden_size as i64;
         // With the last states: the final norm, and where its output goes.
         let last = match (with_last, &self.norm) {
@@ -692,14 +718,15 @@ impl Target {
                 let count = rows.min(b - first);
                 let ids = input_ids.f_narrow(0, first, count)?;
                 let mut next_tap = 0;
-                let packed = match &packing {
-                    Some((positions, bias)) => {
-                        Some((positions.f_narrow(0, first, count)?, bias.f_narrow(0, first, count)?))
+                let packed = match packed {
+                    Some(rows) => {
+                        let rows = &rows[first as usize..(first + count) as usize];
+                        Some(packed_attention(rows, s, segments, self.kind, self.device)?)
                     }
                     None => None,
                 };
                 let placement = match &packed {
-                    Some((positions, bias)) => Placement::Packed { positions, bias },
+                    Some((positions, mask)) => Placement::Packed { positions, mask },
                     None => Placement::Append,
                 };
                 let output = self.run_layers_at(&ids, layers_run, None, placement, None, |layer, x| {
@@ -1033,7 +1060,7 @@ impl Target {
                 let bias = grouped_bias(&hidden, s, self.query_group(), self.kind)?;
                 (positions, Some(bias))
             }
-            (None, Placement::Packed { positions, bias }) => (positions.shallow_clone(), Some(bias.shallow_clone())),
+            (None, Placement::Packed { positions, .. }) => (positions.shallow_clone(), None),
             _ => (Tensor::f_arange_start(start, start + s, (Kind::Int64, device))?, None),
         };
         let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
@@ -1044,6 +1071,11 @@ impl Target {
         let mut row_index = match &placement {
             Placement::Fill(rows) => Some(rows.shallow_clone()),
             Placement::Rows { positions, .. } => Some(positions.shallow_clone()),
+            _ => None,
+        };
+        // Packed rows' mask, following the layers from device to device.
+        let mut packed_mask = match &placement {
+            Placement::Packed { mask, .. } => Some(mask.to_device(device)?),
             _ => None,
         };
         let mut x = {
@@ -1065,10 +1097,11 @@ impl Target {
                 let to = |t: &Tensor| t.f_to_device(layer.device);
                 (x, cos, sin) = (to(&x)?, to(&cos)?, to(&sin)?);
                 bias = bias.as_ref().map(to).transpose()?;
+                packed_mask = packed_mask.map(|m| m.to_device(layer.device)).transpose()?;
                 row_index = row_index.as_ref().map(to).transpose()?;
             }
             let attend = match (cache.as_deref_mut(), &placement) {
-                (None, Placement::Packed { .. }) => Keys::Packed { bias: bias.as_ref().expect("a packed mask") },
+                (None, Placement::Packed { .. }) => Keys::Packed { mask: packed_mask.as_ref().expect("a packed mask") },
                 (None, _) => Keys::Causal,
                 (Some(c), Placement::Append) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
                 (Some(c), Placement::At(_)) => {
@@ -1255,31 +1288,48 @@ impl Target {
     }
 }
 
-/// The positions `[B, S]` and the attention bias `[B, 1, S, S]` of packed rows ([`Target::capture_packed`]): each
-/// conversation's positions from 0, each token seeing its own conversation's tokens up to itself; the padding after
-/// a row's conversations is one more (ignored) conversation, so that no query sees nothing.
-fn packed_attention(rows: &[Vec<i64>], s: i64, kind: Kind, device: Device) -> Result<(Tensor, Tensor), ModelError> {
-    let (mut positions, mut segments) = (Vec::with_capacity(rows.len() * s as usize), Vec::new());
+/// The positions `[B, S]` and the mask of packed rows ([`Target::capture_packed`]): each conversation's positions
+/// from 0, each token seeing its own conversation's tokens up to itself; the padding after a row's conversations is
+/// one more (ignored) conversation, so that no query sees nothing. With `segments`, the mask is the sequences of
+/// flash attention over the rows laid end to end; else a bias over each row.
+fn packed_attention(
+    rows: &[Vec<i64>],
+    s: i64,
+    segments: bool,
+    kind: Kind,
+    device: Device,
+) -> Result<(Tensor, PackedMask), ModelError> {
+    let (mut positions, mut segment_of, mut cumulative) =
+        (Vec::with_capacity(rows.len() * s as usize), vec![], vec![0]);
     for row in rows {
         let start = positions.len();
         for (segment, &len) in row.iter().enumerate() {
             positions.extend(0..len);
-            segments.extend(std::iter::repeat_n(segment as i64, len as usize));
+            segment_of.extend(std::iter::repeat_n(segment as i64, len as usize));
+            cumulative.push(positions.len() as i32);
         }
         let used = (positions.len() - start) as i64;
         positions.extend(0..s - used);
-        segments.extend(std::iter::repeat_n(row.len() as i64, (s - used) as usize));
+        segment_of.extend(std::iter::repeat_n(row.len() as i64, (s - used) as usize));
+        if used < s {
+            cumulative.push(positions.len() as i32);
+        }
     }
     let b = rows.len() as i64;
     let positions = Tensor::f_from_slice(&positions)?.f_view([b, s])?.f_to(device)?;
-    let segments = Tensor::f_from_slice(&segments)?.f_view([b, s])?.f_to(device)?;
+    if segments {
+        let longest = cumulative.windows(2).map(|w| (w[1] - w[0]) as i64).max().unwrap_or(0);
+        let cu_seqlens = Tensor::f_from_slice(&cumulative)?.f_to(device)?;
+        return Ok((positions, PackedMask::Segments { cu_seqlens, longest }));
+    }
+    let segments = Tensor::f_from_slice(&segment_of)?.f_view([b, s])?.f_to(device)?;
     let same = segments.f_unsqueeze(2)?.f_eq_tensor(&segments.f_unsqueeze(1)?)?;
     let index = Tensor::f_arange(s, (Kind::Int64, device))?;
     let causal = index.f_unsqueeze(0)?.f_le_tensor(&index.f_unsqueeze(1)?)?;
     let visible = same.f_logical_and(&causal.f_unsqueeze(0)?)?;
     let bias =
         Tensor::f_zeros([b, s, s], (kind, device))?.f_masked_fill(&visible.f_logical_not()?, f64::NEG_INFINITY)?;
-    Ok((positions, bias.f_unsqueeze(1)?))
+    Ok((positions, PackedMask::Bias(bias.f_unsqueeze(1)?)))
 }
 
 /// One layer's attention of the queries `q` (`[B, heads, S, d]`) over the new keys and values `k`, `v` and, as
@@ -1326,11 +1376,21 @@ fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<
         (Keys::Causal | Keys::Fill { .. }, None) => {
             Tensor::f_scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?
         }
-        (Keys::Packed { bias }, None) => {
+        (Keys::Packed { mask: PackedMask::Bias(bias) }, None) => {
             // Every query head's keys written out: the masked kernels take no grouped heads.
             let rep = q.size()[1] / k.size()[1];
             let (k, v) = (repeat_kv(&k, rep), repeat_kv(&v, rep));
             Tensor::f_scaled_dot_product_attention(q, &k, &v, Some(bias), 0.0, false, None, false)?
+        }
+        (Keys::Packed { mask: PackedMask::Segments { cu_seqlens, longest } }, None) => {
+            // [B, heads, S, d] -> the rows end to end, [B * S, heads, d], and back.
+            let (b, heads, d) = (q.size()[0], q.size()[1], q.size()[3]);
+            let flat = |t: &Tensor| -> Result<Tensor, ModelError> {
+                Ok(t.f_transpose(1, 2)?.f_reshape([b * s, t.size()[1], d])?)
+            };
+            let out =
+                crate::ffi::attention::varlen_flash_attention(&flat(q)?, &flat(&k)?, &flat(&v)?, cu_seqlens, *longest)?;
+            out.f_view([b, s, heads, d])?.f_transpose(1, 2)?
         }
         (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
             let (k, v) = cache.write_at(index, positions, &k, &v)?;
@@ -1391,5 +1451,56 @@ mod tests {
         check_fit(&per_layer, first, &parts, &[a, b], &[ten, ten]).unwrap();
         let err = check_fit(&per_layer, first, &parts, &[a, a], &[ten, ten]).unwrap_err().to_string();
         assert!(err.contains("cuda:0"), "{err}");
+    }
+
+    /// Packed rows for flash attention: each conversation a sequence, and each row's padding one more, over the rows
+    /// laid end to end; every position at its place in its own conversation.
+    #[test]
+    fn packed_rows_for_flash_attention_are_their_conversations_and_padding() {
+        let (positions, mask) =
+            packed_attention(&[vec![9, 1, 14], vec![6]], 24, true, Kind::Float, Device::Cpu).unwrap();
+        let PackedMask::Segments { cu_seqlens, longest } = mask else { panic!("segments asked for") };
+        assert_eq!(Vec::<i32>::try_from(&cu_seqlens).unwrap(), [0, 9, 10, 24, 30, 48]);
+        assert_eq!(longest, 18);
+        let row = |r: i64| Vec::<i64>::try_from(&positions.get(r)).unwrap();
+        assert_eq!(row(0), [(0..9).collect::<Vec<i64>>(), vec![0], (0..14).collect()].concat());
+        assert_eq!(row(1), [(0..6).collect::<Vec<i64>>(), (0..18).collect()].concat());
+        // A full row adds no padding sequence.
+        let (_, mask) = packed_attention(&[vec![10, 14]], 24, true, Kind::Float, Device::Cpu).unwrap();
+        let PackedMask::Segments { cu_seqlens, longest } = mask else { panic!("segments asked for") };
+        assert_eq!((Vec::<i32>::try_from(&cu_seqlens).unwrap(), longest), (vec![0, 10, 24], 14));
+    }
+
+    /// On a GPU in bf16 packed rows take flash attention over each conversation, and each conversation's taps and last
+    /// states are those it has alone in a row (the CPU's f32 test of the masked path is tests/target_model.rs').
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn on_a_gpu_packed_rows_capture_what_each_captures_alone() {
+        let device = crate::device::gpu_for_tests();
+        let target = crate::model::Preset::Tiny.spec().build_target(Depth::Full, device, Kind::BFloat16).unwrap();
+        let lengths = [[37i64, 5, 80], [64, 0, 0]];
+        let s = 122;
+        let rows: Vec<Vec<i64>> = lengths.iter().map(|r| r.iter().copied().filter(|&l| l > 0).collect()).collect();
+        let vocab = target.config().vocab_size as i64;
+        let ids = Tensor::randint(vocab, [2, s], (Kind::Int64, device));
+        let (taps, last) = target.capture_packed(&ids, &rows, true).unwrap();
+        let last = last.unwrap();
+        let rel = |a: &Tensor, b: &Tensor| {
+            let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+            (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-12)
+        };
+        for (r, row) in rows.iter().enumerate() {
+            let mut start = 0;
+            for &len in row {
+                let alone_ids = ids.get(r as i64).narrow(0, start, len).unsqueeze(0);
+                let (alone, alone_last) = target.capture_with_last(&alone_ids, &[len]).unwrap();
+                let err = rel(&taps.get(r as i64).narrow(0, start, len), &alone.get(0));
+                assert!(err < 1e-2, "taps of row {r} at {start}: relative error {err}");
+                let err = rel(&last.get(r as i64).narrow(0, start, len), &alone_last.get(0));
+                assert!(err < 1e-2, "last states of row {r} at {start}: relative error {err}");
+                start += len;
+            }
+        }
+        assert_eq!(taps.get(1).narrow(0, 64, s - 64).abs().max().double_value(&[]), 0.0, "padding is zero");
     }
 }
