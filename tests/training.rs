@@ -388,8 +388,10 @@ fn two_drafters_with_batch_b_equal_one_drafter_with_batch_2b() {
 #[test]
 fn packed_rows_train_each_conversation_as_it_trains_alone() {
     let t = target();
-    let lengths = [30usize, 17, 24];
-    let data: Vec<(Vec<i64>, Vec<u8>)> = dataset(3, 30)
+    // Long enough that a group of blocks of the second conversation reads the row's context from its conversation's
+    // start (rounded down to 256), not from the row's.
+    let lengths = [300usize, 170, 240];
+    let data: Vec<(Vec<i64>, Vec<u8>)> = dataset(3, 300)
         .into_iter()
         .zip(lengths)
         .map(|((ids, mask), len)| (ids[..len].to_vec(), mask[..len].to_vec()))

@@ -17,7 +17,7 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
-use super::attention::{LayerAttention, context_bucket, grouped_bias, masked_attention, repeat_kv};
+use super::attention::{CONTEXT_BUCKET, LayerAttention, context_bucket, grouped_bias, masked_attention, repeat_kv};
 use super::drafter_config::DrafterConfig;
 use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
 use super::init::{Init, InitStream};
@@ -482,9 +482,12 @@ struct AttentionGroup {
     /// First query row and number of query rows (`blocks * block_size`).
     query_start: i64,
     query_len: i64,
-    /// Context keys `[0, context_len)` this group may need (its largest anchor, rounded up for alignment).
+    /// Context keys `[context_from, context_len)` this group may need: from the first of its blocks' conversations
+    /// (packed rows; else 0) rounded down, to its largest anchor rounded up, both to [`CONTEXT_BUCKET`] so that the
+    /// shapes recur.
+    context_from: i64,
     context_len: i64,
-    /// `[B, 1, query_len, context_len + query_len]`: 0 where visible, -inf elsewhere.
+    /// `[B, 1, query_len, context_len - context_from + query_len]`: 0 where visible, -inf elsewhere.
     bias: Tensor,
     /// `[B, query_len]`: each query's absolute position (its anchor plus its slot).
     query_at: Tensor,
@@ -521,10 +524,25 @@ impl BlockAttention {
             let largest =
                 (0..batch).flat_map(|b| anchors[b * n + j0..b * n + j0 + nb].iter().copied()).max().unwrap_or(0);
             let context_len = context_bucket(largest).min(context_bucket(seq_len));
+            // Packed rows: the first context key any block of the group sees (a block at its conversation's start
+            // sees none, and a padding block none at all).
+            let first = context_starts.map_or(0, |starts| {
+                (0..batch)
+                    .flat_map(|b| (b * n + j0..b * n + j0 + nb).map(move |i| (starts[i], anchors[i])))
+                    .filter(|&(start, anchor)| anchor > start)
+                    .map(|(start, _)| start)
+                    .min()
+                    .unwrap_or(context_len)
+            });
+            let context_from = (first / CONTEXT_BUCKET * CONTEXT_BUCKET).min(context_len);
             let q_len = nb as i64 * bs;
             let anchor_q =
                 anchors_dev.narrow(1, j0 as i64, nb as i64).f_repeat_interleave_self_int(bs, Some(1), None)?;
-            let context = Tensor::f_arange(context_len, (Kind::Int64, device))?.view([1, 1, context_len]);
+            let context = Tensor::f_arange_start(context_from, context_len, (Kind::Int64, device))?.view([
+                1,
+                1,
+                context_len - context_from,
+            ]);
             let mut ctx_ok = context.f_lt_tensor(&anchor_q.unsqueeze(-1))?;
             if let Some(starts) = context_starts {
                 let starts = Tensor::f_from_slice(starts)?.f_view([batch as i64, n as i64])?.f_to(device)?;
@@ -543,7 +561,14 @@ impl BlockAttention {
                 .unsqueeze(1);
             let slot = Tensor::f_arange(q_len, (Kind::Int64, device))?.f_remainder(bs)?;
             let query_at = anchor_q.f_add(&slot)?;
-            groups.push(AttentionGroup { query_start: j0 as i64 * bs, query_len: q_len, context_len, bias, query_at });
+            groups.push(AttentionGroup {
+                query_start: j0 as i64 * bs,
+                query_len: q_len,
+                context_from,
+                context_len,
+                bias,
+                query_at,
+            });
         }
         Ok(BlockAttention { groups })
     }
@@ -557,8 +582,9 @@ impl BlockAttention {
             .map(|g| {
                 // Keys in the order the bias has them: the context prefix, then the group's block keys.
                 let rows = g.query_at.size()[0];
-                let context = Tensor::f_arange(g.context_len, (Kind::Int64, g.query_at.device()))?
-                    .f_expand([rows, 1, g.context_len], false)?;
+                let context =
+                    Tensor::f_arange_start(g.context_from, g.context_len, (Kind::Int64, g.query_at.device()))?
+                        .f_expand([rows, 1, g.context_len - g.context_from], false)?;
                 let keys_at = Tensor::f_cat(&[context, g.query_at.f_unsqueeze(1)?], 2)?;
                 let bias = match layer.hides(&g.query_at.f_unsqueeze(2)?, &keys_at)? {
                     Some(hidden) => g.bias.f_masked_fill(&hidden.f_unsqueeze(1)?, f64::NEG_INFINITY)?,
@@ -567,6 +593,7 @@ impl BlockAttention {
                 Ok(AttentionGroup {
                     query_start: g.query_start,
                     query_len: g.query_len,
+                    context_from: g.context_from,
                     context_len: g.context_len,
                     bias,
                     query_at: g.query_at.shallow_clone(),
@@ -584,7 +611,8 @@ impl BlockAttention {
             .iter()
             .map(|g| {
                 let keys = |ctx: &Tensor, blk: &Tensor| {
-                    Tensor::cat(&[ctx.narrow(2, 0, g.context_len), blk.narrow(2, g.query_start, g.query_len)], 2)
+                    let context = ctx.narrow(2, g.context_from, g.context_len - g.context_from);
+                    Tensor::cat(&[context, blk.narrow(2, g.query_start, g.query_len)], 2)
                 };
                 Tensor::scaled_dot_product_attention(
                     &q.narrow(2, g.query_start, g.query_len),

@@ -85,6 +85,19 @@ pub fn default_group_blocks(device: Device) -> usize {
     if device.is_cuda() { 64 } else { 8 }
 }
 
+/// The blocks per row of a plan whose fullest row has `most` anchors, on a GPU with attention groups of `group`
+/// blocks: rounded up so that attention's shapes recur from step to step, since cuDNN builds an execution plan for
+/// every new shape and that costs more than the attention itself (BENCHMARKS.md: packed rows, whose anchor counts
+/// change every step, trained 2.6x slower): to a multiple of the group when `most` fills one, else to a power of
+/// two. The added blocks are padding, which trains nothing. `None` (the CPU): `most`.
+pub fn planned_blocks(most: usize, group: Option<usize>) -> usize {
+    match group {
+        Some(group) if most >= group.max(1) => most.div_ceil(group) * group,
+        Some(_) if most > 0 => most.next_power_of_two(),
+        _ => most,
+    }
+}
+
 /// One conversation: its token ids and loss mask (1 on supervised tokens), of the same length.
 #[derive(Debug, Clone, Copy)]
 pub struct Row<'a> {
@@ -159,22 +172,24 @@ pub struct BlockPlan {
 impl BlockPlan {
     /// Plans blocks at the given anchors (ascending, valid) of each row.
     pub fn new(rows: &[Row], anchors: &[Vec<usize>], seq_len: usize, s: &ObjectiveSettings) -> Self {
-        Self::packed(rows, anchors, None, seq_len, s)
+        Self::packed(rows, anchors, None, seq_len, None, s)
     }
 
     /// [`BlockPlan::new`] for rows of several conversations each (`conversations`: per row, their lengths in order,
     /// summing to the row's length; `None`: one per row). A block belongs to the conversation of its anchor: it sees
     /// that conversation's context only, and its slots past the conversation's end weigh nothing and read no label,
-    /// as past the end of a row of its own, so a conversation's blocks are the same packed or not.
+    /// as past the end of a row of its own, so a conversation's blocks are the same packed or not. With `group`
+    /// (on a GPU), the rows hold [`planned_blocks`].
     pub fn packed(
         rows: &[Row],
         anchors: &[Vec<usize>],
         conversations: Option<&[Vec<usize>]>,
         seq_len: usize,
+        group: Option<usize>,
         s: &ObjectiveSettings,
     ) -> Self {
         let (batch, bs) = (rows.len(), s.block_size);
-        let blocks = anchors.iter().map(Vec::len).max().unwrap_or(0);
+        let blocks = planned_blocks(anchors.iter().map(Vec::len).max().unwrap_or(0), group);
         let slots = batch * blocks * bs;
         let mut plan = BlockPlan {
             batch,
@@ -653,6 +668,18 @@ mod tests {
 
     fn settings(bs: usize, gamma: Option<f64>) -> ObjectiveSettings {
         ObjectiveSettings::new(8, bs, gamma, 99)
+    }
+
+    /// On a GPU a plan's rows hold a multiple of the attention group (a power of two below one), so that attention's
+    /// shapes recur; on the CPU exactly the anchors.
+    #[test]
+    fn planned_blocks_recur_on_a_gpu() {
+        let gpu = |most| planned_blocks(most, Some(64));
+        assert_eq!(
+            [gpu(0), gpu(1), gpu(3), gpu(33), gpu(64), gpu(65), gpu(2047), gpu(2049)],
+            [0, 1, 4, 64, 64, 128, 2048, 2112]
+        );
+        assert_eq!([planned_blocks(3, None), planned_blocks(65, None)], [3, 65]);
     }
 
     #[test]
