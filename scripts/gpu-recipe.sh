@@ -9,7 +9,11 @@
 #   data                 the second part; the model converted; prompts; answers (regenerate --local); prepare
 #   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
-#   pack                 the drafter's step and the pipeline at the qwen3-8b shapes, packed and not (only `part`)
+#   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
+#                        default 768/256), packed and not (only `part`)
+#   test                 the library's GPU tests of packed rows (.gpu-bin/test-lib.xz)
+#   lengths chat|data..  serve-train at the qwen3-8b shapes on chat lengths, or (after `data`) this data's lengths:
+#                        length-bucketed batches against packed rows (scripts/gpu-service.sh's stage 12)
 # Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -20,10 +24,12 @@ export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 gguf_sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 weights_sha=a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd
-if [ -e .gpu-bin/dflash.xz ]; then
-  python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" .gpu-bin/dflash.xz "$work/bin/dflash"
-  chmod +x "$work/bin/dflash"
-fi
+for f in .gpu-bin/dflash.xz .gpu-bin/test-lib.xz; do
+  [ -e "$f" ] || continue
+  name=$(basename "$f" .xz)
+  python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$work/bin/$name"
+  chmod +x "$work/bin/$name"
+done
 d=$work/bin/dflash
 # The --set overrides of each variant, each naming its slot weights and optimizer (config/smollm2-135m.toml itself
 # is D-PACE and Muon, the measured best).
@@ -126,11 +132,32 @@ pack)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
   b() { echo "== $*" >>"$out/bench.stderr"; "$d" bench --what "$@" --preset qwen3-8b --device cuda:0 --json \
     2>>"$out/bench.stderr" | tee -a "$out/bench.jsonl"; }
-  for what in drafter pipeline; do
-    for pack in 1 4; do
-      b "$what" --batch 4 --seq 768 --anchors 256 --steps 6 --profile --pack "$pack"
+  shift
+  for shape in "${@:-768/256}"; do
+    for what in drafter pipeline; do
+      for pack in 1 4; do
+        b "$what" --batch 4 --seq "${shape%/*}" --anchors "${shape#*/}" --steps 6 --profile --pack "$pack"
+      done
     done
   done
   ;;
-*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | pack" >&2; exit 2 ;;
+test)
+  # The library's GPU tests of packed rows (test-lib, carried with `data`: the call with `part` has no room for it).
+  "$work/bin/test-lib" --test-threads 1 --include-ignored packed_rows >"$out/gpu-tests.txt" 2>&1
+  grep -E "^test |test result|panicked" "$out/gpu-tests.txt"
+  ;;
+lengths)
+  # One packed row of up to 4096 tokens a step holds about as many conversations as a bucketed batch: 4 of chat
+  # lengths (about 1,000 tokens on average), 16 of this data's (258).
+  mkdir -p .bin && cp "$d" .bin/dflash
+  shift
+  for what in "$@"; do
+    case "$what" in
+    chat) STAGES=12 RECIPE_DATA=synthetic-chat RECIPE_PACK="off 4096" OUT=$out scripts/gpu-service.sh ;;
+    data) STAGES=12 RECIPE_DATA=$work/data RECIPE_BATCH=16 RECIPE_PACK="off 4096" OUT=$out scripts/gpu-service.sh ;;
+    *) echo "lengths: chat or data, not $what" >&2; exit 2 ;;
+    esac
+  done
+  ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | pack [SEQ/ANCHORS...] | test | lengths chat|data..." >&2; exit 2 ;;
 esac

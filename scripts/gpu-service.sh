@@ -356,16 +356,23 @@ fi
 if has 12; then
 # The published recipe's shapes end to end (the second Performance issue): 4 x 3072 tokens, 512 anchors, one drafter
 # beside its target, with every row 3,072 tokens long and with chat lengths (data.path = "synthetic-chat");
-# RECIPE_DATA picks one of them.
+# RECIPE_DATA picks them (or names a prepared folder), RECIPE_BATCH sets data.batch_size (4), and RECIPE_PACK lists
+# the batching of each run: "off" (length-bucketed batches, the default) or N (data.pack: one packed row of up to N
+# tokens a step).
 for data in ${RECIPE_DATA:-synthetic synthetic-chat}; do
-  echo "== 12. serve-train, 4 x 3072, 512 anchors, data.path=$data"
-  rm -rf runs/recipe
-  ./.bin/dflash serve-train "${shapes[@]}" --set data.max_len=3072 --set objective.num_anchors=512 \
-    --set data.path=$data --set "drafters.devices=[\"$dev\"]" --set checkpoint.dir=runs/recipe \
-    2>"$out/recipe-$data.log" &
-  pid=$!
-  rate 10 40 | tee "$out/recipe-$data.json"
-  kill -9 $pid; wait 2>/dev/null
+  for pack in ${RECIPE_PACK:-off}; do
+    batching=(--set data.batch_size=${RECIPE_BATCH:-4})
+    [ "$pack" != off ] && batching=(--set data.pack=true --set data.pack_len=$pack --set data.batch_size=1)
+    name=$(basename "$data")-$pack
+    echo "== 12. serve-train, rows of up to 3072, 512 anchors, data.path=$data, ${batching[*]}"
+    rm -rf runs/recipe
+    ./.bin/dflash serve-train "${shapes[@]}" --set data.max_len=3072 --set objective.num_anchors=512 \
+      --set data.path=$data "${batching[@]}" --set "drafters.devices=[\"$dev\"]" --set checkpoint.dir=runs/recipe \
+      2>"$out/recipe-$name.log" &
+    pid=$!
+    rate 10 40 | tee "$out/recipe-$name.json"
+    kill -9 $pid; wait 2>/dev/null
+  done
 done
 fi
 
