@@ -2,9 +2,9 @@
 // GPT-OSS's (a sliding window, and the log-sum-exp it does not return), and packed rows (variable-length sequences
 // one after the other, which SDPA could only take as an explicit mask, leaving the flash kernel out).
 //
-// GPT-OSS's The sink (one logit per head that takes part
-// in the softmax and adds no value) is folded in afterwards: with `lse` the log-sum-exp of a query's scaled scores,
-// softmax over [scores, sink] scales the plain output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink).
+// For GPT-OSS, the sink (one logit per head that takes part in the softmax and adds no value) is folded in
+// afterwards: with `lse` the log-sum-exp of a query's scaled scores, softmax over [scores, sink] scales the plain
+// output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink).
 #include <ATen/ATen.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
