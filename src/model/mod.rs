@@ -10,6 +10,7 @@ pub mod config;
 pub mod decoder;
 pub mod drafter;
 pub mod drafter_config;
+pub mod dynamic_conv;
 pub mod flat_params;
 pub mod fused;
 pub mod generate;
