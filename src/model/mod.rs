@@ -5,6 +5,7 @@ use std::path::PathBuf;
 pub mod attention;
 pub mod batch_schedule;
 pub mod batched;
+pub mod candidate_selector;
 pub mod choice;
 pub mod config;
 pub mod decoder;
