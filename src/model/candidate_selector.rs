@@ -52,6 +52,29 @@ pub fn candidate_scores(
     Ok(unary.f_gather(-1, candidates, false)? + transitions.f_to_kind(unary.kind())?)
 }
 
+/// The drafted tokens of one block at temperature 0, as vLLM walks them (`spec_decode/dflash2/speculator.py`): at each
+/// of the `S` slots with unary logits `unary [S, V]` and hidden states `hidden [S, H]`, the `top_k` likeliest unary
+/// tokens rescored given the token chosen before (the verified anchor `anchor [1]` before the first), the best
+/// kept. Returns `[S]` int64, on the device, without waiting for it.
+pub fn greedy_path(
+    unary: &Tensor,
+    hidden: &Tensor,
+    anchor: &Tensor,
+    top_k: i64,
+    w: &SelectorWeights,
+) -> Result<Tensor, ModelError> {
+    let candidates = unary.f_topk(top_k, -1, true, true)?.1;
+    let mut previous = anchor.shallow_clone();
+    let mut path = Vec::with_capacity(unary.size()[0] as usize);
+    for s in 0..unary.size()[0] {
+        let at = |t: &Tensor| t.f_narrow(0, s, 1);
+        let scores = candidate_scores(&at(unary)?, &at(hidden)?, &previous, &at(&candidates)?, w)?;
+        previous = at(&candidates)?.f_gather(-1, &scores.f_argmax(-1, true)?, false)?.f_view([1])?;
+        path.push(previous.shallow_clone());
+    }
+    Ok(Tensor::f_cat(&path, 0)?)
+}
+
 #[cfg(test)]
 mod tests {
     use tch::Device;
@@ -109,5 +132,38 @@ mod tests {
         close(&a.grad(), &floats("grad_predecessor_codebook", &[v, r]), "the predecessor codebook's gradient");
         close(&b.grad(), &floats("grad_successor_codebook", &[v, r]), "the successor codebook's gradient");
         close(&w_h.grad(), &floats("grad_hidden_projection", &[r, h]), "the hidden projection's gradient");
+    }
+
+    /// The walk keeps the best rescored candidate given the token it chose before: a transition term that favours
+    /// a unary runner-up after the anchor changes the first choice, and the second follows from it; with zero
+    /// codebooks it is the unary argmax at every slot (DFlash's draft).
+    #[test]
+    fn the_walk_rescores_each_slot_given_the_token_chosen_before() {
+        let t = |v: &[f64], shape: &[i64]| Tensor::from_slice(v).view(shape);
+        // 4 tokens, K = 2, rank 1, hidden 1 (h = 1, W_h = 1).
+        let unary = t(&[0.0, 1.0, 0.9, -5.0, 0.5, 0.0, 0.0, 0.6], &[2, 4]);
+        let hidden = t(&[1.0, 1.0], &[2, 1]);
+        let w_h = t(&[1.0], &[1, 1]);
+        // A[anchor 0] = 1, A[1] = 1, A[2] = -1; B[2] = 1 (after the anchor, 2 beats 1), B[0] = 1 (after 2 it loses to 3).
+        let a = t(&[1.0, 1.0, -1.0, 0.0], &[4, 1]);
+        let b = t(&[1.0, 0.0, 1.0, 0.0], &[4, 1]);
+        let w = SelectorWeights { predecessor_codebook: &a, successor_codebook: &b, hidden_projection: &w_h };
+        let anchor = Tensor::from_slice(&[0i64]);
+        let path = greedy_path(&unary, &hidden, &anchor, 2, &w).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&path).unwrap(), [2, 3]);
+        // Had it chosen 1 first (A[1] = 1), token 0 would have followed: each slot reads the choice before it.
+        let after_one = candidate_scores(
+            &unary.narrow(0, 1, 1),
+            &hidden.narrow(0, 1, 1),
+            &Tensor::from_slice(&[1i64]),
+            &Tensor::from_slice(&[3i64, 0]).view([1, 2]),
+            &w,
+        )
+        .unwrap();
+        assert_eq!(after_one.argmax(-1, false).int64_value(&[0]), 1);
+        let zero = Tensor::zeros([4, 1], (Kind::Double, Device::Cpu));
+        let plain = SelectorWeights { predecessor_codebook: &zero, successor_codebook: &zero, hidden_projection: &w_h };
+        let path = greedy_path(&unary, &hidden, &anchor, 2, &plain).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&path).unwrap(), Vec::<i64>::try_from(&unary.argmax(-1, false)).unwrap());
     }
 }
