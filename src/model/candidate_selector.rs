@@ -80,30 +80,19 @@ mod tests {
     use tch::Device;
 
     use super::*;
+    use crate::model::reference_fixture;
 
     /// speculators 0.9.0's candidates, scores, summed K-way cross-entropy and every gradient
     /// (`scripts/make_dflash2_fixtures.py`), in f64: 8 slots, 50 tokens, rank 8, K = 4, half the targets outside the
     /// unary top-K.
     #[test]
     fn selector_matches_speculators() {
-        let path = format!("{}/tests/fixtures/dflash2-selector-speculators-0.9.0.json", env!("CARGO_MANIFEST_DIR"));
-        let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let fixture = reference_fixture::read("dflash2-selector-speculators-0.9.0.json");
         let case = &fixture["selector"];
         let dim = |k: &str| case["shape"][k].as_i64().unwrap();
         let (n, v, h, r, k) = (dim("slots"), dim("vocab"), dim("hidden"), dim("rank"), dim("top_k"));
-        let floats = |key: &str, shape: &[i64]| {
-            let values: Vec<f64> = case[key].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-            Tensor::from_slice(&values).view(shape).to_device(Device::Cpu)
-        };
-        let ints = |key: &str| {
-            let values: Vec<i64> = case[key]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_i64().or(x.as_bool().map(i64::from)).unwrap())
-                .collect();
-            Tensor::from_slice(&values)
-        };
+        let floats = |key: &str, shape: &[i64]| reference_fixture::floats(case, key, shape);
+        let ints = |key: &str| reference_fixture::ints(case, key);
         let unary = floats("unary", &[n, v]).set_requires_grad(true);
         let hidden = floats("states", &[n, h]).set_requires_grad(true);
         let a = floats("predecessor_codebook", &[v, r]).set_requires_grad(true);

@@ -60,21 +60,18 @@ mod tests {
     use tch::Device;
 
     use super::*;
+    use crate::model::reference_fixture;
 
     /// The output and the gradients of speculators 0.9.0's convolution (`scripts/make_dflash2_fixtures.py`), in f64:
     /// two rows of two blocks of 4 tokens, 32 channels in groups of 8, two taps.
     #[test]
     fn conv_matches_speculators() {
-        let path = format!("{}/tests/fixtures/dflash2-conv-speculators-0.9.0.json", env!("CARGO_MANIFEST_DIR"));
-        let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let fixture = reference_fixture::read("dflash2-conv-speculators-0.9.0.json");
         let case = &fixture["conv"];
         let dim = |k: &str| case["shape"][k].as_i64().unwrap();
         let (rows, tokens, hidden, group, taps) =
             (dim("rows"), dim("tokens"), dim("hidden"), dim("group"), dim("taps"));
-        let tensor = |k: &str, shape: &[i64]| {
-            let values: Vec<f64> = case[k].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
-            Tensor::from_slice(&values).view(shape).to_device(Device::Cpu)
-        };
+        let tensor = |k: &str, shape: &[i64]| reference_fixture::floats(case, k, shape);
         let x = tensor("x", &[rows, tokens, hidden]).set_requires_grad(true);
         let delta = tensor("delta", &[rows, tokens, taps, hidden / group]).set_requires_grad(true);
         let base = tensor("base", &[taps, hidden]).set_requires_grad(true);

@@ -91,3 +91,31 @@ impl From<tch::TchError> for ModelError {
         ModelError::Torch(crate::torch_message(&e.to_string()))
     }
 }
+
+/// The reference fixtures the Python scripts under scripts/ write into tests/fixtures/ (CI runs no Python), read by
+/// the unit tests that check dflash against them.
+#[cfg(test)]
+pub(crate) mod reference_fixture {
+    use serde_json::Value;
+    use tch::Tensor;
+
+    /// The fixture file `name` of tests/fixtures/.
+    pub fn read(name: &str) -> Value {
+        let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}")))
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    /// `case[key]`'s numbers as an f64 tensor of `shape`.
+    pub fn floats(case: &Value, key: &str, shape: &[i64]) -> Tensor {
+        let values: Vec<f64> = case[key].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        Tensor::from_slice(&values).view(shape)
+    }
+
+    /// `case[key]`'s integers (or booleans, as 0 and 1) as an int64 tensor.
+    pub fn ints(case: &Value, key: &str) -> Tensor {
+        let values: Vec<i64> =
+            case[key].as_array().unwrap().iter().map(|x| x.as_i64().or(x.as_bool().map(i64::from)).unwrap()).collect();
+        Tensor::from_slice(&values)
+    }
+}

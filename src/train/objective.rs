@@ -736,8 +736,7 @@ mod tests {
 
     /// A fixture `scripts/make_recipe_fixtures.py` wrote into tests/fixtures/.
     fn fixture(name: &str) -> serde_json::Value {
-        let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+        crate::model::reference_fixture::read(name)
     }
 
     fn floats(v: &serde_json::Value) -> Vec<f32> {
