@@ -18,7 +18,7 @@ use crate::ffi::accel::{AdamwStep, MuonStep};
 use crate::model::drafter_config::default_gamma;
 use crate::model::{Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset};
 use crate::profile::Recorder;
-use crate::train::objective::{ObjectiveSettings, default_group_blocks};
+use crate::train::objective::ObjectiveSettings;
 use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
 
 #[derive(Debug, Clone)]
@@ -149,7 +149,7 @@ pub fn bench_drafter(
         }
         objective.attention_group_blocks = Some(blocks);
     }
-    let attention_group_blocks = objective.attention_group_blocks.unwrap_or_else(|| default_group_blocks(device));
+    let attention_group_blocks = objective.group_blocks(device);
     let lm_head_chunk_rows = objective.lm_head_chunk_rows;
     let (v, h) = (cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64);
     let width = cfg.context_width() as i64;

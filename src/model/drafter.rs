@@ -517,6 +517,9 @@ impl BlockAttention {
         let n = anchors.len() / batch.max(1);
         let bs = block_size as i64;
         let anchors_dev = Tensor::f_from_slice(anchors)?.f_view([batch as i64, n as i64])?.f_to(device)?;
+        let starts_dev = context_starts
+            .map(|starts| Tensor::f_from_slice(starts)?.f_view([batch as i64, n as i64])?.f_to(device))
+            .transpose()?;
         let group_blocks = group_blocks.max(1);
         let mut groups = Vec::new();
         for j0 in (0..n).step_by(group_blocks) {
@@ -544,8 +547,7 @@ impl BlockAttention {
                 context_len - context_from,
             ]);
             let mut ctx_ok = context.f_lt_tensor(&anchor_q.unsqueeze(-1))?;
-            if let Some(starts) = context_starts {
-                let starts = Tensor::f_from_slice(starts)?.f_view([batch as i64, n as i64])?.f_to(device)?;
+            if let Some(starts) = &starts_dev {
                 let start_q = starts.narrow(1, j0 as i64, nb as i64).f_repeat_interleave_self_int(bs, Some(1), None)?;
                 ctx_ok = ctx_ok.f_logical_and(&context.f_ge_tensor(&start_q.unsqueeze(-1))?)?;
             }

@@ -75,6 +75,11 @@ impl ObjectiveSettings {
             teacher: Teacher::Data,
         }
     }
+
+    /// Blocks per attention group on `device`: the setting, else [`default_group_blocks`].
+    pub fn group_blocks(&self, device: Device) -> usize {
+        self.attention_group_blocks.unwrap_or_else(|| default_group_blocks(device))
+    }
 }
 
 /// Blocks per attention group where the settings leave it open. On a GPU, 64: measured fastest and leanest on the
@@ -281,7 +286,7 @@ impl PlanTensors {
                 plan.batch,
                 plan.block_size,
                 plan.seq_len as i64,
-                s.attention_group_blocks.unwrap_or_else(|| default_group_blocks(device)),
+                s.group_blocks(device),
                 kind,
                 device,
             )?,

@@ -12,7 +12,7 @@ use crate::profile::span;
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
     BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, SlotTargets, TargetStates, Teacher, anchor_rng,
-    default_group_blocks, lm_head_loss, sample_anchors, valid_anchors,
+    lm_head_loss, sample_anchors, valid_anchors,
 };
 use crate::train::optim::{Hyper, Optimizer, UpdateSettings, clip_factor};
 
@@ -321,8 +321,7 @@ fn run_blocks(
 ) -> Result<Metrics, TrainError> {
     let rows = batch.rows();
     let device = drafter.device();
-    let group =
-        device.is_cuda().then(|| objective.attention_group_blocks.unwrap_or_else(|| default_group_blocks(device)));
+    let group = device.is_cuda().then(|| objective.group_blocks(device));
     let plan = BlockPlan::packed(&rows, anchors, batch.conversations.as_deref(), batch.seq_len(), group, objective);
     if plan.kept_blocks() == 0 {
         return Ok(Metrics::default());
