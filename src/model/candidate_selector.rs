@@ -34,10 +34,38 @@ pub struct SelectorWeights<'a> {
     pub hidden_projection: &'a Tensor,
 }
 
+/// [`SelectorWeights`] owned (a drafter's, in its compute dtype).
+pub struct SelectorTensors {
+    pub predecessor_codebook: Tensor,
+    pub successor_codebook: Tensor,
+    pub hidden_projection: Tensor,
+}
+
+impl SelectorTensors {
+    pub fn borrowed(&self) -> SelectorWeights<'_> {
+        SelectorWeights {
+            predecessor_codebook: &self.predecessor_codebook,
+            successor_codebook: &self.successor_codebook,
+            hidden_projection: &self.hidden_projection,
+        }
+    }
+}
+
 /// The scores of `candidates [N, K]` at slots whose unary logits are `unary [N, V]`, hidden states `hidden [N, H]`
 /// and previous tokens `predecessors [N]`: `unary[c] + <A[p] * (W_h h), B[c]>`, `[N, K]` in the unary logits' dtype.
 pub fn candidate_scores(
     unary: &Tensor,
+    hidden: &Tensor,
+    predecessors: &Tensor,
+    candidates: &Tensor,
+    w: &SelectorWeights,
+) -> Result<Tensor, ModelError> {
+    let transitions = transition_scores(hidden, predecessors, candidates, w)?;
+    Ok(unary.f_gather(-1, candidates, false)? + transitions.f_to_kind(unary.kind())?)
+}
+
+/// The low-rank term of [`candidate_scores`] alone: `<A[p] * (W_h h), B[c]>`, `[N, K]` in the codebooks' dtype.
+pub fn transition_scores(
     hidden: &Tensor,
     predecessors: &Tensor,
     candidates: &Tensor,
@@ -48,8 +76,7 @@ pub fn candidate_scores(
     let context = predecessor * projected;
     let (n, k) = (candidates.size()[0], candidates.size()[1]);
     let successors = w.successor_codebook.f_index_select(0, &candidates.f_reshape([-1])?)?.f_view([n, k, -1])?;
-    let transitions = successors.f_matmul(&context.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?;
-    Ok(unary.f_gather(-1, candidates, false)? + transitions.f_to_kind(unary.kind())?)
+    Ok(successors.f_matmul(&context.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?)
 }
 
 /// The drafted tokens of one block at temperature 0, as vLLM walks them (`spec_decode/dflash2/speculator.py`): at each

@@ -18,8 +18,10 @@ use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::attention::{CONTEXT_BUCKET, LayerAttention, context_bucket, grouped_bias, masked_attention, repeat_kv};
+use super::candidate_selector::SelectorTensors;
 use super::drafter_config::DrafterConfig;
-use super::flat_params::{FlatLayout, FlatParams, ParamGroup};
+use super::dynamic_conv::grouped_dynamic_conv;
+use super::flat_params::{FlatLayout, FlatParams, GroupInit, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
@@ -39,6 +41,23 @@ struct LayerParams {
     post_attention_layernorm: usize,
     gate_up_proj: usize,
     down_proj: usize,
+    /// DFlash 2's convolutions around the attention and the MLP.
+    conv: Option<[ConvParams; 2]>,
+}
+
+/// Group indices of one DFlash 2 convolution: `base_kernel [2, K, H]` and `kernel_projection [2 * K * H / G, H]`.
+#[derive(Debug, Clone, Copy)]
+struct ConvParams {
+    base_kernel: usize,
+    kernel_projection: usize,
+}
+
+/// Group indices of DFlash 2's candidate selector.
+#[derive(Debug, Clone, Copy)]
+struct SelectorParams {
+    predecessor_codebook: usize,
+    successor_codebook: usize,
+    hidden_projection: usize,
 }
 
 /// The drafter: configuration, flat fp32 master weights (see [`FlatParams`]) and the compute dtype.
@@ -49,59 +68,102 @@ pub struct Drafter {
     hidden_norm: usize,
     layers: Vec<LayerParams>,
     norm: usize,
+    selector: Option<SelectorParams>,
     rope: Rope,
     kind: Kind,
     device: Device,
 }
 
-/// The parameter groups of `cfg` in flat order, and which group is which.
-fn layout(cfg: &DrafterConfig) -> (FlatLayout, usize, usize, Vec<LayerParams>, usize) {
+/// Which group of the flat layout is which.
+struct Groups {
+    fc: usize,
+    hidden_norm: usize,
+    layers: Vec<LayerParams>,
+    norm: usize,
+    selector: Option<SelectorParams>,
+}
+
+/// The parameter groups of `cfg` in flat order, and which group is which. DFlash 2's groups come after each layer's
+/// own and the selector's last, so a DFlash drafter's layout (and its initial weights) are those of before.
+fn layout(cfg: &DrafterConfig) -> (FlatLayout, Groups) {
     let c = &cfg.decoder;
     let (h, i, d) = (c.hidden_size as i64, c.intermediate_size as i64, c.head_dim as i64);
     let (q, kv) = (c.num_attention_heads as i64 * d, c.num_key_value_heads as i64 * d);
     let std = 0.02;
-    let mut groups = Vec::new();
-    let mut add = |parts: Vec<(String, i64)>, cols: Option<i64>, std: f64| {
-        groups.push(ParamGroup::new(parts, cols, std));
+    let mut groups: Vec<ParamGroup> = Vec::new();
+    let mut push = |group: ParamGroup| {
+        groups.push(group);
         groups.len() - 1
     };
     let one = |name: &str, rows: i64| vec![(name.to_string(), rows)];
-    let fc = add(one("fc.weight", h), Some(cfg.context_width() as i64), std);
-    let hidden_norm = add(one("hidden_norm.weight", h), None, 0.0);
+    let dflash2 = cfg.variant.dflash2();
+    let fc = push(ParamGroup::new(one("fc.weight", h), Some(cfg.context_width() as i64), std));
+    let hidden_norm = push(ParamGroup::new(one("hidden_norm.weight", h), None, 0.0));
     let mut layers = Vec::new();
     for l in 0..c.num_hidden_layers {
         let p = |s: &str| format!("layers.{l}.{s}");
-        layers.push(LayerParams {
-            input_layernorm: add(one(&p("input_layernorm.weight"), h), None, 0.0),
-            qkv_proj: add(
-                vec![
-                    (p("self_attn.q_proj.weight"), q),
-                    (p("self_attn.k_proj.weight"), kv),
-                    (p("self_attn.v_proj.weight"), kv),
-                ],
+        let norm = |s: &str| ParamGroup::new(one(&p(s), h), None, 0.0);
+        let qkv = vec![
+            (p("self_attn.q_proj.weight"), q),
+            (p("self_attn.k_proj.weight"), kv),
+            (p("self_attn.v_proj.weight"), kv),
+        ];
+        let mut layer = LayerParams {
+            input_layernorm: push(norm("input_layernorm.weight")),
+            qkv_proj: push(ParamGroup::new(qkv, Some(h), std)),
+            o_proj: push(ParamGroup::new(one(&p("self_attn.o_proj.weight"), h), Some(q), std)),
+            q_norm: push(ParamGroup::new(one(&p("self_attn.q_norm.weight"), d), None, 0.0)),
+            k_norm: push(ParamGroup::new(one(&p("self_attn.k_norm.weight"), d), None, 0.0)),
+            post_attention_layernorm: push(norm("post_attention_layernorm.weight")),
+            gate_up_proj: push(ParamGroup::new(
+                vec![(p("mlp.gate_proj.weight"), i), (p("mlp.up_proj.weight"), i)],
                 Some(h),
                 std,
-            ),
-            o_proj: add(one(&p("self_attn.o_proj.weight"), h), Some(q), std),
-            q_norm: add(one(&p("self_attn.q_norm.weight"), d), None, 0.0),
-            k_norm: add(one(&p("self_attn.k_norm.weight"), d), None, 0.0),
-            post_attention_layernorm: add(one(&p("post_attention_layernorm.weight"), h), None, 0.0),
-            gate_up_proj: add(vec![(p("mlp.gate_proj.weight"), i), (p("mlp.up_proj.weight"), i)], Some(h), std),
-            down_proj: add(one(&p("mlp.down_proj.weight"), h), Some(i), std),
-        });
+            )),
+            down_proj: push(ParamGroup::new(one(&p("mlp.down_proj.weight"), h), Some(i), std)),
+            conv: None,
+        };
+        // DFlash 2: identity convolutions (speculators' `reset_parameters`), so a fresh one starts as DFlash does.
+        if let Some(shape) = dflash2 {
+            let taps = shape.conv_kernel_size as i64;
+            let deltas = 2 * taps * h / shape.conv_group_size as i64;
+            let mut conv = |which: &str| ConvParams {
+                base_kernel: push(ParamGroup::tensor(
+                    p(&format!("{which}.base_kernel")),
+                    &[2, taps, h],
+                    GroupInit::FirstTap { taps },
+                )),
+                kernel_projection: push(ParamGroup::tensor(
+                    p(&format!("{which}.kernel_projection.weight")),
+                    &[deltas, h],
+                    GroupInit::Zeros,
+                )),
+            };
+            layer.conv = Some([conv("attention_conv"), conv("mlp_conv")]);
+        }
+        layers.push(layer);
     }
-    let norm = add(one("norm.weight", h), None, 0.0);
-    (FlatLayout::new(groups), fc, hidden_norm, layers, norm)
+    let norm = push(ParamGroup::new(one("norm.weight", h), None, 0.0));
+    let selector = dflash2.map(|shape| {
+        let (v, r) = (c.vocab_size as i64, shape.selector_rank as i64);
+        let name = |s: &str| format!("candidate_selector.{s}");
+        SelectorParams {
+            predecessor_codebook: push(ParamGroup::new(one(&name("predecessor_codebook"), v), Some(r), std)),
+            successor_codebook: push(ParamGroup::new(one(&name("successor_codebook"), v), Some(r), std)),
+            hidden_projection: push(ParamGroup::new(one(&name("hidden_projection.weight"), r), Some(h), std)),
+        }
+    });
+    (FlatLayout::new(groups), Groups { fc, hidden_norm, layers, norm, selector })
 }
 
 impl Drafter {
     fn empty(cfg: DrafterConfig, device: Device, kind: Kind) -> Result<Self, ModelError> {
         cfg.validate().map_err(ModelError::Taps)?;
-        let (layout, fc, hidden_norm, layers, norm) = layout(&cfg);
+        let (layout, Groups { fc, hidden_norm, layers, norm, selector }) = layout(&cfg);
         let params = FlatParams::zeros(layout, device)?;
         let c = &cfg.decoder;
         let rope = Rope::new(c.rope_theta, c.head_dim, c.rope_scaling, device);
-        Ok(Drafter { cfg, params, fc, hidden_norm, layers, norm, rope, kind, device })
+        Ok(Drafter { cfg, params, fc, hidden_norm, layers, norm, selector, rope, kind, device })
     }
 
     /// A drafter with all-zero weights (to be filled by a copy from a peer).
@@ -114,15 +176,25 @@ impl Drafter {
         layout(cfg).0.named_shapes()
     }
 
-    /// A freshly initialised drafter (norms 1, matrices N(0, 0.02)), computing in `kind`.
+    /// A freshly initialised drafter (norms 1, matrices N(0, 0.02), DFlash 2's convolutions the identity),
+    /// computing in `kind`.
     pub fn new(cfg: DrafterConfig, device: Device, kind: Kind, init: Init) -> Result<Self, ModelError> {
         let drafter = Self::empty(cfg, device, kind)?;
         let layout = drafter.params.layout().clone();
         let mut stream = InitStream::new(init, device);
         tch::no_grad(|| -> Result<(), ModelError> {
             for (i, g) in layout.groups().iter().enumerate() {
-                let values = stream.next(&g.shape, g.init_std, Kind::Float)?;
-                layout.group_view(&drafter.params.master, i).f_copy_(&values)?;
+                let mut view = layout.group_view(&drafter.params.master, i);
+                match g.init {
+                    GroupInit::Normal(std) => view.f_copy_(&stream.next(&g.shape, std, Kind::Float)?)?,
+                    GroupInit::Ones => drop(view.f_fill_(1.0)?),
+                    GroupInit::Zeros => drop(view.f_zero_()?),
+                    // Rows of `taps` kernels: the first of each one, the rest zero.
+                    GroupInit::FirstTap { taps } => {
+                        let _ = view.f_zero_()?;
+                        drop(view.f_view([-1, taps, g.shape[1]])?.f_select(1, 0)?.f_fill_(1.0)?)
+                    }
+                };
             }
             Ok(())
         })?;
@@ -171,6 +243,17 @@ impl Drafter {
     }
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// DFlash 2's selector weights in the compute dtype, recording their gradients into the flat gradient buffer (in
+    /// grad mode); an error for a drafter without a selector.
+    pub fn selector_weights(&self) -> Result<SelectorTensors, ModelError> {
+        let s = self.selector.ok_or_else(|| ModelError::Batch("a DFlash drafter has no candidate selector".into()))?;
+        Ok(SelectorTensors {
+            predecessor_codebook: self.weight(s.predecessor_codebook),
+            successor_codebook: self.weight(s.successor_codebook),
+            hidden_projection: self.weight(s.hidden_projection),
+        })
     }
 
     /// Parameter group `group` in the compute dtype, recording its gradient into the flat gradient buffer.
@@ -224,12 +307,19 @@ impl Drafter {
             let attention = restricted.iter().find(|(k, _)| *k == kind).map_or(attention, |(_, p)| p);
             let qkv_w = self.weight(layer.qkv_proj);
             let (q_norm, k_norm) = (self.weight(layer.q_norm), self.weight(layer.k_norm));
-            let (qkv, kv_ctx) = {
+            let convs = layer
+                .conv
+                .map(|[a, m]| [self.sublayer_conv(a, &|g| self.weight(g)), self.sublayer_conv(m, &|g| self.weight(g))]);
+            let (qkv, kv_ctx, attention_kernel) = {
                 let _p = span("drafter.qkv_proj");
                 let xn = rms_norm(&x, &self.weight(layer.input_layernorm), eps);
+                let (xn, kernel) = match &convs {
+                    Some([conv, _]) => conv.prepare(&xn).map(|(p, k)| (p, Some(k))).unwrap_or_else(conv_failed),
+                    None => (xn, None),
+                };
                 let qkv = xn.linear(&qkv_w, None::<Tensor>);
                 let kv_ctx = ctx.linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>);
-                (qkv, kv_ctx)
+                (qkv, kv_ctx, kernel)
             };
             let q = qkv.narrow(-1, 0, heads * d).view([b, q_len, heads, d]);
             let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([b, q_len, kv_heads, d]);
@@ -258,17 +348,83 @@ impl Drafter {
             x = {
                 let _p = span("drafter.o_proj");
                 let o = attn.transpose(1, 2).reshape([b, q_len, heads * d]);
-                x + o.linear(&self.weight(layer.o_proj), None::<Tensor>)
+                let o = o.linear(&self.weight(layer.o_proj), None::<Tensor>);
+                match (&convs, &attention_kernel) {
+                    (Some([conv, _]), Some(kernel)) => x + conv.finish(&o, kernel).unwrap_or_else(conv_failed),
+                    _ => x + o,
+                }
             };
             x = {
                 let _p = span("drafter.mlp");
                 let h = rms_norm(&x, &self.weight(layer.post_attention_layernorm), eps);
+                let (h, kernel) = match &convs {
+                    Some([_, conv]) => conv.prepare(&h).map(|(p, k)| (p, Some(k))).unwrap_or_else(conv_failed),
+                    None => (h, None),
+                };
                 let gu = h.linear(&self.weight(layer.gate_up_proj), None::<Tensor>);
-                &x + autograd::swiglu_down(&gu, &self.weight(layer.down_proj))
-                    .unwrap_or_else(|e| panic!("drafter MLP: {e}"))
+                let out = autograd::swiglu_down(&gu, &self.weight(layer.down_proj))
+                    .unwrap_or_else(|e| panic!("drafter MLP: {e}"));
+                match (&convs, &kernel) {
+                    (Some([_, conv]), Some(kernel)) => &x + conv.finish(&out, kernel).unwrap_or_else(conv_failed),
+                    _ => &x + out,
+                }
             };
         }
         rms_norm(&x, &self.weight(self.norm), eps)
+    }
+}
+
+impl Drafter {
+    /// One of DFlash 2's convolutions with its weights as `weight` gives them (the training cast, or decoding's).
+    fn sublayer_conv(&self, conv: ConvParams, weight: &dyn Fn(usize) -> Tensor) -> SublayerConv {
+        let shape = self.cfg.variant.dflash2().expect("convolutions are DFlash 2's");
+        SublayerConv {
+            base: weight(conv.base_kernel),
+            projection: weight(conv.kernel_projection),
+            taps: shape.conv_kernel_size as i64,
+            group: shape.conv_group_size as i64,
+            block_size: self.cfg.block_size as i64,
+        }
+    }
+}
+
+/// DFlash 2's convolution around one sublayer (speculators' `GroupedDynamicCausalConv`): `prepare` convolves the
+/// sublayer's normed input and predicts, from the same input, the kernel `finish` applies to its output.
+struct SublayerConv {
+    /// `[2 * K, H]`: the input side's base kernel, then the output side's.
+    base: Tensor,
+    /// `[2 * K * H / G, H]`
+    projection: Tensor,
+    taps: i64,
+    group: i64,
+    block_size: i64,
+}
+
+/// The forward pass's answer to a convolution that cannot run (shapes the configuration already validated).
+fn conv_failed<T>(e: ModelError) -> T {
+    panic!("drafter convolution: {e}")
+}
+
+impl SublayerConv {
+    /// The convolved input `[B, Q, H]` and the output side's delta kernel `[B, Q, K, H / G]`.
+    fn prepare(&self, x: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
+        let size = x.size();
+        let kernels = x.f_linear(&self.projection, None::<Tensor>)?.f_view([
+            size[0],
+            size[1],
+            2,
+            self.taps,
+            size[2] / self.group,
+        ])?;
+        let base = self.base.f_narrow(0, 0, self.taps)?;
+        let prepared = grouped_dynamic_conv(x, &kernels.f_select(2, 0)?, &base, self.block_size, self.group)?;
+        Ok((prepared, kernels.f_select(2, 1)?))
+    }
+
+    /// The sublayer's output `y [B, Q, H]` convolved with the kernel `prepare` predicted.
+    fn finish(&self, y: &Tensor, kernel: &Tensor) -> Result<Tensor, ModelError> {
+        let base = self.base.f_narrow(0, self.taps, self.taps)?;
+        grouped_dynamic_conv(y, kernel, &base, self.block_size, self.group)
     }
 }
 
@@ -403,8 +559,16 @@ impl Drafter {
                 };
                 let qkv_w = w(layer.qkv_proj);
                 let (q_norm, k_norm) = (w(layer.q_norm), w(layer.k_norm));
+                let convs = layer.conv.map(|[a, m]| {
+                    [self.sublayer_conv(a, &|g| w(g).shallow_clone()), self.sublayer_conv(m, &|g| w(g).shallow_clone())]
+                });
                 let p = span("drafter.qkv_proj");
-                let qkv = rms_norm(&x, w(layer.input_layernorm), eps).f_linear(qkv_w, None::<Tensor>)?;
+                let xn = rms_norm(&x, w(layer.input_layernorm), eps);
+                let (xn, attention_kernel) = match &convs {
+                    Some([conv, _]) => conv.prepare(&xn).map(|(p, k)| (p, Some(k)))?,
+                    None => (xn, None),
+                };
+                let qkv = xn.f_linear(qkv_w, None::<Tensor>)?;
                 let q = qkv.narrow(-1, 0, heads * d).view([1, bs, heads, d]);
                 let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([1, bs, kv_heads, d]);
                 let v_blk = qkv.narrow(-1, (heads + kv_heads) * d, kv_heads * d).view([1, bs, kv_heads, d]);
@@ -441,10 +605,19 @@ impl Drafter {
                 let attn = masked_attention(&q, &keys, &values, bias)?;
                 drop(p);
                 let p = span("drafter.mlp");
-                let o = attn.transpose(1, 2).reshape([1, bs, heads * d]);
-                x = &x + o.f_linear(w(layer.o_proj), None::<Tensor>)?;
+                let o = attn.transpose(1, 2).reshape([1, bs, heads * d]).f_linear(w(layer.o_proj), None::<Tensor>)?;
+                x = match (&convs, &attention_kernel) {
+                    (Some([conv, _]), Some(kernel)) => &x + conv.finish(&o, kernel)?,
+                    _ => &x + o,
+                };
                 let h = rms_norm(&x, w(layer.post_attention_layernorm), eps);
-                x = &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj));
+                x = match &convs {
+                    Some([_, conv]) => {
+                        let (h, kernel) = conv.prepare(&h)?;
+                        &x + conv.finish(&swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj)), &kernel)?
+                    }
+                    None => &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj)),
+                };
                 drop(p);
             }
             if at.is_none() {

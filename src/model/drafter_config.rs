@@ -26,6 +26,90 @@ pub struct DrafterConfig {
     pub num_target_layers: usize,
     /// Each layer's window and causality (default: full attention, a bidirectional block).
     pub layer_attention: Vec<LayerAttention>,
+    /// Which member of the DFlash family: the layers and heads it adds to the shared backbone.
+    pub variant: Variant,
+}
+
+/// The DFlash-family drafters dflash trains. Each shares the backbone (the Qwen3 layers over the target's context
+/// features), the objective, checkpoints and exports; a variant adds its own parts around them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Variant {
+    /// The paper's drafter.
+    #[default]
+    DFlash,
+    /// z-lab's DFlash 2: a two-tap dynamic convolution around both sublayers of every layer, and a top-K candidate
+    /// selector that walks the drafted block token by token.
+    DFlash2(Dflash2Shape),
+}
+
+impl Variant {
+    /// The published `architectures` entry.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Variant::DFlash => DFLASH_ARCHITECTURE,
+            Variant::DFlash2(_) => DFLASH2_ARCHITECTURE,
+        }
+    }
+    pub fn dflash2(self) -> Option<Dflash2Shape> {
+        match self {
+            Variant::DFlash2(shape) => Some(shape),
+            Variant::DFlash => None,
+        }
+    }
+}
+
+pub const DFLASH_ARCHITECTURE: &str = "DFlashDraftModel";
+pub const DFLASH2_ARCHITECTURE: &str = "DFlash2DraftModel";
+
+/// DFlash 2's sizes, as z-lab's `dflash_config` (and speculators' `DFlash2SpeculatorConfig`) name them; the defaults
+/// are speculators 0.9.0's and the released drafters'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dflash2Shape {
+    /// Taps of each dynamic convolution (the token and the `K - 1` before it in its block).
+    pub conv_kernel_size: usize,
+    /// Channels sharing one dynamic coefficient.
+    pub conv_group_size: usize,
+    /// Rank of the selector's codebooks.
+    pub selector_rank: usize,
+    /// Unary candidates the selector rescores per slot.
+    pub selector_top_k: usize,
+}
+
+impl Default for Dflash2Shape {
+    fn default() -> Self {
+        Dflash2Shape { conv_kernel_size: 2, conv_group_size: 16, selector_rank: 256, selector_top_k: 16 }
+    }
+}
+
+/// DFlash 2's keys in `dflash_config` (z-lab's layout, which vLLM and SGLang read) and at the top level of
+/// speculators' layout.
+pub const DFLASH2_KEYS: [&str; 4] = ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"];
+
+impl Dflash2Shape {
+    /// The four sizes in [`DFLASH2_KEYS`] order.
+    pub fn values(&self) -> [usize; 4] {
+        [self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k]
+    }
+    fn from_values(v: [usize; 4]) -> Self {
+        Dflash2Shape { conv_kernel_size: v[0], conv_group_size: v[1], selector_rank: v[2], selector_top_k: v[3] }
+    }
+
+    fn validate(&self, hidden: usize, vocab: usize, block_size: usize) -> Result<(), String> {
+        let [k, g, r, top] = self.values();
+        if k < 1 || k > block_size {
+            return Err(format!("`conv_kernel_size` ({k}) must be between 1 and the block size ({block_size})"));
+        }
+        if g < 1 || hidden % g != 0 {
+            return Err(format!("`conv_group_size` ({g}) must divide the hidden size ({hidden})"));
+        }
+        if r < 1 {
+            return Err("`selector_rank` must be at least 1".into());
+        }
+        if top < 1 || top > vocab {
+            return Err(format!("`selector_top_k` ({top}) must be between 1 and the vocabulary ({vocab})"));
+        }
+        Ok(())
+    }
 }
 
 impl DrafterConfig {
@@ -72,7 +156,15 @@ impl DrafterConfig {
             target_layer_ids,
             num_target_layers: target.num_hidden_layers,
             layer_attention: vec![LayerAttention::default(); num_layers],
+            variant: Variant::DFlash,
         };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The same drafter as another member of the family.
+    pub fn with_variant(self, variant: Variant) -> Result<Self, String> {
+        let cfg = DrafterConfig { variant, ..self };
         cfg.validate()?;
         Ok(cfg)
     }
@@ -105,7 +197,13 @@ impl DrafterConfig {
         }
         validate_taps(&self.target_layer_ids, self.num_target_layers)
             .map_err(|e| format!("`target_layer_ids`: {e}"))?;
-        validate_layer_attention(&self.layer_attention, self.decoder.num_hidden_layers)
+        validate_layer_attention(&self.layer_attention, self.decoder.num_hidden_layers)?;
+        match self.variant {
+            Variant::DFlash => Ok(()),
+            Variant::DFlash2(shape) => {
+                shape.validate(self.decoder.hidden_size, self.decoder.vocab_size, self.block_size)
+            }
+        }
     }
 
     /// Reads and validates `dir/config.json`.
@@ -116,12 +214,17 @@ impl DrafterConfig {
     pub fn from_json(text: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let arch = v.get("architectures").cloned();
-        if arch != Some(json!(["DFlashDraftModel"])) {
+        let dflash2 = if arch == Some(json!([DFLASH_ARCHITECTURE])) {
+            false
+        } else if arch == Some(json!([DFLASH2_ARCHITECTURE])) {
+            true
+        } else {
             return Err(format!(
-                "`architectures` is {}, not [\"DFlashDraftModel\"]: this is not a DFlash drafter folder",
+                "`architectures` is {}, not [\"{DFLASH_ARCHITECTURE}\"] or [\"{DFLASH2_ARCHITECTURE}\"]: this is not a \
+                 DFlash drafter folder",
                 arch.map_or("missing".to_string(), |a| a.to_string())
             ));
-        }
+        };
         // The decoder part is a Qwen3 config; read it with the target's reader (the layers' windows apart).
         let mut qwen3 = v.clone();
         qwen3["architectures"] = json!(["Qwen3ForCausalLM"]);
@@ -150,6 +253,29 @@ impl DrafterConfig {
             None => target_layer_ids.last().map_or(0, |l| l + 1),
         };
         let layer_attention = layer_attention_from_json(&v, decoder.num_hidden_layers)?;
+        let variant = match dflash2 {
+            false => Variant::DFlash,
+            true => {
+                let mut sizes = [0; 4];
+                for (size, key) in sizes.iter_mut().zip(DFLASH2_KEYS) {
+                    let n = int(key)?.ok_or_else(|| format!("missing `dflash_config.{key}` (a DFlash 2 drafter)"))?;
+                    *size = usize::try_from(n).map_err(|_| format!("`{key}` must be positive"))?;
+                }
+                // vLLM's optional scales: dflash trains without them, so a drafter that needs them is refused.
+                for (key, neutral) in
+                    [("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)]
+                {
+                    if let Some(x) = field(key).filter(|x| !x.is_null())
+                        && x.as_f64() != Some(neutral)
+                    {
+                        return Err(format!(
+                            "`dflash_config.{key}` is {x}: dflash trains and drafts DFlash 2 without it (only {neutral})"
+                        ));
+                    }
+                }
+                Variant::DFlash2(Dflash2Shape::from_values(sizes))
+            }
+        };
         let cfg = DrafterConfig {
             decoder,
             block_size: usize::try_from(block_size).map_err(|_| "`block_size` must be positive")?,
@@ -157,6 +283,7 @@ impl DrafterConfig {
             target_layer_ids,
             num_target_layers,
             layer_attention,
+            variant,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -166,7 +293,7 @@ impl DrafterConfig {
     pub fn to_json(&self, torch_dtype: &str) -> Value {
         let layers = self.decoder.num_hidden_layers;
         let mut v = self.decoder.to_hf_json(torch_dtype);
-        v["architectures"] = json!(["DFlashDraftModel"]);
+        v["architectures"] = json!([self.variant.architecture()]);
         v["model_type"] = json!("qwen3");
         v["dtype"] = json!(torch_dtype);
         v["attention_dropout"] = json!(0.0);
@@ -183,6 +310,13 @@ impl DrafterConfig {
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": self.target_layer_ids,
         });
+        if let Variant::DFlash2(shape) = self.variant {
+            // The released DFlash 2 drafters carry the block size here too.
+            v["dflash_config"]["block_size"] = json!(self.block_size);
+            for (key, size) in DFLASH2_KEYS.into_iter().zip(shape.values()) {
+                v["dflash_config"][key] = json!(size);
+            }
+        }
         v
     }
 

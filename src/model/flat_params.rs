@@ -16,26 +16,53 @@ use crate::ffi::accel::set_grad;
 /// Offsets are rounded up to this many elements (512 bytes in fp32), so every view is well aligned.
 const ALIGN: i64 = 128;
 
-/// One autograd leaf: a 1-D or 2-D block of the flat buffer, made of one or more published tensors stacked by rows.
+/// One autograd leaf: a 1-D or 2-D block of the flat buffer, made of one or more published tensors stacked by rows
+/// (or one published tensor of more dimensions, kept as a matrix of its first dimensions by its last).
 #[derive(Debug, Clone)]
 pub struct ParamGroup {
     /// Published tensor names and their row counts, in stacking order.
     pub parts: Vec<(String, i64)>,
     /// `[rows]` for vectors, `[rows, cols]` for matrices.
     pub shape: Vec<i64>,
-    /// Standard deviation of the initial normal weights; 0 means ones (norm weights).
-    pub init_std: f64,
+    /// How a fresh drafter fills it.
+    pub init: GroupInit,
+    /// The published shape of a group of one tensor of more than two dimensions.
+    published: Option<Vec<i64>>,
     offset: i64,
 }
 
+/// How a fresh parameter group is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GroupInit {
+    /// Normal weights of this standard deviation.
+    Normal(f64),
+    /// Ones (norm weights).
+    Ones,
+    /// Zeros.
+    Zeros,
+    /// Identity convolution kernels `[.., taps, cols]` (rows of `taps` kernels): tap 0 one, the others zero.
+    FirstTap { taps: i64 },
+}
+
 impl ParamGroup {
+    /// A group of `parts` stacked by rows, `cols` wide (or vectors), initialised from N(0, init_std^2), or ones
+    /// where `init_std` is 0.
     pub fn new(parts: Vec<(String, i64)>, cols: Option<i64>, init_std: f64) -> Self {
         let rows: i64 = parts.iter().map(|(_, r)| r).sum();
         let shape = match cols {
             Some(c) => vec![rows, c],
             None => vec![rows],
         };
-        ParamGroup { parts, shape, init_std, offset: 0 }
+        let init = if init_std == 0.0 { GroupInit::Ones } else { GroupInit::Normal(init_std) };
+        ParamGroup { parts, shape, init, published: None, offset: 0 }
+    }
+
+    /// One published tensor `name` of `shape` (any number of dimensions, at least two), filled by `init`; the group
+    /// is its matrix of the first dimensions by the last.
+    pub fn tensor(name: String, shape: &[i64], init: GroupInit) -> Self {
+        let (cols, rows) = (shape.last().copied().unwrap_or(1), shape.iter().rev().skip(1).product());
+        let published = (shape.len() > 2).then(|| shape.to_vec());
+        ParamGroup { parts: vec![(name, rows)], shape: vec![rows, cols], init, published, offset: 0 }
     }
     pub fn numel(&self) -> i64 {
         self.shape.iter().product()
@@ -87,7 +114,11 @@ impl FlatLayout {
             let mut row = 0;
             for (name, rows) in &g.parts {
                 let view = flat.narrow(0, g.offset + row * cols, rows * cols);
-                let view = if g.shape.len() == 2 { view.view([*rows, cols]) } else { view };
+                let view = match &g.published {
+                    Some(shape) => view.view(shape.as_slice()),
+                    None if g.shape.len() == 2 => view.view([*rows, cols]),
+                    None => view,
+                };
                 out.push((name.clone(), view));
                 row += rows;
             }
@@ -101,7 +132,11 @@ impl FlatLayout {
             .iter()
             .flat_map(|g| {
                 g.parts.iter().map(move |(n, rows)| {
-                    let shape = if g.shape.len() == 2 { vec![*rows, g.cols()] } else { vec![*rows] };
+                    let shape = match &g.published {
+                        Some(shape) => shape.clone(),
+                        None if g.shape.len() == 2 => vec![*rows, g.cols()],
+                        None => vec![*rows],
+                    };
                     (n.clone(), shape)
                 })
             })

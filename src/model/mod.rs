@@ -32,7 +32,7 @@ pub use attention::LayerAttention;
 pub use config::{Architecture, TargetConfig};
 pub use decoder::Decoder;
 pub use drafter::{BlockAttention, Drafter};
-pub use drafter_config::DrafterConfig;
+pub use drafter_config::{Dflash2Shape, DrafterConfig, Variant};
 pub use init::Init;
 pub use kv_cache::KvCache;
 pub use presets::Preset;

@@ -14,7 +14,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{BlockAttention, ModelError};
+use crate::model::candidate_selector::{training_candidates, transition_scores};
+use crate::model::{BlockAttention, Drafter, ModelError};
 use crate::profile::span;
 
 /// What the objective needs to know.
@@ -36,6 +37,8 @@ pub struct ObjectiveSettings {
     pub lm_head_chunk_rows: i64,
     /// What a slot learns to predict.
     pub teacher: Teacher,
+    /// DFlash 2: the weight of the selector's loss beside the unary one (speculators' `selector_loss_alpha`).
+    pub selector_loss_alpha: f64,
 }
 
 /// What a block slot learns to predict (`objective.target` with `objective.loss`). Slot k of a block at anchor `a`
@@ -73,6 +76,7 @@ impl ObjectiveSettings {
             attention_group_blocks: None,
             lm_head_chunk_rows: 2048,
             teacher: Teacher::Data,
+            selector_loss_alpha: 1.0,
         }
     }
 
@@ -272,6 +276,13 @@ pub struct PlanTensors {
 }
 
 impl PlanTensors {
+    /// `[B*N*bs]`: the data's token before each slot (the anchor's own before slot 0), from the labels.
+    pub fn predecessors(&self, block_size: usize) -> Result<Tensor, ModelError> {
+        let blocks = self.labels.f_view([-1, block_size as i64])?;
+        let before = blocks.f_narrow(1, 0, block_size as i64 - 1)?;
+        Ok(Tensor::f_cat(&[blocks.f_narrow(1, 0, 1)?, before], 1)?.f_view([-1])?)
+    }
+
     pub fn new(plan: &BlockPlan, s: &ObjectiveSettings, kind: Kind, device: Device) -> Result<Self, ModelError> {
         let (b, q) = (plan.batch as i64, (plan.blocks * plan.block_size) as i64);
         let to = |v: &[i64]| -> Result<Tensor, ModelError> { Ok(Tensor::f_from_slice(v)?.f_to(device)?) };
@@ -348,13 +359,24 @@ pub struct SlotTargets<'a> {
     pub weights: &'a Tensor,
     /// To learn the target's distribution ([`Teacher::Distribution`]): its states and the one each slot reads.
     pub distribution: Option<TargetStates<'a>>,
+    /// DFlash 2's candidate selector, trained beside the unary logits.
+    pub selector: Option<SelectorTargets<'a>>,
 }
 
 impl<'a> SlotTargets<'a> {
     /// Slots scored by the cross-entropy of `labels`.
     pub fn labels(labels: &'a Tensor, weights: &'a Tensor) -> Self {
-        SlotTargets { labels, weights, distribution: None }
+        SlotTargets { labels, weights, distribution: None, selector: None }
     }
+}
+
+/// What DFlash 2's selector loss needs: the drafter (whose selector weights it reads, recording their gradients),
+/// the token before each slot `[rows]` (teacher-forced: the data's, the anchor's own before slot 0, as speculators
+/// takes them), and the loss's weight beside the unary one (`objective.selector_loss_alpha`).
+pub struct SelectorTargets<'a> {
+    pub drafter: &'a Drafter,
+    pub predecessors: &'a Tensor,
+    pub alpha: f64,
 }
 
 /// The target's normed last states `[positions, H]` (on the drafter's device, in its dtype) and, per slot `[rows]`,
@@ -410,6 +432,10 @@ pub fn lm_head_loss(
         let w = sel_weights.narrow(0, start, len);
         let x = hidden.f_index_select(0, &idx)?;
         let logits = x.f_linear(lm_head, None::<Tensor>)?;
+        let selected_by = match &slots.selector {
+            Some(selector) => Some(selector_chunk(selector, &logits, &x, &idx, &lab, &w, plan, want_grad)?),
+            None => None,
+        };
         let scored = match &slots.distribution {
             None => chunk_cross_entropy(logits, &lab, &w, want_grad)?,
             Some(target) => {
@@ -418,17 +444,31 @@ pub fn lm_head_loss(
             }
         };
         let mut hit = correct_sel.narrow(0, start, len);
-        hit.f_copy_(&scored.argmax.f_eq_tensor(&lab)?)?;
+        // DFlash 2 drafts the selector's choice, where the unary top-K holds the label (what serving can reach).
+        hit.f_copy_(&match &selected_by {
+            Some(sel) => sel.choice.f_eq_tensor(&lab)?.f_logical_and(&sel.reachable)?,
+            None => scored.argmax.f_eq_tensor(&lab)?,
+        })?;
         // With D-PACE the plan's weights are the mask (1), and the weights come from the losses now.
         let dpace = match plan.dpace_alpha {
             Some(alpha) => Some(dpace_weights(&scored.loss, &idx, plan.block_size as i64, alpha)?),
             None => None,
         };
         loss_sum += (&scored.loss * dpace.as_ref().unwrap_or(&w)).f_sum(Kind::Double)?;
+        if let Some(sel) = &selected_by {
+            loss_sum += &sel.loss;
+        }
         if let (Some(grad), Some(d_logits)) = (sel_grad.as_mut(), scored.grad) {
             let mut g = d_logits.f_matmul(lm_head)?;
             if let Some(wd) = &dpace {
                 g = g.f_mul(&wd.f_unsqueeze(1)?)?;
+            }
+            if let Some(SelectorChunk { grads: Some((d_unary, d_hidden)), candidates, .. }) = &selected_by {
+                // The selector's gradient reaches the unary logits of its K candidates only: through those rows of
+                // the head.
+                let rows = lm_head.f_index_select(0, &candidates.f_reshape([-1])?)?.f_view([len, -1, h])?;
+                g += d_unary.f_to_kind(g.kind())?.f_unsqueeze(1)?.f_bmm(&rows)?.f_squeeze_dim(1)?;
+                g += d_hidden.f_to_kind(g.kind())?;
             }
             grad.narrow(0, start, len).f_copy_(&g)?;
         }
@@ -489,6 +529,63 @@ fn chunk_kl(logits: Tensor, target_logits: Tensor, w: &Tensor, want_grad: bool) 
         None
     };
     Ok(ScoredChunk { loss, argmax, grad })
+}
+
+/// DFlash 2's selector over one chunk: its loss (weighted and scaled by its alpha), per row the token it would
+/// draft given the teacher-forced token before and whether serving could reach the label (the unary top-K holds
+/// it), and with `want_grad` the gradients of its loss with respect to the chunk's unary logits at its candidates
+/// `[len, K]` and to the hidden states `[len, H]`; the selector's own weights receive theirs in the drafter's flat
+/// gradient.
+struct SelectorChunk {
+    loss: Tensor,
+    choice: Tensor,
+    reachable: Tensor,
+    candidates: Tensor,
+    grads: Option<(Tensor, Tensor)>,
+}
+
+/// The selector's K-way cross-entropy (speculators 0.9.0, `models/dflash2/metrics.py: compute_selector_loss`): the
+/// unary top-K of `logits [len, V]` with the label put last where it is missing ([`training_candidates`]), scored
+/// given the hidden states `x [len, H]` and each slot's predecessor, weighted as the unary loss is (the decayed
+/// weights `w`, or D-PACE's from the selector's own cross-entropies) and scaled by `alpha`.
+#[allow(clippy::too_many_arguments)]
+fn selector_chunk(
+    selector: &SelectorTargets,
+    logits: &Tensor,
+    x: &Tensor,
+    idx: &Tensor,
+    labels: &Tensor,
+    w: &Tensor,
+    plan: &BlockPlan,
+    want_grad: bool,
+) -> Result<SelectorChunk, ModelError> {
+    let _p = span("lm_head.selector");
+    let top_k = selector.drafter.config().variant.dflash2().map_or(1, |shape| shape.selector_top_k as i64);
+    let (candidates, place, reachable) = training_candidates(&logits.f_topk(top_k, -1, true, true)?.1, labels)?;
+    let unary =
+        logits.f_gather(1, &candidates, false)?.f_to_kind(Kind::Float)?.f_detach()?.set_requires_grad(want_grad);
+    let hidden = x.f_detach()?.set_requires_grad(want_grad);
+    let predecessors = selector.predecessors.f_index_select(0, idx)?;
+    tch::with_grad(|| {
+        let weights = selector.drafter.selector_weights()?;
+        let transitions = transition_scores(&hidden, &predecessors, &candidates, &weights.borrowed())?;
+        let scores = &unary + transitions.f_to_kind(Kind::Float)?;
+        let ce = scores.f_cross_entropy_loss::<Tensor>(&place, None, tch::Reduction::None, -100, 0.0)?;
+        let slot_weights = match plan.dpace_alpha {
+            Some(alpha) => dpace_weights(&ce.f_detach()?, idx, plan.block_size as i64, alpha)?,
+            None => w.shallow_clone(),
+        };
+        let loss = (ce * slot_weights).f_sum(Kind::Double)? * selector.alpha;
+        let choice = candidates.f_gather(1, &scores.f_argmax(-1, true)?, false)?.f_squeeze_dim(1)?;
+        let grads = match want_grad {
+            true => {
+                loss.f_backward()?;
+                Some((unary.grad(), hidden.grad()))
+            }
+            false => None,
+        };
+        Ok(SelectorChunk { loss: loss.f_detach()?, choice, reachable, candidates: candidates.shallow_clone(), grads })
+    })
 }
 
 /// Chunks `(start, len)` of the selected rows `selected` (ascending row indices; block `row / block_size`) of at

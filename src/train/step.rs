@@ -11,8 +11,8 @@ use crate::model::{Drafter, ModelError, Target};
 use crate::profile::span;
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
-    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, SlotTargets, TargetStates, Teacher, anchor_rng,
-    lm_head_loss, sample_anchors, valid_anchors,
+    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, SelectorTargets, SlotTargets, TargetStates, Teacher,
+    anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
 };
 use crate::train::optim::{Hyper, Optimizer, UpdateSettings, clip_factor};
 
@@ -329,10 +329,19 @@ fn run_blocks(
     let t = PlanTensors::new(&plan, objective, drafter.kind(), drafter.device())?;
     let chunk = objective.lm_head_chunk_rows;
     let teacher = TeacherTargets::new(objective.teacher, batch, heads.lm_head, &t, chunk)?;
+    let predecessors = match drafter.config().variant.dflash2() {
+        Some(_) => Some(t.predecessors(plan.block_size)?),
+        None => None,
+    };
     let slots = SlotTargets {
         labels: teacher.as_ref().map_or(&t.labels, |s| &s.labels),
         weights: &t.weights,
         distribution: teacher.as_ref().and_then(TeacherTargets::distribution),
+        selector: predecessors.as_ref().map(|predecessors| SelectorTargets {
+            drafter,
+            predecessors,
+            alpha: objective.selector_loss_alpha,
+        }),
     };
     let forward = || {
         let emb = Tensor::embedding(heads.embed, &t.block_ids, -1, false, false);

@@ -1,0 +1,204 @@
+//! DFlash 2 drafters through public interfaces: a fresh one (identity convolutions) drafts as the DFlash drafter with
+//! the same backbone does, in training and at inference; trained convolutions never reach across a block; and the
+//! objective's selector loss and every gradient are the written-out objective's.
+mod reference_models;
+
+use dflash::model::config::RopeScaling;
+use dflash::model::{Architecture, Dflash2Shape, Drafter, DrafterConfig, Init, Variant};
+use dflash::train::objective::{
+    BlockPlan, ObjectiveSettings, PlanTensors, Row, SelectorTargets, SlotTargets, lm_head_loss,
+};
+use reference_models::*;
+use tch::{Device, Kind, Tensor};
+
+const BS: usize = 4;
+
+fn shape() -> Dflash2Shape {
+    Dflash2Shape { conv_kernel_size: 2, conv_group_size: 8, selector_rank: 8, selector_top_k: 4 }
+}
+
+fn dflash_cfg() -> DrafterConfig {
+    let t = small_config(Architecture::Qwen3, false, RopeScaling::None);
+    DrafterConfig::for_target(&t, 2, Some(40), BS, vec![0, 2], t.vocab_size as i64 - 1).unwrap()
+}
+
+fn dflash2_cfg() -> DrafterConfig {
+    dflash_cfg().with_variant(Variant::DFlash2(shape())).unwrap()
+}
+
+/// A DFlash 2 drafter whose backbone is `backbone`'s weights and whose own parts are as initialised.
+fn with_backbone(backbone: &Drafter, seed: u64) -> Drafter {
+    let d = Drafter::new(dflash2_cfg(), Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
+    let theirs: std::collections::HashMap<String, Tensor> =
+        backbone.params().layout().named_views(&backbone.params().master).into_iter().collect();
+    tch::no_grad(|| {
+        for (name, mut view) in d.params().layout().named_views(&d.params().master) {
+            if let Some(w) = theirs.get(&name) {
+                view.copy_(w);
+            }
+        }
+    });
+    d
+}
+
+/// Scales every weight (so each rule shows in the output) and, with `conv`, gives the convolutions random kernels.
+fn perturbed(d: Drafter, conv: bool, seed: i64) -> Drafter {
+    tch::no_grad(|| {
+        for (name, mut view) in d.params().layout().named_views(&d.params().master) {
+            if name.contains("_conv.") {
+                if conv {
+                    let noise = seeded(seed, || Tensor::randn(view.size(), (Kind::Float, Device::Cpu)));
+                    view += noise * 0.5;
+                }
+            } else {
+                view *= 5.0;
+            }
+        }
+    });
+    d
+}
+
+struct Case {
+    features: Tensor,
+    embed: Tensor,
+    ids: Vec<i64>,
+    mask: Vec<u8>,
+}
+
+fn case(seq: usize, seed: i64) -> Case {
+    let cfg = dflash_cfg();
+    let (features, embed) = seeded(seed, || {
+        let features = Tensor::randn([1, seq as i64, cfg.context_width() as i64], (Kind::Float, Device::Cpu));
+        let shape = [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64];
+        (features, Tensor::randn(shape, (Kind::Float, Device::Cpu)))
+    });
+    let ids = token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0);
+    Case { features, embed, ids, mask: vec![1; seq] }
+}
+
+fn settings() -> ObjectiveSettings {
+    ObjectiveSettings::new(64, BS, Some(2.0), dflash_cfg().mask_token_id)
+}
+
+fn plan(c: &Case, anchors: &[usize]) -> (BlockPlan, PlanTensors) {
+    let rows = [Row { input_ids: &c.ids, loss_mask: &c.mask }];
+    let plan = BlockPlan::new(&rows, &[anchors.to_vec()], c.ids.len(), &settings());
+    let t = PlanTensors::new(&plan, &settings(), Kind::Float, Device::Cpu).unwrap();
+    (plan, t)
+}
+
+/// Final hidden states `[Q, H]` of one row with blocks at `anchors`.
+fn run(d: &Drafter, c: &Case, anchors: &[usize]) -> Tensor {
+    let (_, t) = plan(c, anchors);
+    let emb = Tensor::embedding(&c.embed, &t.block_ids, -1, false, false);
+    tch::no_grad(|| d.forward(&c.features, &emb, &t.positions, &t.attention)).get(0)
+}
+
+/// Its identity convolutions make a fresh DFlash 2 drafter the DFlash drafter of its backbone, bit for bit: in
+/// training's forward and in a drafting pass at inference.
+#[test]
+fn a_fresh_dflash2_drafter_drafts_as_its_dflash_backbone() {
+    let dflash = perturbed(Drafter::new(dflash_cfg(), Device::Cpu, Kind::Float, Init::Portable(3)).unwrap(), false, 0);
+    let dflash2 = with_backbone(&dflash, 4);
+    let c = case(20, 5);
+    let anchors = [2, 9, 15];
+    assert!(run(&dflash, &c, &anchors).equal(&run(&dflash2, &c, &anchors)));
+    let draft = |d: &Drafter| {
+        let mut cache = d.new_cache(32).unwrap();
+        let emb = Tensor::embedding(&c.embed, &Tensor::from_slice(&[c.ids[9], 96, 96, 96]), -1, false, false);
+        let w = d.decode_weights().unwrap();
+        d.draft(&w, &c.features.narrow(1, 0, 9), &emb.unsqueeze(0), &mut cache).unwrap()
+    };
+    let (ours, theirs) = (draft(&dflash2), draft(&dflash));
+    assert!(ours.equal(&theirs));
+    // Trained convolutions change what it drafts.
+    let trained = perturbed(with_backbone(&dflash, 4), true, 6);
+    assert!((run(&trained, &c, &anchors) - run(&dflash, &c, &anchors)).abs().max().double_value(&[]) > 1e-3);
+}
+
+/// A trained convolution mixes each token with the one before it in its own block only: blocks stay blind to each
+/// other (a tap across the boundary would carry block 0's last slot into block 1's first).
+#[test]
+fn trained_convolutions_never_reach_across_a_block() {
+    let backbone =
+        perturbed(Drafter::new(dflash_cfg(), Device::Cpu, Kind::Float, Init::Portable(7)).unwrap(), false, 0);
+    let d = perturbed(with_backbone(&backbone, 8), true, 9);
+    let mut c = case(20, 10);
+    let anchors = [3, 8, 13];
+    let before = run(&d, &c, &anchors);
+    c.ids[3] = (c.ids[3] + 1) % 90; // the anchor token of block 0
+    let after = run(&d, &c, &anchors);
+    let block = |h: &Tensor, j: i64| h.narrow(0, j * BS as i64, BS as i64);
+    assert!(!block(&before, 0).equal(&block(&after, 0)), "block 0 reads its anchor");
+    assert!(block(&before, 1).equal(&block(&after, 1)));
+    assert!(block(&before, 2).equal(&block(&after, 2)));
+}
+
+/// The objective's loss and its gradient for every weight (the selector's codebooks and projection, the
+/// convolutions and the backbone) equal autograd's through the objective written out: the weighted unary
+/// cross-entropy plus alpha times the selector's K-way cross-entropy over the unary top-K (the label last where it
+/// is missing) given the data's token before each slot, over the decayed weights' sum.
+#[test]
+fn the_selector_loss_and_every_gradient_are_the_written_out_objectives() {
+    // In f64, so that the two orders of summation agree to far more digits than any mistake would.
+    let backbone =
+        perturbed(Drafter::new(dflash_cfg(), Device::Cpu, Kind::Float, Init::Portable(11)).unwrap(), false, 0);
+    let mut d = perturbed(with_backbone(&backbone, 12), true, 13);
+    d = Drafter::zeroed(dflash2_cfg(), Device::Cpu, Kind::Double)
+        .map(|f64s| {
+            tch::no_grad(|| f64s.params().master.shallow_clone().copy_(&d.params().master));
+            f64s
+        })
+        .unwrap();
+    let mut c = case(18, 14);
+    c.features = c.features.to_kind(Kind::Double);
+    c.embed = c.embed.to_kind(Kind::Double);
+    let (plan, t) = plan(&c, &[1, 7, 12]);
+    let alpha = 0.7;
+    let emb = Tensor::embedding(&c.embed, &t.block_ids, -1, false, false);
+    let features = c.features.shallow_clone();
+
+    // The library: forward, the chunked head with its selector, backward of the returned gradient.
+    let h = d.forward(&features, &emb, &t.positions, &t.attention);
+    let flat = h.view([-1, h.size()[2]]);
+    let predecessors = t.predecessors(BS).unwrap();
+    let slots = SlotTargets {
+        selector: Some(SelectorTargets { drafter: &d, predecessors: &predecessors, alpha }),
+        ..SlotTargets::labels(&t.labels, &t.weights)
+    };
+    let out = tch::no_grad(|| lm_head_loss(&flat.detach(), &c.embed, &slots, &plan, 5, true)).unwrap();
+    (&h * out.grad.unwrap().view_as(&h)).sum(Kind::Double).backward();
+    let ours = d.params().grad.copy();
+    d.params_mut().zero_grad();
+
+    // Written out with autograd.
+    let h = d.forward(&features, &emb, &t.positions, &t.attention);
+    let flat = h.view([-1, h.size()[2]]);
+    let logits = flat.matmul(&c.embed.tr());
+    let labels = &t.labels;
+    let unary_ce = -logits.log_softmax(-1, Kind::Double).gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
+    let top = logits.topk(shape().selector_top_k as i64, -1, true, true).1;
+    let contains = top.eq_tensor(&labels.unsqueeze(1)).any_dim(1, false);
+    let last = top.select(1, 3).where_self(&contains, labels);
+    let candidates = Tensor::cat(&[top.narrow(1, 0, 3), last.unsqueeze(1)], 1);
+    let place = candidates.eq_tensor(&labels.unsqueeze(1)).to_kind(Kind::Int64).argmax(1, false);
+    let w = d.selector_weights().unwrap();
+    let context = w.predecessor_codebook.index_select(0, &predecessors) * flat.matmul(&w.hidden_projection.tr());
+    let successors = w.successor_codebook.index_select(0, &candidates.view([-1])).view([candidates.size()[0], 4, -1]);
+    let scores =
+        logits.gather(1, &candidates, false) + (successors * context.unsqueeze(1)).sum_dim_intlist(-1, false, None);
+    let selector_ce = -scores.log_softmax(-1, Kind::Double).gather(1, &place.unsqueeze(1), false).squeeze_dim(1);
+    let loss = ((unary_ce + selector_ce * alpha) * t.weights.to_kind(Kind::Double)).sum(Kind::Double);
+    loss.backward();
+    let written = d.params().grad.copy();
+
+    assert!((out.metrics.weighted_loss - loss.double_value(&[])).abs() < 1e-3 * loss.double_value(&[]).abs());
+    for (name, ours) in d.params().layout().named_views(&ours) {
+        let theirs = &d.params().layout().named_views(&written).into_iter().find(|(n, _)| *n == name).unwrap().1;
+        let scale = theirs.abs().max().double_value(&[]);
+        let err = (&ours - theirs).abs().max().double_value(&[]);
+        let own = name.contains("candidate_selector") || name.contains("_conv.");
+        assert!(scale > 0.0 || !own, "{name} receives no gradient");
+        assert!(err <= 1e-6 * scale.max(1e-3), "{name}: off by {err:e} (gradients up to {scale:e})");
+    }
+}
