@@ -143,13 +143,9 @@ fn the_selector_loss_and_every_gradient_are_the_written_out_objectives() {
     // In f64, so that the two orders of summation agree to far more digits than any mistake would.
     let backbone =
         perturbed(Drafter::new(dflash_cfg(), Device::Cpu, Kind::Float, Init::Portable(11)).unwrap(), false, 0);
-    let mut d = perturbed(with_backbone(&backbone, 12), true, 13);
-    d = Drafter::zeroed(dflash2_cfg(), Device::Cpu, Kind::Double)
-        .map(|f64s| {
-            tch::no_grad(|| f64s.params().master.shallow_clone().copy_(&d.params().master));
-            f64s
-        })
-        .unwrap();
+    let f32s = perturbed(with_backbone(&backbone, 12), true, 13);
+    let mut d = Drafter::zeroed(dflash2_cfg(), Device::Cpu, Kind::Double).unwrap();
+    tch::no_grad(|| d.params().master.shallow_clone().copy_(&f32s.params().master));
     let mut c = case(18, 14);
     c.features = c.features.to_kind(Kind::Double);
     c.embed = c.embed.to_kind(Kind::Double);
@@ -200,5 +196,54 @@ fn the_selector_loss_and_every_gradient_are_the_written_out_objectives() {
         let own = name.contains("candidate_selector") || name.contains("_conv.");
         assert!(scale > 0.0 || !own, "{name} receives no gradient");
         assert!(err <= 1e-6 * scale.max(1e-3), "{name}: off by {err:e} (gradients up to {scale:e})");
+    }
+}
+
+/// A DFlash 2 drafter proposes the selector's walk from the last accepted token, not each slot's argmax (its
+/// codebooks here large enough that the two differ), and speculative decoding with it stays the target's greedy
+/// output.
+#[test]
+fn the_proposer_drafts_the_selectors_walk_and_decoding_stays_lossless() {
+    use dflash::model::candidate_selector::greedy_path;
+    use dflash::model::speculative::{DFlashProposer, Proposer, greedy, speculative};
+    use dflash::model::{Decoder, Depth, Preset};
+
+    let t = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let cfg = DrafterConfig::for_preset(Preset::Tiny, BS).with_variant(Variant::DFlash2(shape())).unwrap();
+    let d = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(3)).unwrap();
+    tch::no_grad(|| {
+        for (name, mut view) in d.params().layout().named_views(&d.params().master) {
+            if name.starts_with("candidate_selector.") {
+                view *= 60.0;
+            }
+        }
+    });
+    let width = d.config().context_width() as i64;
+    let states = seeded(21, || Tensor::randn([1, 10, width], (Kind::Float, Device::Cpu)));
+    let (mut walked_apart, last) = (false, 17);
+    for n in [10, 6, 3] {
+        let context = states.narrow(1, 0, n);
+        let mut proposer = DFlashProposer::new(&d, &t, 64, false).unwrap();
+        let drafted = proposer.propose(&context, last, BS - 1).unwrap();
+        // By hand: the same pass, its logits, the walk.
+        let w = d.decode_weights().unwrap();
+        let mut cache = d.new_cache(64).unwrap();
+        let ids =
+            Tensor::from_slice(&[last, d.config().mask_token_id, d.config().mask_token_id, d.config().mask_token_id]);
+        let emb = t.embed(&ids.view([1, BS as i64]));
+        let hidden = d.draft(&w, &context, &emb, &mut cache).unwrap().narrow(1, 1, BS as i64 - 1).get(0);
+        let logits = hidden.matmul(&t.lm_head().tr());
+        let sel = d.selector_weights().unwrap();
+        let walk = tch::no_grad(|| greedy_path(&logits, &hidden, &ids.narrow(0, 0, 1), 4, &sel.borrowed())).unwrap();
+        assert_eq!(drafted, Vec::<i64>::try_from(&walk).unwrap(), "{n} context rows");
+        walked_apart |= drafted != Vec::<i64>::try_from(logits.argmax(-1, false)).unwrap();
+    }
+    assert!(walked_apart, "the selector never changed a draft: the test shows nothing");
+    let mut proposer = DFlashProposer::new(&d, &t, 128, false).unwrap();
+    for (i, (prompt_len, max_new)) in [(3, 9), (17, 16), (30, 20)].into_iter().enumerate() {
+        let p: Vec<i64> = (0..prompt_len as i64).map(|j| (j * 37 + i as i64 * 11 + 3) % 250).collect();
+        let reference = greedy(&mut Decoder::new(&t, 128, &[]).unwrap(), &p, max_new, &[]).unwrap();
+        let out = speculative(&mut Decoder::new(&t, 128, &[]).unwrap(), &mut proposer, BS, &p, max_new, &[]).unwrap();
+        assert_eq!(out.tokens, reference.tokens, "prompt {prompt_len} tokens, {max_new} new");
     }
 }

@@ -18,7 +18,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::attention::{CONTEXT_BUCKET, LayerAttention, context_bucket, grouped_bias, masked_attention, repeat_kv};
-use super::candidate_selector::SelectorTensors;
+use super::candidate_selector::{SelectorTensors, SelectorWeights, greedy_path};
+use super::choice::greedy_tokens;
 use super::drafter_config::DrafterConfig;
 use super::dynamic_conv::grouped_dynamic_conv;
 use super::flat_params::{FlatLayout, FlatParams, GroupInit, ParamGroup};
@@ -436,6 +437,32 @@ impl Drafter {
     pub fn decode_weights(&self) -> Result<DraftWeights, ModelError> {
         let groups = self.params.layout().groups().len();
         Ok(DraftWeights((0..groups).map(|g| self.params.leaf(g).f_to_kind(self.kind)).collect::<Result<_, _>>()?))
+    }
+
+    /// The tokens a drafting pass proposes for its slots after the anchor, from their final hidden states `hidden
+    /// [1, n, H]` and their logits `[1, n, V]`, as `[1, n]` int64 on the device without waiting for it: the argmax at
+    /// each slot (DFlash), or DFlash 2's selector walked from `anchor [1]` (the last accepted token) as vLLM walks
+    /// it at temperature 0 ([`greedy_path`]).
+    pub fn drafted_tokens(
+        &self,
+        w: &DraftWeights,
+        hidden: &Tensor,
+        logits: &Tensor,
+        anchor: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        match (self.cfg.variant.dflash2(), self.selector) {
+            (Some(shape), Some(s)) => {
+                let weights = SelectorWeights {
+                    predecessor_codebook: &w.0[s.predecessor_codebook],
+                    successor_codebook: &w.0[s.successor_codebook],
+                    hidden_projection: &w.0[s.hidden_projection],
+                };
+                let top_k = shape.selector_top_k as i64;
+                Ok(greedy_path(&logits.f_select(0, 0)?, &hidden.f_select(0, 0)?, anchor, top_k, &weights)?
+                    .f_unsqueeze(0)?)
+            }
+            _ => greedy_tokens(logits),
+        }
     }
 
     /// A cache of projected context keys and values for up to `capacity` positions of one sequence (rounded up

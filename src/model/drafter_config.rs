@@ -99,7 +99,7 @@ impl Dflash2Shape {
         if k < 1 || k > block_size {
             return Err(format!("`conv_kernel_size` ({k}) must be between 1 and the block size ({block_size})"));
         }
-        if g < 1 || hidden % g != 0 {
+        if g < 1 || !hidden.is_multiple_of(g) {
             return Err(format!("`conv_group_size` ({g}) must divide the hidden size ({hidden})"));
         }
         if r < 1 {
@@ -603,6 +603,38 @@ mod tests {
         assert!(refused(vec![slide(8, true), slide(4, true)]).contains("one positive window"));
         assert!(refused(vec![slide(8, false), causal_full]).contains("causal exactly where they slide"));
         assert!(refused(vec![full]).contains("1 layers given for 2"));
+    }
+
+    /// A DFlash 2 drafter's config.json is z-lab's (`DFlash2DraftModel`, its sizes and the block size in
+    /// `dflash_config`, as vLLM reads them) and reads back; a folder without a size, with a scale dflash does not
+    /// train, or with sizes that do not fit is refused, naming the key.
+    #[test]
+    fn dflash2_configs_round_trip_and_what_does_not_fit_is_refused() {
+        let cfg =
+            DrafterConfig::for_preset(Preset::Qwen3_8b, 8).with_variant(Variant::DFlash2(Default::default())).unwrap();
+        let json = cfg.to_json("bfloat16");
+        assert_eq!(json["architectures"], json!(["DFlash2DraftModel"]));
+        assert_eq!(
+            json["dflash_config"],
+            json!({"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids, "block_size": 8,
+                "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16})
+        );
+        assert_eq!(DrafterConfig::from_json(&json.to_string()).unwrap(), cfg);
+        let refused = |edit: &dyn Fn(&mut Value)| {
+            let mut j = json.clone();
+            edit(&mut j);
+            DrafterConfig::from_json(&j.to_string()).unwrap_err()
+        };
+        let err = refused(&|j| drop(j["dflash_config"].as_object_mut().unwrap().remove("selector_rank")));
+        assert!(err.contains("missing `dflash_config.selector_rank`"), "{err}");
+        assert!(refused(&|j| j["dflash_config"]["output_multiplier"] = json!(2.0)).contains("output_multiplier"));
+        assert!(refused(&|j| j["dflash_config"]["conv_group_size"] = json!(7)).contains("conv_group_size"));
+        assert!(refused(&|j| j["dflash_config"]["conv_kernel_size"] = json!(9)).contains("conv_kernel_size"));
+        // The neutral scales are accepted.
+        let mut neutral = json.clone();
+        neutral["dflash_config"]["input_embedding_scale"] = json!(1.0);
+        neutral["dflash_config"]["final_logit_softcapping"] = Value::Null;
+        assert_eq!(DrafterConfig::from_json(&neutral.to_string()).unwrap(), cfg);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use tch::{Kind, Tensor};
 use crate::ffi::graph::CudaGraph;
 use crate::profile::span;
 
-use super::choice::{Choice, greedy_choice, greedy_token_ids, greedy_tokens};
+use super::choice::{Choice, greedy_choice, greedy_token_ids};
 use super::drafter::DraftWeights;
 use super::generate::{begin_generation, cached_generation, ids_tensor};
 use super::{Decoder, Drafter, KvCache, ModelError, Target};
@@ -99,8 +99,9 @@ impl<'a> DFlashProposer<'a> {
                 let (graph, drafted) = CudaGraph::capture(device, 2, || -> Result<Tensor, ModelError> {
                     let embeddings = target.embed(&ids);
                     let hidden = drafter.draft_at(weights, &context, &start, &count, &embeddings, cache)?;
-                    let logits = hidden.f_narrow(1, 1, bs - 1)?.f_linear(target.lm_head(), None::<Tensor>)?;
-                    greedy_tokens(&logits)
+                    let slots = hidden.f_narrow(1, 1, bs - 1)?;
+                    let logits = slots.f_linear(target.lm_head(), None::<Tensor>)?;
+                    drafter.drafted_tokens(weights, &slots, &logits, &ids.f_select(1, 0)?)
                 })
                 .map_err(|e| ModelError::Torch(format!("capturing a drafting pass: {e}")))?;
                 DraftGraph { graph, context, start, count, ids, drafted }
@@ -155,9 +156,12 @@ impl Proposer for DFlashProposer<'_> {
         let context = new_context.f_to_kind(self.drafter.kind())?;
         let hidden = self.drafter.draft(&self.weights, &context, &embeddings, &mut self.cache)?;
         let _p = span("drafter.lm_head");
-        let logits =
-            tch::no_grad(|| hidden.narrow(1, 1, slots as i64).f_linear(self.target.lm_head(), None::<Tensor>))?;
-        greedy_token_ids(&logits)
+        let drafted = tch::no_grad(|| {
+            let slots = hidden.narrow(1, 1, slots as i64);
+            let logits = slots.f_linear(self.target.lm_head(), None::<Tensor>)?;
+            self.drafter.drafted_tokens(&self.weights, &slots, &logits, &ids.f_select(1, 0)?)
+        })?;
+        Ok(Vec::try_from(drafted.f_flatten(0, -1)?)?)
     }
 
     fn restart(&mut self) {
@@ -259,14 +263,22 @@ mod tests {
     use crate::model::{Depth, DrafterConfig, Init, Preset};
 
     /// On a GPU: passes replayed from the drafting graph draft what eager passes draft (f32, so the order of the
-    /// softmax's sum cannot flip a token), over generations that reuse the proposer and its graph.
+    /// softmax's sum cannot flip a token), over generations that reuse the proposer and its graph; for DFlash and for
+    /// DFlash 2, whose selector walks the block inside the graph.
     #[test]
     #[ignore = "needs a GPU"]
     fn replayed_drafting_passes_draft_what_eager_passes_draft() {
+        let shape = crate::model::Dflash2Shape { conv_group_size: 8, selector_rank: 8, ..Default::default() };
+        for variant in [crate::model::Variant::DFlash, crate::model::Variant::DFlash2(shape)] {
+            replayed_passes_draft_what_eager_passes_draft(variant);
+        }
+    }
+
+    fn replayed_passes_draft_what_eager_passes_draft(variant: crate::model::Variant) {
         let device = crate::ffi::graph::graph_gpu_for_tests();
         let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
-        let d =
-            Drafter::new(DrafterConfig::for_preset(Preset::Tiny, 4), device, Kind::Float, Init::Portable(3)).unwrap();
+        let cfg = DrafterConfig::for_preset(Preset::Tiny, 4).with_variant(variant).unwrap();
+        let d = Drafter::new(cfg, device, Kind::Float, Init::Portable(3)).unwrap();
         let mut graphed = DFlashProposer::new(&d, &t, 64, true).unwrap();
         let mut eager = DFlashProposer::new(&d, &t, 64, false).unwrap();
         let width = d.config().context_width() as i64;

@@ -944,7 +944,7 @@ mod tests {
             let plan = BlockPlan::new(&[Row { input_ids: &ids, loss_mask: &row_mask }], &[anchors], rows, &s);
             let w = Tensor::from_slice(&plan.weights);
             let distribution = (loss_fn == "kl").then_some(TargetStates { states: &targets, rows: &own_rows });
-            let slots = SlotTargets { labels: &labels, weights: &w, distribution };
+            let slots = SlotTargets { labels: &labels, weights: &w, distribution, selector: None };
             let out = lm_head_loss(&logits, &head, &slots, &plan, 7, true).unwrap();
             let loss = out.metrics.weighted_loss / supervised;
             let expected = case["loss"].as_f64().unwrap();
