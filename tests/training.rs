@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use dflash::ffi::accel::{AdamwStep, MuonStep};
 use dflash::model::presets::tiny;
-use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target};
+use dflash::model::{Depth, Dflash2Shape, Drafter, DrafterConfig, Init, Preset, Target, Variant};
 use dflash::train::objective::ObjectiveSettings;
 use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
 use tch::{Device, Kind, Tensor};
@@ -23,7 +23,16 @@ fn trainer(target: &Target, num_anchors: usize, seed: u64) -> Trainer {
 }
 
 fn trainer_with(target: &Target, objective: ObjectiveSettings, seed: u64) -> Trainer {
-    let cfg = DrafterConfig::for_preset(Preset::Tiny, BS);
+    trainer_of(Variant::DFlash, target, objective, seed)
+}
+
+/// DFlash 2 at small sizes: two taps, channel groups of 8, rank 16, 4 candidates.
+fn dflash2() -> Variant {
+    Variant::DFlash2(Dflash2Shape { conv_kernel_size: 2, conv_group_size: 8, selector_rank: 16, selector_top_k: 4 })
+}
+
+fn trainer_of(variant: Variant, target: &Target, objective: ObjectiveSettings, seed: u64) -> Trainer {
+    let cfg = DrafterConfig::for_preset(Preset::Tiny, BS).with_variant(variant).unwrap();
     let drafter = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(seed)).unwrap();
     let optimizer = Optimizer::new(drafter.params(), OptimizerKind::AdamW).unwrap();
     let (embed, lm_head) = (target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone());
@@ -146,10 +155,22 @@ fn snapshot(tr: &Trainer) -> (Tensor, Tensor, Tensor) {
 
 #[test]
 fn save_load_is_bitwise_and_resuming_continues_identically() {
+    resumes_identically(Variant::DFlash);
+}
+
+/// A DFlash 2 drafter (its convolutions, codebooks and projection among the weights and optimizer states) too.
+#[test]
+fn a_dflash2_drafter_resumes_identically() {
+    resumes_identically(dflash2());
+}
+
+fn resumes_identically(variant: Variant) {
     tch::set_num_threads(1);
     let t = target();
     let data = dataset(4, 28);
     let batches: Vec<FeatureBatch> = (0..6).map(|e| batch(&t, &data, 0, e)).collect();
+    let trainer =
+        |t: &Target, n, seed| trainer_of(variant, t, ObjectiveSettings::new(n, BS, Some(2.0), tiny::MASK), seed);
     let mut a = trainer(&t, 6, 5);
     for b in &batches[..3] {
         a.train_step(std::slice::from_ref(b), &update(3e-3)).unwrap();
@@ -229,6 +250,18 @@ fn a_tiny_drafter_learns_the_targets_argmax_and_its_distribution() {
         let objective = ObjectiveSettings { teacher, ..ObjectiveSettings::new(12, BS, Some(2.0), tiny::MASK) };
         overfits(&t, trainer_with(&t, objective, 7));
     }
+}
+
+/// A DFlash 2 drafter with the recipe's D-PACE and Muon: both losses fall, and the selector's drafts (what the
+/// metrics count for it) agree with the data.
+#[test]
+fn a_tiny_dflash2_drafter_overfits_a_tiny_dataset_with_dpace_and_muon() {
+    let t = target();
+    let objective = ObjectiveSettings { dpace_alpha: Some(0.5), ..ObjectiveSettings::new(12, BS, None, tiny::MASK) };
+    let mut tr = trainer_of(dflash2(), &t, objective, 7);
+    tr.optimizer = Optimizer::new(tr.drafter.params(), OptimizerKind::Muon).unwrap();
+    let muon = MuonStep { lr: 0.02, momentum: 0.95, weight_decay: 0.1, ns_steps: 5 };
+    overfits_with(&t, tr, &UpdateSettings { muon: Some(muon), ..update(5e-3) });
 }
 
 fn overfits(t: &Target, tr: Trainer) {

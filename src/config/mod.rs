@@ -22,10 +22,10 @@ use serde::Deserialize;
 
 use crate::data::prepare::ModelAssets;
 use crate::device::{DeviceSpec, DtypeSpec};
-use crate::model::LayerAttention;
-use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
+use crate::model::drafter_config::{DFLASH2_KEYS, auto_target_layer_ids, default_gamma};
 use crate::model::presets::{PresetSpec, no_such_model};
 use crate::model::{Depth, ModelError, Preset, Target};
+use crate::model::{Dflash2Shape, LayerAttention, Variant};
 use crate::train::{ObjectiveSettings, Teacher};
 use tch::{Device, Kind};
 
@@ -99,6 +99,11 @@ struct RawDraftModel {
     layer_types: RawLayerTypes,
     sliding_window: i64,
     block_causal: RawCausal,
+    variant: String,
+    conv_kernel_size: i64,
+    conv_group_size: i64,
+    selector_rank: i64,
+    selector_top_k: i64,
 }
 
 /// `layer_types`: one type for every layer, or a list with one per layer.
@@ -142,6 +147,7 @@ struct RawObjective {
     dpace_alpha: f64,
     target: String,
     loss: String,
+    selector_loss_alpha: f64,
     seed: i64,
 }
 
@@ -265,6 +271,8 @@ pub struct DraftModelSettings {
     pub init: Option<PathBuf>,
     /// Each layer's sliding window and causality (`layer_types`, `sliding_window`, `block_causal`).
     pub layer_attention: Vec<LayerAttention>,
+    /// DFlash or DFlash 2 (`variant`, with DFlash 2's sizes).
+    pub variant: Variant,
 }
 
 /// The target layers the drafter reads.
@@ -324,6 +332,8 @@ pub struct ObjectiveConfig {
     pub weights: SlotWeights,
     /// What a slot learns to predict (`objective.target` with `objective.loss`).
     pub teacher: Teacher,
+    /// DFlash 2: the selector's loss weight beside the unary loss.
+    pub selector_loss_alpha: f64,
     /// Keys anchor sampling (with epoch and sample id) and the drafter's initial weights.
     pub seed: u64,
 }
@@ -350,6 +360,7 @@ impl ObjectiveConfig {
         ObjectiveSettings {
             dpace_alpha: self.dpace_alpha(),
             teacher: self.teacher,
+            selector_loss_alpha: self.selector_loss_alpha,
             ..ObjectiveSettings::new(num_anchors, block_size, gamma, mask_token_id)
         }
     }
@@ -641,9 +652,14 @@ impl RawConfig {
 }
 
 /// Keys a running service cannot change: resuming with a different value is refused.
-pub const NON_RELOADABLE: [&str; 16] = [
+pub const NON_RELOADABLE: [&str; 21] = [
     "target.model",
     "optim.optimizer",
+    "draft_model.variant",
+    "draft_model.conv_kernel_size",
+    "draft_model.conv_group_size",
+    "draft_model.selector_rank",
+    "draft_model.selector_top_k",
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -664,7 +680,13 @@ pub const NON_RELOADABLE: [&str; 16] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
 /// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 22] = [
+pub const SHARED_BY_HOSTS: [&str; 28] = [
+    "draft_model.variant",
+    "draft_model.conv_kernel_size",
+    "draft_model.conv_group_size",
+    "draft_model.selector_rank",
+    "draft_model.selector_top_k",
+    "objective.selector_loss_alpha",
     "draft_model.num_hidden_layers",
     "draft_model.block_size",
     "draft_model.intermediate_size",
@@ -907,11 +929,32 @@ impl RawDraftModel {
             .collect())
     }
 
+    /// `variant` with DFlash 2's sizes (each checked against the target's shape when the drafter is built).
+    fn variant(&self) -> Result<Variant, ConfigError> {
+        match self.variant.as_str() {
+            "dflash" => Ok(Variant::DFlash),
+            "dflash2" => {
+                let mut sizes = [0usize; 4];
+                let given = [self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k];
+                for ((size, key), value) in sizes.iter_mut().zip(DFLASH2_KEYS).zip(given) {
+                    *size = usize::try_from(value)
+                        .ok()
+                        .filter(|&v| v > 0)
+                        .ok_or_else(|| invalid(&format!("draft_model.{key}"), value, "a positive size"))?;
+                }
+                let [conv_kernel_size, conv_group_size, selector_rank, selector_top_k] = sizes;
+                Ok(Variant::DFlash2(Dflash2Shape { conv_kernel_size, conv_group_size, selector_rank, selector_top_k }))
+            }
+            other => Err(invalid("draft_model.variant", format!("{other:?}"), "\"dflash\" or \"dflash2\"")),
+        }
+    }
+
     fn validate(self) -> Result<DraftModelSettings, ConfigError> {
         if self.num_hidden_layers < 1 {
             return Err(invalid("draft_model.num_hidden_layers", self.num_hidden_layers, "at least 1 layer"));
         }
         let layer_attention = self.layer_attention()?;
+        let variant = self.variant()?;
         if self.block_size < 2 {
             return Err(invalid("draft_model.block_size", self.block_size, "at least 2 (16 is the paper's)"));
         }
@@ -955,6 +998,7 @@ impl RawDraftModel {
         };
         Ok(DraftModelSettings {
             layer_attention,
+            variant,
             num_hidden_layers: self.num_hidden_layers as usize,
             block_size: self.block_size as usize,
             intermediate_size: self.intermediate_size.map(|i| i as usize),
@@ -1007,11 +1051,20 @@ impl RawObjective {
             }
             (other, _) => return Err(invalid("objective.target", format!("{other:?}"), "\"data\" or \"argmax\"")),
         };
+        let selector_loss_alpha = self.selector_loss_alpha;
+        if !(selector_loss_alpha.is_finite() && selector_loss_alpha >= 0.0) {
+            return Err(invalid(
+                "objective.selector_loss_alpha",
+                selector_loss_alpha,
+                "a weight >= 0 (1.0: speculators')",
+            ));
+        }
         Ok(ObjectiveConfig {
             num_anchors: self.num_anchors as usize,
             gamma: parsed,
             weights,
             teacher,
+            selector_loss_alpha,
             seed: self.seed as u64,
         })
     }

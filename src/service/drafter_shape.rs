@@ -60,6 +60,7 @@ pub fn shape(config: &Config) -> Result<Shape> {
     let drafter =
         DrafterConfig::for_target(&target, dm.num_hidden_layers, dm.intermediate_size, dm.block_size, taps, mask)
             .and_then(|d| d.with_layer_attention(dm.layer_attention.clone()))
+            .and_then(|d| d.with_variant(dm.variant))
             .map_err(|e| anyhow::anyhow!("[draft_model]: {e}"))?;
     Ok(Shape { target, drafter, taps_rule, mask_rule })
 }
