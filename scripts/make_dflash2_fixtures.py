@@ -8,12 +8,22 @@
   (`selector_training_candidates`: the target injected at rank K where the unary top-K misses it;
   `CandidateSelector.score_candidates` on the teacher-forced previous tokens), the K-way cross-entropy summed over
   the slots, and its gradients with respect to the unary logits, the hidden states, both codebooks and the hidden
-  projection, for src/model/candidate_selector.rs.
+  projection, for src/model/candidate_selector.rs;
+- with `--model WORK`, tests/fixtures/dflash2-speculators/: a trained DFlash 2 drafter that dflash exported twice
+  (WORK/zlab, z-lab's layout, copied as `drafter/`; WORK/speculators, speculators' layout with the tiny-tasks target
+  WORK/target as its verifier, both in f32), loaded by speculators' own `DFlash2DraftModel.from_pretrained`, and
+  `step.safetensors`: the inputs of one training step (random tapped states, the verifier's last states after its
+  norm, tokens and a loss mask) with every valid anchor, and what `DFlash2DraftModel.forward` computed from them
+  (loss "ce" against the target's argmax, D-PACE weights with alpha 0.5, selector_loss_alpha 0.7): the loss and the
+  gradient of every drafter tensor, for tests/exports.rs. The CPU has no flex-attention backward: attention runs on
+  the dense mask of the same mask function (`create_mask`), by SDPA.
 
 Usage: in a Python environment with speculators 0.9.0 installed (the one `make check-exports` makes):
-    ~/.cache/dflash/check-exports-speculators-0.9.0/bin/python scripts/make_dflash2_fixtures.py
+    ~/.cache/dflash/check-exports-speculators-0.9.0/bin/python scripts/make_dflash2_fixtures.py [--model WORK]
 """
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -76,7 +86,59 @@ def selector_case():
     }
 
 
+def model_case(work, out):
+    """One training step of speculators' DFlash 2 on the drafter in `work`, written to `out`."""
+    import safetensors.torch
+    import speculators.models.attention as attention
+    import speculators.models.dflash.core as dflash_core
+    from speculators.losses import resolve_loss_config
+    from speculators.models.dflash2 import DFlash2DraftModel
+
+    def dense_flex_attention(query, key, value, score_mod=None, block_mask=None, enable_gqa=False, scale=None):
+        mask = attention._create_mask(block_mask.mask_mod, None, None, query.shape[2], key.shape[2], query.device)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        )
+
+    attention.flex_attention = dense_flex_attention
+    model = DFlash2DraftModel.from_pretrained(str(work / "speculators")).float()
+    torch.manual_seed(3)
+    seq, hidden, taps = 32, model.config.transformer_layer_config.hidden_size, 3
+    # Two supervised runs, none in the last block: every anchor's block fits the row, as speculators wants.
+    loss_mask = torch.zeros(1, seq, dtype=torch.long)
+    loss_mask[0, 3:13] = 1
+    loss_mask[0, 15:23] = 1
+    valid = [a for a in range(seq - 1) if loss_mask[0, a] and loss_mask[0, a + 1]]
+    anchors = torch.tensor(valid)
+    dflash_core.select_anchors = lambda mask, n, bs: (anchors, torch.ones(len(valid), dtype=torch.bool))
+    target_hidden = torch.randn(1, seq, taps * hidden)
+    last = torch.randn(1, seq, hidden) * 2
+    input_ids = torch.randint(0, 300, (1, seq))
+    _, loss, _ = model(
+        target_hidden, input_ids, loss_mask, last, torch.zeros(1, seq, dtype=torch.long),
+        loss_config=resolve_loss_config("ce", "eager"), per_position_loss_weight="dpace", dpace_alpha=0.5,
+        selector_loss_alpha=0.7, max_anchors=len(valid), tv_loss_fn=resolve_loss_config("tv", "eager")["tv"][0],
+    )
+    loss.backward()
+    tensors = {
+        "target_hidden": target_hidden, "target_last": model.verifier_norm(last).detach(),
+        "input_ids": input_ids, "loss_mask": loss_mask, "anchors": anchors, "loss": loss.detach().reshape(1),
+    }
+    for name, p in model.named_parameters():
+        if p.grad is not None and not name.startswith(("embed_tokens", "lm_head", "verifier_")):
+            tensors[f"grad.{name}"] = p.grad.detach().contiguous()
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(work / "zlab", out / "drafter")
+    safetensors.torch.save_file(tensors, str(out / "step.safetensors"))
+    return loss.item()
+
+
 if __name__ == "__main__":
+    if "--model" in sys.argv:
+        work = Path(sys.argv[sys.argv.index("--model") + 1])
+        out = Path(__file__).resolve().parent.parent / "tests/fixtures/dflash2-speculators"
+        print(f"loss {model_case(work, out)}: wrote {out}")
+        sys.exit(0)
     path = Path(__file__).resolve().parent.parent / "tests/fixtures/dflash2-conv-speculators-0.9.0.json"
     path.write_text(json.dumps({"speculators": "0.9.0", "conv": conv_case()}) + "\n")
     print(f"wrote {path}")

@@ -247,3 +247,59 @@ fn the_proposer_drafts_the_selectors_walk_and_decoding_stays_lossless() {
         assert_eq!(out.tokens, reference.tokens, "prompt {prompt_len} tokens, {max_new} new");
     }
 }
+
+/// One training step of a trained DFlash 2 drafter (exported by dflash, loaded back by speculators 0.9.0's own
+/// `DFlash2DraftModel.from_pretrained`) is speculators' step: at every valid anchor, learning the target's argmax with
+/// D-PACE weights and the selector's loss at alpha 0.7, the loss and the gradient of every tensor equal what
+/// `DFlash2DraftModel.forward` computed (`tests/fixtures/dflash2-speculators/`, by `scripts/make_dflash2_fixtures.py
+/// --model`). Both normalise by the supervised slots; speculators adds 1e-5 to their count, dflash 1e-6.
+#[test]
+fn a_training_step_is_speculators_dflash2_step() {
+    use dflash::model::{Depth, Preset};
+    use dflash::train::objective::Teacher;
+    use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer};
+
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash2-speculators");
+    let drafter = Drafter::load(&dir.join("drafter"), Device::Cpu, Kind::Float).unwrap();
+    let io: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(dir.join("step.safetensors")).unwrap().into_iter().collect();
+    let target = Preset::TinyTasks.spec().build_target(Depth::ToLastTap, Device::Cpu, Kind::Float).unwrap();
+    let cfg = drafter.config().clone();
+    let objective = ObjectiveSettings {
+        dpace_alpha: Some(0.5),
+        teacher: Teacher::Argmax,
+        selector_loss_alpha: 0.7,
+        ..ObjectiveSettings::new(1000, cfg.block_size, None, cfg.mask_token_id)
+    };
+    let optimizer = Optimizer::new(drafter.params(), OptimizerKind::AdamW).unwrap();
+    let (embed, lm_head) = (target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone());
+    let mut trainer = Trainer::new(drafter, optimizer, embed, lm_head, objective, 0);
+    let row = |key: &str| Vec::<i64>::try_from(io[key].view([-1])).unwrap();
+    let loss_mask: Vec<u8> = row("loss_mask").into_iter().map(|m| m as u8).collect();
+    // Every valid anchor, as the fixture took them (the step draws no more than there are).
+    let anchors = dflash::train::objective::valid_anchors(&loss_mask);
+    assert_eq!(anchors.iter().map(|&a| a as i64).collect::<Vec<_>>(), row("anchors"));
+    let batch = FeatureBatch {
+        sample_ids: vec![0],
+        epoch: 0,
+        input_ids: vec![row("input_ids")],
+        loss_mask: vec![loss_mask],
+        conversations: None,
+        target_hidden: io["target_hidden"].shallow_clone(),
+        target_last: Some(io["target_last"].shallow_clone()),
+    };
+    let metrics = trainer.accumulate(&batch).unwrap();
+    let theirs = io["loss"].double_value(&[0]);
+    assert!((metrics.loss() - theirs).abs() < 1e-6 * theirs, "loss {} against speculators' {theirs}", metrics.loss());
+    let params = trainer.drafter.params();
+    let mut compared = 0;
+    for (name, ours) in params.layout().named_views(&params.grad) {
+        let theirs = &io[&format!("grad.{name}")];
+        let ours = ours / metrics.weight;
+        let scale = theirs.abs().max().double_value(&[]);
+        let err = (&ours - theirs).abs().max().double_value(&[]);
+        assert!(err <= 1e-5 * scale.max(1e-6), "{name}: off by {err:e} (speculators' gradient up to {scale:e})");
+        compared += 1;
+    }
+    assert_eq!(compared, io.keys().filter(|k| k.starts_with("grad.")).count(), "every tensor speculators trains");
+}

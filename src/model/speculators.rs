@@ -1,7 +1,8 @@
 //! The `speculators` format of a DFlash drafter (vLLM detects it by `speculators_model_type`; `vllm serve <folder>`
 //! runs it), as the `speculators` package 0.9.0 writes it: its `DFlashConverter` turns z-lab's layout into this.
 //!
-//! - `config.json`: `speculators_model_type = "dflash"`, the drafter's Qwen3 shape as `transformer_layer_config`
+//! - `config.json`: `speculators_model_type = "dflash"` (`"dflash2"` for DFlash 2, with its four sizes at the top
+//!   level as `DFlash2SpeculatorConfig` has them), the drafter's Qwen3 shape as `transformer_layer_config`
 //!   (`rope_theta` and any scaling folded into `rope_parameters`, as transformers 5 writes it), `block_size`,
 //!   `mask_token_id`, one greedy proposal of `block_size - 1` tokens, and the verifier (the target) by path or hub id.
 //! - The tapped layers as `aux_hidden_state_layer_ids`: z-lab's `target_layer_ids` name decoder layer i's output,
@@ -14,12 +15,13 @@
 //!   (`false`) therefore has vLLM run the paper's bidirectional blocks causally. This writes both keys from the
 //!   drafter's layers, which must all be causal (then all sliding) or none; other drafters go out as z-lab's layout.
 //! - `model.safetensors`: the drafter's own tensors under the published names (`fc`, `hidden_norm`, `layers.*`,
-//!   `norm`). Version 0.9.0 saves neither the embedding, the LM head nor the verifier's norm: it loads them from
+//!   `norm`, and DFlash 2's `candidate_selector.*`). Version 0.9.0 saves neither the embedding, the LM head nor the verifier's norm: it loads them from
 //!   the verifier when the model is built.
 use serde_json::{Map, Value, json};
 
-use super::DrafterConfig;
 use super::config::RopeScaling;
+use super::drafter_config::DFLASH2_KEYS;
+use super::{DrafterConfig, Variant};
 
 /// The `speculators` version whose format this writes.
 pub const SPECULATORS_VERSION: &str = "0.9.0";
@@ -61,8 +63,12 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
     obj.insert("rope_parameters".into(), rope_parameters(&cfg.decoder.rope_scaling, theta));
     let sorted: Map<String, Value> =
         std::mem::take(obj).into_iter().collect::<std::collections::BTreeMap<_, _>>().into_iter().collect();
-    Ok(json!({
-        "architectures": ["DFlashDraftModel"],
+    let algorithm = match cfg.variant {
+        Variant::DFlash => "dflash",
+        Variant::DFlash2(_) => "dflash2",
+    };
+    let mut v = json!({
+        "architectures": [cfg.variant.architecture()],
         "aux_hidden_state_layer_ids": aux,
         "block_size": cfg.block_size,
         "draft_vocab_size": cfg.decoder.vocab_size,
@@ -71,7 +77,7 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
         "sample_from_anchor": false,
         "sliding_window_non_causal": !causal,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
             "proposal_methods": [{
                 "accept_tolerance": 0.0,
@@ -81,12 +87,20 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
             }],
             "verifier": {"architectures": verifier.architectures, "name_or_path": verifier.name_or_path},
         },
-        "speculators_model_type": "dflash",
+        "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
         "target_hidden_size": null,
         "tie_word_embeddings": false,
         "transformer_layer_config": Value::Object(sorted),
-    }))
+    });
+    // DFlash 2's sizes sit at the top level (`DFlash2SpeculatorConfig`), where vLLM copies them into its
+    // `dflash_config`.
+    if let Variant::DFlash2(shape) = cfg.variant {
+        for (key, size) in DFLASH2_KEYS.into_iter().zip(shape.values()) {
+            v[key] = json!(size);
+        }
+    }
+    Ok(v)
 }
 
 /// The one causality of every layer that this format can carry (see the module doc).
@@ -143,6 +157,30 @@ mod tests {
         };
         let ours = config_json(&tiny_tasks_drafter(), &verifier, "bfloat16").unwrap();
         assert_eq!(ours, expected, "ours:\n{ours:#}\nthe converter's:\n{expected:#}");
+    }
+
+    /// A DFlash 2 drafter goes out as speculators' `DFlash2SpeculatorConfig` has it: its model type, architecture and
+    /// algorithm, its four sizes at the top level (where vLLM's `update_dflash2` reads them into `dflash_config`),
+    /// nothing of z-lab's `dflash_config` in the layer config.
+    #[test]
+    fn a_dflash2_drafter_is_speculators_dflash2_type() {
+        let verifier =
+            Verifier { name_or_path: "V".into(), architectures: vec!["Qwen3ForCausalLM".into()], num_hidden_layers: 8 };
+        let shape = crate::model::Dflash2Shape { conv_group_size: 8, ..Default::default() };
+        let cfg = tiny_tasks_drafter().with_variant(Variant::DFlash2(shape)).unwrap();
+        let v = config_json(&cfg, &verifier, "bfloat16").unwrap();
+        assert_eq!(v["speculators_model_type"], json!("dflash2"));
+        assert_eq!(v["speculators_config"]["algorithm"], json!("dflash2"));
+        assert_eq!(v["architectures"], json!(["DFlash2DraftModel"]));
+        for (key, size) in
+            [("conv_kernel_size", 2), ("conv_group_size", 8), ("selector_rank", 256), ("selector_top_k", 16)]
+        {
+            assert_eq!(v[key], json!(size), "{key}");
+        }
+        let layer = v["transformer_layer_config"].as_object().unwrap();
+        assert!(!layer.contains_key("dflash_config") && !layer.contains_key("architectures"));
+        let dflash = config_json(&tiny_tasks_drafter(), &verifier, "bfloat16").unwrap();
+        assert!(dflash.get("selector_rank").is_none() && dflash["speculators_model_type"] == json!("dflash"));
     }
 
     /// vLLM's reading of the format (`update_dflash`, then `_dflash_layer_causal`: `is_causal`, else
