@@ -16,7 +16,8 @@
   norm, tokens and a loss mask) with every valid anchor, and what `DFlash2DraftModel.forward` computed from them
   (loss "ce" against the target's argmax, D-PACE weights with alpha 0.5, selector_loss_alpha 0.7): the loss and the
   gradient of every drafter tensor, for tests/exports.rs. The CPU has no flex-attention backward: attention runs on
-  the dense mask of the same mask function (`create_mask`), by SDPA.
+  the dense mask of the same mask function (`create_mask`), by SDPA. `saved-by-speculators/` is the drafter as
+  speculators' `save_pretrained` writes it (bf16), for draft_model.init.
 
 Usage: in a Python environment with speculators 0.9.0 installed (the one `make check-exports` makes):
     ~/.cache/dflash/check-exports-speculators-0.9.0/bin/python scripts/make_dflash2_fixtures.py [--model WORK]
@@ -130,6 +131,8 @@ def model_case(work, out):
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(work / "zlab", out / "drafter")
     safetensors.torch.save_file(tensors, str(out / "step.safetensors"))
+    # The same drafter as speculators itself writes it (in bf16), for draft_model.init.
+    model.to(torch.bfloat16).save_pretrained(str(out / "saved-by-speculators"))
     return loss.item()
 
 

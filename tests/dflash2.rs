@@ -303,3 +303,17 @@ fn a_training_step_is_speculators_dflash2_step() {
     }
     assert_eq!(compared, io.keys().filter(|k| k.starts_with("grad.")).count(), "every tensor speculators trains");
 }
+
+/// `draft_model.init` takes a DFlash 2 drafter as speculators' own `save_pretrained` writes it (its layout, bf16):
+/// the folder fits the run its config.json describes, and its weights are the drafter's, to bf16's rounding.
+#[test]
+fn draft_model_init_takes_the_folder_speculators_writes() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash2-speculators");
+    let ours = Drafter::load(&dir.join("drafter"), Device::Cpu, Kind::Float).unwrap();
+    let saved = dir.join("saved-by-speculators");
+    dflash::service::drafter_init::check_init(&saved, ours.config()).unwrap();
+    let theirs = Drafter::with_weights(ours.config().clone(), &saved, Device::Cpu, Kind::Float).unwrap();
+    let rounded = ours.params().master.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+    assert!(theirs.params().master.equal(&rounded), "the weights speculators wrote are not the drafter's");
+    assert!(matches!(theirs.config().variant, Variant::DFlash2(s) if s.selector_top_k == 4));
+}

@@ -211,8 +211,14 @@ impl DrafterConfig {
         read_config_json(dir, "a DFlash drafter folder (config.json, model.safetensors)", Self::from_json)
     }
 
+    /// Reads a drafter's `config.json` in z-lab's layout, or in speculators' (read as z-lab's:
+    /// [`as_zlab_layout`](super::speculators::as_zlab_layout)).
     pub fn from_json(text: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let v = match v.get("speculators_model_type") {
+            Some(_) => super::speculators::as_zlab_layout(&v)?,
+            None => v,
+        };
         let arch = v.get("architectures").cloned();
         let dflash2 = if arch == Some(json!([DFLASH_ARCHITECTURE])) {
             false
