@@ -16,7 +16,7 @@ use super::{BenchError, StepTimes, check_counts};
 use crate::device::{self, device_name, kind_name};
 use crate::ffi::accel::{AdamwStep, MuonStep};
 use crate::model::drafter_config::default_gamma;
-use crate::model::{Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset};
+use crate::model::{Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset, Variant};
 use crate::profile::Recorder;
 use crate::train::objective::ObjectiveSettings;
 use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
@@ -50,6 +50,9 @@ pub struct DrafterBenchOptions {
     /// Each layer's window and causality (`draft_model.layer_types`, ...); the preset's drafter keeps full attention
     /// when none restricts it.
     pub layer_attention: Vec<LayerAttention>,
+    /// `draft_model.variant` (with DFlash 2's sizes) and DFlash 2's `objective.selector_loss_alpha`.
+    pub variant: Variant,
+    pub selector_loss_alpha: f64,
     /// Conversations per row (`data.pack`): the batch's `batch` conversations of `seq` tokens packed `pack` to a
     /// row of `pack * seq` tokens; 1: a row each.
     pub pack: i64,
@@ -124,6 +127,9 @@ pub fn bench_drafter(
             .with_layer_attention(opts.layer_attention.clone())
             .map_err(|e| BenchError::Settings(format!("[draft_model] layer_types for the preset's drafter: {e}")))?;
     }
+    let cfg = cfg
+        .with_variant(opts.variant)
+        .map_err(|e| BenchError::Settings(format!("[draft_model] variant for the preset's drafter: {e}")))?;
     let spec = preset.spec();
     if opts.seq as usize > cfg.decoder.max_position_embeddings {
         return Err(BenchError::Settings(format!(
@@ -135,6 +141,7 @@ pub fn bench_drafter(
     let mut objective = ObjectiveSettings {
         dpace_alpha: opts.dpace_alpha,
         teacher: opts.teacher,
+        selector_loss_alpha: opts.selector_loss_alpha,
         ..ObjectiveSettings::new(opts.anchors, opts.block_size, gamma, cfg.mask_token_id)
     };
     if let Some(rows) = opts.lm_head_chunk_rows {
@@ -347,6 +354,8 @@ mod tests {
             optimizer: OptimizerKind::AdamW,
             teacher: Teacher::Data,
             layer_attention: vec![],
+            variant: Variant::DFlash,
+            selector_loss_alpha: 1.0,
             pack: 1,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
@@ -379,6 +388,8 @@ mod tests {
             optimizer: OptimizerKind::AdamW,
             teacher: Teacher::Data,
             layer_attention: vec![],
+            variant: Variant::DFlash,
+            selector_loss_alpha: 1.0,
             pack: 1,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
@@ -407,6 +418,8 @@ mod tests {
             optimizer: OptimizerKind::AdamW,
             teacher: Teacher::Data,
             layer_attention: vec![],
+            variant: Variant::DFlash,
+            selector_loss_alpha: 1.0,
             pack: 1,
         };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();

@@ -188,6 +188,8 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 optimizer: config.optim.optimizer,
                 teacher: config.objective.teacher,
                 layer_attention: config.draft_model.layer_attention.clone(),
+                variant: config.draft_model.variant,
+                selector_loss_alpha: config.objective.selector_loss_alpha,
                 pack: args.pack,
             };
             let report = catch_torch(|| -> Result<_> {
