@@ -133,6 +133,8 @@ def model_case(work, out):
     safetensors.torch.save_file(tensors, str(out / "step.safetensors"))
     # The same drafter as speculators itself writes it (in bf16), for draft_model.init.
     model.to(torch.bfloat16).save_pretrained(str(out / "saved-by-speculators"))
+    # Its copy of speculators' config class, for trust_remote_code loading: no reader of ours needs it.
+    (out / "saved-by-speculators" / "config.py").unlink()
     return loss.item()
 
 
