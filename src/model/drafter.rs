@@ -308,16 +308,11 @@ impl Drafter {
             let attention = restricted.iter().find(|(k, _)| *k == kind).map_or(attention, |(_, p)| p);
             let qkv_w = self.weight(layer.qkv_proj);
             let (q_norm, k_norm) = (self.weight(layer.q_norm), self.weight(layer.k_norm));
-            let convs = layer
-                .conv
-                .map(|[a, m]| [self.sublayer_conv(a, &|g| self.weight(g)), self.sublayer_conv(m, &|g| self.weight(g))]);
+            let [attention_conv, mlp_conv] = self.layer_convs(layer, &|g| self.weight(g));
             let (qkv, kv_ctx, attention_kernel) = {
                 let _p = span("drafter.qkv_proj");
                 let xn = rms_norm(&x, &self.weight(layer.input_layernorm), eps);
-                let (xn, kernel) = match &convs {
-                    Some([conv, _]) => conv.prepare(&xn).map(|(p, k)| (p, Some(k))).unwrap_or_else(conv_failed),
-                    None => (xn, None),
-                };
+                let (xn, kernel) = prepare(attention_conv.as_ref(), xn).unwrap_or_else(conv_failed);
                 let qkv = xn.linear(&qkv_w, None::<Tensor>);
                 let kv_ctx = ctx.linear(&qkv_w.narrow(0, heads * d, 2 * kv_heads * d), None::<Tensor>);
                 (qkv, kv_ctx, kernel)
@@ -350,25 +345,16 @@ impl Drafter {
                 let _p = span("drafter.o_proj");
                 let o = attn.transpose(1, 2).reshape([b, q_len, heads * d]);
                 let o = o.linear(&self.weight(layer.o_proj), None::<Tensor>);
-                match (&convs, &attention_kernel) {
-                    (Some([conv, _]), Some(kernel)) => x + conv.finish(&o, kernel).unwrap_or_else(conv_failed),
-                    _ => x + o,
-                }
+                x + finish(attention_conv.as_ref(), o, attention_kernel).unwrap_or_else(conv_failed)
             };
             x = {
                 let _p = span("drafter.mlp");
                 let h = rms_norm(&x, &self.weight(layer.post_attention_layernorm), eps);
-                let (h, kernel) = match &convs {
-                    Some([_, conv]) => conv.prepare(&h).map(|(p, k)| (p, Some(k))).unwrap_or_else(conv_failed),
-                    None => (h, None),
-                };
+                let (h, kernel) = prepare(mlp_conv.as_ref(), h).unwrap_or_else(conv_failed);
                 let gu = h.linear(&self.weight(layer.gate_up_proj), None::<Tensor>);
                 let out = autograd::swiglu_down(&gu, &self.weight(layer.down_proj))
                     .unwrap_or_else(|e| panic!("drafter MLP: {e}"));
-                match (&convs, &kernel) {
-                    (Some([_, conv]), Some(kernel)) => &x + conv.finish(&out, kernel).unwrap_or_else(conv_failed),
-                    _ => &x + out,
-                }
+                &x + finish(mlp_conv.as_ref(), out, kernel).unwrap_or_else(conv_failed)
             };
         }
         rms_norm(&x, &self.weight(self.norm), eps)
@@ -376,7 +362,18 @@ impl Drafter {
 }
 
 impl Drafter {
-    /// One of DFlash 2's convolutions with its weights as `weight` gives them (the training cast, or decoding's).
+    /// A layer's convolutions around its attention and its MLP (DFlash 2; `None` for DFlash), with their weights as
+    /// `weight` gives them (the training cast, or decoding's).
+    fn layer_convs(&self, layer: &LayerParams, weight: &dyn Fn(usize) -> Tensor) -> [Option<SublayerConv>; 2] {
+        match layer.conv {
+            Some([attention, mlp]) => {
+                [Some(self.sublayer_conv(attention, weight)), Some(self.sublayer_conv(mlp, weight))]
+            }
+            None => [None, None],
+        }
+    }
+
+    /// One of DFlash 2's convolutions with its weights as `weight` gives them.
     fn sublayer_conv(&self, conv: ConvParams, weight: &dyn Fn(usize) -> Tensor) -> SublayerConv {
         let shape = self.cfg.variant.dflash2().expect("convolutions are DFlash 2's");
         SublayerConv {
@@ -399,6 +396,23 @@ struct SublayerConv {
     taps: i64,
     group: i64,
     block_size: i64,
+}
+
+/// A sublayer's normed input through its convolution's `prepare` (with the kernel `finish` then applies), or as it
+/// is without one.
+fn prepare(conv: Option<&SublayerConv>, x: Tensor) -> Result<(Tensor, Option<Tensor>), ModelError> {
+    match conv {
+        Some(conv) => conv.prepare(&x).map(|(prepared, kernel)| (prepared, Some(kernel))),
+        None => Ok((x, None)),
+    }
+}
+
+/// A sublayer's output through its convolution's `finish` with the kernel `prepare` gave, or as it is without one.
+fn finish(conv: Option<&SublayerConv>, y: Tensor, kernel: Option<Tensor>) -> Result<Tensor, ModelError> {
+    match (conv, kernel) {
+        (Some(conv), Some(kernel)) => conv.finish(&y, &kernel),
+        _ => Ok(y),
+    }
 }
 
 /// The forward pass's answer to a convolution that cannot run (shapes the configuration already validated).
@@ -586,15 +600,10 @@ impl Drafter {
                 };
                 let qkv_w = w(layer.qkv_proj);
                 let (q_norm, k_norm) = (w(layer.q_norm), w(layer.k_norm));
-                let convs = layer.conv.map(|[a, m]| {
-                    [self.sublayer_conv(a, &|g| w(g).shallow_clone()), self.sublayer_conv(m, &|g| w(g).shallow_clone())]
-                });
+                let [attention_conv, mlp_conv] = self.layer_convs(layer, &|g| w(g).shallow_clone());
                 let p = span("drafter.qkv_proj");
                 let xn = rms_norm(&x, w(layer.input_layernorm), eps);
-                let (xn, attention_kernel) = match &convs {
-                    Some([conv, _]) => conv.prepare(&xn).map(|(p, k)| (p, Some(k)))?,
-                    None => (xn, None),
-                };
+                let (xn, attention_kernel) = prepare(attention_conv.as_ref(), xn)?;
                 let qkv = xn.f_linear(qkv_w, None::<Tensor>)?;
                 let q = qkv.narrow(-1, 0, heads * d).view([1, bs, heads, d]);
                 let k_blk = qkv.narrow(-1, heads * d, kv_heads * d).view([1, bs, kv_heads, d]);
@@ -633,18 +642,9 @@ impl Drafter {
                 drop(p);
                 let p = span("drafter.mlp");
                 let o = attn.transpose(1, 2).reshape([1, bs, heads * d]).f_linear(w(layer.o_proj), None::<Tensor>)?;
-                x = match (&convs, &attention_kernel) {
-                    (Some([conv, _]), Some(kernel)) => &x + conv.finish(&o, kernel)?,
-                    _ => &x + o,
-                };
-                let h = rms_norm(&x, w(layer.post_attention_layernorm), eps);
-                x = match &convs {
-                    Some([_, conv]) => {
-                        let (h, kernel) = conv.prepare(&h)?;
-                        &x + conv.finish(&swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj)), &kernel)?
-                    }
-                    None => &x + swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj)),
-                };
+                x = &x + finish(attention_conv.as_ref(), o, attention_kernel)?;
+                let (h, kernel) = prepare(mlp_conv.as_ref(), rms_norm(&x, w(layer.post_attention_layernorm), eps))?;
+                x = &x + finish(mlp_conv.as_ref(), swiglu(&h, w(layer.gate_up_proj), w(layer.down_proj)), kernel)?;
                 drop(p);
             }
             if at.is_none() {

@@ -4,7 +4,8 @@
 //! same-position labels (slot k predicts `x[a + k]`), decayed weights (`exp(-(k-1)/gamma)`, slot 0 never counts) or
 //! D-PACE's weights (from the drafter's own confidence in each block, [`dpace_weights`]), the LM head and
 //! cross-entropy in chunks that also produce the gradient (so `[N*bs, V]` logits never exist at once and nothing is
-//! recomputed), and the metrics: weighted loss, accuracy and teacher-forced acceptance length.
+//! recomputed), and the metrics: weighted loss, accuracy and teacher-forced acceptance length. DFlash 2 drafters add
+//! their selector's K-way loss chunk by chunk beside the unary one ([`SelectorTargets`]).
 //!
 //! Everything that depends only on the tokens is planned on the host ([`BlockPlan`]); the attention pattern is built
 //! from the plan by [`BlockAttention`](crate::model::BlockAttention).
@@ -566,7 +567,7 @@ fn selector_chunk(
         logits.f_gather(1, &candidates, false)?.f_to_kind(Kind::Float)?.f_detach()?.set_requires_grad(want_grad);
     let hidden = x.f_detach()?.set_requires_grad(want_grad);
     let predecessors = selector.predecessors.f_index_select(0, idx)?;
-    tch::with_grad(|| {
+    let chunk = || {
         let weights = selector.drafter.selector_weights()?;
         let transitions = transition_scores(&hidden, &predecessors, &candidates, &weights.borrowed())?;
         let scores = &unary + transitions.f_to_kind(Kind::Float)?;
@@ -585,7 +586,9 @@ fn selector_chunk(
             false => None,
         };
         Ok(SelectorChunk { loss: loss.f_detach()?, choice, reachable, candidates: candidates.shallow_clone(), grads })
-    })
+    };
+    // Its own small graph when training (the caller runs without one), none when evaluating.
+    if want_grad { tch::with_grad(chunk) } else { tch::no_grad(chunk) }
 }
 
 /// Chunks `(start, len)` of the selected rows `selected` (ascending row indices; block `row / block_size`) of at
