@@ -11,7 +11,8 @@
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
 #   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
 #                        default 768/256), packed and not (only `part`)
-#   test                 the library's GPU tests of packed rows (.gpu-bin/test-lib.xz)
+#   dflash2              DFlash 2's drafter step beside DFlash's at the released drafters' shapes (only `part`)
+#   test                 the library's GPU tests of packed rows and graphed drafting (.gpu-bin/test-lib.xz)
 #   lengths chat|data..  serve-train at the qwen3-8b shapes on chat lengths, or (after `data`) this data's lengths:
 #                        length-bucketed batches against packed rows (scripts/gpu-service.sh's stage 12)
 # Results go to $OUT (or ./gpu-out).
@@ -51,6 +52,8 @@ variant() {
   all128) echo "$(variant all) --set draft_model.sliding_window=128" ;;
   # Packed rows of 1024 tokens, 4 a batch: about the tokens of 16 conversations of this data (258 on average).
   kl-pack) echo "$(variant kl) --set data.pack=true --set data.pack_len=1024 --set data.batch_size=4" ;;
+  # DFlash 2 on the best DFlash recipe (README's run.toml), its sizes the released drafters'.
+  kl-dflash2) echo "$(variant kl) --set draft_model.variant=dflash2" ;;
   *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
@@ -141,9 +144,24 @@ pack)
     done
   done
   ;;
+dflash2)
+  # DFlash 2's step beside DFlash's at the released drafters' shapes (qwen3-8b, 5 layers, block 8, every layer a
+  # non-causal sliding window of 2048), random weights.
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  swa="--set draft_model.layer_types=sliding_attention --set draft_model.block_causal=false"
+  for shape in "--batch 4 --seq 768 --anchors 256" "--batch 4 --seq 3072 --anchors 512"; do
+    for v in dflash dflash2; do
+      echo "{\"shape\": \"$shape\", \"variant\": \"$v\"}" >>"$out/bench.jsonl"
+      # shellcheck disable=SC2086
+      "$d" bench --what drafter --preset qwen3-8b --device cuda:0 --json --block-size 8 $shape --steps 6 --profile \
+        $swa --set draft_model.variant=$v 2>>"$out/bench.stderr" | tee -a "$out/bench.jsonl"
+    done
+  done
+  ;;
 test)
-  # The library's GPU tests of packed rows (test-lib, carried with `data`: the call with `part` has no room for it).
-  "$work/bin/test-lib" --test-threads 1 --include-ignored packed_rows >"$out/gpu-tests.txt" 2>&1
+  # The library's GPU tests of packed rows and of drafting from CUDA graphs (DFlash and DFlash 2) (test-lib, carried
+  # with `data`: the call with `part` has no room for it).
+  "$work/bin/test-lib" --test-threads 1 --include-ignored packed_rows replayed_drafting >"$out/gpu-tests.txt" 2>&1
   grep -E "^test |test result|panicked" "$out/gpu-tests.txt"
   ;;
 lengths)
@@ -159,5 +177,5 @@ lengths)
     esac
   done
   ;;
-*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | pack [SEQ/ANCHORS...] | test | lengths chat|data..." >&2; exit 2 ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | pack [SEQ/ANCHORS...] | dflash2 | test | lengths chat|data..." >&2; exit 2 ;;
 esac

@@ -20,7 +20,8 @@
   speculators' `save_pretrained` writes it (bf16), for draft_model.init.
 
 Usage: in a Python environment with speculators 0.9.0 installed (the one `make check-exports` makes):
-    ~/.cache/dflash/check-exports-speculators-0.9.0/bin/python scripts/make_dflash2_fixtures.py [--model WORK]
+    ~/.cache/dflash/check-exports-speculators-0.9.0/bin/python scripts/make_dflash2_fixtures.py [--model WORK [--out DIR]]
+(`make check-exports` runs the second form on a drafter it trains, into a scratch folder, and the tests on that.)
 """
 import json
 import shutil
@@ -142,6 +143,8 @@ if __name__ == "__main__":
     if "--model" in sys.argv:
         work = Path(sys.argv[sys.argv.index("--model") + 1])
         out = Path(__file__).resolve().parent.parent / "tests/fixtures/dflash2-speculators"
+        if "--out" in sys.argv:
+            out = Path(sys.argv[sys.argv.index("--out") + 1])
         print(f"loss {model_case(work, out)}: wrote {out}")
         sys.exit(0)
     path = Path(__file__).resolve().parent.parent / "tests/fixtures/dflash2-conv-speculators-0.9.0.json"

@@ -248,6 +248,14 @@ fn the_proposer_drafts_the_selectors_walk_and_decoding_stays_lossless() {
     }
 }
 
+/// The folder of speculators' step and save_pretrained: `DFLASH_DFLASH2_SPECULATORS` (`make check-exports`, on a
+/// drafter it just trained), else the committed `tests/fixtures/dflash2-speculators`.
+fn speculators_fixture() -> std::path::PathBuf {
+    std::env::var_os("DFLASH_DFLASH2_SPECULATORS").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash2-speculators")
+    })
+}
+
 /// One training step of a trained DFlash 2 drafter (exported by dflash, loaded back by speculators 0.9.0's own
 /// `DFlash2DraftModel.from_pretrained`) is speculators' step: at every valid anchor, learning the target's argmax with
 /// D-PACE weights and the selector's loss at alpha 0.7, the loss and the gradient of every tensor equal what
@@ -259,7 +267,7 @@ fn a_training_step_is_speculators_dflash2_step() {
     use dflash::train::objective::Teacher;
     use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Trainer};
 
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash2-speculators");
+    let dir = speculators_fixture();
     let drafter = Drafter::load(&dir.join("drafter"), Device::Cpu, Kind::Float).unwrap();
     let io: std::collections::HashMap<String, Tensor> =
         Tensor::read_safetensors(dir.join("step.safetensors")).unwrap().into_iter().collect();
@@ -308,7 +316,7 @@ fn a_training_step_is_speculators_dflash2_step() {
 /// the folder fits the run its config.json describes, and its weights are the drafter's, to bf16's rounding.
 #[test]
 fn draft_model_init_takes_the_folder_speculators_writes() {
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/dflash2-speculators");
+    let dir = speculators_fixture();
     let ours = Drafter::load(&dir.join("drafter"), Device::Cpu, Kind::Float).unwrap();
     let saved = dir.join("saved-by-speculators");
     dflash::service::drafter_init::check_init(&saved, ours.config()).unwrap();
