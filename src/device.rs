@@ -26,8 +26,8 @@ pub enum DeviceError {
     NoSuchGpu { spec: DeviceSpec, count: usize },
     #[error("invalid dtype {0:?}: write `auto`, `bf16` or `f32`")]
     ParseDtype(String),
-    #[error("libtorch on {device:?}: {message}")]
-    Runtime { device: Device, message: String },
+    #[error(transparent)]
+    Runtime(#[from] crate::ffi::DeviceFailure),
 }
 
 /// A device as written in configs and on the command line.

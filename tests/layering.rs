@@ -4,9 +4,11 @@
 //!
 //! The test reads the sources, not the compiled crate: every `crate::`, `super::`, `self::` and `dflash::` path
 //! (in `use` lines and inline), and the module names a `use` line or a `mod` declaration brings into scope, are
-//! resolved to the file that defines the item, following `pub use` re-exports through `mod.rs` files. `mod`
-//! declarations and re-exports themselves are not imports, nor is what a unit test (`#[cfg(test)]`) uses, nor a
-//! file's use of the `mod.rs` files it sits in (a folder's front door, which its files implement parts of).
+//! resolved to the file that defines the item, following `pub use` re-exports through `mod.rs` files. A re-export
+//! of another room's item is an import too (so nothing imports upward or round a circle through one), but a front
+//! door's re-export of what sits inside it is not; `mod` declarations are not imports, nor is what a unit test
+//! (`#[cfg(test)]`) uses, nor a file's use of the `mod.rs` files it sits in (a folder's front door, which its files
+//! implement parts of).
 mod source_tree;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -423,6 +425,14 @@ impl Graph {
                     edges.entry(from).or_default().entry(to).or_insert_with(|| path.join("::"));
                 }
             }
+            // A re-export of another room's item depends on that room as a use does: a module cannot import upward
+            // (or round a circle) through one. A front door re-exporting what sits inside it is its own room.
+            for path in w.reexports.values() {
+                let Some(to) = resolve(path, &by_module, &written, 0) else { continue };
+                if to != from && !files[to].encloses(&files[from]) && !files[from].encloses(&files[to]) {
+                    edges.entry(from).or_default().entry(to).or_insert_with(|| format!("pub use {}", path.join("::")));
+                }
+            }
         }
         Graph { root: src.to_path_buf(), files, edges }
     }
@@ -623,6 +633,62 @@ fn the_reader_lets_unit_tests_and_children_use_what_they_need() {
         ("model/c.rs", "use super::b::b;\npub fn c() { b() }\n"),
     ]);
     assert!(circle_names(dir.path()).is_empty());
+}
+
+/// A re-export is an import of what it re-exports: a file re-exporting its importer's items closes a circle, and a
+/// lower layer re-exporting a higher one's item imports upward; a front door re-exporting its own files does neither.
+#[test]
+fn the_reader_counts_a_reexport_as_an_import() {
+    let dir = tree(&[
+        (
+            "lib.rs",
+            "pub mod ffi;
+pub mod device;
+pub mod model;
+pub mod service;
+",
+        ),
+        (
+            "ffi/mod.rs",
+            "pub mod accel;
+",
+        ),
+        (
+            "ffi/accel.rs",
+            "use crate::device::DeviceError;
+pub fn bind() -> Result<(), DeviceError> { Ok(()) }
+",
+        ),
+        (
+            "device.rs",
+            "pub use crate::ffi::accel::bind;
+pub struct DeviceError;
+",
+        ),
+        (
+            "model/mod.rs",
+            "mod a;
+pub use a::A;
+pub use crate::service::Actor;
+",
+        ),
+        (
+            "model/a.rs",
+            "pub struct A;
+",
+        ),
+        (
+            "service/mod.rs",
+            "pub struct Actor;
+",
+        ),
+    ]);
+    let circles = circle_names(dir.path());
+    assert_eq!(circles.len(), 1, "{circles:?}");
+    assert!(circles[0][0].ends_with("device.rs") && circles[0][1].ends_with("ffi/accel.rs"), "{circles:?}");
+    let upward = Graph::of(dir.path()).upward();
+    assert_eq!(upward.len(), 1, "{upward:?}");
+    assert!(upward[0].contains("model/mod.rs -> ") && upward[0].contains("pub use service::Actor"), "{upward:?}");
 }
 
 #[test]

@@ -26,6 +26,8 @@ pub enum BenchError {
     #[error(transparent)]
     Device(#[from] DeviceError),
     #[error(transparent)]
+    Failure(#[from] crate::ffi::DeviceFailure),
+    #[error(transparent)]
     Train(#[from] TrainError),
     #[error("invalid benchmark settings: {0}")]
     Settings(String),
@@ -51,7 +53,7 @@ pub struct StepTimes(Vec<f64>, Vec<f64>);
 
 impl StepTimes {
     /// Runs `step` `steps` times on `device`, timing each to completion.
-    pub fn measure<E: From<DeviceError>>(
+    pub fn measure<E: From<crate::ffi::DeviceFailure>>(
         device: Device,
         steps: usize,
         mut step: impl FnMut() -> Result<(), E>,

@@ -7,20 +7,19 @@ use serde::Serialize;
 use tch::{Device, Tensor};
 use torch_sys::C_tensor;
 
-use super::{call, call_for_tensor, raw};
-use crate::device::DeviceError;
+use super::{DeviceFailure, call, call_for_tensor, raw};
 
-/// [`call`] on `device`: a failure is a [`DeviceError::Runtime`] there.
-pub(crate) fn on_device(device: Device, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), DeviceError> {
-    call(f).map_err(|failed| DeviceError::Runtime { device, message: failed.message })
+/// [`call`] on `device`: a failure is a [`DeviceFailure::Runtime`] there.
+pub(crate) fn on_device(device: Device, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), DeviceFailure> {
+    call(f).map_err(|failed| DeviceFailure { device, message: failed.message })
 }
 
 /// [`call_for_tensor`] on `device`.
 pub(crate) fn tensor_on_device(
     device: Device,
     f: impl FnOnce(*mut c_char, usize) -> *mut C_tensor,
-) -> Result<Tensor, DeviceError> {
-    call_for_tensor(f).map_err(|failed| DeviceError::Runtime { device, message: failed.message })
+) -> Result<Tensor, DeviceFailure> {
+    call_for_tensor(f).map_err(|failed| DeviceFailure { device, message: failed.message })
 }
 
 unsafe extern "C" {
@@ -82,13 +81,13 @@ unsafe extern "C" {
 
 /// A copy of GPU tensor `t` in page-locked host memory (a CPU tensor is copied as it is). Device-to-host copies into
 /// pinned memory run at bus speed; a pageable destination is staged through small buffers, about 10x slower.
-pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceError> {
+pub fn to_pinned_host(t: &Tensor) -> Result<Tensor, DeviceFailure> {
     if t.device() == Device::Cpu {
         return Ok(t.copy());
     }
     // SAFETY: `t` is a live tensor (tch hands out at::Tensor*); the shim returns a new tensor or null.
     let mut host = tensor_on_device(t.device(), |e, n| unsafe { dflash_empty_pinned_like(raw(t), e, n) })?;
-    host.f_copy_(t).map_err(|e| DeviceError::Runtime { device: t.device(), message: e.to_string() })?;
+    host.f_copy_(t).map_err(|e| DeviceFailure { device: t.device(), message: e.to_string() })?;
     Ok(host)
 }
 
@@ -113,7 +112,7 @@ fn cuda_index(device: Device) -> Option<c_int> {
 
 /// Makes `device` the calling thread's current device (a no-op for the CPU), then checks libtorch agrees. Call it
 /// first in a compute thread.
-pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
+pub fn bind_thread(device: Device) -> Result<(), DeviceFailure> {
     let Some(i) = cuda_index(device) else {
         return Ok(());
     };
@@ -126,7 +125,7 @@ pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
         c_int::from(current < 0)
     })?;
     if current != i {
-        return Err(DeviceError::Runtime {
+        return Err(DeviceFailure {
             device,
             message: format!("the thread was bound to cuda:{i} but its current device is cuda:{current}"),
         });
@@ -136,7 +135,7 @@ pub fn bind_thread(device: Device) -> Result<(), DeviceError> {
 
 /// The native handle (a `cudaStream_t`) of the calling thread's current stream on CUDA `device`, for kernels
 /// launched outside libtorch that must stay ordered with its work; None for other devices.
-pub fn current_stream_handle(device: Device) -> Result<Option<*mut c_void>, DeviceError> {
+pub fn current_stream_handle(device: Device) -> Result<Option<*mut c_void>, DeviceFailure> {
     let Some(i) = cuda_index(device) else {
         return Ok(None);
     };
@@ -150,7 +149,7 @@ pub fn current_stream_handle(device: Device) -> Result<Option<*mut c_void>, Devi
 /// its own from libtorch's pool (a no-op for the CPU). Work on other streams is not ordered with it: only for
 /// threads that share no tensors, as the launch benchmark's. `Priority::High`: the GPU dispatches its blocks before
 /// pending ones of normal streams (latency-bound work beside a saturating one).
-pub fn use_own_stream(device: Device, priority: Priority) -> Result<(), DeviceError> {
+pub fn use_own_stream(device: Device, priority: Priority) -> Result<(), DeviceFailure> {
     let high = c_int::from(priority == Priority::High);
     match cuda_index(device) {
         // SAFETY: plain C call with a valid buffer.
@@ -167,7 +166,7 @@ pub enum Priority {
 }
 
 /// Waits for all work queued on `device` (a no-op for the CPU).
-pub fn synchronize(device: Device) -> Result<(), DeviceError> {
+pub fn synchronize(device: Device) -> Result<(), DeviceFailure> {
     match cuda_index(device) {
         // SAFETY: plain C call with a valid buffer.
         Some(i) => on_device(device, |e, n| unsafe { dflash_synchronize(i, e, n) }),
@@ -186,7 +185,7 @@ pub struct MemoryStats {
 }
 
 /// Memory statistics of `device`; all zero on the CPU, where libtorch keeps none.
-pub fn memory_stats(device: Device) -> Result<MemoryStats, DeviceError> {
+pub fn memory_stats(device: Device) -> Result<MemoryStats, DeviceFailure> {
     let Some(i) = cuda_index(device) else {
         return Ok(MemoryStats::default());
     };
@@ -203,7 +202,7 @@ pub fn memory_stats(device: Device) -> Result<MemoryStats, DeviceError> {
 }
 
 /// Starts a new peak-memory window on `device`.
-pub fn reset_peak_memory(device: Device) -> Result<(), DeviceError> {
+pub fn reset_peak_memory(device: Device) -> Result<(), DeviceFailure> {
     match cuda_index(device) {
         // SAFETY: plain C call with a valid buffer.
         Some(i) => on_device(device, |e, n| unsafe { dflash_reset_peak_memory(i, e, n) }),
@@ -223,7 +222,7 @@ unsafe impl Send for TimingEvent {}
 
 impl TimingEvent {
     /// A new event for GPU `device`; `None` for the CPU, which has no device events.
-    pub fn new(device: Device) -> Result<Option<Self>, DeviceError> {
+    pub fn new(device: Device) -> Result<Option<Self>, DeviceFailure> {
         let Some(index) = cuda_index(device) else {
             return Ok(None);
         };
@@ -237,13 +236,13 @@ impl TimingEvent {
     }
 
     /// Records the event at the current point of the calling thread's current stream.
-    pub fn record(&self) -> Result<(), DeviceError> {
+    pub fn record(&self) -> Result<(), DeviceFailure> {
         // SAFETY: `raw` is a live event created for this device.
         on_device(self.device, |e, n| unsafe { dflash_event_record(self.raw, self.index, e, n) })
     }
 
     /// Whether the work before the event's record point has completed (never blocks).
-    pub fn is_done(&self) -> Result<bool, DeviceError> {
+    pub fn is_done(&self) -> Result<bool, DeviceFailure> {
         let mut done: c_int = 0;
         // SAFETY: `raw` is a live event.
         on_device(self.device, |e, n| unsafe { dflash_event_query(self.raw, &mut done, e, n) })?;
@@ -251,7 +250,7 @@ impl TimingEvent {
     }
 
     /// Milliseconds between `self` and a later `end`; both must have completed.
-    pub fn elapsed_ms(&self, end: &TimingEvent) -> Result<f64, DeviceError> {
+    pub fn elapsed_ms(&self, end: &TimingEvent) -> Result<f64, DeviceFailure> {
         let mut ms = 0.0;
         // SAFETY: both events are live.
         on_device(self.device, |e, n| unsafe { dflash_event_elapsed_ms(self.raw, end.raw, &mut ms, e, n) })?;
@@ -267,7 +266,7 @@ impl Drop for TimingEvent {
 }
 
 /// Makes `grad` the `.grad` of `param`: backward passes then accumulate into `grad` in place.
-pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), DeviceError> {
+pub fn set_grad(param: &Tensor, grad: &Tensor) -> Result<(), DeviceFailure> {
     // SAFETY: both pointers are live at::Tensor handles owned by tch.
     on_device(param.device(), |e, n| unsafe { dflash_set_grad(raw(param), raw(grad), e, n) })
 }
@@ -298,7 +297,7 @@ pub fn fused_adamw(
     step: &Tensor,
     hp: AdamwStep,
     grad_scale: Option<&Tensor>,
-) -> Result<(), DeviceError> {
+) -> Result<(), DeviceFailure> {
     let count = t.params.len();
     let lists = [t.params, t.grads, t.exp_avgs, t.exp_avg_sqs];
     if count == 0 {
@@ -306,10 +305,7 @@ pub fn fused_adamw(
     }
     if lists.iter().any(|l| l.len() != count) {
         let lengths: Vec<usize> = lists.iter().map(|l| l.len()).collect();
-        return Err(DeviceError::Runtime {
-            device: step.device(),
-            message: format!("AdamW lists of lengths {lengths:?}"),
-        });
+        return Err(DeviceFailure { device: step.device(), message: format!("AdamW lists of lengths {lengths:?}") });
     }
     let [p, g, m, v] = lists.map(|l| l.iter().map(raw).collect::<Vec<_>>());
     let scale = grad_scale.map_or(std::ptr::null_mut(), raw);
@@ -357,7 +353,7 @@ pub fn muon_step(
     grad_divisor: f64,
     hp: MuonStep,
     adjusted_lr: f64,
-) -> Result<(), DeviceError> {
+) -> Result<(), DeviceFailure> {
     let (a, b, c) = MUON_NS_COEFFICIENTS;
     // SAFETY: live tensor handles; the shim takes plain values otherwise.
     on_device(param.device(), |e, n| unsafe {

@@ -1,5 +1,6 @@
 //! `csrc/attention.cpp`: libtorch's flash-attention kernel where its Python-facing functions do not reach it: with
 //! GPT-OSS's sinks and sliding windows, and over packed rows' variable-length sequences.
+use super::DeviceFailure;
 use std::ffi::c_char;
 
 use tch::Tensor;
@@ -7,7 +8,6 @@ use torch_sys::C_tensor;
 
 use super::accel::tensor_on_device;
 use super::raw;
-use crate::device::DeviceError;
 
 unsafe extern "C" {
     fn dflash_sink_flash_attention(
@@ -39,7 +39,7 @@ pub fn sink_flash_attention(
     v: &Tensor,
     sinks: &Tensor,
     window: Option<i64>,
-) -> Result<Tensor, DeviceError> {
+) -> Result<Tensor, DeviceFailure> {
     let window = window.unwrap_or(0);
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
     tensor_on_device(q.device(), |e, n| unsafe {
@@ -57,7 +57,7 @@ pub fn varlen_flash_attention(
     v: &Tensor,
     cu_seqlens: &Tensor,
     longest: i64,
-) -> Result<Tensor, DeviceError> {
+) -> Result<Tensor, DeviceFailure> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
     tensor_on_device(q.device(), |e, n| unsafe {
         dflash_varlen_flash_attention(raw(q), raw(k), raw(v), raw(cu_seqlens), longest, e, n)

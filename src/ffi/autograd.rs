@@ -1,5 +1,6 @@
 //! `csrc/autograd.cpp`: autograd functions that save less for the backward pass, or accumulate gradients in fewer
 //! passes, than the plain expressions: RoPE, the SwiGLU activation and MLP tail, the master weights' cast.
+use super::DeviceFailure;
 use std::ffi::{c_char, c_int};
 
 use tch::{Kind, Tensor};
@@ -7,7 +8,6 @@ use torch_sys::C_tensor;
 
 use super::accel::tensor_on_device;
 use super::raw;
-use crate::device::DeviceError;
 
 unsafe extern "C" {
     fn dflash_rope(
@@ -24,28 +24,28 @@ unsafe extern "C" {
 
 /// `x * cos + swap_halves(x) * ssin` (HF's rotate-half RoPE with `ssin = [-sin, sin]`) as one autograd node that
 /// saves only the factors: the backward is the inverse rotation of the incoming gradient.
-pub fn rope(x: &Tensor, cos: &Tensor, ssin: &Tensor) -> Result<Tensor, DeviceError> {
+pub fn rope(x: &Tensor, cos: &Tensor, ssin: &Tensor) -> Result<Tensor, DeviceFailure> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
     tensor_on_device(x.device(), |e, n| unsafe { dflash_rope(raw(x), raw(cos), raw(ssin), e, n) })
 }
 
 /// `silu(gate) * up` of a stacked projection `[..., 2I]` (gate first) as one autograd node that saves only the
 /// projection and recomputes `silu(gate)` in the backward.
-pub fn swiglu_activation(gate_up: &Tensor) -> Result<Tensor, DeviceError> {
+pub fn swiglu_activation(gate_up: &Tensor) -> Result<Tensor, DeviceFailure> {
     // SAFETY: a live tensor handle; the shim returns a new tensor or null.
     tensor_on_device(gate_up.device(), |e, n| unsafe { dflash_swiglu_activation(raw(gate_up), e, n) })
 }
 
 /// `down(silu(gate) * up)` for a stacked projection `[..., 2I]` and `down` `[H, I]`, as one autograd node that
 /// saves only the projection (the activation is recomputed for the down weight's gradient).
-pub fn swiglu_down(gate_up: &Tensor, down: &Tensor) -> Result<Tensor, DeviceError> {
+pub fn swiglu_down(gate_up: &Tensor, down: &Tensor) -> Result<Tensor, DeviceFailure> {
     // SAFETY: live tensor handles; the shim returns a new tensor or null.
     tensor_on_device(gate_up.device(), |e, n| unsafe { dflash_swiglu_down(raw(gate_up), raw(down), e, n) })
 }
 
 /// `leaf` cast to `kind`, for a leaf whose `.grad` is preset ([`set_grad`]): the backward adds the gradient into
 /// `.grad` in one kernel instead of casting it to the leaf's dtype first.
-pub fn weight_cast(leaf: &Tensor, kind: Kind) -> Result<Tensor, DeviceError> {
+pub fn weight_cast(leaf: &Tensor, kind: Kind) -> Result<Tensor, DeviceFailure> {
     // c10::ScalarType codes of the floating kinds a model computes in.
     let code = match kind {
         Kind::Half => 5,
@@ -53,7 +53,7 @@ pub fn weight_cast(leaf: &Tensor, kind: Kind) -> Result<Tensor, DeviceError> {
         Kind::Double => 7,
         Kind::BFloat16 => 15,
         other => {
-            return Err(DeviceError::Runtime {
+            return Err(DeviceFailure {
                 device: leaf.device(),
                 message: format!("weights cannot be cast to {other:?}"),
             });

@@ -3,12 +3,12 @@
 //! them; a replay costs one launch. What is captured must not depend on the host between replays: its inputs are
 //! tensors written in place before each replay, and its outputs the tensors the captured run returned, which every
 //! replay overwrites.
+use super::DeviceFailure;
 use std::ffi::{c_char, c_int, c_void};
 
 use tch::Device;
 
 use super::accel::{on_device, synchronize};
-use crate::device::DeviceError;
 
 // In a build whose libtorch has no CUDA, the shim's functions fail, saying so ([`CudaGraph::available`] is false).
 unsafe extern "C" {
@@ -27,7 +27,7 @@ pub enum GraphError {
     #[error("CUDA graphs need a CUDA device and a libtorch built with CUDA (device {0:?})")]
     Unavailable(Device),
     #[error(transparent)]
-    Device(#[from] DeviceError),
+    Device(#[from] DeviceFailure),
     #[error("the step being captured failed: {0}")]
     Step(String),
 }

@@ -33,6 +33,15 @@ pub(crate) struct Failed {
 }
 
 /// Calls a shim function with an error buffer: done when it returns 0, else [`Failed`] with the message it wrote.
+/// A call across the boundary that failed on a device: what libtorch (or the CUDA runtime) said there. The device
+/// layer above wraps it in its own error ([`crate::device::DeviceError`]).
+#[derive(Debug, thiserror::Error)]
+#[error("libtorch on {device:?}: {message}")]
+pub struct DeviceFailure {
+    pub device: tch::Device,
+    pub message: String,
+}
+
 pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), Failed> {
     let mut buffer = [0u8; ERROR_BUFFER];
     let started = Instant::now();

@@ -212,11 +212,11 @@ impl DrafterConfig {
     }
 
     /// Reads a drafter's `config.json` in z-lab's layout, or in speculators' (read as z-lab's:
-    /// [`as_zlab_layout`](super::speculators::as_zlab_layout)).
+    /// [`speculators_as_zlab_layout`]).
     pub fn from_json(text: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let v = match v.get("speculators_model_type") {
-            Some(_) => super::speculators::as_zlab_layout(&v)?,
+            Some(_) => speculators_as_zlab_layout(&v)?,
             None => v,
         };
         let arch = v.get("architectures").cloned();
@@ -342,6 +342,58 @@ impl DrafterConfig {
     pub fn context_width(&self) -> usize {
         self.target_layer_ids.len() * self.decoder.hidden_size
     }
+}
+
+/// A drafter folder's `config.json` in speculators' format (`speculators_model_type` "dflash" or "dflash2", as
+/// [`super::speculators`] writes it), rewritten as
+/// z-lab's layout says the same drafter, for [`DrafterConfig::from_json`]: the layers' shape from
+/// `transformer_layer_config`, the taps one lower (`aux_hidden_state_layer_ids` count the embedding), the block size,
+/// MASK token and DFlash 2's sizes into `dflash_config`, and the blocks' causality as vLLM reads it (`is_causal`, else
+/// `not sliding_window_non_causal`). What dflash does not train is refused: a reduced draft vocabulary, drafting from
+/// the anchor.
+fn speculators_as_zlab_layout(v: &Value) -> Result<Value, String> {
+    let model_type = v["speculators_model_type"].as_str().unwrap_or_default();
+    let architecture = match model_type {
+        "dflash" => Variant::DFlash.architecture(),
+        "dflash2" => Variant::DFlash2(Default::default()).architecture(),
+        other => return Err(format!("speculators_model_type {other:?} is not a DFlash drafter (dflash or dflash2)")),
+    };
+    let mut out = v.get("transformer_layer_config").filter(|l| l.is_object()).cloned().ok_or_else(|| {
+        "a speculators folder without `transformer_layer_config` (the drafter's layers): not one speculators wrote"
+            .to_string()
+    })?;
+    let vocab = out["vocab_size"].as_u64();
+    if v["draft_vocab_size"].as_u64().is_some_and(|d| Some(d) != vocab) {
+        return Err(format!(
+            "draft_vocab_size {} differs from the vocabulary ({}): dflash drafts over the target's whole vocabulary",
+            v["draft_vocab_size"], out["vocab_size"]
+        ));
+    }
+    if v["sample_from_anchor"].as_bool() == Some(true) {
+        return Err("sample_from_anchor = true (the anchor slot drafts too): dflash drafts after the anchor".into());
+    }
+    let aux: Vec<u64> = v["aux_hidden_state_layer_ids"]
+        .as_array()
+        .and_then(|ids| ids.iter().map(Value::as_u64).collect())
+        .ok_or("missing `aux_hidden_state_layer_ids` (a list of layer ids)")?;
+    if aux.contains(&0) {
+        return Err("aux_hidden_state_layer_ids names 0, the embedding: DFlash taps decoder layers".into());
+    }
+    out["architectures"] = json!([architecture]);
+    out["block_size"] = v["block_size"].clone();
+    let mut dflash = json!({
+        "mask_token_id": v["mask_token_id"],
+        "target_layer_ids": aux.iter().map(|i| i - 1).collect::<Vec<_>>(),
+        "block_size": v["block_size"],
+        "causal": !v["sliding_window_non_causal"].as_bool().unwrap_or(true),
+    });
+    if model_type == "dflash2" {
+        for key in DFLASH2_KEYS {
+            dflash[key] = v[key].clone();
+        }
+    }
+    out["dflash_config"] = dflash;
+    Ok(out)
 }
 
 const SLIDING: &str = "sliding_attention";

@@ -86,6 +86,12 @@ impl From<crate::device::DeviceError> for ModelError {
     }
 }
 
+impl From<crate::ffi::DeviceFailure> for ModelError {
+    fn from(e: crate::ffi::DeviceFailure) -> Self {
+        ModelError::Torch(e.to_string())
+    }
+}
+
 impl From<tch::TchError> for ModelError {
     fn from(e: tch::TchError) -> Self {
         ModelError::Torch(crate::torch_message(&e.to_string()))

@@ -103,57 +103,6 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
     Ok(v)
 }
 
-/// A drafter folder's `config.json` in this format (`speculators_model_type` "dflash" or "dflash2"), rewritten as
-/// z-lab's layout says the same drafter, for [`DrafterConfig::from_json`]: the layers' shape from
-/// `transformer_layer_config`, the taps one lower (`aux_hidden_state_layer_ids` count the embedding), the block size,
-/// MASK token and DFlash 2's sizes into `dflash_config`, and the blocks' causality as vLLM reads it (`is_causal`, else
-/// `not sliding_window_non_causal`). What dflash does not train is refused: a reduced draft vocabulary, drafting from
-/// the anchor.
-pub fn as_zlab_layout(v: &Value) -> Result<Value, String> {
-    let model_type = v["speculators_model_type"].as_str().unwrap_or_default();
-    let architecture = match model_type {
-        "dflash" => Variant::DFlash.architecture(),
-        "dflash2" => Variant::DFlash2(Default::default()).architecture(),
-        other => return Err(format!("speculators_model_type {other:?} is not a DFlash drafter (dflash or dflash2)")),
-    };
-    let mut out = v.get("transformer_layer_config").filter(|l| l.is_object()).cloned().ok_or_else(|| {
-        "a speculators folder without `transformer_layer_config` (the drafter's layers): not one speculators wrote"
-            .to_string()
-    })?;
-    let vocab = out["vocab_size"].as_u64();
-    if v["draft_vocab_size"].as_u64().is_some_and(|d| Some(d) != vocab) {
-        return Err(format!(
-            "draft_vocab_size {} differs from the vocabulary ({}): dflash drafts over the target's whole vocabulary",
-            v["draft_vocab_size"], out["vocab_size"]
-        ));
-    }
-    if v["sample_from_anchor"].as_bool() == Some(true) {
-        return Err("sample_from_anchor = true (the anchor slot drafts too): dflash drafts after the anchor".into());
-    }
-    let aux: Vec<u64> = v["aux_hidden_state_layer_ids"]
-        .as_array()
-        .and_then(|ids| ids.iter().map(Value::as_u64).collect())
-        .ok_or("missing `aux_hidden_state_layer_ids` (a list of layer ids)")?;
-    if aux.contains(&0) {
-        return Err("aux_hidden_state_layer_ids names 0, the embedding: DFlash taps decoder layers".into());
-    }
-    out["architectures"] = json!([architecture]);
-    out["block_size"] = v["block_size"].clone();
-    let mut dflash = json!({
-        "mask_token_id": v["mask_token_id"],
-        "target_layer_ids": aux.iter().map(|i| i - 1).collect::<Vec<_>>(),
-        "block_size": v["block_size"],
-        "causal": !v["sliding_window_non_causal"].as_bool().unwrap_or(true),
-    });
-    if model_type == "dflash2" {
-        for key in DFLASH2_KEYS {
-            dflash[key] = v[key].clone();
-        }
-    }
-    out["dflash_config"] = dflash;
-    Ok(out)
-}
-
 /// The one causality of every layer that this format can carry (see the module doc).
 fn one_causality(cfg: &DrafterConfig) -> Result<bool, String> {
     let layers = &cfg.layer_attention;

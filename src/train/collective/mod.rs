@@ -166,6 +166,12 @@ impl From<DeviceError> for CollectiveError {
     }
 }
 
+impl From<crate::ffi::DeviceFailure> for CollectiveError {
+    fn from(e: crate::ffi::DeviceFailure) -> Self {
+        CollectiveError::Device(DeviceErrorText(e.to_string()))
+    }
+}
+
 /// The buffers a joiner lends for the donor to fill.
 pub struct JoinBuffers {
     pub master: Tensor,
@@ -565,7 +571,7 @@ impl Collective {
                 tracing::warn!(?joiners, "handing the state to joining hosts failed: {e}");
             }
         }
-        let copied = buffers.iter().try_for_each(|j| -> Result<(), DeviceError> {
+        let copied = buffers.iter().try_for_each(|j| -> Result<(), crate::ffi::DeviceFailure> {
             let mut dst = j.master.shallow_clone();
             dst.copy_(master);
             let mut dst = j.exp_avg.shallow_clone();
