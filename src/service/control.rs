@@ -27,7 +27,8 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::failure::{FaultKind, FaultRefused};
-use super::messages::{DrafterState, Status, SupervisorMsg};
+use super::messages::SupervisorMsg;
+use super::status::{DrafterState, Status};
 
 const TIMEOUT_MS: u64 = 5000;
 

@@ -16,5 +16,6 @@ pub mod messages;
 pub mod placement;
 pub mod reload;
 pub mod run;
+pub mod status;
 pub mod supervisor;
 pub mod target;

@@ -1,6 +1,8 @@
 //! Live reload (SIGHUP, `POST /reload`): the configuration's layers are reread and the whole result validated; it
 //! is accepted only if every changed key is one a running service can change ([`RELOADABLE`]) and its derived
 //! values resolve. Nothing is applied here: the supervisor swaps an accepted configuration in at a step boundary.
+use serde::Serialize;
+
 use crate::config::{Change, Config, Layers, RELOADABLE, diff};
 
 /// A reread configuration that may replace the running one.
@@ -10,6 +12,15 @@ pub struct Accepted {
     pub changes: Vec<Change>,
     /// The loss-weight decay the new `objective.gamma` resolves to.
     pub gamma: Option<f64>,
+}
+
+/// A reload that was applied.
+#[derive(Debug, Clone, Serialize)]
+pub struct Reloaded {
+    pub config_version: u64,
+    /// The first step trained with the new values (on every drafter); `None` when nothing changed.
+    pub applies_from_step: Option<u64>,
+    pub changes: Vec<Change>,
 }
 
 const KEPT: &str = "; the running configuration stays in effect";

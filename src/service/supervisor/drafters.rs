@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::restarts::Restarts;
 use crate::config::SupervisionSettings;
-use crate::service::messages::DrafterState;
+use crate::service::status::DrafterState;
 
 /// How a drafter thread gets its first state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

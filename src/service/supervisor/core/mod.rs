@@ -42,7 +42,7 @@ use crate::data::loader::{BatchId, LoaderSettings};
 use crate::service::evaluator::Evaluated;
 use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, is_stop};
 use crate::service::failure::{Failure, FailureKind};
-use crate::service::messages::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
+use crate::service::status::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
 use crate::service::supervisor::run_progress::{Bound, Estimate, RunProgress};
 use crate::train::checkpoint::TrainerState;
 use crate::train::collective::{Contributed, RoundReport};
@@ -458,7 +458,7 @@ impl Core {
     }
 
     /// A drafter's state, by id.
-    pub fn drafter_state(&self, id: usize) -> Option<crate::service::messages::DrafterState> {
+    pub fn drafter_state(&self, id: usize) -> Option<crate::service::status::DrafterState> {
         self.slots.get(id).map(Slot::state)
     }
 
@@ -592,7 +592,7 @@ fn because(what: &str, failure: &Failure) -> String {
 mod tests {
     use super::*;
     use crate::service::exit::StopSignal;
-    use crate::service::messages::DrafterState;
+    use crate::service::status::DrafterState;
     use crate::service::supervisor::watchdog::Activity;
 
     pub(super) fn setup(drafters: usize) -> Setup {
