@@ -26,7 +26,7 @@ use std::sync::mpsc::{Sender, channel, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
@@ -129,6 +129,8 @@ pub struct Shell {
     heads: Option<Arc<Heads>>,
     drafters: Vec<DrafterHandle>,
     targets: Vec<TargetHandle>,
+    /// The compute actors spawned and not yet ended: what a supervision event's actor is.
+    spawned: Registry,
     /// Snapshots received and not yet written, by `(drafter, generation, step)`.
     snapshots: HashMap<(usize, u64, u64), Snapshot>,
     ledger: Option<LedgerWriter>,
@@ -254,6 +256,7 @@ impl Shell {
             heads: None,
             drafters,
             targets,
+            spawned: Registry::default(),
             snapshots: HashMap::new(),
             ledger,
             run_metrics: RunMetrics::new(step, samples),
@@ -466,7 +469,7 @@ impl Shell {
             metrics: t.metrics.clone(),
             fault: t.fault.clone(),
         };
-        let name = format!("target-{id}-{generation}");
+        let name = self.spawned.name(Spawned::Target { id, generation });
         let (actor, _) =
             Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), self.myself.get_cell()).await?;
         self.targets[id].thread = Some((generation, actor, tx));
@@ -509,7 +512,7 @@ impl Shell {
             collective_timeout: c.drafters.collective_timeout,
         };
         // The actor's handle arrives with its ActorStarted supervision event.
-        let name = format!("drafter-{id}-{generation}");
+        let name = self.spawned.name(Spawned::Drafter { id, generation });
         let cell = self.myself.get_cell();
         tokio::spawn(async move {
             if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
@@ -970,8 +973,7 @@ impl Actor for Supervisor {
             SupervisionEvent::ActorTerminated(cell, ..) => (cell, None),
             SupervisionEvent::ActorStarted(cell) => {
                 // Keep a handle on each drafter actor, to stop it when its thread is given up.
-                if let Some((id, generation)) = cell.get_name().as_deref().and_then(|n| parse_actor(n, "drafter-"))
-                    && id < s.drafters.len()
+                if let Some(Spawned::Drafter { id, generation }) = s.spawned.of(&cell)
                     && s.core.running_threads().contains(&(id, generation))
                 {
                     s.drafters[id].actor = Some((generation, cell.into()));
@@ -980,32 +982,68 @@ impl Actor for Supervisor {
             }
             _ => return Ok(()),
         };
-        let Some(name) = cell.get_name() else { return Ok(()) };
-        let event = if let Some((id, generation)) = parse_actor(&name, "drafter-")
-            && id < s.drafters.len()
-        {
-            match failure {
-                Some(f) => s.drafter_failed(id, generation, f),
-                None => Event::DrafterExited { id, generation },
+        let event = match (s.spawned.ended(&cell), failure) {
+            (Some(Spawned::Drafter { id, generation }), Some(f)) => s.drafter_failed(id, generation, f),
+            (Some(Spawned::Drafter { id, generation }), None) => Event::DrafterExited { id, generation },
+            (Some(Spawned::Target { id, generation }), Some(failure)) => {
+                Event::TargetFailed { target: id, generation, failure }
             }
-        } else if let Some((target, generation)) = parse_actor(&name, "target-")
-            && target < s.targets.len()
-        {
-            match failure {
-                Some(failure) => Event::TargetFailed { target, generation, failure },
-                None => Event::TargetExited { target, generation },
-            }
-        } else {
-            return Ok(());
+            (Some(Spawned::Target { id, generation }), None) => Event::TargetExited { target: id, generation },
+            (None, _) => return Ok(()),
         };
         s.feed(event).await;
         Ok(())
     }
 }
 
-/// `<prefix><id>-<generation>`.
-fn parse_actor(name: &str, prefix: &str) -> Option<(usize, u64)> {
-    let rest = name.strip_prefix(prefix)?;
-    let (id, generation) = rest.split_once('-')?;
-    Some((id.parse().ok()?, generation.parse().ok()?))
+/// A compute actor this supervisor spawned: which drafter or target copy, in which generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Spawned {
+    Drafter { id: usize, generation: u64 },
+    Target { id: usize, generation: u64 },
+}
+
+/// The compute actors spawned and not yet ended, by the name each was given (the one thing a supervision event
+/// carries of it besides its id, which a drafter's spawn, in a task of its own, learns too late).
+#[derive(Default)]
+struct Registry(HashMap<String, Spawned>);
+
+impl Registry {
+    /// The name to spawn `actor` under (`drafter-<id>-<generation>`, as logs show it), recorded.
+    fn name(&mut self, actor: Spawned) -> String {
+        let name = match actor {
+            Spawned::Drafter { id, generation } => format!("drafter-{id}-{generation}"),
+            Spawned::Target { id, generation } => format!("target-{id}-{generation}"),
+        };
+        self.0.insert(name.clone(), actor);
+        name
+    }
+
+    /// What `cell` is, if this supervisor spawned it.
+    fn of(&self, cell: &ActorCell) -> Option<Spawned> {
+        self.0.get(&cell.get_name()?).copied()
+    }
+
+    /// What `cell` was, forgotten now that it ended.
+    fn ended(&mut self, cell: &ActorCell) -> Option<Spawned> {
+        self.0.remove(&cell.get_name()?)
+    }
+}
+
+#[cfg(test)]
+mod registry_tests {
+    use super::*;
+
+    /// Only the actors spawned are known, each as what it was spawned as, until it ends.
+    #[test]
+    fn the_registry_knows_what_it_named_until_it_ends() {
+        let mut r = Registry::default();
+        let drafter = Spawned::Drafter { id: 1, generation: 3 };
+        let target = Spawned::Target { id: 0, generation: 2 };
+        assert_eq!(r.name(drafter), "drafter-1-3");
+        assert_eq!(r.name(target), "target-0-2");
+        assert_eq!(r.0.get("drafter-1-3"), Some(&drafter));
+        assert_eq!(r.0.remove("target-0-2"), Some(target));
+        assert_eq!(r.0.get("target-0-2"), None);
+    }
 }
