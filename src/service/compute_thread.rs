@@ -5,8 +5,14 @@
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::failure::Failure;
-use super::messages::ThreadMsg;
 use crate::panic::{Panicked, catch_torch};
+
+/// A compute thread's end, reported to its actor: a failure makes the actor fail, a return makes it stop, so the
+/// supervisor sees either.
+pub enum ThreadMsg {
+    Died(Failure),
+    Returned,
+}
 
 /// The actor's failure, carrying the thread's.
 #[derive(Debug)]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ractor::RpcReplyPort;
 
 use super::evaluator::Evaluated;
-use super::failure::{Failure, FaultKind, FaultRefused};
+use super::failure::{FaultKind, FaultRefused};
 use super::reload::{Accepted, Reloaded};
 use super::status::Status;
 use crate::data::loader::BatchId;
@@ -137,11 +137,4 @@ pub enum SupervisorMsg {
     LeftRun {
         generation: u64,
     },
-}
-
-/// A compute thread's end, reported to its actor: a failure makes the actor fail, a return makes it stop, so the
-/// supervisor sees either.
-pub enum ThreadMsg {
-    Died(Failure),
-    Returned,
 }
