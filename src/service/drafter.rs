@@ -15,6 +15,7 @@ use tch::{Device, Kind, Tensor};
 use super::compute_thread::{ThreadBody, torch};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{Heads, SupervisorMsg, Work};
+use super::supervisor::protocol::Event;
 pub use super::supervisor::protocol::Start;
 use super::supervisor::watchdog::Activity;
 use crate::data::loader::BatchId;
@@ -218,7 +219,7 @@ fn take_place(a: &DrafterSpawn) -> Result<(Trainer, u64), End> {
             return Err(End::Asked);
         }
     }
-    let _ = a.supervisor.send_message(SupervisorMsg::DrafterReady { id: a.id, generation: a.generation });
+    let _ = a.supervisor.send_message(SupervisorMsg::Core(Event::DrafterReady { id: a.id, generation: a.generation }));
     let joined = match a.start {
         // Across hosts this enters the run: founding it, or taking a live host's state.
         Start::Found(_) => a.collective.enter(a.id, a.generation, &join_buffers(&trainer), trainer.optimizer.steps()),
@@ -237,7 +238,11 @@ fn take_place(a: &DrafterSpawn) -> Result<(Trainer, u64), End> {
     };
     set_objective(&mut trainer, a.collective.objective_at(step));
     now_doing(a, Activity::WaitingForWork, vec![]);
-    let _ = a.supervisor.send_message(SupervisorMsg::DrafterJoined { id: a.id, generation: a.generation, step });
+    let _ = a.supervisor.send_message(SupervisorMsg::Core(Event::DrafterJoined {
+        id: a.id,
+        generation: a.generation,
+        step,
+    }));
     Ok((trainer, step))
 }
 

@@ -1,6 +1,5 @@
 //! The messages between the supervisor, the target and drafter actors and their compute threads (the status the
 //! control plane reports is [`super::status`]'s).
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use ractor::RpcReplyPort;
@@ -9,11 +8,11 @@ use super::evaluator::Evaluated;
 use super::failure::{FaultKind, FaultRefused};
 use super::reload::{Accepted, Reloaded};
 use super::status::Status;
+use super::supervisor::protocol::Event;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
 use crate::train::checkpoint::{Scan, Snapshot, Written};
-use crate::train::collective::RoundReport;
 use crate::train::step::UpdateReport;
 
 /// What a drafter's compute thread receives, in order.
@@ -49,28 +48,16 @@ pub struct Reread {
     pub eval_set: Option<crate::service::evaluator::EvalSet>,
 }
 
-/// Messages of the supervisor actor.
+/// Messages of the supervisor actor: the core's own events, which the shell passes on as they are (a drafter's
+/// readiness, a delivery, a round, the export's, the ledger's and rank 0's outcomes), and what the shell itself
+/// must handle first (what carries tensors, replies or files the core never holds).
 pub enum SupervisorMsg {
+    /// An event for the core, as is.
+    Core(Event),
     TargetReady {
         target: usize,
         generation: u64,
         heads: Arc<Heads>,
-    },
-    /// A target copy passed request `seq` (a batch's features, or an empty slot) on to its drafter.
-    Delivered {
-        target: usize,
-        generation: u64,
-        seq: u64,
-    },
-    DrafterReady {
-        id: usize,
-        generation: u64,
-    },
-    /// The drafter has the peers' state; its first round is `step`.
-    DrafterJoined {
-        id: usize,
-        generation: u64,
-        step: u64,
     },
     StepDone {
         id: usize,
@@ -87,13 +74,10 @@ pub enum SupervisorMsg {
         generation: u64,
         snapshot: Box<Snapshot>,
     },
-    Round(RoundReport),
     /// The writer's answer.
     CheckpointWritten(Written),
     /// The answer to a look for the checkpoint to rewind to.
     CheckpointFound(Result<Scan, String>),
-    /// The final export finished.
-    Exported(Result<PathBuf, String>),
     Tick,
     Fault {
         id: usize,
@@ -117,8 +101,6 @@ pub enum SupervisorMsg {
     /// The evaluation thread finished a job.
     Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),
-    /// The ledger writer's outcome of one attempt.
-    LedgerWritten(Result<u64, String>),
     /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 143/130 (0 when the run is complete meanwhile).
     Shutdown(super::exit::StopSignal),
     /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.
@@ -127,12 +109,6 @@ pub enum SupervisorMsg {
         step: u64,
         feed: crate::service::supervisor::protocol::Feed,
     },
-    /// Several hosts, rank > 0: rank 0 ended the run.
-    RunEnded {
-        code: i32,
-    },
-    /// Several hosts, rank > 0: the rendezvous host cannot be reached.
-    RendezvousLost(String),
     /// Several hosts, rank > 0: rank 0's membership no longer lists this host as `generation`.
     LeftRun {
         generation: u64,

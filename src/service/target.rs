@@ -14,6 +14,7 @@ use tch::{Device, Kind};
 use super::compute_thread::{ThreadBody, torch};
 use super::failure::Failure;
 use super::messages::{Heads, SupervisorMsg, Work};
+use super::supervisor::protocol::Event;
 use crate::config::TargetSource;
 use crate::data::dataset::Dataset;
 use crate::data::loader::BatchId;
@@ -193,7 +194,11 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                 a.routes.send(drafter, generation, Work::Empty);
             }
         }
-        let _ = a.supervisor.send_message(SupervisorMsg::Delivered { target: a.id, generation: a.generation, seq });
+        let _ = a.supervisor.send_message(SupervisorMsg::Core(Event::Delivered {
+            target: a.id,
+            generation: a.generation,
+            seq,
+        }));
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
 
-use super::protocol::Feed;
+use super::protocol::{Event, Feed};
 use crate::cluster::background::Background;
 use crate::cluster::exchange::BEAT_EVERY;
 use crate::cluster::quorum::{LeaderWatch, Reply};
@@ -27,7 +27,7 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
         let gone = |e: &LinkError| {
             if e.unreachable() {
                 if link.leader_lost(e.to_string()) {
-                    let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(e.to_string()));
+                    let _ = supervisor.send_message(SupervisorMsg::Core(Event::RendezvousLost(e.to_string())));
                 }
                 return true;
             }
@@ -62,7 +62,7 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
             match link.finished() {
                 Ok(Some(code)) => {
                     let _ = link.acknowledge_end();
-                    let _ = supervisor.send_message(SupervisorMsg::RunEnded { code });
+                    let _ = supervisor.send_message(SupervisorMsg::Core(Event::RunEnded { code }));
                     return;
                 }
                 Ok(None) => {}
@@ -118,7 +118,8 @@ pub(super) fn watch_leader(link: Arc<HostLink>, supervisor: ActorRef<SupervisorM
             if let Some(silent) = watch.observe(started.elapsed().as_secs_f64(), reply) {
                 let why = format!("no answer for {silent:.1} s (cluster.leader_timeout_s = {})", timeout.as_secs_f64());
                 if link.leader_lost(why.clone()) {
-                    let _ = supervisor.send_message(SupervisorMsg::RendezvousLost(format!("rank 0 is lost: {why}")));
+                    let _ = supervisor
+                        .send_message(SupervisorMsg::Core(Event::RendezvousLost(format!("rank 0 is lost: {why}"))));
                 }
                 return;
             }

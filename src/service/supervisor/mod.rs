@@ -12,6 +12,7 @@ mod hosts;
 mod restarts;
 pub mod run_progress;
 mod schedule;
+mod spawned;
 mod survivor;
 mod targets;
 pub mod watchdog;
@@ -26,11 +27,12 @@ use std::sync::mpsc::{Sender, channel, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
 use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
+use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
 use super::compute_thread::{ComputeActor, ThreadFailure, ThreadMsg};
 use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
@@ -39,8 +41,7 @@ use super::failure::{Failure, FaultKind, FaultRefused};
 use super::ledger::LedgerWriter;
 use super::messages::{Heads, ReloadReply, Reread, SupervisorMsg, Work};
 use super::placement::assign_targets;
-use super::reload::Reloaded;
-use super::reload::{Accepted, reread};
+use super::reload::{Accepted, Reloaded, reread};
 use super::status::{DrafterState, Status};
 use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
@@ -176,7 +177,7 @@ impl Shell {
             CollectiveKind::Nccl => GradientSum::Nccl,
         };
         let collective = Collective::new(step, samples, settings, sum, move |r| {
-            let _ = me.send_message(SupervisorMsg::Round(r));
+            let _ = me.send_message(SupervisorMsg::Core(Event::Round(r)));
         });
         let collective = Arc::new(match &a.link {
             Some(link) => collective.with_link(link.clone()),
@@ -240,7 +241,7 @@ impl Shell {
         let ledger = a.ledger.take().and_then(|(file, path)| {
             let me = myself.clone();
             let on_write = move |outcome| {
-                let _ = me.send_message(SupervisorMsg::LedgerWritten(outcome));
+                let _ = me.send_message(SupervisorMsg::Core(Event::LedgerWritten(outcome)));
             };
             LedgerWriter::start(file, &path, on_write)
                 .map_err(|e| tracing::error!(path = %path.display(), "cannot start the data.ledger writer: {e}"))
@@ -417,7 +418,7 @@ impl Shell {
                         Ok(Err(e)) => Err(e.to_string()),
                         Err(e) => Err(e.to_string()),
                     };
-                    let _ = me.send_message(SupervisorMsg::Exported(result));
+                    let _ = me.send_message(SupervisorMsg::Core(Event::Exported(result)));
                 });
             }
             Action::Notice(notice) => self.notice(notice),
@@ -867,9 +868,6 @@ impl Actor for Supervisor {
                 s.heads.get_or_insert(heads);
                 Event::TargetReady { target, generation }
             }
-            SupervisorMsg::Delivered { target, generation, seq } => Event::Delivered { target, generation, seq },
-            SupervisorMsg::DrafterReady { id, generation } => Event::DrafterReady { id, generation },
-            SupervisorMsg::DrafterJoined { id, generation, step } => Event::DrafterJoined { id, generation, step },
             SupervisorMsg::StepDone { id, generation, step, report, digest, feature_wait_s } => {
                 Event::StepDone { id, generation, step, digest, applied: report.applied, feature_wait_s }
             }
@@ -878,7 +876,6 @@ impl Actor for Supervisor {
                 s.snapshots.insert((id, generation, step), *snapshot);
                 Event::Snapshot { id, generation, step, optimizer_steps }
             }
-            SupervisorMsg::Round(r) => Event::Round(r),
             SupervisorMsg::CheckpointWritten(w) => {
                 Event::CheckpointWritten { step: w.step, incarnation: w.incarnation, result: w.result }
             }
@@ -888,7 +885,6 @@ impl Actor for Supervisor {
                 }
                 Found { newest: scan.newest, rejected: scan.rejected.into_iter().map(|(step, _)| step).collect() }
             })),
-            SupervisorMsg::Exported(r) => Event::Exported(r),
             SupervisorMsg::Tick => {
                 s.tick_telemetry();
                 Event::Watch(s.watched())
@@ -940,9 +936,7 @@ impl Actor for Supervisor {
                 }
                 Event::Fed { step, items: feed.items, position: feed.position }
             }
-            SupervisorMsg::RunEnded { code } => Event::RunEnded { code },
-            SupervisorMsg::LedgerWritten(outcome) => Event::LedgerWritten(outcome),
-            SupervisorMsg::RendezvousLost(why) => Event::RendezvousLost(why),
+            SupervisorMsg::Core(event) => event,
             SupervisorMsg::LeftRun { generation } => {
                 // Word about a generation this host no longer is comes too late.
                 if s.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
@@ -993,57 +987,5 @@ impl Actor for Supervisor {
         };
         s.feed(event).await;
         Ok(())
-    }
-}
-
-/// A compute actor this supervisor spawned: which drafter or target copy, in which generation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Spawned {
-    Drafter { id: usize, generation: u64 },
-    Target { id: usize, generation: u64 },
-}
-
-/// The compute actors spawned and not yet ended, by the name each was given (the one thing a supervision event
-/// carries of it besides its id, which a drafter's spawn, in a task of its own, learns too late).
-#[derive(Default)]
-struct Registry(HashMap<String, Spawned>);
-
-impl Registry {
-    /// The name to spawn `actor` under (`drafter-<id>-<generation>`, as logs show it), recorded.
-    fn name(&mut self, actor: Spawned) -> String {
-        let name = match actor {
-            Spawned::Drafter { id, generation } => format!("drafter-{id}-{generation}"),
-            Spawned::Target { id, generation } => format!("target-{id}-{generation}"),
-        };
-        self.0.insert(name.clone(), actor);
-        name
-    }
-
-    /// What `cell` is, if this supervisor spawned it.
-    fn of(&self, cell: &ActorCell) -> Option<Spawned> {
-        self.0.get(&cell.get_name()?).copied()
-    }
-
-    /// What `cell` was, forgotten now that it ended.
-    fn ended(&mut self, cell: &ActorCell) -> Option<Spawned> {
-        self.0.remove(&cell.get_name()?)
-    }
-}
-
-#[cfg(test)]
-mod registry_tests {
-    use super::*;
-
-    /// Only the actors spawned are known, each as what it was spawned as, until it ends.
-    #[test]
-    fn the_registry_knows_what_it_named_until_it_ends() {
-        let mut r = Registry::default();
-        let drafter = Spawned::Drafter { id: 1, generation: 3 };
-        let target = Spawned::Target { id: 0, generation: 2 };
-        assert_eq!(r.name(drafter), "drafter-1-3");
-        assert_eq!(r.name(target), "target-0-2");
-        assert_eq!(r.0.get("drafter-1-3"), Some(&drafter));
-        assert_eq!(r.0.remove("target-0-2"), Some(target));
-        assert_eq!(r.0.get("target-0-2"), None);
     }
 }
