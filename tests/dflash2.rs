@@ -58,22 +58,10 @@ fn perturbed(d: Drafter, conv: bool, seed: i64) -> Drafter {
     d
 }
 
-struct Case {
-    features: Tensor,
-    embed: Tensor,
-    ids: Vec<i64>,
-    mask: Vec<u8>,
-}
+type Case = DrafterCase;
 
 fn case(seq: usize, seed: i64) -> Case {
-    let cfg = dflash_cfg();
-    let (features, embed) = seeded(seed, || {
-        let features = Tensor::randn([1, seq as i64, cfg.context_width() as i64], (Kind::Float, Device::Cpu));
-        let shape = [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64];
-        (features, Tensor::randn(shape, (Kind::Float, Device::Cpu)))
-    });
-    let ids = token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0);
-    Case { features, embed, ids, mask: vec![1; seq] }
+    drafter_case(&dflash_cfg(), seq, seed)
 }
 
 fn settings() -> ObjectiveSettings {

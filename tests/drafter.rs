@@ -42,23 +42,10 @@ fn weights_by_name(d: &Drafter) -> BTreeMap<String, Tensor> {
     p.layout().named_views(&p.master).into_iter().map(|(n, t)| (n, t.to_kind(Kind::Double))).collect()
 }
 
-struct Case {
-    features: Tensor,
-    embed: Tensor,
-    ids: Vec<i64>,
-    mask: Vec<u8>,
-}
+type Case = DrafterCase;
 
 fn case(seq: usize, seed: i64) -> Case {
-    let cfg = drafter_cfg();
-    let width = cfg.context_width() as i64;
-    let (features, embed) = seeded(seed, || {
-        let features = Tensor::randn([1, seq as i64, width], (Kind::Float, Device::Cpu));
-        let shape = [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64];
-        (features, Tensor::randn(shape, (Kind::Float, Device::Cpu)))
-    });
-    let ids = token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0);
-    Case { features, embed, ids, mask: vec![1; seq] }
+    drafter_case(&drafter_cfg(), seq, seed)
 }
 
 fn settings() -> ObjectiveSettings {

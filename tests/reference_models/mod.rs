@@ -8,7 +8,7 @@ use std::path::Path;
 
 use dflash::model::config::{GptOssConfig, MoeConfig, RopeScaling};
 use dflash::model::weights::{HostTensor, write_sharded};
-use dflash::model::{Architecture, TargetConfig};
+use dflash::model::{Architecture, DrafterConfig, TargetConfig};
 use tch::{Device, Kind, Tensor};
 
 pub type Weights = BTreeMap<String, Tensor>;
@@ -472,4 +472,24 @@ pub fn token_rows(vocab: i64, lengths: &[usize], seed: u64) -> Vec<Vec<i64>> {
                 .collect()
         })
         .collect()
+}
+
+/// One row of drafter inputs: the target's tapped features `[1, seq, taps * hidden]` and an embedding table (both
+/// random), token ids and a loss mask of ones.
+pub struct DrafterCase {
+    pub features: Tensor,
+    pub embed: Tensor,
+    pub ids: Vec<i64>,
+    pub mask: Vec<u8>,
+}
+
+/// A [`DrafterCase`] of `seq` tokens for a drafter of `cfg`, drawn from `seed`.
+pub fn drafter_case(cfg: &DrafterConfig, seq: usize, seed: i64) -> DrafterCase {
+    let (features, embed) = seeded(seed, || {
+        let features = Tensor::randn([1, seq as i64, cfg.context_width() as i64], (Kind::Float, Device::Cpu));
+        let shape = [cfg.decoder.vocab_size as i64, cfg.decoder.hidden_size as i64];
+        (features, Tensor::randn(shape, (Kind::Float, Device::Cpu)))
+    });
+    let ids = token_rows(cfg.decoder.vocab_size as i64 - 1, &[seq], seed as u64).remove(0);
+    DrafterCase { features, embed, ids, mask: vec![1; seq] }
 }
