@@ -1,6 +1,8 @@
 //! The drafter's shape and its DFlash settings, read from and written to the published drafters' `config.json`:
-//! a Qwen3 config with `architectures: ["DFlashDraftModel"]`, plus `block_size`, `num_target_layers` and
-//! `dflash_config {mask_token_id, target_layer_ids}` (read from the top level too, as the reference loader does).
+//! a Qwen3 config with `architectures: ["DFlashDraftModel"]` (or `["DFlash2DraftModel"]` with DFlash 2's sizes in
+//! `dflash_config`, [`Variant`]), plus `block_size`, `num_target_layers` and `dflash_config {mask_token_id,
+//! target_layer_ids}` (read from the top level too, as the reference loader does). Speculators' layout is read too,
+//! as z-lab's layout says the same drafter.
 //! Each layer's attention (sliding window, causal block) is read as transformers then vLLM resolve it, and written
 //! with the keys vLLM and SGLang both need ([`layer_attention_from_json`]).
 use std::path::Path;
@@ -211,8 +213,8 @@ impl DrafterConfig {
         read_config_json(dir, "a DFlash drafter folder (config.json, model.safetensors)", Self::from_json)
     }
 
-    /// Reads a drafter's `config.json` in z-lab's layout, or in speculators' (read as z-lab's:
-    /// [`speculators_as_zlab_layout`]).
+    /// Reads a drafter's `config.json` in z-lab's layout, or in speculators' (rewritten as z-lab's layout says the
+    /// same drafter first).
     pub fn from_json(text: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let v = match v.get("speculators_model_type") {
