@@ -12,7 +12,7 @@ use super::supervisor::protocol::Event;
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
-use crate::train::checkpoint::{Scan, Snapshot, Written};
+use crate::train::checkpoint::{Snapshot, Written};
 use crate::train::step::UpdateReport;
 
 /// What a drafter's compute thread receives, in order.
@@ -76,8 +76,6 @@ pub enum SupervisorMsg {
     },
     /// The writer's answer.
     CheckpointWritten(Written),
-    /// The answer to a look for the checkpoint to rewind to.
-    CheckpointFound(Result<Scan, String>),
     Tick,
     Fault {
         id: usize,

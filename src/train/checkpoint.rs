@@ -259,8 +259,8 @@ pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointEr
     Ok(found)
 }
 
-/// What a look for the checkpoint to resume found.
-#[derive(Debug, Default)]
+/// What a look for the checkpoint to resume found (and, in the supervisor's core, what a rewind's scan answers).
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Scan {
     /// The newest checkpoint whose manifest verifies.
     pub newest: Option<(PathBuf, TrainerState)>,

@@ -31,7 +31,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
-use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, Found, LedgerEntry, Notice, Order, Watched};
+use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Watched};
 use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
 use super::compute_thread::{ComputeActor, ThreadFailure, ThreadMsg};
@@ -373,7 +373,10 @@ impl Shell {
                 let me = self.myself.clone();
                 tokio::task::spawn_blocking(move || {
                     let scan = newest_valid(&dir, &|step| filter.allows(step)).map_err(|e| e.to_string());
-                    let _ = me.send_message(SupervisorMsg::CheckpointFound(scan));
+                    for (_, why) in scan.iter().flat_map(|scan| &scan.rejected) {
+                        tracing::warn!("checkpoint rejected: {why}");
+                    }
+                    let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointFound(scan)));
                 });
             }
             Action::WriteCheckpoint(job) => match self.snapshots.remove(&(job.donor.0, job.donor.1, job.step)) {
@@ -879,12 +882,6 @@ impl Actor for Supervisor {
             SupervisorMsg::CheckpointWritten(w) => {
                 Event::CheckpointWritten { step: w.step, incarnation: w.incarnation, result: w.result }
             }
-            SupervisorMsg::CheckpointFound(scan) => Event::CheckpointFound(scan.map(|scan| {
-                for (_, why) in &scan.rejected {
-                    tracing::warn!("checkpoint rejected: {why}");
-                }
-                Found { newest: scan.newest, rejected: scan.rejected.into_iter().map(|(step, _)| step).collect() }
-            })),
             SupervisorMsg::Tick => {
                 s.tick_telemetry();
                 Event::Watch(s.watched())

@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::data::loader::{Batch, BatchId};
 use crate::service::evaluator::Evaluated;
 use crate::service::failure::Failure;
-use crate::train::checkpoint::TrainerState;
+use crate::train::checkpoint::Scan;
 use crate::train::collective::RoundReport;
 
 pub use super::checkpoints::{ScanFilter, WriteJob};
@@ -51,14 +51,6 @@ pub enum LedgerEntry {
     Rewind {
         step: u64,
     },
-}
-
-/// A checkpoint scan's answer: the newest valid checkpoint (none: start from the beginning) and the steps of the
-/// folders it rejected.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Found {
-    pub newest: Option<(PathBuf, TrainerState)>,
-    pub rejected: Vec<u64>,
 }
 
 /// A drafter thread as the watchdog sees it, with what failing it needs: the batches it is computing, and whether
@@ -153,7 +145,8 @@ pub enum Event {
         incarnation: u64,
         result: Result<(PathBuf, f64), String>,
     },
-    CheckpointFound(Result<Found, String>),
+    /// A rewind's scan: the newest valid checkpoint (none: start from the beginning) and the folders it rejected.
+    CheckpointFound(Result<Scan, String>),
     Evaluated(Result<Evaluated, String>),
     Exported(Result<PathBuf, String>),
     /// The ledger writer's outcome of one attempt: every line so far written, or why not.

@@ -37,7 +37,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::core::{Core, Setup, step_settings};
 use super::protocol::{
-    Action, Activity, DrafterSeen, Event, Found, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
+    Action, Activity, DrafterSeen, Event, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
 };
 use super::schedule::Item;
 use super::watchdog::TickGaps;
@@ -49,7 +49,7 @@ use crate::service::exit::{
     EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, StopSignal,
 };
 use crate::service::failure::{Failure, FailureKind};
-use crate::train::checkpoint::{TrainerState, to_delete};
+use crate::train::checkpoint::{Scan, TrainerState, to_delete};
 use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
 use crate::train::optim::Hyper;
@@ -1281,7 +1281,9 @@ impl World {
             Event::CheckpointFound(Err("Input/output error".into()))
         } else {
             let (newest, rejected) = self.scan_disk(&|step| filter.allows(step));
-            Event::CheckpointFound(Ok(Found { newest, rejected }))
+            let rejected =
+                rejected.into_iter().map(|step| (step, "its manifest does not verify".to_string())).collect();
+            Event::CheckpointFound(Ok(Scan { newest, rejected }))
         };
         self.feed(event)
     }

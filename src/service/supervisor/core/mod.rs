@@ -32,7 +32,7 @@ pub use self::hosts::HostRole;
 use self::hosts::Hosts;
 use super::checkpoints::{Book, Newest, SnapshotOutcome};
 use super::drafters::{Fate, Life, Role, Slot};
-use super::protocol::{Action, Event, Found, LedgerEntry, Notice, Order, Request, Start, Watched, WriteJob};
+use super::protocol::{Action, Event, LedgerEntry, Notice, Order, Request, Start, Watched, WriteJob};
 use super::schedule::{Item, Position, Schedule, Settled};
 use super::targets::TargetCopy;
 use super::watchdog::{StepTimes, StoppedTime};
@@ -44,7 +44,7 @@ use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, 
 use crate::service::failure::{Failure, FailureKind};
 use crate::service::status::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
 use crate::service::supervisor::run_progress::{Bound, Estimate, RunProgress};
-use crate::train::checkpoint::TrainerState;
+use crate::train::checkpoint::{Scan, TrainerState};
 use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
 use crate::train::objective::ObjectiveKnobs;
@@ -673,8 +673,7 @@ mod tests {
         assert!(!c.ready());
         let actions = c.handle(secs(1.2), Event::Tick);
         assert!(matches!(actions[..], [Action::FindCheckpoint(_)]), "{actions:?}");
-        let found = Found { newest: None, rejected: vec![] };
-        let actions = c.handle(secs(1.3), Event::CheckpointFound(Ok(found)));
+        let actions = c.handle(secs(1.3), Event::CheckpointFound(Ok(Scan::default())));
         assert_eq!(spawned(&actions), vec![(0, 2, Start::Found(None))], "one founder: {actions:?}");
         assert!(actions.iter().any(|a| matches!(a, Action::RewindCollective { step: 0, .. })));
         assert!(spawned(&c.handle(secs(1.4), Event::Tick)).is_empty(), "the others wait for the founder");
@@ -718,7 +717,7 @@ mod tests {
         assert!(actions.contains(&Action::Abandon { id: 1, generation: 2 }), "the orphan is given up on: {actions:?}");
         assert_eq!(c.status().drafters[1].restarts, 1, "only its own failure counts");
         c.handle(secs(1.4), Event::MemberRemoved { remaining: vec![] });
-        let actions = c.handle(secs(1.45), Event::CheckpointFound(Ok(Found { newest: None, rejected: vec![] })));
+        let actions = c.handle(secs(1.45), Event::CheckpointFound(Ok(Scan::default())));
         assert_eq!(spawned(&actions), vec![(1, 3, Start::Found(None))], "it founds, drafter 0 is backing off");
     }
 

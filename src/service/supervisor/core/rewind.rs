@@ -92,14 +92,14 @@ impl Core {
         self.out.push(Action::FindCheckpoint(self.book.scan_filter()));
     }
 
-    pub(super) fn checkpoint_found(&mut self, result: Result<Found, String>) {
+    pub(super) fn checkpoint_found(&mut self, result: Result<Scan, String>) {
         if !matches!(self.rewind, Rewind::Scanning) {
             return;
         }
         match result {
             Ok(found) => {
                 self.scan_failures = 0;
-                self.book.found_invalid(&found.rejected);
+                self.book.found_invalid(&found.rejected.iter().map(|(step, _)| *step).collect::<Vec<_>>());
                 self.rewind = Rewind::Scanned(match found.newest {
                     Some((path, state)) => {
                         tracing::warn!(step = state.step, path = %path.display(), "rewinding to the newest valid checkpoint");
