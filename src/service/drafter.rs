@@ -15,8 +15,8 @@ use tch::{Device, Kind, Tensor};
 use super::compute_thread::{ThreadBody, torch};
 use super::failure::{Failure, FailureKind, FaultKind};
 use super::messages::{Heads, SupervisorMsg, Work};
-use super::supervisor::protocol::Event;
 pub use super::supervisor::protocol::Start;
+use super::supervisor::protocol::{Event, Order};
 use super::supervisor::watchdog::Activity;
 use crate::data::loader::BatchId;
 use crate::device;
@@ -390,10 +390,10 @@ fn take_work(
                 taken += 1;
             }
             Ok(Work::Empty) => taken += 1,
-            Ok(Work::ServeJoiners) => serve(a, trainer)?,
-            Ok(Work::Checkpoint { at }) if at <= step => send_snapshot(a, trainer, step)?,
-            Ok(Work::Checkpoint { at }) => *snapshot_at = Some(at),
-            Ok(Work::Stop) | Err(_) => return Err(End::Asked),
+            Ok(Work::Order(Order::ServeJoiners)) => serve(a, trainer)?,
+            Ok(Work::Order(Order::Checkpoint { at })) if at <= step => send_snapshot(a, trainer, step)?,
+            Ok(Work::Order(Order::Checkpoint { at })) => *snapshot_at = Some(at),
+            Ok(Work::Order(Order::Stop)) | Err(_) => return Err(End::Asked),
         }
     }
     Ok((items, waited_s))
@@ -486,10 +486,10 @@ fn keep_for_parting(a: &DrafterSpawn, trainer: &Trainer, step: u64, why: String)
     let until = Instant::now() + PARTING_WAIT;
     loop {
         match a.input.recv_timeout(until.saturating_duration_since(Instant::now())) {
-            Ok(Work::Checkpoint { .. }) => send_snapshot(a, trainer, step)?,
-            Ok(Work::Stop) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Ok(Work::Order(Order::Checkpoint { .. })) => send_snapshot(a, trainer, step)?,
+            Ok(Work::Order(Order::Stop)) | Err(RecvTimeoutError::Disconnected) => return Ok(()),
             Ok(Work::Features { .. }) => a.metrics.feature_queue.decrement(1.0),
-            Ok(Work::Empty | Work::ServeJoiners) => {}
+            Ok(Work::Empty | Work::Order(Order::ServeJoiners)) => {}
             Err(RecvTimeoutError::Timeout) => {
                 return Err(torch(format!("across hosts, the rendezvous host is gone: {why}")));
             }

@@ -8,7 +8,7 @@ use super::evaluator::Evaluated;
 use super::failure::{FaultKind, FaultRefused};
 use super::reload::{Accepted, Reloaded};
 use super::status::Status;
-use super::supervisor::protocol::Event;
+use super::supervisor::protocol::{Event, Order};
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
@@ -18,19 +18,12 @@ use crate::train::step::UpdateReport;
 /// What a drafter's compute thread receives, in order.
 pub enum Work {
     /// One micro-batch of its next step.
-    Features {
-        batch: BatchId,
-        features: Box<FeatureBatch>,
-    },
+    Features { batch: BatchId, features: Box<FeatureBatch> },
     /// No batch for one micro-batch of its next step (the data ran out): it contributes nothing.
     Empty,
-    /// Copy this replica's state into waiting joiners (at its next step boundary).
-    ServeJoiners,
-    /// Snapshot the state for a checkpoint at step boundary `at` (now if it is there, else when it gets there).
-    Checkpoint {
-        at: u64,
-    },
-    Stop,
+    /// What the core told it (at its next step boundary; a checkpoint's snapshot now if it is there, else when it
+    /// gets there).
+    Order(Order),
 }
 
 /// The target's frozen embedding and LM head, lent to the drafters.

@@ -31,7 +31,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
-use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Watched};
+use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Watched};
 use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
 use super::compute_thread::{ComputeActor, ThreadFailure, ThreadMsg};
@@ -353,12 +353,7 @@ impl Shell {
                 return Some(Event::MemberRemoved { remaining: removal.remaining });
             }
             Action::Tell { id, generation, order } => {
-                let work = match order {
-                    Order::ServeJoiners => Work::ServeJoiners,
-                    Order::Checkpoint { at } => Work::Checkpoint { at },
-                    Order::Stop => Work::Stop,
-                };
-                if !self.routes.try_send(id, generation, work) {
+                if !self.routes.try_send(id, generation, Work::Order(order)) {
                     tracing::debug!(drafter = id, ?order, "an order for a drafter thread that is gone or busy");
                 }
             }
