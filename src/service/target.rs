@@ -14,10 +14,9 @@ use tch::{Device, Kind};
 use super::compute_thread::{ThreadBody, torch};
 use super::failure::Failure;
 use super::messages::{Heads, SupervisorMsg, Work};
-use super::supervisor::protocol::Event;
+use super::supervisor::protocol::{Event, Request, RequestItem};
 use crate::config::TargetSource;
 use crate::data::dataset::Dataset;
-use crate::data::loader::BatchId;
 use crate::data::packing::first_fit_decreasing;
 use crate::device;
 use crate::model::shared::SharedTensor;
@@ -84,16 +83,6 @@ impl Routes {
     }
 }
 
-/// A request to the target thread (handled in order): for drafter `drafter`'s thread `generation`, capture a
-/// batch's features, or pass an empty slot on in order with them; then report request `seq` delivered.
-pub struct TargetWork {
-    pub seq: u64,
-    pub drafter: usize,
-    pub generation: u64,
-    /// `None`: an empty slot.
-    pub capture: Option<(BatchId, Vec<usize>)>,
-}
-
 pub struct TargetSpawn {
     /// Its index among the target copies.
     pub id: usize,
@@ -114,7 +103,9 @@ pub struct TargetSpawn {
     pub dataset: Arc<dyn Dataset>,
     pub routes: Arc<Routes>,
     pub supervisor: ActorRef<SupervisorMsg>,
-    pub requests: Receiver<TargetWork>,
+    /// The core's requests, handled in order: for drafter `drafter`'s thread `generation`, capture a batch's
+    /// features, or pass an empty slot on in order with them; then report request `seq` delivered.
+    pub requests: Receiver<Request>,
     /// Threads of this generation or older were given up (failed or hung): they deliver nothing more.
     pub abandoned: Arc<AtomicU64>,
     pub metrics: TargetMetrics,
@@ -143,12 +134,12 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
     let _ = a.supervisor.send_message(ready);
     let mut timings = CaptureTimings::new(a.device, a.metrics.clone());
     let abandoned = || a.abandoned.load(Ordering::SeqCst) >= a.generation;
-    while let Ok(TargetWork { seq, drafter, generation, capture }) = a.requests.recv() {
+    while let Ok(Request { seq, drafter, generation, item }) = a.requests.recv() {
         if abandoned() {
             return Ok(());
         }
-        match capture {
-            Some((batch, positions)) => {
+        match item {
+            RequestItem::Capture { batch, positions } => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let started = timings.start().map_err(torch)?;
                     let samples: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
@@ -190,7 +181,7 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                     a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
             }
-            None => {
+            RequestItem::Empty => {
                 a.routes.send(drafter, generation, Work::Empty);
             }
         }

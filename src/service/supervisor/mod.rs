@@ -43,7 +43,7 @@ use super::messages::{Heads, ReloadReply, Reread, SupervisorMsg, Work};
 use super::placement::assign_targets;
 use super::reload::{Accepted, Reloaded, reread};
 use super::status::{DrafterState, Status};
-use super::target::{self, Route, Routes, TargetSpawn, TargetWork};
+use super::target::{self, Route, Routes, TargetSpawn};
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
 use crate::data::SampleId;
 use crate::data::dataset::Dataset;
@@ -110,7 +110,7 @@ struct TargetHandle {
     device: Device,
     kind: Kind,
     /// Its current thread's generation, actor and request channel.
-    thread: Option<(u64, ActorRef<ThreadMsg>, Sender<TargetWork>)>,
+    thread: Option<(u64, ActorRef<ThreadMsg>, Sender<protocol::Request>)>,
     /// Threads of this generation or older are abandoned: they deliver nothing more.
     abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
@@ -325,16 +325,7 @@ impl Shell {
             Action::TargetRequest { target, generation, request } => {
                 let Some((g, _, tx)) = &self.targets[target].thread else { return None };
                 if *g == generation {
-                    let capture = match request.item {
-                        schedule::Item::Capture { batch, positions } => Some((batch, positions)),
-                        schedule::Item::Empty => None,
-                    };
-                    let _ = tx.send(TargetWork {
-                        seq: request.seq,
-                        drafter: request.drafter,
-                        generation: request.generation,
-                        capture,
-                    });
+                    let _ = tx.send(request);
                 }
             }
             Action::SpawnDrafter { id, generation, start } => self.spawn_drafter(id, generation, start),
