@@ -1171,6 +1171,8 @@ mod tests {
             ("objective.gamma=soon", &["objective.gamma", "soon", "auto"]),
             ("objective.weights=kl", &["objective.weights", "kl", "dpace"]),
             ("objective.dpace_alpha=0", &["objective.dpace_alpha", "(0, 1]"]),
+            ("objective.selector_loss_alpha=-1", &["objective.selector_loss_alpha", ">= 0"]),
+            ("draft_model.variant=\"dflash3\"", &["draft_model.variant", "dflash3", "dflash2"]),
             ("objective.dpace_alpha=1.5", &["objective.dpace_alpha", "1.5"]),
             ("objective.target=logits", &["objective.target", "logits", "argmax"]),
             ("objective.loss=tv", &["objective.loss", "tv", "kl"]),
@@ -1215,6 +1217,9 @@ mod tests {
                 assert!(err.contains(e), "--set {set}: expected {e:?} in {err:?}");
             }
         }
+        let err =
+            with_set(&["draft_model.variant=\"dflash2\"", "draft_model.selector_rank=0"]).unwrap_err().to_string();
+        assert!(err.contains("draft_model.selector_rank") && err.contains("positive"), "{err}");
         let twice = with_set(&["drafters.collective=nccl", "drafters.devices=[\"cuda:0\", \"cuda:1\", \"cuda:0\"]"]);
         let err = twice.unwrap_err().to_string();
         assert!(err.contains("cuda:0 twice") && err.contains("listed once"), "{err}");
