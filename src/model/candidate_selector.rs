@@ -135,10 +135,7 @@ mod tests {
         );
         let weights = SelectorWeights { predecessor_codebook: &a, successor_codebook: &b, hidden_projection: &w_h };
         let scores = candidate_scores(&unary, &hidden, &ints("predecessors"), &ids, &weights).unwrap();
-        let close = |x: &Tensor, y: &Tensor, what: &str| {
-            let err = (x - y).abs().max().double_value(&[]);
-            assert!(err < 1e-10, "{what}: off by {err}");
-        };
+        let close = |x: &Tensor, y: &Tensor, what: &str| reference_fixture::assert_close(x, y, 1e-10, what);
         close(&scores, &floats("scores", &[n, k]), "scores");
         let loss = scores.cross_entropy_loss::<Tensor>(&place, None, tch::Reduction::Sum, -100, 0.0);
         assert!((loss.double_value(&[]) - case["loss"].as_f64().unwrap()).abs() < 1e-10);

@@ -76,10 +76,7 @@ mod tests {
         let delta = tensor("delta", &[rows, tokens, taps, hidden / group]).set_requires_grad(true);
         let base = tensor("base", &[taps, hidden]).set_requires_grad(true);
         let out = grouped_dynamic_conv(&x, &delta, &base, dim("block_size"), group).unwrap();
-        let close = |a: &Tensor, b: &Tensor, what: &str| {
-            let err = (a - b).abs().max().double_value(&[]);
-            assert!(err < 1e-12, "{what}: off by {err}");
-        };
+        let close = |a: &Tensor, b: &Tensor, what: &str| reference_fixture::assert_close(a, b, 1e-12, what);
         close(&out, &tensor("out", &[rows, tokens, hidden]), "output");
         (out * tensor("upstream", &[rows, tokens, hidden])).sum(Kind::Double).backward();
         close(&x.grad(), &tensor("grad_x", &[rows, tokens, hidden]), "the input's gradient");

@@ -118,6 +118,12 @@ pub(crate) mod reference_fixture {
         Tensor::from_slice(&values).view(shape)
     }
 
+    /// Asserts that `ours` is within `tolerance` of the reference `theirs` everywhere, naming `what` and the error.
+    pub fn assert_close(ours: &Tensor, theirs: &Tensor, tolerance: f64, what: &str) {
+        let err = (ours - theirs).abs().max().double_value(&[]);
+        assert!(err < tolerance, "{what}: off by {err}");
+    }
+
     /// `case[key]`'s integers (or booleans, as 0 and 1) as an int64 tensor.
     pub fn ints(case: &Value, key: &str) -> Tensor {
         let values: Vec<i64> =

@@ -561,7 +561,10 @@ fn selector_chunk(
     want_grad: bool,
 ) -> Result<SelectorChunk, ModelError> {
     let _p = span("lm_head.selector");
-    let top_k = selector.drafter.config().variant.dflash2().map_or(1, |shape| shape.selector_top_k as i64);
+    let Some(shape) = selector.drafter.config().variant.dflash2() else {
+        return Err(ModelError::Batch("the selector's loss needs a DFlash 2 drafter".into()));
+    };
+    let top_k = shape.selector_top_k as i64;
     let (candidates, place, reachable) = training_candidates(&logits.f_topk(top_k, -1, true, true)?.1, labels)?;
     let unary =
         logits.f_gather(1, &candidates, false)?.f_to_kind(Kind::Float)?.f_detach()?.set_requires_grad(want_grad);
