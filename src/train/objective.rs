@@ -468,7 +468,8 @@ pub fn lm_head_loss(
                 // The selector's gradient reaches the unary logits of its K candidates only: through those rows of
                 // the head.
                 let rows = lm_head.f_index_select(0, &candidates.f_reshape([-1])?)?.f_view([len, -1, h])?;
-                g += d_unary.f_to_kind(g.kind())?.f_unsqueeze(1)?.f_bmm(&rows)?.f_squeeze_dim(1)?;
+                // In the head's dtype: D-PACE's f32 weights above may have promoted `g` to f32.
+                g += d_unary.f_to_kind(rows.kind())?.f_unsqueeze(1)?.f_bmm(&rows)?.f_squeeze_dim(1)?;
                 g += d_hidden.f_to_kind(g.kind())?;
             }
             grad.narrow(0, start, len).f_copy_(&g)?;
