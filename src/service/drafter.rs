@@ -356,8 +356,9 @@ fn train_step(a: &DrafterSpawn, trainer: &mut Trainer, step: u64, round: &mut Ro
         false => None,
     };
     round.boundary_digest = digest.map(|d| (step, d));
-    let done = SupervisorMsg::StepDone { id: a.id, generation: a.generation, step, report, digest, feature_wait_s };
-    let _ = a.supervisor.send_message(done);
+    let (id, generation, applied) = (a.id, a.generation, report.applied);
+    let done = Event::StepDone { id, generation, step, digest, applied, feature_wait_s };
+    let _ = a.supervisor.send_message(SupervisorMsg::Core(done));
     if a.collective.has_joiners() {
         serve(a, trainer)?;
     }

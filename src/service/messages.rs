@@ -12,8 +12,7 @@ use super::supervisor::protocol::{Event, Order};
 use crate::data::loader::BatchId;
 use crate::model::shared::SharedTensor;
 use crate::train::FeatureBatch;
-use crate::train::checkpoint::{Snapshot, Written};
-use crate::train::step::UpdateReport;
+use crate::train::checkpoint::Snapshot;
 
 /// What a drafter's compute thread receives, in order.
 pub enum Work {
@@ -52,23 +51,11 @@ pub enum SupervisorMsg {
         generation: u64,
         heads: Arc<Heads>,
     },
-    StepDone {
-        id: usize,
-        generation: u64,
-        step: u64,
-        report: UpdateReport,
-        /// Checksums of parameters and both moments, on steps where replicas are compared.
-        digest: Option<[i64; 3]>,
-        /// Seconds the compute thread waited for this step's features (the target not keeping up).
-        feature_wait_s: f64,
-    },
     Snapshot {
         id: usize,
         generation: u64,
         snapshot: Box<Snapshot>,
     },
-    /// The writer's answer.
-    CheckpointWritten(Written),
     Tick,
     Fault {
         id: usize,

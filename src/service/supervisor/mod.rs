@@ -51,7 +51,9 @@ use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
-use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid, survivor_root};
+use crate::train::checkpoint::{
+    Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid, survivor_root,
+};
 use crate::train::collective::{Collective, GradientSum};
 use crate::train::decode_eval::DecodeSettings;
 use crate::train::link::{HostLink, HostMember};
@@ -198,7 +200,7 @@ impl Shell {
             None => a.config.checkpoint.dir.clone(),
         };
         let checkpointer = Checkpointer::start(root, a.config.checkpoint.keep, move |r| {
-            let _ = me.send_message(SupervisorMsg::CheckpointWritten(r));
+            let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointWritten(r)));
         });
         let drafters = a
             .drafter_devices
@@ -369,7 +371,11 @@ impl Shell {
                 Some(snapshot) => self.checkpointer.write(snapshot, job.state, job.invalid, job.incarnation),
                 None => {
                     let result = Err("its snapshot is missing (a supervisor bug)".to_string());
-                    return Some(Event::CheckpointWritten { step: job.step, incarnation: job.incarnation, result });
+                    return Some(Event::CheckpointWritten(Written {
+                        step: job.step,
+                        incarnation: job.incarnation,
+                        result,
+                    }));
                 }
             },
             Action::RetireCheckpoints { from, to } => self.checkpointer.retire(from, to),
@@ -857,16 +863,10 @@ impl Actor for Supervisor {
                 s.heads.get_or_insert(heads);
                 Event::TargetReady { target, generation }
             }
-            SupervisorMsg::StepDone { id, generation, step, report, digest, feature_wait_s } => {
-                Event::StepDone { id, generation, step, digest, applied: report.applied, feature_wait_s }
-            }
             SupervisorMsg::Snapshot { id, generation, snapshot } => {
                 let (step, optimizer_steps) = (snapshot.step, snapshot.optimizer_steps);
                 s.snapshots.insert((id, generation, step), *snapshot);
                 Event::Snapshot { id, generation, step, optimizer_steps }
-            }
-            SupervisorMsg::CheckpointWritten(w) => {
-                Event::CheckpointWritten { step: w.step, incarnation: w.incarnation, result: w.result }
             }
             SupervisorMsg::Tick => {
                 s.tick_telemetry();

@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::data::loader::{Batch, BatchId};
 use crate::service::evaluator::Evaluated;
 use crate::service::failure::Failure;
-use crate::train::checkpoint::Scan;
+use crate::train::checkpoint::{Scan, Written};
 use crate::train::collective::RoundReport;
 
 pub use super::checkpoints::{ScanFilter, WriteJob};
@@ -127,8 +127,11 @@ pub enum Event {
         id: usize,
         generation: u64,
         step: u64,
+        /// Checksums of parameters and both moments, on steps where replicas are compared.
         digest: Option<[i64; 3]>,
+        /// False when the update was skipped (a gradient norm not finite, a sum across hosts not complete).
         applied: bool,
+        /// Seconds the compute thread waited for this step's features (the target not keeping up).
         feature_wait_s: f64,
     },
     Round(RoundReport),
@@ -139,12 +142,8 @@ pub enum Event {
         step: u64,
         optimizer_steps: u64,
     },
-    /// The writer's answer for the checkpoint of `step` written in `incarnation`: its folder and seconds.
-    CheckpointWritten {
-        step: u64,
-        incarnation: u64,
-        result: Result<(PathBuf, f64), String>,
-    },
+    /// The writer's answer for the checkpoint of a step written in an incarnation: its folder and seconds.
+    CheckpointWritten(Written),
     /// A rewind's scan: the newest valid checkpoint (none: start from the beginning) and the folders it rejected.
     CheckpointFound(Result<Scan, String>),
     Evaluated(Result<Evaluated, String>),
@@ -173,6 +172,14 @@ pub enum Event {
     /// Several hosts, other ranks: rank 0 dropped this host from the run (it missed a round's deadline, or its beat
     /// stopped: it was stopped or cut off for a while).
     LeftRun,
+}
+
+#[cfg(test)]
+impl Event {
+    /// The writer's answer that the checkpoint of `step` is in `folder`, written in `seconds`.
+    pub fn written(step: u64, incarnation: u64, folder: &str, seconds: f64) -> Self {
+        Event::CheckpointWritten(Written { step, incarnation, result: Ok((folder.into(), seconds)) })
+    }
 }
 
 /// What the shell reports to metrics and logs (the core decides nothing more by them).

@@ -49,7 +49,7 @@ use crate::service::exit::{
     EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED, StopSignal,
 };
 use crate::service::failure::{Failure, FailureKind};
-use crate::train::checkpoint::{Scan, TrainerState, to_delete};
+use crate::train::checkpoint::{Scan, TrainerState, Written, to_delete};
 use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
 use crate::train::optim::Hyper;
@@ -1232,7 +1232,7 @@ impl World {
             self.retention(&job)?;
             Ok((path_of(job.step), 0.1))
         };
-        let event = Event::CheckpointWritten { step: job.step, incarnation: job.incarnation, result };
+        let event = Event::CheckpointWritten(Written { step: job.step, incarnation: job.incarnation, result });
         self.after(ms(1), Occ::Deliver(Box::new(event)));
         self.next_write();
         Ok(())

@@ -566,7 +566,7 @@ mod tests {
                 matches!(&actions[..], [Action::WriteCheckpoint(job)] if job.step == step),
                 "seed {seed}: {actions:?}"
             );
-            let written = Event::CheckpointWritten { step, incarnation: c.incarnation, result: Ok(("x".into(), 0.1)) };
+            let written = Event::written(step, c.incarnation, "x", 0.1);
             assert_eq!(
                 c.handle(at(t + 0.2), written).last(),
                 Some(&Action::Exit { code: EXIT_RESTART }),
@@ -683,7 +683,7 @@ mod tests {
         assert_eq!((loader.next_ordinal, &loader.owed), (10, &vec![id(8)]), "7 and 9 trained; 8 owed");
         assert_eq!(job.state.samples_committed, 36);
         assert_eq!(job.state.recent_commits, vec![(7, vec![id(7), id(9)])]);
-        let written = Event::CheckpointWritten { step: 8, incarnation: c.incarnation, result: Ok(("x".into(), 0.1)) };
+        let written = Event::written(8, c.incarnation, "x", 0.1);
         assert_eq!(c.handle(at(1.5), written).last(), Some(&Action::Exit { code: EXIT_RESTART }));
 
         // With no word from rank 0 yet there is nothing to checkpoint: the host exits at once.
@@ -706,7 +706,8 @@ mod tests {
         assert_eq!(actions, vec![Action::Tell { id: 0, generation: 1, order: Order::Checkpoint { at: 0 } }]);
         let actions = c.handle(at(1.1), Event::Snapshot { id: 0, generation: 1, step: 3, optimizer_steps: 3 });
         assert!(matches!(&actions[..], [Action::WriteCheckpoint(job)] if job.state.loader.owed == vec![id(4)]));
-        let written = Event::CheckpointWritten { step: 3, incarnation: c.incarnation, result: Err("disk full".into()) };
+        let written =
+            Event::CheckpointWritten(Written { step: 3, incarnation: c.incarnation, result: Err("disk full".into()) });
         assert_eq!(c.handle(at(1.2), written).last(), Some(&Action::Exit { code: EXIT_NO_PROGRESS }));
 
         // Complete, or stopped with its checkpoint (preemption): the others end with rank 0's status, restartable.

@@ -44,7 +44,7 @@ use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, 
 use crate::service::failure::{Failure, FailureKind};
 use crate::service::status::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
 use crate::service::supervisor::run_progress::{Bound, Estimate, RunProgress};
-use crate::train::checkpoint::{Scan, TrainerState};
+use crate::train::checkpoint::{Scan, TrainerState, Written};
 use crate::train::collective::{Contributed, RoundReport};
 use crate::train::objective::Metrics;
 use crate::train::objective::ObjectiveKnobs;
@@ -377,7 +377,7 @@ impl Core {
             Event::Snapshot { id, generation, step, optimizer_steps } if self.parting() => {
                 self.parting_snapshot(id, generation, step, optimizer_steps)
             }
-            Event::CheckpointWritten { step, result, .. } if self.parting() => self.parted(step, result),
+            Event::CheckpointWritten(Written { step, result, .. }) if self.parting() => self.parted(step, result),
             Event::Snapshot { id, generation, step, optimizer_steps } => {
                 match self.book.snapshot(id, generation, step, optimizer_steps, self.now) {
                     SnapshotOutcome::Unwanted if !self.book.holds(id, generation, step) => {
@@ -388,7 +388,7 @@ impl Core {
                     SnapshotOutcome::Write(job) => self.write(*job),
                 }
             }
-            Event::CheckpointWritten { step, incarnation, result } => {
+            Event::CheckpointWritten(Written { step, incarnation, result }) => {
                 self.checkpoint_written(step, incarnation, result)
             }
             Event::CheckpointFound(result) => self.checkpoint_found(result),
@@ -772,8 +772,7 @@ mod tests {
         fail(&mut c, 0, 1, 1.2);
         c.handle(secs(1.2), Event::MemberRemoved { remaining: vec![] });
         assert!(c.handle(secs(1.5), Event::Tick).is_empty(), "waiting for the write");
-        let written =
-            Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+        let written = Event::written(at, c.incarnation, "ckpt", 0.1);
         let actions = c.handle(secs(1.6), written);
         let Some(Action::FindCheckpoint(filter)) = actions.last() else { panic!("{actions:?}") };
         assert!(filter.allows(at), "the checkpoint just written qualifies");
@@ -894,7 +893,7 @@ mod tests {
             c.handle(secs(at), Event::Round(report(s, c.incarnation)));
         }
         c.handle(secs(at), Event::Snapshot { id: 0, generation: 1, step, optimizer_steps: step });
-        let written = Event::CheckpointWritten { step, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+        let written = Event::written(step, c.incarnation, "ckpt", 0.1);
         c.handle(secs(at + 0.1), written)
     }
 
@@ -921,8 +920,7 @@ mod tests {
         assert_eq!(asked, vec![4], "{actions:?}");
         assert_eq!(c.eval_due, Some(4));
         c.handle(secs(1.0), Event::Snapshot { id: 0, generation: 1, step: 4, optimizer_steps: 4 });
-        let written =
-            Event::CheckpointWritten { step: 4, incarnation: c.incarnation, result: Ok(("ckpt".into(), 0.1)) };
+        let written = Event::written(4, c.incarnation, "ckpt", 0.1);
         let actions = c.handle(secs(1.1), written);
         assert!(actions.iter().any(|a| matches!(a, Action::Evaluate { step: 4, .. })), "{actions:?}");
     }
@@ -949,8 +947,7 @@ mod tests {
     fn a_signal_during_the_final_checkpoint_still_exits_0() {
         let mut c = writing_the_final_checkpoint(0);
         c.handle(secs(0.75), Event::Shutdown(StopSignal::Terminate));
-        let written =
-            Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Ok(("ckpt-2".into(), 0.1)) };
+        let written = Event::written(2, c.incarnation, "ckpt-2", 0.1);
         let actions = c.handle(secs(0.8), written);
         assert!(actions.iter().any(|a| matches!(a, Action::Export { .. })), "{actions:?}");
         let actions = c.handle(secs(0.9), Event::Exported(Ok("final".into())));
@@ -1009,8 +1006,7 @@ mod tests {
             assert!(actions.contains(&Action::Notice(Notice::CheckpointSkipped)), "step {step}: {actions:?}");
         }
         assert_eq!(c.status().checkpoint_writer.skipped, 3);
-        let written =
-            Event::CheckpointWritten { step: at, incarnation: c.incarnation, result: Ok(("ckpt".into(), 20.0)) };
+        let written = Event::written(at, c.incarnation, "ckpt", 20.0);
         let actions = c.handle(secs(21.0), written);
         assert!(actions.contains(&Action::Notice(Notice::WriterStalled(false))), "{actions:?}");
         assert!(c.ready() && !c.status().checkpoint_writer.stalled);
@@ -1021,7 +1017,8 @@ mod tests {
     #[test]
     fn a_failed_final_checkpoint_exits_1_without_exporting() {
         let mut c = writing_the_final_checkpoint(0);
-        let failed = Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Err("disk full".into()) };
+        let failed =
+            Event::CheckpointWritten(Written { step: 2, incarnation: c.incarnation, result: Err("disk full".into()) });
         let actions = c.handle(secs(0.8), failed);
         assert!(actions.contains(&Action::Exit { code: EXIT_ERROR }), "{actions:?}");
         assert!(!actions.iter().any(|a| matches!(a, Action::Export { .. })), "nothing exported: {actions:?}");
@@ -1032,8 +1029,7 @@ mod tests {
     #[test]
     fn a_complete_run_evaluates_its_final_checkpoint_before_the_end() {
         let mut c = writing_the_final_checkpoint(100);
-        let written =
-            Event::CheckpointWritten { step: 2, incarnation: c.incarnation, result: Ok(("ckpt-2".into(), 0.1)) };
+        let written = Event::written(2, c.incarnation, "ckpt-2", 0.1);
         let actions = c.handle(secs(0.8), written);
         assert!(
             actions.iter().any(|a| matches!(a, Action::Evaluate { step: 2, .. })),
