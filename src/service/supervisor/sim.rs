@@ -1308,9 +1308,14 @@ impl World {
                 }
             }
             26..=31 => {
-                let keep = choose(&mut self.rng, &running).copied();
-                for (id, g) in running.into_iter().filter(|r| Some(*r) != keep) {
-                    self.kill(id, g, FailureKind::Panic, "fault: all but one");
+                // Any subset at once (a host's shared switch or power rail): each thread at even odds, at least one.
+                let mut subset: Vec<(usize, u64)> =
+                    running.iter().copied().filter(|_| self.rng.random_bool(0.5)).collect();
+                if subset.is_empty() {
+                    subset.extend(choose(&mut self.rng, &running).copied());
+                }
+                for (id, g) in subset {
+                    self.kill(id, g, FailureKind::Panic, "fault: several at once");
                 }
             }
             32..=39 => {
@@ -1414,6 +1419,10 @@ impl World {
         self.ledger_clock = later(self.ledger_clock);
         // Nothing was committed while nobody ran: the stall check measures from when the process continues.
         self.last_progress += for_;
+        // Nor is the stop charged to the restart window (the core's clock skips it): earlier failures move with it.
+        for t in &mut self.target_failures {
+            *t += for_;
+        }
     }
 
     // ------------------------------------------------------------------ the loop
