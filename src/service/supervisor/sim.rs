@@ -2,8 +2,9 @@
 //! real [`Core`] and the real collective bookkeeping ([`Rounds`]) in a model world of drafter threads, target
 //! copies, a checkpoint writer and a disk, with a seeded random schedule of thousands of events: failures of any
 //! subset of drafters at once, failures during a rejoin, of the donor, of a founder, hangs of drafters and of target
-//! copies (found by the watchdog), slow steps flagged as hangs, poisoned devices, target failures and batches that
-//! crash the target, failed and corrupted checkpoints,
+//! copies (found by the watchdog), slow steps flagged as hangs, a lost device taking every thread on it, target
+//! failures (at times with a drafter's in the same instant) and batches that crash the target, failed and corrupted
+//! checkpoints,
 //! unreadable checkpoint folders, SIGTERM at any point followed by `--resume auto` (sometimes with another number of
 //! drafters), reloads, the whole process stopped for a while (SIGSTOP, a swapping host). Messages from one sender
 //! arrive in order; messages from different senders interleave at random, as they do between ractor's message queue
@@ -858,6 +859,20 @@ impl World {
         self.supervision(Event::DrafterFailed { id, generation, failure, running, injected });
     }
 
+    /// Target copy `target` fails now (unless it is gone already), as `kind`.
+    fn fail_target(&mut self, target: usize, kind: FailureKind, message: &str) {
+        let t = &mut self.targets[target];
+        if t.stage == TargetStage::Gone {
+            return;
+        }
+        t.stage = TargetStage::Gone;
+        let generation = t.generation;
+        self.target_failures.push(self.now);
+        self.note(format!("fault: target {target}.{generation} fails ({kind:?})"));
+        let failure = Failure { kind, message: message.to_string() };
+        self.supervision(Event::TargetFailed { target, generation, failure });
+    }
+
     fn built(&mut self, id: usize, generation: u64) -> Check {
         let Some(t) = self.threads.get(&(id, generation)) else { return Ok(()) };
         if t.stage != Stage::Building {
@@ -1328,19 +1343,26 @@ impl World {
             }
             44..=45 => self.armed.target_hang = true,
             46 => {
-                if let Some(&(id, g)) = choose(&mut self.rng, &running) {
-                    self.kill(id, g, FailureKind::Poisoned, "fault: an illegal memory access was encountered");
+                // A device lost, and every thread on it (two drafters a device, target copy d on device d: `setup`).
+                if let Some(&(id, _)) = choose(&mut self.rng, &running) {
+                    let device = id / 2;
+                    let message = "fault: an illegal memory access was encountered";
+                    for &(other, g) in running.iter().filter(|(other, _)| other / 2 == device) {
+                        self.kill(other, g, FailureKind::Poisoned, message);
+                    }
+                    if device < self.targets.len() {
+                        self.fail_target(device, FailureKind::Poisoned, message);
+                    }
                 }
             }
             47..=53 => {
                 let target = self.rng.random_range(0..self.targets.len());
-                let t = &mut self.targets[target];
-                if t.stage != TargetStage::Gone {
-                    t.stage = TargetStage::Gone;
-                    let generation = t.generation;
-                    self.target_failures.push(self.now);
-                    let failure = Failure { kind: FailureKind::Torch, message: "fault: target error".into() };
-                    self.supervision(Event::TargetFailed { target, generation, failure });
+                self.fail_target(target, FailureKind::Torch, "fault: target error");
+                // At times a drafter fails in the same instant (a host under memory pressure).
+                if self.rng.random_bool(0.3)
+                    && let Some(&(id, g)) = choose(&mut self.rng, &running)
+                {
+                    self.kill(id, g, FailureKind::Panic, "fault: beside the target");
                 }
             }
             54..=58 => {
@@ -1569,7 +1591,7 @@ impl World {
 fn setup(p: &Params, config: Config, resume: Option<(PathBuf, TrainerState)>, rejected: Vec<u64>) -> Setup {
     Setup {
         config,
-        // Two drafters a device: hangs count per device.
+        // Two drafters a device: hangs count per device (and a lost device takes both: `World::fault`).
         drafter_devices: (0..p.drafters).map(|i| format!("cuda:{}", i / 2)).collect(),
         target_devices: (0..p.targets).map(|i| format!("cuda:{i}")).collect(),
         feeds: (0..p.drafters).map(|i| i % p.targets).collect(),
