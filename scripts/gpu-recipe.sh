@@ -11,7 +11,8 @@
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
 #   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
 #                        default 768/256), packed and not (only `part`)
-#   dflash2              DFlash 2's drafter step beside DFlash's at the released drafters' shapes (only `part`)
+#   dflash2              DFlash 2's drafter step and batch-1 drafting pass beside DFlash's at the released drafters'
+#                        shapes (only `part`)
 #   test                 the library's GPU tests of packed rows and graphed drafting (.gpu-bin/test-lib.xz)
 #   lengths chat|data..  serve-train at the qwen3-8b shapes on chat lengths, or (after `data`) this data's lengths:
 #                        length-bucketed batches against packed rows (scripts/gpu-service.sh's stage 12)
@@ -156,6 +157,14 @@ dflash2)
       "$d" bench --what drafter --preset qwen3-8b --device cuda:0 --json --block-size 8 $shape --steps 6 --profile \
         $swa --set draft_model.variant=$v 2>>"$out/bench.stderr" | tee -a "$out/bench.jsonl"
     done
+  done
+  # Batch-1 decoding at the same shapes: the drafting pass of each (DFlash 2's convolutions and selector walk)
+  # beside the 8B target's verification, eager and from CUDA graphs.
+  for v in dflash dflash2; do
+    echo "{\"decode\": \"qwen3-8b, block 8, context 1024\", \"variant\": \"$v\"}" >>"$out/bench.jsonl"
+    # shellcheck disable=SC2086
+    "$d" bench --what decode --preset qwen3-8b --device cuda:0 --json --block-size 8 --seq 1024 --steps 64 \
+      $swa --set draft_model.variant=$v 2>>"$out/bench.stderr" | tee -a "$out/bench.jsonl"
   done
   ;;
 test)

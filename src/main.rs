@@ -142,7 +142,8 @@ enum Command {
         drafter on them, on one device with no actors: what serve-train's step time is compared with.\n\n\
         --what decode: batch-1 speculative decoding with the preset's target (whole stack) and drafter: the \
         target's verify pass over a block after a --seq-token prompt, the drafter's pass (drafted tokens/s = \
-        (block size - 1) per pass), and whole generations of --steps tokens, speculative against greedy.\n\n\
+        (block size - 1) per pass), and whole generations of --steps tokens, speculative against greedy \
+        (`--set draft_model.variant=dflash2`: DFlash 2's pass, its convolutions and the selector's walk).\n\n\
         --what launch: tiny kernels launched from 1, 2, 4, 8 threads of this process at once (--threads): whether \
         the launch rate scales with drafter threads.\n\n\
         Examples (the H200 comparisons in BENCHMARKS.md):\n  \

@@ -19,7 +19,7 @@ use crate::data::prompts::Prompt;
 use crate::device::{self, device_name, kind_name};
 use crate::ffi::graph::CudaGraph;
 use crate::model::speculative::{DFlashProposer, Proposer};
-use crate::model::{Decoder, Depth, Drafter, DrafterConfig, Init, Preset};
+use crate::model::{Decoder, Depth, Drafter, Init, LayerAttention, Preset, Variant};
 use crate::profile::Recorder;
 use crate::train::decode_eval::{DecodeSettings, Divergence, evaluate_decoding};
 
@@ -33,6 +33,10 @@ pub struct DecodeBenchOptions {
     pub warmup: usize,
     /// Also time the phases of one verify and one draft pass with device events.
     pub profile: bool,
+    /// `draft_model.variant`: DFlash 2's drafting pass adds its convolutions and the selector's walk.
+    pub variant: Variant,
+    /// Each drafter layer's window and causality (`draft_model.layer_types`, ...).
+    pub layer_attention: Vec<LayerAttention>,
 }
 
 #[derive(Debug, Serialize)]
@@ -43,6 +47,8 @@ pub struct DecodeBenchReport {
     pub dtype: &'static str,
     pub seq: i64,
     pub block_size: usize,
+    /// The drafter's published architecture (`DFlashDraftModel` or `DFlash2DraftModel`).
+    pub variant: &'static str,
     /// One-token target step (greedy decoding's unit), same context.
     pub step_ms_p50: f64,
     pub verify_ms_p50: f64,
@@ -99,7 +105,8 @@ pub fn bench_decode(
         Init::Portable(_) => Init::Portable(0),
         Init::Device(_) => Init::Device(0),
     };
-    let drafter = Drafter::new(DrafterConfig::for_preset(preset, opts.block_size), device, kind, init)?;
+    let cfg = super::preset_drafter(preset, opts.block_size, &opts.layer_attention, opts.variant)?;
+    let drafter = Drafter::new(cfg, device, kind, init)?;
     let vocab = target.config().vocab_size as i64;
     let prompt: Vec<i64> = (0..opts.seq).map(|i| (i * 7919 + 13) % (vocab - 2)).collect();
     let bs = opts.block_size as i64;
@@ -193,6 +200,7 @@ pub fn bench_decode(
         dtype: kind_name(kind),
         seq: opts.seq,
         block_size: opts.block_size,
+        variant: opts.variant.architecture(),
         step_ms_p50: step_times.percentile(50.0),
         verify_ms_p50: verify_ms,
         verify_steps_per_s: 1e3 / verify_ms,
@@ -279,12 +287,24 @@ mod tests {
 
     #[test]
     fn measures_both_passes_and_a_lossless_generation_on_the_tiny_preset() {
-        let opts = DecodeBenchOptions { seq: 20, block_size: 4, steps: 6, warmup: 1, profile: true };
-        let r = bench_decode(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
-        assert!(r.verify_steps_per_s > 0.0 && r.drafted_tokens_per_s > 0.0);
-        assert!(r.verify_phases_ms.unwrap().contains_key("target.attention"));
-        assert!(r.draft_phases_ms.unwrap().contains_key("drafter.attention"));
-        assert!(r.lossless, "f32 decoding is exact");
-        assert!(r.decode_acceptance_length >= 1.0);
+        let dflash2 = Variant::DFlash2(crate::model::Dflash2Shape { selector_rank: 8, ..Default::default() });
+        for variant in [Variant::DFlash, dflash2] {
+            let opts = DecodeBenchOptions {
+                seq: 20,
+                block_size: 4,
+                steps: 6,
+                warmup: 1,
+                profile: true,
+                variant,
+                layer_attention: vec![],
+            };
+            let r = bench_decode(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
+            assert_eq!(r.variant, variant.architecture());
+            assert!(r.verify_steps_per_s > 0.0 && r.drafted_tokens_per_s > 0.0);
+            assert!(r.verify_phases_ms.unwrap().contains_key("target.attention"));
+            assert!(r.draft_phases_ms.unwrap().contains_key("drafter.attention"));
+            assert!(r.lossless, "f32 decoding is exact ({})", r.variant);
+            assert!(r.decode_acceptance_length >= 1.0);
+        }
     }
 }

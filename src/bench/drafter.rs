@@ -16,7 +16,7 @@ use super::{BenchError, StepTimes, check_counts};
 use crate::device::{self, device_name, kind_name};
 use crate::ffi::accel::{AdamwStep, MuonStep};
 use crate::model::drafter_config::default_gamma;
-use crate::model::{Depth, Drafter, DrafterConfig, Init, LayerAttention, ModelError, Preset, Variant};
+use crate::model::{Depth, Drafter, Init, LayerAttention, ModelError, Preset, Variant};
 use crate::profile::Recorder;
 use crate::train::objective::ObjectiveSettings;
 use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
@@ -121,15 +121,7 @@ pub fn bench_drafter(
     // The rows the step trains: `batch / pack` of `pack * seq` tokens.
     let (rows_n, row_len) = (opts.batch / opts.pack, opts.seq * opts.pack);
     let conversations = (opts.pack > 1).then(|| vec![vec![opts.seq as usize; opts.pack as usize]; rows_n as usize]);
-    let mut cfg = DrafterConfig::for_preset(preset, opts.block_size);
-    if opts.layer_attention.iter().any(|l| l.restricts()) {
-        cfg = cfg
-            .with_layer_attention(opts.layer_attention.clone())
-            .map_err(|e| BenchError::Settings(format!("[draft_model] layer_types for the preset's drafter: {e}")))?;
-    }
-    let cfg = cfg
-        .with_variant(opts.variant)
-        .map_err(|e| BenchError::Settings(format!("[draft_model] variant for the preset's drafter: {e}")))?;
+    let cfg = super::preset_drafter(preset, opts.block_size, &opts.layer_attention, opts.variant)?;
     let spec = preset.spec();
     if opts.seq as usize > cfg.decoder.max_position_embeddings {
         return Err(BenchError::Settings(format!(
@@ -326,6 +318,7 @@ impl DrafterBenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::DrafterConfig;
 
     #[test]
     fn flops_match_the_peer_at_qwen3_8b_shapes() {

@@ -39,6 +39,24 @@ impl From<tch::TchError> for BenchError {
     }
 }
 
+/// The preset's drafter at `block_size`, with the configuration's layer attention (when any layer restricts it) and
+/// variant.
+fn preset_drafter(
+    preset: crate::model::Preset,
+    block_size: usize,
+    layer_attention: &[crate::model::LayerAttention],
+    variant: crate::model::Variant,
+) -> Result<crate::model::DrafterConfig, BenchError> {
+    let mut cfg = crate::model::DrafterConfig::for_preset(preset, block_size);
+    if layer_attention.iter().any(|l| l.restricts()) {
+        cfg = cfg
+            .with_layer_attention(layer_attention.to_vec())
+            .map_err(|e| BenchError::Settings(format!("[draft_model] layer_types for the preset's drafter: {e}")))?;
+    }
+    cfg.with_variant(variant)
+        .map_err(|e| BenchError::Settings(format!("[draft_model] variant for the preset's drafter: {e}")))
+}
+
 fn check_counts(batch: i64, seq: i64, steps: usize) -> Result<(), BenchError> {
     if batch < 1 || seq < 1 || steps < 1 {
         return Err(BenchError::Settings(format!(

@@ -209,6 +209,8 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 steps: args.steps,
                 warmup: args.warmup,
                 profile: args.profile,
+                variant: config.draft_model.variant,
+                layer_attention: config.draft_model.layer_attention.clone(),
             };
             let report = catch_torch(|| -> Result<_> {
                 tracing::info!(%preset, device = %device_name(device), "building the target and the drafter");
