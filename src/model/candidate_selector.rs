@@ -60,23 +60,28 @@ pub fn candidate_scores(
     candidates: &Tensor,
     w: &SelectorWeights,
 ) -> Result<Tensor, ModelError> {
-    let transitions = transition_scores(hidden, predecessors, candidates, w)?;
+    let transitions = transition_scores(hidden, &predecessors.f_unsqueeze(1)?, candidates, w)?.f_squeeze_dim(1)?;
     Ok(unary.f_gather(-1, candidates, false)? + transitions.f_to_kind(unary.kind())?)
 }
 
-/// The low-rank term of [`candidate_scores`] alone: `<A[p] * (W_h h), B[c]>`, `[N, K]` in the codebooks' dtype.
+/// The low-rank term of [`candidate_scores`] alone, `<A[p] * (W_h h), B[c]>`, for each slot's candidates
+/// `candidates [N, K]` after each of its predecessors `predecessors [N, P]` (one in training; every candidate of the
+/// slot before in [`greedy_path`]): `[N, P, K]` in the codebooks' dtype.
 pub fn transition_scores(
     hidden: &Tensor,
     predecessors: &Tensor,
     candidates: &Tensor,
     w: &SelectorWeights,
 ) -> Result<Tensor, ModelError> {
-    let predecessor = w.predecessor_codebook.f_index_select(0, predecessors)?;
+    let n = candidates.size()[0];
+    let rows = |codebook: &Tensor, ids: &Tensor| -> Result<Tensor, ModelError> {
+        Ok(codebook.f_index_select(0, &ids.f_reshape([-1])?)?.f_view([n, ids.size()[1], -1])?)
+    };
+    let predecessor = rows(w.predecessor_codebook, predecessors)?;
     let projected = hidden.f_linear(w.hidden_projection, None::<Tensor>)?.f_to_kind(predecessor.kind())?;
-    let context = predecessor * projected;
-    let (n, k) = (candidates.size()[0], candidates.size()[1]);
-    let successors = w.successor_codebook.f_index_select(0, &candidates.f_reshape([-1])?)?.f_view([n, k, -1])?;
-    Ok(successors.f_matmul(&context.f_unsqueeze(-1)?)?.f_squeeze_dim(-1)?)
+    let context = predecessor * projected.f_unsqueeze(1)?;
+    let transposed = rows(w.successor_codebook, candidates)?.f_matmul(&context.f_transpose(1, 2)?)?;
+    Ok(transposed.f_transpose(1, 2)?)
 }
 
 /// The drafted tokens of one block at temperature 0, as vLLM walks them (`spec_decode/dflash2/speculator.py`): at each
@@ -120,13 +125,7 @@ fn edge_scores(
     let (slots, k) = (candidates.size()[0], candidates.size()[1]);
     let first = anchor.f_view([1, 1])?.f_expand([1, k], false)?;
     let predecessors = Tensor::f_cat(&[first, candidates.f_narrow(0, 0, slots - 1)?], 0)?;
-    let rows = |codebook: &Tensor, ids: &Tensor| -> Result<Tensor, ModelError> {
-        Ok(codebook.f_index_select(0, &ids.f_reshape([-1])?)?.f_view([slots, k, -1])?)
-    };
-    let predecessor = rows(w.predecessor_codebook, &predecessors)?;
-    let projected = hidden.f_linear(w.hidden_projection, None::<Tensor>)?.f_to_kind(predecessor.kind())?;
-    let context = predecessor * projected.f_unsqueeze(1)?;
-    let transitions = context.f_matmul(&rows(w.successor_codebook, candidates)?.f_transpose(1, 2)?)?;
+    let transitions = transition_scores(hidden, &predecessors, candidates, w)?;
     let unary = unary.f_gather(-1, candidates, false)?.f_to_kind(Kind::Float)?;
     Ok(unary.f_unsqueeze(1)? + transitions.f_to_kind(Kind::Float)?)
 }

@@ -573,7 +573,8 @@ fn selector_chunk(
     let predecessors = selector.predecessors.f_index_select(0, idx)?;
     let chunk = || {
         let weights = selector.drafter.selector_weights()?;
-        let transitions = transition_scores(&hidden, &predecessors, &candidates, &weights.borrowed())?;
+        let transitions = transition_scores(&hidden, &predecessors.f_unsqueeze(1)?, &candidates, &weights.borrowed())?
+            .f_squeeze_dim(1)?;
         let scores = &unary + transitions.f_to_kind(Kind::Float)?;
         let ce = scores.f_cross_entropy_loss::<Tensor>(&place, None, tch::Reduction::None, -100, 0.0)?;
         let slot_weights = match plan.dpace_alpha {
