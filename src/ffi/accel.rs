@@ -9,7 +9,7 @@ use torch_sys::C_tensor;
 
 use super::{DeviceFailure, call, call_for_tensor, raw};
 
-/// [`call`] on `device`: a failure is a [`DeviceFailure::Runtime`] there.
+/// [`call`] on `device`: a failure is a [`DeviceFailure`] there.
 pub(crate) fn on_device(device: Device, f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), DeviceFailure> {
     call(f).map_err(|failed| DeviceFailure { device, message: failed.message })
 }
