@@ -1,13 +1,15 @@
 //! The supervisor: a ractor actor around the pure [`Core`]. It turns what happens (thread reports, supervision
-//! events, timers, control requests, signals) into [`Event`]s, and carries out the [`Action`]s the core answers
-//! with: starting and abandoning compute threads, routing capture requests, rewinding the collective, writing
-//! checkpoints, the ledger, evaluation, export, metrics, and the exit. Every decision is the core's; this module
-//! only owns the handles (actors, channels, tensors, files) the core must not see.
+//! events, timers, control requests, signals) into [`Event`]s for the [`Driver`], and its [`Shell`] is the
+//! process's [`Effects`]: starting and abandoning compute threads, routing capture requests, rewinding the
+//! collective, writing checkpoints, the ledger, evaluation, export, metrics, and the exit. Every decision is the
+//! core's, and the driver between them is the one the simulator drives; this module only owns the handles (actors,
+//! channels, tensors, files) the core must not see.
 pub mod core;
 pub mod protocol;
 
 mod checkpoints;
 mod drafters;
+mod driver;
 mod hosts;
 mod restarts;
 pub mod run_progress;
@@ -20,7 +22,6 @@ pub mod watchdog;
 #[cfg(test)]
 mod sim;
 
-use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel, sync_channel};
@@ -31,7 +32,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
-use self::protocol::{Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Watched};
+use self::driver::{Driver, Effects};
+use self::protocol::{Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter};
+use self::protocol::{Start, Watched, WriteJob};
 use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
 use super::compute_thread::{ComputeActor, ThreadFailure, ThreadMsg};
@@ -51,9 +54,7 @@ use crate::device::{self, device_name};
 use crate::model::{Drafter, DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
-use crate::train::checkpoint::{
-    Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, Written, newest_valid, survivor_root,
-};
+use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid, survivor_root};
 use crate::train::collective::{Collective, GradientSum};
 use crate::train::decode_eval::DecodeSettings;
 use crate::train::link::{HostLink, HostMember};
@@ -111,8 +112,10 @@ struct DrafterHandle {
 struct TargetHandle {
     device: Device,
     kind: Kind,
-    /// Its current thread's generation, actor and request channel.
-    thread: Option<(u64, ActorRef<ThreadMsg>, Sender<protocol::Request>)>,
+    /// Its current thread's generation and request channel.
+    thread: Option<(u64, Sender<Request>)>,
+    /// That thread's actor, once started.
+    actor: Option<(u64, ActorRef<ThreadMsg>)>,
     /// Threads of this generation or older are abandoned: they deliver nothing more.
     abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
@@ -120,9 +123,14 @@ struct TargetHandle {
     fault: Arc<PartFault>,
 }
 
-/// The actor's state.
+/// The actor's state: the core behind its driver, and the process's effects.
+pub struct State {
+    driver: Driver<Snapshot>,
+    shell: Shell,
+}
+
+/// What the process owns to carry out the core's actions: the handles of threads and actors, the writers, metrics.
 pub struct Shell {
-    core: Core,
     a: SupervisorArgs,
     myself: ActorRef<SupervisorMsg>,
     started: Instant,
@@ -134,16 +142,12 @@ pub struct Shell {
     targets: Vec<TargetHandle>,
     /// The compute actors spawned and not yet ended: what a supervision event's actor is.
     spawned: Registry,
-    /// Snapshots received and not yet written, by `(drafter, generation, step)`.
-    snapshots: HashMap<(usize, u64, u64), Snapshot>,
     ledger: Option<LedgerWriter>,
     run_metrics: RunMetrics,
     memory: Vec<(Device, DeviceMemory)>,
     /// A reading of the memory statistics is under way.
     reading_memory: Arc<AtomicBool>,
     last_telemetry: Instant,
-    /// Gaps in the ticks: time this process did not run.
-    gaps: TickGaps,
     evaluator: Option<Evaluator>,
     samples_per_epoch: u64,
     /// Several hosts, rank 0: the member hosts last told to the core.
@@ -153,7 +157,7 @@ pub struct Shell {
 }
 
 impl Shell {
-    fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> Self {
+    fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> (Core, Self) {
         let lengths = a.dataset.lengths();
         let sample_ids = (0..a.dataset.len()).map(|p| a.dataset.id(p)).collect();
         let (step, samples) = a.resume.as_ref().map_or((0, 0), |(_, s)| (s.step, s.samples_committed));
@@ -222,6 +226,7 @@ impl Shell {
                 device,
                 kind,
                 thread: None,
+                actor: None,
                 abandoned: Arc::new(AtomicU64::new(0)),
                 fault: Arc::new(PartFault::default()),
                 metrics: TargetMetrics::new(identity),
@@ -249,8 +254,7 @@ impl Shell {
                 .map_err(|e| tracing::error!(path = %path.display(), "cannot start the data.ledger writer: {e}"))
                 .ok()
         });
-        Shell {
-            core,
+        let shell = Shell {
             myself,
             started: Instant::now(),
             routes: Arc::new(Routes::default()),
@@ -260,261 +264,18 @@ impl Shell {
             drafters,
             targets,
             spawned: Registry::default(),
-            snapshots: HashMap::new(),
             ledger,
             run_metrics: RunMetrics::new(step, samples),
             memory,
             reading_memory: Arc::new(AtomicBool::new(false)),
             last_telemetry: Instant::now(),
-            gaps: TickGaps::default(),
             evaluator: None,
             samples_per_epoch,
             hosts_told: Vec::new(),
             _feed_reader: feed_reader,
             a,
-        }
-    }
-
-    fn now(&self) -> Duration {
-        self.started.elapsed()
-    }
-
-    /// Rank 0: tells the core when the run's member hosts changed.
-    async fn tell_hosts(&mut self) {
-        let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) else { return };
-        let members = link.members();
-        if members != self.hosts_told {
-            self.hosts_told = members.clone();
-            self.feed(Event::Hosts(members)).await;
-        }
-    }
-
-    /// Hands `event` to the core and carries out what it answers, and what those answers lead to, in order.
-    async fn feed(&mut self, event: Event) {
-        let actions = self.core.handle(self.now(), event);
-        self.perform(actions).await;
-    }
-
-    async fn perform(&mut self, actions: Vec<Action>) {
-        let mut queue: VecDeque<Action> = actions.into();
-        while let Some(action) = queue.pop_front() {
-            if let Some(event) = self.carry_out(action).await {
-                let more = self.core.handle(self.now(), event);
-                queue.extend(more);
-            }
-        }
-        self.publish_states();
-    }
-
-    /// Carries out one action; some answer with an event at once.
-    async fn carry_out(&mut self, action: Action) -> Option<Event> {
-        match action {
-            Action::AbandonTarget { target, generation } => {
-                let t = &mut self.targets[target];
-                t.abandoned.fetch_max(generation, Ordering::SeqCst);
-                if t.thread.as_ref().is_some_and(|(g, ..)| *g == generation)
-                    && let Some((_, actor, _)) = t.thread.take()
-                {
-                    actor.stop(None);
-                }
-            }
-            Action::StartTarget { target, generation } => {
-                if let Err(e) = self.start_target(target, generation).await {
-                    let failure = Failure::panic(format!("could not start the target actor: {e}"));
-                    return Some(Event::TargetFailed { target, generation, failure });
-                }
-            }
-            Action::TargetRequest { target, generation, request } => {
-                let Some((g, _, tx)) = &self.targets[target].thread else { return None };
-                if *g == generation {
-                    let _ = tx.send(request);
-                }
-            }
-            Action::SpawnDrafter { id, generation, start } => self.spawn_drafter(id, generation, start),
-            Action::Abandon { id, generation } => {
-                let h = &mut self.drafters[id];
-                h.shared.abandoned.fetch_max(generation, Ordering::SeqCst);
-                if let Some((g, actor)) = h.actor.take() {
-                    if g == generation {
-                        actor.stop(None);
-                    } else {
-                        h.actor = Some((g, actor));
-                    }
-                }
-                self.routes.remove(id, generation);
-                let removal = self.collective.remove(id, generation);
-                return Some(Event::MemberRemoved { remaining: removal.remaining });
-            }
-            Action::Tell { id, generation, order } => {
-                if !self.routes.try_send(id, generation, Work::Order(order)) {
-                    tracing::debug!(drafter = id, ?order, "an order for a drafter thread that is gone or busy");
-                }
-            }
-            Action::RewindCollective { step, samples_committed } => {
-                match self.collective.rewind(step, samples_committed) {
-                    Ok(incarnation) => self.checkpointer.fence(incarnation),
-                    Err(e) => tracing::error!("rewinding the collective: {e} (a supervisor bug)"),
-                }
-            }
-            Action::FindCheckpoint(filter) => {
-                let dir = self.a.config.checkpoint.dir.clone();
-                let me = self.myself.clone();
-                tokio::task::spawn_blocking(move || {
-                    let scan = newest_valid(&dir, &|step| filter.allows(step)).map_err(|e| e.to_string());
-                    for (_, why) in scan.iter().flat_map(|scan| &scan.rejected) {
-                        tracing::warn!("checkpoint rejected: {why}");
-                    }
-                    let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointFound(scan)));
-                });
-            }
-            Action::WriteCheckpoint(job) => match self.snapshots.remove(&(job.donor.0, job.donor.1, job.step)) {
-                Some(snapshot) => self.checkpointer.write(snapshot, job.state, job.invalid, job.incarnation),
-                None => {
-                    let result = Err("its snapshot is missing (a supervisor bug)".to_string());
-                    return Some(Event::CheckpointWritten(Written {
-                        step: job.step,
-                        incarnation: job.incarnation,
-                        result,
-                    }));
-                }
-            },
-            Action::RetireCheckpoints { from, to } => self.checkpointer.retire(from, to),
-            Action::DropSnapshots { which } => match which {
-                Some(key) => {
-                    self.snapshots.remove(&key);
-                }
-                None => self.snapshots.clear(),
-            },
-            Action::Evaluate { step, path } => self.evaluate(step, path),
-            Action::Ledger(entry) => self.write_ledger(entry),
-            Action::Export { from } => {
-                let out = self.a.config.checkpoint.dir.join("final");
-                let me = self.myself.clone();
-                tokio::task::spawn_blocking(move || {
-                    // Written aside and put in place whole: a failed export leaves no partial or older `final/`.
-                    let staged = out.with_file_name(".final.tmp");
-                    let _ = std::fs::remove_dir_all(&staged);
-                    let exported = crate::panic::catch_torch(|| {
-                        Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
-                            .and_then(|d| d.save(&staged, Kind::BFloat16))
-                    });
-                    let placed = || -> Result<PathBuf, String> {
-                        match std::fs::remove_dir_all(&out) {
-                            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                                return Err(format!("removing the old {}: {e}", out.display()));
-                            }
-                            _ => {}
-                        }
-                        std::fs::rename(&staged, &out).map_err(|e| format!("moving the export into place: {e}"))?;
-                        Ok(out)
-                    };
-                    let result = match exported {
-                        Ok(Ok(())) => placed(),
-                        Ok(Err(e)) => Err(e.to_string()),
-                        Err(e) => Err(e.to_string()),
-                    };
-                    let _ = me.send_message(SupervisorMsg::Core(Event::Exported(result)));
-                });
-            }
-            Action::Notice(notice) => self.notice(notice),
-            Action::Feed { rank, generation, step, items, position } => {
-                if let Some(link) = &self.a.link {
-                    hosts::post_feed(link, rank, generation, step, &Feed { items, position: Some(position) });
-                }
-            }
-            Action::Exit { code } => {
-                // The writers' queued work gets what is left of the ending's deadline, not more.
-                let wait = self.core.time_left_to_exit(Checkpointer::DROP_WAIT);
-                self.checkpointer.finish(wait);
-                if let Some(ledger) = &mut self.ledger {
-                    ledger.finish(wait);
-                }
-                if let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) {
-                    // The others end with the run; waits a little for them to have seen it.
-                    let others = link.members().iter().filter(|m| m.rank != 0).count();
-                    if let Err(e) = link.finish(code, others, Duration::from_secs(10)) {
-                        tracing::warn!("cannot tell the other hosts the run ended: {e}");
-                    }
-                }
-                *self.a.exit_code.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
-                self.myself.stop(Some(format!("exit {code}")));
-            }
-        }
-        None
-    }
-
-    async fn start_target(&mut self, id: usize, generation: u64) -> Result<(), ActorProcessingErr> {
-        let (tx, rx) = channel();
-        let t = &self.targets[id];
-        let spawn = TargetSpawn {
-            id,
-            generation,
-            source: self.a.target_source.clone(),
-            taps: self.a.taps.clone(),
-            device: t.device,
-            spread_to: self.a.spread_to.clone(),
-            micro_batches: self.a.config.target.micro_batches,
-            kind: t.kind,
-            last_states: self.a.objective.teacher.needs_target_predictions(),
-            pack: self.a.config.data.pack,
-            dataset: self.a.dataset.clone(),
-            routes: self.routes.clone(),
-            supervisor: self.myself.clone(),
-            requests: rx,
-            abandoned: t.abandoned.clone(),
-            metrics: t.metrics.clone(),
-            fault: t.fault.clone(),
         };
-        let name = self.spawned.name(Spawned::Target { id, generation });
-        let (actor, _) =
-            Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), self.myself.get_cell()).await?;
-        self.targets[id].thread = Some((generation, actor, tx));
-        Ok(())
-    }
-
-    fn spawn_drafter(&mut self, id: usize, generation: u64, start: protocol::Start) {
-        let Some(heads) = self.heads.clone() else {
-            tracing::error!(drafter = id, "a drafter was started before the target was ready (a supervisor bug)");
-            return;
-        };
-        let c = &self.a.config;
-        let h = &mut self.drafters[id];
-        *h.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::default();
-        let (tx, rx) = sync_channel(8 + c.supervision.prefetch_steps * c.optim.accumulation * 2);
-        h.metrics.feature_queue.set(0.0);
-        let route =
-            Route { generation, sender: tx, device: h.device, kind: h.kind, queued: h.metrics.feature_queue.clone() };
-        self.routes.set(id, route);
-        let spawn = DrafterSpawn {
-            id,
-            generation,
-            device: h.device,
-            kind: h.kind,
-            config: self.a.drafter_config.clone(),
-            objective: self.a.objective.clone(),
-            optimizer: c.optim.optimizer,
-            seed: c.objective.seed,
-            init: c.draft_model.init.clone(),
-            accumulation: c.optim.accumulation,
-            check_every: c.supervision.check_replicas_every,
-            start,
-            heads,
-            collective: self.collective.clone(),
-            supervisor: self.myself.clone(),
-            input: rx,
-            shared: h.shared.clone(),
-            metrics: h.metrics.clone(),
-            peak_tflops: c.drafters.peak_tflops,
-            collective_timeout: c.drafters.collective_timeout,
-        };
-        // The actor's handle arrives with its ActorStarted supervision event.
-        let name = self.spawned.name(Spawned::Drafter { id, generation });
-        let cell = self.myself.get_cell();
-        tokio::spawn(async move {
-            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
-                tracing::error!(drafter = id, "could not start the drafter actor: {e}");
-            }
-        });
+        (core, shell)
     }
 
     /// A drafter's thread failed: what it was computing and whether the fault was injected, for the core.
@@ -529,9 +290,9 @@ impl Shell {
     }
 
     /// What every running drafter thread is doing and for how long, for the core's watchdog.
-    fn watched(&self) -> Vec<Watched> {
+    fn watched(&self, core: &Core) -> Vec<Watched> {
         let mut watched = Vec::new();
-        for (id, generation) in self.core.running_threads() {
+        for (id, generation) in core.running_threads() {
             let shared = &self.drafters[id].shared;
             let phase = shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
             if phase.generation != generation {
@@ -570,90 +331,25 @@ impl Shell {
         }
     }
 
-    fn publish_states(&self) {
+    fn publish_states(&self, core: &Core) {
         for id in 0..self.drafters.len() {
-            if let Some(state) = self.core.drafter_state(id) {
+            if let Some(state) = core.drafter_state(id) {
                 DrafterMetrics::set_state(id, state.name());
             }
         }
-        self.run_metrics.drafters_live.set(self.core.live_count() as f64);
-    }
-
-    fn notice(&self, notice: Notice) {
-        let m = &self.run_metrics;
-        match notice {
-            Notice::Committed { step, samples, tokens, loss, estimate } => {
-                m.run_progress.set(estimate.fraction);
-                if let Some(total) = estimate.total_steps {
-                    m.run_total_steps.set(total as f64);
-                }
-                if let Some(left) = estimate.eta_seconds {
-                    m.run_time_left.set(left);
-                }
-                m.committed_samples.increment(samples);
-                m.committed_tokens.increment(tokens);
-                m.committed_steps.increment(1);
-                m.step.set(step as f64);
-                m.last_step_timestamp.set(crate::telemetry::unix_now());
-                if let Some([loss, accuracy, acceptance]) = loss {
-                    m.loss.set(loss);
-                    m.accuracy.set(accuracy);
-                    m.train_acceptance_length.set(acceptance);
-                }
-            }
-            Notice::Skipped => m.skipped_steps.increment(1),
-            Notice::Requeued { samples } => m.samples_requeued.increment(samples),
-            Notice::Restarted { id } => DrafterMetrics::restarted(id),
-            Notice::ReplicasDiverged => m.replica_divergences.increment(1),
-            Notice::CheckpointOutcome(written) => m.checkpoint(written),
-            Notice::LedgerWrite { ok } => m.ledger_write(ok),
-            Notice::WriterStalled(stalled) => m.checkpoint_writer_stalled.set(if stalled { 1.0 } else { 0.0 }),
-            Notice::CheckpointSkipped => m.checkpoints_skipped.increment(1),
-        }
-    }
-
-    fn write_ledger(&mut self, entry: LedgerEntry) {
-        let Some(w) = self.ledger.as_ref() else { return };
-        let line = match entry {
-            LedgerEntry::Commit { step, batch } => {
-                let ids: Vec<SampleId> = batch.samples.iter().map(|&p| self.a.dataset.id(p)).collect();
-                serde_json::json!({"step": step, "epoch": batch.id.epoch, "batch": batch.id.ordinal, "ids": ids})
-            }
-            // Entries of this step and later were undone with the model.
-            LedgerEntry::Rewind { step } => serde_json::json!({"rewind_to_step": step}),
-        };
-        w.append(line.to_string());
+        self.run_metrics.drafters_live.set(core.live_count() as f64);
     }
 
     // ------------------------------------------------------------------ evaluation
 
-    fn evaluate(&mut self, step: u64, path: PathBuf) {
-        if self.evaluator.is_none() {
-            match self.start_evaluator() {
-                Ok(e) => self.evaluator = Some(e),
-                Err(e) => {
-                    let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(format!("unavailable: {e:#}"))));
-                    return;
-                }
-            }
-        }
-        if let Some(e) = &self.evaluator
-            && !e.submit(step, path)
-        {
-            // The core waits for every evaluation it asks for to answer.
-            let busy = "skipped: the previous one is still decoding (a supervisor bug)".to_string();
-            let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(busy)));
-        }
-    }
-
-    fn start_evaluator(&mut self) -> anyhow::Result<Evaluator> {
+    fn start_evaluator(&mut self, config: &Config) -> anyhow::Result<Evaluator> {
         let set = match self.a.eval_set.take() {
             Some(set) => set,
-            None => eval_set(self.core.config(), self.a.vocab_size)?,
+            None => eval_set(config, self.a.vocab_size)?,
         };
         let (device, kind) = self.a.target_device;
         // Held-out rows are scored as training scores its batches now (anchors and gamma are reloadable).
-        let current = &self.core.config().objective;
+        let current = &config.objective;
         let block_size = self.a.drafter_config.block_size;
         let objective = ObjectiveSettings {
             num_anchors: current.num_anchors,
@@ -700,11 +396,11 @@ impl Shell {
 
     /// Rereads the configuration on a blocking thread (files, prompts: nothing blocks the runtime); the answer
     /// comes back as [`SupervisorMsg::Reread`].
-    fn reread(&self, reply: Option<ReloadReply>) {
+    fn reread(&self, current: &Config, reply: Option<ReloadReply>) {
         // Turning evaluation on reads its prompts now (kept for the evaluator), so a missing split refuses the reload.
         let needs_prompts = self.evaluator.is_none() && self.a.eval_set.is_none();
         let vocab = self.a.vocab_size;
-        let current = self.core.config().clone();
+        let current = current.clone();
         let layers = self.a.layers.clone();
         let block_size = self.a.drafter_config.block_size;
         let me = self.myself.clone();
@@ -720,60 +416,6 @@ impl Shell {
             let reread = reread.map(|accepted| accepted.map(|accepted| Reread { accepted, eval_set: prompts }));
             let _ = me.send_message(SupervisorMsg::Reread { reread: Box::new(reread), reply });
         });
-    }
-
-    /// Applies what may change while running from a reread configuration; refuses anything else whole.
-    async fn reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
-        let result = self.apply_reload(reread).await;
-        let version = self.core.config_version();
-        match &result {
-            Ok(r) => {
-                self.run_metrics.reload(true, version);
-                if r.changes.is_empty() {
-                    tracing::info!(version, "configuration reread: nothing changed");
-                }
-            }
-            Err(e) => {
-                self.run_metrics.reload(false, version);
-                tracing::error!(version, "configuration reload refused: {e}");
-            }
-        }
-        result
-    }
-
-    async fn apply_reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
-        let Some(Reread { accepted: Accepted { config: new, changes, gamma }, eval_set: prompts }) = reread? else {
-            return Ok(Reloaded {
-                config_version: self.core.config_version(),
-                applies_from_step: None,
-                changes: vec![],
-            });
-        };
-        if prompts.is_some() && self.evaluator.is_none() {
-            self.a.eval_set = prompts;
-        }
-        if changes.iter().any(|c| c.key == "log.level") {
-            let level =
-                logging::set_level(&new.log.level).map_err(|e| format!("{e}; the running configuration stays"))?;
-            if level == LevelChange::PinnedByEnv {
-                tracing::warn!("log.level changed, but RUST_LOG is set and wins");
-            }
-        }
-        let from = self.collective.reload(step_settings(&new, self.samples_per_epoch, gamma));
-        self.a.objective.num_anchors = new.objective.num_anchors;
-        self.a.objective.gamma = gamma;
-        self.feed(Event::Reconfigured(Box::new(new))).await;
-        let version = self.core.config_version();
-        let show = crate::config::Change::shown;
-        for c in &changes {
-            tracing::info!(key = %c.key, old = %show(&c.old), new = %show(&c.new), "configuration: {} {} -> {}", c.key, show(&c.old), show(&c.new));
-        }
-        tracing::info!(
-            version,
-            step = from,
-            "configuration reloaded: version {version} applies from step {from} on every drafter"
-        );
-        Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
     }
 
     /// Makes target copy `id` panic at its next capture where the hidden state enters `part` (the layers on the
@@ -800,7 +442,7 @@ impl Shell {
 
     /// `POST /drafters/{id}/fault`: one pending fault per drafter (and one checkpoint stall) at a time; a drafter
     /// failed for good runs no thread to fail.
-    fn inject(&mut self, id: usize, kind: FaultKind) -> Result<(), FaultRefused> {
+    fn inject(&mut self, core: &Core, id: usize, kind: FaultKind) -> Result<(), FaultRefused> {
         if !self.a.config.control.fault_injection {
             return Err(FaultRefused::Off);
         }
@@ -813,7 +455,7 @@ impl Shell {
                 false => Err(FaultRefused::Conflict("a checkpoint stall is pending already".into())),
             };
         }
-        if self.core.drafter_state(id) == Some(DrafterState::Failed) {
+        if core.drafter_state(id) == Some(DrafterState::Failed) {
             return Err(FaultRefused::Conflict(format!("drafter {id} is failed: it runs no thread to fail")));
         }
         let mut pending = self.drafters[id].shared.fault.lock().unwrap_or_else(|p| p.into_inner());
@@ -829,92 +471,440 @@ impl Shell {
     }
 }
 
+impl State {
+    /// Hands `event` to the core through the driver, then shows the drafters' states.
+    fn feed(&mut self, event: Event) {
+        self.driver.handle(&mut self.shell, event);
+        self.shell.publish_states(self.driver.core());
+    }
+
+    /// Rank 0: tells the core when the run's member hosts changed.
+    fn tell_hosts(&mut self) {
+        let Some(link) = self.shell.a.link.as_ref().filter(|l| l.rank() == 0) else { return };
+        let members = link.members();
+        if members != self.shell.hosts_told {
+            self.shell.hosts_told = members.clone();
+            self.feed(Event::Hosts(members));
+        }
+    }
+
+    /// Applies what may change while running from a reread configuration; refuses anything else whole.
+    fn reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
+        let result = self.apply_reload(reread);
+        let version = self.driver.core().config_version();
+        match &result {
+            Ok(r) => {
+                self.shell.run_metrics.reload(true, version);
+                if r.changes.is_empty() {
+                    tracing::info!(version, "configuration reread: nothing changed");
+                }
+            }
+            Err(e) => {
+                self.shell.run_metrics.reload(false, version);
+                tracing::error!(version, "configuration reload refused: {e}");
+            }
+        }
+        result
+    }
+
+    fn apply_reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
+        let Some(Reread { accepted: Accepted { config: new, changes, gamma }, eval_set: prompts }) = reread? else {
+            return Ok(Reloaded {
+                config_version: self.driver.core().config_version(),
+                applies_from_step: None,
+                changes: vec![],
+            });
+        };
+        let s = &mut self.shell;
+        if prompts.is_some() && s.evaluator.is_none() {
+            s.a.eval_set = prompts;
+        }
+        if changes.iter().any(|c| c.key == "log.level") {
+            let level =
+                logging::set_level(&new.log.level).map_err(|e| format!("{e}; the running configuration stays"))?;
+            if level == LevelChange::PinnedByEnv {
+                tracing::warn!("log.level changed, but RUST_LOG is set and wins");
+            }
+        }
+        let from = s.collective.reload(step_settings(&new, s.samples_per_epoch, gamma));
+        s.a.objective.num_anchors = new.objective.num_anchors;
+        s.a.objective.gamma = gamma;
+        self.feed(Event::Reconfigured(Box::new(new)));
+        let version = self.driver.core().config_version();
+        let show = crate::config::Change::shown;
+        for c in &changes {
+            tracing::info!(key = %c.key, old = %show(&c.old), new = %show(&c.new), "configuration: {} {} -> {}", c.key, show(&c.old), show(&c.new));
+        }
+        tracing::info!(
+            version,
+            step = from,
+            "configuration reloaded: version {version} applies from step {from} on every drafter"
+        );
+        Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
+    }
+}
+
+impl Effects for Shell {
+    type Snapshot = Snapshot;
+
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn start_target(&mut self, id: usize, generation: u64) {
+        let (tx, rx) = channel();
+        let t = &self.targets[id];
+        let spawn = TargetSpawn {
+            id,
+            generation,
+            source: self.a.target_source.clone(),
+            taps: self.a.taps.clone(),
+            device: t.device,
+            spread_to: self.a.spread_to.clone(),
+            micro_batches: self.a.config.target.micro_batches,
+            kind: t.kind,
+            last_states: self.a.objective.teacher.needs_target_predictions(),
+            pack: self.a.config.data.pack,
+            dataset: self.a.dataset.clone(),
+            routes: self.routes.clone(),
+            supervisor: self.myself.clone(),
+            requests: rx,
+            abandoned: t.abandoned.clone(),
+            metrics: t.metrics.clone(),
+            fault: t.fault.clone(),
+        };
+        // Requests queue in the channel until the thread reads them; the actor's handle arrives with its
+        // ActorStarted supervision event, a failure to start as the copy's failure.
+        self.targets[id].thread = Some((generation, tx));
+        let name = self.spawned.name(Spawned::Target { id, generation });
+        let (cell, me) = (self.myself.get_cell(), self.myself.clone());
+        tokio::spawn(async move {
+            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), cell).await {
+                let failure = Failure::panic(format!("could not start the target actor: {e}"));
+                let _ = me.send_message(SupervisorMsg::Core(Event::TargetFailed { target: id, generation, failure }));
+            }
+        });
+    }
+
+    fn abandon_target(&mut self, target: usize, generation: u64) {
+        let t = &mut self.targets[target];
+        t.abandoned.fetch_max(generation, Ordering::SeqCst);
+        if t.thread.as_ref().is_some_and(|(g, _)| *g == generation) {
+            t.thread = None;
+        }
+        if t.actor.as_ref().is_some_and(|(g, _)| *g == generation)
+            && let Some((_, actor)) = t.actor.take()
+        {
+            actor.stop(None);
+        }
+    }
+
+    fn send_to_target(&mut self, target: usize, generation: u64, request: Request) {
+        if let Some((g, tx)) = &self.targets[target].thread
+            && *g == generation
+        {
+            let _ = tx.send(request);
+        }
+    }
+
+    fn start_drafter(&mut self, id: usize, generation: u64, start: Start) {
+        let Some(heads) = self.heads.clone() else {
+            self.bug(format!("drafter {id} was started before the target was ready"));
+            return;
+        };
+        let c = &self.a.config;
+        let h = &mut self.drafters[id];
+        *h.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::default();
+        let (tx, rx) = sync_channel(8 + c.supervision.prefetch_steps * c.optim.accumulation * 2);
+        h.metrics.feature_queue.set(0.0);
+        let route =
+            Route { generation, sender: tx, device: h.device, kind: h.kind, queued: h.metrics.feature_queue.clone() };
+        self.routes.set(id, route);
+        let spawn = DrafterSpawn {
+            id,
+            generation,
+            device: h.device,
+            kind: h.kind,
+            config: self.a.drafter_config.clone(),
+            objective: self.a.objective.clone(),
+            optimizer: c.optim.optimizer,
+            seed: c.objective.seed,
+            init: c.draft_model.init.clone(),
+            accumulation: c.optim.accumulation,
+            check_every: c.supervision.check_replicas_every,
+            start,
+            heads,
+            collective: self.collective.clone(),
+            supervisor: self.myself.clone(),
+            input: rx,
+            shared: h.shared.clone(),
+            metrics: h.metrics.clone(),
+            peak_tflops: c.drafters.peak_tflops,
+            collective_timeout: c.drafters.collective_timeout,
+        };
+        // The actor's handle arrives with its ActorStarted supervision event.
+        let name = self.spawned.name(Spawned::Drafter { id, generation });
+        let cell = self.myself.get_cell();
+        tokio::spawn(async move {
+            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
+                tracing::error!(drafter = id, "could not start the drafter actor: {e}");
+            }
+        });
+    }
+
+    fn abandon_drafter(&mut self, id: usize, generation: u64) -> Vec<(usize, u64)> {
+        let h = &mut self.drafters[id];
+        h.shared.abandoned.fetch_max(generation, Ordering::SeqCst);
+        if h.actor.as_ref().is_some_and(|(g, _)| *g == generation)
+            && let Some((_, actor)) = h.actor.take()
+        {
+            actor.stop(None);
+        }
+        self.routes.remove(id, generation);
+        self.collective.remove(id, generation).remaining
+    }
+
+    fn tell(&mut self, id: usize, generation: u64, order: Order) {
+        if !self.routes.try_send(id, generation, Work::Order(order)) {
+            tracing::debug!(drafter = id, ?order, "an order for a drafter thread that is gone or busy");
+        }
+    }
+
+    fn rewind_collective(&mut self, step: u64, samples_committed: u64) -> Result<(), String> {
+        let incarnation = self.collective.rewind(step, samples_committed).map_err(|e| e.to_string())?;
+        self.checkpointer.fence(incarnation);
+        Ok(())
+    }
+
+    fn find_checkpoint(&mut self, filter: ScanFilter) {
+        let dir = self.a.config.checkpoint.dir.clone();
+        let me = self.myself.clone();
+        tokio::task::spawn_blocking(move || {
+            let scan = newest_valid(&dir, &|step| filter.allows(step)).map_err(|e| e.to_string());
+            for (_, why) in scan.iter().flat_map(|scan| &scan.rejected) {
+                tracing::warn!("checkpoint rejected: {why}");
+            }
+            let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointFound(scan)));
+        });
+    }
+
+    fn write_checkpoint(&mut self, job: WriteJob, snapshot: Snapshot) {
+        self.checkpointer.write(snapshot, job.state, job.invalid, job.incarnation);
+    }
+
+    fn retire_checkpoints(&mut self, from: u64, to: u64) {
+        self.checkpointer.retire(from, to);
+    }
+
+    fn append_ledger(&mut self, entry: LedgerEntry) {
+        let Some(w) = self.ledger.as_ref() else { return };
+        let line = match entry {
+            LedgerEntry::Commit { step, batch } => {
+                let ids: Vec<SampleId> = batch.samples.iter().map(|&p| self.a.dataset.id(p)).collect();
+                serde_json::json!({"step": step, "epoch": batch.id.epoch, "batch": batch.id.ordinal, "ids": ids})
+            }
+            // Entries of this step and later were undone with the model.
+            LedgerEntry::Rewind { step } => serde_json::json!({"rewind_to_step": step}),
+        };
+        w.append(line.to_string());
+    }
+
+    fn export(&mut self, from: PathBuf) {
+        let out = self.a.config.checkpoint.dir.join("final");
+        let me = self.myself.clone();
+        tokio::task::spawn_blocking(move || {
+            // Written aside and put in place whole: a failed export leaves no partial or older `final/`.
+            let staged = out.with_file_name(".final.tmp");
+            let _ = std::fs::remove_dir_all(&staged);
+            let exported = crate::panic::catch_torch(|| {
+                Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
+                    .and_then(|d| d.save(&staged, Kind::BFloat16))
+            });
+            let placed = || -> Result<PathBuf, String> {
+                match std::fs::remove_dir_all(&out) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(format!("removing the old {}: {e}", out.display()));
+                    }
+                    _ => {}
+                }
+                std::fs::rename(&staged, &out).map_err(|e| format!("moving the export into place: {e}"))?;
+                Ok(out)
+            };
+            let result = match exported {
+                Ok(Ok(())) => placed(),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let _ = me.send_message(SupervisorMsg::Core(Event::Exported(result)));
+        });
+    }
+
+    fn evaluate(&mut self, core: &Core, step: u64, path: PathBuf) {
+        if self.evaluator.is_none() {
+            match self.start_evaluator(core.config()) {
+                Ok(e) => self.evaluator = Some(e),
+                Err(e) => {
+                    let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(format!("unavailable: {e:#}"))));
+                    return;
+                }
+            }
+        }
+        if let Some(e) = &self.evaluator
+            && !e.submit(step, path)
+        {
+            // The core waits for every evaluation it asks for to answer.
+            let busy = "skipped: the previous one is still decoding (a supervisor bug)".to_string();
+            let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(busy)));
+        }
+    }
+
+    fn post_feed(&mut self, rank: usize, generation: u64, step: u64, feed: Feed) {
+        if let Some(link) = &self.a.link {
+            hosts::post_feed(link, rank, generation, step, &feed);
+        }
+    }
+
+    fn notice(&mut self, notice: Notice) {
+        let m = &self.run_metrics;
+        match notice {
+            Notice::Committed { step, samples, tokens, loss, estimate } => {
+                m.run_progress.set(estimate.fraction);
+                if let Some(total) = estimate.total_steps {
+                    m.run_total_steps.set(total as f64);
+                }
+                if let Some(left) = estimate.eta_seconds {
+                    m.run_time_left.set(left);
+                }
+                m.committed_samples.increment(samples);
+                m.committed_tokens.increment(tokens);
+                m.committed_steps.increment(1);
+                m.step.set(step as f64);
+                m.last_step_timestamp.set(crate::telemetry::unix_now());
+                if let Some([loss, accuracy, acceptance]) = loss {
+                    m.loss.set(loss);
+                    m.accuracy.set(accuracy);
+                    m.train_acceptance_length.set(acceptance);
+                }
+            }
+            Notice::Skipped => m.skipped_steps.increment(1),
+            Notice::Requeued { samples } => m.samples_requeued.increment(samples),
+            Notice::Restarted { id } => DrafterMetrics::restarted(id),
+            Notice::ReplicasDiverged => m.replica_divergences.increment(1),
+            Notice::CheckpointOutcome(written) => m.checkpoint(written),
+            Notice::LedgerWrite { ok } => m.ledger_write(ok),
+            Notice::WriterStalled(stalled) => m.checkpoint_writer_stalled.set(if stalled { 1.0 } else { 0.0 }),
+            Notice::CheckpointSkipped => m.checkpoints_skipped.increment(1),
+        }
+    }
+
+    fn exit(&mut self, core: &Core, code: i32) {
+        // The writers' queued work gets what is left of the ending's deadline, not more.
+        let wait = core.time_left_to_exit(Checkpointer::DROP_WAIT);
+        self.checkpointer.finish(wait);
+        if let Some(ledger) = &mut self.ledger {
+            ledger.finish(wait);
+        }
+        if let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) {
+            // The others end with the run; waits a little for them to have seen it.
+            let others = link.members().iter().filter(|m| m.rank != 0).count();
+            if let Err(e) = link.finish(code, others, Duration::from_secs(10)) {
+                tracing::warn!("cannot tell the other hosts the run ended: {e}");
+            }
+        }
+        *self.a.exit_code.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
+        self.myself.stop(Some(format!("exit {code}")));
+    }
+
+    fn bug(&mut self, what: String) {
+        tracing::error!("{what} (a supervisor bug)");
+    }
+}
+
 /// The supervisor actor.
 pub struct Supervisor;
 
 impl Actor for Supervisor {
     type Msg = SupervisorMsg;
-    type State = Shell;
+    type State = State;
     type Arguments = SupervisorArgs;
 
     async fn pre_start(
         &self,
         myself: ActorRef<SupervisorMsg>,
         args: SupervisorArgs,
-    ) -> Result<Shell, ActorProcessingErr> {
-        let mut shell = Shell::new(args, myself.clone());
-        let actions = shell.core.start(shell.now());
-        shell.perform(actions).await;
+    ) -> Result<State, ActorProcessingErr> {
+        let (core, shell) = Shell::new(args, myself.clone());
+        let mut s = State { driver: Driver::new(core), shell };
+        s.driver.start(&mut s.shell);
+        s.shell.publish_states(s.driver.core());
         myself.send_interval(TickGaps::TICK, || SupervisorMsg::Tick);
-        Ok(shell)
+        Ok(s)
     }
 
     async fn handle(
         &self,
         _: ActorRef<SupervisorMsg>,
         msg: SupervisorMsg,
-        s: &mut Shell,
+        s: &mut State,
     ) -> Result<(), ActorProcessingErr> {
-        if let Some(for_) = s.gaps.observe(s.now(), matches!(msg, SupervisorMsg::Tick)) {
-            s.feed(Event::Stopped { for_ }).await;
-        }
+        s.driver.arrived(&mut s.shell, matches!(msg, SupervisorMsg::Tick));
         let event = match msg {
             SupervisorMsg::TargetReady { target, generation, heads } => {
-                s.heads.get_or_insert(heads);
+                s.shell.heads.get_or_insert(heads);
                 Event::TargetReady { target, generation }
             }
             SupervisorMsg::Snapshot { id, generation, snapshot } => {
                 let (step, optimizer_steps) = (snapshot.step, snapshot.optimizer_steps);
-                s.snapshots.insert((id, generation, step), *snapshot);
+                s.driver.keep_snapshot((id, generation, step), *snapshot);
                 Event::Snapshot { id, generation, step, optimizer_steps }
             }
             SupervisorMsg::Tick => {
-                s.tick_telemetry();
-                Event::Watch(s.watched())
+                s.shell.tick_telemetry();
+                Event::Watch(s.shell.watched(s.driver.core()))
             }
             SupervisorMsg::Fault { id, kind, reply } => {
-                let _ = reply.send(s.inject(id, kind));
+                let _ = reply.send(s.shell.inject(s.driver.core(), id, kind));
                 return Ok(());
             }
             SupervisorMsg::TargetFault { id, part, reply } => {
-                let _ = reply.send(s.inject_target(id, part));
+                let _ = reply.send(s.shell.inject_target(id, part));
                 return Ok(());
             }
             SupervisorMsg::CheckpointNow(reply) => {
-                let (answer, actions) = s.core.checkpoint_now(s.now());
-                s.perform(actions).await;
+                let answer = s.driver.checkpoint_now(&mut s.shell);
+                s.shell.publish_states(s.driver.core());
                 let _ = reply.send(answer);
                 return Ok(());
             }
             SupervisorMsg::Status(reply) => {
-                let status = Status { pid: std::process::id(), ..s.core.status() };
+                let status = Status { pid: std::process::id(), ..s.driver.core().status() };
                 let _ = reply.send(status);
                 return Ok(());
             }
             SupervisorMsg::Reload(reply) => {
-                s.reread(reply);
+                s.shell.reread(s.driver.core().config(), reply);
                 return Ok(());
             }
             SupervisorMsg::Reread { reread, reply } => {
-                let result = s.reload(*reread).await;
+                let result = s.reload(*reread);
                 if let Some(reply) = reply {
                     let _ = reply.send(result);
                 }
                 return Ok(());
             }
             SupervisorMsg::Evaluated(outcome) => {
-                s.evaluated_metrics(&outcome);
+                s.shell.evaluated_metrics(&outcome);
                 Event::Evaluated(outcome)
             }
             SupervisorMsg::Shutdown(signal) => {
-                if !s.core.ending() {
+                if !s.driver.core().ending() {
                     tracing::info!("stop requested: checkpointing, then exiting (a second signal exits at once)");
                 }
                 Event::Shutdown(signal)
             }
             SupervisorMsg::Fed { generation, step, feed } => {
                 // An assignment for a generation this host no longer is goes nowhere.
-                if s.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
+                if s.shell.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
                     return Ok(());
                 }
                 Event::Fed { step, items: feed.items, position: feed.position }
@@ -922,14 +912,14 @@ impl Actor for Supervisor {
             SupervisorMsg::Core(event) => event,
             SupervisorMsg::LeftRun { generation } => {
                 // Word about a generation this host no longer is comes too late.
-                if s.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
+                if s.shell.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
                     return Ok(());
                 }
                 Event::LeftRun
             }
         };
-        s.feed(event).await;
-        s.tell_hosts().await;
+        s.feed(event);
+        s.tell_hosts();
         Ok(())
     }
 
@@ -937,7 +927,7 @@ impl Actor for Supervisor {
         &self,
         _: ActorRef<SupervisorMsg>,
         event: SupervisionEvent,
-        s: &mut Shell,
+        s: &mut State,
     ) -> Result<(), ActorProcessingErr> {
         let (cell, failure) = match event {
             SupervisionEvent::ActorFailed(cell, err) => {
@@ -949,18 +939,30 @@ impl Actor for Supervisor {
             }
             SupervisionEvent::ActorTerminated(cell, ..) => (cell, None),
             SupervisionEvent::ActorStarted(cell) => {
-                // Keep a handle on each drafter actor, to stop it when its thread is given up.
-                if let Some(Spawned::Drafter { id, generation }) = s.spawned.of(&cell)
-                    && s.core.running_threads().contains(&(id, generation))
-                {
-                    s.drafters[id].actor = Some((generation, cell.into()));
+                // Keep a handle on each compute actor, to stop it when its thread is given up (at once, if it was
+                // given up while starting).
+                match s.shell.spawned.of(&cell) {
+                    Some(Spawned::Drafter { id, generation })
+                        if s.driver.core().running_threads().contains(&(id, generation)) =>
+                    {
+                        s.shell.drafters[id].actor = Some((generation, cell.into()));
+                    }
+                    Some(Spawned::Target { id, generation }) => {
+                        let t = &mut s.shell.targets[id];
+                        if t.abandoned.load(Ordering::SeqCst) >= generation {
+                            cell.stop(None);
+                        } else {
+                            t.actor = Some((generation, cell.into()));
+                        }
+                    }
+                    _ => {}
                 }
                 return Ok(());
             }
             _ => return Ok(()),
         };
-        let event = match (s.spawned.ended(&cell), failure) {
-            (Some(Spawned::Drafter { id, generation }), Some(f)) => s.drafter_failed(id, generation, f),
+        let event = match (s.shell.spawned.ended(&cell), failure) {
+            (Some(Spawned::Drafter { id, generation }), Some(f)) => s.shell.drafter_failed(id, generation, f),
             (Some(Spawned::Drafter { id, generation }), None) => Event::DrafterExited { id, generation },
             (Some(Spawned::Target { id, generation }), Some(failure)) => {
                 Event::TargetFailed { target: id, generation, failure }
@@ -968,7 +970,7 @@ impl Actor for Supervisor {
             (Some(Spawned::Target { id, generation }), None) => Event::TargetExited { target: id, generation },
             (None, _) => return Ok(()),
         };
-        s.feed(event).await;
+        s.feed(event);
         Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! A deterministic simulation of the supervisor, in the spirit of FoundationDB's and TigerBeetle's simulators: the
-//! real [`Core`] and the real collective bookkeeping ([`Rounds`]) in a model world of drafter threads, target
-//! copies, a checkpoint writer and a disk, with a seeded random schedule of thousands of events: failures of any
+//! real [`Core`] behind the real [`Driver`] (the process's own executor of its actions), and the real collective
+//! bookkeeping ([`Rounds`]), in a model world of drafter threads, target copies, a checkpoint writer and a disk
+//! (the world is the driver's [`Effects`], in memory), with a seeded random schedule of thousands of events: failures of any
 //! subset of drafters at once, failures during a rejoin, of the donor, of a founder, hangs of drafters and of target
 //! copies (found by the watchdog), slow steps flagged as hangs, a lost device taking every thread on it, target
 //! failures (at times with a drafter's in the same instant) and batches that crash the target, failed and corrupted
@@ -37,11 +38,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::core::{Core, Setup, step_settings};
+use super::driver::{Driver, Effects};
 use super::protocol::{
-    Action, Activity, DrafterSeen, Event, LedgerEntry, Notice, Order, ScanFilter, Start, Watched, WriteJob,
+    Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter, Start, Watched,
+    WriteJob,
 };
 use super::schedule::Item;
-use super::watchdog::TickGaps;
 use crate::config::Config;
 use crate::data::SampleId;
 use crate::data::loader::BatchId;
@@ -287,6 +289,12 @@ struct OnDisk {
 #[derive(Debug)]
 enum Occ {
     Deliver(Box<Event>),
+    /// A drafter thread's snapshot, with the message that tells the core of it.
+    Snapshot {
+        id: usize,
+        generation: u64,
+        replica: Replica,
+    },
     Built {
         id: usize,
         generation: u64,
@@ -346,7 +354,6 @@ struct World {
     pending: HashMap<u64, (u32, Occ)>,
     process: u32,
     alive: bool,
-    core: Core,
     hyper: Hyper,
     rounds: Rounds<Contribution, Rc<Cell<Option<Replica>>>>,
     samples_committed: u64,
@@ -361,7 +368,6 @@ struct World {
     disk: BTreeMap<u64, OnDisk>,
     writes: VecDeque<DiskJob>,
     writing: bool,
-    snapshots: HashMap<(usize, u64, u64), Replica>,
     /// The ledger file as written: what each line says, rewinds applied.
     ledger: Vec<(u64, u64, Vec<usize>)>,
     /// The ledger's disk is full; the lines this process's writer holds, not yet written; lines it wrote; the
@@ -388,8 +394,8 @@ struct World {
     events: u64,
     /// Hung target copies the watchdog found.
     hung_targets_found: u64,
-    /// The shell's tick-gap finder (a new one each process).
-    gaps: TickGaps,
+    /// What the world saw go wrong while the driver carried out an action (the first of it).
+    violation: Option<String>,
     /// A stop of the process to schedule at start `(after, for)`, and the committed step it came at.
     planned_freeze: Option<(Duration, Duration)>,
     froze_at_step: Option<u64>,
@@ -410,7 +416,6 @@ impl World {
 
     fn with(seed: u64, p: Params, rng: ChaCha8Rng, full_trace: bool) -> Self {
         let config = p.config();
-        let core = Core::new(setup(&p, config.clone(), None, vec![]));
         World {
             seed,
             hyper: step_settings(&config, p.samples as u64, None).hyper,
@@ -423,7 +428,6 @@ impl World {
             pending: HashMap::new(),
             process: 0,
             alive: false,
-            core,
             rounds: Rounds::new(0),
             samples_committed: 0,
             boundary_samples: HashMap::new(),
@@ -435,7 +439,6 @@ impl World {
             disk: BTreeMap::new(),
             writes: VecDeque::new(),
             writing: false,
-            snapshots: HashMap::new(),
             ledger: vec![],
             ledger_full: false,
             ledger_pending: VecDeque::new(),
@@ -455,7 +458,7 @@ impl World {
             full_trace,
             events: 0,
             hung_targets_found: 0,
-            gaps: TickGaps::default(),
+            violation: None,
             planned_freeze: None,
             froze_at_step: None,
         }
@@ -509,7 +512,8 @@ impl World {
 
     // ------------------------------------------------------------------ the process
 
-    fn start_process(&mut self) -> Check {
+    /// A new process, with a new core behind a new driver.
+    fn start_process(&mut self, driver: &mut Driver<Replica>) -> Check {
         self.process += 1;
         self.alive = true;
         let (resume, rejected) = self.scan_disk(&|_| true);
@@ -528,8 +532,7 @@ impl World {
             self.p.drafters
         ));
         self.strictest = (config.supervision.min_live_drafters, config.supervision.max_restarts);
-        self.core = Core::new(setup(&self.p, config.clone(), resume, rejected));
-        self.gaps = TickGaps::default();
+        *driver = Driver::new(Core::new(setup(&self.p, config.clone(), resume, rejected)));
         self.hyper = step_settings(&config, self.p.samples as u64, None).hyper;
         self.rounds = Rounds::new(step);
         self.samples_committed = samples;
@@ -550,12 +553,11 @@ impl World {
         self.ledger_pending.clear();
         self.ledger_lines = 0;
         self.ledger_clock = self.now;
-        self.snapshots.clear();
         self.armed = Armed::default();
         self.last_progress = self.now;
         self.after(ms(200), Occ::Tick);
-        let actions = self.core.start(self.now);
-        self.apply(actions)
+        driver.start(self);
+        self.checked()
     }
 
     /// The newest intact checkpoint `allowed` lets through, and the steps of the damaged ones passed on the way.
@@ -573,208 +575,31 @@ impl World {
         (None, rejected)
     }
 
-    // ------------------------------------------------------------------ the core's actions
+    // ------------------------------------------------------------------ the driver
 
-    fn feed(&mut self, event: Event) -> Check {
-        // The shell finds the time the process did not run before it hands on any message.
-        if let Some(for_) = self.gaps.observe(self.now, matches!(event, Event::Watch(_))) {
-            self.events += 1;
-            self.note(format!("-> stopped for {:.1} s", for_.as_secs_f64()));
-            let actions = self.core.handle(self.now, Event::Stopped { for_ });
-            self.apply(actions)?;
-        }
-        self.events += 1;
-        self.note(format!("-> {}", short(&format!("{event:?}"))));
-        let actions = self.core.handle(self.now, event);
-        self.apply(actions)
+    /// A message reaches the process: the driver hands it (after any time the process did not run) to the core and
+    /// carries out what it answers.
+    fn feed(&mut self, driver: &mut Driver<Replica>, event: Event) -> Check {
+        driver.arrived(self, matches!(event, Event::Watch(_)));
+        self.checked()?;
+        driver.handle(self, event);
+        self.checked()
     }
 
-    fn apply(&mut self, actions: Vec<Action>) -> Check {
-        let mut queue: VecDeque<Action> = actions.into();
-        while let Some(action) = queue.pop_front() {
-            self.note(format!("<- {}", short(&format!("{action:?}"))));
-            if let Some(event) = self.carry_out(action)? {
-                self.note(format!("-> {}", short(&format!("{event:?}"))));
-                queue.extend(self.core.handle(self.now, event));
-            }
-        }
-        Ok(())
+    /// What went wrong while the driver carried out actions, if anything.
+    fn checked(&mut self) -> Check {
+        self.violation.take().map_or(Ok(()), Err)
     }
 
-    fn carry_out(&mut self, action: Action) -> Result<Option<Event>, String> {
-        match action {
-            Action::StartTarget { target, generation } => {
-                let t = &mut self.targets[target];
-                *t = TargetThread {
-                    generation,
-                    stage: TargetStage::Building,
-                    queue: VecDeque::new(),
-                    busy: false,
-                    clock: t.clock,
-                };
-                let delay = self.jitter(10, 100);
-                self.after(delay, Occ::TargetBuilt { target, generation });
-            }
-            Action::AbandonTarget { target, generation } => {
-                let t = &mut self.targets[target];
-                if t.generation == generation && t.stage != TargetStage::Gone {
-                    // Found hung: a failure like any other (it counts against the restart limit).
-                    t.stage = TargetStage::Gone;
-                    self.target_failures.push(self.now);
-                    self.hung_targets_found += 1;
-                }
-            }
-            Action::TargetRequest { target, generation, request } => {
-                let item = match request.item {
-                    Item::Capture { batch, positions } => {
-                        let n = positions.len() as u64;
-                        self.batches.insert(batch, positions);
-                        Some((batch, n))
-                    }
-                    Item::Empty => None,
-                };
-                let t = &mut self.targets[target];
-                if t.generation == generation && t.stage != TargetStage::Gone {
-                    t.queue.push_back((request.seq, request.drafter, request.generation, item));
-                    self.target_work(target);
-                }
-            }
-            Action::SpawnDrafter { id, generation, start } => {
-                if let Some(&g) = self.routes.get(&id)
-                    && self.threads.get(&(id, g)).is_some_and(|t| t.stage != Stage::Gone)
-                    && self.rounds.is_member(id, g)
-                {
-                    return Err(format!("drafter {id} started again while its thread {g} is still a member"));
-                }
-                let founder = matches!(start, Start::Found(_));
-                self.threads.insert(
-                    (id, generation),
-                    Thread {
-                        start,
-                        stage: Stage::Building,
-                        replica: Replica { step: 0, hash: 0, optimizer_steps: 0 },
-                        inbox: VecDeque::new(),
-                        items: vec![],
-                        samples: 0,
-                        taken: 0,
-                        joined: Rc::new(Cell::new(None)),
-                        snapshot_at: None,
-                        since: self.now,
-                        clock: self.now,
-                    },
-                );
-                self.routes.insert(id, generation);
-                if std::mem::take(&mut self.armed.start_hang) {
-                    self.note(format!("fault: drafter {id}.{generation} never finishes starting"));
-                } else {
-                    let delay = self.jitter(5, 60);
-                    self.after(delay, Occ::Built { id, generation });
-                    if std::mem::take(&mut self.armed.start_crash)
-                        || (founder && std::mem::take(&mut self.armed.kill_founder))
-                    {
-                        self.kill(id, generation, FailureKind::Panic, "fault: crash while starting");
-                    }
-                }
-            }
-            Action::Abandon { id, generation } => {
-                if self.routes.get(&id) == Some(&generation) {
-                    self.routes.remove(&id);
-                }
-                let removal = self.rounds.remove(id, generation);
-                if self.threads.get(&(id, generation)).is_some_and(|t| t.stage != Stage::Gone) {
-                    // Its actor is stopped: the supervisor hears of it.
-                    self.supervision(Event::DrafterExited { id, generation });
-                    self.wake(id, generation);
-                }
-                self.complete_rounds()?;
-                return Ok(Some(Event::MemberRemoved { remaining: removal.remaining }));
-            }
-            Action::Tell { id, generation, order } => {
-                if order == Order::ServeJoiners && std::mem::take(&mut self.armed.kill_donor_on_serve) {
-                    self.kill(id, generation, FailureKind::Panic, "fault: the donor dies as it is asked to serve");
-                }
-                if self.routes.get(&id) == Some(&generation)
-                    && let Some(t) = self.threads.get_mut(&(id, generation))
-                {
-                    t.inbox.push_back(Msg::Order(order));
-                    self.wake(id, generation);
-                }
-            }
-            Action::RewindCollective { step, samples_committed } => {
-                if let Err(e) = self.rounds.rewind(step) {
-                    return Err(format!("rewound a collective that has members: {e}"));
-                }
-                self.samples_committed = samples_committed;
-                self.boundary_samples.insert((self.process, self.rounds.incarnation(), step), samples_committed);
-            }
-            Action::FindCheckpoint(filter) => {
-                let delay = self.jitter(5, 60);
-                self.after(delay, Occ::Scan(filter));
-            }
-            Action::WriteCheckpoint(job) => {
-                let Some(replica) = self.snapshots.remove(&(job.donor.0, job.donor.1, job.step)) else {
-                    return Err(format!("a checkpoint of step {} without its snapshot", job.step));
-                };
-                if replica.step != job.step || job.state.step != job.step {
-                    return Err(format!(
-                        "checkpoint of step {} pairs a snapshot of step {} with a state of step {}",
-                        job.step, replica.step, job.state.step
-                    ));
-                }
-                let key = (self.process, self.rounds.incarnation(), job.step);
-                if let Some(&samples) = self.boundary_samples.get(&key)
-                    && samples != job.state.samples_committed
-                {
-                    return Err(format!(
-                        "checkpoint of step {}: {} samples committed in its state, {samples} at that boundary",
-                        job.step, job.state.samples_committed
-                    ));
-                }
-                self.writes.push_back(DiskJob::Write(Box::new(job), replica));
-                self.next_write();
-            }
-            Action::RetireCheckpoints { from, to } => {
-                self.writes.push_back(DiskJob::Retire(from, to));
-                self.next_write();
-            }
-            Action::DropSnapshots { which } => match which {
-                Some(key) => {
-                    self.snapshots.remove(&key);
-                }
-                None => self.snapshots.clear(),
-            },
-            Action::Evaluate { step, .. } => {
-                let e = Evaluated {
-                    step,
-                    decode_acceptance_length: 1.5,
-                    holdout_acceptance_length: None,
-                    holdout_rows: 0,
-                    token_match_rate: 1.0,
-                    lossless: true,
-                    prompts: 1,
-                    seconds: 0.1,
-                    best: 1.5,
-                    new_best: false,
-                };
-                self.after(ms(100), Occ::Deliver(Box::new(Event::Evaluated(Ok(e)))));
-            }
-            Action::Ledger(entry) => {
-                self.ledger_pending.push_back(entry);
-                self.write_ledger();
-            }
-            Action::Export { from } => {
-                self.after(ms(50), Occ::Deliver(Box::new(Event::Exported(Ok(from)))));
-            }
-            Action::Notice(Notice::Committed { .. }) => self.last_progress = self.now,
-            Action::Notice(_) => {}
-            Action::Exit { code } => self.exited(code)?,
-            Action::Feed { .. } => return Err("an assignment for another host in a run of one host".into()),
+    /// Records a violation found inside an effect (the first one stands).
+    fn found(&mut self, check: Check) {
+        if let Err(e) = check {
+            self.violation.get_or_insert(e);
         }
-        Ok(None)
     }
 
-    fn exited(&mut self, code: i32) -> Check {
-        let status = self.core.status();
+    fn exited(&mut self, core: &Core, code: i32) -> Check {
+        let status = core.status();
         self.note(format!("exit {code}: {}", status.phase));
         self.alive = false;
         for t in self.threads.values_mut() {
@@ -956,10 +781,10 @@ impl World {
             Stage::Collecting => {
                 if t.snapshot_at.is_some_and(|at| at <= t.replica.step) {
                     t.snapshot_at = None;
-                    let r = t.replica;
-                    self.snapshots.insert((id, generation, r.step), r);
-                    let event = Event::Snapshot { id, generation, step: r.step, optimizer_steps: r.optimizer_steps };
-                    self.thread_says(id, generation, event);
+                    let (replica, clock) = (t.replica, t.clock);
+                    let when = (self.now + self.jitter(0, 4)).max(clock);
+                    self.at(when, Occ::Snapshot { id, generation, replica });
+                    self.threads.get_mut(&(id, generation)).expect("present").clock = when;
                     return self.run_thread(id, generation);
                 }
                 while t.taken < self.p.accumulation {
@@ -1150,8 +975,8 @@ impl World {
     }
 
     /// What the shell reports with its ticks: the stage of every thread the core runs, and since when.
-    fn watched(&self) -> Vec<Watched> {
-        let running = self.core.running_threads();
+    fn watched(&self, core: &Core) -> Vec<Watched> {
+        let running = core.running_threads();
         let threads = self.threads.iter().filter(|(key, t)| t.stage != Stage::Gone && running.contains(key));
         threads
             .map(|(&(id, generation), t)| Watched {
@@ -1291,21 +1116,21 @@ impl World {
         self.ledger_clock = self.send_from(self.ledger_clock, Event::LedgerWritten(outcome));
     }
 
-    fn scanned(&mut self, filter: ScanFilter) -> Check {
-        let event = if std::mem::take(&mut self.armed.fail_scan) {
+    fn scanned(&mut self, filter: ScanFilter) -> Event {
+        if std::mem::take(&mut self.armed.fail_scan) {
             Event::CheckpointFound(Err("Input/output error".into()))
         } else {
             let (newest, rejected) = self.scan_disk(&|step| filter.allows(step));
             let rejected =
                 rejected.into_iter().map(|step| (step, "its manifest does not verify".to_string())).collect();
             Event::CheckpointFound(Ok(Scan { newest, rejected }))
-        };
-        self.feed(event)
+        }
     }
 
     // ------------------------------------------------------------------ faults
 
-    fn fault(&mut self) -> Check {
+    /// Strikes a random fault; some reach the core as a message (a signal, a reload).
+    fn fault(&mut self, core: &Core) -> Option<Event> {
         let running: Vec<(usize, u64)> =
             self.threads.iter().filter(|(_, t)| t.stage != Stage::Gone).map(|(k, _)| *k).collect();
         let pick = self.rng.random_range(0..100);
@@ -1391,7 +1216,7 @@ impl World {
                     let signal = if self.rng.random_bool(0.5) { StopSignal::Terminate } else { StopSignal::Interrupt };
                     // A second signal of another kind does not change the status the first one asked for.
                     let signal = *self.shutdown_requested.get_or_insert(signal);
-                    return self.feed(Event::Shutdown(signal));
+                    return Some(Event::Shutdown(signal));
                 }
             }
             94..=95 => {
@@ -1407,7 +1232,7 @@ impl World {
                 self.after(Duration::ZERO, Occ::Freeze(for_));
             }
             _ => {
-                let mut config = self.core.config().clone();
+                let mut config = core.config().clone();
                 config.checkpoint.every_steps = [0, 2, 5][self.rng.random_range(0..3)];
                 config.log.every_steps = 3;
                 let s = &mut config.supervision;
@@ -1416,17 +1241,17 @@ impl World {
                 s.backoff_max_ms = s.backoff_initial_ms * self.rng.random_range(1..=8);
                 s.min_live_drafters = self.rng.random_range(1..=self.p.drafters);
                 self.strictest = (self.strictest.0.max(s.min_live_drafters), self.strictest.1.min(s.max_restarts));
-                return self.feed(Event::Reconfigured(Box::new(config)));
+                return Some(Event::Reconfigured(Box::new(config)));
             }
         }
-        Ok(())
+        None
     }
 
     /// The process stops for `for_` (SIGSTOP, a swapping host), every thread with it: whatever the process had
     /// scheduled happens that much later, and so does the world's next fault.
-    fn freeze(&mut self, for_: Duration) {
+    fn freeze(&mut self, for_: Duration, step: u64) {
         self.note(format!("fault: the process stops for {:.1} s", for_.as_secs_f64()));
-        self.froze_at_step.get_or_insert(self.core.status().step);
+        self.froze_at_step.get_or_insert(step);
         let now = self.now;
         let later = |t: Duration| if t > now { t + for_ } else { t };
         self.queue =
@@ -1449,13 +1274,18 @@ impl World {
 
     // ------------------------------------------------------------------ the loop
 
-    fn step(&mut self, occ: Occ) -> Check {
+    fn step(&mut self, driver: &mut Driver<Replica>, occ: Occ) -> Check {
         match occ {
             Occ::Deliver(event) => {
                 if let Event::Shutdown(signal) = *event {
                     self.shutdown_requested.get_or_insert(signal);
                 }
-                self.feed(*event)?
+                self.feed(driver, *event)?
+            }
+            Occ::Snapshot { id, generation, replica } => {
+                driver.keep_snapshot((id, generation, replica.step), replica);
+                let (step, optimizer_steps) = (replica.step, replica.optimizer_steps);
+                self.feed(driver, Event::Snapshot { id, generation, step, optimizer_steps })?
             }
             Occ::Built { id, generation } => self.built(id, generation)?,
             Occ::Wake { id, generation } => self.run_thread(id, generation)?,
@@ -1471,30 +1301,35 @@ impl World {
                 }
             }
             Occ::TargetDone { target, generation } => self.target_done(target, generation),
-            Occ::Scan(filter) => self.scanned(filter)?,
+            Occ::Scan(filter) => {
+                let found = self.scanned(filter);
+                self.feed(driver, found)?
+            }
             Occ::WriteDone => self.write_done()?,
             Occ::Tick => {
                 self.after(ms(200), Occ::Tick);
                 // The writer tries the lines that failed again (every second in the service).
                 self.write_ledger();
-                let watched = self.watched();
-                self.feed(Event::Watch(watched))?;
+                let watched = self.watched(driver.core());
+                self.feed(driver, Event::Watch(watched))?;
             }
             Occ::Fault => {
                 let mean = self.p.fault_every_s;
                 let next = Duration::from_secs_f64(-mean * (1.0 - self.rng.random::<f64>()).ln());
                 self.after(next, Occ::Fault);
-                self.fault()?;
+                if let Some(event) = self.fault(driver.core()) {
+                    self.feed(driver, event)?
+                }
             }
-            Occ::Freeze(for_) => self.freeze(for_),
-            Occ::Restart => self.start_process()?,
+            Occ::Freeze(for_) => self.freeze(for_, driver.core().status().step),
+            Occ::Restart => self.start_process(driver)?,
             Occ::LedgerFreed => self.ledger_full = false,
         }
         Ok(())
     }
 
-    fn run(&mut self) -> Check {
-        self.start_process()?;
+    fn run(&mut self, driver: &mut Driver<Replica>) -> Check {
+        self.start_process(driver)?;
         let first = Duration::from_secs_f64(self.p.fault_every_s);
         self.after(first, Occ::Fault);
         if let Some((after, for_)) = self.planned_freeze {
@@ -1519,23 +1354,23 @@ impl World {
                 continue;
             }
             self.now = when;
-            self.step(occ)?;
+            self.step(driver, occ)?;
             if self.alive && self.now.saturating_sub(self.last_progress) > STALL {
                 return violation(format!(
                     "no step committed for {} s and no exit: {:?}",
                     STALL.as_secs(),
-                    self.core.status()
+                    driver.core().status()
                 ));
             }
             if self.now > HORIZON {
                 break;
             }
         }
-        self.check_ledger()
+        self.check_ledger(driver.core())
     }
 
     /// Every sample at most once per epoch; once the run completed, every epoch whole (set-aside batches aside).
-    fn check_ledger(&self) -> Check {
+    fn check_ledger(&self, core: &Core) -> Check {
         let mut per_epoch: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
         for (_, epoch, samples) in &self.ledger {
             per_epoch.entry(*epoch).or_default().extend(samples);
@@ -1547,7 +1382,7 @@ impl World {
             }
         }
         if self.completed && self.p.max_steps == 0 {
-            let aside: Vec<BatchId> = self.core.set_aside().to_vec();
+            let aside: Vec<BatchId> = core.set_aside().to_vec();
             for epoch in 0..self.p.epochs {
                 let mut samples = per_epoch.remove(&epoch).unwrap_or_default();
                 for b in aside.iter().filter(|b| b.epoch == epoch) {
@@ -1585,6 +1420,210 @@ impl World {
             self.trace.iter().cloned().collect::<Vec<_>>().join("\n"),
             self.seed
         )
+    }
+}
+
+impl Effects for World {
+    type Snapshot = Replica;
+
+    fn now(&self) -> Duration {
+        self.now
+    }
+
+    fn start_target(&mut self, target: usize, generation: u64) {
+        let t = &mut self.targets[target];
+        *t = TargetThread {
+            generation,
+            stage: TargetStage::Building,
+            queue: VecDeque::new(),
+            busy: false,
+            clock: t.clock,
+        };
+        let delay = self.jitter(10, 100);
+        self.after(delay, Occ::TargetBuilt { target, generation });
+    }
+
+    fn abandon_target(&mut self, target: usize, generation: u64) {
+        let t = &mut self.targets[target];
+        if t.generation == generation && t.stage != TargetStage::Gone {
+            // Found hung: a failure like any other (it counts against the restart limit).
+            t.stage = TargetStage::Gone;
+            self.target_failures.push(self.now);
+            self.hung_targets_found += 1;
+        }
+    }
+
+    fn send_to_target(&mut self, target: usize, generation: u64, request: Request) {
+        let item = match request.item {
+            Item::Capture { batch, positions } => {
+                let n = positions.len() as u64;
+                self.batches.insert(batch, positions);
+                Some((batch, n))
+            }
+            Item::Empty => None,
+        };
+        let t = &mut self.targets[target];
+        if t.generation == generation && t.stage != TargetStage::Gone {
+            t.queue.push_back((request.seq, request.drafter, request.generation, item));
+            self.target_work(target);
+        }
+    }
+
+    fn start_drafter(&mut self, id: usize, generation: u64, start: Start) {
+        if let Some(&g) = self.routes.get(&id)
+            && self.threads.get(&(id, g)).is_some_and(|t| t.stage != Stage::Gone)
+            && self.rounds.is_member(id, g)
+        {
+            self.found(violation(format!("drafter {id} started again while its thread {g} is still a member")));
+            return;
+        }
+        let founder = matches!(start, Start::Found(_));
+        self.threads.insert(
+            (id, generation),
+            Thread {
+                start,
+                stage: Stage::Building,
+                replica: Replica { step: 0, hash: 0, optimizer_steps: 0 },
+                inbox: VecDeque::new(),
+                items: vec![],
+                samples: 0,
+                taken: 0,
+                joined: Rc::new(Cell::new(None)),
+                snapshot_at: None,
+                since: self.now,
+                clock: self.now,
+            },
+        );
+        self.routes.insert(id, generation);
+        if std::mem::take(&mut self.armed.start_hang) {
+            self.note(format!("fault: drafter {id}.{generation} never finishes starting"));
+        } else {
+            let delay = self.jitter(5, 60);
+            self.after(delay, Occ::Built { id, generation });
+            if std::mem::take(&mut self.armed.start_crash) || (founder && std::mem::take(&mut self.armed.kill_founder))
+            {
+                self.kill(id, generation, FailureKind::Panic, "fault: crash while starting");
+            }
+        }
+    }
+
+    fn abandon_drafter(&mut self, id: usize, generation: u64) -> Vec<(usize, u64)> {
+        if self.routes.get(&id) == Some(&generation) {
+            self.routes.remove(&id);
+        }
+        let removal = self.rounds.remove(id, generation);
+        if self.threads.get(&(id, generation)).is_some_and(|t| t.stage != Stage::Gone) {
+            // Its actor is stopped: the supervisor hears of it.
+            self.supervision(Event::DrafterExited { id, generation });
+            self.wake(id, generation);
+        }
+        let check = self.complete_rounds();
+        self.found(check);
+        removal.remaining
+    }
+
+    fn tell(&mut self, id: usize, generation: u64, order: Order) {
+        if order == Order::ServeJoiners && std::mem::take(&mut self.armed.kill_donor_on_serve) {
+            self.kill(id, generation, FailureKind::Panic, "fault: the donor dies as it is asked to serve");
+        }
+        if self.routes.get(&id) == Some(&generation)
+            && let Some(t) = self.threads.get_mut(&(id, generation))
+        {
+            t.inbox.push_back(Msg::Order(order));
+            self.wake(id, generation);
+        }
+    }
+
+    fn rewind_collective(&mut self, step: u64, samples_committed: u64) -> Result<(), String> {
+        self.rounds.rewind(step).map_err(|e| format!("the collective has members: {e}"))?;
+        self.samples_committed = samples_committed;
+        self.boundary_samples.insert((self.process, self.rounds.incarnation(), step), samples_committed);
+        Ok(())
+    }
+
+    fn find_checkpoint(&mut self, filter: ScanFilter) {
+        let delay = self.jitter(5, 60);
+        self.after(delay, Occ::Scan(filter));
+    }
+
+    fn write_checkpoint(&mut self, job: WriteJob, replica: Replica) {
+        if replica.step != job.step || job.state.step != job.step {
+            self.found(violation(format!(
+                "checkpoint of step {} pairs a snapshot of step {} with a state of step {}",
+                job.step, replica.step, job.state.step
+            )));
+            return;
+        }
+        let key = (self.process, self.rounds.incarnation(), job.step);
+        if let Some(&samples) = self.boundary_samples.get(&key)
+            && samples != job.state.samples_committed
+        {
+            self.found(violation(format!(
+                "checkpoint of step {}: {} samples committed in its state, {samples} at that boundary",
+                job.step, job.state.samples_committed
+            )));
+            return;
+        }
+        self.writes.push_back(DiskJob::Write(Box::new(job), replica));
+        self.next_write();
+    }
+
+    fn retire_checkpoints(&mut self, from: u64, to: u64) {
+        self.writes.push_back(DiskJob::Retire(from, to));
+        self.next_write();
+    }
+
+    fn append_ledger(&mut self, entry: LedgerEntry) {
+        self.ledger_pending.push_back(entry);
+        self.write_ledger();
+    }
+
+    fn export(&mut self, from: PathBuf) {
+        self.after(ms(50), Occ::Deliver(Box::new(Event::Exported(Ok(from)))));
+    }
+
+    fn evaluate(&mut self, _: &Core, step: u64, _: PathBuf) {
+        let e = Evaluated {
+            step,
+            decode_acceptance_length: 1.5,
+            holdout_acceptance_length: None,
+            holdout_rows: 0,
+            token_match_rate: 1.0,
+            lossless: true,
+            prompts: 1,
+            seconds: 0.1,
+            best: 1.5,
+            new_best: false,
+        };
+        self.after(ms(100), Occ::Deliver(Box::new(Event::Evaluated(Ok(e)))));
+    }
+
+    fn post_feed(&mut self, rank: usize, _: u64, step: u64, _: Feed) {
+        self.found(violation(format!("an assignment of step {step} for host {rank} in a run of one host")));
+    }
+
+    fn notice(&mut self, notice: Notice) {
+        if let Notice::Committed { .. } = notice {
+            self.last_progress = self.now;
+        }
+    }
+
+    fn exit(&mut self, core: &Core, code: i32) {
+        let check = self.exited(core, code);
+        self.found(check);
+    }
+
+    fn bug(&mut self, what: String) {
+        self.found(violation(what));
+    }
+
+    fn saw_event(&mut self, event: &Event) {
+        self.events += 1;
+        self.note(format!("-> {}", short(&format!("{event:?}"))));
+    }
+
+    fn saw_action(&mut self, action: &Action) {
+        self.note(format!("<- {}", short(&format!("{action:?}"))));
     }
 }
 
@@ -1628,9 +1667,15 @@ struct Outcome {
     exits: Vec<(i32, String)>,
 }
 
+/// A driver before the first process starts (the world's `start_process` gives each process its own).
+fn no_process(p: &Params) -> Driver<Replica> {
+    Driver::new(Core::new(setup(p, p.config(), None, vec![])))
+}
+
 fn simulate(seed: u64, full_trace: bool) -> Result<Outcome, String> {
     let mut world = World::new(seed, full_trace);
-    match world.run() {
+    let mut driver = no_process(&world.p);
+    match world.run(&mut driver) {
         Ok(()) => Ok(Outcome { events: world.events, hung_targets: world.hung_targets_found, exits: world.exits }),
         Err(e) => Err(world.report(&e)),
     }
@@ -1685,11 +1730,12 @@ fn sim_a_stopped_process_fails_nobody() {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let p = Params { fault_every_s: 1e9, hang_floor_s: 1.0, max_steps: 0, ..Params::draw(&mut rng) };
         let mut world = World::with(seed, p, rng, false);
+        let mut driver = no_process(&world.p);
         world.planned_freeze = Some((Duration::from_secs(2), Duration::from_secs(40)));
-        if let Err(e) = world.run() {
+        if let Err(e) = world.run(&mut driver) {
             panic!("{}", world.report(&e));
         }
-        let status = world.core.status();
+        let status = driver.core().status();
         let froze_at = world.froze_at_step.expect("the process was stopped");
         assert!(
             froze_at > 0 && status.step > froze_at,
