@@ -1,15 +1,16 @@
 //! The supervisor: a ractor actor around the pure [`Core`]. It turns what happens (thread reports, supervision
-//! events, timers, control requests, signals) into [`Event`]s for the [`Driver`], and its [`Shell`] is the
-//! process's [`Effects`]: starting and abandoning compute threads, routing capture requests, rewinding the
-//! collective, writing checkpoints, the ledger, evaluation, export, metrics, and the exit. Every decision is the
-//! core's, and the driver between them is the one the simulator drives; this module only owns the handles (actors,
-//! channels, tensors, files) the core must not see.
+//! events, timers, control requests, signals) into [`Event`]s for the [`Driver`], the one executor of the core's
+//! actions (the simulator drives the same one); its [`Shell`] owns the handles (actors, channels, tensors, files)
+//! the core must not see, and is the process's `Effects` (`effects.rs`): starting and abandoning compute threads,
+//! routing capture requests, rewinding the collective, writing checkpoints, the ledger, evaluation, export, metrics,
+//! and the exit. Every decision is the core's.
 pub mod core;
 pub mod protocol;
 
 mod checkpoints;
 mod drafters;
 mod driver;
+mod effects;
 mod hosts;
 mod restarts;
 pub mod run_progress;
@@ -24,7 +25,7 @@ mod sim;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Sender, channel, sync_channel};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,29 +33,27 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
-use self::driver::{Driver, Effects};
-use self::protocol::{Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter};
-use self::protocol::{Start, Watched, WriteJob};
+use self::driver::Driver;
+use self::protocol::{Activity, DrafterSeen, Event, Request, Watched};
 use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
-use super::compute_thread::{ComputeActor, ThreadFailure, ThreadMsg};
-use super::drafter::{self, DrafterShared, DrafterSpawn, Phase};
+use super::compute_thread::{ThreadFailure, ThreadMsg};
+use super::drafter::{DrafterShared, Phase};
 use super::evaluator::{EvalSet, EvalSpec, Evaluator, eval_set};
 use super::failure::{Failure, FaultKind, FaultRefused};
 use super::ledger::LedgerWriter;
-use super::messages::{Heads, ReloadReply, Reread, SupervisorMsg, Work};
+use super::messages::{Heads, ReloadReply, Reread, SupervisorMsg};
 use super::placement::assign_targets;
 use super::reload::{Accepted, Reloaded, reread};
 use super::status::{DrafterState, Status};
-use super::target::{self, Route, Routes, TargetSpawn};
+use super::target::Routes;
 use crate::config::{CollectiveKind, Config, Layers, TargetSource};
-use crate::data::SampleId;
 use crate::data::dataset::Dataset;
 use crate::device::{self, device_name};
-use crate::model::{Drafter, DrafterConfig, PartFault};
+use crate::model::{DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
-use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, TrainerState, newest_valid, survivor_root};
+use crate::train::checkpoint::{Checkpointer, Snapshot, TrainerState, survivor_root};
 use crate::train::collective::{Collective, GradientSum};
 use crate::train::decode_eval::DecodeSettings;
 use crate::train::link::{HostLink, HostMember};
@@ -541,282 +540,6 @@ impl State {
             "configuration reloaded: version {version} applies from step {from} on every drafter"
         );
         Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
-    }
-}
-
-impl Effects for Shell {
-    type Snapshot = Snapshot;
-
-    fn now(&self) -> Duration {
-        self.started.elapsed()
-    }
-
-    fn start_target(&mut self, id: usize, generation: u64) {
-        let (tx, rx) = channel();
-        let t = &self.targets[id];
-        let spawn = TargetSpawn {
-            id,
-            generation,
-            source: self.a.target_source.clone(),
-            taps: self.a.taps.clone(),
-            device: t.device,
-            spread_to: self.a.spread_to.clone(),
-            micro_batches: self.a.config.target.micro_batches,
-            kind: t.kind,
-            last_states: self.a.objective.teacher.needs_target_predictions(),
-            pack: self.a.config.data.pack,
-            dataset: self.a.dataset.clone(),
-            routes: self.routes.clone(),
-            supervisor: self.myself.clone(),
-            requests: rx,
-            abandoned: t.abandoned.clone(),
-            metrics: t.metrics.clone(),
-            fault: t.fault.clone(),
-        };
-        // Requests queue in the channel until the thread reads them; the actor's handle arrives with its
-        // ActorStarted supervision event, a failure to start as the copy's failure.
-        self.targets[id].thread = Some((generation, tx));
-        let name = self.spawned.name(Spawned::Target { id, generation });
-        let (cell, me) = (self.myself.get_cell(), self.myself.clone());
-        tokio::spawn(async move {
-            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), cell).await {
-                let failure = Failure::panic(format!("could not start the target actor: {e}"));
-                let _ = me.send_message(SupervisorMsg::Core(Event::TargetFailed { target: id, generation, failure }));
-            }
-        });
-    }
-
-    fn abandon_target(&mut self, target: usize, generation: u64) {
-        let t = &mut self.targets[target];
-        t.abandoned.fetch_max(generation, Ordering::SeqCst);
-        if t.thread.as_ref().is_some_and(|(g, _)| *g == generation) {
-            t.thread = None;
-        }
-        if t.actor.as_ref().is_some_and(|(g, _)| *g == generation)
-            && let Some((_, actor)) = t.actor.take()
-        {
-            actor.stop(None);
-        }
-    }
-
-    fn send_to_target(&mut self, target: usize, generation: u64, request: Request) {
-        if let Some((g, tx)) = &self.targets[target].thread
-            && *g == generation
-        {
-            let _ = tx.send(request);
-        }
-    }
-
-    fn start_drafter(&mut self, id: usize, generation: u64, start: Start) {
-        let Some(heads) = self.heads.clone() else {
-            self.bug(format!("drafter {id} was started before the target was ready"));
-            return;
-        };
-        let c = &self.a.config;
-        let h = &mut self.drafters[id];
-        *h.shared.phase.lock().unwrap_or_else(|p| p.into_inner()) = Phase::default();
-        let (tx, rx) = sync_channel(8 + c.supervision.prefetch_steps * c.optim.accumulation * 2);
-        h.metrics.feature_queue.set(0.0);
-        let route =
-            Route { generation, sender: tx, device: h.device, kind: h.kind, queued: h.metrics.feature_queue.clone() };
-        self.routes.set(id, route);
-        let spawn = DrafterSpawn {
-            id,
-            generation,
-            device: h.device,
-            kind: h.kind,
-            config: self.a.drafter_config.clone(),
-            objective: self.a.objective.clone(),
-            optimizer: c.optim.optimizer,
-            seed: c.objective.seed,
-            init: c.draft_model.init.clone(),
-            accumulation: c.optim.accumulation,
-            check_every: c.supervision.check_replicas_every,
-            start,
-            heads,
-            collective: self.collective.clone(),
-            supervisor: self.myself.clone(),
-            input: rx,
-            shared: h.shared.clone(),
-            metrics: h.metrics.clone(),
-            peak_tflops: c.drafters.peak_tflops,
-            collective_timeout: c.drafters.collective_timeout,
-        };
-        // The actor's handle arrives with its ActorStarted supervision event.
-        let name = self.spawned.name(Spawned::Drafter { id, generation });
-        let cell = self.myself.get_cell();
-        tokio::spawn(async move {
-            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
-                tracing::error!(drafter = id, "could not start the drafter actor: {e}");
-            }
-        });
-    }
-
-    fn abandon_drafter(&mut self, id: usize, generation: u64) -> Vec<(usize, u64)> {
-        let h = &mut self.drafters[id];
-        h.shared.abandoned.fetch_max(generation, Ordering::SeqCst);
-        if h.actor.as_ref().is_some_and(|(g, _)| *g == generation)
-            && let Some((_, actor)) = h.actor.take()
-        {
-            actor.stop(None);
-        }
-        self.routes.remove(id, generation);
-        self.collective.remove(id, generation).remaining
-    }
-
-    fn tell(&mut self, id: usize, generation: u64, order: Order) {
-        if !self.routes.try_send(id, generation, Work::Order(order)) {
-            tracing::debug!(drafter = id, ?order, "an order for a drafter thread that is gone or busy");
-        }
-    }
-
-    fn rewind_collective(&mut self, step: u64, samples_committed: u64) -> Result<(), String> {
-        let incarnation = self.collective.rewind(step, samples_committed).map_err(|e| e.to_string())?;
-        self.checkpointer.fence(incarnation);
-        Ok(())
-    }
-
-    fn find_checkpoint(&mut self, filter: ScanFilter) {
-        let dir = self.a.config.checkpoint.dir.clone();
-        let me = self.myself.clone();
-        tokio::task::spawn_blocking(move || {
-            let scan = newest_valid(&dir, &|step| filter.allows(step)).map_err(|e| e.to_string());
-            for (_, why) in scan.iter().flat_map(|scan| &scan.rejected) {
-                tracing::warn!("checkpoint rejected: {why}");
-            }
-            let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointFound(scan)));
-        });
-    }
-
-    fn write_checkpoint(&mut self, job: WriteJob, snapshot: Snapshot) {
-        self.checkpointer.write(snapshot, job.state, job.invalid, job.incarnation);
-    }
-
-    fn retire_checkpoints(&mut self, from: u64, to: u64) {
-        self.checkpointer.retire(from, to);
-    }
-
-    fn append_ledger(&mut self, entry: LedgerEntry) {
-        let Some(w) = self.ledger.as_ref() else { return };
-        let line = match entry {
-            LedgerEntry::Commit { step, batch } => {
-                let ids: Vec<SampleId> = batch.samples.iter().map(|&p| self.a.dataset.id(p)).collect();
-                serde_json::json!({"step": step, "epoch": batch.id.epoch, "batch": batch.id.ordinal, "ids": ids})
-            }
-            // Entries of this step and later were undone with the model.
-            LedgerEntry::Rewind { step } => serde_json::json!({"rewind_to_step": step}),
-        };
-        w.append(line.to_string());
-    }
-
-    fn export(&mut self, from: PathBuf) {
-        let out = self.a.config.checkpoint.dir.join("final");
-        let me = self.myself.clone();
-        tokio::task::spawn_blocking(move || {
-            // Written aside and put in place whole: a failed export leaves no partial or older `final/`.
-            let staged = out.with_file_name(".final.tmp");
-            let _ = std::fs::remove_dir_all(&staged);
-            let exported = crate::panic::catch_torch(|| {
-                Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
-                    .and_then(|d| d.save(&staged, Kind::BFloat16))
-            });
-            let placed = || -> Result<PathBuf, String> {
-                match std::fs::remove_dir_all(&out) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(format!("removing the old {}: {e}", out.display()));
-                    }
-                    _ => {}
-                }
-                std::fs::rename(&staged, &out).map_err(|e| format!("moving the export into place: {e}"))?;
-                Ok(out)
-            };
-            let result = match exported {
-                Ok(Ok(())) => placed(),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            let _ = me.send_message(SupervisorMsg::Core(Event::Exported(result)));
-        });
-    }
-
-    fn evaluate(&mut self, core: &Core, step: u64, path: PathBuf) {
-        if self.evaluator.is_none() {
-            match self.start_evaluator(core.config()) {
-                Ok(e) => self.evaluator = Some(e),
-                Err(e) => {
-                    let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(format!("unavailable: {e:#}"))));
-                    return;
-                }
-            }
-        }
-        if let Some(e) = &self.evaluator
-            && !e.submit(step, path)
-        {
-            // The core waits for every evaluation it asks for to answer.
-            let busy = "skipped: the previous one is still decoding (a supervisor bug)".to_string();
-            let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(busy)));
-        }
-    }
-
-    fn post_feed(&mut self, rank: usize, generation: u64, step: u64, feed: Feed) {
-        if let Some(link) = &self.a.link {
-            hosts::post_feed(link, rank, generation, step, &feed);
-        }
-    }
-
-    fn notice(&mut self, notice: Notice) {
-        let m = &self.run_metrics;
-        match notice {
-            Notice::Committed { step, samples, tokens, loss, estimate } => {
-                m.run_progress.set(estimate.fraction);
-                if let Some(total) = estimate.total_steps {
-                    m.run_total_steps.set(total as f64);
-                }
-                if let Some(left) = estimate.eta_seconds {
-                    m.run_time_left.set(left);
-                }
-                m.committed_samples.increment(samples);
-                m.committed_tokens.increment(tokens);
-                m.committed_steps.increment(1);
-                m.step.set(step as f64);
-                m.last_step_timestamp.set(crate::telemetry::unix_now());
-                if let Some([loss, accuracy, acceptance]) = loss {
-                    m.loss.set(loss);
-                    m.accuracy.set(accuracy);
-                    m.train_acceptance_length.set(acceptance);
-                }
-            }
-            Notice::Skipped => m.skipped_steps.increment(1),
-            Notice::Requeued { samples } => m.samples_requeued.increment(samples),
-            Notice::Restarted { id } => DrafterMetrics::restarted(id),
-            Notice::ReplicasDiverged => m.replica_divergences.increment(1),
-            Notice::CheckpointOutcome(written) => m.checkpoint(written),
-            Notice::LedgerWrite { ok } => m.ledger_write(ok),
-            Notice::WriterStalled(stalled) => m.checkpoint_writer_stalled.set(if stalled { 1.0 } else { 0.0 }),
-            Notice::CheckpointSkipped => m.checkpoints_skipped.increment(1),
-        }
-    }
-
-    fn exit(&mut self, core: &Core, code: i32) {
-        // The writers' queued work gets what is left of the ending's deadline, not more.
-        let wait = core.time_left_to_exit(Checkpointer::DROP_WAIT);
-        self.checkpointer.finish(wait);
-        if let Some(ledger) = &mut self.ledger {
-            ledger.finish(wait);
-        }
-        if let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) {
-            // The others end with the run; waits a little for them to have seen it.
-            let others = link.members().iter().filter(|m| m.rank != 0).count();
-            if let Err(e) = link.finish(code, others, Duration::from_secs(10)) {
-                tracing::warn!("cannot tell the other hosts the run ended: {e}");
-            }
-        }
-        *self.a.exit_code.lock().unwrap_or_else(|p| p.into_inner()) = Some(code);
-        self.myself.stop(Some(format!("exit {code}")));
-    }
-
-    fn bug(&mut self, what: String) {
-        tracing::error!("{what} (a supervisor bug)");
     }
 }
 

@@ -491,14 +491,23 @@ impl World {
 
     /// A message to the core from a sender whose messages stay in order.
     fn send_from(&mut self, clock: Duration, event: Event) -> Duration {
+        self.occur_from(clock, Occ::Deliver(Box::new(event)))
+    }
+
+    /// What a sender whose messages stay in order (its clock) makes happen; the sender's new clock.
+    fn occur_from(&mut self, clock: Duration, occ: Occ) -> Duration {
         let when = (self.now + self.jitter(0, 4)).max(clock);
-        self.at(when, Occ::Deliver(Box::new(event)));
+        self.at(when, occ);
         when
     }
 
     fn thread_says(&mut self, id: usize, generation: u64, event: Event) {
+        self.thread_sends(id, generation, Occ::Deliver(Box::new(event)));
+    }
+
+    fn thread_sends(&mut self, id: usize, generation: u64, occ: Occ) {
         let clock = self.threads.get(&(id, generation)).map_or(self.now, |t| t.clock);
-        let when = self.send_from(clock, event);
+        let when = self.occur_from(clock, occ);
         if let Some(t) = self.threads.get_mut(&(id, generation)) {
             t.clock = when;
         }
@@ -781,10 +790,8 @@ impl World {
             Stage::Collecting => {
                 if t.snapshot_at.is_some_and(|at| at <= t.replica.step) {
                     t.snapshot_at = None;
-                    let (replica, clock) = (t.replica, t.clock);
-                    let when = (self.now + self.jitter(0, 4)).max(clock);
-                    self.at(when, Occ::Snapshot { id, generation, replica });
-                    self.threads.get_mut(&(id, generation)).expect("present").clock = when;
+                    let replica = t.replica;
+                    self.thread_sends(id, generation, Occ::Snapshot { id, generation, replica });
                     return self.run_thread(id, generation);
                 }
                 while t.taken < self.p.accumulation {
