@@ -181,3 +181,146 @@ impl<S> Driver<S> {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::data::SampleId;
+    use crate::data::loader::LoaderState;
+    use crate::service::failure::Failure;
+    use crate::service::supervisor::core::Setup;
+    use crate::train::checkpoint::TrainerState;
+
+    /// Effects that record what they were asked, with a clock the test moves.
+    #[derive(Default)]
+    struct Recorder {
+        now: Duration,
+        seen: Vec<String>,
+        bugs: Vec<String>,
+        written: Vec<(u64, &'static str)>,
+        /// What the collective has left after an abandon.
+        remaining: Vec<(usize, u64)>,
+    }
+
+    impl Effects for Recorder {
+        type Snapshot = &'static str;
+        fn now(&self) -> Duration {
+            self.now
+        }
+        fn start_target(&mut self, _: usize, _: u64) {}
+        fn abandon_target(&mut self, _: usize, _: u64) {}
+        fn send_to_target(&mut self, _: usize, _: u64, _: Request) {}
+        fn start_drafter(&mut self, _: usize, _: u64, _: Start) {}
+        fn abandon_drafter(&mut self, id: usize, generation: u64) -> Vec<(usize, u64)> {
+            self.remaining.retain(|m| *m != (id, generation));
+            self.remaining.clone()
+        }
+        fn tell(&mut self, _: usize, _: u64, _: Order) {}
+        fn rewind_collective(&mut self, _: u64, _: u64) -> Result<(), String> {
+            Ok(())
+        }
+        fn find_checkpoint(&mut self, _: ScanFilter) {}
+        fn write_checkpoint(&mut self, job: WriteJob, snapshot: &'static str) {
+            self.written.push((job.step, snapshot));
+        }
+        fn retire_checkpoints(&mut self, _: u64, _: u64) {}
+        fn append_ledger(&mut self, _: LedgerEntry) {}
+        fn export(&mut self, _: PathBuf) {}
+        fn evaluate(&mut self, _: &Core, _: u64, _: PathBuf) {}
+        fn post_feed(&mut self, _: usize, _: u64, _: u64, _: Feed) {}
+        fn notice(&mut self, _: Notice) {}
+        fn exit(&mut self, _: &Core, _: i32) {}
+        fn bug(&mut self, what: String) {
+            self.bugs.push(what);
+        }
+        fn saw_event(&mut self, event: &Event) {
+            self.seen.push(format!("{event:?}"));
+        }
+        fn saw_action(&mut self, action: &Action) {
+            self.seen.push(format!("<- {action:?}"));
+        }
+    }
+
+    fn driver(drafters: usize) -> Driver<&'static str> {
+        let mut config = Config::builtin().expect("the built-in configuration");
+        config.drafters.devices = vec![config.drafters.devices[0]; drafters];
+        Driver::new(Core::new(Setup {
+            config,
+            drafter_devices: vec!["cpu".into(); drafters],
+            target_devices: vec!["cpu".into()],
+            feeds: vec![0; drafters],
+            lengths: vec![8; 64],
+            sample_ids: (0..64).map(SampleId::Number).collect(),
+            resume: None,
+            rejected: vec![],
+            role: None,
+        }))
+    }
+
+    fn job(step: u64) -> WriteJob {
+        let loader = LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] };
+        WriteJob {
+            donor: (0, 1),
+            step,
+            incarnation: 0,
+            state: TrainerState::new(step, loader, serde_json::Value::Null),
+            invalid: vec![],
+        }
+    }
+
+    /// An action that answers at once (a drafter given up: the members left) has its answer handled before the
+    /// next action is carried out, so the core decides on what the collective holds now.
+    #[test]
+    fn an_answer_reaches_the_core_before_the_next_action() {
+        let mut d = driver(2);
+        let mut fx = Recorder { remaining: vec![(0, 1), (1, 1)], ..Recorder::default() };
+        d.start(&mut fx);
+        d.handle(&mut fx, Event::TargetReady { target: 0, generation: 1 });
+        d.handle(&mut fx, Event::DrafterJoined { id: 0, generation: 1, step: 0 });
+        d.handle(&mut fx, Event::DrafterJoined { id: 1, generation: 1, step: 0 });
+        fx.seen.clear();
+        let failure = Failure::panic("boom".into());
+        d.handle(&mut fx, Event::DrafterFailed { id: 1, generation: 1, failure, running: vec![], injected: false });
+        let abandon = fx.seen.iter().position(|s| s.starts_with("<- Abandon { id: 1, generation: 1 }"));
+        let abandon = abandon.unwrap_or_else(|| panic!("drafter 1 was not given up: {:?}", fx.seen));
+        assert_eq!(fx.seen[abandon + 1], "MemberRemoved { remaining: [(0, 1)] }", "{:?}", fx.seen);
+        assert!(fx.bugs.is_empty(), "{:?}", fx.bugs);
+    }
+
+    /// The writer gets the snapshot the core names, once; a write of a snapshot not kept (or dropped) is a bug and
+    /// a failed write, never a write of something else.
+    #[test]
+    fn a_checkpoint_is_written_from_its_own_snapshot_or_fails_as_a_bug() {
+        let mut d = driver(1);
+        let mut fx = Recorder::default();
+        d.keep_snapshot((0, 1, 4), "step 4");
+        d.keep_snapshot((0, 1, 6), "step 6");
+        assert_eq!(d.carry_out(&mut fx, Action::WriteCheckpoint(job(6))).map(|e| format!("{e:?}")), None);
+        assert_eq!(fx.written, [(6, "step 6")]);
+        let again = d.carry_out(&mut fx, Action::WriteCheckpoint(job(6)));
+        assert!(matches!(again, Some(Event::CheckpointWritten(Written { step: 6, result: Err(_), .. }))));
+        assert_eq!(fx.bugs.len(), 1, "{:?}", fx.bugs);
+        d.carry_out(&mut fx, Action::DropSnapshots { which: None });
+        let dropped = d.carry_out(&mut fx, Action::WriteCheckpoint(job(4)));
+        assert!(matches!(dropped, Some(Event::CheckpointWritten(Written { step: 4, result: Err(_), .. }))));
+        assert_eq!((fx.written.len(), fx.bugs.len()), (1, 2));
+    }
+
+    /// A message after a silence longer than the tick gap tells the core first how long the process did not run
+    /// (less the tick it would have waited anyway); a message within the gap tells it nothing.
+    #[test]
+    fn time_the_process_did_not_run_reaches_the_core_before_the_message() {
+        let mut d = driver(1);
+        let mut fx = Recorder::default();
+        d.start(&mut fx);
+        d.arrived(&mut fx, true);
+        fx.now = Duration::from_secs(1);
+        d.arrived(&mut fx, true);
+        assert!(fx.seen.iter().all(|s| !s.starts_with("Stopped")), "{:?}", fx.seen);
+        fx.now = Duration::from_secs(31);
+        d.arrived(&mut fx, false);
+        let stopped = format!("{:?}", Event::Stopped { for_: Duration::from_secs(30) - TickGaps::TICK });
+        assert_eq!(fx.seen.last(), Some(&stopped), "{:?}", fx.seen);
+    }
+}
