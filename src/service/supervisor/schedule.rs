@@ -65,6 +65,9 @@ pub struct Schedule {
     early: BTreeMap<u64, RoundReport>,
     failures: HashMap<BatchId, u32>,
     set_aside: Vec<BatchId>,
+    /// The batches this process set aside, kept in case a thread already held one's features: the round that
+    /// trained it commits it after all.
+    aside: HashMap<BatchId, Batch>,
     accumulation: usize,
     epochs: u64,
     max_steps: u64,
@@ -110,6 +113,7 @@ impl Schedule {
             early: BTreeMap::new(),
             failures: HashMap::new(),
             set_aside: vec![],
+            aside: HashMap::new(),
             accumulation: accumulation.max(1),
             epochs,
             max_steps,
@@ -177,6 +181,7 @@ impl Schedule {
         self.committed_step = position.step;
         self.samples_committed = position.samples_committed;
         self.set_aside = position.set_aside.clone();
+        self.aside.clear();
         self.incarnation = incarnation;
     }
 
@@ -328,7 +333,19 @@ impl Schedule {
         }
         self.loader.commit(batch);
         self.set_aside.push(batch);
-        self.batches.remove(&batch)
+        let taken = self.batches.remove(&batch);
+        if let Some(b) = &taken {
+            self.aside.insert(batch, b.clone());
+        }
+        taken
+    }
+
+    /// A batch set aside after a thread had its features (the target delivered them before the failure that
+    /// blamed the batch was heard of): the round trained it, so it is committed, and no longer aside.
+    fn trained_after_all(&mut self, batch: BatchId) -> Option<Batch> {
+        let taken = self.aside.remove(&batch)?;
+        self.set_aside.retain(|b| *b != batch);
+        Some(taken)
     }
 
     /// Takes a round's report; returns what each round it completes settled (none while an earlier one is missing,
@@ -362,7 +379,7 @@ impl Schedule {
                     self.loader.commit(*b);
                 }
                 self.failures.remove(b);
-                if let Some(batch) = self.batches.remove(b) {
+                if let Some(batch) = self.batches.remove(b).or_else(|| self.trained_after_all(*b)) {
                     // (A position another host assigned is checked at start to be this data's: counted, never trusted.)
                     out.tokens +=
                         batch.samples.iter().map(|&p| self.lengths.get(p).map_or(0, |&l| l as u64)).sum::<u64>();
@@ -537,6 +554,20 @@ mod tests {
         assert_eq!(s.set_aside_now(b).map(|x| x.id), Some(b));
         let settled = s.take_report(report(step, 0, &[(0, vec![])], 0));
         assert_eq!((settled[0].requeued_samples, settled[0].committed.len()), (0, 0));
+        assert_eq!(s.loader_state().owed, vec![], "neither owed nor handed out again");
+    }
+
+    /// The target delivered a batch's features, then failed and was blamed for it a second time before its
+    /// delivery was heard of: the batch is set aside, but the drafter trains it, and its round commits it.
+    #[test]
+    fn a_batch_set_aside_after_its_features_were_delivered_is_committed_by_its_round() {
+        let mut s = schedule(8, 1);
+        let (step, items) = s.open_step(&[(0, 1)]).unwrap();
+        let b = batches(&items, 0)[0];
+        assert!(s.set_aside_now(b).is_some());
+        let settled = s.take_report(report(step, 0, &[(0, vec![b])], 2));
+        assert_eq!(settled[0].committed.iter().map(|x| x.id).collect::<Vec<_>>(), vec![b]);
+        assert_eq!(s.set_aside(), &[] as &[BatchId], "trained, so not aside");
         assert_eq!(s.loader_state().owed, vec![], "neither owed nor handed out again");
     }
 }

@@ -149,6 +149,16 @@ impl TargetCopy {
     }
 
     /// Its thread of `generation` failed at `now`; `None` for a stale generation.
+    /// Drafter thread `(drafter, generation)` was given up: what this copy still holds for it is blanked. Nobody
+    /// reads those captures, their batches go back to the loader with their steps (to be assigned again, maybe
+    /// through this copy), and a failure of the copy while it holds one must not blame a batch that is now another
+    /// thread's: a batch set aside for it would leave that thread's contribution uncommitted.
+    pub fn forget(&mut self, drafter: usize, generation: u64) {
+        for r in self.undelivered.iter_mut().filter(|r| r.drafter == drafter && r.generation == generation) {
+            r.item = Item::Empty;
+        }
+    }
+
     pub fn failed(&mut self, generation: u64, now: Duration, s: &SupervisionSettings) -> Option<TargetFailure> {
         if generation != self.generation || !matches!(self.life, Life::Starting { .. } | Life::Ready) {
             return None;
@@ -229,5 +239,27 @@ mod tests {
         let third = t.failed(g, Duration::from_secs(3), &s).unwrap();
         assert_eq!(third, TargetFailure { suspect: None, restart_at: None });
         assert!(t.gave_up());
+    }
+
+    /// A drafter thread given up leaves its requests queued (their order is the copy's), blank: resent blank after
+    /// a restart, and a failure while the copy holds one blames no batch (the batch is another thread's by then).
+    #[test]
+    fn what_a_given_up_thread_had_queued_is_resent_blank_and_blames_no_batch() {
+        let s = Config::builtin().unwrap().supervision;
+        let mut t = TargetCopy::new(0, "cpu".into());
+        let g = t.start(Duration::ZERO);
+        t.ready(g, Duration::ZERO);
+        let other = Request { drafter: 1, ..capture(2, 8) };
+        t.push(capture(1, 7), Duration::ZERO);
+        t.push(other.clone(), Duration::ZERO);
+        t.forget(0, 1);
+        t.forget(1, 2);
+        for _ in 0..2 {
+            let failure = t.failed(t.generation, Duration::from_secs(1), &s).unwrap();
+            assert_eq!(failure.suspect, None, "the front was the given-up thread's");
+            let g = t.start(Duration::from_secs(2));
+            let blank = Request { item: Item::Empty, ..capture(1, 7) };
+            assert_eq!(t.ready(g, Duration::from_secs(2)).unwrap(), vec![blank, other.clone()], "generation 1 only");
+        }
     }
 }

@@ -55,6 +55,14 @@ impl Core {
         }
     }
 
+    /// Gives up drafter thread `(id, generation)`, and blanks what the target copies still hold for it.
+    fn abandon(&mut self, id: usize, generation: u64) {
+        for t in &mut self.targets {
+            t.forget(id, generation);
+        }
+        self.out.push(Action::Abandon { id, generation });
+    }
+
     pub(super) fn drafter_failed(
         &mut self,
         id: usize,
@@ -77,7 +85,7 @@ impl Core {
             tracing::error!(step, "the checkpoint of step {step} cannot be loaded: later rewinds pass it over");
             self.book.shun(step);
         }
-        self.out.push(Action::Abandon { id, generation });
+        self.abandon(id, generation);
         if self.book.donor_lost(id, generation) {
             // The snapshot will never come: ask another replica.
             self.checkpoint_owed = true;
@@ -147,10 +155,14 @@ impl Core {
         let founder_starting = self.slots.iter().any(|s| s.role() == Some(Role::Founder));
         if self.members.is_empty() && !founder_starting {
             // Joiners whose donor is gone would wait forever: back in line, without it counting against them.
+            let mut abandoned = vec![];
             for s in self.slots.iter_mut().filter(|s| s.role() == Some(Role::Joiner)) {
                 tracing::warn!(drafter = s.id, "no live replica left to join: it will start again");
-                self.out.push(Action::Abandon { id: s.id, generation: s.generation });
+                abandoned.push((s.id, s.generation));
                 s.life = Life::Waiting;
+            }
+            for (id, generation) in abandoned {
+                self.abandon(id, generation);
             }
         }
         let now = self.now;
