@@ -185,11 +185,9 @@ impl<S> Driver<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
-    use crate::data::SampleId;
     use crate::data::loader::LoaderState;
     use crate::service::failure::Failure;
-    use crate::service::supervisor::core::Setup;
+    use crate::service::supervisor::core::tests::setup;
     use crate::train::checkpoint::TrainerState;
 
     /// Effects that record what they were asked, with a clock the test moves.
@@ -243,19 +241,7 @@ mod tests {
     }
 
     fn driver(drafters: usize) -> Driver<&'static str> {
-        let mut config = Config::builtin().expect("the built-in configuration");
-        config.drafters.devices = vec![config.drafters.devices[0]; drafters];
-        Driver::new(Core::new(Setup {
-            config,
-            drafter_devices: vec!["cpu".into(); drafters],
-            target_devices: vec!["cpu".into()],
-            feeds: vec![0; drafters],
-            lengths: vec![8; 64],
-            sample_ids: (0..64).map(SampleId::Number).collect(),
-            resume: None,
-            rejected: vec![],
-            role: None,
-        }))
+        Driver::new(Core::new(setup(drafters)))
     }
 
     fn job(step: u64) -> WriteJob {

@@ -589,13 +589,14 @@ fn because(what: &str, failure: &Failure) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::service::exit::StopSignal;
     use crate::service::status::DrafterState;
     use crate::service::supervisor::watchdog::Activity;
 
-    pub(super) fn setup(drafters: usize) -> Setup {
+    /// A core's setup for `drafters` drafters on the CPU, one target copy, 64 samples (the backoffs short).
+    pub(crate) fn setup(drafters: usize) -> Setup {
         let mut config = Config::builtin().unwrap();
         config.drafters.devices = vec![config.drafters.devices[0]; drafters];
         config.supervision.backoff_initial_ms = 100;
