@@ -1,8 +1,8 @@
 //! The one executor of the core's decisions, shared by the process and the simulator.
 //!
 //! [`Driver`] hands events to the [`Core`] and carries out the actions it answers (and what their own answers lead
-//! to, in order) through [`Effects`]: the process implements them with threads, actors, disk and TCP (the shell in
-//! `supervisor/mod.rs`), the simulator in memory (`sim.rs`). Everything between an event and its effects (noticing
+//! to, in order) through [`Effects`]: the process implements them with threads, actors, disk and TCP (the shell,
+//! `supervisor/effects.rs`), the simulator in memory (`sim.rs`). Everything between an event and its effects (noticing
 //! time the process did not run, the queue of actions, the snapshots kept for the checkpoint writer, which action
 //! is answered by which event, what counts as a supervisor bug) is written here once, so the simulator's seeds
 //! drive the code that runs in production.

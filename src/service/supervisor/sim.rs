@@ -663,11 +663,11 @@ impl World {
 
     /// Host `rank` enters the run again, from the round after the open one.
     fn host_back(&mut self, rank: usize) {
-        self.host_generations += 1;
-        let r = &mut self.remote[rank - 1];
-        if r.alive {
+        if self.remote[rank - 1].alive {
             return;
         }
+        self.host_generations += 1;
+        let r = &mut self.remote[rank - 1];
         *r = Remote {
             rank,
             generation: self.host_generations,
@@ -680,14 +680,28 @@ impl World {
         self.tell_hosts(delay);
     }
 
+    /// The checksums a replica reports of its state, on steps where replicas are compared.
+    fn digest(&self, r: Replica) -> Option<[i64; 3]> {
+        let due = self.p.check_every > 0 && r.step.is_multiple_of(self.p.check_every);
+        due.then_some([r.hash as i64, r.step as i64, r.optimizer_steps as i64])
+    }
+
+    /// A capture item as the model carries it, its batch's samples recorded (the ledger check names them).
+    fn captured(&mut self, item: Item) -> Option<(BatchId, u64)> {
+        match item {
+            Item::Capture { batch, positions } => {
+                let n = positions.len() as u64;
+                self.batches.insert(batch, positions);
+                Some((batch, n))
+            }
+            Item::Empty => None,
+        }
+    }
+
     /// The other hosts' parts of round `step` (what rank 0 fed each live host for it), as the link brings them
     /// with the round; each part's checksum is of the state every replica holds at the round's start.
     fn remote_parts(&mut self, step: u64, start: Replica) -> Vec<HostRecord> {
-        let digest = (self.p.check_every > 0 && step.is_multiple_of(self.p.check_every)).then_some([
-            start.hash as i64,
-            start.step as i64,
-            start.optimizer_steps as i64,
-        ]);
+        let digest = self.digest(start);
         let settings =
             (self.hyper.update(step, self.samples_committed), ObjectiveKnobs { num_anchors: 4, gamma: None });
         let mut parts = vec![];
@@ -1105,11 +1119,7 @@ impl World {
                 }
                 t.replica = next;
                 t.enter(Stage::Collecting, self.now);
-                let digest = (self.p.check_every > 0 && next.step.is_multiple_of(self.p.check_every)).then_some([
-                    next.hash as i64,
-                    next.step as i64,
-                    next.optimizer_steps as i64,
-                ]);
+                let digest = self.digest(next);
                 let event = Event::StepDone {
                     id: m,
                     generation: g,
@@ -1617,14 +1627,7 @@ impl Effects for World {
     }
 
     fn send_to_target(&mut self, target: usize, generation: u64, request: Request) {
-        let item = match request.item {
-            Item::Capture { batch, positions } => {
-                let n = positions.len() as u64;
-                self.batches.insert(batch, positions);
-                Some((batch, n))
-            }
-            Item::Empty => None,
-        };
+        let item = self.captured(request.item);
         let t = &mut self.targets[target];
         if t.generation == generation && t.stage != TargetStage::Gone {
             t.queue.push_back((request.seq, request.drafter, request.generation, item));
@@ -1769,28 +1772,15 @@ impl Effects for World {
     }
 
     fn post_feed(&mut self, rank: usize, generation: u64, step: u64, feed: Feed) {
-        let Some(r) = self.remote.iter_mut().find(|r| r.rank == rank) else {
+        let Some(at) = self.remote.iter().position(|r| r.rank == rank) else {
             return self.found(violation(format!("an assignment of step {step} for host {rank}, not in the run")));
         };
-        if !r.alive || r.generation != generation {
+        if !self.remote[at].alive || self.remote[at].generation != generation {
             // The store keeps it; that host's shell passes on only what is for the generation it is.
             return;
         }
-        let mut items = vec![];
-        for (drafter, item) in feed.items {
-            items.push((
-                drafter,
-                match item {
-                    Item::Capture { batch, positions } => {
-                        let n = positions.len() as u64;
-                        self.batches.insert(batch, positions);
-                        Some((batch, n))
-                    }
-                    Item::Empty => None,
-                },
-            ));
-        }
-        r.fed.insert(step, items);
+        let items = feed.items.into_iter().map(|(drafter, item)| (drafter, self.captured(item))).collect();
+        self.remote[at].fed.insert(step, items);
     }
 
     fn notice(&mut self, notice: Notice) {

@@ -141,10 +141,13 @@ impl TargetCopy {
 
     /// The request for `batch` becomes an empty slot (the batch was set aside).
     pub fn blank(&mut self, batch: BatchId) {
-        for r in self.undelivered.iter_mut() {
-            if matches!(r.item, Item::Capture { batch: b, .. } if b == batch) {
-                r.item = Item::Empty;
-            }
+        self.blank_where(|r| matches!(r.item, Item::Capture { batch: b, .. } if b == batch));
+    }
+
+    /// The queued requests `which` picks become empty slots, in place.
+    fn blank_where(&mut self, which: impl Fn(&Request) -> bool) {
+        for r in self.undelivered.iter_mut().filter(|r| which(r)) {
+            r.item = Item::Empty;
         }
     }
 
@@ -154,9 +157,7 @@ impl TargetCopy {
     /// through this copy), and a failure of the copy while it holds one must not blame a batch that is now another
     /// thread's: a batch set aside for it would leave that thread's contribution uncommitted.
     pub fn forget(&mut self, drafter: usize, generation: u64) {
-        for r in self.undelivered.iter_mut().filter(|r| r.drafter == drafter && r.generation == generation) {
-            r.item = Item::Empty;
-        }
+        self.blank_where(|r| r.drafter == drafter && r.generation == generation);
     }
 
     pub fn failed(&mut self, generation: u64, now: Duration, s: &SupervisionSettings) -> Option<TargetFailure> {
