@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::quorum::{Admitted, BeatWatch, Closed, Decision, HostQuorum, Rank, sum_outcome};
+use super::quorum::{Admitted, BeatWatch, Closed, Decision, HostQuorum, Rank, RunningClock, sum_outcome};
 use crate::ffi::store::{Store, StoreError};
 
 /// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
@@ -32,6 +32,9 @@ pub const KEEP_ROUNDS: u64 = 4;
 /// process for gone and closes rounds without it (rather than at each round's deadline).
 pub const BEAT_EVERY: Duration = Duration::from_secs(1);
 pub const GONE_AFTER: Duration = Duration::from_secs(10);
+/// A gap between two looks of rank 0's coordinator longer than this is its process not running (the coordinator
+/// looks every few milliseconds).
+pub const STOPPED_AFTER_S: f64 = 2.0;
 
 #[derive(Debug, Error)]
 pub enum ExchangeError {
@@ -360,6 +363,8 @@ pub struct Coordinator {
     /// The generation last seen of each host.
     seen: Vec<u64>,
     started: Instant,
+    /// The time the coordinator ran, which the rounds' deadlines are measured in.
+    running: RunningClock,
     /// Closed rounds whose update waits for the members to say they summed (NCCL): their members with generations,
     /// and when they closed.
     unsettled: BTreeMap<u64, (Vec<(Rank, u64)>, f64)>,
@@ -385,6 +390,7 @@ impl Coordinator {
             quorum,
             seen,
             started: Instant::now(),
+            running: RunningClock::new(STOPPED_AFTER_S),
             unsettled: BTreeMap::new(),
             open_round_settles: false,
             deadline_s: deadline.as_secs_f64(),
@@ -406,7 +412,8 @@ impl Coordinator {
                 self.quorum.announce(rank, generation);
             }
         }
-        let now = self.started.elapsed().as_secs_f64();
+        // Deadlines count the time this process ran: a stop of rank 0 is charged to no host.
+        let now = self.running.read(self.started.elapsed().as_secs_f64());
         let round = self.quorum.round();
         for rank in self.quorum.members() {
             let key = arrived_key(round, rank);

@@ -247,6 +247,35 @@ impl LeaderWatch {
     }
 }
 
+/// The time a process ran, from readings of a clock that goes on while the process is stopped (SIGSTOP, a swapping
+/// host, a paused VM): a reading more than `stall_after_s` after the one before is a stop, and the gap is not counted.
+/// Rank 0's coordinator measures the rounds' deadlines on it, so that a stop of rank 0 (shorter than
+/// `cluster.leader_timeout_s`: the other hosts wait for it) is charged to no host: a round open across it waits for
+/// its members as long afterwards as it would have without it, and rank 0 is not dropped from its own run.
+#[derive(Debug, Clone)]
+pub struct RunningClock {
+    stall_after_s: f64,
+    last: Option<f64>,
+    stopped_s: f64,
+}
+
+impl RunningClock {
+    pub fn new(stall_after_s: f64) -> Self {
+        RunningClock { stall_after_s, last: None, stopped_s: 0.0 }
+    }
+
+    /// The running time at the clock's reading `now`.
+    pub fn read(&mut self, now: f64) -> f64 {
+        if let Some(last) = self.last
+            && now - last > self.stall_after_s
+        {
+            self.stopped_s += now - last;
+        }
+        self.last = Some(now);
+        now - self.stopped_s
+    }
+}
+
 /// Whether a closed round's update applies, when its member hosts sum over NCCL after it closed: every member says
 /// whether its drafters' all-reduce completed (`posted`: rank -> (generation, summed)). The update applies only if
 /// every member summed (`Some(true)`); it is skipped on every host (`Some(false)`) as soon as one did not, or one
@@ -440,6 +469,29 @@ mod tests {
         assert_eq!(w.observe(11.0, Reply::Answered), None, "it answered: the silence ends");
         assert_eq!(w.observe(20.0, Reply::TimedOut), None);
         assert_eq!(w.observe(71.0, Reply::TimedOut), None, "a gap in the looking: the silence starts again");
+    }
+
+    /// The coordinator's clock skips the time its process did not run: a round open across a stop of rank 0 is
+    /// not closed for it, and closes at its deadline counted in running time.
+    #[test]
+    fn a_round_waits_its_deadline_in_time_rank_0_ran() {
+        let mut clock = RunningClock::new(2.0);
+        let mut q = HostQuorum::new(0, &[(0, 1), (1, 1)], clock.read(0.0), 10.0);
+        for t in 1..=5 {
+            assert!(matches!(q.poll(clock.read(t as f64 * 0.5)), Decision::Wait { .. }));
+        }
+        // Stopped from 2.5 s to 32.5 s: 30 s that count for nothing.
+        let now = clock.read(32.5);
+        assert_eq!(now, 2.5);
+        q.arrive(0, 1, 1);
+        assert!(matches!(q.poll(now), Decision::Wait { .. }), "rank 0's own part is still to come");
+        let mut t = 32.5;
+        while t < 40.0 {
+            t += 0.5;
+            assert!(matches!(q.poll(clock.read(t)), Decision::Wait { .. }), "at {t} s");
+        }
+        let Decision::Close(closed) = q.poll(clock.read(40.5)) else { panic!("the deadline passed in running time") };
+        assert_eq!((closed.members, closed.dropped), (vec![1], vec![0]));
     }
 
     /// A round's update applies only when every member summed; one failure, a member restarted since, or the

@@ -162,7 +162,7 @@ impl Schedule {
 
     /// A follower that entered the run mid-way: the run's samples committed before `report`'s round.
     pub fn align_samples(&mut self, report: &RoundReport) {
-        if self.follower && self.samples_committed == 0 {
+        if self.follower && self.samples_committed == 0 && report.incarnation == self.incarnation {
             self.samples_committed = report.samples_committed.saturating_sub(report.samples());
         }
     }

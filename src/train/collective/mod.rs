@@ -473,7 +473,14 @@ impl Collective {
                     // The run's round: every host's samples count, and the joiners this host serves wait.
                     let mut s = self.lock();
                     let local: u64 = done.contributions.iter().map(|(.., c)| c.samples).sum();
-                    s.samples_committed += run.samples - local;
+                    // A round of an incarnation left behind (the host entered the run again while its exchange
+                    // was under way) changes nothing: the host's count is its donor's since, and its state is not
+                    // the one the hosts admitted after that round are to copy.
+                    let current = s.rounds.incarnation() == incarnation;
+                    if current {
+                        s.samples_committed += run.samples - local;
+                        s.remote_joiners.extend(run.serve);
+                    }
                     plan.samples_committed = s.samples_committed;
                     plan.total_weight = Some(run.total_weight);
                     // Every host applies the lowest-ranked member's hyperparameters (rank 0's: reloads go there).
@@ -481,7 +488,6 @@ impl Collective {
                         plan.update = update;
                         plan.next_objective = next_objective;
                     }
-                    s.remote_joiners.extend(run.serve);
                     let me = self.link.as_ref().map(|l| l.rank());
                     plan.remote = run.hosts.into_iter().filter(|h| Some(h.rank) != me).collect();
                 }
