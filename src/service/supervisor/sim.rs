@@ -2654,15 +2654,7 @@ fn sim_replay() {
 fn sim_a_stopped_process_fails_nobody() {
     for seed in 0..8 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        // No faults, and no slow disk: a final checkpoint slower than the ending's deadline exits 75, rightly.
-        let p = Params {
-            fault_every_s: 1e9,
-            hang_floor_s: 1.0,
-            max_steps: 0,
-            slow_writes: 0.0,
-            hosts: 1,
-            ..Params::draw(&mut rng)
-        };
+        let p = quiet(&mut rng, 1);
         let mut cluster = Cluster::with(seed, p, rng, false);
         cluster.worlds[0].planned_freeze = Some((Duration::from_secs(2), Duration::from_secs(40)));
         if let Err(e) = cluster.run() {
@@ -2683,19 +2675,24 @@ fn sim_a_stopped_process_fails_nobody() {
     }
 }
 
-/// A run of several hosts without faults whose rank 0 is stopped (SIGSTOP, a swapping host) for `stop`, mid-run.
-fn rank_0_stopped(seed: u64, stop: Duration) -> Cluster {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let p = Params {
+/// A seed's shape of run on `hosts` hosts without faults, and without a slow disk or store (a final checkpoint
+/// slower than the ending's deadline exits 75, rightly).
+fn quiet(rng: &mut ChaCha8Rng, hosts: usize) -> Params {
+    Params {
         fault_every_s: 1e9,
         hang_floor_s: 1.0,
         max_steps: 0,
         slow_writes: 0.0,
         slow_store: 0.0,
-        hosts: 2 + (seed % 2) as usize,
-        leader_timeout_s: 45.0,
-        ..Params::draw(&mut rng)
-    };
+        hosts,
+        ..Params::draw(rng)
+    }
+}
+
+/// A run of several hosts without faults whose rank 0 is stopped (SIGSTOP, a swapping host) for `stop`, mid-run.
+fn rank_0_stopped(seed: u64, stop: Duration) -> Cluster {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let p = Params { leader_timeout_s: 45.0, ..quiet(&mut rng, 2 + (seed % 2) as usize) };
     let mut cluster = Cluster::with(seed, p, rng, traced());
     cluster.worlds[0].planned_freeze = Some((Duration::from_secs(3), stop));
     if let Err(e) = cluster.run() {
@@ -2745,18 +2742,8 @@ fn sim_rank_0_stopped_past_the_leader_timeout_is_lost_and_the_run_goes_on() {
 fn sim_rank_0_killed_resumes_from_the_other_hosts_newest_replica() {
     for seed in 0..6 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let p = Params {
-            fault_every_s: 1e9,
-            hang_floor_s: 1.0,
-            max_steps: 0,
-            slow_writes: 0.0,
-            slow_store: 0.0,
-            hosts: 2 + (seed % 2) as usize,
-            every_steps: 0,
-            every_seconds: 0.0,
-            process_restarts: 1,
-            ..Params::draw(&mut rng)
-        };
+        let hosts = 2 + (seed % 2) as usize;
+        let p = Params { every_steps: 0, every_seconds: 0.0, process_restarts: 1, ..quiet(&mut rng, hosts) };
         let mut cluster = Cluster::with(seed, p, rng, traced());
         cluster.worlds[0].planned_kill = Some(Duration::from_secs(3));
         if let Err(e) = cluster.run() {
