@@ -558,8 +558,9 @@ struct World {
     store: Rc<RefCell<Store>>,
     link: Link,
     waiting: BTreeMap<u64, Completed<Contribution>>,
-    /// The process is stopped until then: nothing reaches it before.
+    /// The process is stopped until then: nothing reaches it before; how long it was stopped in all.
     frozen_until: Duration,
+    frozen_for: Duration,
     /// A stop of the process to schedule at start `(after, for)`, and the committed step it came at; a kill to
     /// schedule at start.
     planned_freeze: Option<(Duration, Duration)>,
@@ -587,6 +588,7 @@ impl World {
             store,
             waiting: BTreeMap::new(),
             frozen_until: Duration::ZERO,
+            frozen_for: Duration::ZERO,
             seed,
             hyper: step_settings(&config, p.samples as u64, None).hyper,
             restarts_left: p.process_restarts,
@@ -1951,6 +1953,7 @@ impl World {
         self.note(format!("fault: the process stops for {:.1} s", for_.as_secs_f64()));
         self.froze_at_step.get_or_insert(step);
         self.frozen_until = self.now + for_;
+        self.frozen_for += for_;
         if self.leader() {
             // The store is served by this process: it does not answer meanwhile.
             self.store.borrow_mut().stopped = (self.now, self.now + for_);
@@ -2493,8 +2496,9 @@ impl Cluster {
         }
         let gone_for = now.saturating_sub(self.worlds[0].last_progress);
         let limit = Duration::from_secs_f64(self.worlds[0].p.leader_timeout_s + SHUTDOWN_TIMEOUT_S + 70.0);
+        // Time another host was stopped is not its to answer for.
         match self.worlds[1..].iter().find(|w| w.alive) {
-            Some(w) if gone_for > limit => {
+            Some(w) if gone_for > limit + w.frozen_for => {
                 violation(format!("host {} still runs {} s after rank 0's process ended", w.rank, gone_for.as_secs()))
             }
             _ => Ok(()),

@@ -22,6 +22,12 @@ pub struct RunPosition {
     pub loader: LoaderState,
     pub set_aside: Vec<BatchId>,
     pub lr: f64,
+    /// The commits up to `step` that rank 0's ledger had not confirmed written (from the earliest step its
+    /// unconfirmed lines touched, a rewind's included), as in its own checkpoints' `recent_commits`: a checkpoint
+    /// taken from here writes them again when resumed, so that the ledger holds this run's history even if rank 0's
+    /// writer lost them (killed while its disk was full), its rewind line among them.
+    #[serde(default)]
+    pub unwritten: Vec<(u64, Vec<BatchId>)>,
 }
 
 /// What one round committed, as every host reads it.
@@ -92,7 +98,7 @@ impl Survivor {
             return Err(format!("rank 0 never said where the run stood at or before step {step}"));
         };
         let (mut samples, mut skipped, mut lr) = (from.samples_committed, from.skipped_steps, from.lr);
-        let mut recent = Vec::new();
+        let mut recent = from.unwritten.clone();
         for round in from.step..step {
             let Some(r) = self.rounds.get(&round) else {
                 return Err(format!("round {round} is not known here (rank 0's position is of step {})", from.step));
@@ -102,7 +108,8 @@ impl Survivor {
             lr = r.lr;
             recent.push((round, r.batches.clone()));
         }
-        let committed: Vec<BatchId> = recent.iter().flat_map(|(_, b)| b.iter().copied()).collect();
+        let rounds = &recent[from.unwritten.len()..];
+        let committed: Vec<BatchId> = rounds.iter().flat_map(|(_, b)| b.iter().copied()).collect();
         let mut state = TrainerState::new(step, from.loader.advanced(&committed, batches_per_epoch), config);
         state.samples_committed = samples;
         state.skipped_steps = skipped;
@@ -132,6 +139,7 @@ mod tests {
             loader: LoaderState { epoch: 0, next_ordinal, owed },
             set_aside: vec![id(0, 1)],
             lr: 1e-3,
+            unwritten: vec![],
         }
     }
 
@@ -201,6 +209,23 @@ mod tests {
         // At the position's own boundary: the position itself.
         let at = s.state_at(10, 100, serde_json::Value::Null).unwrap();
         assert_eq!((at.loader.next_ordinal, at.recent_commits.len(), at.samples_committed), (10, 0, 100));
+    }
+
+    /// Commits rank 0's ledger had not confirmed when it posted its position (its start's rewind among them) go
+    /// first into the checkpoint's `recent_commits`, so that resuming it writes them again from their earliest step;
+    /// they are not counted again in the loader or the samples (the position has them).
+    #[test]
+    fn lines_rank_0_had_not_written_come_first_in_the_recent_commits() {
+        let mut s = Survivor::default();
+        let unwritten = vec![(0, vec![]), (8, vec![id(0, 6)]), (9, vec![id(0, 7)])];
+        s.position(RunPosition { unwritten: unwritten.clone(), ..position(10, 10, vec![id(0, 8)]) });
+        s.round(&round(10, vec![id(0, 8)], vec![], 1e-3));
+        let state = s.state_at(11, 100, serde_json::Value::Null).unwrap();
+        let steps: Vec<u64> = state.recent_commits.iter().map(|(r, _)| *r).collect();
+        assert_eq!(steps, vec![0, 8, 9, 10], "from the unwritten rewind's step on");
+        assert_eq!(state.recent_commits[..3], unwritten[..]);
+        assert_eq!(state.loader, LoaderState { epoch: 0, next_ordinal: 10, owed: vec![] });
+        assert_eq!(state.samples_committed, 102, "the round's batch only");
     }
 
     /// A newer position than this host's replicas (rank 0 settled a round this host never got the word of) is

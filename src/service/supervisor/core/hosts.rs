@@ -118,6 +118,7 @@ impl Core {
             loader: self.schedule.loader_state(),
             set_aside: self.schedule.set_aside().to_vec(),
             lr: self.last_lr,
+            unwritten: self.unwritten_commits(),
         }
     }
 
@@ -297,6 +298,7 @@ mod tests {
             loader,
             set_aside: vec![],
             lr: 1e-3,
+            unwritten: vec![],
         };
         Some(Box::new(position))
     }
