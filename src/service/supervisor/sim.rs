@@ -833,9 +833,8 @@ impl World {
         drop(store);
         self.link.entered = Some((self.link.generation, step));
         self.note(format!("rank 0 founds the run at step {step} with hosts {founders:?}"));
-        for (rank, _) in others {
+        for (rank, generation) in others {
             let state = Ok((step, replica, self.samples_committed));
-            let generation = founders.iter().find(|f| f.0 == rank).map_or(0, |f| f.1);
             self.mail(rank, ms(3), Occ::Entered { generation, state });
         }
         self.after(ms(1), Occ::Deliver(Box::new(Event::Hosts(members))));
