@@ -96,6 +96,12 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
     })
 }
 
+/// The leader watch's look: a gap between two looks longer than this is this process not running (the silence
+/// starts again), and a store operation waiting longer than [`SILENT_AFTER`] counts as silence (one is slow now and
+/// then).
+pub(super) const LOOKS_STALL_AFTER_S: f64 = 2.0;
+pub(super) const SILENT_AFTER: Duration = Duration::from_secs(1);
+
 /// Starts the thread that judges rank 0's silence ([`LeaderWatch`]) from the store operations this host waits on
 /// (the feed reader's beat and reads ask something of rank 0 several times a second): once rank 0 has kept them
 /// waiting for `cluster.leader_timeout_s`, it is taken for lost as if its process had died. The store's operations
@@ -104,15 +110,14 @@ pub(super) fn watch_leader(link: Arc<HostLink>, supervisor: ActorRef<SupervisorM
     Background::spawn("leader-watch", move |stopped| {
         const LOOK_EVERY: Duration = Duration::from_millis(250);
         // A look later than this after the last one is this process not running: the silence starts again.
-        const STALL_AFTER_S: f64 = 2.0;
         let timeout = link.leader_timeout();
-        let mut watch = LeaderWatch::new(timeout.as_secs_f64(), STALL_AFTER_S);
+        let mut watch = LeaderWatch::new(timeout.as_secs_f64(), LOOKS_STALL_AFTER_S);
         let started = Instant::now();
         while !stopped.load(Ordering::SeqCst) {
             std::thread::sleep(LOOK_EVERY);
             // An operation is slow now and then; only one waiting over a second counts as silence.
             let reply = match link.silence() {
-                Some(silent) if silent > Duration::from_secs(1) => Reply::TimedOut,
+                Some(silent) if silent > SILENT_AFTER => Reply::TimedOut,
                 _ => Reply::Answered,
             };
             if let Some(silent) = watch.observe(started.elapsed().as_secs_f64(), reply) {

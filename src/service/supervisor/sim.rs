@@ -52,6 +52,7 @@ use std::cell::RefCell;
 
 use super::core::{Core, HostRole, Setup, step_settings};
 use super::driver::{Driver, Effects};
+use super::hosts::{LOOKS_STALL_AFTER_S, SILENT_AFTER};
 use super::protocol::{
     Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter, Start, Watched,
     WriteJob,
@@ -221,6 +222,11 @@ struct Replica {
 fn applied<'a>(start: Replica, step: u64, batches: impl Iterator<Item = &'a BatchId>) -> Replica {
     let hash = batches.fold(mix(start.hash, step), |hash, b| mix(hash, b.epoch << 32 | b.ordinal));
     Replica { step: step + 1, hash, optimizer_steps: start.optimizer_steps + 1 }
+}
+
+/// Every batch of a run's round, in the order its member hosts (rank order) and their drafters sum.
+fn batches_of(records: &[HostRecord]) -> impl Iterator<Item = &BatchId> {
+    records.iter().flat_map(|h| &h.contributions).flat_map(|c| &c.batches)
 }
 
 fn mix(a: u64, b: u64) -> u64 {
@@ -477,7 +483,7 @@ impl Link {
             entered: None,
             cursor: 0,
             clock: Duration::ZERO,
-            watch: LeaderWatch::new(p.leader_timeout_s, 2.0),
+            watch: LeaderWatch::new(p.leader_timeout_s, LOOKS_STALL_AFTER_S),
             left_out: None,
             lost: false,
         }
@@ -909,15 +915,7 @@ impl World {
             true => self.store.borrow().ended,
             false => None,
         };
-        if self.leader() {
-            let mut store = self.store.borrow_mut();
-            store.ended = Some(code);
-            store.served_by = 0;
-            store.quorum = None;
-            for rank in 1..self.p.hosts {
-                store.mail.push((rank, self.now + ms(5), Occ::Deliver(Box::new(Event::RunEnded { code }))));
-            }
-        }
+        self.store_ends(Some(code));
         let failed = status.drafters.iter().filter(|d| d.state.name() == "failed").count();
         let why = match code {
             // Another host ends with rank 0's status (after checkpointing its replica for an error).
@@ -970,6 +968,23 @@ impl World {
         Ok(())
     }
 
+    /// Rank 0's process ends, and its store with it: with the run's status (`code`) handed to the other hosts
+    /// first (they end too), or with nothing said (killed).
+    fn store_ends(&mut self, code: Option<i32>) {
+        if !self.leader() {
+            return;
+        }
+        let mut store = self.store.borrow_mut();
+        store.served_by = 0;
+        store.quorum = None;
+        if let Some(code) = code {
+            store.ended = Some(code);
+            for rank in 1..self.p.hosts {
+                store.mail.push((rank, self.now + ms(5), Occ::Deliver(Box::new(Event::RunEnded { code }))));
+            }
+        }
+    }
+
     /// The process is gone: a restart comes if the operator allows one (with several hosts the other hosts
     /// restart with rank 0, or by themselves while it runs).
     fn ended_process(&mut self) {
@@ -990,11 +1005,7 @@ impl World {
         for t in self.threads.values_mut() {
             t.enter(Stage::Gone, self.now);
         }
-        if self.leader() {
-            let mut store = self.store.borrow_mut();
-            store.served_by = 0;
-            store.quorum = None;
-        }
+        self.store_ends(None);
         self.exits.push((137, "killed".to_string()));
         self.ended_process();
     }
@@ -1303,7 +1314,7 @@ impl World {
         }
         let next = match records.is_empty() {
             true => applied(first, done.step, done.contributions.iter().flat_map(|(.., c)| &c.batches)),
-            false => applied(first, done.step, records.iter().flat_map(|h| &h.contributions).flat_map(|c| &c.batches)),
+            false => applied(first, done.step, batches_of(&records)),
         };
         let report = RoundReport {
             step: done.step,
@@ -1517,8 +1528,7 @@ impl World {
         // The run's state after the round, for the hosts admitted (their donor applied it).
         let after = starts.first().map(|&(_, start, samples)| {
             let samples = samples + records.iter().map(HostRecord::samples).sum::<u64>();
-            let batches = records.iter().flat_map(|h| &h.contributions).flat_map(|c| &c.batches);
-            (step + 1, applied(start, step, batches), samples)
+            (step + 1, applied(start, step, batches_of(&records)), samples)
         });
         for a in &closed.admitted {
             let state = match after {
@@ -1594,12 +1604,15 @@ impl World {
     /// store keeps them; one that does not answer holds the reader up).
     fn read_feeds(&mut self) {
         let Some((generation, _)) = self.link.entered else { return };
-        let (served, stopped) = (self.store.borrow().served_by > 0, self.store.borrow().stopped);
+        let (served, answers, stopped) = {
+            let s = self.store.borrow();
+            (s.served_by > 0, s.answers(self.now), s.stopped)
+        };
         if !served {
             // The store is gone: the link's next look says so.
             return;
         }
-        if !self.store.borrow().answers(self.now) {
+        if !answers {
             return self.at(stopped.1 + ms(1), Occ::ReadFeeds);
         }
         loop {
@@ -1626,7 +1639,7 @@ impl World {
         let why = if !served {
             Some("the store's connection failed".to_string())
         } else {
-            let silent = !answers && self.now.saturating_sub(stopped.0) > Duration::from_secs(1);
+            let silent = !answers && self.now.saturating_sub(stopped.0) > SILENT_AFTER;
             let reply = if silent { Reply::TimedOut } else { Reply::Answered };
             self.link.watch.observe(self.now.as_secs_f64(), reply).map(|silence| {
                 format!(
