@@ -122,7 +122,7 @@ pub struct EvalSpec {
 }
 
 /// One evaluation's result.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Evaluated {
     pub step: u64,
     /// Real speculative decoding of the held-out prompts: tokens kept per target step (what inference sees).

@@ -58,6 +58,11 @@ impl Failure {
         Failure { kind: FailureKind::Panic, message }
     }
 
+    /// A compute thread that returned without being asked to.
+    pub fn ended() -> Self {
+        Failure::panic("the thread ended without being asked to".into())
+    }
+
     /// Whether the drafter may restart in this process.
     pub fn restartable(&self) -> bool {
         self.kind != FailureKind::Poisoned

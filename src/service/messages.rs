@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use ractor::RpcReplyPort;
 
-use super::evaluator::Evaluated;
 use super::failure::{FaultKind, FaultRefused};
 use super::reload::{Accepted, Reloaded};
 use super::status::Status;
@@ -76,19 +75,11 @@ pub enum SupervisorMsg {
         reread: Box<Result<Option<Reread>, String>>,
         reply: Option<ReloadReply>,
     },
-    /// The evaluation thread finished a job.
-    Evaluated(Result<Evaluated, String>),
     Status(RpcReplyPort<Status>),
-    /// SIGTERM/SIGINT: finish the current steps, checkpoint, exit 143/130 (0 when the run is complete meanwhile).
-    Shutdown(super::exit::StopSignal),
-    /// Several hosts, rank > 0: rank 0's assignment of a step, for the generation this host entered as.
-    Fed {
+    /// Several hosts, rank > 0: word from rank 0 for this host as `generation` (an assignment, or that its
+    /// membership no longer lists it), dropped when the host is another generation by now.
+    ForGeneration {
         generation: u64,
-        step: u64,
-        feed: crate::service::supervisor::protocol::Feed,
-    },
-    /// Several hosts, rank > 0: rank 0's membership no longer lists this host as `generation`.
-    LeftRun {
-        generation: u64,
+        event: Event,
     },
 }

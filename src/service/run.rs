@@ -1,7 +1,6 @@
 //! Starting and ending the service: resolves devices, the drafter's shape and the data, checks a resumed
 //! checkpoint against the configuration, starts the supervisor, the control plane and the signal handlers, and
 //! returns the exit status the supervisor chose.
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -21,11 +20,12 @@ use super::ledger::open_ledger;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
 use super::status::Status;
+use super::supervisor::protocol::Event;
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
 use crate::config::{Config, Layers, TargetSource, as_overrides, as_trained, kept_from_run, lookup, resume_changes};
 use crate::data::dataset::Dataset;
-use crate::telemetry::{self, GpuIdentity};
+use crate::telemetry;
 use crate::train::checkpoint::{
     TrainerState, adopt_survivors, has_survivors, newest_valid, remove_unfinished, survivor_root, survivor_writes,
     survivors_dir,
@@ -270,11 +270,6 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     let prometheus = telemetry::install()?;
     let capture_devices = capture_devices(&config, (target_device, target_kind), &drafter_devices)?;
     let spread_to = spread_to(&config, capture_devices.len())?;
-    // One NVML lookup per device, however many drafters and target copies share it.
-    let mut identities: HashMap<Device, GpuIdentity> = HashMap::new();
-    let mut identity = |d: Device| identities.entry(d).or_insert_with(|| GpuIdentity::of(d)).clone();
-    let capture_identities = capture_devices.iter().map(|(d, _)| identity(*d)).collect();
-    let drafter_identities = drafter_devices.iter().map(|(d, _)| identity(*d)).collect();
     // Served now: a host of several waits for the others next, and answers meanwhile.
     let waiting_for = match &placement {
         Some(p) => format!(
@@ -357,8 +352,6 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         rejected,
         exit_code: exit_code.clone(),
         layers,
-        capture_identities,
-        drafter_identities,
         prometheus: Some(prometheus.clone()),
         vocab_size: target_cfg.vocab_size,
         eval_set,
@@ -441,7 +434,7 @@ fn watch_stop_signals(supervisor: ractor::ActorRef<SupervisorMsg>) {
                 leave(code);
             }
             stopping = true;
-            let _ = supervisor.send_message(SupervisorMsg::Shutdown(signal));
+            let _ = supervisor.send_message(SupervisorMsg::Core(Event::Shutdown(signal)));
         }
     });
 }

@@ -14,7 +14,7 @@ use tch::{Device, Kind};
 use super::compute_thread::{ThreadBody, torch};
 use super::failure::Failure;
 use super::messages::{Heads, SupervisorMsg, Work};
-use super::supervisor::protocol::{Event, Request, RequestItem};
+use super::supervisor::protocol::{Event, Item, Request};
 use crate::config::TargetSource;
 use crate::data::dataset::Dataset;
 use crate::data::packing::first_fit_decreasing;
@@ -139,7 +139,7 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
             return Ok(());
         }
         match item {
-            RequestItem::Capture { batch, positions } => {
+            Item::Capture { batch, positions } => {
                 if let Some((device, kind)) = a.routes.destination(drafter, generation) {
                     let started = timings.start().map_err(torch)?;
                     let samples: Vec<_> = positions.iter().map(|&p| a.dataset.row(p)).collect();
@@ -181,7 +181,7 @@ fn run(a: TargetSpawn) -> Result<(), Failure> {
                     a.routes.send(drafter, generation, Work::Features { batch, features: Box::new(features) });
                 }
             }
-            RequestItem::Empty => {
+            Item::Empty => {
                 a.routes.send(drafter, generation, Work::Empty);
             }
         }

@@ -233,17 +233,9 @@ impl Book {
         }
     }
 
-    /// Since when the writer has had the checkpoint in flight, if it has one.
-    pub fn writing_since(&self) -> Option<Duration> {
-        match self.flight {
-            Some(Flight::Write { since, .. }) => Some(since),
-            _ => None,
-        }
-    }
-
     /// Stops waiting for the write in flight (the writer discards it if the run rewinds meanwhile).
     pub fn forget_write(&mut self) {
-        if self.writing_since().is_some() {
+        if self.writing().is_some() {
             self.flight = None;
         }
     }
@@ -302,7 +294,7 @@ mod tests {
         b.boundary(6, state(6), t);
         assert!(b.request(0, 1, 6, Duration::from_secs(2)));
         assert!(matches!(b.snapshot(0, 1, 6, 10, t), SnapshotOutcome::Write(_)));
-        assert_eq!(b.writing_since(), Some(t));
+        assert_eq!(b.writing().map(|(_, since)| since), Some(t));
         b.forget_write();
         assert!(!b.in_flight());
     }

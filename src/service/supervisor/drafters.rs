@@ -49,13 +49,6 @@ pub struct Slot {
     pub step: u64,
 }
 
-/// What a failure leads to.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Fate {
-    RestartAt(Duration),
-    Failed,
-}
-
 impl Slot {
     pub fn new(id: usize, device: String) -> Self {
         Slot { id, device, generation: 0, life: Life::Waiting, restarts: Restarts::default(), step: 0 }
@@ -119,19 +112,12 @@ impl Slot {
         matches!(self.life, Life::Starting { since, .. } if now.saturating_sub(since) > deadline)
     }
 
-    /// Its current thread failed: back off and restart, or (past the intensity limit, or `give_up`) fail for good.
-    pub fn fail(&mut self, now: Duration, s: &SupervisionSettings, give_up: bool) -> Fate {
+    /// Its current thread failed: back off and restart (when, returned), or (past the intensity limit, or
+    /// `give_up`) fail for good (`None`).
+    pub fn fail(&mut self, now: Duration, s: &SupervisionSettings, give_up: bool) -> Option<Duration> {
         let next = if give_up { None } else { self.restarts.next(now, s) };
-        match next {
-            Some(at) => {
-                self.life = Life::Backoff { at };
-                Fate::RestartAt(at)
-            }
-            None => {
-                self.life = Life::Failed;
-                Fate::Failed
-            }
-        }
+        self.life = next.map_or(Life::Failed, |at| Life::Backoff { at });
+        next
     }
 }
 
@@ -150,12 +136,12 @@ mod tests {
         let g = slot.spawn(Role::Joiner, Duration::ZERO);
         assert_eq!((g, slot.state()), (1, DrafterState::Joining));
         assert!(slot.start_overdue(Duration::from_secs(11), Duration::from_secs(10)));
-        let Fate::RestartAt(at) = slot.fail(Duration::from_secs(1), &s, false) else { panic!("restarts") };
+        let Some(at) = slot.fail(Duration::from_secs(1), &s, false) else { panic!("restarts") };
         assert_eq!(slot.state(), DrafterState::Restarting);
         assert!(!slot.due(at - Duration::from_millis(1)) && slot.due(at));
         slot.spawn(Role::Founder, at);
         assert!(!slot.current(1) && slot.current(2));
-        assert_eq!(slot.fail(at, &s, false), Fate::Failed);
+        assert_eq!(slot.fail(at, &s, false), None, "failed for good");
         assert_eq!(slot.state(), DrafterState::Failed);
         assert!(!slot.due(at * 10));
     }

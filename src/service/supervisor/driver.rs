@@ -155,13 +155,10 @@ impl<S> Driver<S> {
             Action::WriteCheckpoint(job) => match self.snapshots.remove(&(job.donor.0, job.donor.1, job.step)) {
                 Some(snapshot) => fx.write_checkpoint(job, snapshot),
                 None => {
-                    fx.bug(format!("a checkpoint of step {} without its snapshot", job.step));
+                    let (step, incarnation) = (job.step, job.incarnation);
+                    fx.bug(format!("a checkpoint of step {step} without its snapshot"));
                     let result = Err("its snapshot is missing (a supervisor bug)".to_string());
-                    return Some(Event::CheckpointWritten(Written {
-                        step: job.step,
-                        incarnation: job.incarnation,
-                        result,
-                    }));
+                    return Some(Event::CheckpointWritten(Written { step, incarnation, result }));
                 }
             },
             Action::RetireCheckpoints { from, to } => fx.retire_checkpoints(from, to),

@@ -10,21 +10,35 @@ use std::time::Duration;
 use ractor::Actor;
 use tch::{Device, Kind};
 
-use super::Shell;
 use super::core::Core;
 use super::driver::Effects;
 use super::hosts;
 use super::protocol::{Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter, Start, WriteJob};
 use super::spawned::Spawned;
+use super::{Shell, to_core};
 use crate::data::SampleId;
 use crate::model::Drafter;
-use crate::service::compute_thread::ComputeActor;
+use crate::service::compute_thread::{ComputeActor, ThreadBody};
 use crate::service::drafter::{self, DrafterSpawn, Phase};
 use crate::service::failure::Failure;
-use crate::service::messages::{SupervisorMsg, Work};
+use crate::service::messages::Work;
 use crate::service::target::{self, Route, TargetSpawn};
 use crate::telemetry::DrafterMetrics;
 use crate::train::checkpoint::{Checkpointer, DRAFTER_DIR, Snapshot, newest_valid};
+
+impl Shell {
+    /// Spawns compute actor `what` around its thread `body`, linked to the supervisor: its handle arrives with its
+    /// ActorStarted supervision event, a failure to start as its thread's failure.
+    fn spawn(&mut self, what: Spawned, body: ThreadBody) {
+        let name = self.spawned.name(what);
+        let (cell, failed) = (self.myself.get_cell(), to_core(&self.myself, move |f| what.failed(f)));
+        tokio::spawn(async move {
+            if let Err(e) = Actor::spawn_linked(Some(name.clone()), ComputeActor, body, cell).await {
+                failed(Failure::panic(format!("could not start the actor {name}: {e}")));
+            }
+        });
+    }
+}
 
 impl Effects for Shell {
     type Snapshot = Snapshot;
@@ -55,17 +69,9 @@ impl Effects for Shell {
             metrics: t.metrics.clone(),
             fault: t.fault.clone(),
         };
-        // Requests queue in the channel until the thread reads them; the actor's handle arrives with its
-        // ActorStarted supervision event, a failure to start as the copy's failure.
+        // Requests queue in the channel until the thread reads them.
         self.targets[id].thread = Some((generation, tx));
-        let name = self.spawned.name(Spawned::Target { id, generation });
-        let (cell, me) = (self.myself.get_cell(), self.myself.clone());
-        tokio::spawn(async move {
-            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, target::thread(spawn), cell).await {
-                let failure = Failure::panic(format!("could not start the target actor: {e}"));
-                let _ = me.send_message(SupervisorMsg::Core(Event::TargetFailed { target: id, generation, failure }));
-            }
-        });
+        self.spawn(Spawned::Target { id, generation }, target::thread(spawn));
     }
 
     fn abandon_target(&mut self, target: usize, generation: u64) {
@@ -74,11 +80,7 @@ impl Effects for Shell {
         if t.thread.as_ref().is_some_and(|(g, _)| *g == generation) {
             t.thread = None;
         }
-        if t.actor.as_ref().is_some_and(|(g, _)| *g == generation)
-            && let Some((_, actor)) = t.actor.take()
-        {
-            actor.stop(None);
-        }
+        self.spawned.give_up(Spawned::Target { id: target, generation });
     }
 
     fn send_to_target(&mut self, target: usize, generation: u64, request: Request) {
@@ -124,24 +126,12 @@ impl Effects for Shell {
             peak_tflops: c.drafters.peak_tflops,
             collective_timeout: c.drafters.collective_timeout,
         };
-        // The actor's handle arrives with its ActorStarted supervision event.
-        let name = self.spawned.name(Spawned::Drafter { id, generation });
-        let cell = self.myself.get_cell();
-        tokio::spawn(async move {
-            if let Err(e) = Actor::spawn_linked(Some(name), ComputeActor, drafter::thread(spawn), cell).await {
-                tracing::error!(drafter = id, "could not start the drafter actor: {e}");
-            }
-        });
+        self.spawn(Spawned::Drafter { id, generation }, drafter::thread(spawn));
     }
 
     fn abandon_drafter(&mut self, id: usize, generation: u64) -> Vec<(usize, u64)> {
-        let h = &mut self.drafters[id];
-        h.shared.abandoned.fetch_max(generation, Ordering::SeqCst);
-        if h.actor.as_ref().is_some_and(|(g, _)| *g == generation)
-            && let Some((_, actor)) = h.actor.take()
-        {
-            actor.stop(None);
-        }
+        self.drafters[id].shared.abandoned.fetch_max(generation, Ordering::SeqCst);
+        self.spawned.give_up(Spawned::Drafter { id, generation });
         self.routes.remove(id, generation);
         self.collective.remove(id, generation).remaining
     }
@@ -160,13 +150,13 @@ impl Effects for Shell {
 
     fn find_checkpoint(&mut self, filter: ScanFilter) {
         let dir = self.a.config.checkpoint.dir.clone();
-        let me = self.myself.clone();
+        let found = to_core(&self.myself, Event::CheckpointFound);
         tokio::task::spawn_blocking(move || {
             let scan = newest_valid(&dir, &|step| filter.allows(step)).map_err(|e| e.to_string());
             for (_, why) in scan.iter().flat_map(|scan| &scan.rejected) {
                 tracing::warn!("checkpoint rejected: {why}");
             }
-            let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointFound(scan)));
+            found(scan);
         });
     }
 
@@ -193,50 +183,41 @@ impl Effects for Shell {
 
     fn export(&mut self, from: PathBuf) {
         let out = self.a.config.checkpoint.dir.join("final");
-        let me = self.myself.clone();
+        let exported = to_core(&self.myself, Event::Exported);
         tokio::task::spawn_blocking(move || {
             // Written aside and put in place whole: a failed export leaves no partial or older `final/`.
             let staged = out.with_file_name(".final.tmp");
             let _ = std::fs::remove_dir_all(&staged);
-            let exported = crate::panic::catch_torch(|| {
+            let saved = crate::panic::catch_torch(|| {
                 Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
                     .and_then(|d| d.save(&staged, Kind::BFloat16))
             });
-            let placed = || -> Result<PathBuf, String> {
-                match std::fs::remove_dir_all(&out) {
+            let placed = match saved.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+                Ok(()) => match std::fs::remove_dir_all(&out) {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(format!("removing the old {}: {e}", out.display()));
+                        Err(format!("removing the old {}: {e}", out.display()))
                     }
-                    _ => {}
-                }
-                std::fs::rename(&staged, &out).map_err(|e| format!("moving the export into place: {e}"))?;
-                Ok(out)
+                    _ => std::fs::rename(&staged, &out).map(|()| out).map_err(|e| format!("moving it into place: {e}")),
+                },
+                Err(e) => Err(e),
             };
-            let result = match exported {
-                Ok(Ok(())) => placed(),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            let _ = me.send_message(SupervisorMsg::Core(Event::Exported(result)));
+            exported(placed);
         });
     }
 
     fn evaluate(&mut self, core: &Core, step: u64, path: PathBuf) {
+        // The core waits for every evaluation it asks for to answer.
+        let failed = to_core(&self.myself, Event::Evaluated);
         if self.evaluator.is_none() {
             match self.start_evaluator(core.config()) {
                 Ok(e) => self.evaluator = Some(e),
-                Err(e) => {
-                    let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(format!("unavailable: {e:#}"))));
-                    return;
-                }
+                Err(e) => return failed(Err(format!("unavailable: {e:#}"))),
             }
         }
         if let Some(e) = &self.evaluator
             && !e.submit(step, path)
         {
-            // The core waits for every evaluation it asks for to answer.
-            let busy = "skipped: the previous one is still decoding (a supervisor bug)".to_string();
-            let _ = self.myself.send_message(SupervisorMsg::Evaluated(Err(busy)));
+            failed(Err("skipped: the previous one is still decoding (a supervisor bug)".to_string()));
         }
     }
 
@@ -276,6 +257,19 @@ impl Effects for Shell {
             Notice::LedgerWrite { ok } => m.ledger_write(ok),
             Notice::WriterStalled(stalled) => m.checkpoint_writer_stalled.set(if stalled { 1.0 } else { 0.0 }),
             Notice::CheckpointSkipped => m.checkpoints_skipped.increment(1),
+            Notice::Evaluated(outcome) => {
+                m.evaluation(outcome.is_ok());
+                if let Ok(e) = outcome {
+                    m.decode_acceptance_length.set(e.decode_acceptance_length);
+                    if let Some(holdout) = e.holdout_acceptance_length {
+                        m.holdout_acceptance_length.set(holdout);
+                    }
+                    m.decode_acceptance_length_best.set(e.best);
+                    m.decode_token_match.set(e.token_match_rate);
+                    m.eval_duration.record(e.seconds);
+                    m.eval_last_step.set(e.step as f64);
+                }
+            }
         }
     }
 

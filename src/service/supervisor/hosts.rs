@@ -51,12 +51,12 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                     Ok(Some(false)) => {
                         let generation = link.generation();
                         if left_out.replace(generation) != Some(generation) {
-                            let _ = supervisor.send_message(SupervisorMsg::LeftRun { generation });
+                            let _ = supervisor
+                                .send_message(SupervisorMsg::ForGeneration { generation, event: Event::LeftRun });
                         }
                     }
-                    Ok(_) => {}
                     Err(e) if gone(&e) => return,
-                    Err(_) => {}
+                    _ => {}
                 }
             }
             match link.finished() {
@@ -82,15 +82,15 @@ pub(super) fn read_feeds(link: Arc<HostLink>, supervisor: ActorRef<SupervisorMsg
                     at = Some((generation, step + 1));
                     match serde_json::from_slice::<Feed>(&bytes) {
                         Ok(feed) => {
-                            let _ = supervisor.send_message(SupervisorMsg::Fed { generation, step, feed });
+                            let event = Event::Fed { step, items: feed.items, position: feed.position };
+                            let _ = supervisor.send_message(SupervisorMsg::ForGeneration { generation, event });
                         }
                         // Its drafters then train nothing that step; rank 0 hands the batches out again.
                         Err(e) => tracing::error!(step, "rank 0's assignment cannot be read: {e}"),
                     }
                 }
-                Ok(None) => {}
                 Err(e) if gone(&e) => return,
-                Err(_) => {}
+                _ => {}
             }
         }
     })

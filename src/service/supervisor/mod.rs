@@ -23,6 +23,7 @@ pub mod watchdog;
 #[cfg(test)]
 mod sim;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -34,11 +35,11 @@ use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
 use self::driver::Driver;
-use self::protocol::{Activity, DrafterSeen, Event, Request, Watched};
+use self::protocol::{Activity, DrafterSeen, Event, Request};
 use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
-use super::compute_thread::{ThreadFailure, ThreadMsg};
-use super::drafter::{DrafterShared, Phase};
+use super::compute_thread::ThreadFailure;
+use super::drafter::DrafterShared;
 use super::evaluator::{EvalSet, EvalSpec, Evaluator, eval_set};
 use super::failure::{Failure, FaultKind, FaultRefused};
 use super::ledger::LedgerWriter;
@@ -80,9 +81,6 @@ pub struct SupervisorArgs {
     pub exit_code: Arc<Mutex<Option<i32>>>,
     /// Where the configuration came from, reread on a reload.
     pub layers: Layers,
-    /// Metric labels of each target copy's device and of each drafter's.
-    pub capture_identities: Vec<GpuIdentity>,
-    pub drafter_identities: Vec<GpuIdentity>,
     /// Renders `/metrics`; kept here for its periodic upkeep.
     pub prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
     /// The target's vocabulary and end-of-sequence ids (evaluation prompts and decoding).
@@ -102,8 +100,6 @@ struct DrafterHandle {
     device: Device,
     kind: Kind,
     shared: Arc<DrafterShared>,
-    /// Its current thread's actor, once started, and that thread's generation.
-    actor: Option<(u64, ActorRef<ThreadMsg>)>,
     metrics: DrafterMetrics,
 }
 
@@ -113,8 +109,6 @@ struct TargetHandle {
     kind: Kind,
     /// Its current thread's generation and request channel.
     thread: Option<(u64, Sender<Request>)>,
-    /// That thread's actor, once started.
-    actor: Option<(u64, ActorRef<ThreadMsg>)>,
     /// Threads of this generation or older are abandoned: they deliver nothing more.
     abandoned: Arc<AtomicU64>,
     metrics: TargetMetrics,
@@ -156,34 +150,30 @@ pub struct Shell {
 }
 
 impl Shell {
-    fn new(a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> (Core, Self) {
+    fn new(mut a: SupervisorArgs, myself: ActorRef<SupervisorMsg>) -> (Core, Self) {
         let lengths = a.dataset.lengths();
-        let sample_ids = (0..a.dataset.len()).map(|p| a.dataset.id(p)).collect();
         let (step, samples) = a.resume.as_ref().map_or((0, 0), |(_, s)| (s.step, s.samples_committed));
         let drafter_devices: Vec<Device> = a.drafter_devices.iter().map(|(d, _)| *d).collect();
         let capture: Vec<Device> = a.capture_devices.iter().map(|(d, _)| *d).collect();
         let samples_per_epoch = lengths.len() as u64;
+        let follower = a.link.as_ref().is_some_and(|l| l.rank() > 0);
         let core = Core::new(Setup {
             config: a.config.clone(),
             drafter_devices: drafter_devices.iter().map(|d| device_name(*d)).collect(),
             target_devices: capture.iter().map(|d| device_name(*d)).collect(),
             feeds: assign_targets(&drafter_devices, &capture),
             lengths,
-            sample_ids,
+            sample_ids: (0..a.dataset.len()).map(|p| a.dataset.id(p)).collect(),
             resume: a.resume.clone(),
             rejected: a.rejected.clone(),
-            role: a.link.as_ref().map(|l| if l.rank() == 0 { HostRole::Leader } else { HostRole::Follower }),
+            role: a.link.as_ref().map(|_| if follower { HostRole::Follower } else { HostRole::Leader }),
         });
-        let follower = a.link.as_ref().is_some_and(|l| l.rank() > 0);
-        let me = myself.clone();
         let settings = step_settings(&a.config, samples_per_epoch, a.objective.gamma);
         let sum = match a.config.drafters.collective {
             CollectiveKind::InProcess => GradientSum::DeviceCopies,
             CollectiveKind::Nccl => GradientSum::Nccl,
         };
-        let collective = Collective::new(step, samples, settings, sum, move |r| {
-            let _ = me.send_message(SupervisorMsg::Core(Event::Round(r)));
-        });
+        let collective = Collective::new(step, samples, settings, sum, to_core(&myself, Event::Round));
         let collective = Arc::new(match &a.link {
             Some(link) => collective.with_link(link.clone()),
             None => collective,
@@ -196,60 +186,38 @@ impl Shell {
             }
             _ => None,
         };
-        let me = myself.clone();
         // Another host checkpoints only when rank 0 is lost, into a folder of its own.
         let root = match a.link.as_ref().filter(|_| follower) {
             Some(link) => survivor_root(&a.config.checkpoint.dir, link.rank()),
             None => a.config.checkpoint.dir.clone(),
         };
-        let checkpointer = Checkpointer::start(root, a.config.checkpoint.keep, move |r| {
-            let _ = me.send_message(SupervisorMsg::Core(Event::CheckpointWritten(r)));
-        });
-        let drafters = a
-            .drafter_devices
-            .iter()
-            .enumerate()
+        let checkpointer =
+            Checkpointer::start(root, a.config.checkpoint.keep, to_core(&myself, Event::CheckpointWritten));
+        // The devices' metric labels: one NVML lookup per device, however many drafters and target copies share it.
+        let mut identities: HashMap<Device, GpuIdentity> = HashMap::new();
+        let mut identity = |d: Device| identities.entry(d).or_insert_with(|| GpuIdentity::of(d)).clone();
+        let targets = (a.capture_devices.iter())
+            .map(|&(device, kind)| TargetHandle {
+                device,
+                kind,
+                thread: None,
+                abandoned: Arc::new(AtomicU64::new(0)),
+                fault: Arc::new(PartFault::default()),
+                metrics: TargetMetrics::new(&identity(device)),
+            })
+            .collect();
+        let drafters = (a.drafter_devices.iter().enumerate())
             .map(|(id, &(device, kind))| DrafterHandle {
                 device,
                 kind,
                 shared: Arc::new(DrafterShared::default()),
-                actor: None,
-                metrics: DrafterMetrics::new(id, &a.drafter_identities[id]),
+                metrics: DrafterMetrics::new(id, &identity(device)),
             })
             .collect();
-        let targets = a
-            .capture_devices
-            .iter()
-            .zip(&a.capture_identities)
-            .map(|(&(device, kind), identity)| TargetHandle {
-                device,
-                kind,
-                thread: None,
-                actor: None,
-                abandoned: Arc::new(AtomicU64::new(0)),
-                fault: Arc::new(PartFault::default()),
-                metrics: TargetMetrics::new(identity),
-            })
-            .collect();
-        let mut memory: Vec<(Device, DeviceMemory)> = Vec::new();
-        let devices = capture
-            .iter()
-            .copied()
-            .zip(&a.capture_identities)
-            .chain(drafter_devices.iter().copied().zip(&a.drafter_identities));
-        for (device, identity) in devices {
-            if !memory.iter().any(|(d, _)| *d == device) {
-                memory.push((device, DeviceMemory::new(identity)));
-            }
-        }
+        let memory = identities.iter().map(|(&d, identity)| (d, DeviceMemory::new(identity))).collect();
         // Rank 0 keeps the run's ledger.
-        let mut a = a;
         let ledger = a.ledger.take().and_then(|(file, path)| {
-            let me = myself.clone();
-            let on_write = move |outcome| {
-                let _ = me.send_message(SupervisorMsg::Core(Event::LedgerWritten(outcome)));
-            };
-            LedgerWriter::start(file, &path, on_write)
+            LedgerWriter::start(file, &path, to_core(&myself, Event::LedgerWritten))
                 .map_err(|e| tracing::error!(path = %path.display(), "cannot start the data.ledger writer: {e}"))
                 .ok()
         });
@@ -278,32 +246,29 @@ impl Shell {
     }
 
     /// A drafter's thread failed: what it was computing and whether the fault was injected, for the core.
-    fn drafter_failed(&mut self, id: usize, generation: u64, failure: Failure) -> Event {
-        let shared = &self.drafters[id].shared;
-        let running = match std::mem::take(&mut *shared.phase.lock().unwrap_or_else(|p| p.into_inner())) {
-            Phase { activity: Activity::Computing, batches, generation: g, .. } if g == generation => batches,
-            _ => vec![],
-        };
-        let injected = shared.injected.load(Ordering::SeqCst) == generation;
-        Event::DrafterFailed { id, generation, failure, running, injected }
+    fn drafter_failed(&self, id: usize, generation: u64, failure: Failure) -> Event {
+        let seen = self.seen(id, generation).filter(|d| d.activity == Activity::Computing);
+        let injected = self.drafters[id].shared.injected.load(Ordering::SeqCst) == generation;
+        Event::DrafterFailed { id, generation, failure, running: seen.map(|d| d.running).unwrap_or_default(), injected }
     }
 
     /// What every running drafter thread is doing and for how long, for the core's watchdog.
-    fn watched(&self, core: &Core) -> Vec<Watched> {
-        let mut watched = Vec::new();
-        for (id, generation) in core.running_threads() {
-            let shared = &self.drafters[id].shared;
-            let phase = shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            if phase.generation != generation {
-                continue;
-            }
-            watched.push(Watched {
-                seen: DrafterSeen { id, generation, activity: phase.activity, for_: phase.since.elapsed() },
-                running: phase.batches,
-                injected: shared.injected.load(Ordering::SeqCst) == generation,
-            });
-        }
-        watched
+    fn watched(&self, core: &Core) -> Vec<DrafterSeen> {
+        core.running_threads().into_iter().filter_map(|(id, generation)| self.seen(id, generation)).collect()
+    }
+
+    /// What drafter thread `(id, generation)` is doing and for how long, while its slot's phase is its own.
+    fn seen(&self, id: usize, generation: u64) -> Option<DrafterSeen> {
+        let shared = &self.drafters[id].shared;
+        let phase = shared.phase.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        (phase.generation == generation).then(|| DrafterSeen {
+            id,
+            generation,
+            activity: phase.activity,
+            for_: phase.since.elapsed(),
+            running: phase.batches,
+            injected: shared.injected.load(Ordering::SeqCst) == generation,
+        })
     }
 
     fn tick_telemetry(&mut self) {
@@ -370,25 +335,7 @@ impl Shell {
             objective,
             checkpoint_root: self.a.config.checkpoint.dir.clone(),
         };
-        let me = self.myself.clone();
-        Ok(Evaluator::start(spec, move |outcome| {
-            let _ = me.send_message(SupervisorMsg::Evaluated(outcome));
-        })?)
-    }
-
-    fn evaluated_metrics(&self, outcome: &Result<super::evaluator::Evaluated, String>) {
-        let m = &self.run_metrics;
-        m.evaluation(outcome.is_ok());
-        if let Ok(e) = outcome {
-            m.decode_acceptance_length.set(e.decode_acceptance_length);
-            if let Some(holdout) = e.holdout_acceptance_length {
-                m.holdout_acceptance_length.set(holdout);
-            }
-            m.decode_acceptance_length_best.set(e.best);
-            m.decode_token_match.set(e.token_match_rate);
-            m.eval_duration.record(e.seconds);
-            m.eval_last_step.set(e.step as f64);
-        }
+        Ok(Evaluator::start(spec, to_core(&self.myself, Event::Evaluated))?)
     }
 
     // ------------------------------------------------------------------ reload
@@ -417,13 +364,15 @@ impl Shell {
         });
     }
 
+    /// Whether faults may be injected (`control.fault_injection`).
+    fn injecting(&self) -> Result<(), FaultRefused> {
+        self.a.config.control.fault_injection.then_some(()).ok_or(FaultRefused::Off)
+    }
+
     /// Makes target copy `id` panic at its next capture where the hidden state enters `part` (the layers on the
     /// part-th device of `[target.device] + target.spread_to`): a failure of the whole supervised unit, whichever of
     /// its devices it strikes.
     fn inject_target(&mut self, id: usize, part: usize) -> Result<(), FaultRefused> {
-        if !self.a.config.control.fault_injection {
-            return Err(FaultRefused::Off);
-        }
         let count = self.targets.len();
         let target = self.targets.get(id).ok_or(FaultRefused::NoSuchTarget { id, count })?;
         let parts = 1 + self.a.spread_to.len();
@@ -433,40 +382,30 @@ impl Shell {
         if target.thread.is_none() {
             return Err(FaultRefused::Conflict(format!("target copy {id} runs no thread to fail")));
         }
-        match target.fault.arm(part) {
-            false => Err(FaultRefused::Conflict(format!("target copy {id} has a fault pending already"))),
-            true => Ok(()),
-        }
+        let pending = || FaultRefused::Conflict(format!("target copy {id} has a fault pending already"));
+        target.fault.arm(part).then_some(()).ok_or_else(pending)
     }
 
     /// `POST /drafters/{id}/fault`: one pending fault per drafter (and one checkpoint stall) at a time; a drafter
     /// failed for good runs no thread to fail.
     fn inject(&mut self, core: &Core, id: usize, kind: FaultKind) -> Result<(), FaultRefused> {
-        if !self.a.config.control.fault_injection {
-            return Err(FaultRefused::Off);
-        }
         if id >= self.drafters.len() {
             return Err(FaultRefused::NoSuchDrafter { id, count: self.drafters.len() });
         }
         if kind == FaultKind::CheckpointStall {
-            return match self.checkpointer.stall_next_write() {
-                true => Ok(()),
-                false => Err(FaultRefused::Conflict("a checkpoint stall is pending already".into())),
-            };
+            let pending = || FaultRefused::Conflict("a checkpoint stall is pending already".into());
+            return self.checkpointer.stall_next_write().then_some(()).ok_or_else(pending);
         }
         if core.drafter_state(id) == Some(DrafterState::Failed) {
             return Err(FaultRefused::Conflict(format!("drafter {id} is failed: it runs no thread to fail")));
         }
         let mut pending = self.drafters[id].shared.fault.lock().unwrap_or_else(|p| p.into_inner());
-        match *pending {
-            Some(other) => Err(FaultRefused::Conflict(format!(
-                "drafter {id} has a fault pending already ({other:?}); it takes effect at its next step"
-            ))),
-            None => {
-                *pending = Some(kind);
-                Ok(())
-            }
+        if let Some(other) = pending.replace(kind) {
+            *pending = Some(other);
+            let why = format!("drafter {id} has a fault pending already ({other:?}); it takes effect at its next step");
+            return Err(FaultRefused::Conflict(why));
         }
+        Ok(())
     }
 }
 
@@ -491,28 +430,19 @@ impl State {
     fn reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
         let result = self.apply_reload(reread);
         let version = self.driver.core().config_version();
+        self.shell.run_metrics.reload(result.is_ok(), version);
         match &result {
-            Ok(r) => {
-                self.shell.run_metrics.reload(true, version);
-                if r.changes.is_empty() {
-                    tracing::info!(version, "configuration reread: nothing changed");
-                }
-            }
-            Err(e) => {
-                self.shell.run_metrics.reload(false, version);
-                tracing::error!(version, "configuration reload refused: {e}");
-            }
+            Ok(r) if r.changes.is_empty() => tracing::info!(version, "configuration reread: nothing changed"),
+            Ok(_) => {}
+            Err(e) => tracing::error!(version, "configuration reload refused: {e}"),
         }
         result
     }
 
     fn apply_reload(&mut self, reread: Result<Option<Reread>, String>) -> Result<Reloaded, String> {
+        let version = self.driver.core().config_version();
         let Some(Reread { accepted: Accepted { config: new, changes, gamma }, eval_set: prompts }) = reread? else {
-            return Ok(Reloaded {
-                config_version: self.driver.core().config_version(),
-                applies_from_step: None,
-                changes: vec![],
-            });
+            return Ok(Reloaded { config_version: version, applies_from_step: None, changes: vec![] });
         };
         let s = &mut self.shell;
         if prompts.is_some() && s.evaluator.is_none() {
@@ -540,6 +470,17 @@ impl State {
             "configuration reloaded: version {version} applies from step {from} on every drafter"
         );
         Ok(Reloaded { config_version: version, applies_from_step: Some(from), changes })
+    }
+}
+
+/// A callback for another thread that hands what it is given to the core, as the event `event` makes of it.
+fn to_core<T>(
+    myself: &ActorRef<SupervisorMsg>,
+    event: impl Fn(T) -> Event + Send + Sync + 'static,
+) -> impl Fn(T) + Send + Sync + 'static {
+    let me = myself.clone();
+    move |x| {
+        let _ = me.send_message(SupervisorMsg::Core(event(x)));
     }
 }
 
@@ -586,11 +527,11 @@ impl Actor for Supervisor {
                 Event::Watch(s.shell.watched(s.driver.core()))
             }
             SupervisorMsg::Fault { id, kind, reply } => {
-                let _ = reply.send(s.shell.inject(s.driver.core(), id, kind));
+                let _ = reply.send(s.shell.injecting().and_then(|()| s.shell.inject(s.driver.core(), id, kind)));
                 return Ok(());
             }
             SupervisorMsg::TargetFault { id, part, reply } => {
-                let _ = reply.send(s.shell.inject_target(id, part));
+                let _ = reply.send(s.shell.injecting().and_then(|()| s.shell.inject_target(id, part)));
                 return Ok(());
             }
             SupervisorMsg::CheckpointNow(reply) => {
@@ -615,31 +556,11 @@ impl Actor for Supervisor {
                 }
                 return Ok(());
             }
-            SupervisorMsg::Evaluated(outcome) => {
-                s.shell.evaluated_metrics(&outcome);
-                Event::Evaluated(outcome)
-            }
-            SupervisorMsg::Shutdown(signal) => {
-                if !s.driver.core().ending() {
-                    tracing::info!("stop requested: checkpointing, then exiting (a second signal exits at once)");
-                }
-                Event::Shutdown(signal)
-            }
-            SupervisorMsg::Fed { generation, step, feed } => {
-                // An assignment for a generation this host no longer is goes nowhere.
-                if s.shell.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
-                    return Ok(());
-                }
-                Event::Fed { step, items: feed.items, position: feed.position }
-            }
             SupervisorMsg::Core(event) => event,
-            SupervisorMsg::LeftRun { generation } => {
-                // Word about a generation this host no longer is comes too late.
-                if s.shell.a.link.as_ref().is_none_or(|l| l.generation() != generation) {
-                    return Ok(());
-                }
-                Event::LeftRun
-            }
+            SupervisorMsg::ForGeneration { generation, event } => match &s.shell.a.link {
+                Some(link) if link.generation() == generation => event,
+                _ => return Ok(()),
+            },
         };
         s.feed(event);
         s.tell_hosts();
@@ -652,45 +573,22 @@ impl Actor for Supervisor {
         event: SupervisionEvent,
         s: &mut State,
     ) -> Result<(), ActorProcessingErr> {
+        // A thread that returned without being asked to failed too, though it was computing nothing.
         let (cell, failure) = match event {
-            SupervisionEvent::ActorFailed(cell, err) => {
-                let failure = match err.downcast_ref::<ThreadFailure>() {
-                    Some(f) => f.0.clone(),
-                    None => Failure::panic(err.to_string()),
-                };
-                (cell, Some(failure))
-            }
-            SupervisionEvent::ActorTerminated(cell, ..) => (cell, None),
+            SupervisionEvent::ActorFailed(cell, err) => match err.downcast_ref::<ThreadFailure>() {
+                Some(f) => (cell, Ok(f.0.clone())),
+                None => (cell, Ok(Failure::panic(err.to_string()))),
+            },
+            SupervisionEvent::ActorTerminated(cell, ..) => (cell, Err(Failure::ended())),
             SupervisionEvent::ActorStarted(cell) => {
-                // Keep a handle on each compute actor, to stop it when its thread is given up (at once, if it was
-                // given up while starting).
-                match s.shell.spawned.of(&cell) {
-                    Some(Spawned::Drafter { id, generation })
-                        if s.driver.core().running_threads().contains(&(id, generation)) =>
-                    {
-                        s.shell.drafters[id].actor = Some((generation, cell.into()));
-                    }
-                    Some(Spawned::Target { id, generation }) => {
-                        let t = &mut s.shell.targets[id];
-                        if t.abandoned.load(Ordering::SeqCst) >= generation {
-                            cell.stop(None);
-                        } else {
-                            t.actor = Some((generation, cell.into()));
-                        }
-                    }
-                    _ => {}
-                }
+                s.shell.spawned.started(cell);
                 return Ok(());
             }
             _ => return Ok(()),
         };
         let event = match (s.shell.spawned.ended(&cell), failure) {
-            (Some(Spawned::Drafter { id, generation }), Some(f)) => s.shell.drafter_failed(id, generation, f),
-            (Some(Spawned::Drafter { id, generation }), None) => Event::DrafterExited { id, generation },
-            (Some(Spawned::Target { id, generation }), Some(failure)) => {
-                Event::TargetFailed { target: id, generation, failure }
-            }
-            (Some(Spawned::Target { id, generation }), None) => Event::TargetExited { target: id, generation },
+            (Some(Spawned::Drafter { id, generation }), Ok(f)) => s.shell.drafter_failed(id, generation, f),
+            (Some(spawned), Ok(failure) | Err(failure)) => spawned.failed(failure),
             (None, _) => return Ok(()),
         };
         s.feed(event);

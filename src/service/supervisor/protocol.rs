@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 
 use super::run_progress::Estimate;
-use super::schedule::Item;
 use super::survivor::RunPosition;
 use crate::config::Config;
 use crate::data::loader::{Batch, BatchId};
@@ -15,6 +14,7 @@ use crate::train::checkpoint::{Scan, Written};
 use crate::train::collective::RoundReport;
 
 pub use super::checkpoints::{ScanFilter, WriteJob};
+pub use super::schedule::Item;
 pub use super::targets::Request;
 pub use super::watchdog::{Activity, DrafterSeen};
 
@@ -53,15 +53,6 @@ pub enum LedgerEntry {
     },
 }
 
-/// A drafter thread as the watchdog sees it, with what failing it needs: the batches it is computing, and whether
-/// a fault was injected into it (a rehearsal, not held against the batches or the device).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Watched {
-    pub seen: DrafterSeen,
-    pub running: Vec<BatchId>,
-    pub injected: bool,
-}
-
 #[derive(Debug, Clone)]
 pub enum Event {
     /// Time passed (the shell ticks a few times a second).
@@ -72,20 +63,16 @@ pub enum Event {
         for_: std::time::Duration,
     },
     /// What each running drafter thread is doing, for the watchdog (the shell sends it with its ticks).
-    Watch(Vec<Watched>),
+    Watch(Vec<DrafterSeen>),
     TargetReady {
         target: usize,
         generation: u64,
     },
+    /// A target thread failed (or returned without being asked to).
     TargetFailed {
         target: usize,
         generation: u64,
         failure: Failure,
-    },
-    /// A target thread returned without being asked to.
-    TargetExited {
-        target: usize,
-        generation: u64,
     },
     /// A target thread passed request `seq` on to its drafter.
     Delivered {
@@ -104,19 +91,14 @@ pub enum Event {
         generation: u64,
         step: u64,
     },
-    /// A drafter thread failed (or was found hung); `running`: the batches it was computing; `injected`: a
-    /// rehearsed fault, not held against those batches or the device.
+    /// A drafter thread failed (or was found hung, or returned without being asked to); `running`: the batches it
+    /// was computing; `injected`: a rehearsed fault, not held against those batches or the device.
     DrafterFailed {
         id: usize,
         generation: u64,
         failure: Failure,
         running: Vec<BatchId>,
         injected: bool,
-    },
-    /// A drafter thread returned without being asked to.
-    DrafterExited {
-        id: usize,
-        generation: u64,
     },
     /// The answer to `Abandon`: who is left in the collective, `(id, generation)`.
     MemberRemoved {
@@ -174,14 +156,6 @@ pub enum Event {
     LeftRun,
 }
 
-#[cfg(test)]
-impl Event {
-    /// The writer's answer that the checkpoint of `step` is in `folder`, written in `seconds`.
-    pub fn written(step: u64, incarnation: u64, folder: &str, seconds: f64) -> Self {
-        Event::CheckpointWritten(Written { step, incarnation, result: Ok((folder.into(), seconds)) })
-    }
-}
-
 /// What the shell reports to metrics and logs (the core decides nothing more by them).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Notice {
@@ -211,6 +185,7 @@ pub enum Notice {
     WriterStalled(bool),
     /// A checkpoint fell due while another was in flight.
     CheckpointSkipped,
+    Evaluated(Result<Evaluated, String>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -290,9 +265,6 @@ pub enum Action {
         code: i32,
     },
 }
-
-/// `Item` re-exported for the shell.
-pub type RequestItem = Item;
 
 /// What rank 0 posts another host for one step, as it crosses the store (JSON).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

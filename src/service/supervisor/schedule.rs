@@ -131,32 +131,32 @@ impl Schedule {
     /// drafter given fewer than `accumulation` gets `Empty` for the rest; the items of a drafter not live wait for
     /// it to join, and the assigning host takes back what no round took).
     pub fn open_fed_step(&mut self, drafters: &[(usize, u64)], fed: Vec<(usize, Item)>) -> Vec<Sent> {
-        let step = self.next_step;
-        self.next_step += 1;
-        self.assigned.insert(step, Vec::new());
+        let step = self.open();
         for (drafter, item) in fed {
             self.unclaimed.entry((step, drafter)).or_default().push(item);
         }
-        let mut out = Vec::new();
-        for &(drafter, generation) in drafters {
-            out.extend(self.assign(step, drafter, generation).into_iter().map(|i| (drafter, generation, i)));
-        }
-        out
+        self.assign_all(step, drafters)
+    }
+
+    /// Opens the next step, assigned to nobody yet.
+    fn open(&mut self) -> u64 {
+        self.next_step += 1;
+        self.assigned.insert(self.next_step - 1, Vec::new());
+        self.next_step - 1
     }
 
     /// A follower's drafter takes its items of open step `step`.
     fn claim_fed(&mut self, step: u64, drafter: usize) -> (Vec<Item>, Vec<Option<BatchId>>) {
         let mut items = self.unclaimed.remove(&(step, drafter)).unwrap_or_default();
         items.resize(self.accumulation.max(items.len()), Item::Empty);
-        let mut batches = Vec::new();
-        for item in &items {
-            if let Item::Capture { batch, positions } = item {
+        let batches = items.iter().map(|item| match item {
+            Item::Capture { batch, positions } => {
                 self.batches.insert(*batch, Batch { id: *batch, samples: positions.clone() });
-                batches.push(Some(*batch));
-            } else {
-                batches.push(None);
+                Some(*batch)
             }
-        }
+            Item::Empty => None,
+        });
+        let batches = batches.collect();
         (items, batches)
     }
 
@@ -257,14 +257,17 @@ impl Schedule {
         if !self.data_left() {
             return None;
         }
-        let step = self.next_step;
-        self.next_step += 1;
-        self.assigned.insert(step, Vec::new());
+        let step = self.open();
+        Some((step, self.assign_all(step, drafters)))
+    }
+
+    /// Gives each of `drafters` `(id, generation)` its items of open step `step`.
+    pub fn assign_all(&mut self, step: u64, drafters: &[(usize, u64)]) -> Vec<Sent> {
         let mut items = Vec::new();
         for &(drafter, generation) in drafters {
             items.extend(self.assign(step, drafter, generation).into_iter().map(|i| (drafter, generation, i)));
         }
-        Some((step, items))
+        items
     }
 
     /// Steps opened from `from` on (a drafter admitted at round `from` takes part in them).
@@ -288,16 +291,13 @@ impl Schedule {
         let mut items = Vec::new();
         let mut batches = Vec::new();
         for _ in 0..self.accumulation {
-            match self.batches_left().then(|| self.loader.next_batch()).flatten() {
-                Some(b) => {
-                    items.push(Item::Capture { batch: b.id, positions: b.samples.clone() });
-                    batches.push(Some(b.id));
-                    self.batches.insert(b.id, b);
-                }
-                None => {
-                    items.push(Item::Empty);
-                    batches.push(None);
-                }
+            let batch = self.batches_left().then(|| self.loader.next_batch()).flatten();
+            items.push(
+                batch.as_ref().map_or(Item::Empty, |b| Item::Capture { batch: b.id, positions: b.samples.clone() }),
+            );
+            batches.push(batch.as_ref().map(|b| b.id));
+            if let Some(b) = batch {
+                self.batches.insert(b.id, b);
             }
         }
         if let Some(list) = self.assigned.get_mut(&step) {

@@ -54,8 +54,7 @@ use super::core::{Core, HostRole, Setup, step_settings};
 use super::driver::{Driver, Effects};
 use super::hosts::{LOOKS_STALL_AFTER_S, SILENT_AFTER};
 use super::protocol::{
-    Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter, Start, Watched,
-    WriteJob,
+    Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter, Start, WriteJob,
 };
 use super::schedule::Item;
 use crate::cluster::exchange::{BEAT_EVERY, GONE_AFTER, STOPPED_AFTER_S, still_member};
@@ -1203,7 +1202,13 @@ impl World {
         if let Some(t) = self.threads.get_mut(&(id, generation)) {
             t.enter(Stage::Gone, self.now);
         }
-        self.supervision(Event::DrafterExited { id, generation });
+        self.supervision(Event::DrafterFailed {
+            id,
+            generation,
+            failure: Failure::ended(),
+            running: vec![],
+            injected: false,
+        });
     }
 
     /// The member claims the waiting joiners and copies its state into them; it admits them once the copy is done
@@ -1676,17 +1681,15 @@ impl World {
     }
 
     /// What the shell reports with its ticks: the stage of every thread the core runs, and since when.
-    fn watched(&self, core: &Core) -> Vec<Watched> {
+    fn watched(&self, core: &Core) -> Vec<DrafterSeen> {
         let running = core.running_threads();
         let threads = self.threads.iter().filter(|(key, t)| t.stage != Stage::Gone && running.contains(key));
         threads
-            .map(|(&(id, generation), t)| Watched {
-                seen: DrafterSeen {
-                    id,
-                    generation,
-                    activity: t.stage.activity(),
-                    for_: self.now.saturating_sub(t.since),
-                },
+            .map(|(&(id, generation), t)| DrafterSeen {
+                id,
+                generation,
+                activity: t.stage.activity(),
+                for_: self.now.saturating_sub(t.since),
                 running: if matches!(t.stage, Stage::Computing { .. }) { t.items.clone() } else { vec![] },
                 injected: false,
             })
@@ -2221,7 +2224,13 @@ impl Effects for World {
         let removal = self.rounds.remove(id, generation);
         if self.threads.get(&(id, generation)).is_some_and(|t| t.stage != Stage::Gone) {
             // Its actor is stopped: the supervisor hears of it.
-            self.supervision(Event::DrafterExited { id, generation });
+            self.supervision(Event::DrafterFailed {
+                id,
+                generation,
+                failure: Failure::ended(),
+                running: vec![],
+                injected: false,
+            });
             self.wake(id, generation);
         }
         let check = self.complete_rounds();

@@ -20,12 +20,17 @@ pub struct Request {
     pub item: Item,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 enum Life {
+    #[default]
     NotStarted,
-    Starting { since: Duration },
+    Starting {
+        since: Duration,
+    },
     Ready,
-    Backoff { at: Duration },
+    Backoff {
+        at: Duration,
+    },
     GaveUp,
 }
 
@@ -39,7 +44,7 @@ pub struct TargetFailure {
 }
 
 /// One copy of the target.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct TargetCopy {
     pub id: usize,
     pub device: String,
@@ -55,17 +60,7 @@ pub struct TargetCopy {
 
 impl TargetCopy {
     pub fn new(id: usize, device: String) -> Self {
-        TargetCopy {
-            id,
-            device,
-            generation: 0,
-            life: Life::NotStarted,
-            ever_ready: false,
-            restarts: Restarts::default(),
-            undelivered: VecDeque::new(),
-            holding_since: Duration::ZERO,
-            suspects: HashMap::new(),
-        }
+        TargetCopy { id, device, ..TargetCopy::default() }
     }
 
     pub fn is_ready(&self) -> bool {

@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::config::SupervisionSettings;
+use crate::data::loader::BatchId;
 
 /// What a drafter thread is doing, as it reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,13 +59,17 @@ impl Activity {
     }
 }
 
-/// A live drafter thread as the shell saw it: what it does and for how long.
+/// A live drafter thread as the shell saw it: what it does and for how long, with what failing it needs: the
+/// batches it is computing, and whether a fault was injected into it (a rehearsal, not held against the batches or
+/// the device).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DrafterSeen {
     pub id: usize,
     pub generation: u64,
     pub activity: Activity,
     pub for_: Duration,
+    pub running: Vec<BatchId>,
+    pub injected: bool,
 }
 
 /// A ready target copy holding an undelivered capture request, and for how long.
@@ -78,7 +83,7 @@ pub struct TargetSeen {
 /// Who the watchdog fails.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Stuck {
-    Drafter { id: usize, generation: u64, activity: Activity, for_: Duration },
+    Drafter(DrafterSeen),
     Target { id: usize, generation: u64, for_: Duration },
 }
 
@@ -102,8 +107,7 @@ pub struct Look<'a> {
 /// Who is stuck; empty when nothing is.
 pub fn find_stuck(look: &Look) -> Vec<Stuck> {
     let over = |d: Duration| d > look.budget;
-    let drafter =
-        |d: &DrafterSeen| Stuck::Drafter { id: d.id, generation: d.generation, activity: d.activity, for_: d.for_ };
+    let drafter = |d: &DrafterSeen| Stuck::Drafter(d.clone());
     let busy: Vec<Stuck> = look.drafters.iter().filter(|d| d.activity.is_busy() && over(d.for_)).map(drafter).collect();
     if !busy.is_empty() {
         // A target blocked behind a hung drafter, or peers waiting for it, are innocent: fail the drafter first.
@@ -249,7 +253,7 @@ mod tests {
     }
 
     fn seen(id: usize, activity: Activity, for_: u64) -> DrafterSeen {
-        DrafterSeen { id, generation: 1, activity, for_: secs(for_) }
+        DrafterSeen { id, generation: 1, activity, for_: secs(for_), running: vec![], injected: false }
     }
 
     fn look<'a>(since_commit: u64, drafters: &'a [DrafterSeen], targets: &'a [TargetSeen]) -> Look<'a> {
@@ -268,7 +272,7 @@ mod tests {
         stuck
             .iter()
             .map(|s| match s {
-                Stuck::Drafter { id, .. } => format!("drafter {id}"),
+                Stuck::Drafter(d) => format!("drafter {}", d.id),
                 Stuck::Target { id, .. } => format!("target {id}"),
             })
             .collect()

@@ -71,6 +71,7 @@ impl Core {
 
     pub(super) fn evaluated(&mut self, outcome: Result<Evaluated, String>) {
         self.evaluating = false;
+        self.out.push(Action::Notice(Notice::Evaluated(outcome.clone())));
         match outcome {
             Ok(e) => {
                 let holdout = match e.holdout_acceptance_length {

@@ -103,11 +103,11 @@ impl Core {
             give_up = *hangs >= s.gpu_hang_limit;
         }
         match self.slots[id].fail(self.now, &s, give_up) {
-            Fate::RestartAt(at) => {
+            Some(at) => {
                 tracing::info!(drafter = id, in_ms = at.saturating_sub(self.now).as_millis() as u64, "restarting");
                 self.out.push(Action::Notice(Notice::Restarted { id }));
             }
-            Fate::Failed => tracing::error!(
+            None => tracing::error!(
                 drafter = id,
                 restarts = self.slots[id].restarts.total,
                 "drafter marked failed; training continues without it"

@@ -23,9 +23,9 @@ pub enum HostRole {
 pub(super) struct Hosts {
     pub(super) role: Option<HostRole>,
     /// Leader: the other member hosts, by rank.
-    remote: BTreeMap<usize, HostMember>,
+    pub(super) remote: BTreeMap<usize, HostMember>,
     /// Follower: the items rank 0 assigned, by step, as `(drafter, item)`.
-    fed: BTreeMap<u64, Vec<(usize, Item)>>,
+    pub(super) fed: BTreeMap<u64, Vec<(usize, Item)>>,
     /// Follower: where the run stands, to checkpoint it from here if rank 0 is lost.
     pub(super) survivor: Survivor,
     /// Follower: rank 0 is lost and this host's replica is being checkpointed.
@@ -33,12 +33,6 @@ pub(super) struct Hosts {
     /// Follower: rank 0 dropped this host from the run (when, on the watchdog's clock); its drafters start again and
     /// enter anew. Not ready meanwhile.
     pub(super) left: Option<Duration>,
-}
-
-impl Hosts {
-    pub(super) fn new(role: Option<HostRole>) -> Self {
-        Hosts { role, ..Hosts::default() }
-    }
 }
 
 impl Core {
@@ -149,17 +143,10 @@ impl Core {
             return;
         }
         for h in joined {
+            let drafters: Vec<(usize, u64)> =
+                (0..self.slots.len()).map(|id| (self.remote_id(h.rank, id), h.generation)).collect();
             for step in self.schedule.open_steps_from(h.from) {
-                let mut items = Vec::new();
-                for id in 0..self.slots.len() {
-                    let drafter = self.remote_id(h.rank, id);
-                    items.extend(
-                        self.schedule
-                            .assign(step, drafter, h.generation)
-                            .into_iter()
-                            .map(|i| (drafter, h.generation, i)),
-                    );
-                }
+                let items = self.schedule.assign_all(step, &drafters);
                 self.feed_remote(step, items);
             }
         }
@@ -251,6 +238,7 @@ impl Core {
 mod tests {
     use super::*;
     use crate::service::exit::{EXIT_INTERRUPTED, EXIT_TERMINATED, StopSignal};
+    use crate::service::supervisor::core::tests::written;
     use crate::service::supervisor::protocol::Request;
     use crate::train::link::{DrafterPart, HostRecord};
 
@@ -474,8 +462,14 @@ mod tests {
             c.config.supervision.step_timeout_s = 10.0;
             let (mut t, mut step, mut generation) = (0.3, 0, 1);
             let watch = |generation, activity, for_: f64| {
-                let seen = DrafterSeen { id: 0, generation, activity, for_: at(for_) };
-                Event::Watch(vec![Watched { seen, running: vec![], injected: false }])
+                Event::Watch(vec![DrafterSeen {
+                    id: 0,
+                    generation,
+                    activity,
+                    for_: at(for_),
+                    running: vec![],
+                    injected: false,
+                }])
             };
             // The drafter's step: fed and captured, then (after `wait` s: rank 0 silent, the drafter waiting for its
             // round) the round and the update applied. Returns the actions of the time in between.
@@ -568,7 +562,7 @@ mod tests {
                 matches!(&actions[..], [Action::WriteCheckpoint(job)] if job.step == step),
                 "seed {seed}: {actions:?}"
             );
-            let written = Event::written(step, c.incarnation, "x", 0.1);
+            let written = written(step, c.incarnation, "x", 0.1);
             assert_eq!(
                 c.handle(at(t + 0.2), written).last(),
                 Some(&Action::Exit { code: EXIT_RESTART }),
@@ -586,8 +580,14 @@ mod tests {
         let mut c = follower_at(0);
         c.config.supervision.step_timeout_s = 10.0;
         let watched = |activity, for_| {
-            let seen = DrafterSeen { id: 0, generation: 1, activity, for_: at(for_) };
-            Event::Watch(vec![Watched { seen, running: vec![], injected: false }])
+            Event::Watch(vec![DrafterSeen {
+                id: 0,
+                generation: 1,
+                activity,
+                for_: at(for_),
+                running: vec![],
+                injected: false,
+            }])
         };
         let item = Item::Capture { batch: id(3), positions: vec![0, 1] };
         for action in c.handle(at(0.3), Event::Fed { step: 0, items: vec![(0, item)], position: None }) {
@@ -685,7 +685,7 @@ mod tests {
         assert_eq!((loader.next_ordinal, &loader.owed), (10, &vec![id(8)]), "7 and 9 trained; 8 owed");
         assert_eq!(job.state.samples_committed, 36);
         assert_eq!(job.state.recent_commits, vec![(7, vec![id(7), id(9)])]);
-        let written = Event::written(8, c.incarnation, "x", 0.1);
+        let written = written(8, c.incarnation, "x", 0.1);
         assert_eq!(c.handle(at(1.5), written).last(), Some(&Action::Exit { code: EXIT_RESTART }));
 
         // With no word from rank 0 yet there is nothing to checkpoint: the host exits at once.

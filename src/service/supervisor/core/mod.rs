@@ -31,8 +31,8 @@ use std::time::Duration;
 pub use self::hosts::HostRole;
 use self::hosts::Hosts;
 use super::checkpoints::{Book, Newest, SnapshotOutcome};
-use super::drafters::{Fate, Life, Role, Slot};
-use super::protocol::{Action, Event, LedgerEntry, Notice, Order, Request, Start, Watched, WriteJob};
+use super::drafters::{Life, Role, Slot};
+use super::protocol::{Action, Event, LedgerEntry, Notice, Order, Request, Start, WriteJob};
 use super::schedule::{Item, Position, Schedule, Settled};
 use super::targets::TargetCopy;
 use super::watchdog::{StepTimes, StoppedTime};
@@ -291,7 +291,7 @@ impl Core {
             monotonic: Duration::ZERO,
             stopped: StoppedTime::default(),
             out: vec![],
-            hosts: Hosts::new(setup.role),
+            hosts: Hosts { role: setup.role, ..Hosts::default() },
             health: health::Health::default(),
             config: setup.config,
         };
@@ -330,24 +330,15 @@ impl Core {
             return vec![];
         }
         match event {
-            Event::Tick => {}
-            Event::Stopped { .. } => {}
+            Event::Tick | Event::Stopped { .. } => {}
             Event::Watch(drafters) => self.watch(drafters),
             Event::TargetReady { target, generation } => self.target_ready(target, generation),
             Event::TargetFailed { target, generation, failure } => self.target_failed(target, generation, failure),
-            Event::TargetExited { target, generation } => {
-                let failure = Failure::panic("the target thread ended without being asked to".into());
-                self.target_failed(target, generation, failure)
-            }
             Event::Delivered { target, generation, seq } => self.targets[target].delivered(generation, seq, self.now),
             Event::DrafterReady { id, generation } => self.drafter_ready(id, generation),
             Event::DrafterJoined { id, generation, step } => self.drafter_joined(id, generation, step),
             Event::DrafterFailed { id, generation, failure, running, injected } => {
                 self.drafter_failed(id, generation, failure, &running, injected)
-            }
-            Event::DrafterExited { id, generation } => {
-                let failure = Failure::panic("the drafter thread ended without being asked to".into());
-                self.drafter_failed(id, generation, failure, &[], false)
             }
             Event::MemberRemoved { remaining } => self.members = remaining,
             Event::StepDone { id, generation, step, digest, applied, feature_wait_s } => {
@@ -383,8 +374,7 @@ impl Core {
                     SnapshotOutcome::Unwanted if !self.book.holds(id, generation, step) => {
                         self.out.push(Action::DropSnapshots { which: Some((id, generation, step)) })
                     }
-                    SnapshotOutcome::Unwanted => {}
-                    SnapshotOutcome::Waiting => {}
+                    SnapshotOutcome::Unwanted | SnapshotOutcome::Waiting => {}
                     SnapshotOutcome::Write(job) => self.write(*job),
                 }
             }
@@ -416,7 +406,9 @@ impl Core {
             Event::Shutdown(_) if self.parting() => {
                 tracing::warn!("stop requested: this host's checkpoint is being written")
             }
-            Event::Shutdown(signal) => self.begin_ending(signal.exit_code(), false, "stop requested".into()),
+            Event::Shutdown(signal) => {
+                self.begin_ending(signal.exit_code(), false, "stop requested (a second signal exits at once)".into())
+            }
         }
         self.advance();
         std::mem::take(&mut self.out)
@@ -437,12 +429,8 @@ impl Core {
     /// How long the exit may wait for the writers' queued work: what is left of the ending's deadline (at most
     /// `cap`).
     pub fn time_left_to_exit(&self, cap: Duration) -> Duration {
-        let deadline = self.ending.as_ref().map(|e| e.deadline).or(self.hosts.parting.map(|p| p.deadline()));
+        let deadline = self.ending.as_ref().map(|e| e.deadline).or(self.hosts.parting.map(|p| p.deadline));
         deadline.map_or(cap, |d| d.saturating_sub(self.now).min(cap))
-    }
-
-    pub fn ending(&self) -> bool {
-        self.ending.is_some()
     }
 
     pub fn config_version(&self) -> u64 {
@@ -557,19 +545,17 @@ impl Core {
 
     fn check_deadlines(&mut self) {
         let (now, deadline) = (self.now, self.start_deadline());
-        let overdue: Vec<(usize, u64)> =
-            self.slots.iter().filter(|s| s.start_overdue(now, deadline)).map(|s| (s.id, s.generation)).collect();
-        for (id, generation) in overdue {
-            let message =
-                format!("did not start within {:.0} s (twice supervision.step_timeout_s)", deadline.as_secs_f64());
-            self.drafter_failed(id, generation, Failure { kind: FailureKind::Hang, message }, &[], false);
+        let message =
+            format!("did not start within {:.0} s (twice supervision.step_timeout_s)", deadline.as_secs_f64());
+        let hang = || Failure { kind: FailureKind::Hang, message: message.clone() };
+        let slots = self.slots.iter().filter(|s| s.start_overdue(now, deadline)).map(|s| (s.id, s.generation, hang()));
+        for (id, generation, failure) in slots.collect::<Vec<_>>() {
+            self.drafter_failed(id, generation, failure, &[], false);
         }
-        let overdue: Vec<(usize, u64)> =
-            self.targets.iter().filter(|t| t.start_overdue(now, deadline)).map(|t| (t.id, t.generation)).collect();
-        for (target, generation) in overdue {
-            let message =
-                format!("did not start within {:.0} s (twice supervision.step_timeout_s)", deadline.as_secs_f64());
-            self.target_failed(target, generation, Failure { kind: FailureKind::Hang, message });
+        let targets =
+            self.targets.iter().filter(|t| t.start_overdue(now, deadline)).map(|t| (t.id, t.generation, hang()));
+        for (target, generation, failure) in targets.collect::<Vec<_>>() {
+            self.target_failed(target, generation, failure);
         }
         // A snapshot is taken once the steps handed out are done: a step's budget for each, twice over.
         let steps_ahead = self.schedule.next_step().saturating_sub(self.schedule.committed_step()) + 1;
@@ -593,7 +579,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::service::exit::StopSignal;
     use crate::service::status::DrafterState;
-    use crate::service::supervisor::watchdog::Activity;
+    use crate::service::supervisor::watchdog::{Activity, DrafterSeen};
 
     /// A core's setup for `drafters` drafters on the CPU, one target copy, 64 samples (the backoffs short).
     pub(crate) fn setup(drafters: usize) -> Setup {
@@ -612,6 +598,11 @@ pub(crate) mod tests {
             rejected: vec![],
             role: None,
         }
+    }
+
+    /// The writer's answer that the checkpoint of `step` is in `folder`, written in `seconds`.
+    pub(crate) fn written(step: u64, incarnation: u64, folder: &str, seconds: f64) -> Event {
+        Event::CheckpointWritten(Written { step, incarnation, result: Ok((folder.into(), seconds)) })
     }
 
     fn secs(s: f64) -> Duration {
@@ -773,7 +764,7 @@ pub(crate) mod tests {
         fail(&mut c, 0, 1, 1.2);
         c.handle(secs(1.2), Event::MemberRemoved { remaining: vec![] });
         assert!(c.handle(secs(1.5), Event::Tick).is_empty(), "waiting for the write");
-        let written = Event::written(at, c.incarnation, "ckpt", 0.1);
+        let written = written(at, c.incarnation, "ckpt", 0.1);
         let actions = c.handle(secs(1.6), written);
         let Some(Action::FindCheckpoint(filter)) = actions.last() else { panic!("{actions:?}") };
         assert!(filter.allows(at), "the checkpoint just written qualifies");
@@ -803,9 +794,8 @@ pub(crate) mod tests {
         }
     }
 
-    fn watched(id: usize, activity: Activity, for_: f64) -> Watched {
-        let seen = crate::service::supervisor::watchdog::DrafterSeen { id, generation: 1, activity, for_: secs(for_) };
-        Watched { seen, running: vec![], injected: false }
+    fn watched(id: usize, activity: Activity, for_: f64) -> DrafterSeen {
+        DrafterSeen { id, generation: 1, activity, for_: secs(for_), running: vec![], injected: false }
     }
 
     fn abandoned(actions: &[Action]) -> Vec<String> {
@@ -894,7 +884,7 @@ pub(crate) mod tests {
             c.handle(secs(at), Event::Round(report(s, c.incarnation)));
         }
         c.handle(secs(at), Event::Snapshot { id: 0, generation: 1, step, optimizer_steps: step });
-        let written = Event::written(step, c.incarnation, "ckpt", 0.1);
+        let written = written(step, c.incarnation, "ckpt", 0.1);
         c.handle(secs(at + 0.1), written)
     }
 
@@ -921,7 +911,7 @@ pub(crate) mod tests {
         assert_eq!(asked, vec![4], "{actions:?}");
         assert_eq!(c.eval_due, Some(4));
         c.handle(secs(1.0), Event::Snapshot { id: 0, generation: 1, step: 4, optimizer_steps: 4 });
-        let written = Event::written(4, c.incarnation, "ckpt", 0.1);
+        let written = written(4, c.incarnation, "ckpt", 0.1);
         let actions = c.handle(secs(1.1), written);
         assert!(actions.iter().any(|a| matches!(a, Action::Evaluate { step: 4, .. })), "{actions:?}");
     }
@@ -948,7 +938,7 @@ pub(crate) mod tests {
     fn a_signal_during_the_final_checkpoint_still_exits_0() {
         let mut c = writing_the_final_checkpoint(0);
         c.handle(secs(0.75), Event::Shutdown(StopSignal::Terminate));
-        let written = Event::written(2, c.incarnation, "ckpt-2", 0.1);
+        let written = written(2, c.incarnation, "ckpt-2", 0.1);
         let actions = c.handle(secs(0.8), written);
         assert!(actions.iter().any(|a| matches!(a, Action::Export { .. })), "{actions:?}");
         let actions = c.handle(secs(0.9), Event::Exported(Ok("final".into())));
@@ -973,9 +963,9 @@ pub(crate) mod tests {
         assert!(c.ready() && c.status().problems.is_empty(), "the lines that failed were written after all");
         c.handle(secs(1.3), failed());
         c.handle(secs(1.4), failed());
-        assert!(!c.ending());
+        assert!(c.ending.is_none());
         let actions = c.handle(secs(1.5), failed());
-        assert!(c.ending(), "three in a row");
+        assert!(c.ending.is_some(), "three in a row");
         let last = write_the_checkpoint_asked_for(&mut c, &actions, 1.6);
         assert_eq!(last.last(), Some(&Action::Exit { code: EXIT_RESTART }), "after its checkpoint");
         assert_eq!(c.status().ledger.failures, 5);
@@ -1007,7 +997,7 @@ pub(crate) mod tests {
             assert!(actions.contains(&Action::Notice(Notice::CheckpointSkipped)), "step {step}: {actions:?}");
         }
         assert_eq!(c.status().checkpoint_writer.skipped, 3);
-        let written = Event::written(at, c.incarnation, "ckpt", 20.0);
+        let written = written(at, c.incarnation, "ckpt", 20.0);
         let actions = c.handle(secs(21.0), written);
         assert!(actions.contains(&Action::Notice(Notice::WriterStalled(false))), "{actions:?}");
         assert!(c.ready() && !c.status().checkpoint_writer.stalled);
@@ -1030,7 +1020,7 @@ pub(crate) mod tests {
     #[test]
     fn a_complete_run_evaluates_its_final_checkpoint_before_the_end() {
         let mut c = writing_the_final_checkpoint(100);
-        let written = Event::written(2, c.incarnation, "ckpt-2", 0.1);
+        let written = written(2, c.incarnation, "ckpt-2", 0.1);
         let actions = c.handle(secs(0.8), written);
         assert!(
             actions.iter().any(|a| matches!(a, Action::Evaluate { step: 2, .. })),

@@ -12,15 +12,9 @@ use super::*;
 pub(super) struct Parting {
     /// The drafter thread `(id, generation)` asked for its state.
     donor: (usize, u64),
-    deadline: Duration,
+    pub(super) deadline: Duration,
     /// The exit status once it is written (or cannot be).
     code: i32,
-}
-
-impl Parting {
-    pub(super) fn deadline(&self) -> Duration {
-        self.deadline
-    }
 }
 
 impl Core {

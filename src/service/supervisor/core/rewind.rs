@@ -21,7 +21,7 @@ impl Core {
         }
         if matches!(self.rewind, Rewind::Idle)
             && self.initial.is_none()
-            && let Some(since) = self.book.writing_since()
+            && let Some((_, since)) = self.book.writing()
         {
             // The checkpoint being written may be the newest state there is: wait for it, within the start deadline.
             if self.now.saturating_sub(since) <= self.start_deadline() {
@@ -32,17 +32,9 @@ impl Core {
         }
         let source = match std::mem::replace(&mut self.rewind, Rewind::Idle) {
             Rewind::Scanned(source) => source,
-            Rewind::Idle => match self.initial.take() {
-                Some(source) => source,
-                None => {
-                    self.scan();
-                    return;
-                }
-            },
-            Rewind::RetryAt(at) if at <= self.now => {
-                self.scan();
-                return;
-            }
+            Rewind::Idle if self.initial.is_some() => self.initial.take().unwrap_or(Source::Fresh),
+            Rewind::Idle => return self.scan(),
+            Rewind::RetryAt(at) if at <= self.now => return self.scan(),
             waiting => {
                 self.rewind = waiting;
                 return;

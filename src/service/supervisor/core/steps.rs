@@ -34,11 +34,10 @@ impl Core {
     fn due_at_boundary(&mut self, boundary: u64) {
         let every = self.config.checkpoint.every_steps;
         if every > 0 && boundary.is_multiple_of(every) {
-            match self.book.in_flight() {
-                true => self.checkpoint_skipped("periodic"),
-                false => {
-                    self.request_checkpoint("periodic");
-                }
+            if self.book.in_flight() {
+                self.checkpoint_skipped("periodic");
+            } else {
+                self.request_checkpoint("periodic");
             }
         }
         let every = self.config.eval.every_steps;

@@ -9,19 +9,15 @@ impl Core {
         self.step_times.budget(self.supervision())
     }
 
-    pub(super) fn watch(&mut self, watched: Vec<Watched>) {
+    pub(super) fn watch(&mut self, seen: Vec<DrafterSeen>) {
         if self.phase != Phase::Running || self.ending.is_some() {
             return;
         }
-        let watched: Vec<Watched> = watched
+        let drafters: Vec<DrafterSeen> = seen
             .into_iter()
-            .filter(|w| self.slots.get(w.seen.id).is_some_and(|s| s.is_live() && s.current(w.seen.generation)))
-            .map(|mut w| {
-                w.seen.for_ = self.stopped.discount(self.monotonic, w.seen.for_);
-                w
-            })
+            .filter(|d| self.slots.get(d.id).is_some_and(|s| s.is_live() && s.current(d.generation)))
+            .map(|d| DrafterSeen { for_: self.stopped.discount(self.monotonic, d.for_), ..d })
             .collect();
-        let drafters: Vec<DrafterSeen> = watched.iter().map(|w| w.seen.clone()).collect();
         let now = self.now;
         let targets: Vec<TargetSeen> = self
             .targets
@@ -48,13 +44,11 @@ impl Core {
         let over = |for_: Duration| format!("{:.1} s (hang budget {:.1} s)", for_.as_secs_f64(), budget.as_secs_f64());
         for verdict in stuck {
             match verdict {
-                Stuck::Drafter { id, generation, activity, for_ } => {
-                    let Some(w) = watched.iter().find(|w| w.seen.id == id) else { continue };
-                    let kind = if activity.is_busy() { FailureKind::Hang } else { FailureKind::Stalled };
-                    let message = format!("{} for {}", activity.name(), over(for_));
-                    let running = if activity == Activity::Computing { w.running.clone() } else { vec![] };
-                    let injected = w.injected;
-                    self.drafter_failed(id, generation, Failure { kind, message }, &running, injected);
+                Stuck::Drafter(d) => {
+                    let kind = if d.activity.is_busy() { FailureKind::Hang } else { FailureKind::Stalled };
+                    let message = format!("{} for {}", d.activity.name(), over(d.for_));
+                    let running = if d.activity == Activity::Computing { d.running } else { vec![] };
+                    self.drafter_failed(d.id, d.generation, Failure { kind, message }, &running, d.injected);
                 }
                 Stuck::Target { id, generation, for_ } => {
                     let message = format!("no capture delivered for {}", over(for_));
