@@ -46,6 +46,7 @@ fn main() {
         .file("csrc/autograd.cpp")
         .file("csrc/graph.cpp")
         .file("csrc/nccl.cpp")
+        .file("csrc/staircase.cpp")
         .file("csrc/store.cpp");
     // CUDA graphs (`csrc/graph.cpp`) need libtorch's CUDA library and the CUDA runtime's headers: the wheel ships
     // them beside it (nvidia/cu13/include), all but crt/, which scripts/setup.sh adds (nvidia-cuda-crt).

@@ -330,16 +330,10 @@ impl Drafter {
                     apply_rope(&rms_norm(&k_ctx, &k_norm, eps), &cos_c, &sin_c),
                 )
             };
-            let rep = heads / kv_heads;
             let attn = {
                 let _p = span("drafter.attention");
-                attention.run(
-                    &q.transpose(1, 2),
-                    &repeat_kv(&k_ctx.transpose(1, 2), rep),
-                    &repeat_kv(&v_ctx.transpose(1, 2), rep),
-                    &repeat_kv(&k_blk.transpose(1, 2), rep),
-                    &repeat_kv(&v_blk.transpose(1, 2), rep),
-                )
+                let t = |x: &Tensor| x.transpose(1, 2);
+                attention.run(&t(&q), &t(&k_ctx), &t(&v_ctx), &t(&k_blk), &t(&v_blk))
             };
             x = {
                 let _p = span("drafter.o_proj");
@@ -693,9 +687,14 @@ struct AttentionGroup {
     query_at: Tensor,
 }
 
-/// The DFlash training attention pattern for one batch of blocks, ready to run.
+/// The DFlash training attention pattern for one batch of blocks, ready to run: on a GPU the staircase kernels take
+/// it as each block's context range ([`super::staircase`]); elsewhere (the CPU's reference, a sliding window, shapes
+/// the kernels do not take) groups of blocks attend densely, the mask a bias.
 pub struct BlockAttention {
     groups: Vec<AttentionGroup>,
+    /// Each block's context range `[lo, hi)`, `[B, N]` int32 on the device (ascending along each row), and whether
+    /// its own block is causal: where the kernels may run (not with a sliding window).
+    ranges: Option<(Tensor, Tensor, bool)>,
 }
 
 impl BlockAttention {
@@ -772,7 +771,16 @@ impl BlockAttention {
                 query_at,
             });
         }
-        Ok(BlockAttention { groups })
+        let ranges = match device {
+            Device::Cuda(_) => super::staircase::block_ranges(anchors, context_starts, batch, seq_len)
+                .map(|(lo, hi)| -> Result<_, ModelError> {
+                    let to = |v: Vec<i32>| Tensor::f_from_slice(&v)?.f_view([batch as i64, n as i64])?.f_to(device);
+                    Ok((to(lo)?, to(hi)?, false))
+                })
+                .transpose()?,
+            _ => None,
+        };
+        Ok(BlockAttention { groups, ranges })
     }
 
     /// The pattern of a draft layer that restricts the rule further ([`LayerAttention`]: a sliding window, a causal
@@ -802,12 +810,29 @@ impl BlockAttention {
                 })
             })
             .collect::<Result<_, ModelError>>()?;
-        Ok(BlockAttention { groups })
+        let ranges = match (&self.ranges, layer.window) {
+            (Some((lo, hi, _)), None) => Some((lo.shallow_clone(), hi.shallow_clone(), layer.causal)),
+            _ => None,
+        };
+        Ok(BlockAttention { groups, ranges })
     }
 
-    /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, h, S, d]` and block keys/values
-    /// `[B, h, Q, d]`; returns `[B, h, Q, d]`.
+    /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, kv, S, d]` and block keys/values
+    /// `[B, kv, Q, d]` (`kv` dividing `h`: grouped-query heads); returns `[B, h, Q, d]`.
     pub fn run(&self, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, k_blk: &Tensor, v_blk: &Tensor) -> Tensor {
+        if let Some((lo, hi, causal)) = &self.ranges
+            && super::staircase::applies(q, &[k_ctx, v_ctx, k_blk, v_blk])
+        {
+            let ranges = crate::ffi::attention::StaircaseRanges { lo, hi, causal: *causal };
+            match super::staircase::attention(q, k_ctx, v_ctx, k_blk, v_blk, &ranges) {
+                Ok(out) => return out,
+                Err(e) => panic!("staircase attention: {e}"),
+            }
+        }
+        let rep = q.size()[1] / k_ctx.size()[1];
+        let (k_ctx, v_ctx) = (repeat_kv(k_ctx, rep), repeat_kv(v_ctx, rep));
+        let (k_blk, v_blk) = (repeat_kv(k_blk, rep), repeat_kv(v_blk, rep));
+        let (k_ctx, v_ctx, k_blk, v_blk) = (&k_ctx, &v_ctx, &k_blk, &v_blk);
         let outs: Vec<Tensor> = self
             .groups
             .iter()

@@ -264,13 +264,32 @@ extern "C" __global__ void softmax_rows(bf16* __restrict__ logits, int vocab, co
 
 /// The kernels' PTX (NVRTC needs no GPU).
 fn compile() -> Result<Ptx, String> {
+    nvrtc(SOURCE, CompileOptions { name: Some("dflash_fused.cu".into()), ..Default::default() })
+}
+
+/// `source` compiled by NVRTC to PTX.
+pub(crate) fn nvrtc(source: &str, options: CompileOptions) -> Result<Ptx, String> {
     // NVRTC opens its builtins library by name while compiling, searching its own paths, which do not include the
     // rpath this binary was linked with. Opened first from here (through that rpath), it is found already loaded.
     static BUILTINS: OnceLock<Option<libloading::Library>> = OnceLock::new();
     // SAFETY: loading NVRTC's own companion library, which runs no initialisation with preconditions.
     BUILTINS.get_or_init(|| unsafe { libloading::Library::new("libnvrtc-builtins.so.13.0") }.ok());
-    let options = CompileOptions { name: Some("dflash_fused.cu".into()), ..Default::default() };
-    compile_ptx_with_opts(SOURCE, options).map_err(|e| format!("NVRTC: {e}"))
+    compile_ptx_with_opts(source, options).map_err(|e| format!("NVRTC: {e}"))
+}
+
+/// Whether the CUDA driver and NVRTC libraries can be opened (what run-time kernels need).
+pub(crate) fn libraries_present() -> Result<(), String> {
+    // SAFETY: only probes whether the libraries can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver library (libcuda.so.1) was not found".into());
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(
+            "NVRTC (libnvrtc.so.13) was not found: add the torch wheel's nvidia/cu13/lib to the library path".into()
+        );
+    }
+    Ok(())
 }
 
 /// The compiled kernels of one device.
@@ -289,17 +308,7 @@ unsafe impl Sync for Kernels {}
 
 impl Kernels {
     fn compile(ordinal: usize) -> Result<Self, String> {
-        // SAFETY: only probes whether the libraries can be opened.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err("the CUDA driver library (libcuda.so.1) was not found".into());
-        }
-        // SAFETY: as above.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(
-                "NVRTC (libnvrtc.so.13) was not found: add the torch wheel's nvidia/cu13/lib to the library path"
-                    .into(),
-            );
-        }
+        libraries_present()?;
         let context = CudaContext::new(ordinal).map_err(|e| format!("cannot open cuda:{ordinal}: {e}"))?;
         let ptx = compile()?;
         let module = context.load_module(ptx).map_err(|e| format!("loading the kernels: {e}"))?;

@@ -25,6 +25,7 @@ pub mod shared;
 pub mod speculative;
 pub mod speculators;
 pub mod split;
+pub mod staircase;
 pub mod target;
 pub mod weights;
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (BENCHMARKS.md, "The staircase attention kernels"): the kernels' GPU test against the
+# grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
+# grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
+# in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
+# Usage: scripts/gpu-staircase.sh [test|short|long|all]
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-gpu-out}
+bin=/tmp/dflash-bin
+mkdir -p "$out" "$bin"
+torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
+for f in .gpu-bin/*.xz; do
+  name=$(basename "$f" .xz)
+  [ -x "$bin/$name" ] || { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$bin/$name"; chmod +x "$bin/$name"; }
+done
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+if [ "$what" = test ] || [ "$what" = all ]; then
+  "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 | grep -E "^test |test result|panicked|assert" | tee "$out/test.txt"
+fi
+bench() { echo "== $*" | tee -a "$out/bench.txt"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
+drafter() { "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile "$@"; }
+if [ "$what" = short ] || [ "$what" = all ]; then
+  for shape in "4 768 256" "4 3072 512"; do
+    set -- $shape
+    bench drafter --batch $1 --seq $2 --anchors $3 --steps 6
+    DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch $1 --seq $2 --anchors $3 --steps 6
+  done
+fi
+if [ "$what" = long ] || [ "$what" = all ]; then
+  bench drafter --batch 1 --seq 8192 --anchors 512 --steps 4
+  bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
+  DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
+fi

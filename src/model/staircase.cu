@@ -1,0 +1,619 @@
+// DFlash's training attention on the tensor cores (bf16 in, f32 accumulation): each block of 16 queries sees a range
+// of its row's context keys, [lo, hi) (from its conversation's first token or its window's, to its anchor), and the
+// keys of its own block (all 16, or with `causal_block` those at or before its own slot). Blocks come in anchor order,
+// so the context ranges of consecutive blocks overlap almost whole: a thread block (4 warps, one query block each)
+// streams the union of its four ranges through shared memory once, 64 keys at a time, and each warp masks its own
+// range. Memory is O(tokens): the output and one log-sum-exp per query row, nothing of size queries x keys.
+//
+// The backward is two kernels, neither with atomics: `staircase_dq` walks the forward's tiles again, each warp
+// owning its 16 query rows' gradient; `staircase_dkv` gives each thread block 64 keys (context or block keys) of one
+// K/V head and walks every query block that sees one of them, for each query head of the group, so each warp owns
+// its 16 keys' gradients. Both recompute the probabilities from the forward's log-sum-exp.
+//
+// Compiled at run time by NVRTC with HEAD_DIM defined (64 or 128). Tensors are addressed by strides in elements (the
+// head dimension contiguous): q [B, H, Q, D]; k_ctx, v_ctx [B, KV, S, D]; k_blk, v_blk [B, KV, Q, D]; lo, hi [B, N]
+// int32, each ascending along a row (blocks in anchor order); contiguous: o, dout, dq [B, H, Q, D], lse, drow
+// [B, H, Q] f32 (the log-sum-exp in natural log; drow = sum over D of dout * o), dk_ctx, dv_ctx [B, KV, S, D],
+// dk_blk, dv_blk [B, KV, Q, D]; Q = 16 N.
+typedef unsigned short bf16;
+typedef unsigned int u32;
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#define D HEAD_DIM
+#define KEYS 64                 // keys per tile
+#define ROW (D + 8)             // a tile row in shared memory, padded: ldmatrix's 8 rows then hit 8 distinct banks
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes from global to shared memory, asynchronously; zeros where `valid` is false (rows past the data).
+__device__ __forceinline__ void copy16(bf16* dst, const bf16* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copies_issued() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void copies_done() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// c += a (16x16, row) * b (16x8, col), bf16 in, f32 accumulate.
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x, the special function unit's approximation (flush to zero), as flash attention takes it.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats as two bf16 in one register (round to nearest even), the first in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Loads `rows` rows of D elements (row stride `stride`) into a tile of TILE rows, zeros past `rows`.
+template <int TILE = KEYS>
+__device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long stride, int rows) {
+  constexpr int CHUNKS = D / 8;  // 16-byte pieces a row
+  for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
+    int r = i / CHUNKS, c = i % CHUNKS;
+    bool valid = r < rows;
+    copy16(tile + r * ROW + c * 8, valid ? src + r * stride + c * 8 : src, valid);
+  }
+}
+
+// One warp's part of a tile of KEYS keys: scores of its 16 queries against keys [first, first + KEYS) (key index
+// `base + n` for column n), masked outside [lo, hi), online softmax, and the values' product into `acc`.
+// `cols`: the n-tiles (8 keys each) to compute, from `col0`.
+__device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
+                                      int cols, int base, int lo, int hi, int causal_slot_limit,
+                                      float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float s[KEYS / 8][4];
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  // S = Q K^T: for each pair of n-tiles and each k-step, one ldmatrix.x4 gives both tiles' B fragments.
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; n += 2) {
+    if (n < col0 || n >= col0 + cols) continue;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      u32 b[4];
+      int key = n * 8 + (lane & 7) + ((lane >> 4) << 3);
+      int dim = k * 16 + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4(b, ktile + key * ROW + dim);
+      mma(s[n], qa[k], b[0], b[1]);
+      mma(s[n + 1], qa[k], b[2], b[3]);
+    }
+  }
+  // Mask (only a tile the range does not cover whole), and the running maximum of each of this thread's two rows
+  // (g and g + 8), in base 2 of the scaled scores.
+  const bool whole = causal_slot_limit < 0 && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi;
+  float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!whole) {
+        int col = n * 8 + 2 * c + (e & 1);
+        int key = base + col;
+        int row = g + (e >> 1) * 8;
+        bool seen = n >= col0 && n < col0 + cols && key >= lo && key < hi &&
+                    (causal_slot_limit < 0 || col - col0 * 8 <= row);
+        if (!seen) s[n][e] = NEG_INF;
+      }
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+    }
+  }
+  float alpha[2], shift[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+    float m_new = fmaxf(m[r], tile_max[r] * scale_log2);
+    // A row that has seen nothing yet keeps m = -inf: its factors must not be NaN (2^(-inf - 0) = 0).
+    shift[r] = m_new == NEG_INF ? 0.f : m_new;
+    alpha[r] = ex2(m[r] - shift[r]);
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    acc[n][0] *= alpha[0];
+    acc[n][1] *= alpha[0];
+    acc[n][2] *= alpha[1];
+    acc[n][3] *= alpha[1];
+  }
+  // P = 2^(s - m), as bf16 A fragments for the values' product; the row sums in f32, before rounding.
+#pragma unroll
+  for (int kk = 0; kk < KEYS / 16; ++kk) {
+    if (2 * kk + 1 < col0 || 2 * kk >= col0 + cols) continue;
+    u32 pa[4];
+    float p[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int n = 2 * kk + h;
+      p[4 * h + 0] = ex2(fmaf(s[n][0], scale_log2, -shift[0]));
+      p[4 * h + 1] = ex2(fmaf(s[n][1], scale_log2, -shift[0]));
+      p[4 * h + 2] = ex2(fmaf(s[n][2], scale_log2, -shift[1]));
+      p[4 * h + 3] = ex2(fmaf(s[n][3], scale_log2, -shift[1]));
+    }
+    pa[0] = pack_bf16(p[0], p[1]);
+    pa[1] = pack_bf16(p[2], p[3]);
+    pa[2] = pack_bf16(p[4], p[5]);
+    pa[3] = pack_bf16(p[6], p[7]);
+    l[0] += p[0] + p[1] + p[4] + p[5];
+    l[1] += p[2] + p[3] + p[6] + p[7];
+    // O += P V: V's rows are keys, so its B fragments come transposed.
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      u32 b[4];
+      int key = kk * 16 + (lane & 15);
+      int dim = n * 8 + (lane >> 4) * 8;
+      ldmatrix_x4_trans(b, vtile + key * ROW + dim);
+      mma(acc[n], pa, b[0], b[1]);
+      mma(acc[n + 1], pa, b[2], b[3]);
+    }
+  }
+}
+
+
+// What every kernel is told: the tensors, their strides, the shapes and the pattern (filled by csrc/staircase.cpp).
+struct Args {
+  const bf16* q;
+  long long q_b, q_h, q_t;
+  const bf16 *k_ctx, *v_ctx;
+  long long c_b, c_h, c_t;     // k_ctx's strides
+  long long cv_b, cv_h, cv_t;  // v_ctx's
+  const bf16 *k_blk, *v_blk;
+  long long k_b, k_h, k_t;     // k_blk's
+  long long bv_b, bv_h, bv_t;  // v_blk's
+  const int *lo, *hi;
+  int heads, kv_heads, blocks, context, causal_block;
+  float scale;
+};
+static_assert(sizeof(Args) == 200, "the argument block's layout is shared with csrc/staircase.cpp");
+
+// Block `j`'s context range in row `b`, clamped to the context.
+__device__ __forceinline__ int range_lo(const Args& a, int b, int j) { return a.lo[b * a.blocks + j]; }
+__device__ __forceinline__ int range_hi(const Args& a, int b, int j) { return min(a.hi[b * a.blocks + j], a.context); }
+
+// A query-major thread block (4 warps, one query block each) of head `h` in row `b`: walks the union of its blocks'
+// context ranges, 64 keys a tile (double-buffered), then one tile of the blocks' own keys, and calls
+// `visit(ktile, vtile, col0, cols, base, lo, hi, causal)` for this warp on each tile it has keys in: n-tiles
+// [col0, col0 + cols) of the tile, column n's key index `base + n`, seen in [lo, hi), `causal` >= 0 for a causal block.
+template <typename F>
+__device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, int tile, int h, int b, F&& visit) {
+  // Stage i: K at stage(i), V KEYS rows after it (pointers computed, not indexed: no local memory).
+  bf16* const stages = (bf16*)smem;
+  auto kt = [&](int i) { return stages + i * 2 * KEYS * ROW; };
+  auto vt = [&](int i) { return stages + i * 2 * KEYS * ROW + KEYS * ROW; };
+  const int kvh = h / (a.heads / a.kv_heads), warp = threadIdx.x >> 5;
+  const int block = tile * WARPS + warp;
+  const bool active = block < a.blocks;
+  const int my_lo = active ? range_lo(a, b, block) : 0, my_hi = active ? range_hi(a, b, block) : 0;
+  int first = 1 << 30, last = 0;
+  for (int w = 0; w < WARPS; ++w) {
+    int j = tile * WARPS + w;
+    if (j < a.blocks && range_hi(a, b, j) > range_lo(a, b, j)) {
+      first = min(first, range_lo(a, b, j));
+      last = max(last, range_hi(a, b, j));
+    }
+  }
+  const int tile_from = first >= last ? 0 : first / KEYS * KEYS;
+  const int tile_count = first >= last ? 0 : (last - tile_from + KEYS - 1) / KEYS;
+  const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
+  const bf16* vc = a.v_ctx + b * a.cv_b + kvh * a.cv_h;
+  if (tile_count > 0) {
+    load_tile(kt(0), kc + (long long)tile_from * a.c_t, a.c_t, a.context - tile_from);
+    load_tile(vt(0), vc + (long long)tile_from * a.cv_t, a.cv_t, a.context - tile_from);
+  }
+  copies_issued();
+  for (int t = 0; t < tile_count; ++t) {
+    const int base = tile_from + t * KEYS;
+    if (t + 1 < tile_count) {
+      const int next = base + KEYS;
+      load_tile(kt((t + 1) & 1), kc + (long long)next * a.c_t, a.c_t, a.context - next);
+      load_tile(vt((t + 1) & 1), vc + (long long)next * a.cv_t, a.cv_t, a.context - next);
+    }
+    copies_issued();
+    copies_done<1>();
+    __syncthreads();
+    if (active && my_lo < base + KEYS && my_hi > base && my_hi > my_lo) {
+      visit(kt(t & 1), vt(t & 1), 0, KEYS / 8, base, my_lo, my_hi, -1);
+    }
+    __syncthreads();
+  }
+  // The blocks' own keys: warp w's 16 are rows 16w..16w+15 of one more tile.
+  const int rows = min(WARPS, a.blocks - tile * WARPS) * 16;
+  const long long own = tile * WARPS * 16;
+  load_tile(kt(0), a.k_blk + b * a.k_b + kvh * a.k_h + own * a.k_t, a.k_t, rows);
+  load_tile(vt(0), a.v_blk + b * a.bv_b + kvh * a.bv_h + own * a.bv_t, a.bv_t, rows);
+  copies_issued();
+  copies_done<0>();
+  __syncthreads();
+  if (active) visit(kt(0), vt(0), 2 * warp, 2, 0, 16 * warp, 16 * warp + 16, a.causal_block ? 0 : -1);
+}
+
+// The A fragments of k-step `k` of 16 rows of a shared-memory tile, from row `row0`.
+__device__ __forceinline__ void a_frag(u32 (&frag)[4], const bf16* tile, int row0, int k) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4(frag, tile + (row0 + (lane & 15)) * ROW + k * 16 + (lane >> 4) * 8);
+}
+
+// The thread block's WARPS * 16 rows of `src` ([rows, D], row stride `stride`, `rows` of them real) into `tile`,
+// waited for.
+__device__ __forceinline__ void stage_rows(bf16* tile, const bf16* src, long long stride, int rows) {
+  load_tile<WARPS * 16>(tile, src, stride, rows);
+  copies_issued();
+  copies_done<0>();
+  __syncthreads();
+}
+
+// Writes a warp's 16 x D accumulator, times `scale`, as bf16 rows of D (row stride D).
+__device__ __forceinline__ void store_rows(bf16* dst, const float (&acc)[D / 8][4], float scale, int rows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (g + 8 * r < rows) {
+        *(u32*)(dst + (g + 8 * r) * D + n * 8 + 2 * c) = pack_bf16(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16* __restrict__ o,
+                                                                  float* __restrict__ lse) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tile = (a.blocks + WARPS - 1) / WARPS - 1 - blockIdx.x;  // the longest ranges first: a shorter tail
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int block = tile * WARPS + warp;
+  const bool active = block < a.blocks;
+  u32 qa[D / 16][4];
+  {
+    bf16* staging = (bf16*)smem + 2 * KEYS * ROW;  // stage 1's keys, not used before the walk's second tile
+    const int rows = min(WARPS, a.blocks - tile * WARPS) * 16;
+    stage_rows(staging, a.q + b * a.q_b + h * a.q_h + (long long)(tile * WARPS * 16) * a.q_t, a.q_t, rows);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) a_frag(qa[k], staging, 16 * warp, k);
+    __syncthreads();
+  }
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const float scale_log2 = a.scale * 1.4426950408889634f;
+  walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
+                                      int causal) {
+    attend(qa, kt, vt, col0, cols, base, lo, hi, causal, scale_log2, m, l, acc);
+  });
+  if (!active) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const long long row0 = (long long)(b * a.heads + h) * a.blocks * 16 + block * 16;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float inv = 1.f / l[r];
+      *(u32*)(o + (row0 + g + 8 * r) * D + n * 8 + 2 * c) = pack_bf16(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+    }
+  }
+  if (c == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) lse[row0 + g + 8 * r] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
+  }
+}
+
+// A warp's part of dQ on one tile: P recomputed from the log-sum-exp (`lse2`, base 2), dP = dO V^T,
+// dS = P (dP - drow), dQ += dS K; 32 keys at a time (4 n-tiles), the ones in [col0, col0 + cols).
+__device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0, const bf16* ktile,
+                                       const bf16* vtile, int col0, int cols, int base, int lo, int hi, int causal,
+                                       float scale_log2, const float (&lse2)[2], const float (&drow)[2],
+                                       float (&dq)[D / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const bool whole = causal < 0 && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi;
+#pragma unroll
+  for (int half = 0; half < KEYS / 32; ++half) {
+    const int n0 = half * 4;
+    if (n0 + 4 <= col0 || n0 >= col0 + cols) continue;
+    float s[4][4], dp[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+    for (int n = 0; n < 4; n += 2) {
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        u32 b[4], qa[4], da[4];
+        a_frag(qa, qs, row0, k);
+        a_frag(da, ds, row0, k);
+        int key = (n0 + n) * 8 + (lane & 7) + ((lane >> 4) << 3);
+        int dim = k * 16 + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(b, ktile + key * ROW + dim);
+        mma(s[n], qa, b[0], b[1]);
+        mma(s[n + 1], qa, b[2], b[3]);
+        ldmatrix_x4(b, vtile + key * ROW + dim);
+        mma(dp[n], da, b[0], b[1]);
+        mma(dp[n + 1], da, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      if (n0 + 2 * kk + 1 < col0 || n0 + 2 * kk >= col0 + cols) continue;
+      float v[8];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        int n = 2 * kk + hh;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = ex2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
+          if (!whole) {
+            int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
+            bool seen = n0 + n >= col0 && n0 + n < col0 + cols && key >= lo && key < hi &&
+                        (causal < 0 || col - col0 * 8 <= row);
+            if (!seen) p = 0.f;
+          }
+          v[4 * hh + e] = p * (dp[n][e] - drow[e >> 1]);
+        }
+      }
+      u32 dsa[4] = {pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7])};
+      // dQ += dS K: K's rows are keys, so its B fragments come transposed.
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        u32 b[4];
+        int key = (n0 + 2 * kk) * 8 + (lane & 15);
+        int dim = n * 8 + (lane >> 4) * 8;
+        ldmatrix_x4_trans(b, ktile + key * ROW + dim);
+        mma(dq[n], dsa, b[0], b[1]);
+        mma(dq[n + 1], dsa, b[2], b[3]);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const bf16* __restrict__ dout,
+                                                                 const float* __restrict__ lse,
+                                                                 const float* __restrict__ drow,
+                                                                 bf16* __restrict__ dq) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tile = (a.blocks + WARPS - 1) / WARPS - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int block = tile * WARPS + warp;
+  const bool active = block < a.blocks;
+  const long long row0 = (long long)(b * a.heads + h) * a.blocks * 16 + block * 16;
+  // Q and dO stay in shared memory after the walk's two stages.
+  bf16* qs = (bf16*)smem + 4 * KEYS * ROW;
+  bf16* ds = qs + WARPS * 16 * ROW;
+  {
+    const int rows = min(WARPS, a.blocks - tile * WARPS) * 16;
+    const long long first = (long long)(b * a.heads + h) * a.blocks * 16 + tile * WARPS * 16;
+    load_tile<WARPS * 16>(ds, dout + first * D, D, rows);
+    stage_rows(qs, a.q + b * a.q_b + h * a.q_h + (long long)(tile * WARPS * 16) * a.q_t, a.q_t, rows);
+  }
+  float lse2[2], dr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = active ? lse[row0 + g + 8 * r] * 1.4426950408889634f : 0.f;
+    dr[r] = active ? drow[row0 + g + 8 * r] : 0.f;
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  const float scale_log2 = a.scale * 1.4426950408889634f;
+  walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
+                                      int causal) {
+    dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, lo, hi, causal, scale_log2, lse2, dr, acc);
+  });
+  if (active) store_rows(dq + row0 * D, acc, a.scale, 16);
+}
+
+#define QROWS 32  // queries a step of the key-major kernel: two blocks
+
+extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, const bf16* __restrict__ dout,
+                                                                  const float* __restrict__ lse,
+                                                                  const float* __restrict__ drow,
+                                                                  bf16* __restrict__ dk_ctx, bf16* __restrict__ dv_ctx,
+                                                                  bf16* __restrict__ dk_blk, bf16* __restrict__ dv_blk) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* kt = (bf16*)smem;
+  bf16* vt = kt + KEYS * ROW;
+  // Two stages of query rows (Q, then dO QROWS rows after) and of their log-sum-exp and drow (QROWS floats each).
+  bf16* const qbuf = vt + KEYS * ROW;
+  float* const fbuf = (float*)(qbuf + 4 * QROWS * ROW);
+  auto stage_q = [&](int i) { return qbuf + i * 2 * QROWS * ROW; };
+  auto stage_f = [&](int i) { return fbuf + i * 2 * QROWS; };
+  const int ctx_tiles = (a.context + KEYS - 1) / KEYS;
+  const int kvh = blockIdx.y, b = blockIdx.z, group = a.heads / a.kv_heads;
+  const bool ctx = (int)blockIdx.x < ctx_tiles;
+  const int k0 = ctx ? blockIdx.x * KEYS : (blockIdx.x - ctx_tiles) * KEYS;
+  const int rows = ctx ? min(KEYS, a.context - k0) : min(KEYS, a.blocks * 16 - k0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int wk = 16 * warp;  // this warp's first key row in the tile
+  {
+    const bf16* kb = ctx ? a.k_ctx + b * a.c_b + kvh * a.c_h + (long long)k0 * a.c_t
+                         : a.k_blk + b * a.k_b + kvh * a.k_h + (long long)k0 * a.k_t;
+    const bf16* vb = ctx ? a.v_ctx + b * a.cv_b + kvh * a.cv_h + (long long)k0 * a.cv_t
+                         : a.v_blk + b * a.bv_b + kvh * a.bv_h + (long long)k0 * a.bv_t;
+    load_tile(kt, kb, ctx ? a.c_t : a.k_t, rows);
+    load_tile(vt, vb, ctx ? a.cv_t : a.bv_t, rows);
+    copies_issued();
+  }
+  // The query blocks that see a key of the tile: context keys, those whose range reaches into it (ranges ascend
+  // along the row, so that is one run of blocks); block keys, the tile's own four.
+  int j_begin, j_end;
+  if (ctx) {
+    int lo_ = 0, hi_ = a.blocks;
+    while (lo_ < hi_) {  // the first block whose range ends past k0
+      int mid = (lo_ + hi_) / 2;
+      if (range_hi(a, b, mid) > k0) hi_ = mid; else lo_ = mid + 1;
+    }
+    j_begin = lo_;
+    lo_ = j_begin, hi_ = a.blocks;
+    while (lo_ < hi_) {  // the first block whose range starts past the tile
+      int mid = (lo_ + hi_) / 2;
+      if (range_lo(a, b, mid) >= k0 + KEYS) hi_ = mid; else lo_ = mid + 1;
+    }
+    j_end = lo_;
+  } else {
+    j_begin = k0 / 16;
+    j_end = min(a.blocks, j_begin + WARPS);
+  }
+  j_begin = j_begin / 2 * 2;
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
+    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
+  }
+  const float scale_log2 = a.scale * 1.4426950408889634f;
+  const int key_block = k0 / 16 + warp;  // block keys: the block this warp's keys are of
+  // Steps of two query blocks, for each query head of the group; the next step's rows load while this one computes.
+  const int chunks = max(0, (j_end - j_begin + 1) / 2), steps = group * chunks;
+  auto issue = [&](int step, int i) {
+    const int h = kvh * group + step / chunks, j = j_begin + 2 * (step % chunks);
+    const long long row0 = (long long)(b * a.heads + h) * a.blocks * 16 + j * 16;
+    const int qrows = min(QROWS, (a.blocks - j) * 16);
+    load_tile<QROWS>(stage_q(i), a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows);
+    load_tile<QROWS>(stage_q(i) + QROWS * ROW, dout + row0 * D, D, qrows);
+    if (threadIdx.x < QROWS / 2) {  // 16 copies of 4 floats: the log-sum-exp's 32, then drow's
+      const int which = threadIdx.x / (QROWS / 4), part = threadIdx.x % (QROWS / 4);
+      const bool valid = part * 4 < qrows;
+      const float* src = (which ? drow : lse) + row0 + part * 4;
+      copy16((bf16*)(stage_f(i) + which * QROWS + part * 4), (const bf16*)(valid ? src : lse), valid);
+    }
+  };
+  if (steps > 0) issue(0, 0);
+  copies_issued();
+  for (int step = 0; step < steps; ++step) {
+    if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
+    copies_issued();
+    copies_done<1>();
+    __syncthreads();
+    const int j = j_begin + 2 * (step % chunks);
+    const bf16* qt = stage_q(step & 1);
+    const bf16* ot = qt + QROWS * ROW;
+    const float* lse_s = stage_f(step & 1);
+    const float* drow_s = lse_s + QROWS;
+    if (wk < rows && (ctx || (key_block >= j && key_block < j + 2))) {
+      int qlo[2], qhi[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        bool valid = j + i < a.blocks;
+        qlo[i] = valid ? range_lo(a, b, j + i) : 0;
+        qhi[i] = valid ? range_hi(a, b, j + i) : 0;
+      }
+      // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys against the 32 queries.
+      float st[4][4], dpt[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        st[n][0] = st[n][1] = st[n][2] = st[n][3] = dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.f;
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        u32 ka[4], va[4];
+        a_frag(ka, kt, wk, k);
+        a_frag(va, vt, wk, k);
+#pragma unroll
+        for (int n = 0; n < 4; n += 2) {
+          u32 bq[4];
+          int qrow = n * 8 + (lane & 7) + ((lane >> 4) << 3);
+          int dim = k * 16 + ((lane >> 3) & 1) * 8;
+          ldmatrix_x4(bq, qt + qrow * ROW + dim);
+          mma(st[n], ka, bq[0], bq[1]);
+          mma(st[n + 1], ka, bq[2], bq[3]);
+          ldmatrix_x4(bq, ot + qrow * ROW + dim);
+          mma(dpt[n], va, bq[0], bq[1]);
+          mma(dpt[n + 1], va, bq[2], bq[3]);
+        }
+      }
+      // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the two
+      // query blocks does not see all 16 keys.
+      const int key0 = k0 + wk;
+      const bool whole = ctx && j + 1 < a.blocks && qlo[0] <= key0 && qhi[0] >= key0 + 16 && qlo[1] <= key0 &&
+                         qhi[1] >= key0 + 16;
+      float pt[4][4], dst[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int col = n * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8;
+          float p = ex2(fmaf(st[n][e], scale_log2, -lse_s[col] * 1.4426950408889634f));
+          if (!whole) {
+            int qi = col >> 4;  // which of the two query blocks
+            bool seen;
+            if (ctx) {
+              int key = key0 + row;
+              seen = j + qi < a.blocks && key >= qlo[qi] && key < qhi[qi];
+            } else {
+              seen = j + qi == key_block && (!a.causal_block || row <= (col & 15));
+            }
+            if (!seen) p = 0.f;
+          }
+          pt[n][e] = p;
+          dst[n][e] = p * (dpt[n][e] - drow_s[col]);
+        }
+      }
+      // dV += P^T dO and dK += dS^T Q: the queries' rows are the reduction, so dO's and Q's B fragments come
+      // transposed.
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        u32 pa[4] = {pack_bf16(pt[2 * kk][0], pt[2 * kk][1]), pack_bf16(pt[2 * kk][2], pt[2 * kk][3]),
+                     pack_bf16(pt[2 * kk + 1][0], pt[2 * kk + 1][1]), pack_bf16(pt[2 * kk + 1][2], pt[2 * kk + 1][3])};
+        u32 sa[4] = {pack_bf16(dst[2 * kk][0], dst[2 * kk][1]), pack_bf16(dst[2 * kk][2], dst[2 * kk][3]),
+                     pack_bf16(dst[2 * kk + 1][0], dst[2 * kk + 1][1]),
+                     pack_bf16(dst[2 * kk + 1][2], dst[2 * kk + 1][3])};
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+          u32 bt[4];
+          int qrow = kk * 16 + (lane & 15);
+          int dim = n * 8 + (lane >> 4) * 8;
+          ldmatrix_x4_trans(bt, ot + qrow * ROW + dim);
+          mma(dv[n], pa, bt[0], bt[1]);
+          mma(dv[n + 1], pa, bt[2], bt[3]);
+          ldmatrix_x4_trans(bt, qt + qrow * ROW + dim);
+          mma(dk[n], sa, bt[0], bt[1]);
+          mma(dk[n + 1], sa, bt[2], bt[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (wk >= rows) return;
+  const long long out0 = ctx ? ((long long)(b * a.kv_heads + kvh) * a.context + k0 + wk) * D
+                             : ((long long)(b * a.kv_heads + kvh) * a.blocks * 16 + k0 + wk) * D;
+  const int mine = min(16, rows - wk);
+  store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
+  store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
+}
