@@ -24,10 +24,10 @@ struct Args {
   const void *k_blk, *v_blk;
   int64_t k_b, k_h, k_t, bv_b, bv_h, bv_t;
   const void *lo, *hi;
-  int32_t heads, kv_heads, blocks, context, causal_block;
+  int32_t heads, kv_heads, blocks, context, causal_block, window;
   float scale;
 };
-static_assert(sizeof(Args) == 200, "the staircase kernels' argument block changed size");
+static_assert(sizeof(Args) == 208, "the staircase kernels' argument block changed size");
 
 // Launches kernel `kernel` (0 forward, 1 dQ, 2 dK and dV) on `stream`; `outputs` in the kernel's order. 0 on success,
 // else the message in `err`.
@@ -35,7 +35,8 @@ typedef int (*Launch)(int kernel, int device, int head_dim, int batch, void* str
                       void* const* outputs, char* err, size_t len);
 
 Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx, const at::Tensor& k_blk,
-             const at::Tensor& v_blk, const at::Tensor& lo, const at::Tensor& hi, bool causal, double scale) {
+             const at::Tensor& v_blk, const at::Tensor& lo, const at::Tensor& hi, bool causal, int64_t window,
+             double scale) {
   TORCH_CHECK(lo.is_contiguous() && hi.is_contiguous() && lo.scalar_type() == at::kInt,
               "staircase attention: the ranges must be contiguous int32");
   Args a;
@@ -50,6 +51,7 @@ Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_c
   a.lo = lo.data_ptr(), a.hi = hi.data_ptr();
   a.heads = q.size(1), a.kv_heads = k_ctx.size(1), a.blocks = q.size(2) / 16, a.context = k_ctx.size(2);
   a.causal_block = causal ? 1 : 0;
+  a.window = static_cast<int32_t>(window);
   a.scale = static_cast<float>(scale);
   return a;
 }
@@ -67,14 +69,15 @@ void launch(int64_t launcher, int kernel, const at::Tensor& q, const Args& a, st
 struct StaircaseAttention : public torch::autograd::Function<StaircaseAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k_ctx,
                             const at::Tensor& v_ctx, const at::Tensor& k_blk, const at::Tensor& v_blk,
-                            const at::Tensor& lo, const at::Tensor& hi, bool causal, double scale,
-                            int64_t launcher) {
+                            const at::Tensor& lo, const at::Tensor& hi, bool causal, int64_t window,
+                            double scale, int64_t launcher) {
     auto o = at::empty(q.sizes(), q.options());
     auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-    auto a = args_of(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, causal, scale);
+    auto a = args_of(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, causal, window, scale);
     launch(launcher, 0, q, a, {o.data_ptr(), lse.data_ptr()});
     ctx->save_for_backward({q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, o, lse});
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["launcher"] = launcher;
     return o;
@@ -85,6 +88,7 @@ struct StaircaseAttention : public torch::autograd::Function<StaircaseAttention>
     const auto &q = s[0], &k_ctx = s[1], &v_ctx = s[2], &k_blk = s[3], &v_blk = s[4], &lo = s[5], &hi = s[6],
                &o = s[7], &lse = s[8];
     auto causal = ctx->saved_data["causal"].toBool();
+    auto window = ctx->saved_data["window"].toInt();
     auto scale = ctx->saved_data["scale"].toDouble();
     auto launcher = ctx->saved_data["launcher"].toInt();
     auto dout = grads[0].contiguous();
@@ -93,13 +97,13 @@ struct StaircaseAttention : public torch::autograd::Function<StaircaseAttention>
     auto dq = at::empty(q.sizes(), q.options());
     auto dk_ctx = at::empty(k_ctx.sizes(), k_ctx.options()), dv_ctx = at::empty(v_ctx.sizes(), v_ctx.options());
     auto dk_blk = at::empty(k_blk.sizes(), k_blk.options()), dv_blk = at::empty(v_blk.sizes(), v_blk.options());
-    auto a = args_of(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, causal, scale);
+    auto a = args_of(q, k_ctx, v_ctx, k_blk, v_blk, lo, hi, causal, window, scale);
     launch(launcher, 1, q, a, {dout.data_ptr(), lse.data_ptr(), drow.data_ptr(), dq.data_ptr()});
     launch(launcher, 2, q, a,
            {dout.data_ptr(), lse.data_ptr(), drow.data_ptr(), dk_ctx.data_ptr(), dv_ctx.data_ptr(),
             dk_blk.data_ptr(), dv_blk.data_ptr()});
-    return {dq, dk_ctx, dv_ctx, dk_blk, dv_blk, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {dq,          dk_ctx,      dv_ctx,      dk_blk,      dv_blk,     at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 }  // namespace
@@ -108,15 +112,15 @@ extern "C" {
 
 // Block queries q [B, H, 16 N, D] over context keys and values [B, KV, S, D] (block n sees [lo, hi) of its row,
 // [B, N] int32, ascending) and block keys and values [B, KV, 16 N, D] (its own 16; `causal`: those at or before each
-// query's slot), bf16 on one GPU, every tensor's last dimension contiguous. Returns [B, H, 16 N, D] recorded as one
+// query's slot); `window` > 0: only keys fewer than that many positions from each query. bf16 on one GPU, every tensor's last dimension contiguous. Returns [B, H, 16 N, D] recorded as one
 // autograd node, or null with the message in `err`. `launcher`: the Rust function that launches the kernels.
 at::Tensor* dflash_staircase_attention(const at::Tensor* q, const at::Tensor* k_ctx, const at::Tensor* v_ctx,
                                        const at::Tensor* k_blk, const at::Tensor* v_blk, const at::Tensor* lo,
-                                       const at::Tensor* hi, int causal, double scale, void* launcher, char* err,
-                                       size_t len) {
+                                       const at::Tensor* hi, int causal, int64_t window, double scale,
+                                       void* launcher, char* err, size_t len) {
   return guard(static_cast<at::Tensor*>(nullptr), err, len, [&] {
     return new at::Tensor(StaircaseAttention::apply(*q, *k_ctx, *v_ctx, *k_blk, *v_blk, *lo, *hi, causal != 0,
-                                                    scale, reinterpret_cast<int64_t>(launcher)));
+                                                    window, scale, reinterpret_cast<int64_t>(launcher)));
   });
 }
 

@@ -3,7 +3,7 @@
 # grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
-# Usage: scripts/gpu-staircase.sh [test|short|long|all]
+# Usage: scripts/gpu-staircase.sh [test|probe|short|window|long|peer|all] (several: separated by commas)
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-gpu-out}
@@ -16,20 +16,37 @@ for f in .gpu-bin/*.xz; do
   [ -x "$bin/$name" ] || { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$bin/$name"; chmod +x "$bin/$name"; }
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-if [ "$what" = test ] || [ "$what" = all ]; then
+want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
+if want test; then
   "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 | grep -E "^test |test result|panicked|assert" | tee "$out/test.txt"
 fi
 bench() { echo "== $*" | tee -a "$out/bench.txt"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
 drafter() { "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile "$@"; }
-if [ "$what" = short ] || [ "$what" = all ]; then
+if want probe; then
+  python3 scripts/probe_staircase_kernel.py 2>&1 | grep -v Warning | grep -v run_backward | tee "$out/probe.txt"
+fi
+if want short; then
   for shape in "4 768 256" "4 3072 512"; do
     set -- $shape
     bench drafter --batch $1 --seq $2 --anchors $3 --steps 6
     DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch $1 --seq $2 --anchors $3 --steps 6
   done
 fi
-if [ "$what" = long ] || [ "$what" = all ]; then
+if want window; then
+  # Sliding-window layers (causal blocks, as the recipe trains them) on the kernels, and on the grouped attention.
+  sliding=(--set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=2048)
+  bench drafter --batch 4 --seq 3072 --anchors 512 --steps 6 "${sliding[@]}"
+  DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch 4 --seq 3072 --anchors 512 --steps 6 "${sliding[@]}"
+  bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3 "${sliding[@]}"
+fi
+if want long; then
   bench drafter --batch 1 --seq 8192 --anchors 512 --steps 4
   bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
   DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
+fi
+if want peer && [ -f .peer/pt_drafter_step.py ]; then
+  for shape in "4 768 256" "4 3072 512"; do
+    set -- $shape
+    bench python3 .peer/pt_drafter_step.py --preset qwen3-8b --batch $1 --seq $2 --anchors $3 --variants compile
+  done
 fi

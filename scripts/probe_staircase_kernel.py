@@ -71,7 +71,7 @@ class Args(ctypes.Structure):
                 ("bv_h", ctypes.c_int64), ("bv_t", ctypes.c_int64),
                 ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("heads", ctypes.c_int32),
                 ("kv_heads", ctypes.c_int32), ("blocks", ctypes.c_int32), ("context", ctypes.c_int32),
-                ("causal_block", ctypes.c_int32), ("scale", ctypes.c_float)]
+                ("causal_block", ctypes.c_int32), ("window", ctypes.c_int32), ("scale", ctypes.c_float)]
 
 
 modules = {}
@@ -90,7 +90,8 @@ def launch(name, d, grid, args, *ptrs):
 def make_args(q, kc, vc, kb, vb, lo, hi, causal, scale):
     B, H, Q, d = q.shape
     return Args(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3],
-                *vc.stride()[:3], kb.data_ptr(), vb.data_ptr(), *kb.stride()[:3], *vb.stride()[:3], lo.data_ptr(), hi.data_ptr(), H, kc.shape[1], Q // BS, kc.shape[2], 1 if causal else 0, scale)
+                *vc.stride()[:3], kb.data_ptr(), vb.data_ptr(), *kb.stride()[:3], *vb.stride()[:3], lo.data_ptr(),
+                hi.data_ptr(), H, kc.shape[1], Q // BS, kc.shape[2], 1 if causal else 0, 0, scale)
 
 
 def forward(q, kc, vc, kb, vb, lo, hi, causal, scale):

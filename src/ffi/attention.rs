@@ -30,6 +30,7 @@ unsafe extern "C" {
         lo: *mut C_tensor,
         hi: *mut C_tensor,
         causal: c_int,
+        window: i64,
         scale: f64,
         launcher: StaircaseLaunch,
         err: *mut c_char,
@@ -95,12 +96,14 @@ pub type StaircaseLaunch = unsafe extern "C" fn(
 ) -> c_int;
 
 /// What [`staircase_attention`] attends to: block `n` of a row sees context keys `[lo, hi)` of that row (`[B, N]`
-/// int32 on the queries' device, each ascending along a row), and its own block's keys, all or (`causal`) those at
-/// or before each query's slot.
+/// int32 on the queries' device, each ascending along a row; `hi` is the anchor), and its own block's keys, all or
+/// (`causal`) those at or before each query's slot; with a `window` (`0`: none), only keys fewer than that many
+/// positions from the query.
 pub struct StaircaseRanges<'a> {
     pub lo: &'a Tensor,
     pub hi: &'a Tensor,
     pub causal: bool,
+    pub window: i64,
 }
 
 /// DFlash's training attention as one autograd node (`csrc/staircase.cpp`): queries `q [B, H, 16 N, D]` over context
@@ -132,6 +135,7 @@ pub fn staircase_attention(
             lo,
             hi,
             causal,
+            ranges.window,
             scale,
             launcher,
             e,

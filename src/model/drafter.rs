@@ -688,13 +688,13 @@ struct AttentionGroup {
 }
 
 /// The DFlash training attention pattern for one batch of blocks, ready to run: on a GPU the staircase kernels take
-/// it as each block's context range ([`super::staircase`]); elsewhere (the CPU's reference, a sliding window, shapes
-/// the kernels do not take) groups of blocks attend densely, the mask a bias.
+/// it as each block's context range and the layer's restriction ([`super::staircase`]); elsewhere (the CPU's
+/// reference, shapes the kernels do not take) groups of blocks attend densely, the mask a bias.
 pub struct BlockAttention {
     groups: Vec<AttentionGroup>,
-    /// Each block's context range `[lo, hi)`, `[B, N]` int32 on the device (ascending along each row), and whether
-    /// its own block is causal: where the kernels may run (not with a sliding window).
-    ranges: Option<(Tensor, Tensor, bool)>,
+    /// Each block's context range `[lo, hi)`, `[B, N]` int32 on the device (ascending along each row), and the
+    /// layer's restriction (a causal block, a window): where the kernels may run.
+    ranges: Option<(Tensor, Tensor, LayerAttention)>,
 }
 
 impl BlockAttention {
@@ -775,7 +775,7 @@ impl BlockAttention {
             Device::Cuda(_) => super::staircase::block_ranges(anchors, context_starts, batch, seq_len)
                 .map(|(lo, hi)| -> Result<_, ModelError> {
                     let to = |v: Vec<i32>| Tensor::f_from_slice(&v)?.f_view([batch as i64, n as i64])?.f_to(device);
-                    Ok((to(lo)?, to(hi)?, false))
+                    Ok((to(lo)?, to(hi)?, LayerAttention::default()))
                 })
                 .transpose()?,
             _ => None,
@@ -810,20 +810,18 @@ impl BlockAttention {
                 })
             })
             .collect::<Result<_, ModelError>>()?;
-        let ranges = match (&self.ranges, layer.window) {
-            (Some((lo, hi, _)), None) => Some((lo.shallow_clone(), hi.shallow_clone(), layer.causal)),
-            _ => None,
-        };
+        let ranges = self.ranges.as_ref().map(|(lo, hi, _)| (lo.shallow_clone(), hi.shallow_clone(), *layer));
         Ok(BlockAttention { groups, ranges })
     }
 
     /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, kv, S, d]` and block keys/values
     /// `[B, kv, Q, d]` (`kv` dividing `h`: grouped-query heads); returns `[B, h, Q, d]`.
     pub fn run(&self, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, k_blk: &Tensor, v_blk: &Tensor) -> Tensor {
-        if let Some((lo, hi, causal)) = &self.ranges
+        if let Some((lo, hi, layer)) = &self.ranges
             && super::staircase::applies(q, &[k_ctx, v_ctx, k_blk, v_blk])
         {
-            let ranges = crate::ffi::attention::StaircaseRanges { lo, hi, causal: *causal };
+            let window = layer.window.map_or(0, |w| w.clamp(1, i32::MAX as i64));
+            let ranges = crate::ffi::attention::StaircaseRanges { lo, hi, causal: layer.causal, window };
             match super::staircase::attention(q, k_ctx, v_ctx, k_blk, v_blk, &ranges) {
                 Ok(out) => return out,
                 Err(e) => panic!("staircase attention: {e}"),

@@ -1,6 +1,7 @@
 // DFlash's training attention on the tensor cores (bf16 in, f32 accumulation): each block of 16 queries sees a range
 // of its row's context keys, [lo, hi) (from its conversation's first token or its window's, to its anchor), and the
-// keys of its own block (all 16, or with `causal_block` those at or before its own slot). Blocks come in anchor order,
+// keys of its own block (all 16, or with `causal_block` those at or before its own slot); with a sliding `window`, a
+// query sees only the keys fewer than `window` positions from it (its own included). Blocks come in anchor order,
 // so the context ranges of consecutive blocks overlap almost whole: a thread block (4 warps, one query block each)
 // streams the union of its four ranges through shared memory once, 64 keys at a time, and each warp masks its own
 // range. Memory is O(tokens): the output and one log-sum-exp per query row, nothing of size queries x keys.
@@ -77,6 +78,27 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   return r;
 }
 
+// Two n-tiles of C fragments (16 x 16 of f32) as one k-step's A fragments in bf16 (register reuse, as flash attention).
+__device__ __forceinline__ void c_as_a(u32 (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack_bf16(c0[0], c0[1]);
+  a[1] = pack_bf16(c0[2], c0[3]);
+  a[2] = pack_bf16(c1[0], c1[1]);
+  a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+// acc (16 x D) += a (16 x 16) times rows [row0, row0 + 16) of a shared-memory tile (16 x D): the tile's rows are the
+// reduction, so its B fragments come transposed.
+__device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const u32 (&a)[4], const bf16* tile, int row0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int n = 0; n < D / 8; n += 2) {
+    u32 b[4];
+    ldmatrix_x4_trans(b, tile + (row0 + (lane & 15)) * ROW + n * 8 + (lane >> 4) * 8);
+    mma(acc[n], a, b[0], b[1]);
+    mma(acc[n + 1], a, b[2], b[3]);
+  }
+}
+
 // Loads `rows` rows of D elements (row stride `stride`) into a tile of TILE rows, zeros past `rows`.
 template <int TILE = KEYS>
 __device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long stride, int rows) {
@@ -88,11 +110,20 @@ __device__ __forceinline__ void load_tile(bf16* tile, const bf16* src, long long
   }
 }
 
+// Whether query slot `s` of a block sees a key: a context key at index `key` (the block's range [lo, hi), hi its
+// anchor, so the query is at hi + s; with a window, only keys fewer than `window` positions back), or (`own`) the
+// block's own key at slot `t` (all, or with `causal` those at or before `s`; with a window, those within it, on both
+// sides where the block is not causal), as `LayerAttention::hides` says in src/model/attention.rs.
+__device__ __forceinline__ bool sees(bool own, int key, int t, int s, int lo, int hi, bool causal, int window) {
+  if (own) return (!causal || t <= s) && (window == 0 || (s - t < window && (causal || t - s < window)));
+  return key >= lo && key < hi && (window == 0 || key > hi + s - window);
+}
+
 // One warp's part of a tile of KEYS keys: scores of its 16 queries against keys [first, first + KEYS) (key index
 // `base + n` for column n), masked outside [lo, hi), online softmax, and the values' product into `acc`.
 // `cols`: the n-tiles (8 keys each) to compute, from `col0`.
 __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
-                                      int cols, int base, int lo, int hi, int causal_slot_limit,
+                                      int cols, int base, int lo, int hi, bool own, bool causal, int window,
                                       float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   float s[KEYS / 8][4];
@@ -114,7 +145,8 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
   }
   // Mask (only a tile the range does not cover whole), and the running maximum of each of this thread's two rows
   // (g and g + 8), in base 2 of the scaled scores.
-  const bool whole = causal_slot_limit < 0 && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi;
+  const bool whole = !own && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi &&
+                     (window == 0 || base > hi + 15 - window);
   float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
   for (int n = 0; n < KEYS / 8; ++n) {
@@ -124,8 +156,7 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
         int col = n * 8 + 2 * c + (e & 1);
         int key = base + col;
         int row = g + (e >> 1) * 8;
-        bool seen = n >= col0 && n < col0 + cols && key >= lo && key < hi &&
-                    (causal_slot_limit < 0 || col - col0 * 8 <= row);
+        bool seen = n >= col0 && n < col0 + cols && sees(own, key, col - col0 * 8, row, lo, hi, causal, window);
         if (!seen) s[n][e] = NEG_INF;
       }
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
@@ -154,32 +185,17 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
 #pragma unroll
   for (int kk = 0; kk < KEYS / 16; ++kk) {
     if (2 * kk + 1 < col0 || 2 * kk >= col0 + cols) continue;
-    u32 pa[4];
-    float p[8];
+    float p[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      int n = 2 * kk + h;
-      p[4 * h + 0] = ex2(fmaf(s[n][0], scale_log2, -shift[0]));
-      p[4 * h + 1] = ex2(fmaf(s[n][1], scale_log2, -shift[0]));
-      p[4 * h + 2] = ex2(fmaf(s[n][2], scale_log2, -shift[1]));
-      p[4 * h + 3] = ex2(fmaf(s[n][3], scale_log2, -shift[1]));
-    }
-    pa[0] = pack_bf16(p[0], p[1]);
-    pa[1] = pack_bf16(p[2], p[3]);
-    pa[2] = pack_bf16(p[4], p[5]);
-    pa[3] = pack_bf16(p[6], p[7]);
-    l[0] += p[0] + p[1] + p[4] + p[5];
-    l[1] += p[2] + p[3] + p[6] + p[7];
-    // O += P V: V's rows are keys, so its B fragments come transposed.
 #pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      u32 b[4];
-      int key = kk * 16 + (lane & 15);
-      int dim = n * 8 + (lane >> 4) * 8;
-      ldmatrix_x4_trans(b, vtile + key * ROW + dim);
-      mma(acc[n], pa, b[0], b[1]);
-      mma(acc[n + 1], pa, b[2], b[3]);
+      for (int e = 0; e < 4; ++e) p[h][e] = ex2(fmaf(s[2 * kk + h][e], scale_log2, -shift[e >> 1]));
+      l[0] += p[h][0] + p[h][1];
+      l[1] += p[h][2] + p[h][3];
     }
+    u32 pa[4];
+    c_as_a(pa, p[0], p[1]);
+    mma_rows(acc, pa, vtile, kk * 16);  // O += P V
   }
 }
 
@@ -195,19 +211,24 @@ struct Args {
   long long k_b, k_h, k_t;     // k_blk's
   long long bv_b, bv_h, bv_t;  // v_blk's
   const int *lo, *hi;
-  int heads, kv_heads, blocks, context, causal_block;
+  int heads, kv_heads, blocks, context, causal_block, window;
   float scale;
 };
-static_assert(sizeof(Args) == 200, "the argument block's layout is shared with csrc/staircase.cpp");
+static_assert(sizeof(Args) == 208, "the argument block's layout is shared with csrc/staircase.cpp");
 
-// Block `j`'s context range in row `b`, clamped to the context.
-__device__ __forceinline__ int range_lo(const Args& a, int b, int j) { return a.lo[b * a.blocks + j]; }
+// Block `j`'s context range in row `b`, clamped to the context; with a window, from the first key its first query
+// sees (its later queries start later: `sees`).
 __device__ __forceinline__ int range_hi(const Args& a, int b, int j) { return min(a.hi[b * a.blocks + j], a.context); }
+__device__ __forceinline__ int range_lo(const Args& a, int b, int j) {
+  const int lo = a.lo[b * a.blocks + j];
+  return a.window > 0 ? max(lo, range_hi(a, b, j) - a.window + 1) : lo;
+}
 
 // A query-major thread block (4 warps, one query block each) of head `h` in row `b`: walks the union of its blocks'
 // context ranges, 64 keys a tile (double-buffered), then one tile of the blocks' own keys, and calls
-// `visit(ktile, vtile, col0, cols, base, lo, hi, causal)` for this warp on each tile it has keys in: n-tiles
-// [col0, col0 + cols) of the tile, column n's key index `base + n`, seen in [lo, hi), `causal` >= 0 for a causal block.
+// `visit(ktile, vtile, col0, cols, base, lo, hi, own)` for this warp on each tile it has keys in: n-tiles
+// [col0, col0 + cols) of the tile, column n's key index `base + n`, the block's range [lo, hi) (`sees`), `own` for
+// the tile of the blocks' own keys.
 template <typename F>
 __device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, int tile, int h, int b, F&& visit) {
   // Stage i: K at stage(i), V KEYS rows after it (pointers computed, not indexed: no local memory).
@@ -246,7 +267,7 @@ __device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, i
     copies_done<1>();
     __syncthreads();
     if (active && my_lo < base + KEYS && my_hi > base && my_hi > my_lo) {
-      visit(kt(t & 1), vt(t & 1), 0, KEYS / 8, base, my_lo, my_hi, -1);
+      visit(kt(t & 1), vt(t & 1), 0, KEYS / 8, base, my_lo, my_hi, false);
     }
     __syncthreads();
   }
@@ -258,7 +279,7 @@ __device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, i
   copies_issued();
   copies_done<0>();
   __syncthreads();
-  if (active) visit(kt(0), vt(0), 2 * warp, 2, 0, 16 * warp, 16 * warp + 16, a.causal_block ? 0 : -1);
+  if (active) visit(kt(0), vt(0), 2 * warp, 2, 0, 0, 0, true);
 }
 
 // The A fragments of k-step `k` of 16 rows of a shared-memory tile, from row `row0`.
@@ -313,8 +334,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   const float scale_log2 = a.scale * 1.4426950408889634f;
   walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
-                                      int causal) {
-    attend(qa, kt, vt, col0, cols, base, lo, hi, causal, scale_log2, m, l, acc);
+                                      bool own) {
+    attend(qa, kt, vt, col0, cols, base, lo, hi, own, a.causal_block, a.window, scale_log2, m, l, acc);
   });
   if (!active) return;
 #pragma unroll
@@ -340,11 +361,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
 // A warp's part of dQ on one tile: P recomputed from the log-sum-exp (`lse2`, base 2), dP = dO V^T,
 // dS = P (dP - drow), dQ += dS K; 32 keys at a time (4 n-tiles), the ones in [col0, col0 + cols).
 __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0, const bf16* ktile,
-                                       const bf16* vtile, int col0, int cols, int base, int lo, int hi, int causal,
+                                       const bf16* vtile, int col0, int cols, int base, int lo, int hi, bool own,
+                                       bool causal, int window,
                                        float scale_log2, const float (&lse2)[2], const float (&drow)[2],
                                        float (&dq)[D / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const bool whole = causal < 0 && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi;
+  const bool whole = !own && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi &&
+                     (window == 0 || base > hi + 15 - window);
 #pragma unroll
   for (int half = 0; half < KEYS / 32; ++half) {
     const int n0 = half * 4;
@@ -372,7 +395,7 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       if (n0 + 2 * kk + 1 < col0 || n0 + 2 * kk >= col0 + cols) continue;
-      float v[8];
+      float v[2][4];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         int n = 2 * kk + hh;
@@ -381,24 +404,16 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
           float p = ex2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
           if (!whole) {
             int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
-            bool seen = n0 + n >= col0 && n0 + n < col0 + cols && key >= lo && key < hi &&
-                        (causal < 0 || col - col0 * 8 <= row);
+            bool seen = n0 + n >= col0 && n0 + n < col0 + cols &&
+                        sees(own, key, col - col0 * 8, row, lo, hi, causal, window);
             if (!seen) p = 0.f;
           }
-          v[4 * hh + e] = p * (dp[n][e] - drow[e >> 1]);
+          v[hh][e] = p * (dp[n][e] - drow[e >> 1]);
         }
       }
-      u32 dsa[4] = {pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7])};
-      // dQ += dS K: K's rows are keys, so its B fragments come transposed.
-#pragma unroll
-      for (int n = 0; n < D / 8; n += 2) {
-        u32 b[4];
-        int key = (n0 + 2 * kk) * 8 + (lane & 15);
-        int dim = n * 8 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(b, ktile + key * ROW + dim);
-        mma(dq[n], dsa, b[0], b[1]);
-        mma(dq[n + 1], dsa, b[2], b[3]);
-      }
+      u32 dsa[4];
+      c_as_a(dsa, v[0], v[1]);
+      mma_rows(dq, dsa, ktile, (n0 + 2 * kk) * 8);  // dQ += dS K
     }
   }
 }
@@ -434,8 +449,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
   const float scale_log2 = a.scale * 1.4426950408889634f;
   walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
-                                      int causal) {
-    dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, lo, hi, causal, scale_log2, lse2, dr, acc);
+                                      bool own) {
+    dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, lo, hi, own, a.causal_block, a.window, scale_log2, lse2, dr,
+            acc);
   });
   if (active) store_rows(dq + row0 * D, acc, a.scale, 16);
 }
@@ -561,8 +577,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
       // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the two
       // query blocks does not see all 16 keys.
       const int key0 = k0 + wk;
-      const bool whole = ctx && j + 1 < a.blocks && qlo[0] <= key0 && qhi[0] >= key0 + 16 && qlo[1] <= key0 &&
-                         qhi[1] >= key0 + 16;
+      bool whole = ctx && j + 1 < a.blocks;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        whole = whole && qlo[i] <= key0 && qhi[i] >= key0 + 16 && (a.window == 0 || key0 > qhi[i] + 15 - a.window);
+      }
       float pt[4][4], dst[4][4];
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
@@ -574,10 +593,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
             int qi = col >> 4;  // which of the two query blocks
             bool seen;
             if (ctx) {
-              int key = key0 + row;
-              seen = j + qi < a.blocks && key >= qlo[qi] && key < qhi[qi];
+              seen = j + qi < a.blocks &&
+                     sees(false, key0 + row, 0, col & 15, qlo[qi], qhi[qi], a.causal_block, a.window);
             } else {
-              seen = j + qi == key_block && (!a.causal_block || row <= (col & 15));
+              seen = j + qi == key_block && sees(true, 0, row, col & 15, 0, 0, a.causal_block, a.window);
             }
             if (!seen) p = 0.f;
           }
@@ -585,27 +604,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
           dst[n][e] = p * (dpt[n][e] - drow_s[col]);
         }
       }
-      // dV += P^T dO and dK += dS^T Q: the queries' rows are the reduction, so dO's and Q's B fragments come
-      // transposed.
+      // dV += P^T dO and dK += dS^T Q.
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        u32 pa[4] = {pack_bf16(pt[2 * kk][0], pt[2 * kk][1]), pack_bf16(pt[2 * kk][2], pt[2 * kk][3]),
-                     pack_bf16(pt[2 * kk + 1][0], pt[2 * kk + 1][1]), pack_bf16(pt[2 * kk + 1][2], pt[2 * kk + 1][3])};
-        u32 sa[4] = {pack_bf16(dst[2 * kk][0], dst[2 * kk][1]), pack_bf16(dst[2 * kk][2], dst[2 * kk][3]),
-                     pack_bf16(dst[2 * kk + 1][0], dst[2 * kk + 1][1]),
-                     pack_bf16(dst[2 * kk + 1][2], dst[2 * kk + 1][3])};
-#pragma unroll
-        for (int n = 0; n < D / 8; n += 2) {
-          u32 bt[4];
-          int qrow = kk * 16 + (lane & 15);
-          int dim = n * 8 + (lane >> 4) * 8;
-          ldmatrix_x4_trans(bt, ot + qrow * ROW + dim);
-          mma(dv[n], pa, bt[0], bt[1]);
-          mma(dv[n + 1], pa, bt[2], bt[3]);
-          ldmatrix_x4_trans(bt, qt + qrow * ROW + dim);
-          mma(dk[n], sa, bt[0], bt[1]);
-          mma(dk[n + 1], sa, bt[2], bt[3]);
-        }
+        u32 pa[4], sa[4];
+        c_as_a(pa, pt[2 * kk], pt[2 * kk + 1]);
+        c_as_a(sa, dst[2 * kk], dst[2 * kk + 1]);
+        mma_rows(dv, pa, ot, kk * 16);
+        mma_rows(dk, sa, qt, kk * 16);
       }
     }
     __syncthreads();

@@ -8,7 +8,8 @@
 //! `csrc/staircase.cpp` makes them one autograd node and calls back into [`launch`] (passed to it as a C function)
 //! with their argument block; this module compiles them with NVRTC per device and head dimension, and launches
 //! them on libtorch's current stream. [`applies`] says where they run: bf16 on a CUDA GPU of compute capability 8.0
-//! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, unless
+//! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, every layer kind (a
+//! causal block, a sliding window), unless
 //! `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for
 //! comparisons); elsewhere the drafter keeps the grouped attention, the CPU's reference.
 use std::collections::HashMap;
@@ -49,9 +50,10 @@ pub struct Args {
     blocks: i32,
     context: i32,
     causal_block: i32,
+    window: i32,
     scale: f32,
 }
-const _: () = assert!(std::mem::size_of::<Args>() == 200);
+const _: () = assert!(std::mem::size_of::<Args>() == 208);
 
 /// The three kernels of one head dimension on one device.
 struct Kernels {
@@ -290,7 +292,8 @@ mod tests {
     }
 
     /// The kernels (bf16) against the grouped attention in f32, the CPU's reference run on the GPU: output and the
-    /// five gradients, packed rows, padding blocks, grouped-query heads, a causal block, head dims 64 and 128.
+    /// five gradients, packed rows, padding blocks, grouped-query heads, a causal block, sliding windows (one shorter
+    /// than a block), head dims 64 and 128.
     #[test]
     #[ignore = "needs a GPU"]
     fn on_a_gpu_the_staircase_kernels_match_the_grouped_attention_and_its_gradients() {
@@ -302,8 +305,16 @@ mod tests {
         // Row 0 plain with two padding blocks; row 1 packed, a second conversation from 150.
         let anchors: Vec<i64> = vec![3, 40, 41, 90, 150, 200, 290, 0, 0, 10, 60, 149, 150, 151, 170, 220, 260, 299];
         let starts: Vec<i64> = vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 150, 150, 150, 150, 150, 150];
-        for (heads, kv_heads, d, causal) in [(4, 2, 128, false), (4, 2, 128, true), (2, 2, 64, false)] {
-            let layer = LayerAttention { window: None, causal };
+        let cases = [
+            (4, 2, 128, false, None),
+            (4, 2, 128, true, None),
+            (2, 2, 64, false, None),
+            (4, 2, 128, true, Some(40)),
+            (4, 2, 128, false, Some(70)),
+            (2, 1, 64, false, Some(9)),
+        ];
+        for (heads, kv_heads, d, causal, window) in cases {
+            let layer = LayerAttention { window, causal };
             let pattern = |kind| {
                 let a = BlockAttention::new(&anchors, Some(&starts), batch, bs as usize, seq, 4, kind, device).unwrap();
                 a.restricted(&layer).unwrap()
@@ -335,7 +346,7 @@ mod tests {
             let relative = |a: &Tensor, r: &Tensor| {
                 (a - r).abs().max().double_value(&[]) / r.abs().max().double_value(&[]).max(1e-6)
             };
-            let case = format!("heads {heads}/{kv_heads}, d {d}, causal {causal}");
+            let case = format!("heads {heads}/{kv_heads}, d {d}, causal {causal}, window {window:?}");
             assert!(relative(&out, &reference) < 1e-2, "{case}: output {}", relative(&out, &reference));
             for (name, (g, r)) in
                 ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"].iter().zip(grads.iter().zip(&reference_grads))

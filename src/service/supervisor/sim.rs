@@ -57,6 +57,7 @@ use super::protocol::{
     Action, Activity, DrafterSeen, Event, Feed, LedgerEntry, Notice, Order, Request, ScanFilter, Start, WriteJob,
 };
 use super::schedule::Item;
+use super::spawned::Spawned;
 use crate::cluster::exchange::{BEAT_EVERY, GONE_AFTER, STOPPED_AFTER_S, still_member};
 use crate::cluster::quorum::{BeatWatch, Closed, Decision, HostQuorum, LeaderWatch, Reply, RunningClock};
 use crate::config::Config;
@@ -1202,13 +1203,7 @@ impl World {
         if let Some(t) = self.threads.get_mut(&(id, generation)) {
             t.enter(Stage::Gone, self.now);
         }
-        self.supervision(Event::DrafterFailed {
-            id,
-            generation,
-            failure: Failure::ended(),
-            running: vec![],
-            injected: false,
-        });
+        self.supervision(Spawned::Drafter { id, generation }.failed(Failure::ended()));
     }
 
     /// The member claims the waiting joiners and copies its state into them; it admits them once the copy is done
@@ -2224,13 +2219,7 @@ impl Effects for World {
         let removal = self.rounds.remove(id, generation);
         if self.threads.get(&(id, generation)).is_some_and(|t| t.stage != Stage::Gone) {
             // Its actor is stopped: the supervisor hears of it.
-            self.supervision(Event::DrafterFailed {
-                id,
-                generation,
-                failure: Failure::ended(),
-                running: vec![],
-                injected: false,
-            });
+            self.supervision(Spawned::Drafter { id, generation }.failed(Failure::ended()));
             self.wake(id, generation);
         }
         let check = self.complete_rounds();
