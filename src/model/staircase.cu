@@ -86,6 +86,17 @@ __device__ __forceinline__ void c_as_a(u32 (&a)[4], const float (&c0)[4], const 
   a[3] = pack_bf16(c1[2], c1[3]);
 }
 
+// c0, c1 (16 x 8 each) += a (16 x 16, k-step `k` of D) times rows [row0, row0 + 16) of a shared-memory tile (16 x D)
+// transposed: each tile row is one column of the product (scores against keys, or against queries).
+__device__ __forceinline__ void mma_cols(float (&c0)[4], float (&c1)[4], const u32 (&a)[4], const bf16* tile, int row0,
+                                         int k) {
+  const int lane = threadIdx.x & 31;
+  u32 b[4];
+  ldmatrix_x4(b, tile + (row0 + (lane & 7) + ((lane >> 4) << 3)) * ROW + k * 16 + ((lane >> 3) & 1) * 8);
+  mma(c0, a, b[0], b[1]);
+  mma(c1, a, b[2], b[3]);
+}
+
 // acc (16 x D) += a (16 x 16) times rows [row0, row0 + 16) of a shared-memory tile (16 x D): the tile's rows are the
 // reduction, so its B fragments come transposed.
 __device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const u32 (&a)[4], const bf16* tile, int row0) {
@@ -134,14 +145,7 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
   for (int n = 0; n < KEYS / 8; n += 2) {
     if (n < col0 || n >= col0 + cols) continue;
 #pragma unroll
-    for (int k = 0; k < D / 16; ++k) {
-      u32 b[4];
-      int key = n * 8 + (lane & 7) + ((lane >> 4) << 3);
-      int dim = k * 16 + ((lane >> 3) & 1) * 8;
-      ldmatrix_x4(b, ktile + key * ROW + dim);
-      mma(s[n], qa[k], b[0], b[1]);
-      mma(s[n + 1], qa[k], b[2], b[3]);
-    }
+    for (int k = 0; k < D / 16; ++k) mma_cols(s[n], s[n + 1], qa[k], ktile, n * 8, k);
   }
   // Mask (only a tile the range does not cover whole), and the running maximum of each of this thread's two rows
   // (g and g + 8), in base 2 of the scaled scores.
@@ -379,17 +383,11 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
     for (int n = 0; n < 4; n += 2) {
 #pragma unroll
       for (int k = 0; k < D / 16; ++k) {
-        u32 b[4], qa[4], da[4];
+        u32 qa[4], da[4];
         a_frag(qa, qs, row0, k);
         a_frag(da, ds, row0, k);
-        int key = (n0 + n) * 8 + (lane & 7) + ((lane >> 4) << 3);
-        int dim = k * 16 + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(b, ktile + key * ROW + dim);
-        mma(s[n], qa, b[0], b[1]);
-        mma(s[n + 1], qa, b[2], b[3]);
-        ldmatrix_x4(b, vtile + key * ROW + dim);
-        mma(dp[n], da, b[0], b[1]);
-        mma(dp[n + 1], da, b[2], b[3]);
+        mma_cols(s[n], s[n + 1], qa, ktile, (n0 + n) * 8, k);
+        mma_cols(dp[n], dp[n + 1], da, vtile, (n0 + n) * 8, k);
       }
     }
 #pragma unroll
@@ -563,15 +561,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
         a_frag(va, vt, wk, k);
 #pragma unroll
         for (int n = 0; n < 4; n += 2) {
-          u32 bq[4];
-          int qrow = n * 8 + (lane & 7) + ((lane >> 4) << 3);
-          int dim = k * 16 + ((lane >> 3) & 1) * 8;
-          ldmatrix_x4(bq, qt + qrow * ROW + dim);
-          mma(st[n], ka, bq[0], bq[1]);
-          mma(st[n + 1], ka, bq[2], bq[3]);
-          ldmatrix_x4(bq, ot + qrow * ROW + dim);
-          mma(dpt[n], va, bq[0], bq[1]);
-          mma(dpt[n + 1], va, bq[2], bq[3]);
+          mma_cols(st[n], st[n + 1], ka, qt, n * 8, k);
+          mma_cols(dpt[n], dpt[n + 1], va, ot, n * 8, k);
         }
       }
       // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the two
