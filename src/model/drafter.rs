@@ -772,7 +772,7 @@ impl BlockAttention {
             });
         }
         let ranges = match device {
-            Device::Cuda(_) => super::staircase::block_ranges(anchors, context_starts, batch, seq_len)
+            Device::Cuda(_) => super::staircase::block_ranges(anchors, context_starts, batch, block_size, seq_len)
                 .map(|(lo, hi)| -> Result<_, ModelError> {
                     let to = |v: Vec<i32>| Tensor::f_from_slice(&v)?.f_view([batch as i64, n as i64])?.f_to(device);
                     Ok((to(lo)?, to(hi)?, LayerAttention::default()))

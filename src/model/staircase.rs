@@ -8,10 +8,10 @@
 //! `csrc/staircase.cpp` makes them one autograd node and calls back into [`launch`] (passed to it as a C function)
 //! with their argument block; this module compiles them with NVRTC per device and head dimension, and launches
 //! them on libtorch's current stream. [`applies`] says where they run: bf16 on a CUDA GPU of compute capability 8.0
-//! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, every layer kind (a
-//! causal block, a sliding window), unless
-//! `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for
-//! comparisons); elsewhere the drafter keeps the grouped attention, the CPU's reference.
+//! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, blocks of 16, every layer
+//! kind (a causal block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
+//! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
+//! the CPU's reference.
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -25,6 +25,9 @@ use super::ModelError;
 use crate::ffi::attention::{StaircaseLaunch, StaircaseRanges, staircase_attention};
 
 const SOURCE: &str = include_str!("staircase.cu");
+/// Queries a block: the kernels give each block a warp of 16 rows (DFlash's blocks of 16; DFlash 2's of 8 keep the
+/// grouped attention).
+pub const BLOCK: usize = 16;
 /// Keys a tile, warps a thread block, queries a step of the key-major kernel (`KEYS`, `WARPS`, `QROWS` there).
 const KEYS: u32 = 64;
 const WARPS: u32 = 4;
@@ -246,13 +249,17 @@ unsafe extern "C" fn launch(
 /// token (packed rows; else the row's) to its anchor. A block that sees no context (a padding block, anchor 0, or one
 /// at its conversation's start) gets the empty range at the row's last end, so that both ends ascend along the row
 /// as the kernels need (blocks come in anchor order, and a later conversation starts later). `None` where they do
-/// not, or where a position does not fit an int32.
+/// not, where a position does not fit an int32, or for blocks of other than [`BLOCK`] positions.
 pub fn block_ranges(
     anchors: &[i64],
     context_starts: Option<&[i64]>,
     batch: usize,
+    block_size: usize,
     seq_len: i64,
 ) -> Option<(Vec<i32>, Vec<i32>)> {
+    if block_size != BLOCK {
+        return None;
+    }
     let n = (anchors.len() / batch.max(1)).max(1);
     let mut lo: Vec<i32> = Vec::with_capacity(anchors.len());
     let mut hi: Vec<i32> = Vec::with_capacity(anchors.len());
@@ -277,18 +284,20 @@ mod tests {
     use crate::model::drafter::BlockAttention;
 
     /// Ranges run from each block's conversation start to its anchor; blocks that see no context take the empty
-    /// range at the row's last end (so both ends still ascend), and rows whose ranges would not ascend are refused.
+    /// range at the row's last end (so both ends still ascend); rows whose ranges would not ascend, and blocks of
+    /// other than 16 positions, are refused.
     #[test]
     fn block_ranges_ascend_with_empty_ones_at_the_last_end() {
         // Row 0: two blocks, then two padding blocks (anchor 0); row 1: packed, the second conversation from 40.
         let anchors = [5, 30, 0, 0, 12, 40, 47, 60];
         let starts = [0, 0, 0, 0, 0, 40, 40, 40];
-        let (lo, hi) = block_ranges(&anchors, Some(&starts), 2, 64).unwrap();
+        let (lo, hi) = block_ranges(&anchors, Some(&starts), 2, 16, 64).unwrap();
         assert_eq!(lo, [0, 0, 30, 30, 0, 12, 40, 40]);
         assert_eq!(hi, [5, 30, 30, 30, 12, 12, 47, 60]);
-        assert_eq!(block_ranges(&[5, 70], None, 1, 64).unwrap().1, [5, 64], "clamped to the context");
-        assert_eq!(block_ranges(&[30, 5], None, 1, 64), None, "anchors out of order");
-        assert_eq!(block_ranges(&[10, 20], Some(&[8, 0]), 1, 64), None, "a later block from an earlier start");
+        assert_eq!(block_ranges(&[5, 70], None, 1, 16, 64).unwrap().1, [5, 64], "clamped to the context");
+        assert_eq!(block_ranges(&[30, 5], None, 1, 16, 64), None, "anchors out of order");
+        assert_eq!(block_ranges(&[10, 20], Some(&[8, 0]), 1, 16, 64), None, "a later block from an earlier start");
+        assert_eq!(block_ranges(&[5, 30], None, 1, 8, 64), None, "blocks of 8 (DFlash 2) keep the grouped attention");
     }
 
     /// The kernels (bf16) against the grouped attention in f32, the CPU's reference run on the GPU: output and the
