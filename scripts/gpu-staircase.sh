@@ -3,7 +3,7 @@
 # grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
-# Usage: scripts/gpu-staircase.sh [test|probe|short|window|long|peer|all] (several: separated by commas)
+# Usage: scripts/gpu-staircase.sh [test|probe|short|window|long|long-kernels|peer|all] (several: separated by commas)
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-gpu-out}
@@ -43,6 +43,9 @@ if want long; then
   bench drafter --batch 1 --seq 8192 --anchors 512 --steps 4
   bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
   DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
+fi
+if want long-kernels; then
+  bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
 fi
 if want peer && [ -f .peer/pt_drafter_step.py ]; then
   for shape in "4 768 256" "4 3072 512"; do

@@ -689,19 +689,36 @@ struct AttentionGroup {
 
 /// The DFlash training attention pattern for one batch of blocks, ready to run: on a GPU the staircase kernels take
 /// it as each block's context range and the layer's restriction ([`super::staircase`]); elsewhere (the CPU's
-/// reference, shapes the kernels do not take) groups of blocks attend densely, the mask a bias.
+/// reference, shapes the kernels do not take) groups of blocks attend densely, the mask a bias, built on first use
+/// (the kernels need none: at long contexts the biases would take gigabytes).
 pub struct BlockAttention {
-    groups: Vec<AttentionGroup>,
-    /// Each block's context range `[lo, hi)`, `[B, N]` int32 on the device (ascending along each row), and the
-    /// layer's restriction (a causal block, a window): where the kernels may run.
-    ranges: Option<(Tensor, Tensor, LayerAttention)>,
+    plan: GroupPlan,
+    /// The layer's restriction of the rule (a sliding window, a causal block).
+    layer: LayerAttention,
+    groups: std::cell::OnceCell<Vec<AttentionGroup>>,
+    /// Each block's context range `[lo, hi)`, `[B, N]` int32 on the device (ascending along each row): where the
+    /// kernels may run.
+    ranges: Option<(Tensor, Tensor)>,
+}
+
+/// What the dense groups are built from ([`BlockAttention::new`]'s arguments).
+#[derive(Clone)]
+struct GroupPlan {
+    anchors: Vec<i64>,
+    context_starts: Option<Vec<i64>>,
+    batch: usize,
+    block_size: usize,
+    seq_len: i64,
+    group_blocks: usize,
+    kind: Kind,
+    device: Device,
 }
 
 impl BlockAttention {
-    /// Builds the pattern for `anchors` (`[B * N]`, row-major, ascending in each row; padding blocks carry anchor
-    /// 0 and see only themselves), in groups of at most `group_blocks` blocks, over a context of `seq_len` tokens.
-    /// With `context_starts` (`[B * N]`, packed rows), a block sees the context from its conversation's first token
-    /// to its anchor; without, from the row's start.
+    /// The pattern for `anchors` (`[B * N]`, row-major, ascending in each row; padding blocks carry anchor 0 and see
+    /// only themselves), in groups of at most `group_blocks` blocks, over a context of `seq_len` tokens. With
+    /// `context_starts` (`[B * N]`, packed rows), a block sees the context from its conversation's first token to
+    /// its anchor; without, from the row's start.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         anchors: &[i64],
@@ -714,12 +731,103 @@ impl BlockAttention {
         device: Device,
     ) -> Result<Self, ModelError> {
         let n = anchors.len() / batch.max(1);
-        let bs = block_size as i64;
+        let ranges = match device {
+            Device::Cuda(_) => super::staircase::block_ranges(anchors, context_starts, batch, block_size, seq_len)
+                .map(|(lo, hi)| -> Result<_, ModelError> {
+                    let to = |v: Vec<i32>| Tensor::f_from_slice(&v)?.f_view([batch as i64, n as i64])?.f_to(device);
+                    Ok((to(lo)?, to(hi)?))
+                })
+                .transpose()?,
+            _ => None,
+        };
+        let plan = GroupPlan {
+            anchors: anchors.to_vec(),
+            context_starts: context_starts.map(<[i64]>::to_vec),
+            batch,
+            block_size,
+            seq_len,
+            group_blocks: group_blocks.max(1),
+            kind,
+            device,
+        };
+        Ok(BlockAttention { plan, layer: LayerAttention::default(), groups: Default::default(), ranges })
+    }
+
+    /// The pattern of a draft layer that restricts the rule further ([`LayerAttention`]: a sliding window, a causal
+    /// block), from this one.
+    pub fn restricted(&self, layer: &LayerAttention) -> Result<BlockAttention, ModelError> {
+        let ranges = self.ranges.as_ref().map(|(lo, hi)| (lo.shallow_clone(), hi.shallow_clone()));
+        Ok(BlockAttention { plan: self.plan.clone(), layer: *layer, groups: Default::default(), ranges })
+    }
+
+    /// The dense groups, built on first use.
+    fn groups(&self) -> Result<&[AttentionGroup], ModelError> {
+        if let Some(groups) = self.groups.get() {
+            return Ok(groups);
+        }
+        let mut groups = self.plan.groups()?;
+        if self.layer.restricts() {
+            groups = restrict(&groups, &self.layer)?;
+        }
+        Ok(self.groups.get_or_init(|| groups))
+    }
+
+    /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, kv, S, d]` and block keys/values
+    /// `[B, kv, Q, d]` (`kv` dividing `h`: grouped-query heads); returns `[B, h, Q, d]`.
+    pub fn run(&self, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, k_blk: &Tensor, v_blk: &Tensor) -> Tensor {
+        if let Some((lo, hi)) = &self.ranges
+            && super::staircase::applies(q, &[k_ctx, v_ctx, k_blk, v_blk])
+        {
+            let window = self.layer.window.map_or(0, |w| w.clamp(1, i32::MAX as i64));
+            let ranges = crate::ffi::attention::StaircaseRanges { lo, hi, causal: self.layer.causal, window };
+            match super::staircase::attention(q, k_ctx, v_ctx, k_blk, v_blk, &ranges) {
+                Ok(out) => return out,
+                Err(e) => panic!("staircase attention: {e}"),
+            }
+        }
+        let rep = q.size()[1] / k_ctx.size()[1];
+        let (k_ctx, v_ctx) = (repeat_kv(k_ctx, rep), repeat_kv(v_ctx, rep));
+        let (k_blk, v_blk) = (repeat_kv(k_blk, rep), repeat_kv(v_blk, rep));
+        let (k_ctx, v_ctx, k_blk, v_blk) = (&k_ctx, &v_ctx, &k_blk, &v_blk);
+        let groups = self.groups().unwrap_or_else(|e| panic!("drafter attention pattern: {e}"));
+        let outs: Vec<Tensor> = groups
+            .iter()
+            .map(|g| {
+                let keys = |ctx: &Tensor, blk: &Tensor| {
+                    let context = ctx.narrow(2, g.context_from, g.context_len - g.context_from);
+                    Tensor::cat(&[context, blk.narrow(2, g.query_start, g.query_len)], 2)
+                };
+                Tensor::scaled_dot_product_attention(
+                    &q.narrow(2, g.query_start, g.query_len),
+                    &keys(k_ctx, k_blk),
+                    &keys(v_ctx, v_blk),
+                    Some(&g.bias),
+                    0.0,
+                    false,
+                    None,
+                    false,
+                )
+            })
+            .collect();
+        if outs.len() == 1 {
+            return outs.into_iter().next().expect("one group");
+        }
+        Tensor::cat(&outs, 2)
+    }
+}
+
+impl GroupPlan {
+    /// The dense groups: each attends to its blocks' context prefix and their own keys, the mask a bias.
+    fn groups(&self) -> Result<Vec<AttentionGroup>, ModelError> {
+        let (anchors, context_starts) = (self.anchors.as_slice(), self.context_starts.as_deref());
+        let (batch, seq_len, group_blocks, kind, device) =
+            (self.batch, self.seq_len, self.group_blocks, self.kind, self.device);
+        let n = anchors.len() / batch.max(1);
+        let bs = self.block_size as i64;
         let anchors_dev = Tensor::f_from_slice(anchors)?.f_view([batch as i64, n as i64])?.f_to(device)?;
         let starts_dev = context_starts
             .map(|starts| Tensor::f_from_slice(starts)?.f_view([batch as i64, n as i64])?.f_to(device))
             .transpose()?;
-        let group_blocks = group_blocks.max(1);
         let mut groups = Vec::new();
         for j0 in (0..n).step_by(group_blocks) {
             let nb = group_blocks.min(n - j0);
@@ -771,94 +879,32 @@ impl BlockAttention {
                 query_at,
             });
         }
-        let ranges = match device {
-            Device::Cuda(_) => super::staircase::block_ranges(anchors, context_starts, batch, block_size, seq_len)
-                .map(|(lo, hi)| -> Result<_, ModelError> {
-                    let to = |v: Vec<i32>| Tensor::f_from_slice(&v)?.f_view([batch as i64, n as i64])?.f_to(device);
-                    Ok((to(lo)?, to(hi)?, LayerAttention::default()))
-                })
-                .transpose()?,
-            _ => None,
-        };
-        Ok(BlockAttention { groups, ranges })
+        Ok(groups)
     }
+}
 
-    /// The pattern of a draft layer that restricts the rule further ([`LayerAttention`]: a sliding window, a causal
-    /// block), from this one.
-    pub fn restricted(&self, layer: &LayerAttention) -> Result<BlockAttention, ModelError> {
-        let groups = self
-            .groups
-            .iter()
-            .map(|g| {
-                // Keys in the order the bias has them: the context prefix, then the group's block keys.
-                let rows = g.query_at.size()[0];
-                let context =
-                    Tensor::f_arange_start(g.context_from, g.context_len, (Kind::Int64, g.query_at.device()))?
-                        .f_expand([rows, 1, g.context_len - g.context_from], false)?;
-                let keys_at = Tensor::f_cat(&[context, g.query_at.f_unsqueeze(1)?], 2)?;
-                let bias = match layer.hides(&g.query_at.f_unsqueeze(2)?, &keys_at)? {
-                    Some(hidden) => g.bias.f_masked_fill(&hidden.f_unsqueeze(1)?, f64::NEG_INFINITY)?,
-                    None => g.bias.shallow_clone(),
-                };
-                Ok(AttentionGroup {
-                    query_start: g.query_start,
-                    query_len: g.query_len,
-                    context_from: g.context_from,
-                    context_len: g.context_len,
-                    bias,
-                    query_at: g.query_at.shallow_clone(),
-                })
+/// `groups` restricted further by a draft layer ([`LayerAttention`]: a sliding window, a causal block).
+fn restrict(groups: &[AttentionGroup], layer: &LayerAttention) -> Result<Vec<AttentionGroup>, ModelError> {
+    groups
+        .iter()
+        .map(|g| {
+            // Keys in the order the bias has them: the context prefix, then the group's block keys.
+            let rows = g.query_at.size()[0];
+            let context = Tensor::f_arange_start(g.context_from, g.context_len, (Kind::Int64, g.query_at.device()))?
+                .f_expand([rows, 1, g.context_len - g.context_from], false)?;
+            let keys_at = Tensor::f_cat(&[context, g.query_at.f_unsqueeze(1)?], 2)?;
+            let bias = match layer.hides(&g.query_at.f_unsqueeze(2)?, &keys_at)? {
+                Some(hidden) => g.bias.f_masked_fill(&hidden.f_unsqueeze(1)?, f64::NEG_INFINITY)?,
+                None => g.bias.shallow_clone(),
+            };
+            Ok(AttentionGroup {
+                query_start: g.query_start,
+                query_len: g.query_len,
+                context_from: g.context_from,
+                context_len: g.context_len,
+                bias,
+                query_at: g.query_at.shallow_clone(),
             })
-            .collect::<Result<_, ModelError>>()?;
-        let ranges = self.ranges.as_ref().map(|(lo, hi, _)| (lo.shallow_clone(), hi.shallow_clone(), *layer));
-        Ok(BlockAttention { groups, ranges })
-    }
-
-    /// Attention of block queries `q [B, h, Q, d]` over context keys/values `[B, kv, S, d]` and block keys/values
-    /// `[B, kv, Q, d]` (`kv` dividing `h`: grouped-query heads); returns `[B, h, Q, d]`.
-    pub fn run(&self, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, k_blk: &Tensor, v_blk: &Tensor) -> Tensor {
-        if let Some((lo, hi, layer)) = &self.ranges
-            && super::staircase::applies(q, &[k_ctx, v_ctx, k_blk, v_blk])
-        {
-            let window = layer.window.map_or(0, |w| w.clamp(1, i32::MAX as i64));
-            let ranges = crate::ffi::attention::StaircaseRanges { lo, hi, causal: layer.causal, window };
-            match super::staircase::attention(q, k_ctx, v_ctx, k_blk, v_blk, &ranges) {
-                Ok(out) => return out,
-                Err(e) => panic!("staircase attention: {e}"),
-            }
-        }
-        let rep = q.size()[1] / k_ctx.size()[1];
-        let (k_ctx, v_ctx) = (repeat_kv(k_ctx, rep), repeat_kv(v_ctx, rep));
-        let (k_blk, v_blk) = (repeat_kv(k_blk, rep), repeat_kv(v_blk, rep));
-        let (k_ctx, v_ctx, k_blk, v_blk) = (&k_ctx, &v_ctx, &k_blk, &v_blk);
-        let outs: Vec<Tensor> = self
-            .groups
-            .iter()
-            .map(|g| {
-                let keys = |ctx: &Tensor, blk: &Tensor| {
-                    let context = ctx.narrow(2, g.context_from, g.context_len - g.context_from);
-                    Tensor::cat(&[context, blk.narrow(2, g.query_start, g.query_len)], 2)
-                };
-                Tensor::scaled_dot_product_attention(
-                    &q.narrow(2, g.query_start, g.query_len),
-                    &keys(k_ctx, k_blk),
-                    &keys(v_ctx, v_blk),
-                    Some(&g.bias),
-                    0.0,
-                    false,
-                    None,
-                    false,
-                )
-            })
-            .collect();
-        if outs.len() == 1 {
-            return outs.into_iter().next().expect("one group");
-        }
-        Tensor::cat(&outs, 2)
-    }
-
-    /// Number of groups (one dense attention call each).
-    pub fn num_groups(&self) -> usize {
-        self.groups.len()
-    }
+        })
+        .collect()
 }
