@@ -28,6 +28,8 @@ typedef unsigned int u32;
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define NEG_INF __int_as_float(0xff800000u)
+#define LOG2E 1.4426950408889634f  // scores and log-sum-exps go to base 2 (ex2) and back
+#define LN2 0.6931471805599453f
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
@@ -76,6 +78,13 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   u32 r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+// Zeros accumulators of C fragments.
+template <int N>
+__device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
 }
 
 // Two n-tiles of C fragments (16 x 16 of f32) as one k-step's A fragments in bf16 (register reuse, as flash attention).
@@ -138,8 +147,7 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
                                       float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   float s[KEYS / 8][4];
-#pragma unroll
-  for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  zero(s);
   // S = Q K^T: for each pair of n-tiles and each k-step, one ldmatrix.x4 gives both tiles' B fragments.
 #pragma unroll
   for (int n = 0; n < KEYS / 8; n += 2) {
@@ -334,9 +342,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
   }
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
   float acc[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  const float scale_log2 = a.scale * 1.4426950408889634f;
+  zero(acc);
+  const float scale_log2 = a.scale * LOG2E;
   walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
                                       bool own) {
     attend(qa, kt, vt, col0, cols, base, lo, hi, own, a.causal_block, a.window, scale_log2, m, l, acc);
@@ -358,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
   }
   if (c == 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) lse[row0 + g + 8 * r] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
+    for (int r = 0; r < 2; ++r) lse[row0 + g + 8 * r] = (m[r] + log2f(l[r])) * LN2;
   }
 }
 
@@ -377,8 +384,8 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
     const int n0 = half * 4;
     if (n0 + 4 <= col0 || n0 >= col0 + cols) continue;
     float s[4][4], dp[4][4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+    zero(s);
+    zero(dp);
 #pragma unroll
     for (int n = 0; n < 4; n += 2) {
 #pragma unroll
@@ -439,13 +446,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const
   float lse2[2], dr[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    lse2[r] = active ? lse[row0 + g + 8 * r] * 1.4426950408889634f : 0.f;
+    lse2[r] = active ? lse[row0 + g + 8 * r] * LOG2E : 0.f;
     dr[r] = active ? drow[row0 + g + 8 * r] : 0.f;
   }
   float acc[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-  const float scale_log2 = a.scale * 1.4426950408889634f;
+  zero(acc);
+  const float scale_log2 = a.scale * LOG2E;
   walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
                                       bool own) {
     dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, lo, hi, own, a.causal_block, a.window, scale_log2, lse2, dr,
@@ -507,12 +513,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
   }
   j_begin = j_begin / 2 * 2;
   float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.f;
-    dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.f;
-  }
-  const float scale_log2 = a.scale * 1.4426950408889634f;
+  zero(dk);
+  zero(dv);
+  const float scale_log2 = a.scale * LOG2E;
   const int key_block = k0 / 16 + warp;  // block keys: the block this warp's keys are of
   // Steps of two query blocks, for each query head of the group; the next step's rows load while this one computes.
   const int chunks = max(0, (j_end - j_begin + 1) / 2), steps = group * chunks;
@@ -551,9 +554,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
       }
       // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys against the 32 queries.
       float st[4][4], dpt[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-        st[n][0] = st[n][1] = st[n][2] = st[n][3] = dpt[n][0] = dpt[n][1] = dpt[n][2] = dpt[n][3] = 0.f;
+      zero(st);
+      zero(dpt);
 #pragma unroll
       for (int k = 0; k < D / 16; ++k) {
         u32 ka[4], va[4];
@@ -579,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int col = n * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8;
-          float p = ex2(fmaf(st[n][e], scale_log2, -lse_s[col] * 1.4426950408889634f));
+          float p = ex2(fmaf(st[n][e], scale_log2, -lse_s[col] * LOG2E));
           if (!whole) {
             int qi = col >> 4;  // which of the two query blocks
             bool seen;
