@@ -8,7 +8,7 @@ use std::process::Command;
 use dflash::data::SampleId;
 use dflash::data::builtin::{sample_conversations, write_tiny_tokenizer};
 use dflash::data::chat::Conversation;
-use dflash::data::prepare::{ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::prepare::{LongConversations, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
 use dflash::data::sample::build_sample;
 use dflash::data::shards::{Manifest, PreparedSplit};
 use dflash::data::token_rows::read_token_rows;
@@ -16,6 +16,7 @@ use serde_json::{Map, json};
 
 fn options(inputs: Vec<PathBuf>, out: &Path) -> PrepareOptions {
     PrepareOptions {
+        long: Default::default(),
         inputs,
         out: out.to_path_buf(),
         max_len: 256,
@@ -99,6 +100,73 @@ fn short_samples_are_dropped_and_long_ones_truncated() {
     let train = PreparedSplit::open(&out, "train", false).unwrap();
     assert_eq!(train.get(0).len(), 256);
     assert_eq!(train.get(0).id, &SampleId::Number(1), "no id: the line number");
+}
+
+/// `--long split`: a long conversation becomes pieces of `max_len` tokens that put it back together, ids `1`, `1#1`,
+/// ..., all in the split its id draws; a short piece at the end that teaches too little is dropped and counted; and
+/// the choice is part of the fingerprint.
+#[test]
+fn long_conversations_split_into_pieces_of_one_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chats.jsonl");
+    let assets = ModelAssets::tiny(&Map::new());
+    // 29 tokens of template around the answer; the second conversation ends 4 tokens into its third piece.
+    let conversations: Vec<String> = [500, 485, 700, 1000, 1300, 1500]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let answer = format!("{i} {}", "w".repeat(n));
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]})
+                .to_string()
+        })
+        .collect();
+    write_lines(&input, &conversations);
+    let out = dir.path().join("p");
+    let opts = PrepareOptions { long: LongConversations::Split, holdout: 0.5, ..options(vec![input.clone()], &out) };
+    let PrepareOutcome::Written(m) = prepare(&assets, &opts).unwrap() else { panic!() };
+    assert_eq!((m.report.split, m.report.truncated), (6, 0));
+    let splits = ["train", "holdout"].map(|name| PreparedSplit::open(&out, name, false).unwrap());
+    assert!(splits.iter().all(|s| s.len() > 0), "both splits hold pieces");
+    let (mut pieces, mut dropped) = (0, 0);
+    for (i, line) in conversations.iter().enumerate() {
+        let whole = build_sample(&assets.template, &assets.tokenizer, &Conversation::from_json_line(line, i as u64).unwrap())
+            .unwrap();
+        // Every piece of conversation i: (piece number, split, tokens, mask), in order.
+        let mut found: Vec<(usize, usize, Vec<u32>, Vec<u8>)> = Vec::new();
+        for (k, split) in splits.iter().enumerate() {
+            for j in 0..split.len() {
+                let s = split.get(j);
+                let n = match s.id {
+                    SampleId::Number(n) if *n == i as u64 => Some(0),
+                    SampleId::Text(t) => t.strip_prefix(&format!("{i}#")).and_then(|n| n.parse().ok()),
+                    _ => None,
+                };
+                if let Some(n) = n {
+                    found.push((n, k, s.input_ids().iter().map(|&t| t as u32).collect(), s.loss_mask.to_vec()));
+                }
+            }
+        }
+        found.sort_by_key(|(n, ..)| *n);
+        assert!(found.iter().all(|(_, k, ..)| *k == found[0].1), "conversation {i}: its pieces are in one split");
+        let expected: Vec<&[u32]> = whole.input_ids.chunks(256).collect();
+        // The last piece is dropped when it has fewer than 2 x 4 supervised tokens.
+        let kept = expected.len() - usize::from(whole.loss_mask.chunks(256).last().unwrap().iter().filter(|&&m| m != 0).count() < 8);
+        assert_eq!(found.len(), kept, "conversation {i}");
+        for (j, (n, _, ids, mask)) in found.iter().enumerate() {
+            assert_eq!(*n, j);
+            assert_eq!(ids.as_slice(), expected[j], "conversation {i}, piece {j}");
+            assert_eq!(mask.as_slice(), whole.loss_mask.chunks(256).nth(j).unwrap());
+        }
+        pieces += kept;
+        dropped += expected.len() - kept;
+    }
+    assert_eq!(m.report.kept_train + m.report.kept_holdout, pieces as u64);
+    assert!(dropped > 0, "some conversation ends in a piece too short to teach");
+    assert_eq!(m.report.dropped.values().sum::<u64>(), dropped as u64);
+    // Truncating instead is another preparation.
+    let truncating = PrepareOptions { holdout: 0.5, ..options(vec![input], &out) };
+    let PrepareOutcome::Written(t) = prepare(&assets, &truncating).unwrap() else { panic!("not up to date") };
+    assert_eq!((t.report.split, t.report.truncated, t.report.kept_train + t.report.kept_holdout), (0, 6, 6));
 }
 
 #[test]

@@ -114,7 +114,7 @@ pub fn bench_generate(
     if opts.batch == 0 || opts.prompts == 0 || opts.prompt_len == 0 || opts.max_new == 0 {
         return Err(BenchError::Settings("batch, prompts, prompt length and new tokens must be at least 1".into()));
     }
-    let positions = target.config().max_position_embeddings;
+    let positions = target.config().positions();
     if opts.prompt_len + opts.max_new > positions {
         return Err(BenchError::Settings(format!(
             "{} prompt + {} new tokens exceed the target's {positions} positions",

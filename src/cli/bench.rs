@@ -36,8 +36,8 @@ pub struct BenchArgs {
     /// What to measure.
     #[arg(long, value_enum)]
     what: BenchWhat,
-    /// A built-in shape with random weights: tiny, tiny-moe, tiny-gpt-oss, qwen3-4b, qwen3-8b, llama3.1-8b,
-    /// qwen3-30b-a3b, gpt-oss-20b
+    /// A built-in shape with random weights: tiny, tiny-moe, tiny-gpt-oss, qwen3-4b, qwen3-8b, qwen3-8b-128k (YaRN
+    /// for 131,072 positions), llama3.1-8b, qwen3-30b-a3b, gpt-oss-20b
     /// (default: target.model when it is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for tiny).
     #[arg(long, conflicts_with = "model")]
     preset: Option<Preset>,

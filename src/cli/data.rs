@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use dflash::data::SampleId;
 use dflash::data::builtin::sample_conversations;
-use dflash::data::prepare::{ModelAssets, PrepareOptions, PrepareOutcome, prepare};
+use dflash::data::prepare::{LongConversations, ModelAssets, PrepareOptions, PrepareOutcome, prepare};
 use dflash::data::prompts::prompt_end;
 use dflash::data::shards::{Manifest, PreparedSplit};
 
@@ -25,6 +25,13 @@ pub fn template_kwargs(raw: Option<&str>) -> Result<Map<String, Value>> {
     }
 }
 
+/// `prepare --long`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Long {
+    Truncate,
+    Split,
+}
+
 #[derive(Args)]
 pub struct PrepareArgs {
     /// The target's HuggingFace folder (its tokenizer.json and tokenizer_config.json chat template), or `tiny`.
@@ -37,9 +44,15 @@ pub struct PrepareArgs {
     /// The output folder (written atomically: it appears only when finished).
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
-    /// Truncate conversations to this many tokens.
+    /// The most tokens a sample has: longer conversations are truncated or split (--long). A sample is trained whole,
+    /// so this is the context the drafter learns to use.
     #[arg(long, value_name = "L")]
     max_len: usize,
+    /// What becomes of a conversation longer than --max-len: `truncate` keeps its first L tokens; `split` cuts it
+    /// into pieces of L tokens (the last shorter), each a sample (`"{id}#{n}"` after the first) in its conversation's
+    /// split. Token rows longer than L are refused unless split.
+    #[arg(long, value_enum, default_value = "truncate")]
+    long: Long,
     /// The drafter's block size: samples with fewer than 2 x block_size supervised tokens are dropped.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -78,6 +91,10 @@ pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
         inputs: args.inputs,
         out: args.out.clone(),
         max_len: args.max_len,
+        long: match args.long {
+            Long::Truncate => LongConversations::Truncate,
+            Long::Split => LongConversations::Split,
+        },
         block_size: args.block_size,
         holdout: args.holdout,
         seed: args.seed,

@@ -59,6 +59,8 @@ pub struct PrepareOptions {
     pub inputs: Vec<PathBuf>,
     pub out: PathBuf,
     pub max_len: usize,
+    /// What becomes of a conversation longer than `max_len`.
+    pub long: LongConversations,
     pub block_size: usize,
     /// Fraction of samples kept apart for evaluation (by a hash of seed and id: stable across runs).
     pub holdout: f64,
@@ -67,6 +69,17 @@ pub struct PrepareOptions {
     /// Stop at the first bad line instead of skipping it.
     pub strict: bool,
     pub progress: bool,
+}
+
+/// What `prepare` does with a conversation longer than `max_len` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LongConversations {
+    /// Keep its first `max_len` tokens.
+    #[default]
+    Truncate,
+    /// Cut it into pieces of `max_len` tokens (the last one shorter), each a sample of its own: piece `n` after the
+    /// first is `"{id}#{n}"`, and every piece goes to the split its conversation's id draws.
+    Split,
 }
 
 /// What the input lines are.
@@ -97,7 +110,8 @@ pub enum PrepareOutcome {
 }
 
 enum LineResult {
-    Kept(Sample, bool),
+    /// The samples of one line (several when it was split), whether they are held out, and whether it was cut.
+    Kept { samples: Vec<Sample>, holdout: bool, cut: bool, dropped: usize },
     Dropped(&'static str),
     Bad(&'static str, String),
     Blank,
@@ -140,25 +154,48 @@ fn process_line(lines: Lines, opts: &PrepareOptions, line: &str, ordinal: u64, c
             Ok(s) => s,
             Err(e) => return LineResult::Bad(kind_of(&e), e.to_string()),
         },
-        Lines::TokenRows { vocab_size } => match token_row_sample(vocab_size, opts.max_len, line, ordinal) {
+        Lines::TokenRows { vocab_size } => match token_row_sample(vocab_size, opts, line, ordinal) {
             Ok(s) => s,
             Err(e) => return LineResult::Bad("bad token row", e),
         },
     };
-    if sample.input_ids.len() > opts.max_len {
-        sample.input_ids.truncate(opts.max_len);
-        sample.loss_mask.truncate(opts.max_len);
-    }
-    if sample.supervised() < 2 * opts.block_size {
-        return LineResult::Dropped("fewer than 2 x block_size supervised tokens");
-    }
+    let cut = sample.input_ids.len() > opts.max_len;
     let holdout = opts.holdout > 0.0 && unit_hash(opts.seed, sample.id.key()) < opts.holdout;
-    LineResult::Kept(sample, holdout)
+    let pieces = match opts.long {
+        LongConversations::Truncate => {
+            sample.input_ids.truncate(opts.max_len);
+            sample.loss_mask.truncate(opts.max_len);
+            vec![sample]
+        }
+        LongConversations::Split => split(sample, opts.max_len),
+    };
+    let total = pieces.len();
+    let samples: Vec<Sample> = pieces.into_iter().filter(|s| s.supervised() >= 2 * opts.block_size).collect();
+    if samples.is_empty() {
+        return LineResult::Dropped(TOO_FEW_SUPERVISED);
+    }
+    LineResult::Kept { dropped: total - samples.len(), samples, holdout, cut }
 }
 
-fn token_row_sample(vocab_size: usize, max_len: usize, line: &str, ordinal: u64) -> Result<Sample, String> {
+/// Why a sample is dropped when it teaches too little.
+const TOO_FEW_SUPERVISED: &str = "fewer than 2 x block_size supervised tokens";
+
+/// `sample` as pieces of at most `max_len` tokens, in order ([`LongConversations::Split`]).
+fn split(sample: Sample, max_len: usize) -> Vec<Sample> {
+    let Sample { id, input_ids, loss_mask } = sample;
+    input_ids
+        .chunks(max_len.max(1))
+        .zip(loss_mask.chunks(max_len.max(1)))
+        .enumerate()
+        .map(|(n, (ids, mask))| Sample { id: id.piece(n), input_ids: ids.to_vec(), loss_mask: mask.to_vec() })
+        .collect()
+}
+
+/// A token row; one longer than `max_len` is refused unless rows are split.
+fn token_row_sample(vocab_size: usize, opts: &PrepareOptions, line: &str, ordinal: u64) -> Result<Sample, String> {
     let row = parse_row(line, ordinal, vocab_size)?;
-    if row.input_ids.len() > max_len {
+    let max_len = opts.max_len;
+    if row.input_ids.len() > max_len && opts.long == LongConversations::Truncate {
         return Err(format!(
             "{} tokens, more than the target's {max_len} positions; cut the row to {max_len} tokens",
             row.input_ids.len()
@@ -189,7 +226,7 @@ pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOut
 pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
     let (identity, model) = lines.identity();
     let started = Instant::now();
-    let settings = serde_json::json!({
+    let mut settings = serde_json::json!({
         "max_len": opts.max_len,
         "block_size": opts.block_size,
         "holdout": opts.holdout,
@@ -197,6 +234,10 @@ pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutco
         "template_kwargs": opts.template_kwargs,
         "strict": opts.strict,
     });
+    // Written only when splitting, so folders prepared before the choice existed stay up to date.
+    if opts.long == LongConversations::Split {
+        settings["long"] = "split".into();
+    }
     let mut inputs = Vec::new();
     let mut h = Sha256::new();
     h.update(FORMAT);
@@ -324,22 +365,31 @@ fn write_all(
                     LineResult::Blank => continue,
                     LineResult::Bad(kind, message) => bad(kind, message)?,
                     LineResult::Dropped(reason) => *report.dropped.entry(reason.to_string()).or_insert(0) += 1,
-                    LineResult::Kept(sample, to_holdout) => {
-                        if let Err(repeated) = seen_ids.record(&sample.id, || format!("{}:{line_no}", path.display())) {
+                    LineResult::Kept { samples, holdout: to_holdout, cut, dropped } => {
+                        let here = || format!("{}:{line_no}", path.display());
+                        if let Some(repeated) = samples.iter().find_map(|s| seen_ids.record(&s.id, here).err()) {
                             bad("duplicate id", repeated)?;
                             continue;
                         }
-                        if sample.input_ids.len() == opts.max_len {
-                            report.truncated += 1;
+                        match (cut, opts.long) {
+                            (false, _) => {}
+                            (true, LongConversations::Truncate) => report.truncated += 1,
+                            (true, LongConversations::Split) => report.split += 1,
                         }
-                        report.tokens += sample.input_ids.len() as u64;
-                        report.supervised_tokens += sample.supervised() as u64;
-                        if to_holdout {
-                            report.kept_holdout += 1;
-                            holdout.push(&sample)?;
-                        } else {
-                            report.kept_train += 1;
-                            train.push(&sample)?;
+                        if dropped > 0 {
+                            *report.dropped.entry(format!("pieces with {TOO_FEW_SUPERVISED}")).or_insert(0) +=
+                                dropped as u64;
+                        }
+                        for sample in &samples {
+                            report.tokens += sample.input_ids.len() as u64;
+                            report.supervised_tokens += sample.supervised() as u64;
+                            if to_holdout {
+                                report.kept_holdout += 1;
+                                holdout.push(sample)?;
+                            } else {
+                                report.kept_train += 1;
+                                train.push(sample)?;
+                            }
                         }
                     }
                 }

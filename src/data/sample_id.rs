@@ -62,6 +62,15 @@ impl SampleId {
         }
     }
 
+    /// The id of piece `n` (from 0) of a sample cut into pieces: the sample's own id for the first, `"{id}#{n}"`
+    /// after it.
+    pub fn piece(&self, n: usize) -> Self {
+        match n {
+            0 => self.clone(),
+            _ => SampleId::Text(format!("{}#{n}", self.text())),
+        }
+    }
+
     fn text(&self) -> std::borrow::Cow<'_, str> {
         match self {
             SampleId::Number(n) => n.to_string().into(),

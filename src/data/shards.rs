@@ -379,6 +379,9 @@ pub struct PrepareReport {
     /// The first few bad lines, `file:line: problem`.
     pub examples: Vec<String>,
     pub truncated: u64,
+    /// Conversations longer than `max_len` cut into pieces (`--long split`), each piece counted as kept.
+    #[serde(default)]
+    pub split: u64,
     pub tokens: u64,
     pub supervised_tokens: u64,
     pub seconds: f64,
@@ -435,14 +438,15 @@ impl PrepareReport {
     /// A few lines for people.
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "{} conversations: {} kept for training, {} held out; {} tokens ({} supervised), {} truncated; \
-             {:.1} s ({:.0} conversations/s, {:.0} tokens/s)",
+            "{} conversations: {} samples kept for training, {} held out; {} tokens ({} supervised), {} truncated, \
+             {} split; {:.1} s ({:.0} conversations/s, {:.0} tokens/s)",
             self.lines,
             self.kept_train,
             self.kept_holdout,
             self.tokens,
             self.supervised_tokens,
             self.truncated,
+            self.split,
             self.seconds,
             self.conversations_per_s,
             self.tokens_per_s

@@ -86,7 +86,7 @@ pub struct BatchGenerator<'a> {
 
 impl<'a> BatchGenerator<'a> {
     pub fn new(target: &'a Target, settings: BatchSettings) -> Result<Self, ModelError> {
-        if target.config().max_position_embeddings == 0 {
+        if target.config().positions() == 0 {
             return Err(ModelError::Batch("the target has no positions to generate at".into()));
         }
         let graphs_apply = settings.cuda_graphs && CudaGraph::available(target.device()) && target.graphable();
@@ -135,7 +135,7 @@ impl<'a> BatchGenerator<'a> {
     }
 
     fn run(&mut self, schedule: &mut Schedule<ReplyTo>, requests: &Receiver<Request>) -> Result<(), ModelError> {
-        let positions = self.target.config().max_position_embeddings;
+        let positions = self.target.config().positions();
         let mut open = true;
         loop {
             // Wait for work when there is none; take whatever else is waiting.
@@ -184,7 +184,7 @@ impl<'a> BatchGenerator<'a> {
         if positions <= have {
             return Ok(());
         }
-        let most = context_bucket(self.target.config().max_position_embeddings as i64);
+        let most = context_bucket(self.target.config().positions() as i64);
         let capacity = context_bucket(positions).max((2 * have).min(most));
         let rows = self.settings.batch as i64;
         let grown = self.target.new_rows_cache(rows, capacity).map_err(|e| {
@@ -367,7 +367,7 @@ mod tests {
     #[test]
     fn later_longer_requests_grow_the_cache_and_positions_end_sequences() {
         let target = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
-        let limit = target.config().max_position_embeddings;
+        let limit = target.config().positions();
         let short: Vec<i64> = vec![30, 31, 32];
         let long: Vec<i64> = (0..300).map(|i| 10 + i % 90).collect();
         let edge: Vec<i64> = (0..limit as i64 - 3).map(|i| 10 + i % 50).collect();

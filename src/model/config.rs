@@ -207,6 +207,18 @@ const SUPPORTED: &str = "Qwen3ForCausalLM (model_type qwen3), Qwen3MoeForCausalL
                          GptOssForCausalLM (gpt_oss) or LlamaForCausalLM (llama)";
 
 impl TargetConfig {
+    /// The positions the target takes: `max_position_embeddings`, or with YaRN its original positions times its
+    /// factor, as vLLM derives a model's length (Qwen3's model card extends 32,768 positions to 131,072 with YaRN's
+    /// factor 4 and leaves `max_position_embeddings` at 40,960).
+    pub fn positions(&self) -> usize {
+        match self.rope_scaling {
+            RopeScaling::Yarn { factor, original_max_position_embeddings, .. } => {
+                (original_max_position_embeddings * factor) as usize
+            }
+            _ => self.max_position_embeddings,
+        }
+    }
+
     /// Reads and validates `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         read_config_json(
@@ -803,6 +815,13 @@ mod tests {
             r#""rope_scaling": null"#,
             r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}"#,
         );
+        let cfg = TargetConfig::from_json(&text).unwrap();
+        // `max_position_embeddings` is read as written; the positions are vLLM's derived length.
+        assert_eq!((cfg.max_position_embeddings, cfg.positions()), (40960, 131072));
+        assert_eq!(TargetConfig::from_json(QWEN3_8B).unwrap().positions(), 40960);
+        // The long-context preset is this config.json (with the padding id the generation config adds).
+        let preset = crate::model::Preset::Qwen3_8b128k.spec().target;
+        assert_eq!(TargetConfig { pad_token_id: preset.pad_token_id, ..cfg.clone() }, preset);
         let RopeScaling::Yarn {
             factor,
             beta_fast,
@@ -810,7 +829,7 @@ mod tests {
             truncate,
             attention_factor,
             original_max_position_embeddings,
-        } = TargetConfig::from_json(&text).unwrap().rope_scaling
+        } = cfg.rope_scaling
         else {
             panic!("yarn")
         };

@@ -117,7 +117,7 @@ impl<'a> Decoder<'a> {
             return self.target.decode(input_ids, &mut self.cache);
         };
         self.cache.reserve(t)?;
-        if (self.cache.len() + t) as usize > self.target.config().max_position_embeddings {
+        if (self.cache.len() + t) as usize > self.target.config().positions() {
             return self.target.decode(input_ids, &mut self.cache);
         }
         match graphs.step(self.target, &mut self.cache, input_ids) {

@@ -121,6 +121,26 @@ impl DrafterConfig {
     /// 3*Q*H*I`, `attn = 2 * Q * K * hd * heads`; FLOPs = `2 * (3 * (fc + L*layer) + 3 * L * attn + 2 * Q * H * V)`:
     /// trained products count forward plus two backward products, the frozen LM head forward plus the input gradient.
     pub fn training_flops_per_sample(&self, seq: i64, anchors: usize) -> f64 {
+        let q = (anchors * self.block_size) as f64;
+        let dense = q * (seq as f64 + q);
+        self.training_flops(seq, anchors, |_| dense)
+    }
+
+    /// [`DrafterConfig::training_flops_per_sample`] with each layer's attention counting only the (query, key) pairs
+    /// it computes: a block's queries see the context before their anchor and their own block, as the layer's window
+    /// and causality allow ([`LayerAttention::hides`]). The anchors are drawn uniformly from the sample's positions
+    /// (all supervised), so each block's pairs are their mean over every anchor position `0..=seq-2`. This is the
+    /// work attention kernels that skip hidden keys do; the dense count is the peer's.
+    pub fn training_flops_seen_keys(&self, seq: i64, anchors: usize) -> f64 {
+        let positions = (seq - 1).max(1);
+        self.training_flops(seq, anchors, |layer| {
+            let pairs: i64 = (0..positions).map(|a| block_pairs_seen(a, 0, self.block_size as i64, layer)).sum();
+            anchors as f64 * pairs as f64 / positions as f64
+        })
+    }
+
+    /// The cost model with `pairs(layer)` (query, key) scores per sample in each layer's attention.
+    fn training_flops(&self, seq: i64, anchors: usize, pairs: impl Fn(&LayerAttention) -> f64) -> f64 {
         let c = &self.decoder;
         let f = |x: usize| x as f64;
         let (h, i, hd, v) = (f(c.hidden_size), f(c.intermediate_size), f(c.head_dim), f(c.vocab_size));
@@ -129,8 +149,11 @@ impl DrafterConfig {
         let k = seq as f64 + q;
         let fc = seq as f64 * f(self.target_layer_ids.len()) * h * h;
         let layer = q * h * heads * hd + k * h * 2.0 * kv * hd + q * heads * hd * h + 3.0 * q * h * i;
-        let attn = 2.0 * q * k * hd * heads;
-        2.0 * (3.0 * (fc + layers * layer) + 3.0 * layers * attn + 2.0 * q * h * v)
+        let full = LayerAttention::default();
+        let attn: f64 = (0..c.num_hidden_layers)
+            .map(|l| 2.0 * pairs(self.layer_attention.get(l).unwrap_or(&full)) * hd * heads)
+            .sum();
+        2.0 * (3.0 * (fc + layers * layer) + 3.0 * attn + 2.0 * q * h * v)
     }
 
     /// A drafter for `target`: same hidden size, heads, RoPE and vocabulary, `num_layers` layers.
@@ -538,6 +561,25 @@ pub fn auto_target_layer_ids(num_target_layers: usize, num_draft_layers: usize) 
     (span > 0.0 && increasing).then_some(ids)
 }
 
+/// The (query, key) pairs a block anchored at `anchor` computes in `layer`: each of its `block_size` queries (at
+/// `anchor + k`) against the context keys from `start` (its conversation's start) to the anchor and the block's own
+/// keys, less what the layer's window and causality hide ([`LayerAttention::hides`]).
+pub fn block_pairs_seen(anchor: i64, start: i64, block_size: i64, layer: &LayerAttention) -> i64 {
+    let reach = layer.window.map_or(i64::MAX, |w| w - 1);
+    (0..block_size)
+        .map(|k| {
+            let query = anchor + k;
+            // Context keys p in [start, anchor) with query - p <= reach.
+            let first = start.max(query.saturating_sub(reach));
+            let context = (anchor - first).max(0);
+            // Block keys j with |k - j| <= reach, and j <= k where causal.
+            let lo = k - reach.min(k);
+            let hi = if layer.causal { k } else { (k + reach.min(block_size)).min(block_size - 1) };
+            context + (hi - lo + 1)
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::auto_target_layer_ids as auto;
@@ -558,6 +600,50 @@ mod tests {
     }
 
     use super::*;
+
+    /// A block's pairs are the keys [`LayerAttention::hides`] leaves each of its queries, for every kind of layer,
+    /// anchors near the start and far from it, and a conversation starting mid-row.
+    #[test]
+    fn block_pairs_are_what_the_layer_leaves_visible() {
+        use tch::{Device, Kind, Tensor};
+        let bs = 8i64;
+        for window in [None, Some(1), Some(3), Some(8), Some(20)] {
+            for causal in [false, true] {
+                let layer = LayerAttention { window, causal };
+                for (anchor, start) in [(0, 0), (1, 0), (5, 0), (40, 0), (40, 30), (30, 30)] {
+                    // Keys: the context [start, anchor), then the block's own positions.
+                    let keys: Vec<i64> = (start..anchor).chain(anchor..anchor + bs).collect();
+                    let queries = Tensor::arange_start(anchor, anchor + bs, (Kind::Int64, Device::Cpu)).view([bs, 1]);
+                    let key_at = Tensor::from_slice(&keys).view([1, -1]);
+                    let visible = match layer.hides(&queries, &key_at).unwrap() {
+                        Some(hidden) => hidden.logical_not().sum(Kind::Int64).int64_value(&[]),
+                        None => bs * keys.len() as i64,
+                    };
+                    assert_eq!(block_pairs_seen(anchor, start, bs, &layer), visible, "{layer:?} at {anchor} from {start}");
+                }
+            }
+        }
+    }
+
+    /// Full attention over a bidirectional block: a block at anchor `a` computes `bs * (a + bs)` pairs, `bs * ((S -
+    /// 2) / 2 + bs)` on average; windows count fewer, and the dense count more than either.
+    #[test]
+    fn seen_keys_count_the_mean_block_and_windows_count_less() {
+        let cfg = DrafterConfig::for_preset(Preset::Qwen3_8b, 16);
+        let (seq, anchors) = (3072i64, 512usize);
+        let c = &cfg.decoder;
+        let per_pair = 2.0 * 3.0 * 2.0 * (c.head_dim * c.num_attention_heads * c.num_hidden_layers) as f64;
+        let mean_pairs = 16.0 * ((seq - 2) as f64 / 2.0 + 16.0);
+        let expected_gap = per_pair * anchors as f64 * (16.0 * (seq as f64 + 16.0 * anchors as f64) - mean_pairs);
+        let gap = cfg.training_flops_per_sample(seq, anchors) - cfg.training_flops_seen_keys(seq, anchors);
+        assert!((gap / expected_gap - 1.0).abs() < 1e-9, "{gap} vs {expected_gap}");
+        let windowed = cfg
+            .clone()
+            .with_layer_attention(vec![LayerAttention { window: Some(256), causal: false }; c.num_hidden_layers])
+            .unwrap();
+        assert!(windowed.training_flops_seen_keys(seq, anchors) < cfg.training_flops_seen_keys(seq, anchors));
+    }
+
 
     #[test]
     fn round_trips_and_reads_top_level_fields() {

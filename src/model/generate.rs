@@ -19,7 +19,7 @@ pub fn generate(
     seed: u64,
 ) -> Result<Vec<i64>, ModelError> {
     // Past the model's positions a generation ends where it is, as a length limit does.
-    let max_new = max_new.min(target.config().max_position_embeddings.saturating_sub(prompt.len()));
+    let max_new = max_new.min(target.config().positions().saturating_sub(prompt.len()));
     if prompt.is_empty() || max_new == 0 {
         return Ok(Vec::new());
     }
@@ -75,11 +75,11 @@ pub(crate) fn begin_generation(decoder: &mut Decoder, prompt: &[i64], max_new: u
     if prompt.is_empty() {
         return Err(ModelError::Batch("a prompt needs at least one token".into()));
     }
-    let limit = decoder.target().config().max_position_embeddings as i64;
+    let limit = decoder.target().config().positions() as i64;
     let needed = prompt.len() as i64 + max_new as i64;
     if needed > limit {
         return Err(ModelError::Batch(format!(
-            "a prompt of {} tokens plus {max_new} new ones exceeds max_position_embeddings {limit}",
+            "a prompt of {} tokens plus {max_new} new ones exceeds the target's {limit} positions",
             prompt.len()
         )));
     }
@@ -120,7 +120,7 @@ mod tests {
             seq.push(token);
         }
         // At the model's positions a generation ends where it is.
-        let limit = t.config().max_position_embeddings;
+        let limit = t.config().positions();
         let long: Vec<i64> = (0..limit as i64 - 2).map(|i| 10 + i % 50).collect();
         assert_eq!(generate(&t, &long, 6, &[], Sampling::Greedy, 0).unwrap().len(), 2);
         // Stopping: with the first token as a stop token, generation ends there.

@@ -47,6 +47,8 @@ pub enum Preset {
     TinyGptOss,
     Qwen3_4b,
     Qwen3_8b,
+    /// Qwen3-8B for 131,072 tokens: YaRN's factor 4 over 32,768 original positions, as Qwen3's model card sets it.
+    Qwen3_8b128k,
     Llama31_8b,
     Qwen3_30bA3b,
     GptOss20b,
@@ -93,13 +95,14 @@ impl PresetSpec {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 9] = [
+    pub const ALL: [Preset; 10] = [
         Preset::TinyTasks,
         Preset::Tiny,
         Preset::TinyMoe,
         Preset::TinyGptOss,
         Preset::Qwen3_4b,
         Preset::Qwen3_8b,
+        Preset::Qwen3_8b128k,
         Preset::Llama31_8b,
         Preset::Qwen3_30bA3b,
         Preset::GptOss20b,
@@ -135,6 +138,7 @@ impl Preset {
             Preset::TinyGptOss => "tiny-gpt-oss",
             Preset::Qwen3_4b => "qwen3-4b",
             Preset::Qwen3_8b => "qwen3-8b",
+            Preset::Qwen3_8b128k => "qwen3-8b-128k",
             Preset::Llama31_8b => "llama3.1-8b",
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
             Preset::GptOss20b => "gpt-oss-20b",
@@ -249,6 +253,21 @@ impl Preset {
             }
             Preset::Qwen3_4b => real(qwen3(2560, 9728, true), &[1, 9, 17, 25, 33], 151669),
             Preset::Qwen3_8b => real(qwen3(4096, 12288, false), &[1, 9, 17, 25, 33], 151669),
+            // The model card's `rope_scaling`: {"rope_type": "yarn", "factor": 4.0,
+            // "original_max_position_embeddings": 32768}, `max_position_embeddings` left at 40,960; transformers'
+            // defaults for the rest (`truncate` true, the attention factor 0.1 ln 4 + 1).
+            Preset::Qwen3_8b128k => {
+                let qwen3_8b = Preset::Qwen3_8b.spec();
+                let rope_scaling = RopeScaling::Yarn {
+                    factor: 4.0,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    original_max_position_embeddings: 32768.0,
+                    truncate: true,
+                    attention_factor: 0.1 * 4f64.ln() + 1.0,
+                };
+                PresetSpec { target: TargetConfig { rope_scaling, ..qwen3_8b.target }, ..qwen3_8b }
+            }
             Preset::Llama31_8b => real(
                 TargetConfig {
                     architecture: Architecture::Llama,

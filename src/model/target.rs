@@ -854,10 +854,10 @@ impl Target {
         let t = input_ids.size()[1];
         self.check_batch(input_ids, &[t])?;
         cache.reserve(t)?;
-        if (cache.len() + t) as usize > self.cfg.max_position_embeddings {
+        if (cache.len() + t) as usize > self.cfg.positions() {
             return Err(ModelError::Batch(format!(
-                "decoding past max_position_embeddings {}",
-                self.cfg.max_position_embeddings
+                "decoding past the target's {} positions",
+                self.cfg.positions()
             )));
         }
         self.decode_with(input_ids, cache, None)
@@ -987,10 +987,10 @@ impl Target {
         if lengths.len() as i64 != b || lengths.iter().any(|&l| l < 1 || l > s) {
             return bad(format!("lengths {lengths:?} must give 1..={s} tokens for each of {b} rows"));
         }
-        if s as usize > self.cfg.max_position_embeddings {
+        if s as usize > self.cfg.positions() {
             return bad(format!(
-                "sequence length {s} exceeds max_position_embeddings {}",
-                self.cfg.max_position_embeddings
+                "sequence length {s} exceeds the target's {} positions",
+                self.cfg.positions()
             ));
         }
         Ok((b, s))

@@ -135,7 +135,7 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
     let vocab_size = target.vocab_size;
     let fits = |split: PreparedSplit, dir: &Path| -> Result<PreparedSplit> {
         split
-            .check_fits(dir, vocab_size, target.max_position_embeddings)
+            .check_fits(dir, vocab_size, target.positions())
             .with_context(|| format!("data.path = {}: the data does not fit the target", dir.display()))?;
         Ok(split)
     };
@@ -187,9 +187,10 @@ fn path_key(path: &Path) -> String {
 fn token_rows(config: &Config, target: &TargetConfig, file: &Path) -> Result<PreparedSplit> {
     let out = token_rows_dir(config, file);
     let opts = PrepareOptions {
+        long: Default::default(),
         inputs: vec![file.to_path_buf()],
         out: out.clone(),
-        max_len: target.max_position_embeddings,
+        max_len: target.positions(),
         block_size: config.draft_model.block_size,
         holdout: config.data.holdout,
         seed: 0,
@@ -285,6 +286,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
     }
     let prepared = answered.join("prepared");
     let opts = PrepareOptions {
+        long: Default::default(),
         inputs: vec![regenerated],
         out: prepared.clone(),
         max_len: d.max_len,
