@@ -69,6 +69,14 @@ int dflash_synchronize(int index, char* err, size_t len) {
   });
 }
 
+// Waits for the work queued on the calling thread's current stream of device `index` only.
+int dflash_synchronize_stream(int index, char* err, size_t len) {
+  return guard(1, err, len, [&] {
+    at::accelerator::getCurrentStream(static_cast<c10::DeviceIndex>(index)).synchronize();
+    return 0;
+  });
+}
+
 // out: [allocated, peak allocated, reserved, free on device, total on device]
 // The accelerator's runtime and caching allocator start lazily, at the first tensor on the device: before that
 // the allocator refuses statistics ("Invalid device argument ... did you call init?"), as for a target loaded from

@@ -12,7 +12,7 @@ use tch::{Device, Kind};
 /// The device services of the C++ boundary, by the names a compute thread calls them.
 pub use crate::ffi::accel::{
     MemoryStats, Priority, TimingEvent, bind_thread, current_stream_handle, deterministic_gpus, memory_stats,
-    reset_peak_memory, synchronize, to_pinned_host, use_own_stream,
+    reset_peak_memory, synchronize, synchronize_stream, to_pinned_host, use_own_stream,
 };
 
 /// Errors about devices and numeric types, each naming what was asked for and what to do.

@@ -126,11 +126,12 @@ fn long_conversations_split_into_pieces_of_one_split() {
     let PrepareOutcome::Written(m) = prepare(&assets, &opts).unwrap() else { panic!() };
     assert_eq!((m.report.split, m.report.truncated), (6, 0));
     let splits = ["train", "holdout"].map(|name| PreparedSplit::open(&out, name, false).unwrap());
-    assert!(splits.iter().all(|s| s.len() > 0), "both splits hold pieces");
+    assert!(splits.iter().all(|s| !s.is_empty()), "both splits hold pieces");
     let (mut pieces, mut dropped) = (0, 0);
     for (i, line) in conversations.iter().enumerate() {
-        let whole = build_sample(&assets.template, &assets.tokenizer, &Conversation::from_json_line(line, i as u64).unwrap())
-            .unwrap();
+        let whole =
+            build_sample(&assets.template, &assets.tokenizer, &Conversation::from_json_line(line, i as u64).unwrap())
+                .unwrap();
         // Every piece of conversation i: (piece number, split, tokens, mask), in order.
         let mut found: Vec<(usize, usize, Vec<u32>, Vec<u8>)> = Vec::new();
         for (k, split) in splits.iter().enumerate() {
@@ -150,7 +151,8 @@ fn long_conversations_split_into_pieces_of_one_split() {
         assert!(found.iter().all(|(_, k, ..)| *k == found[0].1), "conversation {i}: its pieces are in one split");
         let expected: Vec<&[u32]> = whole.input_ids.chunks(256).collect();
         // The last piece is dropped when it has fewer than 2 x 4 supervised tokens.
-        let kept = expected.len() - usize::from(whole.loss_mask.chunks(256).last().unwrap().iter().filter(|&&m| m != 0).count() < 8);
+        let kept = expected.len()
+            - usize::from(whole.loss_mask.chunks(256).last().unwrap().iter().filter(|&&m| m != 0).count() < 8);
         assert_eq!(found.len(), kept, "conversation {i}");
         for (j, (n, _, ids, mask)) in found.iter().enumerate() {
             assert_eq!(*n, j);

@@ -116,7 +116,7 @@ pub fn bench_decode(
     // Verify passes over a fixed context.
     let mut cache = target.new_cache(capacity)?;
     let prompt_ids = Tensor::f_from_slice(&prompt)?.f_view([1, opts.seq])?.f_to(device)?;
-    let context = target.decode(&prompt_ids, &mut cache)?.taps;
+    let context = target.decode_last(&prompt_ids, &mut cache)?.taps;
     let block = prompt_ids.narrow(1, 0, bs);
     let (verify_times, verify_phases_ms) = time_pass(device, opts, || {
         let _ = target.decode(&block, &mut cache)?;

@@ -131,7 +131,8 @@ pub fn bench_drafter(
     if opts.seq as usize > cfg.decoder.positions() {
         return Err(BenchError::Settings(format!(
             "seq {} exceeds the preset's {} positions",
-            opts.seq, cfg.decoder.positions()
+            opts.seq,
+            cfg.decoder.positions()
         )));
     }
     let gamma = default_gamma(opts.block_size);

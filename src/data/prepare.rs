@@ -111,7 +111,12 @@ pub enum PrepareOutcome {
 
 enum LineResult {
     /// The samples of one line (several when it was split), whether they are held out, and whether it was cut.
-    Kept { samples: Vec<Sample>, holdout: bool, cut: bool, dropped: usize },
+    Kept {
+        samples: Vec<Sample>,
+        holdout: bool,
+        cut: bool,
+        dropped: usize,
+    },
     Dropped(&'static str),
     Bad(&'static str, String),
     Blank,

@@ -26,6 +26,7 @@ unsafe extern "C" {
     fn dflash_set_deterministic(on: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_set_device(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_synchronize(index: c_int, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_synchronize_stream(index: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_current_device(err: *mut c_char, len: usize) -> c_int;
     fn dflash_current_stream(index: c_int, out: *mut *mut c_void, err: *mut c_char, len: usize) -> c_int;
     fn dflash_use_pool_stream(index: c_int, high_priority: c_int, err: *mut c_char, len: usize) -> c_int;
@@ -170,6 +171,16 @@ pub fn synchronize(device: Device) -> Result<(), DeviceFailure> {
     match cuda_index(device) {
         // SAFETY: plain C call with a valid buffer.
         Some(i) => on_device(device, |e, n| unsafe { dflash_synchronize(i, e, n) }),
+        None => Ok(()),
+    }
+}
+
+/// Waits for the work the calling thread queued on its current stream of `device` (a no-op for the CPU): other
+/// threads' streams (training, beside an evaluation) are not waited for.
+pub fn synchronize_stream(device: Device) -> Result<(), DeviceFailure> {
+    match cuda_index(device) {
+        // SAFETY: plain C call with a valid buffer.
+        Some(i) => on_device(device, |e, n| unsafe { dflash_synchronize_stream(i, e, n) }),
         None => Ok(()),
     }
 }

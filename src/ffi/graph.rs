@@ -8,7 +8,7 @@ use std::ffi::{c_char, c_int, c_void};
 
 use tch::Device;
 
-use super::accel::{on_device, synchronize};
+use super::accel::{on_device, synchronize_stream};
 
 // In a build whose libtorch has no CUDA, the shim's functions fail, saying so ([`CudaGraph::available`] is false).
 unsafe extern "C" {
@@ -49,7 +49,8 @@ impl CudaGraph {
     }
 
     /// Runs `step` `warmup` times (lazy initialisation, workspaces and kernel compilation happen outside the
-    /// capture), then captures one more run, on a stream of the graph's own after the device's queued work. Returns
+    /// capture), then captures one more run, on a stream of the graph's own after the work the calling thread queued
+    /// (other threads' streams, such as training's beside an evaluation, are not waited for). Returns
     /// the graph and what the captured run returned: its tensors are where every [`CudaGraph::replay`] writes. The
     /// captured run computes nothing: replay once for its result.
     pub fn capture<T, E: std::fmt::Display>(
@@ -67,7 +68,7 @@ impl CudaGraph {
         // SAFETY: plain C call with a valid out-pointer and buffer.
         on_device(device, |e, n| unsafe { dflash_graph_new(index as c_int, &mut raw, e, n) })?;
         let graph = CudaGraph { raw, device };
-        synchronize(device)?;
+        synchronize_stream(device)?;
         graph.call(dflash_graph_enter)?;
         // From here the thread launches on the graph's stream until `entered` is dropped, whatever `step` does
         // (an error, or a panic unwinding through here): a capture begun is ended, the thread's stream restored.
@@ -75,7 +76,7 @@ impl CudaGraph {
         for _ in 0..warmup {
             step().map_err(|e| GraphError::Step(e.to_string()))?;
         }
-        synchronize(device)?;
+        synchronize_stream(device)?;
         graph.call(dflash_graph_capture_begin)?;
         entered.capturing = true;
         let out = step();
@@ -84,7 +85,7 @@ impl CudaGraph {
         drop(entered);
         let out = out.map_err(|e| GraphError::Step(e.to_string()))?;
         ended?;
-        synchronize(device)?;
+        synchronize_stream(device)?;
         Ok((graph, out))
     }
 

@@ -103,8 +103,9 @@ impl<'a> Decoder<'a> {
         self.cache.crop(len);
     }
 
-    /// Continues the sequence with `input_ids [1, T]`, as [`Target::decode`] does. A step replayed from a graph
-    /// returns the graph's outputs: valid until the next step.
+    /// Continues the sequence with `input_ids [1, T]`, as [`Target::decode`] does; the prefill (into an empty cache)
+    /// returns the logits of its last position only ([`Target::decode_last`]). A step replayed from a graph returns
+    /// the graph's outputs: valid until the next step.
     pub fn decode(&mut self, input_ids: &Tensor) -> Result<Decoded, ModelError> {
         let t = input_ids.size().get(1).copied().unwrap_or(0);
         let prefill = self.cache.is_empty();
@@ -113,7 +114,10 @@ impl<'a> Decoder<'a> {
             self.cache.reserve(t + 1)?;
             self.cache.advance(1);
         }
-        let Some(graphs) = self.graphs.as_mut().filter(|_| !prefill) else {
+        if prefill {
+            return self.target.decode_last(input_ids, &mut self.cache);
+        }
+        let Some(graphs) = self.graphs.as_mut() else {
             return self.target.decode(input_ids, &mut self.cache);
         };
         self.cache.reserve(t)?;

@@ -441,6 +441,18 @@ impl SublayerConv {
 /// which decoding at batch 1 cannot afford).
 pub struct DraftWeights(Vec<Tensor>);
 
+impl DraftWeights {
+    /// Copies `other`'s values into these tensors in place (what a captured pass reads stays where it is).
+    pub fn copy_from(&mut self, other: &DraftWeights) -> Result<(), ModelError> {
+        tch::no_grad(|| {
+            for (mine, theirs) in self.0.iter_mut().zip(&other.0) {
+                mine.f_copy_(theirs)?;
+            }
+            Ok(())
+        })
+    }
+}
+
 impl Drafter {
     pub fn decode_weights(&self) -> Result<DraftWeights, ModelError> {
         let groups = self.params.layout().groups().len();

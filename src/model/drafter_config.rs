@@ -619,7 +619,11 @@ mod tests {
                         Some(hidden) => hidden.logical_not().sum(Kind::Int64).int64_value(&[]),
                         None => bs * keys.len() as i64,
                     };
-                    assert_eq!(block_pairs_seen(anchor, start, bs, &layer), visible, "{layer:?} at {anchor} from {start}");
+                    assert_eq!(
+                        block_pairs_seen(anchor, start, bs, &layer),
+                        visible,
+                        "{layer:?} at {anchor} from {start}"
+                    );
                 }
             }
         }
@@ -643,7 +647,6 @@ mod tests {
             .unwrap();
         assert!(windowed.training_flops_seen_keys(seq, anchors) < cfg.training_flops_seen_keys(seq, anchors));
     }
-
 
     #[test]
     fn round_trips_and_reads_top_level_fields() {

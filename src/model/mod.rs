@@ -74,6 +74,9 @@ pub enum ModelError {
     Torch(String),
     #[error("no device to place the target on: give at least one")]
     NoDevice,
+    /// Two things that must agree do not (a checkpoint loaded into decoding set up for another drafter).
+    #[error("{0}")]
+    Mismatch(String),
     #[error(
         "the target's weights need {needs_gib:.1} GiB on {device}, which has {free_gib:.1} GiB free (over {devices} \
          device(s)): spread it over more GPUs (target.spread_to in serve-train, --spread in bench), or free that GPU"

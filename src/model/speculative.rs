@@ -70,6 +70,17 @@ impl<'a> DFlashProposer<'a> {
         })
     }
 
+    /// Drafts with `drafter`'s weights from now on, copied into the ones this proposer's graph reads: another
+    /// checkpoint of the drafter it was made with (the same configuration).
+    pub fn load(&mut self, drafter: &Drafter) -> Result<(), ModelError> {
+        if drafter.config() != self.drafter.config() {
+            return Err(ModelError::Mismatch(
+                "the drafter to load has another configuration than the one decoding was set up for".into(),
+            ));
+        }
+        self.weights.copy_from(&drafter.decode_weights()?)
+    }
+
     /// Whether a pass was replayed from a CUDA graph.
     pub fn graphed(&self) -> bool {
         self.graph.is_some()
@@ -204,7 +215,7 @@ pub fn speculative(
     proposer.restart();
     let target = decoder.target();
     let prefill = decoder.decode(&ids_tensor(target, prompt)?)?;
-    let first = greedy_token_ids(&prefill.logits.narrow(1, prompt.len() as i64 - 1, 1))?[0];
+    let first = greedy_token_ids(&prefill.logits)?[0];
     out.tokens.push(first);
     let mut context = prefill.taps;
     while out.tokens.len() < max_new && !stop.contains(&first) {
@@ -298,5 +309,68 @@ mod tests {
             }
         }
         assert!(graphed.graphed() && !eager.graphed());
+        // Another checkpoint loaded into the graphed proposer: its replays draft what a fresh proposer of it drafts.
+        let other = Drafter::new(d.config().clone(), device, Kind::Float, Init::Portable(4)).unwrap();
+        graphed.load(&other).unwrap();
+        let mut fresh = DFlashProposer::new(&other, &t, 64, false).unwrap();
+        assert_eq!(drafts(&mut graphed, &states), drafts(&mut fresh, &states));
+        assert!(graphed_replays_stayed(&d, &t));
+    }
+
+    /// Whether a proposer keeps replaying after a load (it is the point of loading in place).
+    fn graphed_replays_stayed(d: &Drafter, t: &Target) -> bool {
+        let mut p = DFlashProposer::new(d, t, 64, true).unwrap();
+        let states = Tensor::randn([1, 40, d.config().context_width() as i64], (Kind::Float, d.device()));
+        drafts(&mut p, &states);
+        let graph = p.graph.as_ref().map(|g| g.drafted.data_ptr());
+        p.load(d).unwrap();
+        drafts(&mut p, &states);
+        graph.is_some() && graph == p.graph.as_ref().map(|g| g.drafted.data_ptr())
+    }
+
+    /// The blocks `p` drafts over one generation from `states` (each anchor fixed, so any two proposers can be
+    /// compared).
+    fn drafts(p: &mut DFlashProposer, states: &Tensor) -> Vec<Vec<i64>> {
+        p.restart();
+        let mut at = 0;
+        [5, 1, 4, 2, 3, 1]
+            .into_iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let block = p.propose(&states.narrow(1, at, n), 17 + i as i64, 3).unwrap();
+                at += n;
+                block
+            })
+            .collect()
+    }
+
+    /// A checkpoint loaded into a proposer made with another drafts what a proposer made with it drafts, and the
+    /// first drafter drafted otherwise; a drafter of another shape is refused.
+    #[test]
+    fn a_loaded_checkpoint_drafts_as_a_proposer_made_with_it() {
+        let device = tch::Device::Cpu;
+        let t = Preset::Tiny.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
+        let cfg = DrafterConfig::for_preset(Preset::Tiny, 4);
+        let [first, second] =
+            [3, 4].map(|seed| Drafter::new(cfg.clone(), device, Kind::Float, Init::Portable(seed)).unwrap());
+        tch::manual_seed(2);
+        let states = Tensor::randn([1, 40, cfg.context_width() as i64], (Kind::Float, device));
+        let mut p = DFlashProposer::new(&first, &t, 64, false).unwrap();
+        let before = drafts(&mut p, &states);
+        p.load(&second).unwrap();
+        let after = drafts(&mut p, &states);
+        assert_eq!(after, drafts(&mut DFlashProposer::new(&second, &t, 64, false).unwrap(), &states));
+        assert_ne!(before, after, "the two drafters must draft differently for this to show anything");
+        let deeper = DrafterConfig::for_target(
+            &Preset::Tiny.spec().target,
+            3,
+            None,
+            4,
+            cfg.target_layer_ids.clone(),
+            cfg.mask_token_id,
+        )
+        .unwrap();
+        let other = Drafter::new(deeper, device, Kind::Float, Init::Portable(3)).unwrap();
+        assert!(matches!(p.load(&other), Err(ModelError::Mismatch(_))));
     }
 }

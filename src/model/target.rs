@@ -855,12 +855,24 @@ impl Target {
         self.check_batch(input_ids, &[t])?;
         cache.reserve(t)?;
         if (cache.len() + t) as usize > self.cfg.positions() {
-            return Err(ModelError::Batch(format!(
-                "decoding past the target's {} positions",
-                self.cfg.positions()
-            )));
+            return Err(ModelError::Batch(format!("decoding past the target's {} positions", self.cfg.positions())));
         }
-        self.decode_with(input_ids, cache, None)
+        self.decode_with(input_ids, cache, None, false)
+    }
+
+    /// [`Target::decode`] keeping the logits of the last new position only (`[1, 1, vocab]`): what a prefill needs
+    /// of them, where all of a 32K-token prompt's would take 10 GB.
+    pub fn decode_last(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Decoded, ModelError> {
+        if self.norm.is_none() {
+            return Err(ModelError::NotFull);
+        }
+        let t = input_ids.size()[1];
+        self.check_batch(input_ids, &[t])?;
+        cache.reserve(t)?;
+        if (cache.len() + t) as usize > self.cfg.positions() {
+            return Err(ModelError::Batch(format!("decoding past the target's {} positions", self.cfg.positions())));
+        }
+        self.decode_with(input_ids, cache, None, true)
     }
 
     /// [`Target::decode`] with nothing depending on the host between steps, so that a CUDA graph can capture it:
@@ -876,7 +888,7 @@ impl Target {
         }
         let t = input_ids.size()[1];
         self.check_batch(input_ids, &[t])?;
-        self.decode_with(input_ids, cache, Some(start))
+        self.decode_with(input_ids, cache, Some(start), false)
     }
 
     /// A cache for batched generation: `rows` sequences of up to `capacity` positions each, every row its own
@@ -946,7 +958,14 @@ impl Target {
                 .all(|l| l.sinks.is_none() && matches!(l.mlp, Mlp::Dense { .. }) && l.device == self.device)
     }
 
-    fn decode_with(&self, input_ids: &Tensor, cache: &mut KvCache, at: Option<&Tensor>) -> Result<Decoded, ModelError> {
+    /// The decoding step; `last_only`: the LM head on the last new position only.
+    fn decode_with(
+        &self,
+        input_ids: &Tensor,
+        cache: &mut KvCache,
+        at: Option<&Tensor>,
+        last_only: bool,
+    ) -> Result<Decoded, ModelError> {
         let Some(norm) = &self.norm else {
             return Err(ModelError::NotFull);
         };
@@ -959,7 +978,10 @@ impl Target {
                     taps.push(if x.device() == self.device { x.copy() } else { x.to_device(self.device) });
                 }
             })?;
-            let x = x.f_to_device(self.device)?;
+            let mut x = x.f_to_device(self.device)?;
+            if last_only {
+                x = x.f_narrow(1, x.size()[1] - 1, 1)?;
+            }
             let logits = rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?;
             Ok(Decoded { logits, taps: Tensor::f_cat(&taps, 2)? })
         })
@@ -988,10 +1010,7 @@ impl Target {
             return bad(format!("lengths {lengths:?} must give 1..={s} tokens for each of {b} rows"));
         }
         if s as usize > self.cfg.positions() {
-            return bad(format!(
-                "sequence length {s} exceeds the target's {} positions",
-                self.cfg.positions()
-            ));
+            return bad(format!("sequence length {s} exceeds the target's {} positions", self.cfg.positions()));
         }
         Ok((b, s))
     }

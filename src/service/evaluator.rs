@@ -4,7 +4,9 @@
 //! line shows for its batches: the two side by side show overfitting), and keeps the checkpoint with the best
 //! decoded acceptance length as
 //! `checkpoint.dir/best` (hard links of the checkpoint's files, so pruning old checkpoints never touches it). It
-//! loads the full target stack on its first job: a run with evaluation off never does.
+//! loads the full target stack on its first job (a run with evaluation off never does), and keeps its decoding set
+//! up from one job to the next ([`DecodeSession`]: caches and CUDA graphs; each checkpoint's weights are copied in),
+//! waiting on its own stream only.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,7 +26,7 @@ use crate::model::{Depth, Drafter, Target};
 use crate::panic::catch_torch;
 use crate::train::ObjectiveSettings;
 use crate::train::checkpoint::DRAFTER_DIR;
-use crate::train::decode_eval::{DecodeSettings, evaluate_decoding};
+use crate::train::decode_eval::{DecodeSession, DecodeSettings};
 use crate::train::eval::evaluate_rows;
 
 /// The folder of the best checkpoint, in `checkpoint.dir`.
@@ -199,21 +201,58 @@ fn run(
     }
     clean_staging(&spec.checkpoint_root);
     let mut best = read_best(&spec.checkpoint_root);
-    let mut target: Option<Target> = None;
-    while let Ok((step, dir)) = jobs.recv() {
-        let outcome = match catch_torch(|| evaluate(&spec, &mut target, step, &dir, &mut best)) {
-            Ok(Ok(e)) => Ok(e),
-            Ok(Err(e)) => Err(format!("{e:#}")),
-            Err(p) => Err(p.to_string()),
-        };
+    let report = |outcome: Result<Evaluated, String>| {
         busy.store(false, Ordering::SeqCst);
+        let failed = outcome.is_err();
         on_done(outcome);
+        failed
+    };
+    // The target and the drafter decoding is set up with, loaded at the first job (again at the next one if that
+    // fails): a run with evaluation off never loads them.
+    let (target, shape, first) = loop {
+        let Ok((step, dir)) = jobs.recv() else { return };
+        match caught(catch_torch(|| load(&spec, &dir))) {
+            Ok((target, shape)) => break (target, shape, (step, dir)),
+            Err(e) => _ = report(Err(e)),
+        }
+    };
+    // Kept from one evaluation to the next: the caches and, with eval.cuda_graphs, the CUDA graphs, captured once.
+    let mut session: Option<DecodeSession> = None;
+    let mut next = Some(first);
+    while let Some((step, dir)) = next.take().or_else(|| jobs.recv().ok()) {
+        let outcome = catch_torch(|| evaluate(&spec, (&target, &shape), &mut session, step, &dir, &mut best));
+        if report(caught(outcome)) {
+            // Whatever failed may have left decoding half done: the next evaluation sets it up afresh.
+            session = None;
+        }
     }
 }
 
-fn evaluate(
+/// An outcome as the supervisor hears it: an error or a panic as its message.
+fn caught<T>(outcome: Result<Result<T>, crate::panic::Panicked>) -> Result<T, String> {
+    match outcome {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(p) => Err(p.to_string()),
+    }
+}
+
+/// The full target and the drafter in `checkpoint` (its shape is every later checkpoint's).
+fn load(spec: &EvalSpec, checkpoint: &Path) -> Result<(Target, Drafter)> {
+    let loading = Instant::now();
+    let devices: Vec<Device> = std::iter::once(spec.device).chain(spec.spread_to.iter().copied()).collect();
+    let target = spec.source.build_target_spread(&spec.taps, Depth::Full, &devices, spec.kind)?;
+    let drafter = Drafter::load(&checkpoint.join(DRAFTER_DIR), spec.device, spec.kind)
+        .with_context(|| format!("the drafter of {}", checkpoint.display()))?;
+    let seconds = format!("{:.1}", loading.elapsed().as_secs_f64());
+    tracing::info!(device = ?spec.device, seconds, "evaluator: loaded the full target (once)");
+    Ok((target, drafter))
+}
+
+fn evaluate<'a>(
     spec: &EvalSpec,
-    target: &mut Option<Target>,
+    (target, shape): (&'a Target, &'a Drafter),
+    session: &mut Option<DecodeSession<'a>>,
     step: u64,
     checkpoint: &Path,
     best: &mut Option<f64>,
@@ -222,16 +261,13 @@ fn evaluate(
     // The checkpoint may be pruned while it is decoded: its files are linked first.
     let staged = stage(checkpoint, &spec.checkpoint_root, step)?;
     let result = (|| {
-        if target.is_none() {
-            let loading = Instant::now();
-            let devices: Vec<Device> = std::iter::once(spec.device).chain(spec.spread_to.iter().copied()).collect();
-            *target = Some(spec.source.build_target_spread(&spec.taps, Depth::Full, &devices, spec.kind)?);
-            let seconds = format!("{:.1}", loading.elapsed().as_secs_f64());
-            tracing::info!(device = ?spec.device, seconds, "evaluator: loaded the full target (once)");
-        }
-        let target = target.as_ref().expect("loaded above");
         let drafter = Drafter::load(&staged.join(DRAFTER_DIR), spec.device, spec.kind)?;
-        let decoded = evaluate_decoding(target, &drafter, &spec.set.prompts, &spec.settings)?;
+        let decoding = match session {
+            Some(s) => s,
+            None => session.insert(DecodeSession::new(target, shape, &spec.set.prompts, &spec.settings)?),
+        };
+        decoding.load(&drafter)?;
+        let decoded = decoding.evaluate(&spec.set.prompts, &spec.settings)?;
         let rows = &spec.set.rows;
         let scored = match rows.is_empty() {
             true => None,

@@ -93,14 +93,55 @@ pub fn evaluate_decoding(
     prompts: &[Prompt],
     settings: &DecodeSettings,
 ) -> Result<DecodeReport, ModelError> {
-    let block_size = drafter.config().block_size;
-    // The target's and the drafter's caches serve every generation (and, on a GPU, their graphs, captured once).
-    let longest = prompts.iter().map(|p| p.input_ids.len()).max().unwrap_or(0);
-    let graphed: &[i64] = if settings.cuda_graphs { &[1, block_size as i64] } else { &[] };
-    let capacity = (longest + settings.max_new_tokens).max(1) as i64;
-    let mut decoder = Decoder::new(target, capacity, graphed)?;
-    let mut proposer = DFlashProposer::new(drafter, target, capacity, settings.cuda_graphs)?;
-    compare_decodings(&mut decoder, &mut proposer, block_size, prompts, settings)
+    DecodeSession::new(target, drafter, prompts, settings)?.evaluate(prompts, settings)
+}
+
+/// Decoding kept between evaluations of one set of prompts: the target's and the drafter's caches and, on a GPU,
+/// their CUDA graphs, captured at the first evaluation and replayed by every later one. A new checkpoint's weights
+/// are copied into the drafting weights the graphs read ([`DecodeSession::load`]).
+pub struct DecodeSession<'a> {
+    decoder: Decoder<'a>,
+    proposer: DFlashProposer<'a>,
+    block_size: usize,
+    /// Whether the graphs were captured (by a short generation of each kind before the first timed one).
+    warmed: bool,
+}
+
+impl<'a> DecodeSession<'a> {
+    /// A session for `prompts` (the longest sizes the caches) with `drafter`'s shape and weights.
+    pub fn new(
+        target: &'a Target,
+        drafter: &'a Drafter,
+        prompts: &[Prompt],
+        settings: &DecodeSettings,
+    ) -> Result<Self, ModelError> {
+        let block_size = drafter.config().block_size;
+        let longest = prompts.iter().map(|p| p.input_ids.len()).max().unwrap_or(0);
+        let graphed: &[i64] = if settings.cuda_graphs { &[1, block_size as i64] } else { &[] };
+        let capacity = (longest + settings.max_new_tokens).max(1) as i64;
+        let decoder = Decoder::new(target, capacity, graphed)?;
+        let proposer = DFlashProposer::new(drafter, target, capacity, settings.cuda_graphs)?;
+        Ok(DecodeSession { decoder, proposer, block_size, warmed: false })
+    }
+
+    /// Drafts with `drafter`'s weights from now on: another checkpoint of the session's drafter (the same shape).
+    pub fn load(&mut self, drafter: &Drafter) -> Result<(), ModelError> {
+        self.proposer.load(drafter)
+    }
+
+    /// Decodes every prompt speculatively and greedily and compares them.
+    pub fn evaluate(&mut self, prompts: &[Prompt], settings: &DecodeSettings) -> Result<DecodeReport, ModelError> {
+        let (decoder, proposer) = (&mut self.decoder, &mut self.proposer);
+        // Graphs are captured at their first use: capture them before the first timed run, with one short generation
+        // of each kind (a drafting pass and a block verify, then a one-token step).
+        if let Some(p) = prompts.first().filter(|_| settings.cuda_graphs && !self.warmed) {
+            let warm = (self.block_size + 1).min(settings.max_new_tokens);
+            speculative(decoder, proposer, self.block_size, &p.input_ids, warm, &[])?;
+            greedy(decoder, &p.input_ids, warm.min(2), &[])?;
+            self.warmed = true;
+        }
+        compare_decodings(decoder, proposer, self.block_size, prompts, settings)
+    }
 }
 
 /// [`evaluate_decoding`] with the target's steps run by `decoder` (its cache holding the longest prompt and the new
@@ -114,19 +155,13 @@ fn compare_decodings(
 ) -> Result<DecodeReport, ModelError> {
     let target = decoder.target();
     let max_new = settings.max_new_tokens;
+    // The calling thread's stream only: an evaluation beside training must not wait for training's work.
     let timed = |f: &mut dyn FnMut() -> Result<(), ModelError>| -> Result<f64, ModelError> {
         let start = Instant::now();
         f()?;
-        device::synchronize(target.device())?;
+        device::synchronize_stream(target.device())?;
         Ok(start.elapsed().as_secs_f64())
     };
-    // Graphs are captured at their first use: capture them before the timed runs, with one short generation of each
-    // kind (a drafting pass and a block verify, then a one-token step).
-    if let Some(p) = prompts.first().filter(|_| settings.cuda_graphs) {
-        let warm = (block_size + 1).min(max_new);
-        speculative(decoder, proposer, block_size, &p.input_ids, warm, &[])?;
-        greedy(decoder, &p.input_ids, warm.min(2), &[])?;
-    }
     let mut spec_outputs = Vec::with_capacity(prompts.len());
     let speculative_seconds = timed(&mut || {
         for p in prompts {
