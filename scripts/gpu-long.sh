@@ -7,17 +7,7 @@
 # Usage: scripts/gpu-long.sh [test|bench|decode|serve|resume|all] (several: separated by commas)
 set -uo pipefail
 what=${1:-all}
-out=${OUT:-gpu-out}
-bin=/tmp/dflash-bin
-mkdir -p "$out" "$bin"
-torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
-export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
-for f in .gpu-bin/*.xz; do
-  name=$(basename "$f" .xz)
-  [ -x "$bin/$name" ] || { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$bin/$name"; chmod +x "$bin/$name"; }
-done
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
+source scripts/gpu-bin.sh
 bench() { echo "== $*" | tee -a "$out/bench.txt"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
 sliding=(--set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=2048)
 

@@ -6,17 +6,7 @@
 # Usage: scripts/gpu-staircase.sh [test|probe|short|window|long|long-kernels|peer|all] (several: separated by commas)
 set -uo pipefail
 what=${1:-all}
-out=${OUT:-gpu-out}
-bin=/tmp/dflash-bin
-mkdir -p "$out" "$bin"
-torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
-export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
-for f in .gpu-bin/*.xz; do
-  name=$(basename "$f" .xz)
-  [ -x "$bin/$name" ] || { python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$bin/$name"; chmod +x "$bin/$name"; }
-done
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
+source scripts/gpu-bin.sh
 if want test; then
   "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 | grep -E "^test |test result|panicked|assert" | tee "$out/test.txt"
 fi

@@ -1,8 +1,8 @@
 # Batch-1 decoding attention over a KV cache [1, KV, C, d] (BENCHMARKS.md, batch-1 decoding): SDPA with the query
 # heads folded onto the K/V heads and a mask, flash varlen with seqused_k (a device length, so graphable), and plain
 # batched products around a softmax; time per call in a CUDA graph and error against f32 attention with expanded heads.
-# Run on the GPU machine: `python3 scripts/probe_decode_attention.py`.
-import torch, json
+# Run on the GPU machine: `python3 scripts/probe_decode_attention.py [C ...]` (cache capacities; default 640 2176).
+import torch, json, sys
 torch.manual_seed(0)
 dev, bf = "cuda", torch.bfloat16
 NH, KV, D = 32, 8, 128
@@ -22,7 +22,7 @@ def timed(f, n=30, reps=36):
         a.record(); gr.replay(); b.record(); b.synchronize(); t.append(a.elapsed_time(b))
     t.sort(); return round(t[len(t) // 2] / reps * 1e3, 2)
 out = {}
-for C in (640, 2176):
+for C in [int(c) for c in sys.argv[1:]] or (640, 2176):
     for T in (1, 16):
         L = C - 100
         K = torch.randn(1, KV, C, D, device=dev, dtype=bf); V = torch.randn_like(K)
@@ -51,7 +51,16 @@ for C in (640, 2176):
             qf = q.transpose(1, 2).reshape(KV, g * T, D)
             s = torch.baddbmm(gb[0].expand(KV, -1, -1), qf, K[0].transpose(1, 2), alpha=D ** -0.5)
             return (s.softmax(-1) @ V[0]).reshape(1, NH, T, D)
-        for name, f in [("sdpa_folded", sdpa), ("flash_varlen", flash), ("bmm", bmm)]:
+        def bmm_splitk(chunk=128):
+            # The product with V split over the keys: KV x (C / chunk) small products (capacities are multiples of
+            # 128), each rounded to bf16, summed in f32.
+            qf = q.transpose(1, 2).reshape(KV, g * T, D)
+            p = torch.baddbmm(gb[0].expand(KV, -1, -1), qf, K[0].transpose(1, 2), alpha=D ** -0.5).softmax(-1)
+            n = C // chunk
+            p = p.view(KV, g * T, n, chunk).transpose(1, 2).reshape(KV * n, g * T, chunk)
+            part = torch.bmm(p, V[0].reshape(KV * n, chunk, D))
+            return part.view(KV, n, g * T, D).float().sum(1).to(bf).reshape(1, NH, T, D)
+        for name, f in [("sdpa_folded", sdpa), ("flash_varlen", flash), ("bmm", bmm), ("bmm_splitk", bmm_splitk)]:
             key = f"C{C}_T{T}_{name}"
             try:
                 err = (f().float() - ref).abs().max().item()

@@ -26,6 +26,7 @@ use super::flat_params::{FlatLayout, FlatParams, GroupInit, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
+use super::staircase::decode_attention;
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
 use crate::ffi::autograd;
@@ -565,6 +566,8 @@ impl Drafter {
                 let (cos, sin) = self.rope.cos_sin(positions, self.kind);
                 (cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2))
             };
+            // At a device position, where the block's keys start (past the new context).
+            let block_start = at.map(|(start, count)| start.f_add(count)).transpose()?;
             // The context's and the block's positions, and which keys the block may not see: on the host, the rows
             // of the bucketed context past it; at a device position, every key past the block.
             let (context_at, block_at, hidden, padded, keys_at) = match at {
@@ -577,12 +580,12 @@ impl Drafter {
                     let keys_at = Tensor::f_cat(&[Tensor::f_arange(padded, on)?, block_at.shallow_clone()], 0)?;
                     (context_at, block_at, hidden, padded, keys_at)
                 }
-                Some((start, count)) => {
-                    let block_start = start.f_add(count)?;
+                Some((start, _)) => {
+                    let block_start = block_start.as_ref().expect("set at a device position");
                     let keys_at = Tensor::f_arange(cache.capacity(), on)?;
                     let hidden = keys_at.f_ge_tensor(&block_start.f_add_scalar(bs)?)?;
                     let context_at = Tensor::f_arange(n, on)?.f_add(start)?;
-                    (context_at, Tensor::f_arange(bs, on)?.f_add(&block_start)?, hidden, cache.capacity(), keys_at)
+                    (context_at, Tensor::f_arange(bs, on)?.f_add(block_start)?, hidden, cache.capacity(), keys_at)
                 }
             };
             let (cos_c, sin_c) = rope(&context_at);
@@ -644,7 +647,18 @@ impl Drafter {
                 };
                 drop(p);
                 let p = span("drafter.attention");
-                let attn = masked_attention(&q, &keys, &values, bias)?;
+                // At a device position the keys are the cache's, the block's over the rows past the context: a layer
+                // without a window takes the decoding kernels where they apply.
+                let kernels = match (&block_start, self.cfg.layer_attention[i]) {
+                    (Some(first), LayerAttention { window: None, causal }) => {
+                        decode_attention(&q, &keys, &values, first, causal)?
+                    }
+                    _ => None,
+                };
+                let attn = match kernels {
+                    Some(attn) => attn,
+                    None => masked_attention(&q, &keys, &values, bias)?,
+                };
                 drop(p);
                 let p = span("drafter.mlp");
                 let o = attn.transpose(1, 2).reshape([1, bs, heads * d]).f_linear(w(layer.o_proj), None::<Tensor>)?;

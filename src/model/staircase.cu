@@ -80,6 +80,13 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
   return r;
 }
 
+// One float as bf16 (round to nearest even).
+__device__ __forceinline__ bf16 to_bf16(float x) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+  return r;
+}
+
 // Zeros accumulators of C fragments.
 template <int N>
 __device__ __forceinline__ void zero(float (&c)[N][4]) {
@@ -139,12 +146,13 @@ __device__ __forceinline__ bool sees(bool own, int key, int t, int s, int lo, in
   return key >= lo && key < hi && (window == 0 || key > hi + s - window);
 }
 
-// One warp's part of a tile of KEYS keys: scores of its 16 queries against keys [first, first + KEYS) (key index
-// `base + n` for column n), masked outside [lo, hi), online softmax, and the values' product into `acc`.
-// `cols`: the n-tiles (8 keys each) to compute, from `col0`.
+// One warp's part of a tile of KEYS keys: scores of its 16 queries against the tile's keys, masked where
+// `seen(col, row)` is false (unless `whole`: every row sees every column), online softmax, and the values' product
+// into `acc`. `cols`: the n-tiles (8 keys each) to compute, from `col0`.
+template <typename Seen>
 __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
-                                      int cols, int base, int lo, int hi, bool own, bool causal, int window,
-                                      float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4]) {
+                                      int cols, bool whole, Seen&& seen, float scale_log2, float (&m)[2],
+                                      float (&l)[2], float (&acc)[D / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   float s[KEYS / 8][4];
   zero(s);
@@ -155,10 +163,8 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) mma_cols(s[n], s[n + 1], qa[k], ktile, n * 8, k);
   }
-  // Mask (only a tile the range does not cover whole), and the running maximum of each of this thread's two rows
-  // (g and g + 8), in base 2 of the scaled scores.
-  const bool whole = !own && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi &&
-                     (window == 0 || base > hi + 15 - window);
+  // Mask (only a tile not seen whole), and the running maximum of each of this thread's two rows (g and g + 8), in
+  // base 2 of the scaled scores.
   float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
   for (int n = 0; n < KEYS / 8; ++n) {
@@ -166,10 +172,8 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
     for (int e = 0; e < 4; ++e) {
       if (!whole) {
         int col = n * 8 + 2 * c + (e & 1);
-        int key = base + col;
         int row = g + (e >> 1) * 8;
-        bool seen = n >= col0 && n < col0 + cols && sees(own, key, col - col0 * 8, row, lo, hi, causal, window);
-        if (!seen) s[n][e] = NEG_INF;
+        if (!(n >= col0 && n < col0 + cols && seen(col, row))) s[n][e] = NEG_INF;
       }
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
     }
@@ -346,7 +350,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
   const float scale_log2 = a.scale * LOG2E;
   walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
                                       bool own) {
-    attend(qa, kt, vt, col0, cols, base, lo, hi, own, a.causal_block, a.window, scale_log2, m, l, acc);
+    // Column n is key `base + n`, or the block's own slot n - 8 col0.
+    const bool whole = !own && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi &&
+                       (a.window == 0 || base > hi + 15 - a.window);
+    auto seen = [&](int col, int row) {
+      return sees(own, base + col, col - col0 * 8, row, lo, hi, a.causal_block, a.window);
+    };
+    attend(qa, kt, vt, col0, cols, whole, seen, scale_log2, m, l, acc);
   });
   if (!active) return;
 #pragma unroll
@@ -615,4 +625,127 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
   const int mine = min(16, rows - wk);
   store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
   store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
+}
+
+// Batch-1 decoding attention ("flash decoding"): the T newest queries of every query head against the first
+// start + T positions of a KV cache [1, KV, C, D] (their own keys and values already written at start..start + T),
+// query t seeing the positions up to start + t (`causal`; else all of them, as a drafter's block sees itself).
+// `start` is read from the device, so a CUDA graph can replay it. The
+// keys are split: thread block (kv head, split) attends to positions [split * chunk, (split + 1) * chunk) with the
+// group's query heads folded into its rows (row r: head r / T of the group, query r % T; up to WARPS * 16 rows, 16
+// a warp), and writes each row's output normalised over its split and its log-sum-exp (-inf where it saw nothing);
+// `decode_merge` weighs the splits together.
+struct DecodeArgs {
+  const bf16* q;
+  long long q_h, q_t;  // q [1, H, T, D]
+  const bf16 *k, *v;
+  long long k_h, k_t, v_h, v_t;  // the cache's [1, KV, C, D]
+  const long long* start;
+  float* part;      // [KV, splits, rows, D]
+  float* part_lse;  // [KV, splits, rows]
+  bf16* o;          // [1, H, T, D], contiguous
+  int heads, kv_heads, t, chunk, splits, causal;
+  float scale;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS) decode_attention(DecodeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* const stages = (bf16*)smem;
+  auto kt = [&](int i) { return stages + i * 2 * KEYS * ROW; };
+  auto vt = [&](int i) { return stages + i * 2 * KEYS * ROW + KEYS * ROW; };
+  const int kvh = blockIdx.x, split = blockIdx.y;
+  const int group = a.heads / a.kv_heads, rows = group * a.t;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int start = (int)*a.start, len = start + a.t;
+  const int from = split * a.chunk, end = min(len, from + a.chunk);
+  float* const part = a.part + ((long long)kvh * a.splits + split) * rows * D;
+  float* const part_lse = a.part_lse + ((long long)kvh * a.splits + split) * rows;
+  // The folded query rows, staged in stage 1's keys (not loaded before the walk's second tile).
+  u32 qa[D / 16][4];
+  {
+    bf16* staging = kt(1);
+    constexpr int CHUNKS = D / 8;
+    for (int i = threadIdx.x; i < WARPS * 16 * CHUNKS; i += THREADS) {
+      const int r = i / CHUNKS, piece = i % CHUNKS;
+      const bool valid = r < rows;
+      const bf16* src = a.q + (long long)(kvh * group + (valid ? r / a.t : 0)) * a.q_h +
+                        (long long)(valid ? r % a.t : 0) * a.q_t + piece * 8;
+      copy16(staging + r * ROW + piece * 8, src, valid);
+    }
+    copies_issued();
+    copies_done<0>();
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) a_frag(qa[k], staging, 16 * warp, k);
+    __syncthreads();
+  }
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float acc[D / 8][4];
+  zero(acc);
+  const float scale_log2 = a.scale * LOG2E;
+  const bf16* kc = a.k + kvh * a.k_h;
+  const bf16* vc = a.v + kvh * a.v_h;
+  const int tiles = end > from ? (end - from + KEYS - 1) / KEYS : 0;
+  if (tiles > 0) {
+    load_tile(kt(0), kc + (long long)from * a.k_t, a.k_t, end - from);
+    load_tile(vt(0), vc + (long long)from * a.v_t, a.v_t, end - from);
+  }
+  copies_issued();
+  for (int i = 0; i < tiles; ++i) {
+    const int base = from + i * KEYS;
+    if (i + 1 < tiles) {
+      const int next = base + KEYS;
+      load_tile(kt((i + 1) & 1), kc + (long long)next * a.k_t, a.k_t, end - next);
+      load_tile(vt((i + 1) & 1), vc + (long long)next * a.v_t, a.v_t, end - next);
+    }
+    copies_issued();
+    copies_done<1>();
+    __syncthreads();
+    if (warp * 16 < rows) {
+      // Every row sees the keys before `start`; the new ones, each query up to its own position where causal.
+      const bool whole = base + KEYS <= (a.causal ? min(end, start + 1) : end);
+      auto seen = [&](int col, int row) {
+        const int key = base + col;
+        return key < end && (!a.causal || key <= start + (warp * 16 + row) % a.t);
+      };
+      attend(qa, kt(i & 1), vt(i & 1), 0, KEYS / 8, whole, seen, scale_log2, m, l, acc);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + 8 * r;
+    if (row >= rows) continue;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *(float2*)(part + (long long)row * D + n * 8 + 2 * c) = make_float2(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+    }
+    if (c == 0) part_lse[row] = l[r] > 0.f ? (m[r] + log2f(l[r])) * LN2 : NEG_INF;
+  }
+}
+
+// Merges decode_attention's splits: thread block (kv head, row) weighs each split's output by exp(its log-sum-exp
+// - the largest) and writes the row, in bf16, to o at its head and query. D threads, one element each.
+extern "C" __global__ void decode_merge(DecodeArgs a) {
+  const int kvh = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
+  const int group = a.heads / a.kv_heads, rows = group * a.t;
+  const float* lse = a.part_lse + (long long)kvh * a.splits * rows + row;
+  float top = NEG_INF;
+  for (int s = 0; s < a.splits; ++s) top = fmaxf(top, lse[(long long)s * rows]);
+  float sum = 0.f, weights = 0.f;
+  for (int s = 0; s < a.splits; ++s) {
+    const float l = lse[(long long)s * rows];
+    if (l == NEG_INF) continue;
+    const float w = __expf(l - top);
+    weights += w;
+    sum += w * a.part[(((long long)kvh * a.splits + s) * rows + row) * D + d];
+  }
+  const int head = kvh * group + row / a.t, query = row % a.t;
+  a.o[((long long)head * a.t + query) * D + d] = to_bf16(weights > 0.f ? sum / weights : 0.f);
 }

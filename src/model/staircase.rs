@@ -12,6 +12,10 @@
 //! kind (a causal block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
 //! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
 //! the CPU's reference.
+//!
+//! The same source holds batch-1 decoding's attention over a KV cache ([`decode_attention`]), which shares the
+//! tiles, the fragments and the online softmax of the training forward: the target's verify and one-token steps at
+//! long contexts, where libtorch's products over one query's keys run on a few multiprocessors.
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -58,12 +62,14 @@ pub struct Args {
 }
 const _: () = assert!(std::mem::size_of::<Args>() == 208);
 
-/// The three kernels of one head dimension on one device.
+/// The kernels of one head dimension on one device.
 struct Kernels {
     context: Arc<CudaContext>,
     _module: Arc<CudaModule>,
-    /// Forward, dQ, dK and dV, each with its dynamic shared memory in bytes.
-    functions: [(CudaFunction, u32); 3],
+    /// Forward, dQ, dK and dV, then decoding's attention and merge, each with its dynamic shared memory in bytes.
+    functions: [(CudaFunction, u32); 5],
+    /// The device's multiprocessors (how many thread blocks keep it busy).
+    multiprocessors: u32,
 }
 
 // SAFETY: plain driver handles, valid in any thread bound to the context (each launch binds it).
@@ -100,6 +106,8 @@ impl Kernels {
             ("staircase_fwd", forward),
             ("staircase_dq", forward + 2 * WARPS * 16 * row),
             ("staircase_dkv", (2 * KEYS + 4 * QROWS) * row + 16 * QROWS),
+            ("decode_attention", forward),
+            ("decode_merge", 0),
         ];
         let mut functions = Vec::new();
         for (name, bytes) in sizes {
@@ -108,8 +116,9 @@ impl Kernels {
                 .map_err(|e| format!("kernel {name}: {bytes} bytes of shared memory: {e}"))?;
             functions.push((f, bytes));
         }
-        let functions = functions.try_into().map_err(|_| "three kernels".to_string())?;
-        Ok(Kernels { context, _module: module, functions })
+        let functions = functions.try_into().map_err(|_| "five kernels".to_string())?;
+        let multiprocessors = capability(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        Ok(Kernels { context, _module: module, functions, multiprocessors })
     }
 }
 
@@ -177,6 +186,100 @@ pub fn attention(
     let launcher: StaircaseLaunch = launch;
     staircase_attention(q, k_ctx, v_ctx, k_blk, v_blk, ranges, scale, launcher)
         .map_err(|e| ModelError::Torch(e.to_string()))
+}
+
+/// `decode_attention`'s argument block (the `DecodeArgs` of `staircase.cu`).
+#[repr(C)]
+struct DecodeArgs {
+    q: *const c_void,
+    q_strides: [i64; 2],
+    k: *const c_void,
+    v: *const c_void,
+    kv_strides: [i64; 4],
+    start: *const c_void,
+    part: *mut c_void,
+    part_lse: *mut c_void,
+    o: *mut c_void,
+    heads: i32,
+    kv_heads: i32,
+    t: i32,
+    chunk: i32,
+    splits: i32,
+    causal: i32,
+    scale: f32,
+}
+
+/// Batch-1 decoding attention on the kernels ("flash decoding", `decode_attention` in `staircase.cu`): the queries
+/// `q [1, H, T, D]` of the T newest positions over the first `start + T` positions of the cache buffers `k`, `v`
+/// `[1, KV, C, D]` (the new keys and values written there), query t seeing the positions up to `start + t` where
+/// `causal` (else all of them: a drafter's block sees its own keys both ways), scaled by `1 / sqrt(D)`. `start` is an int64 on the device (its first element is read), so a CUDA graph may capture the
+/// call. The keys are split over enough thread blocks to fill the GPU, so a long context streams at memory speed
+/// where one query head's product would run on a few multiprocessors. `None` where the kernels do not apply (no
+/// GPU they compile for, not bf16, head dimension other than 64 or 128, more than 64 query rows a K/V head): the
+/// caller's attention runs instead.
+pub fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    start: &Tensor,
+    causal: bool,
+) -> Result<Option<Tensor>, ModelError> {
+    let [batch, heads, t, d] = q.size()[..] else { return Ok(None) };
+    let [_, kv_heads, capacity, _] = k.size()[..] else { return Ok(None) };
+    let rows = if kv_heads > 0 && heads % kv_heads == 0 { heads / kv_heads * t } else { i64::MAX };
+    let device = q.device();
+    if batch != 1 || rows > (WARPS * 16) as i64 || start.kind() != Kind::Int64 || start.device() != device {
+        return Ok(None);
+    }
+    if v.size() != k.size() || !applies(q, &[k, v]) {
+        return Ok(None);
+    }
+    let kernels = kernels(device, d).map_err(ModelError::Torch)?;
+    // Enough splits for two thread blocks a multiprocessor, each a whole number of tiles.
+    let (kv, capacity) = (kv_heads as u64, capacity.max(1) as u64);
+    let wanted = (2 * kernels.multiprocessors as u64).div_ceil(kv).max(1);
+    let chunk = capacity.div_ceil(wanted).div_ceil(KEYS as u64) * KEYS as u64;
+    let splits = capacity.div_ceil(chunk) as i64;
+    let chunk = chunk as i64;
+    let part = Tensor::f_empty([kv_heads, splits, rows, d], (Kind::Float, device))?;
+    let part_lse = Tensor::f_empty([kv_heads, splits, rows], (Kind::Float, device))?;
+    let o = Tensor::f_empty([1, heads, t, d], (Kind::BFloat16, device))?;
+    let (qs, ks, vs) = (q.stride(), k.stride(), v.stride());
+    let mut args = DecodeArgs {
+        q: q.data_ptr(),
+        q_strides: [qs[1], qs[2]],
+        k: k.data_ptr(),
+        v: v.data_ptr(),
+        kv_strides: [ks[1], ks[2], vs[1], vs[2]],
+        start: start.data_ptr(),
+        part: part.data_ptr(),
+        part_lse: part_lse.data_ptr(),
+        o: o.data_ptr(),
+        heads: heads as i32,
+        kv_heads: kv_heads as i32,
+        t: t as i32,
+        chunk: chunk as i32,
+        splits: splits as i32,
+        causal: i32::from(causal),
+        scale: (1.0 / (d as f64).sqrt()) as f32,
+    };
+    let stream = crate::device::current_stream_handle(device)
+        .map_err(|e| ModelError::Torch(e.to_string()))?
+        .ok_or_else(|| ModelError::Torch("not a CUDA device".into()))?;
+    kernels.context.bind_to_thread().map_err(|e| ModelError::Torch(e.to_string()))?;
+    let kv = kv as u32;
+    for (index, grid, block) in [(3, (kv, splits as u32, 1), WARPS * 32), (4, (kv, rows as u32, 1), d as u32)] {
+        let (f, bytes) = &kernels.functions[index];
+        let mut params: Vec<*mut c_void> = vec![&mut args as *mut DecodeArgs as *mut c_void];
+        // SAFETY: the function belongs to the context's live module and takes one `DecodeArgs` by value, which
+        // `params` points at for the call (which copies it); the tensors it addresses stay alive until the stream
+        // has run the kernel (libtorch's caching allocator orders reuse of their memory after work on this stream).
+        unsafe {
+            result::launch_kernel(f.cu_function(), grid, (block, 1, 1), *bytes, stream as sys::CUstream, &mut params)
+        }
+        .map_err(|e| ModelError::Torch(format!("the decoding attention kernel: {e}")))?;
+    }
+    Ok(Some(o))
 }
 
 /// Launches kernel `kernel` (0 the forward, 1 dQ, 2 dK and dV) of `head_dim` on cuda:`device`'s `stream`, with the
@@ -298,6 +401,61 @@ mod tests {
         assert_eq!(block_ranges(&[30, 5], None, 1, 16, 64), None, "anchors out of order");
         assert_eq!(block_ranges(&[10, 20], Some(&[8, 0]), 1, 16, 64), None, "a later block from an earlier start");
         assert_eq!(block_ranges(&[5, 30], None, 1, 8, 64), None, "blocks of 8 (DFlash 2) keep the grouped attention");
+    }
+
+    /// Decoding's kernels (bf16) against attention in f32 with every query head's keys written out: T = 1, 3, 5 and
+    /// 16 new queries at the start of a cache, mid-tile and near its end, causal and seeing each other both ways,
+    /// capacities of one split and of many, head dims 64 and 128, groups of 4 and 2 query heads; the start read from
+    /// the device; and more than 64 folded query rows of a K/V head are not taken.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn on_a_gpu_the_decoding_kernels_match_attention_over_the_cache() {
+        let device = crate::device::gpu_for_tests();
+        tch::manual_seed(12);
+        let cases = [
+            (32, 8, 128, 1, 700, 0, true),
+            (32, 8, 128, 1, 700, 637, true),
+            (32, 8, 128, 16, 700, 100, true),
+            (32, 8, 128, 16, 700, 5, true),
+            (32, 8, 128, 16, 700, 5, false),
+            (32, 8, 128, 5, 33_000, 32_995, true),
+            (32, 8, 128, 16, 33_000, 20_001, true),
+            (32, 8, 128, 16, 33_000, 20_001, false),
+            (16, 8, 64, 16, 2_000, 1_000, true),
+            (16, 8, 64, 3, 2_000, 63, true),
+        ];
+        for (heads, kv_heads, d, t, capacity, start, causal) in cases {
+            let bf = (Kind::BFloat16, device);
+            let q = Tensor::randn([1, t, heads, d], bf).transpose(1, 2); // [1, H, T, D], as the projection lays it out
+            let (k, v) = (Tensor::randn([1, kv_heads, capacity, d], bf), Tensor::randn([1, kv_heads, capacity, d], bf));
+            let at = Tensor::from_slice(&[start]).to_device(device);
+            let out = decode_attention(&q, &k, &v, &at, causal).unwrap().expect("the kernels take it");
+            let len = start + t;
+            let group = heads / kv_heads;
+            let expand =
+                |x: &Tensor| x.narrow(2, 0, len).to_kind(Kind::Float).repeat_interleave_self_int(group, 1, None);
+            let scores = q.to_kind(Kind::Float).matmul(&expand(&k).transpose(2, 3)) / (d as f64).sqrt();
+            let keys = Tensor::arange(len, (Kind::Int64, device)).view([1, len]);
+            let queries = Tensor::arange_start(start, len, (Kind::Int64, device)).view([t, 1]);
+            let hidden = match causal {
+                true => keys.gt_tensor(&queries),
+                false => keys.zeros_like().to_kind(Kind::Bool),
+            };
+            let scores = scores.masked_fill(&hidden, f64::NEG_INFINITY);
+            let expected = scores.softmax(-1, Kind::Float).matmul(&expand(&v));
+            let error = (out.to_kind(Kind::Float) - &expected).abs().max().double_value(&[]);
+            let largest = expected.abs().max().double_value(&[]);
+            assert!(
+                error <= 0.008 * largest,
+                "H {heads} KV {kv_heads} d {d} T {t} at {start} of {capacity}, causal {causal}: {error}"
+            );
+        }
+        let (q, k) = (
+            Tensor::randn([1, 32, 16, 128], (Kind::BFloat16, device)),
+            Tensor::randn([1, 2, 64, 128], (Kind::BFloat16, device)),
+        );
+        let at = Tensor::from_slice(&[10i64]).to_device(device);
+        assert!(decode_attention(&q, &k, &k, &at, true).unwrap().is_none(), "256 folded rows a K/V head");
     }
 
     /// The kernels (bf16) against the grouped attention in f32, the CPU's reference run on the GPU: output and the

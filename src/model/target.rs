@@ -23,6 +23,7 @@ use super::kv_cache::KvCache;
 use super::layers::{Rope, norm_rope, rms_norm, swiglu_activation};
 use super::moe::SparseMlp;
 use super::split::split_layers;
+use super::staircase::decode_attention;
 use super::weights::{HostTensor, WeightFiles, dequantize_mxfp4, write_sharded};
 use crate::device::kind_name;
 use crate::profile::span;
@@ -74,10 +75,10 @@ enum Mlp {
 enum Keys<'a> {
     /// The input is the whole sequence: causal attention over it.
     Causal,
-    /// The input continues a cached sequence: keys are the cache plus the new ones (written to `layer`'s slot);
-    /// `bias` is the causal mask over the bucketed cache after a prefill ([`grouped_bias`]), `None` for the prefill
-    /// itself.
-    Cached { cache: &'a mut KvCache, layer: usize, bias: Option<&'a Tensor> },
+    /// The input continues a cached sequence: keys are the cache plus the new ones (written to `layer`'s slot) at
+    /// `positions` (`[T]`, on the device); `bias` is the causal mask over the bucketed cache after a prefill
+    /// ([`grouped_bias`]), `None` for the prefill itself.
+    Cached { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, bias: Option<&'a Tensor> },
     /// As `Cached`, with the new positions a device tensor: written by index, attention over the cache's whole
     /// capacity with `bias` ([`grouped_bias`]) masking what is not held (a CUDA graph's step).
     Indexed { cache: &'a mut KvCache, layer: usize, positions: &'a Tensor, bias: &'a Tensor },
@@ -848,21 +849,17 @@ impl Target {
     /// block to verify): returns the logits `[1, T, vocab]` and the tapped states `[1, T, taps * hidden]` of the
     /// new positions, and holds their keys and values in `cache`. Needs [`Depth::Full`].
     pub fn decode(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Decoded, ModelError> {
-        if self.norm.is_none() {
-            return Err(ModelError::NotFull);
-        }
-        let t = input_ids.size()[1];
-        self.check_batch(input_ids, &[t])?;
-        cache.reserve(t)?;
-        if (cache.len() + t) as usize > self.cfg.positions() {
-            return Err(ModelError::Batch(format!("decoding past the target's {} positions", self.cfg.positions())));
-        }
-        self.decode_with(input_ids, cache, None, false)
+        self.decode_appended(input_ids, cache, false)
     }
 
     /// [`Target::decode`] keeping the logits of the last new position only (`[1, 1, vocab]`): what a prefill needs
     /// of them, where all of a 32K-token prompt's would take 10 GB.
     pub fn decode_last(&self, input_ids: &Tensor, cache: &mut KvCache) -> Result<Decoded, ModelError> {
+        self.decode_appended(input_ids, cache, true)
+    }
+
+    /// [`Target::decode`]'s checks and step; `last_only`: [`Target::decode_last`].
+    fn decode_appended(&self, input_ids: &Tensor, cache: &mut KvCache, last_only: bool) -> Result<Decoded, ModelError> {
         if self.norm.is_none() {
             return Err(ModelError::NotFull);
         }
@@ -872,7 +869,7 @@ impl Target {
         if (cache.len() + t) as usize > self.cfg.positions() {
             return Err(ModelError::Batch(format!("decoding past the target's {} positions", self.cfg.positions())));
         }
-        self.decode_with(input_ids, cache, None, true)
+        self.decode_with(input_ids, cache, None, last_only)
     }
 
     /// [`Target::decode`] with nothing depending on the host between steps, so that a CUDA graph can capture it:
@@ -1122,7 +1119,9 @@ impl Target {
             let attend = match (cache.as_deref_mut(), &placement) {
                 (None, Placement::Packed { .. }) => Keys::Packed { mask: packed_mask.as_ref().expect("a packed mask") },
                 (None, _) => Keys::Causal,
-                (Some(c), Placement::Append) => Keys::Cached { cache: c, layer: i, bias: bias.as_ref() },
+                (Some(c), Placement::Append) => {
+                    Keys::Cached { cache: c, layer: i, positions: &positions, bias: bias.as_ref() }
+                }
                 (Some(c), Placement::At(_)) => {
                     let bias = bias.as_ref().expect("a mask for indexed steps");
                     Keys::Indexed { cache: c, layer: i, positions: &positions, bias }
@@ -1413,20 +1412,26 @@ fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<
         }
         (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
             let (k, v) = cache.write_at(index, positions, &k, &v)?;
-            masked_attention(q, &k, &v, bias)?
+            match decode_attention(q, &k, &v, positions, true)? {
+                Some(out) => out,
+                None => masked_attention(q, &k, &v, bias)?,
+            }
         }
         (Keys::Rows { cache, layer: index, positions, len, bias }, None) => {
             let (k, v) = cache.write_rows(index, positions, &k, &v, len)?;
             masked_attention(q, &k, &v, bias)?
         }
-        (Keys::Cached { cache, layer: index, bias }, None) => {
-            let (k, v) = cache.write(index, &k, &v)?;
+        (Keys::Cached { cache, layer: index, positions, bias }, None) => {
+            let (held_k, held_v) = cache.write(index, &k, &v)?;
             match bias {
-                // After the prefill: the bucketed cache, masked.
-                Some(bias) => {
-                    let (k, v) = cache.prefix(index, bias.size()[3])?;
-                    masked_attention(q, &k, &v, bias)?
-                }
+                // After the prefill: the decoding kernels over what is held, else the bucketed cache, masked.
+                Some(bias) => match decode_attention(q, &held_k, &held_v, positions, true)? {
+                    Some(out) => out,
+                    None => {
+                        let (k, v) = cache.prefix(index, bias.size()[3])?;
+                        masked_attention(q, &k, &v, bias)?
+                    }
+                },
                 // The prefill: causal over the prompt.
                 None => Tensor::f_scaled_dot_product_attention(q, &k, &v, None::<Tensor>, 0.0, true, None, gqa)?,
             }
