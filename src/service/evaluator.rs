@@ -237,7 +237,8 @@ fn caught<T>(outcome: Result<Result<T>, crate::panic::Panicked>) -> Result<T, St
     }
 }
 
-/// The full target and the drafter in `checkpoint` (its shape is every later checkpoint's).
+/// The full target and the drafter in `checkpoint`, both kept for the run: decoding is set up with that drafter's
+/// shape (every later checkpoint's) and copies each checkpoint's weights into its own.
 fn load(spec: &EvalSpec, checkpoint: &Path) -> Result<(Target, Drafter)> {
     let loading = Instant::now();
     let devices: Vec<Device> = std::iter::once(spec.device).chain(spec.spread_to.iter().copied()).collect();
