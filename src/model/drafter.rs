@@ -629,35 +629,52 @@ impl Drafter {
                         Some((norm_rope(&k, Some(k_norm), eps, &cos_c, &sin_c).transpose(1, 2), v.transpose(1, 2)))
                     }
                 };
-                let (keys, values) = match at {
+                drop(p);
+                let p = span("drafter.attention");
+                // The decoding kernels may take a layer without a window, with the block's keys right after the
+                // context in the cache (they read the block's first position from `block_at`, on the device).
+                let causal = self.cfg.layer_attention[i].causal;
+                let kernels = self.cfg.layer_attention[i].window.is_none()
+                    && (at.is_some() || start + n + bs <= cache.capacity());
+                let attn = match at {
                     None => {
                         if let Some((k, v)) = &context_kv {
                             let _ = cache.write(i, k, v)?;
                         }
-                        let (k_ctx, v_ctx) = cache.prefix(i, padded)?;
-                        (Tensor::f_cat(&[&k_ctx, &k_blk], 2)?, Tensor::f_cat(&[&v_ctx, &v_blk], 2)?)
+                        let taken = match kernels {
+                            // The block over the rows past the context, which the next pass overwrites.
+                            true => {
+                                let (k, v) = cache.write_at(i, &block_at, &k_blk, &v_blk)?;
+                                decode_attention(&q, &k, &v, &block_at, causal)?
+                            }
+                            false => None,
+                        };
+                        match taken {
+                            Some(attn) => attn,
+                            // The bucketed context and the block, masked.
+                            None => {
+                                let (k_ctx, v_ctx) = cache.prefix(i, padded)?;
+                                let (k, v) =
+                                    (Tensor::f_cat(&[&k_ctx, &k_blk], 2)?, Tensor::f_cat(&[&v_ctx, &v_blk], 2)?);
+                                masked_attention(&q, &k, &v, bias)?
+                            }
+                        }
                     }
                     // The block's keys go over the rows past the new context, which the next pass overwrites.
                     Some(_) => {
                         if let Some((k, v)) = &context_kv {
                             let _ = cache.write_at(i, &context_at, k, v)?;
                         }
-                        cache.write_at(i, &block_at, &k_blk, &v_blk)?
+                        let (k, v) = cache.write_at(i, &block_at, &k_blk, &v_blk)?;
+                        let taken = match kernels {
+                            true => decode_attention(&q, &k, &v, &block_at, causal)?,
+                            false => None,
+                        };
+                        match taken {
+                            Some(attn) => attn,
+                            None => masked_attention(&q, &k, &v, bias)?,
+                        }
                     }
-                };
-                drop(p);
-                let p = span("drafter.attention");
-                // At a device position the keys are the cache's, the block's over the rows past the context: a layer
-                // without a window takes the decoding kernels where they apply.
-                let kernels = match (&block_start, self.cfg.layer_attention[i]) {
-                    (Some(first), LayerAttention { window: None, causal }) => {
-                        decode_attention(&q, &keys, &values, first, causal)?
-                    }
-                    _ => None,
-                };
-                let attn = match kernels {
-                    Some(attn) => attn,
-                    None => masked_attention(&q, &keys, &values, bias)?,
                 };
                 drop(p);
                 let p = span("drafter.mlp");

@@ -58,8 +58,10 @@ impl<'a> DFlashProposer<'a> {
     /// where the drafter and the target share a CUDA device.
     pub fn new(drafter: &'a Drafter, target: &'a Target, capacity: i64, cuda_graphs: bool) -> Result<Self, ModelError> {
         let graphs = cuda_graphs && CudaGraph::available(drafter.device()) && drafter.device() == target.device();
-        // A pass at a device position writes a whole block of context rows, then the block, past the context.
-        let room = if graphs { 2 * drafter.config().block_size as i64 } else { 0 };
+        // A pass at a device position writes a whole block of context rows, then the block, past the context; an
+        // eager pass writes the block past the context (for the decoding kernels).
+        let block = drafter.config().block_size as i64;
+        let room = if graphs { 2 * block } else { block };
         Ok(DFlashProposer {
             drafter,
             target,
