@@ -631,11 +631,10 @@ impl Drafter {
                 };
                 drop(p);
                 let p = span("drafter.attention");
-                // The decoding kernels may take a layer without a window, with the block's keys right after the
-                // context in the cache (they read the block's first position from `block_at`, on the device).
-                let causal = self.cfg.layer_attention[i].causal;
-                let kernels = self.cfg.layer_attention[i].window.is_none()
-                    && (at.is_some() || start + n + bs <= cache.capacity());
+                // The decoding kernels may take the layer with the block's keys right after the context in the cache
+                // (they read the block's first position from `block_at`, on the device).
+                let layer_attention = self.cfg.layer_attention[i];
+                let kernels = at.is_some() || start + n + bs <= cache.capacity();
                 let attn = match at {
                     None => {
                         if let Some((k, v)) = &context_kv {
@@ -645,7 +644,7 @@ impl Drafter {
                             // The block over the rows past the context, which the next pass overwrites.
                             true => {
                                 let (k, v) = cache.write_at(i, &block_at, &k_blk, &v_blk)?;
-                                decode_attention(&q, &k, &v, &block_at, causal)?
+                                decode_attention(&q, &k, &v, &block_at, layer_attention)?
                             }
                             false => None,
                         };
@@ -667,7 +666,7 @@ impl Drafter {
                         }
                         let (k, v) = cache.write_at(i, &block_at, &k_blk, &v_blk)?;
                         let taken = match kernels {
-                            true => decode_attention(&q, &k, &v, &block_at, causal)?,
+                            true => decode_attention(&q, &k, &v, &block_at, layer_attention)?,
                             false => None,
                         };
                         match taken {

@@ -629,7 +629,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
 
 // Batch-1 decoding attention ("flash decoding"): the T newest queries of every query head against the first
 // start + T positions of a KV cache [1, KV, C, D] (their own keys and values already written at start..start + T),
-// query t seeing the positions up to start + t (`causal`; else all of them, as a drafter's block sees itself).
+// query t seeing the positions up to start + t (`causal`; else all of them, as a drafter's block sees itself), and
+// with a `window` only the positions fewer than `window` from its own (on both sides where not causal: `sees`).
 // `start` is read from the device, so a CUDA graph can replay it. The
 // keys are split: thread block (kv head, split) attends to positions [split * chunk, (split + 1) * chunk) with the
 // group's query heads folded into its rows (row r: head r / T of the group, query r % T; up to WARPS * 16 rows, 16
@@ -644,7 +645,7 @@ struct DecodeArgs {
   float* part;      // [KV, splits, rows, D]
   float* part_lse;  // [KV, splits, rows]
   bf16* o;          // [1, H, T, D], contiguous
-  int heads, kv_heads, t, chunk, splits, causal;
+  int heads, kv_heads, t, chunk, splits, causal, window;
   float scale;
 };
 
@@ -657,7 +658,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention(DecodeArg
   const int group = a.heads / a.kv_heads, rows = group * a.t;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int start = (int)*a.start, len = start + a.t;
-  const int from = split * a.chunk, end = min(len, from + a.chunk);
+  // The split's keys, from the first one any query's window reaches.
+  const int lowest = a.window > 0 ? max(0, start - a.window + 1) : 0;
+  const int from = max(split * a.chunk, lowest), end = min(len, split * a.chunk + a.chunk);
   float* const part = a.part + ((long long)kvh * a.splits + split) * rows * D;
   float* const part_lse = a.part_lse + ((long long)kvh * a.splits + split) * rows;
   // The folded query rows, staged in stage 1's keys (not loaded before the walk's second tile).
@@ -702,11 +705,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention(DecodeArg
     copies_done<1>();
     __syncthreads();
     if (warp * 16 < rows) {
-      // Every row sees the keys before `start`; the new ones, each query up to its own position where causal.
-      const bool whole = base + KEYS <= (a.causal ? min(end, start + 1) : end);
+      // Without a window every row sees the keys before `start`; the new ones, each query up to its own position
+      // where causal.
+      const bool whole = a.window == 0 && base + KEYS <= (a.causal ? min(end, start + 1) : end);
       auto seen = [&](int col, int row) {
-        const int key = base + col;
-        return key < end && (!a.causal || key <= start + (warp * 16 + row) % a.t);
+        const int key = base + col, at = start + (warp * 16 + row) % a.t;
+        return key < end && (!a.causal || key <= at) &&
+               (a.window == 0 || (key > at - a.window && (a.causal || key < at + a.window)));
       };
       attend(qa, kt(i & 1), vt(i & 1), 0, KEYS / 8, whole, seen, scale_log2, m, l, acc);
     }

@@ -26,6 +26,7 @@ use cudarc::nvrtc::CompileOptions;
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
+use super::attention::LayerAttention;
 use crate::ffi::attention::{StaircaseLaunch, StaircaseRanges, staircase_attention};
 
 const SOURCE: &str = include_str!("staircase.cu");
@@ -206,13 +207,16 @@ struct DecodeArgs {
     chunk: i32,
     splits: i32,
     causal: i32,
+    window: i32,
     scale: f32,
 }
 
 /// Batch-1 decoding attention on the kernels ("flash decoding", `decode_attention` in `staircase.cu`): the queries
 /// `q [1, H, T, D]` of the T newest positions over the first `start + T` positions of the cache buffers `k`, `v`
 /// `[1, KV, C, D]` (the new keys and values written there), query t seeing the positions up to `start + t` where
-/// `causal` (else all of them: a drafter's block sees its own keys both ways), scaled by `1 / sqrt(D)`. `start` is an int64 on the device (its first element is read), so a CUDA graph may capture the
+/// `causal` (else all of them: a drafter's block sees its own keys both ways), with a `window` only those fewer than
+/// `window` positions from its own (both sides where not causal, as [`LayerAttention::hides`] says), scaled by
+/// `1 / sqrt(D)`. `start` is an int64 on the device (its first element is read), so a CUDA graph may capture the
 /// call. The keys are split over enough thread blocks to fill the GPU, so a long context streams at memory speed
 /// where one query head's product would run on a few multiprocessors. `None` where the kernels do not apply (no
 /// GPU they compile for, not bf16, head dimension other than 64 or 128, more than 64 query rows a K/V head): the
@@ -222,13 +226,15 @@ pub fn decode_attention(
     k: &Tensor,
     v: &Tensor,
     start: &Tensor,
-    causal: bool,
+    layer: LayerAttention,
 ) -> Result<Option<Tensor>, ModelError> {
     let [batch, heads, t, d] = q.size()[..] else { return Ok(None) };
     let [_, kv_heads, capacity, _] = k.size()[..] else { return Ok(None) };
     let rows = if kv_heads > 0 && heads % kv_heads == 0 { heads / kv_heads * t } else { i64::MAX };
     let device = q.device();
-    if batch != 1 || rows > (WARPS * 16) as i64 || start.kind() != Kind::Int64 || start.device() != device {
+    let window = i32::try_from(layer.window.unwrap_or(0)).unwrap_or(0);
+    if batch != 1 || rows > (WARPS * 16) as i64 || start.kind() != Kind::Int64 || start.device() != device || window < 0
+    {
         return Ok(None);
     }
     if v.size() != k.size() || !applies(q, &[k, v]) {
@@ -260,7 +266,8 @@ pub fn decode_attention(
         t: t as i32,
         chunk: chunk as i32,
         splits: splits as i32,
-        causal: i32::from(causal),
+        causal: i32::from(layer.causal),
+        window,
         scale: (1.0 / (d as f64).sqrt()) as f32,
     };
     let stream = crate::device::current_stream_handle(device)
@@ -405,31 +412,38 @@ mod tests {
 
     /// Decoding's kernels (bf16) against attention in f32 with every query head's keys written out: T = 1, 3, 5 and
     /// 16 new queries at the start of a cache, mid-tile and near its end, causal and seeing each other both ways,
-    /// capacities of one split and of many, head dims 64 and 128, groups of 4 and 2 query heads; the start read from
-    /// the device; and more than 64 folded query rows of a K/V head are not taken.
+    /// sliding windows (masked as `LayerAttention::hides` masks training), capacities of one split and of many, head
+    /// dims 64 and 128, groups of 4 and 2 query heads; the start read from the device; and more than 64 folded query
+    /// rows of a K/V head are not taken.
     #[test]
     #[ignore = "needs a GPU"]
     fn on_a_gpu_the_decoding_kernels_match_attention_over_the_cache() {
         let device = crate::device::gpu_for_tests();
         tch::manual_seed(12);
         let cases = [
-            (32, 8, 128, 1, 700, 0, true),
-            (32, 8, 128, 1, 700, 637, true),
-            (32, 8, 128, 16, 700, 100, true),
-            (32, 8, 128, 16, 700, 5, true),
-            (32, 8, 128, 16, 700, 5, false),
-            (32, 8, 128, 5, 33_000, 32_995, true),
-            (32, 8, 128, 16, 33_000, 20_001, true),
-            (32, 8, 128, 16, 33_000, 20_001, false),
-            (16, 8, 64, 16, 2_000, 1_000, true),
-            (16, 8, 64, 3, 2_000, 63, true),
+            (32, 8, 128, 1, 700, 0, true, None),
+            (32, 8, 128, 1, 700, 637, true, None),
+            (32, 8, 128, 16, 700, 100, true, None),
+            (32, 8, 128, 16, 700, 5, true, None),
+            (32, 8, 128, 16, 700, 5, false, None),
+            (32, 8, 128, 5, 33_000, 32_995, true, None),
+            (32, 8, 128, 16, 33_000, 20_001, true, None),
+            (32, 8, 128, 16, 33_000, 20_001, false, None),
+            (16, 8, 64, 16, 2_000, 1_000, true, None),
+            (16, 8, 64, 3, 2_000, 63, true, None),
+            // Sliding windows: one inside the block, one of 40 both ways, the recipe's 2048 at 33K.
+            (32, 8, 128, 16, 700, 100, false, Some(40)),
+            (32, 8, 128, 16, 700, 100, true, Some(9)),
+            (32, 8, 128, 16, 33_000, 20_001, true, Some(2048)),
+            (16, 8, 64, 3, 2_000, 63, false, Some(70)),
         ];
-        for (heads, kv_heads, d, t, capacity, start, causal) in cases {
+        for (heads, kv_heads, d, t, capacity, start, causal, window) in cases {
+            let layer = LayerAttention { window, causal };
             let bf = (Kind::BFloat16, device);
             let q = Tensor::randn([1, t, heads, d], bf).transpose(1, 2); // [1, H, T, D], as the projection lays it out
             let (k, v) = (Tensor::randn([1, kv_heads, capacity, d], bf), Tensor::randn([1, kv_heads, capacity, d], bf));
             let at = Tensor::from_slice(&[start]).to_device(device);
-            let out = decode_attention(&q, &k, &v, &at, causal).unwrap().expect("the kernels take it");
+            let out = decode_attention(&q, &k, &v, &at, layer).unwrap().expect("the kernels take it");
             let len = start + t;
             let group = heads / kv_heads;
             let expand =
@@ -437,10 +451,8 @@ mod tests {
             let scores = q.to_kind(Kind::Float).matmul(&expand(&k).transpose(2, 3)) / (d as f64).sqrt();
             let keys = Tensor::arange(len, (Kind::Int64, device)).view([1, len]);
             let queries = Tensor::arange_start(start, len, (Kind::Int64, device)).view([t, 1]);
-            let hidden = match causal {
-                true => keys.gt_tensor(&queries),
-                false => keys.zeros_like().to_kind(Kind::Bool),
-            };
+            // What the layer hides, as training's reference says it.
+            let hidden = layer.hides(&queries, &keys).unwrap().unwrap_or_else(|| keys.zeros_like().to_kind(Kind::Bool));
             let scores = scores.masked_fill(&hidden, f64::NEG_INFINITY);
             let expected = scores.softmax(-1, Kind::Float).matmul(&expand(&v));
             let error = (out.to_kind(Kind::Float) - &expected).abs().max().double_value(&[]);
@@ -455,7 +467,8 @@ mod tests {
             Tensor::randn([1, 2, 64, 128], (Kind::BFloat16, device)),
         );
         let at = Tensor::from_slice(&[10i64]).to_device(device);
-        assert!(decode_attention(&q, &k, &k, &at, true).unwrap().is_none(), "256 folded rows a K/V head");
+        let causal = LayerAttention { window: None, causal: true };
+        assert!(decode_attention(&q, &k, &k, &at, causal).unwrap().is_none(), "256 folded rows a K/V head");
     }
 
     /// The kernels (bf16) against the grouped attention in f32, the CPU's reference run on the GPU: output and the

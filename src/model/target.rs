@@ -15,7 +15,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::attention::{
-    context_bucket, flash_applies, flash_runs_on, grouped_bias, masked_attention, repeat_kv, sink_attention,
+    LayerAttention, context_bucket, flash_applies, flash_runs_on, grouped_bias, masked_attention, repeat_kv,
+    sink_attention,
 };
 use super::config::TargetConfig;
 use super::init::{Init, InitStream};
@@ -1350,6 +1351,9 @@ fn packed_attention(
     Ok((positions, PackedMask::Bias(bias.f_unsqueeze(1)?)))
 }
 
+/// The target's attention as the decoding kernels take it: causal, no window.
+const CAUSAL: LayerAttention = LayerAttention { window: None, causal: true };
+
 /// One layer's attention of the queries `q` (`[B, heads, S, d]`) over the new keys and values `k`, `v` and, as
 /// `keys` says, the cached ones (which get the new ones written): `[B, heads, S, d]`.
 fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<'_>) -> Result<Tensor, ModelError> {
@@ -1412,7 +1416,7 @@ fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<
         }
         (Keys::Indexed { cache, layer: index, positions, bias }, None) => {
             let (k, v) = cache.write_at(index, positions, &k, &v)?;
-            match decode_attention(q, &k, &v, positions, true)? {
+            match decode_attention(q, &k, &v, positions, CAUSAL)? {
                 Some(out) => out,
                 None => masked_attention(q, &k, &v, bias)?,
             }
@@ -1425,7 +1429,7 @@ fn attention(layer: &DecoderLayer, q: &Tensor, k: Tensor, v: Tensor, keys: Keys<
             let (held_k, held_v) = cache.write(index, &k, &v)?;
             match bias {
                 // After the prefill: the decoding kernels over what is held, else the bucketed cache, masked.
-                Some(bias) => match decode_attention(q, &held_k, &held_v, positions, true)? {
+                Some(bias) => match decode_attention(q, &held_k, &held_v, positions, CAUSAL)? {
                     Some(out) => out,
                     None => {
                         let (k, v) = cache.prefix(index, bias.size()[3])?;
