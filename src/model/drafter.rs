@@ -631,10 +631,11 @@ impl Drafter {
                 };
                 drop(p);
                 let p = span("drafter.attention");
-                // The decoding kernels may take the layer with the block's keys right after the context in the cache
-                // (they read the block's first position from `block_at`, on the device).
+                // The decoding kernels may take the layer, on a GPU they run on, with the block's keys right after the
+                // context in the cache (they read the block's first position from `block_at`, on the device).
                 let layer_attention = self.cfg.layer_attention[i];
-                let kernels = at.is_some() || start + n + bs <= cache.capacity();
+                let kernels =
+                    (at.is_some() || start + n + bs <= cache.capacity()) && super::staircase::applies(&q, &[]);
                 let attn = match at {
                     None => {
                         if let Some((k, v)) = &context_kv {

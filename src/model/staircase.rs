@@ -123,6 +123,29 @@ impl Kernels {
     }
 }
 
+impl Kernels {
+    /// Launches function `index` (of [`Kernels::functions`]) on `stream`, this context bound to the thread, with
+    /// `block` threads a thread block and the function's shared memory.
+    ///
+    /// # Safety
+    /// `params` point at live values of the C types the kernel takes, in order, and the memory those address stays
+    /// alive until the stream has run the kernel.
+    unsafe fn launch(
+        &self,
+        index: usize,
+        grid: (u32, u32, u32),
+        block: u32,
+        stream: *mut c_void,
+        params: &mut [*mut c_void],
+    ) -> Result<(), String> {
+        let (f, bytes) = self.functions.get(index).ok_or(format!("no kernel {index}"))?;
+        self.context.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the function belongs to this context's live module; the parameters are the caller's contract.
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), *bytes, stream as sys::CUstream, params) }
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// The kernels for `device` and `head_dim`, compiled on first use; the reason they cannot be had, once per pair.
 fn kernels(device: Device, head_dim: i64) -> Result<Arc<Kernels>, String> {
     type Cache = Mutex<HashMap<(usize, i64), Result<Arc<Kernels>, String>>>;
@@ -273,18 +296,14 @@ pub fn decode_attention(
     let stream = crate::device::current_stream_handle(device)
         .map_err(|e| ModelError::Torch(e.to_string()))?
         .ok_or_else(|| ModelError::Torch("not a CUDA device".into()))?;
-    kernels.context.bind_to_thread().map_err(|e| ModelError::Torch(e.to_string()))?;
     let kv = kv as u32;
     for (index, grid, block) in [(3, (kv, splits as u32, 1), WARPS * 32), (4, (kv, rows as u32, 1), d as u32)] {
-        let (f, bytes) = &kernels.functions[index];
         let mut params: Vec<*mut c_void> = vec![&mut args as *mut DecodeArgs as *mut c_void];
-        // SAFETY: the function belongs to the context's live module and takes one `DecodeArgs` by value, which
-        // `params` points at for the call (which copies it); the tensors it addresses stay alive until the stream
-        // has run the kernel (libtorch's caching allocator orders reuse of their memory after work on this stream).
-        unsafe {
-            result::launch_kernel(f.cu_function(), grid, (block, 1, 1), *bytes, stream as sys::CUstream, &mut params)
-        }
-        .map_err(|e| ModelError::Torch(format!("the decoding attention kernel: {e}")))?;
+        // SAFETY: both kernels take one `DecodeArgs` by value, which `params` points at for the call (which copies
+        // it); the tensors it addresses stay alive until the stream has run the kernel (libtorch's caching allocator
+        // orders reuse of their memory after work on this stream).
+        unsafe { kernels.launch(index, grid, block, stream, &mut params) }
+            .map_err(|e| ModelError::Torch(format!("the decoding attention kernel: {e}")))?;
     }
     Ok(Some(o))
 }
@@ -311,32 +330,19 @@ unsafe extern "C" fn launch(
         let k = kernels(Device::Cuda(device as usize), head_dim as i64)?;
         // SAFETY: the caller's contract.
         let a = unsafe { &*(args as *const Args) };
-        let (f, bytes) = k.functions.get(kernel as usize).ok_or(format!("no kernel {kernel}"))?;
+        let count = *[2, 4, 7].get(kernel as usize).ok_or(format!("no training kernel {kernel}"))?;
         let (blocks, tiles) = (a.blocks as u32, (a.blocks as u32).div_ceil(WARPS));
         let grid = match kernel {
             2 => ((a.context as u32).div_ceil(KEYS) + (blocks * 16).div_ceil(KEYS), a.kv_heads as u32, batch as u32),
             _ => (tiles, a.heads as u32, batch as u32),
         };
-        let count = [2, 4, 7][kernel as usize];
         // SAFETY: the caller passes as many output pointers as the kernel takes.
         let mut values: Vec<*mut c_void> = unsafe { std::slice::from_raw_parts(outputs, count) }.to_vec();
         let mut params: Vec<*mut c_void> = vec![args as *mut c_void];
         params.extend(values.iter_mut().map(|v| v as *mut *mut c_void as *mut c_void));
-        k.context.bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: the function belongs to the context's live module; the parameters point at the argument block and
-        // at the output pointers, live for the call (which copies them); the tensors stay alive until the stream has
-        // run the kernel (libtorch's caching allocator orders reuse of their memory after work on this stream).
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                grid,
-                (WARPS * 32, 1, 1),
-                *bytes,
-                stream as sys::CUstream,
-                &mut params,
-            )
-        }
-        .map_err(|e| e.to_string())
+        // SAFETY: the parameters point at the argument block and at the output pointers, live for the call (which
+        // copies them); the tensors stay alive until the stream has run the kernel (the caller's contract).
+        unsafe { k.launch(kernel as usize, grid, WARPS * 32, stream, &mut params) }
     });
     let message = match launched {
         Ok(Ok(())) => return 0,
