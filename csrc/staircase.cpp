@@ -24,7 +24,7 @@ struct Args {
   const void *k_blk, *v_blk;
   int64_t k_b, k_h, k_t, bv_b, bv_h, bv_t;
   const void *lo, *hi;
-  int32_t heads, kv_heads, blocks, context, causal_block, window;
+  int32_t heads, kv_heads, units, context, causal_block, window, per;
   float scale;
 };
 static_assert(sizeof(Args) == 208, "the staircase kernels' argument block changed size");
@@ -39,6 +39,11 @@ Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_c
              double scale) {
   TORCH_CHECK(lo.is_contiguous() && hi.is_contiguous() && lo.scalar_type() == at::kInt,
               "staircase attention: the ranges must be contiguous int32");
+  // Blocks of 16 queries, or of 8 two to a warp's 16 rows.
+  const int64_t queries = q.size(2), blocks = lo.size(1);
+  TORCH_CHECK(queries % 16 == 0 && (queries == 16 * blocks || queries == 8 * blocks),
+              "staircase attention: ", queries, " queries a row in ", blocks,
+              " blocks; the kernels take blocks of 16, or an even number of blocks of 8");
   Args a;
   a.q = q.data_ptr();
   a.q_b = q.stride(0), a.q_h = q.stride(1), a.q_t = q.stride(2);
@@ -49,7 +54,8 @@ Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_c
   a.k_b = k_blk.stride(0), a.k_h = k_blk.stride(1), a.k_t = k_blk.stride(2);
   a.bv_b = v_blk.stride(0), a.bv_h = v_blk.stride(1), a.bv_t = v_blk.stride(2);
   a.lo = lo.data_ptr(), a.hi = hi.data_ptr();
-  a.heads = q.size(1), a.kv_heads = k_ctx.size(1), a.blocks = q.size(2) / 16, a.context = k_ctx.size(2);
+  a.heads = q.size(1), a.kv_heads = k_ctx.size(1), a.units = queries / 16, a.context = k_ctx.size(2);
+  a.per = static_cast<int32_t>(blocks * 16 / queries);
   a.causal_block = causal ? 1 : 0;
   a.window = static_cast<int32_t>(window);
   a.scale = static_cast<float>(scale);
@@ -110,10 +116,11 @@ struct StaircaseAttention : public torch::autograd::Function<StaircaseAttention>
 
 extern "C" {
 
-// Block queries q [B, H, 16 N, D] over context keys and values [B, KV, S, D] (block n sees [lo, hi) of its row,
-// [B, N] int32, ascending) and block keys and values [B, KV, 16 N, D] (its own 16; `causal`: those at or before each
-// query's slot); `window` > 0: only keys fewer than that many positions from each query. bf16 on one GPU, every tensor's last dimension contiguous. Returns [B, H, 16 N, D] recorded as one
-// autograd node, or null with the message in `err`. `launcher`: the Rust function that launches the kernels.
+// Block queries q [B, H, bs N, D] (blocks of bs = 16, or 8 with N even) over context keys and values [B, KV, S, D]
+// (block n sees [lo, hi) of its row, [B, N] int32, ascending) and block keys and values [B, KV, bs N, D] (its own;
+// `causal`: those at or before each query's slot); `window` > 0: only keys fewer than that many positions from each
+// query. bf16 on one GPU, every tensor's last dimension contiguous. Returns [B, H, bs N, D] recorded as one autograd
+// node, or null with the message in `err`. `launcher`: the Rust function that launches the kernels.
 at::Tensor* dflash_staircase_attention(const at::Tensor* q, const at::Tensor* k_ctx, const at::Tensor* v_ctx,
                                        const at::Tensor* k_blk, const at::Tensor* v_blk, const at::Tensor* lo,
                                        const at::Tensor* hi, int causal, int64_t window, double scale,

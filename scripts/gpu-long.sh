@@ -30,6 +30,8 @@ if want bench; then
 fi
 if want decode; then
   bench "$bin/dflash" bench --what decode --preset qwen3-8b --device cuda:0 --json --seq 32768 --steps 32
+  bench "$bin/dflash" bench --what decode --preset qwen3-8b --device cuda:0 --json --seq 32768 --steps 32 \
+    "${sliding[@]}"
 fi
 run=(--set target.model=qwen3-8b --set target.device=cuda:0 --set 'drafters.devices=["cuda:0"]'
   --set data.path=synthetic --set data.max_len=32768 --set data.batch_size=1 --set objective.num_anchors=2048

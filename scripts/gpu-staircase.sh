@@ -3,7 +3,8 @@
 # grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
-# Usage: scripts/gpu-staircase.sh [test|probe|short|window|long|long-kernels|peer|all] (several: separated by commas)
+# Usage: scripts/gpu-staircase.sh [test|probe|short|window|long|long-kernels|dflash2|peer|all] (several: separated by
+# commas)
 set -uo pipefail
 what=${1:-all}
 source scripts/gpu-bin.sh
@@ -36,6 +37,20 @@ if want long; then
 fi
 if want long-kernels; then
   bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3
+fi
+if want dflash2; then
+  # DFlash 2's blocks of 8 (two a warp) at the released drafters' shapes (every layer a non-causal sliding window of
+  # 2048), with the kernels and with the grouped attention, and DFlash's at the same shapes on the kernels; then
+  # 32K-token rows, which only the kernels can take.
+  released=(--block-size 8 --set draft_model.variant=dflash2 --set draft_model.layer_types=sliding_attention
+    --set draft_model.block_causal=false)
+  for shape in "4 768 256" "4 3072 512"; do
+    set -- $shape
+    bench drafter --batch $1 --seq $2 --anchors $3 --steps 6 "${released[@]}"
+    DFLASH_STAIRCASE_ATTENTION=0 bench drafter --batch $1 --seq $2 --anchors $3 --steps 6 "${released[@]}"
+    bench drafter --batch $1 --seq $2 --anchors $3 --steps 6 "${released[@]}" --set draft_model.variant=dflash
+  done
+  bench drafter --batch 1 --seq 32768 --anchors 2048 --steps 3 "${released[@]}"
 fi
 if want peer && [ -f .peer/pt_drafter_step.py ]; then
   for shape in "4 768 256" "4 3072 512"; do

@@ -1,19 +1,21 @@
 # The staircase attention kernels (src/model/staircase.cu) on the GPU, the way the Rust side runs them (NVRTC to a
 # cubin, the driver API, one struct of arguments), before it does: the forward's output and log-sum-exp and the
 # backward's five gradients against f32 attention with expanded heads and autograd (random ranges, partial tiles,
-# empty contexts, causal blocks, head dims 64 and 128), then each kernel timed at the Qwen3-8B drafter's shapes.
+# empty contexts, causal blocks, head dims 64 and 128, blocks of 16 and of 8), then each kernel timed at the Qwen3-8B
+# drafter's shapes.
 # Run on the GPU machine from the repository root: `python3 scripts/probe_staircase_kernel.py`.
 import ctypes, glob, json, math, os, sys
 import torch
 
 dev, bf = "cuda", torch.bfloat16
-BS, KEYS, WARPS, QROWS = 16, 64, 4, 32
+UNIT, KEYS, WARPS, QROWS = 16, 64, 4, 32  # a warp's query rows: a block of 16 or two of 8
 torch.zeros(1, device=dev)  # the primary context, current on this thread
 
 libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu13", "lib", "libnvrtc.so.13"))
 nvrtc = ctypes.CDLL(libs[0] if libs else "libnvrtc.so.13")
 cuda = ctypes.CDLL("libcuda.so.1")
 SRC = open(os.environ.get("STAIRCASE_SRC", "src/model/staircase.cu")).read().encode()  # another version: STAIRCASE_SRC
+EIGHTS = b"int per;" in SRC  # blocks of 8 (a source from before them, to time beside, takes only 16)
 
 
 def check(rc, what):
@@ -21,10 +23,10 @@ def check(rc, what):
         raise RuntimeError(f"{what}: error {rc}")
 
 
-def compile_module(d):
+def compile_module(d, per):
     prog = ctypes.c_void_p()
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SRC, b"staircase.cu", 0, None, None), "create")
-    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", f"-DHEAD_DIM={d}".encode()]
+    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", f"-DHEAD_DIM={d}".encode(), f"-DUNIT_BLOCKS={per}".encode()]
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
@@ -45,7 +47,8 @@ def compile_module(d):
         regs, local = ctypes.c_int(), ctypes.c_int()
         cuda.cuFuncGetAttribute(ctypes.byref(regs), 4, f)
         cuda.cuFuncGetAttribute(ctypes.byref(local), 3, f)
-        print(json.dumps({"kernel": name, "head_dim": d, "regs": regs.value, "local_bytes": local.value}), flush=True)
+        print(json.dumps({"kernel": name, "head_dim": d, "per": per, "regs": regs.value, "local_bytes": local.value}),
+              flush=True)
         funcs[name] = (f, smem)
     return funcs
 
@@ -70,17 +73,21 @@ class Args(ctypes.Structure):
                 ("k_b", ctypes.c_int64), ("k_h", ctypes.c_int64), ("k_t", ctypes.c_int64), ("bv_b", ctypes.c_int64),
                 ("bv_h", ctypes.c_int64), ("bv_t", ctypes.c_int64),
                 ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p), ("heads", ctypes.c_int32),
-                ("kv_heads", ctypes.c_int32), ("blocks", ctypes.c_int32), ("context", ctypes.c_int32),
-                ("causal_block", ctypes.c_int32), ("window", ctypes.c_int32), ("scale", ctypes.c_float)]
+                ("kv_heads", ctypes.c_int32), ("units", ctypes.c_int32), ("context", ctypes.c_int32),
+                ("causal_block", ctypes.c_int32), ("window", ctypes.c_int32), ("per", ctypes.c_int32),
+                ("scale", ctypes.c_float)]
+    if not EIGHTS:  # no `per` in the argument block
+        _fields_ = [f for f in _fields_ if f[0] != "per"]
 
 
 modules = {}
 
 
 def launch(name, d, grid, args, *ptrs):
-    if d not in modules:
-        modules[d] = compile_module(d)
-    f, smem = modules[d][name]
+    per = args.per if EIGHTS else 1
+    if (d, per) not in modules:
+        modules[d, per] = compile_module(d, per)
+    f, smem = modules[d, per][name]
     vals = [args] + [ctypes.c_void_p(p) for p in ptrs]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -91,7 +98,8 @@ def make_args(q, kc, vc, kb, vb, lo, hi, causal, scale):
     B, H, Q, d = q.shape
     return Args(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3],
                 *vc.stride()[:3], kb.data_ptr(), vb.data_ptr(), *kb.stride()[:3], *vb.stride()[:3], lo.data_ptr(),
-                hi.data_ptr(), H, kc.shape[1], Q // BS, kc.shape[2], 1 if causal else 0, 0, scale)
+                hi.data_ptr(), H, kc.shape[1], Q // UNIT, kc.shape[2], 1 if causal else 0, 0,
+                *([lo.shape[1] * UNIT // Q] if EIGHTS else []), scale)
 
 
 def forward(q, kc, vc, kb, vb, lo, hi, causal, scale):
@@ -99,7 +107,7 @@ def forward(q, kc, vc, kb, vb, lo, hi, causal, scale):
     o = torch.empty(B, H, Q, d, device=dev, dtype=bf)
     lse = torch.empty(B, H, Q, device=dev, dtype=torch.float32)
     a = make_args(q, kc, vc, kb, vb, lo, hi, causal, scale)
-    launch("staircase_fwd", d, ((Q // BS + WARPS - 1) // WARPS, H, B), a, o.data_ptr(), lse.data_ptr())
+    launch("staircase_fwd", d, ((Q // UNIT + WARPS - 1) // WARPS, H, B), a, o.data_ptr(), lse.data_ptr())
     return o, lse
 
 
@@ -113,7 +121,7 @@ def backward(q, kc, vc, kb, vb, lo, hi, causal, scale, o, lse, dout, which=("dq"
     dkc, dvc = torch.empty(B, KV, S, d, device=dev, dtype=bf), torch.empty(B, KV, S, d, device=dev, dtype=bf)
     dkb, dvb = torch.empty(B, KV, Q, d, device=dev, dtype=bf), torch.empty(B, KV, Q, d, device=dev, dtype=bf)
     if "dq" in which:
-        launch("staircase_dq", d, ((Q // BS + WARPS - 1) // WARPS, H, B), a, dout.data_ptr(), lse.data_ptr(),
+        launch("staircase_dq", d, ((Q // UNIT + WARPS - 1) // WARPS, H, B), a, dout.data_ptr(), lse.data_ptr(),
                drow.data_ptr(), dq.data_ptr())
     if "dkv" in which:
         tiles = (S + KEYS - 1) // KEYS + (Q + KEYS - 1) // KEYS
@@ -125,7 +133,7 @@ def backward(q, kc, vc, kb, vb, lo, hi, causal, scale, o, lse, dout, which=("dq"
 def reference(q, kc, vc, kb, vb, lo, hi, causal, scale):
     B, H, Q, d = q.shape
     KV, S = kc.shape[1], kc.shape[2]
-    g = H // KV
+    g, BS = H // KV, Q // lo.shape[1]
     Ke = torch.cat([kc, kb], 2).repeat_interleave(g, 1)
     Ve = torch.cat([vc, vb], 2).repeat_interleave(g, 1)
     lo_q, hi_q = lo.long().repeat_interleave(BS, 1), hi.long().repeat_interleave(BS, 1)
@@ -141,7 +149,7 @@ def reference(q, kc, vc, kb, vb, lo, hi, causal, scale):
     return sc.softmax(-1) @ Ve, torch.logsumexp(sc, -1)
 
 
-def inputs(B, H, KV, S, N, d, packed, seed):
+def inputs(B, H, KV, S, N, d, packed, seed, BS=16):
     gen = torch.Generator(device=dev).manual_seed(seed)
     hi = torch.sort(torch.randint(0, S + 1, (B, N), device=dev, generator=gen), dim=1).values
     if packed:  # each block from a conversation's start (or a window's) at or below its anchor, ascending
@@ -159,12 +167,17 @@ def rel(a, b):
 
 def correctness():
     worst = 0.0
-    for (B, H, KV, S, N, d, packed, causal) in [(2, 4, 2, 300, 37, 128, False, False),
-                                                (2, 4, 2, 300, 37, 128, True, True),
-                                                (1, 8, 8, 1000, 61, 64, True, False),
-                                                (3, 32, 8, 130, 9, 128, False, True),
-                                                (1, 2, 1, 64, 4, 128, False, False)]:
-        args = inputs(B, H, KV, S, N, d, packed, seed=B * 1000 + S)
+    for (B, H, KV, S, N, d, packed, causal, bs) in [(2, 4, 2, 300, 37, 128, False, False, 16),
+                                                    (2, 4, 2, 300, 37, 128, True, True, 16),
+                                                    (1, 8, 8, 1000, 61, 64, True, False, 16),
+                                                    (3, 32, 8, 130, 9, 128, False, True, 16),
+                                                    (1, 2, 1, 64, 4, 128, False, False, 16),
+                                                    (2, 4, 2, 300, 38, 128, True, False, 8),
+                                                    (2, 4, 2, 300, 38, 128, False, True, 8),
+                                                    (1, 8, 8, 1000, 62, 64, True, True, 8)]:
+        if bs != 16 and not EIGHTS:
+            continue
+        args = inputs(B, H, KV, S, N, d, packed, seed=B * 1000 + S, BS=bs)
         scale = 1 / math.sqrt(d)
         o, lse = forward(*args, causal, scale)
         leaves = [t.float().requires_grad_() for t in args[:5]]
@@ -176,7 +189,7 @@ def correctness():
         for name, a, r in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), mine, grads):
             errs[name] = rel(a, r)
         worst = max(worst, max(v for k, v in errs.items() if k != "lse"))
-        print(json.dumps({"check": [B, H, KV, S, N, d, packed, causal], **{k: round(v, 5) for k, v in errs.items()}}),
+        print(json.dumps({"check": [B, H, KV, S, N, d, packed, causal, bs], **{k: round(v, 5) for k, v in errs.items()}}),
               flush=True)
     return worst
 
@@ -193,15 +206,15 @@ def median_ms(f, n=20):
     return round(t[len(t) // 2], 3)
 
 
-def timing(B, S, N):
+def timing(B, S, N, BS=16):
     H, KV, d = 32, 8, 128
-    args = inputs(B, H, KV, S, N, d, False, seed=7)
+    args = inputs(B, H, KV, S, N, d, False, seed=7, BS=BS)
     scale = 1 / math.sqrt(d)
     o, lse = forward(*args, False, scale)
     dout = torch.randn_like(o)
     seen = float(((args[6].float() - args[5].float()).clamp(min=0) + BS).sum()) * BS
     flops = 4 * seen * H * d  # QK and PV over the keys each query sees
-    res = {"time": [B, S, N]}
+    res = {"time": [B, S, N, BS]}
     res["fwd_ms"] = median_ms(lambda: forward(*args, False, scale))
     res["dq_ms"] = median_ms(lambda: backward(*args, False, scale, o, lse, dout, ("dq",)))
     res["dkv_ms"] = median_ms(lambda: backward(*args, False, scale, o, lse, dout, ("dkv",)))
@@ -215,5 +228,6 @@ worst = correctness()
 if worst > 0.05:
     print(f"errors too large ({worst}): not timing", flush=True)
     sys.exit(1)
-for shape in [(4, 768, 256), (4, 3072, 512), (1, 8192, 512), (1, 32768, 2048)]:
-    timing(*shape)
+for shape in [(4, 768, 256), (4, 3072, 512), (1, 8192, 512), (1, 32768, 2048), (4, 3072, 1024, 8), (1, 32768, 4096, 8)]:
+    if len(shape) == 3 or EIGHTS:
+        timing(*shape)

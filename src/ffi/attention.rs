@@ -106,10 +106,11 @@ pub struct StaircaseRanges<'a> {
     pub window: i64,
 }
 
-/// DFlash's training attention as one autograd node (`csrc/staircase.cpp`): queries `q [B, H, 16 N, D]` over context
-/// keys and values `[B, KV, S, D]` and block keys and values `[B, KV, 16 N, D]` (bf16, one GPU, last dimensions
-/// contiguous), scaled by `scale`. `launcher` launches the kernels (`model::staircase`'s, passed as a C function so
-/// that this layer names nothing above it). Returns `[B, H, 16 N, D]`.
+/// DFlash's training attention as one autograd node (`csrc/staircase.cpp`): queries `q [B, H, bs N, D]` (blocks of
+/// bs = 16, or 8 with N even) over context keys and values `[B, KV, S, D]` and block keys and values
+/// `[B, KV, bs N, D]` (bf16, one GPU, last dimensions contiguous), scaled by `scale`. `launcher` launches the kernels
+/// (`model::staircase`'s, passed as a C function so that this layer names nothing above it). Returns
+/// `[B, H, bs N, D]`.
 #[allow(clippy::too_many_arguments)]
 pub fn staircase_attention(
     q: &Tensor,

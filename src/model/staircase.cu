@@ -1,27 +1,36 @@
-// DFlash's training attention on the tensor cores (bf16 in, f32 accumulation): each block of 16 queries sees a range
-// of its row's context keys, [lo, hi) (from its conversation's first token or its window's, to its anchor), and the
-// keys of its own block (all 16, or with `causal_block` those at or before its own slot); with a sliding `window`, a
-// query sees only the keys fewer than `window` positions from it (its own included). Blocks come in anchor order,
-// so the context ranges of consecutive blocks overlap almost whole: a thread block (4 warps, one query block each)
-// streams the union of its four ranges through shared memory once, 64 keys at a time, and each warp masks its own
-// range. Memory is O(tokens): the output and one log-sum-exp per query row, nothing of size queries x keys.
+// DFlash's training attention on the tensor cores (bf16 in, f32 accumulation): each block of queries (16, or DFlash
+// 2's 8) sees a range of its row's context keys, [lo, hi) (from its conversation's first token or its window's, to
+// its anchor), and the keys of its own block (all of them, or with `causal_block` those at or before its own slot);
+// with a sliding `window`, a query sees only the keys fewer than `window` positions from it (its own included). A
+// warp owns 16 query rows, a unit: one block of 16 or two of 8 (`PER`). Blocks come in anchor order, so the context
+// ranges of consecutive blocks overlap almost whole: a thread block (4 warps, a unit each) streams the union of its
+// units' ranges through shared memory once, 64 keys at a time, and each warp masks its rows' ranges. Memory is
+// O(tokens): the output and one log-sum-exp per query row, nothing of size queries x keys.
 //
 // The backward is two kernels, neither with atomics: `staircase_dq` walks the forward's tiles again, each warp
 // owning its 16 query rows' gradient; `staircase_dkv` gives each thread block 64 keys (context or block keys) of one
 // K/V head and walks every query block that sees one of them, for each query head of the group, so each warp owns
 // its 16 keys' gradients. Both recompute the probabilities from the forward's log-sum-exp.
 //
-// Compiled at run time by NVRTC with HEAD_DIM defined (64 or 128). Tensors are addressed by strides in elements (the
-// head dimension contiguous): q [B, H, Q, D]; k_ctx, v_ctx [B, KV, S, D]; k_blk, v_blk [B, KV, Q, D]; lo, hi [B, N]
-// int32, each ascending along a row (blocks in anchor order); contiguous: o, dout, dq [B, H, Q, D], lse, drow
-// [B, H, Q] f32 (the log-sum-exp in natural log; drow = sum over D of dout * o), dk_ctx, dv_ctx [B, KV, S, D],
-// dk_blk, dv_blk [B, KV, Q, D]; Q = 16 N.
+// Compiled at run time by NVRTC with HEAD_DIM defined (64 or 128) and UNIT_BLOCKS (1 or 2). Tensors are addressed by
+// strides in elements (the head dimension contiguous): q [B, H, Q, D]; k_ctx, v_ctx [B, KV, S, D]; k_blk, v_blk
+// [B, KV, Q, D]; lo, hi [B, N] int32, each ascending along a row (blocks in anchor order); contiguous: o, dout, dq
+// [B, H, Q, D], lse, drow [B, H, Q] f32 (the log-sum-exp in natural log; drow = sum over D of dout * o), dk_ctx,
+// dv_ctx [B, KV, S, D], dk_blk, dv_blk [B, KV, Q, D]; Q = 16 units, N = PER units.
 typedef unsigned short bf16;
 typedef unsigned int u32;
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
+#ifndef UNIT_BLOCKS
+#define UNIT_BLOCKS 1
+#endif
+// Blocks a warp's 16 query rows (a unit): 1, blocks of 16; or 2, DFlash 2's blocks of 8 (a module of its own, so
+// that blocks of 16 pay nothing for the choice). SHIFT: log2 of a block's rows; SLOTS: a block's last slot.
+#define PER UNIT_BLOCKS
+#define SHIFT (PER == 2 ? 3 : 4)
+#define SLOTS ((1 << SHIFT) - 1)
 #define D HEAD_DIM
 #define KEYS 64                 // keys per tile
 #define ROW (D + 8)             // a tile row in shared memory, padded: ldmatrix's 8 rows then hit 8 distinct banks
@@ -227,41 +236,81 @@ struct Args {
   long long k_b, k_h, k_t;     // k_blk's
   long long bv_b, bv_h, bv_t;  // v_blk's
   const int *lo, *hi;
-  int heads, kv_heads, blocks, context, causal_block, window;
+  int heads, kv_heads, units, context, causal_block, window;
+  int per;  // PER: which module the host launches
   float scale;
 };
 static_assert(sizeof(Args) == 208, "the argument block's layout is shared with csrc/staircase.cpp");
 
 // Block `j`'s context range in row `b`, clamped to the context; with a window, from the first key its first query
 // sees (its later queries start later: `sees`).
-__device__ __forceinline__ int range_hi(const Args& a, int b, int j) { return min(a.hi[b * a.blocks + j], a.context); }
+__device__ __forceinline__ int range_hi(const Args& a, int b, int j) {
+  return min(a.hi[b * a.units * PER + j], a.context);
+}
 __device__ __forceinline__ int range_lo(const Args& a, int b, int j) {
-  const int lo = a.lo[b * a.blocks + j];
+  const int lo = a.lo[b * a.units * PER + j];
   return a.window > 0 ? max(lo, range_hi(a, b, j) - a.window + 1) : lo;
 }
 
-// A query-major thread block (4 warps, one query block each) of head `h` in row `b`: walks the union of its blocks'
-// context ranges, 64 keys a tile (double-buffered), then one tile of the blocks' own keys, and calls
-// `visit(ktile, vtile, col0, cols, base, lo, hi, own)` for this warp on each tile it has keys in: n-tiles
-// [col0, col0 + cols) of the tile, column n's key index `base + n`, the block's range [lo, hi) (`sees`), `own` for
-// the tile of the blocks' own keys.
+// What a warp masks its unit's 16 query rows with: the context range of the block of each of this thread's two rows
+// (g and g + 8: the same block, or the unit's first and second of 8). The rest is derived, so that blocks of 16 hold
+// two registers, as before there were blocks of 8.
+struct Rows {
+  int lo0, hi0, lo1, hi1;
+
+  // The union of the unit's non-empty ranges (ranges ascend: the first's start, the last's end), empty where both are.
+  __device__ __forceinline__ int first() const { return PER == 1 || hi0 > lo0 ? lo0 : lo1; }
+  __device__ __forceinline__ int last() const { return PER == 1 || hi1 > lo1 ? hi1 : hi0; }
+  // Whether the unit has a key in the context tile [base, base + KEYS).
+  __device__ __forceinline__ bool reaches(int base) const {
+    return last() > first() && first() < base + KEYS && last() > base;
+  }
+  // Whether every query row sees every key of that tile.
+  __device__ __forceinline__ bool whole(int base, int window) const {
+    return max(lo0, lo1) <= base && base + KEYS <= min(hi0, hi1) &&
+           (window == 0 || base > max(hi0, hi1) + SLOTS - window);
+  }
+  // Whether the unit's query row `row` (0-15: g or g + 8) sees context key `key`.
+  __device__ __forceinline__ bool sees_key(int key, int row, int window) const {
+    const bool second = PER == 2 && row >= 8;
+    return sees(false, key, 0, row & SLOTS, second ? lo1 : lo0, second ? hi1 : hi0, false, window);
+  }
+  // Whether query row `row` sees the unit's own key row `t` (both 0-15): only within one block.
+  __device__ __forceinline__ bool sees_own(int t, int row, bool causal, int window) const {
+    return t >> SHIFT == row >> SHIFT && sees(true, 0, t & SLOTS, row & SLOTS, 0, 0, causal, window);
+  }
+};
+
+__device__ __forceinline__ Rows rows_of(const Args& a, int b, int unit) {
+  const int first = unit * PER, lo0 = range_lo(a, b, first), hi0 = range_hi(a, b, first);
+  if (PER == 1) return Rows{lo0, hi0, lo0, hi0};
+  return Rows{lo0, hi0, range_lo(a, b, first + 1), range_hi(a, b, first + 1)};
+}
+
+// The union of unit `u`'s blocks' non-empty context ranges in row `b`: x >= y where none sees any context.
+__device__ __forceinline__ int2 unit_span(const Args& a, int b, int u) {
+  const Rows r = rows_of(a, b, u);
+  return r.last() > r.first() ? make_int2(r.first(), r.last()) : make_int2(1 << 30, 0);
+}
+
+// A query-major thread block (4 warps, a unit each) of head `h` in row `b`: walks the union of its units' context
+// ranges, 64 keys a tile (double-buffered), then one tile of the units' own keys, and calls
+// `visit(ktile, vtile, col0, cols, base, own)` for this warp on each tile its unit has keys in (`mine`): n-tiles
+// [col0, col0 + cols) of the tile, column n's key index `base + n`, `own` for the tile of the units' own keys.
 template <typename F>
-__device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, int tile, int h, int b, F&& visit) {
+__device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, int tile, int h, int b, const Rows& mine,
+                                           F&& visit) {
   // Stage i: K at stage(i), V KEYS rows after it (pointers computed, not indexed: no local memory).
   bf16* const stages = (bf16*)smem;
   auto kt = [&](int i) { return stages + i * 2 * KEYS * ROW; };
   auto vt = [&](int i) { return stages + i * 2 * KEYS * ROW + KEYS * ROW; };
   const int kvh = h / (a.heads / a.kv_heads), warp = threadIdx.x >> 5;
-  const int block = tile * WARPS + warp;
-  const bool active = block < a.blocks;
-  const int my_lo = active ? range_lo(a, b, block) : 0, my_hi = active ? range_hi(a, b, block) : 0;
+  const bool active = tile * WARPS + warp < a.units;
   int first = 1 << 30, last = 0;
   for (int w = 0; w < WARPS; ++w) {
-    int j = tile * WARPS + w;
-    if (j < a.blocks && range_hi(a, b, j) > range_lo(a, b, j)) {
-      first = min(first, range_lo(a, b, j));
-      last = max(last, range_hi(a, b, j));
-    }
+    const int u = tile * WARPS + w;
+    const int2 span = u < a.units ? unit_span(a, b, u) : make_int2(0, 0);
+    if (span.y > span.x) first = min(first, span.x), last = max(last, span.y);
   }
   const int tile_from = first >= last ? 0 : first / KEYS * KEYS;
   const int tile_count = first >= last ? 0 : (last - tile_from + KEYS - 1) / KEYS;
@@ -282,20 +331,20 @@ __device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, i
     copies_issued();
     copies_done<1>();
     __syncthreads();
-    if (active && my_lo < base + KEYS && my_hi > base && my_hi > my_lo) {
-      visit(kt(t & 1), vt(t & 1), 0, KEYS / 8, base, my_lo, my_hi, false);
+    if (active && mine.reaches(base)) {
+      visit(kt(t & 1), vt(t & 1), 0, KEYS / 8, base, false);
     }
     __syncthreads();
   }
-  // The blocks' own keys: warp w's 16 are rows 16w..16w+15 of one more tile.
-  const int rows = min(WARPS, a.blocks - tile * WARPS) * 16;
+  // The units' own keys: warp w's 16 are rows 16w..16w+15 of one more tile.
+  const int rows = min(WARPS, a.units - tile * WARPS) * 16;
   const long long own = tile * WARPS * 16;
   load_tile(kt(0), a.k_blk + b * a.k_b + kvh * a.k_h + own * a.k_t, a.k_t, rows);
   load_tile(vt(0), a.v_blk + b * a.bv_b + kvh * a.bv_h + own * a.bv_t, a.bv_t, rows);
   copies_issued();
   copies_done<0>();
   __syncthreads();
-  if (active) visit(kt(0), vt(0), 2 * warp, 2, 0, 0, 0, true);
+  if (active) visit(kt(0), vt(0), 2 * warp, 2, 0, true);
 }
 
 // The A fragments of k-step `k` of 16 rows of a shared-memory tile, from row `row0`.
@@ -330,31 +379,31 @@ __device__ __forceinline__ void store_rows(bf16* dst, const float (&acc)[D / 8][
 extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16* __restrict__ o,
                                                                   float* __restrict__ lse) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int tile = (a.blocks + WARPS - 1) / WARPS - 1 - blockIdx.x;  // the longest ranges first: a shorter tail
+  const int tile = (a.units + WARPS - 1) / WARPS - 1 - blockIdx.x;  // the longest ranges first: a shorter tail
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int block = tile * WARPS + warp;
-  const bool active = block < a.blocks;
+  const int unit = tile * WARPS + warp;
+  const bool active = unit < a.units;
   u32 qa[D / 16][4];
   {
     bf16* staging = (bf16*)smem + 2 * KEYS * ROW;  // stage 1's keys, not used before the walk's second tile
-    const int rows = min(WARPS, a.blocks - tile * WARPS) * 16;
+    const int rows = min(WARPS, a.units - tile * WARPS) * 16;
     stage_rows(staging, a.q + b * a.q_b + h * a.q_h + (long long)(tile * WARPS * 16) * a.q_t, a.q_t, rows);
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) a_frag(qa[k], staging, 16 * warp, k);
     __syncthreads();
   }
+  const Rows mask = rows_of(a, b, active ? unit : 0);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
   float acc[D / 8][4];
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
-  walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
-                                      bool own) {
-    // Column n is key `base + n`, or the block's own slot n - 8 col0.
-    const bool whole = !own && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi &&
-                       (a.window == 0 || base > hi + 15 - a.window);
+  walk_tiles(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+    // Column n is key `base + n`, or the unit's own key row n - 8 col0.
+    const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, a.window);
     auto seen = [&](int col, int row) {
-      return sees(own, base + col, col - col0 * 8, row, lo, hi, a.causal_block, a.window);
+      return own ? mask.sees_own(col - col0 * 8, row, a.causal_block, a.window)
+                 : mask.sees_key(base + col, row, a.window);
     };
     attend(qa, kt, vt, col0, cols, whole, seen, scale_log2, m, l, acc);
   });
@@ -364,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  const long long row0 = (long long)(b * a.heads + h) * a.blocks * 16 + block * 16;
+  const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + unit * 16;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
@@ -382,13 +431,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16
 // A warp's part of dQ on one tile: P recomputed from the log-sum-exp (`lse2`, base 2), dP = dO V^T,
 // dS = P (dP - drow), dQ += dS K; 32 keys at a time (4 n-tiles), the ones in [col0, col0 + cols).
 __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0, const bf16* ktile,
-                                       const bf16* vtile, int col0, int cols, int base, int lo, int hi, bool own,
-                                       bool causal, int window,
-                                       float scale_log2, const float (&lse2)[2], const float (&drow)[2],
-                                       float (&dq)[D / 8][4]) {
+                                       const bf16* vtile, int col0, int cols, int base, const Rows& mask, bool own,
+                                       bool causal, int window, float scale_log2, const float (&lse2)[2],
+                                       const float (&drow)[2], float (&dq)[D / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const bool whole = !own && col0 == 0 && cols == KEYS / 8 && lo <= base && base + KEYS <= hi &&
-                     (window == 0 || base > hi + 15 - window);
+  const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, window);
 #pragma unroll
   for (int half = 0; half < KEYS / 32; ++half) {
     const int n0 = half * 4;
@@ -420,7 +467,8 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
           if (!whole) {
             int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
             bool seen = n0 + n >= col0 && n0 + n < col0 + cols &&
-                        sees(own, key, col - col0 * 8, row, lo, hi, causal, window);
+                        (own ? mask.sees_own(col - col0 * 8, row, causal, window)
+                             : mask.sees_key(key, row, window));
             if (!seen) p = 0.f;
           }
           v[hh][e] = p * (dp[n][e] - drow[e >> 1]);
@@ -438,18 +486,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const
                                                                  const float* __restrict__ drow,
                                                                  bf16* __restrict__ dq) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int tile = (a.blocks + WARPS - 1) / WARPS - 1 - blockIdx.x;
+  const int tile = (a.units + WARPS - 1) / WARPS - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int block = tile * WARPS + warp;
-  const bool active = block < a.blocks;
-  const long long row0 = (long long)(b * a.heads + h) * a.blocks * 16 + block * 16;
+  const int unit = tile * WARPS + warp;
+  const bool active = unit < a.units;
+  const Rows mask = rows_of(a, b, active ? unit : 0);
+  const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + unit * 16;
   // Q and dO stay in shared memory after the walk's two stages.
   bf16* qs = (bf16*)smem + 4 * KEYS * ROW;
   bf16* ds = qs + WARPS * 16 * ROW;
   {
-    const int rows = min(WARPS, a.blocks - tile * WARPS) * 16;
-    const long long first = (long long)(b * a.heads + h) * a.blocks * 16 + tile * WARPS * 16;
+    const int rows = min(WARPS, a.units - tile * WARPS) * 16;
+    const long long first = (long long)(b * a.heads + h) * a.units * 16 + tile * WARPS * 16;
     load_tile<WARPS * 16>(ds, dout + first * D, D, rows);
     stage_rows(qs, a.q + b * a.q_b + h * a.q_h + (long long)(tile * WARPS * 16) * a.q_t, a.q_t, rows);
   }
@@ -462,15 +511,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const
   float acc[D / 8][4];
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
-  walk_tiles(a, smem, tile, h, b, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, int lo, int hi,
-                                      bool own) {
-    dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, lo, hi, own, a.causal_block, a.window, scale_log2, lse2, dr,
+  walk_tiles(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+    dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, mask, own, a.causal_block, a.window, scale_log2, lse2, dr,
             acc);
   });
   if (active) store_rows(dq + row0 * D, acc, a.scale, 16);
 }
 
-#define QROWS 32  // queries a step of the key-major kernel: two blocks
+#define QROWS 32  // queries a step of the key-major kernel: two units
 
 extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, const bf16* __restrict__ dout,
                                                                   const float* __restrict__ lse,
@@ -489,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
   const int kvh = blockIdx.y, b = blockIdx.z, group = a.heads / a.kv_heads;
   const bool ctx = (int)blockIdx.x < ctx_tiles;
   const int k0 = ctx ? blockIdx.x * KEYS : (blockIdx.x - ctx_tiles) * KEYS;
-  const int rows = ctx ? min(KEYS, a.context - k0) : min(KEYS, a.blocks * 16 - k0);
+  const int rows = ctx ? min(KEYS, a.context - k0) : min(KEYS, a.units * 16 - k0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int wk = 16 * warp;  // this warp's first key row in the tile
   {
@@ -501,38 +549,40 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
     load_tile(vt, vb, ctx ? a.cv_t : a.bv_t, rows);
     copies_issued();
   }
-  // The query blocks that see a key of the tile: context keys, those whose range reaches into it (ranges ascend
-  // along the row, so that is one run of blocks); block keys, the tile's own four.
+  // The query units that see a key of the tile: context keys, those with a block whose range reaches into it (ranges
+  // ascend along the row, so that is one run of blocks); block keys, the tile's own four.
   int j_begin, j_end;
   if (ctx) {
-    int lo_ = 0, hi_ = a.blocks;
+    const int blocks = a.units * PER;
+    int lo_ = 0, hi_ = blocks;
     while (lo_ < hi_) {  // the first block whose range ends past k0
       int mid = (lo_ + hi_) / 2;
       if (range_hi(a, b, mid) > k0) hi_ = mid; else lo_ = mid + 1;
     }
-    j_begin = lo_;
-    lo_ = j_begin, hi_ = a.blocks;
+    const int first = lo_;
+    lo_ = first, hi_ = blocks;
     while (lo_ < hi_) {  // the first block whose range starts past the tile
       int mid = (lo_ + hi_) / 2;
       if (range_lo(a, b, mid) >= k0 + KEYS) hi_ = mid; else lo_ = mid + 1;
     }
-    j_end = lo_;
+    j_begin = first / PER;
+    j_end = (lo_ + PER - 1) / PER;
   } else {
     j_begin = k0 / 16;
-    j_end = min(a.blocks, j_begin + WARPS);
+    j_end = min(a.units, j_begin + WARPS);
   }
   j_begin = j_begin / 2 * 2;
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
   zero(dv);
   const float scale_log2 = a.scale * LOG2E;
-  const int key_block = k0 / 16 + warp;  // block keys: the block this warp's keys are of
-  // Steps of two query blocks, for each query head of the group; the next step's rows load while this one computes.
+  const int key_unit = k0 / 16 + warp;  // block keys: the unit this warp's keys are of
+  // Steps of two query units, for each query head of the group; the next step's rows load while this one computes.
   const int chunks = max(0, (j_end - j_begin + 1) / 2), steps = group * chunks;
   auto issue = [&](int step, int i) {
     const int h = kvh * group + step / chunks, j = j_begin + 2 * (step % chunks);
-    const long long row0 = (long long)(b * a.heads + h) * a.blocks * 16 + j * 16;
-    const int qrows = min(QROWS, (a.blocks - j) * 16);
+    const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + j * 16;
+    const int qrows = min(QROWS, (a.units - j) * 16);
     load_tile<QROWS>(stage_q(i), a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows);
     load_tile<QROWS>(stage_q(i) + QROWS * ROW, dout + row0 * D, D, qrows);
     if (threadIdx.x < QROWS / 2) {  // 16 copies of 4 floats: the log-sum-exp's 32, then drow's
@@ -554,13 +604,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
     const bf16* ot = qt + QROWS * ROW;
     const float* lse_s = stage_f(step & 1);
     const float* drow_s = lse_s + QROWS;
-    if (wk < rows && (ctx || (key_block >= j && key_block < j + 2))) {
-      int qlo[2], qhi[2];
+    if (wk < rows && (ctx || (key_unit >= j && key_unit < j + 2))) {
+      // The step's blocks' ranges: its columns' blocks are i = col >> SHIFT, of blocks j * PER + i.
+      int qlo[2 * PER], qhi[2 * PER];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        bool valid = j + i < a.blocks;
-        qlo[i] = valid ? range_lo(a, b, j + i) : 0;
-        qhi[i] = valid ? range_hi(a, b, j + i) : 0;
+      for (int i = 0; i < 2 * PER; ++i) {
+        const bool valid = j * PER + i < a.units * PER;
+        qlo[i] = valid ? range_lo(a, b, j * PER + i) : 0;
+        qhi[i] = valid ? range_hi(a, b, j * PER + i) : 0;
       }
       // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys against the 32 queries.
       float st[4][4], dpt[4][4];
@@ -577,13 +628,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
           mma_cols(dpt[n], dpt[n + 1], va, ot, n * 8, k);
         }
       }
-      // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the two
+      // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the step's
       // query blocks does not see all 16 keys.
       const int key0 = k0 + wk;
-      bool whole = ctx && j + 1 < a.blocks;
+      bool whole = ctx && j + 1 < a.units;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        whole = whole && qlo[i] <= key0 && qhi[i] >= key0 + 16 && (a.window == 0 || key0 > qhi[i] + 15 - a.window);
+      for (int i = 0; i < 2 * PER; ++i) {
+        whole = whole && qlo[i] <= key0 && qhi[i] >= key0 + 16 && (a.window == 0 || key0 > qhi[i] + SLOTS - a.window);
       }
       float pt[4][4], dst[4][4];
 #pragma unroll
@@ -593,13 +644,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
           int col = n * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8;
           float p = ex2(fmaf(st[n][e], scale_log2, -lse_s[col] * LOG2E));
           if (!whole) {
-            int qi = col >> 4;  // which of the two query blocks
+            // The column's block of the step, col >> SHIFT: n, or n / 2 for blocks of 16 (a constant index, so the
+            // ranges stay in registers).
+            const int qi = PER == 2 ? n : n >> 1;
             bool seen;
             if (ctx) {
-              seen = j + qi < a.blocks &&
-                     sees(false, key0 + row, 0, col & 15, qlo[qi], qhi[qi], a.causal_block, a.window);
+              seen = j * PER + qi < a.units * PER &&
+                     sees(false, key0 + row, 0, col & SLOTS, qlo[qi], qhi[qi], a.causal_block, a.window);
             } else {
-              seen = j + qi == key_block && sees(true, 0, row, col & 15, 0, 0, a.causal_block, a.window);
+              seen = j + (col >> 4) == key_unit && row >> SHIFT == (col & 15) >> SHIFT &&
+                     sees(true, 0, row & SLOTS, col & SLOTS, 0, 0, a.causal_block, a.window);
             }
             if (!seen) p = 0.f;
           }
@@ -621,7 +675,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
   }
   if (wk >= rows) return;
   const long long out0 = ctx ? ((long long)(b * a.kv_heads + kvh) * a.context + k0 + wk) * D
-                             : ((long long)(b * a.kv_heads + kvh) * a.blocks * 16 + k0 + wk) * D;
+                             : ((long long)(b * a.kv_heads + kvh) * a.units * 16 + k0 + wk) * D;
   const int mine = min(16, rows - wk);
   store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
   store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
@@ -631,11 +685,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
 // start + T positions of a KV cache [1, KV, C, D] (their own keys and values already written at start..start + T),
 // query t seeing the positions up to start + t (`causal`; else all of them, as a drafter's block sees itself), and
 // with a `window` only the positions fewer than `window` from its own (on both sides where not causal: `sees`).
-// `start` is read from the device, so a CUDA graph can replay it. The
-// keys are split: thread block (kv head, split) attends to positions [split * chunk, (split + 1) * chunk) with the
-// group's query heads folded into its rows (row r: head r / T of the group, query r % T; up to WARPS * 16 rows, 16
-// a warp), and writes each row's output normalised over its split and its log-sum-exp (-inf where it saw nothing);
-// `decode_merge` weighs the splits together.
+// `start` is read from the device, so a CUDA graph can replay it. The keys are split: thread block (kv head, split)
+// attends to positions [lowest + split * chunk, lowest + (split + 1) * chunk), `lowest` the first position a window
+// reaches (0 without one), with the group's query heads folded into its rows (row r: head r / T of the group, query
+// r % T; up to WARPS * 16 rows, 16 a warp), and writes each row's output normalised over its split and its
+// log-sum-exp (-inf where it saw nothing); `decode_merge` weighs the splits together.
 struct DecodeArgs {
   const bf16* q;
   long long q_h, q_t;  // q [1, H, T, D]
@@ -658,9 +712,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) decode_attention(DecodeArg
   const int group = a.heads / a.kv_heads, rows = group * a.t;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int start = (int)*a.start, len = start + a.t;
-  // The split's keys, from the first one any query's window reaches.
+  // The split's keys: the splits share the keys from the first one any query's window reaches (the first position
+  // without a window).
   const int lowest = a.window > 0 ? max(0, start - a.window + 1) : 0;
-  const int from = max(split * a.chunk, lowest), end = min(len, split * a.chunk + a.chunk);
+  const int from = lowest + split * a.chunk, end = min(len, from + a.chunk);
   float* const part = a.part + ((long long)kvh * a.splits + split) * rows * D;
   float* const part_lse = a.part_lse + ((long long)kvh * a.splits + split) * rows;
   // The folded query rows, staged in stage 1's keys (not loaded before the walk's second tile).

@@ -8,8 +8,9 @@
 //! `csrc/staircase.cpp` makes them one autograd node and calls back into [`launch`] (passed to it as a C function)
 //! with their argument block; this module compiles them with NVRTC per device and head dimension, and launches
 //! them on libtorch's current stream. [`applies`] says where they run: bf16 on a CUDA GPU of compute capability 8.0
-//! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, blocks of 16, every layer
-//! kind (a causal block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
+//! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, blocks of 16 or an even
+//! number of DFlash 2's blocks of 8 a row ([`block_ranges`]: a warp owns 16 query rows), every layer kind (a causal
+//! block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
 //! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
 //! the CPU's reference.
 //!
@@ -30,9 +31,8 @@ use super::attention::LayerAttention;
 use crate::ffi::attention::{StaircaseLaunch, StaircaseRanges, staircase_attention};
 
 const SOURCE: &str = include_str!("staircase.cu");
-/// Queries a block: the kernels give each block a warp of 16 rows (DFlash's blocks of 16; DFlash 2's of 8 keep the
-/// grouped attention).
-pub const BLOCK: usize = 16;
+/// Query rows a warp: one block of DFlash's 16, or two of DFlash 2's 8.
+const UNIT: usize = 16;
 /// Keys a tile, warps a thread block, queries a step of the key-major kernel (`KEYS`, `WARPS`, `QROWS` there).
 const KEYS: u32 = 64;
 const WARPS: u32 = 4;
@@ -55,15 +55,18 @@ pub struct Args {
     hi: *const c_void,
     heads: i32,
     kv_heads: i32,
-    blocks: i32,
+    /// Units of 16 query rows a row, a warp each.
+    units: i32,
     context: i32,
     causal_block: i32,
     window: i32,
+    /// Blocks a unit: 1, or 2 for blocks of 8.
+    per: i32,
     scale: f32,
 }
 const _: () = assert!(std::mem::size_of::<Args>() == 208);
 
-/// The kernels of one head dimension on one device.
+/// The kernels of one head dimension and unit (blocks a warp: 1, or 2 of DFlash 2's 8) on one device.
 struct Kernels {
     context: Arc<CudaContext>,
     _module: Arc<CudaModule>,
@@ -78,7 +81,7 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    fn compile(ordinal: usize, head_dim: i64) -> Result<Self, String> {
+    fn compile(ordinal: usize, head_dim: i64, per: i32) -> Result<Self, String> {
         super::fused::libraries_present()?;
         let context = CudaContext::new(ordinal).map_err(|e| format!("cannot open cuda:{ordinal}: {e}"))?;
         let capability = |a| context.attribute(a).map_err(|e| format!("cuda:{ordinal}: {e}"));
@@ -96,7 +99,7 @@ impl Kernels {
         let options = CompileOptions {
             name: Some("dflash_staircase.cu".into()),
             arch: Some(arch),
-            options: vec![format!("-DHEAD_DIM={head_dim}"), "-std=c++17".into()],
+            options: vec![format!("-DHEAD_DIM={head_dim}"), format!("-DUNIT_BLOCKS={per}"), "-std=c++17".into()],
             ..Default::default()
         };
         let ptx = super::fused::nvrtc(SOURCE, options)?;
@@ -146,16 +149,17 @@ impl Kernels {
     }
 }
 
-/// The kernels for `device` and `head_dim`, compiled on first use; the reason they cannot be had, once per pair.
-fn kernels(device: Device, head_dim: i64) -> Result<Arc<Kernels>, String> {
-    type Cache = Mutex<HashMap<(usize, i64), Result<Arc<Kernels>, String>>>;
+/// The kernels for `device`, `head_dim` and `per` blocks a warp (1 for blocks of 16, 2 for blocks of 8), compiled on
+/// first use; the reason they cannot be had, once each.
+fn kernels(device: Device, head_dim: i64, per: i32) -> Result<Arc<Kernels>, String> {
+    type Cache = Mutex<HashMap<(usize, i64, i32), Result<Arc<Kernels>, String>>>;
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let Device::Cuda(ordinal) = device else { return Err("not a CUDA device".into()) };
     let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     cache
-        .entry((ordinal, head_dim))
+        .entry((ordinal, head_dim, per))
         .or_insert_with(|| {
-            let compiled = Kernels::compile(ordinal, head_dim).map(Arc::new);
+            let compiled = Kernels::compile(ordinal, head_dim, per).map(Arc::new);
             if let Err(e) = &compiled {
                 tracing::warn!(
                     "the staircase attention kernels are unavailable on cuda:{ordinal}, using grouped attention: {e}"
@@ -192,7 +196,7 @@ pub fn applies(q: &Tensor, kv: &[&Tensor]) -> bool {
         && !switched_off()
         && aligned(q)
         && kv.iter().all(|t| aligned(t) && t.size()[3] == head_dim)
-        && kernels(q.device(), head_dim).is_ok()
+        && kernels(q.device(), head_dim, 1).is_ok()
 }
 
 /// Block queries `q [B, H, 16 N, D]` over context keys and values `[B, KV, S, D]` and block keys and values
@@ -263,12 +267,17 @@ pub fn decode_attention(
     if v.size() != k.size() || !applies(q, &[k, v]) {
         return Ok(None);
     }
-    let kernels = kernels(device, d).map_err(ModelError::Torch)?;
-    // Enough splits for two thread blocks a multiprocessor, each a whole number of tiles.
-    let (kv, capacity) = (kv_heads as u64, capacity.max(1) as u64);
+    let kernels = kernels(device, d, 1).map_err(ModelError::Torch)?;
+    // Enough splits for two thread blocks a multiprocessor, each a whole number of tiles, over the keys a query can
+    // see: the cache, or with a window the window and the new positions (the kernel starts where the window does).
+    let span = match window {
+        0 => capacity,
+        w => capacity.min(i64::from(w) + t),
+    };
+    let (kv, span) = (kv_heads as u64, span.max(1) as u64);
     let wanted = (2 * kernels.multiprocessors as u64).div_ceil(kv).max(1);
-    let chunk = capacity.div_ceil(wanted).div_ceil(KEYS as u64) * KEYS as u64;
-    let splits = capacity.div_ceil(chunk) as i64;
+    let chunk = span.div_ceil(wanted).div_ceil(KEYS as u64) * KEYS as u64;
+    let splits = span.div_ceil(chunk) as i64;
     let chunk = chunk as i64;
     let part = Tensor::f_empty([kv_heads, splits, rows, d], (Kind::Float, device))?;
     let part_lse = Tensor::f_empty([kv_heads, splits, rows], (Kind::Float, device))?;
@@ -327,13 +336,13 @@ unsafe extern "C" fn launch(
     len: usize,
 ) -> c_int {
     let launched = std::panic::catch_unwind(|| -> Result<(), String> {
-        let k = kernels(Device::Cuda(device as usize), head_dim as i64)?;
         // SAFETY: the caller's contract.
         let a = unsafe { &*(args as *const Args) };
+        let k = kernels(Device::Cuda(device as usize), head_dim as i64, a.per)?;
         let count = *[2, 4, 7].get(kernel as usize).ok_or(format!("no training kernel {kernel}"))?;
-        let (blocks, tiles) = (a.blocks as u32, (a.blocks as u32).div_ceil(WARPS));
+        let (units, tiles) = (a.units as u32, (a.units as u32).div_ceil(WARPS));
         let grid = match kernel {
-            2 => ((a.context as u32).div_ceil(KEYS) + (blocks * 16).div_ceil(KEYS), a.kv_heads as u32, batch as u32),
+            2 => ((a.context as u32).div_ceil(KEYS) + (units * 16).div_ceil(KEYS), a.kv_heads as u32, batch as u32),
             _ => (tiles, a.heads as u32, batch as u32),
         };
         // SAFETY: the caller passes as many output pointers as the kernel takes.
@@ -365,7 +374,8 @@ unsafe extern "C" fn launch(
 /// token (packed rows; else the row's) to its anchor. A block that sees no context (a padding block, anchor 0, or one
 /// at its conversation's start) gets the empty range at the row's last end, so that both ends ascend along the row
 /// as the kernels need (blocks come in anchor order, and a later conversation starts later). `None` where they do
-/// not, where a position does not fit an int32, or for blocks of other than [`BLOCK`] positions.
+/// not, where a position does not fit an int32, or where a row's blocks do not fill whole warps of 16 query rows
+/// (blocks of 16, or an even number of blocks of 8).
 pub fn block_ranges(
     anchors: &[i64],
     context_starts: Option<&[i64]>,
@@ -373,10 +383,10 @@ pub fn block_ranges(
     block_size: usize,
     seq_len: i64,
 ) -> Option<(Vec<i32>, Vec<i32>)> {
-    if block_size != BLOCK {
+    let n = (anchors.len() / batch.max(1)).max(1);
+    if !matches!(block_size, 8 | UNIT) || !(n * block_size).is_multiple_of(UNIT) {
         return None;
     }
-    let n = (anchors.len() / batch.max(1)).max(1);
     let mut lo: Vec<i32> = Vec::with_capacity(anchors.len());
     let mut hi: Vec<i32> = Vec::with_capacity(anchors.len());
     for (i, &anchor) in anchors.iter().enumerate() {
@@ -400,8 +410,8 @@ mod tests {
     use crate::model::drafter::BlockAttention;
 
     /// Ranges run from each block's conversation start to its anchor; blocks that see no context take the empty
-    /// range at the row's last end (so both ends still ascend); rows whose ranges would not ascend, and blocks of
-    /// other than 16 positions, are refused.
+    /// range at the row's last end (so both ends still ascend); rows whose ranges would not ascend, and blocks that
+    /// do not fill warps of 16 query rows, are refused.
     #[test]
     fn block_ranges_ascend_with_empty_ones_at_the_last_end() {
         // Row 0: two blocks, then two padding blocks (anchor 0); row 1: packed, the second conversation from 40.
@@ -413,7 +423,9 @@ mod tests {
         assert_eq!(block_ranges(&[5, 70], None, 1, 16, 64).unwrap().1, [5, 64], "clamped to the context");
         assert_eq!(block_ranges(&[30, 5], None, 1, 16, 64), None, "anchors out of order");
         assert_eq!(block_ranges(&[10, 20], Some(&[8, 0]), 1, 16, 64), None, "a later block from an earlier start");
-        assert_eq!(block_ranges(&[5, 30], None, 1, 8, 64), None, "blocks of 8 (DFlash 2) keep the grouped attention");
+        assert_eq!(block_ranges(&[5, 30], None, 1, 8, 64).unwrap().1, [5, 30], "two blocks of 8 fill a warp");
+        assert_eq!(block_ranges(&[5, 30, 40], None, 1, 8, 64), None, "three blocks of 8 do not");
+        assert_eq!(block_ranges(&[5, 30], None, 1, 4, 64), None, "blocks of 4");
     }
 
     /// Decoding's kernels (bf16) against attention in f32 with every query head's keys written out: T = 1, 3, 5 and
@@ -479,27 +491,34 @@ mod tests {
 
     /// The kernels (bf16) against the grouped attention in f32, the CPU's reference run on the GPU: output and the
     /// five gradients, packed rows, padding blocks, grouped-query heads, a causal block, sliding windows (one shorter
-    /// than a block), head dims 64 and 128.
+    /// than a block), head dims 64 and 128, blocks of 16 and DFlash 2's of 8 (two a warp, one of them a padding
+    /// block beside a real one).
     #[test]
     #[ignore = "needs a GPU"]
     fn on_a_gpu_the_staircase_kernels_match_the_grouped_attention_and_its_gradients() {
         let device = crate::device::gpu_for_tests();
         tch::manual_seed(11);
-        let (batch, seq, n, bs) = (2usize, 300i64, 9usize, 16i64);
+        let (batch, seq, n) = (2usize, 300i64, 10usize);
         // The drafter zero-pads the context to whole buckets, as the grouped attention reads it.
         let padded = crate::model::attention::context_bucket(seq);
-        // Row 0 plain with two padding blocks; row 1 packed, a second conversation from 150.
-        let anchors: Vec<i64> = vec![3, 40, 41, 90, 150, 200, 290, 0, 0, 10, 60, 149, 150, 151, 170, 220, 260, 299];
-        let starts: Vec<i64> = vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 150, 150, 150, 150, 150, 150];
+        // Row 0 plain with three padding blocks; row 1 packed, a second conversation from 150.
+        let anchors: Vec<i64> =
+            vec![3, 40, 41, 90, 150, 200, 290, 0, 0, 0, 10, 60, 149, 150, 151, 170, 220, 260, 280, 299];
+        let starts: Vec<i64> = vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 150, 150, 150, 150, 150, 150, 150];
         let cases = [
-            (4, 2, 128, false, None),
-            (4, 2, 128, true, None),
-            (2, 2, 64, false, None),
-            (4, 2, 128, true, Some(40)),
-            (4, 2, 128, false, Some(70)),
-            (2, 1, 64, false, Some(9)),
+            (16, 4, 2, 128, false, None),
+            (16, 4, 2, 128, true, None),
+            (16, 2, 2, 64, false, None),
+            (16, 4, 2, 128, true, Some(40)),
+            (16, 4, 2, 128, false, Some(70)),
+            (16, 2, 1, 64, false, Some(9)),
+            (8, 4, 2, 128, false, None),
+            (8, 4, 2, 128, true, None),
+            (8, 2, 2, 64, true, Some(5)),
+            (8, 4, 2, 128, false, Some(70)),
         ];
-        for (heads, kv_heads, d, causal, window) in cases {
+        for (bs, heads, kv_heads, d, causal, window) in cases {
+            assert!(block_ranges(&anchors, Some(&starts), batch, bs as usize, seq).is_some(), "blocks of {bs}");
             let layer = LayerAttention { window, causal };
             let pattern = |kind| {
                 let a = BlockAttention::new(&anchors, Some(&starts), batch, bs as usize, seq, 4, kind, device).unwrap();
@@ -532,7 +551,7 @@ mod tests {
             let relative = |a: &Tensor, r: &Tensor| {
                 (a - r).abs().max().double_value(&[]) / r.abs().max().double_value(&[]).max(1e-6)
             };
-            let case = format!("heads {heads}/{kv_heads}, d {d}, causal {causal}, window {window:?}");
+            let case = format!("blocks of {bs}, heads {heads}/{kv_heads}, d {d}, causal {causal}, window {window:?}");
             assert!(relative(&out, &reference) < 1e-2, "{case}: output {}", relative(&out, &reference));
             for (name, (g, r)) in
                 ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"].iter().zip(grads.iter().zip(&reference_grads))

@@ -86,6 +86,9 @@ impl Core {
             self.book.shun(step);
         }
         self.abandon(id, generation);
+        // The round goes on without it: those that waited for it (longer than the budget, when it hung) wait for
+        // the round as it is now, with a budget of their own, not blamed in the moment before it re-forms.
+        self.progress_at = self.now;
         if self.book.donor_lost(id, generation) {
             // The snapshot will never come: ask another replica.
             self.checkpoint_owed = true;
