@@ -6,7 +6,7 @@
 //! row, so memory is O(tokens).
 //!
 //! `csrc/staircase.cpp` makes them one autograd node and calls back into [`launch`] (passed to it as a C function)
-//! with their argument block; this module compiles them with NVRTC per device and head dimension, and launches
+//! with their argument block; this module compiles them with NVRTC per device, head dimension and unit, and launches
 //! them on libtorch's current stream. [`applies`] says where they run: bf16 on a CUDA GPU of compute capability 8.0
 //! or newer (they use `cp.async`, `ldmatrix` and bf16 `mma`), head dimensions 64 and 128, blocks of 16 or an even
 //! number of DFlash 2's blocks of 8 a row ([`block_ranges`]: a warp owns 16 query rows), every layer kind (a causal
@@ -199,9 +199,9 @@ pub fn applies(q: &Tensor, kv: &[&Tensor]) -> bool {
         && kernels(q.device(), head_dim, 1).is_ok()
 }
 
-/// Block queries `q [B, H, 16 N, D]` over context keys and values `[B, KV, S, D]` and block keys and values
-/// `[B, KV, 16 N, D]`, as `ranges` says, scaled by `1 / sqrt(D)`: one autograd node (see the module documentation).
-/// Only where [`applies`].
+/// Block queries `q [B, H, bs N, D]` (blocks of bs = 16, or 8 with N even) over context keys and values
+/// `[B, KV, S, D]` and block keys and values `[B, KV, bs N, D]`, as `ranges` says, scaled by `1 / sqrt(D)`: one
+/// autograd node (see the module documentation). Only where [`applies`].
 pub fn attention(
     q: &Tensor,
     k_ctx: &Tensor,
