@@ -181,6 +181,11 @@ fn switched_off() -> bool {
 /// Whether the kernels take `q` and the keys and values: bf16 on a GPU they compile for, head dimension 64 or 128,
 /// every last dimension contiguous, every other stride and every start a whole 16 bytes.
 pub fn applies(q: &Tensor, kv: &[&Tensor]) -> bool {
+    kernels_taking(q, kv).is_some()
+}
+
+/// The kernels (blocks of 16) that take `q` and the keys and values, where [`applies`].
+fn kernels_taking(q: &Tensor, kv: &[&Tensor]) -> Option<Arc<Kernels>> {
     let head_dim = q.size().last().copied().unwrap_or(0);
     let aligned = |t: &Tensor| {
         let strides = t.stride();
@@ -191,12 +196,12 @@ pub fn applies(q: &Tensor, kv: &[&Tensor]) -> bool {
             && strides[..3].iter().all(|s| s % 8 == 0)
             && (t.data_ptr() as usize).is_multiple_of(16)
     };
-    matches!(q.device(), Device::Cuda(_))
+    let takes = matches!(q.device(), Device::Cuda(_))
         && matches!(head_dim, 64 | 128)
         && !switched_off()
         && aligned(q)
-        && kv.iter().all(|t| aligned(t) && t.size()[3] == head_dim)
-        && kernels(q.device(), head_dim, 1).is_ok()
+        && kv.iter().all(|t| aligned(t) && t.size()[3] == head_dim);
+    takes.then(|| kernels(q.device(), head_dim, 1).ok()).flatten()
 }
 
 /// Block queries `q [B, H, bs N, D]` (blocks of bs = 16, or 8 with N even) over context keys and values
@@ -264,10 +269,10 @@ pub fn decode_attention(
     {
         return Ok(None);
     }
-    if v.size() != k.size() || !applies(q, &[k, v]) {
+    if v.size() != k.size() {
         return Ok(None);
     }
-    let kernels = kernels(device, d, 1).map_err(ModelError::Torch)?;
+    let Some(kernels) = kernels_taking(q, &[k, v]) else { return Ok(None) };
     // Enough splits for two thread blocks a multiprocessor, each a whole number of tiles, over the keys a query can
     // see: the cache, or with a window the window and the new positions (the kernel starts where the window does).
     let span = match window {
