@@ -106,6 +106,24 @@ enum Command {
         --out regen.jsonl --template-kwargs '{\"enable_thinking\": false}'\n  \
         dflash regenerate --local --model tiny-tasks --input sample.jsonl --out regen.jsonl --max-tokens 64")]
     Regenerate(cli::regenerate::RegenerateArgs),
+    /// Conversations written by the target alone: it writes users' requests, then answers them
+    #[command(long_about = "Conversations from the model folder alone, in the target's own distribution: opened at a \
+        user turn (the chat template up to where a user's message starts), an aligned model writes a plausible \
+        request (Magpie, arXiv 2406.08464); it then answers it as it answers users (greedy by default) and, for \
+        conversations of several turns (--turns 2-4), writes the next request after its answer. Requests are \
+        sampled (--request-temperature, --request-top-p) and checked: special tokens, runaways and empty or too \
+        short requests, replies instead of requests, exact and near duplicates (MinHash over word pairs, \
+        --duplicate-threshold) are rejected, each counted in the summary and written with its reason to \
+        <stem>.rejected.jsonl. The summary also gives the spread of first words, so a collapsed run shows. \
+        --topics or --system-prompts (files, one a line) steer the requests towards your traffic.\n\n\
+        The output is the chat JSONL prepare reads, appended conversation by conversation, each line with its \
+        seed and settings: a rerun after a stop continues it (an attempt is never generated twice), and the same \
+        seed and options give the same file. The target generates many sequences at once on --device (--batch).\n\n\
+        Example (then prepare and serve-train as README's worked example):\n  \
+        dflash synthesize --model models/SmolLM2-135M-Instruct --count 50000 --out synth.jsonl --max-tokens 256\n  \
+        dflash synthesize --model models/Qwen3-8B --count 100000 --out synth.jsonl --turns 1-3 \
+        --template-kwargs '{\"enable_thinking\": false}'")]
+    Synthesize(cli::synthesize::SynthesizeArgs),
     /// Score a drafter: teacher-forced acceptance on token rows, or measured acceptance by real decoding (--decode)
     #[command(long_about = "Score a drafter on token rows at every valid anchor (no sampling, so the result is \
         deterministic): the target captures its tapped states, the drafter drafts every block, and the weighted \
@@ -248,6 +266,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Inspect(args) => cli::data::run_inspect(args),
         Command::SampleData(args) => cli::data::run_sample_data(args),
         Command::Regenerate(args) => cli::regenerate::run(&config, args),
+        Command::Synthesize(args) => cli::synthesize::run(&config, args),
         Command::Export(args) => cli::export::run(args),
         Command::Config(command) => cli::config::run(&config, &layers, command).map(|()| ExitCode::SUCCESS),
     }

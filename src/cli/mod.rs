@@ -5,6 +5,7 @@ pub mod data;
 pub mod eval;
 pub mod export;
 pub mod regenerate;
+pub mod synthesize;
 
 use anyhow::{Context, Result};
 use tch::{Device, Kind};

@@ -115,8 +115,7 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
             let assets = ModelAssets::resolve(&args.model, &kwargs)?;
             // Any layer id works as a tap here; decoding runs the whole stack.
             let target = source.build_target(&[0], Depth::Full, device, kind)?;
-            let sampling =
-                if args.temperature == 0.0 { Sampling::Greedy } else { Sampling::Temperature(args.temperature) };
+            let sampling = Sampling::temperature(args.temperature);
             let batch = args.batch.unwrap_or(default_batch(device)).max(1);
             let responder =
                 LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.ignore_eos, batch);

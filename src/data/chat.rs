@@ -235,6 +235,22 @@ impl ChatTemplate {
         template.render(JValue::from_serialize(&ctx)).map_err(|e| ChatError::Template(template_error(&e)))
     }
 
+    /// The text that opens a new user turn after `messages`: the rendering of `messages` and a user turn, up to where
+    /// that turn's content starts (Magpie's pre-query template: an aligned model given it writes a user's request).
+    /// The template's own additions stay (a default system prompt when `messages` has none, a BOS token).
+    pub fn user_opening(&self, messages: &[Value]) -> Result<String, ChatError> {
+        let mark = marker(usize::MAX);
+        let mut probe = messages.to_vec();
+        probe.push(json!({"role": "user", "content": mark}));
+        let rendered = self.render(&probe, None, false)?;
+        let at = rendered.find(&mark).ok_or_else(|| {
+            ChatError::Template(
+                "a user turn's content does not appear in its rendering (the template rewrites it)".into(),
+            )
+        })?;
+        Ok(rendered[..at].to_string())
+    }
+
     /// Renders the whole conversation and finds the byte ranges each assistant turn produced.
     pub fn render_supervised(&self, conv: &Conversation) -> Result<Rendered, ChatError> {
         let turns = conv.assistant_turns();

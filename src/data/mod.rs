@@ -10,7 +10,9 @@ pub mod prompts;
 pub mod regenerate;
 pub mod sample;
 pub mod sample_id;
+pub mod settled_lines;
 pub mod shards;
+pub mod synthesize;
 pub mod token_rows;
 pub mod tokenize;
 

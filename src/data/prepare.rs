@@ -54,6 +54,22 @@ impl ModelAssets {
     }
 }
 
+impl ModelAssets {
+    /// Where a generated turn ends: the target's end-of-sequence ids `eos` and the end-of-turn tokens the vocabulary
+    /// has.
+    pub fn stop_tokens(&self, eos: &[i64]) -> Vec<i64> {
+        let mut stop = eos.to_vec();
+        for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
+            if let Some(id) = self.tokenizer.token_id(marker) {
+                stop.push(id as i64);
+            }
+        }
+        stop.sort_unstable();
+        stop.dedup();
+        stop
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct PrepareOptions {
     pub inputs: Vec<PathBuf>,

@@ -11,14 +11,14 @@
 //! which (`cut_at_max_tokens`), and a rerun with a higher `--max-tokens` does it again.
 //!
 //! Replies finish in whatever order the source returns them, so when a run ends the output is rewritten in the
-//! input's order ([`in_input_order`]): the same input gives the same file, whatever the timing, and `prepare` (whose
+//! input's order ([`rewrite_in_order`]): the same input gives the same file, whatever the timing, and `prepare` (whose
 //! sample positions, and so the training order, follow the file) the same data.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use serde::Serialize;
@@ -26,6 +26,8 @@ use serde_json::{Map, Value, json};
 
 use super::chat::{ChatError, Conversation};
 use super::sample_id::FirstUse;
+pub use super::settled_lines::ShowProgress;
+use super::settled_lines::{Meter, Others, SettledLines, read_settled, rewrite_in_order};
 use super::{DataError, SampleId};
 
 #[derive(Debug, Clone)]
@@ -40,16 +42,6 @@ pub struct RegenerateOptions {
     pub ignore_eos: bool,
     pub template_kwargs: Map<String, Value>,
     pub progress: ShowProgress,
-}
-
-/// How a run says how far it is.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum ShowProgress {
-    /// A bar with conversations/s, tokens/s and the time left (a terminal).
-    Bar,
-    /// A log line this often (a pipe or file, the built-in data before training).
-    Lines(Duration),
-    Off,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -136,28 +128,14 @@ fn written_line(line: &str) -> Option<(SampleId, Value)> {
 /// Reads the ids already written to `out`, each with the token limit a reply of it was cut at (if one was), dropping a
 /// torn last line left by an interrupted run.
 fn resume_point(out: &Path) -> Result<HashMap<SampleId, Option<u64>>, DataError> {
-    let io = |err| DataError::Io { path: out.to_path_buf(), err };
     let mut done = HashMap::new();
-    if !out.exists() {
-        return Ok(done);
-    }
-    let text = std::fs::read_to_string(out).map_err(io)?;
-    let mut good_len = 0;
-    for line in text.split_inclusive('\n') {
-        let complete = line.ends_with('\n');
-        match (complete, written_line(line)) {
-            (true, Some((id, v))) => {
-                done.insert(id, v.get(CUT_AT).and_then(Value::as_u64));
-                good_len += line.len();
-            }
-            _ => break,
+    read_settled(out, |line| match written_line(line) {
+        Some((id, v)) => {
+            done.insert(id, v.get(CUT_AT).and_then(Value::as_u64));
+            true
         }
-    }
-    if good_len < text.len() {
-        tracing::warn!(path = %out.display(), "dropping an incomplete last line left by an interrupted run");
-        let f = std::fs::OpenOptions::new().write(true).open(out).map_err(io)?;
-        f.set_len(good_len as u64).map_err(io)?;
-    }
+        None => false,
+    })?;
     Ok(done)
 }
 
@@ -221,62 +199,17 @@ fn pending(opts: &RegenerateOptions) -> Result<(Vec<Conversation>, RegenerateRep
 /// Rewrites `out` without the lines of the ids in `drop`, through a temporary file that replaces it once complete.
 fn without_lines(out: &Path, drop: &HashSet<&SampleId>) -> Result<(), DataError> {
     let io = |path: &Path, err| DataError::Io { path: path.to_path_buf(), err };
-    let text = std::fs::read_to_string(out).map_err(|e| io(out, e))?;
-    let kept: String = (text.split_inclusive('\n'))
-        .filter(|line| !written_line(line).is_some_and(|(id, _)| drop.contains(&id)))
-        .collect();
     let tmp = out.with_extension("redo.tmp");
-    std::fs::write(&tmp, kept).map_err(|e| io(&tmp, e))?;
-    std::fs::rename(&tmp, out).map_err(|e| io(out, e))
-}
-
-/// Rewrites `out` with its lines in the order of `order` (the input's ids); lines of ids not in it follow, in the
-/// order found. The lines are copied as they are, by their place in the file (only ids and offsets are held in
-/// memory), into a temporary file that replaces `out` once complete: an interrupted rewrite leaves `out` as it was.
-/// A file already in order is left alone.
-fn in_input_order(out: &Path, order: &[SampleId]) -> Result<(), DataError> {
-    use std::os::unix::fs::FileExt;
-    let io = |path: &Path, err| DataError::Io { path: path.to_path_buf(), err };
-    let file = match std::fs::File::open(out) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io(out, e)),
-    };
-    // Each line's id, where it starts and its length (newline included).
-    let mut lines: Vec<(Option<SampleId>, u64, usize)> = Vec::new();
-    let (mut reader, mut offset, mut text) = (std::io::BufReader::new(&file), 0u64, String::new());
-    loop {
-        text.clear();
-        let n = reader.read_line(&mut text).map_err(|e| io(out, e))?;
-        if n == 0 {
-            break;
+    let mut kept = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?);
+    let mut written = Ok(());
+    // Every line is taken (a write error is kept for after, never a reason to cut `out`).
+    read_settled(out, |line| {
+        if written.is_ok() && !written_line(line).is_some_and(|(id, _)| drop.contains(&id)) {
+            written = kept.write_all(line.as_bytes());
         }
-        lines.push((written_line(&text).map(|(id, _)| id), offset, n));
-        offset += n as u64;
-    }
-    let rank: std::collections::HashMap<&SampleId, usize> = order.iter().enumerate().map(|(i, id)| (id, i)).collect();
-    let place = |line: &(Option<SampleId>, u64, usize)| line.0.as_ref().and_then(|id| rank.get(id).copied());
-    let mut sorted: Vec<usize> = (0..lines.len()).collect();
-    // Stable: lines of unknown ids keep their order after the others.
-    sorted.sort_by_key(|&i| place(&lines[i]).unwrap_or(usize::MAX));
-    if sorted.iter().enumerate().all(|(at, &i)| at == i) {
-        return Ok(());
-    }
-    let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
-    let tmp = out.with_file_name(format!(".{name}.ordering"));
-    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?);
-    let mut buf = Vec::new();
-    for &i in &sorted {
-        let (_, at, len) = lines[i];
-        buf.resize(len, 0);
-        file.read_exact_at(&mut buf, at).map_err(|e| io(out, e))?;
-        if !buf.ends_with(b"\n") {
-            buf.push(b'\n');
-        }
-        w.write_all(&buf).map_err(|e| io(&tmp, e))?;
-    }
-    let written = w.into_inner().map_err(|e| io(&tmp, e.into_error()))?;
-    written.sync_all().map_err(|e| io(&tmp, e))?;
+        true
+    })?;
+    written.and_then(|()| kept.flush()).map_err(|e| io(&tmp, e))?;
     std::fs::rename(&tmp, out).map_err(|e| io(out, e))
 }
 
@@ -338,93 +271,6 @@ where
         replies.push(reply);
     }
     Ok(Regenerated { line: output_line(conv, messages), answered: answer_last, replies })
-}
-
-/// Appends finished conversations to the output, one flushed line each.
-struct OutputLines {
-    path: PathBuf,
-    file: std::fs::File,
-}
-
-impl OutputLines {
-    fn open(path: &Path) -> Result<Self, DataError> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|err| DataError::Io { path: path.to_path_buf(), err })?;
-        Ok(OutputLines { path: path.to_path_buf(), file })
-    }
-    fn write(&mut self, line: &Value) -> Result<(), DataError> {
-        let mut text = line.to_string();
-        text.push('\n');
-        self.file
-            .write_all(text.as_bytes())
-            .and_then(|()| self.file.flush())
-            .map_err(|err| DataError::Io { path: self.path.clone(), err })
-    }
-}
-
-/// How far the run is: conversations and tokens per second and the time left, as a bar or as log lines.
-struct Meter {
-    show: ShowProgress,
-    bar: indicatif::ProgressBar,
-    total: u64,
-    done: u64,
-    tokens: u64,
-    started: Instant,
-    last_line: Instant,
-}
-
-impl Meter {
-    fn new(show: ShowProgress, total: u64) -> Self {
-        let bar = match show {
-            ShowProgress::Bar => {
-                let bar = indicatif::ProgressBar::new(total);
-                bar.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{spinner} answering [{elapsed_precise}] {wide_bar} {pos}/{len} conversations, {per_sec}, \
-                         {msg} (eta {eta})",
-                    )
-                    .expect("valid template"),
-                );
-                bar
-            }
-            _ => indicatif::ProgressBar::hidden(),
-        };
-        let now = Instant::now();
-        Meter { show, bar, total, done: 0, tokens: 0, started: now, last_line: now }
-    }
-
-    /// One conversation more is settled, with `tokens` generated for it.
-    fn add(&mut self, tokens: u64) {
-        self.done += 1;
-        self.tokens += tokens;
-        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
-        let tokens_per_s = self.tokens as f64 / seconds;
-        match self.show {
-            ShowProgress::Bar => {
-                self.bar.set_message(format!("{tokens_per_s:.0} tokens/s"));
-                self.bar.inc(1);
-            }
-            ShowProgress::Lines(every) if self.last_line.elapsed() >= every => {
-                self.last_line = Instant::now();
-                let rate = self.done as f64 / seconds;
-                let left = (self.total - self.done.min(self.total)) as f64 / rate.max(1e-9);
-                tracing::info!(
-                    "answering: {}/{} conversations, {rate:.1}/s, {tokens_per_s:.0} tokens/s, about {:.0} s left",
-                    self.done,
-                    self.total,
-                    left
-                );
-            }
-            _ => {}
-        }
-    }
-
-    fn finish(&self) {
-        self.bar.finish_and_clear();
-    }
 }
 
 fn record_failure(report: &mut RegenerateReport, id: &SampleId, e: &str) {
@@ -705,9 +551,9 @@ where
     F: Fn(&Conversation, Vec<Value>, u64) -> Fut,
     Fut: std::future::Future<Output = Result<Reply, Failure>>,
 {
-    let out = Mutex::new(OutputLines::open(&opts.out)?);
+    let out = Mutex::new(SettledLines::open(&opts.out)?);
     let report = Mutex::new(report);
-    let meter = Mutex::new(Meter::new(opts.progress, todo.len() as u64));
+    let meter = Mutex::new(Meter::new(opts.progress, "answering", todo.len() as u64));
     let (unreachable_in_a_row, gone) = (AtomicU64::new(0), AtomicBool::new(false));
     let respond = &respond;
     let results = futures::stream::iter(todo.into_iter().map(|conv| {
@@ -718,7 +564,7 @@ where
                 Plan::Answer { replace, answer_last } => (replace, answer_last),
                 Plan::Skip(why) => {
                     report.lock().expect("report lock").skip(why);
-                    meter.lock().expect("meter lock").add(0);
+                    meter.lock().expect("meter lock").add(1, 0);
                     return Ok(());
                 }
             };
@@ -751,7 +597,7 @@ where
                     w
                 }
             };
-            meter.lock().expect("meter lock").add(tokens);
+            meter.lock().expect("meter lock").add(1, tokens);
             written
         }
     }))
@@ -762,7 +608,7 @@ where
     meter.finish();
     results.into_iter().collect::<Result<Vec<()>, DataError>>()?;
     drop(out);
-    in_input_order(&opts.out, order)?;
+    rewrite_in_order(&opts.out, order, Others::Keep)?;
     let mut report = report.into_inner().expect("report lock");
     report.seconds = meter.started.elapsed().as_secs_f64();
     Ok(report)
@@ -824,6 +670,7 @@ impl RegenerateReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     fn conversation(roles: &[&str]) -> Conversation {
         let messages: Vec<Value> = roles.iter().map(|r| json!({"role": r, "content": format!("{r} says")})).collect();
@@ -927,28 +774,5 @@ mod tests {
         assert!(text.contains("1 cut at --max-tokens") && text.contains("higher --max-tokens to redo"), "{text}");
         assert!(text.contains("the server stopped answering") && text.contains("once it is back"), "{text}");
         assert!(report.incomplete());
-    }
-
-    #[test]
-    fn the_output_is_put_in_the_input_order_lines_unknown_to_it_last() {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path().join("out.jsonl");
-        let line = |id: Value| format!("{}\n", json!({"id": id, "messages": [{"role": "user", "content": "é"}]}));
-        // Finished in another order than the input's, with a line of an id the input no longer has, and a last line
-        // without its newline.
-        let written = [line(json!("b")), line(json!(7)), line(json!("gone")), line(json!("a"))].concat();
-        std::fs::write(&out, written.trim_end()).unwrap();
-        let order = [SampleId::parse("a"), SampleId::Number(7), SampleId::parse("b"), SampleId::parse("never")];
-        in_input_order(&out, &order).unwrap();
-        let expected = [line(json!("a")), line(json!(7)), line(json!("b")), line(json!("gone"))].concat();
-        assert_eq!(std::fs::read_to_string(&out).unwrap(), expected);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
-        // In order already: not rewritten.
-        let before = std::fs::metadata(&out).unwrap().modified().unwrap();
-        std::thread::sleep(Duration::from_millis(20));
-        in_input_order(&out, &order).unwrap();
-        assert_eq!(std::fs::metadata(&out).unwrap().modified().unwrap(), before);
-        // No output yet: nothing to do.
-        in_input_order(&dir.path().join("none.jsonl"), &order).unwrap();
     }
 }

@@ -50,6 +50,12 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The ids of the special tokens the tokenizer declares (`<|im_start|>`, `<|im_end|>`, ...): text a person types
+    /// never holds them.
+    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
+        self.inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect()
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -5,13 +5,16 @@
 //! so the tests can drive it without a model.
 use std::collections::VecDeque;
 
-/// One sequence to generate: its prompt, the most tokens it may add, and whatever the caller tags it with (where its
-/// answer goes).
+use super::sampling::Sampling;
+
+/// One sequence to generate: its prompt, the most tokens it may add, how and with what seed it draws them, and
+/// whatever the caller tags it with (where its answer goes).
 #[derive(Debug)]
 pub struct Job<T> {
     pub prompt: Vec<i64>,
     pub limit: usize,
     pub seed: u64,
+    pub sampling: Sampling,
     pub tag: T,
 }
 
@@ -22,12 +25,14 @@ pub struct Done<T> {
     pub tag: T,
 }
 
-/// Prompts to prefill together, right-padded to the longest: the rows they take and their jobs' prompts and seeds.
-#[derive(Debug, Clone, PartialEq)]
+/// Prompts to prefill together, right-padded to the longest: the rows they take and their jobs' prompts, seeds and
+/// samplings.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Prefill {
     pub rows: Vec<usize>,
     pub prompts: Vec<Vec<i64>>,
     pub seeds: Vec<u64>,
+    pub samplings: Vec<Sampling>,
 }
 
 impl Prefill {
@@ -44,6 +49,8 @@ pub struct StepInput {
     pub tokens: Vec<i64>,
     pub positions: Vec<i64>,
     pub seeds: Vec<u64>,
+    /// How each row draws (free rows: greedy).
+    pub samplings: Vec<Sampling>,
     /// Tokens generated so far per row: the step index of the token drawn next.
     pub steps: Vec<i64>,
     /// The keys every row's attention reads (a multiple of `key_bucket` covering each row's position).
@@ -119,12 +126,13 @@ impl<T> Schedule<T> {
         for (row, job) in taken {
             let fits = prefills.last().is_some_and(|p| (p.rows.len() + 1) * job.prompt.len() <= self.prefill_tokens);
             if !fits {
-                prefills.push(Prefill { rows: vec![], prompts: vec![], seeds: vec![] });
+                prefills.push(Prefill::default());
             }
             let p = prefills.last_mut().expect("pushed above");
             p.rows.push(row);
             p.prompts.push(job.prompt.clone());
             p.seeds.push(job.seed);
+            p.samplings.push(job.sampling);
             self.rows[row] = Some(Row { job, generated: Vec::new() });
         }
         prefills
@@ -161,6 +169,7 @@ impl<T> Schedule<T> {
             tokens: vec![0; rows],
             positions: vec![0; rows],
             seeds: vec![0; rows],
+            samplings: vec![Sampling::Greedy; rows],
             steps: vec![0; rows],
             keys: 0,
         };
@@ -172,6 +181,7 @@ impl<T> Schedule<T> {
             input.tokens[r] = *row.generated.last().expect("a generating row has its first token");
             input.positions[r] = position;
             input.seeds[r] = row.job.seed;
+            input.samplings[r] = row.job.sampling;
             input.steps[r] = row.generated.len() as i64;
             input.keys = input.keys.max(position + 1);
         }
@@ -182,6 +192,16 @@ impl<T> Schedule<T> {
     /// A step's tokens, one per row of its input (free rows' ignored).
     pub fn stepped(&mut self, tokens: &[i64]) -> Vec<Done<T>> {
         self.record(tokens.iter().copied().enumerate())
+    }
+
+    /// Drops the jobs, running or waiting, whose tag says nobody waits for them any more (their rows free for others).
+    pub fn cancel(&mut self, gone: impl Fn(&T) -> bool) {
+        for row in &mut self.rows {
+            if row.as_ref().is_some_and(|r| gone(&r.job.tag)) {
+                *row = None;
+            }
+        }
+        self.queue.retain(|j| !gone(&j.tag));
     }
 
     /// Every job, running or waiting, taken out (a failure answers them all).
@@ -198,7 +218,8 @@ mod tests {
     use super::*;
 
     fn job(tag: u32, prompt_len: usize, limit: usize) -> Job<u32> {
-        Job { prompt: (0..prompt_len as i64).map(|i| 100 + i).collect(), limit, seed: tag as u64, tag }
+        let prompt = (0..prompt_len as i64).map(|i| 100 + i).collect();
+        Job { prompt, limit, seed: tag as u64, sampling: Sampling::Greedy, tag }
     }
 
     /// Rows refill from the queue as sequences end, several at once once enough rows are free; every step feeds
@@ -244,6 +265,25 @@ mod tests {
         rows.sort();
         assert_eq!(rows, vec![3, 5]);
         assert_eq!(s.queued(), 2);
+    }
+
+    /// Jobs nobody waits for any more are dropped, running or queued, and their rows refilled.
+    #[test]
+    fn cancelled_jobs_free_their_rows() {
+        let mut s: Schedule<u32> = Schedule::new(2, vec![], 1000, 4);
+        for tag in 0..4 {
+            s.submit(job(tag, 2, 5));
+        }
+        for p in s.admit() {
+            s.started(&p, &vec![1; p.rows.len()]);
+        }
+        assert_eq!((s.active(), s.queued()), (2, 2));
+        s.cancel(|&tag| tag == 0 || tag == 3);
+        assert_eq!((s.active(), s.queued()), (1, 1));
+        let prefills = s.admit();
+        assert_eq!(prefills.len(), 1);
+        assert_eq!(prefills[0].rows, vec![0], "job 2 takes the row job 0 left");
+        assert_eq!(prefills[0].seeds, vec![2]);
     }
 
     /// Sequences end at their limit; jobs with nothing to do are done at once; when few rows generate the step covers

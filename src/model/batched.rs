@@ -11,11 +11,11 @@
 use std::sync::mpsc::Receiver;
 
 use futures::channel::oneshot;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::attention::{CONTEXT_BUCKET, context_bucket};
 use super::batch_schedule::{Done, Job, Prefill, Schedule};
-use super::sampling::{Sampling, pick_tokens};
+use super::sampling::{DrawKind, RowDraws, Sampling, pick_tokens};
 use super::{KvCache, ModelError, Target};
 use crate::ffi::graph::CudaGraph;
 
@@ -27,10 +27,11 @@ const PREFILL_TOKENS: usize = 16_384;
 pub struct BatchSettings {
     /// Sequences decoded at once (cache rows).
     pub batch: usize,
-    /// Most tokens a sequence adds (fewer where the model's positions end).
+    /// Most tokens a sequence adds (fewer where the model's positions end), unless its request says.
     pub max_new: usize,
     /// Tokens that end a sequence (returned with it).
     pub stop: Vec<i64>,
+    /// How tokens are drawn, unless a request says.
     pub sampling: Sampling,
     /// Replay the steps from CUDA graphs where they apply (a dense target on one GPU).
     pub cuda_graphs: bool,
@@ -41,6 +42,9 @@ pub struct Request {
     pub prompt: Vec<i64>,
     /// Draws its sampled tokens ([`pick_tokens`]).
     pub seed: u64,
+    /// Its own way of drawing and token limit, in place of the generator's ([`BatchSettings`]).
+    pub sampling: Option<Sampling>,
+    pub max_new: Option<usize>,
     pub reply: ReplyTo,
 }
 
@@ -54,14 +58,21 @@ impl Request {
     /// A request for `prompt`'s continuation, and where it arrives.
     pub fn new(prompt: Vec<i64>, seed: u64) -> (Request, Answer) {
         let (reply, answer) = oneshot::channel();
-        (Request { prompt, seed, reply }, answer)
+        (Request { prompt, seed, sampling: None, max_new: None, reply }, answer)
+    }
+
+    /// This request drawn with `sampling`, up to `max_new` tokens, whatever the generator's settings.
+    pub fn drawn(self, sampling: Sampling, max_new: usize) -> Request {
+        Request { sampling: Some(sampling), max_new: Some(max_new), ..self }
     }
 }
 
-/// A step shape's captured graph: its inputs, written before each replay, and where it writes the chosen tokens.
+/// A step shape's captured graph (per kind of draw): its inputs, written before each replay, and where it writes the
+/// chosen tokens.
 struct Captured {
     rows: usize,
     keys: i64,
+    draw: DrawKind,
     graph: CudaGraph,
     inputs: StepTensors,
     picked: Tensor,
@@ -71,8 +82,7 @@ struct Captured {
 struct StepTensors {
     ids: Tensor,
     positions: Tensor,
-    seeds: Tensor,
-    steps: Tensor,
+    draws: RowDraws,
 }
 
 /// See the module documentation.
@@ -152,6 +162,8 @@ impl<'a> BatchGenerator<'a> {
                     Err(std::sync::mpsc::TryRecvError::Disconnected) => open = false,
                 }
             }
+            // Sequences nobody waits for any more (a caller that has what it needs) stop here.
+            schedule.cancel(oneshot::Sender::is_canceled);
             for prefill in schedule.admit() {
                 // The prompt, and the position its first step writes.
                 self.ensure_capacity(prefill.width() as i64 + 1)?;
@@ -170,8 +182,10 @@ impl<'a> BatchGenerator<'a> {
 
     fn submit(&self, schedule: &mut Schedule<ReplyTo>, request: Request, positions: usize) {
         // Past the model's positions a sequence ends where it is, as a length limit does.
-        let limit = self.settings.max_new.min(positions.saturating_sub(request.prompt.len()));
-        let job = Job { limit, prompt: request.prompt, seed: request.seed, tag: request.reply };
+        let wanted = request.max_new.unwrap_or(self.settings.max_new);
+        let limit = wanted.min(positions.saturating_sub(request.prompt.len()));
+        let sampling = request.sampling.unwrap_or(self.settings.sampling);
+        let job = Job { limit, prompt: request.prompt, seed: request.seed, sampling, tag: request.reply };
         if let Some(done) = schedule.submit(job) {
             answer(vec![done]);
         }
@@ -215,9 +229,8 @@ impl<'a> BatchGenerator<'a> {
         let rows = Tensor::f_from_slice(&rows)?.f_to(device)?;
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a prefill".into()))?;
         let logits = self.target.prefill_rows(&ids, &lengths, &rows, cache)?;
-        let seeds = seed_tensor(&prefill.seeds)?.f_to(device)?;
-        let steps = Tensor::f_zeros([prefill.rows.len() as i64], (Kind::Int64, device))?;
-        Ok(Vec::try_from(pick_tokens(&logits, self.settings.sampling, &seeds, &steps)?.f_to(tch::Device::Cpu)?)?)
+        let draws = RowDraws::new(&prefill.samplings, &prefill.seeds, &vec![0; prefill.rows.len()])?.to(device)?;
+        Ok(Vec::try_from(pick_tokens(&logits, &draws)?.f_to(tch::Device::Cpu)?)?)
     }
 
     /// Runs one step: the token each row of `input` draws.
@@ -226,15 +239,13 @@ impl<'a> BatchGenerator<'a> {
         let host = StepTensors {
             ids: Tensor::f_from_slice(&input.tokens)?.f_view([input.rows as i64, 1])?,
             positions: Tensor::f_from_slice(&input.positions)?,
-            seeds: seed_tensor(&input.seeds)?,
-            steps: Tensor::f_from_slice(&input.steps)?,
+            draws: RowDraws::new(&input.samplings, &input.seeds, &input.steps)?,
         };
-        let sampling = self.settings.sampling;
         let target = self.target;
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a step".into()))?;
         let run = |t: &StepTensors, cache: &mut KvCache| -> Result<Tensor, ModelError> {
             let logits = target.step_rows(&t.ids, &t.positions, input.keys, cache)?;
-            pick_tokens(&logits, sampling, &t.seeds, &t.steps)
+            pick_tokens(&logits, &t.draws)
         };
         let picked = if self.graphs_apply {
             match graphed_step(&mut self.graphs, target, cache, input, &host, run) {
@@ -262,13 +273,14 @@ fn graphed_step(
     host: &StepTensors,
     run: impl Fn(&StepTensors, &mut KvCache) -> Result<Tensor, ModelError>,
 ) -> Result<Tensor, ModelError> {
-    let index = match graphs.iter().position(|g| g.rows == input.rows && g.keys == input.keys) {
+    let draw = host.draws.kind;
+    let index = match graphs.iter().position(|g| g.rows == input.rows && g.keys == input.keys && g.draw == draw) {
         Some(i) => i,
         None => {
             let inputs = host.to(target.device())?;
             let (graph, picked) = CudaGraph::capture(target.device(), 2, || run(&inputs, cache))
                 .map_err(|e| ModelError::Torch(format!("capturing a step of {} rows: {e}", input.rows)))?;
-            graphs.push(Captured { rows: input.rows, keys: input.keys, graph, inputs, picked });
+            graphs.push(Captured { rows: input.rows, keys: input.keys, draw, graph, inputs, picked });
             graphs.len() - 1
         }
     };
@@ -283,24 +295,15 @@ impl StepTensors {
         Ok(StepTensors {
             ids: self.ids.f_to(device)?,
             positions: self.positions.f_to(device)?,
-            seeds: self.seeds.f_to(device)?,
-            steps: self.steps.f_to(device)?,
+            draws: self.draws.to(device)?,
         })
     }
 
     fn copy_from(&self, host: &StepTensors) -> Result<(), ModelError> {
         self.ids.shallow_clone().f_copy_(&host.ids)?;
         self.positions.shallow_clone().f_copy_(&host.positions)?;
-        self.seeds.shallow_clone().f_copy_(&host.seeds)?;
-        self.steps.shallow_clone().f_copy_(&host.steps)?;
-        Ok(())
+        self.draws.copy_from(&host.draws)
     }
-}
-
-/// Seeds as int64 bit patterns (the device hash wraps as `u64` does).
-fn seed_tensor(seeds: &[u64]) -> Result<Tensor, ModelError> {
-    let bits: Vec<i64> = seeds.iter().map(|&s| s as i64).collect();
-    Ok(Tensor::f_from_slice(&bits)?)
 }
 
 /// Sends each finished sequence's tokens (a requester that stopped waiting has nothing to receive).
@@ -317,6 +320,7 @@ mod tests {
     use crate::model::presets::tiny;
     use crate::model::{Depth, Preset};
     use tch::Device;
+    use tch::Kind;
 
     fn settings(batch: usize, max_new: usize, stop: Vec<i64>, sampling: Sampling) -> BatchSettings {
         BatchSettings { batch, max_new, stop, sampling, cuda_graphs: true }
@@ -345,7 +349,8 @@ mod tests {
         let stop = vec![tiny::IM_END];
         for preset in [Preset::TinyTasks, Preset::Tiny, Preset::TinyMoe, Preset::TinyGptOss] {
             let target = preset.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
-            for sampling in [Sampling::Greedy, Sampling::Temperature(0.9)] {
+            let nucleus = Sampling::new(0.9, 0.8).unwrap();
+            for sampling in [Sampling::Greedy, Sampling::temperature(0.9), nucleus] {
                 let alone: Vec<Vec<i64>> = (prompts.iter().enumerate())
                     .map(|(i, p)| generate(&target, p, 24, &stop, sampling, i as u64).unwrap())
                     .collect();
@@ -360,6 +365,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Requests drawing each their own way in one batch (greedy answers beside sampled questions, some cut to a
+    /// nucleus) and with their own limits get what each gets alone (f32).
+    #[test]
+    fn requests_with_their_own_draws_and_limits_get_what_they_get_alone() {
+        let prompts = prompts();
+        let target = Preset::TinyTasks.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
+        let ways = [Sampling::Greedy, Sampling::temperature(1.0), Sampling::new(1.0, 0.7).unwrap()];
+        let way = |i: usize| (ways[i % 3], 6 + 5 * (i % 4));
+        let stop = vec![tiny::IM_END];
+        let alone: Vec<Vec<i64>> = (prompts.iter().enumerate())
+            .map(|(i, p)| generate(&target, p, way(i).1, &stop, way(i).0, i as u64).unwrap())
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let answers: Vec<Answer> = (prompts.iter().enumerate())
+            .map(|(i, p)| {
+                let (request, answer) = Request::new(p.clone(), i as u64);
+                tx.send(request.drawn(way(i).0, way(i).1)).unwrap();
+                answer
+            })
+            .collect();
+        drop(tx);
+        let mut g = BatchGenerator::new(&target, settings(4, 40, stop, Sampling::Greedy)).unwrap();
+        g.serve(&rx).unwrap();
+        let together: Vec<Vec<i64>> =
+            answers.into_iter().map(|a| futures::executor::block_on(a).unwrap().unwrap()).collect();
+        assert_eq!(together, alone);
+        assert!((0..prompts.len()).all(|i| together[i].len() <= way(i).1));
     }
 
     /// A sequence's follow-up that arrives while others run, longer than the cache held: the cache grows, keeping

@@ -3,9 +3,8 @@
 //! cached step.
 use tch::{Kind, Tensor};
 
-use super::choice::greedy_tokens;
 pub use super::sampling::Sampling;
-use super::sampling::pick_tokens;
+use super::sampling::{RowDraws, pick_tokens};
 use super::{Decoder, ModelError, Target};
 
 /// Generates up to `max_new` tokens after `prompt`, stopping after any token of `stop` (which is returned with the
@@ -25,15 +24,11 @@ pub fn generate(
     }
     let mut decoder = Decoder::new(target, (prompt.len() + max_new) as i64, &[])?;
     let device = target.device();
-    let seeds = Tensor::f_from_slice(&[seed as i64])?.f_to(device)?;
     let mut step = 0i64;
     cached_generation(&mut decoder, prompt, max_new, stop, |last| {
-        let steps = Tensor::f_from_slice(&[step])?.f_to(device)?;
+        let draws = RowDraws::new(&[sampling], &[seed], &[step])?.to(device)?;
         step += 1;
-        match sampling {
-            Sampling::Greedy => Ok(greedy_tokens(last)?.f_int64_value(&[])?),
-            _ => Ok(pick_tokens(&last.f_unsqueeze(0)?, sampling, &seeds, &steps)?.f_int64_value(&[0])?),
-        }
+        Ok(pick_tokens(&last.f_unsqueeze(0)?, &draws)?.f_int64_value(&[0])?)
     })
 }
 
@@ -126,7 +121,7 @@ mod tests {
         // Stopping: with the first token as a stop token, generation ends there.
         let stopped = generate(&t, &[257, 117, 10], 6, &[first], Sampling::Greedy, 0).unwrap();
         assert_eq!(stopped, vec![first]);
-        let sampled = generate(&t, &[257, 117, 10], 6, &[], Sampling::Temperature(1.0), 1).unwrap();
-        assert_eq!(sampled, generate(&t, &[257, 117, 10], 6, &[], Sampling::Temperature(1.0), 1).unwrap());
+        let sampled = generate(&t, &[257, 117, 10], 6, &[], Sampling::temperature(1.0), 1).unwrap();
+        assert_eq!(sampled, generate(&t, &[257, 117, 10], 6, &[], Sampling::temperature(1.0), 1).unwrap());
     }
 }

@@ -48,12 +48,7 @@ impl LocalResponder {
         ignore_eos: bool,
         batch: usize,
     ) -> Self {
-        let mut stop: Vec<i64> = target.config().eos_token_ids.clone();
-        for marker in ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>"] {
-            if let Some(id) = assets.tokenizer.token_id(marker) {
-                stop.push(id as i64);
-            }
-        }
+        let mut stop = assets.stop_tokens(&target.config().eos_token_ids);
         if ignore_eos {
             stop.clear();
         }
