@@ -446,12 +446,28 @@ mod tests {
         let device = crate::ffi::graph::graph_gpu_for_tests();
         let target = Preset::TinyTasks.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
         let prompts = prompts();
-        let run = |graphs: bool| {
+        let run = |graphs: bool, mixed: bool| {
             let s = BatchSettings { cuda_graphs: graphs, ..settings(4, 30, vec![tiny::IM_END], Sampling::Greedy) };
             let mut g = BatchGenerator::new(&target, s).unwrap();
             assert_eq!(g.graphed(), graphs);
-            g.generate_all(&prompts).unwrap()
+            if !mixed {
+                return g.generate_all(&prompts).unwrap();
+            }
+            // Greedy, sampled and nucleus rows in one batch: a graph per kind of draw.
+            let ways = [Sampling::Greedy, Sampling::temperature(1.0), Sampling::new(1.0, 0.7).unwrap()];
+            let (tx, rx) = std::sync::mpsc::channel();
+            let answers: Vec<Answer> = (prompts.iter().enumerate())
+                .map(|(i, p)| {
+                    let (request, answer) = Request::new(p.clone(), i as u64);
+                    tx.send(request.drawn(ways[i % 3], 30)).unwrap();
+                    answer
+                })
+                .collect();
+            drop(tx);
+            g.serve(&rx).unwrap();
+            answers.into_iter().map(|a| futures::executor::block_on(a).unwrap().unwrap()).collect()
         };
-        assert_eq!(run(true), run(false));
+        assert_eq!(run(true, false), run(false, false));
+        assert_eq!(run(true, true), run(false, true));
     }
 }

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (BENCHMARKS.md, "A drafter from the model folder alone"): the real model of the tests
+# (SmolLM2-135M-Instruct) writes its own conversations (`dflash synthesize`), and README's recipe
+# (config/smollm2-135m.toml) trains on them. The model and the template-prompt data come from scripts/gpu-recipe.sh
+# (`part`, then `data`: /tmp/dflash-recipe/model, its 2,160 template prompts answered and prepared, the 64
+# unseen-topic prompts in heldout.jsonl); this script works in the same folder.
+#   synth COUNT [ARGS..]       synthesize COUNT conversations (+ 256 kept apart for evaluation) into synth.jsonl with
+#                              --max-tokens 256 and ARGS; its summary and time to $OUT/synth.txt
+#   train NAME DATA STEPS SEED [--set ..]
+#                              DATA: template (the 2,160 answered prompts) or synth:N (the first N synthesized
+#                              conversations); prepared once (--max-len 512), trained STEPS steps with
+#                              objective.seed SEED, alone on the GPU, then its final drafter decoded (bf16, 256 new
+#                              tokens, graphs) on the 64 unseen-topic prompts and on 64 synthesized conversations
+#                              no run trains on; the times and results to $OUT/study.jsonl
+# Results go to $OUT (or ./gpu-out).
+set -uo pipefail
+out=${OUT:-gpu-out}
+work=/tmp/dflash-recipe
+d=$work/bin/dflash
+mkdir -p "$out"
+torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
+[ -x "$d" ] && [ -d "$work/model" ] || { echo "run scripts/gpu-recipe.sh part and data first" >&2; exit 2; }
+# The evaluation conversations: the last 256 synthesized, cut before their first answer (the first 64 decoded).
+held=$work/synth-heldout.jsonl
+case "${1:-}" in
+synth)
+  count=$2
+  shift 2
+  start=$SECONDS
+  "$d" synthesize --model "$work/model" --count $((count + 256)) --out "$work/synth.jsonl" --max-tokens 256 "$@" \
+    >"$out/synth.txt" 2>"$work/synth.log"
+  code=$?
+  echo "exit $code after $((SECONDS - start)) s" >>"$out/synth.txt"
+  tail -3 "$work/synth.log" >>"$out/synth.txt"
+  python3 - "$work/synth.jsonl" "$held" <<'PY'
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()[-256:]
+with open(sys.argv[2], "w") as f:
+    for l in lines:
+        m = json.loads(l)["messages"]
+        first = next(i for i, x in enumerate(m) if x["role"] == "assistant")
+        f.write(json.dumps({"messages": m[:first]}) + "\n")
+PY
+  cat "$out/synth.txt"
+  ;;
+train)
+  name=$2 data=$3 steps=$4 seed=$5
+  shift 5
+  case "$data" in
+  template) prepared=$work/data ;;
+  synth:*)
+    n=${data#synth:}
+    prepared=$work/data-synth-$n
+    if [ ! -d "$prepared" ]; then
+      head -n "$n" "$work/synth.jsonl" >"$work/synth-$n.jsonl"
+      start=$SECONDS
+      "$d" prepare --model "$work/model" --input "$work/synth-$n.jsonl" --out "$prepared" --max-len 512 \
+        --holdout 0 2>&1 | tail -2 >>"$out/prepare.txt"
+      echo "prepare synth:$n in $((SECONDS - start)) s" >>"$out/prepare.txt"
+    fi
+    ;;
+  *) echo "DATA: template or synth:N, not $data" >&2; exit 2 ;;
+  esac
+  r=$work/runs/$name
+  rm -rf "$r" && mkdir -p "$r"
+  start=$SECONDS
+  "$d" serve-train --config config/smollm2-135m.toml --set "target.model=$work/model" --set "data.path=$prepared" \
+    --set "data.ledger=$r/ledger.jsonl" --set "checkpoint.dir=$r" --set control.listen=off \
+    --set "objective.seed=$seed" --set "optim.max_steps=$steps" --set "eval.prompts=$held" \
+    --set checkpoint.every_steps=0 --set eval.every_steps=0 "$@" >"$r/train.log" 2>&1
+  code=$?
+  train_s=$((SECONDS - start))
+  grep -E "evaluation|run complete|ERROR|CUDA error" "$r/train.log" | cut -c1-300 >>"$out/train-$name.txt"
+  for prompts in heldout synth; do
+    file=$work/heldout.jsonl
+    [ "$prompts" = synth ] && { head -n 64 "$held" >"$work/synth-heldout-64.jsonl"; file=$work/synth-heldout-64.jsonl; }
+    start=$SECONDS
+    result=$("$d" eval --decode --target "$work/model" --drafter "$r/final" --prompts "$file" --max-new-tokens 256 \
+      --json 2>>"$out/eval.stderr" | tail -1)
+    python3 -c 'import json, sys; r = dict(zip(sys.argv[1::2], sys.argv[2::2])); r["eval"] = json.loads(r["eval"] or "null"); print(json.dumps(r))' \
+      run "$name" data "$data" steps "$steps" seed "$seed" set "$*" exit "$code" train_s "$train_s" prompts "$prompts" \
+      eval_s "$((SECONDS - start))" eval "$result" | tee -a "$out/study.jsonl"
+  done
+  ;;
+*) echo "usage: $0 synth COUNT [ARGS..] | train NAME DATA STEPS SEED [--set ..]" >&2; exit 2 ;;
+esac
