@@ -170,3 +170,89 @@ fn a_short_serve_train_lowers_the_loss_and_its_drafter_decodes_losslessly() {
     assert_eq!(report["token_match_rate"], 1.0, "{report}");
     assert_eq!(report["prompts"], 3, "{report}");
 }
+
+/// The train/serve consistency oracle (the field's most reported defect is good training metrics and poor served
+/// acceptance: SpecForge #455 and #533, speculators #613). A drafter overfitted for a few steps on the target's own
+/// greedy continuations of the fixture's prompts (so its blocks accept 1, 2, 3 and more tokens) decodes each prompt
+/// speculatively; the anchors that decode visited (the prompt's end, then each bonus token's position) are then scored
+/// teacher-forced, one block at a time, on the row of prompt and continuation, exactly as training's evaluation
+/// scores them, and every block must accept the same number of tokens both ways (f32, CPU, the real model). A block
+/// at the end of the continuation is compared up to its last token: decoding yields no token past the token limit,
+/// nor a bonus token after an accepted end of turn, where teacher forcing counts the anchor's slot as one.
+#[test]
+fn decoded_blocks_accept_what_teacher_forcing_at_their_anchors_accepts() {
+    use dflash::model::speculative::{DFlashProposer, speculative};
+    use dflash::model::{Decoder, Drafter, DrafterConfig, Init};
+    use dflash::train::step::{FrozenHeads, evaluate_at};
+    use dflash::train::{FeatureBatch, ObjectiveSettings, Optimizer, OptimizerKind, Trainer, UpdateSettings};
+
+    const BS: usize = 6;
+    const NEW: usize = 40;
+    let taps = [1, 8, 15, 22, 29];
+    let target = Target::load(&model_dir(), &taps, Depth::Full, Device::Cpu, Kind::Float).unwrap();
+    let stop = target.config().eos_token_ids.clone();
+    let prompts: Vec<Vec<i64>> =
+        fixture()["greedy"].as_array().unwrap().iter().map(|g| ids(&g["prompt_ids"])).collect();
+    // Each prompt with the target's own continuation, supervised after the prompt.
+    let rows: Vec<(Vec<i64>, Vec<u8>)> = (prompts.iter())
+        .map(|p| {
+            let mut row = p.clone();
+            row.extend(generate(&target, p, NEW, &stop, Sampling::Greedy, 0).unwrap());
+            let mask = (0..row.len()).map(|i| u8::from(i >= p.len())).collect();
+            (row, mask)
+        })
+        .collect();
+    let features = FeatureBatch::capture(
+        &target,
+        (0..rows.len() as u64).collect(),
+        0,
+        rows.iter().map(|r| r.0.clone()).collect(),
+        rows.iter().map(|r| r.1.clone()).collect(),
+        (Device::Cpu, Kind::Float),
+        false,
+    )
+    .unwrap();
+    let cfg = DrafterConfig::for_target(target.config(), 1, None, BS, taps.to_vec(), 2).unwrap();
+    let drafter = Drafter::new(cfg, Device::Cpu, Kind::Float, Init::Portable(3)).unwrap();
+    let optimizer = Optimizer::new(drafter.params(), OptimizerKind::AdamW).unwrap();
+    let (embed, lm_head) = (target.embed_tokens().shallow_clone(), target.lm_head().shallow_clone());
+    let objective = ObjectiveSettings::new(40, BS, None, 2);
+    let mut trainer = Trainer::new(drafter, optimizer, embed, lm_head, objective.clone(), 0);
+    let update = UpdateSettings {
+        adamw: dflash::ffi::accel::AdamwStep { lr: 3e-3, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-8 },
+        grad_clip: Some(1.0),
+        muon: None,
+    };
+    for _ in 0..80 {
+        trainer.train_step(std::slice::from_ref(&features), &update).unwrap();
+    }
+    let drafter = &trainer.drafter;
+    let heads =
+        FrozenHeads { embed: &target.embed_tokens().shallow_clone(), lm_head: &target.lm_head().shallow_clone() };
+    let mut proposer = DFlashProposer::new(drafter, &target, 256, false).unwrap();
+    let mut seen = std::collections::BTreeMap::<usize, usize>::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let out = speculative(&mut Decoder::new(&target, 256, &[]).unwrap(), &mut proposer, BS, p, NEW, &stop).unwrap();
+        assert_eq!(out.tokens, rows[i].0[p.len()..], "prompt {i}: speculative output is the greedy continuation");
+        // Block k's anchor: the position of the last token before its drafted ones.
+        let mut anchor = p.len();
+        for (k, &kept) in out.accepted.iter().enumerate() {
+            // A step yields at most the tokens left in the row after the anchor (to the token limit, or to the end
+            // of turn: a drafted end of turn that is accepted ends the generation with no bonus token after it).
+            let limit = BS.min(rows[i].0.len() - 1 - anchor);
+            let mut at = vec![Vec::new(); rows.len()];
+            at[i].push(anchor);
+            let scored = evaluate_at(drafter, &heads, &objective, &features, &at).unwrap();
+            assert_eq!(scored.blocks, 1.0, "prompt {i}, block {k} at {anchor}: one block scored");
+            let forced = (scored.accepted as usize).min(limit);
+            assert_eq!(
+                kept, forced,
+                "prompt {i}, block {k} at anchor {anchor}: decoded {kept}, teacher-forced {forced}"
+            );
+            *seen.entry(kept).or_default() += 1;
+            anchor += kept;
+        }
+    }
+    eprintln!("decoded blocks by tokens kept: {seen:?}");
+    assert!(seen.len() >= 3 && seen.keys().any(|&k| k >= 3), "blocks of several lengths compared: {seen:?}");
+}

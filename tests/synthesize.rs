@@ -75,7 +75,8 @@ fn a_continued_run_writes_what_one_run_writes() {
         .output()
         .unwrap();
     ok(o);
-    let manifest: Value = serde_json::from_str(&std::fs::read_to_string(prepared.join("manifest.json")).unwrap()).unwrap();
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(prepared.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest["report"]["lines"], 24, "{manifest}");
     assert_eq!(manifest["report"]["bad_lines"], serde_json::json!({}), "{manifest}");
 }
@@ -99,7 +100,8 @@ fn topics_and_system_prompts() {
         assert_eq!(l["messages"][0]["content"], "You answer in one line.", "{l}");
         assert!(!l["messages"].to_string().contains("request about"), "the steering prompt is not kept: {l}");
     }
-    let seen: std::collections::HashSet<&str> = kept.iter().map(|l| l["synthesis"]["topic"].as_str().unwrap()).collect();
+    let seen: std::collections::HashSet<&str> =
+        kept.iter().map(|l| l["synthesis"]["topic"].as_str().unwrap()).collect();
     assert_eq!(seen.len(), 2);
 }
 
@@ -108,7 +110,10 @@ fn topics_and_system_prompts() {
 fn errors_name_the_input_and_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("base-model");
-    ok(Command::new(BIN).args(["export", "--preset", "tiny-tasks", "--out", folder.to_str().unwrap()]).output().unwrap());
+    ok(Command::new(BIN)
+        .args(["export", "--preset", "tiny-tasks", "--out", folder.to_str().unwrap()])
+        .output()
+        .unwrap());
     let config = folder.join("tokenizer_config.json");
     let mut tokenizer_config: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     tokenizer_config.as_object_mut().unwrap().remove("chat_template");

@@ -251,8 +251,20 @@ pub fn evaluate_batch(
     objective: &ObjectiveSettings,
     batch: &FeatureBatch,
 ) -> Result<Metrics, TrainError> {
+    evaluate_at(drafter, heads, objective, batch, &batch.anchors(|mask, _| valid_anchors(mask)))
+}
+
+/// Scores `drafter` at the given anchors of each row (ascending, each valid: `loss_mask[a] = loss_mask[a + 1] = 1`),
+/// `objective.num_anchors` blocks a pass; nothing is updated. One anchor alone gives that block's teacher-forced
+/// acceptance length (`Metrics::accepted`): what the consistency oracle compares with decoding.
+pub fn evaluate_at(
+    drafter: &Drafter,
+    heads: &FrozenHeads,
+    objective: &ObjectiveSettings,
+    batch: &FeatureBatch,
+    all: &[Vec<usize>],
+) -> Result<Metrics, TrainError> {
     check(drafter, objective, batch)?;
-    let all = batch.anchors(|mask, _| valid_anchors(mask));
     let per_pass = objective.num_anchors.max(1);
     let passes = all.iter().map(|a| a.len().div_ceil(per_pass)).max().unwrap_or(0);
     let mut total = Metrics::default();

@@ -444,13 +444,13 @@ mod tests {
             Want::UserTurn => Generated {
                 text: (0..3).map(|i| WORDS[(splitmix64(s + i) % 5) as usize]).collect::<Vec<_>>().join(" ") + "?",
                 tokens: 6,
-                ended: s % 11 != 0,
-                special: s % 13 == 0,
+                ended: !s.is_multiple_of(11),
+                special: s.is_multiple_of(13),
             },
             Want::Answer => {
                 let last = ask.messages.last().and_then(|m| m["content"].as_str()).unwrap_or_default();
-                let text = if s % 7 == 0 { String::new() } else { format!("About {last}") };
-                Generated { text, tokens: 9, ended: s % 5 != 0, special: false }
+                let text = if s.is_multiple_of(7) { String::new() } else { format!("About {last}") };
+                Generated { text, tokens: 9, ended: !s.is_multiple_of(5), special: false }
             }
         }
     }
@@ -528,9 +528,11 @@ mod tests {
             assert!(reasons.contains(reason), "{reasons:?}");
         }
         // Requests of one conversation differ from every earlier kept one.
-        let requests: Vec<&str> = kept.iter().map(|l| l["messages"].as_array().unwrap()).map(|m| {
-            m.iter().find(|m| m["role"] == "user").unwrap()["content"].as_str().unwrap()
-        }).collect();
+        let requests: Vec<&str> = kept
+            .iter()
+            .map(|l| l["messages"].as_array().unwrap())
+            .map(|m| m.iter().find(|m| m["role"] == "user").unwrap()["content"].as_str().unwrap())
+            .collect();
         assert_eq!(requests.iter().collect::<HashSet<_>>().len(), requests.len());
         // Some conversations have several turns, some a system prompt, some an answer cut at its limit.
         assert!(kept.iter().any(|l| l["synthesis"]["turns"].as_u64() > Some(1)));
@@ -549,27 +551,31 @@ mod tests {
         for kill_after in (1..60).step_by(3) {
             let mut first = Synthesis::new(settings(40, (1, 2)), []);
             let before = drive(&mut first, 2, Some(kill_after));
-            let earlier: Vec<Earlier> = before
+            let earlier: Vec<Earlier> =
+                before
+                    .iter()
+                    .map(|o| match o {
+                        Outcome::Accepted { attempt, line } => Earlier::Accepted {
+                            attempt: *attempt,
+                            request: line["messages"].as_array().unwrap().iter().find(|m| m["role"] == "user").unwrap()
+                                ["content"]
+                                .as_str()
+                                .unwrap()
+                                .to_string(),
+                        },
+                        Outcome::Rejected { attempt, line } => Earlier::Rejected {
+                            attempt: *attempt,
+                            request: line["request"].as_str().unwrap().to_string(),
+                            indexed: line["indexed"] == true,
+                        },
+                    })
+                    .collect();
+            let settled: HashSet<u64> = before
                 .iter()
                 .map(|o| match o {
-                    Outcome::Accepted { attempt, line } => Earlier::Accepted {
-                        attempt: *attempt,
-                        request: line["messages"].as_array().unwrap().iter().find(|m| m["role"] == "user").unwrap()
-                            ["content"]
-                            .as_str()
-                            .unwrap()
-                            .to_string(),
-                    },
-                    Outcome::Rejected { attempt, line } => Earlier::Rejected {
-                        attempt: *attempt,
-                        request: line["request"].as_str().unwrap().to_string(),
-                        indexed: line["indexed"] == true,
-                    },
+                    Outcome::Accepted { attempt, .. } | Outcome::Rejected { attempt, .. } => *attempt,
                 })
                 .collect();
-            let settled: HashSet<u64> = before.iter().map(|o| match o {
-                Outcome::Accepted { attempt, .. } | Outcome::Rejected { attempt, .. } => *attempt,
-            }).collect();
             let mut again = Synthesis::new(settings(40, (1, 2)), earlier);
             let after = drive(&mut again, 3, None);
             for o in &after {
@@ -596,20 +602,27 @@ mod tests {
         assert!(more.is_empty() && settled.is_empty(), "attempt 1 waits for attempt 0");
         let (more, settled) = plan.generated(0, request("how do I bake bread"));
         assert_eq!(more.len(), 1, "attempt 0's answer");
-        assert!(matches!(&settled[..], [Outcome::Rejected { attempt: 1, line }] if line["reason"] == "exact duplicate" && line["duplicate_of"] == 0));
+        assert!(
+            matches!(&settled[..], [Outcome::Rejected { attempt: 1, line }] if line["reason"] == "exact duplicate" && line["duplicate_of"] == 0)
+        );
         // Attempt 0's answer, then a later request that is a reply: the conversation ends with its first turn.
         let (more, _) = plan.generated(0, request("Knead, rest, bake."));
         assert!(matches!(&more[..], [Ask { want: Want::UserTurn, .. }]));
         let (_, settled) = plan.generated(0, request("Sure! Here is another recipe"));
         let Outcome::Accepted { line, .. } = &settled[0] else { panic!("{settled:?}") };
-        assert_eq!(line["messages"].as_array().unwrap().len(), 2 + usize::from(line["messages"][0]["role"] == "system"));
+        assert_eq!(
+            line["messages"].as_array().unwrap().len(),
+            2 + usize::from(line["messages"][0]["role"] == "system")
+        );
         assert_eq!(plan.tally.follow_ups_dropped["a reply, not a request"], 1);
         // A new attempt whose first answer is empty: rejected, its request indexed.
         let next = plan.launch();
         let a = next[0].attempt;
         plan.generated(a, request("Paint a fence?"));
         let (_, settled) = plan.generated(a, Generated { text: "  ".into(), ..request("") });
-        assert!(matches!(&settled[..], [Outcome::Rejected { line, .. }] if line["reason"] == "empty answer" && line["indexed"] == true));
+        assert!(
+            matches!(&settled[..], [Outcome::Rejected { line, .. }] if line["reason"] == "empty answer" && line["indexed"] == true)
+        );
         // Ignored: a generation for an attempt no longer running.
         assert_eq!(plan.generated(1, request("late")), (vec![], vec![]));
     }
