@@ -231,8 +231,12 @@ pub fn synthesize(
         max_attempts: opts.max_attempts.unwrap_or(4 * opts.count + 1000),
         described,
     };
-    let mut rejected_ids: Vec<u64> =
-        earlier.iter().filter_map(|e| matches!(e, Earlier::Rejected { .. }).then_some(attempt_of(e))).collect();
+    let earlier_rejected: Vec<u64> = (earlier.iter())
+        .filter_map(|e| match e {
+            Earlier::Rejected { attempt, .. } => Some(*attempt),
+            Earlier::Accepted { .. } => None,
+        })
+        .collect();
     let mut plan = Synthesis::new(settings, earlier);
     let already_done = plan.accepted().min(opts.count);
     let stop = assets.stop_tokens(&target.config().eos_token_ids);
@@ -255,12 +259,12 @@ pub fn synthesize(
     let mut meter = Meter::new(opts.progress, "synthesizing", opts.count);
     meter.add(already_done, 0);
     let (stop, special) = (&stop, &special);
-    let (plan_, report_, meter_, rejected_) = (&mut plan, &mut report, &mut meter, &mut rejected_ids);
+    let (plan_, report_, meter_) = (&mut plan, &mut report, &mut meter);
     let rejected_at = &rejected_file;
     let driven: Result<(), DataError> = std::thread::scope(|scope| {
         // The driver owns the sender: once it returns, the generator finishes what is queued and returns too.
         let driver = scope.spawn(move || -> Result<(), DataError> {
-            let (plan, report, meter, rejected_ids) = (plan_, report_, meter_, rejected_);
+            let (plan, report, meter) = (plan_, report_, meter_);
             let mut out = SettledLines::open(&opts.out)?;
             let mut rejects = SettledLines::open(rejected_at)?;
             let mut pending = FuturesUnordered::new();
@@ -303,10 +307,7 @@ pub fn synthesize(
                             out.write(&line)?;
                             meter.add(1, 0);
                         }
-                        Outcome::Rejected { attempt, line } => {
-                            rejects.write(&line)?;
-                            rejected_ids.push(attempt);
-                        }
+                        Outcome::Rejected { line, .. } => rejects.write(&line)?,
                     }
                 }
                 asks.extend(plan.launch());
@@ -325,21 +326,17 @@ pub fn synthesize(
     driven?;
     let kept: Vec<SampleId> = plan.kept().into_iter().map(SampleId::Number).collect();
     rewrite_in_order(&opts.out, &kept, Others::Drop)?;
-    rejected_ids.sort_unstable();
-    let rejected_order: Vec<SampleId> = rejected_ids.into_iter().map(SampleId::Number).collect();
-    rewrite_in_order(&rejected_file, &rejected_order, Others::Keep)?;
+    let rejected_kept: Vec<SampleId> =
+        plan.rejected_kept(&earlier_rejected).into_iter().map(SampleId::Number).collect();
+    rewrite_in_order(&rejected_file, &rejected_kept, Others::Drop)?;
     report.conversations = kept.len() as u64;
-    report.attempts = plan.tally.attempts;
-    report.rejected = plan.tally.rejected.clone();
-    report.follow_ups_dropped = plan.tally.follow_ups_dropped.clone();
-    report.answers_cut = plan.tally.answers_cut;
+    let tally = plan.tally();
+    report.attempts = tally.attempts;
+    report.rejected = tally.rejected;
+    report.follow_ups_dropped = tally.follow_ups_dropped;
+    report.answers_cut = tally.answers_cut;
     report.spread = Spread::of(&plan.kept_first_words());
     report.seconds = meter.started.elapsed().as_secs_f64();
     Ok(report)
 }
 
-fn attempt_of(e: &Earlier) -> u64 {
-    match e {
-        Earlier::Accepted { attempt, .. } | Earlier::Rejected { attempt, .. } => *attempt,
-    }
-}

@@ -79,7 +79,7 @@ pub enum Outcome {
     Rejected { attempt: u64, line: Value },
 }
 
-/// What the run's attempts came to, by reason.
+/// What the run's attempts came to, by reason (those that count: up to the last one kept).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Tally {
     /// Attempts settled (accepted or rejected) in this run.
@@ -152,7 +152,16 @@ pub struct Synthesis {
     index: DuplicateIndex,
     accepted: BTreeSet<u64>,
     first_words: HashMap<u64, String>,
-    pub tally: Tally,
+    /// What each attempt settled in this run came to.
+    settled: BTreeMap<u64, Record>,
+}
+
+/// What one attempt came to.
+#[derive(Debug, Clone, Default)]
+struct Record {
+    rejected: Option<&'static str>,
+    follow_ups_dropped: Option<&'static str>,
+    answers_cut: usize,
 }
 
 impl Synthesis {
@@ -167,7 +176,7 @@ impl Synthesis {
             next_gate: 0,
             accepted: BTreeSet::new(),
             first_words: HashMap::new(),
-            tally: Tally::default(),
+            settled: BTreeMap::new(),
         };
         for e in earlier {
             match e {
@@ -225,6 +234,35 @@ impl Synthesis {
     /// The first word of each kept conversation's first request.
     pub fn kept_first_words(&self) -> Vec<&str> {
         self.kept().iter().filter_map(|a| self.first_words.get(a).map(String::as_str)).collect()
+    }
+
+    /// What this run's attempts came to, up to the last one kept (attempts settled past it do not count: the files
+    /// leave them out, and a later run with a higher count generates them again).
+    pub fn tally(&self) -> Tally {
+        let last = self.cutoff().unwrap_or(u64::MAX);
+        let mut t = Tally::default();
+        for r in self.settled.range(..=last).map(|(_, r)| r) {
+            t.attempts += 1;
+            t.answers_cut += r.answers_cut as u64;
+            if let Some(why) = r.rejected {
+                *t.rejected.entry(why).or_default() += 1;
+            }
+            if let Some(why) = r.follow_ups_dropped {
+                *t.follow_ups_dropped.entry(why).or_default() += 1;
+            }
+        }
+        t
+    }
+
+    /// The attempts the rejected file keeps: those rejected up to the last one kept, earlier runs' included.
+    pub fn rejected_kept(&self, earlier_rejected: &[u64]) -> Vec<u64> {
+        let last = self.cutoff().unwrap_or(u64::MAX);
+        let mut ids: Vec<u64> = (earlier_rejected.iter().copied())
+            .chain(self.settled.iter().filter(|(_, r)| r.rejected.is_some()).map(|(a, _)| *a))
+            .filter(|&a| a <= last)
+            .collect();
+        ids.sort_unstable();
+        ids
     }
 
     fn skip_earlier(&mut self) {
@@ -320,10 +358,7 @@ impl Synthesis {
                         seed: turn_seed(a.seed, turn, 1),
                     });
                 }
-                Err(why) => {
-                    *self.tally.follow_ups_dropped.entry(why.reason()).or_default() += 1;
-                    outcomes.push(self.accept(attempt));
-                }
+                Err(why) => outcomes.push(self.accept(attempt, Some(why.reason()))),
             },
             Stage::AtGate => {}
             Stage::Answering(turn) => {
@@ -332,9 +367,8 @@ impl Synthesis {
                         let request = self.live[&attempt].request.clone();
                         outcomes.push(self.reject(attempt, "empty answer", &request, true, None));
                     } else {
-                        *self.tally.follow_ups_dropped.entry("empty answer").or_default() += 1;
                         self.live.get_mut(&attempt).expect("live").messages.pop();
-                        outcomes.push(self.accept(attempt));
+                        outcomes.push(self.accept(attempt, Some("empty answer")));
                     }
                     return (asks, outcomes);
                 }
@@ -342,7 +376,6 @@ impl Synthesis {
                 a.messages.push(json!({"role": "assistant", "content": g.text}));
                 if !g.ended {
                     a.answers_cut += 1;
-                    self.tally.answers_cut += 1;
                 }
                 if turn + 1 < a.turns {
                     a.stage = Stage::Asking(turn + 1);
@@ -353,7 +386,7 @@ impl Synthesis {
                         seed: turn_seed(a.seed, turn + 1, 0),
                     });
                 } else {
-                    outcomes.push(self.accept(attempt));
+                    outcomes.push(self.accept(attempt, None));
                 }
             }
         }
@@ -398,9 +431,8 @@ impl Synthesis {
     }
 
     fn reject(&mut self, attempt: u64, reason: &'static str, request: &str, indexed: bool, of: Option<u64>) -> Outcome {
-        self.live.remove(&attempt);
-        self.tally.attempts += 1;
-        *self.tally.rejected.entry(reason).or_default() += 1;
+        let answers_cut = self.live.remove(&attempt).map_or(0, |a| a.answers_cut);
+        self.settled.insert(attempt, Record { rejected: Some(reason), follow_ups_dropped: None, answers_cut });
         let mut line = json!({"id": attempt, "reason": reason, "request": request, "indexed": indexed});
         if let Some(of) = of {
             line["duplicate_of"] = json!(of);
@@ -408,9 +440,10 @@ impl Synthesis {
         Outcome::Rejected { attempt, line }
     }
 
-    fn accept(&mut self, attempt: u64) -> Outcome {
+    fn accept(&mut self, attempt: u64, follow_ups_dropped: Option<&'static str>) -> Outcome {
         let a = self.live.remove(&attempt).expect("live");
-        self.tally.attempts += 1;
+        let record = Record { rejected: None, follow_ups_dropped, answers_cut: a.answers_cut };
+        self.settled.insert(attempt, record);
         self.accepted.insert(attempt);
         let mut synthesis = json!({
             "seed": a.seed,
@@ -614,7 +647,7 @@ mod tests {
             line["messages"].as_array().unwrap().len(),
             2 + usize::from(line["messages"][0]["role"] == "system")
         );
-        assert_eq!(plan.tally.follow_ups_dropped["a reply, not a request"], 1);
+        assert_eq!(plan.tally().follow_ups_dropped["a reply, not a request"], 1);
         // A new attempt whose first answer is empty: rejected, its request indexed.
         let next = plan.launch();
         let a = next[0].attempt;
@@ -641,6 +674,6 @@ mod tests {
             pending.extend(plan.launch());
             n += 1;
         }
-        assert_eq!((n, plan.accepted(), plan.tally.attempts), (25, 0, 25));
+        assert_eq!((n, plan.accepted(), plan.tally().attempts), (25, 0, 25));
     }
 }
