@@ -339,4 +339,3 @@ pub fn synthesize(
     report.seconds = meter.started.elapsed().as_secs_f64();
     Ok(report)
 }
-

@@ -31,7 +31,8 @@ pub struct Settings {
     pub bounds: TurnBounds,
     /// Near duplicates at this Jaccard similarity and above are rejected (above 1: exact duplicates only).
     pub duplicate_threshold: f64,
-    /// Attempts running at once.
+    /// Attempts generating at once (those whose first request waits for its judgement do not count: a runaway
+    /// request being written holds up the judgement of every later one, and the generator should stay busy meanwhile).
     pub in_flight: usize,
     /// Attempts at most, the earlier runs' included.
     pub max_attempts: u64,
@@ -114,6 +115,9 @@ struct Attempt {
     answers_cut: usize,
 }
 
+/// Attempts running at most per attempt generating (see [`Settings::in_flight`]).
+const WAITING_PER_GENERATING: usize = 8;
+
 const DRAW_TURNS: u64 = 1;
 const DRAW_SYSTEM: u64 = 2;
 const DRAW_SYSTEM_PICK: u64 = 3;
@@ -148,6 +152,8 @@ pub struct Synthesis {
     live: BTreeMap<u64, Attempt>,
     /// First requests checked, waiting to be judged for duplicates in attempt order (`None`: already rejected).
     gate: BTreeMap<u64, Option<String>>,
+    /// Live attempts whose first request waits at the gate.
+    waiting: usize,
     next_gate: u64,
     index: DuplicateIndex,
     accepted: BTreeSet<u64>,
@@ -173,6 +179,7 @@ impl Synthesis {
             next_attempt: 0,
             live: BTreeMap::new(),
             gate: BTreeMap::new(),
+            waiting: 0,
             next_gate: 0,
             accepted: BTreeSet::new(),
             first_words: HashMap::new(),
@@ -271,10 +278,16 @@ impl Synthesis {
         }
     }
 
-    /// Starts attempts while fewer than `in_flight` run and more may be needed: the first generation of each.
+    /// Starts attempts while fewer than `in_flight` generate (and fewer than [`WAITING_PER_GENERATING`] times that
+    /// run, bounding what waits at the gate) and more may be needed: the first generation of each.
     pub fn launch(&mut self) -> Vec<Ask> {
         let mut asks = Vec::new();
-        while self.live.len() < self.s.in_flight.max(1) && !self.enough() && self.next_attempt < self.s.max_attempts {
+        let most = self.s.in_flight.max(1);
+        while self.live.len() - self.waiting < most
+            && self.live.len() < WAITING_PER_GENERATING * most
+            && !self.enough()
+            && self.next_attempt < self.s.max_attempts
+        {
             let attempt = self.next_attempt;
             self.next_attempt += 1;
             self.skip_earlier();
@@ -337,6 +350,7 @@ impl Synthesis {
                         a.messages.push(json!({"role": "user", "content": request}));
                         a.request = request.clone();
                         a.stage = Stage::AtGate;
+                        self.waiting += 1;
                         self.gate.insert(attempt, Some(request));
                     }
                     Err(why) => {
@@ -407,6 +421,7 @@ impl Synthesis {
             let Some(request) = verdict else {
                 continue;
             };
+            self.waiting -= 1;
             match self.index.check(attempt, &request) {
                 Some(Duplicate::Exact(of)) => {
                     outcomes.push(self.reject(attempt, "exact duplicate", &request, false, Some(of)));
@@ -658,6 +673,26 @@ mod tests {
         );
         // Ignored: a generation for an attempt no longer running.
         assert_eq!(plan.generated(1, request("late")), (vec![], vec![]));
+    }
+
+    /// While an early attempt's request is still being written, later attempts whose requests are done wait for
+    /// their judgement, and new attempts take their place in the generator (up to 8 times as many running).
+    #[test]
+    fn attempts_waiting_for_their_judgement_do_not_hold_the_generator_idle() {
+        let mut plan = Synthesis::new(Settings { in_flight: 2, ..settings(100, (1, 1)) }, []);
+        let mut pending = plan.launch();
+        assert_eq!(pending.len(), 2);
+        pending.remove(0); // attempt 0's request: still being written
+        let mut written = 0;
+        while let Some(ask) = pending.pop() {
+            let text = format!("Request number {} about something", ask.attempt);
+            let (asks, settled) =
+                plan.generated(ask.attempt, Generated { text, tokens: 6, ended: true, special: false });
+            assert!(asks.is_empty() && settled.is_empty(), "waits for attempt 0");
+            pending.extend(plan.launch());
+            written += 1;
+        }
+        assert_eq!((written, plan.running()), (15, 16), "1 generating and 15 waiting: 8 x 2 running at most");
     }
 
     /// When every request is rejected the run ends at --max-attempts, short of its count.
