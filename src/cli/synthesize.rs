@@ -10,6 +10,7 @@ use clap::Args;
 use dflash::config::{Config, TargetSource};
 use dflash::data::prepare::ModelAssets;
 use dflash::data::regenerate::ShowProgress;
+use dflash::data::synthesize::plan::Settings;
 use dflash::data::synthesize::turn_checks::TurnBounds;
 use dflash::data::synthesize::{SynthesizeOptions, SynthesizeReport, synthesize};
 use dflash::device::{DeviceSpec, DtypeSpec};
@@ -156,20 +157,23 @@ pub fn run(config: &Config, args: SynthesizeArgs) -> Result<ExitCode> {
             args.model
         )
     })?;
-    let opts = SynthesizeOptions {
-        out: args.out.clone(),
+    let conversations = Settings {
         count: args.count,
         seed: args.seed,
-        requests,
-        answers,
-        max_tokens: args.max_tokens,
-        bounds: TurnBounds { min_tokens: args.min_request_tokens, max_tokens: args.max_request_tokens },
         turns: turns(&args.turns)?,
         system_prompts: lines_of(args.system_prompts.as_deref(), "--system-prompts")?,
         system_share: args.system_share,
         topics: lines_of(args.topics.as_deref(), "--topics")?,
+        bounds: TurnBounds { min_tokens: args.min_request_tokens, max_tokens: args.max_request_tokens },
         duplicate_threshold: args.duplicate_threshold,
         max_attempts: args.max_attempts,
+    };
+    let opts = SynthesizeOptions {
+        out: args.out.clone(),
+        conversations,
+        requests,
+        answers,
+        max_tokens: args.max_tokens,
         template_kwargs: kwargs,
         batch: 1,
         progress: match std::io::stderr().is_terminal() {

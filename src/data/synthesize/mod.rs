@@ -34,30 +34,20 @@ use crate::model::Target;
 use crate::model::batched::{BatchGenerator, BatchSettings, Request};
 use crate::model::sampling::Sampling;
 use plan::{Earlier, Outcome, Settings, Synthesis, Want};
-use turn_checks::{Generated, TurnBounds};
+use turn_checks::Generated;
 
 /// What to synthesize, and how.
 #[derive(Debug, Clone)]
 pub struct SynthesizeOptions {
     pub out: PathBuf,
-    /// Conversations wanted.
-    pub count: u64,
-    pub seed: u64,
+    /// What shapes the conversations and which are kept.
+    pub conversations: Settings,
     /// How requests are drawn (sampled: greedy would write one request).
     pub requests: Sampling,
     /// How answers are drawn.
     pub answers: Sampling,
     /// Most tokens of an answer (an answer cut there is kept and counted).
     pub max_tokens: usize,
-    pub bounds: TurnBounds,
-    /// User turns per conversation, drawn from this range (inclusive).
-    pub turns: (usize, usize),
-    pub system_prompts: Vec<String>,
-    pub system_share: f64,
-    pub topics: Vec<String>,
-    pub duplicate_threshold: f64,
-    /// Attempts at most (default: 4 x count + 1,000).
-    pub max_attempts: Option<u64>,
     pub template_kwargs: Map<String, Value>,
     /// Sequences generated at once.
     pub batch: usize,
@@ -119,6 +109,7 @@ pub fn rejected_path(out: &Path) -> PathBuf {
 impl SynthesizeOptions {
     /// The settings every output line carries: a rerun must use the same ones to continue a file.
     fn described(&self, assets: &ModelAssets) -> Value {
+        let c = &self.conversations;
         let sampling = |s: Sampling| match s {
             Sampling::Greedy => json!({"temperature": 0.0}),
             Sampling::Sample { temperature, top_p } => json!({"temperature": temperature, "top_p": top_p}),
@@ -127,16 +118,16 @@ impl SynthesizeOptions {
             if items.is_empty() { Value::Null } else { json!(hex(&Sha256::digest(items.join("\n").as_bytes()))[..16]) }
         };
         json!({
-            "seed": self.seed,
+            "seed": c.seed,
             "requests": sampling(self.requests),
             "answers": sampling(self.answers),
             "max_tokens": self.max_tokens,
-            "request_tokens": [self.bounds.min_tokens, self.bounds.max_tokens],
-            "turns": [self.turns.0, self.turns.1],
-            "system_prompts": digest(&self.system_prompts),
-            "system_share": if self.system_prompts.is_empty() { 0.0 } else { self.system_share },
-            "topics": digest(&self.topics),
-            "duplicate_threshold": self.duplicate_threshold,
+            "request_tokens": [c.bounds.min_tokens, c.bounds.max_tokens],
+            "turns": [c.turns.0, c.turns.1],
+            "system_prompts": digest(&c.system_prompts),
+            "system_share": if c.system_prompts.is_empty() { 0.0 } else { c.system_share },
+            "topics": digest(&c.topics),
+            "duplicate_threshold": c.duplicate_threshold,
             "template_kwargs": self.template_kwargs,
             "tokenizer": assets.identity[..16],
         })
@@ -218,27 +209,15 @@ pub fn synthesize(
     let described = opts.described(assets);
     let rejected_file = rejected_path(&opts.out);
     let earlier = earlier_attempts(&opts.out, &rejected_file, &described)?;
-    let settings = Settings {
-        count: opts.count,
-        seed: opts.seed,
-        turns: opts.turns,
-        system_prompts: opts.system_prompts.clone(),
-        system_share: opts.system_share,
-        topics: opts.topics.clone(),
-        bounds: opts.bounds,
-        duplicate_threshold: opts.duplicate_threshold,
-        in_flight: 2 * opts.batch.max(1),
-        max_attempts: opts.max_attempts.unwrap_or(4 * opts.count + 1000),
-        described,
-    };
     let earlier_rejected: Vec<u64> = (earlier.iter())
         .filter_map(|e| match e {
             Earlier::Rejected { attempt, .. } => Some(*attempt),
             Earlier::Accepted { .. } => None,
         })
         .collect();
-    let mut plan = Synthesis::new(settings, earlier);
-    let already_done = plan.accepted().min(opts.count);
+    let count = opts.conversations.count;
+    let mut plan = Synthesis::new(opts.conversations.clone(), 2 * opts.batch.max(1), described, earlier);
+    let already_done = plan.accepted().min(count);
     let stop = assets.stop_tokens(&target.config().eos_token_ids);
     let special = assets.tokenizer.special_ids();
     let batch = BatchSettings {
@@ -250,13 +229,9 @@ pub fn synthesize(
     };
     let mut generator = BatchGenerator::new(target, batch).map_err(|e| fail(e.to_string()))?;
     let (requests, received) = std::sync::mpsc::channel::<Request>();
-    let mut report = SynthesizeReport {
-        count: opts.count,
-        already_done,
-        rejected_file: rejected_file.clone(),
-        ..Default::default()
-    };
-    let mut meter = Meter::new(opts.progress, "synthesizing", opts.count);
+    let mut report =
+        SynthesizeReport { count, already_done, rejected_file: rejected_file.clone(), ..Default::default() };
+    let mut meter = Meter::new(opts.progress, "synthesizing", count);
     meter.add(already_done, 0);
     let (stop, special) = (&stop, &special);
     let (plan_, report_, meter_) = (&mut plan, &mut report, &mut meter);
@@ -273,7 +248,7 @@ pub fn synthesize(
                 for ask in asks.drain(..) {
                     let tokens = prompt(assets, &ask.want, &ask.messages).map_err(&fail)?;
                     let (sampling, limit) = match ask.want {
-                        Want::UserTurn => (opts.requests, opts.bounds.max_tokens),
+                        Want::UserTurn => (opts.requests, opts.conversations.bounds.max_tokens),
                         Want::Answer => (opts.answers, opts.max_tokens),
                     };
                     let (request, answer) = Request::new(tokens, ask.seed);

@@ -31,13 +31,14 @@ pub struct Settings {
     pub bounds: TurnBounds,
     /// Near duplicates at this Jaccard similarity and above are rejected (above 1: exact duplicates only).
     pub duplicate_threshold: f64,
-    /// Attempts generating at once (those whose first request waits for its judgement do not count: a runaway
-    /// request being written holds up the judgement of every later one, and the generator should stay busy meanwhile).
-    pub in_flight: usize,
-    /// Attempts at most, the earlier runs' included.
-    pub max_attempts: u64,
-    /// The generation settings every written line carries (`synthesis.settings`).
-    pub described: Value,
+    /// Attempts at most, the earlier runs' included (default: 4 x count + 1,000).
+    pub max_attempts: Option<u64>,
+}
+
+impl Settings {
+    fn most_attempts(&self) -> u64 {
+        self.max_attempts.unwrap_or(4 * self.count + 1000)
+    }
 }
 
 /// An attempt an earlier run settled, read back from its files.
@@ -146,6 +147,11 @@ pub fn steering_prompt(system: Option<&str>, topic: &str) -> String {
 /// See the module documentation.
 pub struct Synthesis {
     s: Settings,
+    /// Attempts generating at once (those whose first request waits for its judgement do not count: a runaway
+    /// request being written holds up the judgement of every later one, and the generator should stay busy meanwhile).
+    in_flight: usize,
+    /// The generation settings every written line carries (`synthesis.settings`).
+    described: Value,
     /// Attempts settled by earlier runs.
     earlier: HashSet<u64>,
     next_attempt: u64,
@@ -171,10 +177,14 @@ struct Record {
 }
 
 impl Synthesis {
-    pub fn new(s: Settings, earlier: impl IntoIterator<Item = Earlier>) -> Self {
+    /// A synthesis of `s`, `in_flight` attempts generating at once, each line carrying `described`, continuing what
+    /// `earlier` runs settled.
+    pub fn new(s: Settings, in_flight: usize, described: Value, earlier: impl IntoIterator<Item = Earlier>) -> Self {
         let mut this = Synthesis {
             index: DuplicateIndex::new(s.duplicate_threshold),
             s,
+            in_flight,
+            described,
             earlier: HashSet::new(),
             next_attempt: 0,
             live: BTreeMap::new(),
@@ -229,7 +239,7 @@ impl Synthesis {
     pub fn finished(&self) -> bool {
         match self.cutoff() {
             Some(cut) => self.live.keys().next().is_none_or(|&first| first > cut),
-            None => self.live.is_empty() && self.next_attempt >= self.s.max_attempts,
+            None => self.live.is_empty() && self.next_attempt >= self.s.most_attempts(),
         }
     }
 
@@ -282,11 +292,11 @@ impl Synthesis {
     /// run, bounding what waits at the gate) and more may be needed: the first generation of each.
     pub fn launch(&mut self) -> Vec<Ask> {
         let mut asks = Vec::new();
-        let most = self.s.in_flight.max(1);
+        let most = self.in_flight.max(1);
         while self.live.len() - self.waiting < most
             && self.live.len() < WAITING_PER_GENERATING * most
             && !self.enough()
-            && self.next_attempt < self.s.max_attempts
+            && self.next_attempt < self.s.most_attempts()
         {
             let attempt = self.next_attempt;
             self.next_attempt += 1;
@@ -464,7 +474,7 @@ impl Synthesis {
             "seed": a.seed,
             "turns": a.messages.iter().filter(|m| m["role"] == "user").count(),
             "answers_cut": a.answers_cut,
-            "settings": self.s.described,
+            "settings": self.described,
         });
         if let Some(topic) = &a.topic {
             synthesis["topic"] = json!(topic);
@@ -513,10 +523,12 @@ mod tests {
             topics: Vec::new(),
             bounds: TurnBounds { min_tokens: 2, max_tokens: 64 },
             duplicate_threshold: 0.8,
-            in_flight: 6,
-            max_attempts: 400,
-            described: json!({"seed": 7}),
+            max_attempts: Some(400),
         }
+    }
+
+    fn described() -> Value {
+        json!({"seed": 7})
     }
 
     /// Runs `plan` to its end, completing the pending generations in an order drawn from `order` (a generator that
@@ -561,7 +573,7 @@ mod tests {
     fn the_outcome_does_not_depend_on_the_order_generations_finish_in() {
         let mut first = None;
         for order in 0..6 {
-            let mut plan = Synthesis::new(settings(30, (1, 3)), []);
+            let mut plan = Synthesis::new(settings(30, (1, 3)), 6, described(), []);
             let outcomes = drive(&mut plan, order, None);
             let got = result(&plan, &outcomes);
             assert_eq!(got.0.len(), 30);
@@ -593,11 +605,11 @@ mod tests {
     /// ends with the same conversations as a run never stopped, generating no settled attempt again.
     #[test]
     fn a_resumed_run_ends_as_an_uninterrupted_one() {
-        let mut whole = Synthesis::new(settings(40, (1, 2)), []);
+        let mut whole = Synthesis::new(settings(40, (1, 2)), 6, described(), []);
         let outcomes = drive(&mut whole, 1, None);
         let want = result(&whole, &outcomes);
         for kill_after in (1..60).step_by(3) {
-            let mut first = Synthesis::new(settings(40, (1, 2)), []);
+            let mut first = Synthesis::new(settings(40, (1, 2)), 6, described(), []);
             let before = drive(&mut first, 2, Some(kill_after));
             let earlier: Vec<Earlier> =
                 before
@@ -624,7 +636,7 @@ mod tests {
                     Outcome::Accepted { attempt, .. } | Outcome::Rejected { attempt, .. } => *attempt,
                 })
                 .collect();
-            let mut again = Synthesis::new(settings(40, (1, 2)), earlier);
+            let mut again = Synthesis::new(settings(40, (1, 2)), 6, described(), earlier);
             let after = drive(&mut again, 3, None);
             for o in &after {
                 let (Outcome::Accepted { attempt, .. } | Outcome::Rejected { attempt, .. }) = o;
@@ -640,7 +652,7 @@ mod tests {
     /// attempts only, even when a later attempt's finished first.
     #[test]
     fn turns_end_rejections_and_duplicates_in_attempt_order() {
-        let mut plan = Synthesis::new(Settings { in_flight: 2, turns: (2, 2), ..settings(2, (2, 2)) }, []);
+        let mut plan = Synthesis::new(settings(2, (2, 2)), 2, described(), []);
         let asks = plan.launch();
         assert_eq!(asks.iter().map(|a| a.attempt).collect::<Vec<_>>(), [0, 1]);
         let request = |text: &str| Generated { text: text.into(), tokens: 5, ended: true, special: false };
@@ -679,7 +691,7 @@ mod tests {
     /// their judgement, and new attempts take their place in the generator (up to 8 times as many running).
     #[test]
     fn attempts_waiting_for_their_judgement_do_not_hold_the_generator_idle() {
-        let mut plan = Synthesis::new(Settings { in_flight: 2, ..settings(100, (1, 1)) }, []);
+        let mut plan = Synthesis::new(settings(100, (1, 1)), 2, described(), []);
         let mut pending = plan.launch();
         assert_eq!(pending.len(), 2);
         pending.remove(0); // attempt 0's request: still being written
@@ -698,7 +710,7 @@ mod tests {
     /// When every request is rejected the run ends at --max-attempts, short of its count.
     #[test]
     fn a_run_whose_requests_are_all_rejected_ends_at_its_attempt_limit() {
-        let mut plan = Synthesis::new(Settings { max_attempts: 25, ..settings(10, (1, 1)) }, []);
+        let mut plan = Synthesis::new(Settings { max_attempts: Some(25), ..settings(10, (1, 1)) }, 6, described(), []);
         let mut pending = plan.launch();
         let mut n = 0;
         while !plan.finished() {
