@@ -5,7 +5,9 @@
 # (`part`, then `data`: /tmp/dflash-recipe/model, its 2,160 template prompts answered and prepared, the 64
 # unseen-topic prompts in heldout.jsonl); this script works in the same folder.
 #   synth COUNT [ARGS..]       synthesize COUNT conversations (+ 256 kept apart for evaluation) into synth.jsonl with
-#                              --max-tokens 256 and ARGS; its summary and time to $OUT/synth.txt
+#                              --max-tokens 256 and ARGS; its summary and time to $OUT/synth.txt. With
+#                              SYNTH_LIMIT=S it stops after S seconds (a later call continues the same file); the
+#                              evaluation conversations are cut only from a finished file
 #   train NAME DATA STEPS SEED [--set ..]
 #                              DATA: template (the 2,160 answered prompts) or synth:N (the first N synthesized
 #                              conversations); prepared once (--max-len 512), trained STEPS steps with
@@ -28,11 +30,12 @@ synth)
   count=$2
   shift 2
   start=$SECONDS
-  "$d" synthesize --model "$work/model" --count $((count + 256)) --out "$work/synth.jsonl" --max-tokens 256 "$@" \
-    >"$out/synth.txt" 2>"$work/synth.log"
+  timeout "${SYNTH_LIMIT:-0}" "$d" synthesize --model "$work/model" --count $((count + 256)) \
+    --out "$work/synth.jsonl" --max-tokens 256 "$@" >"$out/synth.txt" 2>"$work/synth.log"
   code=$?
   echo "exit $code after $((SECONDS - start)) s" >>"$out/synth.txt"
   tail -3 "$work/synth.log" >>"$out/synth.txt"
+  [ $code = 0 ] || { cat "$out/synth.txt"; exit $code; }
   python3 - "$work/synth.jsonl" "$held" <<'PY'
 import json, sys
 lines = open(sys.argv[1]).read().splitlines()[-256:]
