@@ -140,6 +140,14 @@ enum Command {
     Eval(cli::eval::EvalArgs),
     /// Write a checkpoint's drafter as a standalone folder in the published DFlash format (bf16 by default)
     Export(cli::export::ExportArgs),
+    /// A run's evaluations so far: a table, and a plot of acceptance and loss against steps
+    #[command(long_about = "A run's history of evaluations (checkpoint.dir/evals.jsonl, one line per evaluation: \
+        the step, decoded acceptance on the held-out prompts, teacher-forced acceptance and loss on the held-out \
+        rows, token match, lossless) as a table, the best decoded acceptance marked, and as a plot of acceptance and \
+        held-out loss against steps (DIR/evals.svg, or --plot FILE). It reads the file as the run writes it, so it \
+        works during a run too.\n\n\
+        Example:\n  dflash inspect-run runs/make-run")]
+    InspectRun(cli::inspect_run::InspectRunArgs),
     /// Measure the hot loops at real shapes: throughput, TFLOP/s, MFU, peak memory, step times
     #[command(long_about = "Measure the hot loops at real shapes with random inputs: tokens/s, achieved TFLOP/s, \
         MFU against --peak-tflops, peak device memory and step-time percentiles. Target and device default to the \
@@ -173,6 +181,16 @@ enum Command {
     /// The configuration a command would run with (each key with where it came from), or the defaults explained
     #[command(subcommand)]
     Config(cli::config::ConfigCommand),
+    /// Shell completions for dflash's subcommands and flags
+    #[command(long_about = "Shell completions for dflash's subcommands and flags, written to standard output.\n\n\
+        Examples:\n  dflash completions bash > ~/.local/share/bash-completion/completions/dflash\n  \
+        dflash completions zsh > ~/.zfunc/_dflash      # with fpath+=~/.zfunc before compinit in ~/.zshrc\n  \
+        dflash completions fish > ~/.config/fish/completions/dflash.fish")]
+    Completions {
+        /// bash, zsh, fish, elvish or powershell
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Args)]
@@ -251,6 +269,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    if let Command::Completions { shell } = cli.command {
+        use clap::CommandFactory;
+        clap_complete::generate(shell, &mut Cli::command(), "dflash", &mut std::io::stdout());
+        return Ok(ExitCode::SUCCESS);
+    }
     let layers = Layers::from_process(cli.config.clone(), cli.set.clone());
     let config = Config::load(&layers)?;
     dflash::telemetry::logging::init(&config.log)?;
@@ -268,7 +291,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Regenerate(args) => cli::regenerate::run(&config, args),
         Command::Synthesize(args) => cli::synthesize::run(&config, args),
         Command::Export(args) => cli::export::run(args),
+        Command::InspectRun(args) => cli::inspect_run::run(args),
         Command::Config(command) => cli::config::run(&config, &layers, command).map(|()| ExitCode::SUCCESS),
+        Command::Completions { .. } => unreachable!("answered before the configuration is read"),
     }
 }
 

@@ -2,6 +2,8 @@
 //! real benchmark run on the tiny preset.
 use std::process::{Command, Output};
 
+use serde_json::json;
+
 fn dflash(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(args)
@@ -20,7 +22,9 @@ fn every_subcommand_explains_itself() {
     let top = dflash(&["--help"]);
     assert!(top.status.success());
     let help = text(&top.stdout);
-    for sub in ["serve-train", "prepare", "regenerate", "eval", "export", "bench"] {
+    for sub in
+        ["serve-train", "prepare", "regenerate", "synthesize", "eval", "export", "inspect-run", "bench", "completions"]
+    {
         assert!(help.contains(sub), "{sub} missing from --help");
         let out = dflash(&[sub, "--help"]);
         assert!(out.status.success(), "{sub} --help failed");
@@ -45,6 +49,21 @@ fn the_version_says_commit_libtorch_cuda_and_nvrtc() {
     assert!(lines[2].starts_with("libtorch 2.11.0"), "{long}");
     assert!(lines[3].starts_with("CUDA: ") && lines[4].starts_with("NVRTC: "), "{long}");
     assert_eq!(text(&dflash(&["-V"]).stdout).lines().count(), 1);
+}
+
+/// `dflash completions SHELL` writes a completion script that knows the subcommands and their flags.
+#[test]
+fn completions_know_the_subcommands() {
+    for (shell, marker) in [("bash", "complete -F"), ("zsh", "#compdef dflash"), ("fish", "complete -c dflash")] {
+        let out = dflash(&["completions", shell]);
+        assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        assert!(script.contains(marker), "{shell}: {script}");
+        for word in ["serve-train", "synthesize", "inspect-run", "max-new-tokens"] {
+            assert!(script.contains(word), "{shell} completes {word}");
+        }
+    }
+    assert_eq!(dflash(&["completions", "tcsh"]).status.code(), Some(2), "an unknown shell is a usage error");
 }
 
 /// A subcommand a newcomer guesses is answered with the one meant, even where spelling distance misses it.
@@ -179,11 +198,37 @@ fn eval_scores_a_drafter_on_token_rows() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["blocks"], 36.0 + 21.0, "every valid anchor: {report}");
     assert_eq!(report["tokens"], 65);
-    assert_eq!(report["gamma"], 7.0);
+    assert_eq!((&report["weights"], &report["gamma"]), (&json!("dpace"), &json!(null)), "the default: D-PACE");
     let loss = report["loss"].as_f64().unwrap();
     assert!(loss > 1.0 && loss.is_finite(), "{report}");
     let accept = report["acceptance_length"].as_f64().unwrap();
     assert!((1.0..=16.0).contains(&accept));
+
+    // --gamma weighs the slots by the paper's decay, whatever objective.weights says, and the report says so.
+    let out = dflash(&[&args[..], &["--gamma", "4"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let decay: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((&decay["weights"], &decay["gamma"]), (&json!("decay"), &json!(4.0)), "{decay}");
+    assert_ne!(decay["loss"], report["loss"], "another weighing, another loss");
+    assert_eq!(decay["acceptance_length"], report["acceptance_length"], "acceptance does not depend on the weights");
+    // A flag that would do nothing is refused: --gamma and the row batch mean nothing to --decode, 0 tokens nothing.
+    let decode =
+        ["eval", "--decode", "--target", args[2], "--drafter", args[4], "--prompts", "p.jsonl", "--device", "cpu"];
+    for (refused, why) in [
+        (&decode[..], None),
+        (&[&decode[..], &["--gamma", "4"]].concat()[..], Some("--gamma")),
+        (&[&decode[..], &["--batch", "2"]].concat()[..], Some("--batch")),
+        (&[&decode[..], &["--max-new-tokens", "0"]].concat()[..], Some("at least 1")),
+        (&[&args[..], &["--max-new-tokens", "3"]].concat()[..], Some("--decode")),
+    ] {
+        let out = dflash(refused);
+        let err = text(&out.stderr);
+        match why {
+            // The same flags but the refused one fail later, on the missing prompts file, not at parsing.
+            None => assert!(out.status.code() == Some(1) && err.contains("p.jsonl"), "{err}"),
+            Some(why) => assert!(out.status.code() == Some(2) && err.contains(why), "{refused:?}: {err}"),
+        }
+    }
 
     // A bad row is named by file and line.
     std::fs::write(&data, format!("{}\n{{\"input_ids\": [1, 2], \"loss_mask\": [1]}}\n", row(40))).unwrap();
@@ -246,6 +291,14 @@ fn eval_decode_measures_acceptance_and_checks_losslessness() {
     assert_eq!(lines[0]["id"], "q-5", "ids as given");
     assert_eq!(lines[1]["id"], 1, "a line without id is named by its line number");
     assert!(lines.iter().all(|l| l["tokens"].as_array().unwrap().len() == 20 && l["lossless"] == true));
+    // --limit decodes the first prompts only.
+    let (t, d, p) = (target_dir.to_str().unwrap(), drafter_dir.to_str().unwrap(), prompts.to_str().unwrap());
+    let limited =
+        dflash(&["eval", "--decode", "--target", t, "--drafter", d, "--prompts", p, "--limit", "1", "--json"]);
+    assert!(limited.status.success(), "{}", text(&limited.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&limited.stdout).unwrap();
+    assert_eq!(report["prompts"], 1, "{report}");
+    assert!(text(&limited.stderr).contains("--limit 1: the first 1 of 2 prompts"), "{}", text(&limited.stderr));
 
     // Token-id prompts need no tokenizer: a folder without one decodes them; a chat prompt names what is missing.
     std::fs::remove_file(target_dir.join("tokenizer.json")).unwrap();
@@ -469,6 +522,15 @@ fn learning_the_targets_distribution_trains_and_evaluates() {
     let out = dflash(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(dir.path().join("run/best").is_dir(), "the decoded evaluation kept its best checkpoint");
+    // The run's evaluations are kept beside its checkpoints; inspect-run tabulates and plots them.
+    let inspected = dflash(&["inspect-run", &run]);
+    assert!(inspected.status.success(), "{}", text(&inspected.stderr));
+    let table = text(&inspected.stdout);
+    assert!(table.lines().any(|l| l.trim_start().starts_with("2 ") && l.ends_with("yes  best")), "{table}");
+    let svg = std::fs::read_to_string(dir.path().join("run/evals.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("acceptance length") && svg.contains("<polyline"), "{svg}");
+    let none = dflash(&["inspect-run", dir.path().to_str().unwrap()]);
+    assert!(text(&none.stderr).contains("evals.jsonl: no history of evaluations"), "{}", text(&none.stderr));
 
     let data = dir.path().join("rows.jsonl");
     let ids: Vec<i64> = (0..40).map(|t| (t * 3 + 7) % 200).collect();

@@ -26,6 +26,7 @@ fn options(inputs: Vec<PathBuf>, out: &Path) -> PrepareOptions {
         template_kwargs: Map::new(),
         strict: false,
         progress: false,
+        force: false,
     }
 }
 
@@ -68,9 +69,13 @@ fn prepared_samples_are_the_conversations_tokenized_and_masked() {
             assert_eq!(s.loss_mask, &direct.loss_mask[..n]);
         }
     }
-    // The same inputs and settings: nothing to do. Other settings: a new output.
+    // The same inputs and settings: nothing to do. Other settings: refused (a run may be training on the folder),
+    // and with --force a new output.
     assert!(matches!(prepare(&assets, &opts).unwrap(), PrepareOutcome::UpToDate(_)));
     opts.holdout = 0.0;
+    let e = prepare(&assets, &opts).err().unwrap().to_string();
+    assert!(e.contains("holdout 0.25 there, 0.0 now") && e.contains("--force"), "{e}");
+    opts.force = true;
     let PrepareOutcome::Written(m2) = prepare(&assets, &opts).unwrap() else { panic!("changed settings must rewrite") };
     assert_eq!(m2.report.kept_holdout, 0);
     assert_ne!(m2.fingerprint, m.fingerprint);
@@ -166,7 +171,7 @@ fn long_conversations_split_into_pieces_of_one_split() {
     assert!(dropped > 0, "some conversation ends in a piece too short to teach");
     assert_eq!(m.report.dropped.values().sum::<u64>(), dropped as u64);
     // Truncating instead is another preparation.
-    let truncating = PrepareOptions { holdout: 0.5, ..options(vec![input], &out) };
+    let truncating = PrepareOptions { holdout: 0.5, force: true, ..options(vec![input], &out) };
     let PrepareOutcome::Written(t) = prepare(&assets, &truncating).unwrap() else { panic!("not up to date") };
     assert_eq!((t.report.split, t.report.truncated, t.report.kept_train + t.report.kept_holdout), (0, 6, 6));
 }
@@ -469,7 +474,7 @@ fn token_rows_are_checked_against_the_target_and_prepared() {
     assert_eq!(ids_of(&train), vec![SampleId::Text("a".into()), SampleId::Text("c".into())]);
     assert_eq!(train.get(1).input_ids(), (0..30).collect::<Vec<i64>>());
 
-    opts.max_len = 29;
+    (opts.max_len, opts.force) = (29, true);
     let e = prepare_lines(lines, &opts).err().unwrap().to_string();
     assert!(e.contains("rows.jsonl:3") && e.contains("30 tokens, more than the target's 29 positions"), "{e}");
     let e = prepare_lines(Lines::TokenRows { vocab_size: 15 }, &opts).err().unwrap().to_string();

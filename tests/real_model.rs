@@ -25,7 +25,8 @@ fn model_dir() -> PathBuf {
 }
 
 /// `config show` says what `auto` resolves to for the folder before anything is prepared: z-lab's taps for 30 layers,
-/// and (every embedding row used, no reserved token) the end-of-sequence token as the MASK, as speculators falls back.
+/// and (every embedding row used, no reserved token) a MASK the chat template never writes: not the folder's
+/// end-of-sequence token (`<|im_start|>`, which opens every turn), but its unknown token, `<|endoftext|>`.
 #[test]
 fn config_show_resolves_auto_for_the_folder() {
     let model = model_dir();
@@ -33,7 +34,7 @@ fn config_show_resolves_auto_for_the_folder() {
     let out = run(&["--set", &set, "config", "show"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("# draft_model.target_layer_ids = [1, 8, 14, 20, 27]  (z-lab's rule for 30"), "{text}");
-    assert!(text.contains("# draft_model.mask_token_id = 1  (the tokenizer's end-of-sequence token"), "{text}");
+    assert!(text.contains("# draft_model.mask_token_id = 0  (the tokenizer's unknown token <|endoftext|>"), "{text}");
     let out = run(&["--set", &set, "--set", "draft_model.mask_token_id=16", "config", "show"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!text.contains("# draft_model.mask_token_id ="), "a MASK written out is not resolved: {text}");
@@ -148,8 +149,8 @@ fn a_short_serve_train_lowers_the_loss_and_its_drafter_decodes_losslessly() {
     }
     let out = run(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    // SmolLM2 uses every embedding row and reserves no token: `auto` reuses the end-of-sequence token, as speculators.
-    let mask = "draft_model.mask_token_id = auto: 1 (the tokenizer's end-of-sequence token <|im_start|>";
+    // SmolLM2 uses every embedding row and reserves no token: `auto` shares a token the chat template never writes.
+    let mask = "draft_model.mask_token_id = auto: 0 (the tokenizer's unknown token <|endoftext|>";
     assert!(log.contains(mask), "{log}");
     let losses = losses(&log);
     assert!(losses.len() >= 4, "progress lines: {log}");

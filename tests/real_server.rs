@@ -215,7 +215,7 @@ fn regenerate_against_llama_cpp_loses_nothing_and_doubles_nothing() {
     assert!(prepare.status.success(), "{}", String::from_utf8_lossy(&prepare.stderr));
     let report = String::from_utf8_lossy(&prepare.stdout).into_owned() + &String::from_utf8_lossy(&prepare.stderr);
     // 24-token answers: a very short one may fall under 2 x block_size supervised tokens and be dropped.
-    let kept: usize = (report.split("13 conversations: ").nth(1))
+    let kept: usize = (report.split("13 conversations read: ").nth(1))
         .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no prepare summary: {report}"));
     assert!(kept >= 10, "{report}");

@@ -148,8 +148,12 @@ pub fn bench_decode(
         };
     let (draft_times, draft_phases_ms, eager_drafted) = draft_pass(false, opts)?;
 
-    let settings =
-        |max_new_tokens: usize, cuda_graphs: bool| DecodeSettings { max_new_tokens, stop: vec![], cuda_graphs };
+    let settings = |max_new_tokens: usize, cuda_graphs: bool| DecodeSettings {
+        max_new_tokens,
+        stop: vec![],
+        cuda_graphs,
+        progress: false,
+    };
     let prompts = [Prompt { id: SampleId::Number(0), input_ids: prompt }];
     let _warm = evaluate_decoding(&target, &drafter, &prompts, &settings(2, false))?;
     let generation = evaluate_decoding(&target, &drafter, &prompts, &settings(opts.steps, false))?;

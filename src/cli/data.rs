@@ -73,6 +73,10 @@ pub struct PrepareArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Replace a folder prepared before from other inputs or settings (refused otherwise: a run training on it
+    /// would find its rows changed under it). Prepare into a new folder to keep a run's data as it began.
+    #[arg(long)]
+    force: bool,
 }
 
 pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
@@ -101,6 +105,7 @@ pub fn run_prepare(args: PrepareArgs) -> Result<ExitCode> {
         template_kwargs: kwargs,
         strict: args.strict,
         progress: std::io::stderr().is_terminal(),
+        force: args.force,
     };
     let (manifest, fresh) = match prepare(&assets, &opts)? {
         PrepareOutcome::UpToDate(m) => (m, false),

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
-use dflash::config::{Config, Gamma, TargetSource};
+use dflash::config::{Config, Gamma, SlotWeights, TargetSource};
 use dflash::data::prompts::read_prompts;
 use dflash::data::read_token_rows;
 use dflash::device::{DeviceSpec, DtypeSpec, device_name};
@@ -39,20 +39,23 @@ pub struct EvalArgs {
     #[arg(long, value_name = "PATH")]
     prompts: Option<PathBuf>,
     /// --decode: tokens to generate per prompt at most.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = super::at_least_one, requires = "decode")]
     max_new_tokens: usize,
+    /// --decode: the first N prompts of the file only (a quick look at a large set).
+    #[arg(long, value_name = "N", value_parser = super::at_least_one, requires = "decode")]
+    limit: Option<usize>,
     /// --decode: do not stop at the target's eos_token_id.
-    #[arg(long)]
+    #[arg(long, requires = "decode")]
     ignore_eos: bool,
     /// --decode on a GPU: launch every kernel of the target's and the drafter's passes instead of replaying them
     /// from CUDA graphs (same logits, slower; for comparison).
-    #[arg(long)]
+    #[arg(long, requires = "decode")]
     no_cuda_graphs: bool,
     /// --decode: write each prompt's generated token ids and accepted counts per verify step as JSON lines here.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", requires = "decode")]
     dump: Option<PathBuf>,
     /// --decode: chat template variables as a JSON object, e.g. '{"enable_thinking": false}'.
-    #[arg(long, value_name = "JSON")]
+    #[arg(long, value_name = "JSON", requires = "decode")]
     template_kwargs: Option<String>,
     /// cpu, cuda:N or auto (default: target.device).
     #[arg(long)]
@@ -60,15 +63,16 @@ pub struct EvalArgs {
     /// f32 or bf16 (default: f32 on the CPU, bf16 on a GPU).
     #[arg(long)]
     dtype: Option<DtypeSpec>,
-    /// Loss-weight decay: a number, none, or auto (7 for block size 16, 5 for 10, 4 for 8). Default:
-    /// objective.gamma.
-    #[arg(long)]
+    /// Weigh the loss's slots by the paper's decay exp(-(k-1)/gamma) (objective.weights = decay, whatever the
+    /// configuration says) with this gamma: a number, none, or auto (7 for block size 16, 5 for 10, 4 for 8).
+    /// Without it: objective.weights (D-PACE by default) and objective.gamma.
+    #[arg(long, conflicts_with = "decode")]
     gamma: Option<Gamma>,
     /// Blocks per row per forward pass (default: objective.num_anchors); the result does not depend on it.
-    #[arg(long)]
+    #[arg(long, value_parser = super::at_least_one, conflicts_with = "decode")]
     num_anchors: Option<usize>,
     /// Rows per target pass.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = super::at_least_one, conflicts_with = "decode")]
     batch: usize,
     /// Print one JSON object instead of a summary.
     #[arg(long)]
@@ -111,7 +115,11 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
         let dc = drafter.config().clone();
         let gamma = args.gamma.unwrap_or(config.objective.gamma).resolve(dc.block_size)?;
         let num_anchors = args.num_anchors.unwrap_or(config.objective.num_anchors);
-        let objective = config.objective.settings(num_anchors, dc.block_size, gamma, dc.mask_token_id);
+        let mut recipe = config.objective.clone();
+        if args.gamma.is_some() {
+            recipe.weights = SlotWeights::Decay;
+        }
+        let objective = recipe.settings(num_anchors, dc.block_size, gamma, dc.mask_token_id);
         let depth = if objective.teacher.needs_target_predictions() { Depth::Full } else { Depth::ToLastTap };
         let target = load_target(&source, &args.drafter, &drafter, depth, device, kind)?;
         let rows = read_token_rows(data, target.config().vocab_size)?;
@@ -121,11 +129,17 @@ pub fn run(config: &Config, mut args: EvalArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} samples, {} tokens, {} blocks: loss {:.4}, accuracy {:.4}, teacher-forced acceptance length {:.3} (block size {})",
+            "{} samples, {} tokens, {} blocks: loss {:.4} ({}), accuracy {:.4}, teacher-forced acceptance length {:.3} \
+             (block size {})",
             report.samples,
             report.tokens,
             report.blocks,
             report.loss,
+            match (report.dpace_alpha, report.gamma) {
+                (Some(alpha), _) => format!("D-PACE weights, alpha {alpha}"),
+                (None, Some(gamma)) => format!("decay weights, gamma {gamma}"),
+                (None, None) => "every slot weighed alike".into(),
+            },
             report.accuracy,
             report.acceptance_length,
             report.block_size
@@ -149,7 +163,9 @@ fn load_target(
     let tc = target.config();
     if tc.hidden_size != dc.decoder.hidden_size || tc.vocab_size != dc.decoder.vocab_size {
         bail!(
-            "the drafter in {} expects a target with hidden size {} and vocabulary {}, but {source} has {} and {}",
+            "the drafter in {} was trained for another target: it reads hidden size {} and a vocabulary of {}, \
+             where {source} has hidden size {} and a vocabulary of {} (pass the target it was trained with as \
+             --target)",
             drafter_dir.display(),
             dc.decoder.hidden_size,
             dc.decoder.vocab_size,
@@ -167,9 +183,18 @@ fn decode(args: &EvalArgs, source: &TargetSource, device: Device, kind: Kind) ->
         let drafter = Drafter::load(&args.drafter, device, kind)?;
         let target = load_target(source, &args.drafter, &drafter, Depth::Full, device, kind)?;
         // Chat prompts need the target's tokenizer and template (read only if a conversation line is there).
-        let prompts = read_prompts(prompts_path, target.config().vocab_size, &|| source.chat_assets(&kwargs))?;
+        let mut prompts = read_prompts(prompts_path, target.config().vocab_size, &|| source.chat_assets(&kwargs))?;
+        if let Some(limit) = args.limit.filter(|&n| n < prompts.len()) {
+            eprintln!("--limit {limit}: the first {limit} of {} prompts", prompts.len());
+            prompts.truncate(limit);
+        }
         let stop = if args.ignore_eos { Vec::new() } else { target.config().eos_token_ids.clone() };
-        let settings = DecodeSettings { max_new_tokens: args.max_new_tokens, stop, cuda_graphs: !args.no_cuda_graphs };
+        let settings = DecodeSettings {
+            max_new_tokens: args.max_new_tokens,
+            stop,
+            cuda_graphs: !args.no_cuda_graphs,
+            progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        };
         tracing::info!(prompts = prompts.len(), max_new_tokens = args.max_new_tokens, "decoding");
         Ok(evaluate_decoding(&target, &drafter, &prompts, &settings)?)
     })??;

@@ -4,6 +4,7 @@ pub mod config;
 pub mod data;
 pub mod eval;
 pub mod export;
+pub mod inspect_run;
 pub mod regenerate;
 pub mod synthesize;
 
@@ -19,4 +20,13 @@ pub fn compute_device(config: &Config, device: Option<DeviceSpec>, dtype: Option
     let kind = dtype.unwrap_or(config.target.dtype).resolve(device);
     dflash::device::bind_thread(device)?;
     Ok((device, kind))
+}
+
+/// A count that must be at least 1 (a flag of 0 would run and report nothing: tokens to generate, rows to read).
+pub fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}: a whole number, at least 1")),
+    }
 }

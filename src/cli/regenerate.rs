@@ -49,7 +49,7 @@ pub struct RegenerateArgs {
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Most tokens per response (a reply cut here is counted in the summary).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
     max_tokens: u32,
     /// Replies run to --max-tokens, past the end of turn: fixed-length answers, for benchmarks (sent to servers as
     /// vLLM's and SGLang's ignore_eos).

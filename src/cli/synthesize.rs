@@ -52,7 +52,7 @@ pub struct SynthesizeArgs {
     #[arg(long, default_value_t = 1.0)]
     answer_top_p: f64,
     /// Most tokens of an answer (one cut there is kept, and counted in the summary).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = super::at_least_one)]
     max_tokens: usize,
     /// User turns per conversation: N, or A-B for a number drawn per conversation (each later request is written by
     /// the target after its answer).

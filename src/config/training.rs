@@ -131,6 +131,7 @@ pub(super) struct RawData {
     cache_dir: String,
     ledger: String,
     ledger_max_failures: i64,
+    allow_other_tokenizer: bool,
 }
 
 /// Where training samples come from.
@@ -166,6 +167,8 @@ pub struct DataSettings {
     pub ledger: Option<PathBuf>,
     /// Ledger writes failing this many times in a row end the run (checkpoint, exit 75).
     pub ledger_max_failures: u32,
+    /// Train on a prepared folder whose tokenizer and chat template are not the target's (refused otherwise).
+    pub allow_other_tokenizer: bool,
 }
 
 impl RawData {
@@ -201,6 +204,7 @@ impl RawData {
             cache_dir: PathBuf::from(self.cache_dir),
             ledger: (!self.ledger.is_empty()).then(|| PathBuf::from(self.ledger)),
             ledger_max_failures: at_least("data.ledger_max_failures", self.ledger_max_failures, 1)? as u32,
+            allow_other_tokenizer: self.allow_other_tokenizer,
         })
     }
 }

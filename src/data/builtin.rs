@@ -8,12 +8,10 @@ use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{Map, Value, json};
-use sha2::{Digest, Sha256};
 
 use super::DataError;
 use super::chat::ChatTemplate;
 use super::prepare::ModelAssets;
-use super::shards::hex;
 use super::tokenize::{TextTokenizer, byte_level_tokenizer};
 
 /// The Qwen3 chat template (as published in Qwen3's `tokenizer_config.json`), used by the `tiny` preset.
@@ -46,16 +44,9 @@ impl ModelAssets {
             specials.insert(key.into(), config[key].clone());
         }
         let template = ChatTemplate::new(QWEN3_CHAT_TEMPLATE, specials, template_kwargs).expect("the template parses");
-        let tokenizer = tiny_tokenizer();
-        let mut h = Sha256::new();
-        h.update(tokenizer.to_string(false).expect("serializable"));
-        h.update(config.to_string());
-        ModelAssets {
-            template,
-            tokenizer: TextTokenizer::from_tokenizer(tokenizer),
-            identity: hex(&h.finalize()),
-            name: "tiny".into(),
-        }
+        let tokenizer = TextTokenizer::from_tokenizer(tiny_tokenizer());
+        let identity = ModelAssets::identity_of(&tokenizer, &template).expect("the tiny tokenizer serializes");
+        ModelAssets { template, tokenizer, identity, name: "tiny".into() }
     }
 
     /// A model folder's assets, or the built-in ones for `tiny` and `tiny-tasks`.

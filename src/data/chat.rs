@@ -97,14 +97,28 @@ fn normal_role(role: &str) -> Option<&'static str> {
     })
 }
 
+/// ShareGPT's names for roles, which an OpenAI `messages` list does not use: a line mixing the two forms is more
+/// likely broken than meant.
+const SHAREGPT_ONLY: [&str; 4] = ["human", "gpt", "chatgpt", "observation"];
+
 fn openai_message(m: &Value) -> Result<Value, ChatError> {
     let obj = m.as_object().ok_or_else(|| ChatError::Shape("each message must be an object".into()))?;
     let role =
         obj.get("role").and_then(Value::as_str).ok_or_else(|| ChatError::Shape("a message has no `role`".into()))?;
+    if SHAREGPT_ONLY.contains(&role) {
+        return Err(ChatError::Shape(format!(
+            "role {role:?} is ShareGPT's: OpenAI `messages` take system, user, assistant or tool (or write the turns \
+             as ShareGPT's `conversations` of `from` and `value`)"
+        )));
+    }
     let normal = normal_role(role).ok_or_else(|| ChatError::UnknownRole(role.to_string()))?;
     let mut out: Map<String, Value> = obj.clone();
     out.insert("role".into(), json!(normal));
     match out.get("content") {
+        // An assistant's tool call needs no text; a request or a system prompt without any is a broken line.
+        None | Some(Value::Null) if normal == "user" || normal == "system" => {
+            return Err(ChatError::Shape(format!("a {role} message has no `content`")));
+        }
         None | Some(Value::Null) => {
             if normal != "assistant" || !out.contains_key("tool_calls") {
                 out.insert("content".into(), json!(""));
@@ -149,6 +163,8 @@ pub struct ChatTemplate {
     /// `bos_token`, `eos_token`, ... and the user's template variables.
     globals: Map<String, Value>,
     end_of_turn: Vec<String>,
+    /// What renders: the template's source and its special-token variables (not the user's variables).
+    identity: String,
 }
 
 impl ChatTemplate {
@@ -214,9 +230,19 @@ impl ChatTemplate {
         if let Some(e) = eos.filter(|e| !end_of_turn.contains(e)) {
             end_of_turn.push(e);
         }
+        // The special tokens a template can print (unset ones are as good as absent).
+        let set: Map<String, Value> =
+            specials.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let identity = format!("{source}\n{}", Value::Object(set));
         let mut globals = specials;
         globals.extend(kwargs.clone());
-        Ok(ChatTemplate { env, globals, end_of_turn })
+        Ok(ChatTemplate { env, globals, end_of_turn, identity })
+    }
+
+    /// The template's source and special-token variables, which decide what it renders (with the user's variables,
+    /// which are settings of their own).
+    pub fn identity(&self) -> &str {
+        &self.identity
     }
 
     /// Renders `messages` as `apply_chat_template(messages, tools, add_generation_prompt, **kwargs)` would.
@@ -418,6 +444,9 @@ mod tests {
             (r#"{"conversations": [{"from": "alien", "value": "x"}]}"#, "unknown role \"alien\""),
             (r#"{"text": "x"}"#, "expected a `messages`"),
             (r#"{"id": -1, "messages": [{"role": "user", "content": "x"}]}"#, "`id`"),
+            (r#"{"messages": [{"role": "human", "content": "x"}]}"#, "role \"human\" is ShareGPT's"),
+            (r#"{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}"#, "a user message has no"),
+            (r#"{"messages": [{"role": "system", "content": null}]}"#, "a system message has no `content`"),
         ];
         for (line, expected) in cases {
             let err = Conversation::from_json_line(line, 0).unwrap_err().to_string();

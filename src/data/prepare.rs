@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use rayon::prelude::*;
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
@@ -35,7 +35,8 @@ const QUOTED_ERRORS: usize = 10;
 pub struct ModelAssets {
     pub template: ChatTemplate,
     pub tokenizer: TextTokenizer,
-    /// Hash of the tokenizer and template sources (part of the fingerprint).
+    /// The hash of the tokenizer and template ([`ModelAssets::identity_of`]): part of the fingerprint, and what a run
+    /// compares with its target's ([`Manifest::tokenizer`]).
     pub identity: String,
     /// What to call them in reports (`tiny` or the folder).
     pub name: String,
@@ -47,14 +48,43 @@ impl ModelAssets {
         let bad = |reason: String| DataError::File { path: dir.to_path_buf(), reason };
         let tokenizer = TextTokenizer::from_dir(dir).map_err(bad)?;
         let template = ChatTemplate::from_dir(dir, template_kwargs).map_err(bad)?;
+        let identity = Self::identity_of(&tokenizer, &template).map_err(bad)?;
+        Ok(ModelAssets { template, tokenizer, identity, name: dir.display().to_string() })
+    }
+
+    /// The hash of what tokenizes and renders: the tokenizer's definition, the template's source and its special
+    /// tokens. The same tokenizer and template hash the same wherever they come from (a model folder, however its
+    /// files are formatted, or the built-in ones).
+    pub fn identity_of(tokenizer: &TextTokenizer, template: &ChatTemplate) -> Result<String, String> {
         let mut h = Sha256::new();
-        h.update(file_sha256(&dir.join("tokenizer.json"))?);
-        h.update(file_sha256(&dir.join("tokenizer_config.json"))?);
-        Ok(ModelAssets { template, tokenizer, identity: hex(&h.finalize()), name: dir.display().to_string() })
+        h.update(tokenizer.definition()?);
+        h.update(template.identity());
+        Ok(hex(&h.finalize()))
     }
 }
 
 impl ModelAssets {
+    /// The token ids the chat template writes around the messages (role markers, turn ends, a default system prompt):
+    /// those of a conversation of a system prompt and two exchanges, and of a generation prompt, rendered and
+    /// tokenized with every message's content the letter `x`. A template that refuses a system prompt is rendered
+    /// without one.
+    pub fn template_token_ids(&self) -> Result<std::collections::HashSet<u32>, String> {
+        let turn = |role: &str| json!({"role": role, "content": "x"});
+        let exchanges = [turn("user"), turn("assistant"), turn("user"), turn("assistant")];
+        let with_system: Vec<Value> = std::iter::once(turn("system")).chain(exchanges.iter().cloned()).collect();
+        let rendered = self
+            .template
+            .render(&with_system, None, false)
+            .or_else(|_| self.template.render(&exchanges, None, false))
+            .map_err(|e| e.to_string())?;
+        let prompt = self.template.render(&exchanges[..1], None, true).map_err(|e| e.to_string())?;
+        let mut ids = std::collections::HashSet::new();
+        for text in [rendered, prompt] {
+            ids.extend(self.tokenizer.encode(&text)?.ids);
+        }
+        Ok(ids)
+    }
+
     /// Where a generated turn ends: the target's end-of-sequence ids `eos` and the end-of-turn tokens the vocabulary
     /// has.
     pub fn stop_tokens(&self, eos: &[i64]) -> Vec<i64> {
@@ -85,6 +115,8 @@ pub struct PrepareOptions {
     /// Stop at the first bad line instead of skipping it.
     pub strict: bool,
     pub progress: bool,
+    /// Replace a prepared folder at `out` that holds other data (otherwise refused: a run may be training on it).
+    pub force: bool,
 }
 
 /// What `prepare` does with a conversation longer than `max_len` tokens.
@@ -108,6 +140,14 @@ pub enum Lines<'a> {
 }
 
 impl Lines<'_> {
+    /// The tokenizer and template conversations were rendered with, as the manifest records it.
+    fn tokenizer(&self) -> Option<String> {
+        match self {
+            Lines::Conversations(assets) => Some(assets.identity.clone()),
+            Lines::TokenRows { .. } => None,
+        }
+    }
+
     /// What identifies the tokenization (part of the fingerprint), and what to call it in the manifest.
     fn identity(&self) -> (String, String) {
         match self {
@@ -238,6 +278,40 @@ fn conversation_sample(
     Ok(sample)
 }
 
+/// How a prepared folder's manifest differs from a preparation of `model`, `settings` and `inputs`: "from other
+/// inputs (...)", "with other settings (...)", "with another model's tokenizer (...)", or "by an earlier dflash".
+fn what_differs(existing: &Manifest, model: &str, settings: &Value, inputs: &[InputEntry]) -> String {
+    let mut why = Vec::new();
+    if existing.model != model {
+        why.push(format!("with the tokenizer of {} (this run: {model})", existing.model));
+    }
+    let theirs: Vec<(&str, &str)> = existing.inputs.iter().map(|i| (i.path.as_str(), i.sha256.as_str())).collect();
+    let ours: Vec<(&str, &str)> = inputs.iter().map(|i| (i.path.as_str(), i.sha256.as_str())).collect();
+    if theirs != ours {
+        let names: Vec<&str> = existing.inputs.iter().map(|i| i.path.as_str()).collect();
+        why.push(format!("from other inputs or other contents ({})", names.join(", ")));
+    }
+    if let (Some(a), Some(b)) = (existing.settings.as_object(), settings.as_object()) {
+        let changed: Vec<String> = (a.keys().chain(b.keys()))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .filter(|k| a.get(*k) != b.get(*k))
+            .map(|k| format!("{k} {} there, {} now", show(a.get(k)), show(b.get(k))))
+            .collect();
+        if !changed.is_empty() {
+            why.push(format!("with other settings ({})", changed.join("; ")));
+        }
+    }
+    match why.is_empty() {
+        true => "by another build of dflash (its fingerprint differs)".into(),
+        false => why.join(", and "),
+    }
+}
+
+fn show(v: Option<&Value>) -> String {
+    v.map_or("(unset)".into(), Value::to_string)
+}
+
 /// Prepares the conversations of `opts.inputs` with `assets` into `opts.out`.
 pub fn prepare(assets: &ModelAssets, opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
     prepare_lines(Lines::Conversations(assets), opts)
@@ -283,6 +357,20 @@ pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutco
             reason: "exists and is not a prepared folder; choose another --out or remove it".into(),
         });
     }
+    if let Ok(existing) = Manifest::read(&opts.out)
+        && existing.fingerprint != fingerprint
+        && !opts.force
+    {
+        return Err(DataError::File {
+            path: opts.out.clone(),
+            reason: format!(
+                "already holds data prepared {}: replacing it would change the rows under a run training on it \
+                 (rows it trained on could become held-out rows). Prepare into another --out, or pass --force to \
+                 replace it",
+                what_differs(&existing, &model, &settings, &inputs)
+            ),
+        });
+    }
     let parent = opts.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|err| DataError::Io { path: parent.to_path_buf(), err })?;
     let name = opts.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -292,7 +380,9 @@ pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutco
     }
     std::fs::create_dir_all(&tmp).map_err(|err| DataError::Io { path: tmp.clone(), err })?;
     let result = write_all(lines, opts, &tmp, started).and_then(|(splits, report)| {
-        let manifest = Manifest { format: FORMAT.to_string(), fingerprint, model, settings, inputs, splits, report };
+        let tokenizer = lines.tokenizer();
+        let manifest =
+            Manifest { format: FORMAT.to_string(), fingerprint, model, tokenizer, settings, inputs, splits, report };
         let path = manifest_path(&tmp);
         let text = serde_json::to_string_pretty(&manifest).expect("json");
         std::fs::write(&path, text).map_err(|err| DataError::Io { path: path.clone(), err })?;
@@ -383,15 +473,20 @@ fn write_all(
                     Ok(())
                 };
                 match result {
-                    LineResult::Blank => continue,
+                    LineResult::Blank => {
+                        report.blank += 1;
+                        continue;
+                    }
                     LineResult::Bad(kind, message) => bad(kind, message)?,
                     LineResult::Dropped(reason) => *report.dropped.entry(reason.to_string()).or_insert(0) += 1,
                     LineResult::Kept { samples, holdout: to_holdout, cut, dropped } => {
                         let here = || format!("{}:{line_no}", path.display());
                         if let Some(repeated) = samples.iter().find_map(|s| seen_ids.record(&s.id, here).err()) {
                             bad("duplicate id", repeated)?;
+                            report.lines += 1;
                             continue;
                         }
+                        report.kept_lines += 1;
                         match (cut, opts.long) {
                             (false, _) => {}
                             (true, LongConversations::Truncate) => report.truncated += 1,

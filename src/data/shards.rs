@@ -369,7 +369,14 @@ pub fn manifest_path(dir: &Path) -> PathBuf {
 /// What a run did, kept in the manifest and printed.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PrepareReport {
+    /// Conversations read (lines but blank ones): kept, dropped or bad.
     pub lines: u64,
+    /// Conversations kept (each one sample, or with `--long split` several).
+    #[serde(default)]
+    pub kept_lines: u64,
+    /// Blank lines, skipped.
+    #[serde(default)]
+    pub blank: u64,
     pub kept_train: u64,
     pub kept_holdout: u64,
     /// Samples dropped, by reason.
@@ -406,6 +413,10 @@ pub struct Manifest {
     pub fingerprint: String,
     /// The model whose tokenizer and template were used.
     pub model: String,
+    /// The hash of that tokenizer and template (`ModelAssets::identity`): a run refuses data whose tokenizer is not
+    /// its target's. Absent for token rows and for folders of dflash before 2026-12-06.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
     pub settings: Value,
     pub inputs: Vec<InputEntry>,
     pub splits: BTreeMap<String, SplitEntry>,
@@ -437,10 +448,16 @@ impl Manifest {
 impl PrepareReport {
     /// A few lines for people.
     pub fn summary(&self) -> String {
+        let whole_lines_dropped: u64 =
+            self.dropped.iter().filter(|(reason, _)| !reason.starts_with("pieces")).map(|(_, n)| n).sum();
+        let bad: u64 = self.bad_lines.values().sum();
+        let blank = if self.blank > 0 { format!(" ({} blank lines skipped)", self.blank) } else { String::new() };
         let mut s = format!(
-            "{} conversations: {} samples kept for training, {} held out; {} tokens ({} supervised), {} truncated, \
-             {} split; {:.1} s ({:.0} conversations/s, {:.0} tokens/s)",
+            "{} conversations read{blank}: {} kept, {whole_lines_dropped} dropped, {bad} bad; {} samples for \
+             training, {} held out; {} tokens ({} supervised), {} truncated, {} split; {:.1} s ({:.0} conversations/s, \
+             {:.0} tokens/s)",
             self.lines,
+            self.kept_lines,
             self.kept_train,
             self.kept_holdout,
             self.tokens,

@@ -56,27 +56,42 @@ impl TextTokenizer {
         self.inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect()
     }
 
+    /// The tokenizer's whole definition as the tokenizers library writes it (vocabulary, merges, normalisation,
+    /// special tokens): the same for the same tokenizer however its file was formatted.
+    pub fn definition(&self) -> Result<String, String> {
+        self.inner.to_string(false).map_err(|e| e.to_string())
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
 
     /// The MASK token `draft_model.mask_token_id = "auto"` picks for a target of `vocab_size` embedding rows, and the
-    /// rule that picked it, given the special tokens the folder declares (`declared_special_tokens`). In order:
+    /// rule that picked it, given the special tokens the folder declares (`declared_special_tokens`) and the ids its
+    /// chat template writes (`written`, [`ModelAssets::template_token_ids`](crate::data::prepare::ModelAssets)): a
+    /// MASK that every rendered chat holds would share its embedding with real context. In order:
     /// - the tokenizer's own `mask_token`, as speculators takes it;
     /// - the first row no token uses (Qwen3: 151669; speculators adds `<|MASK|>` there);
     /// - the lowest-id reserved special token (Llama-3: `<|reserved_special_token_0|>`, 128002, z-lab's choice for
     ///   Llama-3.1; GPT-OSS: `<|reserved_200000|>`);
-    /// - the pad, end-of-sequence or unknown token, speculators' fallback when every row is used: the MASK then shares
-    ///   its embedding with a token the data holds, which training learns around (SmolLM2).
+    /// - the pad, end-of-sequence or unknown token the template never writes, speculators' fallback when every row is
+    ///   used;
+    /// - the lowest-id special token the template never writes (SmolLM2, whose end of sequence is `<|im_start|>`).
     ///
-    /// Neither: an error listing the special tokens, to choose one the data never contains.
-    pub fn unused_mask_token(&self, vocab_size: usize, declared: &[(String, String)]) -> Result<(u32, String), String> {
+    /// None of these: an error listing the special tokens, to choose one the data never contains.
+    pub fn unused_mask_token(
+        &self,
+        vocab_size: usize,
+        declared: &[(String, String)],
+        written: &std::collections::HashSet<u32>,
+    ) -> Result<(u32, String), String> {
+        let unwritten = |id: &u32| !written.contains(id) && (*id as usize) < vocab_size;
         let id_of = |role: &str| {
             declared
                 .iter()
                 .find(|(r, _)| r == role)
                 .and_then(|(_, content)| Some((self.token_id(content)?, content)))
-                .filter(|(id, _)| (*id as usize) < vocab_size)
+                .filter(|(id, _)| unwritten(id))
         };
         if let Some((id, content)) = id_of("mask_token") {
             return Ok((id, format!("the tokenizer's mask token, {content}")));
@@ -96,25 +111,25 @@ impl TextTokenizer {
             .map(|(id, t)| (id, t.content))
             .collect();
         specials.sort();
-        if let Some((id, content)) = specials.iter().find(|(_, c)| c.to_lowercase().contains("reserved")) {
+        let reserved = |(id, c): &&(u32, String)| unwritten(id) && c.to_lowercase().contains("reserved");
+        if let Some((id, content)) = specials.iter().find(reserved) {
             return Ok((*id, format!("the first reserved special token, {content}")));
         }
+        let shared = "every embedding row is used and no special token is reserved, so the MASK shares its \
+                      embedding with a token the chat template never writes (set draft_model.mask_token_id to a \
+                      token your data never contains to choose another)";
         for (role, name) in [("pad_token", "pad"), ("eos_token", "end-of-sequence"), ("unk_token", "unknown")] {
             if let Some((id, content)) = id_of(role) {
-                return Ok((
-                    id,
-                    format!(
-                        "the tokenizer's {name} token {content}: every embedding row is used and no special token \
-                         is reserved, so the MASK reuses it as speculators does (set draft_model.mask_token_id to a \
-                         token your chats never contain to choose another)"
-                    ),
-                ));
+                return Ok((id, format!("the tokenizer's {name} token {content}: {shared}, as speculators does")));
             }
+        }
+        if let Some((id, content)) = specials.iter().find(|(id, _)| unwritten(id)) {
+            return Ok((*id, format!("the lowest-id special token, {content}: {shared}")));
         }
         let listed: Vec<String> = specials.iter().take(20).map(|(id, c)| format!("{id} {c}")).collect();
         Err(format!(
-            "the tokenizer uses all {vocab_size} embedding rows and declares no mask, pad, end-of-sequence or unknown \
-             token, nor a reserved special token: set draft_model.mask_token_id to a token the data never contains \
+            "the tokenizer uses all {vocab_size} embedding rows and has no mask, reserved or other special token that \
+             its chat template does not write: set draft_model.mask_token_id to a token the data never contains \
              (special tokens: {})",
             if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
         ))
@@ -204,6 +219,8 @@ pub fn byte_level_tokenizer(merges: &[(&str, &str)], special: &[&str]) -> Result
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
 
     /// The tokenizer's mask token first, then the first unused embedding row, the lowest reserved special token, the
@@ -211,27 +228,56 @@ mod tests {
     #[test]
     fn the_mask_token_follows_the_rule_in_order() {
         let none: Vec<(String, String)> = vec![];
+        let nothing = HashSet::new();
         let declare = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
             pairs.iter().map(|(r, c)| (r.to_string(), c.to_string())).collect()
         };
         let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &["<|im_end|>", "<think>"]).unwrap());
-        assert_eq!(t.unused_mask_token(300, &none).unwrap().0, 258, "256 bytes and two specials use rows 0..258");
-        let (id, why) = t.unused_mask_token(300, &declare(&[("mask_token", "<think>")])).unwrap();
+        assert_eq!(
+            t.unused_mask_token(300, &none, &nothing).unwrap().0,
+            258,
+            "256 bytes and two specials use rows 0..258"
+        );
+        let (id, why) = t.unused_mask_token(300, &declare(&[("mask_token", "<think>")]), &nothing).unwrap();
         assert_eq!((id, why.contains("mask token")), (257, true), "the tokenizer's own mask token first: {why}");
         let specials = ["<|begin|>", "<|end|>", "<|reserved_special_token_1|>", "<|reserved_special_token_0|>"];
         let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &specials).unwrap());
-        let (id, why) = t.unused_mask_token(260, &declare(&[("pad_token", "<|end|>")])).unwrap();
+        let (id, why) = t.unused_mask_token(260, &declare(&[("pad_token", "<|end|>")]), &nothing).unwrap();
         assert_eq!(id, 258, "the lowest-id reserved one, whatever its name's number, before the pad: {why}");
         assert!(why.contains("reserved_special_token_1"), "{why}");
         let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &["<|begin|>", "<|end|>"]).unwrap());
-        let (id, why) = t.unused_mask_token(258, &declare(&[("eos_token", "<|end|>"), ("unk_token", "x")])).unwrap();
+        let (id, why) =
+            t.unused_mask_token(258, &declare(&[("eos_token", "<|end|>"), ("unk_token", "x")]), &nothing).unwrap();
         assert_eq!(id, 257, "no free row, no reserved token: the end-of-sequence token, as speculators: {why}");
         assert!(why.contains("end-of-sequence token <|end|>"), "{why}");
-        let (id, _) =
-            t.unused_mask_token(258, &declare(&[("unk_token", "<|begin|>"), ("pad_token", "<|end|>")])).unwrap();
+        let (id, _) = t
+            .unused_mask_token(258, &declare(&[("unk_token", "<|begin|>"), ("pad_token", "<|end|>")]), &nothing)
+            .unwrap();
         assert_eq!(id, 257, "pad before unknown, whatever the order they are declared in");
-        let err = t.unused_mask_token(258, &declare(&[("pad_token", "<|not-a-token|>")])).unwrap_err();
+        let both: HashSet<u32> = [256, 257].into();
+        let err = t.unused_mask_token(258, &declare(&[("pad_token", "<|end|>")]), &both).unwrap_err();
         assert!(err.contains("draft_model.mask_token_id") && err.contains("256 <|begin|>"), "{err}");
+    }
+
+    /// A token the chat template writes into every chat is never the MASK, whatever role it is declared in
+    /// (SmolLM2's folder declares `<|im_start|>` its end of sequence): the next candidate is taken, and the rule says so.
+    #[test]
+    fn the_mask_token_is_never_one_the_chat_template_writes() {
+        let declare = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs.iter().map(|(r, c)| (r.to_string(), c.to_string())).collect()
+        };
+        let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<|reserved_0|>"];
+        let t = TextTokenizer::from_tokenizer(byte_level_tokenizer(&[], &specials).unwrap());
+        let written: HashSet<u32> = [257, 258, 260].into();
+        let roles =
+            declare(&[("eos_token", "<|im_start|>"), ("unk_token", "<|endoftext|>"), ("mask_token", "<|im_end|>")]);
+        let (id, why) = t.unused_mask_token(261, &roles, &written).unwrap();
+        assert_eq!(id, 256, "not the written mask, reserved or end-of-sequence token: the unknown token: {why}");
+        assert!(why.contains("unknown token <|endoftext|>") && why.contains("never writes"), "{why}");
+        let written: HashSet<u32> = [256, 257, 258, 260].into();
+        let (id, why) = t.unused_mask_token(261, &roles, &written).unwrap();
+        assert_eq!(id, 259, "no role left: the lowest special token the template does not write: {why}");
+        assert!(why.contains("<repo_name>"), "{why}");
     }
 
     /// transformers 4 reads both files, the special tokens map over the tokenizer's configuration; the object form

@@ -17,7 +17,7 @@ use crate::data::prepare::{Lines, ModelAssets, PrepareOptions, PrepareOutcome, p
 use crate::data::regenerate::{
     Failure, RegenerateOptions, RegenerateReport, Reply, ShowProgress, regenerate_concurrently,
 };
-use crate::data::shards::{PreparedSplit, hex};
+use crate::data::shards::{Manifest, PreparedSplit, hex};
 use crate::model::batched::{Answer, BatchGenerator, BatchSettings, Request};
 use crate::model::sampling::Sampling;
 use crate::model::{Depth, Target, TargetConfig};
@@ -135,10 +135,13 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
         Ok(split)
     };
     let data: Arc<dyn Dataset> = match &d.source {
-        DataSource::Prepared(dir) => Arc::new(fits(
-            PreparedSplit::open(dir, "train", false).with_context(|| format!("data.path = {}", dir.display()))?,
-            dir,
-        )?),
+        DataSource::Prepared(dir) => {
+            same_tokenizer(config, dir)?;
+            Arc::new(fits(
+                PreparedSplit::open(dir, "train", false).with_context(|| format!("data.path = {}", dir.display()))?,
+                dir,
+            )?)
+        }
         DataSource::Synthetic(lengths) => Arc::new(SyntheticData::new(
             d.builtin_conversations,
             d.max_len,
@@ -161,6 +164,46 @@ pub fn dataset(config: &Config, target: &TargetConfig, device: Device, kind: Kin
         );
     }
     Ok(data)
+}
+
+/// Refuses a prepared folder whose tokenizer and chat template are not the target's, unless
+/// `data.allow_other_tokenizer`: token ids mean text only under the tokenizer that wrote them, and another one's ids
+/// (all within the vocabulary when the two are of a size) would train silently on nonsense. A folder from before the
+/// manifest recorded its tokenizer, or a target without one (a preset of random weights), is not checked.
+fn same_tokenizer(config: &Config, dir: &Path) -> Result<()> {
+    let manifest = Manifest::read(dir).with_context(|| format!("data.path = {}", dir.display()))?;
+    let Some(theirs) = &manifest.tokenizer else {
+        tracing::warn!(
+            data = %dir.display(),
+            "prepared by a dflash that did not record its tokenizer: it cannot be checked against the target's \
+             (prepare it again, into another folder, to have it checked)"
+        );
+        return Ok(());
+    };
+    let Ok(target) = config.target.source.chat_assets(&Map::new()) else {
+        return Ok(());
+    };
+    if target.identity == *theirs {
+        return Ok(());
+    }
+    let what = format!(
+        "data.path = {}: prepared with the tokenizer and chat template of {} ({}), not the target's ({}: {})",
+        dir.display(),
+        manifest.model,
+        &theirs[..12.min(theirs.len())],
+        target.name,
+        &target.identity[..12]
+    );
+    if config.data.allow_other_tokenizer {
+        tracing::warn!("{what}; training on it, as data.allow_other_tokenizer = true asks");
+        return Ok(());
+    }
+    bail!(
+        "{what}: its token ids would mean other text to this target. Prepare the conversations again with \
+         `dflash prepare --model {}` into another folder, or, if the two share a tokenizer and chat template, set \
+         data.allow_other_tokenizer = true",
+        target.name
+    )
 }
 
 /// Where the prepared copy of a token-row file lives: `data.cache_dir/token-rows/<file name>-<hash of its full
@@ -192,6 +235,8 @@ fn token_rows(config: &Config, target: &TargetConfig, file: &Path) -> Result<Pre
         template_kwargs: Map::new(),
         strict: true,
         progress: false,
+        // A cache of this process's own making, prepared again whenever what it is made from changes.
+        force: true,
     };
     let what = || format!("data.path = {}: token rows", file.display());
     let lines = Lines::TokenRows { vocab_size: target.vocab_size };
@@ -292,6 +337,7 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
         template_kwargs: Map::new(),
         strict: false,
         progress: false,
+        force: true,
     };
     prepare(&assets, &opts)?;
     Ok(PreparedSplit::open(Path::new(&prepared), "train", false)?)

@@ -1,8 +1,12 @@
 //! The drafter's shape from `[draft_model]` and the target, with what `auto` resolves to and why: serve-train builds
 //! (and logs) it, `config show` prints it, so a user sees the taps and the MASK token before the data is prepared.
+use std::collections::HashSet;
+
 use anyhow::{Context, Result};
+use serde_json::Map;
 
 use crate::config::{Config, TargetSource};
+use crate::data::prepare::ModelAssets;
 use crate::data::tokenize::{TextTokenizer, declared_special_tokens};
 use crate::model::{DrafterConfig, TargetConfig};
 
@@ -52,7 +56,12 @@ pub fn shape(config: &Config) -> Result<Shape> {
             let auto = |e: String| anyhow::anyhow!("draft_model.mask_token_id = auto: {e}");
             let tokenizer = TextTokenizer::from_dir(dir).map_err(auto)?;
             let declared = declared_special_tokens(dir).map_err(auto)?;
-            let (id, why) = tokenizer.unused_mask_token(target.vocab_size, &declared).map_err(auto)?;
+            // A folder without a chat template (a base model) writes no tokens around the text.
+            let written = match ModelAssets::from_dir(dir, &Map::new()) {
+                Ok(assets) => assets.template_token_ids().map_err(auto)?,
+                Err(_) => HashSet::new(),
+            };
+            let (id, why) = tokenizer.unused_mask_token(target.vocab_size, &declared, &written).map_err(auto)?;
             (id as i64, Some(why))
         }
     };

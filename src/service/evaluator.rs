@@ -135,6 +135,9 @@ pub struct Evaluated {
     pub holdout_acceptance_length: Option<f64>,
     #[serde(default)]
     pub holdout_rows: usize,
+    /// The loss on those rows, weighed as training weighs its batches.
+    #[serde(default)]
+    pub holdout_loss: Option<f64>,
     pub token_match_rate: f64,
     pub lossless: bool,
     pub prompts: usize,
@@ -142,6 +145,27 @@ pub struct Evaluated {
     /// The best acceptance length so far (this one's when it is the new best).
     pub best: f64,
     pub new_best: bool,
+}
+
+#[cfg(test)]
+impl Evaluated {
+    /// A lossless evaluation of 8 prompts at `step` that decoded `acceptance` tokens a target step, the run's best,
+    /// for the tests of what reads evaluations.
+    pub fn lossless_at(step: u64, acceptance: f64) -> Self {
+        Evaluated {
+            step,
+            decode_acceptance_length: acceptance,
+            holdout_acceptance_length: None,
+            holdout_rows: 0,
+            holdout_loss: None,
+            token_match_rate: 1.0,
+            lossless: true,
+            prompts: 8,
+            seconds: 1.0,
+            best: acceptance,
+            new_best: true,
+        }
+    }
 }
 
 /// The handle the supervisor keeps.
@@ -299,6 +323,7 @@ fn evaluate<'a>(
         decode_acceptance_length: acceptance,
         holdout_acceptance_length: scored.as_ref().map(|s| s.acceptance_length),
         holdout_rows: spec.set.rows.len(),
+        holdout_loss: scored.as_ref().map(|s| s.loss),
         token_match_rate: report.token_match_rate,
         lossless: report.lossless,
         prompts: report.prompts,
@@ -306,6 +331,7 @@ fn evaluate<'a>(
         best: if new_best { acceptance } else { best.unwrap_or(acceptance) },
         new_best,
     };
+    record(&spec.checkpoint_root, &evaluated);
     if new_best {
         std::fs::write(staged.join(EVAL_FILE), serde_json::to_vec_pretty(&evaluated)?)?;
         promote(&staged, &spec.checkpoint_root)?;
@@ -314,6 +340,42 @@ fn evaluate<'a>(
         std::fs::remove_dir_all(&staged)?;
     }
     Ok(evaluated)
+}
+
+/// The run's history of evaluations, one JSON line each, beside its checkpoints (`dflash inspect-run` reads it).
+pub const HISTORY_FILE: &str = "evals.jsonl";
+
+/// Appends `e` to the run's history. A history that cannot be written costs a warning, not the evaluation.
+fn record(root: &Path, e: &Evaluated) {
+    use std::io::Write;
+    let path = root.join(HISTORY_FILE);
+    let written = serde_json::to_string(e).map_err(std::io::Error::other).and_then(|line| {
+        let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+        file.write_all(format!("{line}\n").as_bytes())
+    });
+    if let Err(err) = written {
+        tracing::warn!(path = %path.display(), "could not add the evaluation to the run's history: {err}");
+    }
+}
+
+/// The evaluations of the run whose checkpoints are in `root`, in step order: one per step, the last recorded (a
+/// resumed run may evaluate a step again). A line that does not parse is named by its number.
+pub fn read_history(root: &Path) -> Result<Vec<Evaluated>> {
+    let path = root.join(HISTORY_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "{}: no history of evaluations (a run records one when it evaluates: eval.every_steps > 0 and \
+             eval.prompts set)",
+            path.display()
+        )
+    })?;
+    let mut by_step = std::collections::BTreeMap::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let e: Evaluated =
+            serde_json::from_str(line).with_context(|| format!("{}:{}: not an evaluation", path.display(), i + 1))?;
+        by_step.insert(e.step, e);
+    }
+    Ok(by_step.into_values().collect())
 }
 
 /// Held-out rows per target pass when they are scored teacher-forced.

@@ -3,7 +3,7 @@
 //! values resolve. Nothing is applied here: the supervisor swaps an accepted configuration in at a step boundary.
 use serde::Serialize;
 
-use crate::config::{Change, Config, Layers, RELOADABLE, diff};
+use crate::config::{Change, Config, Layers, RELOADABLE, diff, resume_changes};
 
 /// A reread configuration that may replace the running one.
 pub struct Accepted {
@@ -39,12 +39,8 @@ pub fn reread(
     // comparison is of resolved values, not of the word `auto` against the ids it became.
     config.adopt_resolved(&current.merged);
     let changes = diff(&current.merged, &config.merged);
-    let fixed: Vec<&str> = changes.iter().map(|c| c.key.as_str()).filter(|k| !RELOADABLE.contains(k)).collect();
-    if !fixed.is_empty() {
-        return Err(format!(
-            "{} cannot change while the service runs (restart it with --resume auto to change them){KEPT}",
-            fixed.join(", ")
-        ));
+    if let Some(advice) = advice_for_fixed(&current.merged, &config.merged) {
+        return Err(format!("{advice}{KEPT}"));
     }
     if changes.is_empty() {
         return Ok(None);
@@ -52,6 +48,33 @@ pub fn reread(
     let gamma = config.objective.gamma.resolve(block_size).map_err(|e| format!("{e}{KEPT}"))?;
     check(&config).map_err(|e| format!("{e}{KEPT}"))?;
     Ok(Some(Accepted { config, changes, gamma }))
+}
+
+/// What to do about the keys a reload cannot change, `None` when there are none. The advice follows what
+/// `serve-train --resume auto` accepts ([`resume_changes`]): a key it takes from the file is changed by a restart,
+/// one that defines the run (what its checkpoints mean) only by a new run.
+fn advice_for_fixed(running: &serde_json::Value, new: &serde_json::Value) -> Option<String> {
+    let (defining, resumable) = resume_changes(running, new);
+    let names = |changes: &[Change]| -> Vec<String> {
+        changes.iter().filter(|c| !RELOADABLE.contains(&c.key.as_str())).map(|c| c.key.clone()).collect()
+    };
+    let (defining, resumable) = (names(&defining), names(&resumable));
+    let mut advice = Vec::new();
+    if !resumable.is_empty() {
+        advice.push(format!(
+            "{} cannot change while the service runs: stop it (SIGTERM or Ctrl-C checkpoints it) and start it again \
+             with --resume auto to change them",
+            resumable.join(", ")
+        ));
+    }
+    if !defining.is_empty() {
+        advice.push(format!(
+            "{} define the run (what its checkpoints mean) and cannot change in it, not even on resume: start a new \
+             run in another checkpoint.dir to change them",
+            defining.join(", ")
+        ));
+    }
+    (!advice.is_empty()).then(|| advice.join("; "))
 }
 
 #[cfg(test)]
@@ -85,7 +108,8 @@ mod tests {
 
         let batch = layers(dir.path(), "[optim]\nlr = 1e-3\n[data]\nbatch_size = 3\n");
         let err = reread(&current, &batch, 16, ok).err().unwrap();
-        assert!(err.contains("data.batch_size") && err.contains("--resume auto") && err.contains("stays"), "{err}");
+        assert!(err.contains("data.batch_size") && err.contains("another checkpoint.dir") && err.contains("stays"));
+        assert!(!err.contains("--resume auto"), "a resume refuses a changed batch size: {err}");
 
         let broken = layers(dir.path(), "[optim\nlr = 1e-3\n");
         let err = reread(&current, &broken, 16, ok).err().unwrap();
@@ -100,6 +124,31 @@ mod tests {
         assert!(err.contains("block size 12"), "{err}");
         let err = reread(&current, &lr, 16, |_| Err("no prompts".into())).err().unwrap();
         assert!(err.starts_with("no prompts"), "{err}");
+    }
+
+    /// Every key a reload refuses gets advice that works: "--resume auto" only for what a resume takes from the file,
+    /// a new run for what a resume refuses, as `resume_changes` (what `serve-train --resume auto` runs) decides.
+    #[test]
+    fn the_advice_for_a_refused_key_is_what_a_resume_does_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let current = Config::load(&layers(dir.path(), "")).unwrap();
+        let ok = |_: &Config| Ok(());
+        let edits = [
+            ("[draft_model]\nnum_hidden_layers = 3\n", "draft_model.num_hidden_layers"),
+            ("[objective]\nseed = 9\n", "objective.seed"),
+            ("[drafters]\ndevices = [\"cpu\", \"cpu\", \"cpu\"]\n", "drafters.devices"),
+            ("[data]\nledger = \"elsewhere.jsonl\"\n", "data.ledger"),
+            ("[optim]\nmax_steps = 9\n", "optim.max_steps"),
+        ];
+        for (edit, key) in edits {
+            let err = reread(&current, &layers(dir.path(), edit), 16, ok).err().expect(key);
+            let edited = Config::load(&layers(dir.path(), edit)).unwrap();
+            let (refused, _) = resume_changes(&current.merged, &edited.merged);
+            let a_resume_refuses = refused.iter().any(|c| c.key == key);
+            let advice = err.split("; ").find(|part| part.contains(key)).expect(key);
+            assert_eq!(advice.contains("--resume auto"), !a_resume_refuses, "{key}: {err}");
+            assert_eq!(advice.contains("new run in another checkpoint.dir"), a_resume_refuses, "{key}: {err}");
+        }
     }
 
     /// With a model folder the taps and the MASK token default to `auto`, which the running configuration holds

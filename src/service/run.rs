@@ -263,6 +263,9 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         (None, _) => {}
     }
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
+    if !follower {
+        the_runs_data(&config, resume.as_ref().map(|(path, _)| path.as_path()), data.as_ref())?;
+    }
     check_packing(&config, &target_cfg, data.as_ref())?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
     let eval_set = (config.eval.every_steps > 0).then(|| eval_set(&config, target_cfg.vocab_size)).transpose()?;
@@ -484,6 +487,43 @@ fn data_fingerprint(data: &dyn Dataset) -> String {
     let digest = h.finalize();
     let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
     format!("{} samples, sha256 {hex}", data.len())
+}
+
+/// The file beside a run's checkpoints that says what data it began on.
+const RUN_DATA: &str = "data.json";
+
+/// Keeps what data a run trains on beside its checkpoints (`checkpoint.dir/data.json`: `data.path` and the training
+/// split's ids and lengths, [`data_fingerprint`]), written when a run begins, and refuses to resume (`resumed`: the
+/// checkpoint) on other data: rows trained on could have moved to the held-out split, and the ledger's exactly-once
+/// would mean nothing. A run from before the file existed adopts today's data.
+fn the_runs_data(config: &Config, resumed: Option<&std::path::Path>, data: &dyn Dataset) -> Result<()> {
+    let dir = &config.checkpoint.dir;
+    let path = dir.join(RUN_DATA);
+    let now = serde_json::json!({"path": config.merged["data"]["path"], "train": data_fingerprint(data)});
+    if let Some(checkpoint) = resumed
+        && let Ok(text) = std::fs::read_to_string(&path)
+    {
+        let began: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        if began["train"] != now["train"] {
+            bail!(
+                "cannot resume {}: the run began on data.path = {} (training split: {}), and data.path = {} now \
+                 holds {}: the data changed under the run (prepared again into the same folder?). Restore the data it \
+                 began on, or start a new run in another checkpoint.dir",
+                checkpoint.display(),
+                began["path"],
+                began["train"].as_str().unwrap_or("?"),
+                now["path"],
+                now["train"].as_str().unwrap_or("?")
+            );
+        }
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("checkpoint.dir = {}", dir.display()))?;
+    let tmp = dir.join(format!(".{RUN_DATA}.tmp"));
+    std::fs::write(&tmp, now.to_string())
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// SIGHUP rereads the configuration. Signals arriving within a quarter second of each other are one reload.

@@ -28,6 +28,8 @@ pub struct DecodeSettings {
     pub stop: Vec<i64>,
     /// On a GPU, replay the target's steps ([`Decoder`]) and the drafter's passes from CUDA graphs where they apply.
     pub cuda_graphs: bool,
+    /// Show a progress bar on the terminal (prompts decoded, the rate, the time left).
+    pub progress: bool,
 }
 
 /// One prompt's first difference between speculative and greedy decoding.
@@ -144,6 +146,21 @@ impl<'a> DecodeSession<'a> {
     }
 }
 
+/// Each prompt is decoded twice (speculatively, then greedily): a bar over both passes, or a hidden one.
+fn progress_bar(shown: bool, prompts: usize) -> indicatif::ProgressBar {
+    if !shown {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(2 * prompts as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} {msg} [{elapsed_precise}] {wide_bar} {pos}/{len} prompt decodings ({per_sec}, eta {eta})",
+        )
+        .expect("valid template"),
+    );
+    bar
+}
+
 /// [`evaluate_decoding`] with the target's steps run by `decoder` (its cache holding the longest prompt and the new
 /// tokens) and the blocks drafted by `proposer`.
 fn compare_decodings(
@@ -162,21 +179,27 @@ fn compare_decodings(
         device::synchronize_stream(target.device())?;
         Ok(start.elapsed().as_secs_f64())
     };
+    let bar = progress_bar(settings.progress, prompts.len());
     let mut spec_outputs = Vec::with_capacity(prompts.len());
+    bar.set_message("speculative decoding");
     let speculative_seconds = timed(&mut || {
         for p in prompts {
             let out = speculative(decoder, proposer, block_size, &p.input_ids, max_new, &settings.stop)?;
             spec_outputs.push(out);
+            bar.inc(1);
         }
         Ok(())
     })?;
     let mut greedy_outputs = Vec::with_capacity(prompts.len());
+    bar.set_message("greedy decoding, to compare");
     let greedy_seconds = timed(&mut || {
         for p in prompts {
             greedy_outputs.push(greedy(decoder, &p.input_ids, max_new, &settings.stop)?);
+            bar.inc(1);
         }
         Ok(())
     })?;
+    bar.finish_and_clear();
 
     let (mut matched, mut greedy_tokens) = (0, 0);
     let (mut divergences, mut near_ties) = (Vec::new(), Vec::new());
@@ -333,8 +356,12 @@ mod tests {
             }
         };
         let target = Target::load(&dir, &drafter.config().target_layer_ids, Depth::Full, device, kind).unwrap();
-        let settings =
-            DecodeSettings { max_new_tokens, stop: target.config().eos_token_ids.clone(), cuda_graphs: true };
+        let settings = DecodeSettings {
+            max_new_tokens,
+            stop: target.config().eos_token_ids.clone(),
+            cuda_graphs: true,
+            progress: false,
+        };
         let block_size = drafter.config().block_size;
         let graphed = [1, block_size as i64];
         let mut verdicts = Vec::new();

@@ -20,7 +20,10 @@ pub struct EvalReport {
     pub predicted: f64,
     pub samples: usize,
     pub block_size: usize,
+    /// How the loss weighed a block's slots: `decay` (by `gamma`) or `dpace` (by `dpace_alpha`).
+    pub weights: &'static str,
     pub gamma: Option<f64>,
+    pub dpace_alpha: Option<f64>,
 }
 
 /// Scores `drafter` on `rows`, `batch_size` rows per target pass (rows sorted by length to limit padding; the
@@ -59,6 +62,8 @@ pub fn evaluate_rows(
         predicted: total.predicted,
         samples: rows.len(),
         block_size: objective.block_size,
-        gamma: objective.gamma,
+        weights: if objective.dpace_alpha.is_some() { "dpace" } else { "decay" },
+        gamma: objective.gamma.filter(|_| objective.dpace_alpha.is_none()),
+        dpace_alpha: objective.dpace_alpha,
     })
 }

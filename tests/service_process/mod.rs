@@ -57,6 +57,8 @@ pub fn prepared() -> &'static PathBuf {
             "4",
             "--holdout",
             "0.1",
+            // A folder of this fixture's, made again by every test binary (an earlier build's may be there).
+            "--force",
         ]);
         out
     })

@@ -331,6 +331,7 @@ impl Shell {
                 max_new_tokens: self.a.config.eval.max_new_tokens,
                 stop: self.a.eos_token_ids.clone(),
                 cuda_graphs: self.a.config.eval.cuda_graphs,
+                progress: false,
             },
             objective,
             checkpoint_root: self.a.config.checkpoint.dir.clone(),

@@ -2296,18 +2296,7 @@ impl Effects for World {
     }
 
     fn evaluate(&mut self, _: &Core, step: u64, _: PathBuf) {
-        let e = Evaluated {
-            step,
-            decode_acceptance_length: 1.5,
-            holdout_acceptance_length: None,
-            holdout_rows: 0,
-            token_match_rate: 1.0,
-            lossless: true,
-            prompts: 1,
-            seconds: 0.1,
-            best: 1.5,
-            new_best: false,
-        };
+        let e = Evaluated { prompts: 1, seconds: 0.1, new_best: false, ..Evaluated::lossless_at(step, 1.5) };
         self.after(ms(100), Occ::Deliver(Box::new(Event::Evaluated(Ok(e)))));
     }
 

@@ -151,12 +151,64 @@ impl Core {
         if let Some(line) = self.last_evaluation.as_ref().map(gained) {
             tracing::info!("{line}");
         }
+        let done = Done {
+            code,
+            steps: self.schedule.committed_step(),
+            samples: self.schedule.samples_committed(),
+            seconds: self.now.as_secs_f64(),
+            evaluation: self.last_evaluation.as_ref(),
+            evaluating: self.config.eval.every_steps > 0,
+        };
+        if !self.is_follower() {
+            tracing::info!("{}", summary(&done, &self.config.checkpoint.dir));
+        }
         for (id, generation) in self.running_threads() {
             self.tell((id, generation), Order::Stop);
         }
         self.out.push(Action::Exit { code });
         self.exit = Some(code);
     }
+}
+
+/// What a run did, for its closing summary.
+struct Done<'a> {
+    code: i32,
+    steps: u64,
+    samples: u64,
+    seconds: f64,
+    evaluation: Option<&'a Evaluated>,
+    /// Whether the run evaluates (`eval.every_steps` > 0).
+    evaluating: bool,
+}
+
+/// The closing summary: what the run did, where its drafters are, and what to run next.
+fn summary(d: &Done, dir: &std::path::Path) -> String {
+    let dir = dir.display();
+    let minutes = d.seconds / 60.0;
+    let mut s = format!("run summary: {} steps, {} samples in {minutes:.1} min", d.steps, d.samples);
+    if d.code == EXIT_OK {
+        s.push_str(&format!("; the drafter: {dir}/final (serve it as docs/serving.md says)"));
+    } else if is_stop(d.code) {
+        s.push_str(&format!(
+            "; stopped before the run was complete (status {}): the same command with --resume auto continues it",
+            d.code
+        ));
+    } else {
+        s.push_str(&format!("; ended with status {} (docs/operations.md says what it means)", d.code));
+    }
+    match (d.evaluation, d.evaluating) {
+        (Some(e), _) => s.push_str(&format!(
+            "; best decoded acceptance {:.2} ({dir}/best); every evaluation is in {dir}/evals.jsonl (`dflash \
+             inspect-run {dir}` tabulates and plots it)",
+            e.best
+        )),
+        (None, true) => s.push_str("; no evaluation finished"),
+        (None, false) => s.push_str(&format!(
+            "; nothing was evaluated (eval.every_steps = 0): `dflash eval --decode --drafter {dir} --prompts \
+             PROMPTS.jsonl` measures its tokens per target step, or set eval.every_steps and eval.prompts"
+        )),
+    }
+    s
 }
 
 /// The end-of-run line: what training gained, in the number that matters.
@@ -170,10 +222,14 @@ fn gained(e: &Evaluated) -> String {
             100.0 * e.token_match_rate
         )
     };
+    let fewer = match e.decode_acceptance_length {
+        a if a < 1.005 => "no fewer forward passes".to_string(),
+        a => format!("{a:.2}x fewer forward passes"),
+    };
     format!(
-        "decoded acceptance 1.00 -> {:.2} (step {}, best {:.2}): on {} held-out prompts the target ran {:.2}x fewer \
-         forward passes than greedy decoding, with {output}",
-        e.decode_acceptance_length, e.step, e.best, e.prompts, e.decode_acceptance_length
+        "decoded acceptance 1.00 -> {:.2} (step {}, best {:.2}): on {} held-out prompts the target ran {fewer} than \
+         greedy decoding, with {output}",
+        e.decode_acceptance_length, e.step, e.best, e.prompts
     )
 }
 
@@ -181,23 +237,33 @@ fn gained(e: &Evaluated) -> String {
 mod tests {
     use super::*;
 
+    /// The summary says where the drafter is and what to run next: for a complete run its export and evaluations,
+    /// for a stopped one how to continue, and when nothing was evaluated, how to measure it.
+    #[test]
+    fn the_summary_says_what_to_run_next() {
+        let e = Evaluated { best: 2.75, new_best: false, ..Evaluated::lossless_at(90, 2.5) };
+        let dir = std::path::Path::new("runs/r");
+        let d =
+            Done { code: EXIT_OK, steps: 100, samples: 1600, seconds: 90.0, evaluation: Some(&e), evaluating: true };
+        let line = summary(&d, dir);
+        assert!(
+            line.starts_with("run summary: 100 steps, 1600 samples in 1.5 min; the drafter: runs/r/final"),
+            "{line}"
+        );
+        assert!(line.contains("best decoded acceptance 2.75 (runs/r/best)") && line.contains("runs/r/evals.jsonl"));
+        let stopped = summary(&Done { code: 143, evaluation: None, evaluating: false, ..d }, dir);
+        assert!(stopped.contains("--resume auto continues") && !stopped.contains("final"), "{stopped}");
+        assert!(stopped.contains("nothing was evaluated (eval.every_steps = 0): `dflash eval --decode"), "{stopped}");
+    }
+
     #[test]
     fn the_end_of_run_line_says_what_was_gained() {
-        let e = Evaluated {
-            step: 150,
-            decode_acceptance_length: 2.75,
-            holdout_acceptance_length: None,
-            holdout_rows: 0,
-            token_match_rate: 1.0,
-            lossless: true,
-            prompts: 8,
-            seconds: 3.0,
-            best: 2.8,
-            new_best: false,
-        };
+        let e = Evaluated { best: 2.8, new_best: false, ..Evaluated::lossless_at(150, 2.75) };
         let line = gained(&e);
         assert!(line.starts_with("decoded acceptance 1.00 -> 2.75 (step 150, best 2.80)"), "{line}");
         assert!(line.contains("2.75x fewer forward passes") && line.ends_with("the same output"), "{line}");
+        let nothing = gained(&Evaluated { decode_acceptance_length: 1.0, ..e.clone() });
+        assert!(nothing.contains("ran no fewer forward passes than greedy decoding"), "{nothing}");
         let differs = gained(&Evaluated { lossless: false, token_match_rate: 0.97, ..e });
         assert!(differs.contains("a DIFFERENT output on some prompts (97.0% of tokens matching"), "{differs}");
     }

@@ -1037,18 +1037,7 @@ pub(crate) mod tests {
         );
         assert!(!actions.iter().any(|a| matches!(a, Action::Export { .. } | Action::Exit { .. })), "{actions:?}");
         assert!(c.handle(secs(1.0), Event::Tick).is_empty(), "waiting for it");
-        let evaluated = Evaluated {
-            step: 2,
-            decode_acceptance_length: 2.5,
-            holdout_acceptance_length: None,
-            holdout_rows: 0,
-            token_match_rate: 1.0,
-            lossless: true,
-            prompts: 8,
-            seconds: 1.0,
-            best: 2.5,
-            new_best: true,
-        };
+        let evaluated = Evaluated::lossless_at(2, 2.5);
         let actions = c.handle(secs(2.0), Event::Evaluated(Ok(evaluated)));
         assert!(actions.iter().any(|a| matches!(a, Action::Export { .. })), "{actions:?}");
         assert_eq!(c.last_evaluation.as_ref().map(|e| e.step), Some(2));
