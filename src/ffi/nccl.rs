@@ -48,7 +48,7 @@ unsafe extern "C" {
 
 #[derive(Debug, Error)]
 pub enum NcclError {
-    #[error("NCCL needs CUDA devices; {0:?} is not one")]
+    #[error("NCCL needs CUDA devices; {} is not one", crate::device::device_name(*.0))]
     NotCuda(Device),
     #[error("rank {rank} of {nranks} does not exist")]
     BadRank { rank: usize, nranks: usize },

@@ -22,6 +22,7 @@ use crate::data::TokenRow;
 use crate::data::prepare::commit_folder;
 use crate::data::prompts::{Prompt, prompt_end, read_prompts};
 use crate::data::shards::PreparedSplit;
+use crate::device::device_name;
 use crate::model::{Depth, Drafter, Target};
 use crate::panic::catch_torch;
 use crate::train::ObjectiveSettings;
@@ -270,7 +271,7 @@ fn load(spec: &EvalSpec, checkpoint: &Path) -> Result<(Target, Drafter)> {
     let drafter = Drafter::load(&checkpoint.join(DRAFTER_DIR), spec.device, spec.kind)
         .with_context(|| format!("the drafter of {}", checkpoint.display()))?;
     let seconds = format!("{:.1}", loading.elapsed().as_secs_f64());
-    tracing::info!(device = ?spec.device, seconds, "evaluator: loaded the full target (once)");
+    tracing::info!(device = %device_name(spec.device), seconds, "evaluator: loaded the full target (once)");
     Ok((target, drafter))
 }
 
