@@ -20,7 +20,7 @@ use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value, json};
 
 use super::SampleId;
-use super::tokenize::special_token;
+use super::tokenize::{TextTokenizer, special_token};
 
 /// Strings that end an assistant turn, in the order they are tried.
 const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>"];
@@ -243,6 +243,26 @@ impl ChatTemplate {
     /// which are settings of their own).
     pub fn identity(&self) -> &str {
         &self.identity
+    }
+
+    /// The token ids the template writes around the messages (role markers, turn ends, a default system prompt), as
+    /// `tokenizer` reads them: those of a conversation of a system prompt and two exchanges, and of a generation
+    /// prompt, rendered with every message's content the letter `x`. A template that refuses a system prompt is
+    /// rendered without one.
+    pub fn token_ids_written(&self, tokenizer: &TextTokenizer) -> Result<std::collections::HashSet<u32>, String> {
+        let turn = |role: &str| json!({"role": role, "content": "x"});
+        let exchanges = [turn("user"), turn("assistant"), turn("user"), turn("assistant")];
+        let with_system: Vec<Value> = std::iter::once(turn("system")).chain(exchanges.iter().cloned()).collect();
+        let rendered = self
+            .render(&with_system, None, false)
+            .or_else(|_| self.render(&exchanges, None, false))
+            .map_err(|e| e.to_string())?;
+        let prompt = self.render(&exchanges[..1], None, true).map_err(|e| e.to_string())?;
+        let mut ids = std::collections::HashSet::new();
+        for text in [rendered, prompt] {
+            ids.extend(tokenizer.encode(&text)?.ids);
+        }
+        Ok(ids)
     }
 
     /// Renders `messages` as `apply_chat_template(messages, tools, add_generation_prompt, **kwargs)` would.

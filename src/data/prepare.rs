@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use rayon::prelude::*;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::DataError;
@@ -64,27 +64,6 @@ impl ModelAssets {
 }
 
 impl ModelAssets {
-    /// The token ids the chat template writes around the messages (role markers, turn ends, a default system prompt):
-    /// those of a conversation of a system prompt and two exchanges, and of a generation prompt, rendered and
-    /// tokenized with every message's content the letter `x`. A template that refuses a system prompt is rendered
-    /// without one.
-    pub fn template_token_ids(&self) -> Result<std::collections::HashSet<u32>, String> {
-        let turn = |role: &str| json!({"role": role, "content": "x"});
-        let exchanges = [turn("user"), turn("assistant"), turn("user"), turn("assistant")];
-        let with_system: Vec<Value> = std::iter::once(turn("system")).chain(exchanges.iter().cloned()).collect();
-        let rendered = self
-            .template
-            .render(&with_system, None, false)
-            .or_else(|_| self.template.render(&exchanges, None, false))
-            .map_err(|e| e.to_string())?;
-        let prompt = self.template.render(&exchanges[..1], None, true).map_err(|e| e.to_string())?;
-        let mut ids = std::collections::HashSet::new();
-        for text in [rendered, prompt] {
-            ids.extend(self.tokenizer.encode(&text)?.ids);
-        }
-        Ok(ids)
-    }
-
     /// Where a generated turn ends: the target's end-of-sequence ids `eos` and the end-of-turn tokens the vocabulary
     /// has.
     pub fn stop_tokens(&self, eos: &[i64]) -> Vec<i64> {

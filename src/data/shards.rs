@@ -448,9 +448,9 @@ impl Manifest {
 impl PrepareReport {
     /// A few lines for people.
     pub fn summary(&self) -> String {
-        let whole_lines_dropped: u64 =
-            self.dropped.iter().filter(|(reason, _)| !reason.starts_with("pieces")).map(|(_, n)| n).sum();
         let bad: u64 = self.bad_lines.values().sum();
+        // Every conversation read is kept, dropped or bad (`dropped` also counts pieces of kept ones).
+        let whole_lines_dropped = self.lines.saturating_sub(self.kept_lines + bad);
         let blank = if self.blank > 0 { format!(" ({} blank lines skipped)", self.blank) } else { String::new() };
         let mut s = format!(
             "{} conversations read{blank}: {} kept, {whole_lines_dropped} dropped, {bad} bad; {} samples for \

@@ -68,7 +68,7 @@ impl TextTokenizer {
 
     /// The MASK token `draft_model.mask_token_id = "auto"` picks for a target of `vocab_size` embedding rows, and the
     /// rule that picked it, given the special tokens the folder declares (`declared_special_tokens`) and the ids its
-    /// chat template writes (`written`, [`ModelAssets::template_token_ids`](crate::data::prepare::ModelAssets)): a
+    /// chat template writes (`written`, [`ChatTemplate::token_ids_written`](crate::data::chat::ChatTemplate::token_ids_written)): a
     /// MASK that every rendered chat holds would share its embedding with real context. In order:
     /// - the tokenizer's own `mask_token`, as speculators takes it;
     /// - the first row no token uses (Qwen3: 151669; speculators adds `<|MASK|>` there);

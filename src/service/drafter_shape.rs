@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use serde_json::Map;
 
 use crate::config::{Config, TargetSource};
-use crate::data::prepare::ModelAssets;
+use crate::data::chat::ChatTemplate;
 use crate::data::tokenize::{TextTokenizer, declared_special_tokens};
 use crate::model::{DrafterConfig, TargetConfig};
 
@@ -57,8 +57,8 @@ pub fn shape(config: &Config) -> Result<Shape> {
             let tokenizer = TextTokenizer::from_dir(dir).map_err(auto)?;
             let declared = declared_special_tokens(dir).map_err(auto)?;
             // A folder without a chat template (a base model) writes no tokens around the text.
-            let written = match ModelAssets::from_dir(dir, &Map::new()) {
-                Ok(assets) => assets.template_token_ids().map_err(auto)?,
+            let written = match ChatTemplate::from_dir(dir, &Map::new()) {
+                Ok(template) => template.token_ids_written(&tokenizer).map_err(auto)?,
                 Err(_) => HashSet::new(),
             };
             let (id, why) = tokenizer.unused_mask_token(target.vocab_size, &declared, &written).map_err(auto)?;

@@ -263,8 +263,9 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         (None, _) => {}
     }
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
+    let fingerprint = data_fingerprint(data.as_ref());
     if !follower {
-        the_runs_data(&config, resume.as_ref().map(|(path, _)| path.as_path()), data.as_ref())?;
+        the_runs_data(&config, resume.as_ref().map(|(path, _)| path.as_path()), &fingerprint)?;
     }
     check_packing(&config, &target_cfg, data.as_ref())?;
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
@@ -295,7 +296,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
             tracing::info!(rank = p.rank, hosts = p.hosts, rendezvous = %format!("{}:{}", p.master_addr, p.master_port),
                 "one host of several");
             let link = HostLink::open(p, config.cluster.round_timeout).context("joining the run's hosts")?;
-            link.agree_on_data(&data_fingerprint(data.as_ref())).context("checking the training data across hosts")?;
+            link.agree_on_data(&fingerprint).context("checking the training data across hosts")?;
             let target = format!(
                 "{:?}, {} layers, hidden {}, vocabulary {}",
                 target_cfg.architecture, target_cfg.num_hidden_layers, target_cfg.hidden_size, target_cfg.vocab_size
@@ -496,10 +497,10 @@ const RUN_DATA: &str = "data.json";
 /// split's ids and lengths, [`data_fingerprint`]), written when a run begins, and refuses to resume (`resumed`: the
 /// checkpoint) on other data: rows trained on could have moved to the held-out split, and the ledger's exactly-once
 /// would mean nothing. A run from before the file existed adopts today's data.
-fn the_runs_data(config: &Config, resumed: Option<&std::path::Path>, data: &dyn Dataset) -> Result<()> {
+fn the_runs_data(config: &Config, resumed: Option<&std::path::Path>, fingerprint: &str) -> Result<()> {
     let dir = &config.checkpoint.dir;
     let path = dir.join(RUN_DATA);
-    let now = serde_json::json!({"path": config.merged["data"]["path"], "train": data_fingerprint(data)});
+    let now = serde_json::json!({"path": config.merged["data"]["path"], "train": fingerprint});
     if let Some(checkpoint) = resumed
         && let Ok(text) = std::fs::read_to_string(&path)
     {
