@@ -36,7 +36,7 @@ pub(crate) struct Failed {
 /// A call across the boundary that failed on a device: what libtorch (or the CUDA runtime) said there. The device
 /// layer above wraps it in its own error ([`crate::device::DeviceError`]).
 #[derive(Debug, thiserror::Error)]
-#[error("libtorch on {}: {message}", crate::device::device_name(*device))]
+#[error("libtorch on {device:?}: {message}")]
 pub struct DeviceFailure {
     pub device: tch::Device,
     pub message: String,
