@@ -7,6 +7,7 @@
 # the binary xz-compressed (.gpu-bin/dflash.xz, `make gpu-bin`), gguf's wheel in .whl/.
 #   part                 the first GGUF part and the binary
 #   data                 the second part; the model converted; prompts; answers (regenerate --local); prepare
+#   model                `data` up to the prompts: the model and the 64 unseen-topic prompts alone
 #   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
 #   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
@@ -62,7 +63,7 @@ case "${1:-}" in
 part)
   cp .gpu/gguf.part-00 "$work/" && ls -la "$work" "$work/bin"
   ;;
-data)
+model | data)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
   cp .gpu/gguf.part-01 "$work/"
   cat "$work"/gguf.part-* >"$work/model.gguf"
@@ -73,6 +74,7 @@ data)
   python3 scripts/real_model.py prompts "$work/prompts.jsonl" bench
   python3 scripts/real_model.py prompts "$work/heldout-all.jsonl" heldout
   awk 'NR % 3 == 1' "$work/heldout-all.jsonl" >"$work/heldout.jsonl"
+  [ "$1" = model ] && exit 0
   "$d" regenerate --local --model "$work/model" --input "$work/prompts.jsonl" --out "$work/answers.jsonl" \
     --max-tokens 256 2>&1 | grep -E "conversations:" | tee "$out/regenerate.txt"
   "$d" prepare --model "$work/model" --input "$work/answers.jsonl" --out "$work/data" --max-len 512 \

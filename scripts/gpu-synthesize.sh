@@ -8,6 +8,9 @@
 #                              --max-tokens 256 and ARGS; its summary and time to $OUT/synth.txt. With
 #                              SYNTH_LIMIT=S it stops after S seconds (a later call continues the same file); the
 #                              evaluation conversations are cut only from a finished file
+#                              A synth.jsonl brought back by `keep` and carried in .gpu/synth/ is restored first.
+#   keep                       synth.jsonl xz-compressed into $OUT in parts of 15 MB (synth.jsonl.xz.part-NN), to be
+#                              carried in .gpu/synth/ by a later lease instead of synthesizing again
 #   train NAME DATA STEPS SEED [--set ..]
 #                              DATA: template (the 2,160 answered prompts) or synth:N (the first N synthesized
 #                              conversations); prepared once (--max-len 512), trained STEPS steps with
@@ -29,12 +32,17 @@ case "${1:-}" in
 synth)
   count=$2
   shift 2
+  if [ -e .gpu/synth/synth.jsonl.xz.part-00 ] && [ ! -e "$work/synth.jsonl" ]; then
+    cat .gpu/synth/synth.jsonl.xz.part-* | xz -d >"$work/synth.jsonl" || exit 1
+    echo "restored $(wc -l <"$work/synth.jsonl") conversations from .gpu/synth" | tee -a "$out/synth.txt"
+  fi
   start=$SECONDS
   timeout "${SYNTH_LIMIT:-0}" "$d" synthesize --model "$work/model" --count $((count + 256)) \
     --out "$work/synth.jsonl" --max-tokens 256 "$@" >"$out/synth.txt" 2>"$work/synth.log"
   code=$?
   echo "exit $code after $((SECONDS - start)) s" >>"$out/synth.txt"
   tail -3 "$work/synth.log" >>"$out/synth.txt"
+  sha256sum "$work/synth.jsonl" >>"$out/synth.txt"
   [ $code = 0 ] || { cat "$out/synth.txt"; exit $code; }
   python3 - "$work/synth.jsonl" "$held" <<'PY'
 import json, sys
@@ -46,6 +54,10 @@ with open(sys.argv[2], "w") as f:
         f.write(json.dumps({"messages": m[:first]}) + "\n")
 PY
   cat "$out/synth.txt"
+  ;;
+keep)
+  xz -T0 -6 -c "$work/synth.jsonl" | split -b 15000000 -d - "$out/synth.jsonl.xz.part-"
+  ls -la "$out"
   ;;
 train)
   name=$2 data=$3 steps=$4 seed=$5
@@ -86,5 +98,5 @@ train)
       eval_s "$((SECONDS - start))" eval "$result" | tee -a "$out/study.jsonl"
   done
   ;;
-*) echo "usage: $0 synth COUNT [ARGS..] | train NAME DATA STEPS SEED [--set ..]" >&2; exit 2 ;;
+*) echo "usage: $0 synth COUNT [ARGS..] | keep | train NAME DATA STEPS SEED [--set ..]" >&2; exit 2 ;;
 esac
