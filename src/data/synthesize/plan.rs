@@ -168,6 +168,8 @@ pub struct Synthesis {
     first_words: HashMap<u64, String>,
     /// What each attempt settled in this run came to.
     settled: BTreeMap<u64, Record>,
+    /// How many of `settled` were rejected.
+    rejected_here: usize,
 }
 
 /// What one attempt came to.
@@ -197,6 +199,7 @@ impl Synthesis {
             cut: None,
             first_words: HashMap::new(),
             settled: BTreeMap::new(),
+            rejected_here: 0,
         };
         for e in earlier {
             match e {
@@ -312,6 +315,7 @@ impl Synthesis {
         while self.live.len() - self.waiting < most
             && self.live.len() < WAITING_PER_GENERATING * most
             && !self.enough()
+            && self.live.len() < self.worth_running()
             && self.next_attempt < self.s.most_attempts()
         {
             let attempt = self.next_attempt;
@@ -327,6 +331,17 @@ impl Synthesis {
             self.live.insert(attempt, a);
         }
         asks
+    }
+
+    /// Attempts worth running at once for the conversations still missing: as many as the share accepted so far
+    /// says it takes to fill them, a quarter more, and one. More only cost time (the output keeps the first `count`
+    /// accepted, whatever else runs): `--count 12` on a CPU would otherwise generate a whole batch of 256.
+    fn worth_running(&self) -> usize {
+        let missing = self.s.count.saturating_sub(self.accepted()) as f64;
+        // Counted as if one more had been accepted: a first rejection or two do not multiply the attempts by 20.
+        let settled = self.settled.len();
+        let accepted_share = (settled - self.rejected_here + 1) as f64 / (settled + 1) as f64;
+        (missing / accepted_share.max(0.05) * 1.25).ceil() as usize + 1
     }
 
     fn begin(&self, attempt: u64) -> Attempt {
@@ -473,7 +488,10 @@ impl Synthesis {
 
     fn reject(&mut self, attempt: u64, reason: &'static str, request: &str, indexed: bool, of: Option<u64>) -> Outcome {
         let answers_cut = self.live.remove(&attempt).map_or(0, |a| a.answers_cut);
-        self.settled.insert(attempt, Record { rejected: Some(reason), follow_ups_dropped: None, answers_cut });
+        let record = Record { rejected: Some(reason), follow_ups_dropped: None, answers_cut };
+        if self.settled.insert(attempt, record).is_none() {
+            self.rejected_here += 1;
+        }
         let mut line = json!({"id": attempt, "reason": reason, "request": request, "indexed": indexed});
         if let Some(of) = of {
             line["duplicate_of"] = json!(of);
@@ -583,13 +601,27 @@ mod tests {
         (plan.kept().iter().map(|a| accepted[a].clone()).collect(), rejected)
     }
 
-    /// The same conversations and rejections whatever order the generations finish in: duplicates are judged in
-    /// attempt order, and the first `count` accepted attempts are kept.
+    /// A small count starts about the attempts it needs, not a whole batch: 3 conversations with room for 256
+    /// generating start 5 at first, and (this fake target rejects two attempts in three) a few times 3 in all.
+    #[test]
+    fn a_small_count_starts_the_attempts_it_needs_not_a_batch() {
+        let mut plan = Synthesis::new(settings(3, (1, 1)), 256, described(), []);
+        assert_eq!(plan.launch().len(), 5, "3 missing, a quarter more, one");
+        let mut plan = Synthesis::new(settings(3, (1, 1)), 256, described(), []);
+        let outcomes = drive(&mut plan, 1, None);
+        let rejected = outcomes.iter().filter(|o| matches!(o, Outcome::Rejected { .. })).count();
+        assert_eq!(plan.kept().len(), 3);
+        assert!(plan.next_attempt <= 20, "{} attempts for 3, {rejected} rejected", plan.next_attempt);
+    }
+
+    /// The same conversations and rejections whatever order the generations finish in and however many run at
+    /// once: duplicates are judged in attempt order, and the first `count` accepted attempts are kept.
     #[test]
     fn the_outcome_does_not_depend_on_the_order_generations_finish_in() {
         let mut first = None;
         for order in 0..6 {
-            let mut plan = Synthesis::new(settings(30, (1, 3)), 6, described(), []);
+            let in_flight = [6, 1, 256][order as usize % 3];
+            let mut plan = Synthesis::new(settings(30, (1, 3)), in_flight, described(), []);
             let outcomes = drive(&mut plan, order, None);
             let got = result(&plan, &outcomes);
             assert_eq!(got.0.len(), 30);
