@@ -9,7 +9,8 @@
 # And README's "Train a drafter for your model" block with its one-GPU run.toml, scaled down to the tests' real model
 # on the CPU (scripts/setup.sh --test provides it and llama.cpp's server, which stands in for vLLM): every command as
 # written, with only the substitutions listed in scaled_down() below, each of which must match (a README that changed
-# under it fails here rather than going unchecked).
+# under it fails here rather than going unchecked); and README's worked example (SmolLM2-135M from the model folder
+# alone) the same way, scaled down by worked_example().
 # Usage: scripts/check-readme.sh [--bin PATH/TO/dflash] [--work DIR] [--once] [--only TEXT]
 #   --only TEXT: run only the blocks whose "page:line (note)" contains TEXT (e.g. --only "real model").
 # Prints each block's page, line, seconds and result; exits 1 if any failed. Takes about 15 minutes on 2 cores.
@@ -104,6 +105,28 @@ def scaled_down(readme):
         "cat >run.toml <<'TOML'\n" + toml + "\nTOML\n" + block
     )
     return line, script
+def worked_example(readme):
+    """README's worked example (SmolLM2-135M from the model folder alone), scaled down to the tests' real model (the
+    same model, quantised) on the CPU: (line, script)."""
+    lines = readme.split("\n")
+    section = next(i for i, l in enumerate(lines) if l.startswith("## A worked example: SmolLM2-135M"))
+    line, block = fenced(lines, section, "bash")
+    settings = " ".join(f"--set {s}" for s in [
+        "target.device=cpu", "'drafters.devices=[\"cpu\"]'", "draft_model.num_hidden_layers=1",
+        "data.batch_size=2", "objective.num_anchors=8", "optim.max_steps=6", "checkpoint.every_steps=3",
+        "eval.every_steps=3", "eval.num_prompts=2", "eval.max_new_tokens=16"])
+    for old, new in [
+        ("hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir models/SmolLM2-135M-Instruct",
+         'mkdir -p models && ln -sfn "$DFLASH_ROOT/.real-model" models/SmolLM2-135M-Instruct'),
+        ("--count 50000 --out synth.jsonl --max-tokens 256", "--count 12 --out synth.jsonl --max-tokens 40"),
+        ("--holdout 0.01", "--holdout 0.25"),
+        ("--config config/smollm2-135m.toml --resume auto", f"--config config/smollm2-135m.toml --resume auto {settings}"),
+        ("--max-new-tokens 256 --limit 64", "--max-new-tokens 16 --limit 2"),
+    ]:
+        block = replace_once(block, old, new, "README.md (worked example)")
+    return line, "mkdir -p worked-example && cd worked-example && ln -sfn ../config config\n" + block
+
+
 pages = [root / "README.md"] + sorted((root / "docs").glob("*.md"))
 n = 0
 with open(out / "index", "w") as index:
@@ -124,7 +147,11 @@ with open(out / "index", "w") as index:
     n += 1
     (out / f"{n:02}.sh").write_text(script)
     index.write(f"{n:02} plain README.md:{line} (scaled down to the tests' real model)\n")
-if n == 1:
+    line, script = worked_example((root / "README.md").read_text())
+    n += 1
+    (out / f"{n:02}.sh").write_text(script)
+    index.write(f"{n:02} plain README.md:{line} (the worked example, scaled down to the tests' real model)\n")
+if n == 2:
     sys.exit("no check markers found")
 EOF
 

@@ -655,3 +655,49 @@ fn logs_to_a_pipe_are_plain_text() {
     assert!(log.contains("INFO"), "an info line is logged: {log}");
     assert!(!log.contains('\x1b'), "colour codes in a piped log: {log:?}");
 }
+
+/// `--resume auto` on a run that is complete loads nothing and trains nothing: it says so, names the drafter (its
+/// `final/` exported again) and how to go on; raising `optim.max_steps` then trains on from there.
+#[test]
+fn resuming_a_complete_run_says_it_is_complete_and_raising_max_steps_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("run");
+    let run = |steps: u64| {
+        let mut args = vec!["serve-train".to_string(), "--resume".into(), "auto".into()];
+        for set in [
+            "drafters.devices=[\"cpu\"]".to_string(),
+            "draft_model.num_hidden_layers=1".into(),
+            format!("optim.max_steps={steps}"),
+            "control.listen=off".into(),
+            format!("checkpoint.dir={}", ckpt.display()),
+            format!("data.ledger={}", ckpt.join("ledger.jsonl").display()),
+        ] {
+            args.extend(["--set".into(), set]);
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+            .args(&args)
+            .env_remove("RUST_LOG")
+            .env("DFLASH__LOG__LEVEL", "info")
+            .output()
+            .expect("run dflash");
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let ledger = || std::fs::read_to_string(ckpt.join("ledger.jsonl")).unwrap();
+    let first = run(4);
+    assert!(first.contains("run complete"), "{first}");
+    let (trained, exported) = (ledger(), std::fs::metadata(ckpt.join("final/model.safetensors")).unwrap());
+
+    let again = run(4);
+    assert!(again.contains("is already complete at step 4: nothing to train"), "{again}");
+    assert!(again.contains("raise optim.max_steps"), "{again}");
+    assert!(!again.contains("drafter ready") && !again.contains("training"), "nothing started: {again}");
+    assert_eq!(ledger(), trained, "nothing trained");
+    let final_now = std::fs::metadata(ckpt.join("final/model.safetensors")).unwrap();
+    assert_eq!(final_now.len(), exported.len(), "the same drafter exported again");
+
+    let on = run(6);
+    assert!(on.contains("resuming") && on.contains("run complete"), "{on}");
+    assert!(ledger().len() > trained.len(), "steps 5 and 6 trained");
+}

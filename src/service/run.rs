@@ -268,6 +268,13 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         the_runs_data(&config, resume.as_ref().map(|(path, _)| path.as_path()), &fingerprint)?;
     }
     check_packing(&config, &target_cfg, data.as_ref())?;
+    // One host alone: with several, the others wait for rank 0's rendezvous.
+    if placement.is_none()
+        && let Some((path, state)) = &resume
+        && super::supervisor::complete_at(&config, data.lengths(), state)
+    {
+        return already_complete(&config.checkpoint.dir, path, state.step);
+    }
     // Read now, so that a missing split or file is found wanting at start rather than at the first evaluation.
     let eval_set = (config.eval.every_steps > 0).then(|| eval_set(&config, target_cfg.vocab_size)).transpose()?;
     let token = super::control::token(&config.control, |k| std::env::var(k).ok())?;
@@ -377,6 +384,34 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// A resumed run with nothing left to train (its steps or epochs done at its newest checkpoint): nothing is loaded or
+/// evaluated again; its drafter is exported again into `final/` from that checkpoint, and what the run came to is
+/// said, with what to run to go on.
+fn already_complete(dir: &std::path::Path, checkpoint: &std::path::Path, step: u64) -> Result<i32> {
+    let exported = super::supervisor::export_final(checkpoint, dir)
+        .map_err(|e| anyhow::anyhow!("exporting {} into {}/final: {e}", checkpoint.display(), dir.display()))?;
+    let best = match super::evaluator::read_history(dir)
+        .ok()
+        .and_then(|h| h.into_iter().max_by(|a, b| a.decode_acceptance_length.total_cmp(&b.decode_acceptance_length)))
+    {
+        Some(e) => format!(
+            "; best decoded acceptance {:.2} at step {} ({}/best; `dflash inspect-run {}` shows every evaluation)",
+            e.decode_acceptance_length,
+            e.step,
+            dir.display(),
+            dir.display()
+        ),
+        None => String::new(),
+    };
+    tracing::info!(
+        "the run in {} is already complete at step {step}: nothing to train; its drafter: {}{best}. To train on, \
+         raise optim.max_steps (or optim.epochs) and run the same command again",
+        dir.display(),
+        exported.display()
+    );
+    Ok(super::exit::EXIT_OK)
 }
 
 /// Serves the control plane (`control.listen`) and its read-only part (`control.read_only_listen`) on the listeners

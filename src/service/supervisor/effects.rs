@@ -2,7 +2,7 @@
 //! and TCP. Each call returns at once; what answers later (an actor's start or failure, a scan, a write, an export,
 //! an evaluation) comes back to the supervisor as a message. The simulator implements the same trait in memory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{channel, sync_channel};
 use std::time::Duration;
@@ -182,27 +182,9 @@ impl Effects for Shell {
     }
 
     fn export(&mut self, from: PathBuf) {
-        let out = self.a.config.checkpoint.dir.join("final");
+        let dir = self.a.config.checkpoint.dir.clone();
         let exported = to_core(&self.myself, Event::Exported);
-        tokio::task::spawn_blocking(move || {
-            // Written aside and put in place whole: a failed export leaves no partial or older `final/`.
-            let staged = out.with_file_name(".final.tmp");
-            let _ = std::fs::remove_dir_all(&staged);
-            let saved = crate::panic::catch_torch(|| {
-                Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float)
-                    .and_then(|d| d.save(&staged, Kind::BFloat16))
-            });
-            let placed = match saved.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-                Ok(()) => match std::fs::remove_dir_all(&out) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        Err(format!("removing the old {}: {e}", out.display()))
-                    }
-                    _ => std::fs::rename(&staged, &out).map(|()| out).map_err(|e| format!("moving it into place: {e}")),
-                },
-                Err(e) => Err(e),
-            };
-            exported(placed);
-        });
+        tokio::task::spawn_blocking(move || exported(export_final(&from, &dir)));
     }
 
     fn evaluate(&mut self, core: &Core, step: u64, path: PathBuf) {
@@ -293,5 +275,21 @@ impl Effects for Shell {
 
     fn bug(&mut self, what: String) {
         tracing::error!("{what} (a supervisor bug)");
+    }
+}
+
+/// Exports the drafter of the checkpoint `from` into `checkpoint_dir/final` (bf16, the published format); returns
+/// that folder. Written aside and put in place whole: a failed export leaves no partial or older `final/`.
+pub fn export_final(from: &Path, checkpoint_dir: &Path) -> Result<PathBuf, String> {
+    let out = checkpoint_dir.join("final");
+    let staged = out.with_file_name(".final.tmp");
+    let _ = std::fs::remove_dir_all(&staged);
+    let saved = crate::panic::catch_torch(|| {
+        Drafter::load(&from.join(DRAFTER_DIR), Device::Cpu, Kind::Float).and_then(|d| d.save(&staged, Kind::BFloat16))
+    });
+    saved.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()))?;
+    match std::fs::remove_dir_all(&out) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("removing the old {}: {e}", out.display())),
+        _ => std::fs::rename(&staged, &out).map(|()| out).map_err(|e| format!("moving it into place: {e}")),
     }
 }

@@ -35,7 +35,9 @@ use tch::{Device, Kind};
 
 pub use self::core::{Core, HostRole, Setup, step_settings};
 use self::driver::Driver;
+pub use self::effects::export_final;
 use self::protocol::{Activity, DrafterSeen, Event, Request};
+pub use self::schedule::complete_at;
 use self::spawned::{Registry, Spawned};
 use self::watchdog::TickGaps;
 use super::compute_thread::ThreadFailure;

@@ -9,7 +9,9 @@
 //! ignored; reports that arrive out of order wait for the ones before them.
 use std::collections::{BTreeMap, HashMap};
 
+use crate::config::Config;
 use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings, LoaderState};
+use crate::train::checkpoint::TrainerState;
 use crate::train::collective::RoundReport;
 use crate::train::objective::Metrics;
 
@@ -90,6 +92,35 @@ pub struct Position {
 
 impl Position {
     pub const START: Position = Position { step: 0, samples_committed: 0, loader: None, set_aside: vec![] };
+
+    /// Where a checkpoint's run stood.
+    pub fn of(state: &TrainerState) -> Position {
+        Position {
+            step: state.step,
+            samples_committed: state.samples_committed,
+            loader: Some(state.loader.clone()),
+            set_aside: state.set_aside.clone(),
+        }
+    }
+}
+
+/// The loader's settings of a run configured by `config`.
+pub fn loader_settings(config: &Config) -> LoaderSettings {
+    LoaderSettings {
+        batch_size: config.data.batch_size,
+        seed: config.objective.seed,
+        bucket_batches: 16,
+        pack: config.data.pack,
+    }
+}
+
+/// Whether a run configured by `config`, on data of these `lengths`, has nothing left to train from `state`'s
+/// checkpoint: its steps or its epochs are done.
+pub fn complete_at(config: &Config, lengths: Vec<usize>, state: &TrainerState) -> bool {
+    let (optim, settings) = (&config.optim, loader_settings(config));
+    let mut schedule = Schedule::new(lengths, settings, optim.accumulation, optim.epochs, optim.max_steps);
+    schedule.restore(&Position::of(state), 0);
+    !schedule.data_left()
 }
 
 impl Schedule {

@@ -38,7 +38,7 @@ use super::targets::TargetCopy;
 use super::watchdog::{StepTimes, StoppedTime};
 use crate::config::Config;
 use crate::data::SampleId;
-use crate::data::loader::{BatchId, LoaderSettings};
+use crate::data::loader::BatchId;
 use crate::service::evaluator::Evaluated;
 use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, is_stop};
 use crate::service::failure::{Failure, FailureKind};
@@ -237,12 +237,7 @@ pub struct Core {
 impl Core {
     pub fn new(setup: Setup) -> Self {
         let c = &setup.config;
-        let settings = LoaderSettings {
-            batch_size: c.data.batch_size,
-            seed: c.objective.seed,
-            bucket_batches: 16,
-            pack: c.data.pack,
-        };
+        let settings = super::schedule::loader_settings(c);
         let mut schedule =
             Schedule::new(setup.lengths, settings, c.optim.accumulation, c.optim.epochs, c.optim.max_steps);
         if setup.role == Some(HostRole::Follower) {

@@ -122,15 +122,7 @@ impl Core {
     /// Puts the run at `source`'s position, in the current incarnation.
     pub(super) fn restore(&mut self, source: &Source) {
         let (position, state) = match source {
-            Source::Checkpoint(_, state) => (
-                Position {
-                    step: state.step,
-                    samples_committed: state.samples_committed,
-                    loader: Some(state.loader.clone()),
-                    set_aside: state.set_aside.clone(),
-                },
-                Some(state),
-            ),
+            Source::Checkpoint(_, state) => (Position::of(state), Some(state)),
             Source::Fresh => (Position::START, None),
         };
         self.schedule.restore(&position, self.incarnation);
