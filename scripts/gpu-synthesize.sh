@@ -7,7 +7,8 @@
 #   synth COUNT [ARGS..]       synthesize COUNT conversations (+ 256 kept apart for evaluation) into synth.jsonl with
 #                              --max-tokens 256 and ARGS; its summary and time to $OUT/synth.txt. With
 #                              SYNTH_LIMIT=S it stops after S seconds (a later call continues the same file); the
-#                              evaluation conversations are cut only from a finished file
+#                              evaluation conversations are cut only from a finished file. A larger COUNT later
+#                              continues the same file (the same seed gives the same first conversations)
 #                              A synth.jsonl brought back by `keep` and carried in .gpu/synth/ is restored first.
 #   keep                       synth.jsonl xz-compressed into $OUT in parts of 15 MB (synth.jsonl.xz.part-NN), to be
 #                              carried in .gpu/synth/ by a later lease instead of synthesizing again
@@ -16,7 +17,9 @@
 #                              conversations); prepared once (--max-len 512), trained STEPS steps with
 #                              objective.seed SEED, alone on the GPU, then its final drafter decoded (bf16, 256 new
 #                              tokens, graphs) on the 64 unseen-topic prompts and on 64 synthesized conversations
-#                              no run trains on; the times and results to $OUT/study.jsonl
+#                              no run trains on; the times and results to $OUT/study.jsonl. With TRAIN_LIMIT=S the
+#                              training is stopped (SIGTERM: it checkpoints) after S seconds, evaluating nothing; a
+#                              later call with CONTINUE=1 and the same arguments resumes it (train_s is that call's)
 # Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -26,8 +29,10 @@ mkdir -p "$out"
 torch_lib=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$torch_lib:$torch_lib/../../nvidia/cu13/lib
 [ -x "$d" ] && [ -d "$work/model" ] || { echo "run scripts/gpu-recipe.sh part and data first" >&2; exit 2; }
-# The evaluation conversations: the last 256 synthesized, cut before their first answer (the first 64 decoded).
+# The evaluation conversations: the 256 synthesized after the first min(COUNT, 50,000), cut before their first
+# answer (the first 64 decoded), the same 256 however many are synthesized past 50,000; no run trains on them.
 held=$work/synth-heldout.jsonl
+held_at() { local c; c=$(cat "$work/held-at" 2>/dev/null) || { echo "run synth first" >&2; exit 2; }; echo "$c"; }
 case "${1:-}" in
 synth)
   count=$2
@@ -38,15 +43,18 @@ synth)
   fi
   start=$SECONDS
   timeout "${SYNTH_LIMIT:-0}" "$d" synthesize --model "$work/model" --count $((count + 256)) \
-    --out "$work/synth.jsonl" --max-tokens 256 "$@" >"$out/synth.txt" 2>"$work/synth.log"
+    --out "$work/synth.jsonl" --max-tokens 256 "$@" >>"$out/synth.txt" 2>"$work/synth.log"
   code=$?
   echo "exit $code after $((SECONDS - start)) s" >>"$out/synth.txt"
   tail -3 "$work/synth.log" >>"$out/synth.txt"
   sha256sum "$work/synth.jsonl" >>"$out/synth.txt"
   [ $code = 0 ] || { cat "$out/synth.txt"; exit $code; }
-  python3 - "$work/synth.jsonl" "$held" <<'PY'
+  h=$((count < 50000 ? count : 50000))
+  echo "$h" >"$work/held-at"
+  python3 - "$work/synth.jsonl" "$held" "$h" <<'PY'
 import json, sys
-lines = open(sys.argv[1]).read().splitlines()[-256:]
+at = int(sys.argv[3])
+lines = open(sys.argv[1]).read().splitlines()[at:at + 256]
 with open(sys.argv[2], "w") as f:
     for l in lines:
         m = json.loads(l)["messages"]
@@ -68,7 +76,7 @@ train)
     n=${data#synth:}
     prepared=$work/data-synth-$n
     if [ ! -d "$prepared" ]; then
-      head -n "$n" "$work/synth.jsonl" >"$work/synth-$n.jsonl"
+      awk -v h="$(held_at)" 'NR <= h || NR > h + 256' "$work/synth.jsonl" | head -n "$n" >"$work/synth-$n.jsonl"
       start=$SECONDS
       "$d" prepare --model "$work/model" --input "$work/synth-$n.jsonl" --out "$prepared" --max-len 512 \
         --holdout 0 2>&1 | tail -2 >>"$out/prepare.txt"
@@ -78,15 +86,22 @@ train)
   *) echo "DATA: template or synth:N, not $data" >&2; exit 2 ;;
   esac
   r=$work/runs/$name
-  rm -rf "$r" && mkdir -p "$r"
+  resume=()
+  if [ -n "${CONTINUE:-}" ] && [ -d "$r" ]; then resume=(--resume auto); else rm -rf "$r" && mkdir -p "$r"; fi
   start=$SECONDS
-  "$d" serve-train --config config/smollm2-135m.toml --set "target.model=$work/model" --set "data.path=$prepared" \
+  timeout --preserve-status --signal=TERM --kill-after=120 "${TRAIN_LIMIT:-0}" \
+    "$d" serve-train --config config/smollm2-135m.toml --set "target.model=$work/model" --set "data.path=$prepared" \
     --set "data.ledger=$r/ledger.jsonl" --set "checkpoint.dir=$r" --set control.listen=off \
     --set "objective.seed=$seed" --set "optim.max_steps=$steps" --set "eval.prompts=$held" \
-    --set checkpoint.every_steps=0 --set eval.every_steps=0 "$@" >"$r/train.log" 2>&1
+    --set checkpoint.every_steps=0 --set eval.every_steps=0 "${resume[@]}" "$@" >>"$r/train.log" 2>&1
   code=$?
   train_s=$((SECONDS - start))
-  grep -E "evaluation|run complete|ERROR|CUDA error" "$r/train.log" | cut -c1-300 >>"$out/train-$name.txt"
+  echo "$name: serve-train ${resume[*]} exit $code after $train_s s" >>"$out/train-$name.txt"
+  grep -E "evaluation|run complete|resuming|stopped|ERROR|CUDA error" "$r/train.log" | cut -c1-300 >>"$out/train-$name.txt"
+  if [ "$code" = 143 ]; then
+    echo "$name stopped by TRAIN_LIMIT after $train_s s: CONTINUE=1 and the same arguments go on" | tee -a "$out/train-$name.txt"
+    exit 0
+  fi
   for prompts in heldout synth; do
     file=$work/heldout.jsonl
     [ "$prompts" = synth ] && { head -n 64 "$held" >"$work/synth-heldout-64.jsonl"; file=$work/synth-heldout-64.jsonl; }
