@@ -701,3 +701,17 @@ fn resuming_a_complete_run_says_it_is_complete_and_raising_max_steps_goes_on() {
     assert!(on.contains("resuming") && on.contains("run complete"), "{on}");
     assert!(ledger().len() > trained.len(), "steps 5 and 6 trained");
 }
+
+/// A start that fails before anything is written (a data.path that is not prepared data) leaves no checkpoint
+/// folder behind: the next try starts as the first did, not refused for a folder that holds only a lock file.
+#[test]
+fn a_failed_start_leaves_no_checkpoint_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    let ckpt = format!("checkpoint.dir={}", runs.join("first").display());
+    let data = format!("data.path={}", dir.path().join("not-prepared").display());
+    let out = dflash(&["serve-train", "--set", &ckpt, "--set", &data, "--set", "control.listen=off"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("not-prepared"), "{err}");
+    assert!(!runs.exists(), "runs/ and runs/first were made for the lock and removed with it");
+}

@@ -61,10 +61,49 @@ pub enum LockError {
     Io { path: PathBuf, source: std::io::Error },
 }
 
-/// A held lock on a folder; dropping it (or the process ending) releases it.
+/// A held lock on a folder; dropping it (or the process ending) releases it. Dropped while its folder holds
+/// nothing but the lock file (a start that failed before writing anything), it removes the lock file and the folders
+/// it created, so that a failed start leaves no empty checkpoint folder behind.
 #[derive(Debug)]
 pub struct FolderLock {
     _file: File,
+    path: PathBuf,
+    /// The folders `acquire` created, deepest first.
+    created: Vec<PathBuf>,
+}
+
+impl Drop for FolderLock {
+    fn drop(&mut self) {
+        let Some(dir) = self.path.parent() else { return };
+        let only_the_lock =
+            std::fs::read_dir(dir).map(|entries| entries.flatten().all(|e| e.path() == self.path)).unwrap_or(false);
+        if self.created.is_empty() || !only_the_lock {
+            return;
+        }
+        // Removed while still held: a process waiting on this file finds it gone once it has the lock, and retries
+        // on a new one (`acquire` checks that the file it locked is still the one at the path).
+        if std::fs::remove_file(&self.path).is_ok() {
+            for folder in &self.created {
+                if std::fs::remove_dir(folder).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The folders `create_dir_all(dir)` would create, deepest first.
+fn missing_folders(dir: &Path) -> Vec<PathBuf> {
+    dir.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).map(Path::to_path_buf).collect()
+}
+
+/// Whether `file` is still the file at `path` (not removed or replaced since it was opened).
+fn still_at(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
 }
 
 impl FolderLock {
@@ -75,16 +114,28 @@ impl FolderLock {
             let path = path.to_path_buf();
             move |source| LockError::Io { path, source }
         };
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(io(dir))?;
-        }
         let path = path.to_path_buf();
-        let mut file =
-            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io(&path))?;
+        // The file (with the folders it needs), and the folders this made.
+        let open = || -> Result<(File, Vec<PathBuf>), LockError> {
+            let mut created = Vec::new();
+            if let Some(dir) = path.parent() {
+                created = missing_folders(dir);
+                std::fs::create_dir_all(dir).map_err(io(dir))?;
+            }
+            let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path);
+            Ok((file.map_err(io(&path))?, created))
+        };
+        let (mut file, mut created) = open()?;
         let started = Instant::now();
         let mut said = false;
         loop {
             match file.try_lock() {
+                // Locked, but the holder it waited for may have removed the file (and its folder) on its way out:
+                // lock the file at the path now.
+                Ok(()) if !still_at(&file, &path) => {
+                    (file, created) = open()?;
+                    continue;
+                }
                 Ok(()) => break,
                 Err(TryLockError::WouldBlock) => {}
                 Err(TryLockError::Error(source)) if unsupported(&source) => {
@@ -109,7 +160,7 @@ impl FolderLock {
             .and_then(|()| file.write_all(holder.as_bytes()))
             .and_then(|()| file.sync_all())
             .map_err(io(&path))?;
-        Ok(FolderLock { _file: file })
+        Ok(FolderLock { _file: file, path, created })
     }
 }
 
@@ -164,6 +215,43 @@ mod tests {
         FolderLock::acquire(&other_host, Duration::ZERO, |_| panic!("another host's lock is its own")).unwrap();
         drop(first);
         FolderLock::acquire(&path, Duration::ZERO, |_| panic!("free")).unwrap();
+    }
+
+    /// A lock dropped while its folder holds nothing else (a start that failed) removes the folders it created,
+    /// and only those; a folder with anything else in it stays as it is.
+    #[test]
+    fn a_failed_start_leaves_no_folder_it_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let runs = dir.path().join("runs");
+        drop(FolderLock::acquire(&lock_file(&runs.join("a"), None), Duration::ZERO, |_| {}).unwrap());
+        assert!(!runs.exists(), "runs/ and runs/a were created for the lock, and removed with it");
+
+        std::fs::create_dir_all(runs.join("b")).unwrap();
+        drop(FolderLock::acquire(&lock_file(&runs.join("b"), None), Duration::ZERO, |_| {}).unwrap());
+        assert!(runs.join("b").is_dir(), "a folder that was there stays");
+
+        let c = runs.join("c");
+        let lock = FolderLock::acquire(&lock_file(&c, None), Duration::ZERO, |_| {}).unwrap();
+        std::fs::write(c.join("data.json"), "{}").unwrap();
+        drop(lock);
+        assert!(c.join("data.json").is_file() && lock_file(&c, None).is_file(), "a folder in use stays whole");
+    }
+
+    /// A waiter whose holder removes the lock file on its way out locks the file at the path, not the removed one:
+    /// two processes never both hold the folder.
+    #[test]
+    fn a_waiter_on_a_removed_lock_file_locks_the_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = lock_file(&dir.path().join("fresh"), None);
+        let first = FolderLock::acquire(&path, Duration::ZERO, |_| {}).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(first);
+        });
+        let second = FolderLock::acquire(&path, Duration::from_secs(30), |_| {}).unwrap();
+        release.join().unwrap();
+        assert!(still_at(&second._file, &path), "the lock is on the file at the path");
+        FolderLock::acquire(&path, Duration::ZERO, |_| {}).expect_err("held by the second");
     }
 
     /// A waiter gets the folder as soon as the holder lets it go, within its bound.
