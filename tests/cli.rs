@@ -715,3 +715,49 @@ fn a_failed_start_leaves_no_checkpoint_folder() {
     assert!(!out.status.success() && err.contains("not-prepared"), "{err}");
     assert!(!runs.exists(), "runs/ and runs/first were made for the lock and removed with it");
 }
+
+/// `export` replaces an earlier export of the same kind (the same command run again) but writes into no other
+/// non-empty folder without `--force`, and a run's `final/` given as the checkpoint is said to be an exported
+/// drafter already, with the command that exports the run again.
+#[test]
+fn export_replaces_only_its_own_output_and_knows_an_exported_drafter() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, d) = (dir.path().join("run"), dir.path());
+    let ckpt = format!("checkpoint.dir={}", run.display());
+    let sets = ["drafters.devices=[\"cpu\"]", "draft_model.num_hidden_layers=1", "optim.max_steps=2"];
+    let mut args = vec!["serve-train", "--set", "control.listen=off", "--set", &ckpt];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let out = dflash(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let export = |from: &std::path::Path, to: &std::path::Path, extra: &[&str]| {
+        let (from, to) = (from.to_str().unwrap(), to.to_str().unwrap());
+        dflash(&[&["export", "--checkpoint", from, "--out", to][..], extra].concat())
+    };
+    let drafter = d.join("drafter");
+    for _ in 0..2 {
+        let out = export(&run, &drafter, &[]);
+        assert!(out.status.success(), "the same export again replaces it: {}", text(&out.stderr));
+    }
+    let other = d.join("notes");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("todo.txt"), "mine").unwrap();
+    let out = export(&run, &other, &[]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("todo.txt") && err.contains("--force"), "{err}");
+    assert!(!other.join("model.safetensors").exists(), "nothing written");
+    assert!(export(&run, &other, &["--force"]).status.success());
+    assert_eq!(std::fs::read_to_string(other.join("todo.txt")).unwrap(), "mine");
+
+    let out = export(&run.join("final"), &d.join("again"), &[]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("already an exported drafter"), "{err}");
+    assert!(err.contains(&format!("--checkpoint {}", run.display())), "{err}");
+
+    let preset = |to: &std::path::Path| dflash(&["export", "--preset", "tiny-tasks", "--out", to.to_str().unwrap()]);
+    let model = d.join("model");
+    assert!(preset(&model).status.success() && preset(&model).status.success(), "a preset exported twice");
+    let out = preset(&drafter);
+    assert!(!out.status.success() && text(&out.stderr).contains("not an earlier export"), "a drafter's folder");
+}

@@ -365,7 +365,9 @@ fn a_model_folders_taps_and_mask_are_resolved_once_and_kept() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("ckpt/final/config.json")).unwrap()).unwrap();
     assert_eq!(exported["dflash_config"]["target_layer_ids"], json!([1, 5]));
     assert_eq!(exported["dflash_config"]["mask_token_id"], json!(mask));
-    let (code, logs) = Service::start(&cfg, true, &sets).exit_code();
+    // Resumed for two more steps (a complete run resumed as it was trains nothing and serves nothing).
+    let more = [target.as_str(), "draft_model.num_hidden_layers=2", "optim.max_steps=8"];
+    let (code, logs) = Service::start(&cfg, true, &more).exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
     assert!(logged(&logs, "resuming"), "the resolved ids do not count as a changed setting");
 }

@@ -54,10 +54,63 @@ pub struct ExportArgs {
     /// a folder.
     #[arg(long, value_name = "DIR|HUB_ID")]
     verifier: Option<String>,
+    /// Write into --out even when it holds files other than an earlier export of the same kind (which is replaced
+    /// without it).
+    #[arg(long)]
+    force: bool,
+}
+
+/// The files `export` writes: a folder holding only these, with a config.json of the same kind, is an earlier export
+/// that running the command again replaces.
+const EXPORTED_FILES: [&str; 4] = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"];
+
+/// Refuses an `out` that holds anything but an earlier export its config.json says is of the same kind
+/// (`same_kind`), unless `force`.
+fn check_out(out: &Path, same_kind: impl Fn(&serde_json::Value) -> bool, force: bool) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
+    let names: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    if names.is_empty() || force {
+        return Ok(());
+    }
+    let config = std::fs::read_to_string(out.join("config.json")).ok();
+    let config = config.and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
+    let ours = names.iter().all(|n| EXPORTED_FILES.contains(&n.as_str()));
+    if ours && config.is_some_and(|c| same_kind(&c)) {
+        return Ok(());
+    }
+    let mut shown: Vec<&str> = names.iter().map(String::as_str).take(5).collect();
+    shown.sort_unstable();
+    let more = if names.len() > 5 { format!(" and {} more", names.len() - 5) } else { String::new() };
+    bail!(
+        "--out {}: holds {}{more}, not an earlier export of this kind; nothing written. Give a new or empty folder, \
+         or --force to write into it anyway",
+        out.display(),
+        shown.join(", ")
+    )
+}
+
+/// A drafter's config.json (either format).
+fn is_drafter_config(config: &serde_json::Value) -> bool {
+    config.get("dflash_config").is_some() || config.get("speculators_config").is_some()
+}
+
+/// A folder that `export` (or a run's end, as `final/`) wrote: a drafter's config.json and weights, no checkpoint.
+fn is_exported_drafter(dir: &Path) -> bool {
+    let config = std::fs::read_to_string(dir.join("config.json")).ok();
+    let config = config.and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
+    dir.join("model.safetensors").is_file() && config.is_some_and(|c| is_drafter_config(&c))
 }
 
 pub fn run(args: ExportArgs) -> Result<ExitCode> {
     if let Some(preset) = args.preset {
+        let target = preset.spec().target;
+        let same_preset = |c: &serde_json::Value| {
+            let number = |key: &str| c.get(key).and_then(serde_json::Value::as_u64).map(|n| n as usize);
+            number("hidden_size") == Some(target.hidden_size)
+                && number("num_hidden_layers") == Some(target.num_hidden_layers)
+                && number("vocab_size") == Some(target.vocab_size)
+        };
+        check_out(&args.out, same_preset, args.force)?;
         export_preset(preset, &args.out)?;
         println!("exported the {preset} target to {} (a HuggingFace model folder)", args.out.display());
         return Ok(ExitCode::SUCCESS);
@@ -65,6 +118,18 @@ pub fn run(args: ExportArgs) -> Result<ExitCode> {
     let Some(checkpoint) = args.checkpoint else {
         bail!("give --checkpoint DIR or --preset NAME");
     };
+    if is_exported_drafter(&checkpoint) && !checkpoint.join("MANIFEST").exists() {
+        let run = checkpoint.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("RUN_DIR"));
+        bail!(
+            "--checkpoint {}: already an exported drafter (config.json and model.safetensors, as a run's final/ and \
+             `export` write them): serve it or evaluate it as it is (`dflash eval --decode --drafter {}`). To export \
+             a run's checkpoint again, in another format or dtype, give its checkpoint.dir: --checkpoint {}",
+            checkpoint.display(),
+            checkpoint.display(),
+            run.display()
+        );
+    }
+    check_out(&args.out, is_drafter_config, args.force)?;
     let (ckpt, state) = if checkpoint.join("MANIFEST").exists() {
         let state = verify_checkpoint(&checkpoint)?;
         (checkpoint.clone(), state)
