@@ -604,7 +604,7 @@ where
     .buffer_unordered(concurrency.max(1))
     .collect::<Vec<_>>()
     .await;
-    let meter = meter.into_inner().expect("meter lock");
+    let mut meter = meter.into_inner().expect("meter lock");
     meter.finish();
     results.into_iter().collect::<Result<Vec<()>, DataError>>()?;
     drop(out);

@@ -5,6 +5,8 @@
 //! ends ([`rewrite_in_order`]), and showing how far a run is ([`Meter`]).
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -80,24 +82,69 @@ impl SettledLines {
     }
 }
 
-/// How far the run is: conversations and tokens per second and the time left, as a bar or as log lines.
+/// How far the run is: conversations and tokens per second and the time left, as a bar or as log lines. The lines
+/// come at their interval whether or not anything finished meanwhile (a thread of their own), and give a rate and
+/// the time left only once something is done.
 pub struct Meter {
-    show: ShowProgress,
-    doing: &'static str,
     bar: indicatif::ProgressBar,
-    total: u64,
-    done: u64,
-    tokens: u64,
+    counts: Arc<Counts>,
+    ticker: Option<std::thread::JoinHandle<()>>,
     pub started: Instant,
-    last_line: Instant,
+}
+
+/// What a [`Meter`] has counted, shared with its line thread.
+struct Counts {
+    doing: &'static str,
+    total: u64,
+    /// Settled by earlier runs (a resume): counted as done, not in the rate.
+    earlier: AtomicU64,
+    done: AtomicU64,
+    tokens: AtomicU64,
+    /// Lines logged so far.
+    lines: AtomicU64,
+    stop: (Mutex<bool>, Condvar),
+}
+
+impl Counts {
+    fn line(&self, seconds: f64) -> String {
+        let (earlier, done) = (self.earlier.load(Ordering::Relaxed), self.done.load(Ordering::Relaxed));
+        progress_line(self.doing, earlier, done, self.total, self.tokens.load(Ordering::Relaxed), seconds)
+    }
+}
+
+/// One progress line: `done` of `total` conversations (`earlier` of them settled before this run), `tokens`
+/// generated in `seconds`.
+fn progress_line(doing: &str, earlier: u64, done: u64, total: u64, tokens: u64, seconds: f64) -> String {
+    let seconds = seconds.max(1e-9);
+    let tokens_per_s = tokens as f64 / seconds;
+    let here = done.saturating_sub(earlier);
+    if here == 0 {
+        return format!(
+            "{doing}: {done}/{total} conversations, {tokens_per_s:.0} tokens/s; none finished yet in {seconds:.0} s"
+        );
+    }
+    let rate = here as f64 / seconds;
+    let left = total.saturating_sub(done) as f64 / rate;
+    format!("{doing}: {done}/{total} conversations, {rate:.1}/s, {tokens_per_s:.0} tokens/s, about {left:.0} s left")
 }
 
 impl Meter {
     /// A meter of `total` conversations, for a run `doing` something ("answering").
     pub fn new(show: ShowProgress, doing: &'static str, total: u64) -> Self {
-        let bar = match show {
+        let started = Instant::now();
+        let counts = Arc::new(Counts {
+            doing,
+            total,
+            earlier: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
+            lines: AtomicU64::new(0),
+            stop: (Mutex::new(false), Condvar::new()),
+        });
+        let (mut bar, mut ticker) = (indicatif::ProgressBar::hidden(), None);
+        match show {
             ShowProgress::Bar => {
-                let bar = indicatif::ProgressBar::new(total);
+                bar = indicatif::ProgressBar::new(total);
                 bar.set_style(
                     indicatif::ProgressStyle::with_template(&format!(
                         "{{spinner}} {doing} [{{elapsed_precise}}] {{wide_bar}} {{pos}}/{{len}} conversations, \
@@ -105,43 +152,60 @@ impl Meter {
                     ))
                     .expect("valid template"),
                 );
-                bar
             }
-            _ => indicatif::ProgressBar::hidden(),
-        };
-        let now = Instant::now();
-        Meter { show, doing, bar, total, done: 0, tokens: 0, started: now, last_line: now }
+            ShowProgress::Lines(every) => {
+                let counts = counts.clone();
+                ticker = Some(std::thread::spawn(move || {
+                    let (stopped, wake) = &counts.stop;
+                    let mut stop = stopped.lock().unwrap_or_else(|p| p.into_inner());
+                    loop {
+                        let (guard, _) = wake.wait_timeout(stop, every).unwrap_or_else(|p| p.into_inner());
+                        stop = guard;
+                        if *stop {
+                            return;
+                        }
+                        tracing::info!("{}", counts.line(started.elapsed().as_secs_f64()));
+                        counts.lines.fetch_add(1, Ordering::Relaxed);
+                    }
+                }));
+            }
+            ShowProgress::Off => {}
+        }
+        Meter { bar, counts, ticker, started }
+    }
+
+    /// `n` conversations were settled by earlier runs: done, but not in the rate.
+    pub fn earlier(&mut self, n: u64) {
+        self.counts.earlier.fetch_add(n, Ordering::Relaxed);
+        self.counts.done.fetch_add(n, Ordering::Relaxed);
+        self.bar.inc(n);
     }
 
     /// `done` conversations more are settled, and `tokens` more generated.
     pub fn add(&mut self, done: u64, tokens: u64) {
-        self.done += done;
-        self.tokens += tokens;
-        let seconds = self.started.elapsed().as_secs_f64().max(1e-9);
-        let tokens_per_s = self.tokens as f64 / seconds;
-        match self.show {
-            ShowProgress::Bar => {
-                self.bar.set_message(format!("{tokens_per_s:.0} tokens/s"));
-                self.bar.inc(done);
-            }
-            ShowProgress::Lines(every) if self.last_line.elapsed() >= every => {
-                self.last_line = Instant::now();
-                let rate = self.done as f64 / seconds;
-                let left = (self.total - self.done.min(self.total)) as f64 / rate.max(1e-9);
-                tracing::info!(
-                    "{}: {}/{} conversations, {rate:.1}/s, {tokens_per_s:.0} tokens/s, about {:.0} s left",
-                    self.doing,
-                    self.done,
-                    self.total,
-                    left
-                );
-            }
-            _ => {}
+        self.counts.done.fetch_add(done, Ordering::Relaxed);
+        let tokens = self.counts.tokens.fetch_add(tokens, Ordering::Relaxed) + tokens;
+        if !self.bar.is_hidden() {
+            let tokens_per_s = tokens as f64 / self.started.elapsed().as_secs_f64().max(1e-9);
+            self.bar.set_message(format!("{tokens_per_s:.0} tokens/s"));
+            self.bar.inc(done);
         }
     }
 
-    pub fn finish(&self) {
+    pub fn finish(&mut self) {
         self.bar.finish_and_clear();
+        let (stopped, wake) = &self.counts.stop;
+        *stopped.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        wake.notify_all();
+        if let Some(ticker) = self.ticker.take() {
+            let _ = ticker.join();
+        }
+    }
+}
+
+impl Drop for Meter {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -211,6 +275,37 @@ pub fn rewrite_in_order(out: &Path, order: &[SampleId], others: Others) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A line gives a rate and the time left once something finished in this run, never an endless estimate before;
+    /// conversations settled by an earlier run count as done but not in the rate.
+    #[test]
+    fn a_progress_line_gives_a_rate_only_once_something_is_done() {
+        let line = progress_line("answering", 0, 0, 100, 5000, 10.0);
+        assert_eq!(line, "answering: 0/100 conversations, 500 tokens/s; none finished yet in 10 s");
+        let line = progress_line("answering", 0, 20, 100, 5000, 10.0);
+        assert_eq!(line, "answering: 20/100 conversations, 2.0/s, 500 tokens/s, about 40 s left");
+        let resumed = progress_line("synthesizing", 50, 50, 100, 0, 10.0);
+        assert!(resumed.contains("50/100") && resumed.contains("none finished yet"), "{resumed}");
+        let resumed = progress_line("synthesizing", 50, 60, 100, 800, 10.0);
+        assert!(resumed.contains("1.0/s") && resumed.contains("about 40 s left"), "{resumed}");
+    }
+
+    /// Lines come at their interval while nothing finishes, and stop with the meter.
+    #[test]
+    fn progress_lines_come_while_nothing_finishes_and_stop_with_the_meter() {
+        let mut meter = Meter::new(ShowProgress::Lines(Duration::from_millis(20)), "answering", 3);
+        meter.add(0, 10);
+        let waited = Instant::now();
+        while meter.counts.lines.load(Ordering::Relaxed) < 2 {
+            assert!(waited.elapsed() < Duration::from_secs(30), "no line while nothing finished");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        meter.finish();
+        assert!(meter.ticker.is_none(), "joined");
+        let after = meter.counts.lines.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(meter.counts.lines.load(Ordering::Relaxed), after, "no line once finished");
+    }
     use serde_json::json;
 
     #[test]

@@ -232,7 +232,7 @@ pub fn synthesize(
     let mut report =
         SynthesizeReport { count, already_done, rejected_file: rejected_file.clone(), ..Default::default() };
     let mut meter = Meter::new(opts.progress, "synthesizing", count);
-    meter.add(already_done, 0);
+    meter.earlier(already_done);
     let (stop, special) = (&stop, &special);
     let (plan_, report_, meter_) = (&mut plan, &mut report, &mut meter);
     let rejected_at = &rejected_file;
