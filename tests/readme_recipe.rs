@@ -92,3 +92,30 @@ fn every_dflash_command_of_the_docs_parses() {
         assert!(o.status.success(), "{page}: {command}: {}", String::from_utf8_lossy(&o.stderr));
     }
 }
+
+/// Every key of the built-in configuration has a row in docs/configuration.md's table ("| `section.key`", or a row
+/// naming several keys of one section, "| `optim.lr`, `betas`").
+#[test]
+fn every_configuration_key_is_in_the_documentation_table() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let defaults: toml::Table = std::fs::read_to_string(root.join("config/default.toml")).unwrap().parse().unwrap();
+    let doc = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
+    let mut documented = std::collections::HashSet::new();
+    for row in doc.lines().filter(|l| l.starts_with("| `")) {
+        let cell = row.split(" | ").next().unwrap();
+        let names: Vec<&str> = cell.split('`').skip(1).step_by(2).collect();
+        let section = names[0].rsplit_once('.').map_or("", |(s, _)| s);
+        documented.insert(names[0].to_string());
+        documented.extend(names[1..].iter().map(|n| format!("{section}.{n}")));
+    }
+    let mut missing = Vec::new();
+    for (section, keys) in &defaults {
+        for key in keys.as_table().unwrap().keys() {
+            let key = format!("{section}.{key}");
+            if !documented.contains(&key) {
+                missing.push(key);
+            }
+        }
+    }
+    assert!(missing.is_empty(), "keys without a row in docs/configuration.md: {missing:?}");
+}
