@@ -119,3 +119,23 @@ fn every_configuration_key_is_in_the_documentation_table() {
     }
     assert!(missing.is_empty(), "keys without a row in docs/configuration.md: {missing:?}");
 }
+
+/// docs/operations.md's Kubernetes manifest gives a starting pod longer than the default wait for a held checkpoint
+/// folder (during which nothing answers its probes) before its liveness probe may kill it.
+#[test]
+fn the_kubernetes_manifest_outwaits_a_held_checkpoint_folder() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let defaults: toml::Table = std::fs::read_to_string(root.join("config/default.toml")).unwrap().parse().unwrap();
+    let wait = defaults["checkpoint"]["lock_wait_s"]
+        .as_float()
+        .or(defaults["checkpoint"]["lock_wait_s"].as_integer().map(|i| i as f64))
+        .unwrap();
+    let doc = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
+    let probe = doc.lines().find(|l| l.trim_start().starts_with("startupProbe:")).expect("a startupProbe");
+    let field = |name: &str| -> f64 {
+        let at = probe.find(&format!("{name}: ")).unwrap_or_else(|| panic!("{name} in {probe}")) + name.len() + 2;
+        probe[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+    };
+    let allowed = field("periodSeconds") * field("failureThreshold");
+    assert!(allowed >= wait + 60.0, "{allowed} s of startup for a lock wait of {wait} s and a start: {probe}");
+}
