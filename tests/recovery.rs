@@ -277,7 +277,7 @@ fn a_stalled_last_checkpoint_ends_in_status_75_after_the_shutdown_timeout() {
     });
     let s = svc.wait("the stall reported", |s| s["checkpoint_writer"]["stalled"] == true);
     assert_eq!(s["ready"], false);
-    assert!(s["problems"][0].as_str().unwrap().contains("has been being written for"), "{s}");
+    assert!(s["problems"][0].as_str().unwrap().contains("is still being written after"), "{s}");
     let (code, body) = svc.request("GET", "/readyz", None);
     assert!(code == 503 && body["problems"].as_array().is_some_and(|p| p.len() == 1), "{code} {body}");
     let text = svc.wait_metrics("skipped checkpoints", |t| {

@@ -218,6 +218,39 @@ fn the_control_plane_asks_for_a_token_off_loopback() {
     }
 }
 
+/// Every error of the control plane is one JSON shape, `{"error": ...}` saying what was wrong: a path no endpoint
+/// has, a method its endpoint does not take (405, not 401 for want of a token), an id that is not a number, a body
+/// that is not the one asked for, a drafter that does not exist (naming the ids there are).
+#[test]
+fn every_control_plane_error_is_one_json_shape_that_says_what_was_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut svc = Service::start(&config(dir.path(), 2), false, &["optim.epochs=1000"]);
+    svc.wait("running", |s| s["phase"] == "running");
+    let error = |method: &str, path: &str, body: &str| {
+        let (code, text) = svc.http(method, path, body);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{method} {path}: not JSON: {text:?}"));
+        (code, v["error"].as_str().unwrap_or_else(|| panic!("{method} {path}: no error: {v}")).to_string())
+    };
+    let (code, e) = error("GET", "/nope", "");
+    assert!(
+        code == 404 && e.contains("no endpoint GET /nope") && e.contains("POST /checkpoint, /reload"),
+        "{code} {e}"
+    );
+    let (code, e) = error("GET", "/reload", "");
+    assert!(code == 405 && e.contains("/reload does not take GET"), "{code} {e}");
+    let (code, e) = error("DELETE", "/status", "");
+    assert!(code == 405 && e.contains("/status does not take DELETE"), "{code} {e}");
+    let (code, e) = error("POST", "/drafters/abc/fault", r#"{"kind": "panic"}"#);
+    assert!(code == 400 && e.contains("the drafter id must be a number"), "{code} {e}");
+    let (code, e) = error("POST", "/drafters/0/fault", "not json");
+    assert!((400..500).contains(&code) && e.contains("the body must be"), "{code} {e}");
+    let (code, e) = error("POST", "/drafters/7/fault", r#"{"kind": "panic"}"#);
+    assert!(code == 404 && e == "no drafter 7: the ids are 0 to 1", "{code} {e}");
+    let (code, e) = error("POST", "/targets/x/fault", "");
+    assert!(code == 400 && e.contains("the target copy id must be a number"), "{code} {e}");
+    svc.stop();
+}
+
 /// `optim.max_steps` ends the run at exactly that step, looping over the data as many times as it takes (here 37
 /// steps make an epoch, `optim.epochs = 1`), and `checkpoint.every_steps` checkpoints the steps it names, not the
 /// first boundary after the steps in flight.

@@ -36,6 +36,12 @@ pub struct Admitted {
     pub donor: Rank,
 }
 
+impl std::fmt::Display for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "host {} (generation {}, its state from host {})", self.rank, self.generation, self.donor)
+    }
+}
+
 /// What the rendezvous host does next.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {

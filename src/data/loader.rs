@@ -29,6 +29,12 @@ pub struct BatchId {
     pub ordinal: u64,
 }
 
+impl std::fmt::Display for BatchId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "batch {} of epoch {}", self.ordinal, self.epoch)
+    }
+}
+
 /// Sample positions (into the prepared split) of one batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {

@@ -14,8 +14,9 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -86,12 +87,39 @@ async fn ask<T: Send + 'static>(
     }
 }
 
+/// An error answer: every error of the control plane has this one shape, `{"error": "..."}`.
+fn error(code: StatusCode, message: impl Into<String>) -> Response {
+    (code, Json(json!({ "error": message.into() }))).into_response()
+}
+
 fn unavailable(e: Unanswered) -> Response {
-    let error = match e {
+    let message = match e {
         Unanswered::NotYet(s) => format!("not training yet ({}): {}", s.phase, s.problems.join("; ")),
         Unanswered::Failed(e) => format!("the supervisor did not answer: {e}"),
     };
-    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": error }))).into_response()
+    error(StatusCode::SERVICE_UNAVAILABLE, message)
+}
+
+/// The endpoints of each listener, for the answer to a path or method it does not serve.
+const READ_ONLY_ENDPOINTS: &str = "GET /healthz, /readyz, /status, /metrics";
+const ALL_ENDPOINTS: &str =
+    "GET /healthz, /readyz, /status, /metrics; POST /checkpoint, /reload, /drafters/{id}/fault, /targets/{id}/fault";
+
+/// Answers for a path no endpoint has (404) and a method its endpoint does not take (405), in the errors' shape.
+fn with_error_fallbacks(router: Router, endpoints: &'static str) -> Router {
+    router
+        .method_not_allowed_fallback(move |method: Method, uri: Uri| async move {
+            let message = format!("{} does not take {method}: the endpoints are {endpoints}", uri.path());
+            error(StatusCode::METHOD_NOT_ALLOWED, message)
+        })
+        .fallback(move |method: Method, uri: Uri| async move {
+            error(StatusCode::NOT_FOUND, format!("no endpoint {method} {}: the endpoints are {endpoints}", uri.path()))
+        })
+}
+
+/// A path's id that is not a number.
+fn bad_id(what: &str, rejection: PathRejection) -> Response {
+    error(StatusCode::BAD_REQUEST, format!("the {what} id must be a number: {}", rejection.body_text()))
 }
 
 type Sup = State<Arc<Supervised>>;
@@ -141,12 +169,27 @@ async fn checkpoint(State(sup): Sup) -> Response {
 async fn reload(State(sup): Sup) -> Response {
     match ask(&sup, |reply| SupervisorMsg::Reload(Some(reply))).await {
         Ok(Ok(r)) => Json(r).into_response(),
-        Ok(Err(e)) => (StatusCode::UNPROCESSABLE_ENTITY, Json(json!({"error": e}))).into_response(),
+        Ok(Err(e)) => error(StatusCode::UNPROCESSABLE_ENTITY, e),
         Err(e) => unavailable(e),
     }
 }
 
-async fn fault(State(sup): Sup, Path(id): Path<usize>, Json(req): Json<FaultRequest>) -> Response {
+async fn fault(
+    State(sup): Sup,
+    id: Result<Path<usize>, PathRejection>,
+    req: Result<Json<FaultRequest>, JsonRejection>,
+) -> Response {
+    let Path(id) = match id {
+        Ok(id) => id,
+        Err(rejection) => return bad_id("drafter", rejection),
+    };
+    let req = match req {
+        Ok(Json(req)) => req,
+        Err(rejection) => {
+            let message = format!("the body must be {{\"kind\": KIND}}: {}", rejection.body_text());
+            return error(rejection.status(), message);
+        }
+    };
     match ask(&sup, |reply| SupervisorMsg::Fault { id, kind: req.kind, reply }).await {
         Ok(Ok(())) => Json(json!({"injected": req.kind, "drafter": id})).into_response(),
         Ok(Err(refused)) => refused_response(refused),
@@ -162,20 +205,23 @@ fn refused_response(refused: FaultRefused) -> Response {
         }
         FaultRefused::Conflict(_) => StatusCode::CONFLICT,
     };
-    (code, Json(json!({"error": refused.to_string()}))).into_response()
+    error(code, refused.to_string())
 }
 
 /// `POST /targets/{id}/fault`, optionally with `{"part": N}`: target copy `id` panics at its next capture, where the
 /// hidden state enters part N (default 0) of a spread target.
-async fn target_fault(State(sup): Sup, Path(id): Path<usize>, body: axum::body::Bytes) -> Response {
+async fn target_fault(State(sup): Sup, id: Result<Path<usize>, PathRejection>, body: axum::body::Bytes) -> Response {
+    let Path(id) = match id {
+        Ok(id) => id,
+        Err(rejection) => return bad_id("target copy", rejection),
+    };
     // An empty body (curl -X POST) is part 0.
     let part = match body.iter().all(u8::is_ascii_whitespace) {
         true => 0,
         false => match serde_json::from_slice::<TargetFaultRequest>(&body) {
             Ok(r) => r.part,
             Err(e) => {
-                let error = format!("the body must be empty or {{\"part\": N}}: {e}");
-                return (StatusCode::BAD_REQUEST, Json(json!({ "error": error }))).into_response();
+                return error(StatusCode::BAD_REQUEST, format!("the body must be empty or {{\"part\": N}}: {e}"));
             }
         },
     };
@@ -271,12 +317,17 @@ pub fn authorize(access: &Access, authorization: Option<&str>) -> Result<(), Ref
 }
 
 async fn require_token(State(access): State<Access>, headers: HeaderMap, request: Request, next: Next) -> Response {
+    // Only POST changes anything: another method is answered 405 by the router, not refused for want of a token.
+    if request.method() != Method::POST {
+        return next.run(request).await;
+    }
     let authorization = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
     match authorize(&access, authorization) {
         Ok(()) => next.run(request).await,
         Err(refused) => {
-            let body = Json(json!({"error": refused.message()}));
-            (StatusCode::UNAUTHORIZED, [(header::WWW_AUTHENTICATE, "Bearer")], body).into_response()
+            let mut answer = error(StatusCode::UNAUTHORIZED, refused.message());
+            answer.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            answer
         }
     }
 }
@@ -318,7 +369,7 @@ pub fn serve(
         .route("/targets/{id}/fault", post(target_fault))
         .route_layer(middleware::from_fn_with_state(access, require_token))
         .with_state(supervisor.clone());
-    listen(listener, read_only(supervisor, prometheus).merge(mutating))
+    listen(listener, with_error_fallbacks(read_only(supervisor, prometheus).merge(mutating), ALL_ENDPOINTS))
 }
 
 /// Serves only the read-only endpoints on `listener` (`control.read_only_listen`).
@@ -327,7 +378,7 @@ pub fn serve_read_only(
     supervisor: Arc<Supervised>,
     prometheus: PrometheusHandle,
 ) -> std::io::Result<SocketAddr> {
-    listen(listener, read_only(supervisor, prometheus))
+    listen(listener, with_error_fallbacks(read_only(supervisor, prometheus), READ_ONLY_ENDPOINTS))
 }
 
 fn listen(listener: std::net::TcpListener, app: Router) -> std::io::Result<SocketAddr> {

@@ -91,17 +91,27 @@ pub enum FaultKind {
 pub enum FaultRefused {
     #[error("fault injection is off (control.fault_injection = false)")]
     Off,
-    #[error("no drafter {id} (ids 0..{count})")]
+    #[error("no drafter {id}: {}", ids_of(*count))]
     NoSuchDrafter { id: usize, count: usize },
-    #[error("no target copy {id} (ids 0..{count})")]
+    #[error("no target copy {id}: {}", ids_of(*count))]
     NoSuchTarget { id: usize, count: usize },
     #[error(
-        "target copy {id} has no part {part}: parts 0..{parts}, one per device of [target.device] + target.spread_to"
+        "target copy {id} has no part {part}: {}, one per device of [target.device] + target.spread_to",
+        ids_of(*parts)
     )]
     NoSuchPart { id: usize, part: usize, parts: usize },
     /// The drafter cannot take it now: one is pending already, or it runs no thread.
     #[error("{0}")]
     Conflict(String),
+}
+
+/// The ids of `count` things numbered from 0, in words.
+fn ids_of(count: usize) -> String {
+    match count {
+        0 => "there are none".into(),
+        1 => "the only id is 0".into(),
+        n => format!("the ids are 0 to {}", n - 1),
+    }
 }
 
 #[cfg(test)]

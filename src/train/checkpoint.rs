@@ -585,7 +585,11 @@ impl Checkpointer {
         }
         let done = crate::bounded_join::join_within(&mut self.thread, &self.ended, wait);
         if !done {
-            tracing::warn!("the checkpoint writer is still busy (a stalled disk?): leaving it behind");
+            tracing::warn!(
+                "the checkpoint writer is still busy after the {:.1} s left to exit (a stalled disk?): leaving it \
+                 behind",
+                wait.as_secs_f64()
+            );
         }
         done
     }

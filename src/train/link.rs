@@ -613,8 +613,15 @@ impl HostLink {
             while !stop.load(Ordering::SeqCst) {
                 match coordinator.poll() {
                     Ok(Some(closed)) if !closed.dropped.is_empty() || !closed.admitted.is_empty() => {
-                        tracing::info!(round = closed.round, members = ?closed.members, dropped = ?closed.dropped,
-                                admitted = ?closed.admitted, "hosts changed");
+                        let list = |items: Vec<String>| if items.is_empty() { "none".into() } else { items.join(", ") };
+                        let ranks = |r: &[usize]| list(r.iter().map(|r| r.to_string()).collect());
+                        tracing::info!(
+                            round = closed.round,
+                            members = %ranks(&closed.members),
+                            dropped = %ranks(&closed.dropped),
+                            admitted = %list(closed.admitted.iter().map(|a| a.to_string()).collect()),
+                            "hosts changed"
+                        );
                     }
                     Ok(_) => std::thread::sleep(Duration::from_millis(2)),
                     Err(e) => {

@@ -258,9 +258,11 @@ impl Effects for Shell {
     fn exit(&mut self, core: &Core, code: i32) {
         // The writers' queued work gets what is left of the ending's deadline, not more.
         let wait = core.time_left_to_exit(Checkpointer::DROP_WAIT);
+        let started = std::time::Instant::now();
         self.checkpointer.finish(wait);
         if let Some(ledger) = &mut self.ledger {
-            ledger.finish(wait);
+            // What the checkpoint writer left of it.
+            ledger.finish(wait.saturating_sub(started.elapsed()));
         }
         if let Some(link) = self.a.link.as_ref().filter(|l| l.rank() == 0) {
             // The others end with the run; waits a little for them to have seen it.

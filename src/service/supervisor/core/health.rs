@@ -177,7 +177,7 @@ impl Core {
         }
         if let (Some(step), Some((_, since))) = (h.stalled_write, self.book.writing()) {
             let busy = self.now.saturating_sub(since).as_secs_f64();
-            problems.push(format!("the checkpoint of step {step} has been being written for {busy:.0} s"));
+            problems.push(format!("the checkpoint of step {step} is still being written after {busy:.0} s"));
         }
         problems.extend(self.left_problem());
         problems

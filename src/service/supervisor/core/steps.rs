@@ -65,7 +65,7 @@ impl Core {
             self.out.push(Action::Notice(Notice::Requeued { samples: settled.requeued_samples }));
         }
         for batch in &settled.set_aside {
-            tracing::error!(batch = ?batch.id, sample_ids = %self.ids_of(&batch.samples), "batch failed twice: set aside");
+            tracing::error!(batch = %batch.id, sample_ids = %self.ids_of(&batch.samples), "batch failed twice: set aside");
         }
         let every = self.config.supervision.check_replicas_every;
         if every > 0 && step.is_multiple_of(every) {
