@@ -98,7 +98,7 @@ fn missing_folders(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Whether `file` is still the file at `path` (not removed or replaced since it was opened).
-fn still_at(file: &File, path: &Path) -> bool {
+pub(crate) fn still_at(file: &File, path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (file.metadata(), std::fs::metadata(path)) {
         (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),

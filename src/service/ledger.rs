@@ -44,7 +44,7 @@ impl LedgerWriter {
         let path: PathBuf = path.to_path_buf();
         let thread = std::thread::Builder::new().name("ledger".into()).spawn(move || {
             let _done = done;
-            let mut ledger = Appender { file, pending: VecDeque::new(), written: 0 };
+            let mut ledger = Appender { file, path: path.clone(), pending: VecDeque::new(), written: 0 };
             loop {
                 match queued.recv_timeout(Self::RETRY) {
                     Ok(line) => ledger.pending.push_back(line),
@@ -102,6 +102,7 @@ impl Drop for LedgerWriter {
 /// The file, the lines not written yet (oldest first), and how many were written.
 struct Appender {
     file: File,
+    path: PathBuf,
     pending: VecDeque<String>,
     written: u64,
 }
@@ -110,6 +111,17 @@ impl Appender {
     /// Writes the pending lines in order; on a failure the file is cut back to its length before the line that
     /// failed (a partial line would corrupt the ledger) and that line stays pending.
     fn write_pending(&mut self) -> std::io::Result<()> {
+        // Lines written into a file no longer at the path would be read by no one: a deleted or replaced ledger
+        // fails every write (and so ends the run) rather than taking lines silently.
+        if !self.pending.is_empty()
+            && !self.path.as_os_str().is_empty()
+            && !super::folder_lock::still_at(&self.file, &self.path)
+        {
+            return Err(std::io::Error::other(
+                "the file was deleted or replaced under the run, so its lines so far are in no file at this path \
+                 now: put it back (or move the new one aside) and restart with --resume auto",
+            ));
+        }
         while let Some(line) = self.pending.front() {
             let before = self.file.metadata().map(|m| m.len()).ok();
             let written = self.file.write_all(format!("{line}\n").as_bytes()).and_then(|()| self.file.flush());
@@ -174,6 +186,28 @@ mod tests {
         assert!(writer.finish(Duration::ZERO), "written, so finished");
     }
 
+    /// A ledger deleted under the run fails every write, naming what happened, instead of writing into a file no
+    /// one can read.
+    #[test]
+    fn a_deleted_ledger_fails_its_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.jsonl");
+        let (mut writer, seen) = writer(&path);
+        writer.append("{\"step\": 0}".into());
+        while seen.lock().unwrap().is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::fs::remove_file(&path).unwrap();
+        writer.append("{\"step\": 1}".into());
+        while seen.lock().unwrap().len() < 2 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let second = seen.lock().unwrap()[1].clone();
+        assert!(second.as_ref().is_err_and(|e| e.contains("deleted or replaced")), "{second:?}");
+        writer.finish(Duration::from_secs(1));
+        assert!(!path.exists(), "nothing written anywhere a reader would look");
+    }
+
     /// A full disk (`/dev/full` answers every write with ENOSPC) is reported for every line, not logged and lost.
     #[test]
     fn every_failed_write_is_reported() {
@@ -200,13 +234,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.jsonl");
         let pending = VecDeque::from(["{\"step\": 0}".to_string()]);
-        let mut a = Appender { file: open_ledger(&path).unwrap(), pending, written: 0 };
+        let mut a = Appender { file: open_ledger(&path).unwrap(), path: path.clone(), pending, written: 0 };
         a.write_pending().unwrap();
         let good = std::mem::replace(&mut a.file, open_ledger(Path::new("/dev/full")).unwrap());
+        a.path = PathBuf::from("/dev/full");
         a.pending.extend(["{\"step\": 1}".to_string(), "{\"step\": 2}".to_string()]);
         assert!(a.write_pending().is_err());
         assert_eq!(a.pending.len(), 2, "nothing was taken as written");
-        a.file = good;
+        (a.file, a.path) = (good, path.clone());
         a.write_pending().unwrap();
         assert_eq!(a.written, 3);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\": 0}\n{\"step\": 1}\n{\"step\": 2}\n");

@@ -19,6 +19,11 @@ pub(super) struct Health {
     /// of its lines not confirmed) must write them again too.
     written_step: Option<(u64, Vec<BatchId>)>,
     ledger_in_row: u32,
+    /// Failures of the current row counted towards `data.ledger_max_failures`: at most one a second (a line comes
+    /// every step, so counting each would end a fast run within a second of a disk filling up), and when the last
+    /// was counted.
+    ledger_counted: u32,
+    ledger_counted_at: Option<Duration>,
     ledger_failures: u64,
     ledger_error: Option<String>,
     /// The step of the checkpoint write found busy past its deadline, until it answers.
@@ -64,21 +69,26 @@ impl Core {
                     self.out.push(Action::Notice(Notice::LedgerWrite { ok: true }));
                 }
                 h.ledger_in_row = 0;
+                (h.ledger_counted, h.ledger_counted_at) = (0, None);
             }
             Err(e) => {
                 h.ledger_in_row += 1;
                 h.ledger_failures += 1;
-                let (in_row, max) = (h.ledger_in_row, self.config.data.ledger_max_failures);
+                if h.ledger_counted_at.is_none_or(|at| self.now.saturating_sub(at) >= Duration::from_secs(1)) {
+                    (h.ledger_counted, h.ledger_counted_at) = (h.ledger_counted + 1, Some(self.now));
+                }
+                let (in_row, counted, max) = (h.ledger_in_row, h.ledger_counted, self.config.data.ledger_max_failures);
                 if in_row == 1 {
                     tracing::error!(
                         "data.ledger cannot be written: {e}. Not ready until it can; the run checkpoints and exits \
-                         75 after data.ledger_max_failures = {max} failures in a row"
+                         75 after data.ledger_max_failures = {max} failures in a row, counted at most one a second"
                     );
                 }
                 h.ledger_error = Some(e.clone());
                 self.out.push(Action::Notice(Notice::LedgerWrite { ok: false }));
-                if in_row >= max {
-                    let reason = format!("data.ledger failed {in_row} times in a row ({e})");
+                if counted >= max {
+                    let reason =
+                        format!("data.ledger failed {in_row} times in a row ({counted} a second or more apart; {e})");
                     self.begin_ending(EXIT_RESTART, false, reason);
                 }
             }

@@ -950,7 +950,7 @@ pub(crate) mod tests {
     }
 
     /// A ledger write that fails makes the service not ready at once, a write that succeeds ready again; after
-    /// `data.ledger_max_failures` failures in a row the run checkpoints and exits 75.
+    /// `data.ledger_max_failures` failures in a row, counted at most one a second, the run checkpoints and exits 75.
     #[test]
     fn a_failing_ledger_is_not_ready_and_ends_the_run_after_failures_in_a_row() {
         let mut c = running(1);
@@ -965,14 +965,15 @@ pub(crate) mod tests {
         c.handle(secs(1.1), failed());
         c.handle(secs(1.2), Event::LedgerWritten(Ok(0)));
         assert!(c.ready() && c.status().problems.is_empty(), "the lines that failed were written after all");
-        c.handle(secs(1.3), failed());
-        c.handle(secs(1.4), failed());
-        assert!(c.ending.is_none());
-        let actions = c.handle(secs(1.5), failed());
-        assert!(c.ending.is_some(), "three in a row");
-        let last = write_the_checkpoint_asked_for(&mut c, &actions, 1.6);
+        for at in [1.3, 1.4, 1.5, 1.9, 2.3, 2.5] {
+            c.handle(secs(at), failed());
+        }
+        assert!(c.ending.is_none(), "six failures in a row, two of them a second apart (a line every step)");
+        let actions = c.handle(secs(3.3), failed());
+        assert!(c.ending.is_some(), "three a second apart");
+        let last = write_the_checkpoint_asked_for(&mut c, &actions, 3.4);
         assert_eq!(last.last(), Some(&Action::Exit { code: EXIT_RESTART }), "after its checkpoint");
-        assert_eq!(c.status().ledger.failures, 5);
+        assert_eq!(c.status().ledger.failures, 9);
     }
 
     /// A checkpoint write busy past `shutdown_timeout_s` is reported (not ready, a notice, the status), each
