@@ -76,6 +76,8 @@ pub struct Schedule {
     /// Another host assigns this one's batches (several hosts, rank > 0): no loader of its own, nothing requeued
     /// or set aside here, and the run ends when that host says so.
     follower: bool,
+    /// The newest epoch of a batch a round committed.
+    committed_epoch: u64,
     /// A follower's items of open steps for drafters that were not live when the step opened, by `(step, drafter)`:
     /// a drafter that joins takes them.
     unclaimed: BTreeMap<(u64, usize), Vec<Item>>,
@@ -149,6 +151,7 @@ impl Schedule {
             epochs,
             max_steps,
             follower: false,
+            committed_epoch: 0,
             unclaimed: BTreeMap::new(),
         }
     }
@@ -234,8 +237,13 @@ impl Schedule {
         &self.set_aside
     }
 
+    /// The epoch the run is in: its loader's, or on a follower (whose loader hands out nothing) the newest epoch of
+    /// the batches its rounds committed.
     pub fn epoch(&self) -> u64 {
-        self.loader.epoch()
+        match self.follower {
+            true => self.committed_epoch,
+            false => self.loader.epoch(),
+        }
     }
 
     pub fn samples_per_epoch(&self) -> usize {
@@ -406,6 +414,7 @@ impl Schedule {
             out.metrics.add(&c.metrics);
             for b in &c.batches {
                 taken.insert(*b);
+                self.committed_epoch = self.committed_epoch.max(b.epoch);
                 if !self.follower {
                     self.loader.commit(*b);
                 }
@@ -575,6 +584,11 @@ mod tests {
         assert_eq!(settled[0].requeued_samples, 0, "what no round took goes back to the assigning host, not here");
         assert_eq!(s.loader_state().owed, vec![], "its own loader handed out nothing");
         assert!(s.data_left() && !s.finished());
+        assert_eq!(s.epoch(), 0);
+        let next = BatchId { epoch: 3, ordinal: 0 };
+        s.open_fed_step(&[(0, 1)], vec![(0, Item::Capture { batch: next, positions: vec![1] })]);
+        s.take_report(report(6, 1, &[(0, vec![next])], 5));
+        assert_eq!(s.epoch(), 3, "the epoch of what it trained, not its idle loader's 0");
     }
 
     #[test]

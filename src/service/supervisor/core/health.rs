@@ -172,9 +172,20 @@ impl Core {
         !self.health.unwritten.is_empty()
     }
 
-    /// No ledger write failing, no checkpoint write stalled.
+    /// No ledger write failing, no checkpoint write stalled, rounds closing.
     pub(super) fn healthy(&self) -> bool {
-        self.health.ledger_in_row == 0 && self.health.stalled_write.is_none()
+        self.health.ledger_in_row == 0 && self.health.stalled_write.is_none() && self.rounds_stalled_for().is_none()
+    }
+
+    /// How long no round has committed, once that is longer than the hang budget while training: on a host of
+    /// several the watchdog blames no one for waiting on the others (rank 0 stopped, say), and the host is then
+    /// not ready, with the reason, until a round commits.
+    fn rounds_stalled_for(&self) -> Option<Duration> {
+        if self.phase != Phase::Running || self.ending.is_some() {
+            return None;
+        }
+        let since = self.now.saturating_sub(self.progress_at);
+        (since > self.hang_budget()).then_some(since)
     }
 
     /// What is wrong now, in words (`/status`, `/readyz`).
@@ -188,6 +199,15 @@ impl Core {
         if let (Some(step), Some((_, since))) = (h.stalled_write, self.book.writing()) {
             let busy = self.now.saturating_sub(since).as_secs_f64();
             problems.push(format!("the checkpoint of step {step} is still being written after {busy:.0} s"));
+        }
+        if let Some(since) = self.rounds_stalled_for() {
+            let (since, budget) = (since.as_secs_f64(), self.hang_budget().as_secs_f64());
+            let waiting = match self.hosts.role {
+                Some(HostRole::Follower) => ": waiting for rank 0's rounds (is the rendezvous host running?)",
+                Some(HostRole::Leader) => ": waiting for the other hosts' contributions",
+                None => "",
+            };
+            problems.push(format!("no step committed for {since:.0} s (hang budget {budget:.0} s){waiting}"));
         }
         problems.extend(self.left_problem());
         problems

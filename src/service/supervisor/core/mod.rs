@@ -976,6 +976,22 @@ pub(crate) mod tests {
         assert_eq!(c.status().ledger.failures, 9);
     }
 
+    /// No round committing for longer than the hang budget (the floor, before rounds are timed: 600 s here) is a
+    /// problem and makes the host not ready, until a round commits.
+    #[test]
+    fn rounds_that_stop_committing_are_a_problem_until_one_commits() {
+        let mut c = running(1);
+        c.config.supervision.step_timeout_s = 40.0;
+        c.handle(secs(30.0), Event::Tick);
+        assert!(c.ready() && c.status().problems.is_empty(), "within the budget");
+        c.handle(secs(41.0), Event::Tick);
+        let problems = c.status().problems;
+        assert!(!c.ready() && problems.iter().any(|p| p.starts_with("no step committed for 41 s")), "{problems:?}");
+        c.progress_at = secs(41.5);
+        c.handle(secs(42.0), Event::Tick);
+        assert!(c.ready(), "progress again");
+    }
+
     /// A checkpoint write busy past `shutdown_timeout_s` is reported (not ready, a notice, the status), each
     /// checkpoint falling due meanwhile is counted as skipped, and its answer clears it.
     #[test]
