@@ -142,7 +142,7 @@ fn one_service_per_checkpoint_folder() {
 
 /// A data ledger that cannot be written (a full disk: /dev/full answers every write with ENOSPC) is never silent:
 /// the service is not ready, /status and the metrics say so at once, and `data.ledger_max_failures` failures in a
-/// row end the run with a checkpoint and status 75 rather than a complete run with no audit trail. The checkpoint
+/// row (counted at most one a second) end the run with a checkpoint and status 75 rather than a complete run with no audit trail. The checkpoint
 /// carries the lines that were not written: resumed with a ledger that works, the ledger is complete.
 #[test]
 fn a_ledger_that_cannot_be_written_is_loud_and_ends_the_run() {
@@ -167,7 +167,7 @@ fn a_ledger_that_cannot_be_written_is_loud_and_ends_the_run() {
     let svc = Service::start(&cfg, false, &["optim.epochs=2", "data.ledger=/dev/full", "data.ledger_max_failures=3"]);
     let (code, logs) = svc.exit_code();
     assert_eq!(code, 75, "{:#?}", &logs[logs.len().saturating_sub(8)..]);
-    assert!(logged(&logs, "data.ledger failed 3 times in a row"));
+    assert!(logged(&logs, "data.ledger failed") && logged(&logs, "times in a row (3 a second or more apart"));
     assert_eq!(checkpoints_written(&logs).len(), 1, "it checkpointed before exiting");
     let (code, logs) = Service::start(&cfg, true, &["optim.epochs=2"]).exit_code();
     assert_eq!(code, 0, "{:#?}", &logs[logs.len().saturating_sub(8)..]);

@@ -268,9 +268,11 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         the_runs_data(&config, resume.as_ref().map(|(path, _)| path.as_path()), &fingerprint)?;
     }
     check_packing(&config, &target_cfg, data.as_ref())?;
-    // One host alone: with several, the others wait for rank 0's rendezvous.
+    // One host alone (with several, the others wait for rank 0's rendezvous), and no ledger lines for the resume to
+    // write (a complete run whose last lines were not written ended 75: resuming writes them).
     if placement.is_none()
         && let Some((path, state)) = &resume
+        && state.recent_commits.is_empty()
         && super::supervisor::complete_at(&config, data.lengths(), state)
     {
         return already_complete(&config.checkpoint.dir, path, state.step);
