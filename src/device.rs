@@ -9,6 +9,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tch::{Device, Kind};
 
+pub use crate::ffi::device_name;
+
 /// The device services of the C++ boundary, by the names a compute thread calls them.
 pub use crate::ffi::accel::{
     MemoryStats, Priority, TimingEvent, bind_thread, current_stream_handle, deterministic_gpus, memory_stats,
@@ -142,15 +144,6 @@ impl<'de> Deserialize<'de> for DtypeSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// A device as users write it: `cpu`, `cuda:N`.
-pub fn device_name(device: Device) -> String {
-    match device {
-        Device::Cuda(i) => format!("cuda:{i}"),
-        Device::Cpu => "cpu".to_string(),
-        other => format!("{other:?}").to_lowercase(),
     }
 }
 

@@ -20,10 +20,13 @@ pub struct RegenerateArgs {
     /// An OpenAI-compatible server's base URL, e.g. http://localhost:8000/v1 (vLLM, SGLang).
     #[arg(long, required_unless_present = "local", conflicts_with = "local")]
     endpoint: Option<String>,
-    /// With --endpoint: the served model's name. With --local: the target's HuggingFace folder, or `tiny`.
-    #[arg(long)]
+    /// With --endpoint: the served model's name (as the server lists it at /v1/models; vLLM's default is the path
+    /// it was started with). With --local: the target's HuggingFace folder, or a built-in preset (`tiny-tasks`,
+    /// `tiny`).
+    #[arg(long, value_name = "NAME|DIR")]
     model: String,
-    /// Generate with the built-in target instead of a server (small and offline setups).
+    /// Generate in this process with --model's weights instead of asking a server: batched on the GPU (or the
+    /// CPU), no server to run.
     #[arg(long)]
     local: bool,
     /// Chat JSONL (OpenAI `messages` or ShareGPT `conversations`).

@@ -32,16 +32,26 @@ pub(crate) struct Failed {
     pub deadline_passed_after: Option<f64>,
 }
 
-/// Calls a shim function with an error buffer: done when it returns 0, else [`Failed`] with the message it wrote.
 /// A call across the boundary that failed on a device: what libtorch (or the CUDA runtime) said there. The device
 /// layer above wraps it in its own error ([`crate::device::DeviceError`]).
 #[derive(Debug, thiserror::Error)]
-#[error("libtorch on {device:?}: {message}")]
+#[error("libtorch on {}: {message}", device_name(*device))]
 pub struct DeviceFailure {
     pub device: tch::Device,
     pub message: String,
 }
 
+/// A device as users write it: `cpu`, `cuda:N` (here, beneath the device layer, so that libtorch's errors name
+/// devices the same way; [`crate::device`] re-exports it).
+pub fn device_name(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        tch::Device::Cpu => "cpu".to_string(),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Calls a shim function with an error buffer: done when it returns 0, else [`Failed`] with the message it wrote.
 pub(crate) fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), Failed> {
     let mut buffer = [0u8; ERROR_BUFFER];
     let started = Instant::now();

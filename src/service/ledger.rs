@@ -139,6 +139,23 @@ impl Appender {
     }
 }
 
+/// Whether the ledger `text` holds every batch of `commits` (`(step, batches)`, a checkpoint's `recent_commits`) at
+/// its step, the rewinds in it applied (a `rewind_to_step` N undoes the lines of step N and later): a run whose last
+/// lines were all written after its checkpoint needs no resume to write them again.
+pub fn holds(text: &str, commits: &[(u64, Vec<crate::data::loader::BatchId>)]) -> bool {
+    let mut lines: std::collections::HashSet<(u64, u64, u64)> = std::collections::HashSet::new();
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let number = |key: &str| v.get(key).and_then(serde_json::Value::as_u64);
+        if let Some(to) = number("rewind_to_step") {
+            lines.retain(|(step, _, _)| *step < to);
+        } else if let (Some(step), Some(epoch), Some(batch)) = (number("step"), number("epoch"), number("batch")) {
+            lines.insert((step, epoch, batch));
+        }
+    }
+    commits.iter().all(|(step, ids)| ids.iter().all(|id| lines.contains(&(*step, id.epoch, id.ordinal))))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,6 +223,21 @@ mod tests {
         assert!(second.as_ref().is_err_and(|e| e.contains("deleted or replaced")), "{second:?}");
         writer.finish(Duration::from_secs(1));
         assert!(!path.exists(), "nothing written anywhere a reader would look");
+    }
+
+    /// A ledger holds a checkpoint's recent commits when each is a line at its step that no later rewind undid.
+    #[test]
+    fn a_ledger_holds_the_commits_it_has_lines_for_after_its_rewinds() {
+        use crate::data::loader::BatchId;
+        let id = |epoch, ordinal| BatchId { epoch, ordinal };
+        let text = "{\"step\":4,\"epoch\":0,\"batch\":7,\"ids\":[1]}\n{\"rewind_to_step\":5}\n\
+                    {\"step\":5,\"epoch\":1,\"batch\":0,\"ids\":[2]}\n{\"rewind_to_step\":6}\n";
+        assert!(holds(text, &[]));
+        assert!(holds(text, &[(4, vec![id(0, 7)]), (5, vec![id(1, 0)])]));
+        assert!(!holds(text, &[(5, vec![id(1, 0), id(1, 1)])]), "a batch of step 5 missing");
+        let undone = format!("{text}{{\"rewind_to_step\":5}}\n");
+        assert!(!holds(&undone, &[(5, vec![id(1, 0)])]), "undone by a later rewind");
+        assert!(holds(&undone, &[(4, vec![id(0, 7)])]));
     }
 
     /// A full disk (`/dev/full` answers every write with ENOSPC) is reported for every line, not logged and lost.

@@ -272,7 +272,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     // write (a complete run whose last lines were not written ended 75: resuming writes them).
     if placement.is_none()
         && let Some((path, state)) = &resume
-        && state.recent_commits.is_empty()
+        && ledger_holds(&config, &state.recent_commits)
         && super::supervisor::complete_at(&config, data.lengths(), state)
     {
         return already_complete(&config.checkpoint.dir, path, state.step);
@@ -386,6 +386,15 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     let code = exit_code.lock().unwrap_or_else(|p| p.into_inner()).unwrap_or(1);
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// Whether `data.ledger` (when the run keeps one) already holds a checkpoint's `recent_commits`, the lines its
+/// writer had not confirmed when the checkpoint was taken.
+fn ledger_holds(config: &Config, commits: &[(u64, Vec<crate::data::loader::BatchId>)]) -> bool {
+    match (&config.data.ledger, commits.is_empty()) {
+        (_, true) | (None, _) => true,
+        (Some(path), false) => std::fs::read_to_string(path).is_ok_and(|text| super::ledger::holds(&text, commits)),
+    }
 }
 
 /// A resumed run with nothing left to train (its steps or epochs done at its newest checkpoint): nothing is loaded or
