@@ -72,10 +72,8 @@ fn check_out(out: &Path, same_kind: impl Fn(&serde_json::Value) -> bool, force: 
     if names.is_empty() || force {
         return Ok(());
     }
-    let config = std::fs::read_to_string(out.join("config.json")).ok();
-    let config = config.and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
     let ours = names.iter().all(|n| EXPORTED_FILES.contains(&n.as_str()));
-    if ours && config.is_some_and(|c| same_kind(&c)) {
+    if ours && config_json(out).is_some_and(|c| same_kind(&c)) {
         return Ok(());
     }
     let mut shown: Vec<&str> = names.iter().map(String::as_str).take(5).collect();
@@ -96,9 +94,13 @@ fn is_drafter_config(config: &serde_json::Value) -> bool {
 
 /// A folder that `export` (or a run's end, as `final/`) wrote: a drafter's config.json and weights, no checkpoint.
 fn is_exported_drafter(dir: &Path) -> bool {
-    let config = std::fs::read_to_string(dir.join("config.json")).ok();
-    let config = config.and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok());
-    dir.join("model.safetensors").is_file() && config.is_some_and(|c| is_drafter_config(&c))
+    dir.join("model.safetensors").is_file() && config_json(dir).is_some_and(|c| is_drafter_config(&c))
+}
+
+/// `dir/config.json`, where there is one that parses.
+fn config_json(dir: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    serde_json::from_str(&text).ok()
 }
 
 pub fn run(args: ExportArgs) -> Result<ExitCode> {

@@ -222,7 +222,7 @@ fn run(
     let bound =
         crate::device::bind_thread(spec.device).and_then(|()| crate::device::use_own_stream(spec.device, priority));
     if let Err(e) = bound {
-        tracing::error!("evaluator: cannot use {}: {e}", crate::device::device_name(spec.device));
+        tracing::error!("evaluator: cannot use {}: {e}", device_name(spec.device));
     }
     clean_staging(&spec.checkpoint_root);
     let mut best = read_best(&spec.checkpoint_root);

@@ -272,8 +272,8 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     // write (a complete run whose last lines were not written ended 75: resuming writes them).
     if placement.is_none()
         && let Some((path, state)) = &resume
-        && ledger_holds(&config, &state.recent_commits)
         && super::supervisor::complete_at(&config, data.lengths(), state)
+        && ledger_holds(&config, &state.recent_commits)
     {
         return already_complete(&config.checkpoint.dir, path, state.step);
     }

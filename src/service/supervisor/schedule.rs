@@ -106,26 +106,27 @@ impl Position {
     }
 }
 
-/// The loader's settings of a run configured by `config`.
-pub fn loader_settings(config: &Config) -> LoaderSettings {
-    LoaderSettings {
-        batch_size: config.data.batch_size,
-        seed: config.objective.seed,
-        bucket_batches: 16,
-        pack: config.data.pack,
-    }
-}
-
 /// Whether a run configured by `config`, on data of these `lengths`, has nothing left to train from `state`'s
 /// checkpoint: its steps or its epochs are done.
 pub fn complete_at(config: &Config, lengths: Vec<usize>, state: &TrainerState) -> bool {
-    let (optim, settings) = (&config.optim, loader_settings(config));
-    let mut schedule = Schedule::new(lengths, settings, optim.accumulation, optim.epochs, optim.max_steps);
+    let mut schedule = Schedule::of_run(config, lengths);
     schedule.restore(&Position::of(state), 0);
     !schedule.data_left()
 }
 
 impl Schedule {
+    /// The schedule of a run configured by `config`, on data of these `lengths`, from its beginning.
+    pub fn of_run(config: &Config, lengths: Vec<usize>) -> Self {
+        let settings = LoaderSettings {
+            batch_size: config.data.batch_size,
+            seed: config.objective.seed,
+            bucket_batches: 16,
+            pack: config.data.pack,
+        };
+        let optim = &config.optim;
+        Schedule::new(lengths, settings, optim.accumulation, optim.epochs, optim.max_steps)
+    }
+
     pub fn new(
         lengths: Vec<usize>,
         settings: LoaderSettings,

@@ -237,9 +237,7 @@ pub struct Core {
 impl Core {
     pub fn new(setup: Setup) -> Self {
         let c = &setup.config;
-        let settings = super::schedule::loader_settings(c);
-        let mut schedule =
-            Schedule::new(setup.lengths, settings, c.optim.accumulation, c.optim.epochs, c.optim.max_steps);
+        let mut schedule = Schedule::of_run(c, setup.lengths);
         if setup.role == Some(HostRole::Follower) {
             schedule.follow();
         }
