@@ -10,8 +10,9 @@
 #                              evaluation conversations are cut only from a finished file. A larger COUNT later
 #                              continues the same file (the same seed gives the same first conversations)
 #                              A synth.jsonl brought back by `keep` and carried in .gpu/synth/ is restored first.
-#   keep                       synth.jsonl xz-compressed into $OUT in parts of 15 MB (synth.jsonl.xz.part-NN), to be
-#                              carried in .gpu/synth/ by a later lease instead of synthesizing again
+#   keep                       synth.jsonl xz-compressed into $OUT in parts of 15 MB (synth.jsonl.xz.part-NN), and
+#                              its rejected attempts (synth.rejected.jsonl.xz), to be carried in .gpu/synth/ by a
+#                              later lease instead of synthesizing again
 #   train NAME DATA STEPS SEED [--set ..]
 #                              DATA: template (the 2,160 answered prompts) or synth:N (the first N synthesized
 #                              conversations); prepared once (--max-len 512), trained STEPS steps with
@@ -40,6 +41,11 @@ synth)
   if [ -e .gpu/synth/synth.jsonl.xz.part-00 ] && [ ! -e "$work/synth.jsonl" ]; then
     cat .gpu/synth/synth.jsonl.xz.part-* | xz -d >"$work/synth.jsonl" || exit 1
     echo "restored $(wc -l <"$work/synth.jsonl") conversations from .gpu/synth" | tee -a "$out/synth.txt"
+    # Without its rejected attempts a continued run tries them all again (the fourth lease did: 10,091 of them).
+    if [ -e .gpu/synth/synth.rejected.jsonl.xz ]; then
+      xz -dc .gpu/synth/synth.rejected.jsonl.xz >"$work/synth.rejected.jsonl" || exit 1
+      echo "restored $(wc -l <"$work/synth.rejected.jsonl") rejected attempts" | tee -a "$out/synth.txt"
+    fi
   fi
   start=$SECONDS
   timeout "${SYNTH_LIMIT:-0}" "$d" synthesize --model "$work/model" --count $((count + 256)) \
@@ -65,6 +71,7 @@ PY
   ;;
 keep)
   xz -T0 -6 -c "$work/synth.jsonl" | split -b 15000000 -d - "$out/synth.jsonl.xz.part-"
+  xz -T0 -6 -c "$work/synth.rejected.jsonl" >"$out/synth.rejected.jsonl.xz"
   ls -la "$out"
   ;;
 train)
