@@ -6,7 +6,7 @@ export PATH := $(HOME)/.cargo/bin:$(PATH)
 # The commit `dflash --version` names (only the binary's own crate is rebuilt when it changes).
 export DFLASH_COMMIT := $(shell git describe --always --dirty --abbrev=12 2>/dev/null)
 
-.PHONY: setup run test build check-exports check-readme gpu-bin
+.PHONY: setup run test build check-exports check-readme check-ui gpu-bin
 
 setup:
 	@scripts/setup.sh
@@ -41,6 +41,10 @@ check-exports: setup
 # cores; not part of `make test`, which would then outgrow CI's budget; its last run is in BENCHMARKS.md).
 check-readme: build
 	scripts/check-readme.sh
+
+# The live page in headless Chromium (apt-get install chromium), with a fault injected; screenshots into docs/.
+check-ui: build
+	scripts/check-ui.sh
 
 # The binaries the GPU scripts carry (scripts/gpu-generate.sh): dflash and the library's tests, release, stripped and
 # xz-compressed into .gpu-bin/ (a device call carries at most 64 MiB).

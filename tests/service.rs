@@ -508,9 +508,35 @@ fn chaos_failures_of_every_kind_lose_nothing_and_keep_replicas_identical() {
     assert_eq!(s["replicas_diverged"], 0, "replicas must stay bitwise identical: {s:#}");
     assert!(s["replicas_checked_step"].as_u64().unwrap() > rejoined_at, "{s:#}");
     assert_eq!(s["batches_set_aside"], 0);
+    live_page_shows_the_run(&svc, &dir.path().join("ckpt"));
     let _ = svc.stop();
     let ids = train_ids(prepared());
     assert!(assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids) >= 2, "at least two whole epochs");
+}
+
+/// The live page (`GET /`) and what it draws: the progress lines' points in step order, the failures and restarts
+/// among the recent events, the chart library served by the binary; and the run's TensorBoard event file.
+fn live_page_shows_the_run(svc: &Service, run_dir: &std::path::Path) {
+    let (code, page) = svc.http("GET", "/", "");
+    assert!(code == 200 && page.contains("<title>dflash</title>") && page.contains("assets/uplot.js"), "{code} {page}");
+    let (code, js) = svc.http("GET", "/assets/uplot.js", "");
+    assert!(code == 200 && js.contains("uPlot"), "{code}");
+    let (code, history) = svc.request("GET", "/history", None);
+    assert_eq!(code, 200, "{history}");
+    let points = history["points"].as_array().unwrap();
+    let steps: Vec<u64> = points.iter().map(|p| p["step"].as_u64().unwrap()).collect();
+    assert!(steps.len() >= 3 && steps.windows(2).all(|w| w[0] < w[1] && (w[1] - w[0]) % 5 == 0), "{steps:?}");
+    assert!(points.iter().all(|p| p["loss"].as_f64().is_some_and(f64::is_finite) && p["lr"].as_f64() > Some(0.0)));
+    let events: Vec<&str> = history["events"].as_array().unwrap().iter().filter_map(|e| e["text"].as_str()).collect();
+    for wanted in ["drafter failed", "restarting", "drafter marked failed"] {
+        assert!(events.iter().any(|t| t.starts_with(wanted)), "no {wanted:?} among the events: {events:#?}");
+    }
+    assert!(!events.iter().any(|t| t.starts_with("step ")), "progress lines are charted, not listed: {events:#?}");
+    let files: Vec<_> = std::fs::read_dir(run_dir.join("tensorboard")).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "one event file: {files:?}");
+    let name = files[0].file_name().to_string_lossy().to_string();
+    let bytes = std::fs::read(files[0].path()).unwrap();
+    assert!(name.starts_with("events.out.tfevents.") && bytes.windows(10).any(|w| w == b"train/loss"), "{name}");
 }
 
 #[test]

@@ -165,6 +165,7 @@ struct RawLog {
     level: String,
     format: String,
     every_steps: i64,
+    tensorboard: bool,
 }
 
 // ---------------------------------------------------------------- validated: what the program uses
@@ -389,6 +390,8 @@ pub struct LogSettings {
     pub format: LogFormat,
     /// Training logs a progress line every this many steps.
     pub every_steps: u64,
+    /// TensorBoard event files in `checkpoint.dir/tensorboard` (the progress lines' and evaluations' scalars).
+    pub tensorboard: bool,
 }
 
 /// The validated configuration.
@@ -1091,7 +1094,12 @@ impl RawLog {
         if self.every_steps < 1 {
             return Err(invalid("log.every_steps", self.every_steps, "at least 1"));
         }
-        Ok(LogSettings { level: self.level, format, every_steps: self.every_steps as u64 })
+        Ok(LogSettings {
+            level: self.level,
+            format,
+            every_steps: self.every_steps as u64,
+            tensorboard: self.tensorboard,
+        })
     }
 }
 

@@ -1,6 +1,6 @@
-//! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /healthz`
-//! (liveness: the process answers), `GET /readyz` (readiness: training, with a live drafter), `GET /status`,
-//! `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as SIGHUP does),
+//! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /` (the live page:
+//! [`super::live`]), `GET /healthz` (liveness: the process answers), `GET /readyz` (readiness: training, with a live
+//! drafter), `GET /status`, `GET /history` (the live page's charts and events), `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as SIGHUP does),
 //! and with `control.fault_injection = true`, `POST /drafters/{id}/fault` and `POST /targets/{id}/fault`.
 //!
 //! The read-only endpoints may also be served alone on an address of their own (`control.read_only_listen`, for
@@ -28,6 +28,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::failure::{FaultKind, FaultRefused};
+use super::live::{self, LiveView};
 use super::messages::SupervisorMsg;
 use super::status::{DrafterState, Status};
 
@@ -50,12 +51,14 @@ struct TargetFaultRequest {
 pub struct Supervised {
     supervisor: OnceLock<ActorRef<SupervisorMsg>>,
     before: Status,
+    /// What the live page draws besides the status.
+    live: Arc<LiveView>,
 }
 
 impl Supervised {
-    /// Before the supervisor: `/status` answers `before`.
-    pub fn before(before: Status) -> Arc<Self> {
-        Arc::new(Supervised { supervisor: OnceLock::new(), before })
+    /// Before the supervisor: `/status` answers `before`; `/history` reads `live`.
+    pub fn before(before: Status, live: Arc<LiveView>) -> Arc<Self> {
+        Arc::new(Supervised { supervisor: OnceLock::new(), before, live })
     }
 
     /// The supervisor runs: every request goes to it from now on.
@@ -101,9 +104,9 @@ fn unavailable(e: Unanswered) -> Response {
 }
 
 /// The endpoints of each listener, for the answer to a path or method it does not serve.
-const READ_ONLY_ENDPOINTS: &str = "GET /healthz, /readyz, /status, /metrics";
-const ALL_ENDPOINTS: &str =
-    "GET /healthz, /readyz, /status, /metrics; POST /checkpoint, /reload, /drafters/{id}/fault, /targets/{id}/fault";
+const READ_ONLY_ENDPOINTS: &str = "GET / (the live page), /healthz, /readyz, /status, /history, /metrics";
+const ALL_ENDPOINTS: &str = "GET / (the live page), /healthz, /readyz, /status, /history, /metrics; POST /checkpoint, \
+     /reload, /drafters/{id}/fault, /targets/{id}/fault";
 
 /// Answers for a path no endpoint has (404) and a method its endpoint does not take (405), in the errors' shape.
 fn with_error_fallbacks(router: Router, endpoints: &'static str) -> Router {
@@ -149,6 +152,21 @@ async fn readyz(State(sup): Sup) -> Response {
         }
         Err(e) => unavailable(e),
     }
+}
+
+/// `GET /history`: what the live page charts and lists ([`LiveView::history`]).
+async fn history(State(sup): Sup) -> Response {
+    let live = sup.live.clone();
+    // It reads evals.jsonl: off the runtime's threads.
+    match tokio::task::spawn_blocking(move || live.history()).await {
+        Ok(h) => Json(h).into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("reading the history failed: {e}")),
+    }
+}
+
+/// The live page and its chart library: fixed texts in the binary.
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type), (header::CACHE_CONTROL, "no-cache")], body).into_response()
 }
 
 async fn status(State(sup): Sup) -> Response {
@@ -339,9 +357,13 @@ fn read_only(supervisor: Arc<Supervised>, prometheus: PrometheusHandle) -> Route
         async move { ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text) }
     };
     Router::new()
+        .route("/", get(|| async { asset("text/html; charset=utf-8", live::PAGE) }))
+        .route("/assets/uplot.js", get(|| async { asset("text/javascript; charset=utf-8", live::UPLOT_JS) }))
+        .route("/assets/uplot.css", get(|| async { asset("text/css; charset=utf-8", live::UPLOT_CSS) }))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/status", get(status))
+        .route("/history", get(history))
         .route("/metrics", get(metrics))
         .with_state(supervisor)
 }
@@ -427,7 +449,10 @@ mod tests {
         let mut state = crate::train::checkpoint::TrainerState::new(12, loader, json!({}));
         state.samples_committed = 96;
         let checkpoint = std::path::Path::new("/ckpt/ckpt-000000012");
-        let sup = Supervised::before(Status::before_start("starting", "starting".into(), Some((checkpoint, &state))));
+        let sup = Supervised::before(
+            Status::before_start("starting", "starting".into(), Some((checkpoint, &state))),
+            LiveView::new(std::env::temp_dir()),
+        );
         let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let Ok(s) = runtime.block_on(status_of(&sup)) else { panic!("no answer before the supervisor runs") };
         assert_eq!((s.phase.as_str(), s.step, s.epoch, s.samples_committed, s.ready), ("starting", 12, 2, 96, false));

@@ -12,6 +12,7 @@ pub mod exit;
 pub mod failure;
 pub mod folder_lock;
 pub mod ledger;
+pub mod live;
 pub mod messages;
 pub mod placement;
 pub mod reload;

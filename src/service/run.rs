@@ -17,6 +17,7 @@ use super::evaluator::eval_set;
 use super::exit::{EXIT_RESTART, StopSignal};
 use super::folder_lock::{FolderLock, LockError, lock_file};
 use super::ledger::open_ledger;
+use super::live::LiveView;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
 use super::status::Status;
@@ -295,7 +296,8 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     };
     let phase = if placement.is_some() { "rendezvous" } else { "starting" };
     let resumed = resume.as_ref().map(|(path, state)| (path.as_path(), state));
-    let supervised = Supervised::before(Status::before_start(phase, waiting_for, resumed));
+    let live = LiveView::new(config.checkpoint.dir.clone());
+    let supervised = Supervised::before(Status::before_start(phase, waiting_for, resumed), live.clone());
     {
         let _in_runtime = runtime.enter();
         serve_control(read_only, listener, &supervised, &prometheus, token)?;
@@ -371,6 +373,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         eos_token_ids: target_cfg.eos_token_ids.clone(),
         link,
         ledger,
+        live,
         config,
     };
     runtime.block_on(async move {
@@ -437,7 +440,10 @@ fn serve_control(
     if let Some(listener) = read_only {
         let bound = super::control::serve_read_only(listener, supervised.clone(), prometheus.clone())
             .context("control.read_only_listen")?;
-        tracing::info!(read_only_address = %bound, "control plane, read-only: GET /healthz /readyz /status /metrics");
+        tracing::info!(
+            read_only_address = %bound,
+            "control plane, read-only: the live page at http://{bound}/; GET /healthz /readyz /status /history /metrics"
+        );
     }
     if let Some(listener) = listener {
         let guarded = token.is_some();
@@ -454,7 +460,10 @@ fn serve_control(
                 "POST endpoints refused (no token set)"
             }
         };
-        tracing::info!(address = %bound, "control plane: GET /healthz /readyz /status /metrics, {posts}");
+        tracing::info!(
+            address = %bound,
+            "control plane: the live page at http://{bound}/; GET /healthz /readyz /status /history /metrics, {posts}"
+        );
     }
     Ok(())
 }

@@ -39,7 +39,8 @@ pub fn init(settings: &LogSettings) -> Result<(), LoggingError> {
         _ => (parse(&settings.level)?, false),
     };
     let (filter, handle) = reload::Layer::new(filter);
-    let registry = tracing_subscriber::registry().with(filter);
+    // The live page's recent events see what the filter lets through.
+    let registry = tracing_subscriber::registry().with(filter).with(super::recent::RecentEvents);
     let installed = match settings.format {
         LogFormat::Text => {
             let ansi = colour(std::io::stderr().is_terminal(), std::env::var_os("NO_COLOR").as_deref());

@@ -8,6 +8,8 @@
 //! Every series is created with its first value when the service starts, so dashboards show zeros, not gaps.
 pub mod gpu;
 pub mod logging;
+pub mod recent;
+pub mod tensorboard;
 
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};

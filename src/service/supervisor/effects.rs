@@ -40,6 +40,18 @@ impl Shell {
     }
 }
 
+impl Shell {
+    /// Adds `scalars` at `step` to the TensorBoard event file; the first failure to write turns it off, with a warning.
+    fn add_scalars(&mut self, step: u64, scalars: &[(&str, f64)]) {
+        if let Some(file) = &mut self.tensorboard
+            && let Err(e) = file.scalars(crate::telemetry::unix_now(), step, scalars)
+        {
+            tracing::warn!(path = %file.path().display(), "TensorBoard event file not written, and no more this run: {e}");
+            self.tensorboard = None;
+        }
+    }
+}
+
 impl Effects for Shell {
     type Snapshot = Snapshot;
 
@@ -239,9 +251,33 @@ impl Effects for Shell {
             Notice::LedgerWrite { ok } => m.ledger_write(ok),
             Notice::WriterStalled(stalled) => m.checkpoint_writer_stalled.set(if stalled { 1.0 } else { 0.0 }),
             Notice::CheckpointSkipped => m.checkpoints_skipped.increment(1),
+            Notice::Progress(mut point) => {
+                point.time = crate::telemetry::unix_now();
+                let p = &point;
+                self.add_scalars(
+                    p.step,
+                    &[
+                        ("train/loss", p.loss),
+                        ("train/accuracy", p.accuracy),
+                        ("train/acceptance_length", p.acceptance),
+                        ("train/lr", p.lr),
+                        ("train/samples_per_s", p.samples_per_s),
+                        ("train/feature_wait_pct", p.feature_wait_pct),
+                    ],
+                );
+                self.a.live.record(point);
+            }
             Notice::Evaluated(outcome) => {
                 m.evaluation(outcome.is_ok());
                 if let Ok(e) = outcome {
+                    let mut scalars = vec![
+                        ("eval/decoded_acceptance_length", e.decode_acceptance_length),
+                        ("eval/token_match", e.token_match_rate),
+                    ];
+                    scalars.extend(e.holdout_acceptance_length.map(|v| ("eval/holdout_acceptance_length", v)));
+                    scalars.extend(e.holdout_loss.map(|v| ("eval/holdout_loss", v)));
+                    self.add_scalars(e.step, &scalars);
+                    let m = &self.run_metrics;
                     m.decode_acceptance_length.set(e.decode_acceptance_length);
                     if let Some(holdout) = e.holdout_acceptance_length {
                         m.holdout_acceptance_length.set(holdout);

@@ -55,6 +55,7 @@ use crate::data::dataset::Dataset;
 use crate::device::{self, device_name};
 use crate::model::{DrafterConfig, PartFault};
 use crate::telemetry::logging::{self, LevelChange};
+use crate::telemetry::tensorboard::{self, EventFile};
 use crate::telemetry::{DeviceMemory, DrafterMetrics, GpuIdentity, RunMetrics, TargetMetrics};
 use crate::train::checkpoint::{Checkpointer, Snapshot, TrainerState, survivor_root};
 use crate::train::collective::{Collective, GradientSum};
@@ -95,6 +96,8 @@ pub struct SupervisorArgs {
     pub link: Option<Arc<HostLink>>,
     /// The data ledger (`data.ledger`, rank 0), opened at start.
     pub ledger: Option<(std::fs::File, PathBuf)>,
+    /// The live page's progress points, which the progress lines add to.
+    pub live: Arc<crate::service::live::LiveView>,
 }
 
 /// The handles of one drafter slot.
@@ -144,6 +147,8 @@ pub struct Shell {
     reading_memory: Arc<AtomicBool>,
     last_telemetry: Instant,
     evaluator: Option<Evaluator>,
+    /// `log.tensorboard` on one host or rank 0: the run's event file (`None` also once a write failed).
+    tensorboard: Option<EventFile>,
     samples_per_epoch: u64,
     /// Several hosts, rank 0: the member hosts last told to the core.
     hosts_told: Vec<HostMember>,
@@ -223,6 +228,16 @@ impl Shell {
                 .map_err(|e| tracing::error!(path = %path.display(), "cannot start the data.ledger writer: {e}"))
                 .ok()
         });
+        let tensorboard = (a.config.log.tensorboard && !follower)
+            .then(|| {
+                let dir = a.config.checkpoint.dir.join(tensorboard::DIR);
+                EventFile::create(&dir, crate::telemetry::unix_now())
+                    .map_err(
+                        |e| tracing::warn!(dir = %dir.display(), "no TensorBoard event file (log.tensorboard): {e}"),
+                    )
+                    .ok()
+            })
+            .flatten();
         let shell = Shell {
             myself,
             started: Instant::now(),
@@ -239,6 +254,7 @@ impl Shell {
             reading_memory: Arc::new(AtomicBool::new(false)),
             last_telemetry: Instant::now(),
             evaluator: None,
+            tensorboard,
             samples_per_epoch,
             hosts_told: Vec::new(),
             _feed_reader: feed_reader,

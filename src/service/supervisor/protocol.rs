@@ -10,6 +10,7 @@ use crate::config::Config;
 use crate::data::loader::{Batch, BatchId};
 use crate::service::evaluator::Evaluated;
 use crate::service::failure::Failure;
+use crate::service::live::ProgressPoint;
 use crate::train::checkpoint::{Scan, Written};
 use crate::train::collective::RoundReport;
 
@@ -186,6 +187,8 @@ pub enum Notice {
     /// A checkpoint fell due while another was in flight.
     CheckpointSkipped,
     Evaluated(Result<Evaluated, String>),
+    /// A progress line's numbers (`time` is the shell's to fill in), for the live page's charts.
+    Progress(ProgressPoint),
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -42,6 +42,7 @@ use crate::data::loader::BatchId;
 use crate::service::evaluator::Evaluated;
 use crate::service::exit::{EXIT_ERROR, EXIT_NO_PROGRESS, EXIT_OK, EXIT_RESTART, is_stop};
 use crate::service::failure::{Failure, FailureKind};
+use crate::service::live::ProgressPoint;
 use crate::service::status::{CheckpointStatus, DrafterStatus, LedgerStatus, Status, TargetStatus, WriterStatus};
 use crate::service::supervisor::run_progress::{Bound, Estimate, RunProgress};
 use crate::train::checkpoint::{Scan, TrainerState, Written};

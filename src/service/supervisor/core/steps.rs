@@ -122,21 +122,36 @@ impl Core {
         let elapsed = self.now.saturating_sub(self.window.started).as_secs_f64().max(1e-9);
         let live = self.live_count();
         let w = &self.window;
+        let point = ProgressPoint {
+            step: self.schedule.committed_step(),
+            epoch: self.schedule.epoch(),
+            time: 0.0,
+            loss: w.metrics.loss(),
+            accuracy: w.metrics.accuracy(),
+            acceptance: w.metrics.acceptance_length(),
+            samples_per_s: w.samples as f64 / elapsed,
+            feature_wait_pct: 100.0 * w.feature_wait_s / (elapsed * live.max(1) as f64),
+            lr: self.last_lr,
+            drafters_live: live,
+        };
+        // Its own target: the live page charts these lines rather than listing them as events.
         tracing::info!(
+            target: "dflash::progress",
             "step {}{} · epoch {} · loss {:.4} · accuracy {:.3} · train acceptance (teacher-forced) {:.2} · {:.1} samples/s · feature wait {:.1}% · \
              lr {:.2e} · drafters {}/{} live",
-            self.schedule.committed_step(),
+            point.step,
             self.estimate().describe(),
-            self.schedule.epoch(),
-            w.metrics.loss(),
-            w.metrics.accuracy(),
-            w.metrics.acceptance_length(),
-            w.samples as f64 / elapsed,
-            100.0 * w.feature_wait_s / (elapsed * live.max(1) as f64),
-            self.last_lr,
+            point.epoch,
+            point.loss,
+            point.accuracy,
+            point.acceptance,
+            point.samples_per_s,
+            point.feature_wait_pct,
+            point.lr,
             live,
             self.slots.len()
         );
+        self.out.push(Action::Notice(Notice::Progress(point)));
         self.window = Window { metrics: Metrics::default(), samples: 0, feature_wait_s: 0.0, started: self.now };
     }
 
