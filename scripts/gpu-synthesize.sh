@@ -20,7 +20,9 @@
 #                              tokens, graphs) on the 64 unseen-topic prompts and on 64 synthesized conversations
 #                              no run trains on; the times and results to $OUT/study.jsonl. With TRAIN_LIMIT=S the
 #                              training is stopped (SIGTERM: it checkpoints) after S seconds, evaluating nothing; a
-#                              later call with CONTINUE=1 and the same arguments resumes it (train_s is that call's)
+#                              later call with CONTINUE=1 and the same arguments resumes it (train_s is that call's).
+#                              The control plane listens on 127.0.0.1:9410: the live page's /status and /history
+#                              as last served, the page and the TensorBoard files go to $OUT/live-NAME
 # Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -98,11 +100,23 @@ train)
   start=$SECONDS
   timeout --preserve-status --signal=TERM --kill-after=120 "${TRAIN_LIMIT:-0}" \
     "$d" serve-train --config config/smollm2-135m.toml --set "target.model=$work/model" --set "data.path=$prepared" \
-    --set "data.ledger=$r/ledger.jsonl" --set "checkpoint.dir=$r" --set control.listen=off \
+    --set "data.ledger=$r/ledger.jsonl" --set "checkpoint.dir=$r" --set control.listen=127.0.0.1:9410 \
     --set "objective.seed=$seed" --set "optim.max_steps=$steps" --set "eval.prompts=$held" \
-    --set checkpoint.every_steps=0 --set eval.every_steps=0 "${resume[@]}" "$@" >>"$r/train.log" 2>&1
+    --set checkpoint.every_steps=0 --set eval.every_steps=0 "${resume[@]}" "$@" >>"$r/train.log" 2>&1 &
+  service=$!
+  # The live page's data on the GPU (issue 71): /status, /history and the page as the run last served them, and
+  # its TensorBoard event files, into $OUT/live-NAME.
+  mkdir -p "$out/live-$name"
+  while kill -0 $service 2>/dev/null; do
+    for p in status history; do curl -sf "127.0.0.1:9410/$p" -o "$r/$p.json.part" && mv "$r/$p.json.part" "$r/$p.json"; done
+    [ -s "$out/live-$name/page.html" ] || curl -sf 127.0.0.1:9410/ -o "$out/live-$name/page.html"
+    sleep 3
+  done
+  wait $service
   code=$?
   train_s=$((SECONDS - start))
+  cp "$r"/status.json "$r"/history.json "$out/live-$name/" 2>/dev/null
+  cp -r "$r/tensorboard" "$out/live-$name/" 2>/dev/null
   echo "$name: serve-train ${resume[*]} exit $code after $train_s s" >>"$out/train-$name.txt"
   grep -E "evaluation|run complete|resuming|stopped|ERROR|CUDA error" "$r/train.log" | cut -c1-300 >>"$out/train-$name.txt"
   if [ "$code" = 143 ]; then

@@ -38,9 +38,7 @@ impl Shell {
             }
         });
     }
-}
 
-impl Shell {
     /// Adds `scalars` at `step` to the TensorBoard event file; the first failure to write turns it off, with a warning.
     fn add_scalars(&mut self, step: u64, scalars: &[(&str, f64)]) {
         if let Some(file) = &mut self.tensorboard
