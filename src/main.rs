@@ -53,8 +53,8 @@ enum Command {
         its live peers' state while the others keep training; no sample or optimizer state is lost. Checkpoints go \
         to checkpoint.dir (atomic, verified, the newest kept); at the end the drafter is exported to \
         checkpoint.dir/final in the published format.\n\n\
-        The control plane on control.listen serves GET /healthz, /readyz, /status and /metrics (Prometheus; also alone \
-        on control.read_only_listen), POST /checkpoint and /reload (and POST /drafters/{id}/fault and \
+        The control plane on control.listen serves GET / (a live page of the run for a browser), /healthz, /readyz, \
+        /status, /history and /metrics (Prometheus; also alone on control.read_only_listen), POST /checkpoint and /reload (and POST /drafters/{id}/fault and \
         /targets/{id}/fault with control.fault_injection); POST takes \"Authorization: Bearer <token>\" whenever \
         DFLASH_CONTROL_TOKEN or control.token_file sets one, and answers 401 without one off loopback. SIGHUP or POST /reload \
         rereads the configuration: learning rates (AdamW's, Muon's) and schedule, num_anchors, gamma, intervals and log level change at \
