@@ -12,6 +12,7 @@ pub mod ffi;
 pub mod model;
 pub mod panic;
 pub mod profile;
+pub mod proxy;
 pub mod service;
 pub mod telemetry;
 pub mod train;

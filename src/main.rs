@@ -148,6 +148,18 @@ enum Command {
         works during a run too.\n\n\
         Example:\n  dflash inspect-run runs/make-run")]
     InspectRun(cli::inspect_run::InspectRunArgs),
+    /// Record what the served target says: an OpenAI-compatible pass-through that keeps each chat completion
+    #[command(long_about = "An OpenAI-compatible pass-through in front of the served target (vLLM, SGLang, \
+        llama.cpp's server): clients connect to --listen instead of the server, every request and response passes \
+        unchanged (streamed responses chunk by chunk), and each successful chat completion is also recorded, the \
+        request's messages with the target's answer last and its sampling settings, as one line of chat JSONL \
+        that `dflash prepare` reads. Lines go to a hidden open segment in --record, sealed (fsynced, then renamed \
+        to segment-<time>-<n>.jsonl) by size, by age and at the stop, so a reader sees only whole, durable \
+        segments; what a crash left open is sealed at the next start. Recording never fails or holds up a client's \
+        request: an exchange the writer cannot take is dropped and counted. Upstream errors, streams cut short and \
+        requests for several choices are passed on and not recorded.\n\n\
+        Example:\n  dflash proxy --upstream http://localhost:8000 --listen 127.0.0.1:8001 --record traffic/")]
+    Proxy(cli::proxy::ProxyArgs),
     /// Measure the hot loops at real shapes: throughput, TFLOP/s, MFU, peak memory, step times
     #[command(long_about = "Measure the hot loops at real shapes with random inputs: tokens/s, achieved TFLOP/s, \
         MFU against --peak-tflops, peak device memory and step-time percentiles. Target and device default to the \
@@ -292,6 +304,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Synthesize(args) => cli::synthesize::run(&config, args),
         Command::Export(args) => cli::export::run(args),
         Command::InspectRun(args) => cli::inspect_run::run(args),
+        Command::Proxy(args) => cli::proxy::run(args),
         Command::Config(command) => cli::config::run(&config, &layers, command).map(|()| ExitCode::SUCCESS),
         Command::Completions { .. } => unreachable!("answered before the configuration is read"),
     }

@@ -35,7 +35,7 @@ const LAYERS: &[&[&str]] = &[
     // Logs and metrics.
     &["telemetry"],
     // The long-running service: supervisor, actors, control plane.
-    &["service"],
+    &["service", "proxy"],
     // Speed measurements of the compute core and the service's parts.
     &["bench"],
     // The command line (the binary crate).

@@ -5,6 +5,7 @@ pub mod data;
 pub mod eval;
 pub mod export;
 pub mod inspect_run;
+pub mod proxy;
 pub mod regenerate;
 pub mod synthesize;
 

@@ -1,0 +1,258 @@
+//! `dflash proxy`: an OpenAI-compatible pass-through in front of the served target (vLLM, SGLang, llama.cpp's
+//! server) that records what the target says. Every request goes to the upstream unchanged and every response comes
+//! back as the upstream sent it, streamed chunk by chunk; a successful chat completion is also recorded
+//! ([`exchange`]) into durable segment files ([`segments`]) by a writer thread of its own. Recording never fails or
+//! slows a client's request: an exchange the writer cannot take or write is counted, logged and dropped.
+pub mod exchange;
+pub mod segments;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+use serde_json::json;
+
+use self::segments::{Rotation, Segments};
+
+/// What the proxy is told.
+#[derive(Debug, Clone)]
+pub struct ProxySettings {
+    /// The upstream's base URL (`http://localhost:8000`); request paths are appended to it.
+    pub upstream: String,
+    pub record: PathBuf,
+    pub rotation: Rotation,
+    /// Exchanges waiting for the writer at most; more are dropped (and counted).
+    pub queue: usize,
+}
+
+/// Counts of the recording, for the summary line and the logs.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub requests: AtomicU64,
+    pub recorded: AtomicU64,
+    /// Exchanges that were not recorded because the writer was behind or failed.
+    pub lost: AtomicU64,
+    /// Chat completions that could not be recorded (not a usable conversation, cut short, an upstream error).
+    pub skipped: AtomicU64,
+}
+
+struct Proxy {
+    client: reqwest::Client,
+    upstream: String,
+    to_writer: Mutex<Option<SyncSender<String>>>,
+    counts: Arc<Counts>,
+}
+
+/// Bodies above this are refused (413) rather than held in memory.
+const MAX_REQUEST_BYTES: usize = 64 << 20;
+/// A response above this is passed on but not recorded.
+const MAX_RECORDED_BYTES: usize = 16 << 20;
+
+/// Headers that belong to one connection, not to the request: not forwarded either way.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !hop_by_hop(name) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+async fn forward(State(proxy): State<Arc<Proxy>>, request: Request) -> Response {
+    proxy.counts.requests.fetch_add(1, Ordering::Relaxed);
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_REQUEST_BYTES).await {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body could not be read: {e}")),
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut upstream =
+        proxy.client.request(parts.method.clone(), format!("{}{path}", proxy.upstream)).body(body.clone());
+    let mut headers = HeaderMap::new();
+    copy_headers(&parts.headers, &mut headers);
+    upstream = upstream.headers(headers);
+    let answer = match upstream.send().await {
+        Ok(a) => a,
+        Err(e) => {
+            return error(StatusCode::BAD_GATEWAY, format!("the upstream {} did not answer: {e}", proxy.upstream));
+        }
+    };
+    let status = answer.status();
+    let mut response_headers = HeaderMap::new();
+    copy_headers(answer.headers(), &mut response_headers);
+    let chat = parts.method == axum::http::Method::POST && parts.uri.path().ends_with("/chat/completions");
+    let recorder = match (chat, status.is_success()) {
+        (true, true) => Some(Recording { request: body, proxy: proxy.clone() }),
+        (true, false) => {
+            proxy.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+        _ => None,
+    };
+    let stream = Tee { inner: Box::pin(answer.bytes_stream()), seen: Vec::new(), recorder };
+    let mut response = Response::new(Body::from_stream(stream));
+    *response.status_mut() = status;
+    *response.headers_mut() = response_headers;
+    response
+}
+
+fn error(code: StatusCode, message: String) -> Response {
+    (code, axum::Json(json!({"error": {"message": message, "type": "proxy_error"}}))).into_response()
+}
+
+/// A chat completion's request, waiting for its response to end.
+struct Recording {
+    request: Bytes,
+    proxy: Arc<Proxy>,
+}
+
+impl Recording {
+    fn finish(self, response: &[u8]) {
+        let counts = &self.proxy.counts;
+        let time = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let line = match exchange::record(&self.request, response, &time) {
+            Ok(line) => line.to_string(),
+            Err(why) => {
+                counts.skipped.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("not recorded: {why:?}");
+                return;
+            }
+        };
+        let sender = self.proxy.to_writer.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let sent = match sender {
+            Some(tx) => tx.try_send(line),
+            None => Err(TrySendError::Disconnected(line)),
+        };
+        if let Err(e) = sent {
+            let lost = counts.lost.fetch_add(1, Ordering::Relaxed) + 1;
+            let why = match e {
+                TrySendError::Full(_) => "the recording writer is behind",
+                TrySendError::Disconnected(_) => "the recording writer has stopped",
+            };
+            tracing::warn!(lost, "an exchange was not recorded: {why} (the client got its answer)");
+        }
+    }
+}
+
+/// The upstream's body passed on chunk by chunk, kept aside for the recording when it is a chat completion; recorded
+/// once it ends whole (a client that goes away, or an upstream that fails mid-way, records nothing).
+struct Tee {
+    inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    seen: Vec<u8>,
+    recorder: Option<Recording>,
+}
+
+impl Stream for Tee {
+    type Item = reqwest::Result<Bytes>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.inner.as_mut().poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(chunk))) if self.recorder.is_some() => {
+                if self.seen.len() + chunk.len() > MAX_RECORDED_BYTES {
+                    self.recorder = None;
+                    self.seen = Vec::new();
+                } else {
+                    self.seen.extend_from_slice(chunk);
+                }
+            }
+            Poll::Ready(Some(Err(_))) => self.recorder = None,
+            Poll::Ready(None) => {
+                if let Some(r) = self.recorder.take() {
+                    let seen = std::mem::take(&mut self.seen);
+                    r.finish(&seen);
+                }
+            }
+            _ => {}
+        }
+        polled
+    }
+}
+
+/// The writer thread: appends each exchange, seals segments by size and age, and seals the last when the channel
+/// closes. A failed write loses that exchange (counted) and the next one starts a new segment.
+fn write_segments(mut segments: Segments, rx: Receiver<String>, counts: Arc<Counts>) {
+    loop {
+        match rx.recv_timeout(Duration::from_millis(500)) {
+            Ok(line) => match segments.append(&line) {
+                Ok(()) => {
+                    counts.recorded.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    counts.lost.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!("an exchange was not recorded: {e}");
+                    let _ = segments.seal();
+                }
+            },
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        if let Err(e) = segments.tick() {
+            tracing::error!("cannot seal the recording's segment: {e}");
+        }
+    }
+    if let Err(e) = segments.seal() {
+        tracing::error!("cannot seal the recording's last segment: {e}");
+    }
+}
+
+/// Serves the proxy on `listener` until `stop` resolves; then lets the requests in flight finish, seals the last
+/// segment and returns the counts.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    settings: ProxySettings,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Arc<Counts>> {
+    let segments = Segments::open(&settings.record, settings.rotation)
+        .map_err(|e| anyhow::anyhow!("the recording folder {}: {e}", settings.record.display()))?;
+    let counts = Arc::new(Counts::default());
+    let (tx, rx) = sync_channel(settings.queue.max(1));
+    let writer = {
+        let counts = counts.clone();
+        std::thread::Builder::new()
+            .name("proxy-recording".into())
+            .spawn(move || write_segments(segments, rx, counts))?
+    };
+    let proxy = Arc::new(Proxy {
+        client: reqwest::Client::builder().build()?,
+        upstream: settings.upstream.trim_end_matches('/').to_string(),
+        to_writer: Mutex::new(Some(tx)),
+        counts: counts.clone(),
+    });
+    let app = axum::Router::new().fallback(forward).with_state(proxy.clone());
+    axum::serve(listener, app).with_graceful_shutdown(stop).await?;
+    // Closing the channel ends the writer once it has written what it holds.
+    proxy.to_writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(proxy);
+    writer.join().map_err(|_| anyhow::anyhow!("the recording writer panicked"))?;
+    Ok(counts)
+}
+
+/// Binds the proxy's address: at start, so that an address in use is found at once.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}

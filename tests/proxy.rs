@@ -1,0 +1,244 @@
+//! `dflash proxy` as a process in front of an OpenAI-compatible server the test starts: responses pass unchanged
+//! (streamed chunk by chunk, other routes too), successful chat completions are recorded as sealed segments that
+//! `prepare` reads, upstream errors are passed on and not recorded, and a recording that cannot be written never
+//! fails a client's request.
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_dflash");
+
+/// Answers "echo: <last user message>", as JSON or as events in three chunks with pauses between them; a message
+/// containing "fail" gets a 500.
+async fn completions(Json(request): Json<Value>) -> Response {
+    let last = request["messages"].as_array().and_then(|m| m.last()).and_then(|m| m["content"].as_str()).unwrap_or("");
+    if last.contains("fail") {
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": "boom"}}))).into_response();
+    }
+    let answer = format!("echo: {last}");
+    if request["stream"].as_bool() != Some(true) {
+        let body = json!({"id": "c", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]});
+        return Json(body).into_response();
+    }
+    let (a, b) = answer.split_at(answer.len() / 2);
+    let events = vec![
+        format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": a}}]})),
+        format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": b}, "finish_reason": "stop"}]})),
+        "data: [DONE]\n\n".to_string(),
+    ];
+    let stream = futures::stream::unfold(events.into_iter(), |mut rest| async move {
+        let next = rest.next()?;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        Some((Ok::<_, std::io::Error>(next), rest))
+    });
+    Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap()
+}
+
+/// Events whose last part waits until the test says so (`/held/v1/chat/completions`): a proxy that held the
+/// response until its end would never pass the first part on.
+async fn held(
+    axum::extract::State(release): axum::extract::State<std::sync::Arc<tokio::sync::Notify>>,
+    Json(_): Json<Value>,
+) -> Response {
+    let first = format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": "first"}}]}));
+    let stream = futures::stream::unfold(0, move |i| {
+        let (release, first) = (release.clone(), first.clone());
+        async move {
+            match i {
+                0 => Some((Ok::<_, std::io::Error>(first), 1)),
+                1 => {
+                    release.notified().await;
+                    Some((Ok("data: [DONE]\n\n".to_string()), 2))
+                }
+                _ => None,
+            }
+        }
+    });
+    Response::builder().header("content-type", "text/event-stream").body(Body::from_stream(stream)).unwrap()
+}
+
+fn upstream(runtime: &tokio::runtime::Runtime) -> SocketAddr {
+    upstream_with(runtime, Default::default())
+}
+
+fn upstream_with(runtime: &tokio::runtime::Runtime, release: std::sync::Arc<tokio::sync::Notify>) -> SocketAddr {
+    let app = Router::new()
+        .route("/held/v1/chat/completions", post(held).with_state(release))
+        .route("/v1/chat/completions", post(completions))
+        .route("/v1/models", get(|| async { Json(json!({"data": [{"id": "m"}]})) }));
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        addr
+    })
+}
+
+struct Proxy {
+    child: Child,
+    url: String,
+}
+
+impl Proxy {
+    fn start(upstream: SocketAddr, record: &Path) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(BIN)
+            .args(["proxy", "--upstream", &format!("http://{upstream}"), "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--record", record.to_str().unwrap(), "--segment-seconds", "3600"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let proxy = Proxy { child, url: format!("http://127.0.0.1:{port}") };
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return proxy;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (code, stderr) = proxy.stop();
+        panic!("the proxy did not listen on {port} (exit {code}): {stderr}");
+    }
+
+    /// SIGTERM, then the exit status and what it wrote on stderr.
+    fn stop(self) -> (i32, String) {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let out = self.child.wait_with_output().unwrap();
+        (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).to_string())
+    }
+}
+
+fn chat(content: &str, stream: bool) -> Value {
+    json!({"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0, "stream": stream})
+}
+
+async fn post_chat(client: &reqwest::Client, url: &str, body: &Value) -> (u16, String) {
+    let r = client.post(format!("{url}/v1/chat/completions")).json(body).send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+fn sealed_lines(dir: &Path) -> Vec<Value> {
+    let mut names: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).collect();
+    names.sort();
+    assert!(names.iter().all(|p| p.file_name().unwrap().to_string_lossy().starts_with("segment-")), "{names:?}");
+    names
+        .iter()
+        .flat_map(|p| {
+            std::fs::read_to_string(p).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn responses_pass_unchanged_and_chat_completions_are_recorded_as_conversations() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let upstream = upstream(&runtime);
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("traffic");
+    let proxy = Proxy::start(upstream, &record);
+    let client = reqwest::Client::new();
+    runtime.block_on(async {
+        // The same bytes through the proxy as from the upstream itself, streamed or not.
+        for stream in [false, true] {
+            let body = chat(&format!("hello {stream}"), stream);
+            let direct = post_chat(&client, &format!("http://{upstream}"), &body).await;
+            let proxied = post_chat(&client, &proxy.url, &body).await;
+            assert_eq!(proxied, direct);
+        }
+        let models = client.get(format!("{}/v1/models", proxy.url)).send().await.unwrap();
+        assert_eq!(models.json::<Value>().await.unwrap()["data"][0]["id"], "m", "other routes are forwarded");
+        let (code, body) = post_chat(&client, &proxy.url, &chat("please fail", false)).await;
+        assert!(code == 500 && body.contains("boom"), "upstream errors pass unchanged: {code} {body}");
+    });
+    assert!(
+        std::fs::read_dir(&record).unwrap().flatten().all(|e| !e.file_name().to_string_lossy().starts_with("segment-")),
+        "nothing visible before the segment is sealed"
+    );
+    let (code, stderr) = proxy.stop();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("4 requests; 2 chat completions recorded"), "{stderr}");
+    assert!(stderr.contains("1 not recordable") && stderr.contains("0 lost"), "{stderr}");
+    let lines = sealed_lines(&record);
+    let answers: Vec<&str> = lines.iter().map(|l| l["messages"][1]["content"].as_str().unwrap()).collect();
+    // Each request also went to the upstream directly; only the proxied ones are recorded.
+    assert_eq!(answers, ["echo: hello false", "echo: hello true"], "{lines:#?}");
+    assert_eq!(lines[1]["recorded"]["streamed"], true);
+    assert_eq!(lines[0]["recorded"]["settings"], json!({"model": "m", "temperature": 0}));
+
+    // The recording is data: prepare takes every line.
+    let out = Command::new(BIN)
+        .args(["prepare", "--model", "tiny-tasks", "--input"])
+        .arg(sealed_paths(&record)[0].as_os_str())
+        .args(["--out", dir.path().join("prepared").to_str().unwrap(), "--block-size", "4", "--max-len", "256"])
+        .output()
+        .unwrap();
+    let manifest = std::fs::read_to_string(dir.path().join("prepared/manifest.json"))
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    let manifest: Value = serde_json::from_str(&manifest).unwrap();
+    assert_eq!((manifest["report"]["lines"].as_u64(), &manifest["report"]["bad_lines"]), (Some(2), &json!({})));
+}
+
+fn sealed_paths(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut paths: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).collect();
+    paths.sort();
+    paths
+}
+
+/// The recording folder gone from under the proxy: every client still gets its answer; the losses are counted.
+#[test]
+fn a_recording_that_cannot_be_written_never_fails_a_client() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let upstream = upstream(&runtime);
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("traffic");
+    let proxy = Proxy::start(upstream, &record);
+    std::fs::remove_dir_all(&record).unwrap();
+    std::fs::write(&record, "a file where the folder was").unwrap();
+    let client = reqwest::Client::new();
+    runtime.block_on(async {
+        for i in 0..3 {
+            let (code, body) = post_chat(&client, &proxy.url, &chat(&format!("q{i}"), i % 2 == 1)).await;
+            assert_eq!(code, 200, "{body}");
+            assert!(body.contains(&format!("q{i}")), "{body}");
+        }
+    });
+    let (code, stderr) = proxy.stop();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("3 requests; 0 chat completions recorded") && stderr.contains("3 lost"), "{stderr}");
+    assert!(stderr.contains("an exchange was not recorded"), "the loss is logged: {stderr}");
+}
+
+/// A streamed response reaches the client part by part: the first event arrives while the upstream still holds the
+/// rest back.
+#[test]
+fn streamed_responses_are_passed_on_as_they_come() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let upstream = upstream_with(&runtime, release.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(upstream, &dir.path().join("traffic"));
+    runtime.block_on(async {
+        let client = reqwest::Client::new();
+        let mut response =
+            client.post(format!("{}/held/v1/chat/completions", proxy.url)).json(&chat("x", true)).send().await.unwrap();
+        let first = tokio::time::timeout(Duration::from_secs(30), response.chunk()).await;
+        let first = first.expect("the first event did not come while the rest was held back").unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&first).contains("first"));
+        release.notify_one();
+        let mut rest = Vec::new();
+        while let Some(chunk) = response.chunk().await.unwrap() {
+            rest.extend_from_slice(&chunk);
+        }
+        assert!(String::from_utf8_lossy(&rest).contains("[DONE]"));
+    });
+    let (code, stderr) = proxy.stop();
+    assert!(code == 0 && stderr.contains("1 chat completions recorded"), "{stderr}");
+}
