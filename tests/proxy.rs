@@ -125,11 +125,15 @@ async fn post_chat(client: &reqwest::Client, url: &str, body: &Value) -> (u16, S
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
+/// The recording's segments, oldest first (the library's listing), once nothing but sealed segments is left.
+fn segment_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let sealed = dflash::proxy::segments::sealed(dir).unwrap();
+    assert_eq!(sealed.len(), std::fs::read_dir(dir).unwrap().count(), "only sealed segments: {sealed:?}");
+    sealed
+}
+
 fn sealed_lines(dir: &Path) -> Vec<Value> {
-    let mut names: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).collect();
-    names.sort();
-    assert!(names.iter().all(|p| p.file_name().unwrap().to_string_lossy().starts_with("segment-")), "{names:?}");
-    names
+    segment_files(dir)
         .iter()
         .flat_map(|p| {
             std::fs::read_to_string(p).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect::<Vec<_>>()
@@ -176,7 +180,7 @@ fn responses_pass_unchanged_and_chat_completions_are_recorded_as_conversations()
     // The recording is data: prepare takes every line.
     let out = Command::new(BIN)
         .args(["prepare", "--model", "tiny-tasks", "--input"])
-        .arg(sealed_paths(&record)[0].as_os_str())
+        .arg(segment_files(&record)[0].as_os_str())
         .args(["--out", dir.path().join("prepared").to_str().unwrap(), "--block-size", "4", "--max-len", "256"])
         .output()
         .unwrap();
@@ -184,12 +188,6 @@ fn responses_pass_unchanged_and_chat_completions_are_recorded_as_conversations()
         .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
     let manifest: Value = serde_json::from_str(&manifest).unwrap();
     assert_eq!((manifest["report"]["lines"].as_u64(), &manifest["report"]["bad_lines"]), (Some(2), &json!({})));
-}
-
-fn sealed_paths(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut paths: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).collect();
-    paths.sort();
-    paths
 }
 
 /// The recording folder gone from under the proxy: every client still gets its answer; the losses are counted.

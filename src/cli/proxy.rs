@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use dflash::proxy::segments::Rotation;
-use dflash::proxy::{ProxySettings, bind, serve};
+use dflash::proxy::{ProxySettings, serve};
 
 #[derive(Args)]
 pub struct ProxyArgs {
@@ -53,7 +53,9 @@ pub fn run(args: ProxyArgs) -> Result<ExitCode> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the proxy's runtime")?;
     let counts = runtime.block_on(async {
-        let listener = bind(args.listen).await.with_context(|| format!("--listen {}: cannot bind", args.listen))?;
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
         tracing::info!(
             listen = %listener.local_addr()?,
             upstream = %args.upstream,

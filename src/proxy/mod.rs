@@ -6,7 +6,6 @@
 pub mod exchange;
 pub mod segments;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -258,9 +257,4 @@ pub async fn serve(
     drop(proxy);
     writer.join().map_err(|_| anyhow::anyhow!("the recording writer panicked"))?;
     Ok(counts)
-}
-
-/// Binds the proxy's address: at start, so that an address in use is found at once.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
 }

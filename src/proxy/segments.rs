@@ -56,6 +56,7 @@ impl Segments {
             if std::fs::metadata(&path)?.len() == 0 {
                 std::fs::remove_file(&path)?;
             } else {
+                File::open(&path)?.sync_all()?;
                 this.seal_file(&path)?;
             }
         }
@@ -99,8 +100,8 @@ impl Segments {
         self.seal_file(&open.path)
     }
 
+    /// Makes the segment at `path`, already on disk, visible: renamed to its sealed name, the folder fsynced.
     fn seal_file(&mut self, path: &Path) -> io::Result<()> {
-        File::open(path)?.sync_all()?;
         let time = chrono::Utc::now().format("%Y%m%dT%H%M%SZ");
         let sealed = self.dir.join(format!("{SEALED_PREFIX}{time}-{:08}.jsonl", self.next));
         self.next += 1;
