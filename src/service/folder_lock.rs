@@ -32,7 +32,7 @@ pub struct Holder {
 impl Holder {
     fn this_process() -> Self {
         Holder {
-            host: host_name(),
+            host: crate::telemetry::host_name(),
             pid: std::process::id(),
             since: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
         }
@@ -180,17 +180,6 @@ fn unsupported(e: &std::io::Error) -> bool {
         || matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS))
 }
 
-fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most `len` bytes into the buffer it is given.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    match ok {
-        true => String::from_utf8_lossy(&buf[..end]).into_owned(),
-        false => "unknown".into(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,7 +197,7 @@ mod tests {
             FolderLock::acquire(&path, Duration::from_millis(600), |h| told = Some(h.to_string())).expect_err("held");
         assert!(started.elapsed() >= Duration::from_millis(600), "waited the bound: {:?}", started.elapsed());
         let message = err.to_string();
-        let me = format!("pid {} on host {}", std::process::id(), host_name());
+        let me = format!("pid {} on host {}", std::process::id(), crate::telemetry::host_name());
         assert!(matches!(err, LockError::Held { .. }) && message.contains(&me), "{message}");
         assert!(told.is_some_and(|h| h.contains(&me)));
         let other_host = lock_file(&dir.path().join("ckpt"), Some(1));

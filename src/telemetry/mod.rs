@@ -212,6 +212,19 @@ pub fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
+/// This machine's host name (`unknown` where the system gives none): in a lock holder's description, in TensorBoard
+/// event file names.
+pub fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer it is given.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match ok {
+        true => String::from_utf8_lossy(&buf[..end]).into_owned(),
+        false => "unknown".into(),
+    }
+}
+
 fn device_labels(id: Option<usize>, g: &GpuIdentity) -> Vec<(&'static str, String)> {
     let mut labels = Vec::with_capacity(4);
     if let Some(id) = id {

@@ -49,9 +49,10 @@ impl EventFile {
     }
 }
 
+/// The host name as a file name can carry it.
 fn hostname() -> String {
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let name: String = name.trim().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '.').collect();
+    let name: String =
+        super::host_name().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '.').collect();
     if name.is_empty() { "localhost".into() } else { name }
 }
 
