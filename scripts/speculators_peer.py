@@ -3,7 +3,7 @@ target's hidden states, for the side-by-side with dflash (issue 64, item 5; BENC
 hidden states speculators would fetch from a vLLM server are written here with transformers, in the layout its
 `--hidden-states-backend file` reads.
 
-  data ROWS MODEL OUT --taps T.. [--device D]
+  data ROWS MODEL OUT --taps T.. [--device D (default: cuda where there is one)]
       ROWS: token rows as `dflash inspect DATA --json` writes them ({"id", "input_ids", "loss_mask"}), the rows
       dflash trained on. Writes OUT as speculators' prepared dataset (a `datasets` folder with input_ids, loss_mask
       and seq_len, as its prepare-data writes for speculator-format rows) and OUT/hidden_states/hs_<i>.safetensors:
@@ -13,8 +13,8 @@ hidden states speculators would fetch from a vLLM server are written here with t
   train DATA MODEL SAVE --taps T.. [speculators train flags..]
       Runs `speculators train --speculator-type dflash` on DATA with its defaults (5 layers, block 16, sliding
       windows of 2048, D-PACE cross-entropy, Muon at 1e-3, max_anchors 512 over packed rows of 8,192 tokens),
-      --target-layer-ids as speculators counts them (dflash's taps + 1; a tap on the last layer is its verifier
-      state, not an aux layer), --on-missing raise, 99% of the rows for training (it needs a validation split); extra flags go through (e.g. --max-steps,
+      --target-layer-ids as speculators counts them (dflash's taps + 1; a tap on the last layer is id
+      num_layers, which speculators accepts as vLLM's --include-last-layer writes it), --on-missing raise, 99% of the rows for training (it needs a validation split); extra flags go through (e.g. --max-steps,
       --seed, --num-layers).
 """
 
@@ -24,12 +24,13 @@ import sys
 from pathlib import Path
 
 
-def data(rows_path, model_dir, out, taps, device="cuda"):
+def data(rows_path, model_dir, out, taps, device=None, batch=32):
     import torch
     from datasets import Dataset
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in open(rows_path) if line.strip()]
@@ -42,19 +43,31 @@ def data(rows_path, model_dir, out, taps, device="cuda"):
         layers[i].register_forward_hook(lambda _m, _a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o))
         for i in wanted
     ]
+    # Rows of similar length in batches, padded on the right: a causal model's states at the real positions do not
+    # see the padding after them.
+    order = sorted(range(len(rows)), key=lambda n: len(rows[n]["input_ids"]))
     with torch.no_grad():
-        for n, row in enumerate(rows):
-            ids = torch.tensor([row["input_ids"]], device=device)
+        for at in range(0, len(order), batch):
+            group = order[at:at + batch]
+            width = max(len(rows[n]["input_ids"]) for n in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            mask = torch.zeros(len(group), width, dtype=torch.long)
+            for b, n in enumerate(group):
+                ids[b, : len(rows[n]["input_ids"])] = torch.tensor(rows[n]["input_ids"])
+                mask[b, : len(rows[n]["input_ids"])] = 1
             captured.clear()
-            model.model(input_ids=ids)
-            states = [captured[i][0] for i in taps] + [captured[len(layers) - 1][0]]
-            save_file(
-                {
-                    "hidden_states": torch.stack(states, dim=1).to(torch.bfloat16).cpu().contiguous(),
-                    "token_ids": torch.tensor(row["input_ids"], dtype=torch.long),
-                },
-                str(out / "hidden_states" / f"hs_{n}.safetensors"),
-            )
+            model.model(input_ids=ids.to(device), attention_mask=mask.to(device))
+            stacked = torch.stack([captured[i] for i in taps] + [captured[len(layers) - 1]], dim=2)
+            stacked = stacked.to(torch.bfloat16).cpu()
+            for b, n in enumerate(group):
+                length = len(rows[n]["input_ids"])
+                save_file(
+                    {
+                        "hidden_states": stacked[b, :length].contiguous(),
+                        "token_ids": torch.tensor(rows[n]["input_ids"], dtype=torch.long),
+                    },
+                    str(out / "hidden_states" / f"hs_{n}.safetensors"),
+                )
     for h in hooks:
         h.remove()
     Dataset.from_dict(
@@ -63,20 +76,17 @@ def data(rows_path, model_dir, out, taps, device="cuda"):
             "loss_mask": [r["loss_mask"] for r in rows],
             "seq_len": [len(r["input_ids"]) for r in rows],
         }
-    ).save_to_disk(str(out))
+    ).with_format("torch").save_to_disk(str(out))  # as its prepare-data leaves it: rows read back as tensors
     print(json.dumps({"rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows), "out": str(out)}))
 
 
 def train(data_dir, model_dir, save, taps, extra):
-    from transformers import AutoConfig
-
-    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    aux = [t + 1 for t in taps if t + 1 != layers]
+    aux = [t + 1 for t in taps]
     command = [
         sys.executable, "-m", "speculators", "train", "--speculator-type", "dflash",
         "--verifier-name-or-path", str(model_dir), "--data-path", str(data_dir), "--save-path", str(save),
         "--target-layer-ids", *map(str, aux), "--on-missing", "raise", "--train-data-ratio", "0.99",
-        "--num-workers", "2", *extra,
+        *extra,
     ]
     print(" ".join(command), flush=True)
     sys.exit(subprocess.call(command))
@@ -100,7 +110,7 @@ def main():
     if not taps:
         sys.exit("--taps T.. is required (dflash's draft_model.target_layer_ids)")
     if args[0] == "data":
-        device = "cuda"
+        device = None
         if "--device" in rest:
             at = rest.index("--device")
             device = rest[at + 1]
