@@ -9,34 +9,21 @@
 #include <initializer_list>
 #include <vector>
 
+#include "kernel_args.h"
 #include "shim_error.h"
 
 namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The kernels' argument block: the layout of `Args` in staircase.cu and in src/model/staircase.rs.
-struct Args {
-  const void* q;
-  int64_t q_b, q_h, q_t;
-  const void *k_ctx, *v_ctx;
-  int64_t c_b, c_h, c_t, cv_b, cv_h, cv_t;
-  const void *k_blk, *v_blk;
-  int64_t k_b, k_h, k_t, bv_b, bv_h, bv_t;
-  const void *lo, *hi;
-  int32_t heads, kv_heads, units, context, causal_block, window, per;
-  float scale;
-};
-static_assert(sizeof(Args) == 208, "the staircase kernels' argument block changed size");
-
 // Launches kernel `kernel` (0 forward, 1 dQ, 2 dK and dV) on `stream`; `outputs` in the kernel's order. 0 on success,
 // else the message in `err`.
-typedef int (*Launch)(int kernel, int device, int head_dim, int batch, void* stream, const Args* args,
+typedef int (*Launch)(int kernel, int device, int head_dim, int batch, void* stream, const StaircaseArgs* args,
                       void* const* outputs, char* err, size_t len);
 
-Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx, const at::Tensor& k_blk,
-             const at::Tensor& v_blk, const at::Tensor& lo, const at::Tensor& hi, bool causal, int64_t window,
-             double scale) {
+StaircaseArgs args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_ctx, const at::Tensor& k_blk,
+                      const at::Tensor& v_blk, const at::Tensor& lo, const at::Tensor& hi, bool causal, int64_t window,
+                      double scale) {
   TORCH_CHECK(lo.is_contiguous() && hi.is_contiguous() && lo.scalar_type() == at::kInt,
               "staircase attention: the ranges must be contiguous int32");
   // Blocks of 16 queries, or of 8 two to a warp's 16 rows.
@@ -44,16 +31,17 @@ Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_c
   TORCH_CHECK(queries % 16 == 0 && (queries == 16 * blocks || queries == 8 * blocks),
               "staircase attention: ", queries, " queries a row in ", blocks,
               " blocks; the kernels take blocks of 16, or an even number of blocks of 8");
-  Args a;
-  a.q = q.data_ptr();
+  StaircaseArgs a;
+  const auto bf = [](const at::Tensor& t) { return static_cast<const bf16*>(t.data_ptr()); };
+  a.q = bf(q);
   a.q_b = q.stride(0), a.q_h = q.stride(1), a.q_t = q.stride(2);
-  a.k_ctx = k_ctx.data_ptr(), a.v_ctx = v_ctx.data_ptr();
+  a.k_ctx = bf(k_ctx), a.v_ctx = bf(v_ctx);
   a.c_b = k_ctx.stride(0), a.c_h = k_ctx.stride(1), a.c_t = k_ctx.stride(2);
   a.cv_b = v_ctx.stride(0), a.cv_h = v_ctx.stride(1), a.cv_t = v_ctx.stride(2);
-  a.k_blk = k_blk.data_ptr(), a.v_blk = v_blk.data_ptr();
+  a.k_blk = bf(k_blk), a.v_blk = bf(v_blk);
   a.k_b = k_blk.stride(0), a.k_h = k_blk.stride(1), a.k_t = k_blk.stride(2);
   a.bv_b = v_blk.stride(0), a.bv_h = v_blk.stride(1), a.bv_t = v_blk.stride(2);
-  a.lo = lo.data_ptr(), a.hi = hi.data_ptr();
+  a.lo = lo.data_ptr<int32_t>(), a.hi = hi.data_ptr<int32_t>();
   a.heads = q.size(1), a.kv_heads = k_ctx.size(1), a.units = queries / 16, a.context = k_ctx.size(2);
   a.per = static_cast<int32_t>(blocks * 16 / queries);
   a.causal_block = causal ? 1 : 0;
@@ -62,7 +50,7 @@ Args args_of(const at::Tensor& q, const at::Tensor& k_ctx, const at::Tensor& v_c
   return a;
 }
 
-void launch(int64_t launcher, int kernel, const at::Tensor& q, const Args& a, std::initializer_list<void*> outputs) {
+void launch(int64_t launcher, int kernel, const at::Tensor& q, const StaircaseArgs& a, std::initializer_list<void*> outputs) {
   std::vector<void*> out(outputs);
   auto index = q.device().index();
   void* stream = at::accelerator::getCurrentStream(index).native_handle();

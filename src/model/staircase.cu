@@ -17,7 +17,6 @@
 // [B, KV, Q, D]; lo, hi [B, N] int32, each ascending along a row (blocks in anchor order); contiguous: o, dout, dq
 // [B, H, Q, D], lse, drow [B, H, Q] f32 (the log-sum-exp in natural log; drow = sum over D of dout * o), dk_ctx,
 // dv_ctx [B, KV, S, D], dk_blk, dv_blk [B, KV, Q, D]; Q = 16 units, N = PER units.
-typedef unsigned short bf16;
 typedef unsigned int u32;
 
 #ifndef HEAD_DIM
@@ -225,29 +224,14 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
 }
 
 
-// What every kernel is told: the tensors, their strides, the shapes and the pattern (filled by csrc/staircase.cpp).
-struct Args {
-  const bf16* q;
-  long long q_b, q_h, q_t;
-  const bf16 *k_ctx, *v_ctx;
-  long long c_b, c_h, c_t;     // k_ctx's strides
-  long long cv_b, cv_h, cv_t;  // v_ctx's
-  const bf16 *k_blk, *v_blk;
-  long long k_b, k_h, k_t;     // k_blk's
-  long long bv_b, bv_h, bv_t;  // v_blk's
-  const int *lo, *hi;
-  int heads, kv_heads, units, context, causal_block, window;
-  int per;  // PER: which module the host launches
-  float scale;
-};
-static_assert(sizeof(Args) == 208, "the argument block's layout is shared with csrc/staircase.cpp");
+// What every kernel is told: `StaircaseArgs` (csrc/kernel_args.h, put in front of this source).
 
 // Block `j`'s context range in row `b`, clamped to the context; with a window, from the first key its first query
 // sees (its later queries start later: `sees`).
-__device__ __forceinline__ int range_hi(const Args& a, int b, int j) {
+__device__ __forceinline__ int range_hi(const StaircaseArgs& a, int b, int j) {
   return min(a.hi[b * a.units * PER + j], a.context);
 }
-__device__ __forceinline__ int range_lo(const Args& a, int b, int j) {
+__device__ __forceinline__ int range_lo(const StaircaseArgs& a, int b, int j) {
   const int lo = a.lo[b * a.units * PER + j];
   return a.window > 0 ? max(lo, range_hi(a, b, j) - a.window + 1) : lo;
 }
@@ -281,14 +265,14 @@ struct Rows {
   }
 };
 
-__device__ __forceinline__ Rows rows_of(const Args& a, int b, int unit) {
+__device__ __forceinline__ Rows rows_of(const StaircaseArgs& a, int b, int unit) {
   const int first = unit * PER, lo0 = range_lo(a, b, first), hi0 = range_hi(a, b, first);
   if (PER == 1) return Rows{lo0, hi0, lo0, hi0};
   return Rows{lo0, hi0, range_lo(a, b, first + 1), range_hi(a, b, first + 1)};
 }
 
 // The union of unit `u`'s blocks' non-empty context ranges in row `b`: x >= y where none sees any context.
-__device__ __forceinline__ int2 unit_span(const Args& a, int b, int u) {
+__device__ __forceinline__ int2 unit_span(const StaircaseArgs& a, int b, int u) {
   const Rows r = rows_of(a, b, u);
   return r.last() > r.first() ? make_int2(r.first(), r.last()) : make_int2(1 << 30, 0);
 }
@@ -298,7 +282,7 @@ __device__ __forceinline__ int2 unit_span(const Args& a, int b, int u) {
 // `visit(ktile, vtile, col0, cols, base, own)` for this warp on each tile its unit has keys in (`mine`): n-tiles
 // [col0, col0 + cols) of the tile, column n's key index `base + n`, `own` for the tile of the units' own keys.
 template <typename F>
-__device__ __forceinline__ void walk_tiles(const Args& a, unsigned char* smem, int tile, int h, int b, const Rows& mine,
+__device__ __forceinline__ void walk_tiles(const StaircaseArgs& a, unsigned char* smem, int tile, int h, int b, const Rows& mine,
                                            F&& visit) {
   // Stage i: K at stage(i), V KEYS rows after it (pointers computed, not indexed: no local memory).
   bf16* const stages = (bf16*)smem;
@@ -376,7 +360,7 @@ __device__ __forceinline__ void store_rows(bf16* dst, const float (&acc)[D / 8][
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(Args a, bf16* __restrict__ o,
+extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArgs a, bf16* __restrict__ o,
                                                                   float* __restrict__ lse) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tile = (a.units + WARPS - 1) / WARPS - 1 - blockIdx.x;  // the longest ranges first: a shorter tail
@@ -481,7 +465,7 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const bf16* __restrict__ dout,
+extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(StaircaseArgs a, const bf16* __restrict__ dout,
                                                                  const float* __restrict__ lse,
                                                                  const float* __restrict__ drow,
                                                                  bf16* __restrict__ dq) {
@@ -520,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(Args a, const
 
 #define QROWS 32  // queries a step of the key-major kernel: two units
 
-extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, const bf16* __restrict__ dout,
+extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArgs a, const bf16* __restrict__ dout,
                                                                   const float* __restrict__ lse,
                                                                   const float* __restrict__ drow,
                                                                   bf16* __restrict__ dk_ctx, bf16* __restrict__ dv_ctx,
@@ -689,20 +673,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(Args a, cons
 // attends to positions [lowest + split * chunk, lowest + (split + 1) * chunk), `lowest` the first position a window
 // reaches (0 without one), with the group's query heads folded into its rows (row r: head r / T of the group, query
 // r % T; up to WARPS * 16 rows, 16 a warp), and writes each row's output normalised over its split and its
-// log-sum-exp (-inf where it saw nothing); `decode_merge` weighs the splits together.
-struct DecodeArgs {
-  const bf16* q;
-  long long q_h, q_t;  // q [1, H, T, D]
-  const bf16 *k, *v;
-  long long k_h, k_t, v_h, v_t;  // the cache's [1, KV, C, D]
-  const long long* start;
-  float* part;      // [KV, splits, rows, D]
-  float* part_lse;  // [KV, splits, rows]
-  bf16* o;          // [1, H, T, D], contiguous
-  int heads, kv_heads, t, chunk, splits, causal, window;
-  float scale;
-};
-
+// log-sum-exp (-inf where it saw nothing); `decode_merge` weighs the splits together. Its arguments: `DecodeArgs`
+// (csrc/kernel_args.h).
 extern "C" __global__ void __launch_bounds__(THREADS) decode_attention(DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* const stages = (bf16*)smem;

@@ -23,48 +23,22 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, result, sys};
-use cudarc::nvrtc::CompileOptions;
+use cudarc::nvrtc::{CompileOptions, Ptx};
 use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::attention::LayerAttention;
 use crate::ffi::attention::{StaircaseLaunch, StaircaseRanges, staircase_attention};
 
-const SOURCE: &str = include_str!("staircase.cu");
+mod kernel_args;
+use kernel_args::{DecodeArgs, SOURCE, StaircaseArgs};
+
 /// Query rows a warp: one block of DFlash's 16, or two of DFlash 2's 8.
 const UNIT: usize = 16;
 /// Keys a tile, warps a thread block, queries a step of the key-major kernel (`KEYS`, `WARPS`, `QROWS` there).
 const KEYS: u32 = 64;
 const WARPS: u32 = 4;
 const QROWS: u32 = 32;
-
-/// The kernels' argument block, filled by `csrc/staircase.cpp` (its layout is the `Args` of both C++ files).
-#[repr(C)]
-pub struct Args {
-    q: *const c_void,
-    q_strides: [i64; 3],
-    k_ctx: *const c_void,
-    v_ctx: *const c_void,
-    k_ctx_strides: [i64; 3],
-    v_ctx_strides: [i64; 3],
-    k_blk: *const c_void,
-    v_blk: *const c_void,
-    k_blk_strides: [i64; 3],
-    v_blk_strides: [i64; 3],
-    lo: *const c_void,
-    hi: *const c_void,
-    heads: i32,
-    kv_heads: i32,
-    /// Units of 16 query rows a row, a warp each.
-    units: i32,
-    context: i32,
-    causal_block: i32,
-    window: i32,
-    /// Blocks a unit: 1, or 2 for blocks of 8.
-    per: i32,
-    scale: f32,
-}
-const _: () = assert!(std::mem::size_of::<Args>() == 208);
 
 /// The kernels of one head dimension and unit (blocks a warp: 1, or 2 of DFlash 2's 8) on one device.
 struct Kernels {
@@ -79,6 +53,17 @@ struct Kernels {
 // SAFETY: plain driver handles, valid in any thread bound to the context (each launch binds it).
 unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
+
+/// The kernels' PTX for a virtual architecture, head dimension and unit (NVRTC needs no GPU).
+fn ptx(arch: &'static str, head_dim: i64, per: i32) -> Result<Ptx, String> {
+    let options = CompileOptions {
+        name: Some("dflash_staircase.cu".into()),
+        arch: Some(arch),
+        options: vec![format!("-DHEAD_DIM={head_dim}"), format!("-DUNIT_BLOCKS={per}"), "-std=c++17".into()],
+        ..Default::default()
+    };
+    super::fused::nvrtc(SOURCE, options)
+}
 
 impl Kernels {
     fn compile(ordinal: usize, head_dim: i64, per: i32) -> Result<Self, String> {
@@ -96,13 +81,7 @@ impl Kernels {
             (10.., _) => "compute_100",
             _ => return Err(format!("cuda:{ordinal} is of compute capability {major}.{minor}; the kernels need 8.0")),
         };
-        let options = CompileOptions {
-            name: Some("dflash_staircase.cu".into()),
-            arch: Some(arch),
-            options: vec![format!("-DHEAD_DIM={head_dim}"), format!("-DUNIT_BLOCKS={per}"), "-std=c++17".into()],
-            ..Default::default()
-        };
-        let ptx = super::fused::nvrtc(SOURCE, options)?;
+        let ptx = ptx(arch, head_dim, per)?;
         let module = context.load_module(ptx).map_err(|e| format!("loading the staircase kernels: {e}"))?;
         let row = 2 * (head_dim as u32 + 8);
         let forward = 4 * KEYS * row;
@@ -221,28 +200,6 @@ pub fn attention(
         .map_err(|e| ModelError::Torch(e.to_string()))
 }
 
-/// `decode_attention`'s argument block (the `DecodeArgs` of `staircase.cu`).
-#[repr(C)]
-struct DecodeArgs {
-    q: *const c_void,
-    q_strides: [i64; 2],
-    k: *const c_void,
-    v: *const c_void,
-    kv_strides: [i64; 4],
-    start: *const c_void,
-    part: *mut c_void,
-    part_lse: *mut c_void,
-    o: *mut c_void,
-    heads: i32,
-    kv_heads: i32,
-    t: i32,
-    chunk: i32,
-    splits: i32,
-    causal: i32,
-    window: i32,
-    scale: f32,
-}
-
 /// Batch-1 decoding attention on the kernels ("flash decoding", `decode_attention` in `staircase.cu`): the queries
 /// `q [1, H, T, D]` of the T newest positions over the first `start + T` positions of the cache buffers `k`, `v`
 /// `[1, KV, C, D]` (the new keys and values written there), query t seeing the positions up to `start + t` where
@@ -290,10 +247,14 @@ pub fn decode_attention(
     let (qs, ks, vs) = (q.stride(), k.stride(), v.stride());
     let mut args = DecodeArgs {
         q: q.data_ptr(),
-        q_strides: [qs[1], qs[2]],
+        q_h: qs[1],
+        q_t: qs[2],
         k: k.data_ptr(),
         v: v.data_ptr(),
-        kv_strides: [ks[1], ks[2], vs[1], vs[2]],
+        k_h: ks[1],
+        k_t: ks[2],
+        v_h: vs[1],
+        v_t: vs[2],
         start: start.data_ptr(),
         part: part.data_ptr(),
         part_lse: part_lse.data_ptr(),
@@ -342,7 +303,7 @@ unsafe extern "C" fn launch(
 ) -> c_int {
     let launched = std::panic::catch_unwind(|| -> Result<(), String> {
         // SAFETY: the caller's contract.
-        let a = unsafe { &*(args as *const Args) };
+        let a = unsafe { &*(args as *const StaircaseArgs) };
         let k = kernels(Device::Cuda(device as usize), head_dim as i64, a.per)?;
         let count = *[2, 4, 7].get(kernel as usize).ok_or(format!("no training kernel {kernel}"))?;
         let (units, tiles) = (a.units as u32, (a.units as u32).div_ceil(WARPS));
@@ -431,6 +392,23 @@ mod tests {
         assert_eq!(block_ranges(&[5, 30], None, 1, 8, 64).unwrap().1, [5, 30], "two blocks of 8 fill a warp");
         assert_eq!(block_ranges(&[5, 30, 40], None, 1, 8, 64), None, "three blocks of 8 do not");
         assert_eq!(block_ranges(&[5, 30], None, 1, 4, 64), None, "blocks of 4");
+    }
+
+    /// NVRTC ships with the torch wheel and compiles without a GPU, so a CPU machine checks the kernels' source with
+    /// the argument blocks' header in front, for both head dimensions and both units.
+    #[test]
+    fn the_kernels_compile() {
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: NVRTC not found");
+            return;
+        }
+        for (head_dim, per) in [(128, 1), (64, 2)] {
+            let ptx = ptx("compute_90", head_dim, per).unwrap().to_src();
+            for entry in ["staircase_fwd", "staircase_dq", "staircase_dkv", "decode_attention", "decode_merge"] {
+                assert!(ptx.contains(&format!(".entry {entry}(")), "{entry} missing from the PTX");
+            }
+        }
     }
 
     /// Decoding's kernels (bf16) against attention in f32 with every query head's keys written out: T = 1, 3, 5 and
