@@ -35,18 +35,18 @@ test:
 # The drafter exports against the reference Python packages (speculators 0.9.0, z-lab's dflash 0.1.0); needs the
 # network once for them. Not part of `make test` (CI has no Python packages); see docs/serving.md.
 check-exports: setup
-	@scripts/check-exports.sh
+	@scripts/checks/check_exports.sh
 
 # Every command block of README.md and docs/ marked CPU-runnable, run as written, twice (about 10 minutes on 2
 # cores; not part of `make test`, which would then outgrow CI's budget; its last run is in BENCHMARKS.md).
 check-readme: build
-	scripts/check-readme.sh
+	scripts/checks/check_readme.sh
 
 # The live page in headless Chromium (apt-get install chromium), with a fault injected; screenshots into docs/.
 check-ui: build
-	scripts/check-ui.sh
+	scripts/checks/check_ui.sh
 
-# The binaries the GPU scripts carry (scripts/gpu-generate.sh): dflash and the library's tests, release, stripped and
+# The binaries the GPU scripts carry (scripts/gpu/generate.sh): dflash and the library's tests, release, stripped and
 # xz-compressed into .gpu-bin/ (a device call carries at most 64 MiB).
 gpu-bin: build
 	mkdir -p .gpu-bin

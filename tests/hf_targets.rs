@@ -1,6 +1,6 @@
 //! Targets against HuggingFace transformers itself: `tests/fixtures/hf-qwen3-moe/` and `tests/fixtures/hf-gpt-oss/`
 //! are tiny models that transformers 5.19 made, saved (`save_pretrained`, in its own config.json spelling) and ran
-//! with eager attention and its eager loop over experts (`scripts/make_hf_target_fixture.py` says how; routing
+//! with eager attention and its eager loop over experts (`scripts/fixtures/make_hf_target_fixture.py` says how; routing
 //! margins at least 2e-3). dflash loads each folder and must route every token to the same experts and reproduce
 //! every layer's hidden states and the logits; `hf-gpt-oss/mxfp4/` is the same GPT-OSS with its experts stored as
 //! the published folders store them (MXFP4 blocks and scales).

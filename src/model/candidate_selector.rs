@@ -138,7 +138,7 @@ mod tests {
     use crate::model::reference_fixture;
 
     /// speculators 0.9.0's candidates, scores, summed K-way cross-entropy and every gradient
-    /// (`scripts/make_dflash2_fixtures.py`), in f64: 8 slots, 50 tokens, rank 8, K = 4, half the targets outside the
+    /// (`scripts/fixtures/make_dflash2_fixtures.py`), in f64: 8 slots, 50 tokens, rank 8, K = 4, half the targets outside the
     /// unary top-K.
     #[test]
     fn selector_matches_speculators() {

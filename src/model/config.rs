@@ -532,7 +532,7 @@ fn moe_settings(hf: &HfConfig) -> MoeConfig {
 
 /// What transformers' config class of each family (5.17 to 5.23 agree) makes of a key that is absent, where dflash
 /// reads it: `tests/fixtures/hf-configs` holds folders those releases wrote and read
-/// (`scripts/config_defaults.py`).
+/// (`scripts/fixtures/make_hf_config_fixtures.py`).
 struct FamilyDefaults {
     max_position_embeddings: usize,
     rms_norm_eps: f64,

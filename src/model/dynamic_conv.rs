@@ -62,7 +62,7 @@ mod tests {
     use super::*;
     use crate::model::reference_fixture;
 
-    /// The output and the gradients of speculators 0.9.0's convolution (`scripts/make_dflash2_fixtures.py`), in f64:
+    /// The output and the gradients of speculators 0.9.0's convolution (`scripts/fixtures/make_dflash2_fixtures.py`), in f64:
     /// two rows of two blocks of 4 tokens, 32 channels in groups of 8, two taps.
     #[test]
     fn conv_matches_speculators() {

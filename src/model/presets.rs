@@ -32,7 +32,7 @@ pub mod tiny {
 }
 
 /// The `tiny-tasks` weights: the `tiny` shape trained on the built-in tasks (counting, sums, repeating, reversing,
-/// spelling) by `scripts/train_tiny_target.py` (the recipe is in its doc string; 330 s on one H200). Its greedy
+/// spelling) by `scripts/fixtures/train_tiny_target.py` (the recipe is in its doc string; 330 s on one H200). Its greedy
 /// answers to new questions are right 98.7% of the time (309 of 313, `dflash regenerate --local`).
 pub const TINY_TASKS_WEIGHTS: &[u8] = include_bytes!("tiny_tasks.safetensors");
 /// The SHA-256 of [`TINY_TASKS_WEIGHTS`].

@@ -6,7 +6,7 @@
 //! The format is small enough to write directly rather than through a protobuf stack: TFRecord framing (length,
 //! masked CRC-32C of the length, the record, masked CRC-32C of the record) around `tensorflow.Event` messages, the
 //! first carrying `file_version`, each later one a `Summary` of `simple_value` scalars. `tests/fixtures/tensorboard`
-//! holds the same events written by TensorBoard's own Python package (scripts/make_tensorboard_fixture.py); the
+//! holds the same events written by TensorBoard's own Python package (scripts/fixtures/make_tensorboard_fixture.py); the
 //! tests compare the bytes.
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -121,7 +121,7 @@ fn scalar_event(wall_time: f64, step: u64, scalars: &[(&str, f64)]) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    /// The events scripts/make_tensorboard_fixture.py wrote with TensorBoard's own writer: the same bytes.
+    /// The events scripts/fixtures/make_tensorboard_fixture.py wrote with TensorBoard's own writer: the same bytes.
     #[test]
     fn writes_what_tensorboards_own_writer_writes() {
         let fixture = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tensorboard/events.bin"))

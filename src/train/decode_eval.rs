@@ -391,7 +391,7 @@ mod tests {
     /// On a GPU: the same in bf16, where exact logit ties are common, with the steps replayed
     /// from CUDA graphs as `eval --decode` runs them.
     #[test]
-    #[ignore = "needs a GPU and the real model (scripts/gpu-real-model.sh)"]
+    #[ignore = "needs a GPU and the real model (scripts/gpu/real_model.sh)"]
     fn on_a_gpu_in_bf16_decoding_is_lossless_and_planted_target_bugs_are_caught() {
         let device = crate::ffi::graph::graph_gpu_for_tests();
         the_verdict_catches_target_bugs_on_the_real_model(device, Kind::BFloat16, &fixture_prompts(), 64);

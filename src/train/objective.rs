@@ -844,7 +844,7 @@ mod tests {
         assert!(plan.weights[8..].iter().all(|&w| w == 0.0));
     }
 
-    /// A fixture `scripts/make_recipe_fixtures.py` wrote into tests/fixtures/.
+    /// A fixture `scripts/fixtures/make_recipe_fixtures.py` wrote into tests/fixtures/.
     fn fixture(name: &str) -> serde_json::Value {
         crate::model::reference_fixture::read(name)
     }
@@ -858,7 +858,7 @@ mod tests {
         (a - b).abs() <= 2e-6 * b.abs().max(1.0)
     }
 
-    /// D-PACE as speculators 0.9.0 computes it (`scripts/make_recipe_fixtures.py`): the slot weights, the loss and
+    /// D-PACE as speculators 0.9.0 computes it (`scripts/fixtures/make_recipe_fixtures.py`): the slot weights, the loss and
     /// its gradient, for three alphas, with the LM head in chunks of 7 rows (two blocks a chunk: the chunking keeps
     /// blocks whole) over "hidden states" that are the logits themselves (an identity head).
     #[test]
@@ -921,7 +921,7 @@ mod tests {
         }
     }
 
-    /// Learning the target's predictions as speculators 0.9.0 computes it (`scripts/make_recipe_fixtures.py`): the
+    /// Learning the target's predictions as speculators 0.9.0 computes it (`scripts/fixtures/make_recipe_fixtures.py`): the
     /// cross-entropy against the target's argmax and the KL from its distribution, each with D-PACE (alpha 0.5) and
     /// with the decay (gamma 2), loss and gradient; identity heads over "hidden states" that are the logits, each
     /// slot reading its own row of the target's. speculators normalises the decay by the supervised slots where

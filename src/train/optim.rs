@@ -411,7 +411,7 @@ mod tests {
     }
 
     /// Three steps of Muon (three matrices, two of them stacked in one flat group, each orthogonalised on its own) and
-    /// AdamW (a norm vector) against torch.optim.Muon and AdamW 2.11 (`scripts/make_recipe_fixtures.py`), from
+    /// AdamW (a norm vector) against torch.optim.Muon and AdamW 2.11 (`scripts/fixtures/make_recipe_fixtures.py`), from
     /// gradients summed over a loss weight of 2 (the divisor the trainer passes).
     #[test]
     fn muon_and_adamw_match_torch() {
