@@ -157,8 +157,12 @@ enum Command {
         to segment-<time>-<n>.jsonl) by size, by age and at the stop, so a reader sees only whole, durable \
         segments; what a crash left open is sealed at the next start. Recording never fails or holds up a client's \
         request: an exchange the writer cannot take is dropped and counted. Upstream errors, streams cut short and \
-        requests for several choices are passed on and not recorded.\n\n\
-        Example:\n  dflash proxy --upstream http://localhost:8000 --listen 127.0.0.1:8001 --record traffic/")]
+        requests for several choices are passed on and not recorded. What is kept is configured under [proxy] \
+        (--config FILE or --set proxy.KEY=VALUE; the flags win): rotation, retention (keep_bytes, keep_hours), \
+        headers that keep a client out (skip_headers) and redaction rules that mask or drop (redact); \
+        GET /_dflash/metrics answers the proxy's counts in Prometheus' format.\n\n\
+        Example:\n  dflash proxy --upstream http://localhost:8000 --listen 127.0.0.1:8001 --record traffic/\n  \
+        dflash --config dflash.toml proxy --set 'proxy.skip_headers=[\"x-no-record\"]'")]
     Proxy(cli::proxy::ProxyArgs),
     /// Measure the hot loops at real shapes: throughput, TFLOP/s, MFU, peak memory, step times
     #[command(long_about = "Measure the hot loops at real shapes with random inputs: tokens/s, achieved TFLOP/s, \
@@ -304,7 +308,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Synthesize(args) => cli::synthesize::run(&config, args),
         Command::Export(args) => cli::export::run(args),
         Command::InspectRun(args) => cli::inspect_run::run(args),
-        Command::Proxy(args) => cli::proxy::run(args),
+        Command::Proxy(args) => cli::proxy::run(&config, args),
         Command::Config(command) => cli::config::run(&config, &layers, command).map(|()| ExitCode::SUCCESS),
         Command::Completions { .. } => unreachable!("answered before the configuration is read"),
     }

@@ -1,7 +1,8 @@
 //! `dflash proxy` as a process in front of an OpenAI-compatible server the test starts: responses pass unchanged
 //! (streamed chunk by chunk, other routes too), successful chat completions are recorded as sealed segments that
-//! `prepare` reads, upstream errors are passed on and not recorded, and a recording that cannot be written never
-//! fails a client's request.
+//! `prepare` reads, upstream errors are passed on and not recorded, a recording that cannot be written never fails a
+//! client's request, and `[proxy]`'s policy (redaction, headers that opt out, retention) holds, counted at
+//! `/_dflash/metrics`.
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -84,20 +85,37 @@ fn upstream_with(runtime: &tokio::runtime::Runtime, release: std::sync::Arc<toki
 }
 
 struct Proxy {
-    child: Child,
+    /// `None` once stopped.
+    child: Option<Child>,
     url: String,
+}
+
+/// A test that fails before `stop` leaves no proxy behind (it would hold the test's output open).
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 impl Proxy {
     fn start(upstream: SocketAddr, record: &Path) -> Self {
+        Self::start_with(upstream, record, &[])
+    }
+
+    /// With more arguments (`--config FILE`, `--set proxy.KEY=VALUE`).
+    fn start_with(upstream: SocketAddr, record: &Path, more: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let child = Command::new(BIN)
             .args(["proxy", "--upstream", &format!("http://{upstream}"), "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--record", record.to_str().unwrap(), "--segment-seconds", "3600"])
+            .args(["--record", record.to_str().unwrap(), "--set", "proxy.segment_seconds=3600"])
+            .args(more)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let proxy = Proxy { child, url: format!("http://127.0.0.1:{port}") };
+        let proxy = Proxy { child: Some(child), url: format!("http://127.0.0.1:{port}") };
         for _ in 0..200 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                 return proxy;
@@ -109,9 +127,10 @@ impl Proxy {
     }
 
     /// SIGTERM, then the exit status and what it wrote on stderr.
-    fn stop(self) -> (i32, String) {
-        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
-        let out = self.child.wait_with_output().unwrap();
+    fn stop(mut self) -> (i32, String) {
+        let child = self.child.take().expect("stopped once");
+        Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        let out = child.wait_with_output().unwrap();
         (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).to_string())
     }
 }
@@ -239,4 +258,76 @@ fn streamed_responses_are_passed_on_as_they_come() {
     });
     let (code, stderr) = proxy.stop();
     assert!(code == 0 && stderr.contains("1 chat completions recorded"), "{stderr}");
+}
+
+/// The policy of a config file's `[proxy]`: a match masked in the request and in the answer that echoes it, an
+/// exchange dropped by a rule, one kept out by its header; each exchange sealed alone (a segment of one byte) and the
+/// retention keeping only the newest; every count at `/_dflash/metrics` and in the summary line.
+#[test]
+fn the_configured_policy_masks_drops_skips_and_retains() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let upstream = upstream(&runtime);
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("traffic");
+    let config = dir.path().join("dflash.toml");
+    std::fs::write(
+        &config,
+        r#"[proxy]
+segment_bytes = 1
+keep_bytes = 300
+skip_headers = ["X-No-Record"]
+redact = [{ pattern = '[\w.]+@[\w.]+\.\w+', replace = "[EMAIL]" }, { pattern = '(?i)password', drop = true }]
+"#,
+    )
+    .unwrap();
+    let proxy = Proxy::start_with(upstream, &record, &["--config", config.to_str().unwrap()]);
+    let client = reqwest::Client::new();
+    runtime.block_on(async {
+        for (content, header) in [
+            ("first", None),
+            ("mail me at a@b.com", None),
+            ("my PASSWORD is x", None),
+            ("private", Some("x-no-record")),
+        ] {
+            let mut request = client.post(format!("{}/v1/chat/completions", proxy.url)).json(&chat(content, false));
+            if let Some(h) = header {
+                request = request.header(h, "1");
+            }
+            let answer = request.send().await.unwrap();
+            assert_eq!(answer.status(), 200, "every client is answered, recorded or not");
+            assert!(answer.text().await.unwrap().contains(content), "the answer passes unmasked");
+        }
+    });
+    // The writer records after the answers went out: the counts settle within moments.
+    let expected = [
+        "dflash_proxy_requests_total 4",
+        "dflash_proxy_chat_completions_total{outcome=\"recorded\"} 2",
+        "dflash_proxy_chat_completions_total{outcome=\"skipped_by_header\"} 1",
+        "dflash_proxy_chat_completions_total{outcome=\"dropped_by_rule\"} 1",
+        "dflash_proxy_masked_total 2",
+        "dflash_proxy_segments_retired_total 1",
+    ];
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        metrics = runtime.block_on(async {
+            client.get(format!("{}/_dflash/metrics", proxy.url)).send().await.unwrap().text().await.unwrap()
+        });
+        if expected.iter().all(|line| metrics.contains(line)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for line in expected {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+    let (code, stderr) = proxy.stop();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("4 requests; 2 chat completions recorded"), "{stderr}");
+    assert!(stderr.contains("(2 matches masked), 1 kept out by a header, 1 dropped by a redaction rule"), "{stderr}");
+    let lines = sealed_lines(&record);
+    assert_eq!(lines.len(), 1, "the retention keeps the newest segment alone: {lines:#?}");
+    assert_eq!(
+        lines[0]["messages"],
+        json!([{"role": "user", "content": "mail me at [EMAIL]"}, {"role": "assistant", "content": "echo: mail me at [EMAIL]"}])
+    );
 }

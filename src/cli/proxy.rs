@@ -3,76 +3,92 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
 
-use dflash::proxy::segments::Rotation;
+use dflash::config::{Config, ProxyConfig};
+use dflash::proxy::policy::{Action, Policy, Rule};
+use dflash::proxy::segments::{Retention, Rotation};
 use dflash::proxy::{ProxySettings, serve};
 
+/// The flags override `[proxy]` of the configuration (`dflash config defaults` shows every key: rotation,
+/// retention, the headers that keep an exchange out, redaction).
 #[derive(Args)]
 pub struct ProxyArgs {
     /// The served target's base URL (vLLM, SGLang, llama.cpp's server), e.g. http://localhost:8000: every request's
-    /// path and query are appended to it
+    /// path and query are appended to it [default: proxy.upstream]
     #[arg(long, value_name = "URL")]
-    upstream: String,
-    /// Where clients connect instead
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8001")]
-    listen: SocketAddr,
+    upstream: Option<String>,
+    /// Where clients connect instead [default: proxy.listen, 127.0.0.1:8001]
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
     /// The recording folder: sealed segments `segment-<time>-<n>.jsonl`, one chat conversation a line (what
-    /// `prepare` reads), visible only once durable
+    /// `prepare` reads), visible only once durable [default: proxy.record, traffic]
     #[arg(long, value_name = "DIR")]
-    record: PathBuf,
-    /// Seal a segment once it holds this many bytes
-    #[arg(long, default_value_t = 64 << 20, value_name = "BYTES")]
-    segment_bytes: u64,
-    /// Seal a segment once it is this old, however small
-    #[arg(long, default_value_t = 300, value_name = "SECONDS")]
-    segment_seconds: u64,
-    /// Exchanges waiting for the writer at most; past it they are dropped and counted, never the client's request
-    #[arg(long, default_value_t = 4096)]
-    queue: usize,
+    record: Option<PathBuf>,
 }
 
-pub fn run(args: ProxyArgs) -> Result<ExitCode> {
-    if !(args.upstream.starts_with("http://") || args.upstream.starts_with("https://")) {
-        anyhow::bail!(
-            "--upstream {:?}: expected an http:// or https:// URL, e.g. http://localhost:8000",
-            args.upstream
-        );
-    }
-    let settings = ProxySettings {
-        upstream: args.upstream.clone(),
-        record: args.record.clone(),
-        rotation: Rotation {
-            max_bytes: args.segment_bytes.max(1),
-            max_age: Duration::from_secs(args.segment_seconds.max(1)),
-        },
-        queue: args.queue,
+/// What the proxy is told: `[proxy]` with the flags over it.
+fn settings(config: &ProxyConfig, args: &ProxyArgs) -> Result<ProxySettings> {
+    let upstream = match (&args.upstream, &config.upstream) {
+        (Some(u), _) if !(u.starts_with("http://") || u.starts_with("https://")) => {
+            anyhow::bail!("--upstream {u:?}: expected an http:// or https:// URL, e.g. http://localhost:8000")
+        }
+        (Some(u), _) | (None, Some(u)) => u.clone(),
+        (None, None) => anyhow::bail!(
+            "no upstream: pass --upstream URL (the served target, e.g. http://localhost:8000) or set proxy.upstream"
+        ),
     };
+    let rules = config
+        .redact
+        .iter()
+        .map(|r| Rule { pattern: r.pattern.clone(), action: r.replace.clone().map_or(Action::Drop, Action::Mask) })
+        .collect();
+    Ok(ProxySettings {
+        upstream,
+        record: args.record.clone().unwrap_or_else(|| config.record.clone()),
+        rotation: Rotation { max_bytes: config.segment_bytes, max_age: config.segment_age },
+        retention: Retention { max_bytes: config.keep_bytes, max_age: config.keep_age },
+        policy: Policy { rules, skip_headers: config.skip_headers.clone() },
+        queue: config.queue,
+    })
+}
+
+pub fn run(config: &Config, args: ProxyArgs) -> Result<ExitCode> {
+    let settings = settings(&config.proxy, &args)?;
+    let listen = args.listen.unwrap_or(config.proxy.listen);
+    let (upstream, record) = (settings.upstream.clone(), settings.record.clone());
+    let (rules, skip_headers) = (settings.policy.rules.len(), settings.policy.skip_headers.len());
     let runtime = tokio::runtime::Runtime::new().context("starting the proxy's runtime")?;
     let counts = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
+        let listener =
+            tokio::net::TcpListener::bind(listen).await.with_context(|| format!("--listen {listen}: cannot bind"))?;
         tracing::info!(
             listen = %listener.local_addr()?,
-            upstream = %args.upstream,
-            record = %args.record.display(),
-            "proxying; Ctrl-C or SIGTERM stops after the requests in flight"
+            upstream = %upstream,
+            record = %record.display(),
+            redaction_rules = rules,
+            skip_headers,
+            "proxying; its counts at {}; Ctrl-C or SIGTERM stops after the requests in flight",
+            dflash::proxy::METRICS_PATH
         );
         serve(listener, settings, stopped()).await
     })?;
     let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
     eprintln!(
-        "{} requests; {} chat completions recorded in {}, {} not recordable (errors, cut short, not a conversation), \
-         {} lost to the recording (the clients got their answers)",
+        "{} requests; {} chat completions recorded in {} ({} matches masked), {} kept out by a header, {} dropped by \
+         a redaction rule, {} not recordable (errors, cut short, not a conversation), {} lost to the recording (the \
+         clients got their answers); {} old segments deleted by the retention",
         n(&counts.requests),
         n(&counts.recorded),
-        args.record.display(),
+        record.display(),
+        n(&counts.masked),
+        n(&counts.skipped_by_header),
+        n(&counts.dropped_by_rule),
         n(&counts.skipped),
-        n(&counts.lost)
+        n(&counts.lost),
+        n(&counts.retired),
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -9,9 +9,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 mod earlier_defaults;
+mod proxy;
 mod training;
 
 pub use earlier_defaults::{as_overrides, as_trained, first_defaults, kept_from_run};
+pub use proxy::{ProxyConfig, RedactRule};
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
     EvalSettings, OptimSettings, SupervisionSettings,
@@ -66,6 +68,7 @@ struct RawConfig {
     control: training::RawControl,
     cluster: training::RawCluster,
     log: RawLog,
+    proxy: proxy::RawProxy,
 }
 
 #[derive(Debug, Deserialize)]
@@ -410,6 +413,8 @@ pub struct Config {
     /// The `[cluster]` keys set (several hosts; the launcher's environment fills in the rest).
     pub cluster: crate::cluster::launch::ClusterSettings,
     pub log: LogSettings,
+    /// `[proxy]`: what `dflash proxy` records (not the run's: reloads and resumes do not compare it).
+    pub proxy: ProxyConfig,
     /// The merged configuration as read (before validation), for checkpoints and comparisons.
     pub merged: serde_json::Value,
 }
@@ -638,6 +643,7 @@ impl RawConfig {
             control: self.control.validate()?,
             cluster: self.cluster.validate()?,
             log: self.log.validate()?,
+            proxy: self.proxy.validate()?,
             merged,
         };
         let (min, drafters) = (config.supervision.min_live_drafters, config.drafters.devices.len());
@@ -819,13 +825,18 @@ fn leaf_keys(tree: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
-/// The keys whose values differ between two merged trees, sorted.
+/// Sections that are not the run's: `[proxy]` configures `dflash proxy`, which may share the run's file.
+const NOT_THE_RUNS: [&str; 1] = ["proxy"];
+
+/// The keys of the run whose values differ between two merged trees, sorted (a section that is not the run's,
+/// `[proxy]`, is not compared: editing it in a shared file changes nothing a reload or a resume must weigh).
 pub fn diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<Change> {
     let mut keys = leaf_keys(new);
     keys.extend(leaf_keys(old));
     keys.sort();
     keys.dedup();
     keys.into_iter()
+        .filter(|key| !NOT_THE_RUNS.iter().any(|section| key.split_once('.').is_some_and(|(s, _)| s == *section)))
         .filter_map(|key| {
             let (o, n) = (lookup(old, &key), lookup(new, &key));
             (o != n).then(|| Change { key, old: o.cloned(), new: n.cloned() })

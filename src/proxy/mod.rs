@@ -1,9 +1,13 @@
 //! `dflash proxy`: an OpenAI-compatible pass-through in front of the served target (vLLM, SGLang, llama.cpp's
 //! server) that records what the target says. Every request goes to the upstream unchanged and every response comes
 //! back as the upstream sent it, streamed chunk by chunk; a successful chat completion is also recorded
-//! ([`exchange`]) into durable segment files ([`segments`]) by a writer thread of its own. Recording never fails or
-//! slows a client's request: an exchange the writer cannot take or write is counted, logged and dropped.
+//! ([`exchange`]), held to the recording's [`policy`] (headers that keep an exchange out, redaction rules that mask or
+//! drop), into durable segment files ([`segments`], rotated and retained) by a writer thread of its own. Recording
+//! never fails or slows a client's request: an exchange the writer cannot take or write is counted, logged and
+//! dropped. `GET /_dflash/metrics` answers the proxy's own counts in Prometheus' format; every other path goes
+//! upstream.
 pub mod exchange;
+pub mod policy;
 pub mod segments;
 
 use std::path::PathBuf;
@@ -22,7 +26,8 @@ use axum::serve::ListenerExt;
 use futures::Stream;
 use serde_json::json;
 
-use self::segments::{Rotation, Segments};
+use self::policy::{Policy, Verdict};
+use self::segments::{Retention, Rotation, Segments};
 
 /// What the proxy is told.
 #[derive(Debug, Clone)]
@@ -31,11 +36,13 @@ pub struct ProxySettings {
     pub upstream: String,
     pub record: PathBuf,
     pub rotation: Rotation,
+    pub retention: Retention,
+    pub policy: Policy,
     /// Exchanges waiting for the writer at most; more are dropped (and counted).
     pub queue: usize,
 }
 
-/// Counts of the recording, for the summary line and the logs.
+/// Counts of the recording, for the summary line, the logs and `/_dflash/metrics`.
 #[derive(Debug, Default)]
 pub struct Counts {
     pub requests: AtomicU64,
@@ -44,14 +51,67 @@ pub struct Counts {
     pub lost: AtomicU64,
     /// Chat completions that could not be recorded (not a usable conversation, cut short, an upstream error).
     pub skipped: AtomicU64,
+    /// Chat completions kept out by a `skip_headers` header.
+    pub skipped_by_header: AtomicU64,
+    /// Chat completions kept out by a redaction rule that drops.
+    pub dropped_by_rule: AtomicU64,
+    /// Matches of the redaction rules masked in recorded exchanges.
+    pub masked: AtomicU64,
+    /// Sealed segments deleted by the retention.
+    pub retired: AtomicU64,
+}
+
+impl Counts {
+    fn add(counter: &AtomicU64, n: u64) -> u64 {
+        counter.fetch_add(n, Ordering::Relaxed) + n
+    }
+
+    /// The counts in Prometheus' text format.
+    pub fn prometheus(&self) -> String {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut family = |name: &str, help: &str, values: &[(&str, u64)]| {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n"));
+            for (labels, v) in values {
+                out.push_str(&format!("{name}{labels} {v}\n"));
+            }
+        };
+        family("dflash_proxy_requests_total", "Requests the proxy passed upstream.", &[("", n(&self.requests))]);
+        family(
+            "dflash_proxy_chat_completions_total",
+            "Chat completions answered, by what the recording did with them.",
+            &[
+                ("{outcome=\"recorded\"}", n(&self.recorded)),
+                ("{outcome=\"lost\"}", n(&self.lost)),
+                ("{outcome=\"not_recordable\"}", n(&self.skipped)),
+                ("{outcome=\"skipped_by_header\"}", n(&self.skipped_by_header)),
+                ("{outcome=\"dropped_by_rule\"}", n(&self.dropped_by_rule)),
+            ],
+        );
+        family(
+            "dflash_proxy_masked_total",
+            "Redaction matches masked in recorded exchanges.",
+            &[("", n(&self.masked))],
+        );
+        family(
+            "dflash_proxy_segments_retired_total",
+            "Sealed segments deleted by the retention.",
+            &[("", n(&self.retired))],
+        );
+        out
+    }
 }
 
 struct Proxy {
     client: reqwest::Client,
     upstream: String,
+    policy: Policy,
     to_writer: Mutex<Option<SyncSender<String>>>,
     counts: Arc<Counts>,
 }
+
+/// Where the proxy answers its own counts (every other path goes upstream).
+pub const METRICS_PATH: &str = "/_dflash/metrics";
 
 /// Bodies above this are refused (413) rather than held in memory.
 const MAX_REQUEST_BYTES: usize = 64 << 20;
@@ -83,8 +143,12 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
 }
 
 async fn forward(State(proxy): State<Arc<Proxy>>, request: Request) -> Response {
-    proxy.counts.requests.fetch_add(1, Ordering::Relaxed);
     let (parts, body) = request.into_parts();
+    if parts.method == axum::http::Method::GET && parts.uri.path() == METRICS_PATH {
+        let text = proxy.counts.prometheus();
+        return ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response();
+    }
+    Counts::add(&proxy.counts.requests, 1);
     let body = match axum::body::to_bytes(body, MAX_REQUEST_BYTES).await {
         Ok(b) => b,
         Err(e) => return error(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body could not be read: {e}")),
@@ -105,10 +169,16 @@ async fn forward(State(proxy): State<Arc<Proxy>>, request: Request) -> Response 
     let mut response_headers = HeaderMap::new();
     copy_headers(answer.headers(), &mut response_headers);
     let chat = parts.method == axum::http::Method::POST && parts.uri.path().ends_with("/chat/completions");
-    let recorder = match (chat, status.is_success()) {
-        (true, true) => Some(Recording { request: body, proxy: proxy.clone() }),
-        (true, false) => {
-            proxy.counts.skipped.fetch_add(1, Ordering::Relaxed);
+    let skip = chat.then(|| proxy.policy.skipped_by(parts.headers.keys().map(|k| k.as_str()))).flatten();
+    let recorder = match (chat, status.is_success(), skip) {
+        (true, _, Some(header)) => {
+            Counts::add(&proxy.counts.skipped_by_header, 1);
+            tracing::debug!("not recorded: the request carries {header}");
+            None
+        }
+        (true, true, None) => Some(Recording { request: body, proxy: proxy.clone() }),
+        (true, false, None) => {
+            Counts::add(&proxy.counts.skipped, 1);
             None
         }
         _ => None,
@@ -134,21 +204,32 @@ impl Recording {
     fn finish(self, response: &[u8]) {
         let counts = &self.proxy.counts;
         let time = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        let line = match exchange::record(&self.request, response, &time) {
-            Ok(line) => line.to_string(),
+        let mut line = match exchange::record(&self.request, response, &time) {
+            Ok(line) => line,
             Err(why) => {
-                counts.skipped.fetch_add(1, Ordering::Relaxed);
+                Counts::add(&counts.skipped, 1);
                 tracing::debug!("not recorded: {why:?}");
                 return;
             }
         };
+        match self.proxy.policy.apply(&mut line) {
+            Verdict::Keep { masked } => {
+                Counts::add(&counts.masked, masked as u64);
+            }
+            Verdict::DroppedByRule(pattern) => {
+                Counts::add(&counts.dropped_by_rule, 1);
+                tracing::debug!("not recorded: the redaction rule {pattern:?} matched");
+                return;
+            }
+        }
+        let line = line.to_string();
         let sender = self.proxy.to_writer.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let sent = match sender {
             Some(tx) => tx.try_send(line),
             None => Err(TrySendError::Disconnected(line)),
         };
         if let Err(e) = sent {
-            let lost = counts.lost.fetch_add(1, Ordering::Relaxed) + 1;
+            let lost = Counts::add(&counts.lost, 1);
             let why = match e {
                 TrySendError::Full(_) => "the recording writer is behind",
                 TrySendError::Disconnected(_) => "the recording writer has stopped",
@@ -200,10 +281,10 @@ fn write_segments(mut segments: Segments, rx: Receiver<String>, counts: Arc<Coun
         match rx.recv_timeout(Duration::from_millis(500)) {
             Ok(line) => match segments.append(&line) {
                 Ok(()) => {
-                    counts.recorded.fetch_add(1, Ordering::Relaxed);
+                    Counts::add(&counts.recorded, 1);
                 }
                 Err(e) => {
-                    counts.lost.fetch_add(1, Ordering::Relaxed);
+                    Counts::add(&counts.lost, 1);
                     tracing::error!("an exchange was not recorded: {e}");
                     let _ = segments.seal();
                 }
@@ -212,8 +293,9 @@ fn write_segments(mut segments: Segments, rx: Receiver<String>, counts: Arc<Coun
             Err(RecvTimeoutError::Disconnected) => break,
         }
         if let Err(e) = segments.tick() {
-            tracing::error!("cannot seal the recording's segment: {e}");
+            tracing::error!("cannot seal or retire the recording's segments: {e}");
         }
+        counts.retired.store(segments.retired, Ordering::Relaxed);
     }
     if let Err(e) = segments.seal() {
         tracing::error!("cannot seal the recording's last segment: {e}");
@@ -227,7 +309,7 @@ pub async fn serve(
     settings: ProxySettings,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Arc<Counts>> {
-    let segments = Segments::open(&settings.record, settings.rotation)
+    let segments = Segments::open(&settings.record, settings.rotation, settings.retention)
         .map_err(|e| anyhow::anyhow!("the recording folder {}: {e}", settings.record.display()))?;
     let counts = Arc::new(Counts::default());
     let (tx, rx) = sync_channel(settings.queue.max(1));
@@ -240,6 +322,7 @@ pub async fn serve(
     let proxy = Arc::new(Proxy {
         client: reqwest::Client::builder().build()?,
         upstream: settings.upstream.trim_end_matches('/').to_string(),
+        policy: settings.policy,
         to_writer: Mutex::new(Some(tx)),
         counts: counts.clone(),
     });

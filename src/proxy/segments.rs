@@ -2,7 +2,8 @@
 //! fsynced, renamed to `segment-<UTC time>-<seq>.jsonl`, the folder fsynced) once it holds `max_bytes` or is
 //! `max_age` old, and when the proxy stops. A reader lists only sealed segments, so what it sees is durable and
 //! whole. An open segment a crash left behind is sealed at the next start, cut after its last whole line: what was
-//! written is kept, never half a line.
+//! written is kept, never half a line. Sealed segments past the [`Retention`] (a total size, an age) are deleted,
+//! oldest first, after each seal and once a minute.
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -19,6 +20,35 @@ pub struct Rotation {
     pub max_age: Duration,
 }
 
+/// How much of the recording is kept: sealed segments past either bound are deleted, oldest first (`None`: no bound).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Retention {
+    pub max_bytes: Option<u64>,
+    pub max_age: Option<Duration>,
+}
+
+impl Retention {
+    /// How many of the sealed segments, oldest first as `(bytes, age)`, are past the bounds: the oldest ones until
+    /// the rest fit in `max_bytes`, and every one older than `max_age`.
+    pub fn expired(&self, segments: &[(u64, Duration)]) -> usize {
+        let mut total: u64 = segments.iter().map(|s| s.0).sum();
+        let mut expired = 0;
+        for &(bytes, age) in segments {
+            let too_big = self.max_bytes.is_some_and(|max| total > max);
+            let too_old = self.max_age.is_some_and(|max| age > max);
+            if !(too_big || too_old) {
+                break;
+            }
+            total -= bytes;
+            expired += 1;
+        }
+        expired
+    }
+}
+
+/// Seconds between two retention checks when nothing is sealed.
+const RETENTION_EVERY: Duration = Duration::from_secs(60);
+
 struct Open {
     file: File,
     path: PathBuf,
@@ -30,6 +60,11 @@ struct Open {
 pub struct Segments {
     dir: PathBuf,
     rotation: Rotation,
+    retention: Retention,
+    /// When sealed segments were last held to the retention.
+    retained: Instant,
+    /// Sealed segments deleted by the retention so far.
+    pub retired: u64,
     open: Option<Open>,
     /// The next segment's number: one past the highest in the folder.
     next: u64,
@@ -37,9 +72,17 @@ pub struct Segments {
 
 impl Segments {
     /// Opens `dir` (created), sealing what a crashed proxy left open.
-    pub fn open(dir: &Path, rotation: Rotation) -> io::Result<Self> {
+    pub fn open(dir: &Path, rotation: Rotation, retention: Retention) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let mut this = Segments { dir: dir.to_path_buf(), rotation, open: None, next: 0 };
+        let mut this = Segments {
+            dir: dir.to_path_buf(),
+            rotation,
+            retention,
+            retained: Instant::now(),
+            retired: 0,
+            open: None,
+            next: 0,
+        };
         let mut leftovers = Vec::new();
         for entry in std::fs::read_dir(dir)? {
             let name = entry?.file_name().to_string_lossy().to_string();
@@ -60,6 +103,7 @@ impl Segments {
                 this.seal_file(&path)?;
             }
         }
+        this.retain()?;
         Ok(this)
     }
 
@@ -84,12 +128,34 @@ impl Segments {
         Ok(())
     }
 
-    /// Seals the open segment if it is older than the rotation's age (call it now and then).
+    /// Seals the open segment if it is older than the rotation's age, and holds the sealed ones to the retention
+    /// once a minute (call it now and then).
     pub fn tick(&mut self) -> io::Result<()> {
         match &self.open {
             Some(open) if open.opened.elapsed() >= self.rotation.max_age => self.seal(),
+            _ if self.retained.elapsed() >= RETENTION_EVERY => self.retain(),
             _ => Ok(()),
         }
+    }
+
+    /// Deletes the sealed segments past the retention, oldest first.
+    pub fn retain(&mut self) -> io::Result<()> {
+        self.retained = Instant::now();
+        if self.retention == Retention::default() {
+            return Ok(());
+        }
+        let paths = sealed(&self.dir)?;
+        let now = std::time::SystemTime::now();
+        let mut sizes = Vec::with_capacity(paths.len());
+        for path in &paths {
+            let meta = std::fs::metadata(path)?;
+            sizes.push((meta.len(), meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default()));
+        }
+        for path in &paths[..self.retention.expired(&sizes)] {
+            std::fs::remove_file(path)?;
+            self.retired += 1;
+        }
+        Ok(())
     }
 
     /// Seals the open segment, if any: durable first, then visible.
@@ -106,7 +172,8 @@ impl Segments {
         let sealed = self.dir.join(format!("{SEALED_PREFIX}{time}-{:08}.jsonl", self.next));
         self.next += 1;
         std::fs::rename(path, &sealed)?;
-        File::open(&self.dir)?.sync_all()
+        File::open(&self.dir)?.sync_all()?;
+        self.retain()
     }
 }
 
@@ -159,7 +226,7 @@ mod tests {
     fn segments_are_sealed_by_size_age_and_stop_and_only_sealed_ones_are_visible() {
         let dir = tempfile::tempdir().unwrap();
         let rotation = Rotation { max_bytes: 20, max_age: Duration::from_millis(50) };
-        let mut s = Segments::open(dir.path(), rotation).unwrap();
+        let mut s = Segments::open(dir.path(), rotation, Retention::default()).unwrap();
         s.append(r#"{"a":1}"#).unwrap();
         assert!(sealed(dir.path()).unwrap().is_empty(), "nothing visible while open");
         s.append(r#"{"a":2}"#).unwrap();
@@ -187,12 +254,36 @@ mod tests {
         assert_eq!(hidden.count(), 0, "no open segment after the seal");
     }
 
+    /// The oldest segments go first, until the rest fit the size and none is past the age.
+    #[test]
+    fn retention_deletes_the_oldest_segments_past_either_bound() {
+        let secs = Duration::from_secs;
+        let segments = [(10, secs(500)), (10, secs(300)), (10, secs(100)), (10, secs(0))];
+        let by_size = Retention { max_bytes: Some(25), max_age: None };
+        assert_eq!(by_size.expired(&segments), 2);
+        let by_age = Retention { max_bytes: None, max_age: Some(secs(200)) };
+        assert_eq!(by_age.expired(&segments), 2);
+        let both = Retention { max_bytes: Some(35), max_age: Some(secs(400)) };
+        assert_eq!(both.expired(&segments), 1);
+        assert_eq!(Retention::default().expired(&segments), 0);
+        assert_eq!(Retention { max_bytes: Some(0), max_age: None }.expired(&segments), 4);
+        // Through the folder: each seal keeps the newest two segments of 8 bytes.
+        let dir = tempfile::tempdir().unwrap();
+        let rotation = Rotation { max_bytes: 1, max_age: Duration::from_secs(3600) };
+        let mut s = Segments::open(dir.path(), rotation, Retention { max_bytes: Some(16), max_age: None }).unwrap();
+        for i in 0..5 {
+            s.append(&format!(r#"{{"a":{i}}}"#)).unwrap();
+        }
+        assert_eq!(lines(&sealed(dir.path()).unwrap()), [r#"{"a":3}"#, r#"{"a":4}"#]);
+        assert_eq!(s.retired, 3);
+    }
+
     /// What a crashed proxy left open is sealed at the next start, without its torn last line, and numbering goes on.
     #[test]
     fn a_crashed_proxys_open_segment_is_sealed_whole_at_the_next_start() {
         let dir = tempfile::tempdir().unwrap();
         let rotation = Rotation { max_bytes: 1 << 20, max_age: Duration::from_secs(3600) };
-        let mut s = Segments::open(dir.path(), rotation).unwrap();
+        let mut s = Segments::open(dir.path(), rotation, Retention::default()).unwrap();
         s.append(r#"{"a":1}"#).unwrap();
         s.seal().unwrap();
         s.append(r#"{"a":2}"#).unwrap();
@@ -204,7 +295,7 @@ mod tests {
             .unwrap();
         OpenOptions::new().append(true).open(open.path()).unwrap().write_all(br#"{"a":"#).unwrap();
         std::mem::forget(s);
-        let mut again = Segments::open(dir.path(), rotation).unwrap();
+        let mut again = Segments::open(dir.path(), rotation, Retention::default()).unwrap();
         assert_eq!(lines(&sealed(dir.path()).unwrap()), [r#"{"a":1}"#, r#"{"a":2}"#]);
         again.append(r#"{"a":3}"#).unwrap();
         again.seal().unwrap();
