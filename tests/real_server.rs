@@ -291,3 +291,85 @@ fn llama_cpp_greedy_answers_agree_with_dflash_greedy_decoding() {
     assert!(agree * 10 >= PROMPTS.len() * 8, "{agree} of {} agree: {gaps:?}", PROMPTS.len());
     assert!(gaps.iter().all(|(_, _, gap)| *gap < 0.5), "a difference where dflash's choice was clear: {gaps:?}");
 }
+
+/// `dflash proxy` in front of llama.cpp's server: `regenerate` through the proxy answers as through the server, and
+/// the proxy's recording holds exactly what the clients got (three answers, then one streamed chunk by chunk to a
+/// client of its own), which `prepare` takes as data.
+#[test]
+fn the_proxy_in_front_of_llama_cpp_records_what_the_clients_got() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let server = LlamaServer::start(0, &d.join("server.log"));
+    let port = free_port();
+    let record = d.join("traffic");
+    let mut proxy = Command::new(BIN)
+        .args(["proxy", "--upstream", &format!("http://127.0.0.1:{}", server.port)])
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--record", record.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "the proxy did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let input = d.join("prompts.jsonl");
+    let prompts: String = PROMPTS[..3]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{}\n", json!({"id": format!("p{i}"), "messages": [{"role": "user", "content": p}]})))
+        .collect();
+    std::fs::write(&input, prompts).unwrap();
+    let out = d.join("answers.jsonl");
+    let o = regenerate(&format!("http://127.0.0.1:{port}/v1"), &input, &out, &["--max-tokens", "24"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A streamed chat completion, read event by event as a client reads it.
+    let streamed = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let body = json!({"model": "smollm2", "stream": true, "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": PROMPTS[3]}]});
+        let response =
+            reqwest::Client::new().post(format!("http://127.0.0.1:{port}/v1/chat/completions")).json(&body).send();
+        let text = response.await.unwrap().text().await.unwrap();
+        let deltas = text.lines().filter_map(|l| l.strip_prefix("data:")).map(str::trim).filter(|d| *d != "[DONE]");
+        deltas
+            .filter_map(|d| {
+                serde_json::from_str::<Value>(d).ok()?["choices"][0]["delta"]["content"].as_str().map(String::from)
+            })
+            .collect::<String>()
+    });
+    assert!(!streamed.trim().is_empty());
+    Command::new("kill").args(["-TERM", &proxy.id().to_string()]).status().unwrap();
+    let status = proxy.wait().unwrap();
+    let mut stderr = String::new();
+    proxy.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(status.success() && stderr.contains("4 chat completions recorded"), "{stderr}");
+
+    let segments = dflash::proxy::segments::sealed(&record).unwrap();
+    let recorded: Vec<Value> = segments
+        .iter()
+        .flat_map(|p| {
+            std::fs::read_to_string(p)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect::<Vec<Value>>()
+        })
+        .collect();
+    let answer = |v: &Value| v["messages"].as_array().unwrap().last().unwrap()["content"].as_str().unwrap().to_string();
+    let mut got: Vec<String> = recorded[..3].iter().map(answer).collect();
+    let mut sent: Vec<String> =
+        std::fs::read_to_string(&out).unwrap().lines().map(|l| answer(&serde_json::from_str(l).unwrap())).collect();
+    got.sort();
+    sent.sort();
+    assert_eq!(got, sent, "the recording holds the answers regenerate got through the proxy");
+    assert_eq!(answer(&recorded[3]), streamed, "the streamed answer, joined as the client joined it");
+    assert_eq!(recorded[3]["recorded"]["streamed"], true);
+    let prepare = Command::new(BIN)
+        .args(["prepare", "--model", checkout(".real-model").to_str().unwrap(), "--input"])
+        .arg(&segments[0])
+        .args(["--out", d.join("prepared").to_str().unwrap(), "--max-len", "160", "--block-size", "4"])
+        .output()
+        .unwrap();
+    assert!(prepare.status.success(), "{}", String::from_utf8_lossy(&prepare.stderr));
+}
