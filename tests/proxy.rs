@@ -71,8 +71,22 @@ fn upstream(runtime: &tokio::runtime::Runtime) -> SocketAddr {
     upstream_with(runtime, Default::default())
 }
 
+/// The answer of `completions`, gzip-encoded as a server that compresses sends it (`/gzip/v1/chat/completions`).
+async fn gzipped(body: Json<Value>) -> Response {
+    use std::io::Write;
+    let plain = axum::body::to_bytes(completions(body).await.into_body(), 1 << 20).await.unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&plain).unwrap();
+    Response::builder()
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .body(Body::from(gz.finish().unwrap()))
+        .unwrap()
+}
+
 fn upstream_with(runtime: &tokio::runtime::Runtime, release: std::sync::Arc<tokio::sync::Notify>) -> SocketAddr {
     let app = Router::new()
+        .route("/gzip/v1/chat/completions", post(gzipped))
         .route("/held/v1/chat/completions", post(held).with_state(release))
         .route("/v1/chat/completions", post(completions))
         .route("/v1/models", get(|| async { Json(json!({"data": [{"id": "m"}]})) }));
@@ -176,6 +190,12 @@ fn responses_pass_unchanged_and_chat_completions_are_recorded_as_conversations()
             let proxied = post_chat(&client, &proxy.url, &body).await;
             assert_eq!(proxied, direct);
         }
+        // A compressed answer passes as the upstream sent it, and is recorded as its text.
+        let gzip =
+            |url: &str| client.post(format!("{url}/gzip/v1/chat/completions")).json(&chat("zipped", false)).send();
+        let (direct, proxied) = (gzip(&format!("http://{upstream}")).await.unwrap(), gzip(&proxy.url).await.unwrap());
+        assert_eq!(proxied.headers()["content-encoding"], "gzip");
+        assert_eq!(proxied.bytes().await.unwrap(), direct.bytes().await.unwrap());
         let models = client.get(format!("{}/v1/models", proxy.url)).send().await.unwrap();
         assert_eq!(models.json::<Value>().await.unwrap()["data"][0]["id"], "m", "other routes are forwarded");
         let (code, body) = post_chat(&client, &proxy.url, &chat("please fail", false)).await;
@@ -187,12 +207,12 @@ fn responses_pass_unchanged_and_chat_completions_are_recorded_as_conversations()
     );
     let (code, stderr) = proxy.stop();
     assert_eq!(code, 0, "{stderr}");
-    assert!(stderr.contains("4 requests; 2 chat completions recorded"), "{stderr}");
+    assert!(stderr.contains("5 requests; 3 chat completions recorded"), "{stderr}");
     assert!(stderr.contains("1 not recordable") && stderr.contains("0 lost"), "{stderr}");
     let lines = sealed_lines(&record);
     let answers: Vec<&str> = lines.iter().map(|l| l["messages"][1]["content"].as_str().unwrap()).collect();
     // Each request also went to the upstream directly; only the proxied ones are recorded.
-    assert_eq!(answers, ["echo: hello false", "echo: hello true"], "{lines:#?}");
+    assert_eq!(answers, ["echo: hello false", "echo: hello true", "echo: zipped"], "{lines:#?}");
     assert_eq!(lines[1]["recorded"]["streamed"], true);
     assert_eq!(lines[0]["recorded"]["settings"], json!({"model": "m", "temperature": 0}));
 
@@ -206,7 +226,7 @@ fn responses_pass_unchanged_and_chat_completions_are_recorded_as_conversations()
     let manifest = std::fs::read_to_string(dir.path().join("prepared/manifest.json"))
         .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
     let manifest: Value = serde_json::from_str(&manifest).unwrap();
-    assert_eq!((manifest["report"]["lines"].as_u64(), &manifest["report"]["bad_lines"]), (Some(2), &json!({})));
+    assert_eq!((manifest["report"]["lines"].as_u64(), &manifest["report"]["bad_lines"]), (Some(3), &json!({})));
 }
 
 /// The recording folder gone from under the proxy: every client still gets its answer; the losses are counted.

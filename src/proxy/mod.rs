@@ -176,7 +176,12 @@ async fn forward(State(proxy): State<Arc<Proxy>>, request: Request) -> Response 
             tracing::debug!("not recorded: the request carries {header}");
             None
         }
-        (true, true, None) => Some(Recording { request: body, proxy: proxy.clone() }),
+        (true, true, None) => Some(Recording {
+            request: body,
+            request_encoding: content_encoding(&parts.headers),
+            response_encoding: content_encoding(answer.headers()),
+            proxy: proxy.clone(),
+        }),
         (true, false, None) => {
             Counts::add(&proxy.counts.skipped, 1);
             None
@@ -197,14 +202,51 @@ fn error(code: StatusCode, message: String) -> Response {
 /// A chat completion's request, waiting for its response to end.
 struct Recording {
     request: Bytes,
+    /// How each body is encoded (`Content-Encoding`): passed on as it is, decoded for the recording.
+    request_encoding: Option<String>,
+    response_encoding: Option<String>,
     proxy: Arc<Proxy>,
+}
+
+/// A body's `Content-Encoding`, lower case; `None` for none or `identity`.
+fn content_encoding(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(axum::http::header::CONTENT_ENCODING)?.to_str().ok()?.trim().to_ascii_lowercase();
+    (!value.is_empty() && value != "identity").then_some(value)
+}
+
+/// A body as the recording reads it: gzip and deflate decoded (at most [`MAX_RECORDED_BYTES`]), anything else refused.
+fn decoded(body: &[u8], encoding: Option<&str>) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    let limit = MAX_RECORDED_BYTES as u64 + 1;
+    let read = match encoding {
+        None => return Ok(body.to_vec()),
+        Some("gzip" | "x-gzip") => flate2::read::MultiGzDecoder::new(body).take(limit).read_to_end(&mut out),
+        Some("deflate") => flate2::read::ZlibDecoder::new(body).take(limit).read_to_end(&mut out),
+        Some(other) => return Err(format!("a body encoded as {other:?}, which the recording does not read")),
+    };
+    read.map_err(|e| format!("a {} body that does not decode: {e}", encoding.unwrap_or("")))?;
+    if out.len() > MAX_RECORDED_BYTES {
+        return Err("a body that decodes past the recording's limit".into());
+    }
+    Ok(out)
 }
 
 impl Recording {
     fn finish(self, response: &[u8]) {
         let counts = &self.proxy.counts;
         let time = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        let mut line = match exchange::record(&self.request, response, &time) {
+        let bodies = decoded(&self.request, self.request_encoding.as_deref())
+            .and_then(|request| Ok((request, decoded(response, self.response_encoding.as_deref())?)));
+        let (request, response) = match bodies {
+            Ok(bodies) => bodies,
+            Err(why) => {
+                Counts::add(&counts.skipped, 1);
+                tracing::debug!("not recorded: {why}");
+                return;
+            }
+        };
+        let mut line = match exchange::record(&request, &response, &time) {
             Ok(line) => line,
             Err(why) => {
                 Counts::add(&counts.skipped, 1);
@@ -340,4 +382,36 @@ pub async fn serve(
     drop(proxy);
     writer.join().map_err(|_| anyhow::anyhow!("the recording writer panicked"))?;
     Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// gzip and deflate bodies are read as their text; another encoding, a corrupt body and one that decodes past the
+    /// limit are refused (and so not recorded), never guessed at.
+    #[test]
+    fn encoded_bodies_are_decoded_for_the_recording_or_refused() {
+        let text = br#"{"choices": []}"#;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(text).unwrap();
+        let gz = gz.finish().unwrap();
+        let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        zlib.write_all(text).unwrap();
+        let zlib = zlib.finish().unwrap();
+        assert_eq!(decoded(text, None).unwrap(), text);
+        assert_eq!(decoded(&gz, Some("gzip")).unwrap(), text);
+        assert_eq!(decoded(&zlib, Some("deflate")).unwrap(), text);
+        assert!(decoded(text, Some("br")).unwrap_err().contains("\"br\""));
+        assert!(decoded(text, Some("gzip")).is_err(), "not gzip");
+        let mut bomb = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        bomb.write_all(&vec![b' '; MAX_RECORDED_BYTES + 10]).unwrap();
+        assert!(decoded(&bomb.finish().unwrap(), Some("gzip")).unwrap_err().contains("limit"));
+        let mut headers = HeaderMap::new();
+        headers.insert(axum::http::header::CONTENT_ENCODING, "GZip".parse().unwrap());
+        assert_eq!(content_encoding(&headers).as_deref(), Some("gzip"));
+        headers.insert(axum::http::header::CONTENT_ENCODING, "identity".parse().unwrap());
+        assert_eq!(content_encoding(&headers), None);
+    }
 }
