@@ -215,12 +215,12 @@ fn content_encoding(headers: &HeaderMap) -> Option<String> {
 }
 
 /// A body as the recording reads it: gzip and deflate decoded (at most [`MAX_RECORDED_BYTES`]), anything else refused.
-fn decoded(body: &[u8], encoding: Option<&str>) -> Result<Vec<u8>, String> {
+fn decoded<'a>(body: &'a [u8], encoding: Option<&str>) -> Result<std::borrow::Cow<'a, [u8]>, String> {
     use std::io::Read;
     let mut out = Vec::new();
     let limit = MAX_RECORDED_BYTES as u64 + 1;
     let read = match encoding {
-        None => return Ok(body.to_vec()),
+        None => return Ok(body.into()),
         Some("gzip" | "x-gzip") => flate2::read::MultiGzDecoder::new(body).take(limit).read_to_end(&mut out),
         Some("deflate") => flate2::read::ZlibDecoder::new(body).take(limit).read_to_end(&mut out),
         Some(other) => return Err(format!("a body encoded as {other:?}, which the recording does not read")),
@@ -229,7 +229,7 @@ fn decoded(body: &[u8], encoding: Option<&str>) -> Result<Vec<u8>, String> {
     if out.len() > MAX_RECORDED_BYTES {
         return Err("a body that decodes past the recording's limit".into());
     }
-    Ok(out)
+    Ok(out.into())
 }
 
 impl Recording {
@@ -400,9 +400,9 @@ mod tests {
         let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
         zlib.write_all(text).unwrap();
         let zlib = zlib.finish().unwrap();
-        assert_eq!(decoded(text, None).unwrap(), text);
-        assert_eq!(decoded(&gz, Some("gzip")).unwrap(), text);
-        assert_eq!(decoded(&zlib, Some("deflate")).unwrap(), text);
+        assert_eq!(&*decoded(text, None).unwrap(), text);
+        assert_eq!(&*decoded(&gz, Some("gzip")).unwrap(), text);
+        assert_eq!(&*decoded(&zlib, Some("deflate")).unwrap(), text);
         assert!(decoded(text, Some("br")).unwrap_err().contains("\"br\""));
         assert!(decoded(text, Some("gzip")).is_err(), "not gzip");
         let mut bomb = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());

@@ -103,7 +103,7 @@ impl Segments {
                 this.seal_file(&path)?;
             }
         }
-        this.retain()?;
+        this.retain_or_warn();
         Ok(this)
     }
 
@@ -133,27 +133,39 @@ impl Segments {
     pub fn tick(&mut self) -> io::Result<()> {
         match &self.open {
             Some(open) if open.opened.elapsed() >= self.rotation.max_age => self.seal(),
-            _ if self.retained.elapsed() >= RETENTION_EVERY => self.retain(),
+            _ if self.retained.elapsed() >= RETENTION_EVERY => {
+                self.retain_or_warn();
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
 
-    /// Deletes the sealed segments past the retention, oldest first.
-    pub fn retain(&mut self) -> io::Result<()> {
+    /// Deletes the sealed segments past the retention, oldest first (one a reader removed meanwhile is passed over).
+    fn retain(&mut self) -> io::Result<()> {
         self.retained = Instant::now();
         if self.retention == Retention::default() {
             return Ok(());
         }
-        let paths = sealed(&self.dir)?;
         let now = std::time::SystemTime::now();
-        let mut sizes = Vec::with_capacity(paths.len());
-        for path in &paths {
-            let meta = std::fs::metadata(path)?;
-            sizes.push((meta.len(), meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default()));
+        let mut segments = Vec::new();
+        for path in sealed(&self.dir)? {
+            match std::fs::metadata(&path) {
+                Ok(meta) => {
+                    let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
+                    segments.push((path, meta.len(), age));
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
         }
-        for path in &paths[..self.retention.expired(&sizes)] {
-            std::fs::remove_file(path)?;
-            self.retired += 1;
+        let sizes: Vec<(u64, Duration)> = segments.iter().map(|s| (s.1, s.2)).collect();
+        for (path, _, _) in &segments[..self.retention.expired(&sizes)] {
+            match std::fs::remove_file(path) {
+                Ok(()) => self.retired += 1,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -173,7 +185,16 @@ impl Segments {
         self.next += 1;
         std::fs::rename(path, &sealed)?;
         File::open(&self.dir)?.sync_all()?;
-        self.retain()
+        self.retain_or_warn();
+        Ok(())
+    }
+
+    /// [`Segments::retain`], its failure said and not passed on: a segment that could not be deleted (a reader
+    /// removed it first, a permission) costs nothing recorded.
+    fn retain_or_warn(&mut self) {
+        if let Err(e) = self.retain() {
+            tracing::warn!("the recording's retention could not delete old segments: {e}");
+        }
     }
 }
 
