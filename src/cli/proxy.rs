@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use dflash::config::{Config, ProxyConfig};
-use dflash::proxy::policy::{Action, Policy, Rule};
+use dflash::config::{Config, ProxyConfig, upstream_url};
+use dflash::proxy::policy::Policy;
 use dflash::proxy::segments::{Retention, Rotation};
 use dflash::proxy::{ProxySettings, serve};
 
@@ -31,26 +31,18 @@ pub struct ProxyArgs {
 
 /// What the proxy is told: `[proxy]` with the flags over it.
 fn settings(config: &ProxyConfig, args: &ProxyArgs) -> Result<ProxySettings> {
-    let upstream = match (&args.upstream, &config.upstream) {
-        (Some(u), _) if !(u.starts_with("http://") || u.starts_with("https://")) => {
-            anyhow::bail!("--upstream {u:?}: expected an http:// or https:// URL, e.g. http://localhost:8000")
-        }
-        (Some(u), _) | (None, Some(u)) => u.clone(),
-        (None, None) => anyhow::bail!(
+    let flag = args.upstream.as_deref().map(|u| upstream_url("--upstream", u)).transpose()?.flatten();
+    let Some(upstream) = flag.or_else(|| config.upstream.clone()) else {
+        anyhow::bail!(
             "no upstream: pass --upstream URL (the served target, e.g. http://localhost:8000) or set proxy.upstream"
-        ),
+        )
     };
-    let rules = config
-        .redact
-        .iter()
-        .map(|r| Rule { pattern: r.pattern.clone(), action: r.replace.clone().map_or(Action::Drop, Action::Mask) })
-        .collect();
     Ok(ProxySettings {
         upstream,
         record: args.record.clone().unwrap_or_else(|| config.record.clone()),
         rotation: Rotation { max_bytes: config.segment_bytes, max_age: config.segment_age },
         retention: Retention { max_bytes: config.keep_bytes, max_age: config.keep_age },
-        policy: Policy { rules, skip_headers: config.skip_headers.clone() },
+        policy: Policy { rules: config.redact.clone(), skip_headers: config.skip_headers.clone() },
         queue: config.queue,
     })
 }

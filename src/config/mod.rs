@@ -13,7 +13,7 @@ mod proxy;
 mod training;
 
 pub use earlier_defaults::{as_overrides, as_trained, first_defaults, kept_from_run};
-pub use proxy::{ProxyConfig, RedactRule};
+pub use proxy::{ProxyConfig, RedactRule, upstream_url};
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
     EvalSettings, OptimSettings, SupervisionSettings,

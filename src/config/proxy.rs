@@ -67,19 +67,18 @@ pub struct ProxyConfig {
     pub redact: Vec<RedactRule>,
 }
 
+/// The served target's base URL as `key` (`proxy.upstream`, `--upstream`) gives it: `None` for an empty one.
+pub fn upstream_url(key: &str, value: &str) -> Result<Option<String>, ConfigError> {
+    match value.trim() {
+        "" => Ok(None),
+        u if u.starts_with("http://") || u.starts_with("https://") => Ok(Some(u.to_string())),
+        u => Err(invalid(key, format!("{u:?}"), "an http:// or https:// URL, e.g. http://localhost:8000")),
+    }
+}
+
 impl RawProxy {
     pub(super) fn validate(self) -> Result<ProxyConfig, ConfigError> {
-        let upstream = match self.upstream.trim() {
-            "" => None,
-            u if u.starts_with("http://") || u.starts_with("https://") => Some(u.to_string()),
-            u => {
-                return Err(invalid(
-                    "proxy.upstream",
-                    format!("{u:?}"),
-                    "an http:// or https:// URL, e.g. http://localhost:8000",
-                ));
-            }
-        };
+        let upstream = upstream_url("proxy.upstream", &self.upstream)?;
         let listen = self.listen.parse().map_err(|_| {
             invalid("proxy.listen", format!("{:?}", self.listen), "an address and port, e.g. 127.0.0.1:8001")
         })?;

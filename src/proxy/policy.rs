@@ -3,29 +3,15 @@
 //! text parts, and the answer's reasoning and tool-call arguments) passes the redaction rules in order, each masking
 //! what its regular expression matches, or dropping the whole exchange on a match. Decided here, on the recorded line,
 //! before anything is written; the proxy only counts what was decided.
-use regex::Regex;
 use serde_json::Value;
 
-/// What a rule does with a match.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Action {
-    /// The matched text is replaced (`$1` and `${name}` refer to the pattern's groups).
-    Mask(String),
-    /// The exchange is not recorded.
-    Drop,
-}
-
-/// One redaction rule.
-#[derive(Debug, Clone)]
-pub struct Rule {
-    pub pattern: Regex,
-    pub action: Action,
-}
+use crate::config::RedactRule;
 
 /// The recording's policy.
 #[derive(Debug, Clone, Default)]
 pub struct Policy {
-    pub rules: Vec<Rule>,
+    /// In order; a rule's `replace` masks what it matches (`$1`, `${name}` name its groups), `None` drops.
+    pub rules: Vec<RedactRule>,
     /// Request headers (lower case) whose presence keeps an exchange out of the recording.
     pub skip_headers: Vec<String>,
 }
@@ -61,9 +47,9 @@ impl Policy {
                     if found == 0 {
                         continue;
                     }
-                    match &rule.action {
-                        Action::Drop => return Verdict::DroppedByRule(rule.pattern.as_str().to_string()),
-                        Action::Mask(with) => {
+                    match &rule.replace {
+                        None => return Verdict::DroppedByRule(rule.pattern.as_str().to_string()),
+                        Some(with) => {
                             masked += found;
                             *text = rule.pattern.replace_all(text, with.as_str()).into_owned();
                         }
@@ -104,14 +90,15 @@ fn texts_of(message: &mut Value) -> Vec<&mut String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use regex::Regex;
     use serde_json::json;
 
     fn policy() -> Policy {
         Policy {
             rules: vec![
-                Rule { pattern: Regex::new(r"[\w.]+@[\w.]+\.\w+").unwrap(), action: Action::Mask("[EMAIL]".into()) },
-                Rule { pattern: Regex::new(r"(?i)password:\s*(\S+)").unwrap(), action: Action::Drop },
-                Rule { pattern: Regex::new(r"key-(\d+)").unwrap(), action: Action::Mask("key-<${1}>".into()) },
+                RedactRule { pattern: Regex::new(r"[\w.]+@[\w.]+\.\w+").unwrap(), replace: Some("[EMAIL]".into()) },
+                RedactRule { pattern: Regex::new(r"(?i)password:\s*(\S+)").unwrap(), replace: None },
+                RedactRule { pattern: Regex::new(r"key-(\d+)").unwrap(), replace: Some("key-<${1}>".into()) },
             ],
             skip_headers: vec!["x-no-record".into()],
         }
