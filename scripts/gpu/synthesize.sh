@@ -57,10 +57,10 @@ prepared_for() {
   *) echo "DATA: template or synth:N, not $1" >&2; exit 2 ;;
   esac
 }
-# The GPU's used memory sampled every second into FILE while the command after it runs: peak_mib FILE prints the
+# The GPU's used memory sampled every second into FILE while the command after it runs: peak_mib FILE.. prints the
 # largest sample (the process's allocations and its caching allocator's reserve, as nvidia-smi sees them).
 watch_memory() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 1000 >"$1" 2>/dev/null & }
-peak_mib() { sort -n "$1" 2>/dev/null | tail -1; }
+peak_mib() { cat "$@" 2>/dev/null | sort -n | tail -1; }
 # A drafter decoded (bf16, 256 new tokens, graphs) on the 64 unseen-topic prompts and on 64 synthesized
 # conversations no run trains on; one line each to $OUT/study.jsonl with the fields given after the drafter.
 decode_both() {
@@ -157,7 +157,7 @@ train)
   echo "$name: serve-train ${resume[*]} exit $code after $train_s s, peak $(peak_mib "$r/memory.$start") MiB" >>"$out/train-$name.txt"
   grep -E "evaluation|run complete|resuming|stopped|ERROR|CUDA error" "$r/train.log" | cut -c1-300 >>"$out/train-$name.txt"
   stopped_by_limit "$name" "$code" "$train_s"
-  peak=$(cat "$r"/memory.* | sort -n | tail -1)
+  peak=$(peak_mib "$r"/memory.*)
   decode_both "$r/final" trainer dflash run "$name" data "$data" steps "$steps" seed "$seed" set "$*" exit "$code" \
     train_s "$train_s" peak_mib "$peak"
   ;;
@@ -207,7 +207,7 @@ peer)
   "$d" eval --target "$work/model" --drafter "$r/save/$last" --data "$r/val.jsonl" --json 2>>"$out/eval.stderr" | tail -1 \
     | tee "$out/peer-$name-teacher-forced.json"
   grep -o "val/eal_epoch=[0-9.e+-]*" "$r/train.log" | tail -1 | tee -a "$out/peer-$name-teacher-forced.json"
-  peak=$(cat "$r"/memory.* | sort -n | tail -1)
+  peak=$(peak_mib "$r"/memory.*)
   decode_both "$r/save/$last" trainer speculators run "$name" data "$data" seed "$seed" set "$*" exit "$code" \
     train_s "$train_s" peak_mib "$peak" epoch_dir "$last"
   ;;
