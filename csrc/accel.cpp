@@ -1,14 +1,20 @@
 // What tch does not expose, through libtorch's device-agnostic API (no CUDA headers needed): binding the calling
 // thread to a device, synchronizing it, the caching allocator's statistics, timing events recorded on the thread's
 // current stream, presetting a tensor's `.grad` (so gradients accumulate into a flat buffer), the fused AdamW
-// kernel and Muon's update. Tensors cross the boundary as `at::Tensor*`, which is what tch's C API hands out.
+// kernel and Muon's update (orthogonalised in batches of one shape). Tensors cross the boundary as `at::Tensor*`, which is what tch's C API hands out.
 // Every function catches C++ exceptions and reports them as a message, never unwinding into Rust.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_lerp.h>
+#include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/baddbmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/stack.h>
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -183,29 +189,56 @@ int dflash_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp
   });
 }
 
-// One Muon step of one 2-D parameter, as torch.optim.Muon 2.11 writes it (`_single_tensor_muon` with Nesterov and
-// `_zeropower_via_newtonschulz`), op for op: the gradient is `grad / grad_divisor`, `buf` its momentum buffer;
-// `adjusted_lr` is the learning rate scaled for the parameter's shape, weight decay uses the unadjusted one.
-int dflash_muon_step(at::Tensor* param, at::Tensor* grad, at::Tensor* buf, double grad_divisor, double lr,
-                     double adjusted_lr, double weight_decay, double momentum, double a, double b, double c,
-                     int ns_steps, double eps, char* err, size_t len) {
+// Muon's momentum for `count` 2-D parameters of one shape, as torch.optim.Muon 2.11 writes it (`_single_tensor_muon`
+// with Nesterov): each gradient is `grad / grad_divisor`, `bufs[i]` its momentum buffer, updated in place. With `out`
+// non-null the Nesterov updates are also orthogonalised (`_zeropower_via_newtonschulz`, op for op, in bf16) as one
+// batch of matrix products, each matrix normalised by its own norm, and `*out` is the result, [count, rows, cols] in
+// the parameters' orientation.
+int dflash_muon_orthogonalize(at::Tensor** grads, at::Tensor** bufs, size_t count, double grad_divisor,
+                              double momentum, double a, double b, double c, int ns_steps, double eps,
+                              at::Tensor** out, char* err, size_t len) {
   return guard(1, err, len, [&] {
     c10::NoGradGuard no_grad;
-    at::Tensor g = grad->div(grad_divisor);
-    buf->lerp_(g, 1 - momentum);
-    at::Tensor update = g.lerp(*buf, momentum);
-    at::Tensor x = update.to(at::kBFloat16);
-    const bool tall = update.size(0) > update.size(1);
-    if (tall) x = x.t();
-    x.div_(x.norm().clamp_min(eps));
-    for (int i = 0; i < ns_steps; ++i) {
-      at::Tensor gram = at::matmul(x, x.t());
-      at::Tensor gram_update = at::addmm(gram, gram, gram, /*beta=*/b, /*alpha=*/c);
-      x = at::addmm(x, gram_update, x, /*beta=*/a);
+    std::vector<at::Tensor> g, m;
+    for (size_t i = 0; i < count; ++i) {
+      g.push_back(grads[i]->div(grad_divisor));
+      m.push_back(*bufs[i]);
     }
-    if (tall) x = x.t();
-    param->mul_(1 - lr * weight_decay);
-    param->add_(x, -adjusted_lr);
+    at::_foreach_lerp_(m, g, 1 - momentum);
+    if (out == nullptr) return 0;
+    at::_foreach_lerp_(g, m, momentum);
+    std::vector<at::Tensor> half;
+    for (const auto& update : g) half.push_back(update.to(at::kBFloat16));
+    g.clear();
+    at::Tensor x = at::stack(half);
+    half.clear();
+    const bool tall = x.size(1) > x.size(2);
+    if (tall) x = x.transpose(1, 2);
+    x.div_(at::linalg_vector_norm(x, 2, at::IntArrayRef{1, 2}, /*keepdim=*/true).clamp_min(eps));
+    for (int i = 0; i < ns_steps; ++i) {
+      at::Tensor gram = at::matmul(x, x.transpose(1, 2));
+      at::Tensor gram_update = at::baddbmm(gram, gram, gram, /*beta=*/b, /*alpha=*/c);
+      x = at::baddbmm(x, gram_update, x, /*beta=*/a);
+    }
+    if (tall) x = x.transpose(1, 2);
+    *out = new at::Tensor(x);
+    return 0;
+  });
+}
+
+// Muon's step of `count` 2-D parameters of one shape from their orthogonalised updates (`updates[i]`, bf16): each
+// parameter decays by `1 - lr * weight_decay` (the unadjusted rate), then steps by `-adjusted_lr` times its update.
+int dflash_muon_apply(at::Tensor** params, at::Tensor** updates, size_t count, double lr, double weight_decay,
+                      double adjusted_lr, char* err, size_t len) {
+  return guard(1, err, len, [&] {
+    c10::NoGradGuard no_grad;
+    std::vector<at::Tensor> p, u;
+    for (size_t i = 0; i < count; ++i) {
+      p.push_back(*params[i]);
+      u.push_back(*updates[i]);
+    }
+    at::_foreach_mul_(p, 1 - lr * weight_decay);
+    at::_foreach_add_(p, u, -adjusted_lr);
     return 0;
   });
 }

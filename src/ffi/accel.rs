@@ -1,6 +1,6 @@
 //! `csrc/accel.cpp`: what a compute thread needs of its device that tch does not bind: binding the thread to it,
 //! streams, synchronizing, the caching allocator's statistics, timing events, pinned host memory, presetting a
-//! tensor's `.grad` and the fused AdamW kernel. [`crate::device`] offers the device services under their own names.
+//! tensor's `.grad`, the fused AdamW kernel and Muon's step. [`crate::device`] offers the device services under their own names.
 use std::ffi::{c_char, c_int, c_void};
 
 use serde::Serialize;
@@ -61,20 +61,28 @@ unsafe extern "C" {
         len: usize,
     ) -> c_int;
     fn dflash_empty_pinned_like(like: *const C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
-    fn dflash_muon_step(
-        param: *mut C_tensor,
-        grad: *mut C_tensor,
-        buf: *mut C_tensor,
+    fn dflash_muon_orthogonalize(
+        grads: *const *mut C_tensor,
+        bufs: *const *mut C_tensor,
+        count: usize,
         grad_divisor: f64,
-        lr: f64,
-        adjusted_lr: f64,
-        weight_decay: f64,
         momentum: f64,
         a: f64,
         b: f64,
         c: f64,
         ns_steps: c_int,
         eps: f64,
+        out: *mut *mut C_tensor,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_muon_apply(
+        params: *const *mut C_tensor,
+        updates: *const *mut C_tensor,
+        count: usize,
+        lr: f64,
+        weight_decay: f64,
+        adjusted_lr: f64,
         err: *mut c_char,
         len: usize,
     ) -> c_int;
@@ -354,37 +362,63 @@ pub struct MuonStep {
 pub const MUON_NS_COEFFICIENTS: (f64, f64, f64) = (3.4445, -4.775, 2.0315);
 pub const MUON_EPS: f64 = 1e-7;
 
-/// One Muon update of the 2-D parameter `param` from `grad / grad_divisor`, with momentum buffer `buf`, as
-/// torch.optim.Muon 2.11 computes it (Nesterov, Newton-Schulz in bf16, decoupled weight decay at `hp.lr`), stepping by
-/// `adjusted_lr` (the rate scaled for its shape).
-pub fn muon_step(
-    param: &Tensor,
-    grad: &Tensor,
-    buf: &Tensor,
+/// Muon's momentum for the 2-D parameters of one shape whose gradients are `grads / grad_divisor` and momentum
+/// buffers `bufs` (updated in place), as torch.optim.Muon 2.11 computes it (Nesterov). With `orthogonalize`, also
+/// their updates orthogonalised in bf16 by Newton-Schulz (op for op torch's, each matrix normalised on its own, the
+/// iterations one batch of matrix products for all): `[count, rows, cols]` in the parameters' orientation.
+pub fn muon_orthogonalize(
+    grads: &[Tensor],
+    bufs: &[Tensor],
     grad_divisor: f64,
     hp: MuonStep,
-    adjusted_lr: f64,
-) -> Result<(), DeviceFailure> {
+    orthogonalize: bool,
+) -> Result<Option<Tensor>, DeviceFailure> {
+    let Some(first) = grads.first() else { return Ok(None) };
+    let device = first.device();
+    if bufs.len() != grads.len() {
+        let message = format!("Muon: {} gradients but {} momentum buffers", grads.len(), bufs.len());
+        return Err(DeviceFailure { device, message });
+    }
     let (a, b, c) = MUON_NS_COEFFICIENTS;
-    // SAFETY: live tensor handles; the shim takes plain values otherwise.
-    on_device(param.device(), |e, n| unsafe {
-        dflash_muon_step(
-            raw(param),
-            raw(grad),
-            raw(buf),
+    let [g, m] = [grads, bufs].map(|l| l.iter().map(raw).collect::<Vec<_>>());
+    let mut out = std::ptr::null_mut();
+    let out_ptr: *mut *mut C_tensor = if orthogonalize { &mut out } else { std::ptr::null_mut() };
+    // SAFETY: two arrays of `count` live tensor handles, kept alive by the slices for the call; `out_ptr` is null or
+    // receives a tensor the shim allocated with `new`.
+    on_device(device, |e, n| unsafe {
+        dflash_muon_orthogonalize(
+            g.as_ptr(),
+            m.as_ptr(),
+            grads.len(),
             grad_divisor,
-            hp.lr,
-            adjusted_lr,
-            hp.weight_decay,
             hp.momentum,
             a,
             b,
             c,
             hp.ns_steps as c_int,
             MUON_EPS,
+            out_ptr,
             e,
             n,
         )
+    })?;
+    // SAFETY: on success with `orthogonalize` the shim handed over a non-null tensor: the Tensor owns it from here.
+    Ok((orthogonalize && !out.is_null()).then(|| unsafe { Tensor::from_ptr(out) }))
+}
+
+/// Muon's step of 2-D parameters of one shape from their orthogonalised updates (bf16, one each): decoupled weight
+/// decay at `hp.lr`, then a step of `adjusted_lr` (the rate scaled for their shape).
+pub fn muon_apply(params: &[Tensor], updates: &[Tensor], hp: MuonStep, adjusted_lr: f64) -> Result<(), DeviceFailure> {
+    let Some(first) = params.first() else { return Ok(()) };
+    let device = first.device();
+    if updates.len() != params.len() {
+        let message = format!("Muon: {} parameters but {} updates", params.len(), updates.len());
+        return Err(DeviceFailure { device, message });
+    }
+    let [p, u] = [params, updates].map(|l| l.iter().map(raw).collect::<Vec<_>>());
+    // SAFETY: two arrays of `count` live tensor handles, kept alive by the slices for the call.
+    on_device(device, |e, n| unsafe {
+        dflash_muon_apply(p.as_ptr(), u.as_ptr(), params.len(), hp.lr, hp.weight_decay, adjusted_lr, e, n)
     })
 }
 

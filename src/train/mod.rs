@@ -5,6 +5,7 @@ pub mod collective;
 pub mod decode_eval;
 pub mod eval;
 pub mod link;
+pub mod muon;
 pub mod objective;
 pub mod optim;
 pub mod rounds;

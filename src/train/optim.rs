@@ -10,10 +10,12 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::ffi::accel::{AdamwStep, AdamwTensors, MuonStep, fused_adamw, muon_step};
+use crate::ffi::accel::{AdamwStep, AdamwTensors, MuonStep, fused_adamw};
 use crate::model::ModelError;
 use crate::model::flat_params::{FlatLayout, FlatParams};
 use crate::model::weights::{HostTensor, WeightFiles, write_safetensors};
+use crate::train::muon::MuonViews;
+pub use crate::train::muon::{MuonPlan, MuonShards, muon_adjusted_lr, muon_names};
 
 /// Which optimizer updates the weight matrices (`optim.optimizer`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -25,31 +27,6 @@ pub enum OptimizerKind {
     Muon,
 }
 
-/// Published names of parameters that stay on AdamW even as matrices (speculators' rule: embeddings, codebooks,
-/// output heads).
-const ADAMW_NAME_HINTS: [&str; 5] = ["embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2"];
-
-/// The parameters Muon updates: every 2-D published tensor with both dimensions above 1 that is not an embedding,
-/// codebook or output head (speculators 0.9.0, `train/optimizers.py: split_named_params_for_muon`). Each is
-/// orthogonalised on its own, also where the flat layout stacks several (q, k and v are three matrices).
-pub fn muon_names(layout: &FlatLayout) -> BTreeSet<String> {
-    layout
-        .named_shapes()
-        .into_iter()
-        .filter(|(name, shape)| {
-            shape.len() == 2 && shape.iter().all(|&d| d > 1) && !ADAMW_NAME_HINTS.iter().any(|h| name.contains(h))
-        })
-        .map(|(name, _)| name)
-        .collect()
-}
-
-/// Muon's step scaled to match AdamW's update RMS (torch.optim.Muon's `match_rms_adamw`, speculators' choice):
-/// `lr * 0.2 * sqrt(max(rows, cols))`.
-pub fn muon_adjusted_lr(lr: f64, shape: &[i64]) -> f64 {
-    let largest = shape.iter().copied().max().unwrap_or(1) as f64;
-    lr * 0.2 * largest.sqrt()
-}
-
 /// The optimizer's state.
 pub struct Optimizer {
     exp_avg: Tensor,
@@ -57,8 +34,8 @@ pub struct Optimizer {
     /// f32 scalar on the parameters' device, as the fused kernel reads it.
     step: Tensor,
     steps: u64,
-    /// With Muon: the published names it updates (their momentum buffers sit in `exp_avg`).
-    muon: Option<BTreeSet<String>>,
+    /// With Muon: the matrices it updates (their momentum buffers sit in `exp_avg`).
+    muon: Option<MuonPlan>,
 }
 
 impl Optimizer {
@@ -74,8 +51,8 @@ impl Optimizer {
         })
     }
 
-    fn split(layout: &FlatLayout, kind: OptimizerKind) -> Option<BTreeSet<String>> {
-        (kind == OptimizerKind::Muon).then(|| muon_names(layout))
+    fn split(layout: &FlatLayout, kind: OptimizerKind) -> Option<MuonPlan> {
+        (kind == OptimizerKind::Muon).then(|| MuonPlan::new(layout))
     }
 
     /// Updates applied so far.
@@ -92,38 +69,95 @@ impl Optimizer {
         settings: &UpdateSettings,
         grad_divisor: f64,
     ) -> Result<(), ModelError> {
-        self.steps += 1;
-        let _ = self.step.f_fill_(self.steps as f64)?;
-        let scale = Tensor::f_from_slice(&[grad_divisor as f32])?.f_to(params.master.device())?.f_squeeze()?;
-        let Some(muon) = &self.muon else {
+        self.count_step()?;
+        let Some(plan) = &self.muon else {
             let t = AdamwTensors {
                 params: std::slice::from_ref(&params.master),
                 grads: std::slice::from_ref(&params.grad),
                 exp_avgs: std::slice::from_ref(&self.exp_avg),
                 exp_avg_sqs: std::slice::from_ref(&self.exp_avg_sq),
             };
+            let scale = self.divisor_tensor(grad_divisor, params)?;
             tch::no_grad(|| fused_adamw(t, &self.step, settings.adamw, Some(&scale)))?;
             return Ok(());
         };
-        let Some(hp) = settings.muon else {
-            return Err(ModelError::Torch("the optimizer is Muon's but the step has no Muon settings".into()));
-        };
+        let hp = muon_settings(settings)?;
+        let views = self.views(params);
+        plan.step(&views.muon(), grad_divisor, hp)?;
+        self.adamw_rest(plan, &views, settings, grad_divisor, params)
+    }
+
+    /// A data-parallel member's part of a Muon update (every member has the same summed gradient): the momentum of
+    /// every matrix, and the orthogonalised updates of `member`'s share of them written into its segment of
+    /// `gathered` (bf16, [`MuonShards::gather_len`] elements). Once every member's segment is in `gathered`,
+    /// [`Optimizer::apply_gathered`] completes the update; the two give [`Optimizer::update`]'s result bit for bit.
+    pub fn orthogonalize_share(
+        &mut self,
+        params: &FlatParams,
+        settings: &UpdateSettings,
+        grad_divisor: f64,
+        shards: &MuonShards,
+        member: usize,
+        gathered: &Tensor,
+    ) -> Result<(), ModelError> {
+        let plan = self.muon_plan()?;
+        let views = self.views(params);
+        plan.orthogonalize_share(&views.muon(), grad_divisor, muon_settings(settings)?, shards, member, gathered)
+    }
+
+    /// The rest of a sharded Muon update: every matrix stepped by its update in `gathered`, AdamW for the others.
+    pub fn apply_gathered(
+        &mut self,
+        params: &FlatParams,
+        settings: &UpdateSettings,
+        grad_divisor: f64,
+        shards: &MuonShards,
+        gathered: &Tensor,
+    ) -> Result<(), ModelError> {
+        self.count_step()?;
+        let plan = self.muon_plan()?;
+        let views = self.views(params);
+        plan.apply_gathered(&views.muon(), muon_settings(settings)?, shards, gathered)?;
+        self.adamw_rest(plan, &views, settings, grad_divisor, params)
+    }
+
+    fn count_step(&mut self) -> Result<(), ModelError> {
+        self.steps += 1;
+        let _ = self.step.f_fill_(self.steps as f64)?;
+        Ok(())
+    }
+
+    fn muon_plan(&self) -> Result<&MuonPlan, ModelError> {
+        self.muon.as_ref().ok_or_else(|| ModelError::Torch("a sharded Muon update of an AdamW optimizer".into()))
+    }
+
+    /// The divisor as the fused AdamW kernel reads it: a scalar tensor on the parameters' device.
+    fn divisor_tensor(&self, grad_divisor: f64, params: &FlatParams) -> Result<Tensor, ModelError> {
+        Ok(Tensor::f_from_slice(&[grad_divisor as f32])?.f_to(params.master.device())?.f_squeeze()?)
+    }
+
+    fn views(&self, params: &FlatParams) -> LayoutViews {
         let layout = params.layout();
-        let views = [&params.master, &params.grad, &self.exp_avg, &self.exp_avg_sq].map(|t| layout.named_views(t));
-        let mut adamw: [Vec<Tensor>; 4] = Default::default();
-        for (i, (name, p)) in views[0].iter().enumerate() {
-            let (g, m, v) = (&views[1][i].1, &views[2][i].1, &views[3][i].1);
-            if muon.contains(name) {
-                let lr = muon_adjusted_lr(hp.lr, &p.size());
-                tch::no_grad(|| muon_step(p, g, m, grad_divisor, hp, lr))?;
-            } else {
-                for (list, t) in adamw.iter_mut().zip([p, g, m, v]) {
-                    list.push(t.shallow_clone());
-                }
-            }
-        }
-        let [p, g, m, v] = &adamw;
-        let t = AdamwTensors { params: p, grads: g, exp_avgs: m, exp_avg_sqs: v };
+        let [params, grads, exp_avg, exp_avg_sq] = [&params.master, &params.grad, &self.exp_avg, &self.exp_avg_sq]
+            .map(|t| layout.named_views(t).into_iter().map(|(_, v)| v).collect::<Vec<_>>());
+        LayoutViews { params, grads, exp_avg, exp_avg_sq }
+    }
+
+    /// AdamW's update of everything Muon does not update.
+    fn adamw_rest(
+        &self,
+        plan: &MuonPlan,
+        views: &LayoutViews,
+        settings: &UpdateSettings,
+        grad_divisor: f64,
+        params: &FlatParams,
+    ) -> Result<(), ModelError> {
+        let rest = |list: &[Tensor]| -> Vec<Tensor> {
+            list.iter().enumerate().filter(|(i, _)| !plan.is_muon_view(*i)).map(|(_, t)| t.shallow_clone()).collect()
+        };
+        let [p, g, m, v] = [&views.params, &views.grads, &views.exp_avg, &views.exp_avg_sq].map(|l| rest(l));
+        let t = AdamwTensors { params: &p, grads: &g, exp_avgs: &m, exp_avg_sqs: &v };
+        let scale = self.divisor_tensor(grad_divisor, params)?;
         tch::no_grad(|| fused_adamw(t, &self.step, settings.adamw, Some(&scale)))?;
         Ok(())
     }
@@ -131,7 +165,8 @@ impl Optimizer {
     /// Writes `optimizer.safetensors` at `path`: fp32 moments (and Muon's momentum buffers) under the published
     /// names, and the step.
     pub fn save(&self, path: &Path, layout: &FlatLayout) -> Result<(), ModelError> {
-        save_optimizer_state(path, layout, &self.exp_avg, &self.exp_avg_sq, &self.step, self.muon.as_ref())
+        let muon = self.muon.as_ref().map(MuonPlan::names);
+        save_optimizer_state(path, layout, &self.exp_avg, &self.exp_avg_sq, &self.step, muon)
     }
 
     /// The moments and the step tensor, for copying state to a joining replica.
@@ -162,7 +197,7 @@ impl Optimizer {
         tch::no_grad(|| -> Result<(), ModelError> {
             for (prefix, flat) in [("exp_avg", &exp_avg), ("exp_avg_sq", &exp_avg_sq)] {
                 for (name, mut view) in layout.named_views(flat) {
-                    let Some(key) = state_key(prefix, &name, muon.as_ref()) else { continue };
+                    let Some(key) = state_key(prefix, &name, muon.as_ref().map(MuonPlan::names)) else { continue };
                     let shape: Vec<usize> = view.size().iter().map(|&d| d as usize).collect();
                     let what = match kind {
                         OptimizerKind::AdamW => "AdamW's state of the drafter's shape (optim.optimizer = \"adamw\")",
@@ -186,13 +221,32 @@ impl Optimizer {
 
     /// With Muon, the parameters it updates (their first-moment slots hold its momentum buffers).
     pub fn muon_names(&self) -> Option<&BTreeSet<String>> {
-        self.muon.as_ref()
+        self.muon.as_ref().map(MuonPlan::names)
     }
 
     /// The moments, for tests and for copying state to a peer.
     pub fn moments(&self) -> (&Tensor, &Tensor) {
         (&self.exp_avg, &self.exp_avg_sq)
     }
+}
+
+/// The flat buffers' views, each in [`FlatLayout::named_views`]'s order.
+struct LayoutViews {
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+}
+
+impl LayoutViews {
+    /// What Muon works on (its momentum buffers are the first-moment slots).
+    fn muon(&self) -> MuonViews<'_> {
+        MuonViews { params: &self.params, grads: &self.grads, momentum: &self.exp_avg }
+    }
+}
+
+fn muon_settings(settings: &UpdateSettings) -> Result<MuonStep, ModelError> {
+    settings.muon.ok_or_else(|| ModelError::Torch("the optimizer is Muon's but the step has no Muon settings".into()))
 }
 
 /// The name in `optimizer.safetensors` of the `prefix` moment of parameter `name`: Muon's matrices keep one buffer,
@@ -410,9 +464,11 @@ mod tests {
         assert_eq!(opt.steps(), 3);
     }
 
-    /// Three steps of Muon (three matrices, two of them stacked in one flat group, each orthogonalised on its own) and
-    /// AdamW (a norm vector) against torch.optim.Muon and AdamW 2.11 (`scripts/fixtures/make_recipe_fixtures.py`), from
-    /// gradients summed over a loss weight of 2 (the divisor the trainer passes).
+    /// Three steps of Muon (seven matrices of three shapes, some stacked in one flat group, each orthogonalised on
+    /// its own, each shape's as one batch) and AdamW (a norm vector) against torch.optim.Muon and AdamW 2.11
+    /// (`scripts/fixtures/make_recipe_fixtures.py`), from gradients summed over a loss weight of 2 (the divisor the
+    /// trainer passes); the same with one matrix a batch, and shared by 2 and 3 data-parallel members whose updates
+    /// are gathered: all bit for bit the same.
     #[test]
     fn muon_and_adamw_match_torch() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/muon-torch-2.11.json");
@@ -420,59 +476,108 @@ mod tests {
         let floats = |v: &serde_json::Value| -> Vec<f32> {
             v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
         };
-        let (down, q, k, norm) = (
-            "layers.0.mlp.down_proj.weight",
-            "layers.0.self_attn.q_proj.weight",
-            "layers.0.self_attn.k_proj.weight",
-            "norm.weight",
-        );
-        let layout = FlatLayout::new(vec![
-            ParamGroup::new(vec![(down.into(), 6)], Some(4), 0.02),
-            ParamGroup::new(vec![(q.into(), 3)], Some(5), 0.02),
-            ParamGroup::new(vec![(k.into(), 5)], Some(5), 0.02),
-            ParamGroup::new(vec![(norm.into(), 4)], None, 0.0),
+        let name = |l: u32, p: &str| format!("layers.{l}.{p}.weight");
+        let (q, k, v, down) = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj");
+        let one = |n: String, rows: i64, cols: i64| ParamGroup::new(vec![(n, rows)], Some(cols), 0.02);
+        let norm = || ParamGroup::new(vec![("norm.weight".into(), 4)], None, 0.0);
+        let apart = FlatLayout::new(vec![
+            one(name(0, down), 6, 4),
+            one(name(0, q), 3, 5),
+            one(name(0, k), 5, 5),
+            one(name(0, v), 3, 5),
+            one(name(1, down), 6, 4),
+            one(name(1, q), 3, 5),
+            one(name(1, k), 5, 5),
+            norm(),
         ]);
         let stacked = FlatLayout::new(vec![
-            ParamGroup::new(vec![(down.into(), 6)], Some(4), 0.02),
-            ParamGroup::new(vec![(q.into(), 3), (k.into(), 5)], Some(5), 0.02),
-            ParamGroup::new(vec![(norm.into(), 4)], None, 0.0),
+            one(name(0, down), 6, 4),
+            ParamGroup::new(vec![(name(0, q), 3), (name(0, k), 5), (name(0, v), 3)], Some(5), 0.02),
+            norm(),
+            one(name(1, down), 6, 4),
+            ParamGroup::new(vec![(name(1, q), 3), (name(1, k), 5)], Some(5), 0.02),
         ]);
-        for layout in [layout, stacked] {
-            assert_eq!(muon_names(&layout), [down, q, k].map(String::from).into_iter().collect());
-            let mut params = FlatParams::zeros(layout.clone(), Device::Cpu).unwrap();
+        let (m, a) = (&f["muon"], &f["adamw"]);
+        let settings = UpdateSettings {
+            adamw: AdamwStep {
+                lr: a["lr"].as_f64().unwrap(),
+                beta1: a["betas"][0].as_f64().unwrap(),
+                beta2: a["betas"][1].as_f64().unwrap(),
+                weight_decay: a["weight_decay"].as_f64().unwrap(),
+                eps: a["eps"].as_f64().unwrap(),
+            },
+            muon: Some(MuonStep {
+                lr: m["lr"].as_f64().unwrap(),
+                momentum: m["momentum"].as_f64().unwrap(),
+                weight_decay: m["weight_decay"].as_f64().unwrap(),
+                ns_steps: m["ns_steps"].as_u64().unwrap() as u32,
+            }),
+            grad_clip: None,
+        };
+        for layout in [apart, stacked] {
+            let expected: BTreeSet<String> =
+                [0, 1].iter().flat_map(|&l| [name(l, down), name(l, q), name(l, k)]).chain([name(0, v)]).collect();
+            assert_eq!(muon_names(&layout), expected);
             let set = |flat: &Tensor, values: &serde_json::Value| {
                 for (name, mut view) in layout.named_views(flat) {
                     let v = Tensor::from_slice(&floats(&values[&name])).view(view.size().as_slice());
                     tch::no_grad(|| view.copy_(&v));
                 }
             };
-            set(&params.master, &f["initial"]);
-            let mut opt = Optimizer::new(&params, OptimizerKind::Muon).unwrap();
-            let (m, a) = (&f["muon"], &f["adamw"]);
-            let settings = UpdateSettings {
-                adamw: AdamwStep {
-                    lr: a["lr"].as_f64().unwrap(),
-                    beta1: a["betas"][0].as_f64().unwrap(),
-                    beta2: a["betas"][1].as_f64().unwrap(),
-                    weight_decay: a["weight_decay"].as_f64().unwrap(),
-                    eps: a["eps"].as_f64().unwrap(),
-                },
-                muon: Some(MuonStep {
-                    lr: m["lr"].as_f64().unwrap(),
-                    momentum: m["momentum"].as_f64().unwrap(),
-                    weight_decay: m["weight_decay"].as_f64().unwrap(),
-                    ns_steps: m["ns_steps"].as_u64().unwrap() as u32,
-                }),
-                grad_clip: None,
+            let replica = || {
+                let params = FlatParams::zeros(layout.clone(), Device::Cpu).unwrap();
+                set(&params.master, &f["initial"]);
+                let opt = Optimizer::new(&params, OptimizerKind::Muon).unwrap();
+                (params, opt)
             };
+            // One drafter with the default batches, one with a matrix a batch, and 2 and 3 members sharing the work.
+            let (params, mut opt) = replica();
+            let (single_params, mut single) = replica();
+            single.muon = Some(MuonPlan::with_batch_elements(&layout, 1));
+            let mut groups: Vec<(MuonShards, Vec<(FlatParams, Optimizer)>)> = [2, 3]
+                .into_iter()
+                .map(|n| (MuonPlan::new(&layout).shards(n), (0..n).map(|_| replica()).collect()))
+                .collect();
             for (grads, after) in f["grads"].as_array().unwrap().iter().zip(f["after"].as_array().unwrap()) {
-                set(&params.grad, grads);
-                let _ = tch::no_grad(|| params.grad.f_mul_scalar_(2.0)).unwrap();
+                let all = std::iter::once(&params)
+                    .chain([&single_params])
+                    .chain(groups.iter().flat_map(|(_, members)| members.iter().map(|(p, _)| p)));
+                for p in all {
+                    set(&p.grad, grads);
+                    let _ = tch::no_grad(|| p.grad.shallow_clone().f_mul_scalar_(2.0)).unwrap();
+                }
                 opt.update(&params, &settings, 2.0).unwrap();
+                single.update(&single_params, &settings, 2.0).unwrap();
+                for (shards, members) in &mut groups {
+                    let buffers: Vec<Tensor> = (0..members.len())
+                        .map(|_| Tensor::zeros([shards.gather_len()], (Kind::BFloat16, Device::Cpu)))
+                        .collect();
+                    for (member, (p, o)) in members.iter_mut().enumerate() {
+                        o.orthogonalize_share(p, &settings, 2.0, shards, member, &buffers[member]).unwrap();
+                    }
+                    // The all-gather: each member's segment from the member that computed it.
+                    let gathered = Tensor::zeros([shards.gather_len()], (Kind::BFloat16, Device::Cpu));
+                    for (member, buffer) in buffers.iter().enumerate() {
+                        let s = shards.segment(member);
+                        gathered.narrow(0, s.start, s.end - s.start).copy_(&buffer.narrow(0, s.start, s.end - s.start));
+                    }
+                    for (p, o) in members.iter_mut() {
+                        o.apply_gathered(p, &settings, 2.0, shards, &gathered).unwrap();
+                    }
+                }
                 for (name, view) in layout.named_views(&params.master) {
                     let got = Vec::<f32>::try_from(view.reshape([-1])).unwrap();
                     for (g, e) in got.iter().zip(floats(&after[&name])) {
                         assert!((g - e).abs() <= 2e-6 * e.abs().max(1.0), "{name}: {g} against torch's {e}");
+                    }
+                }
+                assert!(single_params.master.equal(&params.master), "a matrix a batch changes nothing");
+                for (shards, members) in &groups {
+                    for (member, (p, o)) in members.iter().enumerate() {
+                        let n = members.len();
+                        assert!(p.master.equal(&params.master), "member {member} of {n}: parameters");
+                        assert!(o.moments().0.equal(opt.moments().0), "member {member} of {n}: momentum");
+                        assert!(!shards.share(member).is_empty() && o.steps() == opt.steps());
                     }
                 }
             }
