@@ -10,6 +10,8 @@
 #   model                `data` up to the prompts: the model and the 64 unseen-topic prompts alone
 #   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
+#   muon                 the step with AdamW and with Muon at the qwen3-8b shapes, this binary against
+#                        .gpu-bin/dflash-base.xz (only `part`)
 #   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
 #                        default 768/256), packed and not (only `part`)
 #   dflash2              DFlash 2's drafter step and batch-1 drafting pass beside DFlash's at the released drafters'
@@ -117,6 +119,26 @@ bench)
     b pipeline --batch 4 --seq 768 --anchors 256 --steps 6 $objective
   done
   ;;
+muon)
+  # Muon's cost (issue 65, item 2): the drafter's step at the qwen3-8b shapes with AdamW and with Muon, its
+  # `optimizer` phase profiled, by this binary and by a baseline carried as .gpu-bin/dflash-base.xz (the binary before
+  # the change: same lease, same card), alternated, two rounds.
+  gpu_name
+  for round in 1 2; do
+    for bin in dflash dflash-base; do
+      [ -x "$work/bin/$bin" ] || continue
+      for shape in "--batch 4 --seq 768 --anchors 256" "--batch 4 --seq 3072 --anchors 512"; do
+        for opt in adamw muon; do
+          echo "{\"round\": $round, \"binary\": \"$bin\", \"shape\": \"$shape\", \"optimizer\": \"$opt\"}" \
+            >>"$out/muon.jsonl"
+          # shellcheck disable=SC2086
+          "$work/bin/$bin" bench --what drafter --preset qwen3-8b --device cuda:0 --json $shape --steps 8 --profile \
+            --set optim.optimizer=$opt 2>>"$out/bench.stderr" | tee -a "$out/muon.jsonl"
+        done
+      done
+    done
+  done
+  ;;
 pack)
   # Packing at the qwen3-8b shapes: 4 conversations of 768 tokens as 4 rows, and packed into one row of 3072; the
   # drafter's step alone and the pipeline (the target's capture of packed rows included).
@@ -173,5 +195,5 @@ lengths)
     esac
   done
   ;;
-*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | pack [SEQ/ANCHORS...] | dflash2 | test | lengths chat|data..." >&2; exit 2 ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | muon | pack [SEQ/ANCHORS...] | dflash2 | test | lengths chat|data..." >&2; exit 2 ;;
 esac

@@ -437,6 +437,10 @@ mod tests {
             (32, 8, 128, 16, 700, 100, true, Some(9)),
             (32, 8, 128, 16, 33_000, 20_001, true, Some(2048)),
             (16, 8, 64, 3, 2_000, 63, false, Some(70)),
+            // The odd sizes the sanitizer asks for (scripts/gpu/sanitize.sh): one head, a window of 1, a cache one
+            // past a split and a block one past a tile.
+            (1, 1, 64, 1, 65, 64, true, Some(1)),
+            (1, 1, 128, 17, 513, 496, false, Some(1)),
         ];
         for (heads, kv_heads, d, t, capacity, start, causal, window) in cases {
             let layer = LayerAttention { window, causal };
@@ -499,6 +503,9 @@ mod tests {
             (8, 4, 2, 128, true, None),
             (8, 2, 2, 64, true, Some(5)),
             (8, 4, 2, 128, false, Some(70)),
+            // The odd sizes the sanitizer asks for: one head and a window of 1.
+            (16, 1, 1, 64, false, Some(1)),
+            (8, 1, 1, 128, true, Some(1)),
         ];
         for (bs, heads, kv_heads, d, causal, window) in cases {
             assert!(block_ranges(&anchors, Some(&starts), batch, bs as usize, seq).is_some(), "blocks of {bs}");

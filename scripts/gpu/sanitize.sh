@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (issue 66, item 2; docs/development.md, "The kernels under compute-sanitizer"): every
+# hand-written kernel under compute-sanitizer's four tools (memcheck, racecheck, synccheck, initcheck), through the
+# library's GPU tests (their shapes include one head, a window of 1, a block one past a tile) and a short real-model
+# serve-train with a decoded evaluation. compute-sanitizer comes from PyPI's nvidia-cuda-sanitizer-api wheel (the
+# device has no CUDA toolkit): `pip download --no-deps "nvidia-cuda-sanitizer-api==13.0.*" -d .whl/sanitizer`
+# (14 MB; carried in .whl/sanitizer/, which the GGUF's call does not carry); the tests are `make gpu-bin`'s test-lib.
+#   tests [TOOL..]   the library's GPU tests (every #[ignore]d test one GPU runs) under each TOOL (default: all four)
+#   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck): README's recipe for 6 steps of
+#                    8 rows, then a decoded evaluation of 4 held-out prompts (32 new tokens, CUDA graphs); needs
+#                    recipe.sh `part` and `model` and synthesize.sh `synth` (any count) earlier in the lease
+# Each run's summary line to $out/sanitize.txt, its report to $out/TOOL-WHAT.log (the first 400 lines).
+set -uo pipefail
+source scripts/gpu/prologue.sh
+work=/tmp/dflash-recipe
+unpack_binaries "$work/bin"
+site=/tmp/sanitizer
+if [ ! -x "$site/nvidia/cu13/bin/compute-sanitizer" ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$site" .whl/sanitizer/*.whl || exit 2
+fi
+sanitizer=$site/nvidia/cu13/bin/compute-sanitizer
+gpu_name
+# The tests that need one GPU (the NCCL ones need a second rank or a second GPU).
+gpu_tests=(on_a_gpu_ replayed_ a_replay_recomputes)
+skip=(--skip on_two_gpus --skip a_missing_rank)
+
+# sanitize TOOL WHAT COMMAND..: COMMAND under TOOL, its verdict (the tool's error summary and the command's exit) in
+# sanitize.txt.
+sanitize() {
+  local tool=$1 what=$2 start=$SECONDS code log
+  shift 2
+  log=$out/$tool-$what.log
+  "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 "$@" >"$work/$tool-$what.full" 2>&1
+  code=$?
+  head -n 400 "$work/$tool-$what.full" >"$log"
+  echo "$tool $what: exit $code in $((SECONDS - start)) s; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+    "$work/$tool-$what.full" | sort | uniq -c | tr -s ' ' | paste -sd ';')" | tee -a "$out/sanitize.txt"
+}
+
+case "${1:-}" in
+tests)
+  shift
+  tools=("$@")
+  [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck initcheck)
+  for tool in "${tools[@]}"; do
+    sanitize "$tool" tests "$work/bin/test-lib" --test-threads 1 --include-ignored "${gpu_tests[@]}" "${skip[@]}"
+    grep -E "^test .* (ok|FAILED)$|test result" "$work/$tool-tests.full" | tail -20 >>"$out/sanitize.txt"
+  done
+  ;;
+train)
+  shift
+  data=$(ls -d "$work"/data-synth-* 2>/dev/null | head -1)
+  [ -n "$data" ] && [ -d "$work/model" ] || { echo "run recipe.sh model and synthesize.sh synth first" >&2; exit 2; }
+  head -n 4 "$work/heldout.jsonl" >"$work/sanitize-prompts.jsonl"
+  for tool in "${@:-memcheck}"; do
+    r=$work/runs/sanitize-$tool
+    rm -rf "$r" && mkdir -p "$r"
+    sanitize "$tool" train "$work/bin/dflash" serve-train --config config/smollm2-135m.toml \
+      --set "target.model=$work/model" --set "data.path=$data" --set "data.ledger=$r/ledger.jsonl" \
+      --set "checkpoint.dir=$r" --set control.listen=off --set optim.max_steps=6 --set data.batch_size=8 \
+      --set checkpoint.every_steps=0 --set eval.every_steps=6 --set eval.num_prompts=4 \
+      --set eval.max_new_tokens=32 --set "eval.prompts=$work/sanitize-prompts.jsonl"
+    grep -E "evaluation|run complete|ERROR|CUDA error" "$work/$tool-train.full" | cut -c1-300 >>"$out/sanitize.txt"
+  done
+  ;;
+*) echo "usage: $0 tests [TOOL..] | train [TOOL..]" >&2; exit 2 ;;
+esac
