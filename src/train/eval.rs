@@ -4,8 +4,9 @@ use serde::Serialize;
 
 use crate::data::TokenRow;
 use crate::model::{Drafter, Target};
+use crate::train::objective::FrozenHeads;
 use crate::train::objective::{Metrics, ObjectiveSettings};
-use crate::train::step::{FeatureBatch, FrozenHeads, TrainError, evaluate_batch};
+use crate::train::step::{FeatureBatch, TrainError, evaluate_batch};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalReport {

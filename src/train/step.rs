@@ -9,10 +9,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::model::{Drafter, ModelError, Target};
 use crate::profile::span;
+pub use crate::train::objective::FrozenHeads;
 use crate::train::objective::ObjectiveKnobs;
 use crate::train::objective::{
-    BlockPlan, Metrics, ObjectiveSettings, PlanTensors, Row, SelectorTargets, SlotTargets, TargetStates, Teacher,
-    anchor_rng, lm_head_loss, sample_anchors, valid_anchors,
+    Metrics, MicroBatch, ObjectiveSettings, Row, anchor_rng, micro_batch_loss, sample_anchors, valid_anchors,
 };
 use crate::train::optim::{Hyper, Optimizer, UpdateSettings, clip_factor};
 
@@ -122,11 +122,19 @@ impl FeatureBatch {
         anchors
     }
 
-    fn rows(&self) -> Vec<Row<'_>> {
-        self.input_ids.iter().zip(&self.loss_mask).map(|(ids, mask)| Row { input_ids: ids, loss_mask: mask }).collect()
-    }
-    fn seq_len(&self) -> usize {
-        self.target_hidden.size()[1] as usize
+    /// The batch as the objective reads it.
+    pub fn micro_batch(&self) -> MicroBatch<'_> {
+        MicroBatch {
+            rows: self
+                .input_ids
+                .iter()
+                .zip(&self.loss_mask)
+                .map(|(ids, mask)| Row { input_ids: ids, loss_mask: mask })
+                .collect(),
+            conversations: self.conversations.as_deref(),
+            target_hidden: &self.target_hidden,
+            target_last: self.target_last.as_ref(),
+        }
     }
 }
 
@@ -194,7 +202,7 @@ impl Trainer {
             let mut rng = anchor_rng(self.seed, batch.epoch, id);
             sample_anchors(&valid_anchors(mask), self.objective.num_anchors, &mut rng)
         });
-        run_blocks(&self.drafter, &self.heads(), &self.objective, batch, &anchors, true)
+        Ok(micro_batch_loss(&self.drafter, &self.heads(), &self.objective, &batch.micro_batch(), &anchors, true)?)
     }
 
     /// Evaluates every valid anchor (see [`evaluate_batch`]); nothing is updated.
@@ -237,12 +245,6 @@ impl Trainer {
     }
 }
 
-/// The target's frozen embedding and LM head (`[V, H]`, on the drafter's device in its dtype).
-pub struct FrozenHeads<'a> {
-    pub embed: &'a Tensor,
-    pub lm_head: &'a Tensor,
-}
-
 /// Evaluates every valid anchor of every row (no sampling: deterministic), `num_anchors` blocks per row per
 /// forward pass, without gradients.
 pub fn evaluate_batch(
@@ -271,7 +273,7 @@ pub fn evaluate_at(
     for pass in 0..passes {
         let chunk: Vec<Vec<usize>> =
             all.iter().map(|a| a.iter().skip(pass * per_pass).take(per_pass).copied().collect()).collect();
-        total.add(&run_blocks(drafter, heads, objective, batch, &chunk, false)?);
+        total.add(&micro_batch_loss(drafter, heads, objective, &batch.micro_batch(), &chunk, false)?);
     }
     Ok(total)
 }
@@ -321,163 +323,12 @@ fn check(drafter: &Drafter, objective: &ObjectiveSettings, batch: &FeatureBatch)
     Ok(())
 }
 
-/// Plans blocks at `anchors`, runs the drafter and the LM head; with `train`, backpropagates the weighted loss sum
-/// into the drafter's flat gradient.
-fn run_blocks(
-    drafter: &Drafter,
-    heads: &FrozenHeads,
-    objective: &ObjectiveSettings,
-    batch: &FeatureBatch,
-    anchors: &[Vec<usize>],
-    train: bool,
-) -> Result<Metrics, TrainError> {
-    let rows = batch.rows();
-    let device = drafter.device();
-    let group = device.is_cuda().then(|| objective.group_blocks(device));
-    let plan = BlockPlan::packed(&rows, anchors, batch.conversations.as_deref(), batch.seq_len(), group, objective);
-    if plan.kept_blocks() == 0 {
-        return Ok(Metrics::default());
-    }
-    let t = PlanTensors::new(&plan, objective, drafter.kind(), drafter.device())?;
-    let chunk = objective.lm_head_chunk_rows;
-    let teacher = TeacherTargets::new(objective.teacher, batch, heads.lm_head, &t, chunk)?;
-    let predecessors = match drafter.config().variant.dflash2() {
-        Some(_) => Some(t.predecessors(plan.block_size)?),
-        None => None,
-    };
-    let slots = SlotTargets {
-        labels: teacher.as_ref().map_or(&t.labels, |s| &s.labels),
-        weights: &t.weights,
-        distribution: teacher.as_ref().and_then(TeacherTargets::distribution),
-        selector: predecessors.as_ref().map(|predecessors| SelectorTargets {
-            drafter,
-            predecessors,
-            alpha: objective.selector_loss_alpha,
-        }),
-    };
-    let forward = || {
-        let emb = Tensor::embedding(heads.embed, &t.block_ids, -1, false, false);
-        let h = drafter.forward(&batch.target_hidden, &emb, &t.positions, &t.attention);
-        let flat = h.view([-1, h.size()[2]]);
-        (h, flat)
-    };
-    if !train {
-        let (_, flat) = tch::no_grad(forward);
-        let out = lm_head_loss(&flat, heads.lm_head, &slots, &plan, chunk, false)?;
-        return Ok(out.metrics);
-    }
-    let (h, flat) = forward();
-    let out = tch::no_grad(|| lm_head_loss(&flat.detach(), heads.lm_head, &slots, &plan, chunk, true))?;
-    let grad = out.grad.expect("requested").view_as(&h);
-    let _p = span("drafter.backward");
-    (h * grad).f_sum(Kind::Float)?.f_backward()?;
-    Ok(out.metrics)
-}
-
-/// The slots' targets where the objective learns from the target's predictions: the target's argmax after the
-/// position before each slot as its label and, for KL, the normed last states with the one each slot reads.
-struct TeacherTargets {
-    labels: Tensor,
-    /// `[B * S, H]` and `[B * N * bs]`, with [`Teacher::Distribution`].
-    states: Option<(Tensor, Tensor)>,
-}
-
-impl TeacherTargets {
-    /// `None` where the slots learn the data's tokens.
-    fn new(
-        teacher: Teacher,
-        batch: &FeatureBatch,
-        lm_head: &Tensor,
-        plan: &PlanTensors,
-        chunk_rows: i64,
-    ) -> Result<Option<Self>, TrainError> {
-        let (Some(last), true) = (&batch.target_last, teacher.needs_target_predictions()) else {
-            return Ok(None);
-        };
-        let _p = span("target.predictions");
-        let (b, s) = (last.size()[0], last.size()[1]);
-        let states = last.f_reshape([b * s, -1])?;
-        // Slot at position p reads the state at p - 1 of its row (slot 0 and slots past the row weigh nothing: any
-        // index in the row serves them).
-        let rows = (plan.positions.f_sub_scalar(1)?.f_clamp(0, s - 1)?
-            + Tensor::f_arange(b, (Kind::Int64, last.device()))?.f_mul_scalar(s)?.f_unsqueeze(1)?)
-        .f_reshape([-1])?;
-        let labels = tch::no_grad(|| target_argmax(&states, lm_head, chunk_rows))?.f_index_select(0, &rows)?;
-        let states = (teacher == Teacher::Distribution).then_some((states, rows));
-        Ok(Some(TeacherTargets { labels, states }))
-    }
-
-    fn distribution(&self) -> Option<TargetStates<'_>> {
-        self.states.as_ref().map(|(states, rows)| TargetStates { states, rows })
-    }
-}
-
-/// The target's next-token choice after each of `states [positions, H]`: the argmax of its LM head, `chunk_rows`
-/// positions at a time.
-fn target_argmax(states: &Tensor, lm_head: &Tensor, chunk_rows: i64) -> Result<Tensor, TrainError> {
-    let n = states.size()[0];
-    let step = chunk_rows.max(1);
-    let chunks = (0..n)
-        .step_by(step as usize)
-        .map(|start| {
-            crate::model::choice::greedy_tokens(
-                &states.f_narrow(0, start, step.min(n - start))?.f_linear(lm_head, None::<Tensor>)?,
-            )
-        })
-        .collect::<Result<Vec<Tensor>, ModelError>>()?;
-    Ok(Tensor::f_cat(&chunks, 0)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::presets::tiny;
     use crate::model::{Depth, Preset};
-
-    /// A slot at position `p` learns what the target predicts after `p - 1`: the argmax of its logits there, as
-    /// `Target::logits` computes them over the whole row; and the states the KL reads are the ones whose LM head
-    /// gives those logits.
-    #[test]
-    fn target_predictions_come_from_the_position_before_each_slot() {
-        let target = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();
-        let rows: Vec<Vec<i64>> = vec![(0..19).map(|t| (t * 7 + 3) % 200).collect(), (0..12).collect()];
-        let masks: Vec<Vec<u8>> = rows.iter().map(|r| (0..r.len()).map(|t| u8::from(t >= 2)).collect()).collect();
-        let batch =
-            FeatureBatch::capture(&target, vec![0, 1], 0, rows.clone(), masks, (Device::Cpu, Kind::Float), true)
-                .unwrap();
-        let alone = target.capture(&Tensor::from_slice(&rows[0]).view([1, 19]), &[19]).unwrap();
-        assert!(batch.target_hidden.get(0).allclose(&alone.get(0), 1e-5, 1e-5, false), "the taps are unchanged");
-        let objective = ObjectiveSettings { teacher: Teacher::Distribution, ..ObjectiveSettings::new(8, 4, None, 9) };
-        let anchors = vec![vec![2, 5, 15, 17], vec![3, 9, 10]];
-        let plan = BlockPlan::new(&batch.rows(), &anchors, batch.seq_len(), &objective);
-        let t = PlanTensors::new(&plan, &objective, Kind::Float, Device::Cpu).unwrap();
-        let teacher = TeacherTargets::new(objective.teacher, &batch, target.lm_head(), &t, 5).unwrap().unwrap();
-        let labels = Vec::<i64>::try_from(&teacher.labels).unwrap();
-        let (states, state_rows) = teacher.states.as_ref().unwrap();
-        let state_rows = Vec::<i64>::try_from(state_rows).unwrap();
-        let seq = batch.seq_len() as i64;
-        let mut checked = 0;
-        for (b, row) in rows.iter().enumerate() {
-            let logits = target.logits(&Tensor::from_slice(row).view([1, -1]), &[row.len() as i64]).unwrap().get(0);
-            for slot in 0..plan.blocks * plan.block_size {
-                let at = b * plan.blocks * plan.block_size + slot;
-                if plan.weights[at] == 0.0 {
-                    continue;
-                }
-                let p = plan.positions[at];
-                let expected = logits.get(p - 1).argmax(-1, false).int64_value(&[]);
-                assert_eq!(labels[at], expected, "row {b}, slot {slot} at position {p}");
-                let state = states.get(state_rows[at]);
-                let from_state = state.unsqueeze(0).linear(target.lm_head(), None::<Tensor>).get(0);
-                assert!(from_state.allclose(&logits.get(p - 1), 1e-4, 1e-4, false), "row {b}, position {p}");
-                assert_eq!(state_rows[at], b as i64 * seq + p - 1);
-                checked += 1;
-            }
-        }
-        assert!(checked >= 15, "{checked} slots checked");
-        // A random target's choices are not the data's tokens: the labels are the target's.
-        assert_ne!(labels, plan.labels);
-    }
+    use crate::train::objective::Teacher;
 
     /// An objective that learns from the target refuses a batch without the target's last states.
     #[test]
