@@ -2,8 +2,8 @@
 # Runs on the GPU machine (issue 66, item 2; docs/development.md, "The kernels under compute-sanitizer"): every
 # hand-written kernel under compute-sanitizer's four tools (memcheck, racecheck, synccheck, initcheck), through the
 # library's GPU tests (their shapes include one head, a window of 1, a block one past a tile) and a short real-model
-# serve-train with a decoded evaluation. compute-sanitizer comes from PyPI's nvidia-cuda-sanitizer-api wheel (the
-# device has no CUDA toolkit): `pip download --no-deps "nvidia-cuda-sanitizer-api==13.0.*" -d .whl/sanitizer`
+# serve-train with a decoded evaluation. compute-sanitizer is the image's where it has one, else PyPI's
+# nvidia-cuda-sanitizer-api wheel's: `pip download --no-deps "nvidia-cuda-sanitizer-api==13.0.*" -d .whl/sanitizer`
 # (14 MB; carried in .whl/sanitizer/, which the GGUF's call does not carry); the tests are `make gpu-bin`'s test-lib.
 #   tests [TOOL..]   the library's GPU tests (every #[ignore]d test one GPU runs) under each TOOL (default: all four)
 #   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck): README's recipe for 6 steps of
@@ -14,11 +14,15 @@ set -uo pipefail
 source scripts/gpu/prologue.sh
 work=/tmp/dflash-recipe
 unpack_binaries "$work/bin"
-site=/tmp/sanitizer
-if [ ! -x "$site/nvidia/cu13/bin/compute-sanitizer" ]; then
-  python3 -m pip install -q --no-index --no-deps --target "$site" .whl/sanitizer/*.whl || exit 2
+# The image's compute-sanitizer where it has one, else the wheel's.
+sanitizer=$(command -v compute-sanitizer)
+if [ -z "$sanitizer" ]; then
+  site=/tmp/sanitizer
+  [ -x "$site/nvidia/cu13/bin/compute-sanitizer" ] ||
+    python3 -m pip install -q --no-index --no-deps --target "$site" .whl/sanitizer/*.whl || exit 2
+  sanitizer=$site/nvidia/cu13/bin/compute-sanitizer
 fi
-sanitizer=$site/nvidia/cu13/bin/compute-sanitizer
+"$sanitizer" --version | tail -1 | tee -a "$out/sanitize.txt"
 gpu_name
 # The tests that need one GPU (the NCCL ones need a second rank or a second GPU).
 gpu_tests=(on_a_gpu_ replayed_ a_replay_recomputes)

@@ -49,8 +49,15 @@ fn preset_drafter(
 ) -> Result<crate::model::DrafterConfig, BenchError> {
     let mut cfg = crate::model::DrafterConfig::for_preset(preset, block_size);
     if layer_attention.iter().any(|l| l.restricts()) {
+        // One attention for every layer of the configuration is one for every layer of the preset's drafter (the
+        // tiny presets' have 2 where the configuration counts 5).
+        let layers = cfg.decoder.num_hidden_layers;
+        let attention = match layer_attention {
+            [first, rest @ ..] if rest.iter().all(|l| l == first) => vec![*first; layers],
+            each => each.to_vec(),
+        };
         cfg = cfg
-            .with_layer_attention(layer_attention.to_vec())
+            .with_layer_attention(attention)
             .map_err(|e| BenchError::Settings(format!("[draft_model] layer_types for the preset's drafter: {e}")))?;
     }
     cfg.with_variant(variant)
@@ -109,6 +116,19 @@ impl StepTimes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One attention set for the configuration's 5 layers fits a preset drafter of any depth; layers that differ
+    /// must match its depth.
+    #[test]
+    fn one_attention_for_every_layer_fits_the_presets_drafter() {
+        use crate::model::{LayerAttention, Preset, Variant};
+        let sliding = LayerAttention { window: Some(2048), causal: true };
+        let cfg = preset_drafter(Preset::Tiny, 16, &[sliding; 5], Variant::DFlash).unwrap();
+        assert_eq!(cfg.layer_attention, vec![sliding; 2]);
+        let mixed = [sliding, LayerAttention::default(), sliding, sliding, sliding];
+        let err = preset_drafter(Preset::Tiny, 16, &mixed, Variant::DFlash).unwrap_err().to_string();
+        assert!(err.contains("5 layers given for 2"), "{err}");
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {
