@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::quorum::{Admitted, BeatWatch, Closed, Decision, HostQuorum, Rank, RunningClock, sum_outcome};
+use super::store::KeyValueStore;
 use crate::ffi::store::{Store, StoreError};
 
 /// Rounds whose keys stay in the store after a later one closed (a host reading an older round has been dropped).
@@ -107,7 +108,7 @@ const PIECE: usize = 4 << 20;
 
 /// Sets `key` to `value` of any size: the pieces under `{key}/{i}` first, then `key` itself (the piece count and
 /// the length), which readers wait for.
-pub fn set_large(store: &Store, key: &str, value: &[u8]) -> Result<(), ExchangeError> {
+pub fn set_large(store: &dyn KeyValueStore, key: &str, value: &[u8]) -> Result<(), ExchangeError> {
     let pieces = value.chunks(PIECE).count();
     for (i, piece) in value.chunks(PIECE).enumerate() {
         store.set(&format!("{key}/{i}"), piece)?;
@@ -127,7 +128,7 @@ fn large_head(key: &str, head: &[u8]) -> Result<(usize, usize), ExchangeError> {
 }
 
 /// Waits up to `timeout` for `key` set by [`set_large`] and reads the whole value.
-pub fn get_large(store: &Store, key: &str, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
+pub fn get_large(store: &dyn KeyValueStore, key: &str, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
     let (pieces, len) = large_head(key, &store.get(key, timeout)?)?;
     let mut value = Vec::with_capacity(len);
     for i in 0..pieces {
@@ -141,7 +142,7 @@ pub fn get_large(store: &Store, key: &str, timeout: Duration) -> Result<Vec<u8>,
 }
 
 /// Deletes `key` set by [`set_large`] with its pieces (nothing when it is not set).
-fn delete_large(store: &Store, key: &str) -> Result<(), ExchangeError> {
+fn delete_large(store: &dyn KeyValueStore, key: &str) -> Result<(), ExchangeError> {
     if !store.check(key)? {
         return Ok(());
     }
@@ -153,12 +154,12 @@ fn delete_large(store: &Store, key: &str) -> Result<(), ExchangeError> {
 }
 
 /// Starts this host as a new generation (1 at its first start) and returns it.
-pub fn announce(store: &Store, rank: Rank) -> Result<u64, ExchangeError> {
+pub fn announce(store: &dyn KeyValueStore, rank: Rank) -> Result<u64, ExchangeError> {
     Ok(store.add(&generation_key(rank), 1)? as u64)
 }
 
 /// The generation each of `hosts` hosts announced last (0: not yet).
-pub fn generations(store: &Store, hosts: usize) -> Result<Vec<u64>, ExchangeError> {
+pub fn generations(store: &dyn KeyValueStore, hosts: usize) -> Result<Vec<u64>, ExchangeError> {
     Ok((0..hosts).map(|r| store.add(&generation_key(r), 0).map(|g| g as u64)).collect::<Result<_, _>>()?)
 }
 
@@ -177,7 +178,7 @@ fn unflagged(value: &[u8]) -> Option<(u64, bool)> {
 }
 
 /// Host `rank` is alive (a counter its feed reader adds to every [`BEAT_EVERY`], whatever its drafters do).
-pub fn beat(store: &Store, rank: Rank) -> Result<(), ExchangeError> {
+pub fn beat(store: &dyn KeyValueStore, rank: Rank) -> Result<(), ExchangeError> {
     store.add(&beat_key(rank), 1)?;
     Ok(())
 }
@@ -185,7 +186,7 @@ pub fn beat(store: &Store, rank: Rank) -> Result<(), ExchangeError> {
 /// Posts host `rank`'s contribution to `round` (as `generation`), with `payload` for the others to read; `settles`:
 /// its drafters sum over NCCL after the round closes and say whether they summed ([`post_summed`]).
 pub fn contribute(
-    store: &Store,
+    store: &dyn KeyValueStore,
     round: u64,
     rank: Rank,
     generation: u64,
@@ -197,7 +198,7 @@ pub fn contribute(
 }
 
 /// Waits up to `timeout` for the decision on `round`.
-pub fn wait_closed(store: &Store, round: u64, timeout: Duration) -> Result<Closed, ExchangeError> {
+pub fn wait_closed(store: &dyn KeyValueStore, round: u64, timeout: Duration) -> Result<Closed, ExchangeError> {
     let bytes = store.get(&closed_key(round), timeout)?;
     let r: ClosedRecord = serde_json::from_slice(&bytes)
         .map_err(|e| ExchangeError::Malformed { what: closed_key(round), message: e.to_string() })?;
@@ -211,7 +212,7 @@ const MEMBERSHIP_LOOK: Duration = Duration::from_secs(1);
 /// (`Dropped`) when the membership rank 0 posts no longer lists it. A host stopped while rank 0 closed more than
 /// [`KEEP_ROUNDS`] rounds would otherwise wait out `timeout` for a round whose keys are deleted, and miss the run.
 pub fn wait_closed_as(
-    store: &Store,
+    store: &dyn KeyValueStore,
     round: u64,
     rank: Rank,
     entered: Option<(u64, u64)>,
@@ -236,22 +237,28 @@ pub fn wait_closed_as(
 }
 
 /// The payload member `rank` posted to `round` (after the round closed with it as a member).
-pub fn payload(store: &Store, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
+pub fn payload(store: &dyn KeyValueStore, round: u64, rank: Rank, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
     get_large(store, &from_key(round, rank), timeout)
 }
 
 /// Posts the identity of the NCCL communicator the drafters of round `round` sum in (its membership is new).
-pub fn post_ring(store: &Store, round: u64, id: &[u8]) -> Result<(), ExchangeError> {
+pub fn post_ring(store: &dyn KeyValueStore, round: u64, id: &[u8]) -> Result<(), ExchangeError> {
     Ok(store.set(&ring_key(round), id)?)
 }
 
 /// Waits up to `timeout` for the identity [`post_ring`] posts.
-pub fn ring(store: &Store, round: u64, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
+pub fn ring(store: &dyn KeyValueStore, round: u64, timeout: Duration) -> Result<Vec<u8>, ExchangeError> {
     Ok(store.get(&ring_key(round), timeout)?)
 }
 
 /// Posts whether host `rank` (as `generation`) summed round `round` over NCCL (its drafters' all-reduce completed).
-pub fn post_summed(store: &Store, round: u64, rank: Rank, generation: u64, summed: bool) -> Result<(), ExchangeError> {
+pub fn post_summed(
+    store: &dyn KeyValueStore,
+    round: u64,
+    rank: Rank,
+    generation: u64,
+    summed: bool,
+) -> Result<(), ExchangeError> {
     store.set(&summed_key(round, rank), &flagged(generation, summed))?;
     store.add(&summed_count_key(round), 1)?;
     Ok(())
@@ -259,24 +266,29 @@ pub fn post_summed(store: &Store, round: u64, rank: Rank, generation: u64, summe
 
 /// Waits up to `timeout` for whether round `round`'s update applies on every host (the rendezvous host decides it
 /// from the members' [`post_summed`]).
-pub fn wait_applied(store: &Store, round: u64, timeout: Duration) -> Result<bool, ExchangeError> {
+pub fn wait_applied(store: &dyn KeyValueStore, round: u64, timeout: Duration) -> Result<bool, ExchangeError> {
     Ok(store.get(&applied_key(round), timeout)? == [1])
 }
 
 /// A donor's state for the admitted host.
-pub fn post_state(store: &Store, to: &Admitted, state: &[u8]) -> Result<(), ExchangeError> {
+pub fn post_state(store: &dyn KeyValueStore, to: &Admitted, state: &[u8]) -> Result<(), ExchangeError> {
     let mut value = vec![b'S'];
     value.extend_from_slice(state);
     set_large(store, &entry_key(to.rank, to.generation), &value)
 }
 
 /// Tells host `to` that no member had the run's state when it was admitted.
-fn post_no_donor(store: &Store, to: &Admitted) -> Result<(), ExchangeError> {
+fn post_no_donor(store: &dyn KeyValueStore, to: &Admitted) -> Result<(), ExchangeError> {
     set_large(store, &entry_key(to.rank, to.generation), b"F")
 }
 
 /// Waits up to `timeout` for what generation `generation` of host `rank` starts from (and deletes it).
-pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration) -> Result<Entry, ExchangeError> {
+pub fn wait_entry(
+    store: &dyn KeyValueStore,
+    rank: Rank,
+    generation: u64,
+    timeout: Duration,
+) -> Result<Entry, ExchangeError> {
     let key = entry_key(rank, generation);
     let mut value = get_large(store, &key, timeout)?;
     delete_large(store, &key)?;
@@ -289,13 +301,19 @@ pub fn wait_entry(store: &Store, rank: Rank, generation: u64, timeout: Duration)
 }
 
 /// What host `rank` (as `generation`) trains at `step`, as rank 0 assigns it.
-pub fn post_feed(store: &Store, rank: Rank, generation: u64, step: u64, items: &[u8]) -> Result<(), ExchangeError> {
+pub fn post_feed(
+    store: &dyn KeyValueStore,
+    rank: Rank,
+    generation: u64,
+    step: u64,
+    items: &[u8],
+) -> Result<(), ExchangeError> {
     Ok(store.set(&feed_key(rank, generation, step), items)?)
 }
 
 /// Waits up to `timeout` for this host's items of `step` and takes them (the key is deleted).
 pub fn take_feed(
-    store: &Store,
+    store: &dyn KeyValueStore,
     rank: Rank,
     generation: u64,
     step: u64,
@@ -308,12 +326,12 @@ pub fn take_feed(
 }
 
 /// Rank 0 ended the run with exit status `code`.
-pub fn post_finished(store: &Store, code: i32) -> Result<(), ExchangeError> {
+pub fn post_finished(store: &dyn KeyValueStore, code: i32) -> Result<(), ExchangeError> {
     Ok(store.set(FINISHED, &code.to_le_bytes())?)
 }
 
 /// The run's exit status, once rank 0 ended it.
-pub fn finished(store: &Store) -> Result<Option<i32>, ExchangeError> {
+pub fn finished(store: &dyn KeyValueStore) -> Result<Option<i32>, ExchangeError> {
     if !store.check(FINISHED)? {
         return Ok(None);
     }
@@ -327,7 +345,7 @@ pub fn finished(store: &Store) -> Result<Option<i32>, ExchangeError> {
 pub type Membership = (u64, Vec<(Rank, u64)>);
 
 /// The membership rank 0 posted at the last round it closed, once it closed one.
-pub fn members(store: &Store) -> Result<Option<Membership>, ExchangeError> {
+pub fn members(store: &dyn KeyValueStore) -> Result<Option<Membership>, ExchangeError> {
     if !store.check(MEMBERS)? {
         return Ok(None);
     }
@@ -345,24 +363,34 @@ pub fn still_member(rank: Rank, (generation, from): (u64, u64), members: &Member
 }
 
 /// Another host saw the run's end.
-pub fn acknowledge_finished(store: &Store) -> Result<(), ExchangeError> {
+pub fn acknowledge_finished(store: &dyn KeyValueStore) -> Result<(), ExchangeError> {
     store.add(FINISHED_ACKS, 1)?;
     Ok(())
 }
 
 /// How many hosts saw the run's end.
-pub fn finished_acks(store: &Store) -> Result<usize, ExchangeError> {
+pub fn finished_acks(store: &dyn KeyValueStore) -> Result<usize, ExchangeError> {
     Ok(store.add(FINISHED_ACKS, 0)?.max(0) as usize)
 }
 
+/// Seconds since some fixed start: the time the coordinator's deadlines and beats are measured against.
+pub type Clock = Box<dyn Fn() -> f64 + Send>;
+
+/// The process's clock: seconds since the call.
+pub fn wall_clock() -> Clock {
+    let started = Instant::now();
+    Box::new(move || started.elapsed().as_secs_f64())
+}
+
 /// The rendezvous host's side: reads announcements and contributions, decides with [`HostQuorum`], posts decisions.
-pub struct Coordinator {
-    store: Store,
+/// Over any [`KeyValueStore`] and [`Clock`]: the process's are a TCPStore and the wall clock.
+pub struct Coordinator<S: KeyValueStore = Store> {
+    store: S,
     hosts: usize,
     quorum: HostQuorum,
     /// The generation last seen of each host.
     seen: Vec<u64>,
-    started: Instant,
+    clock: Clock,
     /// The time the coordinator ran, which the rounds' deadlines are measured in.
     running: RunningClock,
     /// Closed rounds whose update waits for the members to say they summed (NCCL): their members with generations,
@@ -377,9 +405,20 @@ pub struct Coordinator {
     gone: BTreeSet<(Rank, u64)>,
 }
 
-impl Coordinator {
+impl<S: KeyValueStore> Coordinator<S> {
     /// Coordinates `hosts` hosts from round `round`, the founders being those announced now (their generations).
-    pub fn new(store: Store, hosts: usize, round: u64, deadline: Duration) -> Result<Self, ExchangeError> {
+    pub fn new(store: S, hosts: usize, round: u64, deadline: Duration) -> Result<Self, ExchangeError> {
+        Self::with_clock(store, hosts, round, deadline, wall_clock())
+    }
+
+    /// [`Coordinator::new`] measuring time by `clock`.
+    pub fn with_clock(
+        store: S,
+        hosts: usize,
+        round: u64,
+        deadline: Duration,
+        clock: Clock,
+    ) -> Result<Self, ExchangeError> {
         let seen = generations(&store, hosts)?;
         let founders: Vec<(Rank, u64)> =
             seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
@@ -389,7 +428,7 @@ impl Coordinator {
             hosts,
             quorum,
             seen,
-            started: Instant::now(),
+            clock,
             running: RunningClock::new(STOPPED_AFTER_S),
             unsettled: BTreeMap::new(),
             open_round_settles: false,
@@ -413,7 +452,7 @@ impl Coordinator {
             }
         }
         // Deadlines count the time this process ran: a stop of rank 0 is charged to no host.
-        let now = self.running.read(self.started.elapsed().as_secs_f64());
+        let now = self.running.read((self.clock)());
         let round = self.quorum.round();
         for rank in self.quorum.members() {
             let key = arrived_key(round, rank);
@@ -467,7 +506,7 @@ impl Coordinator {
         let counts: Vec<(Rank, i64)> =
             others.map(|rank| Ok((rank, self.store.add(&beat_key(rank), 0)?))).collect::<Result<_, ExchangeError>>()?;
         // The time after the reads: a store that held them up shows as a gap, not as silence.
-        let now = self.started.elapsed().as_secs_f64();
+        let now = (self.clock)();
         let stall = 4.0 * BEAT_EVERY.as_secs_f64();
         for rank in self.beats.read(now, &counts, GONE_AFTER.as_secs_f64(), stall) {
             if let Some(generation) = self.quorum.generation(rank) {
@@ -549,6 +588,45 @@ mod tests {
         assert!(matches!(dropped, ExchangeError::Dropped { rank: 1, round: 4 }), "{dropped}");
         let still = wait_closed_as(&store, 4, 2, Some((1, 2)), Duration::from_secs(3)).unwrap_err();
         assert!(matches!(still, ExchangeError::Store(StoreError::Timeout { .. })), "{still}");
+    }
+
+    /// The coordinator over an in-memory store and a clock of the test's: a host that stops beating is dropped
+    /// after [`GONE_AFTER`] of the coordinator's time, one that beats but does not contribute at the round's
+    /// deadline, and neither waits a second of wall time.
+    #[test]
+    fn a_silent_host_goes_at_its_beats_and_a_late_one_at_the_deadline_on_the_coordinators_clock() {
+        use std::sync::atomic::AtomicU64;
+
+        use crate::cluster::store::MemoryStore;
+        let started = Instant::now();
+        for beating in [false, true] {
+            let store = MemoryStore::new();
+            for rank in 0..2 {
+                announce(&store, rank).unwrap();
+            }
+            let now = Arc::new(AtomicU64::new(0f64.to_bits()));
+            let clock_now = now.clone();
+            let clock: Clock = Box::new(move || f64::from_bits(clock_now.load(Ordering::SeqCst)));
+            let mut c = Coordinator::with_clock(&store, 2, 0, Duration::from_secs(30), clock).unwrap();
+            contribute(&store, 0, 0, 1, false, b"rank 0").unwrap();
+            let mut t = 0.0;
+            let closed = loop {
+                if let Some(closed) = c.poll().unwrap() {
+                    break closed;
+                }
+                assert!(t < 60.0, "round 0 never closed");
+                t += 0.25;
+                now.store(f64::to_bits(t), Ordering::SeqCst);
+                if beating {
+                    beat(&store, 1).unwrap();
+                }
+            };
+            assert_eq!((closed.members.clone(), closed.dropped.clone()), (vec![0], vec![1]));
+            let expected = if beating { 30.0 } else { GONE_AFTER.as_secs_f64() };
+            assert!((expected..expected + 2.0).contains(&t), "beating {beating}: closed at {t} s");
+            assert_eq!(wait_closed(&store, 0, WAIT).unwrap().members, vec![0], "the decision is posted");
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "no waiting on the wall clock");
     }
 
     /// A host is still a member while rank 0's last membership lists its generation; a membership from before the

@@ -6,3 +6,4 @@ pub mod background;
 pub mod exchange;
 pub mod launch;
 pub mod quorum;
+pub mod store;
