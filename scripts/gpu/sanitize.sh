@@ -5,8 +5,9 @@
 # serve-train with a decoded evaluation. compute-sanitizer is the image's where it has one, else PyPI's
 # nvidia-cuda-sanitizer-api wheel's: `pip download --no-deps "nvidia-cuda-sanitizer-api==13.0.*" -d .whl/sanitizer`
 # (14 MB; carried in .whl/sanitizer/, which the GGUF's call does not carry); the tests are `make gpu-bin`'s test-lib.
-#   tests [TOOL..]   the library's GPU tests (every #[ignore]d test one GPU runs) under each TOOL (default: all four)
-#   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck): README's recipe for 6 steps of
+#   tests [TOOL..]   the library's GPU tests (every #[ignore]d test one GPU runs) under each TOOL (default: all four,
+#                    and memcheck-nocache, below)
+#   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck and memcheck-nocache): README's recipe for 6 steps of
 #                    8 rows, then a decoded evaluation of 4 held-out prompts (32 new tokens, CUDA graphs); needs
 #                    recipe.sh `part` and `model` and synthesize.sh `synth` (any count) earlier in the lease
 # Each run's summary line to $out/sanitize.txt, its report to $out/TOOL-WHAT.log (the first 400 lines).
@@ -30,22 +31,26 @@ skip=(--skip on_two_gpus --skip a_missing_rank)
 
 # sanitize TOOL WHAT COMMAND..: COMMAND under TOOL, its verdict (the tool's error summary and the command's exit) in
 # sanitize.txt.
+# TOOL `memcheck-nocache` is memcheck with libtorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every
+# free returns the memory to the driver, so a kernel that reads a tensor freed on another stream, or after its last
+# use, reads unmapped memory and is reported, where the cache would have handed it a live block (issue 66, item 3).
 sanitize() {
-  local tool=$1 what=$2 start=$SECONDS code log
+  local name=$1 tool=$1 what=$2 start=$SECONDS code full env=()
   shift 2
-  log=$out/$tool-$what.log
-  "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 "$@" >"$work/$tool-$what.full" 2>&1
+  full=$work/$name-$what.full
+  [ "$tool" = memcheck-nocache ] && { env=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1); tool=memcheck; }
+  "${env[@]}" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 "$@" >"$full" 2>&1
   code=$?
-  head -n 400 "$work/$tool-$what.full" >"$log"
-  echo "$tool $what: exit $code in $((SECONDS - start)) s; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
-    "$work/$tool-$what.full" | sort | uniq -c | tr -s ' ' | paste -sd ';')" | tee -a "$out/sanitize.txt"
+  head -n 400 "$full" >"$out/$name-$what.log"
+  echo "$name $what: exit $code in $((SECONDS - start)) s; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$full" |
+    sort | uniq -c | tr -s ' ' | paste -sd ';')" | tee -a "$out/sanitize.txt"
 }
 
 case "${1:-}" in
 tests)
   shift
   tools=("$@")
-  [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck initcheck)
+  [ ${#tools[@]} -gt 0 ] || tools=(memcheck memcheck-nocache racecheck synccheck initcheck)
   for tool in "${tools[@]}"; do
     sanitize "$tool" tests "$work/bin/test-lib" --test-threads 1 --include-ignored "${gpu_tests[@]}" "${skip[@]}"
     grep -E "^test .* (ok|FAILED)$|test result" "$work/$tool-tests.full" | tail -20 >>"$out/sanitize.txt"
@@ -56,7 +61,9 @@ train)
   data=$(ls -d "$work"/data-synth-* 2>/dev/null | head -1)
   [ -n "$data" ] && [ -d "$work/model" ] || { echo "run recipe.sh model and synthesize.sh synth first" >&2; exit 2; }
   head -n 4 "$work/heldout.jsonl" >"$work/sanitize-prompts.jsonl"
-  for tool in "${@:-memcheck}"; do
+  tools=("$@")
+  [ ${#tools[@]} -gt 0 ] || tools=(memcheck memcheck-nocache)
+  for tool in "${tools[@]}"; do
     r=$work/runs/sanitize-$tool
     rm -rf "$r" && mkdir -p "$r"
     sanitize "$tool" train "$work/bin/dflash" serve-train --config config/smollm2-135m.toml \
