@@ -403,6 +403,8 @@ pub struct Coordinator<S: KeyValueStore = Store> {
     beats: BeatWatch,
     /// Members found gone by their silence, `(rank, generation)`: they will never say whether they summed.
     gone: BTreeSet<(Rank, u64)>,
+    /// When the open round falls due on the clock, as the last look found it.
+    due: Option<f64>,
 }
 
 impl<S: KeyValueStore> Coordinator<S> {
@@ -422,20 +424,32 @@ impl<S: KeyValueStore> Coordinator<S> {
         let seen = generations(&store, hosts)?;
         let founders: Vec<(Rank, u64)> =
             seen.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
-        let quorum = HostQuorum::new(round, &founders, 0.0, deadline.as_secs_f64());
+        // The founding is the running clock's first reading: the first round's deadline counts from it, and a gap
+        // from it to the first look is a stop like any other.
+        let mut running = RunningClock::new(STOPPED_AFTER_S);
+        let start = running.read(clock());
+        let quorum = HostQuorum::new(round, &founders, start, deadline.as_secs_f64());
         Ok(Coordinator {
             store,
             hosts,
             quorum,
             seen,
             clock,
-            running: RunningClock::new(STOPPED_AFTER_S),
+            running,
             unsettled: BTreeMap::new(),
             open_round_settles: false,
             deadline_s: deadline.as_secs_f64(),
             beats: BeatWatch::default(),
             gone: BTreeSet::new(),
+            due: None,
         })
+    }
+
+    /// When, on the coordinator's clock, the open round falls due (its deadline, moved on by any stop of this
+    /// process), as the last [`Coordinator::poll`] found it: a caller that looks only when something happens (a
+    /// simulation) looks again then. `None` before the first look and once a round closed or stalled.
+    pub fn due(&self) -> Option<f64> {
+        self.due
     }
 
     pub fn members(&self) -> Vec<Rank> {
@@ -452,7 +466,9 @@ impl<S: KeyValueStore> Coordinator<S> {
             }
         }
         // Deadlines count the time this process ran: a stop of rank 0 is charged to no host.
-        let now = self.running.read((self.clock)());
+        let clock = (self.clock)();
+        let now = self.running.read(clock);
+        self.due = None;
         let round = self.quorum.round();
         for rank in self.quorum.members() {
             let key = arrived_key(round, rank);
@@ -464,9 +480,14 @@ impl<S: KeyValueStore> Coordinator<S> {
             }
         }
         self.settle_sums(now)?;
-        self.read_beats(now)?;
+        // Beats are judged on the clock, not the running time: a silence is a silence however long this process
+        // was stopped (the beat watch discounts a reader that did not run).
+        self.read_beats(clock)?;
         match self.quorum.poll(now) {
-            Decision::Wait { .. } => Ok(None),
+            Decision::Wait { until } => {
+                self.due = Some(clock + (until - now).max(0.0));
+                Ok(None)
+            }
             Decision::Stalled { round } => Err(ExchangeError::Stalled { round }),
             Decision::Close(closed) => {
                 let record = ClosedRecord {
@@ -498,8 +519,8 @@ impl<S: KeyValueStore> Coordinator<S> {
     /// Every [`BEAT_EVERY`] / 2: a member host other than this one (rank 0, which does not beat) whose beat has not
     /// moved for [`GONE_AFTER`] is gone (its process died without a restart announcing it): the quorum closes
     /// rounds without it from now on.
-    fn read_beats(&mut self, now: f64) -> Result<(), ExchangeError> {
-        if self.beats.last_read().is_some_and(|t| now - t < BEAT_EVERY.as_secs_f64() / 2.0) {
+    fn read_beats(&mut self, clock: f64) -> Result<(), ExchangeError> {
+        if self.beats.last_read().is_some_and(|t| clock - t < BEAT_EVERY.as_secs_f64() / 2.0) {
             return Ok(());
         }
         let others = self.quorum.members().into_iter().filter(|&r| r != 0);
@@ -627,6 +648,42 @@ mod tests {
             assert_eq!(wait_closed(&store, 0, WAIT).unwrap().members, vec![0], "the decision is posted");
         }
         assert!(started.elapsed() < Duration::from_secs(5), "no waiting on the wall clock");
+    }
+
+    /// After rank 0's process was stopped for a while, beats are still read every half beat: a host that stops
+    /// beating goes after GONE_AFTER, not the stop's length later. (The beat reads were once spaced by running time
+    /// against a clock reading, which spaced them by every stop so far: found when the simulation began to drive
+    /// this coordinator.)
+    #[test]
+    fn a_stop_of_rank_0_does_not_slow_the_beat_reads_after_it() {
+        use std::sync::atomic::AtomicU64;
+
+        use crate::cluster::store::MemoryStore;
+        let store = MemoryStore::new();
+        for rank in 0..2 {
+            announce(&store, rank).unwrap();
+        }
+        let now = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let clock_now = now.clone();
+        let clock: Clock = Box::new(move || f64::from_bits(clock_now.load(Ordering::SeqCst)));
+        let mut c = Coordinator::with_clock(&store, 2, 0, Duration::from_secs(30), clock).unwrap();
+        contribute(&store, 0, 0, 1, false, b"rank 0").unwrap();
+        let mut t: f64 = 0.0;
+        let closed = loop {
+            if let Some(closed) = c.poll().unwrap() {
+                break closed;
+            }
+            assert!(t < 80.0, "round 0 never closed");
+            // Rank 0 is stopped from 5 s to 25 s (no looks); host 1 beats until 30 s, then dies.
+            t = if (5.0..25.0).contains(&t) { 25.0 } else { t + 0.25 };
+            now.store(t.to_bits(), Ordering::SeqCst);
+            if t <= 30.0 {
+                beat(&store, 1).unwrap();
+            }
+        };
+        assert_eq!(closed.dropped, vec![1]);
+        let gone_at = 30.0 + GONE_AFTER.as_secs_f64();
+        assert!((gone_at..gone_at + 1.5).contains(&t), "host 1 dropped at {t} s; its silence began at 30 s");
     }
 
     /// A host is still a member while rank 0's last membership lists its generation; a membership from before the

@@ -44,27 +44,33 @@ impl KeyValueStore for Store {
     }
 }
 
-/// A borrowed store is a store (a coordinator over a test's or a simulation's [`MemoryStore`] it keeps reading).
-impl<T: KeyValueStore + ?Sized> KeyValueStore for &T {
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        (**self).set(key, value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
-        (**self).get(key, timeout)
-    }
-    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
-        (**self).add(key, delta)
-    }
-    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
-        (**self).compare_set(key, expected, desired)
-    }
-    fn check(&self, key: &str) -> Result<bool, StoreError> {
-        (**self).check(key)
-    }
-    fn delete(&self, key: &str) -> Result<(), StoreError> {
-        (**self).delete(key)
-    }
+/// A borrowed or shared store is a store (a coordinator over a test's or a simulation's [`MemoryStore`] that it
+/// keeps reading).
+macro_rules! store_through {
+    ($($pointer:ty),*) => {$(
+        impl<T: KeyValueStore + ?Sized> KeyValueStore for $pointer {
+            fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+                (**self).set(key, value)
+            }
+            fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+                (**self).get(key, timeout)
+            }
+            fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+                (**self).add(key, delta)
+            }
+            fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>, StoreError> {
+                (**self).compare_set(key, expected, desired)
+            }
+            fn check(&self, key: &str) -> Result<bool, StoreError> {
+                (**self).check(key)
+            }
+            fn delete(&self, key: &str) -> Result<(), StoreError> {
+                (**self).delete(key)
+            }
+        }
+    )*};
 }
+store_through!(&T, std::rc::Rc<T>, std::sync::Arc<T>);
 
 /// A store in this process's memory, shared by reference: a TCPStore's semantics (counters are decimal text, as
 /// c10d keeps them; a get waits for the key) without its server.

@@ -12,8 +12,9 @@
 //!
 //! A third of the seeds are runs of 2-3 hosts ([`Cluster`]): each host a world of its own with its own core (rank 0
 //! the leader, the others followers) behind its own driver, over one store ([`Store`]) that rank 0's process serves
-//! and that dies with it, holding the real quorum ([`HostQuorum`], its deadlines on a [`RunningClock`]), the beats
-//! ([`BeatWatch`]), the assignments, the rounds' contributions and decisions, and the hosts' entries. Each host's
+//! and that dies with it, holding the protocol's keys in a [`MemoryStore`] and rank 0's real [`Coordinator`] over them
+//! on the simulated clock (generations, beats, arrivals, decisions, membership), the assignments, the rounds'
+//! contributions, and the hosts' entries. Each host's
 //! link judges rank 0 with the real [`LeaderWatch`] and its membership with the real `still_member`. Any host may be
 //! stopped (shorter or longer than `cluster.leader_timeout_s`) or killed; the store is slow now and then; a host
 //! killed or left out enters again at a round boundary with a live host's state; rank 0 lost, the others checkpoint
@@ -44,6 +45,8 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -58,8 +61,9 @@ use super::protocol::{
 };
 use super::schedule::Item;
 use super::spawned::Spawned;
-use crate::cluster::exchange::{BEAT_EVERY, GONE_AFTER, STOPPED_AFTER_S, still_member};
-use crate::cluster::quorum::{BeatWatch, Closed, Decision, HostQuorum, LeaderWatch, Reply, RunningClock};
+use crate::cluster::exchange::{Coordinator, ExchangeError, announce, beat, contribute, generations, still_member};
+use crate::cluster::quorum::{Closed, LeaderWatch, Reply};
+use crate::cluster::store::MemoryStore;
 use crate::config::Config;
 use crate::data::SampleId;
 use crate::data::loader::BatchId;
@@ -420,9 +424,9 @@ struct Armed {
     fail_scan: bool,
 }
 
-/// What the hosts of a run share: rank 0's store, served by rank 0's process (it dies with it), with the quorum
-/// its coordinator keeps ([`HostQuorum`], the real one), each host's announced generation, the contributions to
-/// rounds and their decisions, the assignments, the beats and the run's end. What one host does through it reaches
+/// What the hosts of a run share: rank 0's store, served by rank 0's process (it dies with it): the protocol's keys
+/// (each host's announced generation, beats, arrivals, decisions) with rank 0's real coordinator over them, the
+/// contributions to rounds, the assignments and the run's end. What one host does through it reaches
 /// another as an occurrence of that host's world (`mail`), which the cluster hands over after each event.
 #[derive(Default)]
 struct Store {
@@ -430,17 +434,16 @@ struct Store {
     served_by: u32,
     /// Rank 0's process is stopped from `.0` until `.1`: the store does not answer meanwhile.
     stopped: (Duration, Duration),
-    /// The coordinator's quorum, from the run's founding (none once it stalled), and the clock of its deadlines.
-    quorum: Option<HostQuorum>,
-    running: Option<RunningClock>,
+    /// The keys the real protocol writes (generations, beats, arrivals, decisions, membership), in memory, and rank
+    /// 0's real coordinator over them from the run's founding (none once it stalled), on the simulated clock: seconds
+    /// since the founding, which `clock` holds as f64 bits.
+    keys: Rc<MemoryStore>,
+    coordinator: Option<Coordinator<Rc<MemoryStore>>>,
+    founded_at: Duration,
+    clock: Arc<AtomicU64>,
     stalled: bool,
-    beats_read: BeatWatch,
-    /// Per rank: the newest generation announced, the one the coordinator saw, the beat counter.
-    generations: Vec<u64>,
-    seen: Vec<u64>,
-    beats: Vec<i64>,
-    /// Contributions by round and rank: the host's record, the state its replicas started the round from, and the
-    /// samples it had committed before it.
+    /// Contributions by round and rank, beside the arrival the coordinator reads: the host's record, the state its
+    /// replicas started the round from, and the samples it had committed before it.
     posted: BTreeMap<u64, BTreeMap<usize, (HostRecord, Replica, u64)>>,
     /// The members of closed rounds, with their generations (kept a while, for contributions that come late).
     closed: BTreeMap<u64, Vec<(usize, u64)>>,
@@ -761,18 +764,9 @@ impl World {
         self.link = Link::new(&self.p);
         if self.rank == 0 && self.p.hosts > 1 {
             // Rank 0's process serves a new store.
-            let hosts = self.p.hosts;
             let mut store = self.store.borrow_mut();
             let (round_start, mail) = (std::mem::take(&mut store.round_start), std::mem::take(&mut store.mail));
-            *store = Store {
-                served_by: self.process,
-                generations: vec![0; hosts],
-                seen: vec![0; hosts],
-                beats: vec![0; hosts],
-                round_start,
-                mail,
-                ..Store::default()
-            };
+            *store = Store { served_by: self.process, round_start, mail, ..Store::default() };
         }
         self.after(ms(200), Occ::Tick);
         driver.start(self);
@@ -813,8 +807,7 @@ impl World {
             self.kill(id, generation, FailureKind::Torch, "the rendezvous host cannot be reached");
             return false;
         }
-        store.generations[self.rank] += 1;
-        self.link.generation = store.generations[self.rank];
+        self.link.generation = announce(&*store.keys, self.rank).expect("the memory store answers");
         if self.rank > 0 {
             drop(store);
             let t = self.threads.get_mut(&(id, generation)).expect("present");
@@ -823,15 +816,23 @@ impl World {
             self.mail(0, ms(1), Occ::Coordinate);
             return true;
         }
-        // Rank 0 founds the run at its founder's step, with the hosts announced by now.
+        // Rank 0 founds the run at its founder's step, with the hosts announced by now: its coordinator starts.
         let step = replica.step;
+        let announced = generations(&*store.keys, self.p.hosts).expect("the memory store answers");
         let founders: Vec<(usize, u64)> =
-            store.generations.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
-        store.seen = store.generations.clone();
-        let mut running = RunningClock::new(STOPPED_AFTER_S);
-        let now = running.read(self.now.as_secs_f64());
-        store.quorum = Some(HostQuorum::new(step, &founders, now, self.p.round_timeout_s));
-        store.running = Some(running);
+            announced.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
+        store.founded_at = self.now;
+        store.clock.store(0f64.to_bits(), AtomicOrdering::SeqCst);
+        let clock = store.clock.clone();
+        let deadline = Duration::from_secs_f64(self.p.round_timeout_s);
+        let coordinator = Coordinator::with_clock(
+            store.keys.clone(),
+            self.p.hosts,
+            step,
+            deadline,
+            Box::new(move || f64::from_bits(clock.load(AtomicOrdering::SeqCst))),
+        );
+        store.coordinator = Some(coordinator.expect("the memory store answers"));
         store.members =
             founders.iter().map(|&(rank, generation)| HostMember { rank, generation, from: step }).collect();
         let others: Vec<(usize, u64)> = founders.iter().copied().filter(|&(r, _)| r != 0).collect();
@@ -976,7 +977,7 @@ impl World {
         }
         let mut store = self.store.borrow_mut();
         store.served_by = 0;
-        store.quorum = None;
+        store.coordinator = None;
         if let Some(code) = code {
             store.ended = Some(code);
             for rank in 1..self.p.hosts {
@@ -1390,6 +1391,8 @@ impl World {
             drop(store);
             return self.after(ms(1), Occ::RunRound { step, records: Err(missed) });
         }
+        let arrived = contribute(&*store.keys, step, self.rank, self.link.generation, false, &[]);
+        arrived.expect("the memory store answers");
         store.posted.entry(step).or_default().insert(self.rank, (record, start, self.samples_committed));
         drop(store);
         self.mail(0, ms(1), Occ::Coordinate);
@@ -1426,47 +1429,27 @@ impl World {
         }
     }
 
-    /// Rank 0's coordinator: new generations, contributions to the open round and beats go to the quorum; a closed
-    /// round goes to every host that contributed, the membership to every host, the run's state to the hosts
-    /// admitted.
+    /// Rank 0's coordinator (the real one, over the store's keys): it reads new generations, contributions to the
+    /// open round and beats; a closed round goes to every host that contributed, the membership to every host, the
+    /// run's state to the hosts admitted; an open one is looked at again when it falls due.
     fn coordinate(&mut self) -> Check {
-        let now = self.now.as_secs_f64();
         let shared = self.store.clone();
         let mut store = shared.borrow_mut();
         let store = &mut *store;
-        let Some(quorum) = store.quorum.as_mut() else { return Ok(()) };
-        for rank in 0..store.generations.len() {
-            if store.generations[rank] > store.seen[rank] {
-                store.seen[rank] = store.generations[rank];
-                quorum.announce(rank, store.generations[rank]);
-            }
-        }
-        let round = quorum.round();
-        if let Some(posted) = store.posted.get(&round) {
-            for (rank, (record, ..)) in posted {
-                quorum.arrive(round, *rank, record.generation);
-            }
-        }
-        let beat_every = BEAT_EVERY.as_secs_f64();
-        if store.beats_read.last_read().is_none_or(|t| now - t >= beat_every / 2.0) {
-            let counts: Vec<(usize, i64)> =
-                quorum.members().into_iter().filter(|&r| r != 0).map(|r| (r, store.beats[r])).collect();
-            for rank in store.beats_read.read(now, &counts, GONE_AFTER.as_secs_f64(), 4.0 * beat_every) {
-                if let Some(generation) = quorum.generation(rank) {
-                    quorum.gone(rank, generation);
+        let since = self.now.saturating_sub(store.founded_at).as_secs_f64();
+        store.clock.store(since.to_bits(), AtomicOrdering::SeqCst);
+        let Some(coordinator) = store.coordinator.as_mut() else { return Ok(()) };
+        let closed = match coordinator.poll() {
+            Ok(Some(closed)) => closed,
+            Ok(None) => {
+                if let Some(due) = coordinator.due() {
+                    let at = store.founded_at + Duration::from_secs_f64(due) + ms(1);
+                    self.at(at.max(self.now + ms(1)), Occ::Coordinate);
                 }
-            }
-        }
-        let running = store.running.as_mut().map_or(now, |clock| clock.read(now));
-        let closed = match quorum.poll(running) {
-            Decision::Wait { until } => {
-                // `until` is in running time: as far ahead of now.
-                let at = self.now + Duration::from_secs_f64((until - running).max(0.0)) + ms(1);
-                self.at(at, Occ::Coordinate);
                 return Ok(());
             }
-            Decision::Stalled { round } => {
-                store.quorum = None;
+            Err(ExchangeError::Stalled { round }) => {
+                store.coordinator = None;
                 store.stalled = true;
                 let waiting: Vec<u64> = store.posted.range(round..).map(|(s, _)| *s).collect();
                 self.note(format!("the coordinator stops: round {round} stalled"));
@@ -1478,7 +1461,7 @@ impl World {
                 }
                 return Ok(());
             }
-            Decision::Close(closed) => closed,
+            Err(e) => return violation(format!("the coordinator failed on the memory store: {e}")),
         };
         self.close(store, closed)
     }
@@ -1666,7 +1649,7 @@ impl World {
         if !answers {
             return;
         }
-        self.store.borrow_mut().beats[self.rank] += 1;
+        beat(&*self.store.borrow().keys, self.rank).expect("the memory store answers");
         if let (Some(entered), Some(membership)) = (self.link.entered, membership)
             && still_member(self.rank, entered, &membership) == Some(false)
             && self.link.left_out.replace(entered.0) != Some(entered.0)
@@ -2602,7 +2585,8 @@ fn seeds(default: u64) -> u64 {
     std::env::var("DFLASH_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
-/// A CI-sized set of seeds (`DFLASH_SIM_SEEDS` for more, from `DFLASH_SIM_FIRST`).
+/// A CI-sized set of seeds (`DFLASH_SIM_SEEDS` for more, from `DFLASH_SIM_FIRST`; `DFLASH_SIM_LIST` prints each
+/// seed's events and exits, to compare two versions seed by seed).
 #[test]
 fn sim_many_seeds_hold_every_invariant() {
     let n = seeds(48);
@@ -2613,6 +2597,9 @@ fn sim_many_seeds_hold_every_invariant() {
     for seed in first..first + n {
         match simulate(seed, false) {
             Ok(outcome) => {
+                if std::env::var_os("DFLASH_SIM_LIST").is_some() {
+                    eprintln!("seed {seed}: {} events, exits {:?}", outcome.events, outcome.exits);
+                }
                 events += outcome.events;
                 hung_targets += outcome.hung_targets;
                 remote_batches += outcome.remote_batches;
