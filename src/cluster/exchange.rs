@@ -592,9 +592,10 @@ impl<S: KeyValueStore> Coordinator<S> {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
     use super::*;
+    use crate::cluster::store::MemoryStore;
 
     const WAIT: Duration = Duration::from_secs(20);
 
@@ -611,25 +612,29 @@ mod tests {
         assert!(matches!(still, ExchangeError::Store(StoreError::Timeout { .. })), "{still}");
     }
 
+    /// Two hosts announced in `store`, rank 0's coordinator over it on a clock the test sets (seconds, as f64 bits)
+    /// with a round deadline of 30 s, and rank 0's contribution to round 0.
+    fn rank_0_contributed(store: &MemoryStore) -> (Coordinator<&MemoryStore>, Arc<AtomicU64>) {
+        for rank in 0..2 {
+            announce(store, rank).unwrap();
+        }
+        let now = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let clock_now = now.clone();
+        let clock: Clock = Box::new(move || f64::from_bits(clock_now.load(Ordering::SeqCst)));
+        let c = Coordinator::with_clock(store, 2, 0, Duration::from_secs(30), clock).unwrap();
+        contribute(store, 0, 0, 1, false, b"rank 0").unwrap();
+        (c, now)
+    }
+
     /// The coordinator over an in-memory store and a clock of the test's: a host that stops beating is dropped
     /// after [`GONE_AFTER`] of the coordinator's time, one that beats but does not contribute at the round's
     /// deadline, and neither waits a second of wall time.
     #[test]
     fn a_silent_host_goes_at_its_beats_and_a_late_one_at_the_deadline_on_the_coordinators_clock() {
-        use std::sync::atomic::AtomicU64;
-
-        use crate::cluster::store::MemoryStore;
         let started = Instant::now();
         for beating in [false, true] {
             let store = MemoryStore::new();
-            for rank in 0..2 {
-                announce(&store, rank).unwrap();
-            }
-            let now = Arc::new(AtomicU64::new(0f64.to_bits()));
-            let clock_now = now.clone();
-            let clock: Clock = Box::new(move || f64::from_bits(clock_now.load(Ordering::SeqCst)));
-            let mut c = Coordinator::with_clock(&store, 2, 0, Duration::from_secs(30), clock).unwrap();
-            contribute(&store, 0, 0, 1, false, b"rank 0").unwrap();
+            let (mut c, now) = rank_0_contributed(&store);
             let mut t = 0.0;
             let closed = loop {
                 if let Some(closed) = c.poll().unwrap() {
@@ -656,18 +661,8 @@ mod tests {
     /// this coordinator.)
     #[test]
     fn a_stop_of_rank_0_does_not_slow_the_beat_reads_after_it() {
-        use std::sync::atomic::AtomicU64;
-
-        use crate::cluster::store::MemoryStore;
         let store = MemoryStore::new();
-        for rank in 0..2 {
-            announce(&store, rank).unwrap();
-        }
-        let now = Arc::new(AtomicU64::new(0f64.to_bits()));
-        let clock_now = now.clone();
-        let clock: Clock = Box::new(move || f64::from_bits(clock_now.load(Ordering::SeqCst)));
-        let mut c = Coordinator::with_clock(&store, 2, 0, Duration::from_secs(30), clock).unwrap();
-        contribute(&store, 0, 0, 1, false, b"rank 0").unwrap();
+        let (mut c, now) = rank_0_contributed(&store);
         let mut t: f64 = 0.0;
         let closed = loop {
             if let Some(closed) = c.poll().unwrap() {
