@@ -382,6 +382,24 @@ pub fn wall_clock() -> Clock {
     Box::new(move || started.elapsed().as_secs_f64())
 }
 
+/// A clock set by hand, in seconds (tests and the simulation): its [`ManualClock::clock`] reads what
+/// [`ManualClock::set`] last set.
+#[cfg(test)]
+#[derive(Clone, Default)]
+pub(crate) struct ManualClock(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+#[cfg(test)]
+impl ManualClock {
+    pub(crate) fn set(&self, seconds: f64) {
+        self.0.store(seconds.to_bits(), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(crate) fn clock(&self) -> Clock {
+        let cell = self.0.clone();
+        Box::new(move || f64::from_bits(cell.load(std::sync::atomic::Ordering::SeqCst)))
+    }
+}
+
 /// The rendezvous host's side: reads announcements and contributions, decides with [`HostQuorum`], posts decisions.
 /// Over any [`KeyValueStore`] and [`Clock`]: the process's are a TCPStore and the wall clock.
 pub struct Coordinator<S: KeyValueStore = Store> {
@@ -592,7 +610,7 @@ impl<S: KeyValueStore> Coordinator<S> {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     use super::*;
     use crate::cluster::store::MemoryStore;
@@ -612,16 +630,13 @@ mod tests {
         assert!(matches!(still, ExchangeError::Store(StoreError::Timeout { .. })), "{still}");
     }
 
-    /// Two hosts announced in `store`, rank 0's coordinator over it on a clock the test sets (seconds, as f64 bits)
-    /// with a round deadline of 30 s, and rank 0's contribution to round 0.
-    fn rank_0_contributed(store: &MemoryStore) -> (Coordinator<&MemoryStore>, Arc<AtomicU64>) {
+    /// Two hosts announced in `store`, rank 0's coordinator over it on a clock the test sets, with a round deadline of 30 s, and rank 0's contribution to round 0.
+    fn rank_0_contributed(store: &MemoryStore) -> (Coordinator<&MemoryStore>, ManualClock) {
         for rank in 0..2 {
             announce(store, rank).unwrap();
         }
-        let now = Arc::new(AtomicU64::new(0f64.to_bits()));
-        let clock_now = now.clone();
-        let clock: Clock = Box::new(move || f64::from_bits(clock_now.load(Ordering::SeqCst)));
-        let c = Coordinator::with_clock(store, 2, 0, Duration::from_secs(30), clock).unwrap();
+        let now = ManualClock::default();
+        let c = Coordinator::with_clock(store, 2, 0, Duration::from_secs(30), now.clock()).unwrap();
         contribute(store, 0, 0, 1, false, b"rank 0").unwrap();
         (c, now)
     }
@@ -642,7 +657,7 @@ mod tests {
                 }
                 assert!(t < 60.0, "round 0 never closed");
                 t += 0.25;
-                now.store(f64::to_bits(t), Ordering::SeqCst);
+                now.set(t);
                 if beating {
                     beat(&store, 1).unwrap();
                 }
@@ -671,7 +686,7 @@ mod tests {
             assert!(t < 80.0, "round 0 never closed");
             // Rank 0 is stopped from 5 s to 25 s (no looks); host 1 beats until 30 s, then dies.
             t = if (5.0..25.0).contains(&t) { 25.0 } else { t + 0.25 };
-            now.store(t.to_bits(), Ordering::SeqCst);
+            now.set(t);
             if t <= 30.0 {
                 beat(&store, 1).unwrap();
             }

@@ -270,10 +270,11 @@ pub fn evaluate_at(
     let per_pass = objective.num_anchors.max(1);
     let passes = all.iter().map(|a| a.len().div_ceil(per_pass)).max().unwrap_or(0);
     let mut total = Metrics::default();
+    let view = batch.micro_batch();
     for pass in 0..passes {
         let chunk: Vec<Vec<usize>> =
             all.iter().map(|a| a.iter().skip(pass * per_pass).take(per_pass).copied().collect()).collect();
-        total.add(&micro_batch_loss(drafter, heads, objective, &batch.micro_batch(), &chunk, false)?);
+        total.add(&micro_batch_loss(drafter, heads, objective, &view, &chunk, false)?);
     }
     Ok(total)
 }

@@ -45,8 +45,6 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -61,7 +59,9 @@ use super::protocol::{
 };
 use super::schedule::Item;
 use super::spawned::Spawned;
-use crate::cluster::exchange::{Coordinator, ExchangeError, announce, beat, contribute, generations, still_member};
+use crate::cluster::exchange::{
+    Coordinator, ExchangeError, ManualClock, announce, beat, contribute, generations, still_member,
+};
 use crate::cluster::quorum::{Closed, LeaderWatch, Reply};
 use crate::cluster::store::MemoryStore;
 use crate::config::Config;
@@ -436,11 +436,11 @@ struct Store {
     stopped: (Duration, Duration),
     /// The keys the real protocol writes (generations, beats, arrivals, decisions, membership), in memory, and rank
     /// 0's real coordinator over them from the run's founding (none once it stalled), on the simulated clock: seconds
-    /// since the founding, which `clock` holds as f64 bits.
+    /// since the founding.
     keys: Rc<MemoryStore>,
     coordinator: Option<Coordinator<Rc<MemoryStore>>>,
     founded_at: Duration,
-    clock: Arc<AtomicU64>,
+    clock: ManualClock,
     stalled: bool,
     /// Contributions by round and rank, beside the arrival the coordinator reads: the host's record, the state its
     /// replicas started the round from, and the samples it had committed before it.
@@ -822,16 +822,10 @@ impl World {
         let founders: Vec<(usize, u64)> =
             announced.iter().enumerate().filter(|&(_, &g)| g > 0).map(|(r, &g)| (r, g)).collect();
         store.founded_at = self.now;
-        store.clock.store(0f64.to_bits(), AtomicOrdering::SeqCst);
-        let clock = store.clock.clone();
+        store.clock.set(0.0);
         let deadline = Duration::from_secs_f64(self.p.round_timeout_s);
-        let coordinator = Coordinator::with_clock(
-            store.keys.clone(),
-            self.p.hosts,
-            step,
-            deadline,
-            Box::new(move || f64::from_bits(clock.load(AtomicOrdering::SeqCst))),
-        );
+        let coordinator =
+            Coordinator::with_clock(store.keys.clone(), self.p.hosts, step, deadline, store.clock.clock());
         store.coordinator = Some(coordinator.expect("the memory store answers"));
         store.members =
             founders.iter().map(|&(rank, generation)| HostMember { rank, generation, from: step }).collect();
@@ -1437,7 +1431,7 @@ impl World {
         let mut store = shared.borrow_mut();
         let store = &mut *store;
         let since = self.now.saturating_sub(store.founded_at).as_secs_f64();
-        store.clock.store(since.to_bits(), AtomicOrdering::SeqCst);
+        store.clock.set(since);
         let Some(coordinator) = store.coordinator.as_mut() else { return Ok(()) };
         let closed = match coordinator.poll() {
             Ok(Some(closed)) => closed,
