@@ -44,6 +44,25 @@ impl KeyValueStore for Store {
     }
 }
 
+/// A connection to the run's store that opens more of its kind: a host's link gives each operation a connection of its
+/// own (a TCPStore connection must not be shared by threads) and its coordinator's thread one more. A shared
+/// [`MemoryStore`] is its own connection (tests drive a host's link over one without TCP).
+pub trait Connection: KeyValueStore + Send + Sized + 'static {
+    fn another(&self) -> Result<Self, StoreError>;
+}
+
+impl Connection for Store {
+    fn another(&self) -> Result<Self, StoreError> {
+        self.try_clone()
+    }
+}
+
+impl Connection for std::sync::Arc<MemoryStore> {
+    fn another(&self) -> Result<Self, StoreError> {
+        Ok(self.clone())
+    }
+}
+
 /// A borrowed or shared store is a store (a coordinator over a test's or a simulation's [`MemoryStore`] that it
 /// keeps reading).
 macro_rules! store_through {

@@ -24,6 +24,7 @@ use crate::cluster::background::Background;
 use crate::cluster::exchange::{self, Coordinator, Entry, ExchangeError};
 use crate::cluster::launch::HostPlacement;
 use crate::cluster::quorum::{Admitted, Rank};
+use crate::cluster::store::Connection;
 use crate::data::loader::BatchId;
 use crate::ffi::nccl::{NcclComm, NcclError, NcclId};
 use crate::ffi::store::{Store, StoreError};
@@ -341,15 +342,16 @@ struct CoordinatorThread {
     _thread: Background,
 }
 
-/// See the module documentation.
-pub struct HostLink {
+/// See the module documentation. Over the run's TCPStore ([`HostLink::open`]), or any [`Connection`]
+/// ([`HostLink::over`]).
+pub struct HostLink<S: Connection = Store> {
     placement: HostPlacement,
     /// The quorum's deadline for a round.
     deadline: Duration,
     /// The connection this link was made with (on rank 0 it serves the store: it lives as long as the link).
-    origin: Mutex<Store>,
+    origin: Mutex<S>,
     /// Spare connections, one taken per operation (operations of several threads must not share one).
-    spare: Mutex<Vec<Store>>,
+    spare: Mutex<Vec<S>>,
     generation: AtomicU64,
     /// Whether this process founded the run already (rank 0 founds at its first entry, and only then).
     founded_once: AtomicBool,
@@ -380,7 +382,15 @@ impl HostLink {
             Store::connect(&placement.master_addr, placement.master_port, placement.rendezvous_timeout)?
         };
         store.set_timeout(OPERATION_TIMEOUT)?;
-        Ok(HostLink {
+        Ok(HostLink::over(store, placement, deadline))
+    }
+}
+
+impl<S: Connection> HostLink<S> {
+    /// The link of the host `placement` places, over `store` (the address in `placement` is only where rank 0's
+    /// connections are shut down once it counts as lost); nothing is announced yet.
+    pub fn over(store: S, placement: &HostPlacement, deadline: Duration) -> Self {
+        HostLink {
             placement: placement.clone(),
             deadline,
             origin: Mutex::new(store),
@@ -392,7 +402,7 @@ impl HostLink {
             entered: Mutex::new(None),
             leader_lost: Mutex::new(None),
             operations: Mutex::new(Operations::default()),
-        })
+        }
     }
 
     pub fn rank(&self) -> Rank {
@@ -456,7 +466,7 @@ impl HostLink {
 
     /// Runs `f` with a connection of its own (refused once rank 0 counts as lost), keeping count of the
     /// operations waiting for rank 0.
-    fn with_store<T>(&self, f: impl FnOnce(&Store) -> Result<T, LinkError>) -> Result<T, LinkError> {
+    fn with_store<T>(&self, f: impl FnOnce(&S) -> Result<T, LinkError>) -> Result<T, LinkError> {
         if let Some(why) = self.leader_lost.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             return Err(LinkError::LeaderLost(why));
         }
@@ -476,11 +486,11 @@ impl HostLink {
         out
     }
 
-    fn on_connection<T>(&self, f: impl FnOnce(&Store) -> Result<T, LinkError>) -> Result<T, LinkError> {
+    fn on_connection<T>(&self, f: impl FnOnce(&S) -> Result<T, LinkError>) -> Result<T, LinkError> {
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let store = match spare {
             Some(s) => s,
-            None => self.origin.lock().unwrap_or_else(|p| p.into_inner()).try_clone()?,
+            None => self.origin.lock().unwrap_or_else(|p| p.into_inner()).another()?,
         };
         let out = f(&store);
         // A connection whose operation failed may be broken: it is not reused. A read that timed out, or a decision
@@ -605,7 +615,7 @@ impl HostLink {
     }
 
     fn start_coordinator(&self, step: u64) -> Result<(), LinkError> {
-        let store = self.origin.lock().unwrap_or_else(|p| p.into_inner()).try_clone()?;
+        let store = self.origin.lock().unwrap_or_else(|p| p.into_inner()).another()?;
         let mut coordinator = Coordinator::new(store, self.hosts(), step, self.deadline)?;
         let failed = Arc::new(Mutex::new(None));
         let failed2 = failed.clone();
@@ -800,12 +810,12 @@ impl HostLink {
         self.with_store(|s| Ok(exchange::acknowledge_finished(s)?))
     }
 
-    /// Whether this host is still a member of the run, by the membership rank 0 posted at its last round (`None`:
-    /// not entered yet, or nothing posted since it entered).
-    pub fn still_member(&self) -> Result<Option<bool>, LinkError> {
+    /// The generation this host entered the run as, and whether it is still a member, by the membership rank 0
+    /// posted at its last round (`None`: not entered yet, or nothing posted since it entered).
+    pub fn still_member(&self) -> Result<Option<(u64, bool)>, LinkError> {
         let Some(entered) = self.entered() else { return Ok(None) };
         let members = self.with_store(|s| Ok(exchange::members(s)?))?;
-        Ok(members.and_then(|m| exchange::still_member(self.rank(), entered, &m)))
+        Ok(members.and_then(|m| exchange::still_member(self.rank(), entered, &m)).map(|still| (entered.0, still)))
     }
 
     /// The run's exit status, once rank 0 ended it.
@@ -870,6 +880,88 @@ mod tests {
         for err in [gradient(&[], Some(2), 3).unwrap_err(), gradient(&floats, None, 3).unwrap_err()] {
             let err = err.to_string();
             assert!(err.contains("host 3") && err.contains("drafters.collective"), "{err}");
+        }
+    }
+
+    /// Two hosts' links over one in-memory store, without TCP: rank 1 announces itself and waits; rank 0 founds the
+    /// run and hands it its state; then both contribute to the first round and get the same run's round (the
+    /// gradients summed in rank order, every host's record, the loss weight and samples of both).
+    #[test]
+    fn two_links_over_one_memory_store_enter_and_sum_a_round() {
+        use crate::cluster::store::MemoryStore;
+        use crate::ffi::accel::AdamwStep;
+        let store = Arc::new(MemoryStore::new());
+        let placement = |rank| HostPlacement {
+            hosts: 2,
+            rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: 1,
+            serves_store: rank == 0,
+            rendezvous_timeout: Duration::from_secs(20),
+            leader_timeout: Duration::from_secs(30),
+        };
+        let deadline = Duration::from_secs(20);
+        let links = [0, 1].map(|rank| Arc::new(HostLink::over(store.clone(), &placement(rank), deadline)));
+        let joiner = {
+            let link = links[1].clone();
+            std::thread::spawn(move || match link.enter() {
+                Ok(Entering::Joined(state)) => {
+                    let into = [
+                        Tensor::zeros([3], (Kind::Float, Device::Cpu)),
+                        Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+                        Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+                    ];
+                    state.fill([&into[0], &into[1], &into[2]]).unwrap();
+                    (
+                        state.step,
+                        state.samples_committed,
+                        state.optimizer_steps,
+                        into.map(|t| Vec::<f32>::try_from(&t).unwrap()),
+                    )
+                }
+                Ok(Entering::Found) => panic!("rank 1 founded the run"),
+                Err(e) => panic!("rank 1 did not enter: {e}"),
+            })
+        };
+        assert!(matches!(links[0].enter().unwrap(), Entering::Found));
+        let state = [
+            Tensor::from_slice(&[1.0f32, 2.0, 3.0]),
+            Tensor::from_slice(&[4.0f32, 5.0]),
+            Tensor::from_slice(&[6.0f32]),
+        ];
+        links[0].founded(4, 100, 4, [&state[0], &state[1], &state[2]], Handover::Store).unwrap();
+        let (step, samples, updates, got) = joiner.join().unwrap();
+        assert_eq!((step, samples, updates), (4, 100, 4));
+        assert_eq!(got, [vec![1.0, 2.0, 3.0], vec![4.0, 5.0], vec![6.0]]);
+        assert_eq!(links.each_ref().map(|l| l.entered()), [Some((1, 4)), Some((1, 4))]);
+
+        let adamw = AdamwStep { lr: 1e-3, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-8 };
+        let settings =
+            (UpdateSettings { adamw, muon: None, grad_clip: None }, ObjectiveKnobs { num_anchors: 4, gamma: None });
+        let rounds: Vec<_> = links
+            .iter()
+            .map(|link| {
+                let link = link.clone();
+                std::thread::spawn(move || {
+                    let r = link.rank() as f32;
+                    let grad = Tensor::from_slice(&[r + 1.0, 10.0 * (r + 1.0)]);
+                    let part = DrafterPart {
+                        drafter: 0,
+                        generation: 1,
+                        batches: vec![],
+                        samples: 3 + link.rank() as u64,
+                        metrics: Metrics::default(),
+                        digest: None,
+                    };
+                    let share = HostShare { grad: Some(&grad), settings, weight: 1.5, contributions: vec![part] };
+                    link.exchange(4, share).unwrap()
+                })
+            })
+            .collect();
+        for round in rounds.into_iter().map(|r| r.join().unwrap()) {
+            assert_eq!(Vec::<f32>::try_from(round.grad.as_ref().unwrap()).unwrap(), [3.0, 30.0]);
+            assert_eq!((round.samples, round.total_weight), (7, 3.0));
+            assert_eq!(round.hosts.iter().map(|h| h.rank).collect::<Vec<_>>(), [0, 1]);
         }
     }
 

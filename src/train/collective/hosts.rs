@@ -91,7 +91,7 @@ fn exchange_share(
 ) -> Result<(Option<Tensor>, RunRound), CollectiveError> {
     let share = HostShare {
         grad: local,
-        settings: (plan.update, plan.next_objective),
+        settings: (plan.settled.update, plan.settled.next_objective),
         weight: done.contributions.iter().map(|(.., c)| c.weight).sum(),
         contributions: done
             .contributions

@@ -25,6 +25,7 @@
 //! The round's bookkeeping, sum and result are in `round`, the NCCL communicators in `ring`, a host's share of the
 //! run's round and the settling of a sum across hosts in `hosts`; this module holds the state and the calls a
 //! drafter's thread makes.
+pub mod book;
 mod hosts;
 mod ring;
 mod round;
@@ -34,6 +35,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
+use self::book::{Book, Counted, RunTotals};
 use self::hosts::{FailedSums, Settling, across_hosts};
 pub use self::ring::{GradientSum, Ring, RingMember};
 use self::ring::{Rings, ring_members};
@@ -61,6 +63,21 @@ pub struct Contribution {
     /// Checksums of the member's state at this round's start, on steps where replicas are compared (across hosts
     /// they travel with the round).
     pub digest: Option<[i64; 3]>,
+}
+
+impl Counted for Contribution {
+    fn samples(&self) -> u64 {
+        self.samples
+    }
+    fn weight(&self) -> f64 {
+        self.weight
+    }
+    fn batches(&self) -> &[BatchId] {
+        &self.batches
+    }
+    fn metrics(&self) -> Metrics {
+        self.metrics
+    }
 }
 
 /// What the member completing a round is doing, for the watchdog.
@@ -201,25 +218,13 @@ struct Published {
 struct State {
     rounds: Rounds<Contribution, JoinBuffers>,
     results: VecDeque<Published>,
-    samples_committed: u64,
-    settings: StepSettings,
-    /// Settings of a reload and the first step they apply to.
-    pending: Option<(u64, StepSettings)>,
+    book: Book,
     sum: GradientSum,
     rings: Rings,
     settling: Option<Settling>,
     failed_sums: FailedSums,
     /// Hosts admitted at this boundary that take their state from this host.
     remote_joiners: Vec<Admitted>,
-}
-
-impl State {
-    fn settings_at(&self, step: u64) -> StepSettings {
-        match self.pending {
-            Some((from, next)) if from <= step => next,
-            _ => self.settings,
-        }
-    }
 }
 
 /// See the module documentation.
@@ -243,9 +248,7 @@ impl Collective {
             state: Mutex::new(State {
                 rounds: Rounds::new(step),
                 results: VecDeque::new(),
-                samples_committed,
-                settings,
-                pending: None,
+                book: Book::new(settings, samples_committed),
                 sum,
                 rings: Rings::default(),
                 settling: None,
@@ -292,7 +295,7 @@ impl Collective {
         match link.enter().map_err(hosts)? {
             Entering::Found => {
                 let step = self.found(id, generation)?;
-                let samples = self.lock().samples_committed;
+                let samples = self.lock().book.samples_committed();
                 let tensors = [&state.master, &state.exp_avg, &state.exp_avg_sq];
                 link.founded(step, samples, optimizer_steps, tensors, self.handover(state.master.device()))
                     .map_err(hosts)?;
@@ -304,7 +307,7 @@ impl Collective {
                 device::synchronize(state.master.device())?;
                 let mut s = self.lock();
                 s.rounds.found_at(id, generation, host.step)?;
-                s.samples_committed = host.samples_committed;
+                s.book.entered(host.samples_committed);
                 s.results.clear();
                 drop(s);
                 self.changed.notify_all();
@@ -339,11 +342,8 @@ impl Collective {
     pub fn rewind(&self, step: u64, samples_committed: u64) -> Result<u64, CollectiveError> {
         let mut s = self.lock();
         let incarnation = s.rounds.rewind(step)?;
-        s.samples_committed = samples_committed;
+        s.book.rewind(samples_committed);
         s.results.clear();
-        if let Some((_, next)) = s.pending.take() {
-            s.settings = next;
-        }
         drop(s);
         self.changed.notify_all();
         Ok(incarnation)
@@ -354,13 +354,13 @@ impl Collective {
     pub fn reload(&self, settings: StepSettings) -> u64 {
         let mut s = self.lock();
         let from = s.rounds.round() + 1;
-        s.pending = Some((from, settings));
+        s.book.reload(from, settings);
         from
     }
 
     /// The objective of step `step`'s forward (for a member's first step; later ones come with each round).
     pub fn objective_at(&self, step: u64) -> ObjectiveKnobs {
-        self.lock().settings_at(step).objective
+        self.lock().book.settings_at(step).objective
     }
 
     pub fn members(&self) -> Vec<MemberId> {
@@ -469,27 +469,18 @@ impl Collective {
                         Err(e) => plan.ring_error = Some(e),
                     }
                 }
-                if let Some(run) = run {
-                    // The run's round: every host's samples count, and the joiners this host serves wait.
+                if let (Some(run), Some(link)) = (run, &self.link) {
+                    // The run's round: every host's samples count, and the joiners this host serves wait (a round
+                    // of an incarnation left behind commits nothing, and its state is not the one the hosts
+                    // admitted after that round are to copy).
                     let mut s = self.lock();
-                    let local: u64 = done.contributions.iter().map(|(.., c)| c.samples).sum();
-                    // A round of an incarnation left behind (the host entered the run again while its exchange
-                    // was under way) changes nothing: the host's count is its donor's since, and its state is not
-                    // the one the hosts admitted after that round are to copy.
                     let current = s.rounds.incarnation() == incarnation;
                     if current {
-                        s.samples_committed += run.samples - local;
                         s.remote_joiners.extend(run.serve);
                     }
-                    plan.samples_committed = s.samples_committed;
-                    plan.total_weight = Some(run.total_weight);
-                    // Every host applies the lowest-ranked member's hyperparameters (rank 0's: reloads go there).
-                    if let Some((update, next_objective)) = run.hosts.first().map(|h| h.settings) {
-                        plan.update = update;
-                        plan.next_objective = next_objective;
-                    }
-                    let me = self.link.as_ref().map(|l| l.rank());
-                    plan.remote = run.hosts.into_iter().filter(|h| Some(h.rank) != me).collect();
+                    let totals = RunTotals { samples: run.samples, total_weight: run.total_weight, hosts: run.hosts };
+                    let local = book::local_samples(&done.contributions);
+                    plan.settled = s.book.settle_run(plan.settled, local, current, totals, link.rank());
                 }
                 let settles = self.link.is_some() && plan.sum == GradientSum::Nccl;
                 let (outcome, report) = finish(plan, done, summed);
@@ -564,7 +555,7 @@ impl Collective {
             let buffers: Vec<JoinBuffers> =
                 claim.joiners.iter().filter_map(|&(m, g)| s.rounds.payload(m, g).map(JoinBuffers::alias)).collect();
             let hosts = std::mem::take(&mut s.remote_joiners);
-            (claim, buffers, (hosts, s.rounds.round(), s.samples_committed))
+            (claim, buffers, (hosts, s.rounds.round(), s.book.samples_committed()))
         };
         if let (Some(link), (joiners, step, samples)) = (&self.link, &hosts)
             && !joiners.is_empty()

@@ -1,40 +1,27 @@
-//! A completed round's bookkeeping (under the collective's lock), its gradients summed (outside it) and its result
-//! as every member applies it.
+//! A completed round's plan (under the collective's lock: its book settled, its ring found), its gradients summed
+//! (outside it) and its result as every member applies it.
 use std::sync::Arc;
 
 use tch::Tensor;
 
+use super::book::{self, Settled};
 use super::ring::{GradientSum, Ring, RingMember};
-use super::{CollectiveError, Contributed, Contribution, DeviceErrorText, RoundReport, RoundResult, State};
+use super::{CollectiveError, Contribution, DeviceErrorText, RoundReport, RoundResult, State};
 use crate::ffi::nccl::NcclId;
 use crate::model::shared::SharedTensor;
-use crate::train::link::HostRecord;
-use crate::train::objective::ObjectiveKnobs;
-use crate::train::optim::UpdateSettings;
 use crate::train::rounds::{Completed, MemberId};
 
 /// A completed round's bookkeeping, done under the lock before its gradients are summed.
 pub(super) struct Plan {
     pub(super) sum: GradientSum,
     pub(super) ring: Option<Arc<Ring>>,
-    pub(super) update: UpdateSettings,
-    pub(super) next_objective: ObjectiveKnobs,
-    pub(super) samples_committed: u64,
     pub(super) ring_error: Option<CollectiveError>,
-    /// The run's loss weight, across hosts (`None`: this host's contributions').
-    pub(super) total_weight: Option<f64>,
-    /// Across hosts: the other members' records.
-    pub(super) remote: Vec<HostRecord>,
+    pub(super) settled: Settled,
 }
 
-/// Advances the settings, the progress and (within one host) the ring for a completed round. Across hosts the
-/// ring waits for the run's round ([`Collective::run_ring`]).
+/// Settles the round in the book and (within one host) finds its ring. Across hosts the ring waits for the run's
+/// round ([`Collective::run_ring`]).
 pub(super) fn plan(s: &mut State, done: &Completed<Contribution>, across_hosts: bool) -> Plan {
-    let step = done.step;
-    if s.pending.is_some_and(|(from, _)| from <= step) {
-        s.settings = s.settings_at(step);
-        s.pending = None;
-    }
     let mut ring_error = None;
     let ring = match s.sum {
         GradientSum::Nccl if !across_hosts => {
@@ -56,19 +43,8 @@ pub(super) fn plan(s: &mut State, done: &Completed<Contribution>, across_hosts: 
         }
         _ => None,
     };
-    let update = s.settings.hyper.update(step, s.samples_committed);
-    let next_objective = s.settings_at(step + 1).objective;
-    s.samples_committed += done.contributions.iter().map(|(.., c)| c.samples).sum::<u64>();
-    Plan {
-        sum: s.sum,
-        ring,
-        update,
-        next_objective,
-        samples_committed: s.samples_committed,
-        ring_error,
-        total_weight: None,
-        remote: vec![],
-    }
+    let settled = s.book.settle(done.step, &done.contributions);
+    Plan { sum: s.sum, ring, ring_error, settled }
 }
 
 /// The contributions' gradients summed in member order (device copies), or `None` when NCCL sums them.
@@ -100,36 +76,19 @@ pub(super) fn finish(
     done: Completed<Contribution>,
     summed: Result<Option<Tensor>, CollectiveError>,
 ) -> (Result<Arc<RoundResult>, CollectiveError>, RoundReport) {
-    let Completed { step, incarnation, contributions } = done;
-    let total_weight = plan.total_weight.unwrap_or_else(|| contributions.iter().map(|(.., c)| c.weight).sum());
-    let report = RoundReport {
-        step,
-        incarnation,
-        contributions: contributions
-            .iter()
-            .map(|(m, g, c)| Contributed {
-                member: *m,
-                generation: *g,
-                batches: c.batches.clone(),
-                metrics: c.metrics,
-                samples: c.samples,
-            })
-            .collect(),
-        total_weight,
-        lr: plan.update.adamw.lr,
-        samples_committed: plan.samples_committed,
-        remote: plan.remote,
-    };
-    let outcome = match (plan.ring_error, summed) {
+    let Plan { ring, ring_error, settled, .. } = plan;
+    let (update, next_objective) = (settled.update, settled.next_objective);
+    let report = book::report(settled, &done);
+    let outcome = match (ring_error, summed) {
         (Some(e), _) | (None, Err(e)) => Err(e),
         (None, Ok(grad)) => Ok(Arc::new(RoundResult {
-            step,
+            step: done.step,
             grad: grad.map(SharedTensor::new),
-            ring: plan.ring,
-            total_weight,
-            update: plan.update,
-            next_objective: plan.next_objective,
-            contributors: contributions.iter().map(|(m, ..)| *m).collect(),
+            ring,
+            total_weight: report.total_weight,
+            update,
+            next_objective,
+            contributors: done.contributions.iter().map(|(m, ..)| *m).collect(),
         })),
     };
     (outcome, report)
