@@ -684,12 +684,14 @@ fn dashboard_queries() -> Vec<(String, String, bool)> {
 fn a_real_prometheus_scrapes_every_dashboard_query_and_promtool_accepts_the_names() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), 2);
+    let publish = format!("publish.dir={}", dir.path().join("published").display());
     let sets = [
         "optim.epochs=1000",
         "eval.every_steps=6",
         "eval.num_prompts=2",
         "eval.max_new_tokens=8",
         "supervision.backoff_initial_ms=300",
+        &publish,
     ];
     let mut svc = Service::start(&cfg, false, &sets);
     let prometheus = Prometheus::start(svc.addr);
@@ -749,6 +751,19 @@ fn a_real_prometheus_scrapes_every_dashboard_query_and_promtool_accepts_the_name
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("ckpt/best/eval.json")).unwrap()).unwrap();
     assert!(best["decode_acceptance_length"].as_f64().unwrap() >= eval["best"].as_f64().unwrap() - 1e-12);
     assert!(dir.path().join("ckpt/best/drafter/model.safetensors").exists());
+
+    // The first lossless evaluation published v1 (publish.dir): /status names it, the metrics count it, and POST
+    // /publish publishes the best checkpoint as the next version at once.
+    let published = &svc.status()["published"];
+    assert!(published["version"].as_u64().is_some_and(|v| v >= 1), "{published}");
+    assert!(dir.path().join("published/current/model.safetensors").exists());
+    let (code, body) = svc.request("POST", "/publish", None);
+    assert_eq!(code, 201, "{body}");
+    // (An evaluation may publish meanwhile: versions only grow.)
+    let forced = body["version"].as_u64().unwrap();
+    assert!(forced > published["version"].as_u64().unwrap(), "{body}");
+    assert!(svc.status()["published"]["version"].as_u64().is_some_and(|v| v >= forced));
+    assert!(metric(&svc.metrics(), "dflash_publications_total").is_some_and(|n| n >= 2.0));
     svc.stop();
 }
 

@@ -16,7 +16,7 @@ pub use earlier_defaults::{as_overrides, as_trained, first_defaults, kept_from_r
 pub use proxy::{ProxyConfig, RedactRule, upstream_url};
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
-    EvalSettings, OptimSettings, SupervisionSettings,
+    EvalSettings, OptimSettings, PublishSettings, SupervisionSettings,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -65,6 +65,7 @@ struct RawConfig {
     checkpoint: training::RawCheckpoint,
     supervision: training::RawSupervision,
     eval: training::RawEval,
+    publish: training::RawPublish,
     control: training::RawControl,
     cluster: training::RawCluster,
     log: RawLog,
@@ -409,6 +410,7 @@ pub struct Config {
     pub checkpoint: CheckpointSettings,
     pub supervision: SupervisionSettings,
     pub eval: EvalSettings,
+    pub publish: PublishSettings,
     pub control: ControlSettings,
     /// The `[cluster]` keys set (several hosts; the launcher's environment fills in the rest).
     pub cluster: crate::cluster::launch::ClusterSettings,
@@ -640,6 +642,7 @@ impl RawConfig {
             checkpoint: self.checkpoint.validate()?,
             supervision: self.supervision.validate()?,
             eval: self.eval.validate()?,
+            publish: self.publish.validate()?,
             control: self.control.validate()?,
             cluster: self.cluster.validate()?,
             log: self.log.validate()?,

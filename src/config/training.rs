@@ -479,6 +479,39 @@ pub(super) struct RawEval {
     cuda_graphs: bool,
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPublish {
+    dir: String,
+    keep: i64,
+    margin: f64,
+}
+
+/// Publishing the drafter as it improves (`[publish]`): each evaluation that decodes losslessly and beats the
+/// published drafter by `margin` is exported to `dir/vN`, and `dir/current` flips to it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishSettings {
+    /// `None`: nothing is published.
+    pub dir: Option<PathBuf>,
+    /// Versions kept (the current one always).
+    pub keep: usize,
+    /// Tokens per target step a drafter must gain over the published one.
+    pub margin: f64,
+}
+
+impl RawPublish {
+    pub(super) fn validate(self) -> Result<PublishSettings, ConfigError> {
+        if !(self.margin.is_finite() && self.margin >= 0.0) {
+            return Err(invalid("publish.margin", self.margin, "a number of tokens per target step, 0 or more"));
+        }
+        Ok(PublishSettings {
+            dir: (!self.dir.is_empty()).then(|| PathBuf::from(&self.dir)),
+            keep: at_least("publish.keep", self.keep, 1)?,
+            margin: self.margin,
+        })
+    }
+}
+
 /// Where evaluation prompts come from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EvalPrompts {

@@ -1,7 +1,7 @@
 //! The control plane: one HTTP port (`control.listen`) for operators, Prometheus and tests. `GET /` (the live page:
 //! [`super::live`]), `GET /healthz` (liveness: the process answers), `GET /readyz` (readiness: training, with a live
 //! drafter), `GET /status`, `GET /history` (the live page's charts and events), `GET /metrics` (Prometheus text), `POST /checkpoint`, `POST /reload` (reread the configuration, as SIGHUP does),
-//! and with `control.fault_injection = true`, `POST /drafters/{id}/fault` and `POST /targets/{id}/fault`.
+//! `POST /publish` (publish the run's best checkpoint now, with `[publish]` set: [`super::publish`]), and with `control.fault_injection = true`, `POST /drafters/{id}/fault` and `POST /targets/{id}/fault`.
 //!
 //! The read-only endpoints may also be served alone on an address of their own (`control.read_only_listen`, for
 //! Prometheus in a cluster). The `POST` endpoints change the run, so they take a bearer token: always when one is
@@ -30,7 +30,9 @@ use serde_json::json;
 use super::failure::{FaultKind, FaultRefused};
 use super::live::{self, LiveView};
 use super::messages::SupervisorMsg;
+use super::publish;
 use super::status::{DrafterState, Status};
+use crate::config::PublishSettings;
 
 const TIMEOUT_MS: u64 = 5000;
 
@@ -53,12 +55,19 @@ pub struct Supervised {
     before: Status,
     /// What the live page draws besides the status.
     live: Arc<LiveView>,
+    /// Where `POST /publish` publishes and `/status` reads what is published (`[publish]`), and the checkpoints'
+    /// folder whose best it publishes.
+    publishing: Option<(PublishSettings, std::path::PathBuf)>,
 }
 
 impl Supervised {
     /// Before the supervisor: `/status` answers `before`; `/history` reads `live`.
-    pub fn before(before: Status, live: Arc<LiveView>) -> Arc<Self> {
-        Arc::new(Supervised { supervisor: OnceLock::new(), before, live })
+    pub fn before(
+        before: Status,
+        live: Arc<LiveView>,
+        publishing: Option<(PublishSettings, std::path::PathBuf)>,
+    ) -> Arc<Self> {
+        Arc::new(Supervised { supervisor: OnceLock::new(), before, live, publishing })
     }
 
     /// The supervisor runs: every request goes to it from now on.
@@ -106,7 +115,7 @@ fn unavailable(e: Unanswered) -> Response {
 /// The endpoints of each listener, for the answer to a path or method it does not serve.
 const READ_ONLY_ENDPOINTS: &str = "GET / (the live page), /healthz, /readyz, /status, /history, /metrics";
 const ALL_ENDPOINTS: &str = "GET / (the live page), /healthz, /readyz, /status, /history, /metrics; POST /checkpoint, \
-     /reload, /drafters/{id}/fault, /targets/{id}/fault";
+     /reload, /publish, /drafters/{id}/fault, /targets/{id}/fault";
 
 /// Answers for a path no endpoint has (404) and a method its endpoint does not take (405), in the errors' shape.
 fn with_error_fallbacks(router: Router, endpoints: &'static str) -> Router {
@@ -169,10 +178,45 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
     ([(header::CONTENT_TYPE, content_type), (header::CACHE_CONTROL, "no-cache")], body).into_response()
 }
 
+/// The status, with (under `[publish]`) the version `publish.dir/current` points at and why it was published.
 async fn status(State(sup): Sup) -> Response {
-    match status_of(&sup).await {
-        Ok(s) => Json(s).into_response(),
-        Err(e) => unavailable(e),
+    let s = match status_of(&sup).await {
+        Ok(s) => s,
+        Err(e) => return unavailable(e),
+    };
+    let Some(dir) = sup.publishing.as_ref().and_then(|(p, _)| p.dir.clone()) else { return Json(s).into_response() };
+    let mut answer = json!(s);
+    answer["published"] = match tokio::task::spawn_blocking(move || publish::current(&dir)).await {
+        Ok(Ok(current)) => json!(current),
+        Ok(Err(e)) => json!({ "error": format!("{e:#}") }),
+        Err(e) => json!({ "error": e.to_string() }),
+    };
+    Json(answer).into_response()
+}
+
+/// `POST /publish`: the run's best checkpoint (`checkpoint.dir/best`) published now as the next version, whatever
+/// `publish.margin` says. 201 with the publication; 409 when there is nothing to publish or `[publish]` is off.
+async fn publish_now(State(sup): Sup) -> Response {
+    let Some((settings, root)) = sup.publishing.clone().filter(|(p, _)| p.dir.is_some()) else {
+        let why = "publish.dir is not set: nothing is published (set [publish] dir in the configuration and restart)";
+        return error(StatusCode::CONFLICT, why);
+    };
+    let published = tokio::task::spawn_blocking(move || {
+        let (best, evaluated) = publish::best_of(&root)?;
+        publish::publish(&settings, &best, &evaluated, Some("forced: POST /publish"))
+    })
+    .await;
+    match published {
+        Ok(Ok(Ok(p))) => {
+            tracing::info!(version = p.version, step = p.step, "published by POST /publish");
+            metrics::counter!(crate::telemetry::PUBLICATIONS).increment(1);
+            metrics::gauge!(crate::telemetry::PUBLISHED_VERSION).set(p.version as f64);
+            metrics::gauge!(crate::telemetry::PUBLISHED_ACCEPTANCE_LENGTH).set(p.decode_acceptance_length);
+            (StatusCode::CREATED, Json(p)).into_response()
+        }
+        Ok(Ok(Err(why))) => error(StatusCode::CONFLICT, why),
+        Ok(Err(e)) => error(StatusCode::CONFLICT, format!("{e:#}")),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("publishing failed: {e}")),
     }
 }
 
@@ -387,6 +431,7 @@ pub fn serve(
     let mutating = Router::new()
         .route("/checkpoint", post(checkpoint))
         .route("/reload", post(reload))
+        .route("/publish", post(publish_now))
         .route("/drafters/{id}/fault", post(fault))
         .route("/targets/{id}/fault", post(target_fault))
         .route_layer(middleware::from_fn_with_state(access, require_token))
@@ -452,6 +497,7 @@ mod tests {
         let sup = Supervised::before(
             Status::before_start("starting", "starting".into(), Some((checkpoint, &state))),
             LiveView::new(std::env::temp_dir()),
+            None,
         );
         let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let Ok(s) = runtime.block_on(status_of(&sup)) else { panic!("no answer before the supervisor runs") };
@@ -466,6 +512,52 @@ mod tests {
     }
 
     /// The environment wins over the file; blank values are errors, not "no token".
+    async fn body(answer: impl std::future::Future<Output = Response>) -> (StatusCode, serde_json::Value) {
+        let answer = answer.await;
+        let code = answer.status();
+        let bytes = axum::body::to_bytes(answer.into_body(), 1 << 20).await.unwrap();
+        (code, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    /// `POST /publish` publishes the run's best checkpoint as the next version and `/status` then names it; without
+    /// an evaluated checkpoint, or with `[publish]` off, the answer says why.
+    #[test]
+    fn post_publish_publishes_the_best_checkpoint_and_status_names_it() {
+        let root = tempfile::tempdir().unwrap();
+        let (checkpoints, out) = (root.path().join("run"), root.path().join("published"));
+        let settings = PublishSettings { dir: Some(out.clone()), keep: 3, margin: 0.05 };
+        let supervised = |publishing| {
+            let before = Status::before_start("starting", "starting".into(), None);
+            Supervised::before(before, LiveView::new(checkpoints.clone()), publishing)
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let (code, answer) = runtime.block_on(body(publish_now(State(supervised(None)))));
+        assert_eq!(code, StatusCode::CONFLICT);
+        assert!(answer["error"].as_str().unwrap().contains("publish.dir"), "{answer}");
+        let sup = supervised(Some((settings, checkpoints.clone())));
+        let (code, answer) = runtime.block_on(body(publish_now(State(sup.clone()))));
+        assert_eq!(code, StatusCode::CONFLICT);
+        assert!(answer["error"].as_str().unwrap().contains("no evaluated checkpoint yet"), "{answer}");
+
+        let best = checkpoints.join(crate::service::evaluator::BEST_DIR);
+        let cfg = crate::model::DrafterConfig::for_preset(crate::model::Preset::Tiny, 2);
+        let drafter =
+            crate::model::Drafter::new(cfg, tch::Device::Cpu, tch::Kind::Float, crate::model::Init::Portable(1))
+                .unwrap();
+        drafter.save(&best.join(crate::train::checkpoint::DRAFTER_DIR), tch::Kind::Float).unwrap();
+        let evaluated = crate::service::evaluator::Evaluated::lossless_at(30, 2.25);
+        std::fs::write(best.join(crate::service::evaluator::EVAL_FILE), serde_json::to_vec(&evaluated).unwrap())
+            .unwrap();
+        let (code, answer) = runtime.block_on(body(publish_now(State(sup.clone()))));
+        assert_eq!(code, StatusCode::CREATED, "{answer}");
+        assert_eq!((answer["version"].as_u64(), answer["step"].as_u64()), (Some(1), Some(30)));
+        let (code, status) = runtime.block_on(body(status(State(sup))));
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(status["published"]["version"], json!(1));
+        assert!(status["published"]["why"].as_str().unwrap().contains("POST /publish"), "{status}");
+        assert!(out.join(publish::CURRENT).join("config.json").exists());
+    }
+
     #[test]
     fn the_token_comes_from_the_environment_or_else_the_file() {
         let dir = tempfile::tempdir().unwrap();

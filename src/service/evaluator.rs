@@ -17,7 +17,8 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
-use crate::config::{Config, DataSource, EvalPrompts, TargetSource};
+use super::publish::{self, Publication};
+use crate::config::{Config, DataSource, EvalPrompts, PublishSettings, TargetSource};
 use crate::data::TokenRow;
 use crate::data::prepare::commit_folder;
 use crate::data::prompts::{Prompt, prompt_end, read_prompts};
@@ -122,6 +123,8 @@ pub struct EvalSpec {
     /// How held-out rows are scored teacher-forced (as training scores its batches).
     pub objective: ObjectiveSettings,
     pub checkpoint_root: PathBuf,
+    /// Where an improved drafter is published (`[publish]`).
+    pub publish: PublishSettings,
 }
 
 /// One evaluation's result.
@@ -146,6 +149,9 @@ pub struct Evaluated {
     /// The best acceptance length so far (this one's when it is the new best).
     pub best: f64,
     pub new_best: bool,
+    /// The version this evaluation published (`[publish]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published: Option<Publication>,
 }
 
 #[cfg(test)]
@@ -165,6 +171,7 @@ impl Evaluated {
             seconds: 1.0,
             best: acceptance,
             new_best: true,
+            published: None,
         }
     }
 }
@@ -319,7 +326,7 @@ fn evaluate<'a>(
     }
     let acceptance = report.decode_acceptance_length;
     let new_best = best.is_none_or(|b| acceptance > b);
-    let evaluated = Evaluated {
+    let mut evaluated = Evaluated {
         step,
         decode_acceptance_length: acceptance,
         holdout_acceptance_length: scored.as_ref().map(|s| s.acceptance_length),
@@ -331,7 +338,25 @@ fn evaluate<'a>(
         seconds: started.elapsed().as_secs_f64(),
         best: if new_best { acceptance } else { best.unwrap_or(acceptance) },
         new_best,
+        published: None,
     };
+    if let Some(dir) = &spec.publish.dir {
+        // A publication that fails costs a warning, not the evaluation: the next one tries again.
+        match publish::publish(&spec.publish, &staged, &evaluated, None) {
+            Ok(Ok(p)) => {
+                tracing::info!(
+                    version = p.version,
+                    step,
+                    "published {}: {}",
+                    dir.join(format!("v{}", p.version)).display(),
+                    p.why
+                );
+                evaluated.published = Some(p);
+            }
+            Ok(Err(why)) => tracing::info!("not published: {why}"),
+            Err(e) => tracing::warn!(step, "publishing to {} failed: {e:#}", dir.display()),
+        }
+    }
     record(&spec.checkpoint_root, &evaluated);
     if new_best {
         std::fs::write(staged.join(EVAL_FILE), serde_json::to_vec_pretty(&evaluated)?)?;

@@ -15,6 +15,7 @@ pub mod ledger;
 pub mod live;
 pub mod messages;
 pub mod placement;
+pub mod publish;
 pub mod reload;
 pub mod run;
 pub mod status;

@@ -297,7 +297,8 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
     let phase = if placement.is_some() { "rendezvous" } else { "starting" };
     let resumed = resume.as_ref().map(|(path, state)| (path.as_path(), state));
     let live = LiveView::new(config.checkpoint.dir.clone());
-    let supervised = Supervised::before(Status::before_start(phase, waiting_for, resumed), live.clone());
+    let publishing = Some((config.publish.clone(), config.checkpoint.dir.clone()));
+    let supervised = Supervised::before(Status::before_start(phase, waiting_for, resumed), live.clone(), publishing);
     {
         let _in_runtime = runtime.enter();
         serve_control(read_only, listener, &supervised, &prometheus, token)?;

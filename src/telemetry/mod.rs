@@ -69,6 +69,9 @@ pub const CONFIG_RELOAD_SUCCESSFUL: &str = "dflash_config_last_reload_successful
 pub const CONFIG_RELOAD_SUCCESS_TIMESTAMP: &str = "dflash_config_last_reload_success_timestamp_seconds";
 pub const CONFIG_RELOADS: &str = "dflash_config_reloads_total";
 pub const CONFIG_VERSION: &str = "dflash_config_version";
+pub const PUBLICATIONS: &str = "dflash_publications_total";
+pub const PUBLISHED_VERSION: &str = "dflash_published_version";
+pub const PUBLISHED_ACCEPTANCE_LENGTH: &str = "dflash_published_acceptance_length";
 
 /// The states a drafter's `dflash_drafter_state` series cover (1 for the current one, 0 for the others).
 pub const DRAFTER_STATES: [&str; 5] = ["starting", "joining", "live", "restarting", "failed"];
@@ -205,6 +208,12 @@ fn describe() {
     describe_gauge!(CONFIG_RELOAD_SUCCESS_TIMESTAMP, Unit::Seconds, "Unix time of the last successful reload.");
     describe_counter!(CONFIG_RELOADS, Unit::Count, "Configuration reloads, by result (success, failure).");
     describe_gauge!(CONFIG_VERSION, Unit::Count, "Version of the configuration in effect (1 at start, +1 per change).");
+    describe_counter!(PUBLICATIONS, Unit::Count, "Drafters published to publish.dir by this process.");
+    describe_gauge!(PUBLISHED_VERSION, Unit::Count, "The version publish.dir/current points at (0: none).");
+    describe_gauge!(
+        PUBLISHED_ACCEPTANCE_LENGTH,
+        "Decoded acceptance length of the published drafter, when it was published (tokens per target step)."
+    );
 }
 
 /// Seconds since the Unix epoch.
@@ -334,6 +343,9 @@ pub struct RunMetrics {
     pub reload_successful: Gauge,
     pub reload_success_timestamp: Gauge,
     pub config_version: Gauge,
+    pub publications: Counter,
+    pub published_version: Gauge,
+    pub published_acceptance_length: Gauge,
 }
 
 /// A counter with a `result` label.
@@ -382,6 +394,9 @@ impl RunMetrics {
             reload_successful: gauge!(CONFIG_RELOAD_SUCCESSFUL),
             reload_success_timestamp: gauge!(CONFIG_RELOAD_SUCCESS_TIMESTAMP),
             config_version: gauge!(CONFIG_VERSION),
+            publications: counter!(PUBLICATIONS),
+            published_version: gauge!(PUBLISHED_VERSION),
+            published_acceptance_length: gauge!(PUBLISHED_ACCEPTANCE_LENGTH),
         };
         m.step.set(step as f64);
         m.committed_steps.absolute(step);
@@ -393,6 +408,7 @@ impl RunMetrics {
             &m.replica_divergences,
             &m.checkpoints_skipped,
             &m.ledger_write_failures,
+            &m.publications,
         ] {
             c.absolute(0);
         }
@@ -403,6 +419,12 @@ impl RunMetrics {
         m.reload_success_timestamp.set(unix_now());
         m.config_version.set(1.0);
         m
+    }
+
+    /// The version `publish.dir/current` points at (at start, and at each publication).
+    pub fn published(&self, version: u64, acceptance: f64) {
+        self.published_version.set(version as f64);
+        self.published_acceptance_length.set(acceptance);
     }
 
     pub fn checkpoint(&self, written: Option<(u64, f64)>) {

@@ -249,7 +249,14 @@ impl Shell {
             targets,
             spawned: Registry::default(),
             ledger,
-            run_metrics: RunMetrics::new(step, samples),
+            run_metrics: {
+                let m = RunMetrics::new(step, samples);
+                let published = a.config.publish.dir.as_deref().map(crate::service::publish::current);
+                if let Some(Ok(Some(p))) = published {
+                    m.published(p.version, p.decode_acceptance_length);
+                }
+                m
+            },
             memory,
             reading_memory: Arc::new(AtomicBool::new(false)),
             last_telemetry: Instant::now(),
@@ -353,6 +360,7 @@ impl Shell {
             },
             objective,
             checkpoint_root: self.a.config.checkpoint.dir.clone(),
+            publish: self.a.config.publish.clone(),
         };
         Ok(Evaluator::start(spec, to_core(&self.myself, Event::Evaluated))?)
     }
