@@ -764,6 +764,12 @@ fn a_real_prometheus_scrapes_every_dashboard_query_and_promtool_accepts_the_name
     assert!(forced > published["version"].as_u64().unwrap(), "{body}");
     assert!(svc.status()["published"]["version"].as_u64().is_some_and(|v| v >= forced));
     assert!(metric(&svc.metrics(), "dflash_publications_total").is_some_and(|n| n >= 2.0));
+    // The next evaluation weighs its checkpoint against the published drafter decoded on the same prompts.
+    let s = svc.wait("an evaluation beside the published drafter", |s| {
+        s["last_evaluation"]["baseline"]["version"].as_u64().is_some_and(|v| v >= forced)
+    });
+    let baseline = &s["last_evaluation"]["baseline"]["decode_acceptance_length"];
+    assert!(baseline.as_f64().is_some_and(|a| a >= 1.0), "{s}");
     svc.stop();
 }
 

@@ -202,8 +202,8 @@ async fn publish_now(State(sup): Sup) -> Response {
         return error(StatusCode::CONFLICT, why);
     };
     let published = tokio::task::spawn_blocking(move || {
-        let (best, evaluated) = publish::best_of(&root)?;
-        publish::publish(&settings, &best, &evaluated, Some("forced: POST /publish"))
+        let (best, evaluated) = super::evaluator::best_evaluated(&root)?;
+        publish::publish(&settings, &best, &evaluated.measured(), None, Some("forced: POST /publish"))
     })
     .await;
     match published {

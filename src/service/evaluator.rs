@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
-use super::publish::{self, Publication};
+use super::publish::{self, Baseline, Measured, Publication};
 use crate::config::{Config, DataSource, EvalPrompts, PublishSettings, TargetSource};
 use crate::data::TokenRow;
 use crate::data::prepare::commit_folder;
@@ -152,6 +152,32 @@ pub struct Evaluated {
     /// The version this evaluation published (`[publish]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub published: Option<Publication>,
+    /// The published drafter it was weighed against, decoded on the same prompts (`[publish]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<Baseline>,
+}
+
+impl Evaluated {
+    /// What publishing weighs.
+    pub fn measured(&self) -> Measured {
+        Measured {
+            step: self.step,
+            decode_acceptance_length: self.decode_acceptance_length,
+            prompts: self.prompts,
+            lossless: self.lossless,
+        }
+    }
+}
+
+/// The run's best evaluated checkpoint (`root/best`), and what it was measured at.
+pub fn best_evaluated(root: &Path) -> Result<(PathBuf, Evaluated)> {
+    let best = root.join(BEST_DIR);
+    let path = best.join(EVAL_FILE);
+    let bytes = std::fs::read(&path).with_context(|| {
+        format!("{}: no evaluated checkpoint yet (eval.every_steps > 0 keeps the best one here)", best.display())
+    })?;
+    let evaluated = serde_json::from_slice(&bytes).with_context(|| format!("{}", path.display()))?;
+    Ok((best, evaluated))
 }
 
 #[cfg(test)]
@@ -172,6 +198,7 @@ impl Evaluated {
             best: acceptance,
             new_best: true,
             published: None,
+            baseline: None,
         }
     }
 }
@@ -248,11 +275,14 @@ fn run(
             Err(e) => _ = report(Err(e)),
         }
     };
-    // Kept from one evaluation to the next: the caches and, with eval.cuda_graphs, the CUDA graphs, captured once.
+    // Kept from one evaluation to the next: the caches and, with eval.cuda_graphs, the CUDA graphs, captured once;
+    // the published drafter decoded on the prompts, once a version.
     let mut session: Option<DecodeSession> = None;
+    let mut baseline: Option<Baseline> = None;
     let mut next = Some(first);
     while let Some((step, dir)) = next.take().or_else(|| jobs.recv().ok()) {
-        let outcome = catch_torch(|| evaluate(&spec, (&target, &shape), &mut session, step, &dir, &mut best));
+        let kept = (&mut best, &mut baseline);
+        let outcome = catch_torch(|| evaluate(&spec, (&target, &shape), &mut session, step, &dir, kept));
         if report(caught(outcome)) {
             // Whatever failed may have left decoding half done: the next evaluation sets it up afresh.
             session = None;
@@ -288,7 +318,7 @@ fn evaluate<'a>(
     session: &mut Option<DecodeSession<'a>>,
     step: u64,
     checkpoint: &Path,
-    best: &mut Option<f64>,
+    (best, baseline): (&mut Option<f64>, &mut Option<Baseline>),
 ) -> Result<Evaluated> {
     let started = Instant::now();
     // The checkpoint may be pruned while it is decoded: its files are linked first.
@@ -299,6 +329,9 @@ fn evaluate<'a>(
             Some(s) => s,
             None => session.insert(DecodeSession::new(target, shape, &spec.set.prompts, &spec.settings)?),
         };
+        if let Some(dir) = &spec.publish.dir {
+            *baseline = published_baseline(dir, decoding, spec, baseline.take());
+        }
         decoding.load(&drafter)?;
         let decoded = decoding.evaluate(&spec.set.prompts, &spec.settings)?;
         let rows = &spec.set.rows;
@@ -339,10 +372,11 @@ fn evaluate<'a>(
         best: if new_best { acceptance } else { best.unwrap_or(acceptance) },
         new_best,
         published: None,
+        baseline: baseline.clone(),
     };
     if let Some(dir) = &spec.publish.dir {
         // A publication that fails costs a warning, not the evaluation: the next one tries again.
-        match publish::publish(&spec.publish, &staged, &evaluated, None) {
+        match publish::publish(&spec.publish, &staged, &evaluated.measured(), baseline.as_ref(), None) {
             Ok(Ok(p)) => {
                 tracing::info!(
                     version = p.version,
@@ -366,6 +400,42 @@ fn evaluate<'a>(
         std::fs::remove_dir_all(&staged)?;
     }
     Ok(evaluated)
+}
+
+/// The published drafter (`dir/current`) decoded on the evaluation's prompts: `kept` while it is still the published
+/// version (the prompts do not change within a process), else decoded anew. `None` when nothing is published; one
+/// that cannot be read or decoded costs a warning, and the candidate is then weighed against the number the published
+/// drafter was published at.
+fn published_baseline(
+    dir: &Path,
+    decoding: &mut DecodeSession,
+    spec: &EvalSpec,
+    kept: Option<Baseline>,
+) -> Option<Baseline> {
+    let current = match publish::current(dir) {
+        Ok(current) => current?,
+        Err(e) => {
+            tracing::warn!("reading the published drafter: {e:#}");
+            return None;
+        }
+    };
+    if let Some(kept) = kept.filter(|b| b.version == current.version) {
+        return Some(kept);
+    }
+    let decoded = (|| {
+        let published = Drafter::load(&dir.join(publish::CURRENT), spec.device, spec.kind)?;
+        decoding.load(&published)?;
+        decoding.evaluate(&spec.set.prompts, &spec.settings)
+    })();
+    match decoded {
+        Ok(report) => {
+            Some(Baseline { version: current.version, decode_acceptance_length: report.decode_acceptance_length })
+        }
+        Err(e) => {
+            tracing::warn!(version = current.version, "decoding the published drafter: {e}");
+            None
+        }
+    }
 }
 
 /// The run's history of evaluations, one JSON line each, beside its checkpoints (`dflash inspect-run` reads it).

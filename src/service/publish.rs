@@ -4,15 +4,16 @@
 //! link, flips to it in one rename: a reader sees the old version or the new one, never a half-written folder. The
 //! newest `publish.keep` versions stay (the current one always). Each version holds `publication.json`: its version,
 //! step, acceptance and why it was published. The evaluator publishes; `POST /publish` publishes the run's best
-//! checkpoint at once; a lock keeps the two apart.
-use std::path::{Path, PathBuf};
+//! checkpoint at once; a lock keeps the two apart. A candidate is weighed against the published drafter decoded on the
+//! same prompts ([`Baseline`], the evaluator decodes it once a version), not against the number it was published at,
+//! which other prompts may have given.
+use std::path::Path;
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
-use super::evaluator::{EVAL_FILE, Evaluated};
 use crate::config::PublishSettings;
 use crate::model::Drafter;
 use crate::train::checkpoint::DRAFTER_DIR;
@@ -36,6 +37,24 @@ pub struct Publication {
     pub published_at: f64,
 }
 
+/// What publishing reads of an evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Measured {
+    pub step: u64,
+    /// Tokens kept per target step by real speculative decoding, on `prompts` prompts.
+    pub decode_acceptance_length: f64,
+    pub prompts: usize,
+    /// Whether every prompt decoded as greedy decoding does.
+    pub lossless: bool,
+}
+
+/// The published drafter decoded on an evaluation's prompts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Baseline {
+    pub version: u64,
+    pub decode_acceptance_length: f64,
+}
+
 /// Whether an evaluated checkpoint replaces the published drafter, and why (or why not).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -43,21 +62,29 @@ pub enum Verdict {
     Hold(String),
 }
 
-/// The decision: a lossless evaluation that beats the published drafter by `margin` (or finds none published).
-pub fn verdict(e: &Evaluated, published: Option<&Publication>, margin: f64) -> Verdict {
+/// The decision: a lossless evaluation that beats the published drafter by `margin` (or finds none published). The
+/// published drafter counts as `baseline` decoded it on the evaluation's prompts when that is its version, else as
+/// it was published.
+pub fn verdict(e: &Measured, published: Option<&Publication>, baseline: Option<&Baseline>, margin: f64) -> Verdict {
     let a = e.decode_acceptance_length;
     if !e.lossless {
         return Verdict::Hold(format!("step {}: speculative decoding was not lossless", e.step));
     }
-    match published {
-        None => Verdict::Publish(format!("step {} decoded {a:.3} tokens per target step; none was published", e.step)),
-        Some(p) if a >= p.decode_acceptance_length + margin => Verdict::Publish(format!(
-            "step {} decoded {a:.3} tokens per target step, v{} {:.3} (publish.margin {margin})",
-            e.step, p.version, p.decode_acceptance_length
+    let Some(p) = published else {
+        return Verdict::Publish(format!("step {} decoded {a:.3} tokens per target step; none was published", e.step));
+    };
+    let (theirs, measured) = match baseline.filter(|b| b.version == p.version) {
+        Some(b) => (b.decode_acceptance_length, "on the same prompts"),
+        None => (p.decode_acceptance_length, "when published"),
+    };
+    match a >= theirs + margin {
+        true => Verdict::Publish(format!(
+            "step {} decoded {a:.3} tokens per target step, v{} {theirs:.3} {measured} (publish.margin {margin})",
+            e.step, p.version
         )),
-        Some(p) => Verdict::Hold(format!(
-            "step {} decoded {a:.3}, under v{}'s {:.3} + publish.margin {margin}",
-            e.step, p.version, p.decode_acceptance_length
+        false => Verdict::Hold(format!(
+            "step {} decoded {a:.3}, under v{}'s {theirs:.3} {measured} + publish.margin {margin}",
+            e.step, p.version
         )),
     }
 }
@@ -88,18 +115,20 @@ fn versions(dir: &Path) -> Result<Vec<u64>> {
     Ok(found)
 }
 
-/// Publishes the drafter of `checkpoint` (a checkpoint folder, measured as `evaluated`) as the next version of
-/// `settings.dir` when `verdict` says so, forced or not; returns the publication, or why it was held back.
+/// Publishes the drafter of `checkpoint` (a checkpoint folder, `measured` so; the published drafter on the same
+/// prompts as `baseline`) as the next version of `settings.dir` when `verdict` says so, or `forced`; returns the
+/// publication, or why it was held back.
 pub fn publish(
     settings: &PublishSettings,
     checkpoint: &Path,
-    evaluated: &Evaluated,
+    measured: &Measured,
+    baseline: Option<&Baseline>,
     forced: Option<&str>,
 ) -> Result<std::result::Result<Publication, String>> {
     let Some(dir) = &settings.dir else { bail!("publish.dir is not set: nothing is published") };
     let _one = PUBLISHING.lock().unwrap_or_else(|p| p.into_inner());
     std::fs::create_dir_all(dir).with_context(|| format!("publish.dir {}", dir.display()))?;
-    let why = match (forced, verdict(evaluated, current(dir)?.as_ref(), settings.margin)) {
+    let why = match (forced, verdict(measured, current(dir)?.as_ref(), baseline, settings.margin)) {
         (Some(why), _) => why.to_string(),
         (None, Verdict::Publish(why)) => why,
         (None, Verdict::Hold(why)) => return Ok(Err(why)),
@@ -107,9 +136,9 @@ pub fn publish(
     let version = versions(dir)?.last().map_or(1, |v| v + 1);
     let publication = Publication {
         version,
-        step: evaluated.step,
-        decode_acceptance_length: evaluated.decode_acceptance_length,
-        prompts: evaluated.prompts,
+        step: measured.step,
+        decode_acceptance_length: measured.decode_acceptance_length,
+        prompts: measured.prompts,
         why,
         published_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -125,7 +154,6 @@ pub fn publish(
         .and_then(|saved| Ok(saved?))
         .with_context(|| format!("exporting the drafter of {}", checkpoint.display()))?;
     std::fs::write(staged.join(PUBLICATION_FILE), serde_json::to_vec_pretty(&publication)?)?;
-    std::fs::write(staged.join(EVAL_FILE), serde_json::to_vec_pretty(evaluated)?)?;
     sync_dir(&staged)?;
     let folder = dir.join(format!("v{version}"));
     std::fs::rename(&staged, &folder).with_context(|| format!("moving {} into place", folder.display()))?;
@@ -159,20 +187,14 @@ fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", dir.display()))
 }
 
-/// The folder `POST /publish` publishes: the run's best checkpoint, and what it was measured at.
-pub fn best_of(checkpoint_root: &Path) -> Result<(PathBuf, Evaluated)> {
-    let best = checkpoint_root.join(super::evaluator::BEST_DIR);
-    let path = best.join(EVAL_FILE);
-    let bytes = std::fs::read(&path).with_context(|| {
-        format!("{}: no evaluated checkpoint yet (eval.every_steps > 0 keeps the best one here)", best.display())
-    })?;
-    let evaluated = serde_json::from_slice(&bytes).with_context(|| format!("{}", path.display()))?;
-    Ok((best, evaluated))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
+
+    fn lossless(step: u64, decode_acceptance_length: f64) -> Measured {
+        Measured { step, decode_acceptance_length, prompts: 8, lossless: true }
+    }
 
     fn publication(version: u64, acceptance: f64) -> Publication {
         Publication {
@@ -187,14 +209,21 @@ mod tests {
 
     #[test]
     fn a_drafter_is_published_only_lossless_and_by_the_margin() {
-        let e = Evaluated::lossless_at(40, 2.5);
-        assert!(matches!(verdict(&e, None, 0.05), Verdict::Publish(_)));
-        assert!(matches!(verdict(&e, Some(&publication(1, 2.46)), 0.05), Verdict::Hold(_)));
-        let Verdict::Publish(why) = verdict(&e, Some(&publication(1, 2.45)), 0.05) else { panic!("held") };
-        assert!(why.contains("v1 2.450"), "{why}");
-        let lossy = Evaluated { lossless: false, ..e };
-        let Verdict::Hold(why) = verdict(&lossy, None, 0.0) else { panic!("published") };
+        let e = lossless(40, 2.5);
+        assert!(matches!(verdict(&e, None, None, 0.05), Verdict::Publish(_)));
+        assert!(matches!(verdict(&e, Some(&publication(1, 2.46)), None, 0.05), Verdict::Hold(_)));
+        let Verdict::Publish(why) = verdict(&e, Some(&publication(1, 2.45)), None, 0.05) else { panic!("held") };
+        assert!(why.contains("v1 2.450 when published"), "{why}");
+        let lossy = Measured { lossless: false, ..e.clone() };
+        let Verdict::Hold(why) = verdict(&lossy, None, None, 0.0) else { panic!("published") };
         assert!(why.contains("not lossless"), "{why}");
+        // Decoded on these prompts, v1 does better than it was published at: that is the bar.
+        let v1_now = Baseline { version: 1, decode_acceptance_length: 2.47 };
+        let Verdict::Hold(why) = verdict(&e, Some(&publication(1, 2.45)), Some(&v1_now), 0.05) else { panic!() };
+        assert!(why.contains("v1's 2.470 on the same prompts"), "{why}");
+        // A baseline of another version says nothing of the published one.
+        let v0 = Baseline { version: 0, decode_acceptance_length: 3.0 };
+        assert!(matches!(verdict(&e, Some(&publication(1, 2.45)), Some(&v0), 0.05), Verdict::Publish(_)));
     }
 
     fn settings(dir: &Path, keep: usize) -> PublishSettings {
@@ -216,8 +245,8 @@ mod tests {
         let (ckpt, out) = (checkpoint(root.path()), root.path().join("published"));
         let s = settings(&out, 2);
         for (n, acceptance) in [2.0, 2.1, 2.12, 2.3].into_iter().enumerate() {
-            let e = Evaluated::lossless_at(10 * n as u64, acceptance);
-            let outcome = publish(&s, &ckpt, &e, None).unwrap();
+            let e = lossless(10 * n as u64, acceptance);
+            let outcome = publish(&s, &ckpt, &e, None, None).unwrap();
             // 2.12 is under 2.1 + 0.05: held back, and nothing changes.
             assert_eq!(outcome.is_ok(), acceptance != 2.12, "{outcome:?}");
         }
@@ -229,19 +258,17 @@ mod tests {
         let loaded = Drafter::load(&out.join(CURRENT), Device::Cpu, Kind::Float).unwrap();
         assert_eq!(loaded.config().block_size, 2);
         // Forced: published whatever the margin says.
-        let forced = publish(&s, &ckpt, &Evaluated::lossless_at(50, 1.0), Some("forced")).unwrap().unwrap();
+        let forced = publish(&s, &ckpt, &lossless(50, 1.0), None, Some("forced")).unwrap().unwrap();
         assert_eq!((forced.version, forced.why.as_str()), (4, "forced"));
         assert_eq!(versions(&out).unwrap(), [3, 4]);
         assert!(out.read_dir().unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with('.')));
     }
 
     #[test]
-    fn publishing_without_a_dir_or_a_best_checkpoint_says_what_to_set() {
+    fn publishing_without_a_dir_says_what_to_set() {
         let root = tempfile::tempdir().unwrap();
         let off = PublishSettings { dir: None, keep: 3, margin: 0.0 };
-        let err = publish(&off, root.path(), &Evaluated::lossless_at(1, 2.0), None).unwrap_err().to_string();
+        let err = publish(&off, root.path(), &lossless(1, 2.0), None, None).unwrap_err().to_string();
         assert!(err.contains("publish.dir"), "{err}");
-        let err = best_of(root.path()).unwrap_err().to_string();
-        assert!(err.contains("eval.every_steps"), "{err}");
     }
 }

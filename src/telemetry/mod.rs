@@ -212,7 +212,8 @@ fn describe() {
     describe_gauge!(PUBLISHED_VERSION, Unit::Count, "The version publish.dir/current points at (0: none).");
     describe_gauge!(
         PUBLISHED_ACCEPTANCE_LENGTH,
-        "Decoded acceptance length of the published drafter, when it was published (tokens per target step)."
+        "Decoded acceptance length of the published drafter (tokens per target step): on the evaluation's prompts once \
+         an evaluation decoded it, else when it was published."
     );
 }
 
