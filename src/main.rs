@@ -54,13 +54,15 @@ enum Command {
         to checkpoint.dir (atomic, verified, the newest kept); at the end the drafter is exported to \
         checkpoint.dir/final in the published format.\n\n\
         The control plane on control.listen serves GET / (a live page of the run for a browser), /healthz, /readyz, \
-        /status, /history and /metrics (Prometheus; also alone on control.read_only_listen), POST /checkpoint and /reload (and POST /drafters/{id}/fault and \
+        /status, /history and /metrics (Prometheus; also alone on control.read_only_listen), POST /checkpoint, /reload and /publish (and POST /drafters/{id}/fault and \
         /targets/{id}/fault with control.fault_injection); POST takes \"Authorization: Bearer <token>\" whenever \
         DFLASH_CONTROL_TOKEN or control.token_file sets one, and answers 401 without one off loopback. SIGHUP or POST /reload \
         rereads the configuration: learning rates (AdamW's, Muon's) and schedule, num_anchors, gamma, intervals and log level change at \
         the same step on every drafter; other changes are refused and the run goes on. With eval.every_steps, the \
         acceptance length is measured by real speculative decoding of held-out prompts on a thread beside training, \
-        and the best checkpoint is kept as checkpoint.dir/best. SIGTERM or Ctrl-C finishes the current steps, \
+        and the best checkpoint is kept as checkpoint.dir/best; with [publish] dir, each evaluation that beats the \
+        published drafter by publish.margin (decoded on the same prompts) is exported to dir/vN and dir/current \
+        flips to it, for vLLM or SGLang to load (POST /publish publishes the best checkpoint at once). SIGTERM or Ctrl-C finishes the current steps, \
         checkpoints and exits 143 or 130 (a stop before completion: restart with --resume auto to continue; 0 is \
         for a complete run only); a second signal exits at once with its status. One process per checkpoint.dir: \
         another waits up to checkpoint.lock_wait_s for its lock, then exits 75. Exit 3: the run cannot go on (fewer than \
