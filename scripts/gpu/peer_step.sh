@@ -6,8 +6,9 @@
 # with AdamW and with Muon. Both sides as speculators' CLI sets them: 5 layers, every layer a sliding window of 2048
 # causal inside the block, D-PACE cross-entropy on the target's argmax, each micro-batch's conversations packed into
 # one row with the same anchors a conversation.
-# Carry: .gpu-bin/dflash.xz (`make gpu-bin`), .whl/speculators (scripts/peers/speculators_wheels.sh) and .peer
-# (`cp -r ../shared/peer .peer`); about 62 MB.
+# Carry: .gpu-bin/dflash.xz (`make gpu-bin`), .whl/speculators (scripts/peers/speculators_wheels.sh; move its pyarrow
+# and datasets wheels aside for this call, which a stub replaces below: speculators' training run needs them) and .peer
+# (`cp -r ../shared/peer .peer`); about 14 MB.
 #   [SHAPE..]   BATCHxSEQ/ANCHORS, anchors a conversation (default: 4x768/256 4x3072/512 1x32768/2048)
 # One JSON line per measurement to $OUT/peer_step.jsonl, tagged with side, shape and optimizer; stderr to
 # $OUT/peer_step.stderr. A side that fails (out of memory) writes its error and the next one runs.
@@ -16,6 +17,14 @@ source scripts/gpu/prologue.sh
 work=/tmp/dflash-peer
 unpack_binaries "$work/bin"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/spec .whl/speculators/*.whl || exit 2
+# speculators imports `datasets` at start (its data loaders), which the device lacks and which brings pyarrow (49 MB,
+# past the carry's limit): the step never reads a dataset, so a stub with the names it imports stands in.
+if ! PYTHONPATH=/tmp/spec python3 -c "import datasets" 2>/dev/null; then
+  mkdir -p /tmp/spec/datasets
+  printf '%s\n' 'class Dataset: pass' 'def load_from_disk(*a, **k): raise RuntimeError("stub")' \
+    'def load_dataset(*a, **k): raise RuntimeError("stub")' 'def concatenate_datasets(*a, **k): raise RuntimeError("stub")' \
+    >/tmp/spec/datasets/__init__.py
+fi
 gpu_name
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(4x768/256 4x3072/512 1x32768/2048)
