@@ -340,6 +340,23 @@ redact = [{ pattern = '[\w.]+@[\w.]+\.\w+', replace = "[EMAIL]" }, { pattern = '
     for line in expected {
         assert!(metrics.contains(line), "{line} in {metrics}");
     }
+    // Every series the dashboard's proxy panels chart is one the proxy serves.
+    let dashboard =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/grafana/dashboards/dflash.json")).unwrap();
+    let charted: std::collections::BTreeSet<&str> = dashboard
+        .match_indices("dflash_proxy_")
+        .map(|(i, _)| {
+            let rest = &dashboard[i..];
+            &rest[..rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len())]
+        })
+        .collect();
+    assert!(charted.len() >= 4, "{charted:?}");
+    for name in charted {
+        assert!(
+            metrics.lines().any(|l| l.starts_with(name)),
+            "the dashboard charts {name}, which the proxy does not serve"
+        );
+    }
     let (code, stderr) = proxy.stop();
     assert_eq!(code, 0, "{stderr}");
     assert!(stderr.contains("4 requests; 2 chat completions recorded"), "{stderr}");
