@@ -146,20 +146,33 @@ pub fn publish(
     };
     let staged = dir.join(format!(".v{version}.tmp"));
     let _ = std::fs::remove_dir_all(&staged);
-    let exported = crate::panic::catch_torch(|| {
-        Drafter::load(&checkpoint.join(DRAFTER_DIR), Device::Cpu, Kind::Float)?.save(&staged, Kind::BFloat16)
-    });
-    exported
-        .map_err(|e| anyhow::anyhow!("{e}"))
-        .and_then(|saved| Ok(saved?))
-        .with_context(|| format!("exporting the drafter of {}", checkpoint.display()))?;
-    std::fs::write(staged.join(PUBLICATION_FILE), serde_json::to_vec_pretty(&publication)?)?;
-    sync_dir(&staged)?;
+    if let Err(e) = stage(checkpoint, &staged, &publication) {
+        let _ = std::fs::remove_dir_all(&staged);
+        return Err(e);
+    }
     let folder = dir.join(format!("v{version}"));
     std::fs::rename(&staged, &folder).with_context(|| format!("moving {} into place", folder.display()))?;
     flip_current(dir, &format!("v{version}"))?;
     retire(dir, settings.keep, version);
     Ok(Ok(publication))
+}
+
+/// The version's folder written aside: the drafter of `checkpoint` exported and `publication.json`, every file on disk
+/// before the folder is renamed into place.
+fn stage(checkpoint: &Path, staged: &Path, publication: &Publication) -> Result<()> {
+    let exported = crate::panic::catch_torch(|| {
+        Drafter::load(&checkpoint.join(DRAFTER_DIR), Device::Cpu, Kind::Float)?.save(staged, Kind::BFloat16)
+    });
+    exported
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .and_then(|saved| Ok(saved?))
+        .with_context(|| format!("exporting the drafter of {}", checkpoint.display()))?;
+    std::fs::write(staged.join(PUBLICATION_FILE), serde_json::to_vec_pretty(publication)?)?;
+    for entry in std::fs::read_dir(staged)? {
+        let path = entry?.path();
+        std::fs::File::open(&path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))?;
+    }
+    sync_dir(staged)
 }
 
 /// Points `dir/current` at `name` in one rename (a reader sees the old link or the new one).
@@ -262,6 +275,22 @@ mod tests {
         assert_eq!((forced.version, forced.why.as_str()), (4, "forced"));
         assert_eq!(versions(&out).unwrap(), [3, 4]);
         assert!(out.read_dir().unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with('.')));
+    }
+
+    /// An export that fails publishes nothing and leaves nothing behind: `current` stays where it was.
+    #[test]
+    fn a_failed_export_leaves_the_published_version_alone() {
+        let root = tempfile::tempdir().unwrap();
+        let (ckpt, out) = (checkpoint(root.path()), root.path().join("published"));
+        let s = settings(&out, 3);
+        publish(&s, &ckpt, &lossless(10, 2.0), None, None).unwrap().unwrap();
+        let missing = root.path().join("no-such-checkpoint");
+        let err = publish(&s, &missing, &lossless(20, 3.0), None, None).unwrap_err();
+        assert!(format!("{err:#}").contains("no-such-checkpoint"), "{err:#}");
+        assert_eq!(current(&out).unwrap().unwrap().version, 1);
+        let names: Vec<String> =
+            out.read_dir().unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
     }
 
     #[test]
