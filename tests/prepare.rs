@@ -248,14 +248,17 @@ fn an_interrupted_run_leaves_nothing_that_passes_for_output() {
     let input = dir.path().join("c.jsonl");
     write_lines(&input, &sample_lines(20));
     let out = dir.path().join("p");
-    // What a killed run leaves: a half-written temporary folder.
-    let stale = dir.path().join(".p.partial");
-    std::fs::create_dir_all(&stale).unwrap();
-    std::fs::write(stale.join("train-00000.tokens"), b"junk").unwrap();
-    assert!(Manifest::read(&stale).is_err(), "no manifest: not an output");
+    // What a killed run leaves: a half-written staging folder (of a process that no longer runs, or of an earlier
+    // build's single name).
+    let stale = [dir.path().join(format!(".p.partial-{}-3", u32::MAX - 1)), dir.path().join(".p.partial")];
+    for stale in &stale {
+        std::fs::create_dir_all(stale).unwrap();
+        std::fs::write(stale.join("train-00000.tokens"), b"junk").unwrap();
+        assert!(Manifest::read(stale).is_err(), "no manifest: not an output");
+    }
     let assets = ModelAssets::tiny(&Map::new());
     assert!(matches!(prepare(&assets, &options(vec![input.clone()], &out)).unwrap(), PrepareOutcome::Written(_)));
-    assert!(!stale.exists());
+    assert!(stale.iter().all(|s| !s.exists()));
     PreparedSplit::open(&out, "train", true).unwrap();
     // A damaged output is detected, and a rerun repairs it.
     let tokens = out.join("train-00000.tokens");
@@ -479,4 +482,31 @@ fn token_rows_are_checked_against_the_target_and_prepared() {
     assert!(e.contains("rows.jsonl:3") && e.contains("30 tokens, more than the target's 29 positions"), "{e}");
     let e = prepare_lines(Lines::TokenRows { vocab_size: 15 }, &opts).err().unwrap().to_string();
     assert!(e.contains("rows.jsonl:1") && e.contains("outside the target's vocabulary (0..15)"), "{e}");
+}
+
+/// Two preparations of the same data into the same folder at once (two runs starting on the built-in data) each
+/// write their own staging folder: both succeed, one writes the folder and the other finds it up to date or writes it
+/// again, and no staging folder is left. A shared staging folder made one delete the other's files mid-write.
+#[test]
+fn two_preparations_of_one_folder_at_once_both_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chats.jsonl");
+    write_lines(&input, &sample_lines(400));
+    let out = dir.path().join("prepared");
+    // A staging folder a killed process left (no process has this pid).
+    let abandoned = dir.path().join(format!(".prepared.partial-{}-0", u32::MAX - 1));
+    std::fs::create_dir_all(&abandoned).unwrap();
+    let opts = options(vec![input], &out);
+    std::thread::scope(|s| {
+        let runs: Vec<_> = (0..2).map(|_| s.spawn(|| prepare(&ModelAssets::tiny(&Map::new()), &opts))).collect();
+        for run in runs {
+            run.join().unwrap().unwrap();
+        }
+    });
+    let manifest = Manifest::read(&out).unwrap();
+    let train = PreparedSplit::open(&out, "train", true).unwrap();
+    assert_eq!(train.len() as u64, manifest.report.kept_train);
+    let names: Vec<String> =
+        dir.path().read_dir().unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(names.iter().all(|n| !n.contains(".partial")), "{names:?}");
 }

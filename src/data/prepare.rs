@@ -353,7 +353,13 @@ pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutco
     let parent = opts.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|err| DataError::Io { path: parent.to_path_buf(), err })?;
     let name = opts.out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = parent.join(format!(".{name}.partial"));
+    // This call's own staging folder: two processes (or threads) preparing the same folder at once, as two runs
+    // starting on the built-in data do, must not write into or delete each other's. Folders that processes no longer
+    // running left are removed.
+    remove_abandoned_partials(parent, &name);
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = parent.join(format!(".{name}.partial-{}-{call}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|err| DataError::Io { path: tmp.clone(), err })?;
     }
@@ -375,8 +381,37 @@ pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutco
             return Err(e);
         }
     };
+    // Another process prepared the same data meanwhile: its folder stands (it may be reading it already).
+    if let Ok(existing) = Manifest::read(&opts.out)
+        && existing.fingerprint == manifest.fingerprint
+        && super::shards::PreparedSplit::open(&opts.out, "train", false).is_ok()
+    {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Ok(PrepareOutcome::UpToDate(existing));
+    }
     commit_folder(&tmp, &opts.out)?;
     Ok(PrepareOutcome::Written(manifest))
+}
+
+/// Removes `parent/.{name}.partial-<pid>-<call>` folders of processes that no longer run (a prepare that was
+/// killed), and `.{name}.partial`, the one staging folder of earlier builds.
+fn remove_abandoned_partials(parent: &Path, name: &str) {
+    let _ = std::fs::remove_dir_all(parent.join(format!(".{name}.partial")));
+    let prefix = format!(".{name}.partial-");
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let pid = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Moves the finished `tmp` folder to `out`, replacing an older output, and syncs the parent folder.
@@ -385,7 +420,9 @@ pub(crate) fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
         let path = path.to_path_buf();
         move |err| DataError::Io { path, err }
     };
-    let old = tmp.with_extension("old");
+    let mut old = tmp.as_os_str().to_owned();
+    old.push(".old");
+    let old = std::path::PathBuf::from(old);
     if out.exists() {
         std::fs::rename(out, &old).map_err(io(out))?;
     }
