@@ -889,7 +889,6 @@ mod tests {
     #[test]
     fn two_links_over_one_memory_store_enter_and_sum_a_round() {
         use crate::cluster::store::MemoryStore;
-        use crate::ffi::accel::AdamwStep;
         let store = Arc::new(MemoryStore::new());
         let placement = |rank| HostPlacement {
             hosts: 2,
@@ -935,9 +934,10 @@ mod tests {
         assert_eq!(got, [vec![1.0, 2.0, 3.0], vec![4.0, 5.0], vec![6.0]]);
         assert_eq!(links.each_ref().map(|l| l.entered()), [Some((1, 4)), Some((1, 4))]);
 
-        let adamw = AdamwStep { lr: 1e-3, beta1: 0.9, beta2: 0.95, weight_decay: 0.0, eps: 1e-8 };
-        let settings =
-            (UpdateSettings { adamw, muon: None, grad_clip: None }, ObjectiveKnobs { num_anchors: 4, gamma: None });
+        let settings = (
+            crate::train::optim::Hyper::constant_for_tests(1e-3).update(0, 0),
+            ObjectiveKnobs { num_anchors: 4, gamma: None },
+        );
         let rounds: Vec<_> = links
             .iter()
             .map(|link| {

@@ -404,6 +404,30 @@ impl Hyper {
 }
 
 #[cfg(test)]
+impl Hyper {
+    /// The unit tests' hyperparameters: AdamW at a constant `lr` (betas 0.9 and 0.999, eps 1e-8, no weight decay,
+    /// clipping or Muon), progress counted in samples.
+    pub(crate) fn constant_for_tests(lr: f64) -> Self {
+        Hyper {
+            schedule: LrSchedule {
+                kind: ScheduleKind::Constant,
+                lr,
+                warmup_steps: 0,
+                total_steps: 100,
+                min_lr_ratio: 0.0,
+            },
+            progress: Progress::Samples,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: None,
+            muon: None,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::flat_params::ParamGroup;

@@ -167,7 +167,7 @@ pub fn report<C: Counted>(settled: Settled, done: &Completed<C>) -> RoundReport 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::optim::{Hyper, LrSchedule, Progress, ScheduleKind};
+    use crate::train::optim::Hyper;
 
     struct Part(u64);
 
@@ -187,19 +187,10 @@ mod tests {
     }
 
     fn settings(lr: f64, anchors: usize) -> StepSettings {
-        let schedule =
-            LrSchedule { lr, warmup_steps: 0, total_steps: 100, kind: ScheduleKind::Constant, min_lr_ratio: 0.0 };
-        let hyper = Hyper {
-            schedule,
-            progress: Progress::Samples,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            grad_clip: None,
-            muon: None,
-        };
-        StepSettings { hyper, objective: ObjectiveKnobs { num_anchors: anchors, gamma: None } }
+        StepSettings {
+            hyper: Hyper::constant_for_tests(lr),
+            objective: ObjectiveKnobs { num_anchors: anchors, gamma: None },
+        }
     }
 
     fn done(step: u64, parts: &[u64]) -> Completed<Part> {

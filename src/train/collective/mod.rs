@@ -595,8 +595,7 @@ impl Collective {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::optim::ScheduleKind;
-    use crate::train::optim::{Hyper, LrSchedule, Progress};
+    use crate::train::optim::Hyper;
     use std::sync::mpsc;
     use tch::{Device, Kind};
 
@@ -605,22 +604,7 @@ mod tests {
     }
 
     fn hyper() -> Hyper {
-        Hyper {
-            schedule: LrSchedule {
-                kind: ScheduleKind::Constant,
-                lr: 0.1,
-                warmup_steps: 0,
-                total_steps: 100,
-                min_lr_ratio: 0.0,
-            },
-            progress: Progress::Samples,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            grad_clip: None,
-            muon: None,
-        }
+        Hyper::constant_for_tests(0.1)
     }
 
     fn contribution(values: &[f32], weight: f64) -> Contribution {

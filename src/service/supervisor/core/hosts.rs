@@ -358,17 +358,7 @@ mod tests {
 
     fn record(rank: usize, generation: u64, batches: Vec<BatchId>) -> HostRecord {
         let settings = (
-            crate::train::optim::UpdateSettings {
-                adamw: crate::ffi::accel::AdamwStep {
-                    lr: 1e-3,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    weight_decay: 0.0,
-                    eps: 1e-8,
-                },
-                muon: None,
-                grad_clip: None,
-            },
+            crate::train::optim::Hyper::constant_for_tests(1e-3).update(0, 0),
             ObjectiveKnobs { num_anchors: 4, gamma: None },
         );
         let part =
