@@ -129,9 +129,7 @@ impl HostRecord {
 pub struct RunRound {
     /// The members' gradients summed in rank order (CPU, f32); `None` when the drafters sum over NCCL.
     pub grad: Option<Tensor>,
-    pub total_weight: f64,
-    pub samples: u64,
-    /// Each member's record, in rank order.
+    /// Each member's record, in rank order (its samples and loss weight among them).
     pub hosts: Vec<HostRecord>,
     /// Hosts admitted at this boundary that take their state from this one.
     pub serve: Vec<Admitted>,
@@ -730,13 +728,7 @@ impl<S: Connection> HostLink<S> {
                     .collect();
             }
             let serve = closed.admitted.iter().filter(|a| a.donor == rank && a.rank != rank).copied().collect();
-            Ok(RunRound {
-                grad: sum,
-                total_weight: hosts.iter().map(|h| h.weight).sum(),
-                samples: hosts.iter().map(HostRecord::samples).sum(),
-                hosts,
-                serve,
-            })
+            Ok(RunRound { grad: sum, hosts, serve })
         })
     }
 
@@ -960,7 +952,9 @@ mod tests {
             .collect();
         for round in rounds.into_iter().map(|r| r.join().unwrap()) {
             assert_eq!(Vec::<f32>::try_from(round.grad.as_ref().unwrap()).unwrap(), [3.0, 30.0]);
-            assert_eq!((round.samples, round.total_weight), (7, 3.0));
+            let samples: u64 = round.hosts.iter().map(HostRecord::samples).sum();
+            let weight: f64 = round.hosts.iter().map(|h| h.weight).sum();
+            assert_eq!((samples, weight), (7, 3.0));
             assert_eq!(round.hosts.iter().map(|h| h.rank).collect::<Vec<_>>(), [0, 1]);
         }
     }

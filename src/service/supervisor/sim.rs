@@ -74,7 +74,7 @@ use crate::service::exit::{
 };
 use crate::service::failure::{Failure, FailureKind};
 use crate::train::checkpoint::{Scan, TrainerState, Written, to_delete};
-use crate::train::collective::book::{self, Book, Counted, RunTotals, Settled};
+use crate::train::collective::book::{self, Book, Counted, Settled};
 use crate::train::link::{DrafterPart, HostMember, HostRecord};
 use crate::train::objective::Metrics;
 use crate::train::optim::{LrSchedule, ScheduleKind};
@@ -1404,10 +1404,7 @@ impl World {
                 let Waiting { done, settled, before } = round;
                 let local = book::local_samples(&done.contributions);
                 let current = done.incarnation == self.rounds.incarnation();
-                let samples = records.iter().map(HostRecord::samples).sum();
-                let total_weight = records.iter().map(|h| h.weight).sum();
-                let totals = RunTotals { samples, total_weight, hosts: records.clone() };
-                let settled = self.book.settle_run(settled, local, current, totals, self.rank);
+                let settled = self.book.settle_run(settled, local, current, records.clone(), self.rank);
                 return self.finish_round(Waiting { done, settled, before }, records);
             }
             Err(missed) => missed,

@@ -45,14 +45,6 @@ pub struct Settled {
     pub remote: Vec<HostRecord>,
 }
 
-/// The run's round as this host learnt it (across hosts).
-pub struct RunTotals {
-    pub samples: u64,
-    pub total_weight: f64,
-    /// Each member host's record, in rank order (this host's among them).
-    pub hosts: Vec<HostRecord>,
-}
-
 impl Book {
     pub fn new(settings: StepSettings, samples_committed: u64) -> Self {
         Book { settings, pending: None, samples_committed }
@@ -108,28 +100,28 @@ impl Book {
         }
     }
 
-    /// Across hosts: the run's round settled `local` (this host's part, [`Book::settle`]d already) as `run`. Every
-    /// host's samples count and every host applies the lowest-ranked member's settings (rank 0's: reloads go
-    /// there). A round of an incarnation left behind (`current` false: the host entered the run again while its
+    /// Across hosts: the run's round settled `local` (this host's part, [`Book::settle`]d already) as `hosts`, each
+    /// member host's record in rank order (this host's among them). Every host's samples and loss weight count and
+    /// every host applies the lowest-ranked member's settings (rank 0's: reloads go there). A round of an incarnation left behind (`current` false: the host entered the run again while its
     /// exchange was under way) commits nothing here: the host's count is its donor's since.
     pub fn settle_run(
         &mut self,
         local: Settled,
         local_samples: u64,
         current: bool,
-        run: RunTotals,
+        hosts: Vec<HostRecord>,
         me: Rank,
     ) -> Settled {
         if current {
-            self.samples_committed += run.samples - local_samples;
+            self.samples_committed += hosts.iter().map(HostRecord::samples).sum::<u64>() - local_samples;
         }
-        let (update, next_objective) = run.hosts.first().map_or((local.update, local.next_objective), |h| h.settings);
+        let (update, next_objective) = hosts.first().map_or((local.update, local.next_objective), |h| h.settings);
         Settled {
             update,
             next_objective,
             samples_committed: self.samples_committed,
-            total_weight: Some(run.total_weight),
-            remote: run.hosts.into_iter().filter(|h| h.rank != me).collect(),
+            total_weight: Some(hosts.iter().map(|h| h.weight).sum()),
+            remote: hosts.into_iter().filter(|h| h.rank != me).collect(),
         }
     }
 }
@@ -227,20 +219,27 @@ mod tests {
         let mut book = Book::new(settings(1e-3, 4), 100);
         let round = done(0, &[3]);
         let local = book.settle(0, &round.contributions);
-        let record = |rank, lr| HostRecord {
+        // Rank 0 trained 6 samples of weight 12, this host (rank 1) its 3 of weight 6.
+        let record = |rank, lr, samples| HostRecord {
             rank,
             generation: 1,
             settings: (settings(lr, 4).hyper.update(0, 100), ObjectiveKnobs { num_anchors: 4, gamma: None }),
-            weight: 1.0,
-            contributions: vec![],
+            weight: 2.0 * samples as f64,
+            contributions: vec![crate::train::link::DrafterPart {
+                drafter: 0,
+                generation: 1,
+                batches: vec![],
+                samples,
+                metrics: Metrics::default(),
+                digest: None,
+            }],
         };
-        let run = RunTotals { samples: 9, total_weight: 18.0, hosts: vec![record(0, 2e-3), record(1, 1e-3)] };
-        let settled = book.settle_run(local.clone(), 3, true, run, 1);
+        let hosts = vec![record(0, 2e-3, 6), record(1, 1e-3, 3)];
+        let settled = book.settle_run(local.clone(), 3, true, hosts.clone(), 1);
         assert_eq!((settled.samples_committed, settled.update.adamw.lr, settled.total_weight), (109, 2e-3, Some(18.0)));
         assert_eq!(settled.remote.iter().map(|h| h.rank).collect::<Vec<_>>(), vec![0]);
         // Left behind: the host entered again meanwhile, its count is its donor's.
         book.entered(500);
-        let run = RunTotals { samples: 9, total_weight: 18.0, hosts: vec![record(0, 2e-3)] };
-        assert_eq!(book.settle_run(local, 3, false, run, 1).samples_committed, 500);
+        assert_eq!(book.settle_run(local, 3, false, hosts, 1).samples_committed, 500);
     }
 }

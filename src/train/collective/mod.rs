@@ -35,7 +35,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use self::book::{Book, Counted, RunTotals};
+use self::book::{Book, Counted};
 use self::hosts::{FailedSums, Settling, across_hosts};
 pub use self::ring::{GradientSum, Ring, RingMember};
 use self::ring::{Rings, ring_members};
@@ -478,9 +478,8 @@ impl Collective {
                     if current {
                         s.remote_joiners.extend(run.serve);
                     }
-                    let totals = RunTotals { samples: run.samples, total_weight: run.total_weight, hosts: run.hosts };
                     let local = book::local_samples(&done.contributions);
-                    plan.settled = s.book.settle_run(plan.settled, local, current, totals, link.rank());
+                    plan.settled = s.book.settle_run(plan.settled, local, current, run.hosts, link.rank());
                 }
                 let settles = self.link.is_some() && plan.sum == GradientSum::Nccl;
                 let (outcome, report) = finish(plan, done, summed);
