@@ -209,9 +209,7 @@ async fn publish_now(State(sup): Sup) -> Response {
     match published {
         Ok(Ok(Ok(p))) => {
             tracing::info!(version = p.version, step = p.step, "published by POST /publish");
-            metrics::counter!(crate::telemetry::PUBLICATIONS).increment(1);
-            metrics::gauge!(crate::telemetry::PUBLISHED_VERSION).set(p.version as f64);
-            metrics::gauge!(crate::telemetry::PUBLISHED_ACCEPTANCE_LENGTH).set(p.decode_acceptance_length);
+            crate::telemetry::publication(p.version, p.decode_acceptance_length);
             (StatusCode::CREATED, Json(p)).into_response()
         }
         Ok(Ok(Err(why))) => error(StatusCode::CONFLICT, why),

@@ -217,6 +217,18 @@ fn describe() {
     );
 }
 
+/// The version `publish.dir/current` points at and its acceptance (at start, and at each evaluation that decodes it).
+pub fn published(version: u64, acceptance: f64) {
+    gauge!(PUBLISHED_VERSION).set(version as f64);
+    gauge!(PUBLISHED_ACCEPTANCE_LENGTH).set(acceptance);
+}
+
+/// A drafter published (by an evaluation, or `POST /publish`).
+pub fn publication(version: u64, acceptance: f64) {
+    counter!(PUBLICATIONS).increment(1);
+    published(version, acceptance);
+}
+
 /// Seconds since the Unix epoch.
 pub fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
@@ -344,9 +356,6 @@ pub struct RunMetrics {
     pub reload_successful: Gauge,
     pub reload_success_timestamp: Gauge,
     pub config_version: Gauge,
-    pub publications: Counter,
-    pub published_version: Gauge,
-    pub published_acceptance_length: Gauge,
 }
 
 /// A counter with a `result` label.
@@ -395,9 +404,6 @@ impl RunMetrics {
             reload_successful: gauge!(CONFIG_RELOAD_SUCCESSFUL),
             reload_success_timestamp: gauge!(CONFIG_RELOAD_SUCCESS_TIMESTAMP),
             config_version: gauge!(CONFIG_VERSION),
-            publications: counter!(PUBLICATIONS),
-            published_version: gauge!(PUBLISHED_VERSION),
-            published_acceptance_length: gauge!(PUBLISHED_ACCEPTANCE_LENGTH),
         };
         m.step.set(step as f64);
         m.committed_steps.absolute(step);
@@ -409,10 +415,10 @@ impl RunMetrics {
             &m.replica_divergences,
             &m.checkpoints_skipped,
             &m.ledger_write_failures,
-            &m.publications,
         ] {
             c.absolute(0);
         }
+        counter!(PUBLICATIONS).absolute(0);
         m.checkpoint_writer_stalled.set(0.0);
         m.ledger_failing.set(0.0);
         // A fresh process runs the configuration it was started with: that counts as loaded.
@@ -420,12 +426,6 @@ impl RunMetrics {
         m.reload_success_timestamp.set(unix_now());
         m.config_version.set(1.0);
         m
-    }
-
-    /// The version `publish.dir/current` points at (at start, and at each publication).
-    pub fn published(&self, version: u64, acceptance: f64) {
-        self.published_version.set(version as f64);
-        self.published_acceptance_length.set(acceptance);
     }
 
     pub fn checkpoint(&self, written: Option<(u64, f64)>) {

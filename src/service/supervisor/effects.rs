@@ -285,11 +285,10 @@ impl Effects for Shell {
                     m.eval_duration.record(e.seconds);
                     m.eval_last_step.set(e.step as f64);
                     if let Some(b) = &e.baseline {
-                        m.published(b.version, b.decode_acceptance_length);
+                        crate::telemetry::published(b.version, b.decode_acceptance_length);
                     }
                     if let Some(p) = &e.published {
-                        m.publications.increment(1);
-                        m.published(p.version, p.decode_acceptance_length);
+                        crate::telemetry::publication(p.version, p.decode_acceptance_length);
                     }
                 }
             }

@@ -223,6 +223,9 @@ impl Shell {
             .collect();
         let memory = identities.iter().map(|(&d, identity)| (d, DeviceMemory::new(identity))).collect();
         // Rank 0 keeps the run's ledger.
+        if let Some(Ok(Some(p))) = a.config.publish.dir.as_deref().map(crate::service::publish::current) {
+            crate::telemetry::published(p.version, p.decode_acceptance_length);
+        }
         let ledger = a.ledger.take().and_then(|(file, path)| {
             LedgerWriter::start(file, &path, to_core(&myself, Event::LedgerWritten))
                 .map_err(|e| tracing::error!(path = %path.display(), "cannot start the data.ledger writer: {e}"))
@@ -249,14 +252,7 @@ impl Shell {
             targets,
             spawned: Registry::default(),
             ledger,
-            run_metrics: {
-                let m = RunMetrics::new(step, samples);
-                let published = a.config.publish.dir.as_deref().map(crate::service::publish::current);
-                if let Some(Ok(Some(p))) = published {
-                    m.published(p.version, p.decode_acceptance_length);
-                }
-                m
-            },
+            run_metrics: RunMetrics::new(step, samples),
             memory,
             reading_memory: Arc::new(AtomicBool::new(false)),
             last_telemetry: Instant::now(),
