@@ -1590,9 +1590,9 @@ impl World {
     /// store keeps them; one that does not answer holds the reader up).
     fn read_feeds(&mut self) {
         let Some(entered) = self.link.entered else { return };
-        let (served, answers, stopped) = {
+        let (served, answers, stopped, keys) = {
             let s = self.store.borrow();
-            (s.served_by > 0, s.answers(self.now), s.stopped)
+            (s.served_by > 0, s.answers(self.now), s.stopped, s.keys.clone())
         };
         if !served {
             // The store is gone: the link's next look says so.
@@ -1603,7 +1603,6 @@ impl World {
         }
         loop {
             let (generation, step) = (entered.0, self.link.cursor.next(entered));
-            let keys = self.store.borrow().keys.clone();
             let bytes = match exchange::take_feed(&*keys, self.rank, generation, step, Duration::ZERO) {
                 Ok(bytes) => bytes,
                 Err(ExchangeError::Store(StoreError::Timeout { .. })) => return,
