@@ -169,10 +169,9 @@ fn stage(checkpoint: &Path, staged: &Path, publication: &Publication) -> Result<
         .with_context(|| format!("exporting the drafter of {}", checkpoint.display()))?;
     std::fs::write(staged.join(PUBLICATION_FILE), serde_json::to_vec_pretty(publication)?)?;
     for entry in std::fs::read_dir(staged)? {
-        let path = entry?.path();
-        std::fs::File::open(&path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))?;
+        sync(&entry?.path())?;
     }
-    sync_dir(staged)
+    sync(staged)
 }
 
 /// Points `dir/current` at `name` in one rename (a reader sees the old link or the new one).
@@ -181,7 +180,7 @@ fn flip_current(dir: &Path, name: &str) -> Result<()> {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(name, &link).with_context(|| format!("linking {}", link.display()))?;
     std::fs::rename(&link, dir.join(CURRENT)).with_context(|| format!("flipping {}", dir.join(CURRENT).display()))?;
-    sync_dir(dir)
+    sync(dir)
 }
 
 /// Removes the oldest versions beyond `keep`, never `current`; one that cannot be removed costs a warning.
@@ -196,8 +195,9 @@ fn retire(dir: &Path, keep: usize, current: u64) {
     }
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", dir.display()))
+/// Puts a file's contents, or a folder's entries, on disk.
+fn sync(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))
 }
 
 #[cfg(test)]
