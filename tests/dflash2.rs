@@ -4,7 +4,8 @@
 mod reference_models;
 
 use dflash::model::config::RopeScaling;
-use dflash::model::{Architecture, Dflash2Shape, Drafter, DrafterConfig, Init, Variant};
+use dflash::model::variant::dflash2::Dflash2Shape;
+use dflash::model::{Architecture, Drafter, DrafterConfig, Init, Variant};
 use dflash::train::objective::{
     BlockPlan, ObjectiveSettings, PlanTensors, Row, SelectorTargets, SlotTargets, lm_head_loss,
 };
@@ -192,8 +193,8 @@ fn the_selector_loss_and_every_gradient_are_the_written_out_objectives() {
 /// output.
 #[test]
 fn the_proposer_drafts_the_selectors_walk_and_decoding_stays_lossless() {
-    use dflash::model::candidate_selector::greedy_path;
     use dflash::model::speculative::{DFlashProposer, Proposer, greedy, speculative};
+    use dflash::model::variant::dflash2::candidate_selector::greedy_path;
     use dflash::model::{Decoder, Depth, Preset};
 
     let t = Preset::Tiny.spec().build_target(Depth::Full, Device::Cpu, Kind::Float).unwrap();

@@ -484,11 +484,12 @@ fn token_rows_are_checked_against_the_target_and_prepared() {
     assert!(e.contains("rows.jsonl:1") && e.contains("outside the target's vocabulary (0..15)"), "{e}");
 }
 
-/// Two preparations of the same data into the same folder at once (two runs starting on the built-in data) each
-/// write their own staging folder: both succeed, one writes the folder and the other finds it up to date or writes it
-/// again, and no staging folder is left. A shared staging folder made one delete the other's files mid-write.
+/// Preparations of the same data into the same folder at once (runs starting together on the built-in data) each
+/// write their own staging folder: all succeed, each writes the folder or finds it up to date (also when another moved
+/// its folder in between its check and its move), and no staging or moved-aside folder is left. A shared staging
+/// folder made one delete the other's files mid-write.
 #[test]
-fn two_preparations_of_one_folder_at_once_both_succeed() {
+fn preparations_of_one_folder_at_once_all_succeed() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("chats.jsonl");
     write_lines(&input, &sample_lines(400));
@@ -498,7 +499,7 @@ fn two_preparations_of_one_folder_at_once_both_succeed() {
     std::fs::create_dir_all(&abandoned).unwrap();
     let opts = options(vec![input], &out);
     std::thread::scope(|s| {
-        let runs: Vec<_> = (0..2).map(|_| s.spawn(|| prepare(&ModelAssets::tiny(&Map::new()), &opts))).collect();
+        let runs: Vec<_> = (0..4).map(|_| s.spawn(|| prepare(&ModelAssets::tiny(&Map::new()), &opts))).collect();
         for run in runs {
             run.join().unwrap().unwrap();
         }

@@ -2,7 +2,8 @@
 //! (streamed chunk by chunk, other routes too), successful chat completions are recorded as sealed segments that
 //! `prepare` reads, upstream errors are passed on and not recorded, a recording that cannot be written never fails a
 //! client's request, and `[proxy]`'s policy (redaction, headers that opt out, retention) holds, counted at
-//! `/_dflash/metrics`.
+//! `/_dflash/metrics`. A proxy killed mid-traffic and started again keeps every exchange it answered once; an
+//! upstream that is down is the client's 502, not a recording.
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -85,13 +86,22 @@ async fn gzipped(body: Json<Value>) -> Response {
 }
 
 fn upstream_with(runtime: &tokio::runtime::Runtime, release: std::sync::Arc<tokio::sync::Notify>) -> SocketAddr {
+    upstream_at(runtime, release, 0)
+}
+
+/// The upstream on `port` (0: any free one).
+fn upstream_at(
+    runtime: &tokio::runtime::Runtime,
+    release: std::sync::Arc<tokio::sync::Notify>,
+    port: u16,
+) -> SocketAddr {
     let app = Router::new()
         .route("/gzip/v1/chat/completions", post(gzipped))
         .route("/held/v1/chat/completions", post(held).with_state(release))
         .route("/v1/chat/completions", post(completions))
         .route("/v1/models", get(|| async { Json(json!({"data": [{"id": "m"}]})) }));
     runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         addr
@@ -129,6 +139,11 @@ impl Proxy {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
+        Self::listening(child, port)
+    }
+
+    /// `child`, once it listens on `port`.
+    fn listening(child: Child, port: u16) -> Self {
         let proxy = Proxy { child: Some(child), url: format!("http://127.0.0.1:{port}") };
         for _ in 0..200 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
@@ -138,6 +153,13 @@ impl Proxy {
         }
         let (code, stderr) = proxy.stop();
         panic!("the proxy did not listen on {port} (exit {code}): {stderr}");
+    }
+
+    /// SIGKILL: the process ends at once, with no chance to seal or flush.
+    fn kill(mut self) {
+        let mut child = self.child.take().expect("stopped once");
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     /// SIGTERM, then the exit status and what it wrote on stderr.
@@ -367,4 +389,65 @@ redact = [{ pattern = '[\w.]+@[\w.]+\.\w+', replace = "[EMAIL]" }, { pattern = '
         lines[0]["messages"],
         json!([{"role": "user", "content": "mail me at [EMAIL]"}, {"role": "assistant", "content": "echo: mail me at [EMAIL]"}])
     );
+}
+
+/// The proxy killed (SIGKILL) while clients keep sending, then started again on the same folder: every exchange a
+/// client had its answer to before the kill is in the recording once, the restart seals what the killed proxy left
+/// open (whole lines only), and what the restarted proxy records joins it; nothing is recorded twice.
+#[test]
+fn a_killed_proxy_keeps_what_it_recorded_and_records_nothing_twice() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let upstream = upstream(&runtime);
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("traffic");
+    // Small segments: some are sealed before the kill, one is left open by it.
+    let small = ["--set", "proxy.segment_bytes=2048"];
+    let client = reqwest::Client::new();
+    let send = |proxy: &Proxy, range: std::ops::Range<usize>| {
+        runtime.block_on(async {
+            for i in range {
+                let (code, body) = post_chat(&client, &proxy.url, &chat(&format!("question {i}"), i % 3 == 0)).await;
+                assert_eq!(code, 200, "{body}");
+            }
+        })
+    };
+    let proxy = Proxy::start_with(upstream, &record, &small);
+    send(&proxy, 0..40);
+    // The writer takes an exchange once its answer has ended: give it the moment it needs, then kill.
+    std::thread::sleep(Duration::from_millis(500));
+    proxy.kill();
+    let left_open =
+        std::fs::read_dir(&record).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with('.'));
+    assert!(left_open, "the kill left a segment open");
+    let proxy = Proxy::start_with(upstream, &record, &small);
+    send(&proxy, 40..50);
+    let (code, stderr) = proxy.stop();
+    assert_eq!(code, 0, "{stderr}");
+    let asked: Vec<String> =
+        sealed_lines(&record).iter().map(|l| l["messages"][0]["content"].as_str().unwrap().to_string()).collect();
+    let expected: Vec<String> = (0..50).map(|i| format!("question {i}")).collect();
+    assert_eq!(asked, expected, "every answered exchange once, in order");
+}
+
+/// An upstream that is down is the client's 502 from the proxy, saying so, and nothing is recorded; once the upstream
+/// is up, the same proxy passes and records again.
+#[test]
+fn an_upstream_that_is_down_is_a_502_and_no_recording() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let down: SocketAddr = ([127, 0, 0, 1], port).into();
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("traffic");
+    let proxy = Proxy::start(down, &record);
+    let client = reqwest::Client::new();
+    let (code, body) = runtime.block_on(post_chat(&client, &proxy.url, &chat("anyone there?", false)));
+    assert!(code == 502 && body.contains("did not answer"), "{code} {body}");
+    upstream_at(&runtime, Default::default(), port);
+    let (code, body) = runtime.block_on(post_chat(&client, &proxy.url, &chat("back again", false)));
+    assert_eq!((code, body.contains("echo: back again")), (200, true), "{body}");
+    let (code, stderr) = proxy.stop();
+    assert_eq!(code, 0, "{stderr}");
+    let lines = sealed_lines(&record);
+    assert_eq!(lines.len(), 1, "only the answered exchange: {lines:#?}");
+    assert_eq!(lines[0]["messages"][0]["content"], "back again");
 }

@@ -125,6 +125,35 @@ fn wait_for_lines(out: &Path, lines: usize, child: &mut Child) {
     }
 }
 
+/// `serve-train` on the real target on the CPU, as the tests train it (one layer, blocks of 4, batches of 2, no
+/// checkpoints on the way, no control plane), from the prepared answers in `prepared` into `dir/ckpt`, with `more`.
+fn train_on_real_target(dir: &Path, prepared: &Path, more: &[String]) -> std::process::Output {
+    let p = |path: &Path| path.to_str().unwrap().to_string();
+    let mut sets: Vec<String> = vec![
+        format!("target.model={}", p(&checkout(".real-model"))),
+        "target.device=cpu".into(),
+        "drafters.devices=[\"cpu\"]".into(),
+        "draft_model.num_hidden_layers=1".into(),
+        "draft_model.block_size=4".into(),
+        "draft_model.target_layer_ids=[1, 15]".into(),
+        "draft_model.mask_token_id=16".into(),
+        format!("data.path={}", p(prepared)),
+        "data.batch_size=2".into(),
+        "objective.num_anchors=8".into(),
+        "objective.gamma=none".into(),
+        format!("checkpoint.dir={}", p(&dir.join("ckpt"))),
+        "checkpoint.every_steps=0".into(),
+        "control.listen=off".into(),
+    ];
+    sets.extend(more.iter().cloned());
+    let mut train = Command::new(BIN);
+    train.arg("serve-train").env_remove("RUST_LOG");
+    for s in &sets {
+        train.args(["--set", s]);
+    }
+    train.output().unwrap()
+}
+
 const PROMPTS: [&str; 12] = [
     "What is the capital of France?",
     "List three colours of the rainbow.",
@@ -219,29 +248,7 @@ fn regenerate_against_llama_cpp_loses_nothing_and_doubles_nothing() {
         .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
         .unwrap_or_else(|| panic!("no prepare summary: {report}"));
     assert!(kept >= 10, "{report}");
-    let sets = [
-        format!("target.model={}", p(&model)),
-        "target.device=cpu".into(),
-        "drafters.devices=[\"cpu\"]".into(),
-        "draft_model.num_hidden_layers=1".into(),
-        "draft_model.block_size=4".into(),
-        "draft_model.target_layer_ids=[1, 15]".into(),
-        "draft_model.mask_token_id=16".into(),
-        format!("data.path={}", p(&prepared)),
-        "data.batch_size=2".into(),
-        "objective.num_anchors=8".into(),
-        "objective.gamma=none".into(),
-        "optim.max_steps=3".into(),
-        format!("checkpoint.dir={}", p(&d.join("ckpt"))),
-        "checkpoint.every_steps=0".into(),
-        "control.listen=off".into(),
-    ];
-    let mut train = Command::new(BIN);
-    train.arg("serve-train").env_remove("RUST_LOG");
-    for s in &sets {
-        train.args(["--set", s]);
-    }
-    let o = train.output().unwrap();
+    let o = train_on_real_target(d, &prepared, &["optim.max_steps=3".into()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(d.join("ckpt/final/model.safetensors").is_file());
 }
@@ -294,7 +301,9 @@ fn llama_cpp_greedy_answers_agree_with_dflash_greedy_decoding() {
 
 /// `dflash proxy` in front of llama.cpp's server: `regenerate` through the proxy answers as through the server, and
 /// the proxy's recording holds exactly what the clients got (three answers, then one streamed chunk by chunk to a
-/// client of its own), which `prepare` takes as data.
+/// client of its own), which `prepare` takes as data; and serve-train on the real target with the recording as its
+/// `data.stream` trains each recorded conversation once, evaluates and publishes: the chain of "Keep the drafter
+/// current", end to end.
 #[test]
 fn the_proxy_in_front_of_llama_cpp_records_what_the_clients_got() {
     let dir = tempfile::tempdir().unwrap();
@@ -372,4 +381,42 @@ fn the_proxy_in_front_of_llama_cpp_records_what_the_clients_got() {
         .output()
         .unwrap();
     assert!(prepare.status.success(), "{}", String::from_utf8_lossy(&prepare.stderr));
+
+    // The recording as a stream: serve-train on the real target takes the sealed segment as its first wave (with as
+    // much replay of the prepared answers), evaluates on prompts of its own and publishes its first lossless drafter.
+    let prompts = d.join("eval-prompts.jsonl");
+    let lines: String = PROMPTS[6..8]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{}\n", json!({"id": format!("e{i}"), "messages": [{"role": "user", "content": p}]})))
+        .collect();
+    std::fs::write(&prompts, lines).unwrap();
+    let p = |path: &Path| path.to_str().unwrap().to_string();
+    let ledger = d.join("ledger.jsonl");
+    let more = [
+        format!("data.stream={}", p(&record)),
+        "data.stream_min_conversations=4".into(),
+        "data.stream_poll_s=0.2".into(),
+        "data.stream_answers=\"all\"".into(),
+        format!("data.ledger={}", p(&ledger)),
+        "optim.schedule=\"constant\"".into(),
+        "optim.max_steps=4".into(),
+        "eval.every_steps=2".into(),
+        format!("eval.prompts={}", p(&prompts)),
+        "eval.num_prompts=2".into(),
+        "eval.max_new_tokens=12".into(),
+        format!("publish.dir={}", p(&d.join("published"))),
+    ];
+    let o = train_on_real_target(d, &d.join("prepared"), &more);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let streamed: Vec<String> = std::fs::read_to_string(&ledger)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).unwrap()["ids"].as_array().cloned())
+        .flatten()
+        .filter_map(|id| id.as_str().filter(|s| s.starts_with("segment-")).map(String::from))
+        .collect();
+    assert_eq!(streamed.len(), 4, "the recorded conversations, each once: {streamed:?}\n{stderr}");
+    assert!(d.join("published/current/model.safetensors").is_file(), "{stderr}");
 }

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 
 use dflash::ffi::accel::{AdamwStep, MuonStep};
 use dflash::model::presets::tiny;
-use dflash::model::{Depth, Dflash2Shape, Drafter, DrafterConfig, Init, Preset, Target, Variant};
+use dflash::model::variant::dflash2::Dflash2Shape;
+use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target, Variant};
 use dflash::train::objective::ObjectiveSettings;
 use dflash::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
 use tch::{Device, Kind, Tensor};

@@ -10,7 +10,10 @@
 #   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck and memcheck-nocache): README's recipe for 6 steps of
 #                    8 rows, then a decoded evaluation of 4 held-out prompts (32 new tokens, CUDA graphs); needs
 #                    recipe.sh `part` and `model` and synthesize.sh `synth` (any count) earlier in the lease
-# Each run's summary line to $out/sanitize.txt, its report to $out/TOOL-WHAT.log (the first 400 lines).
+# The tools of one stage run side by side (independent processes on one GPU: the condition the faults came from),
+# each stopped after SANITIZE_LIMIT_S seconds (default 3000) so a short lease still brings back what finished.
+# Each run's summary line to $out/sanitize.txt, its report to $out/TOOL-WHAT.log (the first 400 lines; the whole
+# report stays in /tmp/dflash-recipe).
 set -uo pipefail
 source scripts/gpu/prologue.sh
 work=/tmp/dflash-recipe
@@ -39,8 +42,10 @@ sanitize() {
   shift 2
   full=$work/$name-$what.full
   [ "$tool" = memcheck-nocache ] && { env=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1); tool=memcheck; }
-  "${env[@]}" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 50 "$@" >"$full" 2>&1
+  timeout -s INT -k 30 "${SANITIZE_LIMIT_S:-3000}" "${env[@]}" "$sanitizer" --tool "$tool" --error-exitcode 99 \
+    --print-limit 50 "$@" >"$full" 2>&1
   code=$?
+  [ $code -eq 124 ] && code="124 (stopped after ${SANITIZE_LIMIT_S:-3000} s)"
   head -n 400 "$full" >"$out/$name-$what.log"
   echo "$name $what: exit $code in $((SECONDS - start)) s; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$full" |
     sort | uniq -c | tr -s ' ' | paste -sd ';')" | tee -a "$out/sanitize.txt"
@@ -52,9 +57,13 @@ tests)
   tools=("$@")
   [ ${#tools[@]} -gt 0 ] || tools=(memcheck memcheck-nocache racecheck synccheck initcheck)
   for tool in "${tools[@]}"; do
-    sanitize "$tool" tests "$work/bin/test-lib" --test-threads 1 --include-ignored "${gpu_tests[@]}" "${skip[@]}"
-    grep -E "^test .* (ok|FAILED)$|test result" "$work/$tool-tests.full" | tail -20 >>"$out/sanitize.txt"
+    (
+      sanitize "$tool" tests "$work/bin/test-lib" --test-threads 1 --include-ignored "${gpu_tests[@]}" "${skip[@]}"
+      grep -E "^test .* (ok|FAILED)$|test result" "$work/$tool-tests.full" | sed "s/^/$tool: /" | tail -20 \
+        >>"$out/sanitize.txt"
+    ) &
   done
+  wait
   ;;
 train)
   shift

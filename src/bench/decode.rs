@@ -291,7 +291,8 @@ mod tests {
 
     #[test]
     fn measures_both_passes_and_a_lossless_generation_on_the_tiny_preset() {
-        let dflash2 = Variant::DFlash2(crate::model::Dflash2Shape { selector_rank: 8, ..Default::default() });
+        let dflash2 =
+            Variant::DFlash2(crate::model::variant::dflash2::Dflash2Shape { selector_rank: 8, ..Default::default() });
         for variant in [Variant::DFlash, dflash2] {
             let opts = DecodeBenchOptions {
                 seq: 20,

@@ -16,7 +16,7 @@ pub use earlier_defaults::{as_overrides, as_trained, first_defaults, kept_from_r
 pub use proxy::{ProxyConfig, RedactRule, upstream_url};
 pub use training::{
     CheckpointSettings, CollectiveKind, ControlSettings, DataSettings, DataSource, DraftersSettings, EvalPrompts,
-    EvalSettings, OptimSettings, PublishSettings, SupervisionSettings,
+    EvalSettings, OptimSettings, PublishSettings, StreamSettings, SupervisionSettings,
 };
 
 use config::{File, FileFormat, Value, ValueKind};
@@ -24,10 +24,10 @@ use serde::Deserialize;
 
 use crate::data::prepare::ModelAssets;
 use crate::device::{DeviceSpec, DtypeSpec};
-use crate::model::drafter_config::{DFLASH2_KEYS, auto_target_layer_ids, default_gamma};
+use crate::model::drafter_config::{auto_target_layer_ids, default_gamma};
 use crate::model::presets::{PresetSpec, no_such_model};
 use crate::model::{Depth, ModelError, Preset, Target};
-use crate::model::{Dflash2Shape, LayerAttention, Variant};
+use crate::model::{LayerAttention, Variant};
 use crate::train::{ObjectiveSettings, Teacher};
 use tch::{Device, Kind};
 
@@ -659,13 +659,62 @@ impl RawConfig {
                 ),
             ));
         }
+        // Only a schedule that counts steps can warm up over a number of them.
+        if config.optim.warmup_steps > 0 && config.optim.max_steps == 0 && config.data.stream.is_none() {
+            return Err(invalid(
+                "optim.warmup_steps",
+                config.optim.warmup_steps,
+                "0 for a run bounded by epochs (its schedule counts samples: use optim.warmup_ratio), or set \
+                 optim.max_steps or data.stream",
+            ));
+        }
+        match &config.data.stream {
+            Some(stream) => check_stream(stream, &config)?,
+            None if config.eval.prompts == training::EvalPrompts::Stream => {
+                return Err(invalid("eval.prompts", "\"stream\"", "with data.stream (the traffic it evaluates on)"));
+            }
+            None => {}
+        }
         Ok(config)
     }
 }
 
+/// What `data.stream` asks of the rest: data to replay, and a schedule that needs no end.
+fn check_stream(stream: &StreamSettings, config: &Config) -> Result<(), ConfigError> {
+    let key = "data.stream";
+    let value = stream.dir.display();
+    if matches!(config.data.source, DataSource::Synthetic(_)) {
+        return Err(invalid(
+            key,
+            value,
+            "off with synthetic data (a stream replays real conversations from data.path)",
+        ));
+    }
+    if config.eval.prompts == training::EvalPrompts::Stream && config.data.holdout <= 0.0 {
+        return Err(invalid(
+            "eval.prompts",
+            "\"stream\"",
+            "with data.holdout > 0 (each wave holds that share of its conversations out: the recent traffic evaluated)",
+        ));
+    }
+    let optim = &config.optim;
+    if optim.max_steps == 0 && (optim.schedule != crate::train::ScheduleKind::Constant || optim.warmup_ratio > 0.0) {
+        return Err(invalid(
+            key,
+            value,
+            "a stream without optim.max_steps has no end to schedule toward: set optim.schedule = \"constant\" and \
+             optim.warmup_ratio = 0 (optim.warmup_steps warms up over a number of steps instead), or bound it with \
+             optim.max_steps",
+        ));
+    }
+    Ok(())
+}
+
 /// Keys a running service cannot change: resuming with a different value is refused.
-pub const NON_RELOADABLE: [&str; 21] = [
+pub const NON_RELOADABLE: [&str; 23] = [
     "target.model",
+    "data.stream",
+    "data.stream_mix",
     "optim.optimizer",
     "draft_model.variant",
     "draft_model.conv_kernel_size",
@@ -692,7 +741,8 @@ pub const NON_RELOADABLE: [&str; 21] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
 /// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 28] = [
+pub const SHARED_BY_HOSTS: [&str; 29] = [
+    "data.stream_mix",
     "draft_model.variant",
     "draft_model.conv_kernel_size",
     "draft_model.conv_group_size",
@@ -774,7 +824,7 @@ pub fn join_differences(mine: &serde_json::Value, rank0: &serde_json::Value) -> 
 
 /// Keys a running service changes on a reload (SIGHUP, `POST /reload`), at the same step on every drafter. A change
 /// to any other key is refused while running.
-pub const RELOADABLE: [&str; 26] = [
+pub const RELOADABLE: [&str; 27] = [
     "optim.lr",
     "optim.muon_lr",
     "optim.betas",
@@ -782,6 +832,7 @@ pub const RELOADABLE: [&str; 26] = [
     "optim.weight_decay",
     "optim.schedule",
     "optim.warmup_ratio",
+    "optim.warmup_steps",
     "optim.min_lr_ratio",
     "optim.grad_clip",
     "objective.num_anchors",
@@ -946,24 +997,29 @@ impl RawDraftModel {
             .collect())
     }
 
-    /// `variant` with DFlash 2's sizes (each checked against the target's shape when the drafter is built).
-    fn variant(&self) -> Result<Variant, ConfigError> {
-        match self.variant.as_str() {
-            "dflash" => Ok(Variant::DFlash),
-            "dflash2" => {
-                let mut sizes = [0usize; 4];
-                let given = [self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k];
-                for ((size, key), value) in sizes.iter_mut().zip(DFLASH2_KEYS).zip(given) {
-                    *size = usize::try_from(value)
-                        .ok()
-                        .filter(|&v| v > 0)
-                        .ok_or_else(|| invalid(&format!("draft_model.{key}"), value, "a positive size"))?;
-                }
-                let [conv_kernel_size, conv_group_size, selector_rank, selector_top_k] = sizes;
-                Ok(Variant::DFlash2(Dflash2Shape { conv_kernel_size, conv_group_size, selector_rank, selector_top_k }))
-            }
-            other => Err(invalid("draft_model.variant", format!("{other:?}"), "\"dflash\" or \"dflash2\"")),
+    /// A variant's size as `[draft_model]` sets it (each variant's sizes are fields of [`RawDraftModel`]).
+    fn variant_size(&self, key: &str) -> Option<i64> {
+        match key {
+            "conv_kernel_size" => Some(self.conv_kernel_size),
+            "conv_group_size" => Some(self.conv_group_size),
+            "selector_rank" => Some(self.selector_rank),
+            "selector_top_k" => Some(self.selector_top_k),
+            _ => None,
         }
+    }
+
+    /// `variant` with its sizes (each checked against the target's shape when the drafter is built).
+    fn variant(&self) -> Result<Variant, ConfigError> {
+        let Some(registration) = Variant::named(&self.variant) else {
+            return Err(invalid("draft_model.variant", format!("{:?}", self.variant), Variant::names()));
+        };
+        registration.build(|key| {
+            let value = self.variant_size(key).unwrap_or(0);
+            usize::try_from(value)
+                .ok()
+                .filter(|&v| v > 0)
+                .ok_or_else(|| invalid(&format!("draft_model.{key}"), value, "a positive size"))
+        })
     }
 
     fn validate(self) -> Result<DraftModelSettings, ConfigError> {
@@ -1249,6 +1305,43 @@ mod tests {
         assert_eq!(ok.drafters.collective, CollectiveKind::Nccl);
     }
 
+    /// `data.stream` asks for data to replay and, without `optim.max_steps`, a schedule that needs no end.
+    #[test]
+    fn a_stream_needs_replay_and_a_schedule_without_an_end() {
+        let stream = "data.stream=\"traffic\"";
+        let err = with_set(&[stream]).unwrap_err().to_string();
+        assert!(err.contains("optim.schedule = \"constant\"") && err.contains("optim.max_steps"), "{err}");
+        let open_ended = [stream, "optim.schedule=\"constant\"", "optim.warmup_ratio=0"];
+        let cfg = with_set(&open_ended).unwrap();
+        assert_eq!(cfg.data.stream.map(|s| (s.mix, s.min_conversations)), Some((0.5, 256)));
+        assert!(with_set(&[stream, "optim.max_steps=100"]).is_ok(), "a bounded stream may decay");
+        let warm = [stream, "optim.schedule=\"constant\"", "optim.warmup_ratio=0", "optim.warmup_steps=50"];
+        assert_eq!(with_set(&warm).unwrap().optim.warmup_steps, 50, "an open-ended stream warms up over steps");
+        let err = with_set(&["optim.warmup_steps=50"]).unwrap_err().to_string();
+        assert!(err.contains("optim.warmup_steps") && err.contains("warmup_ratio"), "{err}");
+        let err = with_set(&[stream, "optim.max_steps=100", "data.path=\"synthetic\""]).unwrap_err().to_string();
+        assert!(err.contains("synthetic"), "{err}");
+        let err = with_set(&[stream, "optim.max_steps=100", "data.stream_mix=1.0"]).unwrap_err().to_string();
+        assert!(err.contains("data.stream_mix"), "{err}");
+    }
+
+    /// Every registered variant is a `draft_model.variant` a config can name, with each of its sizes a setting read
+    /// from `[draft_model]`, that a run cannot change and that every host must share.
+    #[test]
+    fn every_variant_and_its_sizes_are_settings() {
+        for r in &crate::model::variant::REGISTERED {
+            let mut set = vec![format!("draft_model.variant=\"{}\"", r.name)];
+            set.extend(r.keys.iter().enumerate().map(|(i, key)| format!("draft_model.{key}={}", i + 1)));
+            let cfg = with_set(&set.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+            let sizes: Vec<usize> = cfg.draft_model.variant.sizes().into_iter().map(|(_, size)| size).collect();
+            assert_eq!(sizes, (1..=r.keys.len()).collect::<Vec<_>>(), "{}", r.name);
+            for key in r.keys {
+                let key = format!("draft_model.{key}");
+                assert!(NON_RELOADABLE.contains(&key.as_str()) && SHARED_BY_HOSTS.contains(&key.as_str()), "{key}");
+            }
+        }
+    }
+
     #[test]
     fn malformed_overrides_and_missing_files_are_reported() {
         let err = with_set(&["novalue"]).unwrap_err().to_string();
@@ -1353,7 +1446,9 @@ mod tests {
         let same = join_differences(&rank0, &rank0);
         assert!(same.0.is_empty() && same.1.is_empty());
         assert!(
-            NON_RELOADABLE.iter().all(|k| SHARED_BY_HOSTS.contains(k) || *k == "target.model" || *k == "data.path")
+            NON_RELOADABLE
+                .iter()
+                .all(|k| SHARED_BY_HOSTS.contains(k) || ["target.model", "data.path", "data.stream"].contains(k))
         );
     }
 

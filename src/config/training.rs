@@ -132,6 +132,11 @@ pub(super) struct RawData {
     ledger: String,
     ledger_max_failures: i64,
     allow_other_tokenizer: bool,
+    stream: String,
+    stream_mix: f64,
+    stream_answers: String,
+    stream_min_conversations: i64,
+    stream_poll_s: f64,
 }
 
 /// Where training samples come from.
@@ -169,6 +174,22 @@ pub struct DataSettings {
     pub ledger_max_failures: u32,
     /// Train on a prepared folder whose tokenizer and chat template are not the target's (refused otherwise).
     pub allow_other_tokenizer: bool,
+    /// `data.stream`: keep learning from conversations arriving in a folder; `None`: off.
+    pub stream: Option<StreamSettings>,
+}
+
+/// `data.stream` and its settings: the folder the recording proxy seals segments into (or chat JSONL is dropped in),
+/// taken in waves ([`crate::data::stream`]), each an epoch with replay of what came before.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamSettings {
+    pub dir: PathBuf,
+    /// The share of each wave's epoch drawn from earlier data (`data.stream_mix`), in `[0, 1)`.
+    pub mix: f64,
+    pub answers: crate::data::stream::Answers,
+    /// A wave is made once this many new conversations qualify.
+    pub min_conversations: usize,
+    /// How often the folder is looked at.
+    pub poll: std::time::Duration,
 }
 
 impl RawData {
@@ -205,6 +226,28 @@ impl RawData {
             ledger: (!self.ledger.is_empty()).then(|| PathBuf::from(self.ledger)),
             ledger_max_failures: at_least("data.ledger_max_failures", self.ledger_max_failures, 1)? as u32,
             allow_other_tokenizer: self.allow_other_tokenizer,
+            stream: match self.stream.as_str() {
+                "" => None,
+                dir => Some(StreamSettings {
+                    dir: PathBuf::from(dir),
+                    mix: match self.stream_mix {
+                        m if (0.0..1.0).contains(&m) => m,
+                        m => return Err(invalid("data.stream_mix", m, "a fraction in [0, 1)")),
+                    },
+                    answers: match self.stream_answers.as_str() {
+                        "greedy" => crate::data::stream::Answers::Greedy,
+                        "all" => crate::data::stream::Answers::All,
+                        other => {
+                            return Err(invalid("data.stream_answers", format!("{other:?}"), "\"greedy\" or \"all\""));
+                        }
+                    },
+                    min_conversations: at_least("data.stream_min_conversations", self.stream_min_conversations, 1)?,
+                    poll: match self.stream_poll_s {
+                        s if s > 0.0 && s.is_finite() => std::time::Duration::from_secs_f64(s),
+                        s => return Err(invalid("data.stream_poll_s", s, "seconds > 0")),
+                    },
+                }),
+            },
         })
     }
 }
@@ -218,6 +261,7 @@ pub(super) struct RawOptim {
     weight_decay: f64,
     schedule: String,
     warmup_ratio: f64,
+    warmup_steps: i64,
     min_lr_ratio: f64,
     grad_clip: f64,
     accumulation: i64,
@@ -240,6 +284,8 @@ pub struct OptimSettings {
     pub schedule: ScheduleKind,
     /// Warmup, as a fraction of the run's samples.
     pub warmup_ratio: f64,
+    /// Warmup in steps, instead of `warmup_ratio` (0: the ratio), for runs whose schedule counts steps.
+    pub warmup_steps: u64,
     pub min_lr_ratio: f64,
     /// `None`: no clipping.
     pub grad_clip: Option<f64>,
@@ -278,6 +324,7 @@ impl RawOptim {
             weight_decay: finite_in("optim.weight_decay", self.weight_decay, 0.0, 1.0, "in [0, 1]")?,
             schedule,
             warmup_ratio: finite_in("optim.warmup_ratio", self.warmup_ratio, 0.0, 1.0, "a fraction in [0, 1]")?,
+            warmup_steps: at_least("optim.warmup_steps", self.warmup_steps, 0)? as u64,
             min_lr_ratio: finite_in("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0, "a fraction in [0, 1]")?,
             grad_clip: (grad_clip > 0.0).then_some(grad_clip),
             accumulation: at_least("optim.accumulation", self.accumulation, 1)?,
@@ -519,6 +566,9 @@ pub enum EvalPrompts {
     Holdout,
     /// A JSONL file of prompts (token ids or chat messages).
     File(PathBuf),
+    /// `data.stream`'s recent traffic: the held-out conversations of its newest waves (never trained on), read again
+    /// at every evaluation; the prepared data's `holdout` split until a wave holds some out.
+    Stream,
 }
 
 /// The decoded acceptance length measured during training.
@@ -538,7 +588,10 @@ impl RawEval {
     pub(super) fn validate(self) -> Result<EvalSettings, ConfigError> {
         let prompts = match self.prompts.as_str() {
             "holdout" => EvalPrompts::Holdout,
-            "" => return Err(invalid("eval.prompts", "\"\"", "\"holdout\" or a JSONL file of prompts")),
+            "stream" => EvalPrompts::Stream,
+            "" => {
+                return Err(invalid("eval.prompts", "\"\"", "\"holdout\", \"stream\" or a JSONL file of prompts"));
+            }
             path => EvalPrompts::File(PathBuf::from(path)),
         };
         Ok(EvalSettings {

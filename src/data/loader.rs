@@ -81,10 +81,37 @@ impl LoaderState {
     }
 }
 
+/// A stream's epochs (`data.stream`): epoch `k` is wave `k`'s samples (`waves[k]`, positions after the `base` data's
+/// and the waves' before it) and replay: samples drawn without repeats from every position before the wave (the base
+/// data and earlier waves), `mix / (1 - mix)` of the wave's count (as many as there are, at most), so that `mix` of
+/// the epoch's samples are replay. Deterministic from the seed, the epoch and the waves' ranges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamEpochs {
+    pub waves: Vec<std::ops::Range<usize>>,
+    /// The share of each epoch's samples drawn from before its wave, in `[0, 1)`.
+    pub mix: f64,
+}
+
+impl StreamEpochs {
+    /// The positions of epoch `epoch`, or `None` before its wave has arrived.
+    pub fn positions(&self, epoch: u64, seed: u64) -> Option<Vec<usize>> {
+        let wave = self.waves.get(usize::try_from(epoch).ok()?)?.clone();
+        let wanted = (wave.len() as f64 * self.mix / (1.0 - self.mix).max(1e-9)).round() as usize;
+        let before = wave.start;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_57AE ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut replay = rand::seq::index::sample(&mut rng, before, wanted.min(before)).into_vec();
+        replay.sort_unstable();
+        Some(wave.chain(replay).collect())
+    }
+}
+
 pub struct Loader {
     lengths: Vec<usize>,
-    /// What a batch is made of: one sample each, or (packed) the samples of one row.
+    /// What a batch is made of: one sample each, or (packed) the samples of one row (of every epoch; a stream's
+    /// epochs make their own).
     units: Vec<Vec<usize>>,
+    /// `data.stream`: each epoch is a wave of new samples with replay from before it.
+    stream: Option<StreamEpochs>,
     settings: LoaderSettings,
     epoch: u64,
     next_ordinal: u64,
@@ -113,6 +140,7 @@ impl Loader {
         Loader {
             lengths,
             units,
+            stream: None,
             settings,
             epoch: state.epoch,
             next_ordinal: state.next_ordinal,
@@ -122,8 +150,73 @@ impl Loader {
         }
     }
 
+    /// A loader over a stream's waves (`data.stream`), from a saved position: epoch `k` trains wave `k` (positions
+    /// `stream.waves[k]`) with replay drawn from the samples before it ([`StreamEpochs`]). `lengths` covers every
+    /// position; an epoch whose wave has not arrived has no batches yet ([`Loader::ready`]).
+    pub fn stream(lengths: Vec<usize>, settings: LoaderSettings, state: LoaderState, stream: StreamEpochs) -> Self {
+        let mut loader = Self::restore(Vec::new(), settings, state);
+        loader.lengths = lengths;
+        loader.stream = Some(stream);
+        loader
+    }
+
+    /// A stream's epochs, the waves known so far (`None`: not a stream).
+    pub fn stream_epochs(&self) -> Option<&StreamEpochs> {
+        self.stream.as_ref()
+    }
+
+    /// A stream's next wave arrived: samples of `lengths`, at the positions after every one known.
+    pub fn add_wave(&mut self, lengths: &[usize]) {
+        let start = self.lengths.len();
+        self.lengths.extend_from_slice(lengths);
+        if let Some(stream) = &mut self.stream {
+            stream.waves.push(start..self.lengths.len());
+        }
+    }
+
+    /// Batches of the current epoch (every epoch alike, but for a stream's).
     pub fn batches_per_epoch(&self) -> usize {
-        self.units.len().div_ceil(self.settings.batch_size)
+        self.batches_in(self.epoch)
+    }
+
+    /// Batches of epoch `epoch`: 0 for a stream's epoch whose wave has not arrived.
+    fn batches_in(&self, epoch: u64) -> usize {
+        if let Some(plan) = self.plans.get(&epoch) {
+            return plan.len();
+        }
+        match &self.stream {
+            None => self.units.len().div_ceil(self.settings.batch_size),
+            Some(stream) => match stream.positions(epoch, self.settings.seed) {
+                Some(positions) => self.units_of(&positions).len().div_ceil(self.settings.batch_size),
+                None => 0,
+            },
+        }
+    }
+
+    /// Whether a batch can be handed out now: one owed, one left in this epoch, or the next epoch's (a stream's
+    /// next wave may not have arrived).
+    pub fn ready(&self) -> bool {
+        if !self.requeued.is_empty() || (self.next_ordinal as usize) < self.batches_per_epoch() {
+            return true;
+        }
+        match &self.stream {
+            None => !self.lengths.is_empty(),
+            Some(stream) => (self.epoch + 1..stream.waves.len() as u64).any(|e| self.batches_in(e) > 0),
+        }
+    }
+
+    /// The units (a sample each, or packed rows) of `positions`.
+    fn units_of(&self, positions: &[usize]) -> Vec<Vec<usize>> {
+        match self.settings.pack {
+            Some(capacity) => {
+                let lengths: Vec<usize> = positions.iter().map(|&p| self.lengths[p]).collect();
+                crate::data::packing::first_fit_decreasing(&lengths, capacity)
+                    .into_iter()
+                    .map(|row| row.into_iter().map(|i| positions[i]).collect())
+                    .collect()
+            }
+            None => positions.iter().map(|&p| vec![p]).collect(),
+        }
     }
 
     /// The epoch new batches come from.
@@ -133,7 +226,7 @@ impl Loader {
 
     /// The epoch of the batch `next_batch` would hand out (an owed batch's, or a new one's).
     pub fn next_epoch(&self) -> Option<u64> {
-        if self.lengths.is_empty() {
+        if self.lengths.is_empty() && self.stream.is_none() {
             return None;
         }
         Some(match self.requeued.front() {
@@ -150,7 +243,14 @@ impl Loader {
 
     /// The order of one epoch: deterministic from the seed and the epoch.
     fn plan(&mut self, epoch: u64) -> &Vec<Vec<usize>> {
-        let (lengths, units, s) = (&self.lengths, &self.units, self.settings);
+        let stream_units = match (&self.stream, self.plans.contains_key(&epoch)) {
+            (Some(stream), false) => {
+                Some(self.units_of(&stream.positions(epoch, self.settings.seed).unwrap_or_default()))
+            }
+            _ => None,
+        };
+        let (lengths, s) = (&self.lengths, self.settings);
+        let units = stream_units.as_ref().unwrap_or(&self.units);
         self.plans.entry(epoch).or_insert_with(|| {
             let mut rng = ChaCha8Rng::seed_from_u64(s.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let tokens = |u: usize| -> usize { units[u].iter().map(|&i| lengths[i]).sum() };
@@ -170,13 +270,22 @@ impl Loader {
     /// The next batch: an owed one first, else the next of the current epoch (moving to the next epoch when this
     /// one is all handed out). `None` only when there are no samples.
     pub fn next_batch(&mut self) -> Option<Batch> {
-        if self.lengths.is_empty() {
+        // An owed batch of a stream's wave that now trains nothing (its folder could not be read: logged) goes with
+        // it.
+        while let Some(&id) = self.requeued.front() {
+            if self.lengths.is_empty() || self.plan(id.epoch).get(id.ordinal as usize).is_some() {
+                break;
+            }
+            self.requeued.pop_front();
+        }
+        if self.lengths.is_empty() || !self.ready() {
             return None;
         }
         let id = match self.requeued.pop_front() {
             Some(id) => id,
             None => {
-                if self.next_ordinal as usize >= self.batches_per_epoch() {
+                // The next epoch (a stream's next wave with batches: a wave held out whole has none).
+                while self.next_ordinal as usize >= self.batches_per_epoch() {
                     self.plans.retain(|&e, _| e >= self.epoch);
                     self.epoch += 1;
                     self.next_ordinal = 0;
@@ -392,5 +501,86 @@ mod tests {
             first.iter().map(|b| b.samples.clone()).collect::<Vec<_>>(),
             second.iter().map(|b| b.samples.clone()).collect::<Vec<_>>()
         );
+    }
+
+    fn stream_loader(base: usize, mix: f64) -> Loader {
+        let state = LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] };
+        Loader::stream(lengths(base), settings(4), state, StreamEpochs { waves: vec![], mix })
+    }
+
+    /// Until a wave arrives there is nothing to hand out; each wave is an epoch of its samples, each once, and
+    /// then the loader waits for the next.
+    #[test]
+    fn a_streams_epochs_are_its_waves_each_sample_once() {
+        let mut loader = stream_loader(0, 0.0);
+        assert!(!loader.ready() && loader.next_batch().is_none(), "no wave yet");
+        for (wave, count) in [(0u64, 10usize), (1, 7)] {
+            let start = loader.lengths.len();
+            loader.add_wave(&lengths(count));
+            assert!(loader.ready());
+            let mut seen = Vec::new();
+            while let Some(b) = loader.next_batch() {
+                assert_eq!(b.id.epoch, wave);
+                loader.commit(b.id);
+                seen.extend(b.samples);
+            }
+            seen.sort_unstable();
+            assert_eq!(seen, (start..start + count).collect::<Vec<_>>(), "wave {wave}");
+            assert!(!loader.ready(), "waiting for the next wave");
+        }
+        // Owed batches of a wave that now trains nothing (its folder lost) go with it, and the loader waits.
+        let owed = LoaderState { epoch: 0, next_ordinal: 3, owed: vec![BatchId { epoch: 0, ordinal: 1 }] };
+        let empty = StreamEpochs { waves: std::iter::once(0..0).collect(), mix: 0.0 };
+        let mut lost = Loader::stream(lengths(4), settings(4), owed, empty);
+        assert!(lost.next_batch().is_none() && !lost.ready());
+        // A wave with nothing to train (held out whole) is passed over.
+        loader.add_wave(&[]);
+        assert!(!loader.ready());
+        loader.add_wave(&lengths(3));
+        let b = loader.next_batch().unwrap();
+        assert_eq!((b.id.epoch, b.samples.len()), (3, 3));
+    }
+
+    /// With `mix`, an epoch is its wave plus that share of replay from before it, without repeats, the same after a
+    /// restore; a batch requeued while the loader waits is handed out again.
+    #[test]
+    fn a_streams_replay_comes_from_before_the_wave_and_restores_alike() {
+        let mut loader = stream_loader(30, 0.5);
+        loader.add_wave(&lengths(10));
+        let first = loader.next_batch().unwrap();
+        let saved = loader.state();
+        let mut all = first.samples.clone();
+        loader.commit(first.id);
+        let mut last = None;
+        while let Some(b) = loader.next_batch() {
+            all.extend(b.samples.iter().copied());
+            last = Some(b.id);
+            loader.commit(b.id);
+        }
+        all.sort_unstable();
+        let (new, replay): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&p| p >= 30);
+        assert_eq!(new, (30..40).collect::<Vec<_>>());
+        assert_eq!(replay.len(), 10, "half the epoch is replay");
+        assert!(replay.windows(2).all(|w| w[0] < w[1]), "no repeats: {replay:?}");
+        let mut restored = Loader::stream(
+            lengths(40),
+            settings(4),
+            saved,
+            StreamEpochs { waves: std::iter::once(30..40).collect(), mix: 0.5 },
+        );
+        // Saved with the first batch handed out and not committed: it is owed, and handed out again.
+        let mut again: Vec<usize> = Vec::new();
+        while let Some(b) = restored.next_batch() {
+            again.extend(b.samples.iter().copied());
+            restored.commit(b.id);
+        }
+        again.sort_unstable();
+        assert_eq!(again, all, "the same epoch after a restore");
+        // A batch that failed while the stream waits is owed: handed out again before the next wave's.
+        let last = last.unwrap();
+        loader.outstanding.insert(last);
+        loader.requeue(last);
+        assert!(loader.ready());
+        assert_eq!(loader.next_batch().map(|b| b.id), Some(last));
     }
 }

@@ -12,6 +12,7 @@ pub mod sample;
 pub mod sample_id;
 pub mod settled_lines;
 pub mod shards;
+pub mod stream;
 pub mod synthesize;
 pub mod token_rows;
 pub mod tokenize;

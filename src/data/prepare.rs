@@ -381,16 +381,25 @@ pub fn prepare_lines(lines: Lines, opts: &PrepareOptions) -> Result<PrepareOutco
             return Err(e);
         }
     };
-    // Another process prepared the same data meanwhile: its folder stands (it may be reading it already).
-    if let Ok(existing) = Manifest::read(&opts.out)
-        && existing.fingerprint == manifest.fingerprint
-        && super::shards::PreparedSplit::open(&opts.out, "train", false).is_ok()
-    {
+    // Another process prepared the same data meanwhile: its folder stands (it may be reading it already). Checked
+    // again when the move fails, as it does when the other process moved its folder in between check and move.
+    let same_data_stands = || {
+        Manifest::read(&opts.out)
+            .ok()
+            .filter(|existing| existing.fingerprint == manifest.fingerprint)
+            .filter(|_| super::shards::PreparedSplit::open(&opts.out, "train", false).is_ok())
+    };
+    if let Some(existing) = same_data_stands() {
         let _ = std::fs::remove_dir_all(&tmp);
         return Ok(PrepareOutcome::UpToDate(existing));
     }
-    commit_folder(&tmp, &opts.out)?;
-    Ok(PrepareOutcome::Written(manifest))
+    match commit_folder(&tmp, &opts.out) {
+        Ok(()) => Ok(PrepareOutcome::Written(manifest)),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            same_data_stands().map(PrepareOutcome::UpToDate).ok_or(e)
+        }
+    }
 }
 
 /// Removes `parent/.{name}.partial-<pid>-<call>` folders of processes that no longer run (a prepare that was
@@ -426,7 +435,14 @@ pub(crate) fn commit_folder(tmp: &Path, out: &Path) -> Result<(), DataError> {
     if out.exists() {
         std::fs::rename(out, &old).map_err(io(out))?;
     }
-    std::fs::rename(tmp, out).map_err(io(out))?;
+    if let Err(err) = std::fs::rename(tmp, out) {
+        // Another process moved its folder in meanwhile: the older output goes back where it was if that is free,
+        // and is removed if not, so no moved-aside folder is left behind.
+        if old.exists() && std::fs::rename(&old, out).is_err() {
+            let _ = std::fs::remove_dir_all(&old);
+        }
+        return Err(io(out)(err));
+    }
     if old.exists() {
         std::fs::remove_dir_all(&old).map_err(io(&old))?;
     }

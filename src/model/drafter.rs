@@ -18,15 +18,15 @@ use tch::{Device, Kind, Tensor};
 
 use super::ModelError;
 use super::attention::{CONTEXT_BUCKET, LayerAttention, context_bucket, grouped_bias, masked_attention, repeat_kv};
-use super::candidate_selector::{SelectorTensors, SelectorWeights, greedy_path};
 use super::choice::greedy_tokens;
 use super::drafter_config::DrafterConfig;
-use super::dynamic_conv::grouped_dynamic_conv;
 use super::flat_params::{FlatLayout, FlatParams, GroupInit, ParamGroup};
 use super::init::{Init, InitStream};
 use super::kv_cache::KvCache;
 use super::layers::{Rope, apply_rope, norm_rope, rms_norm, swiglu};
 use super::staircase::decode_attention;
+use super::variant::dflash2::candidate_selector::{SelectorTensors, SelectorWeights, greedy_path};
+use super::variant::dflash2::dynamic_conv::{SublayerConv, finish, prepare};
 use super::weights::{HostTensor, WeightFiles, write_safetensors};
 use crate::device::kind_name;
 use crate::ffi::autograd;
@@ -98,7 +98,7 @@ fn layout(cfg: &DrafterConfig) -> (FlatLayout, Groups) {
         groups.len() - 1
     };
     let one = |name: &str, rows: i64| vec![(name.to_string(), rows)];
-    let dflash2 = cfg.variant.dflash2();
+    let (convs, selector) = (cfg.variant.sublayer_convs(), cfg.variant.selector());
     let fc = push(ParamGroup::new(one("fc.weight", h), Some(cfg.context_width() as i64), std));
     let hidden_norm = push(ParamGroup::new(one("hidden_norm.weight", h), None, 0.0));
     let mut layers = Vec::new();
@@ -125,10 +125,10 @@ fn layout(cfg: &DrafterConfig) -> (FlatLayout, Groups) {
             down_proj: push(ParamGroup::new(one(&p("mlp.down_proj.weight"), h), Some(i), std)),
             conv: None,
         };
-        // DFlash 2: identity convolutions (speculators' `reset_parameters`), so a fresh one starts as DFlash does.
-        if let Some(shape) = dflash2 {
-            let taps = shape.conv_kernel_size as i64;
-            let deltas = 2 * taps * h / shape.conv_group_size as i64;
+        // Identity convolutions (speculators' `reset_parameters`), so a fresh one starts as DFlash does.
+        if let Some(shape) = convs {
+            let taps = shape.taps as i64;
+            let deltas = 2 * taps * h / shape.group as i64;
             let mut conv = |which: &str| ConvParams {
                 base_kernel: push(ParamGroup::tensor(
                     p(&format!("{which}.base_kernel")),
@@ -146,8 +146,8 @@ fn layout(cfg: &DrafterConfig) -> (FlatLayout, Groups) {
         layers.push(layer);
     }
     let norm = push(ParamGroup::new(one("norm.weight", h), None, 0.0));
-    let selector = dflash2.map(|shape| {
-        let (v, r) = (c.vocab_size as i64, shape.selector_rank as i64);
+    let selector = selector.map(|shape| {
+        let (v, r) = (c.vocab_size as i64, shape.rank as i64);
         let name = |s: &str| format!("candidate_selector.{s}");
         SelectorParams {
             predecessor_codebook: push(ParamGroup::new(one(&name("predecessor_codebook"), v), Some(r), std)),
@@ -370,72 +370,14 @@ impl Drafter {
 
     /// One of DFlash 2's convolutions with its weights as `weight` gives them.
     fn sublayer_conv(&self, conv: ConvParams, weight: &dyn Fn(usize) -> Tensor) -> SublayerConv {
-        let shape = self.cfg.variant.dflash2().expect("convolutions are DFlash 2's");
-        SublayerConv {
-            base: weight(conv.base_kernel),
-            projection: weight(conv.kernel_projection),
-            taps: shape.conv_kernel_size as i64,
-            group: shape.conv_group_size as i64,
-            block_size: self.cfg.block_size as i64,
-        }
-    }
-}
-
-/// DFlash 2's convolution around one sublayer (speculators' `GroupedDynamicCausalConv`): `prepare` convolves the
-/// sublayer's normed input and predicts, from the same input, the kernel `finish` applies to its output.
-struct SublayerConv {
-    /// `[2 * K, H]`: the input side's base kernel, then the output side's.
-    base: Tensor,
-    /// `[2 * K * H / G, H]`
-    projection: Tensor,
-    taps: i64,
-    group: i64,
-    block_size: i64,
-}
-
-/// A sublayer's normed input through its convolution's `prepare` (with the kernel `finish` then applies), or as it
-/// is without one.
-fn prepare(conv: Option<&SublayerConv>, x: Tensor) -> Result<(Tensor, Option<Tensor>), ModelError> {
-    match conv {
-        Some(conv) => conv.prepare(&x).map(|(prepared, kernel)| (prepared, Some(kernel))),
-        None => Ok((x, None)),
-    }
-}
-
-/// A sublayer's output through its convolution's `finish` with the kernel `prepare` gave, or as it is without one.
-fn finish(conv: Option<&SublayerConv>, y: Tensor, kernel: Option<Tensor>) -> Result<Tensor, ModelError> {
-    match (conv, kernel) {
-        (Some(conv), Some(kernel)) => conv.finish(&y, &kernel),
-        _ => Ok(y),
+        let shape = self.cfg.variant.sublayer_convs().expect("a layer with convolutions has their shape");
+        SublayerConv::new(weight(conv.base_kernel), weight(conv.kernel_projection), shape, self.cfg.block_size)
     }
 }
 
 /// The forward pass's answer to a convolution that cannot run (shapes the configuration already validated).
 fn conv_failed<T>(e: ModelError) -> T {
     panic!("drafter convolution: {e}")
-}
-
-impl SublayerConv {
-    /// The convolved input `[B, Q, H]` and the output side's delta kernel `[B, Q, K, H / G]`.
-    fn prepare(&self, x: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
-        let size = x.size();
-        let kernels = x.f_linear(&self.projection, None::<Tensor>)?.f_view([
-            size[0],
-            size[1],
-            2,
-            self.taps,
-            size[2] / self.group,
-        ])?;
-        let base = self.base.f_narrow(0, 0, self.taps)?;
-        let prepared = grouped_dynamic_conv(x, &kernels.f_select(2, 0)?, &base, self.block_size, self.group)?;
-        Ok((prepared, kernels.f_select(2, 1)?))
-    }
-
-    /// The sublayer's output `y [B, Q, H]` convolved with the kernel `prepare` predicted.
-    fn finish(&self, y: &Tensor, kernel: &Tensor) -> Result<Tensor, ModelError> {
-        let base = self.base.f_narrow(0, self.taps, self.taps)?;
-        grouped_dynamic_conv(y, kernel, &base, self.block_size, self.group)
-    }
 }
 
 /// The drafter's weights cast once to the compute dtype, for decoding (training casts the fp32 masters every step,
@@ -471,14 +413,14 @@ impl Drafter {
         logits: &Tensor,
         anchor: &Tensor,
     ) -> Result<Tensor, ModelError> {
-        match (self.cfg.variant.dflash2(), self.selector) {
+        match (self.cfg.variant.selector(), self.selector) {
             (Some(shape), Some(s)) => {
                 let weights = SelectorWeights {
                     predecessor_codebook: &w.0[s.predecessor_codebook],
                     successor_codebook: &w.0[s.successor_codebook],
                     hidden_projection: &w.0[s.hidden_projection],
                 };
-                let top_k = shape.selector_top_k as i64;
+                let top_k = shape.top_k as i64;
                 Ok(greedy_path(&logits.f_select(0, 0)?, &hidden.f_select(0, 0)?, anchor, top_k, &weights)?
                     .f_unsqueeze(0)?)
             }

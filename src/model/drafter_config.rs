@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use super::attention::LayerAttention;
 use super::config::{Architecture, RopeScaling, TargetConfig, read_config_json};
 use super::target::validate_taps;
+use super::variant::Variant;
 use super::{ModelError, Preset};
 
 /// Drafter layers of the published drafters, and of the presets' drafters.
@@ -30,88 +31,6 @@ pub struct DrafterConfig {
     pub layer_attention: Vec<LayerAttention>,
     /// Which member of the DFlash family: the layers and heads it adds to the shared backbone.
     pub variant: Variant,
-}
-
-/// The DFlash-family drafters dflash trains. Each shares the backbone (the Qwen3 layers over the target's context
-/// features), the objective, checkpoints and exports; a variant adds its own parts around them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Variant {
-    /// The paper's drafter.
-    #[default]
-    DFlash,
-    /// z-lab's DFlash 2: a two-tap dynamic convolution around both sublayers of every layer, and a top-K candidate
-    /// selector that walks the drafted block token by token.
-    DFlash2(Dflash2Shape),
-}
-
-impl Variant {
-    /// The published `architectures` entry.
-    pub fn architecture(self) -> &'static str {
-        match self {
-            Variant::DFlash => DFLASH_ARCHITECTURE,
-            Variant::DFlash2(_) => DFLASH2_ARCHITECTURE,
-        }
-    }
-    pub fn dflash2(self) -> Option<Dflash2Shape> {
-        match self {
-            Variant::DFlash2(shape) => Some(shape),
-            Variant::DFlash => None,
-        }
-    }
-}
-
-pub const DFLASH_ARCHITECTURE: &str = "DFlashDraftModel";
-pub const DFLASH2_ARCHITECTURE: &str = "DFlash2DraftModel";
-
-/// DFlash 2's sizes, as z-lab's `dflash_config` (and speculators' `DFlash2SpeculatorConfig`) name them; the defaults
-/// are speculators 0.9.0's and the released drafters'.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dflash2Shape {
-    /// Taps of each dynamic convolution (the token and the `K - 1` before it in its block).
-    pub conv_kernel_size: usize,
-    /// Channels sharing one dynamic coefficient.
-    pub conv_group_size: usize,
-    /// Rank of the selector's codebooks.
-    pub selector_rank: usize,
-    /// Unary candidates the selector rescores per slot.
-    pub selector_top_k: usize,
-}
-
-impl Default for Dflash2Shape {
-    fn default() -> Self {
-        Dflash2Shape { conv_kernel_size: 2, conv_group_size: 16, selector_rank: 256, selector_top_k: 16 }
-    }
-}
-
-/// DFlash 2's keys in `dflash_config` (z-lab's layout, which vLLM and SGLang read) and at the top level of
-/// speculators' layout.
-pub const DFLASH2_KEYS: [&str; 4] = ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"];
-
-impl Dflash2Shape {
-    /// The four sizes in [`DFLASH2_KEYS`] order.
-    pub fn values(&self) -> [usize; 4] {
-        [self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k]
-    }
-    fn from_values(v: [usize; 4]) -> Self {
-        Dflash2Shape { conv_kernel_size: v[0], conv_group_size: v[1], selector_rank: v[2], selector_top_k: v[3] }
-    }
-
-    fn validate(&self, hidden: usize, vocab: usize, block_size: usize) -> Result<(), String> {
-        let [k, g, r, top] = self.values();
-        if k < 1 || k > block_size {
-            return Err(format!("`conv_kernel_size` ({k}) must be between 1 and the block size ({block_size})"));
-        }
-        if g < 1 || !hidden.is_multiple_of(g) {
-            return Err(format!("`conv_group_size` ({g}) must divide the hidden size ({hidden})"));
-        }
-        if r < 1 {
-            return Err("`selector_rank` must be at least 1".into());
-        }
-        if top < 1 || top > vocab {
-            return Err(format!("`selector_top_k` ({top}) must be between 1 and the vocabulary ({vocab})"));
-        }
-        Ok(())
-    }
 }
 
 impl DrafterConfig {
@@ -223,12 +142,7 @@ impl DrafterConfig {
         validate_taps(&self.target_layer_ids, self.num_target_layers)
             .map_err(|e| format!("`target_layer_ids`: {e}"))?;
         validate_layer_attention(&self.layer_attention, self.decoder.num_hidden_layers)?;
-        match self.variant {
-            Variant::DFlash => Ok(()),
-            Variant::DFlash2(shape) => {
-                shape.validate(self.decoder.hidden_size, self.decoder.vocab_size, self.block_size)
-            }
-        }
+        self.variant.validate(self.decoder.hidden_size, self.decoder.vocab_size, self.block_size)
     }
 
     /// Reads and validates `dir/config.json`.
@@ -245,15 +159,15 @@ impl DrafterConfig {
             None => v,
         };
         let arch = v.get("architectures").cloned();
-        let dflash2 = if arch == Some(json!([DFLASH_ARCHITECTURE])) {
-            false
-        } else if arch == Some(json!([DFLASH2_ARCHITECTURE])) {
-            true
-        } else {
+        let registration = match arch.as_ref().and_then(Value::as_array).map(Vec::as_slice) {
+            Some([Value::String(a)]) => Variant::of_architecture(a),
+            _ => None,
+        };
+        let Some(registration) = registration else {
             return Err(format!(
-                "`architectures` is {}, not [\"{DFLASH_ARCHITECTURE}\"] or [\"{DFLASH2_ARCHITECTURE}\"]: this is not a \
-                 DFlash drafter folder",
-                arch.map_or("missing".to_string(), |a| a.to_string())
+                "`architectures` is {}, not {}: this is not a DFlash drafter folder",
+                arch.map_or("missing".to_string(), |a| a.to_string()),
+                Variant::architectures()
             ));
         };
         // The decoder part is a Qwen3 config; read it with the target's reader (the layers' windows apart).
@@ -284,29 +198,12 @@ impl DrafterConfig {
             None => target_layer_ids.last().map_or(0, |l| l + 1),
         };
         let layer_attention = layer_attention_from_json(&v, decoder.num_hidden_layers)?;
-        let variant = match dflash2 {
-            false => Variant::DFlash,
-            true => {
-                let mut sizes = [0; 4];
-                for (size, key) in sizes.iter_mut().zip(DFLASH2_KEYS) {
-                    let n = int(key)?.ok_or_else(|| format!("missing `dflash_config.{key}` (a DFlash 2 drafter)"))?;
-                    *size = usize::try_from(n).map_err(|_| format!("`{key}` must be positive"))?;
-                }
-                // vLLM's optional scales: dflash trains without them, so a drafter that needs them is refused.
-                for (key, neutral) in
-                    [("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)]
-                {
-                    if let Some(x) = field(key).filter(|x| !x.is_null())
-                        && x.as_f64() != Some(neutral)
-                    {
-                        return Err(format!(
-                            "`dflash_config.{key}` is {x}: dflash trains and drafts DFlash 2 without it (only {neutral})"
-                        ));
-                    }
-                }
-                Variant::DFlash2(Dflash2Shape::from_values(sizes))
-            }
-        };
+        let variant = registration.build(|key| {
+            let n =
+                int(key)?.ok_or_else(|| format!("missing `dflash_config.{key}` (a {} drafter)", registration.name))?;
+            usize::try_from(n).map_err(|_| format!("`{key}` must be positive"))
+        })?;
+        variant.refuse_untrained(&field)?;
         let cfg = DrafterConfig {
             decoder,
             block_size: usize::try_from(block_size).map_err(|_| "`block_size` must be positive")?,
@@ -341,13 +238,7 @@ impl DrafterConfig {
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": self.target_layer_ids,
         });
-        if let Variant::DFlash2(shape) = self.variant {
-            // The released DFlash 2 drafters carry the block size here too.
-            v["dflash_config"]["block_size"] = json!(self.block_size);
-            for (key, size) in DFLASH2_KEYS.into_iter().zip(shape.values()) {
-                v["dflash_config"][key] = json!(size);
-            }
-        }
+        self.variant.write_dflash_config(&mut v["dflash_config"], self.block_size);
         v
     }
 
@@ -378,10 +269,11 @@ impl DrafterConfig {
 /// the anchor.
 fn speculators_as_zlab_layout(v: &Value) -> Result<Value, String> {
     let model_type = v["speculators_model_type"].as_str().unwrap_or_default();
-    let architecture = match model_type {
-        "dflash" => Variant::DFlash.architecture(),
-        "dflash2" => Variant::DFlash2(Default::default()).architecture(),
-        other => return Err(format!("speculators_model_type {other:?} is not a DFlash drafter (dflash or dflash2)")),
+    let Some(registration) = Variant::named(model_type) else {
+        return Err(format!(
+            "speculators_model_type {model_type:?} is not a DFlash drafter ({})",
+            Variant::names().replace('"', "")
+        ));
     };
     let mut out = v.get("transformer_layer_config").filter(|l| l.is_object()).cloned().ok_or_else(|| {
         "a speculators folder without `transformer_layer_config` (the drafter's layers): not one speculators wrote"
@@ -404,7 +296,7 @@ fn speculators_as_zlab_layout(v: &Value) -> Result<Value, String> {
     if aux.contains(&0) {
         return Err("aux_hidden_state_layer_ids names 0, the embedding: DFlash taps decoder layers".into());
     }
-    out["architectures"] = json!([architecture]);
+    out["architectures"] = json!([registration.architecture]);
     out["block_size"] = v["block_size"].clone();
     let mut dflash = json!({
         "mask_token_id": v["mask_token_id"],
@@ -412,10 +304,8 @@ fn speculators_as_zlab_layout(v: &Value) -> Result<Value, String> {
         "block_size": v["block_size"],
         "causal": !v["sliding_window_non_causal"].as_bool().unwrap_or(true),
     });
-    if model_type == "dflash2" {
-        for key in DFLASH2_KEYS {
-            dflash[key] = v[key].clone();
-        }
+    for key in registration.keys {
+        dflash[key] = v[key].clone();
     }
     out["dflash_config"] = dflash;
     Ok(out)

@@ -5,13 +5,11 @@ use std::path::PathBuf;
 pub mod attention;
 pub mod batch_schedule;
 pub mod batched;
-pub mod candidate_selector;
 pub mod choice;
 pub mod config;
 pub mod decoder;
 pub mod drafter;
 pub mod drafter_config;
-pub mod dynamic_conv;
 pub mod flat_params;
 pub mod fused;
 pub mod generate;
@@ -27,17 +25,19 @@ pub mod speculators;
 pub mod split;
 pub mod staircase;
 pub mod target;
+pub mod variant;
 pub mod weights;
 
 pub use attention::LayerAttention;
 pub use config::{Architecture, TargetConfig};
 pub use decoder::Decoder;
 pub use drafter::{BlockAttention, Drafter};
-pub use drafter_config::{Dflash2Shape, DrafterConfig, Variant};
+pub use drafter_config::DrafterConfig;
 pub use init::Init;
 pub use kv_cache::KvCache;
 pub use presets::Preset;
 pub use target::{Decoded, Depth, PartFault, Target};
+pub use variant::Variant;
 
 /// Everything that can go wrong reading, building or running a model, each naming the file or key and what to do.
 #[derive(Debug, thiserror::Error)]

@@ -281,7 +281,8 @@ mod tests {
     #[test]
     #[ignore = "needs a GPU"]
     fn replayed_drafting_passes_draft_what_eager_passes_draft() {
-        let shape = crate::model::Dflash2Shape { conv_group_size: 8, selector_rank: 8, ..Default::default() };
+        let shape =
+            crate::model::variant::dflash2::Dflash2Shape { conv_group_size: 8, selector_rank: 8, ..Default::default() };
         for variant in [crate::model::Variant::DFlash, crate::model::Variant::DFlash2(shape)] {
             replayed_passes_draft_what_eager_passes_draft(variant);
         }

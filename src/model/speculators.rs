@@ -19,9 +19,8 @@
 //!   the verifier when the model is built.
 use serde_json::{Map, Value, json};
 
+use super::DrafterConfig;
 use super::config::RopeScaling;
-use super::drafter_config::DFLASH2_KEYS;
-use super::{DrafterConfig, Variant};
 
 /// The `speculators` version whose format this writes.
 pub const SPECULATORS_VERSION: &str = "0.9.0";
@@ -63,10 +62,7 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
     obj.insert("rope_parameters".into(), rope_parameters(&cfg.decoder.rope_scaling, theta));
     let sorted: Map<String, Value> =
         std::mem::take(obj).into_iter().collect::<std::collections::BTreeMap<_, _>>().into_iter().collect();
-    let algorithm = match cfg.variant {
-        Variant::DFlash => "dflash",
-        Variant::DFlash2(_) => "dflash2",
-    };
+    let algorithm = cfg.variant.name();
     let mut v = json!({
         "architectures": [cfg.variant.architecture()],
         "aux_hidden_state_layer_ids": aux,
@@ -95,10 +91,8 @@ pub fn config_json(cfg: &DrafterConfig, verifier: &Verifier, torch_dtype: &str) 
     });
     // DFlash 2's sizes sit at the top level (`DFlash2SpeculatorConfig`), where vLLM copies them into its
     // `dflash_config`.
-    if let Variant::DFlash2(shape) = cfg.variant {
-        for (key, size) in DFLASH2_KEYS.into_iter().zip(shape.values()) {
-            v[key] = json!(size);
-        }
+    for (key, size) in cfg.variant.sizes() {
+        v[key] = json!(size);
     }
     Ok(v)
 }
@@ -128,7 +122,7 @@ fn rope_parameters(scaling: &RopeScaling, theta: Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{LayerAttention, Preset};
+    use crate::model::{LayerAttention, Preset, Variant};
 
     fn tiny_tasks_drafter() -> DrafterConfig {
         let spec = Preset::TinyTasks.spec();
@@ -166,7 +160,7 @@ mod tests {
     fn a_dflash2_drafter_is_speculators_dflash2_type() {
         let verifier =
             Verifier { name_or_path: "V".into(), architectures: vec!["Qwen3ForCausalLM".into()], num_hidden_layers: 8 };
-        let shape = crate::model::Dflash2Shape { conv_group_size: 8, ..Default::default() };
+        let shape = crate::model::variant::dflash2::Dflash2Shape { conv_group_size: 8, ..Default::default() };
         let cfg = tiny_tasks_drafter().with_variant(Variant::DFlash2(shape)).unwrap();
         let v = config_json(&cfg, &verifier, "bfloat16").unwrap();
         assert_eq!(v["speculators_model_type"], json!("dflash2"));
@@ -191,7 +185,11 @@ mod tests {
         let verifier =
             Verifier { name_or_path: "V".into(), architectures: vec!["Qwen3ForCausalLM".into()], num_hidden_layers: 8 };
         let slide = LayerAttention { window: Some(64), causal: true };
-        let shape = crate::model::Dflash2Shape { conv_group_size: 8, selector_top_k: 4, ..Default::default() };
+        let shape = crate::model::variant::dflash2::Dflash2Shape {
+            conv_group_size: 8,
+            selector_top_k: 4,
+            ..Default::default()
+        };
         for cfg in [
             tiny_tasks_drafter(),
             tiny_tasks_drafter().with_variant(Variant::DFlash2(shape)).unwrap(),

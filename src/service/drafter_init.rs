@@ -7,9 +7,9 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
-use crate::model::drafter_config::{DFLASH2_KEYS, write_layer_attention};
+use crate::model::drafter_config::write_layer_attention;
 use crate::model::weights::WeightFiles;
-use crate::model::{Drafter, DrafterConfig, Variant};
+use crate::model::{Drafter, DrafterConfig};
 
 /// Checks the drafter folder `dir` against `configured`, the drafter this run trains.
 pub fn check_init(dir: &Path, configured: &DrafterConfig) -> Result<()> {
@@ -72,19 +72,11 @@ pub fn mismatches(configured: &DrafterConfig, found: &DrafterConfig) -> Vec<Stri
         configured.mask_token_id.to_string(),
         found.mask_token_id.to_string(),
     );
-    let variant = |d: &DrafterConfig| match d.variant {
-        Variant::DFlash => "variant = \"dflash\"".to_string(),
-        Variant::DFlash2(shape) => {
-            let sizes: Vec<String> =
-                DFLASH2_KEYS.iter().zip(shape.values()).map(|(key, size)| format!("{key} = {size}")).collect();
-            format!("variant = \"dflash2\", {}", sizes.join(", "))
-        }
-    };
     if configured.variant != found.variant {
         out.push(format!(
             "variant: this run has {}, the drafter {}: set those draft_model keys as the drafter has them",
-            variant(configured),
-            variant(found)
+            configured.variant.describe(),
+            found.variant.describe()
         ));
     }
     if configured.layer_attention != found.layer_attention {
@@ -125,7 +117,7 @@ pub fn mismatches(configured: &DrafterConfig, found: &DrafterConfig) -> Vec<Stri
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Preset;
+    use crate::model::{Preset, Variant};
 
     /// z-lab's published Qwen3-8B drafter fits a run on the qwen3-8b shapes with the default `[draft_model]` and the
     /// preset's taps and MASK token; a block size of 8 is named.
@@ -166,9 +158,10 @@ mod tests {
             assert!(lines.iter().any(|l| l.contains(needed)), "{needed}: {lines:#?}");
         }
         // A DFlash 2 drafter for a DFlash run: the keys that make one, with its sizes.
-        let dflash2 = ours
-            .clone()
-            .with_variant(Variant::DFlash2(crate::model::Dflash2Shape { conv_group_size: 8, ..Default::default() }));
+        let dflash2 = ours.clone().with_variant(Variant::DFlash2(crate::model::variant::dflash2::Dflash2Shape {
+            conv_group_size: 8,
+            ..Default::default()
+        }));
         let lines = mismatches(&ours, &dflash2.unwrap());
         assert_eq!(lines.len(), 1, "{lines:#?}");
         assert!(lines[0].contains("variant = \"dflash2\", conv_kernel_size = 2, conv_group_size = 8"), "{lines:#?}");

@@ -60,20 +60,11 @@ pub fn eval_set(config: &Config, vocab_size: usize) -> Result<EvalSet> {
             let rows = holdout_split(config).map(|split| split_rows(&split, want)).unwrap_or_default();
             EvalSet { prompts, rows }
         }
-        EvalPrompts::Holdout => {
-            let split = holdout_split(config)?;
-            // Rows with a prompt before their first answer, each cut there.
-            let (rows, prompts) = (0..split.len())
-                .filter_map(|i| {
-                    let s = split.get(i);
-                    let first = prompt_end(s.loss_mask)?;
-                    let row = TokenRow { id: s.id.clone(), input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() };
-                    let prompt = Prompt { id: s.id.clone(), input_ids: row.input_ids[..first].to_vec() };
-                    Some((row, prompt))
-                })
-                .take(want)
-                .unzip();
-            EvalSet { prompts, rows }
+        // A stream's evaluation starts on the base data's held-out split, until a wave holds conversations out.
+        EvalPrompts::Holdout | EvalPrompts::Stream => {
+            let mut set = EvalSet { prompts: vec![], rows: vec![] };
+            extend_from_holdout(&mut set, &holdout_split(config)?, want);
+            set
         }
     };
     if set.prompts.is_empty() {
@@ -83,6 +74,52 @@ pub fn eval_set(config: &Config, vocab_size: usize) -> Result<EvalSet> {
         );
     }
     Ok(set)
+}
+
+/// Adds the rows of `split` that have a prompt before their first answer (each prompt cut there) to `set`, until it
+/// holds `want`.
+fn extend_from_holdout(set: &mut EvalSet, split: &PreparedSplit, want: usize) {
+    for i in 0..split.len() {
+        if set.prompts.len() >= want {
+            return;
+        }
+        let s = split.get(i);
+        let Some(first) = prompt_end(s.loss_mask) else { continue };
+        let row = TokenRow { id: s.id.clone(), input_ids: s.input_ids(), loss_mask: s.loss_mask.to_vec() };
+        set.prompts.push(Prompt { id: s.id.clone(), input_ids: row.input_ids[..first].to_vec() });
+        set.rows.push(row);
+    }
+}
+
+/// `eval.prompts = "stream"`: the held-out conversations of the stream's newest waves (`root`: the run's stream
+/// folder), newest wave first, up to `want`; `None` while no wave holds any out.
+fn recent_traffic(root: &Path, want: usize) -> Result<Option<EvalSet>> {
+    let mut set = EvalSet { prompts: vec![], rows: vec![] };
+    for wave in crate::data::stream::logged_waves(root)?.iter().rev() {
+        let dir = crate::data::stream::wave_dir(root, wave.number);
+        let split = PreparedSplit::open(&dir, "holdout", false).with_context(|| format!("{}", dir.display()))?;
+        extend_from_holdout(&mut set, &split, want);
+        if set.prompts.len() >= want {
+            break;
+        }
+    }
+    Ok((!set.prompts.is_empty()).then_some(set))
+}
+
+/// The set an evaluation decodes, and whether it is the stream's recent traffic (where `eval.prompts = "stream"` and
+/// a wave holds some out); else the set read at start.
+fn current_set(spec: &EvalSpec) -> (EvalSet, bool) {
+    let Some(root) = &spec.recent_traffic else { return (spec.set.clone(), false) };
+    match recent_traffic(root, spec.set.prompts.len().max(1)) {
+        Ok(Some(set)) => (set, true),
+        Ok(None) => (spec.set.clone(), false),
+        Err(e) => {
+            tracing::warn!(
+                "evaluation: reading the stream's recent traffic: {e:#}; evaluating on data.path's held-out split"
+            );
+            (spec.set.clone(), false)
+        }
+    }
 }
 
 /// The held-out split of the configured data.
@@ -119,6 +156,9 @@ pub struct EvalSpec {
     pub spread_to: Vec<Device>,
     pub kind: Kind,
     pub set: EvalSet,
+    /// `eval.prompts = "stream"`: the run's stream folder, whose newest held-out conversations each evaluation
+    /// decodes instead of `set` once a wave holds some out.
+    pub recent_traffic: Option<PathBuf>,
     pub settings: DecodeSettings,
     /// How held-out rows are scored teacher-forced (as training scores its batches).
     pub objective: ObjectiveSettings,
@@ -278,11 +318,27 @@ fn run(
     // Kept from one evaluation to the next: the caches and, with eval.cuda_graphs, the CUDA graphs, captured once;
     // the published drafter decoded on the prompts, once a version.
     let mut session: Option<DecodeSession> = None;
-    let mut baseline: Option<Baseline> = None;
+    let mut baseline: Option<PublishedDecode> = None;
+    // The prompts the session was set up for (a stream's recent traffic changes from one evaluation to the next).
+    let mut session_prompts: Vec<crate::data::SampleId> = Vec::new();
     let mut next = Some(first);
     while let Some((step, dir)) = next.take().or_else(|| jobs.recv().ok()) {
+        let (set, recent) = current_set(&spec);
+        let prompts: Vec<crate::data::SampleId> = set.prompts.iter().map(|p| p.id.clone()).collect();
+        if prompts != session_prompts {
+            if recent {
+                tracing::info!(
+                    prompts = prompts.len(),
+                    "evaluation: recent traffic, the newest waves' held-out conversations"
+                );
+                // The best so far was measured on other prompts: on recent traffic, best is the best on these.
+                best = None;
+            }
+            session = None;
+            session_prompts = prompts;
+        }
         let kept = (&mut best, &mut baseline);
-        let outcome = catch_torch(|| evaluate(&spec, (&target, &shape), &mut session, step, &dir, kept));
+        let outcome = catch_torch(|| evaluate(&spec, &set, (&target, &shape), &mut session, step, &dir, kept));
         if report(caught(outcome)) {
             // Whatever failed may have left decoding half done: the next evaluation sets it up afresh.
             session = None;
@@ -312,13 +368,15 @@ fn load(spec: &EvalSpec, checkpoint: &Path) -> Result<(Target, Drafter)> {
     Ok((target, drafter))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn evaluate<'a>(
     spec: &EvalSpec,
+    set: &EvalSet,
     (target, shape): (&'a Target, &'a Drafter),
     session: &mut Option<DecodeSession<'a>>,
     step: u64,
     checkpoint: &Path,
-    (best, baseline): (&mut Option<f64>, &mut Option<Baseline>),
+    (best, published): (&mut Option<f64>, &mut Option<PublishedDecode>),
 ) -> Result<Evaluated> {
     let started = Instant::now();
     // The checkpoint may be pruned while it is decoded: its files are linked first.
@@ -327,21 +385,22 @@ fn evaluate<'a>(
         let drafter = Drafter::load(&staged.join(DRAFTER_DIR), spec.device, spec.kind)?;
         let decoding = match session {
             Some(s) => s,
-            None => session.insert(DecodeSession::new(target, shape, &spec.set.prompts, &spec.settings)?),
+            None => session.insert(DecodeSession::new(target, shape, &set.prompts, &spec.settings)?),
         };
-        if let Some(dir) = &spec.publish.dir {
-            *baseline = published_baseline(dir, decoding, spec, baseline.take());
-        }
+        let baseline = match &spec.publish.dir {
+            Some(dir) => published_baseline(dir, decoding, spec, set, published),
+            None => None,
+        };
         decoding.load(&drafter)?;
-        let decoded = decoding.evaluate(&spec.set.prompts, &spec.settings)?;
-        let rows = &spec.set.rows;
+        let decoded = decoding.evaluate(&set.prompts, &spec.settings)?;
+        let rows = &set.rows;
         let scored = match rows.is_empty() {
             true => None,
             false => Some(evaluate_rows(target, &drafter, &spec.objective, rows, HOLDOUT_BATCH)?),
         };
-        Ok::<_, anyhow::Error>((decoded, scored))
+        Ok::<_, anyhow::Error>((decoded, scored, baseline))
     })();
-    let (report, scored) = match result {
+    let (report, scored, baseline) = match result {
         Ok(r) => r,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&staged);
@@ -363,7 +422,7 @@ fn evaluate<'a>(
         step,
         decode_acceptance_length: acceptance,
         holdout_acceptance_length: scored.as_ref().map(|s| s.acceptance_length),
-        holdout_rows: spec.set.rows.len(),
+        holdout_rows: set.rows.len(),
         holdout_loss: scored.as_ref().map(|s| s.loss),
         token_match_rate: report.token_match_rate,
         lossless: report.lossless,
@@ -402,15 +461,24 @@ fn evaluate<'a>(
     Ok(evaluated)
 }
 
-/// The published drafter (`dir/current`) decoded on the evaluation's prompts: `kept` while it is still the published
-/// version (the prompts do not change within a process), else decoded anew. `None` when nothing is published; one
-/// that cannot be read or decoded costs a warning, and the candidate is then weighed against the number the published
-/// drafter was published at.
+/// What the evaluator learnt of the published drafter's version `version` on `prompts`, kept from one evaluation to
+/// the next while both stay: its decoded acceptance, or `None` when it could not be decoded.
+struct PublishedDecode {
+    version: u64,
+    /// The prompts it was decoded on.
+    prompts: Vec<crate::data::SampleId>,
+    decoded: Option<Baseline>,
+}
+
+/// The published drafter (`dir/current`) decoded on the evaluation's prompts, once a version (`kept` remembers the
+/// last). `None` when nothing is published, or when it cannot be read or decoded (another shape, say): that costs
+/// one warning a version, and the candidate is then weighed against the number the drafter was published at.
 fn published_baseline(
     dir: &Path,
     decoding: &mut DecodeSession,
     spec: &EvalSpec,
-    kept: Option<Baseline>,
+    set: &EvalSet,
+    kept: &mut Option<PublishedDecode>,
 ) -> Option<Baseline> {
     let current = match publish::current(dir) {
         Ok(current) => current?,
@@ -419,23 +487,30 @@ fn published_baseline(
             return None;
         }
     };
-    if let Some(kept) = kept.filter(|b| b.version == current.version) {
-        return Some(kept);
+    let prompts: Vec<crate::data::SampleId> = set.prompts.iter().map(|p| p.id.clone()).collect();
+    if let Some(kept) = kept.as_ref().filter(|k| k.version == current.version && k.prompts == prompts) {
+        return kept.decoded.clone();
     }
     let decoded = (|| {
         let published = Drafter::load(&dir.join(publish::CURRENT), spec.device, spec.kind)?;
         decoding.load(&published)?;
-        decoding.evaluate(&spec.set.prompts, &spec.settings)
+        decoding.evaluate(&set.prompts, &spec.settings)
     })();
-    match decoded {
+    let decoded = match decoded {
         Ok(report) => {
             Some(Baseline { version: current.version, decode_acceptance_length: report.decode_acceptance_length })
         }
         Err(e) => {
-            tracing::warn!(version = current.version, "decoding the published drafter: {e}");
+            tracing::warn!(
+                version = current.version,
+                "decoding the published drafter: {e}; weighing candidates against the acceptance it was published \
+                 at until another version is published"
+            );
             None
         }
-    }
+    };
+    *kept = Some(PublishedDecode { version: current.version, prompts, decoded: decoded.clone() });
+    decoded
 }
 
 /// The run's history of evaluations, one JSON line each, beside its checkpoints (`dflash inspect-run` reads it).

@@ -19,5 +19,6 @@ pub mod publish;
 pub mod reload;
 pub mod run;
 pub mod status;
+pub mod stream;
 pub mod supervisor;
 pub mod target;

@@ -21,6 +21,7 @@ use super::live::LiveView;
 use super::messages::SupervisorMsg;
 use super::placement::{capture_devices, spread_to};
 use super::status::Status;
+use super::stream::StreamRun;
 use super::supervisor::protocol::Event;
 use super::supervisor::{Supervisor, SupervisorArgs};
 use crate::cluster::launch::resolve;
@@ -264,7 +265,13 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         (None, _) => {}
     }
     let data = dataset(&config, &target_cfg, target_device, target_kind)?;
+    // The run's data is said by its base data: a stream's waves only add to it.
     let fingerprint = data_fingerprint(data.as_ref());
+    if config.data.stream.is_some() && placement.is_some() {
+        bail!("data.stream: a run of several hosts cannot learn from a stream yet; run it on one host");
+    }
+    let stream = StreamRun::open(&config, data.clone(), &target_cfg)?;
+    let data = stream.as_ref().map_or(data, StreamRun::dataset);
     if !follower {
         the_runs_data(&config, resume.as_ref().map(|(path, _)| path.as_path()), &fingerprint)?;
     }
@@ -364,6 +371,7 @@ pub fn serve_train(config: Config, mut layers: Layers, resume: Resume) -> Result
         spread_to,
         drafter_devices,
         dataset: data,
+        stream,
         resume,
         rejected,
         exit_code: exit_code.clone(),

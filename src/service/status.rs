@@ -116,6 +116,16 @@ pub struct Status {
     /// Several hosts, rank 0: the other member hosts, each with its generation and first round.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub other_hosts: Vec<crate::train::link::HostMember>,
+    /// `data.stream`: the waves taken so far, and whether the run is waiting for the next.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamStatus>,
+}
+
+/// See [`Status::stream`].
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct StreamStatus {
+    pub waves: usize,
+    pub waiting_for_a_wave: bool,
 }
 
 impl Status {

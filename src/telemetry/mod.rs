@@ -70,6 +70,8 @@ pub const CONFIG_RELOAD_SUCCESS_TIMESTAMP: &str = "dflash_config_last_reload_suc
 pub const CONFIG_RELOADS: &str = "dflash_config_reloads_total";
 pub const CONFIG_VERSION: &str = "dflash_config_version";
 pub const PUBLICATIONS: &str = "dflash_publications_total";
+pub const STREAM_CONVERSATIONS: &str = "dflash_stream_conversations_total";
+pub const STREAM_WAVES: &str = "dflash_stream_waves";
 pub const PUBLISHED_VERSION: &str = "dflash_published_version";
 pub const PUBLISHED_ACCEPTANCE_LENGTH: &str = "dflash_published_acceptance_length";
 
@@ -209,6 +211,13 @@ fn describe() {
     describe_counter!(CONFIG_RELOADS, Unit::Count, "Configuration reloads, by result (success, failure).");
     describe_gauge!(CONFIG_VERSION, Unit::Count, "Version of the configuration in effect (1 at start, +1 per change).");
     describe_counter!(PUBLICATIONS, Unit::Count, "Drafters published to publish.dir by this process.");
+    describe_counter!(
+        STREAM_CONVERSATIONS,
+        Unit::Count,
+        "data.stream: recorded conversations by outcome as waves took them: taken (trained once, in its wave's \
+         epoch), sampled (an answer asked for with sampling, left out under stream_answers = greedy), unreadable."
+    );
+    describe_gauge!(STREAM_WAVES, Unit::Count, "data.stream: waves taken so far (the run's, resumes included).");
     describe_gauge!(PUBLISHED_VERSION, Unit::Count, "The version publish.dir/current points at (0: none).");
     describe_gauge!(
         PUBLISHED_ACCEPTANCE_LENGTH,
@@ -221,6 +230,17 @@ fn describe() {
 pub fn published(version: u64, acceptance: f64) {
     gauge!(PUBLISHED_VERSION).set(version as f64);
     gauge!(PUBLISHED_ACCEPTANCE_LENGTH).set(acceptance);
+}
+
+/// What becomes of a recorded conversation a wave reads ([`STREAM_CONVERSATIONS`]'s `outcome`).
+const STREAM_OUTCOMES: [&str; 3] = ["taken", "sampled", "unreadable"];
+
+/// A stream's wave: the run's waves so far, and what became of the conversations this one read.
+pub fn stream_wave(waves: u64, taken: usize, sampled: usize, unreadable: usize) {
+    gauge!(STREAM_WAVES).set(waves as f64);
+    for (outcome, count) in STREAM_OUTCOMES.into_iter().zip([taken, sampled, unreadable]) {
+        counter!(STREAM_CONVERSATIONS, "outcome" => outcome).increment(count as u64);
+    }
 }
 
 /// A drafter published (by an evaluation, or `POST /publish`).
@@ -419,6 +439,10 @@ impl RunMetrics {
             c.absolute(0);
         }
         counter!(PUBLICATIONS).absolute(0);
+        for outcome in STREAM_OUTCOMES {
+            counter!(STREAM_CONVERSATIONS, "outcome" => outcome).absolute(0);
+        }
+        gauge!(STREAM_WAVES).set(0.0);
         m.checkpoint_writer_stalled.set(0.0);
         m.ledger_failing.set(0.0);
         // A fresh process runs the configuration it was started with: that counts as loaded.

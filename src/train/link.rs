@@ -329,9 +329,11 @@ fn gradient(data: &[u8], elements: Option<usize>, rank: Rank) -> Result<Option<T
     }
 }
 
-/// The deadline of a store operation without one of its own, and of opening another connection once connected. (A
-/// stopped rank 0 blocks libtorch's store operations past any deadline: [`HostLink::silence`] judges it instead.)
-const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+/// Added to `cluster.leader_timeout_s` for the deadline of a store operation without one of its own (a set, an add,
+/// the read after a wait), and of opening another connection once connected. Rank 0 stopped for a while must not
+/// fail such an operation first: [`HostLink::silence`] judges a silent rank 0, and shuts its connections once it
+/// counts as lost, which ends any operation still waiting.
+const OPERATION_MARGIN: Duration = Duration::from_secs(5);
 
 /// The coordinator's thread (rank 0), stopped when the link is dropped.
 struct CoordinatorThread {
@@ -379,7 +381,7 @@ impl HostLink {
         } else {
             Store::connect(&placement.master_addr, placement.master_port, placement.rendezvous_timeout)?
         };
-        store.set_timeout(OPERATION_TIMEOUT)?;
+        store.set_timeout(placement.leader_timeout + OPERATION_MARGIN)?;
         Ok(HostLink::over(store, placement, deadline))
     }
 }

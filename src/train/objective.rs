@@ -17,7 +17,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::candidate_selector::{training_candidates, transition_scores};
+use crate::model::variant::dflash2::candidate_selector::{training_candidates, transition_scores};
 use crate::model::{BlockAttention, Drafter, ModelError};
 use crate::profile::span;
 
@@ -564,10 +564,10 @@ fn selector_chunk(
     want_grad: bool,
 ) -> Result<SelectorChunk, ModelError> {
     let _p = span("lm_head.selector");
-    let Some(shape) = selector.drafter.config().variant.dflash2() else {
-        return Err(ModelError::Batch("the selector's loss needs a DFlash 2 drafter".into()));
+    let Some(shape) = selector.drafter.config().variant.selector() else {
+        return Err(ModelError::Batch("the selector's loss needs a drafter with a candidate selector".into()));
     };
-    let top_k = shape.selector_top_k as i64;
+    let top_k = shape.top_k as i64;
     let (candidates, place, reachable) = training_candidates(&logits.f_topk(top_k, -1, true, true)?.1, labels)?;
     let unary =
         logits.f_gather(1, &candidates, false)?.f_to_kind(Kind::Float)?.f_detach()?.set_requires_grad(want_grad);
@@ -770,7 +770,7 @@ pub fn micro_batch_loss(
     let t = PlanTensors::new(&plan, objective, drafter.kind(), drafter.device())?;
     let chunk = objective.lm_head_chunk_rows;
     let teacher = TeacherTargets::new(objective.teacher, batch, heads.lm_head, &t, chunk)?;
-    let predecessors = match drafter.config().variant.dflash2() {
+    let predecessors = match drafter.config().variant.selector() {
         Some(_) => Some(t.predecessors(plan.block_size)?),
         None => None,
     };

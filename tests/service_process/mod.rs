@@ -337,16 +337,23 @@ pub fn state(s: &Value, id: usize) -> String {
 
 /// Every epoch of the ledger that was trained to its end holds each sample of `ids` (the split's ids, as JSON) exactly
 /// once; none holds one twice or one that is not in `ids`. Returns the number of complete epochs.
-pub fn assert_exactly_once(ledger: &Path, ids: &[String]) -> usize {
-    // A rewind (no live replica left) undoes the steps after a checkpoint: drop their entries.
+/// The ledger's entries that stand (none where there is no ledger yet): a rewind (no live replica left, or a resume
+/// behind the last line) undoes the entries of its step and later.
+pub fn ledger_entries(ledger: &Path) -> Vec<Value> {
     let mut entries: Vec<Value> = Vec::new();
-    for line in std::fs::read_to_string(ledger).unwrap().lines() {
+    for line in std::fs::read_to_string(ledger).unwrap_or_default().lines() {
         let v: Value = serde_json::from_str(line).unwrap();
         match v["rewind_to_step"].as_u64() {
             Some(to) => entries.retain(|e| e["step"].as_u64().unwrap() < to),
             None => entries.push(v),
         }
     }
+    entries
+}
+
+pub fn assert_exactly_once(ledger: &Path, ids: &[String]) -> usize {
+    let entries = ledger_entries(ledger);
+    assert!(!entries.is_empty() || ledger.exists(), "no ledger at {}", ledger.display());
     let known: std::collections::HashSet<&String> = ids.iter().collect();
     let mut per_epoch: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
     for v in entries {

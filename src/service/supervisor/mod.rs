@@ -78,6 +78,8 @@ pub struct SupervisorArgs {
     pub spread_to: Vec<Device>,
     pub drafter_devices: Vec<(Device, Kind)>,
     pub dataset: Arc<dyn Dataset>,
+    /// `data.stream`: the stream the run learns from as it grows (its waves are in `dataset`).
+    pub stream: Option<crate::service::stream::StreamRun>,
     pub resume: Option<(PathBuf, TrainerState)>,
     /// Checkpoint folders found invalid when looking for the one to resume.
     pub rejected: Vec<u64>,
@@ -154,6 +156,8 @@ pub struct Shell {
     hosts_told: Vec<HostMember>,
     /// Another host: the threads that read rank 0's assignments and watch its silence (dropped last).
     _feed_reader: Option<[crate::cluster::background::Background; 2]>,
+    /// `data.stream`: the thread that makes its waves.
+    _stream: Option<crate::cluster::background::Background>,
 }
 
 impl Shell {
@@ -171,6 +175,7 @@ impl Shell {
             feeds: assign_targets(&drafter_devices, &capture),
             lengths,
             sample_ids: (0..a.dataset.len()).map(|p| a.dataset.id(p)).collect(),
+            stream: a.stream.as_ref().map(|s| s.epochs()),
             resume: a.resume.clone(),
             rejected: a.rejected.clone(),
             role: a.link.as_ref().map(|_| if follower { HostRole::Follower } else { HostRole::Leader }),
@@ -241,6 +246,10 @@ impl Shell {
                     .ok()
             })
             .flatten();
+        let stream = a.stream.take().and_then(|s| {
+            let tell = to_core(&myself, |e: Event| e);
+            s.start(tell).map_err(|e| tracing::error!("data.stream: cannot start its thread: {e}")).ok()
+        });
         let shell = Shell {
             myself,
             started: Instant::now(),
@@ -261,6 +270,7 @@ impl Shell {
             samples_per_epoch,
             hosts_told: Vec::new(),
             _feed_reader: feed_reader,
+            _stream: stream,
             a,
         };
         (core, shell)
@@ -348,6 +358,8 @@ impl Shell {
             spread_to: self.a.spread_to.clone(),
             kind,
             set,
+            recent_traffic: (config.eval.prompts == crate::config::EvalPrompts::Stream)
+                .then(|| crate::service::stream::stream_root(config)),
             settings: DecodeSettings {
                 max_new_tokens: self.a.config.eval.max_new_tokens,
                 stop: self.a.eos_token_ids.clone(),

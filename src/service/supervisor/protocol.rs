@@ -155,6 +155,13 @@ pub enum Event {
     /// Several hosts, other ranks: rank 0 dropped this host from the run (it missed a round's deadline, or its beat
     /// stopped: it was stopped or cut off for a while).
     LeftRun,
+    /// `data.stream`: wave `number` arrived, samples of `lengths` with `ids`, already in the dataset at the positions
+    /// after every known one.
+    Wave {
+        number: u64,
+        lengths: Vec<usize>,
+        ids: Vec<crate::data::SampleId>,
+    },
 }
 
 /// What the shell reports to metrics and logs (the core decides nothing more by them).

@@ -25,6 +25,9 @@ pub struct Estimate {
     pub total_steps_estimated: bool,
     /// Seconds left at the recent rate (absent before two steps are committed).
     pub eta_seconds: Option<f64>,
+    /// A run without an end (`data.stream` without `optim.max_steps`): nothing above applies.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub open_ended: bool,
 }
 
 /// The recent commits: `(time, step, samples committed)`, the oldest first.
@@ -65,7 +68,13 @@ impl RunProgress {
         let fraction = if total == 0 { 1.0 } else { (done as f64 / total as f64).min(1.0) };
         let Some((seconds, steps, span_samples)) = span else {
             let total_steps = matches!(bound, Bound::Steps(_)).then_some(total);
-            return Estimate { fraction, total_steps, total_steps_estimated: false, eta_seconds: None };
+            return Estimate {
+                fraction,
+                total_steps,
+                total_steps_estimated: false,
+                eta_seconds: None,
+                open_ended: false,
+            };
         };
         let per_second = match bound {
             Bound::Steps(_) => steps as f64,
@@ -80,13 +89,16 @@ impl RunProgress {
                 (Some(step + (left as f64 / per_step).ceil() as u64), true)
             }
         };
-        Estimate { fraction, total_steps, total_steps_estimated, eta_seconds }
+        Estimate { fraction, total_steps, total_steps_estimated, eta_seconds, open_ended: false }
     }
 }
 
 impl Estimate {
     /// ` of 800 (50%) · 12m30s left` (` of ~1200` when the end is estimated), for the progress line after its step.
     pub fn describe(&self) -> String {
+        if self.open_ended {
+            return " (open-ended: data.stream)".into();
+        }
         let total = match (self.total_steps, self.total_steps_estimated) {
             (Some(t), false) => format!(" of {t}"),
             (Some(t), true) => format!(" of ~{t}"),

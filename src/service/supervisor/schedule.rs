@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::config::Config;
-use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings, LoaderState};
+use crate::data::loader::{Batch, BatchId, Loader, LoaderSettings, LoaderState, StreamEpochs};
 use crate::train::checkpoint::TrainerState;
 use crate::train::collective::RoundReport;
 use crate::train::objective::Metrics;
@@ -109,6 +109,10 @@ impl Position {
 /// Whether a run configured by `config`, on data of these `lengths`, has nothing left to train from `state`'s
 /// checkpoint: its steps or its epochs are done.
 pub fn complete_at(config: &Config, lengths: Vec<usize>, state: &TrainerState) -> bool {
+    if config.data.stream.is_some() {
+        // Open-ended: only its steps bound it.
+        return config.optim.max_steps > 0 && state.step >= config.optim.max_steps;
+    }
     let mut schedule = Schedule::of_run(config, lengths);
     schedule.restore(&Position::of(state), 0);
     !schedule.data_left()
@@ -155,6 +159,29 @@ impl Schedule {
             committed_epoch: 0,
             unclaimed: BTreeMap::new(),
         }
+    }
+
+    /// Makes this a stream's schedule (`data.stream`), from its beginning: epoch `k` trains wave `k` of
+    /// `stream.waves` (positions after the base data's) with replay ([`StreamEpochs`]).
+    pub fn stream(&mut self, stream: StreamEpochs) {
+        let start = LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] };
+        self.loader = Loader::stream(self.lengths.clone(), self.settings, start, stream);
+    }
+
+    /// A stream's waves known so far (`None`: not a stream).
+    pub fn stream_waves(&self) -> Option<usize> {
+        self.loader.stream_epochs().map(|s| s.waves.len())
+    }
+
+    /// A stream with nothing in flight and no wave left to train: it waits for the next.
+    pub fn waiting_for_a_wave(&self) -> bool {
+        self.loader.stream_epochs().is_some() && self.assigned.is_empty() && !self.loader.ready()
+    }
+
+    /// A stream's next wave arrived: samples of `lengths`, at the positions after every one known.
+    pub fn add_wave(&mut self, lengths: &[usize]) {
+        self.lengths.extend_from_slice(lengths);
+        self.loader.add_wave(lengths);
     }
 
     /// Makes this the schedule of a host whose batches another host assigns ([`Schedule::open_fed_step`]).
@@ -204,9 +231,11 @@ impl Schedule {
 
     /// Starts over from `position` as a new incarnation: nothing is assigned, reports from before are ignored.
     pub fn restore(&mut self, position: &Position, incarnation: u64) {
-        self.loader = match &position.loader {
-            Some(state) => Loader::restore(self.lengths.clone(), self.settings, state.clone()),
-            None => Loader::new(self.lengths.clone(), self.settings),
+        let state = position.loader.clone().unwrap_or(LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] });
+        // A stream's epochs are the waves its loader knows (the schedule keeps no copy of them).
+        self.loader = match self.loader.stream_epochs().cloned() {
+            Some(stream) => Loader::stream(self.lengths.clone(), self.settings, state, stream),
+            None => Loader::restore(self.lengths.clone(), self.settings, state),
         };
         self.batches.clear();
         self.assigned.clear();
@@ -283,7 +312,9 @@ impl Schedule {
 
     /// Batches are left in the run's epochs (any number of them under `optim.max_steps`).
     fn batches_left(&self) -> bool {
-        self.loader.next_epoch().is_some_and(|e| self.max_steps > 0 || e < self.epochs)
+        // A stream is open-ended: its next wave may come at any time.
+        self.loader.stream_epochs().is_some()
+            || self.loader.next_epoch().is_some_and(|e| self.max_steps > 0 || e < self.epochs)
     }
 
     /// The run's data is trained: nothing in flight and nothing left to assign.
@@ -294,7 +325,8 @@ impl Schedule {
     /// Opens the next step (when data is left) and assigns it to `drafters`; returns the items to send, each with
     /// its drafter `(id, generation)`.
     pub fn open_step(&mut self, drafters: &[(usize, u64)]) -> Option<(u64, Vec<Sent>)> {
-        if !self.data_left() {
+        // A stream between waves opens no step (its drafters wait for the next wave, rather than step on nothing).
+        if !self.data_left() || (self.loader.stream_epochs().is_some() && !self.loader.ready()) {
             return None;
         }
         let step = self.open();

@@ -2358,6 +2358,7 @@ fn setup(
         feeds: (0..p.drafters).map(|i| i % p.targets).collect(),
         lengths: vec![16; p.samples],
         sample_ids: (0..p.samples as u64).map(SampleId::Number).collect(),
+        stream: None,
         resume,
         rejected,
         role: match (p.hosts, rank) {

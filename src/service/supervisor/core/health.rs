@@ -181,7 +181,7 @@ impl Core {
     /// several the watchdog blames no one for waiting on the others (rank 0 stopped, say), and the host is then
     /// not ready, with the reason, until a round commits.
     fn rounds_stalled_for(&self) -> Option<Duration> {
-        if self.phase != Phase::Running || self.ending.is_some() {
+        if self.phase != Phase::Running || self.ending.is_some() || self.schedule.waiting_for_a_wave() {
             return None;
         }
         let since = self.now.saturating_sub(self.progress_at);

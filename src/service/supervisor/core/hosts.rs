@@ -256,6 +256,7 @@ mod tests {
             feeds: vec![0],
             lengths: vec![8; 64],
             sample_ids: (0..64).map(SampleId::Number).collect(),
+            stream: None,
             resume,
             rejected: vec![],
             role: Some(role),

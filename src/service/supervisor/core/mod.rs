@@ -64,16 +64,21 @@ pub fn is_error(code: i32) -> bool {
 /// continuous across failures, rejoins and resuming with a different number of drafters.
 pub fn step_settings(cfg: &Config, samples_per_epoch: u64, gamma: Option<f64>) -> StepSettings {
     let o = &cfg.optim;
-    let (progress, total) = match o.max_steps {
-        0 => (Progress::Samples, samples_per_epoch * o.epochs),
-        steps => (Progress::Steps, steps),
+    let (progress, total) = match (o.max_steps, cfg.data.stream.is_some()) {
+        (0, false) => (Progress::Samples, samples_per_epoch * o.epochs),
+        // A stream without an end: the schedule counts steps (constant after any warmup_steps).
+        (0, true) => (Progress::Steps, 0),
+        (steps, _) => (Progress::Steps, steps),
     };
     StepSettings {
         hyper: Hyper {
             schedule: LrSchedule {
                 kind: o.schedule,
                 lr: o.lr,
-                warmup_steps: (o.warmup_ratio * total as f64).round() as u64,
+                warmup_steps: match o.warmup_steps {
+                    0 => (o.warmup_ratio * total as f64).round() as u64,
+                    steps => steps,
+                },
                 total_steps: total.max(1),
                 min_lr_ratio: o.min_lr_ratio,
             },
@@ -100,6 +105,8 @@ pub struct Setup {
     /// Token count and sample id of each sample, by position.
     pub lengths: Vec<usize>,
     pub sample_ids: Vec<SampleId>,
+    /// `data.stream`: the waves known at start, as the schedule's epochs.
+    pub stream: Option<crate::data::loader::StreamEpochs>,
     /// The checkpoint to resume (`--resume auto`) and the checkpoint folders found invalid on the way.
     pub resume: Option<(PathBuf, TrainerState)>,
     pub rejected: Vec<u64>,
@@ -239,6 +246,9 @@ impl Core {
     pub fn new(setup: Setup) -> Self {
         let c = &setup.config;
         let mut schedule = Schedule::of_run(c, setup.lengths);
+        if let Some(stream) = setup.stream {
+            schedule.stream(stream);
+        }
         if setup.role == Some(HostRole::Follower) {
             schedule.follow();
         }
@@ -378,6 +388,13 @@ impl Core {
             Event::CheckpointFound(result) => self.checkpoint_found(result),
             Event::Evaluated(outcome) => self.evaluated(outcome),
             Event::LedgerWritten(outcome) => self.ledger_written(outcome),
+            Event::Wave { number, lengths, ids } => {
+                tracing::info!(wave = number, conversations = lengths.len(), "data.stream: a wave to train");
+                self.schedule.add_wave(&lengths);
+                self.sample_ids.extend(ids);
+                // Waiting for it was no stall: the stall clock starts now.
+                self.progress_at = self.now;
+            }
             Event::Exported(result) if self.ending.as_ref().is_some_and(|e| e.exporting) => {
                 let code = match result {
                     Ok(path) => {
@@ -588,6 +605,7 @@ pub(crate) mod tests {
             feeds: vec![0; drafters],
             lengths: vec![8; 64],
             sample_ids: (0..64).map(SampleId::Number).collect(),
+            stream: None,
             resume: None,
             rejected: vec![],
             role: None,
@@ -774,6 +792,22 @@ pub(crate) mod tests {
         let steps = step_settings(&cfg, 100, None).hyper;
         assert_eq!((steps.progress, steps.schedule.total_steps), (Progress::Steps, 30));
         assert_eq!(steps.lr_at(29, 0), steps.lr_at(29, 1_000_000), "the drafter count plays no part");
+        // An open-ended stream counts steps: warmup_steps, then constant, however long it runs.
+        cfg.optim.max_steps = 0;
+        cfg.optim.schedule = crate::train::ScheduleKind::Constant;
+        cfg.optim.warmup_steps = 10;
+        cfg.data.stream = Some(crate::config::StreamSettings {
+            dir: "traffic".into(),
+            mix: 0.5,
+            answers: crate::data::stream::Answers::Greedy,
+            min_conversations: 1,
+            poll: Duration::from_secs(1),
+        });
+        let open = step_settings(&cfg, 100, None).hyper;
+        assert_eq!(open.progress, Progress::Steps);
+        let lr = cfg.optim.lr;
+        assert_eq!((open.lr_at(0, 0), open.lr_at(9, 0)), (lr / 10.0, lr));
+        assert_eq!(open.lr_at(1_000_000, 0), lr);
     }
 
     fn report(step: u64, incarnation: u64) -> crate::train::collective::RoundReport {

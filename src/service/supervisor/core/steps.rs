@@ -159,6 +159,9 @@ impl Core {
     /// configuration in effect, so a reload that changes either moves the end).
     pub fn estimate(&self) -> Estimate {
         let o = &self.config.optim;
+        if self.schedule.stream_waves().is_some() && o.max_steps == 0 {
+            return Estimate { open_ended: true, ..Estimate::default() };
+        }
         let bound = match o.max_steps {
             0 => Bound::Samples(self.schedule.samples_per_epoch() as u64 * o.epochs),
             steps => Bound::Steps(steps),
@@ -226,6 +229,10 @@ impl Core {
                 HostRole::Follower => "follower",
             }),
             other_hosts: self.other_hosts(),
+            stream: self.schedule.stream_waves().map(|waves| crate::service::status::StreamStatus {
+                waves,
+                waiting_for_a_wave: self.schedule.waiting_for_a_wave(),
+            }),
         }
     }
 }

@@ -6,7 +6,79 @@
 //! (`qwen3_dflash2.py: _grouped_conv`) compute it; tch operations only, so autograd differentiates it.
 use tch::{Kind, Tensor};
 
-use super::ModelError;
+use crate::model::ModelError;
+
+/// The convolutions' sizes: `taps` (the token and the `taps - 1` before it in its block) and `group` (channels
+/// sharing one dynamic coefficient).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvShape {
+    pub taps: usize,
+    pub group: usize,
+}
+
+/// DFlash 2's convolution around one sublayer (speculators' `GroupedDynamicCausalConv`): `prepare` convolves the
+/// sublayer's normed input and predicts, from the same input, the kernel `finish` applies to its output.
+pub struct SublayerConv {
+    /// `[2 * K, H]`: the input side's base kernel, then the output side's.
+    base: Tensor,
+    /// `[2 * K * H / G, H]`
+    projection: Tensor,
+    taps: i64,
+    group: i64,
+    block_size: i64,
+}
+
+impl SublayerConv {
+    /// A convolution of `shape` over blocks of `block_size` with its weights `base_kernel [2, K, H]` (or `[2 * K,
+    /// H]`) and `kernel_projection [2 * K * H / G, H]`.
+    pub fn new(base_kernel: Tensor, kernel_projection: Tensor, shape: ConvShape, block_size: usize) -> Self {
+        SublayerConv {
+            base: base_kernel,
+            projection: kernel_projection,
+            taps: shape.taps as i64,
+            group: shape.group as i64,
+            block_size: block_size as i64,
+        }
+    }
+
+    /// The convolved input `[B, Q, H]` and the output side's delta kernel `[B, Q, K, H / G]`.
+    fn prepare(&self, x: &Tensor) -> Result<(Tensor, Tensor), ModelError> {
+        let size = x.size();
+        let kernels = x.f_linear(&self.projection, None::<Tensor>)?.f_view([
+            size[0],
+            size[1],
+            2,
+            self.taps,
+            size[2] / self.group,
+        ])?;
+        let base = self.base.f_narrow(0, 0, self.taps)?;
+        let prepared = grouped_dynamic_conv(x, &kernels.f_select(2, 0)?, &base, self.block_size, self.group)?;
+        Ok((prepared, kernels.f_select(2, 1)?))
+    }
+
+    /// The sublayer's output `y [B, Q, H]` convolved with the kernel `prepare` predicted.
+    fn finish(&self, y: &Tensor, kernel: &Tensor) -> Result<Tensor, ModelError> {
+        let base = self.base.f_narrow(0, self.taps, self.taps)?;
+        grouped_dynamic_conv(y, kernel, &base, self.block_size, self.group)
+    }
+}
+
+/// A sublayer's normed input through its convolution's `prepare` (with the kernel `finish` then applies), or as it
+/// is without one.
+pub fn prepare(conv: Option<&SublayerConv>, x: Tensor) -> Result<(Tensor, Option<Tensor>), ModelError> {
+    match conv {
+        Some(conv) => conv.prepare(&x).map(|(prepared, kernel)| (prepared, Some(kernel))),
+        None => Ok((x, None)),
+    }
+}
+
+/// A sublayer's output through its convolution's `finish` with the kernel `prepare` gave, or as it is without one.
+pub fn finish(conv: Option<&SublayerConv>, y: Tensor, kernel: Option<Tensor>) -> Result<Tensor, ModelError> {
+    match (conv, kernel) {
+        (Some(conv), Some(kernel)) => conv.finish(&y, &kernel),
+        _ => Ok(y),
+    }
+}
 
 /// `out[b, i, c] = sum_{t < K, t <= i mod block_size} (base[t, c] + delta[b, i, t, c / group]) * x[b, i - t, c]`
 /// for `x [B, Q, H]` (rows of whole blocks: `Q` a multiple of `block_size`), `delta [B, Q, K, H / group]` and

@@ -8,7 +8,14 @@
 //! `model_definitions.py: CandidateSelector`); tch operations only, so autograd differentiates it.
 use tch::{Kind, Tensor};
 
-use super::ModelError;
+use crate::model::ModelError;
+
+/// The selector's sizes: the `rank` of its codebooks and the `top_k` unary candidates it rescores per slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectorShape {
+    pub rank: usize,
+    pub top_k: usize,
+}
 
 /// The K candidates a slot trains with: the unary top-K `candidates [N, K]`, the target `targets [N]` put in the last
 /// place where it is missing. Returns the training candidates `[N, K]`, the target's place among them `[N]` and
