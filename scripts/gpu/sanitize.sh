@@ -3,7 +3,7 @@
 # hand-written kernel under compute-sanitizer's four tools (memcheck, racecheck, synccheck, initcheck), through the
 # library's GPU tests (their shapes include one head, a window of 1, a block one past a tile) and a short real-model
 # serve-train with a decoded evaluation. compute-sanitizer is the image's where it has one, else PyPI's
-# nvidia-cuda-sanitizer-api wheel's: `pip download --no-deps "nvidia-cuda-sanitizer-api==13.0.*" -d .whl/sanitizer`
+# nvidia-cuda-sanitizer-api wheel's: `pip download --no-deps "nvidia-cuda-sanitizer-api==13.0.85" -d .whl/sanitizer`
 # (14 MB; carried in .whl/sanitizer/, which the GGUF's call does not carry); the tests are `make gpu-bin`'s test-lib.
 #   tests [TOOL..]   the library's GPU tests (every #[ignore]d test one GPU runs) under each TOOL (default: all four,
 #                    and memcheck-nocache, below)

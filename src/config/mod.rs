@@ -1177,6 +1177,7 @@ impl RawLog {
 mod tests {
     use super::*;
     use crate::data::dataset::SyntheticLengths;
+    use std::time::Duration;
 
     fn with_set(items: &[&str]) -> Result<Config, ConfigError> {
         Config::load(&Layers { set: items.iter().map(|s| s.to_string()).collect(), ..Layers::default() })
@@ -1313,7 +1314,12 @@ mod tests {
         assert!(err.contains("optim.schedule = \"constant\"") && err.contains("optim.max_steps"), "{err}");
         let open_ended = [stream, "optim.schedule=\"constant\"", "optim.warmup_ratio=0"];
         let cfg = with_set(&open_ended).unwrap();
-        assert_eq!(cfg.data.stream.map(|s| (s.mix, s.min_conversations)), Some((0.5, 256)));
+        let s = cfg.data.stream.unwrap();
+        assert_eq!((s.mix, s.min_conversations, s.max_wait), (0.5, 256, Some(Duration::from_secs(1800))));
+        let unbounded = with_set(&[&open_ended[..], &["data.stream_max_wait_s=0"]].concat()).unwrap();
+        assert_eq!(unbounded.data.stream.unwrap().max_wait, None, "0: no bound");
+        let err = with_set(&[&open_ended[..], &["data.stream_max_wait_s=-1"]].concat()).unwrap_err().to_string();
+        assert!(err.contains("data.stream_max_wait_s") && err.contains("-1"), "{err}");
         assert!(with_set(&[stream, "optim.max_steps=100"]).is_ok(), "a bounded stream may decay");
         let warm = [stream, "optim.schedule=\"constant\"", "optim.warmup_ratio=0", "optim.warmup_steps=50"];
         assert_eq!(with_set(&warm).unwrap().optim.warmup_steps, 50, "an open-ended stream warms up over steps");

@@ -136,6 +136,7 @@ pub(super) struct RawData {
     stream_mix: f64,
     stream_answers: String,
     stream_min_conversations: i64,
+    stream_max_wait_s: f64,
     stream_poll_s: f64,
 }
 
@@ -186,8 +187,10 @@ pub struct StreamSettings {
     /// The share of each wave's epoch drawn from earlier data (`data.stream_mix`), in `[0, 1)`.
     pub mix: f64,
     pub answers: crate::data::stream::Answers,
-    /// A wave is made once this many new conversations qualify.
+    /// A wave is made once this many new conversations qualify,
     pub min_conversations: usize,
+    /// or once the oldest new file has waited this long (`None`: no bound).
+    pub max_wait: Option<std::time::Duration>,
     /// How often the folder is looked at.
     pub poll: std::time::Duration,
 }
@@ -242,6 +245,11 @@ impl RawData {
                         }
                     },
                     min_conversations: at_least("data.stream_min_conversations", self.stream_min_conversations, 1)?,
+                    max_wait: match self.stream_max_wait_s {
+                        0.0 => None,
+                        s if s > 0.0 && s.is_finite() => Some(std::time::Duration::from_secs_f64(s)),
+                        s => return Err(invalid("data.stream_max_wait_s", s, "seconds >= 0 (0: no bound)")),
+                    },
                     poll: match self.stream_poll_s {
                         s if s > 0.0 && s.is_finite() => std::time::Duration::from_secs_f64(s),
                         s => return Err(invalid("data.stream_poll_s", s, "seconds > 0")),

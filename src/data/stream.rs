@@ -9,6 +9,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -63,8 +64,10 @@ pub struct Wave {
 #[derive(Debug, Clone)]
 pub struct WaveSettings {
     pub answers: Answers,
-    /// A wave is made once the new files hold at least this many qualifying conversations.
+    /// A wave is made once the new files hold at least this many qualifying conversations,
     pub min_conversations: usize,
+    /// or once the oldest of them has waited this long with at least one (`None`: no bound).
+    pub max_wait: Option<Duration>,
     /// How each wave is prepared (`inputs` and `out` are the wave's own).
     pub prepare: PrepareOptions,
 }
@@ -146,8 +149,8 @@ impl Stream {
         Ok(files)
     }
 
-    /// Makes the next wave from the new files once they hold `settings.min_conversations` qualifying conversations
-    /// (`None` until then): copies them into the wave's JSONL, prepares it, then logs the wave.
+    /// Makes the next wave from the new files once it is due ([`wave_is_due`]; `None` until then): copies their
+    /// qualifying conversations into the wave's JSONL, prepares it, then logs the wave.
     pub fn next_wave(&mut self, assets: &ModelAssets, settings: &WaveSettings) -> Result<Option<Wave>, DataError> {
         let files = self.new_files()?;
         if files.is_empty() {
@@ -156,9 +159,14 @@ impl Stream {
         let number = self.waves.last().map_or(1, |w| w.number + 1);
         let mut wave = Wave { number, files: Vec::new(), conversations: 0, sampled: 0, unreadable: 0 };
         let mut kept = Vec::new();
+        let mut oldest_wait = Duration::ZERO;
         for path in &files {
             let file = File::open(path).map_err(io(path))?;
-            let bytes = file.metadata().map_err(io(path))?.len();
+            let meta = file.metadata().map_err(io(path))?;
+            let bytes = meta.len();
+            // A sealed segment's time is its seal's (renaming keeps it); a file from the future has waited nothing.
+            let waited = meta.modified().ok().and_then(|t| SystemTime::now().duration_since(t).ok());
+            oldest_wait = oldest_wait.max(waited.unwrap_or_default());
             let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             for (i, line) in BufReader::new(file).lines().enumerate() {
                 let line = line.map_err(io(path))?;
@@ -182,7 +190,7 @@ impl Stream {
             }
             wave.files.push(TakenFile { name, bytes });
         }
-        if kept.len() < settings.min_conversations.max(1) {
+        if !wave_is_due(kept.len(), oldest_wait, settings) {
             return Ok(None);
         }
         wave.conversations = kept.len();
@@ -196,6 +204,14 @@ impl Stream {
         self.waves.push(wave.clone());
         Ok(Some(wave))
     }
+}
+
+/// Whether the new files make a wave now: `conversations` qualify, the oldest file has waited `oldest_wait`. Enough
+/// conversations make it at once; fewer make it once they have waited `max_wait`, so a quiet stream's traffic is
+/// still learned; none never do.
+pub fn wave_is_due(conversations: usize, oldest_wait: Duration, settings: &WaveSettings) -> bool {
+    conversations > 0
+        && (conversations >= settings.min_conversations || settings.max_wait.is_some_and(|m| oldest_wait >= m))
 }
 
 /// A wave that trains nothing (its split could not be read).
@@ -330,6 +346,7 @@ mod tests {
         WaveSettings {
             answers: Answers::Greedy,
             min_conversations,
+            max_wait: None,
             prepare: PrepareOptions {
                 inputs: vec![],
                 out: dir.join("unused"),
@@ -406,6 +423,36 @@ mod tests {
         let reopened = Stream::open(&source, &root).unwrap();
         assert_eq!(reopened.waves(), [wave]);
         assert!(reopened.new_files().unwrap().is_empty());
+    }
+
+    #[test]
+    fn fewer_conversations_than_the_minimum_wait_at_most_max_wait() {
+        let mut s = settings(Path::new("unused"), 10);
+        let minute = Duration::from_secs(60);
+        assert!(!wave_is_due(9, 10 * minute, &s), "no bound: the minimum alone");
+        assert!(wave_is_due(10, Duration::ZERO, &s), "the minimum makes a wave at once");
+        s.max_wait = Some(5 * minute);
+        assert!(!wave_is_due(9, 4 * minute, &s));
+        assert!(wave_is_due(9, 5 * minute, &s), "waited long enough");
+        assert!(wave_is_due(1, 6 * minute, &s));
+        assert!(!wave_is_due(0, 60 * minute, &s), "nothing to train makes no wave");
+    }
+
+    /// The wait is the oldest new file's: its modification time (a sealed segment's seal) against the clock.
+    #[test]
+    fn a_file_that_waited_past_max_wait_makes_a_wave_below_the_minimum() {
+        let (dir, source, root) = folders();
+        let assets = ModelAssets::tiny(&Default::default());
+        let mut s = settings(dir.path(), 3);
+        s.max_wait = Some(Duration::from_secs(600));
+        let mut stream = Stream::open(&source, &root).unwrap();
+        std::fs::write(source.join("segment-1.jsonl"), line("fresh", Some(0.0))).unwrap();
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "one conversation, just sealed");
+        let old = SystemTime::now() - Duration::from_secs(601);
+        File::options().write(true).open(source.join("segment-1.jsonl")).unwrap().set_modified(old).unwrap();
+        std::fs::write(source.join("segment-2.jsonl"), line("fresh too", Some(0.0))).unwrap();
+        let wave = stream.next_wave(&assets, &s).unwrap().expect("the first file waited past 600 s");
+        assert_eq!((wave.conversations, wave.files.len()), (2, 2), "every new file goes with it");
     }
 
     /// A kill after a wave was prepared but before it was logged (or halfway through the log's line): the reopened

@@ -82,6 +82,7 @@ impl StreamRun {
         let settings = WaveSettings {
             answers: s.answers,
             min_conversations: s.min_conversations,
+            max_wait: s.max_wait,
             prepare: PrepareOptions {
                 inputs: vec![],
                 out: PathBuf::new(),

@@ -801,6 +801,7 @@ pub(crate) mod tests {
             mix: 0.5,
             answers: crate::data::stream::Answers::Greedy,
             min_conversations: 1,
+            max_wait: None,
             poll: Duration::from_secs(1),
         });
         let open = step_settings(&cfg, 100, None).hyper;
