@@ -166,7 +166,7 @@ impl Stream {
             let bytes = meta.len();
             // A sealed segment's time is its seal's (renaming keeps it); a file from the future has waited nothing.
             let waited = meta.modified().ok().and_then(|t| SystemTime::now().duration_since(t).ok());
-            oldest_wait = oldest_wait.max(waited.unwrap_or_default());
+            let kept_before = kept.len();
             let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             for (i, line) in BufReader::new(file).lines().enumerate() {
                 let line = line.map_err(io(path))?;
@@ -188,6 +188,10 @@ impl Stream {
                     _ => wave.unreadable += 1,
                 }
             }
+            if kept.len() > kept_before {
+                // Only conversations wait: a file of sampled answers alone does not hurry the wave.
+                oldest_wait = oldest_wait.max(waited.unwrap_or_default());
+            }
             wave.files.push(TakenFile { name, bytes });
         }
         if !wave_is_due(kept.len(), oldest_wait, settings) {
@@ -206,9 +210,9 @@ impl Stream {
     }
 }
 
-/// Whether the new files make a wave now: `conversations` qualify, the oldest file has waited `oldest_wait`. Enough
-/// conversations make it at once; fewer make it once they have waited `max_wait`, so a quiet stream's traffic is
-/// still learned; none never do.
+/// Whether the new files make a wave now: `conversations` qualify, the oldest file holding one has waited
+/// `oldest_wait`. Enough conversations make it at once; fewer make it once they have waited `max_wait`, so a quiet
+/// stream's traffic is still learned; none never do.
 pub fn wave_is_due(conversations: usize, oldest_wait: Duration, settings: &WaveSettings) -> bool {
     conversations > 0
         && (conversations >= settings.min_conversations || settings.max_wait.is_some_and(|m| oldest_wait >= m))
@@ -438,9 +442,10 @@ mod tests {
         assert!(!wave_is_due(0, 60 * minute, &s), "nothing to train makes no wave");
     }
 
-    /// The wait is the oldest new file's: its modification time (a sealed segment's seal) against the clock.
+    /// The wait is the oldest new file's that holds a qualifying conversation: its modification time (a sealed
+    /// segment's seal) against the clock.
     #[test]
-    fn a_file_that_waited_past_max_wait_makes_a_wave_below_the_minimum() {
+    fn conversations_that_waited_past_max_wait_make_a_wave_below_the_minimum() {
         let (dir, source, root) = folders();
         let assets = ModelAssets::tiny(&Default::default());
         let mut s = settings(dir.path(), 3);
@@ -448,11 +453,15 @@ mod tests {
         let mut stream = Stream::open(&source, &root).unwrap();
         std::fs::write(source.join("segment-1.jsonl"), line("fresh", Some(0.0))).unwrap();
         assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "one conversation, just sealed");
+        std::fs::write(source.join("segment-0.jsonl"), line("sampled long ago", Some(1.0))).unwrap();
+        let sampled = File::options().write(true).open(source.join("segment-0.jsonl")).unwrap();
+        sampled.set_modified(SystemTime::now() - Duration::from_secs(3600)).unwrap();
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "a file of sampled answers alone does not count");
         let old = SystemTime::now() - Duration::from_secs(601);
         File::options().write(true).open(source.join("segment-1.jsonl")).unwrap().set_modified(old).unwrap();
         std::fs::write(source.join("segment-2.jsonl"), line("fresh too", Some(0.0))).unwrap();
         let wave = stream.next_wave(&assets, &s).unwrap().expect("the first file waited past 600 s");
-        assert_eq!((wave.conversations, wave.files.len()), (2, 2), "every new file goes with it");
+        assert_eq!((wave.conversations, wave.files.len()), (2, 3), "every new file goes with it");
     }
 
     /// A kill after a wave was prepared but before it was logged (or halfway through the log's line): the reopened
