@@ -42,8 +42,8 @@ pub struct Batch {
     pub samples: Vec<usize>,
 }
 
-/// Where the loader stands, as a checkpoint records it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Where the loader stands, as a checkpoint records it (the default: a run's beginning).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoaderState {
     pub epoch: u64,
     pub next_ordinal: u64,
@@ -123,7 +123,7 @@ pub struct Loader {
 impl Loader {
     /// A loader over samples of the given token lengths, at the start of epoch 0.
     pub fn new(lengths: Vec<usize>, settings: LoaderSettings) -> Self {
-        Self::restore(lengths, settings, LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] })
+        Self::restore(lengths, settings, LoaderState::default())
     }
 
     /// A loader continuing from a saved position.
@@ -504,8 +504,7 @@ mod tests {
     }
 
     fn stream_loader(base: usize, mix: f64) -> Loader {
-        let state = LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] };
-        Loader::stream(lengths(base), settings(4), state, StreamEpochs { waves: vec![], mix })
+        Loader::stream(lengths(base), settings(4), LoaderState::default(), StreamEpochs { waves: vec![], mix })
     }
 
     /// Until a wave arrives there is nothing to hand out; each wave is an epoch of its samples, each once, and

@@ -242,7 +242,7 @@ mod tests {
     }
 
     fn job(step: u64) -> WriteJob {
-        let loader = LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] };
+        let loader = LoaderState::default();
         WriteJob {
             donor: (0, 1),
             step,

@@ -164,8 +164,7 @@ impl Schedule {
     /// Makes this a stream's schedule (`data.stream`), from its beginning: epoch `k` trains wave `k` of
     /// `stream.waves` (positions after the base data's) with replay ([`StreamEpochs`]).
     pub fn stream(&mut self, stream: StreamEpochs) {
-        let start = LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] };
-        self.loader = Loader::stream(self.lengths.clone(), self.settings, start, stream);
+        self.loader = Loader::stream(self.lengths.clone(), self.settings, LoaderState::default(), stream);
     }
 
     /// A stream's waves known so far (`None`: not a stream).
@@ -231,7 +230,7 @@ impl Schedule {
 
     /// Starts over from `position` as a new incarnation: nothing is assigned, reports from before are ignored.
     pub fn restore(&mut self, position: &Position, incarnation: u64) {
-        let state = position.loader.clone().unwrap_or(LoaderState { epoch: 0, next_ordinal: 0, owed: vec![] });
+        let state = position.loader.clone().unwrap_or_default();
         // A stream's epochs are the waves its loader knows (the schedule keeps no copy of them).
         self.loader = match self.loader.stream_epochs().cloned() {
             Some(stream) => Loader::stream(self.lengths.clone(), self.settings, state, stream),
