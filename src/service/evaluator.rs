@@ -334,7 +334,8 @@ fn run(
                 // The best so far was measured on other prompts: on recent traffic, best is the best on these.
                 best = None;
             }
-            session = None;
+            // The published drafter's decoding too was of other prompts.
+            (session, baseline) = (None, None);
             session_prompts = prompts;
         }
         let kept = (&mut best, &mut baseline);
@@ -461,12 +462,11 @@ fn evaluate<'a>(
     Ok(evaluated)
 }
 
-/// What the evaluator learnt of the published drafter's version `version` on `prompts`, kept from one evaluation to
-/// the next while both stay: its decoded acceptance, or `None` when it could not be decoded.
+/// What the evaluator learnt of the published drafter's version `version` on the evaluation's prompts, kept from one
+/// evaluation to the next while both stay (the evaluator forgets it when the prompts change): its decoded acceptance,
+/// or `None` when it could not be decoded.
 struct PublishedDecode {
     version: u64,
-    /// The prompts it was decoded on.
-    prompts: Vec<crate::data::SampleId>,
     decoded: Option<Baseline>,
 }
 
@@ -487,8 +487,7 @@ fn published_baseline(
             return None;
         }
     };
-    let prompts: Vec<crate::data::SampleId> = set.prompts.iter().map(|p| p.id.clone()).collect();
-    if let Some(kept) = kept.as_ref().filter(|k| k.version == current.version && k.prompts == prompts) {
+    if let Some(kept) = kept.as_ref().filter(|k| k.version == current.version) {
         return kept.decoded.clone();
     }
     let decoded = (|| {
@@ -509,7 +508,7 @@ fn published_baseline(
             None
         }
     };
-    *kept = Some(PublishedDecode { version: current.version, prompts, decoded: decoded.clone() });
+    *kept = Some(PublishedDecode { version: current.version, decoded: decoded.clone() });
     decoded
 }
 
