@@ -3,10 +3,11 @@
 # (config/smollm2-135m.toml: 2,160 prompts answered by the model, 800 steps) trained once per recipe variant and
 # seed, several runs at once on the one GPU, each drafter then decoded on the 64 unseen-topic prompts (bf16, 256 new
 # tokens, graphs). Calls made back to back while the machine stays up; everything lives in /tmp/dflash-recipe.
-# A call carries at most 64 MiB: the GGUF crosses in two parts (.gpu/gguf.part-00 and -01, `split -b 50000000 -d`),
+# A call carries at most 64 MiB: the GGUF crosses in parts (.gpu/gguf.part-NN, `split -b 50000000 -d`, or smaller
+# parts where a call carries more beside one), each call copying the parts it carries,
 # the binary xz-compressed (.gpu-bin/dflash.xz, `make gpu-bin`), gguf's wheel in .whl/.
-#   part                 the first GGUF part and the binary
-#   data                 the second part; the model converted; prompts; answers (regenerate --local); prepare
+#   part                 the GGUF parts carried and the binary
+#   data                 the parts carried; the model converted; prompts; answers (regenerate --local); prepare
 #   model                `data` up to the prompts: the model and the 64 unseen-topic prompts alone
 #   runs SEED VARIANT..  the variants (below) trained at once with objective.seed SEED, then decoded one by one
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
@@ -52,11 +53,11 @@ variant() {
 }
 case "${1:-}" in
 part)
-  cp .gpu/gguf.part-00 "$work/" && ls -la "$work" "$work/bin"
+  cp .gpu/gguf.part-* "$work/" && ls -la "$work" "$work/bin"
   ;;
 model | data)
   gpu_name
-  cp .gpu/gguf.part-01 "$work/"
+  cp .gpu/gguf.part-* "$work/" 2>/dev/null
   real_model "$work" || exit 1
   python3 scripts/fixtures/real_model.py prompts "$work/prompts.jsonl" bench
   python3 scripts/fixtures/real_model.py prompts "$work/heldout-all.jsonl" heldout
