@@ -32,23 +32,11 @@ case_settings() {
   esac
 }
 
-# Duplicate (epoch, row) entries of a ledger after its rewinds, and the batches it records.
+# Duplicate (epoch, row) entries of a ledger after its rewinds (the chaos checks' verdict), and its batches.
 ledger_verdict() {
-  python3 - "$1" <<'EOF'
-import collections, json, sys
-entries = []
-for line in open(sys.argv[1]):
-    v = json.loads(line)
-    if "rewind_to_step" in v:
-        entries = [e for e in entries if e["step"] < v["rewind_to_step"]]
-    else:
-        entries.append(v)
-per_epoch = collections.defaultdict(list)
-for e in entries:
-    per_epoch[e["epoch"]].extend(json.dumps(i) for i in e["ids"])
-duplicates = sum(len(ids) - len(set(ids)) for ids in per_epoch.values())
-print(f"ledger: {len(entries)} batches, {duplicates} duplicate rows")
-EOF
+  python3 -c 'import sys; sys.path.insert(0, "scripts/checks"); from chaos_one_host import ledger_verdict
+duplicates, epochs = ledger_verdict(sys.argv[1])
+print(f"ledger: {sum(epochs.values())} rows in {len(epochs)} epochs, {duplicates} rows twice")' "$1"
 }
 
 case "${1:-}" in
