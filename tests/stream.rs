@@ -102,7 +102,7 @@ fn a_run_learns_each_wave_of_the_stream_once_across_a_restart() {
     std::thread::sleep(std::time::Duration::from_millis(800));
     let s = svc.status();
     assert_eq!(step(&s), 0, "nothing to train before the first wave");
-    assert_eq!(s["stream"], json!({"waves": 0, "waiting_for_a_wave": true}), "{s}");
+    assert_eq!(s["stream"], json!({"waves": 0, "waiting_for_a_wave": true, "pending_conversations": 0}), "{s}");
     assert_eq!(s["progress"]["open_ended"], true, "{s}");
     assert_eq!(svc.http("GET", "/readyz", "").0, 200, "waiting for traffic is not a fault");
     // Eight greedy answers, then two sampled ones (left out).
@@ -147,6 +147,26 @@ fn a_run_learns_each_wave_of_the_stream_once_across_a_restart() {
 
 /// `eval.prompts = "stream"`: each wave holds `data.holdout` of its conversations out, never trains them, and the
 /// evaluations after it decode them (the newest wave's first): the drafter is measured on recent traffic.
+/// Fewer conversations than a wave takes: `/status` and the metrics say how many wait and when they make a wave by
+/// having waited `data.stream_max_wait_s`.
+#[test]
+fn a_quiet_stream_says_what_waits_and_when_it_trains() {
+    let run = StreamRun::new(&["data.stream_max_wait_s=3600"]);
+    let mut svc = run.start(false);
+    svc.wait("running", |s| s["phase"] == "running");
+    drop_in(&run.traffic, "a.jsonl", &recorded(2, 31, 0.0, run.dir.path()));
+    let stream =
+        svc.poll("two conversations waiting", |s| s.status()["stream"].clone(), |s| s["pending_conversations"] == 2);
+    let due = stream["wave_due_in_s"].as_f64().unwrap_or(-1.0);
+    assert!(due > 3500.0 && due <= 3600.0, "a file sealed just now waits the whole bound: {stream}");
+    assert_eq!(stream["waves"], 0, "{stream}");
+    let text = svc.metrics();
+    assert_eq!(metric(&text, "dflash_stream_pending_conversations"), Some(2.0));
+    let due = metric(&text, "dflash_stream_wave_due_seconds").unwrap_or(-1.0);
+    assert!(due > 3500.0 && due <= 3600.0, "{due}");
+    svc.stop();
+}
+
 #[test]
 fn evaluations_decode_the_newest_held_out_traffic() {
     let run = StreamRun::new(&[

@@ -79,6 +79,27 @@ pub struct Stream {
     /// The stream's folder under the run's: the log, the waves.
     root: PathBuf,
     waves: Vec<Wave>,
+    /// What the last look found short of a wave.
+    pending: Pending,
+}
+
+/// What a look at the stream found short of a wave: the new conversations that qualify, and how long the oldest file
+/// holding one has waited.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Pending {
+    pub conversations: usize,
+    pub oldest_wait: Duration,
+}
+
+impl Pending {
+    /// How long until these conversations make a wave by having waited (`max_wait`): `None` where none wait or
+    /// there is no bound (then only more conversations make the wave).
+    pub fn due_in(&self, settings: &WaveSettings) -> Option<Duration> {
+        match self.conversations {
+            0 => None,
+            _ => settings.max_wait.map(|m| m.saturating_sub(self.oldest_wait)),
+        }
+    }
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> DataError + '_ {
@@ -95,7 +116,8 @@ impl Stream {
             let whole: String = waves.iter().map(|w| format!("{}\n", json_line(w))).collect();
             write_synced(&root.join(LOG), whole.as_bytes())?;
         }
-        let stream = Stream { source: source.to_path_buf(), root: root.to_path_buf(), waves };
+        let stream =
+            Stream { source: source.to_path_buf(), root: root.to_path_buf(), waves, pending: Pending::default() };
         stream.remove_unfinished()?;
         Ok(stream)
     }
@@ -103,6 +125,11 @@ impl Stream {
     /// The waves made so far, oldest first.
     pub fn waves(&self) -> &[Wave] {
         &self.waves
+    }
+
+    /// What the last [`Stream::next_wave`] found short of a wave (nothing, where it made one).
+    pub fn pending(&self) -> Pending {
+        self.pending
     }
 
     /// The prepared folder of wave `number`.
@@ -152,6 +179,7 @@ impl Stream {
     /// Makes the next wave from the new files once it is due ([`wave_is_due`]; `None` until then): copies their
     /// qualifying conversations into the wave's JSONL, prepares it, then logs the wave.
     pub fn next_wave(&mut self, assets: &ModelAssets, settings: &WaveSettings) -> Result<Option<Wave>, DataError> {
+        self.pending = Pending::default();
         let files = self.new_files()?;
         if files.is_empty() {
             return Ok(None);
@@ -195,6 +223,7 @@ impl Stream {
             wave.files.push(TakenFile { name, bytes });
         }
         if !wave_is_due(kept.len(), oldest_wait, settings) {
+            self.pending = Pending { conversations: kept.len(), oldest_wait };
             return Ok(None);
         }
         wave.conversations = kept.len();
@@ -414,8 +443,11 @@ mod tests {
         std::fs::write(source.join("segment-a.jsonl"), a.join("\n")).unwrap();
         std::fs::write(source.join(".open-b.jsonl"), line("hidden", Some(0.0))).unwrap();
         assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "two greedy conversations, three wanted");
+        assert_eq!(stream.pending().conversations, 2);
+        assert_eq!(stream.pending().due_in(&s), None, "no bound: only a third conversation makes the wave");
         std::fs::write(source.join("mine.jsonl"), line("four", None)).unwrap();
         let wave = stream.next_wave(&assets, &s).unwrap().expect("three now");
+        assert_eq!(stream.pending(), Pending::default(), "a wave leaves nothing pending");
         assert_eq!((wave.number, wave.conversations, wave.sampled, wave.unreadable), (1, 3, 1, 1));
         let names: Vec<&str> = wave.files.iter().map(|f| f.name.as_str()).collect();
         assert_eq!(names, ["mine.jsonl", "segment-a.jsonl"]);
@@ -440,6 +472,10 @@ mod tests {
         assert!(wave_is_due(9, 5 * minute, &s), "waited long enough");
         assert!(wave_is_due(1, 6 * minute, &s));
         assert!(!wave_is_due(0, 60 * minute, &s), "nothing to train makes no wave");
+        let pending = |conversations, minutes| Pending { conversations, oldest_wait: minutes * minute };
+        assert_eq!(pending(9, 2).due_in(&s), Some(3 * minute));
+        assert_eq!(pending(9, 7).due_in(&s), Some(Duration::ZERO), "overdue: the next look makes it");
+        assert_eq!(pending(0, 7).due_in(&s), None, "nothing waits");
     }
 
     /// The wait is the oldest new file's that holds a qualifying conversation: its modification time (a sealed
@@ -453,6 +489,8 @@ mod tests {
         let mut stream = Stream::open(&source, &root).unwrap();
         std::fs::write(source.join("segment-1.jsonl"), line("fresh", Some(0.0))).unwrap();
         assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "one conversation, just sealed");
+        let due = stream.pending().due_in(&s).expect("one conversation waits for the bound");
+        assert!(due > Duration::from_secs(590) && due <= Duration::from_secs(600), "{due:?}");
         std::fs::write(source.join("segment-0.jsonl"), line("sampled long ago", Some(1.0))).unwrap();
         let sampled = File::options().write(true).open(source.join("segment-0.jsonl")).unwrap();
         sampled.set_modified(SystemTime::now() - Duration::from_secs(3600)).unwrap();

@@ -126,6 +126,11 @@ pub struct Status {
 pub struct StreamStatus {
     pub waves: usize,
     pub waiting_for_a_wave: bool,
+    /// New conversations that qualify but do not make a wave yet (fewer than `data.stream_min_conversations`).
+    pub pending_conversations: usize,
+    /// Seconds until those make a wave by having waited `data.stream_max_wait_s` (absent: none wait, or no bound).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wave_due_in_s: Option<f64>,
 }
 
 impl Status {

@@ -123,6 +123,7 @@ impl StreamRun {
     pub fn start(mut self, tell: impl Fn(Event) + Send + 'static) -> std::io::Result<Background> {
         Background::spawn("stream", move |stop| {
             let mut next_look = Instant::now();
+            let mut told = None;
             while !stop.load(Ordering::SeqCst) {
                 if Instant::now() < next_look {
                     std::thread::sleep(Duration::from_millis(100));
@@ -133,6 +134,14 @@ impl StreamRun {
                     Ok(Some(event)) => tell(event),
                     Ok(None) => {}
                     Err(e) => tracing::warn!("data.stream: {e:#}; looking again in {:.0} s", self.poll.as_secs_f64()),
+                }
+                let pending = self.stream.pending();
+                let due_in = pending.due_in(&self.settings);
+                crate::telemetry::stream_pending(pending.conversations, due_in);
+                let now = (pending.conversations, due_in.map(|d| Instant::now() + d));
+                if pending_changed(told, now, self.poll) {
+                    told = Some(now);
+                    tell(Event::StreamPending { conversations: pending.conversations, due_in });
                 }
             }
         })
@@ -158,6 +167,17 @@ impl StreamRun {
     }
 }
 
+/// Whether a look's pending conversations, `(count, when they make a wave)`, are news against what was told last:
+/// another count, or a due time moved by more than `slack` (a look's clock, not the files, moves it that much).
+fn pending_changed(told: Option<(usize, Option<Instant>)>, now: (usize, Option<Instant>), slack: Duration) -> bool {
+    let Some((count, due)) = told else { return true };
+    count != now.0
+        || match (due, now.1) {
+            (Some(before), Some(after)) => before.max(after) - before.min(after) > slack,
+            (before, after) => before.is_some() != after.is_some(),
+        }
+}
+
 /// A logged wave's train split, checked against the target; one that cannot be read or does not fit is logged as an
 /// error and trains nothing (an empty epoch), so that the schedule's epochs stay the waves' numbers across restarts
 /// and one bad wave never keeps the run from starting.
@@ -172,5 +192,22 @@ fn wave_data(dir: &Path, vocab_size: usize, positions: usize) -> Arc<dyn Dataset
             tracing::error!(wave = %dir.display(), "data.stream: this wave trains nothing: {e:#}");
             Arc::new(NoSamples)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_conversations_are_told_when_they_change_not_as_the_clock_moves() {
+        let (t, second) = (Instant::now(), Duration::from_secs(1));
+        let slack = 10 * second;
+        assert!(pending_changed(None, (0, None), slack), "the first look is told");
+        assert!(!pending_changed(Some((0, None)), (0, None), slack));
+        assert!(pending_changed(Some((0, None)), (2, Some(t)), slack), "conversations arrived");
+        assert!(!pending_changed(Some((2, Some(t))), (2, Some(t + second)), slack), "the clock's jitter");
+        assert!(pending_changed(Some((2, Some(t))), (2, Some(t + 60 * second)), slack), "an older file left");
+        assert!(pending_changed(Some((2, Some(t))), (2, None), slack), "the bound was lifted");
     }
 }

@@ -12,7 +12,7 @@ pub mod recent;
 pub mod tensorboard;
 
 use std::sync::OnceLock;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use metrics::{
     Counter, Gauge, Histogram, Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
@@ -72,6 +72,8 @@ pub const CONFIG_VERSION: &str = "dflash_config_version";
 pub const PUBLICATIONS: &str = "dflash_publications_total";
 pub const STREAM_CONVERSATIONS: &str = "dflash_stream_conversations_total";
 pub const STREAM_WAVES: &str = "dflash_stream_waves";
+pub const STREAM_PENDING: &str = "dflash_stream_pending_conversations";
+pub const STREAM_WAVE_DUE: &str = "dflash_stream_wave_due_seconds";
 pub const PUBLISHED_VERSION: &str = "dflash_published_version";
 pub const PUBLISHED_ACCEPTANCE_LENGTH: &str = "dflash_published_acceptance_length";
 
@@ -218,6 +220,17 @@ fn describe() {
          epoch), sampled (an answer asked for with sampling, left out under stream_answers = greedy), unreadable."
     );
     describe_gauge!(STREAM_WAVES, Unit::Count, "data.stream: waves taken so far (the run's, resumes included).");
+    describe_gauge!(
+        STREAM_PENDING,
+        Unit::Count,
+        "data.stream: new conversations that qualify but make no wave yet (fewer than stream_min_conversations)."
+    );
+    describe_gauge!(
+        STREAM_WAVE_DUE,
+        Unit::Seconds,
+        "data.stream: seconds until the pending conversations make a wave by having waited stream_max_wait_s \
+         (-1: none pending, or no bound)."
+    );
     describe_gauge!(PUBLISHED_VERSION, Unit::Count, "The version publish.dir/current points at (0: none).");
     describe_gauge!(
         PUBLISHED_ACCEPTANCE_LENGTH,
@@ -241,6 +254,12 @@ pub fn stream_wave(waves: u64, taken: usize, sampled: usize, unreadable: usize) 
     for (outcome, count) in STREAM_OUTCOMES.into_iter().zip([taken, sampled, unreadable]) {
         counter!(STREAM_CONVERSATIONS, "outcome" => outcome).increment(count as u64);
     }
+}
+
+/// `data.stream`'s last look: the conversations short of a wave, and when they make one by waiting.
+pub fn stream_pending(conversations: usize, due_in: Option<Duration>) {
+    gauge!(STREAM_PENDING).set(conversations as f64);
+    gauge!(STREAM_WAVE_DUE).set(due_in.map_or(-1.0, |d| d.as_secs_f64()));
 }
 
 /// A drafter published (by an evaluation, or `POST /publish`).
@@ -443,6 +462,7 @@ impl RunMetrics {
             counter!(STREAM_CONVERSATIONS, "outcome" => outcome).absolute(0);
         }
         gauge!(STREAM_WAVES).set(0.0);
+        stream_pending(0, None);
         m.checkpoint_writer_stalled.set(0.0);
         m.ledger_failing.set(0.0);
         // A fresh process runs the configuration it was started with: that counts as loaded.

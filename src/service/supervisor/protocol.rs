@@ -162,6 +162,12 @@ pub enum Event {
         lengths: Vec<usize>,
         ids: Vec<crate::data::SampleId>,
     },
+    /// `data.stream`: what its last look found short of a wave: conversations that qualify, and how long until they
+    /// make one by having waited (`None`: only more conversations make it). Told when it changes.
+    StreamPending {
+        conversations: usize,
+        due_in: Option<std::time::Duration>,
+    },
 }
 
 /// What the shell reports to metrics and logs (the core decides nothing more by them).

@@ -232,6 +232,8 @@ pub struct Core {
     last_commit: Option<Duration>,
     /// The last sign of progress: a committed round, a drafter joining, training beginning.
     progress_at: Duration,
+    /// `data.stream`: the conversations short of a wave, and when (on `now`'s clock) they make one by waiting.
+    stream_pending: (usize, Option<Duration>),
     /// The watchdog's clock: the monotonic one less the time this process did not run.
     now: Duration,
     /// The monotonic time of the event being handled, and the gaps in it.
@@ -291,6 +293,7 @@ impl Core {
             run_progress: RunProgress::default(),
             last_commit: None,
             progress_at: Duration::ZERO,
+            stream_pending: (0, None),
             now: Duration::ZERO,
             monotonic: Duration::ZERO,
             stopped: StoppedTime::default(),
@@ -392,8 +395,12 @@ impl Core {
                 tracing::info!(wave = number, conversations = lengths.len(), "data.stream: a wave to train");
                 self.schedule.add_wave(&lengths);
                 self.sample_ids.extend(ids);
+                self.stream_pending = (0, None);
                 // Waiting for it was no stall: the stall clock starts now.
                 self.progress_at = self.now;
+            }
+            Event::StreamPending { conversations, due_in } => {
+                self.stream_pending = (conversations, due_in.map(|d| self.now + d));
             }
             Event::Exported(result) if self.ending.as_ref().is_some_and(|e| e.exporting) => {
                 let code = match result {

@@ -232,6 +232,8 @@ impl Core {
             stream: self.schedule.stream_waves().map(|waves| crate::service::status::StreamStatus {
                 waves,
                 waiting_for_a_wave: self.schedule.waiting_for_a_wave(),
+                pending_conversations: self.stream_pending.0,
+                wave_due_in_s: self.stream_pending.1.map(|at| at.saturating_sub(self.now).as_secs_f64()),
             }),
         }
     }
