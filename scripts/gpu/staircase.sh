@@ -3,8 +3,11 @@
 # grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
-# Usage: scripts/gpu/staircase.sh [test|probe|short|window|long|long-kernels|dflash2|peer|all] (several: separated by
-# commas)
+# `wgmma` (issue 65, not in `all`): the forward on Hopper's warpgroup products (DFLASH_WGMMA=1): the layout probe
+# (scripts/probes/wgmma_tile.cu, built by the image's nvcc), the kernels' GPU tests with it, and the drafter's step
+# with it and without at 4x768/256, 4x3072/512 and 1x32768/2048.
+# Usage: scripts/gpu/staircase.sh [test|probe|short|window|long|long-kernels|dflash2|peer|wgmma|all] (several:
+# separated by commas)
 set -uo pipefail
 what=${1:-all}
 source scripts/gpu/prologue.sh
@@ -14,8 +17,19 @@ gpu_name
 if want test; then
   "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 | grep -E "^test |test result|panicked|assert" | tee "$out/test.txt"
 fi
-bench() { echo "== $*" | tee -a "$out/bench.txt"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
+bench() { echo "== ${DFLASH_WGMMA:+DFLASH_WGMMA=1 }$*" | tee -a "$out/bench.txt"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
 drafter() { "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile "$@"; }
+if [[ ",$what," == *",wgmma,"* ]]; then
+  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_tile scripts/probes/wgmma_tile.cu &&
+    /tmp/wgmma_tile | tee "$out/wgmma-probe.txt"
+  DFLASH_WGMMA=1 "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 |
+    grep -E "^test |test result|panicked|assert" | tee "$out/wgmma-test.txt"
+  for shape in "4 768 256 6" "4 3072 512 6" "1 32768 2048 3"; do
+    set -- $shape
+    bench drafter --batch $1 --seq $2 --anchors $3 --steps $4
+    DFLASH_WGMMA=1 bench drafter --batch $1 --seq $2 --anchors $3 --steps $4
+  done
+fi
 if want probe; then
   python3 scripts/probes/staircase_kernel.py 2>&1 | grep -v Warning | grep -v run_backward | tee "$out/probe.txt"
 fi

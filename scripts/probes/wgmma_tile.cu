@@ -7,6 +7,8 @@
 //      two byte offsets (leading, stride) steps along K and which along M/N: both assignments are tried;
 //   2. S = Q K^T with both operands K-major (q [64, D] and a key tile [64, D] row-major, as the kernels hold them);
 //   3. O = P V with V row-major [keys, D] (N-major: `imm-trans-b` 1), P from shared memory K-major;
+//   4. both again with A from registers, each warp's 16 rows as mma.sync's A fragments (ldmatrix), as the forward
+//      under DFLASH_WGMMA=1 runs them (`attend_wg` in src/model/staircase.cu);
 // and that the accumulators of m64nNk16 land as mma.sync's m16n8 fragments, warp w holding rows 16w..16w+15.
 //
 // On the GPU machine (nvcc from the image; sm_90a for wgmma):
@@ -45,6 +47,23 @@ __device__ __forceinline__ u64 descriptor(const void* smem, u32 leading, u32 str
          ((u64)((stride & 0x3FFFF) >> 4) << 32);
 }
 
+// d (64 x 64) += a (this warp's 16 x 16 in registers, mma.sync's A fragment) * b (16 x 64 from shared memory): how
+// the staircase forward runs both of its products (Q and P stay in registers).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_64x64x16_ra(float (&d)[32], const u32 (&a)[4], u64 b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
+}
+
 // d (64 x 64, f32) += a (64 x 16) * b (16 x 64), both from shared memory; `TRANS_B` 1 where b is N-major.
 template <int TRANS_B>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 a, u64 b, int accumulate) {
@@ -64,11 +83,16 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], u64 a, u64 b, int
 // out [M, N] f32 = a [M, K] (row-major, K-major) times b: `b_rows_are_n` 1, b is [N, K] row-major (K-major, S = Q
 // K^T); 0, b is [K, N] row-major (N-major, O = P V). `swap` exchanges the descriptor's two byte offsets (question 1).
 // One thread block of 128 threads (one warpgroup).
+// `a_in_registers` 1: a from registers instead, each warp's 16 rows loaded by ldmatrix from a row-major copy as the
+// staircase kernels load Q (16-byte rows padded by 8 elements).
 extern "C" __global__ void __launch_bounds__(128) probe(const bf16* __restrict__ a, const bf16* __restrict__ b,
-                                                        float* __restrict__ out, int b_rows_are_n, int swap) {
+                                                        float* __restrict__ out, int b_rows_are_n, int swap,
+                                                        int a_in_registers) {
   __shared__ __align__(128) bf16 sa[M * K];
   __shared__ __align__(128) bf16 sb[N * K];
+  __shared__ __align__(16) bf16 rows[M * (K + 8)];
   const int t = threadIdx.x;
+  for (int i = t; i < M * K; i += 128) rows[(i / K) * (K + 8) + i % K] = a[i];
   // a: the core matrices of one 8-wide column of K next to each other (128 bytes apart along M), the columns
   // M / 8 * 128 bytes apart: a 16-wide K step is two columns, 2 * a_k bytes.
   const u32 a_rows = 128, a_k = (M / 8) * 128;
@@ -89,6 +113,15 @@ extern "C" __global__ void __launch_bounds__(128) probe(const bf16* __restrict__
   float d[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+  const int warp = t / 32, lane = t % 32;
+  u32 frag[K / 16][4];
+#pragma unroll
+  for (int k = 0; k < K / 16; ++k) {
+    const bf16* p = rows + (16 * warp + (lane & 15)) * (K + 8) + k * 16 + (lane >> 4) * 8;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(frag[k][0]), "=r"(frag[k][1]), "=r"(frag[k][2]), "=r"(frag[k][3])
+                 : "r"((u32)__cvta_generic_to_shared(p)));
+  }
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
   for (int k = 0; k < K / 16; ++k) {
@@ -99,7 +132,8 @@ extern "C" __global__ void __launch_bounds__(128) probe(const bf16* __restrict__
     if (b_rows_are_n) {
       const u32 lead_b = swap ? b_rows : b_k, stride_b = swap ? b_k : b_rows;
       db = descriptor((char*)sb + k * 2 * b_k, lead_b, stride_b);
-      wgmma_64x64x16<0>(d, da, db, 1);
+      if (a_in_registers) wgmma_64x64x16_ra<0>(d, frag[k], db);
+      else wgmma_64x64x16<0>(d, da, db, 1);
     } else {
       // N-major b: core matrices 128 bytes apart along K (groups of 8 k-rows), (K / 8) * 128 along N (groups of 8
       // columns); this step's 16 k-rows are two groups, 2 * k_step bytes on. Which offset the descriptor calls
@@ -107,14 +141,14 @@ extern "C" __global__ void __launch_bounds__(128) probe(const bf16* __restrict__
       const u32 n_step = (K / 8) * 128, k_step = 128;
       const u32 lead_b = swap ? k_step : n_step, stride_b = swap ? n_step : k_step;
       db = descriptor((char*)sb + k * 2 * k_step, lead_b, stride_b);
-      wgmma_64x64x16<1>(d, da, db, 1);
+      if (a_in_registers) wgmma_64x64x16_ra<1>(d, frag[k], db);
+      else wgmma_64x64x16<1>(d, da, db, 1);
     }
   }
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
   // mma.sync's m16n8 fragments, N / 8 of them: warp w rows 16w + lane / 4 (+ 8), columns 8j + 2 (lane % 4) (+ 1).
-  const int warp = t / 32, lane = t % 32;
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     const int row = 16 * warp + lane / 4, col = 8 * j + 2 * (lane % 4);
@@ -150,11 +184,12 @@ int main() {
   CHECK(cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
   int failed = 0;
-  for (int b_rows_are_n = 1; b_rows_are_n >= 0; --b_rows_are_n) {
+  for (int case_ = 0; case_ < 4; ++case_) {
+    const int b_rows_are_n = case_ % 2 == 0, in_registers = case_ / 2;
     bool matched = false;
     for (int swap = 0; swap <= 1; ++swap) {
       CHECK(cudaMemset(dout, 0, out.size() * 4));
-      probe<<<1, 128>>>(da, db, dout, b_rows_are_n, swap);
+      probe<<<1, 128>>>(da, db, dout, b_rows_are_n, swap, in_registers);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
       CHECK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
@@ -167,9 +202,10 @@ int main() {
           largest = std::fmax(largest, std::fabs(ref));
         }
       const bool ok = worst <= 1e-3 * largest;
-      std::printf("%s, offsets %s: largest difference %.3g of %.3g: %s\n",
+      std::printf("%s, A from %s, offsets %s: largest difference %.3g of %.3g: %s\n",
                   b_rows_are_n ? "S = Q K^T (both K-major)" : "O = P V (V N-major, trans-b)",
-                  swap ? "swapped" : "as written", worst, largest, ok ? "MATCHES" : "differs");
+                  in_registers ? "registers" : "shared memory", swap ? "swapped" : "as written", worst, largest,
+                  ok ? "MATCHES" : "differs");
       matched = matched || ok;
     }
     failed += !matched;

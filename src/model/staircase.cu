@@ -223,6 +223,144 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
   }
 }
 
+#ifdef WGMMA
+// Hopper's warpgroup products for the forward (issue 65; compiled for compute_90a with WGMMA defined, where
+// DFLASH_WGMMA=1 asks for it): S = Q K^T and O = P V as one warpgroup's `wgmma` over the thread block's 64 query rows,
+// where each warp ran mma.sync over its 16. A (Q, then P) comes from the same registers as mma.sync's A fragments;
+// B (the key and value tiles) from shared memory in wgmma's no-swizzle layout of 8x8 core matrices, a tile's 16-byte
+// chunk c of row r at byte c * KEYS * 16 + r * 16 (`load_tile_wg`). The accumulators land as mma.sync's fragments
+// (warp w holds rows 16w..16w+15), so the masks and the online softmax are the same code. Every warp of the group
+// runs every product (they are collective): a warp whose unit has no key in a tile masks all of it.
+// The descriptor's byte offsets: for the K-major key tile, leading (along K, the head dimension) one chunk column,
+// KEYS * 16 bytes, and stride (along N, 8 keys) 128; for the N-major value tile (N the head dimension, K the keys),
+// WG_V_LEAD and WG_V_STRIDE, which scripts/probes/wgmma_tile.cu settles on the GPU.
+#ifndef WG_V_LEAD
+#define WG_V_LEAD (KEYS * 16)
+#define WG_V_STRIDE 128
+#endif
+
+__device__ __forceinline__ unsigned long long wg_desc(const bf16* tile, u32 lead, u32 stride) {
+  const u32 address = smem_addr(tile);
+  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)((lead & 0x3FFFF) >> 4) << 16) |
+         ((unsigned long long)((stride & 0x3FFFF) >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_done() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// What ordinary stores (cp.async's included) put in shared memory, made visible to wgmma's reads.
+__device__ __forceinline__ void wg_visible() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (64 x KEYS) += a (this warp's 16 x 16) times 16 x KEYS of a K-major tile (the keys' rows).
+__device__ __forceinline__ void wg_scores(float (&d)[KEYS / 8][4], const u32 (&a)[4], unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// d (64 x D) += a (this warp's 16 x 16 of P) times 16 x D of an N-major tile (the values' rows).
+#if D == 64
+__device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4], unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+#else
+__device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4], unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+#endif
+
+// Loads `rows` rows of D elements (row stride `stride`) into a tile of KEYS rows in the core-matrix layout, zeros past
+// `rows`. Eight threads write one core matrix's 128 bytes, four of them side by side read 64 bytes of each row.
+__device__ __forceinline__ void load_tile_wg(bf16* tile, const bf16* src, long long stride, int rows) {
+  constexpr int CHUNKS = D / 8;
+  for (int i = threadIdx.x; i < KEYS * CHUNKS; i += THREADS) {
+    const int within = i % (8 * CHUNKS), r = i / (8 * CHUNKS) * 8 + within % 8, c = within / 8;
+    const bool valid = r < rows;
+    copy16(tile + c * KEYS * 8 + r * 8, valid ? src + r * stride + c * 8 : src, valid);
+  }
+}
+
+// `attend` on the warpgroup's products: the same masks and online softmax, every warp of the group taking part.
+template <typename Seen>
+__device__ __forceinline__ void attend_wg(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
+                                         int cols, bool whole, Seen&& seen, float scale_log2, float (&m)[2],
+                                         float (&l)[2], float (&acc)[D / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float s[KEYS / 8][4];
+  zero(s);
+  wg_fence();
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) wg_scores(s, qa[k], wg_desc(ktile + k * 2 * KEYS * 8, KEYS * 16, 128));
+  wg_done();
+  float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (!whole) {
+        int col = n * 8 + 2 * c + (e & 1);
+        int row = g + (e >> 1) * 8;
+        if (!(n >= col0 && n < col0 + cols && seen(col, row))) s[n][e] = NEG_INF;
+      }
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+    }
+  }
+  float alpha[2], shift[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+    float m_new = fmaxf(m[r], tile_max[r] * scale_log2);
+    shift[r] = m_new == NEG_INF ? 0.f : m_new;
+    alpha[r] = ex2(m[r] - shift[r]);
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    acc[n][0] *= alpha[0];
+    acc[n][1] *= alpha[0];
+    acc[n][2] *= alpha[1];
+    acc[n][3] *= alpha[1];
+  }
+  // Every k-step's P first, then the products: wgmma reads A registers that ordinary code wrote only after a fence.
+  u32 pa[KEYS / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < KEYS / 16; ++kk) {
+    float p[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[h][e] = ex2(fmaf(s[2 * kk + h][e], scale_log2, -shift[e >> 1]));
+      l[0] += p[h][0] + p[h][1];
+      l[1] += p[h][2] + p[h][3];
+    }
+    c_as_a(pa[kk], p[0], p[1]);
+  }
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, pa[kk], wg_desc(vtile + kk * 16 * 8, WG_V_LEAD, WG_V_STRIDE));
+  wg_done();
+}
+#endif
+
 
 // What every kernel is told: `StaircaseArgs` (csrc/kernel_args.h, put in front of this source).
 
@@ -281,7 +419,9 @@ __device__ __forceinline__ int2 unit_span(const StaircaseArgs& a, int b, int u) 
 // ranges, 64 keys a tile (double-buffered), then one tile of the units' own keys, and calls
 // `visit(ktile, vtile, col0, cols, base, own)` for this warp on each tile its unit has keys in (`mine`): n-tiles
 // [col0, col0 + cols) of the tile, column n's key index `base + n`, `own` for the tile of the units' own keys.
-template <typename F>
+// `GROUP`: the warpgroup's products (the forward under WGMMA): the tiles in wgmma's layout, made visible to its
+// reads, and every warp visits every tile (a warp whose unit has no key there with no n-tiles: `cols` 0).
+template <bool GROUP = false, typename F>
 __device__ __forceinline__ void walk_tiles(const StaircaseArgs& a, unsigned char* smem, int tile, int h, int b, const Rows& mine,
                                            F&& visit) {
   // Stage i: K at stage(i), V KEYS rows after it (pointers computed, not indexed: no local memory).
@@ -300,35 +440,46 @@ __device__ __forceinline__ void walk_tiles(const StaircaseArgs& a, unsigned char
   const int tile_count = first >= last ? 0 : (last - tile_from + KEYS - 1) / KEYS;
   const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
   const bf16* vc = a.v_ctx + b * a.cv_b + kvh * a.cv_h;
+  auto load = [&](bf16* dst, const bf16* src, long long stride, int rows) {
+#ifdef WGMMA
+    if (GROUP) return load_tile_wg(dst, src, stride, rows);
+#endif
+    load_tile(dst, src, stride, rows);
+  };
+  auto loaded = [&] {
+#ifdef WGMMA
+    if (GROUP) wg_visible();
+#endif
+    __syncthreads();
+  };
   if (tile_count > 0) {
-    load_tile(kt(0), kc + (long long)tile_from * a.c_t, a.c_t, a.context - tile_from);
-    load_tile(vt(0), vc + (long long)tile_from * a.cv_t, a.cv_t, a.context - tile_from);
+    load(kt(0), kc + (long long)tile_from * a.c_t, a.c_t, a.context - tile_from);
+    load(vt(0), vc + (long long)tile_from * a.cv_t, a.cv_t, a.context - tile_from);
   }
   copies_issued();
   for (int t = 0; t < tile_count; ++t) {
     const int base = tile_from + t * KEYS;
     if (t + 1 < tile_count) {
       const int next = base + KEYS;
-      load_tile(kt((t + 1) & 1), kc + (long long)next * a.c_t, a.c_t, a.context - next);
-      load_tile(vt((t + 1) & 1), vc + (long long)next * a.cv_t, a.cv_t, a.context - next);
+      load(kt((t + 1) & 1), kc + (long long)next * a.c_t, a.c_t, a.context - next);
+      load(vt((t + 1) & 1), vc + (long long)next * a.cv_t, a.cv_t, a.context - next);
     }
     copies_issued();
     copies_done<1>();
-    __syncthreads();
-    if (active && mine.reaches(base)) {
-      visit(kt(t & 1), vt(t & 1), 0, KEYS / 8, base, false);
-    }
+    loaded();
+    const bool reached = active && mine.reaches(base);
+    if (GROUP || reached) visit(kt(t & 1), vt(t & 1), 0, reached ? KEYS / 8 : 0, base, false);
     __syncthreads();
   }
   // The units' own keys: warp w's 16 are rows 16w..16w+15 of one more tile.
   const int rows = min(WARPS, a.units - tile * WARPS) * 16;
   const long long own = tile * WARPS * 16;
-  load_tile(kt(0), a.k_blk + b * a.k_b + kvh * a.k_h + own * a.k_t, a.k_t, rows);
-  load_tile(vt(0), a.v_blk + b * a.bv_b + kvh * a.bv_h + own * a.bv_t, a.bv_t, rows);
+  load(kt(0), a.k_blk + b * a.k_b + kvh * a.k_h + own * a.k_t, a.k_t, rows);
+  load(vt(0), a.v_blk + b * a.bv_b + kvh * a.bv_h + own * a.bv_t, a.bv_t, rows);
   copies_issued();
   copies_done<0>();
-  __syncthreads();
-  if (active) visit(kt(0), vt(0), 2 * warp, 2, 0, true);
+  loaded();
+  if (GROUP || active) visit(kt(0), vt(0), 2 * warp, active ? 2 : 0, 0, true);
 }
 
 // The A fragments of k-step `k` of 16 rows of a shared-memory tile, from row `row0`.
@@ -382,14 +533,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArg
   float acc[D / 8][4];
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
-  walk_tiles(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+#ifdef WGMMA
+  constexpr bool group = true;
+#else
+  constexpr bool group = false;
+#endif
+  walk_tiles<group>(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
     // Column n is key `base + n`, or the unit's own key row n - 8 col0.
     const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, a.window);
     auto seen = [&](int col, int row) {
       return own ? mask.sees_own(col - col0 * 8, row, a.causal_block, a.window)
                  : mask.sees_key(base + col, row, a.window);
     };
+#ifdef WGMMA
+    attend_wg(qa, kt, vt, col0, cols, whole, seen, scale_log2, m, l, acc);
+#else
     attend(qa, kt, vt, col0, cols, whole, seen, scale_log2, m, l, acc);
+#endif
   });
   if (!active) return;
 #pragma unroll

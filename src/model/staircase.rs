@@ -12,7 +12,9 @@
 //! number of DFlash 2's blocks of 8 a row ([`block_ranges`]: a warp owns 16 query rows), every layer kind (a causal
 //! block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
 //! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
-//! the CPU's reference.
+//! the CPU's reference. On Hopper, `DFLASH_WGMMA=1` builds the forward on the warpgroup's `wgmma` instead of each
+//! warp's `mma.sync` (`compute_90a`; the same masks and softmax, the key and value tiles in wgmma's shared layout):
+//! off by default until a Hopper GPU has run its tests (issue 65; `scripts/gpu/staircase.sh wgmma`).
 //!
 //! The same source holds batch-1 decoding's attention over a KV cache ([`decode_attention`]), which shares the
 //! tiles, the fragments and the online softmax of the training forward: the target's verify and one-token steps at
@@ -54,15 +56,23 @@ struct Kernels {
 unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
-/// The kernels' PTX for a virtual architecture, head dimension and unit (NVRTC needs no GPU).
-fn ptx(arch: &'static str, head_dim: i64, per: i32) -> Result<Ptx, String> {
-    let options = CompileOptions {
-        name: Some("dflash_staircase.cu".into()),
-        arch: Some(arch),
-        options: vec![format!("-DHEAD_DIM={head_dim}"), format!("-DUNIT_BLOCKS={per}"), "-std=c++17".into()],
-        ..Default::default()
-    };
+/// The kernels' PTX for a virtual architecture, head dimension and unit (NVRTC needs no GPU); with `wgmma` the
+/// forward on Hopper's warpgroup products (`compute_90a` only).
+fn ptx(arch: &'static str, head_dim: i64, per: i32, wgmma: bool) -> Result<Ptx, String> {
+    let mut options = vec![format!("-DHEAD_DIM={head_dim}"), format!("-DUNIT_BLOCKS={per}"), "-std=c++17".into()];
+    if wgmma {
+        options.push("-DWGMMA=1".into());
+    }
+    let options =
+        CompileOptions { name: Some("dflash_staircase.cu".into()), arch: Some(arch), options, ..Default::default() };
     super::fused::nvrtc(SOURCE, options)
+}
+
+/// Whether `DFLASH_WGMMA=1` asks for the forward on Hopper's `wgmma` (read once per process). Off by default until
+/// the GPU tests and the probe (scripts/probes/wgmma_tile.cu) have run it on a Hopper GPU (issue 65).
+fn wgmma_asked() -> bool {
+    static ASKED: OnceLock<bool> = OnceLock::new();
+    *ASKED.get_or_init(|| std::env::var("DFLASH_WGMMA").is_ok_and(|v| v == "1"))
 }
 
 impl Kernels {
@@ -72,16 +82,18 @@ impl Kernels {
         let capability = |a| context.attribute(a).map_err(|e| format!("cuda:{ordinal}: {e}"));
         let major = capability(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = capability(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let wgmma = major == 9 && wgmma_asked();
         let arch = match (major, minor) {
             (8, 0) => "compute_80",
             (8, 6) => "compute_86",
             (8, 7) => "compute_87",
             (8, 9) => "compute_89",
+            (9, _) if wgmma => "compute_90a",
             (9, _) => "compute_90",
             (10.., _) => "compute_100",
             _ => return Err(format!("cuda:{ordinal} is of compute capability {major}.{minor}; the kernels need 8.0")),
         };
-        let ptx = ptx(arch, head_dim, per)?;
+        let ptx = ptx(arch, head_dim, per, wgmma)?;
         let module = context.load_module(ptx).map_err(|e| format!("loading the staircase kernels: {e}"))?;
         let row = 2 * (head_dim as u32 + 8);
         let forward = 4 * KEYS * row;
@@ -404,10 +416,43 @@ mod tests {
             return;
         }
         for (head_dim, per) in [(128, 1), (64, 2)] {
-            let ptx = ptx("compute_90", head_dim, per).unwrap().to_src();
+            let ptx = ptx("compute_90", head_dim, per, false).unwrap().to_src();
             for entry in ["staircase_fwd", "staircase_dq", "staircase_dkv", "decode_attention", "decode_merge"] {
                 assert!(ptx.contains(&format!(".entry {entry}(")), "{entry} missing from the PTX");
             }
+            assert!(!ptx.contains("wgmma"), "only DFLASH_WGMMA's build holds Hopper's products");
+        }
+    }
+
+    /// The forward on Hopper's `wgmma`: NVRTC passes inline assembly through unread, so the PTX is assembled for
+    /// sm_90a by the `ptxas` the torch wheel ships (`.libtorch/bin`), which checks every instruction's operands.
+    #[test]
+    fn the_wgmma_forward_assembles_for_hopper() {
+        // SAFETY: only probes whether the library can be opened.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: NVRTC not found");
+            return;
+        }
+        let ptxas = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".libtorch/bin/ptxas");
+        for (head_dim, per) in [(128, 1), (64, 1), (64, 2)] {
+            let ptx = ptx("compute_90a", head_dim, per, true).unwrap().to_src();
+            assert!(ptx.contains("wgmma.mma_async"), "d {head_dim}: no warpgroup products in the PTX");
+            if !ptxas.is_file() {
+                eprintln!("{}: not found; the PTX is not assembled", ptxas.display());
+                continue;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let (source, cubin) = (dir.path().join("staircase.ptx"), dir.path().join("staircase.cubin"));
+            std::fs::write(&source, &ptx).unwrap();
+            let out = std::process::Command::new(&ptxas)
+                .args(["-arch=sm_90a", "-o"])
+                .arg(&cubin)
+                .arg(&source)
+                .output()
+                .unwrap();
+            let said = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "d {head_dim}, {per} blocks a unit: ptxas failed: {said}");
+            assert!(!said.contains("warning"), "d {head_dim}, {per} blocks a unit: {said}");
         }
     }
 
