@@ -3,7 +3,7 @@
 # grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
-# `wgmma` (issue 65, not in `all`): the forward on Hopper's warpgroup products (DFLASH_WGMMA=1): the layout probe
+# `wgmma` (issue 65, not in `all`): the training kernels on Hopper's warpgroup products (DFLASH_WGMMA=1): the layout probe
 # (scripts/probes/wgmma_tile.cu, built by the image's nvcc), the kernels' GPU tests with it, and the drafter's step
 # with it and without at 4x768/256, 4x3072/512 and 1x32768/2048.
 # Usage: scripts/gpu/staircase.sh [test|probe|short|window|long|long-kernels|dflash2|peer|wgmma|all] (several:

@@ -4,7 +4,8 @@
 // `ldmatrix` + `mma.sync` for one warpgroup's `wgmma` over the thread block's 64 query rows; this answers the three
 // things that trade rests on, against a CPU reference, before any kernel of the product changes:
 //   1. the no-swizzle (interleaved) layout: 8x8 core matrices of 128 contiguous bytes, and which of the descriptor's
-//      two byte offsets (leading, stride) steps along K and which along M/N: both assignments are tried;
+//      two byte offsets (leading, stride) steps along K and which along M/N: both assignments are tried ("as
+//      written" is what src/model/staircase.cu builds; an N-major match only "swapped" means WG_N_MAJOR_SWAPPED 1);
 //   2. S = Q K^T with both operands K-major (q [64, D] and a key tile [64, D] row-major, as the kernels hold them);
 //   3. O = P V with V row-major [keys, D] (N-major: `imm-trans-b` 1), P from shared memory K-major;
 //   4. both again with A from registers, each warp's 16 rows as mma.sync's A fragments (ldmatrix), as the forward

@@ -224,25 +224,37 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
 }
 
 #ifdef WGMMA
-// Hopper's warpgroup products for the forward (issue 65; compiled for compute_90a with WGMMA defined, where
-// DFLASH_WGMMA=1 asks for it): S = Q K^T and O = P V as one warpgroup's `wgmma` over the thread block's 64 query rows,
-// where each warp ran mma.sync over its 16. A (Q, then P) comes from the same registers as mma.sync's A fragments;
+// Hopper's warpgroup products for the three training kernels (issue 65; compiled for compute_90a with WGMMA defined,
+// where DFLASH_WGMMA=1 asks for it): the forward's S = Q K^T and O = P V, dQ's S, dP = dO V^T and dQ += dS K, and dK
+// and dV's S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q, each as one warpgroup's `wgmma` over the thread
+// block's 64 query rows (or, for dK and dV, its 64 keys), where each warp ran mma.sync over its 16. A (Q, then P) comes from the same registers as mma.sync's A fragments;
 // B (the key and value tiles) from shared memory in wgmma's no-swizzle layout of 8x8 core matrices, a tile's 16-byte
 // chunk c of row r at byte c * KEYS * 16 + r * 16 (`load_tile_wg`). The accumulators land as mma.sync's fragments
 // (warp w holds rows 16w..16w+15), so the masks and the online softmax are the same code. Every warp of the group
 // runs every product (they are collective): a warp whose unit has no key in a tile masks all of it.
-// The descriptor's byte offsets: for the K-major key tile, leading (along K, the head dimension) one chunk column,
-// KEYS * 16 bytes, and stride (along N, 8 keys) 128; for the N-major value tile (N the head dimension, K the keys),
-// WG_V_LEAD and WG_V_STRIDE, which scripts/probes/wgmma_tile.cu settles on the GPU.
-#ifndef WG_V_LEAD
-#define WG_V_LEAD (KEYS * 16)
-#define WG_V_STRIDE 128
+// Tiles hold ROWS rows of D in the no-swizzle layout: 16-byte chunk c of row r at byte c * ROWS * 16 + r * 16, so a
+// core matrix is 8 consecutive rows of one chunk column. As a K-major operand (rows along M or N, the head dimension
+// the reduction) a 16-wide step of the head dimension is two chunk columns; as an N-major one (rows the reduction,
+// the head dimension along N) a step is 16 rows. The descriptor's leading byte offset is, for K-major, the step along
+// K between core matrices (one chunk column, ROWS * 16 bytes) and its stride the step along M/N (8 rows, 128 bytes);
+// for N-major, WG_N_MAJOR_SWAPPED 0 takes leading along N (ROWS * 16) and stride along K (128), 1 the other way:
+// scripts/probes/wgmma_tile.cu settles which on the GPU.
+#ifndef WG_N_MAJOR_SWAPPED
+#define WG_N_MAJOR_SWAPPED 0
 #endif
 
 __device__ __forceinline__ unsigned long long wg_desc(const bf16* tile, u32 lead, u32 stride) {
   const u32 address = smem_addr(tile);
   return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)((lead & 0x3FFFF) >> 4) << 16) |
          ((unsigned long long)((stride & 0x3FFFF) >> 4) << 32);
+}
+// Step `k` (16 of the head dimension) of a K-major tile of `rows` rows, from its row `row0` (a multiple of 8).
+__device__ __forceinline__ unsigned long long wg_k_major(const bf16* tile, int rows, int k, int row0 = 0) {
+  return wg_desc(tile + k * 2 * rows * 8 + row0 * 8, rows * 16, 128);
+}
+// Step `k` (rows 16k..16k+15) of an N-major tile of `rows` rows.
+__device__ __forceinline__ unsigned long long wg_n_major(const bf16* tile, int rows, int k) {
+  return WG_N_MAJOR_SWAPPED ? wg_desc(tile + k * 16 * 8, 128, rows * 16) : wg_desc(tile + k * 16 * 8, rows * 16, 128);
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_done() {
@@ -252,49 +264,68 @@ __device__ __forceinline__ void wg_done() {
 // What ordinary stores (cp.async's included) put in shared memory, made visible to wgmma's reads.
 __device__ __forceinline__ void wg_visible() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d (64 x KEYS) += a (this warp's 16 x 16) times 16 x KEYS of a K-major tile (the keys' rows).
-__device__ __forceinline__ void wg_scores(float (&d)[KEYS / 8][4], const u32 (&a)[4], unsigned long long b) {
+// d (64 x KEYS) = a (this warp's 16 x 16) times 16 x KEYS of a K-major tile (the keys' rows), + d where `accumulate`.
+__device__ __forceinline__ void wg_scores(float (&d)[KEYS / 8][4], const u32 (&a)[4], unsigned long long b,
+                                          int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// d (64 x D) += a (this warp's 16 x 16 of P) times 16 x D of an N-major tile (the values' rows).
+// d (64 x D) = a (this warp's 16 x 16 of P) times 16 x D of an N-major tile (the values' rows), + d where
+// `accumulate`.
 #if D == 64
-__device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4], unsigned long long b) {
+__device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4], unsigned long long b,
+                                          int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #else
-__device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4], unsigned long long b) {
+__device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4], unsigned long long b,
+                                          int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #endif
 
-// Loads `rows` rows of D elements (row stride `stride`) into a tile of KEYS rows in the core-matrix layout, zeros past
+// Loads `rows` rows of D elements (row stride `stride`) into a tile of TILE rows in the core-matrix layout, zeros past
 // `rows`. Eight threads write one core matrix's 128 bytes, four of them side by side read 64 bytes of each row.
+template <int TILE = KEYS>
 __device__ __forceinline__ void load_tile_wg(bf16* tile, const bf16* src, long long stride, int rows) {
   constexpr int CHUNKS = D / 8;
-  for (int i = threadIdx.x; i < KEYS * CHUNKS; i += THREADS) {
+  for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
     const int within = i % (8 * CHUNKS), r = i / (8 * CHUNKS) * 8 + within % 8, c = within / 8;
     const bool valid = r < rows;
-    copy16(tile + c * KEYS * 8 + r * 8, valid ? src + r * stride + c * 8 : src, valid);
+    copy16(tile + c * TILE * 8 + r * 8, valid ? src + r * stride + c * 8 : src, valid);
   }
+}
+
+// d (64 x 32) = a (64 x 16, a K-major tile in shared memory) times 16 x 32 of another, + d where `accumulate`: dK and
+// dV's S^T = K Q^T and dP^T = V dO^T, whose A (the thread block's 64 keys) stays in shared memory.
+__device__ __forceinline__ void wg_scores_half_ss(float (&d)[4][4], unsigned long long a, unsigned long long b,
+                                                 int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(a), "l"(b), "r"(accumulate));
 }
 
 // `attend` on the warpgroup's products: the same masks and online softmax, every warp of the group taking part.
@@ -303,11 +334,12 @@ __device__ __forceinline__ void attend_wg(const u32 (&qa)[D / 16][4], const bf16
                                          int cols, bool whole, Seen&& seen, float scale_log2, float (&m)[2],
                                          float (&l)[2], float (&acc)[D / 8][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // The first product writes s (its accumulate flag 0): no ordinary write to the accumulators between the fence and
+  // the products (the compiler may move a zeroing there, and ptxas would then wait: C7519).
   float s[KEYS / 8][4];
-  zero(s);
   wg_fence();
 #pragma unroll
-  for (int k = 0; k < D / 16; ++k) wg_scores(s, qa[k], wg_desc(ktile + k * 2 * KEYS * 8, KEYS * 16, 128));
+  for (int k = 0; k < D / 16; ++k) wg_scores(s, qa[k], wg_k_major(ktile, KEYS, k), k);
   wg_done();
   float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -356,9 +388,23 @@ __device__ __forceinline__ void attend_wg(const u32 (&qa)[D / 16][4], const bf16
   }
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, pa[kk], wg_desc(vtile + kk * 16 * 8, WG_V_LEAD, WG_V_STRIDE));
+  for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, pa[kk], wg_n_major(vtile, KEYS, kk), 1);
   wg_done();
 }
+
+// d (64 x 32) = a (this warp's 16 x 16) times 16 x 32 of a K-major tile, + d where `accumulate`: dQ's half tiles (its
+// registers hold two 64 x 32 products and the 64 x D gradient at once).
+__device__ __forceinline__ void wg_scores_half(float (&d)[4][4], const u32 (&a)[4], unsigned long long b,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
 #endif
 
 
@@ -625,6 +671,64 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
   }
 }
 
+#ifdef WGMMA
+// `dq_tile` on the warpgroup's products: 32 keys at a time, S = Q K^T and dP = dO V^T from the tiles as K-major
+// operands, dQ += dS K with the key tile as the N-major one (its layout serves both). Every warp takes part.
+__device__ __forceinline__ void dq_tile_wg(const bf16* qs, const bf16* ds, int row0, const bf16* ktile,
+                                          const bf16* vtile, int col0, int cols, int base, const Rows& mask, bool own,
+                                          bool causal, int window, float scale_log2, const float (&lse2)[2],
+                                          const float (&drow)[2], float (&dq)[D / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, window);
+  // Every A fragment before the products: wgmma reads its A registers while it runs, so none may be reloaded
+  // until it is done (ptxas would otherwise wait for each product: C7517).
+  u32 qa[D / 16][4], da[D / 16][4];
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    a_frag(qa[k], qs, row0, k);
+    a_frag(da[k], ds, row0, k);
+  }
+#pragma unroll
+  for (int half = 0; half < KEYS / 32; ++half) {
+    const int n0 = half * 4;
+    float s[4][4], dp[4][4];  // written by their first products (accumulate 0)
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      wg_scores_half(s, qa[k], wg_k_major(ktile, KEYS, k, n0 * 8), k);
+      wg_scores_half(dp, da[k], wg_k_major(vtile, KEYS, k, n0 * 8), k);
+    }
+    wg_done();
+    u32 dsa[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      float v[2][4];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        int n = 2 * kk + hh;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = ex2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
+          if (!whole) {
+            int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
+            bool seen = n0 + n >= col0 && n0 + n < col0 + cols &&
+                        (own ? mask.sees_own(col - col0 * 8, row, causal, window)
+                             : mask.sees_key(key, row, window));
+            if (!seen) p = 0.f;
+          }
+          v[hh][e] = p * (dp[n][e] - drow[e >> 1]);
+        }
+      }
+      c_as_a(dsa[kk], v[0], v[1]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) wg_values(dq, dsa[kk], wg_n_major(ktile, KEYS, 2 * half + kk), 1);
+    wg_done();
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(StaircaseArgs a, const bf16* __restrict__ dout,
                                                                  const float* __restrict__ lse,
                                                                  const float* __restrict__ drow,
@@ -655,10 +759,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(StaircaseArgs
   float acc[D / 8][4];
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
+#ifdef WGMMA
+  walk_tiles<true>(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+    dq_tile_wg(qs, ds, 16 * warp, kt, vt, col0, cols, base, mask, own, a.causal_block, a.window, scale_log2, lse2, dr,
+               acc);
+  });
+#else
   walk_tiles(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
     dq_tile(qs, ds, 16 * warp, kt, vt, col0, cols, base, mask, own, a.causal_block, a.window, scale_log2, lse2, dr,
             acc);
   });
+#endif
   if (active) store_rows(dq + row0 * D, acc, a.scale, 16);
 }
 
@@ -684,13 +795,20 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
   const int rows = ctx ? min(KEYS, a.context - k0) : min(KEYS, a.units * 16 - k0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int wk = 16 * warp;  // this warp's first key row in the tile
+  // Under WGMMA every tile is in wgmma's layout: the key and value tiles as the A operand of S^T and dP^T (shared
+  // memory), the query and dO tiles as B (K-major there, N-major for dV and dK).
+#ifdef WGMMA
+#define LOAD_ROWS(TILE, dst, src, stride, n) load_tile_wg<TILE>(dst, src, stride, n)
+#else
+#define LOAD_ROWS(TILE, dst, src, stride, n) load_tile<TILE>(dst, src, stride, n)
+#endif
   {
     const bf16* kb = ctx ? a.k_ctx + b * a.c_b + kvh * a.c_h + (long long)k0 * a.c_t
                          : a.k_blk + b * a.k_b + kvh * a.k_h + (long long)k0 * a.k_t;
     const bf16* vb = ctx ? a.v_ctx + b * a.cv_b + kvh * a.cv_h + (long long)k0 * a.cv_t
                          : a.v_blk + b * a.bv_b + kvh * a.bv_h + (long long)k0 * a.bv_t;
-    load_tile(kt, kb, ctx ? a.c_t : a.k_t, rows);
-    load_tile(vt, vb, ctx ? a.cv_t : a.bv_t, rows);
+    LOAD_ROWS(KEYS, kt, kb, ctx ? a.c_t : a.k_t, rows);
+    LOAD_ROWS(KEYS, vt, vb, ctx ? a.cv_t : a.bv_t, rows);
     copies_issued();
   }
   // The query units that see a key of the tile: context keys, those with a block whose range reaches into it (ranges
@@ -727,8 +845,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
     const int h = kvh * group + step / chunks, j = j_begin + 2 * (step % chunks);
     const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + j * 16;
     const int qrows = min(QROWS, (a.units - j) * 16);
-    load_tile<QROWS>(stage_q(i), a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows);
-    load_tile<QROWS>(stage_q(i) + QROWS * ROW, dout + row0 * D, D, qrows);
+    LOAD_ROWS(QROWS, stage_q(i), a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows);
+    LOAD_ROWS(QROWS, stage_q(i) + QROWS * ROW, dout + row0 * D, D, qrows);
     if (threadIdx.x < QROWS / 2) {  // 16 copies of 4 floats: the log-sum-exp's 32, then drow's
       const int which = threadIdx.x / (QROWS / 4), part = threadIdx.x % (QROWS / 4);
       const bool valid = part * 4 < qrows;
@@ -742,13 +860,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
     if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
     copies_issued();
     copies_done<1>();
+#ifdef WGMMA
+    wg_visible();
+#endif
     __syncthreads();
     const int j = j_begin + 2 * (step % chunks);
     const bf16* qt = stage_q(step & 1);
     const bf16* ot = qt + QROWS * ROW;
     const float* lse_s = stage_f(step & 1);
     const float* drow_s = lse_s + QROWS;
-    if (wk < rows && (ctx || (key_unit >= j && key_unit < j + 2))) {
+    // Whether this warp's 16 keys meet the step's queries; under WGMMA every warp runs the products (they are the
+    // warpgroup's) and one that does not masks everything.
+    const bool meets = wk < rows && (ctx || (key_unit >= j && key_unit < j + 2));
+#ifdef WGMMA
+    {
+#else
+    if (meets) {
+#endif
       // The step's blocks' ranges: its columns' blocks are i = col >> SHIFT, of blocks j * PER + i.
       int qlo[2 * PER], qhi[2 * PER];
 #pragma unroll
@@ -759,6 +887,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
       }
       // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys against the 32 queries.
       float st[4][4], dpt[4][4];
+#ifdef WGMMA
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        wg_scores_half_ss(st, wg_k_major(kt, KEYS, k), wg_k_major(qt, QROWS, k), k);
+        wg_scores_half_ss(dpt, wg_k_major(vt, KEYS, k), wg_k_major(ot, QROWS, k), k);
+      }
+      wg_done();
+#else
       zero(st);
       zero(dpt);
 #pragma unroll
@@ -772,6 +909,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
           mma_cols(dpt[n], dpt[n + 1], va, ot, n * 8, k);
         }
       }
+#endif
       // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the step's
       // query blocks does not see all 16 keys.
       const int key0 = k0 + wk;
@@ -801,11 +939,29 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
             }
             if (!seen) p = 0.f;
           }
+#ifdef WGMMA
+          if (!meets) p = 0.f;
+#endif
           pt[n][e] = p;
           dst[n][e] = p * (dpt[n][e] - drow_s[col]);
         }
       }
       // dV += P^T dO and dK += dS^T Q.
+#ifdef WGMMA
+      u32 pa[2][4], sa[2][4];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        c_as_a(pa[kk], pt[2 * kk], pt[2 * kk + 1]);
+        c_as_a(sa[kk], dst[2 * kk], dst[2 * kk + 1]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        wg_values(dv, pa[kk], wg_n_major(ot, QROWS, kk), 1);
+        wg_values(dk, sa[kk], wg_n_major(qt, QROWS, kk), 1);
+      }
+      wg_done();
+#else
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         u32 pa[4], sa[4];
@@ -814,6 +970,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
         mma_rows(dv, pa, ot, kk * 16);
         mma_rows(dk, sa, qt, kk * 16);
       }
+#endif
     }
     __syncthreads();
   }
@@ -824,6 +981,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
   store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
   store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
 }
+#undef LOAD_ROWS
 
 // Batch-1 decoding attention ("flash decoding"): the T newest queries of every query head against the first
 // start + T positions of a KV cache [1, KV, C, D] (their own keys and values already written at start..start + T),

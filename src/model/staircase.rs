@@ -12,8 +12,8 @@
 //! number of DFlash 2's blocks of 8 a row ([`block_ranges`]: a warp owns 16 query rows), every layer kind (a causal
 //! block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
 //! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
-//! the CPU's reference. On Hopper, `DFLASH_WGMMA=1` builds the forward on the warpgroup's `wgmma` instead of each
-//! warp's `mma.sync` (`compute_90a`; the same masks and softmax, the key and value tiles in wgmma's shared layout):
+//! the CPU's reference. On Hopper, `DFLASH_WGMMA=1` builds the forward, dQ and dK/dV on the warpgroup's `wgmma`
+//! instead of each warp's `mma.sync` (`compute_90a`; the same masks and softmax, the tiles in wgmma's shared layout):
 //! off by default until a Hopper GPU has run its tests (issue 65; `scripts/gpu/staircase.sh wgmma`).
 //!
 //! The same source holds batch-1 decoding's attention over a KV cache ([`decode_attention`]), which shares the
@@ -57,7 +57,7 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 /// The kernels' PTX for a virtual architecture, head dimension and unit (NVRTC needs no GPU); with `wgmma` the
-/// forward on Hopper's warpgroup products (`compute_90a` only).
+/// training kernels on Hopper's warpgroup products (`compute_90a` only).
 fn ptx(arch: &'static str, head_dim: i64, per: i32, wgmma: bool) -> Result<Ptx, String> {
     let mut options = vec![format!("-DHEAD_DIM={head_dim}"), format!("-DUNIT_BLOCKS={per}"), "-std=c++17".into()];
     if wgmma {
@@ -68,7 +68,7 @@ fn ptx(arch: &'static str, head_dim: i64, per: i32, wgmma: bool) -> Result<Ptx, 
     super::fused::nvrtc(SOURCE, options)
 }
 
-/// Whether `DFLASH_WGMMA=1` asks for the forward on Hopper's `wgmma` (read once per process). Off by default until
+/// Whether `DFLASH_WGMMA=1` asks for the training kernels on Hopper's `wgmma` (read once per process). Off by default until
 /// the GPU tests and the probe (scripts/probes/wgmma_tile.cu) have run it on a Hopper GPU (issue 65).
 fn wgmma_asked() -> bool {
     static ASKED: OnceLock<bool> = OnceLock::new();
@@ -424,10 +424,11 @@ mod tests {
         }
     }
 
-    /// The forward on Hopper's `wgmma`: NVRTC passes inline assembly through unread, so the PTX is assembled for
-    /// sm_90a by the `ptxas` the torch wheel ships (`.libtorch/bin`), which checks every instruction's operands.
+    /// The training kernels on Hopper's `wgmma`: NVRTC passes inline assembly through unread, so the PTX is assembled
+    /// for sm_90a by the `ptxas` the torch wheel ships (`.libtorch/bin`), which checks every instruction's operands
+    /// and says where the products would have to wait.
     #[test]
-    fn the_wgmma_forward_assembles_for_hopper() {
+    fn the_wgmma_kernels_assemble_for_hopper() {
         // SAFETY: only probes whether the library can be opened.
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             eprintln!("skipped: NVRTC not found");
@@ -453,6 +454,9 @@ mod tests {
             let said = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "d {head_dim}, {per} blocks a unit: ptxas failed: {said}");
             assert!(!said.contains("warning"), "d {head_dim}, {per} blocks a unit: {said}");
+            // C7517/C7519: ptxas had to add waits around the products, where registers they read or write are
+            // touched by other code while they run: correct, but serialized.
+            assert!(!said.contains("(C75"), "d {head_dim}, {per} blocks a unit: the products wait: {said}");
         }
     }
 
