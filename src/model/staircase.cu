@@ -154,25 +154,15 @@ __device__ __forceinline__ bool sees(bool own, int key, int t, int s, int lo, in
   return key >= lo && key < hi && (window == 0 || key > hi + s - window);
 }
 
-// One warp's part of a tile of KEYS keys: scores of its 16 queries against the tile's keys, masked where
-// `seen(col, row)` is false (unless `whole`: every row sees every column), online softmax, and the values' product
-// into `acc`. `cols`: the n-tiles (8 keys each) to compute, from `col0`.
+// The online softmax's step over one tile's scores `s` (a warp's 16 rows, in C fragments): masked where
+// `seen(col, row)` is false or the n-tile is outside [col0, col0 + cols) (unless `whole`: every row sees every
+// column), the running maximum of each of this thread's two rows (g and g + 8, in base 2 of the scaled scores)
+// updated, the sums `l` and the output `acc` rescaled to it; `shift` the maximum the probabilities subtract.
 template <typename Seen>
-__device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
-                                      int cols, bool whole, Seen&& seen, float scale_log2, float (&m)[2],
-                                      float (&l)[2], float (&acc)[D / 8][4]) {
+__device__ __forceinline__ void softmax_step(float (&s)[KEYS / 8][4], int col0, int cols, bool whole, Seen&& seen,
+                                            float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4],
+                                            float (&shift)[2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  float s[KEYS / 8][4];
-  zero(s);
-  // S = Q K^T: for each pair of n-tiles and each k-step, one ldmatrix.x4 gives both tiles' B fragments.
-#pragma unroll
-  for (int n = 0; n < KEYS / 8; n += 2) {
-    if (n < col0 || n >= col0 + cols) continue;
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k) mma_cols(s[n], s[n + 1], qa[k], ktile, n * 8, k);
-  }
-  // Mask (only a tile not seen whole), and the running maximum of each of this thread's two rows (g and g + 8), in
-  // base 2 of the scaled scores.
   float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
   for (int n = 0; n < KEYS / 8; ++n) {
@@ -186,7 +176,7 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
     }
   }
-  float alpha[2], shift[2];
+  float alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
@@ -205,20 +195,46 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
     acc[n][2] *= alpha[1];
     acc[n][3] *= alpha[1];
   }
-  // P = 2^(s - m), as bf16 A fragments for the values' product; the row sums in f32, before rounding.
+}
+
+// P = 2^(s - m) of k-step `kk` (keys 16 kk..16 kk + 15) as bf16 A fragments for the values' product; the row sums
+// added to `l` in f32, before rounding.
+__device__ __forceinline__ void probabilities(u32 (&pa)[4], const float (&s)[KEYS / 8][4], int kk, float scale_log2,
+                                             const float (&shift)[2], float (&l)[2]) {
+  float p[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[h][e] = ex2(fmaf(s[2 * kk + h][e], scale_log2, -shift[e >> 1]));
+    l[0] += p[h][0] + p[h][1];
+    l[1] += p[h][2] + p[h][3];
+  }
+  c_as_a(pa, p[0], p[1]);
+}
+
+// One warp's part of a tile of KEYS keys: scores of its 16 queries against the tile's keys, masked where
+// `seen(col, row)` is false (unless `whole`: every row sees every column), online softmax, and the values' product
+// into `acc`. `cols`: the n-tiles (8 keys each) to compute, from `col0`.
+template <typename Seen>
+__device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
+                                      int cols, bool whole, Seen&& seen, float scale_log2, float (&m)[2],
+                                      float (&l)[2], float (&acc)[D / 8][4]) {
+  float s[KEYS / 8][4];
+  zero(s);
+  // S = Q K^T: for each pair of n-tiles and each k-step, one ldmatrix.x4 gives both tiles' B fragments.
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; n += 2) {
+    if (n < col0 || n >= col0 + cols) continue;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) mma_cols(s[n], s[n + 1], qa[k], ktile, n * 8, k);
+  }
+  float shift[2];
+  softmax_step(s, col0, cols, whole, seen, scale_log2, m, l, acc, shift);
 #pragma unroll
   for (int kk = 0; kk < KEYS / 16; ++kk) {
     if (2 * kk + 1 < col0 || 2 * kk >= col0 + cols) continue;
-    float p[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) p[h][e] = ex2(fmaf(s[2 * kk + h][e], scale_log2, -shift[e >> 1]));
-      l[0] += p[h][0] + p[h][1];
-      l[1] += p[h][2] + p[h][3];
-    }
     u32 pa[4];
-    c_as_a(pa, p[0], p[1]);
+    probabilities(pa, s, kk, scale_log2, shift, l);
     mma_rows(acc, pa, vtile, kk * 16);  // O += P V
   }
 }
@@ -333,7 +349,6 @@ template <typename Seen>
 __device__ __forceinline__ void attend_wg(const u32 (&qa)[D / 16][4], const bf16* ktile, const bf16* vtile, int col0,
                                          int cols, bool whole, Seen&& seen, float scale_log2, float (&m)[2],
                                          float (&l)[2], float (&acc)[D / 8][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   // The first product writes s (its accumulate flag 0): no ordinary write to the accumulators between the fence and
   // the products (the compiler may move a zeroing there, and ptxas would then wait: C7519).
   float s[KEYS / 8][4];
@@ -341,51 +356,12 @@ __device__ __forceinline__ void attend_wg(const u32 (&qa)[D / 16][4], const bf16
 #pragma unroll
   for (int k = 0; k < D / 16; ++k) wg_scores(s, qa[k], wg_k_major(ktile, KEYS, k), k);
   wg_done();
-  float tile_max[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-  for (int n = 0; n < KEYS / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (!whole) {
-        int col = n * 8 + 2 * c + (e & 1);
-        int row = g + (e >> 1) * 8;
-        if (!(n >= col0 && n < col0 + cols && seen(col, row))) s[n][e] = NEG_INF;
-      }
-      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
-    }
-  }
-  float alpha[2], shift[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-    float m_new = fmaxf(m[r], tile_max[r] * scale_log2);
-    shift[r] = m_new == NEG_INF ? 0.f : m_new;
-    alpha[r] = ex2(m[r] - shift[r]);
-    m[r] = m_new;
-    l[r] *= alpha[r];
-  }
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    acc[n][0] *= alpha[0];
-    acc[n][1] *= alpha[0];
-    acc[n][2] *= alpha[1];
-    acc[n][3] *= alpha[1];
-  }
+  float shift[2];
+  softmax_step(s, col0, cols, whole, seen, scale_log2, m, l, acc, shift);
   // Every k-step's P first, then the products: wgmma reads A registers that ordinary code wrote only after a fence.
   u32 pa[KEYS / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < KEYS / 16; ++kk) {
-    float p[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) p[h][e] = ex2(fmaf(s[2 * kk + h][e], scale_log2, -shift[e >> 1]));
-      l[0] += p[h][0] + p[h][1];
-      l[1] += p[h][2] + p[h][3];
-    }
-    c_as_a(pa[kk], p[0], p[1]);
-  }
+  for (int kk = 0; kk < KEYS / 16; ++kk) probabilities(pa[kk], s, kk, scale_log2, shift, l);
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, pa[kk], wg_n_major(vtile, KEYS, kk), 1);
@@ -618,13 +594,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArg
   }
 }
 
+// dS = P (dP - drow) of k-step `kk` of a half tile (n-tiles n0..n0 + 3; P recomputed from the log-sum-exp, `lse2`
+// in base 2, zero where the row does not see the key) as bf16 A fragments for dQ += dS K.
+__device__ __forceinline__ void dscores(u32 (&dsa)[4], const float (&s)[4][4], const float (&dp)[4][4], int kk, int n0,
+                                       int col0, int cols, int base, bool whole, const Rows& mask, bool own,
+                                       bool causal, int window, float scale_log2, const float (&lse2)[2],
+                                       const float (&drow)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float v[2][4];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    int n = 2 * kk + hh;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = ex2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
+      if (!whole) {
+        int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
+        bool seen = n0 + n >= col0 && n0 + n < col0 + cols &&
+                    (own ? mask.sees_own(col - col0 * 8, row, causal, window) : mask.sees_key(key, row, window));
+        if (!seen) p = 0.f;
+      }
+      v[hh][e] = p * (dp[n][e] - drow[e >> 1]);
+    }
+  }
+  c_as_a(dsa, v[0], v[1]);
+}
+
 // A warp's part of dQ on one tile: P recomputed from the log-sum-exp (`lse2`, base 2), dP = dO V^T,
 // dS = P (dP - drow), dQ += dS K; 32 keys at a time (4 n-tiles), the ones in [col0, col0 + cols).
 __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0, const bf16* ktile,
                                        const bf16* vtile, int col0, int cols, int base, const Rows& mask, bool own,
                                        bool causal, int window, float scale_log2, const float (&lse2)[2],
                                        const float (&drow)[2], float (&dq)[D / 8][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, window);
 #pragma unroll
   for (int half = 0; half < KEYS / 32; ++half) {
@@ -647,25 +648,8 @@ __device__ __forceinline__ void dq_tile(const bf16* qs, const bf16* ds, int row0
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       if (n0 + 2 * kk + 1 < col0 || n0 + 2 * kk >= col0 + cols) continue;
-      float v[2][4];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        int n = 2 * kk + hh;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p = ex2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
-          if (!whole) {
-            int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
-            bool seen = n0 + n >= col0 && n0 + n < col0 + cols &&
-                        (own ? mask.sees_own(col - col0 * 8, row, causal, window)
-                             : mask.sees_key(key, row, window));
-            if (!seen) p = 0.f;
-          }
-          v[hh][e] = p * (dp[n][e] - drow[e >> 1]);
-        }
-      }
       u32 dsa[4];
-      c_as_a(dsa, v[0], v[1]);
+      dscores(dsa, s, dp, kk, n0, col0, cols, base, whole, mask, own, causal, window, scale_log2, lse2, drow);
       mma_rows(dq, dsa, ktile, (n0 + 2 * kk) * 8);  // dQ += dS K
     }
   }
@@ -678,7 +662,6 @@ __device__ __forceinline__ void dq_tile_wg(const bf16* qs, const bf16* ds, int r
                                           const bf16* vtile, int col0, int cols, int base, const Rows& mask, bool own,
                                           bool causal, int window, float scale_log2, const float (&lse2)[2],
                                           const float (&drow)[2], float (&dq)[D / 8][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, window);
   // Every A fragment before the products: wgmma reads its A registers while it runs, so none may be reloaded
   // until it is done (ptxas would otherwise wait for each product: C7517).
@@ -701,26 +684,8 @@ __device__ __forceinline__ void dq_tile_wg(const bf16* qs, const bf16* ds, int r
     wg_done();
     u32 dsa[2][4];
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      float v[2][4];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        int n = 2 * kk + hh;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p = ex2(fmaf(s[n][e], scale_log2, -lse2[e >> 1]));
-          if (!whole) {
-            int col = (n0 + n) * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8, key = base + col;
-            bool seen = n0 + n >= col0 && n0 + n < col0 + cols &&
-                        (own ? mask.sees_own(col - col0 * 8, row, causal, window)
-                             : mask.sees_key(key, row, window));
-            if (!seen) p = 0.f;
-          }
-          v[hh][e] = p * (dp[n][e] - drow[e >> 1]);
-        }
-      }
-      c_as_a(dsa[kk], v[0], v[1]);
-    }
+    for (int kk = 0; kk < 2; ++kk)
+      dscores(dsa[kk], s, dp, kk, n0, col0, cols, base, whole, mask, own, causal, window, scale_log2, lse2, drow);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) wg_values(dq, dsa[kk], wg_n_major(ktile, KEYS, 2 * half + kk), 1);
