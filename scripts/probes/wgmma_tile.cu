@@ -127,7 +127,10 @@ extern "C" __global__ void __launch_bounds__(128) probe(const bf16* __restrict__
 #pragma unroll
   for (int k = 0; k < K / 16; ++k) {
     // A K-major: leading (K) offset between the two core columns of a 16-wide step, stride (M) between 8-row groups.
-    const u32 lead_a = swap ? a_rows : a_k, stride_a = swap ? a_k : a_rows;
+    // `swap` asks about the K-major offsets in the first product (both operands) and about the N-major operand's
+    // alone in the second (its A, K-major, stays as written).
+    const bool swap_a = swap && b_rows_are_n;
+    const u32 lead_a = swap_a ? a_rows : a_k, stride_a = swap_a ? a_k : a_rows;
     const u64 da = descriptor((char*)sa + k * 2 * a_k, lead_a, stride_a);
     u64 db;
     if (b_rows_are_n) {
@@ -137,10 +140,11 @@ extern "C" __global__ void __launch_bounds__(128) probe(const bf16* __restrict__
       else wgmma_64x64x16<0>(d, da, db, 1);
     } else {
       // N-major b: core matrices 128 bytes apart along K (groups of 8 k-rows), (K / 8) * 128 along N (groups of 8
-      // columns); this step's 16 k-rows are two groups, 2 * k_step bytes on. Which offset the descriptor calls
-      // leading for an N-major operand is question 1's second half.
+      // columns); this step's 16 k-rows are two groups, 2 * k_step bytes on. As written, leading is the step along
+      // K and stride the step along N, as CUTLASS's make_gmma_desc fills them for an interleaved MN-major operand;
+      // which the GPU reads so is question 1's second half.
       const u32 n_step = (K / 8) * 128, k_step = 128;
-      const u32 lead_b = swap ? k_step : n_step, stride_b = swap ? n_step : k_step;
+      const u32 lead_b = swap ? n_step : k_step, stride_b = swap ? k_step : n_step;
       db = descriptor((char*)sb + k * 2 * k_step, lead_b, stride_b);
       if (a_in_registers) wgmma_64x64x16_ra<1>(d, frag[k], db);
       else wgmma_64x64x16<1>(d, da, db, 1);

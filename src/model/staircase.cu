@@ -253,8 +253,9 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
 // the reduction) a 16-wide step of the head dimension is two chunk columns; as an N-major one (rows the reduction,
 // the head dimension along N) a step is 16 rows. The descriptor's leading byte offset is, for K-major, the step along
 // K between core matrices (one chunk column, ROWS * 16 bytes) and its stride the step along M/N (8 rows, 128 bytes);
-// for N-major, WG_N_MAJOR_SWAPPED 0 takes leading along N (ROWS * 16) and stride along K (128), 1 the other way:
-// scripts/probes/wgmma_tile.cu settles which on the GPU.
+// for N-major too leading is the step along K (8 rows, 128 bytes) and stride the step along N (ROWS * 16), as
+// CUTLASS's make_gmma_desc fills them for the interleaved layout; WG_N_MAJOR_SWAPPED 1 takes them the other way, for
+// where scripts/probes/wgmma_tile.cu finds that the GPU reads them so.
 #ifndef WG_N_MAJOR_SWAPPED
 #define WG_N_MAJOR_SWAPPED 0
 #endif
@@ -270,7 +271,7 @@ __device__ __forceinline__ unsigned long long wg_k_major(const bf16* tile, int r
 }
 // Step `k` (rows 16k..16k+15) of an N-major tile of `rows` rows.
 __device__ __forceinline__ unsigned long long wg_n_major(const bf16* tile, int rows, int k) {
-  return WG_N_MAJOR_SWAPPED ? wg_desc(tile + k * 16 * 8, 128, rows * 16) : wg_desc(tile + k * 16 * 8, rows * 16, 128);
+  return WG_N_MAJOR_SWAPPED ? wg_desc(tile + k * 16 * 8, rows * 16, 128) : wg_desc(tile + k * 16 * 8, 128, rows * 16);
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_done() {
