@@ -242,20 +242,20 @@ __device__ __forceinline__ void attend(const u32 (&qa)[D / 16][4], const bf16* k
 #ifdef WGMMA
 // Hopper's warpgroup products for the three training kernels (issue 65; compiled for compute_90a with WGMMA defined,
 // where DFLASH_WGMMA=1 asks for it): the forward's S = Q K^T and O = P V, dQ's S, dP = dO V^T and dQ += dS K, and dK
-// and dV's S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q, each as one warpgroup's `wgmma` over the thread
-// block's 64 query rows (or, for dK and dV, its 64 keys), where each warp ran mma.sync over its 16. A (Q, then P) comes from the same registers as mma.sync's A fragments;
-// B (the key and value tiles) from shared memory in wgmma's no-swizzle layout of 8x8 core matrices, a tile's 16-byte
-// chunk c of row r at byte c * KEYS * 16 + r * 16 (`load_tile_wg`). The accumulators land as mma.sync's fragments
-// (warp w holds rows 16w..16w+15), so the masks and the online softmax are the same code. Every warp of the group
-// runs every product (they are collective): a warp whose unit has no key in a tile masks all of it.
-// Tiles hold ROWS rows of D in the no-swizzle layout: 16-byte chunk c of row r at byte c * ROWS * 16 + r * 16, so a
-// core matrix is 8 consecutive rows of one chunk column. As a K-major operand (rows along M or N, the head dimension
-// the reduction) a 16-wide step of the head dimension is two chunk columns; as an N-major one (rows the reduction,
-// the head dimension along N) a step is 16 rows. The descriptor's leading byte offset is, for K-major, the step along
-// K between core matrices (one chunk column, ROWS * 16 bytes) and its stride the step along M/N (8 rows, 128 bytes);
-// for N-major too leading is the step along K (8 rows, 128 bytes) and stride the step along N (ROWS * 16), as
-// CUTLASS's make_gmma_desc fills them for the interleaved layout; WG_N_MAJOR_SWAPPED 1 takes them the other way, for
-// where scripts/probes/wgmma_tile.cu finds that the GPU reads them so.
+// and dV's S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q, each one warpgroup's `wgmma` over the thread
+// block's 64 query rows (for dK and dV, its 64 keys), where each warp ran mma.sync over its 16. Q, dO, P and dS are
+// A from the registers mma.sync took them from; dK/dV's key and value tiles are A from shared memory; every B is a
+// tile in shared memory. The accumulators land as mma.sync's fragments (warp w holds rows 16w..16w+15), so the masks
+// and the online softmax are the same code. Every warp of the group runs every product (they are collective): a warp
+// whose rows have nothing in a tile masks all of it.
+// Tiles hold ROWS rows of D in wgmma's no-swizzle layout (`load_tile_wg`): 16-byte chunk c of row r at byte
+// c * ROWS * 16 + r * 16, so a core matrix is 8 consecutive rows of one chunk column. As a K-major operand (rows along
+// M or N, the head dimension the reduction) a 16-wide step of the head dimension is two chunk columns; as an N-major
+// one (rows the reduction, the head dimension along N) a step is 16 rows. The descriptor's leading byte offset is, for
+// K-major, the step along K between core matrices (one chunk column, ROWS * 16 bytes) and its stride the step along
+// M/N (8 rows, 128 bytes); for N-major too leading is the step along K (8 rows, 128 bytes) and stride the step along
+// N (ROWS * 16), as CUTLASS's make_gmma_desc fills them for the interleaved layout; WG_N_MAJOR_SWAPPED 1 takes them
+// the other way, for where scripts/probes/wgmma_tile.cu finds that the GPU reads them so.
 #ifndef WG_N_MAJOR_SWAPPED
 #define WG_N_MAJOR_SWAPPED 0
 #endif
@@ -287,9 +287,14 @@ __device__ __forceinline__ void wg_scores(float (&d)[KEYS / 8][4], const u32 (&a
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
@@ -301,9 +306,14 @@ __device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #else
@@ -312,9 +322,20 @@ __device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
+      "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+        "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),
+        "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #endif
@@ -378,7 +399,9 @@ __device__ __forceinline__ void wg_scores_half(float (&d)[4][4], const u32 (&a)[
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
       "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
@@ -561,7 +584,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArg
 #else
   constexpr bool group = false;
 #endif
-  walk_tiles<group>(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+  walk_tiles<group>(a, smem, tile, h, b, mask,
+                    [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
     // Column n is key `base + n`, or the unit's own key row n - 8 col0.
     const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, a.window);
     auto seen = [&](int col, int row) {
@@ -726,7 +750,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(StaircaseArgs
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
 #ifdef WGMMA
-  walk_tiles<true>(a, smem, tile, h, b, mask, [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+  walk_tiles<true>(a, smem, tile, h, b, mask,
+                   [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
     dq_tile_wg(qs, ds, 16 * warp, kt, vt, col0, cols, base, mask, own, a.causal_block, a.window, scale_log2, lse2, dr,
                acc);
   });
