@@ -8,8 +8,9 @@
 # test-lib.
 #   tests [TOOL..]   the library's GPU tests (every #[ignore]d test one GPU runs) under each TOOL (default: all four,
 #                    and memcheck-nocache, below)
-#   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck and memcheck-nocache): README's recipe for 6 steps of
-#                    8 rows, then a decoded evaluation of 4 held-out prompts (32 new tokens, CUDA graphs); needs
+#   train [TOOL..]   serve-train on the real model under each TOOL (default: memcheck and memcheck-nocache, side by
+#                    side): README's recipe for 6 steps of 8 rows, then a decoded evaluation of 4 held-out prompts (32
+#                    new tokens, CUDA graphs; without them under memcheck-nocache); needs
 #                    recipe.sh `part` and `data` (or `model` and synthesize.sh `synth`) earlier in the lease
 # The tools of one stage run side by side (independent processes on one GPU: the condition the faults came from),
 # each stopped after SANITIZE_LIMIT_S seconds (default 3000) so a short lease still brings back what finished.
@@ -52,7 +53,8 @@ if [ -f "$work/model/config.json" ]; then
   export DFLASH_REAL_MODEL=$work/model
 else
   skip+=(--skip in_bf16_decoding_is_lossless)
-  echo "no real model in $work/model (recipe.sh part and model first): its bf16 decoding test is skipped" >>"$out/sanitize.txt"
+  echo "no real model in $work/model (recipe.sh part and model first): its bf16 decoding test is skipped" \
+    >>"$out/sanitize.txt"
 fi
 # The tests read their committed fixtures where they were built (CARGO_MANIFEST_DIR, this machine's checkout when
 # `make gpu-bin` ran: DFLASH_BUILT_AT, default /work/main); that path is made to point at this copy where it is free.
@@ -102,7 +104,8 @@ tests)
 train)
   shift
   data=$(ls -d "$work"/data-synth-* "$work/data" 2>/dev/null | head -1)
-  [ -n "$data" ] && [ -d "$work/model" ] || { echo "run recipe.sh data (or model and synthesize.sh synth) first" >&2; exit 2; }
+  [ -n "$data" ] && [ -d "$work/model" ] ||
+    { echo "run recipe.sh data (or model and synthesize.sh synth) first" >&2; exit 2; }
   head -n 4 "$work/heldout.jsonl" >"$work/sanitize-prompts.jsonl"
   tools=("$@")
   [ ${#tools[@]} -gt 0 ] || tools=(memcheck memcheck-nocache)

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (issue 66, items 1 and 5; BENCHMARKS.md, "Three runs sharing one GPU"): real-model
-# serve-trains sharing the one GPU, the condition every unexplained launch failure came from, each for the same wall
-# time, with a drafter panic injected into the first. The model and its 2,160 answered template prompts come from
-# scripts/gpu/recipe.sh (`part`, then `data`), in the same folder.
+# Runs on the GPU machine (issue 66, items 1 and 5; BENCHMARKS.md, "Three real-model runs sharing one GPU"):
+# real-model serve-trains sharing the one GPU, the condition every unexplained launch failure came from, each for the
+# same wall time, with a drafter panic injected into the first. The model and its 2,160 answered template prompts
+# come from scripts/gpu/recipe.sh (`part`, then `data`), in the same folder.
 #   start MINUTES CASE..  each CASE its own serve-train in a new process session (it outlives the call; the machine
 #                         stays up while calls follow back to back), stopped by SIGTERM after MINUTES (it
 #                         checkpoints and exits; the step bound is out of reach, its warmup 100 steps, so the
-#                         learning rate is the recipe's from then on); a drafter panic is asked of the first CASE's control plane at a
-#                         third of MINUTES. Env: anything exported reaches the runs (CUDA_LAUNCH_BLOCKING=1, or
-#                         DFLASH_STAIRCASE_ATTENTION=0 and the like to bisect; SOAK_SET: more --set for every run)
+#                         learning rate is the recipe's from then on); a drafter panic is asked of the first CASE's
+#                         control plane at a third of MINUTES. Env: anything exported reaches the runs
+#                         (CUDA_LAUNCH_BLOCKING=1, or DFLASH_STAIRCASE_ATTENTION=0 and the like to bisect; SOAK_SET:
+#                         more --set for every run)
 #   wait                  waits up to SOAK_WAIT_S seconds (default 540) for the runs of `start`, then reports each:
 #                         exit code (143: stopped by the SIGTERM; pending while it runs), steps, restarts, CUDA
 #                         errors, ledger duplicates
@@ -51,7 +52,8 @@ start)
     mkdir -p "$r"
     echo "$port" >"$r/port"
     # shellcheck disable=SC2046
-    printf '%q ' timeout --preserve-status -s TERM -k 120 "$((minutes * 60))" "$d" serve-train --config config/smollm2-135m.toml \
+    printf '%q ' timeout --preserve-status -s TERM -k 120 "$((minutes * 60))" \
+      "$d" serve-train --config config/smollm2-135m.toml \
       --set "target.model=$work/model" --set "data.path=$work/data" --set "data.ledger=$r/ledger.jsonl" \
       --set "checkpoint.dir=$r" --set "control.listen=127.0.0.1:$port" --set control.fault_injection=true \
       --set "eval.prompts=$work/heldout.jsonl" --set optim.max_steps=1000000 --set optim.warmup_ratio=0.0001 \
@@ -76,7 +78,9 @@ wait)
     log=$r/train.log
     code="exit $(cat "$r/exit" 2>/dev/null || echo pending)"
     last=$(grep -oE 'step=[0-9]+' "$log" | tail -1)
-    echo "$c: $code; last $last; $(grep -oE 'run summary: [^;]*' "$log" | tail -1); drafter failures $(grep -c 'drafter failed' "$log"), restarts $(grep -c 'restarting' "$log"); CUDA errors $(grep -c 'CUDA error' "$log");" \
+    echo "$c: $code; last $last; $(grep -oE 'run summary: [^;]*' "$log" | tail -1);" \
+      "drafter failures $(grep -c 'drafter failed' "$log"), restarts $(grep -c 'restarting' "$log");" \
+      "CUDA errors $(grep -c 'CUDA error' "$log");" \
       "fault asked: $(cat "$r/fault.txt" 2>/dev/null | head -c 200); $(ledger_verdict "$r/ledger.jsonl")" |
       tee -a "$out/soak.txt"
     grep -E "evaluation|run summary|stopped|restart|failed|panic|ERROR|WARN|CUDA error" "$log" | cut -c1-300 \

@@ -3,9 +3,9 @@
 # grouped attention in f32, then the drafter's step at the Qwen3-8B drafter's shapes with the kernels and with the
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
-# `wgmma` (issue 65, not in `all`): the training kernels on Hopper's warpgroup products (DFLASH_WGMMA=1): the layout probe
-# (scripts/probes/wgmma_tile.cu, built by the image's nvcc), the kernels' GPU tests with it, and the drafter's step
-# with it and without at 4x768/256, 4x3072/512 and 1x32768/2048.
+# `wgmma` (issue 65, not in `all`): the training kernels on Hopper's warpgroup products (DFLASH_WGMMA=1): the layout
+# probe (scripts/probes/wgmma_tile.cu, built by the image's nvcc), the kernels' GPU tests with it, and the drafter's
+# step with it and without at 4x768/256, 4x3072/512 and 1x32768/2048.
 # Usage: scripts/gpu/staircase.sh [test|probe|short|window|long|long-kernels|dflash2|peer|wgmma|all] (several:
 # separated by commas)
 set -uo pipefail
@@ -17,7 +17,10 @@ gpu_name
 if want test; then
   "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 | grep -E "^test |test result|panicked|assert" | tee "$out/test.txt"
 fi
-bench() { echo "== ${DFLASH_WGMMA:+DFLASH_WGMMA=1 }$*" | tee -a "$out/bench.txt"; "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"; }
+bench() {
+  echo "== ${DFLASH_WGMMA:+DFLASH_WGMMA=1 }$*" | tee -a "$out/bench.txt"
+  "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"
+}
 drafter() { "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile "$@"; }
 if [[ ",$what," == *",wgmma,"* ]]; then
   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_tile scripts/probes/wgmma_tile.cu &&
