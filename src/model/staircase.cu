@@ -461,6 +461,32 @@ __device__ __forceinline__ int2 unit_span(const StaircaseArgs& a, int b, int u) 
   return r.last() > r.first() ? make_int2(r.first(), r.last()) : make_int2(1 << 30, 0);
 }
 
+// Whether the training kernels run the warpgroup's products (WGMMA defined) rather than each warp's mma.sync.
+#ifdef WGMMA
+#define WG true
+#else
+#define WG false
+#endif
+
+// A tile's rows loaded in the layout its products read: mma.sync's padded rows, or (`GROUP`, under WGMMA) wgmma's
+// core matrices.
+template <bool GROUP, int TILE = KEYS>
+__device__ __forceinline__ void load_rows(bf16* tile, const bf16* src, long long stride, int rows) {
+#ifdef WGMMA
+  if (GROUP) return load_tile_wg<TILE>(tile, src, stride, rows);
+#endif
+  load_tile<TILE>(tile, src, stride, rows);
+}
+
+// The thread block's loads (cp.async, waited for) visible to its threads and, for `GROUP`, to wgmma's reads.
+template <bool GROUP>
+__device__ __forceinline__ void rows_loaded() {
+#ifdef WGMMA
+  if (GROUP) wg_visible();
+#endif
+  __syncthreads();
+}
+
 // A query-major thread block (4 warps, a unit each) of head `h` in row `b`: walks the union of its units' context
 // ranges, 64 keys a tile (double-buffered), then one tile of the units' own keys, and calls
 // `visit(ktile, vtile, col0, cols, base, own)` for this warp on each tile its unit has keys in (`mine`): n-tiles
@@ -486,33 +512,21 @@ __device__ __forceinline__ void walk_tiles(const StaircaseArgs& a, unsigned char
   const int tile_count = first >= last ? 0 : (last - tile_from + KEYS - 1) / KEYS;
   const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
   const bf16* vc = a.v_ctx + b * a.cv_b + kvh * a.cv_h;
-  auto load = [&](bf16* dst, const bf16* src, long long stride, int rows) {
-#ifdef WGMMA
-    if (GROUP) return load_tile_wg(dst, src, stride, rows);
-#endif
-    load_tile(dst, src, stride, rows);
-  };
-  auto loaded = [&] {
-#ifdef WGMMA
-    if (GROUP) wg_visible();
-#endif
-    __syncthreads();
-  };
   if (tile_count > 0) {
-    load(kt(0), kc + (long long)tile_from * a.c_t, a.c_t, a.context - tile_from);
-    load(vt(0), vc + (long long)tile_from * a.cv_t, a.cv_t, a.context - tile_from);
+    load_rows<GROUP>(kt(0), kc + (long long)tile_from * a.c_t, a.c_t, a.context - tile_from);
+    load_rows<GROUP>(vt(0), vc + (long long)tile_from * a.cv_t, a.cv_t, a.context - tile_from);
   }
   copies_issued();
   for (int t = 0; t < tile_count; ++t) {
     const int base = tile_from + t * KEYS;
     if (t + 1 < tile_count) {
       const int next = base + KEYS;
-      load(kt((t + 1) & 1), kc + (long long)next * a.c_t, a.c_t, a.context - next);
-      load(vt((t + 1) & 1), vc + (long long)next * a.cv_t, a.cv_t, a.context - next);
+      load_rows<GROUP>(kt((t + 1) & 1), kc + (long long)next * a.c_t, a.c_t, a.context - next);
+      load_rows<GROUP>(vt((t + 1) & 1), vc + (long long)next * a.cv_t, a.cv_t, a.context - next);
     }
     copies_issued();
     copies_done<1>();
-    loaded();
+    rows_loaded<GROUP>();
     const bool reached = active && mine.reaches(base);
     if (GROUP || reached) visit(kt(t & 1), vt(t & 1), 0, reached ? KEYS / 8 : 0, base, false);
     __syncthreads();
@@ -520,11 +534,11 @@ __device__ __forceinline__ void walk_tiles(const StaircaseArgs& a, unsigned char
   // The units' own keys: warp w's 16 are rows 16w..16w+15 of one more tile.
   const int rows = min(WARPS, a.units - tile * WARPS) * 16;
   const long long own = tile * WARPS * 16;
-  load(kt(0), a.k_blk + b * a.k_b + kvh * a.k_h + own * a.k_t, a.k_t, rows);
-  load(vt(0), a.v_blk + b * a.bv_b + kvh * a.bv_h + own * a.bv_t, a.bv_t, rows);
+  load_rows<GROUP>(kt(0), a.k_blk + b * a.k_b + kvh * a.k_h + own * a.k_t, a.k_t, rows);
+  load_rows<GROUP>(vt(0), a.v_blk + b * a.bv_b + kvh * a.bv_h + own * a.bv_t, a.bv_t, rows);
   copies_issued();
   copies_done<0>();
-  loaded();
+  rows_loaded<GROUP>();
   if (GROUP || active) visit(kt(0), vt(0), 2 * warp, active ? 2 : 0, 0, true);
 }
 
@@ -579,13 +593,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArg
   float acc[D / 8][4];
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
-#ifdef WGMMA
-  constexpr bool group = true;
-#else
-  constexpr bool group = false;
-#endif
-  walk_tiles<group>(a, smem, tile, h, b, mask,
-                    [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+  walk_tiles<WG>(a, smem, tile, h, b, mask,
+                 [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
     // Column n is key `base + n`, or the unit's own key row n - 8 col0.
     const bool whole = !own && col0 == 0 && cols == KEYS / 8 && mask.whole(base, a.window);
     auto seen = [&](int col, int row) {
@@ -750,8 +759,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(StaircaseArgs
   zero(acc);
   const float scale_log2 = a.scale * LOG2E;
 #ifdef WGMMA
-  walk_tiles<true>(a, smem, tile, h, b, mask,
-                   [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
+  walk_tiles<WG>(a, smem, tile, h, b, mask,
+                 [&](const bf16* kt, const bf16* vt, int col0, int cols, int base, bool own) {
     dq_tile_wg(qs, ds, 16 * warp, kt, vt, col0, cols, base, mask, own, a.causal_block, a.window, scale_log2, lse2, dr,
                acc);
   });
@@ -788,18 +797,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
   const int wk = 16 * warp;  // this warp's first key row in the tile
   // Under WGMMA every tile is in wgmma's layout: the key and value tiles as the A operand of S^T and dP^T (shared
   // memory), the query and dO tiles as B (K-major there, N-major for dV and dK).
-#ifdef WGMMA
-#define LOAD_ROWS(TILE, dst, src, stride, n) load_tile_wg<TILE>(dst, src, stride, n)
-#else
-#define LOAD_ROWS(TILE, dst, src, stride, n) load_tile<TILE>(dst, src, stride, n)
-#endif
   {
     const bf16* kb = ctx ? a.k_ctx + b * a.c_b + kvh * a.c_h + (long long)k0 * a.c_t
                          : a.k_blk + b * a.k_b + kvh * a.k_h + (long long)k0 * a.k_t;
     const bf16* vb = ctx ? a.v_ctx + b * a.cv_b + kvh * a.cv_h + (long long)k0 * a.cv_t
                          : a.v_blk + b * a.bv_b + kvh * a.bv_h + (long long)k0 * a.bv_t;
-    LOAD_ROWS(KEYS, kt, kb, ctx ? a.c_t : a.k_t, rows);
-    LOAD_ROWS(KEYS, vt, vb, ctx ? a.cv_t : a.bv_t, rows);
+    load_rows<WG>(kt, kb, ctx ? a.c_t : a.k_t, rows);
+    load_rows<WG>(vt, vb, ctx ? a.cv_t : a.bv_t, rows);
     copies_issued();
   }
   // The query units that see a key of the tile: context keys, those with a block whose range reaches into it (ranges
@@ -836,8 +840,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
     const int h = kvh * group + step / chunks, j = j_begin + 2 * (step % chunks);
     const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + j * 16;
     const int qrows = min(QROWS, (a.units - j) * 16);
-    LOAD_ROWS(QROWS, stage_q(i), a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows);
-    LOAD_ROWS(QROWS, stage_q(i) + QROWS * ROW, dout + row0 * D, D, qrows);
+    load_rows<WG, QROWS>(stage_q(i), a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows);
+    load_rows<WG, QROWS>(stage_q(i) + QROWS * ROW, dout + row0 * D, D, qrows);
     if (threadIdx.x < QROWS / 2) {  // 16 copies of 4 floats: the log-sum-exp's 32, then drow's
       const int which = threadIdx.x / (QROWS / 4), part = threadIdx.x % (QROWS / 4);
       const bool valid = part * 4 < qrows;
@@ -851,10 +855,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
     if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
     copies_issued();
     copies_done<1>();
-#ifdef WGMMA
-    wg_visible();
-#endif
-    __syncthreads();
+    rows_loaded<WG>();
     const int j = j_begin + 2 * (step % chunks);
     const bf16* qt = stage_q(step & 1);
     const bf16* ot = qt + QROWS * ROW;
@@ -972,7 +973,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
   store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
   store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
 }
-#undef LOAD_ROWS
 
 // Batch-1 decoding attention ("flash decoding"): the T newest queries of every query head against the first
 // start + T positions of a KV cache [1, KV, C, D] (their own keys and values already written at start..start + T),
