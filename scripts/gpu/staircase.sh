@@ -25,12 +25,15 @@ drafter() { "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0
 if [[ ",$what," == *",wgmma,"* ]]; then
   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_tile scripts/probes/wgmma_tile.cu &&
     /tmp/wgmma_tile | tee "$out/wgmma-probe.txt"
-  DFLASH_WGMMA=1 "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 |
+  # Bounded: a wrong wait or barrier in new kernels hangs rather than fails.
+  DFLASH_WGMMA=1 timeout 180 "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 |
     grep -E "^test |test result|panicked|assert" | tee "$out/wgmma-test.txt"
   for shape in "4 768 256 6" "4 3072 512 6" "1 32768 2048 3"; do
     set -- $shape
-    bench drafter --batch $1 --seq $2 --anchors $3 --steps $4
-    DFLASH_WGMMA=1 bench drafter --batch $1 --seq $2 --anchors $3 --steps $4
+    bench timeout 120 "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile \
+      --batch $1 --seq $2 --anchors $3 --steps $4
+    DFLASH_WGMMA=1 bench timeout 120 "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json \
+      --profile --batch $1 --seq $2 --anchors $3 --steps $4
   done
 fi
 if want probe; then

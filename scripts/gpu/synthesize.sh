@@ -10,7 +10,11 @@
 #                              evaluation conversations are cut only from a finished file. A larger COUNT later
 #                              continues the same file (the same seed gives the same first conversations)
 #                              A synth.jsonl brought back by `keep` and carried in .gpu/synth/ (or SYNTH_FROM) is
-#                              restored first.
+#                              restored first. SYNTH=NAME writes NAME.jsonl instead (another file beside it, e.g.
+#                              sampled answers: SYNTH=sampled synth 50000 --answer-temperature 0.8); `keep`, `train`
+#                              and `peer` read the file SYNTH names. Every run is decoded on one set of held-out
+#                              requests, the largest synthesis's (cut at min(COUNT, 50,000)): requests are drawn by
+#                              each attempt's seed alone, so files of one seed and other answer options share them.
 #   keep                       synth.jsonl xz-compressed into $OUT in parts of 15 MB (synth.jsonl.xz.part-NN), and
 #                              its rejected attempts (synth.rejected.jsonl.xz), to be carried in .gpu/synth/ by a
 #                              later lease instead of synthesizing again
@@ -36,21 +40,24 @@ d=$work/bin/dflash
 [ -x "$d" ] && [ -d "$work/model" ] || { echo "run scripts/gpu/recipe.sh part and data first" >&2; exit 2; }
 # The evaluation conversations: the 256 synthesized after the first min(COUNT, 50,000), cut before their first
 # answer (the first 64 decoded), the same 256 however many are synthesized past 50,000; no run trains on them.
+synth=${SYNTH:-synth}
 held=$work/synth-heldout.jsonl
-held_at() { local c; c=$(cat "$work/held-at" 2>/dev/null) || { echo "run synth first" >&2; exit 2; }; echo "$c"; }
+# Where the file's evaluation conversations start (they are never trained on), and where the shared set's do.
+held_at() { local c; c=$(cat "$work/$synth.held-at" 2>/dev/null) || { echo "run synth first" >&2; exit 2; }; echo "$c"; }
+shared_held_at() { cat "$work/held-at" 2>/dev/null || echo 0; }
 # The prepared folder of DATA (template, or synth:N prepared once from the first N synthesized conversations).
 prepared_for() {
   case "$1" in
   template) echo "$work/data" ;;
   synth:*)
     local n=${1#synth:} p
-    p=$work/data-synth-$n
+    p=$work/data-$synth-$n
     if [ ! -d "$p" ]; then
-      awk -v h="$(held_at)" 'NR <= h || NR > h + 256' "$work/synth.jsonl" | head -n "$n" >"$work/synth-$n.jsonl"
+      awk -v h="$(held_at)" 'NR <= h || NR > h + 256' "$work/$synth.jsonl" | head -n "$n" >"$work/$synth-$n.jsonl"
       local start=$SECONDS
-      "$d" prepare --model "$work/model" --input "$work/synth-$n.jsonl" --out "$p" --max-len 512 \
+      "$d" prepare --model "$work/model" --input "$work/$synth-$n.jsonl" --out "$p" --max-len 512 \
         --holdout 0 2>&1 | tail -2 >>"$out/prepare.txt"
-      echo "prepare synth:$n in $((SECONDS - start)) s" >>"$out/prepare.txt"
+      echo "prepare $synth:$n in $((SECONDS - start)) s" >>"$out/prepare.txt"
     fi
     echo "$p"
     ;;
@@ -88,26 +95,29 @@ synth)
   count=$2
   shift 2
   from=${SYNTH_FROM:-.gpu/synth}
-  if [ -e "$from/synth.jsonl.xz.part-00" ] && [ ! -e "$work/synth.jsonl" ]; then
-    cat "$from"/synth.jsonl.xz.part-* | xz -d >"$work/synth.jsonl" || exit 1
-    echo "restored $(wc -l <"$work/synth.jsonl") conversations from $from" | tee -a "$out/synth.txt"
+  if [ -e "$from/$synth.jsonl.xz.part-00" ] && [ ! -e "$work/$synth.jsonl" ]; then
+    cat "$from/$synth".jsonl.xz.part-* | xz -d >"$work/$synth.jsonl" || exit 1
+    echo "restored $(wc -l <"$work/$synth.jsonl") conversations from $from" | tee -a "$out/synth.txt"
     # Without its rejected attempts a continued run tries them all again (the fourth lease did: 10,091 of them).
-    if [ -e "$from/synth.rejected.jsonl.xz" ]; then
-      xz -dc "$from/synth.rejected.jsonl.xz" >"$work/synth.rejected.jsonl" || exit 1
-      echo "restored $(wc -l <"$work/synth.rejected.jsonl") rejected attempts" | tee -a "$out/synth.txt"
+    if [ -e "$from/$synth.rejected.jsonl.xz" ]; then
+      xz -dc "$from/$synth.rejected.jsonl.xz" >"$work/$synth.rejected.jsonl" || exit 1
+      echo "restored $(wc -l <"$work/$synth.rejected.jsonl") rejected attempts" | tee -a "$out/synth.txt"
     fi
   fi
   start=$SECONDS
   timeout "${SYNTH_LIMIT:-0}" "$d" synthesize --model "$work/model" --count $((count + 256)) \
-    --out "$work/synth.jsonl" --max-tokens 256 "$@" >>"$out/synth.txt" 2>"$work/synth.log"
+    --out "$work/$synth.jsonl" --max-tokens 256 "$@" >>"$out/synth.txt" 2>"$work/$synth.log"
   code=$?
   echo "exit $code after $((SECONDS - start)) s" >>"$out/synth.txt"
-  tail -3 "$work/synth.log" >>"$out/synth.txt"
-  sha256sum "$work/synth.jsonl" >>"$out/synth.txt"
+  tail -3 "$work/$synth.log" >>"$out/synth.txt"
+  sha256sum "$work/$synth.jsonl" >>"$out/synth.txt"
   [ $code = 0 ] || { cat "$out/synth.txt"; exit $code; }
   h=$((count < 50000 ? count : 50000))
+  echo "$h" >"$work/$synth.held-at"
+  # A smaller synthesis keeps the larger one's evaluation set (the runs of one lease are decoded on the same requests).
+  [ "$h" -ge "$(shared_held_at)" ] || { cat "$out/synth.txt"; exit 0; }
   echo "$h" >"$work/held-at"
-  python3 - "$work/synth.jsonl" "$held" "$h" <<'PY'
+  python3 - "$work/$synth.jsonl" "$held" "$h" <<'PY'
 import json, sys
 at = int(sys.argv[3])
 lines = open(sys.argv[1]).read().splitlines()[at:at + 256]
@@ -117,11 +127,12 @@ with open(sys.argv[2], "w") as f:
         first = next(i for i, x in enumerate(m) if x["role"] == "assistant")
         f.write(json.dumps({"messages": m[:first]}) + "\n")
 PY
+  sha256sum "$held" >>"$out/synth.txt"
   cat "$out/synth.txt"
   ;;
 keep)
-  xz -T0 -6 -c "$work/synth.jsonl" | split -b 15000000 -d - "$out/synth.jsonl.xz.part-"
-  xz -T0 -6 -c "$work/synth.rejected.jsonl" >"$out/synth.rejected.jsonl.xz"
+  xz -T0 -6 -c "$work/$synth.jsonl" | split -b 15000000 -d - "$out/$synth.jsonl.xz.part-"
+  xz -T0 -6 -c "$work/$synth.rejected.jsonl" >"$out/$synth.rejected.jsonl.xz"
   ls -la "$out"
   ;;
 train)
