@@ -4,7 +4,7 @@ mod reference_models;
 
 use std::collections::BTreeMap;
 
-use dflash::ffi::accel::{AdamwStep, MuonStep};
+use dflash::ffi::accel::{AdamwStep, MuonIteration, MuonStep};
 use dflash::model::presets::tiny;
 use dflash::model::variant::dflash2::Dflash2Shape;
 use dflash::model::{Depth, Drafter, DrafterConfig, Init, Preset, Target, Variant};
@@ -237,7 +237,8 @@ fn a_tiny_drafter_overfits_a_tiny_dataset_with_muon() {
     let t = target();
     let mut tr = trainer(&t, 12, 7);
     tr.optimizer = Optimizer::new(tr.drafter.params(), OptimizerKind::Muon).unwrap();
-    let muon = MuonStep { lr: 0.02, momentum: 0.95, weight_decay: 0.1, ns_steps: 5 };
+    let muon =
+        MuonStep { lr: 0.02, momentum: 0.95, weight_decay: 0.1, ns_steps: 5, iteration: MuonIteration::NewtonSchulz };
     overfits_with(&t, tr, &UpdateSettings { muon: Some(muon), ..update(5e-3) });
 }
 
@@ -253,15 +254,16 @@ fn a_tiny_drafter_learns_the_targets_argmax_and_its_distribution() {
     }
 }
 
-/// A DFlash 2 drafter with the recipe's D-PACE and Muon: both losses fall, and the selector's drafts (what the
-/// metrics count for it) agree with the data.
+/// A DFlash 2 drafter with the recipe's D-PACE and Muon, orthogonalising by Gram Newton-Schulz
+/// (`optim.muon_iteration = "gram"`): both losses fall, and the selector's drafts (what the metrics count for it)
+/// agree with the data.
 #[test]
 fn a_tiny_dflash2_drafter_overfits_a_tiny_dataset_with_dpace_and_muon() {
     let t = target();
     let objective = ObjectiveSettings { dpace_alpha: Some(0.5), ..ObjectiveSettings::new(12, BS, None, tiny::MASK) };
     let mut tr = trainer_of(dflash2(), &t, objective, 7);
     tr.optimizer = Optimizer::new(tr.drafter.params(), OptimizerKind::Muon).unwrap();
-    let muon = MuonStep { lr: 0.02, momentum: 0.95, weight_decay: 0.1, ns_steps: 5 };
+    let muon = MuonStep { lr: 0.02, momentum: 0.95, weight_decay: 0.1, ns_steps: 5, iteration: MuonIteration::Gram };
     overfits_with(&t, tr, &UpdateSettings { muon: Some(muon), ..update(5e-3) });
 }
 

@@ -19,6 +19,7 @@ use crate::model::drafter_config::default_gamma;
 use crate::model::{Depth, Drafter, Init, LayerAttention, ModelError, Preset, Variant};
 use crate::profile::Recorder;
 use crate::train::objective::ObjectiveSettings;
+use crate::train::optim::MuonHyper;
 use crate::train::{FeatureBatch, Optimizer, OptimizerKind, Teacher, Trainer, UpdateSettings};
 
 #[derive(Debug, Clone)]
@@ -44,6 +45,8 @@ pub struct DrafterBenchOptions {
     pub dpace_alpha: Option<f64>,
     /// `optim.optimizer`.
     pub optimizer: OptimizerKind,
+    /// `optim.muon_*`: Muon's momentum, weight decay, steps and iteration (with `optimizer = muon`).
+    pub muon: MuonHyper,
     /// What the slots learn (`objective.target`, `objective.loss`): learning the target's predictions adds its
     /// last states to the features and its LM head to the loss.
     pub teacher: Teacher,
@@ -190,10 +193,11 @@ pub fn bench_drafter(
     let update = UpdateSettings {
         adamw: AdamwStep { lr: 6e-4, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8 },
         muon: (opts.optimizer == OptimizerKind::Muon).then_some(MuonStep {
-            lr: 1e-3,
-            momentum: 0.95,
-            weight_decay: 0.1,
-            ns_steps: 5,
+            lr: opts.muon.lr,
+            momentum: opts.muon.momentum,
+            weight_decay: opts.muon.weight_decay,
+            ns_steps: opts.muon.ns_steps,
+            iteration: opts.muon.iteration,
         }),
         grad_clip: Some(1.0),
     };
@@ -330,6 +334,11 @@ mod tests {
     use super::*;
     use crate::model::DrafterConfig;
 
+    /// Muon as config/default.toml sets it.
+    fn muon_defaults() -> MuonHyper {
+        crate::config::Config::builtin().unwrap().optim.muon
+    }
+
     #[test]
     fn flops_match_the_peer_at_qwen3_8b_shapes() {
         // DFLASH.md / the issue: a step at 768 tokens, 256 anchors is 39.4 TFLOP per sample.
@@ -355,6 +364,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            muon: muon_defaults(),
             teacher: Teacher::Data,
             layer_attention: vec![],
             variant: Variant::DFlash,
@@ -389,6 +399,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            muon: muon_defaults(),
             teacher: Teacher::Data,
             layer_attention: vec![],
             variant: Variant::DFlash,
@@ -421,6 +432,7 @@ mod tests {
             attention_group_blocks: None,
             dpace_alpha: None,
             optimizer: OptimizerKind::AdamW,
+            muon: muon_defaults(),
             teacher: Teacher::Data,
             layer_attention: vec![],
             variant: Variant::DFlash,

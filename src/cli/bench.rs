@@ -186,6 +186,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
                 attention_group_blocks: args.attention_group_blocks,
                 dpace_alpha: config.objective.dpace_alpha(),
                 optimizer: config.optim.optimizer,
+                muon: config.optim.muon,
                 teacher: config.objective.teacher,
                 layer_attention: config.draft_model.layer_attention.clone(),
                 variant: config.draft_model.variant,

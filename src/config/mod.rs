@@ -741,7 +741,7 @@ pub const NON_RELOADABLE: [&str; 23] = [
 /// ([`NON_RELOADABLE`]) but the two paths, which may differ from host to host (the data is compared by its content
 /// instead, the target by what its config.json says: the `target.model` [`join_settings`] posts), how the loss weighs
 /// the slots, Muon's fixed hyperparameters, and how the drafters sum their gradients.
-pub const SHARED_BY_HOSTS: [&str; 29] = [
+pub const SHARED_BY_HOSTS: [&str; 30] = [
     "data.stream_mix",
     "draft_model.variant",
     "draft_model.conv_kernel_size",
@@ -770,6 +770,7 @@ pub const SHARED_BY_HOSTS: [&str; 29] = [
     "optim.muon_momentum",
     "optim.muon_weight_decay",
     "optim.muon_ns_steps",
+    "optim.muon_iteration",
     "drafters.collective",
 ];
 
@@ -1261,6 +1262,7 @@ mod tests {
             ("objective.seed=-3", &["objective.seed", "-3"]),
             ("optim.optimizer=sgd", &["optim.optimizer", "sgd", "muon"]),
             ("optim.muon_ns_steps=0", &["optim.muon_ns_steps", "1..=99"]),
+            ("optim.muon_iteration=polar", &["optim.muon_iteration", "polar", "gram"]),
             ("optim.muon_momentum=1", &["optim.muon_momentum", "[0, 1)"]),
             ("draft_model.block_size=1", &["draft_model.block_size", "1"]),
             ("draft_model.layer_types=\"local\"", &["draft_model.layer_types", "local", "sliding_attention"]),

@@ -12,6 +12,7 @@ use super::{ConfigError, invalid};
 use crate::cluster::launch::ClusterSettings;
 use crate::data::dataset::SyntheticLengths;
 use crate::device::DeviceSpec;
+use crate::ffi::accel::MuonIteration;
 use crate::train::optim::MuonHyper;
 use crate::train::{OptimizerKind, ScheduleKind};
 
@@ -280,6 +281,7 @@ pub(super) struct RawOptim {
     muon_momentum: f64,
     muon_weight_decay: f64,
     muon_ns_steps: i64,
+    muon_iteration: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -350,6 +352,14 @@ impl RawOptim {
                 ns_steps: match self.muon_ns_steps {
                     n @ 1..=99 => n as u32,
                     n => return Err(invalid("optim.muon_ns_steps", n, "Newton-Schulz steps in 1..=99 (5 is Muon's)")),
+                },
+                iteration: match self.muon_iteration.as_str() {
+                    "newton-schulz" => MuonIteration::NewtonSchulz,
+                    "gram" => MuonIteration::Gram,
+                    other => {
+                        let expected = "\"newton-schulz\" (torch.optim.Muon's) or \"gram\" (Gram Newton-Schulz)";
+                        return Err(invalid("optim.muon_iteration", format!("{other:?}"), expected));
+                    }
                 },
             },
         })

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::ffi::accel::{AdamwStep, AdamwTensors, MuonStep, fused_adamw};
+use crate::ffi::accel::{AdamwStep, AdamwTensors, MuonIteration, MuonStep, fused_adamw};
 use crate::model::ModelError;
 use crate::model::flat_params::{FlatLayout, FlatParams};
 use crate::model::weights::{HostTensor, WeightFiles, write_safetensors};
@@ -360,13 +360,15 @@ pub struct Hyper {
     pub muon: Option<MuonHyper>,
 }
 
-/// Muon's hyperparameters (`optim.muon_lr`, `muon_momentum`, `muon_weight_decay`, `muon_ns_steps`).
+/// Muon's hyperparameters (`optim.muon_lr`, `muon_momentum`, `muon_weight_decay`, `muon_ns_steps`,
+/// `muon_iteration`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MuonHyper {
     pub lr: f64,
     pub momentum: f64,
     pub weight_decay: f64,
     pub ns_steps: u32,
+    pub iteration: MuonIteration,
 }
 
 impl Hyper {
@@ -397,6 +399,7 @@ impl Hyper {
                 momentum: m.momentum,
                 weight_decay: m.weight_decay,
                 ns_steps: m.ns_steps,
+                iteration: m.iteration,
             }),
             grad_clip: self.grad_clip,
         }
@@ -535,6 +538,7 @@ mod tests {
                 momentum: m["momentum"].as_f64().unwrap(),
                 weight_decay: m["weight_decay"].as_f64().unwrap(),
                 ns_steps: m["ns_steps"].as_u64().unwrap() as u32,
+                iteration: MuonIteration::NewtonSchulz,
             }),
             grad_clip: None,
         };
