@@ -257,3 +257,18 @@ fn decoded_blocks_accept_what_teacher_forcing_at_their_anchors_accepts() {
     eprintln!("decoded blocks by tokens kept: {seen:?}");
     assert!(seen.len() >= 3 && seen.keys().any(|&k| k >= 3), "blocks of several lengths compared: {seen:?}");
 }
+
+/// The `smollm2-135m` preset (random weights, for `bench` at this model's shapes) is this folder's configuration.
+#[test]
+fn the_smollm2_preset_has_the_folders_shapes() {
+    let folder = TargetConfig::from_dir(&model_dir()).unwrap();
+    let mut preset = dflash::model::Preset::Smollm2_135m.spec().target;
+    assert!(
+        (preset.rms_norm_eps - folder.rms_norm_eps).abs() < 1e-12,
+        "{} against {}",
+        preset.rms_norm_eps,
+        folder.rms_norm_eps
+    );
+    preset.rms_norm_eps = folder.rms_norm_eps;
+    assert_eq!(preset, folder);
+}

@@ -37,8 +37,9 @@ pub struct BenchArgs {
     #[arg(long, value_enum)]
     what: BenchWhat,
     /// A built-in shape with random weights: tiny, tiny-moe, tiny-gpt-oss, qwen3-4b, qwen3-8b, qwen3-8b-128k (YaRN
-    /// for 131,072 positions), llama3.1-8b, qwen3-30b-a3b, gpt-oss-20b
-    /// (default: target.model when it is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for tiny).
+    /// for 131,072 positions), llama3.1-8b, smollm2-135m (the tests' real model's shapes), qwen3-30b-a3b, gpt-oss-20b
+    /// (default: target.model when it is a preset). `--what drafter` benchmarks that preset's drafter (5 layers; 2 for
+    /// tiny, 4 for smollm2-135m).
     #[arg(long, conflicts_with = "model")]
     preset: Option<Preset>,
     /// A HuggingFace model folder to load instead of a preset (--what target and generate).

@@ -123,7 +123,12 @@ impl DrafterConfig {
     /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for the tiny ones), block size 16.
     pub fn for_preset(preset: Preset, block_size: usize) -> Self {
         let spec = preset.spec();
-        let layers = if preset.is_tiny() { 2 } else { DEFAULT_DRAFTER_LAYERS };
+        let layers = match preset {
+            p if p.is_tiny() => 2,
+            // README's worked example's drafter (config/smollm2-135m.toml).
+            Preset::Smollm2_135m => 4,
+            _ => DEFAULT_DRAFTER_LAYERS,
+        };
         Self::for_target(&spec.target, layers, None, block_size, spec.taps, spec.mask_token_id)
             .expect("preset drafters are valid")
     }

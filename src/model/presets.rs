@@ -50,6 +50,9 @@ pub enum Preset {
     /// Qwen3-8B for 131,072 tokens: YaRN's factor 4 over 32,768 original positions, as Qwen3's model card sets it.
     Qwen3_8b128k,
     Llama31_8b,
+    /// SmolLM2-135M-Instruct's shapes (the tests' real model, README's worked example), random: its small-target
+    /// costs (launches, the 49,152-word LM head, small matrices) without the model's files.
+    Smollm2_135m,
     Qwen3_30bA3b,
     GptOss20b,
 }
@@ -95,7 +98,7 @@ impl PresetSpec {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 10] = [
+    pub const ALL: [Preset; 11] = [
         Preset::TinyTasks,
         Preset::Tiny,
         Preset::TinyMoe,
@@ -104,6 +107,7 @@ impl Preset {
         Preset::Qwen3_8b,
         Preset::Qwen3_8b128k,
         Preset::Llama31_8b,
+        Preset::Smollm2_135m,
         Preset::Qwen3_30bA3b,
         Preset::GptOss20b,
     ];
@@ -140,6 +144,7 @@ impl Preset {
             Preset::Qwen3_8b => "qwen3-8b",
             Preset::Qwen3_8b128k => "qwen3-8b-128k",
             Preset::Llama31_8b => "llama3.1-8b",
+            Preset::Smollm2_135m => "smollm2-135m",
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
             Preset::GptOss20b => "gpt-oss-20b",
         }
@@ -297,6 +302,32 @@ impl Preset {
                 &[1, 8, 15, 22, 29],
                 // <|reserved_special_token_0|>: in the embedding table, never produced by the tokenizer.
                 128002,
+            ),
+            // config.json of SmolLM2-135M-Instruct (transformers 5.17); the taps and MASK of config/smollm2-135m.toml.
+            Preset::Smollm2_135m => real(
+                TargetConfig {
+                    architecture: Architecture::Llama,
+                    vocab_size: 49152,
+                    hidden_size: 576,
+                    intermediate_size: 1536,
+                    num_hidden_layers: 30,
+                    num_attention_heads: 9,
+                    num_key_value_heads: 3,
+                    head_dim: 64,
+                    rms_norm_eps: 1e-5,
+                    rope_theta: 100000.0,
+                    rope_scaling: RopeScaling::None,
+                    max_position_embeddings: 8192,
+                    tie_word_embeddings: true,
+                    bos_token_id: Some(1),
+                    eos_token_ids: vec![2],
+                    pad_token_id: Some(2),
+                    moe: None,
+                    gpt_oss: None,
+                },
+                &[1, 8, 15, 22, 29],
+                // `<empty_output>`, a code-notebook marker no chat uses.
+                16,
             ),
             // Qwen3-30B-A3B's config.json: 48 layers, 128 experts of width 768, 8 per token; taps by z-lab's rule for
             // 5 drafter layers (1 + i * 44 / 4).
