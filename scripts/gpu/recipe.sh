@@ -13,6 +13,10 @@
 #   bench                the drafter's step at the qwen3-8b shapes by objective and attention (needs only `part`)
 #   muon                 the step with AdamW and with Muon at the qwen3-8b shapes, this binary against
 #                        .gpu-bin/dflash-base.xz (only `part`)
+#   small                README's recipe at the real model's shapes (the smollm2-135m preset, random: no model files;
+#                        128 rows of 512 tokens, 32 anchors): the pipeline's step profiled for the plain objective
+#                        (D-PACE, AdamW, the data's tokens), with Muon (and Gram), with KL, and the recipe (Muon and
+#                        KL), two rounds: where the recipe's samples/s go (issue 65, item 4; only `part`)
 #   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
 #                        default 768/256), packed and not (only `part`)
 #   dflash2              DFlash 2's drafter step and batch-1 drafting pass beside DFlash's at the released drafters'
@@ -137,6 +141,19 @@ muon)
             --set optim.optimizer=$opt 2>>"$out/bench.stderr" | tee -a "$out/muon.jsonl"
         done
       done
+    done
+  done
+  ;;
+small)
+  gpu_name
+  kl="--set objective.target=argmax --set objective.loss=kl" mu="--set optim.optimizer=muon"
+  gram="--set optim.muon_iteration=gram"
+  for round in 1 2; do
+    for v in "plain|" "muon|$mu" "muon-gram|$mu $gram" "kl|$kl" "recipe|$mu $kl" "recipe-gram|$mu $gram $kl"; do
+      echo "{\"round\": $round, \"variant\": \"${v%%|*}\"}" >>"$out/small.jsonl"
+      # shellcheck disable=SC2086
+      "$d" bench --what pipeline --preset smollm2-135m --device cuda:0 --batch 128 --seq 512 --anchors 32 --steps 8 \
+        --json --profile ${v#*|} 2>>"$out/bench.stderr" | tee -a "$out/small.jsonl"
     done
   done
   ;;
