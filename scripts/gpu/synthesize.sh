@@ -38,9 +38,10 @@ source scripts/gpu/prologue.sh
 work=/tmp/dflash-recipe
 d=$work/bin/dflash
 [ -x "$d" ] && [ -d "$work/model" ] || { echo "run scripts/gpu/recipe.sh part and data first" >&2; exit 2; }
+# The file synthesized into and trained from (SYNTH, above).
+synth=${SYNTH:-synth}
 # The evaluation conversations: the 256 synthesized after the first min(COUNT, 50,000), cut before their first
 # answer (the first 64 decoded), the same 256 however many are synthesized past 50,000; no run trains on them.
-synth=${SYNTH:-synth}
 held=$work/synth-heldout.jsonl
 # Where the file's evaluation conversations start (they are never trained on), and where the shared set's do.
 held_at() { local c; c=$(cat "$work/$synth.held-at" 2>/dev/null) || { echo "run synth first" >&2; exit 2; }; echo "$c"; }

@@ -120,7 +120,7 @@ impl DrafterConfig {
         Ok(cfg)
     }
 
-    /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for the tiny ones), block size 16.
+    /// The drafter the presets' benchmarks and default runs use: 5 layers (2 for the tiny ones, 4 for smollm2-135m).
     pub fn for_preset(preset: Preset, block_size: usize) -> Self {
         let spec = preset.spec();
         let layers = match preset {
