@@ -42,8 +42,11 @@ variant() {
   muon3) echo "$paper $muon --set optim.muon_lr=3e-3" ;;
   dpace-muon) echo "$dpace $muon" ;;
   dpace-muon3) echo "$dpace $muon --set optim.muon_lr=3e-3" ;;
+  dpace-muon-gram) echo "$(variant dpace-muon) --set optim.muon_iteration=gram" ;;
   argmax) echo "$dpace $muon --set objective.target=argmax" ;;
   kl) echo "$dpace $muon --set objective.target=argmax --set objective.loss=kl" ;;
+  kl-adamw) echo "$dpace $adamw --set objective.target=argmax --set objective.loss=kl" ;;
+  kl-gram) echo "$(variant kl) --set optim.muon_iteration=gram" ;;
   swa) echo "$dpace $muon --set draft_model.layer_types=sliding_attention" ;;
   swa128) echo "$dpace $muon --set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=128" ;;
   all) echo "$dpace $muon --set objective.target=argmax --set objective.loss=kl --set draft_model.layer_types=sliding_attention" ;;
@@ -146,14 +149,13 @@ muon)
   ;;
 small)
   gpu_name
-  kl="--set objective.target=argmax --set objective.loss=kl" mu="--set optim.optimizer=muon"
-  gram="--set optim.muon_iteration=gram"
   for round in 1 2; do
-    for v in "plain|" "muon|$mu" "muon-gram|$mu $gram" "kl|$kl" "recipe|$mu $kl" "recipe-gram|$mu $gram $kl"; do
-      echo "{\"round\": $round, \"variant\": \"${v%%|*}\"}" >>"$out/small.jsonl"
-      # shellcheck disable=SC2086
+    # The plain objective (dpace: D-PACE, AdamW), with Muon, with Gram's Muon, with KL, the recipe (kl), and with Gram.
+    for v in dpace dpace-muon dpace-muon-gram kl-adamw kl kl-gram; do
+      echo "{\"round\": $round, \"variant\": \"$v\"}" >>"$out/small.jsonl"
+      # shellcheck disable=SC2046
       "$d" bench --what pipeline --preset smollm2-135m --device cuda:0 --batch 128 --seq 512 --anchors 32 --steps 8 \
-        --json --profile ${v#*|} 2>>"$out/bench.stderr" | tee -a "$out/small.jsonl"
+        --json --profile $(variant "$v") 2>>"$out/bench.stderr" | tee -a "$out/small.jsonl"
     done
   done
   ;;

@@ -21,7 +21,10 @@ bench() {
   echo "== ${DFLASH_WGMMA:+DFLASH_WGMMA=1 }$*" | tee -a "$out/bench.txt"
   "$@" 2>>"$out/stderr.log" | tee -a "$out/results.jsonl"
 }
-drafter() { "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile "$@"; }
+# DRAFTER_LIMIT_S (default 0: none) bounds each step's run.
+drafter() {
+  timeout "${DRAFTER_LIMIT_S:-0}" "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile "$@"
+}
 if [[ ",$what," == *",wgmma,"* ]]; then
   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_tile scripts/probes/wgmma_tile.cu &&
     /tmp/wgmma_tile | tee "$out/wgmma-probe.txt"
@@ -30,10 +33,8 @@ if [[ ",$what," == *",wgmma,"* ]]; then
     grep -E "^test |test result|panicked|assert" | tee "$out/wgmma-test.txt"
   for shape in "4 768 256 6" "4 3072 512 6" "1 32768 2048 3"; do
     set -- $shape
-    bench timeout 120 "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json --profile \
-      --batch $1 --seq $2 --anchors $3 --steps $4
-    DFLASH_WGMMA=1 bench timeout 120 "$bin/dflash" bench --what drafter --preset qwen3-8b --device cuda:0 --json \
-      --profile --batch $1 --seq $2 --anchors $3 --steps $4
+    DRAFTER_LIMIT_S=120 bench drafter --batch $1 --seq $2 --anchors $3 --steps $4
+    DRAFTER_LIMIT_S=120 DFLASH_WGMMA=1 bench drafter --batch $1 --seq $2 --anchors $3 --steps $4
   done
 fi
 if want probe; then
