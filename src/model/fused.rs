@@ -1,8 +1,8 @@
 //! Elementwise work fused into single kernels on CUDA in bf16, where no autograd is recorded: for inference (target
 //! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass, the SwiGLU activation in one pass, and
 //! batch-1 attention's masked softmax;
-//! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits (the loss is
-//! differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice.
+//! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits, and likewise its
+//! KL divergence from the target's distribution (each loss differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice.
 //! The kernels are compiled at run time by NVRTC (it ships with the torch wheel) and launched on libtorch's current
 //! stream, so they stay ordered with its work.
 //!
@@ -122,6 +122,60 @@ __device__ __forceinline__ void combine(float& m, float& s, int& i, float m2, fl
   }
 }
 
+// The block's online (max, sum of exp(x - max), first index of the max) from every thread's, returned in every thread
+// (blockDim.x a multiple of 32); `sm`, `ss` and `si` (null where no index is kept) are 32 shared slots, free again on
+// return.
+__device__ __forceinline__ void block_combine(float& m, float& s, int& idx, float* sm, float* ss, int* si) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+    combine(m, s, idx, m2, s2, i2);
+  }
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+    if (si) si[warp] = idx;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int warps = blockDim.x >> 5;
+    m = lane < warps ? sm[lane] : NEG_INF;
+    s = lane < warps ? ss[lane] : 0.f;
+    idx = lane < warps && si ? si[lane] : 0x7fffffff;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+      int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+      combine(m, s, idx, m2, s2, i2);
+    }
+    if (lane == 0) {
+      sm[0] = m;
+      ss[0] = s;
+      if (si) si[0] = idx;
+    }
+  }
+  __syncthreads();
+  m = sm[0];
+  s = ss[0];
+  if (si) idx = si[0];
+  __syncthreads();
+}
+
+// The sum over the block of every thread's `v`, in thread 0 (warps summed in order); `scratch` is 32 shared slots, not
+// free again until the block's next barrier.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x == 0)
+    for (int k = 0; k < (int)(blockDim.x >> 5); ++k) total += scratch[k];
+  return total;
+}
+
 // Attention probabilities at batch 1: the softmax of each row of `scale * scores + bias`, `scores` [rows, keys] f32
 // (q . k, unscaled) and the additive mask `bias` [bias_rows, keys] bf16 (row r takes bias row r % bias_rows), in f32
 // online, written rounded to bf16 for the product with v (masked keys weigh exactly 0). One block per row.
@@ -142,27 +196,9 @@ extern "C" __global__ void masked_softmax(const float* __restrict__ scores, int 
       s += expf(z - m);
     }
   }
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, unused = 0;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    combine(m, s, unused, m2, s2, 0);
-  }
-  if (lane == 0) { sm[warp] = m; ss[warp] = s; }
-  __syncthreads();
-  if (warp == 0) {
-    int warps = blockDim.x >> 5;
-    m = lane < warps ? sm[lane] : NEG_INF;
-    s = lane < warps ? ss[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      combine(m, s, unused, m2, s2, 0);
-    }
-    if (lane == 0) { sm[0] = m; ss[0] = s; }
-  }
-  __syncthreads();
-  float mx = sm[0], sum = ss[0];
+  int unused = 0;
+  block_combine(m, s, unused, sm, ss, nullptr);
+  float mx = m, sum = s;
   bf16* y = out + row * keys;
   for (int j = threadIdx.x; j < keys; j += blockDim.x) {
     float z = x[j] * scale + from_bf16(b[j]);
@@ -206,31 +242,9 @@ extern "C" __global__ void softmax_rows(bf16* __restrict__ logits, int vocab, co
       }
     }
   }
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-    combine(m, s, idx, m2, s2, i2);
-  }
-  if (lane == 0) { sm[warp] = m; ss[warp] = s; si[warp] = idx; }
-  __syncthreads();
-  if (warp == 0) {
-    int warps = blockDim.x >> 5;
-    m = lane < warps ? sm[lane] : NEG_INF;
-    s = lane < warps ? ss[lane] : 0.f;
-    idx = lane < warps ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-      int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-      combine(m, s, idx, m2, s2, i2);
-    }
-    if (lane == 0) { sm[0] = m; ss[0] = s; si[0] = idx; }
-  }
-  __syncthreads();
-  float mx = sm[0], sum = ss[0];
-  int best = si[0];
+  block_combine(m, s, idx, sm, ss, si);
+  float mx = m, sum = s;
+  int best = idx;
   float w = weights[row];
   float rest = 0.f;
   for (int j = threadIdx.x; j < n8; j += blockDim.x) {
@@ -244,20 +258,79 @@ extern "C" __global__ void softmax_rows(bf16* __restrict__ logits, int vocab, co
     }
     if (want_grad) v[j] = q;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) rest += __shfl_xor_sync(0xffffffffu, rest, o);
-  __syncthreads();
-  if (lane == 0) ss[warp] = rest;
-  __syncthreads();
+  rest = block_sum(rest, ss);
   if (threadIdx.x == 0) {
-    rest = 0.f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); ++k) rest += ss[k];
     stats[row * 4 + 0] = mx;
     stats[row * 4 + 1] = label_logit;
     stats[row * 4 + 2] = from_bf16(to_bf16(1.f / sum));
     stats[row * 4 + 3] = rest;
     argmax[row] = best;
     if (want_grad && label_ok) x[label] = to_bf16(-(rest * w));
+  }
+}
+
+// KL(p || q) of each row, p = softmax(target) and q = softmax(logits), both bf16 [rows, vocab] (vocab % 8 == 0; one
+// block of 1024 threads per row), from both log-softmaxes in f32 as speculators' kl_div_loss takes it, in two passes
+// over the two rows where libtorch takes about ten over f32 copies. Pass 1: each row's largest logit and sum of
+// exp(x - max), online in f32, and the drafter's argmax (first index). Pass 2: the sum of p (log p - log q) in f32;
+// with `want_grad` the drafter's row is overwritten by the gradient of the weighted loss, (q - p) * w rounded once.
+extern "C" __global__ void kl_rows(bf16* __restrict__ logits, const bf16* __restrict__ target, int vocab,
+                                   const float* __restrict__ weights, int want_grad, float* __restrict__ loss,
+                                   long long* __restrict__ argmax) {
+  __shared__ float sm[32], ss[32];
+  __shared__ int si[32];
+  long long row = blockIdx.x;
+  uint4* x = (uint4*)(logits + row * (long long)vocab);
+  const uint4* t = (const uint4*)(target + row * (long long)vocab);
+  int n8 = vocab >> 3;
+  float mq = NEG_INF, sq = 0.f, mp = NEG_INF, sp = 0.f;
+  int idx = 0x7fffffff, unused = 0;
+  for (int j = threadIdx.x; j < n8; j += blockDim.x) {
+    uint4 a = x[j], b = t[j];
+    const bf16* ea = (const bf16*)&a;
+    const bf16* eb = (const bf16*)&b;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float z = from_bf16(ea[k]), y = from_bf16(eb[k]);
+      if (z > mq) {
+        sq = sq * expf(mq - z) + 1.f;
+        mq = z;
+        idx = j * 8 + k;
+      } else {
+        sq += expf(z - mq);
+      }
+      if (y > mp) {
+        sp = sp * expf(mp - y) + 1.f;
+        mp = y;
+      } else {
+        sp += expf(y - mp);
+      }
+    }
+  }
+  block_combine(mq, sq, idx, sm, ss, si);
+  block_combine(mp, sp, unused, sm, ss, nullptr);
+  // log q = z - (max + log sum), as libtorch's log_softmax.
+  float cq = mq + logf(sq), cp = mp + logf(sp);
+  float w = weights[row];
+  float kl = 0.f;
+  for (int j = threadIdx.x; j < n8; j += blockDim.x) {
+    uint4 a = x[j], b = t[j];
+    bf16* ea = (bf16*)&a;
+    const bf16* eb = (const bf16*)&b;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float lq = from_bf16(ea[k]) - cq, lp = from_bf16(eb[k]) - cp;
+      float p = expf(lp);
+      // xlogy: a token the target gives no mass adds nothing.
+      if (p > 0.f) kl += p * (lp - lq);
+      ea[k] = to_bf16((expf(lq) - p) * w);
+    }
+    if (want_grad) x[j] = a;
+  }
+  kl = block_sum(kl, ss);
+  if (threadIdx.x == 0) {
+    loss[row] = kl;
+    argmax[row] = idx;
   }
 }
 "#;
@@ -299,6 +372,7 @@ struct Kernels {
     norm_rope: CudaFunction,
     silu_mul: CudaFunction,
     softmax_rows: CudaFunction,
+    kl_rows: CudaFunction,
     masked_softmax: CudaFunction,
 }
 
@@ -317,6 +391,7 @@ impl Kernels {
             norm_rope: function("norm_rope")?,
             silu_mul: function("silu_mul")?,
             softmax_rows: function("softmax_rows")?,
+            kl_rows: function("kl_rows")?,
             masked_softmax: function("masked_softmax")?,
             _module: module.clone(),
             context,
@@ -549,6 +624,46 @@ pub fn softmax_rows(logits: &mut Tensor, labels: &Tensor, weights: &Tensor, want
     Some(RowSoftmax { stats, argmax })
 }
 
+/// What the LM head's distillation loss needs of each row, from [`kl_rows`].
+pub struct RowKl {
+    /// `[rows]` f32: `KL(softmax(target) || softmax(logits))`.
+    pub loss: Tensor,
+    /// `[rows]` i64: the first index of the drafter's largest logit.
+    pub argmax: Tensor,
+}
+
+/// The KL divergence of each row of bf16 `logits` `[rows, vocab]` from the target's `target` (the same shape; both
+/// contiguous, `vocab % 8 == 0`), from both log-softmaxes in f32. With `want_grad`, `logits` is overwritten by the
+/// gradient of the loss weighted by `weights` (f32 `[rows]`), `(softmax(logits) - softmax(target)) * w`.
+pub fn kl_rows(logits: &mut Tensor, target: &Tensor, weights: &Tensor, want_grad: bool) -> Option<RowKl> {
+    let &[rows, vocab] = logits.size().as_slice() else {
+        return None;
+    };
+    let device = logits.device();
+    if !applies(logits) || !logits.is_contiguous() || vocab % 8 != 0 || vocab > i32::MAX as i64 || rows == 0 {
+        return None;
+    }
+    let target_fits = applies(target) && target.device() == device && target.is_contiguous();
+    let weights_fit = weights.kind() == Kind::Float && weights.device() == device && weights.is_contiguous();
+    if !target_fits || target.size() != [rows, vocab] || !weights_fit || weights.size() != [rows] {
+        return None;
+    }
+    let k = kernels(device)?;
+    let loss = Tensor::empty([rows], (Kind::Float, device));
+    let argmax = Tensor::empty([rows], (Kind::Int64, device));
+    let args = [
+        Arg::tensor(logits),
+        Arg::tensor(target),
+        Arg::I32(vocab as i32),
+        Arg::tensor(weights),
+        Arg::I32(i32::from(want_grad)),
+        Arg::tensor(&loss),
+        Arg::tensor(&argmax),
+    ];
+    k.launch(&k.kl_rows, device, u32::try_from(rows).ok()?, 1024, &args)?;
+    Some(RowKl { loss, argmax })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -607,7 +722,7 @@ mod tests {
             return;
         }
         let ptx = compile().unwrap().to_src();
-        for entry in ["norm_rope", "silu_mul", "softmax_rows"] {
+        for entry in ["norm_rope", "silu_mul", "softmax_rows", "kl_rows", "masked_softmax"] {
             assert!(ptx.contains(&format!(".entry {entry}(")), "{entry} missing from the PTX");
         }
     }
@@ -619,5 +734,8 @@ mod tests {
         let x = Tensor::ones([1, 2, 3, 8], (Kind::BFloat16, Device::Cpu));
         let f = Tensor::ones([2, 8], (Kind::BFloat16, Device::Cpu));
         assert!(norm_rope(&x, None, 1e-6, &f, &f).is_none());
+        let (logits, w) =
+            (Tensor::ones([2, 8], (Kind::BFloat16, Device::Cpu)), Tensor::ones([2], (Kind::Float, Device::Cpu)));
+        assert!(kl_rows(&mut logits.copy(), &logits, &w, true).is_none());
     }
 }

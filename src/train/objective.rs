@@ -515,9 +515,24 @@ fn chunk_cross_entropy(logits: Tensor, lab: &Tensor, w: &Tensor, want_grad: bool
 
 /// `KL(p || q)` per row from the target's distribution `p = softmax(target_logits)` to the drafter's
 /// `q = softmax(logits)`, as speculators 0.9.0's `kl_div_loss` computes it (both log-softmaxes in f32,
-/// `xlogy(p, p) - p log q` summed over the vocabulary); its logits' gradient is `(q - p) * w`. Holds a few
-/// `[rows, V]` f32 buffers at once, where the cross-entropy holds one in the logits' dtype.
-fn chunk_kl(logits: Tensor, target_logits: Tensor, w: &Tensor, want_grad: bool) -> Result<ScoredChunk, ModelError> {
+/// `xlogy(p, p) - p log q` summed over the vocabulary); its logits' gradient is `(q - p) * w`. On a GPU in bf16 by
+/// the fused kernel ([`crate::model::fused::kl_rows`]: two passes over the two rows, the gradient written over the
+/// logits), elsewhere by [`chunk_kl_plain`].
+fn chunk_kl(mut logits: Tensor, target_logits: Tensor, w: &Tensor, want_grad: bool) -> Result<ScoredChunk, ModelError> {
+    match crate::model::fused::kl_rows(&mut logits, &target_logits, w, want_grad) {
+        Some(fused) => Ok(ScoredChunk { loss: fused.loss, argmax: fused.argmax, grad: want_grad.then_some(logits) }),
+        None => chunk_kl_plain(logits, target_logits, w, want_grad),
+    }
+}
+
+/// [`chunk_kl`] by libtorch operations: holds a few `[rows, V]` f32 buffers at once, where the cross-entropy holds
+/// one in the logits' dtype.
+fn chunk_kl_plain(
+    logits: Tensor,
+    target_logits: Tensor,
+    w: &Tensor,
+    want_grad: bool,
+) -> Result<ScoredChunk, ModelError> {
     let argmax = crate::model::choice::greedy_tokens(&logits)?;
     let kind = logits.kind();
     let log_q = logits.f_log_softmax(-1, Kind::Float)?;
@@ -902,6 +917,47 @@ mod tests {
                 (Some(f), Some(p)) => {
                     let err = (f.to_kind(Kind::Float) - p.to_kind(Kind::Float)).abs().max().double_value(&[]);
                     assert!(err <= 1.1 / 128.0, "gradient differs by {err}");
+                }
+                (None, None) => assert!(!want_grad),
+                _ => panic!("one path returned a gradient, the other not"),
+            }
+        }
+    }
+
+    /// On a GPU: the fused KL kernel runs and gives what the libtorch operations give: the loss within f32's
+    /// summation error, the same argmax, the gradient within one bf16 rounding; without a gradient the logits are
+    /// left alone.
+    #[test]
+    #[ignore = "needs a GPU"]
+    fn on_a_gpu_the_fused_chunk_kl_matches_libtorch() {
+        let dev = crate::device::gpu_for_tests();
+        let (rows, vocab) = (37, 1000);
+        let target = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;
+        // Row 0: the drafter agrees with the target (a KL near 0); row 1: one confident target token; row 2: the
+        // drafter's maximum tied between ids 3 and 900.
+        let logits = Tensor::randn([rows, vocab], (Kind::Float, dev)) * 3.0;
+        logits.get(0).copy_(&target.get(0));
+        let _ = target.get(1).index_fill_(0, &Tensor::from_slice(&[7i64]).to(dev), 40.0);
+        let _ = logits.get(2).index_fill_(0, &Tensor::from_slice(&[900i64, 3]).to(dev), 30.0);
+        let (logits, target) = (logits.to_kind(Kind::BFloat16), target.to_kind(Kind::BFloat16));
+        let w = Tensor::rand([rows], (Kind::Float, dev)) + 0.1;
+        let untouched = logits.copy();
+        let fused_ran = crate::model::fused::kl_rows(&mut untouched.shallow_clone(), &target, &w, false).is_some();
+        assert!(fused_ran, "the fused kernels did not run (see the warning above)");
+        assert!(untouched.equal(&logits), "without a gradient the logits are left alone");
+        for want_grad in [true, false] {
+            let fused = chunk_kl(logits.copy(), target.copy(), &w, want_grad).unwrap();
+            let plain = chunk_kl_plain(logits.copy(), target.copy(), &w, want_grad).unwrap();
+            let loss_err = ((&fused.loss - &plain.loss).abs() - plain.loss.abs() * 1e-4).max().double_value(&[]);
+            assert!(loss_err <= 1e-5, "the losses differ by {loss_err} beyond 1e-4 of theirs");
+            assert!(fused.loss.get(0).double_value(&[]).abs() < 1e-5, "equal distributions, no divergence");
+            assert!(fused.argmax.equal(&plain.argmax));
+            assert_eq!(plain.argmax.get(2).int64_value(&[]), 3);
+            match (fused.grad, plain.grad) {
+                (Some(f), Some(p)) => {
+                    let (f, p) = (f.to_kind(Kind::Float), p.to_kind(Kind::Float));
+                    let err = ((&f - &p).abs() - p.abs() / 128.0).max().double_value(&[]);
+                    assert!(err <= 1e-6, "the gradients differ by {err} beyond one bf16 rounding");
                 }
                 (None, None) => assert!(!want_grad),
                 _ => panic!("one path returned a gradient, the other not"),
