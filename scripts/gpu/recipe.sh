@@ -21,7 +21,8 @@
 #                        default 768/256), packed and not (only `part`)
 #   dflash2              DFlash 2's drafter step and batch-1 drafting pass beside DFlash's at the released drafters'
 #                        shapes (only `part`)
-#   test                 the library's GPU tests of packed rows and graphed drafting (.gpu-bin/test-lib.xz)
+#   test [FILTER..]      the library's GPU tests FILTER names (default: packed rows and graphed drafting;
+#                        .gpu-bin/test-lib.xz)
 #   lengths chat|data..  serve-train at the qwen3-8b shapes on chat lengths, or (after `data`) this data's lengths:
 #                        length-bucketed batches against packed rows (scripts/gpu/service.sh's stage 12)
 # Results go to $OUT (or ./gpu-out).
@@ -197,9 +198,12 @@ dflash2)
   done
   ;;
 test)
-  # The library's GPU tests of packed rows and of drafting from CUDA graphs (DFlash and DFlash 2) (test-lib, carried
-  # with `data`: the call with `part` has no room for it).
-  "$work/bin/test-lib" --test-threads 1 --include-ignored packed_rows replayed_drafting >"$out/gpu-tests.txt" 2>&1
+  # The library's GPU tests named by FILTERs (test-lib, in .gpu-bin beside the binary); by default those of packed
+  # rows and of drafting from CUDA graphs (DFlash and DFlash 2).
+  shift
+  filters=("$@")
+  [ ${#filters[@]} -gt 0 ] || filters=(packed_rows replayed_drafting)
+  "$work/bin/test-lib" --test-threads 1 --include-ignored "${filters[@]}" >"$out/gpu-tests.txt" 2>&1
   grep -E "^test |test result|panicked" "$out/gpu-tests.txt"
   ;;
 lengths)
@@ -215,5 +219,5 @@ lengths)
     esac
   done
   ;;
-*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | muon | pack [SEQ/ANCHORS...] | dflash2 | test | lengths chat|data..." >&2; exit 2 ;;
+*) echo "usage: $0 part | data | runs SEED VARIANT... | bench | muon | pack [SEQ/ANCHORS...] | dflash2 | test [FILTER..] | lengths chat|data..." >&2; exit 2 ;;
 esac

@@ -274,7 +274,7 @@ extern "C" __global__ void softmax_rows(bf16* __restrict__ logits, int vocab, co
 // over the two rows where libtorch takes about ten over f32 copies. Pass 1: each row's largest logit and sum of
 // exp(x - max), online in f32, and the drafter's argmax (first index). Pass 2: the sum of p (log p - log q) in f32;
 // with `want_grad` the drafter's row is overwritten by the gradient of the weighted loss, (q - p) * w rounded once.
-extern "C" __global__ void kl_rows(bf16* __restrict__ logits, const bf16* __restrict__ target, int vocab,
+extern "C" __global__ void kl_rows(bf16* __restrict__ logits, int vocab, const bf16* __restrict__ target,
                                    const float* __restrict__ weights, int want_grad, float* __restrict__ loss,
                                    long long* __restrict__ argmax) {
   __shared__ float sm[32], ss[32];
@@ -583,6 +583,20 @@ pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Option<Tens
     Some(out)
 }
 
+/// `(rows, vocab)` of logits the row kernels take (bf16 on a GPU, contiguous, `vocab % 8 == 0`, at least one row).
+fn vocab_rows(logits: &Tensor) -> Option<(i64, i64)> {
+    let &[rows, vocab] = logits.size().as_slice() else {
+        return None;
+    };
+    let taken = applies(logits) && logits.is_contiguous() && vocab % 8 == 0 && vocab <= i32::MAX as i64 && rows > 0;
+    taken.then_some((rows, vocab))
+}
+
+/// Whether `t` is a contiguous `shape` of `kind` on `device`.
+fn fits(t: &Tensor, kind: Kind, device: Device, shape: &[i64]) -> bool {
+    t.kind() == kind && t.device() == device && t.is_contiguous() && t.size() == shape
+}
+
 /// What the LM head's loss needs of the softmax of each row, from [`softmax_rows`].
 pub struct RowSoftmax {
     /// `[rows, 4]` f32: the largest logit, the label's logit, the probability at the argmax, and the summed
@@ -596,32 +610,41 @@ pub struct RowSoftmax {
 /// `labels` (i64) and loss weights `weights` (f32). With `want_grad`, `logits` is overwritten by the gradient of the
 /// weighted cross-entropy, `(softmax - onehot) * w`, with the label's entry `-(rest * w)` from the precise sum.
 pub fn softmax_rows(logits: &mut Tensor, labels: &Tensor, weights: &Tensor, want_grad: bool) -> Option<RowSoftmax> {
-    let &[rows, vocab] = logits.size().as_slice() else {
-        return None;
-    };
+    let (rows, vocab) = vocab_rows(logits)?;
     let device = logits.device();
-    let fits = |t: &Tensor, kind| t.kind() == kind && t.device() == device && t.is_contiguous() && t.size() == [rows];
-    if !applies(logits) || !logits.is_contiguous() || vocab % 8 != 0 || vocab > i32::MAX as i64 || rows == 0 {
+    if !fits(labels, Kind::Int64, device, &[rows]) || !fits(weights, Kind::Float, device, &[rows]) {
         return None;
     }
-    if !fits(labels, Kind::Int64) || !fits(weights, Kind::Float) {
-        return None;
-    }
-    let k = kernels(device)?;
     let stats = Tensor::empty([rows, 4], (Kind::Float, device));
+    let argmax = launch_row_kernel(|k| &k.softmax_rows, logits, (rows, vocab), labels, weights, want_grad, &stats)?;
+    Some(RowSoftmax { stats, argmax })
+}
+
+/// Launches a row kernel (`softmax_rows`, `kl_rows`: one block of 1024 threads a row of `logits [rows, vocab]`) with
+/// its per-row `input`, the loss weights and `want_grad`; it writes `out`, and the argmax of each row returned.
+fn launch_row_kernel(
+    kernel: fn(&Kernels) -> &CudaFunction,
+    logits: &Tensor,
+    (rows, vocab): (i64, i64),
+    input: &Tensor,
+    weights: &Tensor,
+    want_grad: bool,
+    out: &Tensor,
+) -> Option<Tensor> {
+    let device = logits.device();
+    let k = kernels(device)?;
     let argmax = Tensor::empty([rows], (Kind::Int64, device));
     let args = [
         Arg::tensor(logits),
-        Arg::I32(vocab as i32),
-        Arg::tensor(labels),
+        Arg::I32(i32::try_from(vocab).ok()?),
+        Arg::tensor(input),
         Arg::tensor(weights),
         Arg::I32(i32::from(want_grad)),
-        Arg::tensor(&stats),
+        Arg::tensor(out),
         Arg::tensor(&argmax),
     ];
-    let grid = u32::try_from(rows).ok()?;
-    k.launch(&k.softmax_rows, device, grid, 1024, &args)?;
-    Some(RowSoftmax { stats, argmax })
+    k.launch(kernel(&k), device, u32::try_from(rows).ok()?, 1024, &args)?;
+    Some(argmax)
 }
 
 /// What the LM head's distillation loss needs of each row, from [`kl_rows`].
@@ -636,31 +659,14 @@ pub struct RowKl {
 /// contiguous, `vocab % 8 == 0`), from both log-softmaxes in f32. With `want_grad`, `logits` is overwritten by the
 /// gradient of the loss weighted by `weights` (f32 `[rows]`), `(softmax(logits) - softmax(target)) * w`.
 pub fn kl_rows(logits: &mut Tensor, target: &Tensor, weights: &Tensor, want_grad: bool) -> Option<RowKl> {
-    let &[rows, vocab] = logits.size().as_slice() else {
-        return None;
-    };
+    let (rows, vocab) = vocab_rows(logits)?;
     let device = logits.device();
-    if !applies(logits) || !logits.is_contiguous() || vocab % 8 != 0 || vocab > i32::MAX as i64 || rows == 0 {
+    let target_fits = fits(target, Kind::BFloat16, device, &[rows, vocab]) && !target.requires_grad();
+    if !target_fits || !fits(weights, Kind::Float, device, &[rows]) {
         return None;
     }
-    let target_fits = applies(target) && target.device() == device && target.is_contiguous();
-    let weights_fit = weights.kind() == Kind::Float && weights.device() == device && weights.is_contiguous();
-    if !target_fits || target.size() != [rows, vocab] || !weights_fit || weights.size() != [rows] {
-        return None;
-    }
-    let k = kernels(device)?;
     let loss = Tensor::empty([rows], (Kind::Float, device));
-    let argmax = Tensor::empty([rows], (Kind::Int64, device));
-    let args = [
-        Arg::tensor(logits),
-        Arg::tensor(target),
-        Arg::I32(vocab as i32),
-        Arg::tensor(weights),
-        Arg::I32(i32::from(want_grad)),
-        Arg::tensor(&loss),
-        Arg::tensor(&argmax),
-    ];
-    k.launch(&k.kl_rows, device, u32::try_from(rows).ok()?, 1024, &args)?;
+    let argmax = launch_row_kernel(|k| &k.kl_rows, logits, (rows, vocab), target, weights, want_grad, &loss)?;
     Some(RowKl { loss, argmax })
 }
 
