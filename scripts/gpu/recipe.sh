@@ -16,7 +16,9 @@
 #   small                README's recipe at the real model's shapes (the smollm2-135m preset, random: no model files;
 #                        128 rows of 512 tokens, 32 anchors): the pipeline's step profiled for the plain objective
 #                        (D-PACE, AdamW, the data's tokens), with Muon (and Gram), with KL, and the recipe (Muon and
-#                        KL), two rounds: where the recipe's samples/s go (issue 65, item 4; only `part`)
+#                        KL), two rounds (the plain one and the recipe also by .gpu-bin/dflash-base.xz where it is
+#                        carried), then both with the LM head's chunks of 8,192 rows: where the recipe's samples/s go
+#                        (issue 65, item 4; only `part`)
 #   pack [SEQ/ANCHORS..] the drafter's step and the pipeline at the qwen3-8b shapes (4 conversations of SEQ tokens,
 #                        default 768/256), packed and not (only `part`)
 #   dflash2              DFlash 2's drafter step and batch-1 drafting pass beside DFlash's at the released drafters'
@@ -150,15 +152,24 @@ muon)
   ;;
 small)
   gpu_name
+  # One profiled pipeline step at the real model's shapes by BINARY (in $work/bin), labelled ROUND and VARIANT, with
+  # the variant's --sets and ARGS.
+  profile_small() {
+    echo "{\"round\": \"$2\", \"binary\": \"$1\", \"variant\": \"$3\"}" >>"$out/small.jsonl"
+    # shellcheck disable=SC2046
+    "$work/bin/$1" bench --what pipeline --preset smollm2-135m --device cuda:0 --batch 128 --seq 512 --anchors 32 \
+      --steps 8 --json --profile "${@:4}" $(variant "$3") 2>>"$out/bench.stderr" | tee -a "$out/small.jsonl"
+  }
   for round in 1 2; do
     # The plain objective (dpace: D-PACE, AdamW), with Muon, with Gram's Muon, with KL, the recipe (kl), and with Gram.
-    for v in dpace dpace-muon dpace-muon-gram kl-adamw kl kl-gram; do
-      echo "{\"round\": $round, \"variant\": \"$v\"}" >>"$out/small.jsonl"
-      # shellcheck disable=SC2046
-      "$d" bench --what pipeline --preset smollm2-135m --device cuda:0 --batch 128 --seq 512 --anchors 32 --steps 8 \
-        --json --profile $(variant "$v") 2>>"$out/bench.stderr" | tee -a "$out/small.jsonl"
-    done
+    for v in dpace dpace-muon dpace-muon-gram kl-adamw kl kl-gram; do profile_small dflash "$round" "$v"; done
+    # A baseline binary carried as .gpu-bin/dflash-base.xz (before a change): the plain objective and the recipe.
+    if [ -x "$work/bin/dflash-base" ]; then
+      for v in dpace kl; do profile_small dflash-base "$round" "$v"; done
+    fi
   done
+  # The LM head's chunks four times as long (fewer launches and syncs a step, 4 x the logits' memory).
+  for v in dpace kl; do profile_small dflash chunk-8192 "$v" --lm-head-chunk-rows 8192; done
   ;;
 pack)
   # Packing at the qwen3-8b shapes: 4 conversations of 768 tokens as 4 rows, and packed into one row of 3072; the
