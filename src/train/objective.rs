@@ -356,8 +356,9 @@ pub struct HeadOutput {
 
 /// What the slots are scored against.
 pub struct SlotTargets<'a> {
-    /// `[rows]`: the data's token at each slot, or the target's argmax there ([`Teacher`]).
-    pub labels: &'a Tensor,
+    /// `[rows]`: the data's token at each slot, or the target's argmax there ([`Teacher`]). `None` with
+    /// `distribution`: the target's argmax at each slot from the logits its KL computes there anyway.
+    pub labels: Option<&'a Tensor>,
     /// `[rows]` f32: the plan's weights ([`BlockPlan::weights`]).
     pub weights: &'a Tensor,
     /// To learn the target's distribution ([`Teacher::Distribution`]): its states and the one each slot reads.
@@ -369,7 +370,7 @@ pub struct SlotTargets<'a> {
 impl<'a> SlotTargets<'a> {
     /// Slots scored by the cross-entropy of `labels`.
     pub fn labels(labels: &'a Tensor, weights: &'a Tensor) -> Self {
-        SlotTargets { labels, weights, distribution: None, selector: None }
+        SlotTargets { labels: Some(labels), weights, distribution: None, selector: None }
     }
 }
 
@@ -419,7 +420,7 @@ pub fn lm_head_loss(
     let weights = slots.weights;
     let selected = weights.f_gt(0.0)?.f_nonzero()?.f_squeeze_dim(1)?;
     let n = selected.size()[0];
-    let sel_labels = slots.labels.f_index_select(0, &selected)?;
+    let sel_labels = slots.labels.map(|labels| labels.f_index_select(0, &selected)).transpose()?;
     let sel_weights = weights.f_index_select(0, &selected)?;
     let correct_sel = Tensor::f_zeros([n], (Kind::Bool, device))?;
     let mut sel_grad = if want_grad { Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?) } else { None };
@@ -431,20 +432,28 @@ pub fn lm_head_loss(
     };
     for (start, len) in chunks {
         let idx = selected.narrow(0, start, len);
-        let lab = sel_labels.narrow(0, start, len);
         let w = sel_weights.narrow(0, start, len);
         let x = hidden.f_index_select(0, &idx)?;
         let logits = x.f_linear(lm_head, None::<Tensor>)?;
+        let target_logits = match &slots.distribution {
+            Some(target) => {
+                let states = target.states.f_index_select(0, &target.rows.f_index_select(0, &idx)?)?;
+                Some(states.f_linear(lm_head, None::<Tensor>)?)
+            }
+            None => None,
+        };
+        let lab = match (&sel_labels, &target_logits) {
+            (Some(labels), _) => labels.narrow(0, start, len),
+            (None, Some(target_logits)) => crate::model::choice::greedy_tokens(target_logits)?,
+            (None, None) => return Err(ModelError::Batch("the slots need labels or the target's distribution".into())),
+        };
         let selected_by = match &slots.selector {
             Some(selector) => Some(selector_chunk(selector, &logits, &x, &idx, &lab, &w, plan, want_grad)?),
             None => None,
         };
-        let scored = match &slots.distribution {
+        let scored = match target_logits {
             None => chunk_cross_entropy(logits, &lab, &w, want_grad)?,
-            Some(target) => {
-                let states = target.states.f_index_select(0, &target.rows.f_index_select(0, &idx)?)?;
-                chunk_kl(logits, states.f_linear(lm_head, None::<Tensor>)?, &w, want_grad)?
-            }
+            Some(target_logits) => chunk_kl(logits, target_logits, &w, want_grad)?,
         };
         let mut hit = correct_sel.narrow(0, start, len);
         // DFlash 2 drafts the selector's choice, where the unary top-K holds the label (what serving can reach).
@@ -790,7 +799,10 @@ pub fn micro_batch_loss(
         None => None,
     };
     let slots = SlotTargets {
-        labels: teacher.as_ref().map_or(&t.labels, |s| &s.labels),
+        labels: match &teacher {
+            Some(teacher) => teacher.labels.as_ref(),
+            None => Some(&t.labels),
+        },
         weights: &t.weights,
         distribution: teacher.as_ref().and_then(TeacherTargets::distribution),
         selector: predecessors.as_ref().map(|predecessors| SelectorTargets {
@@ -819,9 +831,11 @@ pub fn micro_batch_loss(
 }
 
 /// The slots' targets where the objective learns from the target's predictions: the target's argmax after the
-/// position before each slot as its label and, for KL, the normed last states with the one each slot reads.
+/// position before each slot as its label or, for KL, the normed last states with the one each slot reads (whose
+/// logits give the labels as the loss computes them).
 struct TeacherTargets {
-    labels: Tensor,
+    /// `[B * N * bs]`, with [`Teacher::Argmax`].
+    labels: Option<Tensor>,
     /// `[B * S, H]` and `[B * N * bs]`, with [`Teacher::Distribution`].
     states: Option<(Tensor, Tensor)>,
 }
@@ -846,9 +860,11 @@ impl TeacherTargets {
         let rows = (plan.positions.f_sub_scalar(1)?.f_clamp(0, s - 1)?
             + Tensor::f_arange(b, (Kind::Int64, last.device()))?.f_mul_scalar(s)?.f_unsqueeze(1)?)
         .f_reshape([-1])?;
+        if teacher == Teacher::Distribution {
+            return Ok(Some(TeacherTargets { labels: None, states: Some((states, rows)) }));
+        }
         let labels = tch::no_grad(|| target_argmax(&states, lm_head, chunk_rows))?.f_index_select(0, &rows)?;
-        let states = (teacher == Teacher::Distribution).then_some((states, rows));
-        Ok(Some(TeacherTargets { labels, states }))
+        Ok(Some(TeacherTargets { labels: Some(labels), states: None }))
     }
 
     fn distribution(&self) -> Option<TargetStates<'_>> {
@@ -1141,18 +1157,25 @@ mod tests {
             let plan = BlockPlan::new(&[Row { input_ids: &ids, loss_mask: &row_mask }], &[anchors], rows, &s);
             let w = Tensor::from_slice(&plan.weights);
             let distribution = (loss_fn == "kl").then_some(TargetStates { states: &targets, rows: &own_rows });
-            let slots = SlotTargets { labels: &labels, weights: &w, distribution, selector: None };
+            let slots = SlotTargets { labels: Some(&labels), weights: &w, distribution, selector: None };
             let out = lm_head_loss(&logits, &head, &slots, &plan, 7, true).unwrap();
             let loss = out.metrics.weighted_loss / supervised;
             let expected = case["loss"].as_f64().unwrap();
             assert!(close(loss, expected), "{loss_fn} {weighing}: loss {loss} against {expected}");
-            let grad = Vec::<f32>::try_from(out.grad.unwrap().view([-1]) / supervised).unwrap();
+            let grad = Vec::<f32>::try_from(out.grad.as_ref().unwrap().view([-1]) / supervised).unwrap();
             for (i, (g, e)) in grad.iter().zip(floats(&case["grad"])).enumerate() {
                 assert!(close(*g as f64, e as f64), "{loss_fn} {weighing}: gradient {i}: {g} against {e}");
             }
-            // Accuracy counts the target's argmax whatever the loss.
+            // Accuracy counts the target's argmax whatever the loss; with KL and no labels given, the same argmax
+            // from the target's logits as the loss computes them.
             let agree = logits.argmax(-1, false).eq_tensor(&labels).to_kind(Kind::Float) * Tensor::from_slice(&mask);
             assert_eq!(out.metrics.correct, agree.sum(Kind::Double).double_value(&[]), "{loss_fn} {weighing}");
+            if let Some(distribution) = slots.distribution {
+                let slots = SlotTargets { labels: None, distribution: Some(distribution), ..slots };
+                let unlabelled = lm_head_loss(&logits, &head, &slots, &plan, 7, true).unwrap();
+                assert_eq!(unlabelled.metrics, out.metrics, "{loss_fn} {weighing}");
+                assert!(unlabelled.grad.unwrap().equal(out.grad.as_ref().unwrap()));
+            }
             seen.push(format!("{loss_fn} {weighing}"));
         }
         assert_eq!(seen, ["ce dpace", "ce decay", "kl dpace", "kl decay"]);
@@ -1194,9 +1217,11 @@ mod tests {
         let batch_view = batch.micro_batch();
         let plan = BlockPlan::new(&batch_view.rows, &anchors, batch_view.seq_len(), &objective);
         let t = PlanTensors::new(&plan, &objective, Kind::Float, Device::Cpu).unwrap();
-        let teacher = TeacherTargets::new(objective.teacher, &batch_view, target.lm_head(), &t, 5).unwrap().unwrap();
-        let labels = Vec::<i64>::try_from(&teacher.labels).unwrap();
-        let (states, state_rows) = teacher.states.as_ref().unwrap();
+        let teacher = |teacher| TeacherTargets::new(teacher, &batch_view, target.lm_head(), &t, 5).unwrap().unwrap();
+        let (argmax, distribution) = (teacher(Teacher::Argmax), teacher(Teacher::Distribution));
+        assert!(argmax.states.is_none() && distribution.labels.is_none(), "each takes what its loss reads");
+        let labels = Vec::<i64>::try_from(argmax.labels.as_ref().unwrap()).unwrap();
+        let (states, state_rows) = distribution.states.as_ref().unwrap();
         let state_rows = Vec::<i64>::try_from(state_rows).unwrap();
         let seq = batch_view.seq_len() as i64;
         let mut checked = 0;
