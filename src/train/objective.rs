@@ -425,12 +425,13 @@ pub fn lm_head_loss(
     let correct_sel = Tensor::f_zeros([n], (Kind::Bool, device))?;
     let mut sel_grad = if want_grad { Some(Tensor::f_zeros([n, h], (hidden.kind(), device))?) } else { None };
     let mut loss_sum = Tensor::f_zeros([], (Kind::Double, device))?;
+    // (start, len, the blocks its rows span: D-PACE's, known here so that no chunk waits for the device to count them)
     let chunks = match plan.dpace_alpha {
-        None => (0..n).step_by(chunk_rows.max(1) as usize).map(|start| (start, chunk_rows.min(n - start))).collect(),
+        None => (0..n).step_by(chunk_rows.max(1) as usize).map(|start| (start, chunk_rows.min(n - start), 0)).collect(),
         // D-PACE weighs a slot by the losses of the slots after it: each chunk holds whole blocks.
         Some(_) => whole_block_chunks(&Vec::<i64>::try_from(&selected)?, plan.block_size as i64, chunk_rows),
     };
-    for (start, len) in chunks {
+    for (start, len, blocks) in chunks {
         let idx = selected.narrow(0, start, len);
         let w = sel_weights.narrow(0, start, len);
         let x = hidden.f_index_select(0, &idx)?;
@@ -448,7 +449,7 @@ pub fn lm_head_loss(
             (None, None) => return Err(ModelError::Batch("the slots need labels or the target's distribution".into())),
         };
         let selected_by = match &slots.selector {
-            Some(selector) => Some(selector_chunk(selector, &logits, &x, &idx, &lab, &w, plan, want_grad)?),
+            Some(selector) => Some(selector_chunk(selector, &logits, &x, (&idx, blocks), &lab, &w, plan, want_grad)?),
             None => None,
         };
         let scored = match target_logits {
@@ -463,7 +464,7 @@ pub fn lm_head_loss(
         })?;
         // With D-PACE the plan's weights are the mask (1), and the weights come from the losses now.
         let dpace = match plan.dpace_alpha {
-            Some(alpha) => Some(dpace_weights(&scored.loss, &idx, plan.block_size as i64, alpha)?),
+            Some(alpha) => Some(dpace_weights(&scored.loss, &idx, plan.block_size as i64, blocks, alpha)?),
             None => None,
         };
         loss_sum += (&scored.loss * dpace.as_ref().unwrap_or(&w)).f_sum(Kind::Double)?;
@@ -575,13 +576,14 @@ struct SelectorChunk {
 /// The selector's K-way cross-entropy (speculators 0.9.0, `models/dflash2/metrics.py: compute_selector_loss`): the
 /// unary top-K of `logits [len, V]` with the label put last where it is missing ([`training_candidates`]), scored
 /// given the hidden states `x [len, H]` and each slot's predecessor, weighted as the unary loss is (the decayed
-/// weights `w`, or D-PACE's from the selector's own cross-entropies) and scaled by `alpha`.
+/// weights `w`, or D-PACE's from the selector's own cross-entropies) and scaled by `alpha`. `(idx, blocks)`: the
+/// chunk's rows and the blocks they span.
 #[allow(clippy::too_many_arguments)]
 fn selector_chunk(
     selector: &SelectorTargets,
     logits: &Tensor,
     x: &Tensor,
-    idx: &Tensor,
+    (idx, blocks): (&Tensor, i64),
     labels: &Tensor,
     w: &Tensor,
     plan: &BlockPlan,
@@ -604,7 +606,7 @@ fn selector_chunk(
         let scores = &unary + transitions.f_to_kind(Kind::Float)?;
         let ce = scores.f_cross_entropy_loss::<Tensor>(&place, None, tch::Reduction::None, -100, 0.0)?;
         let slot_weights = match plan.dpace_alpha {
-            Some(alpha) => dpace_weights(&ce.f_detach()?, idx, plan.block_size as i64, alpha)?,
+            Some(alpha) => dpace_weights(&ce.f_detach()?, idx, plan.block_size as i64, blocks, alpha)?,
             None => w.shallow_clone(),
         };
         let loss = (ce * slot_weights).f_sum(Kind::Double)? * selector.alpha;
@@ -622,9 +624,10 @@ fn selector_chunk(
     if want_grad { tch::with_grad(chunk) } else { tch::no_grad(chunk) }
 }
 
-/// Chunks `(start, len)` of the selected rows `selected` (ascending row indices; block `row / block_size`) of at
-/// most `chunk_rows` rows, each ending where a block ends (a block longer than `chunk_rows` is one chunk).
-fn whole_block_chunks(selected: &[i64], block_size: i64, chunk_rows: i64) -> Vec<(i64, i64)> {
+/// Chunks `(start, len, blocks)` of the selected rows `selected` (ascending row indices; block `row / block_size`) of
+/// at most `chunk_rows` rows, each ending where a block ends (a block longer than `chunk_rows` is one chunk), with the
+/// blocks each spans from its first row's to its last's.
+fn whole_block_chunks(selected: &[i64], block_size: i64, chunk_rows: i64) -> Vec<(i64, i64, i64)> {
     let n = selected.len();
     let block = |i: usize| selected[i] / block_size;
     let mut chunks = Vec::new();
@@ -641,7 +644,7 @@ fn whole_block_chunks(selected: &[i64], block_size: i64, chunk_rows: i64) -> Vec
                 end += 1;
             }
         }
-        chunks.push((start as i64, (end - start) as i64));
+        chunks.push((start as i64, (end - start) as i64, block(end - 1) - block(start) + 1));
         start = end;
     }
     chunks
@@ -650,8 +653,15 @@ fn whole_block_chunks(selected: &[i64], block_size: i64, chunk_rows: i64) -> Vec
 /// D-PACE's slot weights (speculators 0.9.0, `losses/utils.py: dpace_loss_decay`) for the selected rows `rows`
 /// (ascending row indices, whole blocks of `block_size` slots, the supervised slots `m_k = 1`) with cross-entropies
 /// `ce`, without gradient: `q_k = exp(-CE_k)`, `s_k = (1 - alpha) q_k + alpha` where `m_k` (else 1),
-/// `P_k = prod_{i <= k} s_i`, `w_k = m_k sum_{j >= k} m_j P_j`. In f32, `[rows]`.
-pub fn dpace_weights(ce: &Tensor, rows: &Tensor, block_size: i64, alpha: f64) -> Result<Tensor, ModelError> {
+/// `P_k = prod_{i <= k} s_i`, `w_k = m_k sum_{j >= k} m_j P_j`. In f32, `[rows]`. `blocks`: the blocks the rows span,
+/// from the first row's to the last's, as the caller knows them (counting them here would wait for the device).
+pub fn dpace_weights(
+    ce: &Tensor,
+    rows: &Tensor,
+    block_size: i64,
+    blocks: i64,
+    alpha: f64,
+) -> Result<Tensor, ModelError> {
     let device = ce.device();
     let len = rows.size()[0];
     if len == 0 {
@@ -660,7 +670,6 @@ pub fn dpace_weights(ce: &Tensor, rows: &Tensor, block_size: i64, alpha: f64) ->
     let block = rows.f_floor_divide_scalar(block_size)?;
     let local = &block - block.f_min()?;
     let slot = rows.f_remainder(block_size)?;
-    let blocks = local.f_max()?.f_int64_value(&[])? + 1;
     let at = [Some(local), Some(slot)];
     let dense = |fill: f64, values: &Tensor| -> Result<Tensor, ModelError> {
         Ok(Tensor::f_full([blocks, block_size], fill, (Kind::Float, device))?.f_index_put_(&at, values, false)?)
@@ -1118,7 +1127,8 @@ mod tests {
                 .squeeze_dim(1)
                 .neg()
                 .index_select(0, &sel);
-            let weights = Vec::<f32>::try_from(dpace_weights(&ce, &sel, bs as i64, alpha).unwrap()).unwrap();
+            let blocks = selected[selected.len() - 1] / bs as i64 - selected[0] / bs as i64 + 1;
+            let weights = Vec::<f32>::try_from(dpace_weights(&ce, &sel, bs as i64, blocks, alpha).unwrap()).unwrap();
             let expected = floats(&case["weights"]);
             for (w, &r) in weights.iter().zip(&selected) {
                 assert!(close(*w as f64, expected[r as usize] as f64), "alpha {alpha}: weight of row {r}");
@@ -1185,10 +1195,10 @@ mod tests {
     fn chunks_end_where_blocks_end() {
         // Blocks of 4: rows 1-3 (block 0), 5-7 (1), 9 (2), 13-15 (3).
         let selected = [1, 2, 3, 5, 6, 7, 9, 13, 14, 15];
-        assert_eq!(whole_block_chunks(&selected, 4, 7), vec![(0, 7), (7, 3)]);
-        assert_eq!(whole_block_chunks(&selected, 4, 5), vec![(0, 3), (3, 4), (7, 3)]);
+        assert_eq!(whole_block_chunks(&selected, 4, 7), vec![(0, 7, 3), (7, 3, 1)]);
+        assert_eq!(whole_block_chunks(&selected, 4, 5), vec![(0, 3, 1), (3, 4, 2), (7, 3, 1)]);
         // A chunk shorter than a block takes the block whole.
-        assert_eq!(whole_block_chunks(&selected, 4, 2), vec![(0, 3), (3, 3), (6, 1), (7, 3)]);
+        assert_eq!(whole_block_chunks(&selected, 4, 2), vec![(0, 3, 1), (3, 3, 1), (6, 1, 1), (7, 3, 1)]);
         assert!(whole_block_chunks(&[], 4, 2).is_empty());
     }
 
