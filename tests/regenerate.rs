@@ -309,7 +309,9 @@ fn local_regeneration_with_the_tiny_target() {
     let said = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{said}");
     assert!(said.contains("tiny has random weights") && said.contains("tiny-tasks"), "a warning: {said}");
-    assert!(String::from_utf8_lossy(&o.stdout).contains("3 regenerated now (1 answered from a final prompt)"));
+    let summary = String::from_utf8_lossy(&o.stdout);
+    assert!(summary.contains("3 regenerated now (1 answered from a final prompt)"), "{summary}");
+    assert!(summary.contains("\n  generation: ") && summary.contains(" rows on average (of 32)"), "{summary}");
     let written = read_out(&out);
     assert_eq!(written.len(), 3);
     let answered = &written["prompt"]["messages"];

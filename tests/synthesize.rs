@@ -35,6 +35,7 @@ fn a_continued_run_writes_what_one_run_writes() {
     let summary = ok(synthesize(&whole, 24, &[]));
     assert!(summary.starts_with("24 of 24 conversations (24 now, 0 already done)"), "{summary}");
     assert!(summary.contains("spread: ") && summary.contains("distinct first words"), "{summary}");
+    assert!(summary.contains("\n  generation: ") && summary.contains(" prefills of "), "{summary}");
     let kept = lines(&whole);
     assert_eq!(kept.len(), 24);
     let ids: Vec<u64> = kept.iter().map(|l| l["id"].as_u64().unwrap()).collect();

@@ -246,6 +246,10 @@ pub fn summary(r: &SynthesizeReport) -> String {
             );
         }
     }
+    let generation = r.generation.summary();
+    if !generation.is_empty() {
+        s.push_str(&format!("\n  generation: {generation}"));
+    }
     if rejected > 0 {
         s.push_str(&format!("\n  rejected attempts, with their reasons: {}", r.rejected_file.display()));
     }

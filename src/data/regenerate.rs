@@ -29,6 +29,7 @@ use super::sample_id::FirstUse;
 pub use super::settled_lines::ShowProgress;
 use super::settled_lines::{Meter, Others, SettledLines, read_settled, rewrite_in_order};
 use super::{DataError, SampleId};
+use crate::model::batched::GenerationStats;
 
 #[derive(Debug, Clone)]
 pub struct RegenerateOptions {
@@ -71,6 +72,9 @@ pub struct RegenerateReport {
     /// How long the answering took.
     pub seconds: f64,
     pub examples: Vec<String>,
+    /// Where the local generator's time went (`--local`).
+    #[serde(skip)]
+    pub generation: Option<GenerationStats>,
 }
 
 /// An assistant reply: its content, the reasoning when the model reasons separately, its length in tokens where the
@@ -636,6 +640,9 @@ impl RegenerateReport {
         if self.tokens > 0 {
             let rate = self.tokens as f64 / self.seconds.max(1e-9);
             s.push_str(&format!("; {} tokens in {:.1} s ({rate:.0} tokens/s)", self.tokens, self.seconds));
+        }
+        if let Some(generation) = self.generation.map(|g| g.summary()).filter(|g| !g.is_empty()) {
+            s.push_str(&format!("\n  generation: {generation}"));
         }
         for (why, n) in &self.skipped {
             s.push_str(&format!("\n  skipped {n}: {why}"));

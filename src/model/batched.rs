@@ -9,6 +9,7 @@
 //! output equals it in f32 and sampled output depends on each sequence's seed alone. In bf16 a batch's make-up may
 //! round a logit differently, which flips a token only at a near-tie.
 use std::sync::mpsc::Receiver;
+use std::time::Instant;
 
 use futures::channel::oneshot;
 use tch::Tensor;
@@ -85,6 +86,50 @@ struct StepTensors {
     draws: RowDraws,
 }
 
+/// Where a generator's time went (host clocks; a step's time includes waiting for its tokens), for the summaries of
+/// the commands that generate: how full its batch ran, what a step and a prefill cost, what the graphs' captures
+/// cost, and how long it waited for work with nothing to generate.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct GenerationStats {
+    /// The rows the generator holds (`--batch`).
+    pub batch: usize,
+    pub steps: u64,
+    /// Rows generating, summed over the steps.
+    pub row_steps: u64,
+    /// The steps' time, captures excluded.
+    pub step_seconds: f64,
+    pub prefills: u64,
+    pub prefill_rows: u64,
+    pub prefill_seconds: f64,
+    pub captures: u64,
+    pub capture_seconds: f64,
+    pub idle_seconds: f64,
+}
+
+impl GenerationStats {
+    /// One line: `N steps of R rows on average (of BATCH), X ms each; ...`; empty when nothing was generated.
+    pub fn summary(&self) -> String {
+        if self.steps == 0 && self.prefills == 0 {
+            return String::new();
+        }
+        let per = |seconds: f64, n: u64| 1e3 * seconds / n.max(1) as f64;
+        format!(
+            "{} steps of {:.0} rows on average (of {}), {:.2} ms each; {} prefills of {:.0} prompts on average, \
+             {:.1} ms each; {} graph captures, {:.1} s; {:.1} s waiting for work",
+            self.steps,
+            self.row_steps as f64 / self.steps.max(1) as f64,
+            self.batch,
+            per(self.step_seconds, self.steps),
+            self.prefills,
+            self.prefill_rows as f64 / self.prefills.max(1) as f64,
+            per(self.prefill_seconds, self.prefills),
+            self.captures,
+            self.capture_seconds,
+            self.idle_seconds,
+        )
+    }
+}
+
 /// See the module documentation.
 pub struct BatchGenerator<'a> {
     target: &'a Target,
@@ -92,6 +137,7 @@ pub struct BatchGenerator<'a> {
     cache: Option<KvCache>,
     graphs: Vec<Captured>,
     graphs_apply: bool,
+    stats: GenerationStats,
 }
 
 impl<'a> BatchGenerator<'a> {
@@ -101,7 +147,13 @@ impl<'a> BatchGenerator<'a> {
         }
         let graphs_apply = settings.cuda_graphs && CudaGraph::available(target.device()) && target.graphable();
         let settings = BatchSettings { batch: settings.batch.max(1), ..settings };
-        Ok(BatchGenerator { target, settings, cache: None, graphs: Vec::new(), graphs_apply })
+        let stats = GenerationStats { batch: settings.batch, ..GenerationStats::default() };
+        Ok(BatchGenerator { target, settings, cache: None, graphs: Vec::new(), graphs_apply, stats })
+    }
+
+    /// Where the time went so far.
+    pub fn stats(&self) -> GenerationStats {
+        self.stats
     }
 
     /// Whether steps replay from CUDA graphs.
@@ -150,7 +202,10 @@ impl<'a> BatchGenerator<'a> {
         loop {
             // Wait for work when there is none; take whatever else is waiting.
             if schedule.idle() {
-                match requests.recv() {
+                let waiting = Instant::now();
+                let received = requests.recv();
+                self.stats.idle_seconds += waiting.elapsed().as_secs_f64();
+                match received {
                     Ok(request) => self.submit(schedule, request, positions),
                     Err(_) => return Ok(()),
                 }
@@ -167,12 +222,21 @@ impl<'a> BatchGenerator<'a> {
             for prefill in schedule.admit() {
                 // The prompt, and the position its first step writes.
                 self.ensure_capacity(prefill.width() as i64 + 1)?;
+                let started = Instant::now();
                 let first = self.prefill(&prefill)?;
+                self.stats.prefills += 1;
+                self.stats.prefill_rows += prefill.rows.len() as u64;
+                self.stats.prefill_seconds += started.elapsed().as_secs_f64();
                 answer(schedule.started(&prefill, &first));
             }
             if let Some(input) = schedule.step_input() {
                 self.ensure_capacity(input.keys)?;
+                let (started, captured_before) = (Instant::now(), self.stats.capture_seconds);
                 let tokens = self.step(&input)?;
+                self.stats.steps += 1;
+                self.stats.row_steps += schedule.active() as u64;
+                let captured = self.stats.capture_seconds - captured_before;
+                self.stats.step_seconds += started.elapsed().as_secs_f64() - captured;
                 answer(schedule.stepped(&tokens));
             } else if !open && schedule.idle() {
                 return Ok(());
@@ -248,7 +312,7 @@ impl<'a> BatchGenerator<'a> {
             pick_tokens(&logits, &t.draws)
         };
         let picked = if self.graphs_apply {
-            match graphed_step(&mut self.graphs, target, cache, input, &host, run) {
+            match graphed_step(&mut self.graphs, &mut self.stats, target, cache, input, &host, run) {
                 Ok(picked) => picked,
                 Err(e) => {
                     tracing::warn!("generating without CUDA graphs from here: {e}");
@@ -264,9 +328,11 @@ impl<'a> BatchGenerator<'a> {
     }
 }
 
-/// The step of `input`'s shape from its graph (captured at first use): its inputs written, replayed.
+/// The step of `input`'s shape from its graph (captured at first use, counted in `stats`): its inputs written,
+/// replayed.
 fn graphed_step(
     graphs: &mut Vec<Captured>,
+    stats: &mut GenerationStats,
     target: &Target,
     cache: &mut KvCache,
     input: &super::batch_schedule::StepInput,
@@ -277,10 +343,13 @@ fn graphed_step(
     let index = match graphs.iter().position(|g| g.rows == input.rows && g.keys == input.keys && g.draw == draw) {
         Some(i) => i,
         None => {
+            let started = Instant::now();
             let inputs = host.to(target.device())?;
             let (graph, picked) = CudaGraph::capture(target.device(), 2, || run(&inputs, cache))
                 .map_err(|e| ModelError::Torch(format!("capturing a step of {} rows: {e}", input.rows)))?;
             graphs.push(Captured { rows: input.rows, keys: input.keys, draw, graph, inputs, picked });
+            stats.captures += 1;
+            stats.capture_seconds += started.elapsed().as_secs_f64();
             graphs.len() - 1
         }
     };
@@ -362,6 +431,15 @@ mod tests {
                     let mut g = BatchGenerator::new(&target, settings(batch, 24, stop.clone(), sampling)).unwrap();
                     let together = g.generate_all(&prompts).unwrap();
                     assert_eq!(together, alone, "{preset:?}, {sampling:?}, batch {batch}");
+                    // Each sequence's first token comes from a prefill, every other from a step of its row.
+                    let stats = g.stats();
+                    let tokens: u64 = together.iter().map(|t| t.len() as u64).sum();
+                    assert_eq!(
+                        (stats.prefill_rows, stats.row_steps + stats.prefill_rows),
+                        (prompts.len() as u64, tokens)
+                    );
+                    assert!(stats.row_steps <= stats.steps * batch as u64 && stats.captures == 0);
+                    assert!(stats.summary().starts_with(&format!("{} steps of ", stats.steps)));
                 }
             }
         }

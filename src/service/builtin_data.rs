@@ -84,11 +84,12 @@ impl LocalResponder {
             let served = generator.serve(&received);
             // Requests sent from here on fail at once, and those not taken are answered as dropped.
             drop(received);
-            let report = match driver.join() {
+            let mut report = match driver.join() {
                 Ok(report) => report?,
                 Err(panic) => std::panic::resume_unwind(panic),
             };
             served.context("generating the replies")?;
+            report.generation = Some(generator.stats());
             Ok(report)
         })
     }

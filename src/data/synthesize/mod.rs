@@ -31,7 +31,7 @@ use super::prepare::ModelAssets;
 use super::settled_lines::{Meter, Others, SettledLines, ShowProgress, read_settled, rewrite_in_order};
 use super::shards::hex;
 use crate::model::Target;
-use crate::model::batched::{BatchGenerator, BatchSettings, Request};
+use crate::model::batched::{BatchGenerator, BatchSettings, GenerationStats, Request};
 use crate::model::sampling::Sampling;
 use plan::{Earlier, Outcome, Settings, Synthesis, Want};
 use turn_checks::Generated;
@@ -98,6 +98,8 @@ pub struct SynthesizeReport {
     pub seconds: f64,
     pub spread: Spread,
     pub rejected_file: PathBuf,
+    /// Where the generator's time went.
+    pub generation: GenerationStats,
 }
 
 /// Where the rejected attempts of an output go: `<stem>.rejected.jsonl` beside it.
@@ -298,6 +300,7 @@ pub fn synthesize(
         driven
     });
     meter.finish();
+    report.generation = generator.stats();
     driven?;
     let kept: Vec<SampleId> = plan.kept().into_iter().map(SampleId::Number).collect();
     rewrite_in_order(&opts.out, &kept, Others::Drop)?;
