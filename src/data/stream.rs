@@ -4,9 +4,9 @@
 //! target's template into `wave-N/` (its held-out split the stream's recent traffic, never trained on), and only then
 //! is the wave written to the log (`waves.jsonl`, fsynced). A wave the log does not list is unfinished work a kill
 //! left: it is removed and made again, so every file is taken once, in one wave, across kills and restarts.
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
@@ -81,6 +81,27 @@ pub struct Stream {
     waves: Vec<Wave>,
     /// What the last look found short of a wave.
     pending: Pending,
+    /// What each new file held at the last look, by name: a file of the same size and modification time is not
+    /// read again.
+    counted: HashMap<String, Counted>,
+    /// How many times a look read a file to count what it holds.
+    files_counted: u64,
+}
+
+/// What a new file held when a look counted it, and the size and modification time it had then.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Counted {
+    bytes: u64,
+    modified: Option<SystemTime>,
+    lines: LineCounts,
+}
+
+/// A file's lines for a wave: the conversations that qualify, sampled answers left out, lines that are not JSON objects.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct LineCounts {
+    conversations: usize,
+    sampled: usize,
+    unreadable: usize,
 }
 
 /// What a look at the stream found short of a wave: the new conversations that qualify, and how long the oldest file
@@ -116,8 +137,14 @@ impl Stream {
             let whole: String = waves.iter().map(|w| format!("{}\n", json_line(w))).collect();
             write_synced(&root.join(LOG), whole.as_bytes())?;
         }
-        let stream =
-            Stream { source: source.to_path_buf(), root: root.to_path_buf(), waves, pending: Pending::default() };
+        let stream = Stream {
+            source: source.to_path_buf(),
+            root: root.to_path_buf(),
+            waves,
+            pending: Pending::default(),
+            counted: HashMap::new(),
+            files_counted: 0,
+        };
         stream.remove_unfinished()?;
         Ok(stream)
     }
@@ -130,6 +157,12 @@ impl Stream {
     /// What the last [`Stream::next_wave`] found short of a wave (nothing, where it made one).
     pub fn pending(&self) -> Pending {
         self.pending
+    }
+
+    /// How many times [`Stream::next_wave`] read a file to count what it holds (a file unchanged since the last look
+    /// is not read again; a wave reads its files once more to copy them).
+    pub fn files_counted(&self) -> u64 {
+        self.files_counted
     }
 
     /// The prepared folder of wave `number`.
@@ -177,58 +210,66 @@ impl Stream {
     }
 
     /// Makes the next wave from the new files once it is due ([`wave_is_due`]; `None` until then): copies their
-    /// qualifying conversations into the wave's JSONL, prepares it, then logs the wave.
+    /// qualifying conversations into the wave's JSONL, prepares it, then logs the wave. A look reads only the files
+    /// that are new or changed since the last; the wave reads its files once more, writing as it reads, so neither
+    /// holds a backlog's conversations in memory.
     pub fn next_wave(&mut self, assets: &ModelAssets, settings: &WaveSettings) -> Result<Option<Wave>, DataError> {
         self.pending = Pending::default();
         let files = self.new_files()?;
+        let names: BTreeSet<String> = files.iter().map(|p| file_name(p)).collect();
+        self.counted.retain(|name, _| names.contains(name));
         if files.is_empty() {
+            return Ok(None);
+        }
+        let (mut conversations, mut oldest_wait) = (0, Duration::ZERO);
+        for path in &files {
+            let meta = std::fs::metadata(path).map_err(io(path))?;
+            let (name, modified) = (file_name(path), meta.modified().ok());
+            let counted = match self.counted.get(&name) {
+                Some(c) if c.bytes == meta.len() && c.modified == modified => c.lines,
+                _ => {
+                    self.files_counted += 1;
+                    let file = File::open(path).map_err(io(path))?;
+                    let lines = read_lines(file, path, settings.answers, |_| Ok(()))?;
+                    self.counted.insert(name, Counted { bytes: meta.len(), modified, lines });
+                    lines
+                }
+            };
+            if counted.conversations > 0 {
+                // Only conversations wait: a file of sampled answers alone does not hurry the wave. A sealed
+                // segment's time is its seal's (renaming keeps it); a file from the future has waited nothing.
+                let waited = modified.and_then(|t| SystemTime::now().duration_since(t).ok());
+                oldest_wait = oldest_wait.max(waited.unwrap_or_default());
+            }
+            conversations += counted.conversations;
+        }
+        if !wave_is_due(conversations, oldest_wait, settings) {
+            self.pending = Pending { conversations, oldest_wait };
             return Ok(None);
         }
         let number = self.waves.last().map_or(1, |w| w.number + 1);
         let mut wave = Wave { number, files: Vec::new(), conversations: 0, sampled: 0, unreadable: 0 };
-        let mut kept = Vec::new();
-        let mut oldest_wait = Duration::ZERO;
+        let input = self.wave_input(number);
+        let tmp = input.with_extension("partial");
+        let mut out = BufWriter::new(File::create(&tmp).map_err(io(&tmp))?);
         for path in &files {
             let file = File::open(path).map_err(io(path))?;
-            let meta = file.metadata().map_err(io(path))?;
-            let bytes = meta.len();
-            // A sealed segment's time is its seal's (renaming keeps it); a file from the future has waited nothing.
-            let waited = meta.modified().ok().and_then(|t| SystemTime::now().duration_since(t).ok());
-            let kept_before = kept.len();
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            for (i, line) in BufReader::new(file).lines().enumerate() {
-                let line = line.map_err(io(path))?;
-                if line.trim().is_empty() {
-                    continue;
-                }
-                match serde_json::from_str::<Value>(&line) {
-                    Ok(mut v) if v.is_object() => match settings.answers == Answers::All || made_greedily(&v) {
-                        true => {
-                            // A line without an id (the proxy's) is named by its file and line: unique in the
-                            // stream, where a line number alone would repeat from file to file.
-                            if v.get("id").is_none_or(Value::is_null) {
-                                v["id"] = Value::String(format!("{name}#{i}"));
-                            }
-                            kept.push(v.to_string());
-                        }
-                        false => wave.sampled += 1,
-                    },
-                    _ => wave.unreadable += 1,
-                }
-            }
-            if kept.len() > kept_before {
-                // Only conversations wait: a file of sampled answers alone does not hurry the wave.
-                oldest_wait = oldest_wait.max(waited.unwrap_or_default());
-            }
-            wave.files.push(TakenFile { name, bytes });
+            let bytes = file.metadata().map_err(io(path))?.len();
+            let lines = read_lines(file, path, settings.answers, |line| writeln!(out, "{line}").map_err(io(&tmp)))?;
+            wave.conversations += lines.conversations;
+            wave.sampled += lines.sampled;
+            wave.unreadable += lines.unreadable;
+            wave.files.push(TakenFile { name: file_name(path), bytes });
         }
-        if !wave_is_due(kept.len(), oldest_wait, settings) {
-            self.pending = Pending { conversations: kept.len(), oldest_wait };
+        let file = out.into_inner().map_err(|e| DataError::Io { path: tmp.clone(), err: e.into_error() })?;
+        if wave.conversations == 0 {
+            // The files changed between the look and the copy (none of theirs qualifies now): no wave yet.
+            drop(file);
+            std::fs::remove_file(&tmp).map_err(io(&tmp))?;
             return Ok(None);
         }
-        wave.conversations = kept.len();
-        let input = self.wave_input(number);
-        write_synced(&input, (kept.join("\n") + "\n").as_bytes())?;
+        file.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &input).map_err(io(&input))?;
         let opts = PrepareOptions { inputs: vec![input], out: self.wave_dir(number), ..settings.prepare.clone() };
         prepare(assets, &opts)?;
         let log = self.root.join(LOG);
@@ -351,6 +392,44 @@ fn json_line(w: &Wave) -> String {
     serde_json::to_string(w).expect("a wave serializes")
 }
 
+/// A path's file name, as the log records it.
+fn file_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Reads `file` (at `path`) for a wave: each conversation that qualifies (`answers`) goes to `keep` as one JSON line,
+/// named by its file and line where it has no id (the proxy's lines: unique in the stream, where a line number alone
+/// would repeat from file to file); sampled answers and lines that are not JSON objects are counted.
+fn read_lines(
+    file: File,
+    path: &Path,
+    answers: Answers,
+    mut keep: impl FnMut(String) -> Result<(), DataError>,
+) -> Result<LineCounts, DataError> {
+    let name = file_name(path);
+    let mut counts = LineCounts::default();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(io(path))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Value>(&line) {
+            Ok(mut v) if v.is_object() => match answers == Answers::All || made_greedily(&v) {
+                true => {
+                    if v.get("id").is_none_or(Value::is_null) {
+                        v["id"] = Value::String(format!("{name}#{i}"));
+                    }
+                    keep(v.to_string())?;
+                    counts.conversations += 1;
+                }
+                false => counts.sampled += 1,
+            },
+            _ => counts.unreadable += 1,
+        }
+    }
+    Ok(counts)
+}
+
 /// Writes `bytes` to `path` through a temporary file, fsynced, then renamed.
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     let tmp = path.with_extension("partial");
@@ -459,6 +538,35 @@ mod tests {
         let reopened = Stream::open(&source, &root).unwrap();
         assert_eq!(reopened.waves(), [wave]);
         assert!(reopened.new_files().unwrap().is_empty());
+    }
+
+    /// A look reads only the files that are new or changed since the last one; the wave reads its files once more
+    /// and takes them as they are then.
+    #[test]
+    fn a_look_reads_only_new_or_changed_files() {
+        let (dir, source, root) = folders();
+        let assets = ModelAssets::tiny(&Default::default());
+        let s = settings(dir.path(), 3);
+        let mut stream = Stream::open(&source, &root).unwrap();
+        std::fs::write(source.join("segment-a.jsonl"), line("one", Some(0.0)) + "\n").unwrap();
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None);
+        assert_eq!((stream.pending().conversations, stream.files_counted()), (1, 1));
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None);
+        assert_eq!((stream.pending().conversations, stream.files_counted()), (1, 1), "nothing changed, nothing read");
+        std::fs::write(source.join("segment-b.jsonl"), line("two", Some(0.0))).unwrap();
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None);
+        assert_eq!((stream.pending().conversations, stream.files_counted()), (2, 2), "only the new file read");
+        let mut grown = OpenOptions::new().append(true).open(source.join("segment-a.jsonl")).unwrap();
+        grown.write_all(line("three", Some(0.0)).as_bytes()).unwrap();
+        let wave = stream.next_wave(&assets, &s).unwrap().expect("three now: the grown file read again");
+        assert_eq!((wave.conversations, stream.files_counted()), (3, 3));
+        let size = |name: &str| std::fs::metadata(source.join(name)).unwrap().len();
+        let taken: Vec<(&str, u64)> = wave.files.iter().map(|f| (f.name.as_str(), f.bytes)).collect();
+        assert_eq!(taken, [("segment-a.jsonl", size("segment-a.jsonl")), ("segment-b.jsonl", size("segment-b.jsonl"))]);
+        let copied = std::fs::read_to_string(root.join("wave-00001.jsonl")).unwrap();
+        assert_eq!(copied.lines().count(), 3);
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "nothing new");
+        assert_eq!(stream.files_counted(), 3, "taken files are not looked at again");
     }
 
     #[test]
