@@ -334,9 +334,31 @@ mod tests {
     use super::*;
     use crate::model::DrafterConfig;
 
-    /// Muon as config/default.toml sets it.
-    fn muon_defaults() -> MuonHyper {
-        crate::config::Config::builtin().unwrap().optim.muon
+    /// A tiny step's options: `batch` rows of `seq` tokens, `anchors` blocks of 4, one step, nothing else asked for
+    /// (the defaults' Muon, AdamW, the data's tokens).
+    fn tiny_options(batch: i64, seq: i64, anchors: usize) -> DrafterBenchOptions {
+        DrafterBenchOptions {
+            batch,
+            seq,
+            anchors,
+            block_size: 4,
+            steps: 1,
+            warmup: 0,
+            profile: false,
+            capture: false,
+            pipeline: false,
+            peak_tflops: 1.0,
+            lm_head_chunk_rows: None,
+            attention_group_blocks: None,
+            dpace_alpha: None,
+            optimizer: OptimizerKind::AdamW,
+            muon: crate::config::Config::builtin().unwrap().optim.muon,
+            teacher: Teacher::Data,
+            layer_attention: vec![],
+            variant: Variant::DFlash,
+            selector_loss_alpha: 1.0,
+            pack: 1,
+        }
     }
 
     #[test]
@@ -349,28 +371,7 @@ mod tests {
 
     #[test]
     fn runs_real_steps_on_the_tiny_preset() {
-        let opts = DrafterBenchOptions {
-            batch: 2,
-            seq: 24,
-            anchors: 4,
-            block_size: 4,
-            steps: 2,
-            warmup: 1,
-            profile: true,
-            capture: true,
-            pipeline: false,
-            peak_tflops: 1.0,
-            lm_head_chunk_rows: None,
-            attention_group_blocks: None,
-            dpace_alpha: None,
-            optimizer: OptimizerKind::AdamW,
-            muon: muon_defaults(),
-            teacher: Teacher::Data,
-            layer_attention: vec![],
-            variant: Variant::DFlash,
-            selector_loss_alpha: 1.0,
-            pack: 1,
-        };
+        let opts = DrafterBenchOptions { steps: 2, warmup: 1, profile: true, capture: true, ..tiny_options(2, 24, 4) };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert!(r.samples_per_s > 0.0 && r.loss.is_finite() && r.loss > 0.0);
         assert!(r.step_ms_p50 <= r.step_ms_p90);
@@ -384,28 +385,7 @@ mod tests {
     /// More anchors than a row has are not counted: 16 tokens give 15 valid anchors.
     #[test]
     fn flops_count_the_anchors_that_fit() {
-        let opts = DrafterBenchOptions {
-            batch: 1,
-            seq: 16,
-            anchors: 1000,
-            block_size: 4,
-            steps: 1,
-            warmup: 0,
-            profile: false,
-            capture: false,
-            pipeline: false,
-            peak_tflops: 1.0,
-            lm_head_chunk_rows: None,
-            attention_group_blocks: None,
-            dpace_alpha: None,
-            optimizer: OptimizerKind::AdamW,
-            muon: muon_defaults(),
-            teacher: Teacher::Data,
-            layer_attention: vec![],
-            variant: Variant::DFlash,
-            selector_loss_alpha: 1.0,
-            pack: 1,
-        };
+        let opts = tiny_options(1, 16, 1000);
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.anchors, 15);
         let cfg = DrafterConfig::for_preset(Preset::Tiny, 4);
@@ -417,28 +397,7 @@ mod tests {
 
     #[test]
     fn the_pipeline_captures_inside_every_step() {
-        let opts = DrafterBenchOptions {
-            batch: 2,
-            seq: 24,
-            anchors: 4,
-            block_size: 4,
-            steps: 1,
-            warmup: 0,
-            profile: true,
-            capture: false,
-            pipeline: true,
-            peak_tflops: 1.0,
-            lm_head_chunk_rows: None,
-            attention_group_blocks: None,
-            dpace_alpha: None,
-            optimizer: OptimizerKind::AdamW,
-            muon: muon_defaults(),
-            teacher: Teacher::Data,
-            layer_attention: vec![],
-            variant: Variant::DFlash,
-            selector_loss_alpha: 1.0,
-            pack: 1,
-        };
+        let opts = DrafterBenchOptions { profile: true, pipeline: true, ..tiny_options(2, 24, 4) };
         let r = bench_drafter(Preset::Tiny, Device::Cpu, Kind::Float, &opts).unwrap();
         assert_eq!(r.what, "pipeline");
         assert!(r.loss.is_finite() && r.loss > 0.0);
