@@ -81,18 +81,19 @@ pub struct Stream {
     waves: Vec<Wave>,
     /// What the last look found short of a wave.
     pending: Pending,
-    /// What each new file held at the last look, by name: a file of the same size and modification time is not
-    /// read again.
+    /// What each new file held at the last look, by name: a file of the same size and modification time, counted for
+    /// the same answers, is not read again.
     counted: HashMap<String, Counted>,
     /// How many times a look read a file to count what it holds.
     files_counted: u64,
 }
 
-/// What a new file held when a look counted it, and the size and modification time it had then.
+/// What a new file held when a look counted it for `answers`, and the size and modification time it had then.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Counted {
     bytes: u64,
     modified: Option<SystemTime>,
+    answers: Answers,
     lines: LineCounts,
 }
 
@@ -226,12 +227,13 @@ impl Stream {
             let meta = std::fs::metadata(path).map_err(io(path))?;
             let (name, modified) = (file_name(path), meta.modified().ok());
             let counted = match self.counted.get(&name) {
-                Some(c) if c.bytes == meta.len() && c.modified == modified => c.lines,
+                Some(c) if (c.bytes, c.modified, c.answers) == (meta.len(), modified, settings.answers) => c.lines,
                 _ => {
                     self.files_counted += 1;
                     let file = File::open(path).map_err(io(path))?;
                     let lines = read_lines(file, path, settings.answers, |_| Ok(()))?;
-                    self.counted.insert(name, Counted { bytes: meta.len(), modified, lines });
+                    let answers = settings.answers;
+                    self.counted.insert(name, Counted { bytes: meta.len(), modified, answers, lines });
                     lines
                 }
             };
@@ -553,20 +555,25 @@ mod tests {
         assert_eq!((stream.pending().conversations, stream.files_counted()), (1, 1));
         assert_eq!(stream.next_wave(&assets, &s).unwrap(), None);
         assert_eq!((stream.pending().conversations, stream.files_counted()), (1, 1), "nothing changed, nothing read");
+        let all = WaveSettings { answers: Answers::All, ..s.clone() };
+        assert_eq!(stream.next_wave(&assets, &all).unwrap(), None);
+        assert_eq!(stream.files_counted(), 2, "counted again for other answers");
         std::fs::write(source.join("segment-b.jsonl"), line("two", Some(0.0))).unwrap();
         assert_eq!(stream.next_wave(&assets, &s).unwrap(), None);
-        assert_eq!((stream.pending().conversations, stream.files_counted()), (2, 2), "only the new file read");
+        assert_eq!((stream.pending().conversations, stream.files_counted()), (2, 4), "the new file, and a for greedy");
+        assert_eq!(stream.next_wave(&assets, &s).unwrap(), None);
+        assert_eq!(stream.files_counted(), 4, "only new or changed files are read");
         let mut grown = OpenOptions::new().append(true).open(source.join("segment-a.jsonl")).unwrap();
         grown.write_all(line("three", Some(0.0)).as_bytes()).unwrap();
         let wave = stream.next_wave(&assets, &s).unwrap().expect("three now: the grown file read again");
-        assert_eq!((wave.conversations, stream.files_counted()), (3, 3));
+        assert_eq!((wave.conversations, stream.files_counted()), (3, 5));
         let size = |name: &str| std::fs::metadata(source.join(name)).unwrap().len();
         let taken: Vec<(&str, u64)> = wave.files.iter().map(|f| (f.name.as_str(), f.bytes)).collect();
         assert_eq!(taken, [("segment-a.jsonl", size("segment-a.jsonl")), ("segment-b.jsonl", size("segment-b.jsonl"))]);
         let copied = std::fs::read_to_string(root.join("wave-00001.jsonl")).unwrap();
         assert_eq!(copied.lines().count(), 3);
         assert_eq!(stream.next_wave(&assets, &s).unwrap(), None, "nothing new");
-        assert_eq!(stream.files_counted(), 3, "taken files are not looked at again");
+        assert_eq!(stream.files_counted(), 5, "taken files are not looked at again");
     }
 
     #[test]
