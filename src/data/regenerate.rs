@@ -72,9 +72,9 @@ pub struct RegenerateReport {
     /// How long the answering took.
     pub seconds: f64,
     pub examples: Vec<String>,
-    /// Where the local generator's time went (`--local`).
+    /// Where the local generator's time went (`--local`; nothing generated here otherwise).
     #[serde(skip)]
-    pub generation: Option<GenerationStats>,
+    pub generation: GenerationStats,
 }
 
 /// An assistant reply: its content, the reasoning when the model reasons separately, its length in tokens where the
@@ -641,7 +641,8 @@ impl RegenerateReport {
             let rate = self.tokens as f64 / self.seconds.max(1e-9);
             s.push_str(&format!("; {} tokens in {:.1} s ({rate:.0} tokens/s)", self.tokens, self.seconds));
         }
-        if let Some(generation) = self.generation.map(|g| g.summary()).filter(|g| !g.is_empty()) {
+        let generation = self.generation.summary();
+        if !generation.is_empty() {
             s.push_str(&format!("\n  generation: {generation}"));
         }
         for (why, n) in &self.skipped {

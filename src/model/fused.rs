@@ -2,7 +2,8 @@
 //! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass, the SwiGLU activation in one pass, and
 //! batch-1 attention's masked softmax;
 //! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits, and likewise its
-//! KL divergence from the target's distribution (each loss differentiated by hand). libtorch runs each as several kernels over the same data; these read it once or twice.
+//! KL divergence from the target's distribution (each loss differentiated by hand). libtorch runs each as several
+//! kernels over the same data; these read it once or twice.
 //! The kernels are compiled at run time by NVRTC (it ships with the torch wheel) and launched on libtorch's current
 //! stream, so they stay ordered with its work.
 //!
@@ -323,7 +324,7 @@ extern "C" __global__ void kl_rows(bf16* __restrict__ logits, int vocab, const b
       float p = expf(lp);
       // xlogy: a token the target gives no mass adds nothing.
       if (p > 0.f) kl += p * (lp - lq);
-      ea[k] = to_bf16((expf(lq) - p) * w);
+      if (want_grad) ea[k] = to_bf16((expf(lq) - p) * w);
     }
     if (want_grad) x[j] = a;
   }

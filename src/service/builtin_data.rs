@@ -89,7 +89,7 @@ impl LocalResponder {
                 Err(panic) => std::panic::resume_unwind(panic),
             };
             served.context("generating the replies")?;
-            report.generation = Some(generator.stats());
+            report.generation = generator.stats();
             Ok(report)
         })
     }
