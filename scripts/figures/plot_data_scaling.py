@@ -43,7 +43,7 @@ def main(src="docs/data-scaling.csv", out="docs/data-scaling.png"):
     axes[0].set_xticks(ticks, [f"{t:,}" for t in ticks])
     axes[0].minorticks_off()
     axes[0].set_xlabel("conversations trained on")
-    axes[1].set_xlabel("GPU-minutes, model folder to drafter (data + training; one H100)")
+    axes[1].set_xlabel("GPU-minutes, model folder to drafter (data + training; H100 or H200)")
     axes[0].set_ylabel("decoded tokens per target step")
     for ax in axes:
         ax.axhline(3.0, color="tab:blue", linestyle=":", linewidth=1)

