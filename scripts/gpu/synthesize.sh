@@ -36,7 +36,8 @@
 set -uo pipefail
 source scripts/gpu/prologue.sh
 work=/tmp/dflash-recipe
-d=$work/bin/dflash
+# BINARY=dflash-base runs another binary the calls carried in .gpu-bin (a before/after in one lease).
+d=$work/bin/${BINARY:-dflash}
 [ -x "$d" ] && [ -d "$work/model" ] || { echo "run scripts/gpu/recipe.sh part and data first" >&2; exit 2; }
 # The file synthesized into and trained from (SYNTH, above).
 synth=${SYNTH:-synth}

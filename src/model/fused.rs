@@ -1,6 +1,6 @@
 //! Elementwise work fused into single kernels on CUDA in bf16, where no autograd is recorded: for inference (target
-//! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass, the SwiGLU activation in one pass, and
-//! batch-1 attention's masked softmax;
+//! capture, decoding) the per-head RMSNorm and RoPE of q and k in one pass, the SwiGLU activation in one pass,
+//! batch-1 attention's masked softmax, and generation's sampled draw (temperature, nucleus and Gumbel noise);
 //! for training, the LM head's softmax, loss statistics and gradient in two passes over the logits, and likewise its
 //! KL divergence from the target's distribution (each loss differentiated by hand). libtorch runs each as several
 //! kernels over the same data; these read it once or twice.
@@ -334,6 +334,138 @@ extern "C" __global__ void kl_rows(bf16* __restrict__ logits, int vocab, const b
     argmax[row] = idx;
   }
 }
+// splitmix64's output function of `x + golden` (wrapping), as src/model/sampling.rs computes it.
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
+  unsigned long long z = x + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+// A bf16's bits as a key that orders as its value does (-0 as 0; NaN aside).
+__device__ __forceinline__ unsigned int order_key(bf16 v) {
+  if (v == 0x8000u) v = 0;
+  return (v & 0x8000u) ? (~(unsigned int)v & 0xffffu) : ((unsigned int)v | 0x8000u);
+}
+__device__ __forceinline__ bf16 key_value(unsigned int key) {
+  return (bf16)((key & 0x8000u) ? (key & 0x7fffu) : (~key & 0xffffu));
+}
+// The block's sum of every thread's `v`, in every thread (`scratch`: 32 shared slots and one more).
+__device__ __forceinline__ float block_total(float v, float* scratch) {
+  float total = block_sum(v, scratch);
+  if (threadIdx.x == 0) scratch[32] = total;
+  __syncthreads();
+  total = scratch[32];
+  __syncthreads();
+  return total;
+}
+// How many of `v` the threads before this one hold, in thread order (`scratch`: 32 shared slots).
+__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, inclusive = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int up = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += up;
+  }
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+  for (int w = 0; w < warp; ++w) before += scratch[w];
+  __syncthreads();
+  return before + inclusive - v;
+}
+
+// The next token of each row of `logits` [rows, vocab] (bf16; one block of 1024 threads a row, each thread a
+// contiguous run of ids), drawn as src/model/sampling.rs's pick_tokens draws it in about ten libtorch passes and a
+// sort: a row at temperature 0 takes its largest logit (the lowest id among equals); a sampled row the largest
+// z + g over its nucleus, z = logit / temperature in f32 and g the Gumbel noise of (seed, step, token)
+// (-ln(-ln(u)), u from splitmix64 as there). The nucleus (top_p < 1) is found without sorting: the softmax of z by
+// its two passes, then a binary search over the 65,536 bf16 keys for the smallest key whose mass strictly above is
+// below top_p; tokens above it are in, and its ties, lowest ids first, while the mass ranked before each is below
+// top_p (the sorted cumulative sum's rule, ties ranked by id as its stable sort ranks them).
+extern "C" __global__ void sample_rows(const bf16* __restrict__ logits, int vocab,
+                                       const float* __restrict__ temperatures, const float* __restrict__ top_ps,
+                                       const long long* __restrict__ seeds, const long long* __restrict__ steps,
+                                       long long* __restrict__ out) {
+  __shared__ float sm[33], ss[33];
+  __shared__ int si[32];
+  __shared__ int keep_shared;
+  long long row = blockIdx.x;
+  const bf16* x = logits + row * (long long)vocab;
+  int chunk = (vocab + (int)blockDim.x - 1) / (int)blockDim.x;
+  int from = min(vocab, (int)threadIdx.x * chunk), to = min(vocab, from + chunk);
+  float t = temperatures[row], zero = 0.f;
+  float best = NEG_INF;
+  int best_id = 0x7fffffff;
+  if (!(t > 0.f)) {
+    for (int j = from; j < to; ++j) {
+      float z = from_bf16(x[j]);
+      if (z > best) best = z, best_id = j;
+    }
+    block_combine(best, zero, best_id, sm, ss, si);
+    if (threadIdx.x == 0) out[row] = best_id == 0x7fffffff ? 0 : best_id;
+    return;
+  }
+  float top_p = top_ps[row];
+  bool nucleus = top_p < 1.f;
+  unsigned int cut = 0;
+  int keep = 0;
+  if (nucleus) {
+    // The softmax of z as libtorch's: the largest, then the sum of exp(z - largest).
+    float mx = NEG_INF;
+    int unused = 0;
+    for (int j = from; j < to; ++j) mx = fmaxf(mx, from_bf16(x[j]) / t);
+    block_combine(mx, zero, unused, sm, ss, nullptr);
+    float part = 0.f;
+    for (int j = from; j < to; ++j) part += expf(from_bf16(x[j]) / t - mx);
+    float sum = block_total(part, ss);
+    // The mass of the tokens whose key is above `k`.
+    auto above = [&](unsigned int k) {
+      float mass = 0.f;
+      for (int j = from; j < to; ++j) {
+        bf16 v = x[j];
+        if (order_key(v) > k) mass += expf(from_bf16(v) / t - mx) / sum;
+      }
+      return block_total(mass, ss);
+    };
+    unsigned int lo = 0, hi = 0xffffu;
+    while (lo < hi) {
+      unsigned int mid = (lo + hi) >> 1;
+      if (above(mid) < top_p) hi = mid; else lo = mid + 1;
+    }
+    cut = lo;
+    float mass = above(cut);
+    float ties = 0.f;
+    for (int j = from; j < to; ++j) ties += order_key(x[j]) == cut ? 1.f : 0.f;
+    ties = block_total(ties, ss);
+    if (threadIdx.x == 0) {
+      float p = expf(from_bf16(key_value(cut)) / t - mx) / sum, before = mass;
+      int n = 0;
+      while (n < (int)ties && before < top_p) ++n, before += p;
+      keep_shared = n;
+    }
+    __syncthreads();
+    keep = keep_shared;
+  }
+  // Ties at the cut before this thread's ids: this thread's first tie ranks there.
+  int mine = 0;
+  if (nucleus)
+    for (int j = from; j < to; ++j) mine += order_key(x[j]) == cut;
+  int rank = nucleus ? block_exclusive_scan(mine, si) : 0;
+  unsigned long long base = splitmix64((unsigned long long)seeds[row] + splitmix64((unsigned long long)steps[row]));
+  for (int j = from; j < to; ++j) {
+    bf16 v = x[j];
+    if (nucleus) {
+      unsigned int key = order_key(v);
+      if (key < cut || (key == cut && rank++ >= keep)) continue;
+    }
+    unsigned long long bits = splitmix64(base + (unsigned long long)j * 0x9E3779B97F4A7C15ull);
+    float u = ((float)((bits >> 40) & 0xffffffull) + 0.5f) * (1.0f / 16777216.0f);
+    float score = from_bf16(v) / t + -logf(-logf(u));
+    if (score > best) best = score, best_id = j;
+  }
+  block_combine(best, zero, best_id, sm, ss, si);
+  if (threadIdx.x == 0) out[row] = best_id == 0x7fffffff ? 0 : best_id;
+}
 "#;
 
 /// The kernels' PTX (NVRTC needs no GPU).
@@ -375,6 +507,7 @@ struct Kernels {
     softmax_rows: CudaFunction,
     kl_rows: CudaFunction,
     masked_softmax: CudaFunction,
+    sample_rows: CudaFunction,
 }
 
 // SAFETY: the handles are plain driver handles, valid in any thread bound to the context (each launch binds it).
@@ -394,6 +527,7 @@ impl Kernels {
             softmax_rows: function("softmax_rows")?,
             kl_rows: function("kl_rows")?,
             masked_softmax: function("masked_softmax")?,
+            sample_rows: function("sample_rows")?,
             _module: module.clone(),
             context,
         })
@@ -671,6 +805,42 @@ pub fn kl_rows(logits: &mut Tensor, target: &Tensor, weights: &Tensor, want_grad
     Some(RowKl { loss, argmax })
 }
 
+/// The next token of each row of bf16 `logits` `[rows, vocab]` (contiguous), drawn as
+/// [`pick_tokens`](super::sampling::pick_tokens) draws it from the rows' `temperatures` and `top_ps` (f32 `[rows]`;
+/// temperature 0: greedy) and their `seeds` and `steps` (i64 `[rows]`), in one kernel where libtorch takes about ten
+/// passes over `[rows, vocab]` and a sort: `[rows]` i64, the same tokens but where a nucleus's edge falls within
+/// f32 rounding of `top_p` (its sums are added in another order).
+pub fn sample_rows(
+    logits: &Tensor,
+    temperatures: &Tensor,
+    top_ps: &Tensor,
+    seeds: &Tensor,
+    steps: &Tensor,
+) -> Option<Tensor> {
+    let &[rows, vocab] = logits.size().as_slice() else {
+        return None;
+    };
+    let device = logits.device();
+    let taken = applies(logits) && logits.is_contiguous() && rows > 0 && vocab > 0;
+    let per_row = [(temperatures, Kind::Float), (top_ps, Kind::Float), (seeds, Kind::Int64), (steps, Kind::Int64)];
+    if !taken || !per_row.iter().all(|(t, kind)| fits(t, *kind, device, &[rows])) {
+        return None;
+    }
+    let k = kernels(device)?;
+    let tokens = Tensor::empty([rows], (Kind::Int64, device));
+    let args = [
+        Arg::tensor(logits),
+        Arg::I32(i32::try_from(vocab).ok()?),
+        Arg::tensor(temperatures),
+        Arg::tensor(top_ps),
+        Arg::tensor(seeds),
+        Arg::tensor(steps),
+        Arg::tensor(&tokens),
+    ];
+    k.launch(&k.sample_rows, device, u32::try_from(rows).ok()?, 1024, &args)?;
+    Some(tokens)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -729,7 +899,7 @@ mod tests {
             return;
         }
         let ptx = compile().unwrap().to_src();
-        for entry in ["norm_rope", "silu_mul", "softmax_rows", "kl_rows", "masked_softmax"] {
+        for entry in ["norm_rope", "silu_mul", "softmax_rows", "kl_rows", "masked_softmax", "sample_rows"] {
             assert!(ptx.contains(&format!(".entry {entry}(")), "{entry} missing from the PTX");
         }
     }
@@ -744,5 +914,7 @@ mod tests {
         let (logits, w) =
             (Tensor::ones([2, 8], (Kind::BFloat16, Device::Cpu)), Tensor::ones([2], (Kind::Float, Device::Cpu)));
         assert!(kl_rows(&mut logits.copy(), &logits, &w, true).is_none());
+        let ids = Tensor::zeros([2], (Kind::Int64, Device::Cpu));
+        assert!(sample_rows(&logits, &w, &w, &ids, &ids).is_none());
     }
 }
