@@ -64,10 +64,10 @@ struct Row<T> {
 
 /// What a prefill costs whatever its size, in padded prompt tokens: its kernel launches, layer by layer. A prefill
 /// runs its prompts right-padded to the longest, so prompts of very different lengths are cheaper in two prefills
-/// than in one; this weighs the second prefill's launches against the padding it saves ([`prefill_groups`]). For
-/// the real model of the tests a prefill's launches take about what 2,000-3,000 of its tokens do (synthesis on an
-/// H200: 31-34 ms a prefill of 36 prompts of ~25 and ~120-290 tokens, where a decode step of 256 rows took 4.3);
-/// larger models make the launches relatively cheaper, so they are split less than they could be, never more.
+/// than in one; this weighs the second prefill's launches against the padding it saves ([`prefill_groups`]). An
+/// estimate for the real model of the tests, not yet measured apart: some 450 eager launches against about 1.4 us of
+/// an H200 a token (synthesis there took 31-34 ms a prefill of 36 prompts of ~25 and ~120-290 tokens). Larger
+/// models make the launches relatively cheaper, so they are split less than they could be, never more.
 const PREFILL_FIXED_TOKENS: usize = 2048;
 
 /// How to split prompts sorted by length (`lengths`, ascending) into consecutive prefills: the sizes of the groups,
