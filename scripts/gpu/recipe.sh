@@ -3,8 +3,8 @@
 # (config/smollm2-135m.toml: 2,160 prompts answered by the model, 800 steps) trained once per recipe variant and
 # seed, several runs at once on the one GPU, each drafter then decoded on the 64 unseen-topic prompts (bf16, 256 new
 # tokens, graphs). Calls made back to back while the machine stays up; everything lives in /tmp/dflash-recipe.
-# A call carries at most 64 MiB: the GGUF crosses in parts (.gpu/gguf.part-NN, `split -b 50000000 -d`, or smaller
-# parts where a call carries more beside one), each call copying the parts it carries,
+# A call carries at most 64 MiB: the GGUF crosses in parts (.gpu/gguf.part-NN, scripts/gpu/carry.sh: 43,000,000 bytes
+# beside .gpu-bin, the rest beside gguf's wheel), each call copying the parts it carries,
 # the binary xz-compressed (.gpu-bin/dflash.xz, `make gpu-bin`), gguf's wheel in .whl/.
 #   part                 the GGUF parts carried and the binary
 #   data                 the parts carried; the model converted; prompts; answers (regenerate --local); prepare
