@@ -4,8 +4,9 @@
 //! function of the sequence's seed, the step and the token id (splitmix64, a counter-based hash, computed on the
 //! logits' device). A sampled answer therefore depends on its seed alone, never on what else shares its batch, and
 //! no probabilities cross to the host. Each row of a batch draws its own way ([`RowDraws`]): a batch may mix greedy
-//! answers with sampled questions. On a GPU one fused kernel makes the whole draw (`fused::sample_rows`: no sort, one
-//! block a row); libtorch's operations here are the CPU's path and its reference.
+//! answers with sampled questions. On a GPU one fused kernel can make the whole draw (`fused::sample_rows`: no sort,
+//! one block a row; `DFLASH_FUSED_SAMPLER=1` until a GPU has run its test); libtorch's operations here are the CPU's
+//! path and its reference.
 use tch::{Kind, Tensor};
 
 use super::ModelError;
@@ -168,12 +169,22 @@ pub fn pick_tokens(logits: &Tensor, draws: &RowDraws) -> Result<Tensor, ModelErr
     if draws.kind == DrawKind::Greedy {
         return greedy_tokens(logits);
     }
-    // On a GPU, one kernel for the whole draw (bf16 logits).
+    // On a GPU, one kernel for the whole draw (bf16 logits), where asked for.
     let d = draws;
-    if let Some(tokens) = super::fused::sample_rows(logits, &d.temperatures, &d.top_ps, &d.seeds, &d.steps) {
+    if fused_sampler_asked()
+        && let Some(tokens) = super::fused::sample_rows(logits, &d.temperatures, &d.top_ps, &d.seeds, &d.steps)
+    {
         return Ok(tokens);
     }
     pick_tokens_plain(logits, draws)
+}
+
+/// Whether `DFLASH_FUSED_SAMPLER=1` asks for the fused draw (read once per process). Off by default until its GPU
+/// test (`on_a_gpu_the_fused_sampler_draws_as_libtorch`) has run on a GPU: a wrong draw would not fail anything, it
+/// would write wrong conversations.
+fn fused_sampler_asked() -> bool {
+    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| std::env::var("DFLASH_FUSED_SAMPLER").is_ok_and(|v| v == "1"))
 }
 
 /// [`pick_tokens`] of a sampled batch by libtorch's operations (the CPU's path, and the fused kernel's reference).
@@ -253,11 +264,6 @@ mod tests {
                     total += fused.len();
                     differ.extend(
                         (0..32).filter(|&r| fused[r] != plain[r]).map(|r| (vocab, scale, step, r, fused[r], plain[r])),
-                    );
-                    assert_eq!(
-                        Vec::<i64>::try_from(pick_tokens(&logits, &d).unwrap()).unwrap(),
-                        fused,
-                        "pick_tokens takes the kernel"
                     );
                 }
             }
