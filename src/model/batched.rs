@@ -1,9 +1,10 @@
 //! Batched generation with the target (`regenerate --local`, the built-in data): many sequences decoded at once over
 //! one KV cache of `batch` rows, each row at a length of its own. A row whose sequence ends (a stop token, its token
 //! limit) is refilled from the queue (continuous batching); new sequences are prefilled together, right-padded,
-//! shortest first, in groups of similar lengths where padding would cost more than another prefill; each step feeds every generating row one token and reads each row's keys up to a bucketed length,
-//! masked per row, and on a GPU replays from a CUDA graph captured per step shape. The decisions live in
-//! [`Schedule`]; this module runs them on tensors.
+//! shortest first, in groups of similar lengths where padding would cost more than another prefill; each step feeds
+//! every generating row one token and reads each row's keys up to a bucketed length, masked per row, and on a GPU
+//! replays from a CUDA graph captured per step shape. The decisions live in [`Schedule`]; this module runs them on
+//! tensors.
 //!
 //! Tokens are chosen as [`super::generate::generate`] chooses them, one sequence at a time ([`pick_tokens`]): greedy
 //! output equals it in f32 and sampled output depends on each sequence's seed alone. In bf16 a batch's make-up may

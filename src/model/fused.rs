@@ -401,67 +401,62 @@ extern "C" __global__ void sample_rows(const bf16* __restrict__ logits, int voca
       float z = from_bf16(x[j]);
       if (z > best) best = z, best_id = j;
     }
-    block_combine(best, zero, best_id, sm, ss, si);
-    if (threadIdx.x == 0) out[row] = best_id == 0x7fffffff ? 0 : best_id;
-    return;
-  }
-  float top_p = top_ps[row];
-  bool nucleus = top_p < 1.f;
-  unsigned int cut = 0;
-  int keep = 0;
-  if (nucleus) {
-    // The softmax of z as libtorch's: the largest, then the sum of exp(z - largest).
-    float mx = NEG_INF;
-    int unused = 0;
-    for (int j = from; j < to; ++j) mx = fmaxf(mx, from_bf16(x[j]) / t);
-    block_combine(mx, zero, unused, sm, ss, nullptr);
-    float part = 0.f;
-    for (int j = from; j < to; ++j) part += expf(from_bf16(x[j]) / t - mx);
-    float sum = block_total(part, ss);
-    // The mass of the tokens whose key is above `k`.
-    auto above = [&](unsigned int k) {
-      float mass = 0.f;
-      for (int j = from; j < to; ++j) {
-        bf16 v = x[j];
-        if (order_key(v) > k) mass += expf(from_bf16(v) / t - mx) / sum;
-      }
-      return block_total(mass, ss);
-    };
-    unsigned int lo = 0, hi = 0xffffu;
-    while (lo < hi) {
-      unsigned int mid = (lo + hi) >> 1;
-      if (above(mid) < top_p) hi = mid; else lo = mid + 1;
-    }
-    cut = lo;
-    float mass = above(cut);
-    float ties = 0.f;
-    for (int j = from; j < to; ++j) ties += order_key(x[j]) == cut ? 1.f : 0.f;
-    ties = block_total(ties, ss);
-    if (threadIdx.x == 0) {
-      float p = expf(from_bf16(key_value(cut)) / t - mx) / sum, before = mass;
-      int n = 0;
-      while (n < (int)ties && before < top_p) ++n, before += p;
-      keep_shared = n;
-    }
-    __syncthreads();
-    keep = keep_shared;
-  }
-  // Ties at the cut before this thread's ids: this thread's first tie ranks there.
-  int mine = 0;
-  if (nucleus)
-    for (int j = from; j < to; ++j) mine += order_key(x[j]) == cut;
-  int rank = nucleus ? block_exclusive_scan(mine, si) : 0;
-  unsigned long long base = splitmix64((unsigned long long)seeds[row] + splitmix64((unsigned long long)steps[row]));
-  for (int j = from; j < to; ++j) {
-    bf16 v = x[j];
+  } else {
+    float top_p = top_ps[row];
+    bool nucleus = top_p < 1.f;
+    unsigned int cut = 0;
+    int keep = 0, rank = 0;
     if (nucleus) {
-      unsigned int key = order_key(v);
-      if (key < cut || (key == cut && rank++ >= keep)) continue;
+      // The softmax of z as libtorch's: the largest, then the sum of exp(z - largest).
+      float mx = NEG_INF;
+      int unused = 0;
+      for (int j = from; j < to; ++j) mx = fmaxf(mx, from_bf16(x[j]) / t);
+      block_combine(mx, zero, unused, sm, ss, nullptr);
+      float part = 0.f;
+      for (int j = from; j < to; ++j) part += expf(from_bf16(x[j]) / t - mx);
+      float sum = block_total(part, ss);
+      // The mass of the tokens whose key is above `k`.
+      auto above = [&](unsigned int k) {
+        float mass = 0.f;
+        for (int j = from; j < to; ++j) {
+          bf16 v = x[j];
+          if (order_key(v) > k) mass += expf(from_bf16(v) / t - mx) / sum;
+        }
+        return block_total(mass, ss);
+      };
+      unsigned int lo = 0, hi = 0xffffu;
+      while (lo < hi) {
+        unsigned int mid = (lo + hi) >> 1;
+        if (above(mid) < top_p) hi = mid; else lo = mid + 1;
+      }
+      cut = lo;
+      float mass = above(cut);
+      // The ties at the cut this thread holds: all of them counted, and those before its ids (its first tie's rank).
+      int mine = 0;
+      for (int j = from; j < to; ++j) mine += order_key(x[j]) == cut;
+      float ties = block_total((float)mine, ss);
+      rank = block_exclusive_scan(mine, si);
+      if (threadIdx.x == 0) {
+        float p = expf(from_bf16(key_value(cut)) / t - mx) / sum, before = mass;
+        int n = 0;
+        while (n < (int)ties && before < top_p) ++n, before += p;
+        keep_shared = n;
+      }
+      __syncthreads();
+      keep = keep_shared;
     }
-    unsigned long long bits = splitmix64(base + (unsigned long long)j * 0x9E3779B97F4A7C15ull);
-    float u = ((float)((bits >> 40) & 0xffffffull) + 0.5f) * (1.0f / 16777216.0f);
-    float score = from_bf16(v) / t + -logf(-logf(u));
-    if (score > best) best = score, best_id = j;
+    unsigned long long base = splitmix64((unsigned long long)seeds[row] + splitmix64((unsigned long long)steps[row]));
+    for (int j = from; j < to; ++j) {
+      bf16 v = x[j];
+      if (nucleus) {
+        unsigned int key = order_key(v);
+        if (key < cut || (key == cut && rank++ >= keep)) continue;
+      }
+      unsigned long long bits = splitmix64(base + (unsigned long long)j * 0x9E3779B97F4A7C15ull);
+      float u = ((float)((bits >> 40) & 0xffffffull) + 0.5f) * (1.0f / 16777216.0f);
+      float score = from_bf16(v) / t + -logf(-logf(u));
+      if (score > best) best = score, best_id = j;
+    }
   }
   block_combine(best, zero, best_id, sm, ss, si);
   if (threadIdx.x == 0) out[row] = best_id == 0x7fffffff ? 0 : best_id;
