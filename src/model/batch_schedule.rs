@@ -62,55 +62,14 @@ struct Row<T> {
     generated: Vec<i64>,
 }
 
-/// What a prefill costs whatever its size, in padded prompt tokens: its kernel launches, layer by layer. A prefill
-/// runs its prompts right-padded to the longest, so prompts of very different lengths are cheaper in two prefills
-/// than in one; this weighs the second prefill's launches against the padding it saves ([`prefill_groups`]). An
-/// estimate for the real model of the tests, not yet measured apart: some 450 eager launches against about 1.4 us of
-/// an H200 a token (synthesis there took 31-34 ms a prefill of 36 prompts of ~25 and ~120-290 tokens). Larger
-/// models make the launches relatively cheaper, so they are split less than they could be, never more.
-const PREFILL_FIXED_TOKENS: usize = 2048;
-
-/// How to split prompts sorted by length (`lengths`, ascending) into consecutive prefills: the sizes of the groups,
-/// in order, whose padded tokens (each group's size times its longest prompt) plus `fixed` a group are fewest, each
-/// group within `budget` padded tokens (a prompt longer than the budget alone); among equal costs, the later groups
-/// larger.
-fn prefill_groups(lengths: &[usize], budget: usize, fixed: usize) -> Vec<usize> {
-    let n = lengths.len();
-    // best[i]: the least cost of the first i prompts, and where its last group starts.
-    let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
-    for i in 1..=n {
-        let width = lengths[i - 1];
-        best[i] = (usize::MAX, i - 1);
-        for start in (0..i).rev() {
-            let size = i - start;
-            if size > 1 && size * width > budget {
-                break;
-            }
-            let cost = best[start].0 + fixed + size * width;
-            if cost <= best[i].0 {
-                best[i] = (cost, start);
-            }
-        }
-    }
-    let mut sizes = Vec::new();
-    let mut end = n;
-    while end > 0 {
-        let start = best[end].1;
-        sizes.push(end - start);
-        end = start;
-    }
-    sizes.reverse();
-    sizes
-}
-
 /// See the module documentation.
 pub struct Schedule<T> {
     rows: Vec<Option<Row<T>>>,
     queue: VecDeque<Job<T>>,
     stop: Vec<i64>,
     /// Free rows that trigger an admission while others still run: every row waits while a prefill runs, and a
-    /// prefill costs several steps (31-34 ms against a 4.3 ms step of 256 rows, synthesis on an H200), so refilling
-    /// one row per step would crawl.
+    /// prefill costs several steps whatever it holds (34-38 ms against a 4.6 ms step of 256 rows, synthesis on an
+    /// H100), so refilling one row per step would crawl.
     refill_at: usize,
     /// Most padded prompt tokens one prefill runs.
     prefill_tokens: usize,
@@ -164,19 +123,18 @@ impl<T> Schedule<T> {
         let count = free.len().min(self.queue.len());
         let mut taken: Vec<(usize, Job<T>)> = free.into_iter().take(count).zip(self.queue.drain(..count)).collect();
         taken.sort_by_key(|(_, job)| job.prompt.len());
-        let lengths: Vec<usize> = taken.iter().map(|(_, job)| job.prompt.len()).collect();
-        let mut taken = taken.into_iter();
         let mut prefills: Vec<Prefill> = Vec::new();
-        for size in prefill_groups(&lengths, self.prefill_tokens, PREFILL_FIXED_TOKENS) {
-            let mut p = Prefill::default();
-            for (row, job) in taken.by_ref().take(size) {
-                p.rows.push(row);
-                p.prompts.push(job.prompt.clone());
-                p.seeds.push(job.seed);
-                p.samplings.push(job.sampling);
-                self.rows[row] = Some(Row { job, generated: Vec::new() });
+        for (row, job) in taken {
+            let fits = prefills.last().is_some_and(|p| (p.rows.len() + 1) * job.prompt.len() <= self.prefill_tokens);
+            if !fits {
+                prefills.push(Prefill::default());
             }
-            prefills.push(p);
+            let p = prefills.last_mut().expect("pushed above");
+            p.rows.push(row);
+            p.prompts.push(job.prompt.clone());
+            p.seeds.push(job.seed);
+            p.samplings.push(job.sampling);
+            self.rows[row] = Some(Row { job, generated: Vec::new() });
         }
         prefills
     }
@@ -259,22 +217,6 @@ impl<T> Schedule<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Prefills split where padding costs more than another prefill's launches, never past the budget: equal
-    /// prompts stay together; short requests and long answers (synthesis's mix) go apart; a long prompt runs alone.
-    #[test]
-    fn prompts_of_very_different_lengths_are_prefilled_apart() {
-        assert_eq!(prefill_groups(&[40; 36], 16_384, 2048), vec![36], "no padding: one prefill");
-        let mixed: Vec<usize> = [vec![25; 18], vec![280; 18]].concat();
-        assert_eq!(prefill_groups(&mixed, 16_384, 2048), vec![18, 18], "4,590 padded tokens saved for 2,048");
-        assert_eq!(prefill_groups(&mixed, 16_384, 8192), vec![36], "not worth a prefill that costs more");
-        let spread: Vec<usize> = (1..=36).map(|i| 8 * i).collect();
-        let sizes = prefill_groups(&spread, 16_384, 512);
-        assert!(sizes.len() > 1 && sizes.len() < 36 && sizes.iter().sum::<usize>() == 36, "{sizes:?}");
-        assert_eq!(prefill_groups(&[200; 100], 16_384, 2048), vec![19, 81], "within the budget");
-        assert_eq!(prefill_groups(&[10, 10, 20_000], 16_384, 0), vec![2, 1], "the long prompt alone");
-        assert!(prefill_groups(&[], 16_384, 2048).is_empty());
-    }
 
     fn job(tag: u32, prompt_len: usize, limit: usize) -> Job<u32> {
         let prompt = (0..prompt_len as i64).map(|i| 100 + i).collect();

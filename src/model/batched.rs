@@ -1,10 +1,9 @@
 //! Batched generation with the target (`regenerate --local`, the built-in data): many sequences decoded at once over
 //! one KV cache of `batch` rows, each row at a length of its own. A row whose sequence ends (a stop token, its token
 //! limit) is refilled from the queue (continuous batching); new sequences are prefilled together, right-padded,
-//! shortest first, in groups of similar lengths where padding would cost more than another prefill; each step feeds
-//! every generating row one token and reads each row's keys up to a bucketed length, masked per row, and on a GPU
-//! replays from a CUDA graph captured per step shape. The decisions live in [`Schedule`]; this module runs them on
-//! tensors.
+//! shortest first; each step feeds every generating row one token and reads each row's keys up to a bucketed length,
+//! masked per row, and on a GPU replays from a CUDA graph captured per step shape. The decisions live in
+//! [`Schedule`]; this module runs them on tensors.
 //!
 //! Tokens are chosen as [`super::generate::generate`] chooses them, one sequence at a time ([`pick_tokens`]): greedy
 //! output equals it in f32 and sampled output depends on each sequence's seed alone. In bf16 a batch's make-up may
@@ -101,7 +100,12 @@ pub struct GenerationStats {
     pub step_seconds: f64,
     pub prefills: u64,
     pub prefill_rows: u64,
+    /// Prompt tokens the prefills ran, padding included.
+    pub prefill_tokens: u64,
     pub prefill_seconds: f64,
+    /// The part of `prefill_seconds` the host spent queuing the prefills' work, before waiting for their first
+    /// tokens: near all of it, and the host's launches bound prefills; a small part, and the device's work does.
+    pub prefill_queue_seconds: f64,
     pub captures: u64,
     pub capture_seconds: f64,
     pub idle_seconds: f64,
@@ -116,7 +120,8 @@ impl GenerationStats {
         let per = |seconds: f64, n: u64| 1e3 * seconds / n.max(1) as f64;
         format!(
             "{} steps of {:.0} rows on average (of {}), {:.2} ms each; {} prefills of {:.0} prompts on average, \
-             {:.1} ms each; {} graph captures, {:.1} s; {:.1} s waiting for work",
+             {:.1} ms each ({:.1} of it queuing the work; {:.0} padded tokens on average); {} graph captures, \
+             {:.1} s; {:.1} s waiting for work",
             self.steps,
             self.row_steps as f64 / self.steps.max(1) as f64,
             self.batch,
@@ -124,6 +129,8 @@ impl GenerationStats {
             self.prefills,
             self.prefill_rows as f64 / self.prefills.max(1) as f64,
             per(self.prefill_seconds, self.prefills),
+            per(self.prefill_queue_seconds, self.prefills),
+            self.prefill_tokens as f64 / self.prefills.max(1) as f64,
             self.captures,
             self.capture_seconds,
             self.idle_seconds,
@@ -224,9 +231,10 @@ impl<'a> BatchGenerator<'a> {
                 // The prompt, and the position its first step writes.
                 self.ensure_capacity(prefill.width() as i64 + 1)?;
                 let started = Instant::now();
-                let first = self.prefill(&prefill)?;
+                let first = self.prefill(&prefill, started)?;
                 self.stats.prefills += 1;
                 self.stats.prefill_rows += prefill.rows.len() as u64;
+                self.stats.prefill_tokens += (prefill.rows.len() * prefill.width()) as u64;
                 self.stats.prefill_seconds += started.elapsed().as_secs_f64();
                 answer(schedule.started(&prefill, &first));
             }
@@ -279,8 +287,8 @@ impl<'a> BatchGenerator<'a> {
         Ok(())
     }
 
-    /// Runs `prefill`: the first token of each of its sequences.
-    fn prefill(&mut self, prefill: &Prefill) -> Result<Vec<i64>, ModelError> {
+    /// Runs `prefill` (begun at `started`): the first token of each of its sequences.
+    fn prefill(&mut self, prefill: &Prefill, started: Instant) -> Result<Vec<i64>, ModelError> {
         let device = self.target.device();
         let width = prefill.width();
         let lengths: Vec<i64> = prefill.prompts.iter().map(|p| p.len() as i64).collect();
@@ -295,7 +303,9 @@ impl<'a> BatchGenerator<'a> {
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a prefill".into()))?;
         let logits = self.target.prefill_rows(&ids, &lengths, &rows, cache)?;
         let draws = RowDraws::new(&prefill.samplings, &prefill.seeds, &vec![0; prefill.rows.len()])?.to(device)?;
-        Ok(Vec::try_from(pick_tokens(&logits, &draws)?.f_to(tch::Device::Cpu)?)?)
+        let picked = pick_tokens(&logits, &draws)?;
+        self.stats.prefill_queue_seconds += started.elapsed().as_secs_f64();
+        Ok(Vec::try_from(picked.f_to(tch::Device::Cpu)?)?)
     }
 
     /// Runs one step: the token each row of `input` draws.

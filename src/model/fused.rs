@@ -453,7 +453,7 @@ extern "C" __global__ void sample_rows(const bf16* __restrict__ logits, int voca
         if (key < cut || (key == cut && rank++ >= keep)) continue;
       }
       unsigned long long bits = splitmix64(base + (unsigned long long)j * 0x9E3779B97F4A7C15ull);
-      float u = ((float)((bits >> 40) & 0xffffffull) + 0.5f) * (1.0f / 16777216.0f);
+      float u = ((float)(bits >> 41) + 0.5f) * (1.0f / 8388608.0f);  // the top 23 bits: never 0 or 1 (UNIFORM_BITS)
       float score = from_bf16(v) / t + -logf(-logf(u));
       if (score > best) best = score, best_id = j;
     }

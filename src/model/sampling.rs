@@ -149,16 +149,20 @@ fn mix(x: &Tensor) -> Result<Tensor, ModelError> {
     Ok(z.f_bitwise_xor_tensor(&shift(&z, 31)?)?)
 }
 
+/// The bits of the hash `u` is made of: with 23, `(top + 0.5) / 2^23` is exact in f32 and never 0 or 1. (With 24,
+/// the largest rounded to 1: a noise of +inf that won every draw, and NaN where the nucleus had cut the token.)
+const UNIFORM_BITS: i64 = 23;
+
 /// The Gumbel noise of rows `[B]` with `seeds` at `steps` (int64 `[B]` each) over `vocab` tokens, `[B, vocab]` f32:
-/// `-ln(-ln(u))`, `u` the top 24 bits of `splitmix64(splitmix64(seed + splitmix64(step)) + token * GOLDEN)` centred
-/// in their interval (never 0 or 1).
+/// `-ln(-ln(u))`, `u` the top [`UNIFORM_BITS`] bits of `splitmix64(splitmix64(seed + splitmix64(step)) + token *
+/// GOLDEN)` centred in their interval (never 0 or 1: the noise lies in [-2.81, 16.64]).
 fn gumbel_noise(seeds: &Tensor, steps: &Tensor, vocab: i64) -> Result<Tensor, ModelError> {
     let (seeds, steps) = (seeds.f_to_kind(Kind::Int64)?, steps.f_to_kind(Kind::Int64)?);
     let row = mix(&seeds.f_add(&mix(&steps)?)?)?;
     let tokens = Tensor::f_arange(vocab, (Kind::Int64, seeds.device()))?.f_mul_scalar(GOLDEN as i64)?;
     let bits = mix(&row.f_unsqueeze(1)?.f_add(&tokens.f_unsqueeze(0)?)?)?;
-    let top = bits.f_bitwise_right_shift_tensor_scalar(40)?.f_bitwise_and((1i64 << 24) - 1)?;
-    let u = top.f_to_kind(Kind::Float)?.f_add_scalar(0.5)?.f_mul_scalar(1.0 / (1u64 << 24) as f64)?;
+    let top = bits.f_bitwise_right_shift_tensor_scalar(64 - UNIFORM_BITS)?.f_bitwise_and((1i64 << UNIFORM_BITS) - 1)?;
+    let u = top.f_to_kind(Kind::Float)?.f_add_scalar(0.5)?.f_mul_scalar(1.0 / (1u64 << UNIFORM_BITS) as f64)?;
     Ok(u.f_log()?.f_neg()?.f_log()?.f_neg()?)
 }
 
@@ -234,6 +238,28 @@ mod tests {
 
     fn draws(samplings: &[Sampling], seeds: &[u64], steps: &[i64]) -> RowDraws {
         RowDraws::new(samplings, seeds, steps).unwrap()
+    }
+
+    /// Token 20,188 of seed 7,919 at step 0 hashes to the largest 24-bit value, which f32 rounded to u = 1: its noise
+    /// was +inf, so it won every draw it was in, and where the nucleus had cut it, -inf + inf = NaN won argmax. The
+    /// noise is finite for every token, and a nucleus of one token draws that token.
+    #[test]
+    fn no_token_draws_infinite_noise_nor_escapes_its_nucleus() {
+        let (seed, step, token) = (7_919u64, 0i64, 20_188i64);
+        let row = splitmix64(seed.wrapping_add(splitmix64(step as u64)));
+        let bits = splitmix64(row.wrapping_add((token as u64).wrapping_mul(GOLDEN)));
+        assert_eq!(bits >> 40, (1 << 24) - 1, "the case this test is about");
+        let one = |t: i64| Tensor::from_slice(&[t]);
+        let noise = gumbel_noise(&one(seed as i64), &one(step), 20_200).unwrap();
+        let noise: Vec<f32> = Vec::try_from(noise.view([-1])).unwrap();
+        assert!(noise.iter().all(|n| n.is_finite() && (-2.82..16.65).contains(n)), "noise out of its range");
+        let mut logits = vec![-10.0f32; 20_200];
+        logits[0] = 10.0;
+        let logits = Tensor::from_slice(&logits).view([1, -1]);
+        for sampling in [Sampling::new(1.0, 0.9).unwrap(), Sampling::temperature(0.05)] {
+            let drawn = pick_tokens(&logits, &draws(&[sampling], &[seed], &[step])).unwrap().int64_value(&[0]);
+            assert_eq!(drawn, 0, "{sampling:?}");
+        }
     }
 
     /// On a GPU: the fused kernel draws what libtorch's operations draw, token for token, from bf16 rows of
