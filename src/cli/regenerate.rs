@@ -12,8 +12,9 @@ use dflash::data::prepare::ModelAssets;
 use dflash::data::regenerate::{Endpoint, RegenerateOptions, ShowProgress, regenerate_endpoint};
 use dflash::device::{DeviceSpec, DtypeSpec};
 use dflash::model::Depth;
+use dflash::model::batched::default_batch;
 use dflash::model::generate::Sampling;
-use dflash::service::builtin_data::{LocalResponder, default_batch};
+use dflash::service::builtin_data::LocalResponder;
 
 #[derive(Args)]
 pub struct RegenerateArgs {
@@ -38,8 +39,9 @@ pub struct RegenerateArgs {
     /// Conversations in flight at once (--endpoint).
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
-    /// --local: conversations the target answers at once (default: 256 on a GPU, 32 on a CPU; more is faster until
-    /// the KV cache, batch x the longest prompt and reply, fills the device).
+    /// --local: conversations the target answers at once (default: 32 on a CPU; on a GPU 256, or fewer where their KV
+    /// cache, batch x (1,024 prompt tokens + --max-tokens), would take more than half the free memory; more is faster
+    /// until the cache, batch x the longest prompt and reply, fills the device).
     #[arg(long, conflicts_with = "endpoint")]
     batch: Option<usize>,
     /// Retries per request after the first, with exponential backoff (--endpoint).
@@ -119,7 +121,8 @@ pub fn run(config: &Config, args: RegenerateArgs) -> Result<ExitCode> {
             // Any layer id works as a tap here; decoding runs the whole stack.
             let target = source.build_target(&[0], Depth::Full, device, kind)?;
             let sampling = Sampling::temperature(args.temperature);
-            let batch = args.batch.unwrap_or(default_batch(device)).max(1);
+            // A row holds its prompt and reply: sized for prompts of up to 1,024 tokens (longer ones grow the cache).
+            let batch = args.batch.unwrap_or_else(|| default_batch(&target, args.max_tokens as usize + 1024)).max(1);
             let responder =
                 LocalResponder::new(target, assets, args.max_tokens as usize, sampling, args.ignore_eos, batch);
             dflash::panic::catch_torch(|| responder.regenerate(&opts))??

@@ -15,8 +15,8 @@ use dflash::data::synthesize::turn_checks::TurnBounds;
 use dflash::data::synthesize::{SynthesizeOptions, SynthesizeReport, synthesize};
 use dflash::device::{DeviceSpec, DtypeSpec};
 use dflash::model::Depth;
+use dflash::model::batched::default_batch;
 use dflash::model::sampling::Sampling;
-use dflash::service::builtin_data::default_batch;
 
 #[derive(Args)]
 pub struct SynthesizeArgs {
@@ -80,8 +80,9 @@ pub struct SynthesizeArgs {
     /// Variables for the chat template, as a JSON object, e.g. '{"enable_thinking": false}' for Qwen3.
     #[arg(long, value_name = "JSON")]
     template_kwargs: Option<String>,
-    /// Sequences generated at once (default: 256 on a GPU, 32 on a CPU; more is faster until the KV cache fills
-    /// the device).
+    /// Sequences generated at once (default: 32 on a CPU; on a GPU 256, or fewer where their KV cache, batch x
+    /// (--max-request-tokens + --max-tokens + 256), would take more than half the free memory; more is faster until
+    /// the cache fills the device).
     #[arg(long)]
     batch: Option<usize>,
     /// cpu, cuda:N or auto (default: target.device).
@@ -189,7 +190,10 @@ pub fn run(config: &Config, args: SynthesizeArgs) -> Result<ExitCode> {
         tracing::warn!("--model {warning}");
     }
     let target = source.build_target(&[0], Depth::Full, device, kind)?;
-    let opts = SynthesizeOptions { batch: args.batch.unwrap_or(default_batch(device)).max(1), ..opts };
+    // A row holds the template's markup (a system prompt among it), a request and its answer.
+    let row_positions = args.max_request_tokens + args.max_tokens + 256;
+    let batch = args.batch.unwrap_or_else(|| default_batch(&target, row_positions)).max(1);
+    let opts = SynthesizeOptions { batch, ..opts };
     let report = dflash::panic::catch_torch(|| synthesize(&target, &assets, &opts))??;
     println!("{}", summary(&report));
     Ok(if report.conversations < report.count { ExitCode::FAILURE } else { ExitCode::SUCCESS })

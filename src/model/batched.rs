@@ -23,6 +23,50 @@ use crate::ffi::graph::CudaGraph;
 /// Most padded prompt tokens one prefill runs (bounds its activations).
 const PREFILL_TOKENS: usize = 16_384;
 
+/// Rows generated at once by default on a GPU (fewer where their KV cache would not fit) and on a CPU, where more
+/// rows only pad more.
+const DEFAULT_GPU_ROWS: usize = 256;
+const DEFAULT_CPU_ROWS: usize = 32;
+/// The share of a device's free memory the default batch's KV cache may take: the rest is for the activations, the
+/// CUDA graphs' pools and the allocator's slack.
+const CACHE_SHARE: f64 = 0.5;
+
+/// Sequences generated at once by default for `target`, each up to `row_positions` positions (its prompt and its
+/// reply): 32 on a CPU; on GPUs 256, or fewer where that many rows' KV cache at that length would take more than
+/// half of what a device holding the target's layers has free (a large target, long replies); at least 1. The cache
+/// grows as the rows do, so this sizes the default only.
+pub fn default_batch(target: &Target, row_positions: usize) -> usize {
+    let devices = target.layer_devices();
+    if !devices.first().is_some_and(|d| d.is_cuda()) {
+        return DEFAULT_CPU_ROWS;
+    }
+    let c = target.config();
+    let positions = context_bucket(row_positions.min(c.positions()).max(1) as i64) as u64;
+    let position_bytes = 2 * (c.num_key_value_heads * c.head_dim) as u64 * target.kind().elt_size_in_bytes() as u64;
+    // A spread target's layers sit in one contiguous run per device.
+    let mut distinct = devices.clone();
+    distinct.dedup();
+    let mut per_device: Vec<(u64, u64)> = Vec::new();
+    for device in distinct {
+        let layers = devices.iter().filter(|&&d| d == device).count() as u64;
+        let Ok(m) = crate::device::memory_stats(device) else { return DEFAULT_GPU_ROWS };
+        let free = (m.device_free.max(0) + (m.reserved - m.allocated).max(0)) as u64;
+        per_device.push((free, layers * positions * position_bytes));
+    }
+    rows_that_fit(&per_device, CACHE_SHARE, DEFAULT_GPU_ROWS)
+}
+
+/// The rows whose cache fits `share` of every device's free bytes, `(free, bytes a row)` each: at most `most`, at
+/// least 1.
+fn rows_that_fit(per_device: &[(u64, u64)], share: f64, most: usize) -> usize {
+    per_device
+        .iter()
+        .filter(|(_, row)| *row > 0)
+        .map(|&(free, row)| (free as f64 * share / row as f64) as usize)
+        .fold(most, usize::min)
+        .max(1)
+}
+
 /// How a batched generation runs.
 #[derive(Debug, Clone)]
 pub struct BatchSettings {
@@ -396,6 +440,22 @@ fn answer(done: Vec<Done<ReplyTo>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default batch is the most rows whose cache fits half of every device's free memory, within 1..=most.
+    #[test]
+    fn the_default_batch_fits_the_cache_in_half_the_free_memory() {
+        const GIB: u64 = 1 << 30;
+        // The tests' real model on an H100: 30 layers x 2 x 3 heads x 64 x 2 bytes x 1,024 positions, 23.6 MB a row.
+        let small = 30 * 2 * 3 * 64 * 2 * 1024;
+        assert_eq!(rows_that_fit(&[(78 * GIB, small)], 0.5, 256), 256, "a small target: the most");
+        // Qwen3-8B's cache at 4,096 positions (36 x 2 x 8 x 128 x 2 bytes each, 604 MB a row), 62 GiB free.
+        let large = 36 * 2 * 8 * 128 * 2 * 4096;
+        assert_eq!(rows_that_fit(&[(62 * GIB, large)], 0.5, 256), 55);
+        // Spread over two devices: the fuller one decides.
+        assert_eq!(rows_that_fit(&[(62 * GIB, large / 2), (20 * GIB, large / 2)], 0.5, 256), 35);
+        assert_eq!(rows_that_fit(&[(GIB, large)], 0.5, 256), 1, "never none");
+        assert_eq!(rows_that_fit(&[], 0.5, 256), 256);
+    }
     use crate::model::generate::generate;
     use crate::model::presets::tiny;
     use crate::model::{Depth, Preset};

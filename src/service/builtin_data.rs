@@ -18,7 +18,7 @@ use crate::data::regenerate::{
     Failure, RegenerateOptions, RegenerateReport, Reply, ShowProgress, regenerate_concurrently,
 };
 use crate::data::shards::{Manifest, PreparedSplit, hex};
-use crate::model::batched::{Answer, BatchGenerator, BatchSettings, Request};
+use crate::model::batched::{Answer, BatchGenerator, BatchSettings, Request, default_batch};
 use crate::model::sampling::Sampling;
 use crate::model::{Depth, Target, TargetConfig};
 use sha2::{Digest, Sha256};
@@ -29,12 +29,6 @@ pub struct LocalResponder {
     pub target: Target,
     pub assets: ModelAssets,
     pub settings: BatchSettings,
-}
-
-/// Conversations answered at once by default: enough rows to keep a GPU's matrix products busy; on a CPU, enough to
-/// share each weight read among several rows without padding much.
-pub fn default_batch(device: Device) -> usize {
-    if device.is_cuda() { 256 } else { 32 }
 }
 
 impl LocalResponder {
@@ -300,14 +294,9 @@ fn builtin(config: &Config, device: Device, kind: Kind) -> Result<PreparedSplit>
             "built-in data: the target answers the sample conversations (once)"
         );
         let target = config.target.source.build_target(&[0], Depth::Full, device, kind)?;
-        let responder = LocalResponder::new(
-            target,
-            assets,
-            d.builtin_max_new_tokens,
-            Sampling::Greedy,
-            false,
-            default_batch(device),
-        );
+        // The sample conversations' prompts are short: a row holds its reply and a few hundred tokens more.
+        let batch = default_batch(&target, d.builtin_max_new_tokens + 512);
+        let responder = LocalResponder::new(target, assets, d.builtin_max_new_tokens, Sampling::Greedy, false, batch);
         let opts = RegenerateOptions {
             input: conversations.clone(),
             out: regenerated.clone(),
