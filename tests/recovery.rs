@@ -73,19 +73,22 @@ fn correlated_failures_bring_every_drafter_back() {
     assert_exactly_once(&dir.path().join("ledger.jsonl"), &ids);
 }
 
+/// A long run whose drafters may restart once in ten minutes, two seconds after a failure: a second failure is
+/// for good.
+const ONE_RESTART_EACH: [&str; 5] = [
+    "optim.epochs=1000",
+    "supervision.max_restarts=1",
+    "supervision.restart_window_s=600",
+    "supervision.backoff_initial_ms=2000",
+    "supervision.backoff_max_ms=2000",
+];
+
 /// A run that cannot go on (every drafter failed past its restart limit) ends with the documented status 3 instead
 /// of idling; `/readyz` answers 503 while no drafter is live, and `/healthz` stays 200 (the process is alive).
 #[test]
 fn a_run_with_no_drafter_left_ends_with_status_3_and_readyz_tells_probes() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = [
-        "optim.epochs=1000",
-        "supervision.max_restarts=1",
-        "supervision.restart_window_s=600",
-        "supervision.backoff_initial_ms=2000",
-        "supervision.backoff_max_ms=2000",
-    ];
-    let mut svc = Service::start(&config(dir.path(), 2), false, &sets);
+    let mut svc = Service::start(&config(dir.path(), 2), false, &ONE_RESTART_EACH);
     svc.wait("training", |s| step(s) >= 2);
     assert_eq!(readyz(&svc), 200);
     svc.fault(0, "panic");
@@ -300,14 +303,7 @@ fn a_stalled_last_checkpoint_ends_in_status_75_after_the_shutdown_timeout() {
 #[test]
 fn the_fault_api_refuses_what_it_cannot_inject() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = [
-        "optim.epochs=1000",
-        "supervision.max_restarts=1",
-        "supervision.restart_window_s=600",
-        "supervision.backoff_initial_ms=2000",
-        "supervision.backoff_max_ms=2000",
-    ];
-    let mut svc = Service::start(&config(dir.path(), 2), false, &sets);
+    let mut svc = Service::start(&config(dir.path(), 2), false, &ONE_RESTART_EACH);
     svc.wait("training", |s| step(s) >= 2);
     let post = |svc: &Service, id: usize, kind: &str| {
         svc.request("POST", &format!("/drafters/{id}/fault"), Some(serde_json::json!({"kind": kind})))

@@ -1,9 +1,9 @@
 //! Batched generation with the target (`regenerate --local`, the built-in data): many sequences decoded at once over
 //! one KV cache of `batch` rows, each row at a length of its own. A row whose sequence ends (a stop token, its token
 //! limit) is refilled from the queue (continuous batching); new sequences are prefilled together, right-padded,
-//! shortest first; each step feeds every generating row one token and reads each row's keys up to a bucketed length,
-//! masked per row, and on a GPU replays from a CUDA graph captured per step shape. The decisions live in
-//! [`Schedule`]; this module runs them on tensors.
+//! shortest first (on a GPU at bucketed shapes, so that shapes recur); each step feeds every generating row one token
+//! and reads each row's keys up to a bucketed length, masked per row, and on a GPU replays from a CUDA graph captured
+//! per step shape. The decisions live in [`Schedule`]; this module runs them on tensors.
 //!
 //! Tokens are chosen as [`super::generate::generate`] chooses them, one sequence at a time ([`pick_tokens`]): greedy
 //! output equals it in f32 and sampled output depends on each sequence's seed alone. In bf16 a batch's make-up may
@@ -65,6 +65,15 @@ fn rows_that_fit(per_device: &[(u64, u64)], share: f64, most: usize) -> usize {
         .map(|&(free, row)| (free as f64 * share / row as f64) as usize)
         .fold(most, usize::min)
         .max(1)
+}
+
+/// The shape a prefill of `rows` prompts, the longest `width` tokens, runs at on a GPU: rows rounded up to a
+/// multiple of 8 (of 64 past 64), width to a multiple of 64. Nearly every prefill has a shape of its own, and a new
+/// shape costs the libraries' per-shape work (choosing kernels, planning) again; in buckets the shapes recur, at the
+/// price of padding.
+fn prefill_shape(rows: usize, width: usize) -> (usize, usize) {
+    let up = |n: usize, to: usize| n.div_ceil(to) * to;
+    (if rows <= 64 { up(rows, 8) } else { up(rows, 64) }, up(width, 64))
 }
 
 /// How a batched generation runs.
@@ -189,6 +198,8 @@ pub struct BatchGenerator<'a> {
     cache: Option<KvCache>,
     graphs: Vec<Captured>,
     graphs_apply: bool,
+    /// Whether prefills run at bucketed shapes ([`prefill_shape`]), padding rows written to a scratch cache row.
+    prefill_buckets: bool,
     stats: GenerationStats,
 }
 
@@ -200,7 +211,16 @@ impl<'a> BatchGenerator<'a> {
         let graphs_apply = settings.cuda_graphs && CudaGraph::available(target.device()) && target.graphable();
         let settings = BatchSettings { batch: settings.batch.max(1), ..settings };
         let stats = GenerationStats { batch: settings.batch, ..GenerationStats::default() };
-        Ok(BatchGenerator { target, settings, cache: None, graphs: Vec::new(), graphs_apply, stats })
+        let prefill_buckets =
+            target.device().is_cuda() && std::env::var("DFLASH_PREFILL_BUCKETS").map_or(true, |v| v != "0");
+        Ok(BatchGenerator { target, settings, cache: None, graphs: Vec::new(), graphs_apply, prefill_buckets, stats })
+    }
+
+    /// Prefills at bucketed shapes or at each prefill's own (the default: on a GPU bucketed, unless
+    /// `DFLASH_PREFILL_BUCKETS=0`; on a CPU, where padding costs its compute, not). Before the first prefill.
+    pub fn with_prefill_buckets(mut self, on: bool) -> Self {
+        self.prefill_buckets = on;
+        self
     }
 
     /// Where the time went so far.
@@ -272,13 +292,14 @@ impl<'a> BatchGenerator<'a> {
             // Sequences nobody waits for any more (a caller that has what it needs) stop here.
             schedule.cancel(oneshot::Sender::is_canceled);
             for prefill in schedule.admit() {
+                let (rows, width) = self.shape_of(&prefill);
                 // The prompt, and the position its first step writes.
-                self.ensure_capacity(prefill.width() as i64 + 1)?;
+                self.ensure_capacity(width as i64 + 1)?;
                 let started = Instant::now();
-                let first = self.prefill(&prefill, started)?;
+                let first = self.prefill(&prefill, (rows, width), started)?;
                 self.stats.prefills += 1;
                 self.stats.prefill_rows += prefill.rows.len() as u64;
-                self.stats.prefill_tokens += (prefill.rows.len() * prefill.width()) as u64;
+                self.stats.prefill_tokens += (rows * width) as u64;
                 self.stats.prefill_seconds += started.elapsed().as_secs_f64();
                 answer(schedule.started(&prefill, &first));
             }
@@ -317,7 +338,8 @@ impl<'a> BatchGenerator<'a> {
         }
         let most = context_bucket(self.target.config().positions() as i64);
         let capacity = context_bucket(positions).max((2 * have).min(most));
-        let rows = self.settings.batch as i64;
+        // With bucketed prefills, one row more: the scratch row their padding rows write to.
+        let rows = (self.settings.batch + usize::from(self.prefill_buckets)) as i64;
         let grown = self.target.new_rows_cache(rows, capacity).map_err(|e| {
             ModelError::Batch(format!(
                 "a KV cache of {rows} rows x {capacity} positions: {e}; answer fewer conversations at once (--batch)"
@@ -331,23 +353,43 @@ impl<'a> BatchGenerator<'a> {
         Ok(())
     }
 
-    /// Runs `prefill` (begun at `started`): the first token of each of its sequences.
-    fn prefill(&mut self, prefill: &Prefill, started: Instant) -> Result<Vec<i64>, ModelError> {
+    /// The rows and width `prefill` runs at: its own, or bucketed ([`prefill_shape`]).
+    fn shape_of(&self, prefill: &Prefill) -> (usize, usize) {
+        let own = (prefill.rows.len(), prefill.width());
+        if self.prefill_buckets { prefill_shape(own.0, own.1) } else { own }
+    }
+
+    /// Runs `prefill` (begun at `started`) at `rows` x `width` (its own shape or more: the padding rows, one-token
+    /// prompts of greedy draws, write the scratch row): the first token of each of its sequences.
+    fn prefill(
+        &mut self,
+        prefill: &Prefill,
+        (rows, width): (usize, usize),
+        started: Instant,
+    ) -> Result<Vec<i64>, ModelError> {
         let device = self.target.device();
-        let width = prefill.width();
-        let lengths: Vec<i64> = prefill.prompts.iter().map(|p| p.len() as i64).collect();
+        let n = prefill.rows.len();
+        let padding = rows - n;
+        let lengths: Vec<i64> =
+            prefill.prompts.iter().map(|p| p.len() as i64).chain(std::iter::repeat_n(1, padding)).collect();
         let padded: Vec<i64> = prefill
             .prompts
             .iter()
             .flat_map(|p| p.iter().copied().chain(std::iter::repeat_n(0, width - p.len())))
+            .chain(std::iter::repeat_n(0, padding * width))
             .collect();
-        let ids = Tensor::f_from_slice(&padded)?.f_view([prefill.rows.len() as i64, width as i64])?.f_to(device)?;
-        let rows: Vec<i64> = prefill.rows.iter().map(|&r| r as i64).collect();
-        let rows = Tensor::f_from_slice(&rows)?.f_to(device)?;
+        let ids = Tensor::f_from_slice(&padded)?.f_view([rows as i64, width as i64])?.f_to(device)?;
+        let scratch = self.settings.batch as i64;
+        let cache_rows: Vec<i64> =
+            prefill.rows.iter().map(|&r| r as i64).chain(std::iter::repeat_n(scratch, padding)).collect();
+        let cache_rows = Tensor::f_from_slice(&cache_rows)?.f_to(device)?;
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a prefill".into()))?;
-        let logits = self.target.prefill_rows(&ids, &lengths, &rows, cache)?;
-        let draws = RowDraws::new(&prefill.samplings, &prefill.seeds, &vec![0; prefill.rows.len()])?.to(device)?;
-        let picked = pick_tokens(&logits, &draws)?;
+        let logits = self.target.prefill_rows(&ids, &lengths, &cache_rows, cache)?;
+        let samplings: Vec<Sampling> =
+            prefill.samplings.iter().copied().chain(std::iter::repeat_n(Sampling::Greedy, padding)).collect();
+        let seeds: Vec<u64> = prefill.seeds.iter().copied().chain(std::iter::repeat_n(0, padding)).collect();
+        let draws = RowDraws::new(&samplings, &seeds, &vec![0; rows])?.to(device)?;
+        let picked = pick_tokens(&logits, &draws)?.f_narrow(0, 0, n as i64)?;
         self.stats.prefill_queue_seconds += started.elapsed().as_secs_f64();
         Ok(Vec::try_from(picked.f_to(tch::Device::Cpu)?)?)
     }
@@ -440,6 +482,21 @@ fn answer(done: Vec<Done<ReplyTo>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::generate::generate;
+    use crate::model::presets::tiny;
+    use crate::model::{Depth, Preset};
+    use tch::Device;
+    use tch::Kind;
+
+    /// Prefills run at rows rounded up to 8 (64 past 64) and widths to 64: few shapes, little padding.
+    #[test]
+    fn prefill_shapes_come_in_buckets() {
+        assert_eq!(prefill_shape(1, 1), (8, 64));
+        assert_eq!(prefill_shape(35, 290), (40, 320));
+        assert_eq!(prefill_shape(64, 64), (64, 64));
+        assert_eq!(prefill_shape(65, 65), (128, 128));
+        assert_eq!(prefill_shape(256, 512), (256, 512));
+    }
 
     /// The default batch is the most rows whose cache fits half of every device's free memory, within 1..=most.
     #[test]
@@ -456,11 +513,6 @@ mod tests {
         assert_eq!(rows_that_fit(&[(GIB, large)], 0.5, 256), 1, "never none");
         assert_eq!(rows_that_fit(&[], 0.5, 256), 256);
     }
-    use crate::model::generate::generate;
-    use crate::model::presets::tiny;
-    use crate::model::{Depth, Preset};
-    use tch::Device;
-    use tch::Kind;
 
     fn settings(batch: usize, max_new: usize, stop: Vec<i64>, sampling: Sampling) -> BatchSettings {
         BatchSettings { batch, max_new, stop, sampling, cuda_graphs: true }
@@ -498,10 +550,14 @@ mod tests {
                     assert!(alone.iter().any(|a| a.len() < 24), "some end at their stop token");
                 }
                 let batches: &[usize] = if preset == Preset::TinyTasks { &[1, 3, 8] } else { &[3] };
-                for &batch in batches {
-                    let mut g = BatchGenerator::new(&target, settings(batch, 24, stop.clone(), sampling)).unwrap();
+                // Prefills at their own shapes, and at batch 3 at bucketed ones too (a GPU's: padding rows into the
+                // scratch row).
+                let runs = batches.iter().flat_map(|&b| [(b, false)].into_iter().chain((b == 3).then_some((b, true))));
+                for (batch, buckets) in runs {
+                    let g = BatchGenerator::new(&target, settings(batch, 24, stop.clone(), sampling)).unwrap();
+                    let mut g = g.with_prefill_buckets(buckets);
                     let together = g.generate_all(&prompts).unwrap();
-                    assert_eq!(together, alone, "{preset:?}, {sampling:?}, batch {batch}");
+                    assert_eq!(together, alone, "{preset:?}, {sampling:?}, batch {batch}, buckets {buckets}");
                     // Each sequence's first token comes from a prefill, every other from a step of its row.
                     let stats = g.stats();
                     let tokens: u64 = together.iter().map(|t| t.len() as u64).sum();
