@@ -293,8 +293,8 @@ impl<'a> BatchGenerator<'a> {
             schedule.cancel(oneshot::Sender::is_canceled);
             for prefill in schedule.admit() {
                 let (rows, width) = self.shape_of(&prefill);
-                // The prompt, and the position its first step writes.
-                self.ensure_capacity(width as i64 + 1)?;
+                // The padded prompts, and the position the first step writes.
+                self.ensure_capacity(width.max(prefill.width() + 1) as i64)?;
                 let started = Instant::now();
                 let first = self.prefill(&prefill, (rows, width), started)?;
                 self.stats.prefills += 1;
@@ -356,7 +356,11 @@ impl<'a> BatchGenerator<'a> {
     /// The rows and width `prefill` runs at: its own, or bucketed ([`prefill_shape`]).
     fn shape_of(&self, prefill: &Prefill) -> (usize, usize) {
         let own = (prefill.rows.len(), prefill.width());
-        if self.prefill_buckets { prefill_shape(own.0, own.1) } else { own }
+        if !self.prefill_buckets {
+            return own;
+        }
+        let (rows, width) = prefill_shape(own.0, own.1);
+        (rows, width.min(self.target.config().positions()))
     }
 
     /// Runs `prefill` (begun at `started`) at `rows` x `width` (its own shape or more: the padding rows, one-token
@@ -383,12 +387,14 @@ impl<'a> BatchGenerator<'a> {
         let cache_rows: Vec<i64> =
             prefill.rows.iter().map(|&r| r as i64).chain(std::iter::repeat_n(scratch, padding)).collect();
         let cache_rows = Tensor::f_from_slice(&cache_rows)?.f_to(device)?;
-        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a prefill".into()))?;
-        let logits = self.target.prefill_rows(&ids, &lengths, &cache_rows, cache)?;
+        // Every input copied before the work is queued (a copy from the host waits for the work queued before it),
+        // so that the host's queuing time is measured apart from the device's work.
         let samplings: Vec<Sampling> =
             prefill.samplings.iter().copied().chain(std::iter::repeat_n(Sampling::Greedy, padding)).collect();
         let seeds: Vec<u64> = prefill.seeds.iter().copied().chain(std::iter::repeat_n(0, padding)).collect();
         let draws = RowDraws::new(&samplings, &seeds, &vec![0; rows])?.to(device)?;
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Batch("no cache before a prefill".into()))?;
+        let logits = self.target.prefill_rows(&ids, &lengths, &cache_rows, cache)?;
         let picked = pick_tokens(&logits, &draws)?.f_narrow(0, 0, n as i64)?;
         self.stats.prefill_queue_seconds += started.elapsed().as_secs_f64();
         Ok(Vec::try_from(picked.f_to(tch::Device::Cpu)?)?)

@@ -87,11 +87,12 @@ impl Target {
             return Err(ModelError::NotFull);
         };
         let (n, _) = self.check_batch(input_ids, lengths)?;
+        // Copied before the layers are queued: a copy from the host waits for the work queued before it.
+        let last = Tensor::f_from_slice(lengths)?.f_to(self.device)?.f_sub_scalar(1)?;
         tch::no_grad(|| {
             let count = self.layers.len();
             let x = self.run_layers_at(input_ids, count, Some(cache), Placement::Fill(rows), None, |_, _| {})?;
             let x = x.f_to_device(self.device)?;
-            let last = Tensor::f_from_slice(lengths)?.f_to(self.device)?.f_sub_scalar(1)?;
             let x = x.f_index(&[Some(Tensor::f_arange(n, (Kind::Int64, self.device))?), Some(last)])?;
             Ok(rms_norm(&x, norm, self.cfg.rms_norm_eps).f_linear(self.lm_head(), None::<Tensor>)?)
         })
