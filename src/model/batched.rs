@@ -650,16 +650,17 @@ mod tests {
         assert_eq!(at_edge, generate(&target, edge, 40, &[], Sampling::Greedy, 3).unwrap());
     }
 
-    /// On a GPU: steps replayed from CUDA graphs generate what eager steps generate (f32).
+    /// On a GPU: steps replayed from CUDA graphs generate what eager steps generate, and prefills at bucketed
+    /// shapes (a GPU's default) what prefills at their own shapes do (f32).
     #[test]
     #[ignore = "needs a GPU"]
     fn replayed_steps_generate_what_eager_steps_generate() {
         let device = crate::ffi::graph::graph_gpu_for_tests();
         let target = Preset::TinyTasks.spec().build_target(Depth::Full, device, Kind::Float).unwrap();
         let prompts = prompts();
-        let run = |graphs: bool, mixed: bool| {
+        let run_at = |graphs: bool, mixed: bool, buckets: bool| {
             let s = BatchSettings { cuda_graphs: graphs, ..settings(4, 30, vec![tiny::IM_END], Sampling::Greedy) };
-            let mut g = BatchGenerator::new(&target, s).unwrap();
+            let mut g = BatchGenerator::new(&target, s).unwrap().with_prefill_buckets(buckets);
             assert_eq!(g.graphed(), graphs);
             if !mixed {
                 return g.generate_all(&prompts).unwrap();
@@ -676,9 +677,11 @@ mod tests {
                 .collect();
             drop(tx);
             g.serve(&rx).unwrap();
-            answers.into_iter().map(|a| futures::executor::block_on(a).unwrap().unwrap()).collect()
+            answers.into_iter().map(|a| futures::executor::block_on(a).unwrap().unwrap()).collect::<Vec<_>>()
         };
+        let run = |graphs: bool, mixed: bool| run_at(graphs, mixed, true);
         assert_eq!(run(true, false), run(false, false));
         assert_eq!(run(true, true), run(false, true));
+        assert_eq!(run_at(true, true, false), run(true, true), "prefills at their own shapes");
     }
 }
