@@ -204,6 +204,14 @@ pub struct MemoryStats {
     pub device_total: i64,
 }
 
+impl MemoryStats {
+    /// What this process can still allocate: the device's free bytes and what its own allocator holds unused (a
+    /// restarted target's predecessor, freed, is free to it too).
+    pub fn free_to_this_process(&self) -> u64 {
+        (self.device_free.max(0) + (self.reserved - self.allocated).max(0)) as u64
+    }
+}
+
 /// Memory statistics of `device`; all zero on the CPU, where libtorch keeps none.
 pub fn memory_stats(device: Device) -> Result<MemoryStats, DeviceFailure> {
     let Some(i) = cuda_index(device) else {

@@ -50,8 +50,7 @@ pub fn default_batch(target: &Target, row_positions: usize) -> usize {
     for device in distinct {
         let layers = devices.iter().filter(|&&d| d == device).count() as u64;
         let Ok(m) = crate::device::memory_stats(device) else { return DEFAULT_GPU_ROWS };
-        let free = (m.device_free.max(0) + (m.reserved - m.allocated).max(0)) as u64;
-        per_device.push((free, layers * positions * position_bytes));
+        per_device.push((m.free_to_this_process(), layers * positions * position_bytes));
     }
     rows_that_fit(&per_device, CACHE_SHARE, DEFAULT_GPU_ROWS)
 }

@@ -116,12 +116,7 @@ pub(super) fn spread(
         true => Some(
             devices
                 .iter()
-                .map(|&d| {
-                    // What this process's allocator holds unused (a restarted target's predecessor, freed) is free
-                    // to it too.
-                    let m = crate::device::memory_stats(d)?;
-                    Ok((m.device_free.max(0) + (m.reserved - m.allocated).max(0)) as u64)
-                })
+                .map(|&d| Ok(crate::device::memory_stats(d)?.free_to_this_process()))
                 .collect::<Result<Vec<u64>, ModelError>>()?,
         ),
         false => None,
