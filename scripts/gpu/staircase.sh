@@ -4,8 +4,9 @@
 # grouped attention they replace (DFLASH_STAIRCASE_ATTENTION=0), beside torch.compile's step (../shared/peer, carried
 # in .peer/ when present). Expects `make gpu-bin`'s .gpu-bin/; results go to $OUT (or ./gpu-out).
 # `wgmma` (issue 65, not in `all`): the training kernels on Hopper's warpgroup products (DFLASH_WGMMA=1): the layout
-# probe (scripts/probes/wgmma_tile.cu, built by the image's nvcc), the kernels' GPU tests with it, and the drafter's
-# step with it and without at 4x768/256, 4x3072/512 and 1x32768/2048.
+# probe (scripts/probes/wgmma_tile.cu, built by the image's nvcc), the kernels' GPU tests with it, each kernel alone
+# by scripts/probes/staircase_kernel.py (both builds), and the drafter's step with it and without at 4x768/256,
+# 4x3072/512 and 1x32768/2048.
 # Usage: scripts/gpu/staircase.sh [test|probe|short|window|long|long-kernels|dflash2|peer|wgmma|all] (several:
 # separated by commas)
 set -uo pipefail
@@ -31,6 +32,9 @@ if [[ ",$what," == *",wgmma,"* ]]; then
   # Bounded: a wrong wait or barrier in new kernels hangs rather than fails.
   DFLASH_WGMMA=1 timeout 180 "$bin/test-lib" --test-threads 1 --include-ignored staircase 2>&1 |
     grep -E "^test |test result|panicked|assert" | tee "$out/wgmma-test.txt"
+  # Each kernel alone, exact against f32 attention and timed (TFLOP/s of the keys seen), mma.sync's and wgmma's.
+  timeout 200 python3 scripts/probes/staircase_kernel.py 2>&1 | grep -v Warning | tee "$out/probe-mma.txt"
+  WGMMA=1 timeout 200 python3 scripts/probes/staircase_kernel.py 2>&1 | grep -v Warning | tee "$out/probe-wgmma.txt"
   for shape in "4 768 256 6" "4 3072 512 6" "1 32768 2048 3"; do
     set -- $shape
     DRAFTER_LIMIT_S=120 bench drafter --batch $1 --seq $2 --anchors $3 --steps $4

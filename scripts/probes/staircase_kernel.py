@@ -9,6 +9,9 @@ import torch
 
 dev, bf = "cuda", torch.bfloat16
 UNIT, KEYS, WARPS, QROWS = 16, 64, 4, 32  # a warp's query rows: a block of 16 or two of 8
+# WGMMA=1: the Hopper build (compute_90a, -DWGMMA): the training kernels on wgmma, the forward warp-specialized.
+WGMMA = os.environ.get("WGMMA") == "1"
+WS_UNITS, WS_THREADS = 8, 384
 torch.zeros(1, device=dev)  # the primary context, current on this thread
 
 libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu13", "lib", "libnvrtc.so.13"))
@@ -28,7 +31,8 @@ def check(rc, what):
 def compile_module(d, per):
     prog = ctypes.c_void_p()
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SRC, b"staircase.cu", 0, None, None), "create")
-    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", f"-DHEAD_DIM={d}".encode(), f"-DUNIT_BLOCKS={per}".encode()]
+    opts = [b"--gpu-architecture=sm_90a" if WGMMA else b"--gpu-architecture=sm_90", b"-std=c++17",
+            f"-DHEAD_DIM={d}".encode(), f"-DUNIT_BLOCKS={per}".encode()] + ([b"-DWGMMA=1"] if WGMMA else [])
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
@@ -42,7 +46,10 @@ def compile_module(d, per):
     mod = ctypes.c_void_p()
     check(cuda.cuModuleLoadData(ctypes.byref(mod), cubin), "load")
     funcs = {}
-    for name, smem in (("staircase_fwd", fwd_smem(d)), ("staircase_dq", dq_smem(d)), ("staircase_dkv", dkv_smem(d))):
+    kernels = [("staircase_fwd", fwd_smem(d)), ("staircase_dq", dq_smem(d)), ("staircase_dkv", dkv_smem(d))]
+    if WGMMA:
+        kernels.append(("staircase_fwd_ws", fwd_ws_smem(d)))
+    for name, smem in kernels:
         f = ctypes.c_void_p()
         check(cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()), name)
         check(cuda.cuFuncSetAttribute(f, 8, smem), "smem")  # MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -57,6 +64,10 @@ def compile_module(d, per):
 
 def fwd_smem(d):
     return 2 * 2 * KEYS * (d + 8) * 2
+
+
+def fwd_ws_smem(d):  # the warp-specialized forward (WGMMA): a ring of 2 K/V stages, 128 queries, their own K/V, 5 barriers
+    return 2 * (2 * 2 * KEYS * d + 2 * 64 * d + 2 * 2 * 64 * d) + 5 * 8
 
 
 def dq_smem(d):
@@ -93,7 +104,8 @@ def launch(name, d, grid, args, *ptrs):
     vals = [args] + [ctypes.c_void_p(p) for p in ptrs]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    check(cuda.cuLaunchKernel(f, grid[0], grid[1], grid[2], WARPS * 32, 1, 1, smem, stream, params, None), name)
+    threads = WS_THREADS if name == "staircase_fwd_ws" else WARPS * 32
+    check(cuda.cuLaunchKernel(f, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, params, None), name)
 
 
 def make_args(q, kc, vc, kb, vb, lo, hi, causal, scale):
@@ -109,7 +121,10 @@ def forward(q, kc, vc, kb, vb, lo, hi, causal, scale):
     o = torch.empty(B, H, Q, d, device=dev, dtype=bf)
     lse = torch.empty(B, H, Q, device=dev, dtype=torch.float32)
     a = make_args(q, kc, vc, kb, vb, lo, hi, causal, scale)
-    launch("staircase_fwd", d, ((Q // UNIT + WARPS - 1) // WARPS, H, B), a, o.data_ptr(), lse.data_ptr())
+    if WGMMA:  # the warp-specialized forward: 8 units a thread block
+        launch("staircase_fwd_ws", d, ((Q // UNIT + WS_UNITS - 1) // WS_UNITS, H, B), a, o.data_ptr(), lse.data_ptr())
+    else:
+        launch("staircase_fwd", d, ((Q // UNIT + WARPS - 1) // WARPS, H, B), a, o.data_ptr(), lse.data_ptr())
     return o, lse
 
 

@@ -154,14 +154,15 @@ __device__ __forceinline__ bool sees(bool own, int key, int t, int s, int lo, in
   return key >= lo && key < hi && (window == 0 || key > hi + s - window);
 }
 
-// The online softmax's step over one tile's scores `s` (a warp's 16 rows, in C fragments): masked where
+// The online softmax's statistics over one tile's scores `s` (a warp's 16 rows, in C fragments): masked where
 // `seen(col, row)` is false or the n-tile is outside [col0, col0 + cols) (unless `whole`: every row sees every
 // column), the running maximum of each of this thread's two rows (g and g + 8, in base 2 of the scaled scores)
-// updated, the sums `l` and the output `acc` rescaled to it; `shift` the maximum the probabilities subtract.
+// updated and the sums `l` rescaled to it; `alpha` the factor the output takes to it (`rescale`), `shift` the maximum
+// the probabilities subtract.
 template <typename Seen>
-__device__ __forceinline__ void softmax_step(float (&s)[KEYS / 8][4], int col0, int cols, bool whole, Seen&& seen,
-                                            float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4],
-                                            float (&shift)[2]) {
+__device__ __forceinline__ void softmax_stats(float (&s)[KEYS / 8][4], int col0, int cols, bool whole, Seen&& seen,
+                                             float scale_log2, float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             float (&shift)[2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -176,7 +177,6 @@ __device__ __forceinline__ void softmax_step(float (&s)[KEYS / 8][4], int col0, 
       tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
     }
   }
-  float alpha[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
@@ -188,6 +188,10 @@ __device__ __forceinline__ void softmax_step(float (&s)[KEYS / 8][4], int col0, 
     m[r] = m_new;
     l[r] *= alpha[r];
   }
+}
+
+// The output rescaled to a new running maximum (`alpha` from `softmax_stats`).
+__device__ __forceinline__ void rescale(float (&acc)[D / 8][4], const float (&alpha)[2]) {
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
     acc[n][0] *= alpha[0];
@@ -195,6 +199,16 @@ __device__ __forceinline__ void softmax_step(float (&s)[KEYS / 8][4], int col0, 
     acc[n][2] *= alpha[1];
     acc[n][3] *= alpha[1];
   }
+}
+
+// `softmax_stats`, then the output rescaled: the step where nothing else writes `acc` meanwhile.
+template <typename Seen>
+__device__ __forceinline__ void softmax_step(float (&s)[KEYS / 8][4], int col0, int cols, bool whole, Seen&& seen,
+                                            float scale_log2, float (&m)[2], float (&l)[2], float (&acc)[D / 8][4],
+                                            float (&shift)[2]) {
+  float alpha[2];
+  softmax_stats(s, col0, cols, whole, seen, scale_log2, m, l, alpha, shift);
+  rescale(acc, alpha);
 }
 
 // P = 2^(s - m) of k-step `kk` (keys 16 kk..16 kk + 15) as bf16 A fragments for the values' product; the row sums
@@ -210,6 +224,19 @@ __device__ __forceinline__ void probabilities(u32 (&pa)[4], const float (&s)[KEY
     l[1] += p[h][2] + p[h][3];
   }
   c_as_a(pa, p[0], p[1]);
+}
+
+// The probabilities 2^(s - m) of a whole tile in place of its scores (f32), their row sums added to `l`: the
+// warp-specialized forward's softmax, which makes them bf16 (`c_as_a`) only once the registers are free.
+__device__ __forceinline__ void exponentiate(float (&s)[KEYS / 8][4], float scale_log2, const float (&shift)[2],
+                                            float (&l)[2]) {
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], scale_log2, -shift[e >> 1]));
+    l[0] += s[n][0] + s[n][1];
+    l[1] += s[n][2] + s[n][3];
+  }
 }
 
 // One warp's part of a tile of KEYS keys: scores of its 16 queries against the tile's keys, masked where
@@ -274,9 +301,16 @@ __device__ __forceinline__ unsigned long long wg_n_major(const bf16* tile, int r
   return WG_N_MAJOR_SWAPPED ? wg_desc(tile + k * 16 * 8, rows * 16, 128) : wg_desc(tile + k * 16 * 8, 128, rows * 16);
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// The products issued since the last commit made one group; waiting until at most N groups are in flight (groups
+// complete in the order they were committed).
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void wg_done() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wg_commit();
+  wg_wait<0>();
 }
 // What ordinary stores (cp.async's included) put in shared memory, made visible to wgmma's reads.
 __device__ __forceinline__ void wg_visible() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -342,10 +376,13 @@ __device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4
 
 // Loads `rows` rows of D elements (row stride `stride`) into a tile of TILE rows in the core-matrix layout, zeros past
 // `rows`. Eight threads write one core matrix's 128 bytes, four of them side by side read 64 bytes of each row.
-template <int TILE = KEYS>
-__device__ __forceinline__ void load_tile_wg(bf16* tile, const bf16* src, long long stride, int rows) {
+// `BY` threads share the copies, this one the `by`-th of them (the thread block's, unless a warp-specialized kernel's
+// producer does them).
+template <int TILE = KEYS, int BY = THREADS>
+__device__ __forceinline__ void load_tile_wg(bf16* tile, const bf16* src, long long stride, int rows,
+                                             int by = threadIdx.x) {
   constexpr int CHUNKS = D / 8;
-  for (int i = threadIdx.x; i < TILE * CHUNKS; i += THREADS) {
+  for (int i = by; i < TILE * CHUNKS; i += BY) {
     const int within = i % (8 * CHUNKS), r = i / (8 * CHUNKS) * 8 + within % 8, c = within / 8;
     const bool valid = r < rows;
     copy16(tile + c * TILE * 8 + r * 8, valid ? src + r * stride + c * 8 : src, valid);
@@ -571,12 +608,36 @@ __device__ __forceinline__ void store_rows(bf16* dst, const float (&acc)[D / 8][
   }
 }
 
+// A warp's 16 output rows from row `row0` of o and lse: the accumulator over the row sums (this thread's partial sums
+// reduced over its quad first), and the log-sum-exp in natural log.
+__device__ __forceinline__ void store_forward(bf16* o, float* lse, long long row0, const float (&acc)[D / 8][4],
+                                              const float (&m)[2], float (&l)[2]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float inv = 1.f / l[r];
+      *(u32*)(o + (row0 + g + 8 * r) * D + n * 8 + 2 * c) = pack_bf16(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+    }
+  }
+  if (c == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) lse[row0 + g + 8 * r] = (m[r] + log2f(l[r])) * LN2;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArgs a, bf16* __restrict__ o,
                                                                   float* __restrict__ lse) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int tile = (a.units + WARPS - 1) / WARPS - 1 - blockIdx.x;  // the longest ranges first: a shorter tail
   const int h = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const int unit = tile * WARPS + warp;
   const bool active = unit < a.units;
   u32 qa[D / 16][4];
@@ -607,26 +668,211 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_fwd(StaircaseArg
     attend(qa, kt, vt, col0, cols, whole, seen, scale_log2, m, l, acc);
 #endif
   });
-  if (!active) return;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + unit * 16;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float inv = 1.f / l[r];
-      *(u32*)(o + (row0 + g + 8 * r) * D + n * 8 + 2 * c) = pack_bf16(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-    }
-  }
-  if (c == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) lse[row0 + g + 8 * r] = (m[r] + log2f(l[r])) * LN2;
-  }
+  if (active) store_forward(o, lse, (long long)(b * a.heads + h) * a.units * 16 + unit * 16, acc, m, l);
 }
+
+#ifdef WGMMA
+// The forward on Hopper, warp-specialized (issue 65, item 3; FlashAttention-3's structure on this kernel's pattern):
+// a thread block of three warpgroups takes WS_UNITS units (128 query rows) of one head. Warpgroup 0 is the producer:
+// it copies (cp.async, 16 bytes a thread a copy) the queries, the units' own keys and values, and then the union of the
+// units' context ranges, 64 keys a tile, into a ring of WS_STAGES stages, each copy's completion signalled on an
+// mbarrier (`cp.async.mbarrier.arrive.noinc`: no thread waits for its own copies), and each stage reused once both
+// consumers have signalled it free. Warpgroups 1 and 2 are the consumers, 64 query rows (four units, a warp's mask
+// each) apiece, every product a warpgroup's wgmma: S = Q K^T with both operands in shared memory, O += P V with P from
+// registers. A consumer overlaps a tile's values product with the next tile's scores: it issues S(t+1) and then
+// O += P(t) V(t), waits for the scores alone (groups complete in order), computes the softmax statistics and P(t+1)
+// into a second set of registers while O += P(t) V(t) runs, then waits for it, frees the stage and rescales O. The
+// units' own keys are the last tile, from a region of their own (not the ring), so the ring holds context alone.
+// Registers: the producer gives its share back (setmaxnreg 40) and the consumers take it (232): a consumer holds O
+// (D/2 a thread), S (32), two sets of P (16 each), the statistics; Q stays in shared memory. Shared memory (D = 128):
+// the ring 2 x 32 KB, the queries 32 KB, the own keys and values 64 KB: 160 KB, one thread block a multiprocessor.
+#define WS_CONSUMERS 2
+#define WS_UNITS (WS_CONSUMERS * 4)
+#define WS_THREADS ((WS_CONSUMERS + 1) * 128)
+#define WS_STAGES 2
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void mbar_init(u64* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// An arrival on `bar` once this thread's earlier cp.async copies have landed (counted in the barrier's expected count).
+__device__ __forceinline__ void mbar_arrive_on_copies(u64* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits until phase `parity` of `bar` has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// d (64 x KEYS) = a (64 x 16, a K-major tile in shared memory) times 16 x KEYS of another, + d where `accumulate`.
+__device__ __forceinline__ void wg_scores_ss(float (&d)[KEYS / 8][4], unsigned long long a, unsigned long long b,
+                                             int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The shared memory of `staircase_fwd_ws`, in bf16 elements from its start: the ring's stages (K, then V, KEYS rows
+// each), the consumers' query tiles (64 rows each), their own keys and values (64 rows each); the barriers after.
+#define WS_TILE (KEYS * D)
+#define WS_RING_K(i) ((i) * 2 * WS_TILE)
+#define WS_RING_V(i) ((i) * 2 * WS_TILE + WS_TILE)
+#define WS_Q(c) (WS_STAGES * 2 * WS_TILE + (c) * 64 * D)
+#define WS_OWN_K(c) (WS_Q(WS_CONSUMERS) + (c) * 2 * 64 * D)
+#define WS_OWN_V(c) (WS_OWN_K(c) + 64 * D)
+#define WS_BARRIERS WS_OWN_K(WS_CONSUMERS)
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(StaircaseArgs a, bf16* __restrict__ o,
+                                                                          float* __restrict__ lse) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* const tiles = (bf16*)smem;
+  // full[i]: stage i's copies landed (the producer's 128 threads); empty[i]: stage i read (the consumers' 8 warps);
+  // ready: the queries and the own keys and values landed.
+  u64* const full = (u64*)(tiles + WS_BARRIERS);
+  u64* const empty = full + WS_STAGES;
+  u64* const ready = empty + WS_STAGES;
+  const int tile = (a.units + WS_UNITS - 1) / WS_UNITS - 1 - blockIdx.x;  // the longest ranges first
+  const int h = blockIdx.y, b = blockIdx.z, kvh = h / (a.heads / a.kv_heads);
+  const int role = threadIdx.x >> 7;  // 0 the producer, 1.. the consumers
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < WS_STAGES; ++i) mbar_init(full + i, 128), mbar_init(empty + i, WS_CONSUMERS * 4);
+    mbar_init(ready, 128);
+  }
+  __syncthreads();
+  // The union of the thread block's units' context ranges, in tiles of KEYS from a multiple of KEYS.
+  int first = 1 << 30, last = 0;
+  for (int w = 0; w < WS_UNITS; ++w) {
+    const int u = tile * WS_UNITS + w;
+    const int2 span = u < a.units ? unit_span(a, b, u) : make_int2(0, 0);
+    if (span.y > span.x) first = min(first, span.x), last = max(last, span.y);
+  }
+  const int tile_from = first >= last ? 0 : first / KEYS * KEYS;
+  const int tile_count = first >= last ? 0 : (last - tile_from + KEYS - 1) / KEYS;
+  const int rows = min(WS_UNITS, a.units - tile * WS_UNITS) * 16;  // the thread block's real query rows
+
+  if (role == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    const int by = threadIdx.x;
+    const long long q0 = (long long)tile * WS_UNITS * 16;
+    for (int c = 0; c < WS_CONSUMERS; ++c) {
+      // Rows past the real ones are zeros (a consumer with none reads only zeros), from no address past the tensors.
+      const int real = max(0, min(64, rows - 64 * c));
+      const long long r0 = real > 0 ? q0 + 64 * c : 0;
+      load_tile_wg<64, 128>(tiles + WS_Q(c), a.q + b * a.q_b + h * a.q_h + r0 * a.q_t, a.q_t, real, by);
+      load_tile_wg<64, 128>(tiles + WS_OWN_K(c), a.k_blk + b * a.k_b + kvh * a.k_h + r0 * a.k_t, a.k_t, real, by);
+      load_tile_wg<64, 128>(tiles + WS_OWN_V(c), a.v_blk + b * a.bv_b + kvh * a.bv_h + r0 * a.bv_t, a.bv_t, real, by);
+    }
+    mbar_arrive_on_copies(ready);
+    const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
+    const bf16* vc = a.v_ctx + b * a.cv_b + kvh * a.cv_h;
+    for (int t = 0; t < tile_count; ++t) {
+      const int stage = t % WS_STAGES, round = t / WS_STAGES, base = tile_from + t * KEYS;
+      if (round > 0) mbar_wait(empty + stage, (round - 1) & 1);
+      load_tile_wg<KEYS, 128>(tiles + WS_RING_K(stage), kc + (long long)base * a.c_t, a.c_t, a.context - base, by);
+      load_tile_wg<KEYS, 128>(tiles + WS_RING_V(stage), vc + (long long)base * a.cv_t, a.cv_t, a.context - base, by);
+      mbar_arrive_on_copies(full + stage);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // none of its copies outlives the thread
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int consumer = role - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int unit = tile * WS_UNITS + consumer * 4 + warp;
+  const bool active = unit < a.units;
+  const Rows mask = rows_of(a, b, active ? unit : 0);
+  const bf16* const qt = tiles + WS_Q(consumer);
+  const float scale_log2 = a.scale * LOG2E;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, alpha[2], shift[2];
+  float acc[D / 8][4], s[KEYS / 8][4];
+  u32 pa[KEYS / 16][4];
+  zero(acc);
+  // Tile t < tile_count is context (the ring's stage t % WS_STAGES), tile tile_count the units' own keys.
+  auto k_of = [&](int t) { return tiles + (t < tile_count ? WS_RING_K(t % WS_STAGES) : WS_OWN_K(consumer)); };
+  auto v_of = [&](int t) { return tiles + (t < tile_count ? WS_RING_V(t % WS_STAGES) : WS_OWN_V(consumer)); };
+  auto arrived = [&](int t) {
+    if (t < tile_count) mbar_wait(full + t % WS_STAGES, (t / WS_STAGES) & 1);
+    wg_visible();  // the producer's copies (the generic proxy's writes) to wgmma's reads
+  };
+  // S = Q K^T of tile t, issued (committed, not waited for).
+  auto scores = [&](int t) {
+    const bf16* kt = k_of(t);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) wg_scores_ss(s, wg_k_major(qt, 64, k), wg_k_major(kt, KEYS, k), k);
+    wg_commit();
+  };
+  // Tile t's statistics (`alpha`: the output's factor, applied once its values product is done) and its
+  // probabilities, in place of its scores in `s` (f32; made P's bf16 registers only once the values product that
+  // reads them is done).
+  auto softmax = [&](int t) {
+    const bool own = t == tile_count;
+    const int base = tile_from + t * KEYS;
+    const bool reached = active && (own || mask.reaches(base));
+    const int col0 = own ? 2 * warp : 0, cols = reached ? (own ? 2 : KEYS / 8) : 0;
+    const bool whole = !own && reached && mask.whole(base, a.window);
+    auto seen = [&](int col, int row) {
+      return own ? mask.sees_own(col - col0 * 8, row, a.causal_block, a.window) : mask.sees_key(base + col, row, a.window);
+    };
+    softmax_stats(s, col0, cols, whole, seen, scale_log2, m, l, alpha, shift);
+    exponentiate(s, scale_log2, shift, l);
+  };
+  auto to_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) c_as_a(pa[kk], s[2 * kk], s[2 * kk + 1]);
+  };
+  // O += P(t) V(t), issued.
+  auto values = [&](int t) {
+    const bf16* vt = v_of(t);
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, pa[kk], wg_n_major(vt, KEYS, kk), 1);
+    wg_commit();
+  };
+  mbar_wait(ready, 0);
+  arrived(0);
+  wg_fence();
+  scores(0);
+  wg_wait<0>();
+  softmax(0);
+  to_p();
+  // Each context tile's values product runs beside the next tile's scores and their softmax (no branch between the
+  // products, and no register they use written while they run: ptxas then keeps them in flight together); the
+  // own keys' tile ends the walk.
+  for (int t = 0; t < tile_count; ++t) {
+    arrived(t + 1);
+    wg_fence();
+    scores(t + 1);
+    values(t);
+    wg_wait<1>();
+    softmax(t + 1);
+    wg_wait<0>();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + t % WS_STAGES);
+    rescale(acc, alpha);
+    to_p();
+  }
+  wg_fence();
+  values(tile_count);
+  wg_wait<0>();
+  if (active) store_forward(o, lse, (long long)(b * a.heads + h) * a.units * 16 + unit * 16, acc, m, l);
+}
+#endif
 
 // dS = P (dP - drow) of k-step `kk` of a half tile (n-tiles n0..n0 + 3; P recomputed from the log-sum-exp, `lse2`
 // in base 2, zero where the row does not see the key) as bf16 A fragments for dQ += dS K.

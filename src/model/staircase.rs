@@ -13,8 +13,11 @@
 //! block, a sliding window), unless `DFLASH_FUSED_KERNELS=0` (every kernel of ours off) or
 //! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
 //! the CPU's reference. On Hopper, `DFLASH_WGMMA=1` builds the forward, dQ and dK/dV on the warpgroup's `wgmma`
-//! instead of each warp's `mma.sync` (`compute_90a`; the same masks and softmax, the tiles in wgmma's shared layout):
-//! off by default until a Hopper GPU has run its tests (issue 65; `scripts/gpu/staircase.sh wgmma`).
+//! instead of each warp's `mma.sync` (`compute_90a`; the same masks and softmax, the tiles in wgmma's shared layout),
+//! the forward warp-specialized (`staircase_fwd_ws`: a producer warpgroup copying into a ring of stages that mbarriers
+//! guard, two consumer warpgroups of 64 query rows overlapping each tile's values product with the next tile's
+//! scores): off by default until a Hopper GPU has run its tests and beaten `mma.sync` (issue 65;
+//! `scripts/gpu/staircase.sh wgmma`, `WGMMA=1 scripts/probes/staircase_kernel.py`).
 //!
 //! The same source holds batch-1 decoding's attention over a KV cache ([`decode_attention`]), which shares the
 //! tiles, the fragments and the online softmax of the training forward: the target's verify and one-token steps at
@@ -50,6 +53,17 @@ struct Kernels {
     functions: [(CudaFunction, u32); 5],
     /// The device's multiprocessors (how many thread blocks keep it busy).
     multiprocessors: u32,
+    /// Under `wgmma`, the warp-specialized forward (`staircase_fwd_ws`) that replaces function 0, and its shared memory.
+    forward_ws: Option<(CudaFunction, u32)>,
+}
+
+/// The warp-specialized forward's thread block: a producer warpgroup and two consumers of four units each, and its
+/// shared memory for head dimension `d` (`WS_*` in `staircase.cu`: two stages of a key and a value tile, the queries,
+/// the units' own keys and values; five barriers).
+const WS_THREADS: u32 = 3 * 128;
+const WS_UNITS: u32 = 8;
+fn forward_ws_bytes(d: u32) -> u32 {
+    2 * (2 * 2 * KEYS * d + 2 * 64 * d + 2 * 2 * 64 * d) + 5 * 8
 }
 
 // SAFETY: plain driver handles, valid in any thread bound to the context (each launch binds it).
@@ -113,7 +127,16 @@ impl Kernels {
         }
         let functions = functions.try_into().map_err(|_| "five kernels".to_string())?;
         let multiprocessors = capability(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        Ok(Kernels { context, _module: module, functions, multiprocessors })
+        let forward_ws = if wgmma {
+            let bytes = forward_ws_bytes(head_dim as u32);
+            let f = module.load_function("staircase_fwd_ws").map_err(|e| format!("kernel staircase_fwd_ws: {e}"))?;
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .map_err(|e| format!("kernel staircase_fwd_ws: {bytes} bytes of shared memory: {e}"))?;
+            Some((f, bytes))
+        } else {
+            None
+        };
+        Ok(Kernels { context, _module: module, functions, multiprocessors, forward_ws })
     }
 }
 
@@ -133,9 +156,26 @@ impl Kernels {
         params: &mut [*mut c_void],
     ) -> Result<(), String> {
         let (f, bytes) = self.functions.get(index).ok_or(format!("no kernel {index}"))?;
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_function(f, *bytes, grid, block, stream, params) }
+    }
+
+    /// [`Kernels::launch`] of a function of this module with `bytes` of shared memory.
+    ///
+    /// # Safety
+    /// As [`Kernels::launch`].
+    unsafe fn launch_function(
+        &self,
+        f: &CudaFunction,
+        bytes: u32,
+        grid: (u32, u32, u32),
+        block: u32,
+        stream: *mut c_void,
+        params: &mut [*mut c_void],
+    ) -> Result<(), String> {
         self.context.bind_to_thread().map_err(|e| e.to_string())?;
         // SAFETY: the function belongs to this context's live module; the parameters are the caller's contract.
-        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), *bytes, stream as sys::CUstream, params) }
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), bytes, stream as sys::CUstream, params) }
             .map_err(|e| e.to_string())
     }
 }
@@ -328,8 +368,21 @@ unsafe extern "C" fn launch(
         let mut params: Vec<*mut c_void> = vec![args as *mut c_void];
         params.extend(values.iter_mut().map(|v| v as *mut *mut c_void as *mut c_void));
         // SAFETY: the parameters point at the argument block and at the output pointers, live for the call (which
-        // copies them); the tensors stay alive until the stream has run the kernel (the caller's contract).
-        unsafe { k.launch(kernel as usize, grid, WARPS * 32, stream, &mut params) }
+        // copies them); the tensors stay alive until the stream has run the kernel (the caller's contract). The
+        // warp-specialized forward takes the same parameters.
+        match (&k.forward_ws, kernel) {
+            (Some((f, bytes)), 0) => unsafe {
+                k.launch_function(
+                    f,
+                    *bytes,
+                    (units.div_ceil(WS_UNITS), grid.1, grid.2),
+                    WS_THREADS,
+                    stream,
+                    &mut params,
+                )
+            },
+            _ => unsafe { k.launch(kernel as usize, grid, WARPS * 32, stream, &mut params) },
+        }
     });
     let message = match launched {
         Ok(Ok(())) => return 0,
@@ -438,6 +491,7 @@ mod tests {
         for (head_dim, per) in [(128, 1), (64, 1), (64, 2)] {
             let ptx = ptx("compute_90a", head_dim, per, true).unwrap().to_src();
             assert!(ptx.contains("wgmma.mma_async"), "d {head_dim}: no warpgroup products in the PTX");
+            assert!(ptx.contains(".entry staircase_fwd_ws("), "d {head_dim}: no warp-specialized forward");
             if !ptxas.is_file() {
                 eprintln!("{}: not found; the PTX is not assembled", ptxas.display());
                 continue;
