@@ -9,7 +9,7 @@ import torch
 
 dev, bf = "cuda", torch.bfloat16
 UNIT, KEYS, WARPS, QROWS = 16, 64, 4, 32  # a warp's query rows: a block of 16 or two of 8
-# WGMMA=1: the Hopper build (compute_90a, -DWGMMA): the training kernels on wgmma, the forward warp-specialized.
+# WGMMA=1: the Hopper build (compute_90a, -DWGMMA): the training kernels on wgmma, warp-specialized.
 WGMMA = os.environ.get("WGMMA") == "1"
 WS_UNITS, WS_THREADS = 8, 384
 torch.zeros(1, device=dev)  # the primary context, current on this thread
@@ -48,7 +48,8 @@ def compile_module(d, per):
     funcs = {}
     kernels = [("staircase_fwd", fwd_smem(d)), ("staircase_dq", dq_smem(d)), ("staircase_dkv", dkv_smem(d))]
     if WGMMA:
-        kernels.append(("staircase_fwd_ws", fwd_ws_smem(d)))
+        kernels += [("staircase_fwd_ws", ws_smem(d)), ("staircase_dq_ws", ws_smem(d) + 2 * 64 * d * 2),
+                    ("staircase_dkv_ws", (4 * 64 * d + 3 * (2 * QROWS * d + 2 * QROWS * 2)) * 2 + 7 * 8)]
     for name, smem in kernels:
         f = ctypes.c_void_p()
         check(cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()), name)
@@ -66,7 +67,7 @@ def fwd_smem(d):
     return 2 * 2 * KEYS * (d + 8) * 2
 
 
-def fwd_ws_smem(d):  # the warp-specialized forward (WGMMA): a ring of 2 K/V stages, 128 queries, their own K/V, 5 barriers
+def ws_smem(d):  # the warp-specialized forward (WGMMA): a ring of 2 K/V stages, 128 queries, their own K/V, 5 barriers
     return 2 * (2 * 2 * KEYS * d + 2 * 64 * d + 2 * 2 * 64 * d) + 5 * 8
 
 
@@ -104,7 +105,7 @@ def launch(name, d, grid, args, *ptrs):
     vals = [args] + [ctypes.c_void_p(p) for p in ptrs]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    threads = WS_THREADS if name == "staircase_fwd_ws" else WARPS * 32
+    threads = WS_THREADS if name.endswith("_ws") else WARPS * 32
     check(cuda.cuLaunchKernel(f, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream, params, None), name)
 
 
@@ -137,13 +138,17 @@ def backward(q, kc, vc, kb, vb, lo, hi, causal, scale, o, lse, dout, which=("dq"
     dq = torch.empty_like(o)
     dkc, dvc = torch.empty(B, KV, S, d, device=dev, dtype=bf), torch.empty(B, KV, S, d, device=dev, dtype=bf)
     dkb, dvb = torch.empty(B, KV, Q, d, device=dev, dtype=bf), torch.empty(B, KV, Q, d, device=dev, dtype=bf)
-    if "dq" in which:
+    if "dq" in which and WGMMA:  # warp-specialized: 8 units a thread block
+        launch("staircase_dq_ws", d, ((Q // UNIT + WS_UNITS - 1) // WS_UNITS, H, B), a, dout.data_ptr(),
+               lse.data_ptr(), drow.data_ptr(), dq.data_ptr())
+    elif "dq" in which:
         launch("staircase_dq", d, ((Q // UNIT + WARPS - 1) // WARPS, H, B), a, dout.data_ptr(), lse.data_ptr(),
                drow.data_ptr(), dq.data_ptr())
     if "dkv" in which:
-        tiles = (S + KEYS - 1) // KEYS + (Q + KEYS - 1) // KEYS
-        launch("staircase_dkv", d, (tiles, KV, B), a, dout.data_ptr(), lse.data_ptr(), drow.data_ptr(),
-               dkc.data_ptr(), dvc.data_ptr(), dkb.data_ptr(), dvb.data_ptr())
+        keys = 128 if WGMMA else KEYS  # warp-specialized: 128 keys a thread block
+        tiles = (S + keys - 1) // keys + (Q + keys - 1) // keys
+        launch("staircase_dkv_ws" if WGMMA else "staircase_dkv", d, (tiles, KV, B), a, dout.data_ptr(),
+               lse.data_ptr(), drow.data_ptr(), dkc.data_ptr(), dvc.data_ptr(), dkb.data_ptr(), dvb.data_ptr())
     return dq, dkc, dvc, dkb, dvb
 
 

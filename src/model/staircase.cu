@@ -729,73 +729,110 @@ __device__ __forceinline__ void wg_scores_ss(float (&d)[KEYS / 8][4], unsigned l
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// The shared memory of `staircase_fwd_ws`, in bf16 elements from its start: the ring's stages (K, then V, KEYS rows
-// each), the consumers' query tiles (64 rows each), their own keys and values (64 rows each); the barriers after.
+// The shared memory of the warp-specialized kernels, in bf16 elements from its start: the ring's stages (K, then V,
+// KEYS rows each), the consumers' query tiles (64 rows each), their own keys and values (64 rows each), for dQ their
+// output gradients' tiles (64 rows each); the barriers after.
 #define WS_TILE (KEYS * D)
 #define WS_RING_K(i) ((i) * 2 * WS_TILE)
 #define WS_RING_V(i) ((i) * 2 * WS_TILE + WS_TILE)
 #define WS_Q(c) (WS_STAGES * 2 * WS_TILE + (c) * 64 * D)
 #define WS_OWN_K(c) (WS_Q(WS_CONSUMERS) + (c) * 2 * 64 * D)
 #define WS_OWN_V(c) (WS_OWN_K(c) + 64 * D)
-#define WS_BARRIERS WS_OWN_K(WS_CONSUMERS)
+#define WS_DO(c) (WS_OWN_K(WS_CONSUMERS) + (c) * 64 * D)
+
+// What the three warpgroups of a warp-specialized kernel share: the barriers (full[i]: stage i's copies landed, the
+// producer's 128 threads arriving; empty[i]: stage i read, the consumers' 8 warps; ready: the query-side tiles
+// landed) and the walk: the union of the thread block's units' context ranges in tiles of KEYS from a multiple of
+// KEYS (tile t < count is context from key `from + t * KEYS`, tile `count` the units' own keys).
+struct WsWalk {
+  u64 *full, *empty, *ready;
+  int tile, from, count, rows;  // rows: the thread block's real query rows
+};
+
+// Sets the barriers up (in shared memory after `tiles + barriers`) and computes the walk; every thread calls it.
+__device__ __forceinline__ WsWalk ws_begin(const StaircaseArgs& a, bf16* tiles, int barriers, int b) {
+  WsWalk w;
+  w.full = (u64*)(tiles + barriers);
+  w.empty = w.full + WS_STAGES;
+  w.ready = w.empty + WS_STAGES;
+  w.tile = (a.units + WS_UNITS - 1) / WS_UNITS - 1 - blockIdx.x;  // the longest ranges first
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < WS_STAGES; ++i) mbar_init(w.full + i, 128), mbar_init(w.empty + i, WS_CONSUMERS * 4);
+    mbar_init(w.ready, 128);
+  }
+  __syncthreads();
+  int first = 1 << 30, last = 0;
+  for (int i = 0; i < WS_UNITS; ++i) {
+    const int u = w.tile * WS_UNITS + i;
+    const int2 span = u < a.units ? unit_span(a, b, u) : make_int2(0, 0);
+    if (span.y > span.x) first = min(first, span.x), last = max(last, span.y);
+  }
+  w.from = first >= last ? 0 : first / KEYS * KEYS;
+  w.count = first >= last ? 0 : (last - w.from + KEYS - 1) / KEYS;
+  w.rows = min(WS_UNITS, a.units - w.tile * WS_UNITS) * 16;
+  return w;
+}
+
+// The producer warpgroup's part (its 128 threads): the query-side tiles (Q, the own keys and values, and dO where
+// `dout`, contiguous [B, H, Q, D], is given) signalled on `ready`, then the context tiles through the ring.
+__device__ __forceinline__ void ws_produce(const StaircaseArgs& a, const WsWalk& w, bf16* tiles, int h, int b,
+                                           const bf16* dout) {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+  const int by = threadIdx.x, kvh = h / (a.heads / a.kv_heads);
+  const long long q0 = (long long)w.tile * WS_UNITS * 16;
+  for (int c = 0; c < WS_CONSUMERS; ++c) {
+    // Rows past the real ones are zeros (a consumer with none reads only zeros), from no address past the tensors.
+    const int real = max(0, min(64, w.rows - 64 * c));
+    const long long r0 = real > 0 ? q0 + 64 * c : 0;
+    load_tile_wg<64, 128>(tiles + WS_Q(c), a.q + b * a.q_b + h * a.q_h + r0 * a.q_t, a.q_t, real, by);
+    load_tile_wg<64, 128>(tiles + WS_OWN_K(c), a.k_blk + b * a.k_b + kvh * a.k_h + r0 * a.k_t, a.k_t, real, by);
+    load_tile_wg<64, 128>(tiles + WS_OWN_V(c), a.v_blk + b * a.bv_b + kvh * a.bv_h + r0 * a.bv_t, a.bv_t, real, by);
+    if (dout) load_tile_wg<64, 128>(tiles + WS_DO(c), dout + ((long long)(b * a.heads + h) * a.units * 16 + r0) * D, D, real, by);
+  }
+  mbar_arrive_on_copies(w.ready);
+  const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
+  const bf16* vc = a.v_ctx + b * a.cv_b + kvh * a.cv_h;
+  for (int t = 0; t < w.count; ++t) {
+    const int stage = t % WS_STAGES, round = t / WS_STAGES, base = w.from + t * KEYS;
+    if (round > 0) mbar_wait(w.empty + stage, (round - 1) & 1);
+    load_tile_wg<KEYS, 128>(tiles + WS_RING_K(stage), kc + (long long)base * a.c_t, a.c_t, a.context - base, by);
+    load_tile_wg<KEYS, 128>(tiles + WS_RING_V(stage), vc + (long long)base * a.cv_t, a.cv_t, a.context - base, by);
+    mbar_arrive_on_copies(w.full + stage);
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // none of its copies outlives the thread
+}
+
+// A consumer's wait for tile t (the ring's stage, or nothing for the own keys, which came with `ready`), then the
+// producer's copies (the generic proxy's writes) made visible to wgmma's reads.
+__device__ __forceinline__ void ws_arrived(const WsWalk& w, int t) {
+  if (t < w.count) mbar_wait(w.full + t % WS_STAGES, (t / WS_STAGES) & 1);
+  wg_visible();
+}
+
+// A consumer warp's release of ring tile t once the products reading it are done.
+__device__ __forceinline__ void ws_release(const WsWalk& w, int t) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(w.empty + t % WS_STAGES);
+}
+
+// Tile t's keys and values in shared memory for consumer `c`.
+__device__ __forceinline__ const bf16* ws_keys(const WsWalk& w, const bf16* tiles, int t, int c) {
+  return tiles + (t < w.count ? WS_RING_K(t % WS_STAGES) : WS_OWN_K(c));
+}
+__device__ __forceinline__ const bf16* ws_values(const WsWalk& w, const bf16* tiles, int t, int c) {
+  return tiles + (t < w.count ? WS_RING_V(t % WS_STAGES) : WS_OWN_V(c));
+}
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(StaircaseArgs a, bf16* __restrict__ o,
                                                                           float* __restrict__ lse) {
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* const tiles = (bf16*)smem;
-  // full[i]: stage i's copies landed (the producer's 128 threads); empty[i]: stage i read (the consumers' 8 warps);
-  // ready: the queries and the own keys and values landed.
-  u64* const full = (u64*)(tiles + WS_BARRIERS);
-  u64* const empty = full + WS_STAGES;
-  u64* const ready = empty + WS_STAGES;
-  const int tile = (a.units + WS_UNITS - 1) / WS_UNITS - 1 - blockIdx.x;  // the longest ranges first
-  const int h = blockIdx.y, b = blockIdx.z, kvh = h / (a.heads / a.kv_heads);
-  const int role = threadIdx.x >> 7;  // 0 the producer, 1.. the consumers
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < WS_STAGES; ++i) mbar_init(full + i, 128), mbar_init(empty + i, WS_CONSUMERS * 4);
-    mbar_init(ready, 128);
-  }
-  __syncthreads();
-  // The union of the thread block's units' context ranges, in tiles of KEYS from a multiple of KEYS.
-  int first = 1 << 30, last = 0;
-  for (int w = 0; w < WS_UNITS; ++w) {
-    const int u = tile * WS_UNITS + w;
-    const int2 span = u < a.units ? unit_span(a, b, u) : make_int2(0, 0);
-    if (span.y > span.x) first = min(first, span.x), last = max(last, span.y);
-  }
-  const int tile_from = first >= last ? 0 : first / KEYS * KEYS;
-  const int tile_count = first >= last ? 0 : (last - tile_from + KEYS - 1) / KEYS;
-  const int rows = min(WS_UNITS, a.units - tile * WS_UNITS) * 16;  // the thread block's real query rows
-
-  if (role == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    const int by = threadIdx.x;
-    const long long q0 = (long long)tile * WS_UNITS * 16;
-    for (int c = 0; c < WS_CONSUMERS; ++c) {
-      // Rows past the real ones are zeros (a consumer with none reads only zeros), from no address past the tensors.
-      const int real = max(0, min(64, rows - 64 * c));
-      const long long r0 = real > 0 ? q0 + 64 * c : 0;
-      load_tile_wg<64, 128>(tiles + WS_Q(c), a.q + b * a.q_b + h * a.q_h + r0 * a.q_t, a.q_t, real, by);
-      load_tile_wg<64, 128>(tiles + WS_OWN_K(c), a.k_blk + b * a.k_b + kvh * a.k_h + r0 * a.k_t, a.k_t, real, by);
-      load_tile_wg<64, 128>(tiles + WS_OWN_V(c), a.v_blk + b * a.bv_b + kvh * a.bv_h + r0 * a.bv_t, a.bv_t, real, by);
-    }
-    mbar_arrive_on_copies(ready);
-    const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
-    const bf16* vc = a.v_ctx + b * a.cv_b + kvh * a.cv_h;
-    for (int t = 0; t < tile_count; ++t) {
-      const int stage = t % WS_STAGES, round = t / WS_STAGES, base = tile_from + t * KEYS;
-      if (round > 0) mbar_wait(empty + stage, (round - 1) & 1);
-      load_tile_wg<KEYS, 128>(tiles + WS_RING_K(stage), kc + (long long)base * a.c_t, a.c_t, a.context - base, by);
-      load_tile_wg<KEYS, 128>(tiles + WS_RING_V(stage), vc + (long long)base * a.cv_t, a.cv_t, a.context - base, by);
-      mbar_arrive_on_copies(full + stage);
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // none of its copies outlives the thread
-    return;
-  }
-
+  const int h = blockIdx.y, b = blockIdx.z, role = threadIdx.x >> 7;  // role 0 the producer, 1.. the consumers
+  const WsWalk w = ws_begin(a, tiles, WS_OWN_K(WS_CONSUMERS), b);
+  if (role == 0) return ws_produce(a, w, tiles, h, b, nullptr);
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int consumer = role - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int unit = tile * WS_UNITS + consumer * 4 + warp;
+  const int consumer = role - 1, warp = (threadIdx.x >> 5) & 3;
+  const int unit = w.tile * WS_UNITS + consumer * 4 + warp;
   const bool active = unit < a.units;
   const Rows mask = rows_of(a, b, active ? unit : 0);
   const bf16* const qt = tiles + WS_Q(consumer);
@@ -804,16 +841,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(Sta
   float acc[D / 8][4], s[KEYS / 8][4];
   u32 pa[KEYS / 16][4];
   zero(acc);
-  // Tile t < tile_count is context (the ring's stage t % WS_STAGES), tile tile_count the units' own keys.
-  auto k_of = [&](int t) { return tiles + (t < tile_count ? WS_RING_K(t % WS_STAGES) : WS_OWN_K(consumer)); };
-  auto v_of = [&](int t) { return tiles + (t < tile_count ? WS_RING_V(t % WS_STAGES) : WS_OWN_V(consumer)); };
-  auto arrived = [&](int t) {
-    if (t < tile_count) mbar_wait(full + t % WS_STAGES, (t / WS_STAGES) & 1);
-    wg_visible();  // the producer's copies (the generic proxy's writes) to wgmma's reads
-  };
   // S = Q K^T of tile t, issued (committed, not waited for).
   auto scores = [&](int t) {
-    const bf16* kt = k_of(t);
+    const bf16* kt = ws_keys(w, tiles, t, consumer);
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) wg_scores_ss(s, wg_k_major(qt, 64, k), wg_k_major(kt, KEYS, k), k);
     wg_commit();
@@ -822,8 +852,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(Sta
   // probabilities, in place of its scores in `s` (f32; made P's bf16 registers only once the values product that
   // reads them is done).
   auto softmax = [&](int t) {
-    const bool own = t == tile_count;
-    const int base = tile_from + t * KEYS;
+    const bool own = t == w.count;
+    const int base = w.from + t * KEYS;
     const bool reached = active && (own || mask.reaches(base));
     const int col0 = own ? 2 * warp : 0, cols = reached ? (own ? 2 : KEYS / 8) : 0;
     const bool whole = !own && reached && mask.whole(base, a.window);
@@ -839,13 +869,13 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(Sta
   };
   // O += P(t) V(t), issued.
   auto values = [&](int t) {
-    const bf16* vt = v_of(t);
+    const bf16* vt = ws_values(w, tiles, t, consumer);
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, pa[kk], wg_n_major(vt, KEYS, kk), 1);
     wg_commit();
   };
-  mbar_wait(ready, 0);
-  arrived(0);
+  mbar_wait(w.ready, 0);
+  ws_arrived(w, 0);
   wg_fence();
   scores(0);
   wg_wait<0>();
@@ -854,21 +884,20 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(Sta
   // Each context tile's values product runs beside the next tile's scores and their softmax (no branch between the
   // products, and no register they use written while they run: ptxas then keeps them in flight together); the
   // own keys' tile ends the walk.
-  for (int t = 0; t < tile_count; ++t) {
-    arrived(t + 1);
+  for (int t = 0; t < w.count; ++t) {
+    ws_arrived(w, t + 1);
     wg_fence();
     scores(t + 1);
     values(t);
     wg_wait<1>();
     softmax(t + 1);
     wg_wait<0>();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + t % WS_STAGES);
+    ws_release(w, t);
     rescale(acc, alpha);
     to_p();
   }
   wg_fence();
-  values(tile_count);
+  values(w.count);
   wg_wait<0>();
   if (active) store_forward(o, lse, (long long)(b * a.heads + h) * a.units * 16 + unit * 16, acc, m, l);
 }
@@ -1019,7 +1048,174 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dq(StaircaseArgs
   if (active) store_rows(dq + row0 * D, acc, a.scale, 16);
 }
 
+#ifdef WGMMA
+// dQ on Hopper, warp-specialized as the forward is (`staircase_fwd_ws`: the same producer, ring and walk; dO's tiles
+// come with the queries'): a consumer issues the next tile's S = Q K^T and dP = dO V^T (both operands in shared
+// memory) beside this tile's dQ += dS K, then frees the stage once dQ's product is done and computes the next dS
+// (P recomputed from the log-sum-exp). Registers: dQ (D/2 a thread), S and dP (32 each), dS (16). Shared memory
+// (D = 128): the forward's 160 KB and dO's 32 KB.
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_dq_ws(StaircaseArgs a,
+                                                                         const bf16* __restrict__ dout,
+                                                                         const float* __restrict__ lse,
+                                                                         const float* __restrict__ drow,
+                                                                         bf16* __restrict__ dq) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* const tiles = (bf16*)smem;
+  const int h = blockIdx.y, b = blockIdx.z, role = threadIdx.x >> 7;  // role 0 the producer, 1.. the consumers
+  const WsWalk w = ws_begin(a, tiles, WS_DO(WS_CONSUMERS), b);
+  if (role == 0) return ws_produce(a, w, tiles, h, b, dout);
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int consumer = role - 1, warp = (threadIdx.x >> 5) & 3, g = (threadIdx.x & 31) >> 2;
+  const int unit = w.tile * WS_UNITS + consumer * 4 + warp;
+  const bool active = unit < a.units;
+  const Rows mask = rows_of(a, b, active ? unit : 0);
+  const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + unit * 16;
+  float lse2[2], dr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = active ? lse[row0 + g + 8 * r] * LOG2E : 0.f;
+    dr[r] = active ? drow[row0 + g + 8 * r] : 0.f;
+  }
+  const bf16 *const qt = tiles + WS_Q(consumer), *const dt = tiles + WS_DO(consumer);
+  const float scale_log2 = a.scale * LOG2E;
+  float acc[D / 8][4], s[KEYS / 8][4], dp[KEYS / 8][4];
+  u32 dsa[KEYS / 16][4];
+  zero(acc);
+  // S and dP of tile t, issued.
+  auto products = [&](int t) {
+    const bf16 *kt = ws_keys(w, tiles, t, consumer), *vt = ws_values(w, tiles, t, consumer);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) wg_scores_ss(s, wg_k_major(qt, 64, k), wg_k_major(kt, KEYS, k), k);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) wg_scores_ss(dp, wg_k_major(dt, 64, k), wg_k_major(vt, KEYS, k), k);
+    wg_commit();
+  };
+  // dS of tile t from its S and dP, as bf16 A fragments.
+  auto gradient = [&](int t) {
+    const bool own = t == w.count;
+    const int base = w.from + t * KEYS;
+    const bool reached = active && (own || mask.reaches(base));
+    const int col0 = own ? 2 * warp : 0, cols = reached ? (own ? 2 : KEYS / 8) : 0;
+    const bool whole = !own && reached && mask.whole(base, a.window);
+#pragma unroll
+    for (int half = 0; half < KEYS / 32; ++half) {
+      const auto& sh = *reinterpret_cast<const float(*)[4][4]>(&s[4 * half]);
+      const auto& dph = *reinterpret_cast<const float(*)[4][4]>(&dp[4 * half]);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        dscores(dsa[2 * half + kk], sh, dph, kk, 4 * half, col0, cols, base, whole, mask, own, a.causal_block,
+                a.window, scale_log2, lse2, dr);
+    }
+  };
+  // dQ += dS K of tile t (its keys as the N-major operand), issued.
+  auto accumulate = [&](int t) {
+    const bf16* kt = ws_keys(w, tiles, t, consumer);
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) wg_values(acc, dsa[kk], wg_n_major(kt, KEYS, kk), 1);
+    wg_commit();
+  };
+  mbar_wait(w.ready, 0);
+  ws_arrived(w, 0);
+  wg_fence();
+  products(0);
+  wg_wait<0>();
+  gradient(0);
+  for (int t = 0; t < w.count; ++t) {
+    ws_arrived(w, t + 1);
+    wg_fence();
+    accumulate(t);
+    products(t + 1);
+    wg_wait<1>();  // dQ's product of tile t done: every product that reads its stage
+    ws_release(w, t);
+    wg_wait<0>();
+    gradient(t + 1);
+  }
+  wg_fence();
+  accumulate(w.count);
+  wg_wait<0>();
+  if (active) store_rows(dq + row0 * D, acc, a.scale, 16);
+}
+#endif
+
 #define QROWS 32  // queries a step of the key-major kernel: two units
+
+// P^T and dS^T of a warp's 16 keys (from key `key0`: its rows g and g + 8) against a step's 32 queries (units j and
+// j + 1: the columns), in place of S^T and dP^T: P recomputed from the log-sum-exp (`lse_s`, natural log, and
+// `drow_s`, a float per column), masked only where one of the step's query blocks does not see all 16 keys, and
+// zero everywhere where the warp's keys do not meet the step (`meets` false). `ctx`: context keys; else the block
+// keys of unit `key_unit`.
+__device__ __forceinline__ void dkv_scores(float (&st)[4][4], float (&dpt)[4][4], const StaircaseArgs& a, int b, int j,
+                                           int key0, bool ctx, int key_unit, bool meets, const float* lse_s,
+                                           const float* drow_s, float scale_log2) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // The step's blocks' ranges: its columns' blocks are i = col >> SHIFT, of blocks j * PER + i.
+  int qlo[2 * PER], qhi[2 * PER];
+#pragma unroll
+  for (int i = 0; i < 2 * PER; ++i) {
+    const bool valid = j * PER + i < a.units * PER;
+    qlo[i] = valid ? range_lo(a, b, j * PER + i) : 0;
+    qhi[i] = valid ? range_hi(a, b, j * PER + i) : 0;
+  }
+  bool whole = ctx && j + 1 < a.units;
+#pragma unroll
+  for (int i = 0; i < 2 * PER; ++i) {
+    whole = whole && qlo[i] <= key0 && qhi[i] >= key0 + 16 && (a.window == 0 || key0 > qhi[i] + SLOTS - a.window);
+  }
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int col = n * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8;
+      float p = ex2(fmaf(st[n][e], scale_log2, -lse_s[col] * LOG2E));
+      if (!whole) {
+        // The column's block of the step, col >> SHIFT: n, or n / 2 for blocks of 16 (a constant index, so the
+        // ranges stay in registers).
+        const int qi = PER == 2 ? n : n >> 1;
+        bool seen;
+        if (ctx) {
+          seen = j * PER + qi < a.units * PER &&
+                 sees(false, key0 + row, 0, col & SLOTS, qlo[qi], qhi[qi], a.causal_block, a.window);
+        } else {
+          seen = j + (col >> 4) == key_unit && row >> SHIFT == (col & 15) >> SHIFT &&
+                 sees(true, 0, row & SLOTS, col & SLOTS, 0, 0, a.causal_block, a.window);
+        }
+        if (!seen) p = 0.f;
+      }
+      if (!meets) p = 0.f;
+      st[n][e] = p;
+      dpt[n][e] = p * (dpt[n][e] - drow_s[col]);
+    }
+  }
+}
+
+
+
+// The query units that see a key of [k0, k0 + keys), as [x, y), x even (steps of two units): for context keys, those
+// with a block whose range reaches into it (ranges ascend along the row, so that is one run of blocks); for block
+// keys, the keys' own units.
+__device__ __forceinline__ int2 dkv_query_units(const StaircaseArgs& a, int b, bool ctx, int k0, int keys) {
+  int j_begin, j_end;
+  if (ctx) {
+    const int blocks = a.units * PER;
+    int lo_ = 0, hi_ = blocks;
+    while (lo_ < hi_) {  // the first block whose range ends past k0
+      int mid = (lo_ + hi_) / 2;
+      if (range_hi(a, b, mid) > k0) hi_ = mid; else lo_ = mid + 1;
+    }
+    const int first = lo_;
+    lo_ = first, hi_ = blocks;
+    while (lo_ < hi_) {  // the first block whose range starts past the keys
+      int mid = (lo_ + hi_) / 2;
+      if (range_lo(a, b, mid) >= k0 + keys) hi_ = mid; else lo_ = mid + 1;
+    }
+    j_begin = first / PER;
+    j_end = (lo_ + PER - 1) / PER;
+  } else {
+    j_begin = k0 / 16;
+    j_end = min(a.units, j_begin + keys / 16);
+  }
+  return make_int2(j_begin / 2 * 2, j_end);
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArgs a, const bf16* __restrict__ dout,
                                                                   const float* __restrict__ lse,
@@ -1039,7 +1235,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
   const bool ctx = (int)blockIdx.x < ctx_tiles;
   const int k0 = ctx ? blockIdx.x * KEYS : (blockIdx.x - ctx_tiles) * KEYS;
   const int rows = ctx ? min(KEYS, a.context - k0) : min(KEYS, a.units * 16 - k0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const int wk = 16 * warp;  // this warp's first key row in the tile
   // Under WGMMA every tile is in wgmma's layout: the key and value tiles as the A operand of S^T and dP^T (shared
   // memory), the query and dO tiles as B (K-major there, N-major for dV and dK).
@@ -1052,29 +1248,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
     load_rows<WG>(vt, vb, ctx ? a.cv_t : a.bv_t, rows);
     copies_issued();
   }
-  // The query units that see a key of the tile: context keys, those with a block whose range reaches into it (ranges
-  // ascend along the row, so that is one run of blocks); block keys, the tile's own four.
-  int j_begin, j_end;
-  if (ctx) {
-    const int blocks = a.units * PER;
-    int lo_ = 0, hi_ = blocks;
-    while (lo_ < hi_) {  // the first block whose range ends past k0
-      int mid = (lo_ + hi_) / 2;
-      if (range_hi(a, b, mid) > k0) hi_ = mid; else lo_ = mid + 1;
-    }
-    const int first = lo_;
-    lo_ = first, hi_ = blocks;
-    while (lo_ < hi_) {  // the first block whose range starts past the tile
-      int mid = (lo_ + hi_) / 2;
-      if (range_lo(a, b, mid) >= k0 + KEYS) hi_ = mid; else lo_ = mid + 1;
-    }
-    j_begin = first / PER;
-    j_end = (lo_ + PER - 1) / PER;
-  } else {
-    j_begin = k0 / 16;
-    j_end = min(a.units, j_begin + WARPS);
-  }
-  j_begin = j_begin / 2 * 2;
+  const int2 span = dkv_query_units(a, b, ctx, k0, KEYS);
+  const int j_begin = span.x, j_end = span.y;
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
   zero(dv);
@@ -1115,14 +1290,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
 #else
     if (meets) {
 #endif
-      // The step's blocks' ranges: its columns' blocks are i = col >> SHIFT, of blocks j * PER + i.
-      int qlo[2 * PER], qhi[2 * PER];
-#pragma unroll
-      for (int i = 0; i < 2 * PER; ++i) {
-        const bool valid = j * PER + i < a.units * PER;
-        qlo[i] = valid ? range_lo(a, b, j * PER + i) : 0;
-        qhi[i] = valid ? range_hi(a, b, j * PER + i) : 0;
-      }
       // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys against the 32 queries.
       float st[4][4], dpt[4][4];
 #ifdef WGMMA
@@ -1148,49 +1315,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
         }
       }
 #endif
-      // P^T and dS^T: rows are the warp's keys (g, g + 8), columns the queries. Masked only where one of the step's
-      // query blocks does not see all 16 keys.
-      const int key0 = k0 + wk;
-      bool whole = ctx && j + 1 < a.units;
-#pragma unroll
-      for (int i = 0; i < 2 * PER; ++i) {
-        whole = whole && qlo[i] <= key0 && qhi[i] >= key0 + 16 && (a.window == 0 || key0 > qhi[i] + SLOTS - a.window);
-      }
-      float pt[4][4], dst[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int col = n * 8 + 2 * c + (e & 1), row = g + (e >> 1) * 8;
-          float p = ex2(fmaf(st[n][e], scale_log2, -lse_s[col] * LOG2E));
-          if (!whole) {
-            // The column's block of the step, col >> SHIFT: n, or n / 2 for blocks of 16 (a constant index, so the
-            // ranges stay in registers).
-            const int qi = PER == 2 ? n : n >> 1;
-            bool seen;
-            if (ctx) {
-              seen = j * PER + qi < a.units * PER &&
-                     sees(false, key0 + row, 0, col & SLOTS, qlo[qi], qhi[qi], a.causal_block, a.window);
-            } else {
-              seen = j + (col >> 4) == key_unit && row >> SHIFT == (col & 15) >> SHIFT &&
-                     sees(true, 0, row & SLOTS, col & SLOTS, 0, 0, a.causal_block, a.window);
-            }
-            if (!seen) p = 0.f;
-          }
-#ifdef WGMMA
-          if (!meets) p = 0.f;
-#endif
-          pt[n][e] = p;
-          dst[n][e] = p * (dpt[n][e] - drow_s[col]);
-        }
-      }
+      // P^T and dS^T in place of S^T and dP^T.
+      dkv_scores(st, dpt, a, b, j, k0 + wk, ctx, key_unit, meets || !WG, lse_s, drow_s, scale_log2);
       // dV += P^T dO and dK += dS^T Q.
 #ifdef WGMMA
       u32 pa[2][4], sa[2][4];
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        c_as_a(pa[kk], pt[2 * kk], pt[2 * kk + 1]);
-        c_as_a(sa[kk], dst[2 * kk], dst[2 * kk + 1]);
+        c_as_a(pa[kk], st[2 * kk], st[2 * kk + 1]);
+        c_as_a(sa[kk], dpt[2 * kk], dpt[2 * kk + 1]);
       }
       wg_fence();
 #pragma unroll
@@ -1203,8 +1336,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         u32 pa[4], sa[4];
-        c_as_a(pa, pt[2 * kk], pt[2 * kk + 1]);
-        c_as_a(sa, dst[2 * kk], dst[2 * kk + 1]);
+        c_as_a(pa, st[2 * kk], st[2 * kk + 1]);
+        c_as_a(sa, dpt[2 * kk], dpt[2 * kk + 1]);
         mma_rows(dv, pa, ot, kk * 16);
         mma_rows(dk, sa, qt, kk * 16);
       }
@@ -1219,6 +1352,164 @@ extern "C" __global__ void __launch_bounds__(THREADS) staircase_dkv(StaircaseArg
   store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
   store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
 }
+
+#ifdef WGMMA
+// dK and dV on Hopper, warp-specialized: a thread block takes 128 keys (context or block keys) of one K/V head, each
+// consumer warpgroup 64 of them (its keys and values the A operands of S^T = K Q^T and dP^T = V dO^T, in shared
+// memory for the whole walk); the producer copies each step's 32 query rows (Q, dO, their log-sum-exp and drow)
+// through a ring of WS_DKV_STAGES stages, every query head of the group in turn, as `staircase_dkv` walks them. A
+// consumer issues the next step's S^T and dP^T beside this step's dV += P^T dO and dK += dS^T Q, frees the stage once
+// those are done, and computes the next P^T and dS^T (`dkv_scores`). Registers: dK and dV (D/2 each a thread), S^T
+// and dP^T (16 each), P^T and dS^T as bf16 (8 each); the producer keeps 56 (a step's addresses: with 40 it spills),
+// the consumers 224. Shared memory (D = 128): the keys and values 64 KB, the ring 3 x 16.25 KB.
+#define WS_DKV_KEYS (WS_CONSUMERS * 64)
+#define WS_DKV_STAGES 3
+#define WS_DKV_K(c) ((c) * 2 * 64 * D)
+#define WS_DKV_V(c) (WS_DKV_K(c) + 64 * D)
+#define WS_DKV_STAGE (2 * QROWS * D + 2 * QROWS * 2)  // Q, dO, then 2 x QROWS floats (as bf16 elements)
+#define WS_DKV_RING(i) (WS_DKV_K(WS_CONSUMERS) + (i) * WS_DKV_STAGE)
+#define WS_DKV_BARRIERS WS_DKV_RING(WS_DKV_STAGES)
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_dkv_ws(
+    StaircaseArgs a, const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ drow,
+    bf16* __restrict__ dk_ctx, bf16* __restrict__ dv_ctx, bf16* __restrict__ dk_blk, bf16* __restrict__ dv_blk) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* const tiles = (bf16*)smem;
+  u64* const full = (u64*)(tiles + WS_DKV_BARRIERS);
+  u64* const empty = full + WS_DKV_STAGES;
+  u64* const ready = empty + WS_DKV_STAGES;
+  const int ctx_tiles = (a.context + WS_DKV_KEYS - 1) / WS_DKV_KEYS;
+  const int kvh = blockIdx.y, b = blockIdx.z, group = a.heads / a.kv_heads, role = threadIdx.x >> 7;
+  const bool ctx = (int)blockIdx.x < ctx_tiles;
+  const int k0 = ctx ? blockIdx.x * WS_DKV_KEYS : (blockIdx.x - ctx_tiles) * WS_DKV_KEYS;
+  const int rows = ctx ? min(WS_DKV_KEYS, a.context - k0) : min(WS_DKV_KEYS, a.units * 16 - k0);  // real keys
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < WS_DKV_STAGES; ++i) mbar_init(full + i, 128), mbar_init(empty + i, WS_CONSUMERS * 4);
+    mbar_init(ready, 128);
+  }
+  __syncthreads();
+  const int2 span = dkv_query_units(a, b, ctx, k0, WS_DKV_KEYS);
+  const int chunks = max(0, (span.y - span.x + 1) / 2), steps = group * chunks;
+  auto step_unit = [&](int step) { return span.x + 2 * (step % chunks); };
+  auto step_head = [&](int step) { return kvh * group + step / chunks; };
+  auto stage_of = [&](int step) { return tiles + WS_DKV_RING(step % WS_DKV_STAGES); };
+
+  if (role == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+    const int by = threadIdx.x;
+    for (int c = 0; c < WS_CONSUMERS; ++c) {
+      // Keys past the real ones are zeros, from no address past the tensors.
+      const int real = max(0, min(64, rows - 64 * c)), first = real > 0 ? k0 + 64 * c : 0;
+      const bf16* kb = ctx ? a.k_ctx + b * a.c_b + kvh * a.c_h + (long long)first * a.c_t
+                           : a.k_blk + b * a.k_b + kvh * a.k_h + (long long)first * a.k_t;
+      const bf16* vb = ctx ? a.v_ctx + b * a.cv_b + kvh * a.cv_h + (long long)first * a.cv_t
+                           : a.v_blk + b * a.bv_b + kvh * a.bv_h + (long long)first * a.bv_t;
+      load_tile_wg<64, 128>(tiles + WS_DKV_K(c), kb, ctx ? a.c_t : a.k_t, real, by);
+      load_tile_wg<64, 128>(tiles + WS_DKV_V(c), vb, ctx ? a.cv_t : a.bv_t, real, by);
+    }
+    mbar_arrive_on_copies(ready);
+    for (int step = 0; step < steps; ++step) {
+      const int slot = step % WS_DKV_STAGES, round = step / WS_DKV_STAGES, h = step_head(step), j = step_unit(step);
+      if (round > 0) mbar_wait(empty + slot, (round - 1) & 1);
+      const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + j * 16;
+      const int qrows = min(QROWS, (a.units - j) * 16);
+      bf16* st = stage_of(step);
+      load_tile_wg<QROWS, 128>(st, a.q + b * a.q_b + h * a.q_h + (long long)(j * 16) * a.q_t, a.q_t, qrows, by);
+      load_tile_wg<QROWS, 128>(st + QROWS * D, dout + row0 * D, D, qrows, by);
+      if (by < QROWS / 2) {  // 16 copies of 4 floats: the log-sum-exp's 32, then drow's
+        const int which = by / (QROWS / 4), part = by % (QROWS / 4);
+        const bool valid = part * 4 < qrows;
+        const float* src = (which ? drow : lse) + row0 + part * 4;
+        copy16(st + 2 * QROWS * D + (which * QROWS + part * 4) * 2, (const bf16*)(valid ? src : lse), valid);
+      }
+      mbar_arrive_on_copies(full + slot);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // none of its copies outlives the thread
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  const int consumer = role - 1, warp = (threadIdx.x >> 5) & 3;
+  const int wk = 64 * consumer + 16 * warp;  // this warp's first key row of the thread block's
+  const int key_unit = k0 / 16 + 4 * consumer + warp;  // block keys: the unit this warp's keys are of
+  const bf16 *const kt = tiles + WS_DKV_K(consumer), *const vt = tiles + WS_DKV_V(consumer);
+  const float scale_log2 = a.scale * LOG2E;
+  float dk[D / 8][4], dv[D / 8][4], st[4][4], dpt[4][4];
+  u32 pa[2][4], sa[2][4];
+  zero(dk);
+  zero(dv);
+  auto arrived = [&](int step) {
+    mbar_wait(full + step % WS_DKV_STAGES, (step / WS_DKV_STAGES) & 1);
+    wg_visible();
+  };
+  // S^T and dP^T of a step, issued.
+  auto scores = [&](int step) {
+    const bf16 *qt = stage_of(step), *ot = qt + QROWS * D;
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k) {
+      wg_scores_half_ss(st, wg_k_major(kt, 64, k), wg_k_major(qt, QROWS, k), k);
+      wg_scores_half_ss(dpt, wg_k_major(vt, 64, k), wg_k_major(ot, QROWS, k), k);
+    }
+    wg_commit();
+  };
+  // P^T and dS^T of a step, as bf16 A fragments.
+  auto gradients = [&](int step) {
+    const int j = step_unit(step);
+    const bool meets = wk < rows && (ctx || (key_unit >= j && key_unit < j + 2));
+    const float* f = (const float*)(stage_of(step) + 2 * QROWS * D);
+    dkv_scores(st, dpt, a, b, j, k0 + wk, ctx, key_unit, meets, f, f + QROWS, scale_log2);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      c_as_a(pa[kk], st[2 * kk], st[2 * kk + 1]);
+      c_as_a(sa[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+    }
+  };
+  // dV += P^T dO and dK += dS^T Q of a step, issued.
+  auto accumulate = [&](int step) {
+    const bf16 *qt = stage_of(step), *ot = qt + QROWS * D;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      wg_values(dv, pa[kk], wg_n_major(ot, QROWS, kk), 1);
+      wg_values(dk, sa[kk], wg_n_major(qt, QROWS, kk), 1);
+    }
+    wg_commit();
+  };
+  auto release = [&](int step) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(empty + step % WS_DKV_STAGES);
+  };
+  mbar_wait(ready, 0);
+  wg_visible();
+  if (steps > 0) {
+    arrived(0);
+    wg_fence();
+    scores(0);
+    wg_wait<0>();
+    gradients(0);
+    // Each step's dV and dK products run beside the next step's S^T and dP^T.
+    for (int step = 0; step + 1 < steps; ++step) {
+      arrived(step + 1);
+      wg_fence();
+      accumulate(step);
+      scores(step + 1);
+      wg_wait<1>();  // dV and dK of this step done: every product that reads its stage
+      release(step);
+      wg_wait<0>();
+      gradients(step + 1);
+    }
+    wg_fence();
+    accumulate(steps - 1);
+    wg_wait<0>();
+    release(steps - 1);
+  }
+  if (wk >= rows) return;
+  const long long out0 = ctx ? ((long long)(b * a.kv_heads + kvh) * a.context + k0 + wk) * D
+                             : ((long long)(b * a.kv_heads + kvh) * a.units * 16 + k0 + wk) * D;
+  const int mine = min(16, rows - wk);
+  store_rows((ctx ? dk_ctx : dk_blk) + out0, dk, a.scale, mine);
+  store_rows((ctx ? dv_ctx : dv_blk) + out0, dv, 1.f, mine);
+}
+#endif
 
 // Batch-1 decoding attention ("flash decoding"): the T newest queries of every query head against the first
 // start + T positions of a KV cache [1, KV, C, D] (their own keys and values already written at start..start + T),

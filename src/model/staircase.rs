@@ -14,9 +14,9 @@
 //! `DFLASH_STAIRCASE_ATTENTION=0` (these alone, for comparisons); elsewhere the drafter keeps the grouped attention,
 //! the CPU's reference. On Hopper, `DFLASH_WGMMA=1` builds the forward, dQ and dK/dV on the warpgroup's `wgmma`
 //! instead of each warp's `mma.sync` (`compute_90a`; the same masks and softmax, the tiles in wgmma's shared layout),
-//! the forward warp-specialized (`staircase_fwd_ws`: a producer warpgroup copying into a ring of stages that mbarriers
-//! guard, two consumer warpgroups of 64 query rows overlapping each tile's values product with the next tile's
-//! scores): off by default until a Hopper GPU has run its tests and beaten `mma.sync` (issue 65;
+//! each warp-specialized (`staircase_fwd_ws`, `staircase_dq_ws`, `staircase_dkv_ws`: a producer warpgroup copying
+//! into a ring of stages that mbarriers guard, two consumer warpgroups of 64 query rows or keys overlapping each
+//! tile's last products with the next tile's first ones): off by default until a Hopper GPU has run its tests and beaten `mma.sync` (issue 65;
 //! `scripts/gpu/staircase.sh wgmma`, `WGMMA=1 scripts/probes/staircase_kernel.py`).
 //!
 //! The same source holds batch-1 decoding's attention over a KV cache ([`decode_attention`]), which shares the
@@ -53,17 +53,28 @@ struct Kernels {
     functions: [(CudaFunction, u32); 5],
     /// The device's multiprocessors (how many thread blocks keep it busy).
     multiprocessors: u32,
-    /// Under `wgmma`, the warp-specialized forward (`staircase_fwd_ws`) that replaces function 0, and its shared memory.
-    forward_ws: Option<(CudaFunction, u32)>,
+    /// Under `wgmma`, the warp-specialized forward, dQ and dK/dV (`staircase_fwd_ws`, `staircase_dq_ws`,
+    /// `staircase_dkv_ws`) that replace functions 0, 1 and 2, each with its shared memory.
+    warp_specialized: Option<[(CudaFunction, u32); 3]>,
 }
 
-/// The warp-specialized forward's thread block: a producer warpgroup and two consumers of four units each, and its
-/// shared memory for head dimension `d` (`WS_*` in `staircase.cu`: two stages of a key and a value tile, the queries,
-/// the units' own keys and values; five barriers).
+/// The warp-specialized kernels' thread block: a producer warpgroup and two consumers, of four units each (the
+/// forward and dQ) or of 64 keys each (dK and dV).
 const WS_THREADS: u32 = 3 * 128;
 const WS_UNITS: u32 = 8;
-fn forward_ws_bytes(d: u32) -> u32 {
-    2 * (2 * 2 * KEYS * d + 2 * 64 * d + 2 * 2 * 64 * d) + 5 * 8
+const WS_DKV_KEYS: u32 = 128;
+/// Their shared memory for head dimension `d` (`WS_*` in `staircase.cu`), kernel 0, 1 or 2: for the forward and dQ,
+/// two stages of a key and a value tile, the queries, the units' own keys and values, for dQ the output gradients,
+/// five barriers; for dK and dV, the keys and values, three stages of a step's queries, output gradients and their
+/// 2 x 32 floats, seven barriers.
+fn warp_specialized_bytes(d: u32, kernel: usize) -> u32 {
+    let elements = match kernel {
+        0 => 2 * 2 * KEYS * d + 2 * 64 * d + 2 * 2 * 64 * d,
+        1 => 2 * 2 * KEYS * d + 2 * 64 * d + 2 * 2 * 64 * d + 2 * 64 * d,
+        _ => 2 * 2 * 64 * d + 3 * (2 * QROWS * d + 2 * QROWS * 2),
+    };
+    let barriers = if kernel == 2 { 7 } else { 5 };
+    2 * elements + barriers * 8
 }
 
 // SAFETY: plain driver handles, valid in any thread bound to the context (each launch binds it).
@@ -118,25 +129,27 @@ impl Kernels {
             ("decode_attention", forward),
             ("decode_merge", 0),
         ];
-        let mut functions = Vec::new();
-        for (name, bytes) in sizes {
+        let load = |name: &str, bytes: u32| -> Result<(CudaFunction, u32), String> {
             let f = module.load_function(name).map_err(|e| format!("kernel {name}: {e}"))?;
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| format!("kernel {name}: {bytes} bytes of shared memory: {e}"))?;
-            functions.push((f, bytes));
+            Ok((f, bytes))
+        };
+        let mut functions = Vec::new();
+        for (name, bytes) in sizes {
+            functions.push(load(name, bytes)?);
         }
         let functions = functions.try_into().map_err(|_| "five kernels".to_string())?;
         let multiprocessors = capability(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        let forward_ws = if wgmma {
-            let bytes = forward_ws_bytes(head_dim as u32);
-            let f = module.load_function("staircase_fwd_ws").map_err(|e| format!("kernel staircase_fwd_ws: {e}"))?;
-            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-                .map_err(|e| format!("kernel staircase_fwd_ws: {bytes} bytes of shared memory: {e}"))?;
-            Some((f, bytes))
-        } else {
-            None
+        let warp_specialized = match wgmma {
+            true => Some([
+                load("staircase_fwd_ws", warp_specialized_bytes(head_dim as u32, 0))?,
+                load("staircase_dq_ws", warp_specialized_bytes(head_dim as u32, 1))?,
+                load("staircase_dkv_ws", warp_specialized_bytes(head_dim as u32, 2))?,
+            ]),
+            false => None,
         };
-        Ok(Kernels { context, _module: module, functions, multiprocessors, forward_ws })
+        Ok(Kernels { context, _module: module, functions, multiprocessors, warp_specialized })
     }
 }
 
@@ -367,21 +380,23 @@ unsafe extern "C" fn launch(
         let mut values: Vec<*mut c_void> = unsafe { std::slice::from_raw_parts(outputs, count) }.to_vec();
         let mut params: Vec<*mut c_void> = vec![args as *mut c_void];
         params.extend(values.iter_mut().map(|v| v as *mut *mut c_void as *mut c_void));
+        // The warp-specialized kernels, where built, take the same parameters: eight units, or 128 keys, a thread
+        // block.
+        let specialized = k.warp_specialized.as_ref().and_then(|w| w.get(kernel as usize));
         // SAFETY: the parameters point at the argument block and at the output pointers, live for the call (which
-        // copies them); the tensors stay alive until the stream has run the kernel (the caller's contract). The
-        // warp-specialized forward takes the same parameters.
-        match (&k.forward_ws, kernel) {
-            (Some((f, bytes)), 0) => unsafe {
-                k.launch_function(
-                    f,
-                    *bytes,
-                    (units.div_ceil(WS_UNITS), grid.1, grid.2),
-                    WS_THREADS,
-                    stream,
-                    &mut params,
-                )
+        // copies them); the tensors stay alive until the stream has run the kernel (the caller's contract).
+        match specialized {
+            Some((f, bytes)) => unsafe {
+                let grid = match kernel {
+                    2 => {
+                        let keys = |n: u32| n.div_ceil(WS_DKV_KEYS);
+                        (keys(a.context as u32) + keys(units * 16), grid.1, grid.2)
+                    }
+                    _ => (units.div_ceil(WS_UNITS), grid.1, grid.2),
+                };
+                k.launch_function(f, *bytes, grid, WS_THREADS, stream, &mut params)
             },
-            _ => unsafe { k.launch(kernel as usize, grid, WARPS * 32, stream, &mut params) },
+            None => unsafe { k.launch(kernel as usize, grid, WARPS * 32, stream, &mut params) },
         }
     });
     let message = match launched {
@@ -491,7 +506,9 @@ mod tests {
         for (head_dim, per) in [(128, 1), (64, 1), (64, 2)] {
             let ptx = ptx("compute_90a", head_dim, per, true).unwrap().to_src();
             assert!(ptx.contains("wgmma.mma_async"), "d {head_dim}: no warpgroup products in the PTX");
-            assert!(ptx.contains(".entry staircase_fwd_ws("), "d {head_dim}: no warp-specialized forward");
+            for entry in ["staircase_fwd_ws", "staircase_dq_ws", "staircase_dkv_ws"] {
+                assert!(ptx.contains(&format!(".entry {entry}(")), "d {head_dim}: {entry} missing from the PTX");
+            }
             if !ptxas.is_file() {
                 eprintln!("{}: not found; the PTX is not assembled", ptxas.display());
                 continue;
