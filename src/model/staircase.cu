@@ -315,20 +315,27 @@ __device__ __forceinline__ void wg_done() {
 // What ordinary stores (cp.async's included) put in shared memory, made visible to wgmma's reads.
 __device__ __forceinline__ void wg_visible() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// The 32 accumulators of an m64n64 product (8 n-tiles of C fragments) as asm operands %0-%31, and their list in the
+// instruction.
+#define WG_ACC32(d)                                                                                                  \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),           \
+      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),       \
+      "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),       \
+      "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),       \
+      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define WG_REGS32                                                                                                    \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "   \
+  "%24, %25, %26, %27, %28, %29, %30, %31}, "
+
 // d (64 x KEYS) = a (this warp's 16 x 16) times 16 x KEYS of a K-major tile (the keys' rows), + d where `accumulate`.
 __device__ __forceinline__ void wg_scores(float (&d)[KEYS / 8][4], const u32 (&a)[4], unsigned long long b,
                                           int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      WG_REGS32
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : WG_ACC32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
@@ -340,14 +347,9 @@ __device__ __forceinline__ void wg_values(float (&d)[D / 8][4], const u32 (&a)[4
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      WG_REGS32
       "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : WG_ACC32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 #else
@@ -719,13 +721,8 @@ __device__ __forceinline__ void wg_scores_ss(float (&d)[KEYS / 8][4], unsigned l
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-      "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      WG_REGS32 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : WG_ACC32(d)
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -749,8 +746,17 @@ struct WsWalk {
   int tile, from, count, rows;  // rows: the thread block's real query rows
 };
 
+// Traps (a launch failure naming no wrong result) where the launch gave less shared memory than the layout ending at
+// element `barriers` with 2 * stages + 1 barriers after it needs: the host's size and the kernel's layout disagree.
+__device__ __forceinline__ void ws_check_shared(int barriers, int stages) {
+  u32 size;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(size));
+  if (size < barriers * 2 + (2 * stages + 1) * 8) __trap();
+}
+
 // Sets the barriers up (in shared memory after `tiles + barriers`) and computes the walk; every thread calls it.
 __device__ __forceinline__ WsWalk ws_begin(const StaircaseArgs& a, bf16* tiles, int barriers, int b) {
+  ws_check_shared(barriers, WS_STAGES);
   WsWalk w;
   w.full = (u64*)(tiles + barriers);
   w.empty = w.full + WS_STAGES;
@@ -823,6 +829,24 @@ __device__ __forceinline__ const bf16* ws_values(const WsWalk& w, const bf16* ti
   return tiles + (t < w.count ? WS_RING_V(t % WS_STAGES) : WS_OWN_V(c));
 }
 
+// How consumer warp `warp` (its unit's `mask`; none where not `active`) masks tile t of the walk: its n-tiles
+// [col0, col0 + cols) (none where its unit has no key there), column n's key `base + n` (for the own keys' tile, the
+// unit's own key row n - 8 col0), and whether every row sees every column.
+struct WsTile {
+  bool own, whole;
+  int base, col0, cols;
+};
+__device__ __forceinline__ WsTile ws_tile(const WsWalk& w, int t, const Rows& mask, bool active, int warp, int window) {
+  WsTile x;
+  x.own = t == w.count;
+  x.base = w.from + t * KEYS;
+  const bool reached = active && (x.own || mask.reaches(x.base));
+  x.col0 = x.own ? 2 * warp : 0;
+  x.cols = reached ? (x.own ? 2 : KEYS / 8) : 0;
+  x.whole = !x.own && reached && mask.whole(x.base, window);
+  return x;
+}
+
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(StaircaseArgs a, bf16* __restrict__ o,
                                                                           float* __restrict__ lse) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -852,15 +876,12 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_fwd_ws(Sta
   // probabilities, in place of its scores in `s` (f32; made P's bf16 registers only once the values product that
   // reads them is done).
   auto softmax = [&](int t) {
-    const bool own = t == w.count;
-    const int base = w.from + t * KEYS;
-    const bool reached = active && (own || mask.reaches(base));
-    const int col0 = own ? 2 * warp : 0, cols = reached ? (own ? 2 : KEYS / 8) : 0;
-    const bool whole = !own && reached && mask.whole(base, a.window);
+    const WsTile x = ws_tile(w, t, mask, active, warp, a.window);
     auto seen = [&](int col, int row) {
-      return own ? mask.sees_own(col - col0 * 8, row, a.causal_block, a.window) : mask.sees_key(base + col, row, a.window);
+      return x.own ? mask.sees_own(col - x.col0 * 8, row, a.causal_block, a.window)
+                   : mask.sees_key(x.base + col, row, a.window);
     };
-    softmax_stats(s, col0, cols, whole, seen, scale_log2, m, l, alpha, shift);
+    softmax_stats(s, x.col0, x.cols, x.whole, seen, scale_log2, m, l, alpha, shift);
     exponentiate(s, scale_log2, shift, l);
   };
   auto to_p = [&]() {
@@ -1092,19 +1113,15 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_dq_ws(Stai
   };
   // dS of tile t from its S and dP, as bf16 A fragments.
   auto gradient = [&](int t) {
-    const bool own = t == w.count;
-    const int base = w.from + t * KEYS;
-    const bool reached = active && (own || mask.reaches(base));
-    const int col0 = own ? 2 * warp : 0, cols = reached ? (own ? 2 : KEYS / 8) : 0;
-    const bool whole = !own && reached && mask.whole(base, a.window);
+    const WsTile x = ws_tile(w, t, mask, active, warp, a.window);
 #pragma unroll
     for (int half = 0; half < KEYS / 32; ++half) {
       const auto& sh = *reinterpret_cast<const float(*)[4][4]>(&s[4 * half]);
       const auto& dph = *reinterpret_cast<const float(*)[4][4]>(&dp[4 * half]);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
-        dscores(dsa[2 * half + kk], sh, dph, kk, 4 * half, col0, cols, base, whole, mask, own, a.causal_block,
-                a.window, scale_log2, lse2, dr);
+        dscores(dsa[2 * half + kk], sh, dph, kk, 4 * half, x.col0, x.cols, x.base, x.whole, mask, x.own,
+                a.causal_block, a.window, scale_log2, lse2, dr);
     }
   };
   // dQ += dS K of tile t (its keys as the N-major operand), issued.
@@ -1375,6 +1392,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) staircase_dkv_ws(
     bf16* __restrict__ dk_ctx, bf16* __restrict__ dv_ctx, bf16* __restrict__ dk_blk, bf16* __restrict__ dv_blk) {
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* const tiles = (bf16*)smem;
+  ws_check_shared(WS_DKV_BARRIERS, WS_DKV_STAGES);
   u64* const full = (u64*)(tiles + WS_DKV_BARRIERS);
   u64* const empty = full + WS_DKV_STAGES;
   u64* const ready = empty + WS_DKV_STAGES;

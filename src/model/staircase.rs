@@ -16,8 +16,8 @@
 //! instead of each warp's `mma.sync` (`compute_90a`; the same masks and softmax, the tiles in wgmma's shared layout),
 //! each warp-specialized (`staircase_fwd_ws`, `staircase_dq_ws`, `staircase_dkv_ws`: a producer warpgroup copying
 //! into a ring of stages that mbarriers guard, two consumer warpgroups of 64 query rows or keys overlapping each
-//! tile's last products with the next tile's first ones): off by default until a Hopper GPU has run its tests and beaten `mma.sync` (issue 65;
-//! `scripts/gpu/staircase.sh wgmma`, `WGMMA=1 scripts/probes/staircase_kernel.py`).
+//! tile's last products with the next tile's first ones): off by default until a Hopper GPU has run its tests and
+//! it beats `mma.sync` (issue 65; `scripts/gpu/staircase.sh wgmma`, `WGMMA=1 scripts/probes/staircase_kernel.py`).
 //!
 //! The same source holds batch-1 decoding's attention over a KV cache ([`decode_attention`]), which shares the
 //! tiles, the fragments and the online softmax of the training forward: the target's verify and one-token steps at
