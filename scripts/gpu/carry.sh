@@ -45,6 +45,9 @@ if [ -n "${BASE:-}" ]; then
   strip -o .gpu/base/dflash-base target/release/dflash
   xz -f -T2 .gpu/base/dflash-base
   git worktree remove --force "$worktree"
+  # The worktree's build wrote the library of the same package into the shared target/ with sources older than its
+  # artifact, so cargo would take it as this checkout's (and the binary then fails to link): make it rebuild.
+  touch src/lib.rs
 fi
 # Last, so that target/release/dflash is this checkout's again.
 make gpu-bin
