@@ -793,7 +793,10 @@ __device__ __forceinline__ void ws_produce(const StaircaseArgs& a, const WsWalk&
     load_tile_wg<64, 128>(tiles + WS_Q(c), a.q + b * a.q_b + h * a.q_h + r0 * a.q_t, a.q_t, real, by);
     load_tile_wg<64, 128>(tiles + WS_OWN_K(c), a.k_blk + b * a.k_b + kvh * a.k_h + r0 * a.k_t, a.k_t, real, by);
     load_tile_wg<64, 128>(tiles + WS_OWN_V(c), a.v_blk + b * a.bv_b + kvh * a.bv_h + r0 * a.bv_t, a.bv_t, real, by);
-    if (dout) load_tile_wg<64, 128>(tiles + WS_DO(c), dout + ((long long)(b * a.heads + h) * a.units * 16 + r0) * D, D, real, by);
+    if (dout) {
+      const long long row0 = (long long)(b * a.heads + h) * a.units * 16 + r0;
+      load_tile_wg<64, 128>(tiles + WS_DO(c), dout + row0 * D, D, real, by);
+    }
   }
   mbar_arrive_on_copies(w.ready);
   const bf16* kc = a.k_ctx + b * a.c_b + kvh * a.c_h;
