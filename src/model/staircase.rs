@@ -383,21 +383,17 @@ unsafe extern "C" fn launch(
         // The warp-specialized kernels, where built, take the same parameters: eight units, or 128 keys, a thread
         // block.
         let specialized = k.warp_specialized.as_ref().and_then(|w| w.get(kernel as usize));
+        let (function, grid, threads) = match specialized {
+            Some(function) => {
+                let keys = |n: u32| n.div_ceil(WS_DKV_KEYS);
+                let x = if kernel == 2 { keys(a.context as u32) + keys(units * 16) } else { units.div_ceil(WS_UNITS) };
+                (function, (x, grid.1, grid.2), WS_THREADS)
+            }
+            None => (k.functions.get(kernel as usize).ok_or(format!("no kernel {kernel}"))?, grid, WARPS * 32),
+        };
         // SAFETY: the parameters point at the argument block and at the output pointers, live for the call (which
         // copies them); the tensors stay alive until the stream has run the kernel (the caller's contract).
-        match specialized {
-            Some((f, bytes)) => unsafe {
-                let grid = match kernel {
-                    2 => {
-                        let keys = |n: u32| n.div_ceil(WS_DKV_KEYS);
-                        (keys(a.context as u32) + keys(units * 16), grid.1, grid.2)
-                    }
-                    _ => (units.div_ceil(WS_UNITS), grid.1, grid.2),
-                };
-                k.launch_function(f, *bytes, grid, WS_THREADS, stream, &mut params)
-            },
-            None => unsafe { k.launch(kernel as usize, grid, WARPS * 32, stream, &mut params) },
-        }
+        unsafe { k.launch_function(&function.0, function.1, grid, threads, stream, &mut params) }
     });
     let message = match launched {
         Ok(Ok(())) => return 0,
